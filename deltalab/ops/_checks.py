@@ -1,0 +1,117 @@
+"""Input validation shared by the public ops.
+
+Every error names the argument, what was received and what was expected. Nothing is broadcast
+silently: a shape either matches exactly or the call is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def require_tensor(name: str, x: object) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def require_float(name: str, x: object) -> torch.Tensor:
+    x = require_tensor(name, x)
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    return x
+
+
+def require_rank(name: str, x: torch.Tensor, ranks: Sequence[int], layout: str) -> None:
+    if x.dim() not in ranks:
+        want = " or ".join(str(r) for r in ranks)
+        raise ValueError(f"{name} must have rank {want} ({layout}), got shape {tuple(x.shape)}")
+
+
+def require_shape(
+    name: str, x: torch.Tensor, expected: Sequence[int], layout: str, reason: str = ""
+) -> None:
+    if tuple(x.shape) != tuple(expected):
+        why = f" {reason}" if reason else ""
+        raise ValueError(
+            f"{name} must have shape {layout} = {tuple(expected)}{why}, got {tuple(x.shape)}"
+        )
+
+
+def require_same_device(named: dict[str, torch.Tensor | None]) -> None:
+    present = {k: v for k, v in named.items() if v is not None}
+    first_name, first = next(iter(present.items()))
+    for other_name, other in present.items():
+        if other.device != first.device:
+            raise ValueError(
+                f"{other_name} is on {other.device} but {first_name} is on {first.device}; "
+                "all tensors must be on one device"
+            )
+
+
+def require_nonpositive(name: str, x: torch.Tensor, meaning: str) -> None:
+    if x.numel() and bool((x > 0).any()):
+        raise ValueError(f"{name} must be <= 0 ({meaning}), got a maximum of {x.max().item():.4g}")
+
+
+def require_positive(name: str, x: torch.Tensor, meaning: str) -> None:
+    if x.numel() and not bool((x > 0).all()):
+        raise ValueError(f"{name} must be > 0 ({meaning}), got a minimum of {x.min().item():.4g}")
+
+
+def require_nonnegative(name: str, x: torch.Tensor, meaning: str) -> None:
+    if x.numel() and bool((x < 0).any()):
+        raise ValueError(f"{name} must be >= 0 ({meaning}), got a minimum of {x.min().item():.4g}")
+
+
+def require_positive_number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a positive number, got {type(value).__name__}")
+    value = float(value)
+    if not (value > 0 and value < float("inf")):
+        raise ValueError(f"{name} must be a finite positive number, got {value}")
+    return value
+
+
+def require_choice(name: str, value: object, choices: Sequence[str]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """float64 when any input is float64, else float32: the dtype states are kept in."""
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
+        return torch.float64
+    return torch.float32
+
+
+def check_cu_seqlens(
+    cu_seqlens: object, batch: int, length: int, device: torch.device
+) -> list[int]:
+    """Validates packed-sequence offsets `[N+1]` and returns them as a Python list."""
+    cu = require_tensor("cu_seqlens", cu_seqlens)
+    if cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
+        raise TypeError(f"cu_seqlens must be an integer tensor, got dtype {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(
+            f"cu_seqlens must be a 1-D tensor [N+1] with N >= 1, got shape {tuple(cu.shape)}"
+        )
+    if cu.device != device:
+        raise ValueError(f"cu_seqlens is on {cu.device} but the inputs are on {device}")
+    if batch != 1:
+        raise ValueError(f"cu_seqlens packs sequences along T and needs B == 1, got B = {batch}")
+    offsets = [int(v) for v in cu.tolist()]
+    if offsets[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {offsets[0]}")
+    if offsets[-1] != length:
+        raise ValueError(f"cu_seqlens must end at T = {length}, got {offsets[-1]}")
+    for i in range(1, len(offsets)):
+        if offsets[i] <= offsets[i - 1]:
+            raise ValueError(
+                f"cu_seqlens must be strictly increasing, got {offsets[i - 1]} then {offsets[i]} "
+                f"at positions {i - 1}, {i}"
+            )
+    return offsets

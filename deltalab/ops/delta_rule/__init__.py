@@ -1,0 +1,182 @@
+"""The generalized delta rule: the one primitive every mixer of deltalab is built on.
+
+    S_t = (I - a_t b_t^T) diag(exp(g_t)) S_{t-1} + a_t u_t^T,      o_t = scale * S_t^T q_t
+
+Backends: "naive" (token loop, the definition), "chunk" (chunkwise-parallel PyTorch, stable up
+to 256-token chunks). "auto" picks the fastest available for the inputs' device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltalab.ops._checks import (
+    check_cu_seqlens,
+    compute_dtype,
+    require_choice,
+    require_float,
+    require_nonpositive,
+    require_positive_number,
+    require_rank,
+    require_same_device,
+    require_shape,
+)
+from deltalab.ops.delta_rule.chunk import delta_rule_chunk
+from deltalab.ops.delta_rule.naive import delta_rule_naive, delta_rule_token
+
+__all__ = ["BACKENDS", "MAX_CHUNK_SIZE", "MIN_CHUNK_SIZE", "delta_rule", "delta_rule_step"]
+
+BACKENDS = ("auto", "naive", "chunk")
+MIN_CHUNK_SIZE, MAX_CHUNK_SIZE = 16, 256
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    require_choice("backend", backend, BACKENDS)
+    if backend != "auto":
+        return backend
+    # The chunked path wins on every device we run on; GPU kernels will take "auto" on CUDA.
+    return "chunk"
+
+
+def _check_chunk_size(chunk_size: object) -> int:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
+    if not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
+        raise ValueError(
+            f"chunk_size must be in [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}], got {chunk_size}"
+        )
+    return chunk_size
+
+
+def _check_gates(q, a, b, u, g, leading: str) -> None:
+    """Shared shape checks; `leading` is "B, T, H" (sequences) or "B, H" (one token)."""
+    rank = leading.count(",") + 2
+    for name, x in (("q", q), ("a", a), ("b", b), ("u", u), ("g", g)):
+        require_float(name, x)
+    require_rank("q", q, (rank,), f"[{leading}, K]")
+    require_shape("a", a, q.shape, f"[{leading}, K]", "to match q")
+    require_shape("b", b, q.shape, f"[{leading}, K]", "to match q")
+    require_rank("u", u, (rank,), f"[{leading}, V]")
+    require_shape("u", u, (*q.shape[:-1], u.shape[-1]), f"[{leading}, V]", "to match q")
+    require_rank("g", g, (rank - 1, rank), f"[{leading}] or [{leading}, K]")
+    expected_g = q.shape[:-1] if g.dim() == rank - 1 else q.shape
+    layout = f"[{leading}]" if g.dim() == rank - 1 else f"[{leading}, K]"
+    require_shape("g", g, expected_g, layout, "to match q")
+    require_nonpositive("g", g, "a log decay")
+
+
+def delta_rule(
+    q: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    u: torch.Tensor,
+    g: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Runs the generalized delta rule over whole sequences.
+
+    Args:
+        q: queries `[B, T, H, K]`.
+        a: write directions `[B, T, H, K]`.
+        b: erase keys `[B, T, H, K]`.
+        u: target values `[B, T, H, V]`.
+        g: log decays (<= 0), per channel `[B, T, H, K]` or one per head `[B, T, H]`.
+        scale: output scale; defaults to `K ** -0.5`.
+        initial_state: `[N, H, K, V]` (N = B, or the number of packed sequences); zeros if None.
+        output_final_state: also return the state after the last token of each sequence.
+        cu_seqlens: int `[N+1]` offsets of sequences packed along T (needs B == 1).
+        chunk_size: tokens per chunk of the "chunk" backend, 16..256.
+        backend: "auto", "naive" or "chunk".
+
+    Returns:
+        `(o [B, T, H, V] in q's dtype, final state [N, H, K, V] or None)`. The state is kept in
+        float32 (float64 when any input is float64) whatever the input dtype.
+    """
+    _check_gates(q, a, b, u, g, "B, T, H")
+    batch, length, heads, key_dim = q.shape
+    value_dim = u.shape[-1]
+    if length == 0:
+        raise ValueError("q must hold at least one token (T >= 1), got T = 0")
+    require_same_device(
+        {
+            "q": q,
+            "a": a,
+            "b": b,
+            "u": u,
+            "g": g,
+            "initial_state": initial_state,
+            "cu_seqlens": cu_seqlens,
+        }
+    )
+    chunk_size = _check_chunk_size(chunk_size)
+    backend = _resolve_backend(backend, q.device)
+    if not isinstance(output_final_state, bool):
+        raise TypeError(
+            f"output_final_state must be a bool, got {type(output_final_state).__name__}"
+        )
+    offsets = None
+    if cu_seqlens is not None:
+        offsets = check_cu_seqlens(cu_seqlens, batch, length, q.device)
+    sequences = batch if offsets is None else len(offsets) - 1
+    dtype = compute_dtype(q, a, b, u, g, initial_state)
+    if initial_state is None:
+        state = q.new_zeros(sequences, heads, key_dim, value_dim, dtype=dtype)
+    else:
+        require_float("initial_state", initial_state)
+        require_shape(
+            "initial_state",
+            initial_state,
+            (sequences, heads, key_dim, value_dim),
+            "[N, H, K, V]",
+            "(N = B, or the number of sequences in cu_seqlens)",
+        )
+        state = initial_state.to(dtype)
+    scale = key_dim**-0.5 if scale is None else require_positive_number("scale", scale)
+
+    inputs = [x.to(dtype) for x in (q * scale, a, b, u, g)]
+    if backend == "naive":
+        o, final = delta_rule_naive(*inputs, state, offsets)
+    else:
+        o, final = delta_rule_chunk(*inputs, state, offsets, chunk_size)
+    return o.to(q.dtype), (final if output_final_state else None)
+
+
+def delta_rule_step(
+    q: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    u: torch.Tensor,
+    g: torch.Tensor,
+    state: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoding step of the generalized delta rule, one token per sequence.
+
+    Args:
+        q, a, b: `[B, H, K]`; u: `[B, H, V]`; g: `[B, H, K]` or `[B, H]` (log decay <= 0);
+        state: `[B, H, K, V]`; scale: defaults to `K ** -0.5`.
+
+    Returns:
+        `(o [B, H, V] in q's dtype, new state [B, H, K, V] in float32, or float64 when any
+        input is float64)`.
+    """
+    _check_gates(q, a, b, u, g, "B, H")
+    batch, heads, key_dim = q.shape
+    require_float("state", state)
+    require_shape(
+        "state", state, (batch, heads, key_dim, u.shape[-1]), "[B, H, K, V]", "to match q, u"
+    )
+    require_same_device({"q": q, "a": a, "b": b, "u": u, "g": g, "state": state})
+    scale = key_dim**-0.5 if scale is None else require_positive_number("scale", scale)
+    dtype = compute_dtype(q, a, b, u, g, state)
+    o, new_state = delta_rule_token(
+        *(x.to(dtype) for x in (q * scale, a, b, u, g)), state.to(dtype)
+    )
+    return o.to(q.dtype), new_state

@@ -1,0 +1,68 @@
+"""The definition of the generalized delta rule: a token loop (exact in float64).
+
+    S_t = (I - a_t b_t^T) diag(exp(g_t)) S_{t-1} + a_t u_t^T,      o_t = S_t^T q_t
+
+Written as decay, corrected residual, rank-one write:
+    S' = diag(exp(g_t)) S_{t-1};  nu_t = u_t - S'^T b_t;  S_t = S' + a_t nu_t^T.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+
+def delta_rule_token(
+    q: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    u: torch.Tensor,
+    g: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of every sequence.
+
+    q, a, b: [B, H, K]; u: [B, H, V]; g: [B, H, K] or [B, H]; state: [B, H, K, V].
+    Returns (o [B, H, V], new state [B, H, K, V]). `q` carries the output scale already.
+    """
+    decay = g.exp()
+    decay = decay.unsqueeze(-1) if g.dim() == q.dim() else decay[..., None, None]
+    state = decay * state
+    nu = u - torch.einsum("bhk,bhkv->bhv", b, state)
+    state = state + a.unsqueeze(-1) * nu.unsqueeze(-2)
+    return torch.einsum("bhk,bhkv->bhv", q, state), state
+
+
+def _run(q, a, b, u, g, state):
+    outputs = []
+    for t in range(q.shape[1]):
+        o_t, state = delta_rule_token(q[:, t], a[:, t], b[:, t], u[:, t], g[:, t], state)
+        outputs.append(o_t)
+    return torch.stack(outputs, dim=1), state
+
+
+def delta_rule_naive(
+    q: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    u: torch.Tensor,
+    g: torch.Tensor,
+    initial_state: torch.Tensor,
+    offsets: list[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token loop over validated inputs already scaled and cast to the state dtype.
+
+    q, a, b: [B, T, H, K]; u: [B, T, H, V]; g: [B, T, H(, K)]; initial_state: [N, H, K, V];
+    offsets: the packed-sequence boundaries (B == 1) or None. Returns (o [B, T, H, V],
+    final state [N, H, K, V]).
+    """
+    if offsets is None:
+        return _run(q, a, b, u, g, initial_state)
+    outputs, finals = [], []
+    for i, (start, end) in enumerate(itertools.pairwise(offsets)):
+        piece = [x[:, start:end] for x in (q, a, b, u, g)]
+        o_i, s_i = _run(*piece, initial_state[i : i + 1])
+        outputs.append(o_i)
+        finals.append(s_i)
+    return torch.cat(outputs, dim=1), torch.cat(finals, dim=0)

@@ -1,0 +1,70 @@
+"""Each baseline mixer's own inputs -> the primitive's `(q, a, b, u, g)` (MATH.md sec. 1).
+
+| mixer    | a        | b          | u          | g                     |
+|----------|----------|------------|------------|-----------------------|
+| DeltaNet | beta * k | k          | v          | 0                     |
+| GDN      | beta * k | k          | v          | one per head [B,T,H]  |
+| KDA      | beta * k | k          | v          | per channel [B,T,H,K] |
+| GDN-2    | k        | erase * k  | write * v  | per channel [B,T,H,K] |
+
+Shapes: q, k `[B, T, H, K]`, v `[B, T, H, V]`, beta `[B, T, H]`, erase `[B, T, H, K]`,
+write `[B, T, H, V]`. The same functions serve one-token decoding (`[B, H, *]`, beta `[B, H]`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from deltalab.ops._checks import require_float, require_shape
+
+
+class DeltaRuleInputs(NamedTuple):
+    """Arguments of `deltalab.ops.delta_rule` in order: q, a, b, u, g."""
+
+    q: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    u: torch.Tensor
+    g: torch.Tensor
+
+
+def _check_beta(k: torch.Tensor, beta: torch.Tensor) -> None:
+    require_float("beta", beta)
+    require_shape("beta", beta, k.shape[:-1], "[B, T, H]", "to match k")
+
+
+def deltanet_inputs(q, k, v, beta) -> DeltaRuleInputs:
+    """DeltaNet: S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T, no decay."""
+    _check_beta(k, beta)
+    return DeltaRuleInputs(q, beta.unsqueeze(-1) * k, k, v, torch.zeros_like(beta))
+
+
+def gated_deltanet_inputs(q, k, v, beta, g) -> DeltaRuleInputs:
+    """Gated DeltaNet: DeltaNet with one log decay per head and token, g `[B, T, H]`."""
+    _check_beta(k, beta)
+    require_float("g", g)
+    require_shape("g", g, k.shape[:-1], "[B, T, H]", "(one log decay per head)")
+    return DeltaRuleInputs(q, beta.unsqueeze(-1) * k, k, v, g)
+
+
+def kda_inputs(q, k, v, beta, g) -> DeltaRuleInputs:
+    """Kimi Delta Attention: DeltaNet with a per-channel log decay, g `[B, T, H, K]`."""
+    _check_beta(k, beta)
+    require_float("g", g)
+    require_shape("g", g, k.shape, "[B, T, H, K]", "(one log decay per key channel)")
+    return DeltaRuleInputs(q, beta.unsqueeze(-1) * k, k, v, g)
+
+
+def gdn2_inputs(q, k, v, erase, write, g) -> DeltaRuleInputs:
+    """Gated DeltaNet-2: channel-wise erase gate on the key, write gate on the value.
+
+    erase `[B, T, H, K]` and write `[B, T, H, V]` in (0, 1); g `[B, T, H, K]`.
+    """
+    for name, x in (("erase", erase), ("write", write), ("g", g)):
+        require_float(name, x)
+    require_shape("erase", erase, k.shape, "[B, T, H, K]", "to match k")
+    require_shape("write", write, v.shape, "[B, T, H, V]", "to match v")
+    require_shape("g", g, k.shape, "[B, T, H, K]", "(one log decay per key channel)")
+    return DeltaRuleInputs(q, k, erase * k, write * v, g)

@@ -1,0 +1,29 @@
+"""Comparison helpers for tests and self-checks: norm-wise relative error that fails on NaN."""
+
+from __future__ import annotations
+
+import torch
+
+# Tolerances per dtype for a fast path against a float64 reference (norm-wise relative error).
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| in float64; inf when either side is not finite."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    if actual.shape != expected.shape:
+        raise ValueError(f"shapes differ: {tuple(actual.shape)} vs {tuple(expected.shape)}")
+    if not (torch.isfinite(actual).all() and torch.isfinite(expected).all()):
+        return float("inf")
+    denominator = expected.norm().item()
+    difference = (actual - expected).norm().item()
+    if denominator == 0.0:
+        return difference
+    return difference / denominator
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str = "") -> None:
+    """Fails when the relative error exceeds `tol` or any value is NaN/inf."""
+    error = relative_error(actual, expected)
+    label = f"{what}: " if what else ""
+    assert error <= tol, f"{label}relative error {error:.3e} exceeds {tol:.1e}"
