@@ -32,6 +32,10 @@ from deltalab.ops._varlen import pad_packed, unpad_packed
 # Sub-block size: pairwise decays inside, one reference point between. 16 is the smallest
 # tile of a tensor-core matrix product, and keeps the pairwise [16, 16, K] tensors small.
 SUB_BLOCK = 16
+# Span of the pairwise decay factors inside a chunk with per-channel decay: pairs cost
+# C * DECAY_BLOCK * K exponentials, references C^2 / DECAY_BLOCK * K; 8 was the faster on CPU
+# (benchmarks/bench_delta_rule.py). Must divide SUB_BLOCK.
+DECAY_BLOCK = 8
 
 
 def padded_chunk_size(chunk_size: int) -> int:
@@ -86,39 +90,36 @@ def _intra_scalar(q, a, b, G):
 def _intra_channel(q, a, b, G):
     """L (strict) and M (inclusive) for per-channel log decays; G: [..., C, K]."""
     size, _dim = G.shape[-2:]
-    blocks = size // SUB_BLOCK
+    blocks = size // DECAY_BLOCK
     device = G.device
-    G_blk = G.unflatten(-2, (blocks, SUB_BLOCK))  # [..., n, c, K]
+    G_blk = G.unflatten(-2, (blocks, DECAY_BLOCK))  # [..., n, c, K]
     # Reference of sub-block I: G just before its first token (0 for the first sub-block).
     ref = F.pad(G_blk[..., :-1, -1, :], (0, 0, 1, 0))  # [..., n, K]
     to_ref = (G_blk - ref.unsqueeze(-2)).exp()  # exp(G_t - ref_I(t)) <= 1
-    b_ref = b.unflatten(-2, (blocks, SUB_BLOCK)) * to_ref
-    q_ref = q.unflatten(-2, (blocks, SUB_BLOCK)) * to_ref
+    b_ref = b.unflatten(-2, (blocks, DECAY_BLOCK)) * to_ref
+    q_ref = q.unflatten(-2, (blocks, DECAY_BLOCK)) * to_ref
     # Columns s before sub-block I: a_s * exp(ref_I - G_s) <= 1, masked elsewhere before exp.
     position = torch.arange(size, device=device)
-    starts = torch.arange(blocks, device=device) * SUB_BLOCK
+    starts = torch.arange(blocks, device=device) * DECAY_BLOCK
     before = (position[None, :] < starts[:, None]).unsqueeze(-1)  # [n, C, 1]
-    gap = (ref.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~before, -math.inf)
+    gap = (ref.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill_(~before, -math.inf)
     a_ref = a.unsqueeze(-3) * gap.exp()  # [..., n, C, K]
     lower = torch.einsum("...itk,...isk->...its", b_ref, a_ref)  # [..., n, c, C]
     attend = torch.einsum("...itk,...isk->...its", q_ref, a_ref)
-    # Diagonal sub-blocks: pairwise factors exp(G_t - G_s), s <= t.
-    inclusive, strict = _pair_masks(SUB_BLOCK, device)
-    pair_gap = G_blk.unsqueeze(-2) - G_blk.unsqueeze(-3)  # [..., n, c(t), c(s), K]
-    pair = pair_gap.masked_fill(~inclusive.unsqueeze(-1), -math.inf).exp()
-    a_blk = a.unflatten(-2, (blocks, SUB_BLOCK)).unsqueeze(-3)  # [..., n, 1, c(s), K]
-    pair_a = pair * a_blk
-    lower_diag = torch.einsum(
-        "...itk,...itsk->...its", b.unflatten(-2, (blocks, SUB_BLOCK)), pair_a
+    # Diagonal sub-blocks: pairwise factors exp(G_t - G_s), s <= t, as one batched mat-vec
+    # per row t for b and q together.
+    inclusive, strict = _pair_masks(DECAY_BLOCK, device)
+    pair = (G_blk.unsqueeze(-2) - G_blk.unsqueeze(-3)).masked_fill_(
+        ~inclusive.unsqueeze(-1), -math.inf
     )
-    attend_diag = torch.einsum(
-        "...itk,...itsk->...its", q.unflatten(-2, (blocks, SUB_BLOCK)), pair_a
-    )
+    pair_a = pair.exp() * a.unflatten(-2, (blocks, DECAY_BLOCK)).unsqueeze(-3)  # [..., n, c, c, K]
+    rows = torch.stack([b, q], dim=-1).unflatten(-3, (blocks, DECAY_BLOCK))  # [..., n, c, K, 2]
+    lower_diag, attend_diag = (pair_a @ rows).unbind(-1)  # [..., n, c(t), c(s)]
     lower_diag = lower_diag * strict
     # Place the diagonal sub-blocks into the [C, C] matrices.
     eye = torch.eye(blocks, dtype=G.dtype, device=device)[:, None, :, None]  # [i, 1, j, 1]
-    lower = lower.unflatten(-1, (blocks, SUB_BLOCK)) + lower_diag.unsqueeze(-2) * eye
-    attend = attend.unflatten(-1, (blocks, SUB_BLOCK)) + attend_diag.unsqueeze(-2) * eye
+    lower = lower.unflatten(-1, (blocks, DECAY_BLOCK)) + lower_diag.unsqueeze(-2) * eye
+    attend = attend.unflatten(-1, (blocks, DECAY_BLOCK)) + attend_diag.unsqueeze(-2) * eye
     return lower.flatten(-4, -3).flatten(-2, -1), attend.flatten(-4, -3).flatten(-2, -1)
 
 

@@ -1,0 +1,43 @@
+"""Timing helpers shared by `deltalab check` and the scripts under benchmarks/."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall time of `fn()` over `repeats` runs after `warmup` untimed runs."""
+    for _ in range(warmup):
+        fn()
+    _synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def format_table(headers: list[str], rows: list[list[object]]) -> str:
+    """A plain-text table with right-aligned columns."""
+    cells = [headers] + [[_format(v) for v in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _format(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
+    return str(value)
