@@ -200,3 +200,33 @@ def test_blockwise_triangular_inverse_matches_dense_inverse(generator, size):
 )
 def test_padded_chunk_size_is_sub_block_times_power_of_two(chunk, padded):
     assert padded_chunk_size(chunk) == padded
+
+
+@pytest.mark.parametrize("backend", ["naive", "chunk"])
+@pytest.mark.parametrize("channel_decay", [False, True], ids=["head_decay", "channel_decay"])
+def test_log_decay_of_minus_infinity_is_a_full_reset(generator, backend, channel_decay):
+    q, a, b, u, g = random_delta_inputs(generator, 1, 90, 2, 8, 4, channel_decay=channel_decay)
+    reset = 37
+    g[:, reset] = -math.inf
+    o, s = delta_rule(q, a, b, u, g, backend=backend, chunk_size=32, output_final_state=True)
+    # After the reset the sequence behaves as if it started there from a zero state.
+    tail = [x[:, reset:] for x in (q, a, b, u, g)]
+    tail[4] = tail[4].clone()
+    tail[4][:, 0] = 0.0
+    o_tail, s_tail = delta_rule(*tail, backend="naive", output_final_state=True)
+    assert_close(o[:, reset:], o_tail, F64, "outputs after the reset")
+    assert_close(s, s_tail, F64, "final state")
+
+
+@pytest.mark.parametrize("chunk_size", [64, 256])
+def test_float32_keeps_precision_when_strong_and_weak_decays_mix(generator, chunk_size):
+    """Weak decays right after strong ones: the exponents must not be differences of large sums."""
+    q, a, b, u, g = random_delta_inputs(generator, 1, 512, 2, 16, 8, channel_decay=True)
+    pattern = torch.arange(512) % chunk_size < chunk_size // 2
+    g = torch.where(pattern[None, :, None, None], -20.0 + 0 * g, -0.01 * g.abs())
+    o_ref, s_ref = delta_rule(q, a, b, u, g, backend="naive", output_final_state=True)
+    o, s = delta_rule(
+        *(x.float() for x in (q, a, b, u, g)), chunk_size=chunk_size, output_final_state=True
+    )
+    assert relative_error(o, o_ref) < 1e-5
+    assert relative_error(s, s_ref) < 1e-5

@@ -41,7 +41,16 @@ def call(**changes):
         (dict(g=-torch.rand(1, 20, 2, 4)), ValueError, r"g must have shape"),
         (dict(g=-torch.rand(1, 20)), ValueError, r"g must have rank 3 or 4"),
         (dict(q=torch.randn(20, 2, 8)), ValueError, r"q must have rank 4"),
-        (dict(g=torch.rand(1, 20, 2, 8)), ValueError, r"g must be <= 0"),
+        (
+            dict(g=torch.rand(1, 20, 2, 8)),
+            ValueError,
+            r"g must be <= 0 \(a log decay\), got a maximum",
+        ),
+        (
+            dict(g=torch.full((1, 20, 2, 8), float("nan"))),
+            ValueError,
+            r"g must be <= 0 \(a log decay\), got NaN",
+        ),
         (
             dict(q=torch.ones(1, 20, 2, 8, dtype=torch.int64)),
             TypeError,

@@ -52,8 +52,10 @@ def require_same_device(named: dict[str, torch.Tensor | None]) -> None:
 
 
 def require_nonpositive(name: str, x: torch.Tensor, meaning: str) -> None:
-    if x.numel() and bool((x > 0).any()):
-        raise ValueError(f"{name} must be <= 0 ({meaning}), got a maximum of {x.max().item():.4g}")
+    """Refuses values > 0 and NaN (-inf passes: a log decay of -inf is a full reset)."""
+    if x.numel() and not bool((x <= 0).all()):
+        worst = "NaN" if bool(x.isnan().any()) else f"a maximum of {x.max().item():.4g}"
+        raise ValueError(f"{name} must be <= 0 ({meaning}), got {worst}")
 
 
 def require_positive(name: str, x: torch.Tensor, meaning: str) -> None:

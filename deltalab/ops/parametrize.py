@@ -32,7 +32,8 @@ class DeltaRuleInputs(NamedTuple):
 
 def _check_beta(k: torch.Tensor, beta: torch.Tensor) -> None:
     require_float("beta", beta)
-    require_shape("beta", beta, k.shape[:-1], "[B, T, H]", "to match k")
+    layout = "[B, T, H]" if k.dim() == 4 else "[B, H]"
+    require_shape("beta", beta, k.shape[:-1], layout, "to match k")
 
 
 def deltanet_inputs(q, k, v, beta) -> DeltaRuleInputs:

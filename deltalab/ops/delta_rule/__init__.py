@@ -139,7 +139,7 @@ def delta_rule(
         state = initial_state.to(dtype)
     scale = key_dim**-0.5 if scale is None else require_positive_number("scale", scale)
 
-    inputs = [x.to(dtype) for x in (q * scale, a, b, u, g)]
+    inputs = [q.to(dtype) * scale, *(x.to(dtype) for x in (a, b, u, g))]
     if backend == "naive":
         o, final = delta_rule_naive(*inputs, state, offsets)
     else:
@@ -177,6 +177,6 @@ def delta_rule_step(
     scale = key_dim**-0.5 if scale is None else require_positive_number("scale", scale)
     dtype = compute_dtype(q, a, b, u, g, state)
     o, new_state = delta_rule_token(
-        *(x.to(dtype) for x in (q * scale, a, b, u, g)), state.to(dtype)
+        q.to(dtype) * scale, *(x.to(dtype) for x in (a, b, u, g)), state.to(dtype)
     )
     return o.to(q.dtype), new_state

@@ -8,11 +8,16 @@ chunk-start state S_0 (README.md in this folder has the derivation):
     O        = (exp(G) * Q) S_0 + M N
     S_C      = exp(G_C) * S_0 + (exp(G_C - G) * A)^T N
 
-Stability: no positive number is ever exponentiated. Decay factors between tokens s < t are
-formed against a reference point r with s <= r <= t, as exp(G_t - G_r) * exp(G_r - G_s) (both
-factors <= 1, so underflow is harmless and overflow impossible); inside a diagonal sub-block they
-are formed pairwise. The naive factorization exp(G_t) * exp(-G_s) overflows once -G_s > 88 in
-float32, which a chunk of 256 tokens at g = -20 reaches after five tokens.
+Stability: no positive number is ever exponentiated, and no decay exponent is a difference of
+two long prefix sums. Every exponent is a sum of log decays over a token range, computed as a
+sum (`segment_sum`), so it is exact for g = -inf (a full reset) and keeps float32 precision when
+strong and weak decays mix (a difference G_t - G_s of prefix sums near -5000 loses ~3e-4 of
+absolute precision, which is a relative error of that size in the factor). Factors between
+tokens s < t in different sub-blocks go through the boundaries in between, as
+exp(sum to the row's sub-block start) * exp(sum over whole sub-blocks) * exp(sum from s to its
+sub-block end), all <= 1, so underflow is harmless and overflow impossible; inside a sub-block
+they are formed pairwise. The naive factorization exp(G_t) * exp(-G_s) overflows once -G_s > 88
+in float32, which a chunk of 256 tokens at g = -20 reaches after five tokens.
 
 The unit lower-triangular system is solved blockwise: the 16 x 16 diagonal blocks are inverted
 by triangular solves and the inverse is assembled by doubling,
@@ -71,53 +76,55 @@ def unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:
     return inverse.squeeze(-3)
 
 
-def _pair_masks(size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    idx = torch.arange(size, device=device)
-    inclusive = idx[:, None] >= idx[None, :]
-    return inclusive, idx[:, None] > idx[None, :]
+def segment_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sums over token ranges: x [..., L, K] -> [..., L(t), L(s), K] = sum_{s < j <= t} x_j.
+
+    -inf where t < s (so exp gives 0 there). Computed by a masked cumulative sum, never as a
+    difference of prefix sums.
+    """
+    length = x.shape[-2]
+    idx = torch.arange(length, device=x.device)
+    later = (idx[:, None] > idx[None, :]).unsqueeze(-1)  # [L(j), L(s), 1]: j > s
+    terms = x.unsqueeze(-2).expand(*x.shape[:-2], length, length, x.shape[-1])
+    sums = terms.masked_fill(~later, 0.0).cumsum(dim=-3)  # [..., L(t), L(s), K]
+    inclusive = (idx[:, None] >= idx[None, :]).unsqueeze(-1)
+    return sums.masked_fill(~inclusive, -math.inf)
 
 
-def _intra_scalar(q, a, b, G):
-    """L (strict) and M (inclusive) for one log decay per head; G: [..., C]."""
-    inclusive, strict = _pair_masks(G.shape[-1], G.device)
-    gap = (G[..., :, None] - G[..., None, :]).masked_fill(~inclusive, -math.inf)
-    decay = gap.exp()
-    lower = (b @ a.transpose(-1, -2)) * decay * strict
+def _intra_scalar(q, a, b, g):
+    """L (strict) and M (inclusive) for one log decay per head; g: [..., C]."""
+    decay = segment_sum(g.unsqueeze(-1)).squeeze(-1).exp()  # [..., C, C], 0 above the diagonal
+    lower = ((b @ a.transpose(-1, -2)) * decay).tril(-1)
     attend = (q @ a.transpose(-1, -2)) * decay
     return lower, attend
 
 
-def _intra_channel(q, a, b, G):
-    """L (strict) and M (inclusive) for per-channel log decays; G: [..., C, K]."""
-    size, _dim = G.shape[-2:]
+def _intra_channel(q, a, b, g):
+    """L (strict) and M (inclusive) for per-channel log decays; g: [..., C, K]."""
+    size = g.shape[-2]
     blocks = size // DECAY_BLOCK
-    device = G.device
-    G_blk = G.unflatten(-2, (blocks, DECAY_BLOCK))  # [..., n, c, K]
-    # Reference of sub-block I: G just before its first token (0 for the first sub-block).
-    ref = F.pad(G_blk[..., :-1, -1, :], (0, 0, 1, 0))  # [..., n, K]
-    to_ref = (G_blk - ref.unsqueeze(-2)).exp()  # exp(G_t - ref_I(t)) <= 1
-    b_ref = b.unflatten(-2, (blocks, DECAY_BLOCK)) * to_ref
-    q_ref = q.unflatten(-2, (blocks, DECAY_BLOCK)) * to_ref
-    # Columns s before sub-block I: a_s * exp(ref_I - G_s) <= 1, masked elsewhere before exp.
-    position = torch.arange(size, device=device)
-    starts = torch.arange(blocks, device=device) * DECAY_BLOCK
-    before = (position[None, :] < starts[:, None]).unsqueeze(-1)  # [n, C, 1]
-    gap = (ref.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill_(~before, -math.inf)
-    a_ref = a.unsqueeze(-3) * gap.exp()  # [..., n, C, K]
-    lower = torch.einsum("...itk,...isk->...its", b_ref, a_ref)  # [..., n, c, C]
-    attend = torch.einsum("...itk,...isk->...its", q_ref, a_ref)
-    # Diagonal sub-blocks: pairwise factors exp(G_t - G_s), s <= t, as one batched mat-vec
-    # per row t for b and q together.
-    inclusive, strict = _pair_masks(DECAY_BLOCK, device)
-    pair = (G_blk.unsqueeze(-2) - G_blk.unsqueeze(-3)).masked_fill_(
-        ~inclusive.unsqueeze(-1), -math.inf
-    )
-    pair_a = pair.exp() * a.unflatten(-2, (blocks, DECAY_BLOCK)).unsqueeze(-3)  # [..., n, c, c, K]
+    g_blk = g.unflatten(-2, (blocks, DECAY_BLOCK))  # [..., n, c, K]
+    a_blk = a.unflatten(-2, (blocks, DECAY_BLOCK))
     rows = torch.stack([b, q], dim=-1).unflatten(-3, (blocks, DECAY_BLOCK))  # [..., n, c, K, 2]
+    # Row t of sub-block I: decay from I's start to t (inclusive).
+    from_start = g_blk.cumsum(dim=-2).exp()  # [..., n, c, K]
+    # Column s of sub-block J: decay from s to J's end (exclusive of s).
+    to_end = F.pad(g_blk.flip(-2).cumsum(dim=-2).flip(-2)[..., 1:, :], (0, 0, 0, 1)).exp()
+    # Whole sub-blocks strictly between J and I; 0 unless J < I.
+    totals = g_blk.sum(dim=-2)  # [..., n, K]
+    between = F.pad(segment_sum(totals)[..., :-1, :, :], (0, 0, 0, 0, 1, 0), value=-math.inf)
+    between = between.exp()  # [..., n(I), n(J), K]
+    a_ref = (between.unsqueeze(-2) * (a_blk * to_end).unsqueeze(-4)).flatten(
+        -3, -2
+    )  # [.., n, C, K]
+    rows_ref = (rows * from_start.unsqueeze(-1)).movedim(-1, -3).flatten(-3, -2)  # [..., n, 2c, K]
+    lower, attend = (rows_ref @ a_ref.transpose(-1, -2)).chunk(2, dim=-2)  # [..., n, c, C] each
+    # Diagonal sub-blocks: pairwise factors, one batched mat-vec per row t for b and q together.
+    pair_a = segment_sum(g_blk).exp() * a_blk.unsqueeze(-3)  # [..., n, c(t), c(s), K]
     lower_diag, attend_diag = (pair_a @ rows).unbind(-1)  # [..., n, c(t), c(s)]
-    lower_diag = lower_diag * strict
+    lower_diag = lower_diag.tril(-1)
     # Place the diagonal sub-blocks into the [C, C] matrices.
-    eye = torch.eye(blocks, dtype=G.dtype, device=device)[:, None, :, None]  # [i, 1, j, 1]
+    eye = torch.eye(blocks, dtype=g.dtype, device=g.device)[:, None, :, None]  # [i, 1, j, 1]
     lower = lower.unflatten(-1, (blocks, DECAY_BLOCK)) + lower_diag.unsqueeze(-2) * eye
     attend = attend.unflatten(-1, (blocks, DECAY_BLOCK)) + attend_diag.unsqueeze(-2) * eye
     return lower.flatten(-4, -3).flatten(-2, -1), attend.flatten(-4, -3).flatten(-2, -1)
@@ -137,21 +144,20 @@ def _delta_rule_chunk_dense(q, a, b, u, g, initial_state, chunk_size):
     chunks = math.ceil(length / chunk_size)
     padded = padded_chunk_size(chunk_size)
     q, a, b, u, g = (_to_chunks(x, chunks, chunk_size, padded) for x in (q, a, b, u, g))
-    G = g.cumsum(dim=3)  # [B, H, n, C] or [B, H, n, C, K]
     if g.dim() == 4:
-        lower, attend = _intra_scalar(q, a, b, G)
-        G_k = G.unsqueeze(-1)
-        G_end = G[..., -1:].unsqueeze(-1)  # [B, H, n, 1, 1]
+        lower, attend = _intra_scalar(q, a, b, g)
+        g = g.unsqueeze(-1)  # [B, H, n, C, 1]: broadcast over channels from here on
     else:
-        lower, attend = _intra_channel(q, a, b, G)
-        G_k = G
-        G_end = G[..., -1:, :]  # [B, H, n, 1, K]
+        lower, attend = _intra_channel(q, a, b, g)
     solve = unit_lower_inverse(lower)
-    erase_from_start = solve @ (G_k.exp() * b)  # [B, H, n, C, K]
+    # Decay from the chunk start to t (inclusive) and from s to the chunk end (exclusive).
+    from_start = g.cumsum(dim=-2).exp()  # [B, H, n, C, K or 1]
+    to_end = F.pad(g.flip(-2).cumsum(dim=-2).flip(-2)[..., 1:, :], (0, 0, 0, 1)).exp()
+    erase_from_start = solve @ (from_start * b)  # [B, H, n, C, K]
     target = solve @ u  # [B, H, n, C, V]
-    read_from_start = G_k.exp() * q
-    write_to_end = (G_end - G_k).exp() * a
-    end_decay = G_end.exp().transpose(-1, -2)  # [B, H, n, K or 1, 1]
+    read_from_start = from_start * q
+    write_to_end = to_end * a
+    end_decay = g.sum(dim=-2).exp().unsqueeze(-1)  # [B, H, n, K or 1, 1]
 
     state = initial_state
     outputs = []

@@ -1,0 +1,133 @@
+"""Softmax attention with rotary position embeddings, optional sliding window and a KV cache.
+
+A query at position p attends to the keys at positions (p - window, p] (all of [0, p] when
+window is None), so the cache only needs the last `window - 1` keys and values.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltalab.layers.common import (
+    AttentionState,
+    check_hidden,
+    compute_dtype,
+    require_positive_int,
+)
+
+__all__ = ["ROPE_BASE", "Attention", "apply_rope", "sliding_window_mask"]
+
+# Rotary base of the original RoPE paper and Llama 1/2.
+ROPE_BASE = 10000.0
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, base: float = ROPE_BASE) -> torch.Tensor:
+    """Rotates channel pairs (i, i + K/2) of `x [B, T, H, K]` by `positions [T] * base^(-2i/K)`.
+
+    Angles are computed in at least float32 whatever x's dtype (bf16 angles drift at long
+    positions); the result has x's dtype.
+    """
+    dtype = compute_dtype(x)
+    half = x.shape[-1] // 2
+    inv_freq = base ** -(torch.arange(half, dtype=dtype, device=x.device) / half)
+    angles = positions.to(dtype)[:, None] * inv_freq  # [T, K/2]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]  # broadcast over heads
+    x1, x2 = x.to(dtype).chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def sliding_window_mask(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None
+) -> torch.Tensor:
+    """Boolean `[T, S]`, True where the query at `query_positions [T]` may see the key at
+    `key_positions [S]`: causal, and within the last `window` positions when window is set."""
+    gap = query_positions[:, None] - key_positions[None, :]
+    allowed = gap >= 0
+    if window is not None:
+        allowed = allowed & (gap < window)
+    return allowed
+
+
+class Attention(nn.Module):
+    """Multi-head softmax attention with RoPE (SDPA), `[B, T, D] -> [B, T, D]`.
+
+    State: `AttentionState` with the rotated keys `[B, S, H, K]`, values `[B, S, H, V]` and the
+    position of the next token. Softmax attention has no gates: `return_gates=True` gives an
+    empty `state.gates`.
+
+    Args:
+        hidden_size: D. num_heads: H. head_dim: K (even, for RoPE). value_dim: V (defaults to K).
+        window: keys attended per query, itself included; None for full causal attention.
+        rope_base: base of the rotary frequencies.
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        value_dim: int | None = None,
+        window: int | None = None,
+        rope_base: float = ROPE_BASE,
+    ) -> None:
+        super().__init__()
+        self.hidden_size = require_positive_int("hidden_size", hidden_size)
+        self.num_heads = require_positive_int("num_heads", num_heads)
+        self.head_dim = require_positive_int("head_dim", head_dim)
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
+        self.value_dim = require_positive_int(
+            "value_dim", head_dim if value_dim is None else value_dim
+        )
+        self.window = None if window is None else require_positive_int("window", window)
+        if not rope_base > 1.0:
+            raise ValueError(f"rope_base must be > 1, got {rope_base}")
+        self.rope_base = float(rope_base)
+        key_width, value_width = num_heads * head_dim, num_heads * self.value_dim
+        self.q_proj = nn.Linear(hidden_size, key_width, bias=False)
+        self.k_proj = nn.Linear(hidden_size, key_width, bias=False)
+        self.v_proj = nn.Linear(hidden_size, value_width, bias=False)
+        self.o_proj = nn.Linear(value_width, hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, state: AttentionState | None = None, *, return_gates: bool = False
+    ) -> tuple[torch.Tensor, AttentionState]:
+        """x `[B, T, D]`, state from a previous call or None -> (y `[B, T, D]`, new state)."""
+        check_hidden(x, self.hidden_size)
+        if state is not None and not isinstance(state, AttentionState):
+            raise TypeError(f"state must be an AttentionState or None, got {type(state).__name__}")
+        length = x.shape[1]
+        offset = 0 if state is None else state.offset
+        positions = torch.arange(offset, offset + length, device=x.device)
+        key_shape = (self.num_heads, self.head_dim)
+        q = apply_rope(self.q_proj(x).unflatten(-1, key_shape), positions, self.rope_base)
+        k = apply_rope(self.k_proj(x).unflatten(-1, key_shape), positions, self.rope_base)
+        v = self.v_proj(x).unflatten(-1, (self.num_heads, self.value_dim))
+        if state is not None:
+            k = torch.cat([state.key.to(k.dtype), k], dim=1)
+            v = torch.cat([state.value.to(v.dtype), v], dim=1)
+        mask = None
+        if state is not None or self.window is not None:
+            cached = k.shape[1]
+            key_positions = torch.arange(offset + length - cached, offset + length, device=x.device)
+            mask = sliding_window_mask(positions, key_positions, self.window)
+        # SDPA takes [B, H, T, *]; without a cache or window its causal fast path applies.
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=mask is None,
+        )
+        y = self.o_proj(o.transpose(1, 2).flatten(-2))
+        keep = k.shape[1] if self.window is None else min(self.window - 1, k.shape[1])
+        new_state = AttentionState(
+            key=k[:, k.shape[1] - keep :],
+            value=v[:, v.shape[1] - keep :],
+            offset=offset + length,
+            gates={} if return_gates else None,
+        )
+        return y, new_state

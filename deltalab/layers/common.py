@@ -1,0 +1,296 @@
+"""Pieces shared by every token mixer: short convolution, norms, states, the delta-rule frontend.
+
+Protocol of every mixer: `forward(x [B, T, D], state=None, *, return_gates=False) -> (y [B, T, D],
+state)`. Passing the returned state back in with the next tokens (any number of them) continues
+the sequence exactly as one forward over the whole sequence would. With `return_gates=True` the
+returned state also carries the mixer's intermediate gates in `state.gates` (name -> tensor).
+
+The delta-rule frontend (MATH.md sec. 5) lives once, in `DeltaMixer`: q, k, v projections, a short
+causal depthwise convolution with SiLU on each, L2-normalized q and k (q is scaled by `K^-1/2`
+inside `delta_rule`), per-head RMSNorm of the output gated by an output-gate projection, output
+projection. A mixer only adds its gates and its `deltalab.ops.parametrize` call.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltalab.ops._checks import require_choice, require_rank, require_shape
+from deltalab.ops.delta_rule import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, delta_rule, delta_rule_step
+from deltalab.ops.parametrize import DeltaRuleInputs
+
+__all__ = [
+    "GATE_ACTIVATIONS",
+    "AttentionState",
+    "DeltaMixer",
+    "GatedRMSNorm",
+    "RMSNorm",
+    "RecurrentState",
+    "ShortConvolution",
+    "check_hidden",
+    "compute_dtype",
+    "l2_normalize",
+    "no_weight_decay",
+    "require_positive_int",
+    "run_delta_rule",
+]
+
+GATE_ACTIVATIONS = ("sigmoid", "silu")
+# eps inside the square root of the L2 norm, as fla's `l2norm`: keeps an all-zero key finite.
+L2_EPS = 1e-6
+
+
+def require_positive_int(name: str, value: object) -> int:
+    """`value` as an int > 0; the error names the field."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
+def require_chunk_size(value: object) -> int:
+    size = require_positive_int("chunk_size", value)
+    if not MIN_CHUNK_SIZE <= size <= MAX_CHUNK_SIZE:
+        raise ValueError(f"chunk_size must be in [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}], got {size}")
+    return size
+
+
+def check_hidden(x: object, hidden_size: int) -> torch.Tensor:
+    """Checks a mixer input `x [B, T, D]` with D = hidden_size and T >= 1."""
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+        raise TypeError(f"x must be a floating-point torch.Tensor, got {type(x).__name__}")
+    require_rank("x", x, (3,), "[B, T, D]")
+    require_shape("x", x, (*x.shape[:2], hidden_size), "[B, T, D]", "(D = hidden_size)")
+    if x.shape[1] == 0:
+        raise ValueError("x must hold at least one token (T >= 1), got T = 0")
+    return x
+
+
+def no_weight_decay(param: nn.Parameter) -> nn.Parameter:
+    """Marks a parameter (decay rates, biases of gates) for the optimizer's no-decay group."""
+    param._no_weight_decay = True  # type: ignore[attr-defined]
+    return param
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """At least float32: gate and norm arithmetic stays accurate under bf16 activations."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
+    """x / sqrt(||x||^2 + eps) over the last dim, computed in at least float32; x's dtype out."""
+    y = x.to(compute_dtype(x))
+    return (y * torch.rsqrt(y.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class ShortConvolution(nn.Module):
+    """Causal depthwise conv1d followed by SiLU, with a cache of the last `kernel_size - 1` inputs.
+
+    The cache makes decoding exact: the convolution over `[cache, x]` is the one the full sequence
+    would have seen, for any number of new tokens.
+    """
+
+    def __init__(self, channels: int, kernel_size: int = 4) -> None:
+        super().__init__()
+        self.channels = require_positive_int("channels", channels)
+        self.kernel_size = require_positive_int("conv_size", kernel_size)
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+        # Same initialization as nn.Conv1d.
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def forward(
+        self, x: torch.Tensor, cache: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[B, T, C]`, cache `[B, C, W-1]` (zeros when None) -> (y `[B, T, C]`, new cache)."""
+        batch, length, channels = x.shape
+        width = self.kernel_size - 1
+        x_t = x.transpose(1, 2)
+        if cache is None:
+            cache = x_t.new_zeros(batch, channels, width)
+        require_shape("conv cache", cache, (batch, channels, width), "[B, C, W-1]")
+        padded = torch.cat([cache.to(x_t.dtype), x_t], dim=-1)
+        y = F.silu(F.conv1d(padded, self.weight.to(x.dtype), groups=channels))
+        return y.transpose(1, 2), padded[..., length:]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight over the last dim, in at least float32; the result in that dtype."""
+    y = x.to(compute_dtype(x))
+    y = y * torch.rsqrt(y.square().mean(-1, keepdim=True) + eps)
+    return y * weight.to(y.dtype)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last dim `[..., dim]`, computed in at least float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.dim = require_positive_int("dim", dim)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm of `o [..., dim]` multiplied by `activation(gate [..., dim])`.
+
+    One weight `[dim]` shared by the heads (fla's `FusedRMSNormGated`).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, activation: str = "sigmoid") -> None:
+        super().__init__()
+        self.dim = require_positive_int("dim", dim)
+        self.eps = eps
+        self.activation = require_choice("gate_activation", activation, GATE_ACTIVATIONS)
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        normed = rms_norm(o, self.weight, self.eps)
+        gate = gate.to(normed.dtype)
+        gate = torch.sigmoid(gate) if self.activation == "sigmoid" else F.silu(gate)
+        return (normed * gate).to(o.dtype)
+
+
+@dataclass
+class RecurrentState:
+    """What a delta-rule mixer needs to continue a sequence.
+
+    memory: `[B, H, K, V]`, float32 (float64 for float64 inputs) whatever the activations' dtype.
+    conv_q, conv_k: `[B, H*K, W-1]`; conv_v: `[B, H*V, W-1]`: the last W-1 projected inputs.
+    gates: the mixer's gates over the tokens of this call when asked for (`return_gates=True`),
+        e.g. beta `[B, T, H]`, g `[B, T, H]` or `[B, T, H, K]`, erase `[B, T, H, K]`.
+    """
+
+    memory: torch.Tensor
+    conv_q: torch.Tensor
+    conv_k: torch.Tensor
+    conv_v: torch.Tensor
+    gates: dict[str, torch.Tensor] | None = None
+
+
+@dataclass
+class AttentionState:
+    """What softmax attention needs to continue a sequence.
+
+    key: `[B, S, H, K]` (RoPE already applied), value: `[B, S, H, V]`: the cached tokens, the
+        last `window - 1` of them under a sliding window; offset: the position of the next token.
+    gates: empty dict when asked for (softmax attention has no gates), else None.
+    """
+
+    key: torch.Tensor
+    value: torch.Tensor
+    offset: int
+    gates: dict[str, torch.Tensor] | None = None
+
+
+def run_delta_rule(
+    inputs: DeltaRuleInputs, memory: torch.Tensor | None, *, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one place where a mixer's recurrent-vs-chunked choice is made.
+
+    inputs: q, a, b `[B, T, H, K]`, u `[B, T, H, V]`, g `[B, T, H(, K)]`; memory `[B, H, K, V]` or
+    None (zeros). Returns (o `[B, T, H, V]`, new memory `[B, H, K, V]`). One token continuing a
+    state is a decoding step: the token update, with none of the chunked path's padding.
+    """
+    if memory is not None and inputs.q.shape[1] == 1:
+        o, memory = delta_rule_step(*(x[:, 0] for x in inputs), memory)
+        return o.unsqueeze(1), memory
+    o, final = delta_rule(
+        *inputs, initial_state=memory, output_final_state=True, chunk_size=chunk_size
+    )
+    # output_final_state=True always returns the state.
+    return o, cast(torch.Tensor, final)
+
+
+def output_gate_projection(hidden_size: int, width: int, rank: int | None) -> nn.Module:
+    """hidden -> width: full rank (no bias), or `hidden -> rank -> width` (bias, as fla KDA)."""
+    if rank is None:
+        return nn.Linear(hidden_size, width, bias=False)
+    rank = require_positive_int("gate_rank", rank)
+    return nn.Sequential(nn.Linear(hidden_size, rank, bias=False), nn.Linear(rank, width))
+
+
+class DeltaMixer(nn.Module, abc.ABC):
+    """Base of the delta-rule mixers: the shared frontend around `deltalab.ops.delta_rule`.
+
+    Subclasses define `primitive_inputs`, the mixer's gates and parametrization. Shapes: x
+    `[B, T, D]`, q/k `[B, T, H, K]`, v/o `[B, T, H, V]`, memory `[B, H, K, V]`.
+
+    Args:
+        hidden_size: D. num_heads: H. head_dim: K. value_dim: V (defaults to K).
+        conv_size: kernel of the short convolutions. chunk_size: tokens per chunk, 16..256.
+        gate_rank: rank of the output-gate projection, None for full rank.
+        gate_activation: "sigmoid" or "silu" on the output gate. norm_eps: of the output RMSNorm.
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        value_dim: int | None = None,
+        conv_size: int = 4,
+        chunk_size: int = 64,
+        gate_rank: int | None = None,
+        gate_activation: str = "silu",
+        norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        self.hidden_size = require_positive_int("hidden_size", hidden_size)
+        self.num_heads = require_positive_int("num_heads", num_heads)
+        self.head_dim = require_positive_int("head_dim", head_dim)
+        self.value_dim = require_positive_int(
+            "value_dim", head_dim if value_dim is None else value_dim
+        )
+        self.chunk_size = require_chunk_size(chunk_size)
+        key_width, value_width = num_heads * head_dim, num_heads * self.value_dim
+        self.q_proj = nn.Linear(hidden_size, key_width, bias=False)
+        self.k_proj = nn.Linear(hidden_size, key_width, bias=False)
+        self.v_proj = nn.Linear(hidden_size, value_width, bias=False)
+        self.q_conv = ShortConvolution(key_width, conv_size)
+        self.k_conv = ShortConvolution(key_width, conv_size)
+        self.v_conv = ShortConvolution(value_width, conv_size)
+        self.g_proj = output_gate_projection(hidden_size, value_width, gate_rank)
+        self.o_norm = GatedRMSNorm(self.value_dim, eps=norm_eps, activation=gate_activation)
+        self.o_proj = nn.Linear(value_width, hidden_size, bias=False)
+
+    @abc.abstractmethod
+    def primitive_inputs(
+        self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[DeltaRuleInputs, dict[str, torch.Tensor]]:
+        """x `[B, T, D]`, unit-norm q, k `[B, T, H, K]`, v `[B, T, H, V]` -> the primitive's
+        `(q, a, b, u, g)` and the gates by name."""
+
+    def forward(
+        self, x: torch.Tensor, state: RecurrentState | None = None, *, return_gates: bool = False
+    ) -> tuple[torch.Tensor, RecurrentState]:
+        """x `[B, T, D]`, state from a previous call or None -> (y `[B, T, D]`, new state)."""
+        check_hidden(x, self.hidden_size)
+        if state is not None and not isinstance(state, RecurrentState):
+            raise TypeError(f"state must be a RecurrentState or None, got {type(state).__name__}")
+        heads = self.num_heads
+        q, conv_q = self.q_conv(self.q_proj(x), None if state is None else state.conv_q)
+        k, conv_k = self.k_conv(self.k_proj(x), None if state is None else state.conv_k)
+        v, conv_v = self.v_conv(self.v_proj(x), None if state is None else state.conv_v)
+        q = l2_normalize(q.unflatten(-1, (heads, self.head_dim)))
+        k = l2_normalize(k.unflatten(-1, (heads, self.head_dim)))
+        v = v.unflatten(-1, (heads, self.value_dim))
+        inputs, gates = self.primitive_inputs(x, q, k, v)
+        o, memory = run_delta_rule(
+            inputs, None if state is None else state.memory, chunk_size=self.chunk_size
+        )
+        gate = self.g_proj(x).unflatten(-1, (heads, self.value_dim))
+        y = self.o_proj(self.o_norm(o, gate).flatten(-2))
+        new_state = RecurrentState(memory, conv_q, conv_k, conv_v, gates if return_gates else None)
+        return y, new_state
