@@ -1,5 +1,26 @@
 """Functional core of deltalab: tensors in, tensors out, no nn.Module."""
 
 from deltalab.ops.delta_rule import delta_rule, delta_rule_step
+from deltalab.ops.kdn import (
+    kdn_diag,
+    kdn_diag_step,
+    kdn_exact,
+    kdn_gain_diag,
+    kdn_gain_iso,
+    kdn_iso,
+    kdn_iso_step,
+)
+from deltalab.ops.mobius import mobius_scan
 
-__all__ = ["delta_rule", "delta_rule_step"]
+__all__ = [
+    "delta_rule",
+    "delta_rule_step",
+    "kdn_diag",
+    "kdn_diag_step",
+    "kdn_exact",
+    "kdn_gain_diag",
+    "kdn_gain_iso",
+    "kdn_iso",
+    "kdn_iso_step",
+    "mobius_scan",
+]

@@ -42,6 +42,8 @@ def require_shape(
 
 def require_same_device(named: dict[str, torch.Tensor | None]) -> None:
     present = {k: v for k, v in named.items() if v is not None}
+    if not present:
+        return
     first_name, first = next(iter(present.items()))
     for other_name, other in present.items():
         if other.device != first.device:
@@ -54,18 +56,25 @@ def require_same_device(named: dict[str, torch.Tensor | None]) -> None:
 def require_nonpositive(name: str, x: torch.Tensor, meaning: str) -> None:
     """Refuses values > 0 and NaN (-inf passes: a log decay of -inf is a full reset)."""
     if x.numel() and not bool((x <= 0).all()):
-        worst = "NaN" if bool(x.isnan().any()) else f"a maximum of {x.max().item():.4g}"
-        raise ValueError(f"{name} must be <= 0 ({meaning}), got {worst}")
+        raise ValueError(f"{name} must be <= 0 ({meaning}), got {_worst(x, 'maximum')}")
 
 
 def require_positive(name: str, x: torch.Tensor, meaning: str) -> None:
+    """Refuses values <= 0 and NaN."""
     if x.numel() and not bool((x > 0).all()):
-        raise ValueError(f"{name} must be > 0 ({meaning}), got a minimum of {x.min().item():.4g}")
+        raise ValueError(f"{name} must be > 0 ({meaning}), got {_worst(x, 'minimum')}")
+
+
+def _worst(x: torch.Tensor, reduce: str) -> str:
+    if bool(x.isnan().any()):
+        return "NaN"
+    return f"a {reduce} of {getattr(x, reduce[:3])().item():.4g}"
 
 
 def require_nonnegative(name: str, x: torch.Tensor, meaning: str) -> None:
-    if x.numel() and bool((x < 0).any()):
-        raise ValueError(f"{name} must be >= 0 ({meaning}), got a minimum of {x.min().item():.4g}")
+    """Refuses values < 0 and NaN."""
+    if x.numel() and not bool((x >= 0).all()):
+        raise ValueError(f"{name} must be >= 0 ({meaning}), got {_worst(x, 'minimum')}")
 
 
 def require_positive_number(name: str, value: object) -> float:

@@ -30,7 +30,7 @@ BACKENDS = ("auto", "naive", "chunk")
 MIN_CHUNK_SIZE, MAX_CHUNK_SIZE = 16, 256
 
 
-def _resolve_backend(backend: str, device: torch.device) -> str:
+def _resolve_backend(backend: str) -> str:
     require_choice("backend", backend, BACKENDS)
     if backend != "auto":
         return backend
@@ -115,7 +115,7 @@ def delta_rule(
         }
     )
     chunk_size = _check_chunk_size(chunk_size)
-    backend = _resolve_backend(backend, q.device)
+    backend = _resolve_backend(backend)
     if not isinstance(output_final_state, bool):
         raise TypeError(
             f"output_final_state must be a bool, got {type(output_final_state).__name__}"

@@ -1,0 +1,169 @@
+"""KDN gains from the uncertainty scan (MATH.md sec. 3); the memory never enters.
+
+Isotropic (`P = p I`, one p per head), channel-wise decay projected by its trace:
+
+    a_t     = mean_i exp(2 g_t,i)          (exp(2 g_t) for one decay per head)
+    p_bar_t = a_t p_{t-1} + q_t
+    beta_t  = p_bar_t / (p_bar_t ||k_t||^2 + r_t)
+    1/p_t   = 1/p_bar_t + s ||k_t||^2 / (K r_t)
+
+Diagonal (`P = diag(p)`, mean-field):
+
+    p_bar_t = exp(2 g_t) * p_{t-1} + q_t
+    gain_t  = (p_bar_t * k_t) / (k_t^T (p_bar_t * k_t) + r_t)
+    1/p_t   = 1/p_bar_t + s k_t^2 / r_t
+
+Both variance recursions are the Mobius map p -> (A p + B) / (C p + D) with A = a, B = q,
+C = c a, D = c q + 1 and evidence c (s ||k||^2 / (K r), resp. s k^2 / r), scanned over T.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltalab.ops._checks import compute_dtype, require_same_device
+from deltalab.ops.kdn._validate import (
+    check_decay,
+    check_info_scale,
+    check_keys,
+    check_noise,
+    prior_variance,
+)
+from deltalab.ops.mobius import mobius_scan_parallel, mobius_scan_sequential
+
+
+def _variance_scan(
+    decay2: torch.Tensor,
+    q_noise: torch.Tensor,
+    evidence: torch.Tensor,
+    p_prior: torch.Tensor,
+    parallel: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Posterior p_t and predicted p_bar_t, both `[B, T, *rest]`, from p_prior `[B, *rest]`."""
+    maps = [x.movedim(1, -1) for x in (decay2, q_noise, evidence * decay2, evidence * q_noise + 1)]
+    scan = mobius_scan_parallel if parallel else mobius_scan_sequential
+    p = scan(*maps, p_prior).movedim(-1, 1)
+    previous = torch.cat([p_prior.unsqueeze(1), p[:, :-1]], dim=1)
+    return p, decay2 * previous + q_noise
+
+
+def iso_gain(
+    k: torch.Tensor,
+    g: torch.Tensor,
+    q_noise: torch.Tensor,
+    r: torch.Tensor,
+    p_prior: torch.Tensor,
+    info_scale: float,
+    parallel: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated inputs in one dtype: k `[B, T, H, K]`, g `[B, T, H(, K)]`, q_noise, r
+    `[B, T, H]`, p_prior `[B, H]`. Returns (beta, p), both `[B, T, H]`."""
+    decay2 = (2 * g).exp()
+    if g.dim() == k.dim():
+        decay2 = decay2.mean(dim=-1)
+    norm2 = (k * k).sum(dim=-1)
+    evidence = info_scale * norm2 / (k.shape[-1] * r)
+    p, p_bar = _variance_scan(decay2, q_noise, evidence, p_prior, parallel)
+    return p_bar / (p_bar * norm2 + r), p
+
+
+def diag_gain(
+    k: torch.Tensor,
+    g: torch.Tensor,
+    q_noise: torch.Tensor,
+    r: torch.Tensor,
+    p_prior: torch.Tensor,
+    info_scale: float,
+    parallel: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated inputs in one dtype: k, q_noise `[B, T, H, K]`, g `[B, T, H(, K)]`, r
+    `[B, T, H]`, p_prior `[B, H, K]`. Returns (gain, p), both `[B, T, H, K]`."""
+    decay2 = (2 * g).exp()
+    if g.dim() < k.dim():
+        decay2 = decay2.unsqueeze(-1).expand(k.shape)
+    r = r.unsqueeze(-1)
+    evidence = info_scale * k * k / r
+    p, p_bar = _variance_scan(decay2, q_noise, evidence, p_prior, parallel)
+    weighted = p_bar * k
+    return weighted / ((weighted * k).sum(dim=-1, keepdim=True) + r), p
+
+
+def kdn_gain_iso(
+    k: torch.Tensor,
+    g: torch.Tensor,
+    q_noise: torch.Tensor,
+    r: torch.Tensor,
+    p0: torch.Tensor,
+    *,
+    info_scale: float | None = None,
+    initial_precision: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Isotropic KDN gains: one variance per head, scanned over time.
+
+    Args:
+        k: keys `[B, T, H, K]`.
+        g: log decays (<= 0), per head `[B, T, H]` or per channel `[B, T, H, K]` (then the
+            covariance contracts by a_t = mean_i exp(2 g_t,i)).
+        q_noise: process-noise variances (>= 0) `[B, T, H]`.
+        r: observation-noise variances (> 0) `[B, T, H]`.
+        p0: prior variances (> 0), shared `[H]` or per sequence `[B, H]`.
+        info_scale: evidence scale s (> 0); defaults to K.
+        initial_precision: `[B, H]` precision 1/p left by an earlier call (streaming); when
+            given, it replaces p0.
+
+    Returns:
+        `(beta [B, T, H], p [B, T, H], final_precision [B, H])`: the write strength
+        (gain_t = beta_t k_t), the posterior variance p_t, and 1/p_T. Float64 when any input
+        is float64, else float32.
+    """
+    k = check_keys(k, "B, T, H")
+    check_decay(g, k, "B, T, H")
+    check_noise(q_noise, r, k, "B, T, H", per_channel_process=False)
+    batch, _, heads, key_dim = k.shape
+    p_prior = prior_variance(p0, initial_precision, batch, (heads,))
+    scale = check_info_scale(info_scale, key_dim)
+    named = {"k": k, "g": g, "q_noise": q_noise, "r": r, "p0": p0}
+    require_same_device({**named, "initial_precision": initial_precision})
+    dtype = compute_dtype(*named.values(), initial_precision)
+    inputs = (x.to(dtype) for x in (k, g, q_noise, r, p_prior))
+    beta, p = iso_gain(*inputs, scale, parallel=True)
+    return beta, p, 1.0 / p[:, -1]
+
+
+def kdn_gain_diag(
+    k: torch.Tensor,
+    g: torch.Tensor,
+    q_noise: torch.Tensor,
+    r: torch.Tensor,
+    p0: torch.Tensor,
+    *,
+    info_scale: float | None = None,
+    initial_precision: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Diagonal KDN gains: one variance per head and key channel, scanned over time.
+
+    Args:
+        k: keys `[B, T, H, K]`.
+        g: log decays (<= 0), per channel `[B, T, H, K]` or per head `[B, T, H]`.
+        q_noise: process-noise variances (>= 0) `[B, T, H, K]`.
+        r: observation-noise variances (> 0) `[B, T, H]`.
+        p0: prior variances (> 0), shared `[H, K]` or per sequence `[B, H, K]`.
+        info_scale: evidence scale s (> 0); defaults to K.
+        initial_precision: `[B, H, K]` precision 1/p left by an earlier call; replaces p0.
+
+    Returns:
+        `(gain [B, T, H, K], p [B, T, H, K], final_precision [B, H, K])`. Float64 when any
+        input is float64, else float32.
+    """
+    k = check_keys(k, "B, T, H")
+    check_decay(g, k, "B, T, H")
+    check_noise(q_noise, r, k, "B, T, H", per_channel_process=True)
+    batch, _, heads, key_dim = k.shape
+    p_prior = prior_variance(p0, initial_precision, batch, (heads, key_dim))
+    scale = check_info_scale(info_scale, key_dim)
+    named = {"k": k, "g": g, "q_noise": q_noise, "r": r, "p0": p0}
+    require_same_device({**named, "initial_precision": initial_precision})
+    dtype = compute_dtype(*named.values(), initial_precision)
+    inputs = (x.to(dtype) for x in (k, g, q_noise, r, p_prior))
+    gain, p = diag_gain(*inputs, scale, parallel=True)
+    return gain, p, 1.0 / p[:, -1]

@@ -1,0 +1,236 @@
+"""Isotropic and Diagonal KDN over whole sequences: gains by the uncertainty scan, then the
+memory through the generalized delta rule with a = gain, b = k, u = v (MATH.md sec. 1, 3)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+
+from deltalab.ops._checks import (
+    check_cu_seqlens,
+    compute_dtype,
+    require_choice,
+    require_same_device,
+)
+from deltalab.ops._varlen import pad_packed, unpad_packed
+from deltalab.ops.delta_rule import BACKENDS, delta_rule
+from deltalab.ops.kdn._validate import (
+    check_decay,
+    check_info_scale,
+    check_keys,
+    check_noise,
+    check_query_value,
+    prior_variance,
+    split_state,
+)
+from deltalab.ops.kdn.gains import diag_gain, iso_gain
+
+GainFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+State = tuple[torch.Tensor | None, torch.Tensor | None]
+
+
+def _packed_gains(
+    gain_fn: GainFn,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    q_noise: torch.Tensor,
+    r: torch.Tensor,
+    p_prior: torch.Tensor,
+    info_scale: float,
+    parallel: bool,
+    offsets: list[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gains `[B, T, H(, K)]` and each sequence's last posterior variance `[N, H(, K)]`.
+
+    Packed sequences are scanned as a padded batch, each from its own prior. Padding tokens
+    get k = 0, g = 0, q_noise = 0 and r = 1: the identity map, finite in both directions.
+    """
+    if offsets is None:
+        gain, p = gain_fn(k, g, q_noise, r, p_prior, info_scale, parallel)
+        return gain, p[:, -1]
+    real = pad_packed(torch.ones_like(r), offsets) > 0
+    r_padded = torch.where(real, pad_packed(r, offsets), torch.ones_like(real, dtype=r.dtype))
+    padded = [pad_packed(x, offsets) for x in (k, g, q_noise)]
+    gain, p = gain_fn(*padded, r_padded, p_prior, info_scale, parallel)
+    last = torch.tensor([end - start - 1 for start, end in itertools.pairwise(offsets)])
+    return unpad_packed(gain, offsets), p[torch.arange(len(last)), last.to(p.device)]
+
+
+def _kdn(
+    variant: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    q_noise: torch.Tensor,
+    r: torch.Tensor,
+    p0: torch.Tensor,
+    scale: float | None,
+    info_scale: float | None,
+    initial_state: State | None,
+    output_final_state: bool,
+    cu_seqlens: torch.Tensor | None,
+    chunk_size: int,
+    backend: str,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    diagonal = variant == "diag"
+    k = check_keys(k, "B, T, H")
+    check_query_value(q, v, k, "B, T, H")
+    check_decay(g, k, "B, T, H")
+    check_noise(q_noise, r, k, "B, T, H", per_channel_process=diagonal)
+    require_choice("backend", backend, BACKENDS)
+    batch, length, heads, key_dim = k.shape
+    offsets = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, batch, length, k.device)
+    sequences = batch if offsets is None else len(offsets) - 1
+    memory, precision = split_state(initial_state, "initial_state")
+    tail = (heads, key_dim) if diagonal else (heads,)
+    p_prior = prior_variance(p0, precision, sequences, tail, ("p0", "initial_state[1]"))
+    s = check_info_scale(info_scale, key_dim)
+    named = {"q": q, "k": k, "v": v, "g": g, "q_noise": q_noise, "r": r, "p0": p0}
+    require_same_device({**named, "initial_state[1]": precision})
+
+    dtype = compute_dtype(*named.values(), precision)
+    inputs = [x.to(dtype) for x in (k, g, q_noise, r, p_prior)]
+    gain_fn = diag_gain if diagonal else iso_gain
+    # The token-loop backend is the reference: pair it with the step-loop scan.
+    parallel = backend != "naive"
+    gain, p_last = _packed_gains(gain_fn, *inputs, s, parallel, offsets)
+    write = gain if diagonal else gain.unsqueeze(-1) * inputs[0]
+    o, final_memory = delta_rule(
+        q,
+        write,
+        k,
+        v,
+        g,
+        scale=scale,
+        initial_state=memory,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size,
+        backend=backend,
+    )
+    if not output_final_state:
+        return o, None
+    return o, (final_memory, 1.0 / p_last)
+
+
+def kdn_iso(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    q_noise: torch.Tensor,
+    r: torch.Tensor,
+    p0: torch.Tensor,
+    *,
+    scale: float | None = None,
+    info_scale: float | None = None,
+    initial_state: State | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Isotropic KDN: KDA (or GDN) whose beta comes from a per-head variance scan.
+
+    Args:
+        q, k: queries and keys `[B, T, H, K]`.
+        v: values `[B, T, H, V]`.
+        g: log decays (<= 0), per channel `[B, T, H, K]` or per head `[B, T, H]`.
+        q_noise: process-noise variances (>= 0) `[B, T, H]`.
+        r: observation-noise variances (> 0) `[B, T, H]`.
+        p0: prior variances (> 0), shared `[H]` or per sequence `[N, H]`.
+        scale: output scale; defaults to `K ** -0.5`.
+        info_scale: evidence scale s (> 0); defaults to K.
+        initial_state: None or a pair `(memory [N, H, K, V] or None, precision [N, H] or None)`;
+            a None memory starts from zeros, a None precision from 1 / p0.
+        output_final_state: also return the state after each sequence's last token.
+        cu_seqlens: int `[N+1]` offsets of sequences packed along T (needs B == 1); the memory
+            and the variance scan both restart at every boundary.
+        chunk_size: tokens per chunk of the "chunk" backend of `delta_rule`, 16..256.
+        backend: "auto", "naive" or "chunk" for `delta_rule`; "naive" also scans the variance
+            step by step, the others by the parallel scan.
+
+    N = B, or the number of sequences in cu_seqlens.
+
+    Returns:
+        `(o [B, T, H, V] in q's dtype, (memory [N, H, K, V], precision [N, H]) or None)`.
+    """
+    return _kdn(
+        "iso",
+        q,
+        k,
+        v,
+        g,
+        q_noise,
+        r,
+        p0,
+        scale,
+        info_scale,
+        initial_state,
+        output_final_state,
+        cu_seqlens,
+        chunk_size,
+        backend,
+    )
+
+
+def kdn_diag(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    q_noise: torch.Tensor,
+    r: torch.Tensor,
+    p0: torch.Tensor,
+    *,
+    scale: float | None = None,
+    info_scale: float | None = None,
+    initial_state: State | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Diagonal KDN: the delta rule with write direction gain_t from a per-channel variance scan.
+
+    Args:
+        q, k: queries and keys `[B, T, H, K]`.
+        v: values `[B, T, H, V]`.
+        g: log decays (<= 0), per channel `[B, T, H, K]` or per head `[B, T, H]`.
+        q_noise: process-noise variances (>= 0) `[B, T, H, K]`.
+        r: observation-noise variances (> 0) `[B, T, H]`.
+        p0: prior variances (> 0), shared `[H, K]` or per sequence `[N, H, K]`.
+        scale: output scale; defaults to `K ** -0.5`.
+        info_scale: evidence scale s (> 0); defaults to K.
+        initial_state: None or a pair `(memory [N, H, K, V] or None, precision [N, H, K] or
+            None)`; a None memory starts from zeros, a None precision from 1 / p0.
+        output_final_state: also return the state after each sequence's last token.
+        cu_seqlens: int `[N+1]` offsets of sequences packed along T (needs B == 1).
+        chunk_size: tokens per chunk of the "chunk" backend of `delta_rule`, 16..256.
+        backend: "auto", "naive" or "chunk" (as for `kdn_iso`).
+
+    N = B, or the number of sequences in cu_seqlens.
+
+    Returns:
+        `(o [B, T, H, V] in q's dtype, (memory [N, H, K, V], precision [N, H, K]) or None)`.
+    """
+    return _kdn(
+        "diag",
+        q,
+        k,
+        v,
+        g,
+        q_noise,
+        r,
+        p0,
+        scale,
+        info_scale,
+        initial_state,
+        output_final_state,
+        cu_seqlens,
+        chunk_size,
+        backend,
+    )

@@ -1,0 +1,116 @@
+"""One decoding step of Isotropic / Diagonal KDN: the variance recursion advanced by one token
+(no scan needed), then one step of the generalized delta rule."""
+
+from __future__ import annotations
+
+import torch
+
+from deltalab.ops._checks import compute_dtype, require_float, require_positive, require_shape
+from deltalab.ops.delta_rule import delta_rule_step
+from deltalab.ops.kdn._validate import (
+    check_decay,
+    check_info_scale,
+    check_keys,
+    check_noise,
+    check_query_value,
+    split_state,
+)
+
+
+def _step(
+    diagonal: bool,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    q_noise: torch.Tensor,
+    r: torch.Tensor,
+    state: tuple[torch.Tensor, torch.Tensor],
+    scale: float | None,
+    info_scale: float | None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    k = check_keys(k, "B, H")
+    check_query_value(q, v, k, "B, H")
+    check_decay(g, k, "B, H")
+    check_noise(q_noise, r, k, "B, H", per_channel_process=diagonal)
+    if state is None:
+        raise TypeError("state must be a pair (memory, precision), got None")
+    memory, precision = split_state(state, "state")
+    memory = require_float("state[0]", memory)
+    precision = require_float("state[1]", precision)
+    layout = "[B, H, K]" if diagonal else "[B, H]"
+    require_shape("state[1]", precision, k.shape if diagonal else k.shape[:-1], layout)
+    require_positive("state[1]", precision, "a precision 1 / p")
+    s = check_info_scale(info_scale, k.shape[-1])
+
+    dtype = compute_dtype(q, k, v, g, q_noise, r, memory, precision)
+    k_, g_, q_noise_, r_, precision_ = (x.to(dtype) for x in (k, g, q_noise, r, precision))
+    decay2 = (2 * g_).exp()
+    if diagonal:
+        if g_.dim() < k_.dim():
+            decay2 = decay2.unsqueeze(-1)
+        r_ = r_.unsqueeze(-1)
+        p_bar = decay2 * (1.0 / precision_) + q_noise_
+        weighted = p_bar * k_
+        write = weighted / ((weighted * k_).sum(dim=-1, keepdim=True) + r_)
+        new_precision = 1.0 / p_bar + s * k_ * k_ / r_
+    else:
+        if g_.dim() == k_.dim():
+            decay2 = decay2.mean(dim=-1)
+        norm2 = (k_ * k_).sum(dim=-1)
+        p_bar = decay2 * (1.0 / precision_) + q_noise_
+        write = (p_bar / (p_bar * norm2 + r_)).unsqueeze(-1) * k_
+        new_precision = 1.0 / p_bar + s * norm2 / (k_.shape[-1] * r_)
+    o, new_memory = delta_rule_step(q, write, k, v, g, memory, scale=scale)
+    return o, (new_memory, new_precision)
+
+
+def kdn_iso_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    q_noise: torch.Tensor,
+    r: torch.Tensor,
+    state: tuple[torch.Tensor, torch.Tensor],
+    *,
+    scale: float | None = None,
+    info_scale: float | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """One token of Isotropic KDN per sequence.
+
+    Args:
+        q, k: `[B, H, K]`; v: `[B, H, V]`; g: `[B, H]` or `[B, H, K]` (log decay <= 0);
+        q_noise, r: `[B, H]`; state: `(memory [B, H, K, V], precision [B, H])`, e.g. the final
+        state of `kdn_iso` (start from zeros and 1 / p0); scale: defaults to `K ** -0.5`;
+        info_scale: defaults to K.
+
+    Returns:
+        `(o [B, H, V] in q's dtype, (memory [B, H, K, V], precision [B, H]))`.
+    """
+    return _step(False, q, k, v, g, q_noise, r, state, scale, info_scale)
+
+
+def kdn_diag_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    q_noise: torch.Tensor,
+    r: torch.Tensor,
+    state: tuple[torch.Tensor, torch.Tensor],
+    *,
+    scale: float | None = None,
+    info_scale: float | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """One token of Diagonal KDN per sequence.
+
+    Args:
+        q, k, q_noise: `[B, H, K]`; v: `[B, H, V]`; g: `[B, H, K]` or `[B, H]` (log decay <= 0);
+        r: `[B, H]`; state: `(memory [B, H, K, V], precision [B, H, K])`; scale: defaults to
+        `K ** -0.5`; info_scale: defaults to K.
+
+    Returns:
+        `(o [B, H, V] in q's dtype, (memory [B, H, K, V], precision [B, H, K]))`.
+    """
+    return _step(True, q, k, v, g, q_noise, r, state, scale, info_scale)
