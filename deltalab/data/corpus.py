@@ -1,0 +1,329 @@
+"""Documents to train on: the built-in Python-stdlib corpus, or the user's files.
+
+`iter_documents(config)` yields the documents (strings) of one source, split and capped as the
+`CorpusConfig` says; `source_fingerprint(config)` hashes everything those documents depend on, so
+that tokenized shards can be reused until the source changes.
+
+Sources:
+- `"stdlib"`: the `*.py` files of the running Python's standard library, without site-packages,
+  test directories and files over `stdlib_max_file_bytes` (generated tables such as
+  `pydoc_data/topics.py`). One file is one document.
+- a file: `.jsonl` (one JSON object per line, text in `text_field`), `.parquet` (column
+  `text_field`, read with pyarrow), anything else is one UTF-8 text document.
+- a directory saved by Hugging Face `datasets` (`save_to_disk`): column `text_field`.
+- any other directory: every `.txt`, `.jsonl` and `.parquet` file below it, in path order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from deltalab.data._validate import require_choice, require_fraction, require_int
+
+STDLIB_SOURCE = "stdlib"
+SPLITS = ("train", "held_out", "all")
+DOCUMENT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+# Directory names skipped in the stdlib: installed packages, test suites (`test/`, `tests/`,
+# `idlelib/idle_test`, `lib2to3/tests`, `ctypes/test`, ...) and bytecode caches.
+STDLIB_EXCLUDED_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+)
+# Files that mark a directory written by `datasets.Dataset(Dict).save_to_disk`.
+HF_DATASET_MARKERS = ("dataset_dict.json", "state.json")
+# 4 MiB of the ~11 MB stdlib: a few million byte tokens, a first run of minutes on a CPU.
+DEFAULT_MAX_BYTES = 4 * 2**20
+# Bumped whenever the way documents are read changes, which invalidates every cached shard set.
+FINGERPRINT_VERSION = 1
+_HASH_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class CorpusConfig:
+    """Which documents to read.
+
+    source: `"stdlib"` or a path (file, directory, or a saved Hugging Face dataset).
+    split: `"train"`, `"held_out"` or `"all"`. A stdlib file belongs to the held-out split when
+        the hash of its relative path falls below `held_out_fraction`; a user document when the
+        hash of its text does, so duplicated documents never straddle the split.
+    max_bytes: reading stops after the document that reaches this many UTF-8 bytes (counted
+        within the split); None reads the whole source.
+    stdlib_max_file_bytes: stdlib files larger than this are skipped.
+    text_field: the JSON field / parquet or dataset column holding the text.
+    dataset_split: the split of a saved `DatasetDict` (ignored for a single `Dataset`).
+    """
+
+    source: str = STDLIB_SOURCE
+    split: str = "train"
+    held_out_fraction: float = 0.05
+    max_bytes: int | None = DEFAULT_MAX_BYTES
+    stdlib_max_file_bytes: int = 200_000
+    text_field: str = "text"
+    dataset_split: str = "train"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, str) or not self.source:
+            raise ValueError(f"source must be 'stdlib' or a path, got {self.source!r}")
+        require_choice("split", self.split, SPLITS)
+        require_fraction("held_out_fraction", self.held_out_fraction)
+        if self.max_bytes is not None:
+            require_int("max_bytes", self.max_bytes, minimum=1)
+        require_int("stdlib_max_file_bytes", self.stdlib_max_file_bytes, minimum=1)
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise ValueError(f"text_field must be a non-empty str, got {self.text_field!r}")
+
+
+def held_out_score(key: str) -> float:
+    """A uniform number in [0, 1) fixed by `key`: the first 8 bytes of its SHA-1."""
+    digest = hashlib.sha1(key.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def in_split(key: str, split: str, held_out_fraction: float) -> bool:
+    """Whether the item named by `key` belongs to `split` (`"all"` takes everything)."""
+    if split == "all":
+        return True
+    held_out = held_out_score(key) < held_out_fraction
+    return held_out == (split == "held_out")
+
+
+def stdlib_root() -> Path:
+    """The directory of the running Python's standard library."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(config: CorpusConfig) -> list[str]:
+    """Relative POSIX paths of the stdlib files of `config.split`, in the corpus order.
+
+    The order is that of `held_out_score`, a pure function of the path: a byte cap then keeps a
+    sample of the whole library rather than the modules that sort first alphabetically.
+    """
+    root = stdlib_root()
+    found: list[str] = []
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in STDLIB_EXCLUDED_DIRS]
+        for name in files:
+            path = Path(directory, name)
+            if name.endswith(".py") and path.stat().st_size <= config.stdlib_max_file_bytes:
+                found.append(path.relative_to(root).as_posix())
+    chosen = [p for p in found if in_split(p, config.split, config.held_out_fraction)]
+    return sorted(chosen, key=lambda p: (held_out_score(p), p))
+
+
+def read_text_file(path: str | Path) -> Iterator[str]:
+    """The whole file as one document (nothing when it is empty)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not valid UTF-8 text: {error}") from error
+    if text:
+        yield text
+
+
+def read_jsonl(path: str | Path, text_field: str = "text") -> Iterator[str]:
+    """One document per non-blank line, from the string field `text_field` of its JSON object."""
+    path = Path(path)
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number} is not valid JSON: {error}") from error
+            text = record.get(text_field) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise ValueError(
+                    f"{path}:{number} must be a JSON object with a string field {text_field!r}, "
+                    f"got {type(record).__name__} {line.strip()[:80]!r}"
+                )
+            if text:
+                yield text
+
+
+def read_parquet(path: str | Path, text_field: str = "text") -> Iterator[str]:
+    """One document per row of the string column `text_field`, read in record batches."""
+    path = Path(path)
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as error:
+        raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from error
+    table = pq.ParquetFile(path)
+    if text_field not in table.schema_arrow.names:
+        raise ValueError(
+            f"{path} has no column {text_field!r}; its columns are {table.schema_arrow.names}"
+        )
+    for batch in table.iter_batches(columns=[text_field]):
+        for text in batch.column(0).to_pylist():
+            if text:
+                yield str(text)
+
+
+def read_hf_dataset(
+    path: str | Path, text_field: str = "text", dataset_split: str = "train"
+) -> Iterator[str]:
+    """The column `text_field` of a dataset saved with `datasets`' `save_to_disk`."""
+    path = Path(path)
+    try:
+        import datasets
+    except ImportError as error:
+        raise ImportError(
+            f"reading the saved dataset {path} needs datasets: pip install datasets"
+        ) from error
+    dataset = datasets.load_from_disk(str(path))
+    if isinstance(dataset, datasets.DatasetDict):
+        if dataset_split not in dataset:
+            raise ValueError(
+                f"dataset_split {dataset_split!r} is not in {path}; it has {list(dataset)}"
+            )
+        dataset = dataset[dataset_split]
+    if text_field not in dataset.column_names:
+        raise ValueError(
+            f"{path} has no column {text_field!r}; its columns are {dataset.column_names}"
+        )
+    for batch in dataset.select_columns([text_field]).iter(batch_size=1024):
+        for text in batch[text_field]:
+            if text:
+                yield str(text)
+
+
+def is_hf_dataset(path: Path) -> bool:
+    return path.is_dir() and any((path / marker).is_file() for marker in HF_DATASET_MARKERS)
+
+
+def document_files(directory: str | Path) -> list[Path]:
+    """The `.txt`, `.jsonl` and `.parquet` files below `directory`, sorted by relative path."""
+    directory = Path(directory)
+    found = [
+        p
+        for p in directory.rglob("*")
+        if p.is_file() and p.suffix in DOCUMENT_SUFFIXES and not p.name.startswith(".")
+    ]
+    return sorted(found, key=lambda p: p.relative_to(directory).as_posix())
+
+
+def read_file(path: Path, text_field: str = "text") -> Iterator[str]:
+    """The documents of one file, by its suffix: `.jsonl`, `.parquet`, else plain text."""
+    if path.suffix == ".jsonl":
+        return read_jsonl(path, text_field)
+    if path.suffix == ".parquet":
+        return read_parquet(path, text_field)
+    return read_text_file(path)
+
+
+def read_directory(directory: str | Path, text_field: str = "text") -> Iterator[str]:
+    """The documents of every `.txt`, `.jsonl` and `.parquet` file below `directory`.
+
+    An empty directory is refused here, at the call, not at the first `next()`.
+    """
+    files = _require_document_files(Path(directory))
+    return (text for path in files for text in read_file(path, text_field))
+
+
+def iter_documents(config: CorpusConfig) -> Iterator[str]:
+    """The documents of `config.source` in its split, in a fixed order, up to `max_bytes`.
+
+    Raises ValueError naming the source when the path is missing or a directory holds no
+    document file (at the call), or when no document is left (at the end of the iteration:
+    empty files, or everything in the other split).
+    """
+    if config.source == STDLIB_SOURCE:
+        root = stdlib_root()
+        # Sources are UTF-8 unless a coding line says otherwise (PEP 3120); such a rare file is
+        # read with replacement characters rather than ending the run.
+        texts: Iterator[str] = (
+            (root / relative).read_bytes().decode("utf-8", errors="replace")
+            for relative in stdlib_files(config)
+        )
+        # Stdlib files are split by path, above; user documents by their text, below.
+        return _capped(texts, config, split_by_text=False)
+    texts = _read_source(_require_path(config.source), config)
+    return _capped(texts, config, split_by_text=True)
+
+
+def _capped(texts: Iterator[str], config: CorpusConfig, *, split_by_text: bool) -> Iterator[str]:
+    count, total = 0, 0
+    for text in texts:
+        if not text:
+            continue
+        if split_by_text and not in_split(text, config.split, config.held_out_fraction):
+            continue
+        yield text
+        count += 1
+        total += len(text.encode("utf-8"))
+        if config.max_bytes is not None and total >= config.max_bytes:
+            return
+    if count == 0:
+        raise ValueError(
+            f"no documents in split {config.split!r} of {config.source} (empty files, or every "
+            f"document fell in the other split with held_out_fraction={config.held_out_fraction}"
+            "; split='all' takes every document)"
+        )
+
+
+def source_fingerprint(config: CorpusConfig) -> str:
+    """SHA-1 over the config and the bytes of every file the source reads.
+
+    Reading the files again costs far less than tokenizing them, and unlike sizes and mtimes the
+    bytes cannot change unnoticed.
+    """
+    digest = hashlib.sha1()
+    settings = dataclasses.asdict(config)
+    settings["fingerprint_version"] = FINGERPRINT_VERSION
+    digest.update(json.dumps(settings, sort_keys=True).encode("utf-8"))
+    for name, path in _source_files(config):
+        digest.update(name.encode("utf-8") + b"\0")
+        with path.open("rb") as handle:
+            while chunk := handle.read(_HASH_CHUNK):
+                digest.update(chunk)
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def _require_path(source: str) -> Path:
+    path = Path(source)
+    if not path.exists():
+        raise ValueError(f"source {source!r} is neither 'stdlib' nor an existing file or directory")
+    return path
+
+
+def _require_document_files(directory: Path) -> list[Path]:
+    files = document_files(directory)
+    if not files:
+        raise ValueError(
+            f"directory {directory} holds no document file; expected files ending in "
+            f"{' or '.join(DOCUMENT_SUFFIXES)}, or a dataset saved by `datasets`"
+        )
+    return files
+
+
+def _read_source(path: Path, config: CorpusConfig) -> Iterator[str]:
+    if is_hf_dataset(path):
+        return read_hf_dataset(path, config.text_field, config.dataset_split)
+    if path.is_dir():
+        return read_directory(path, config.text_field)
+    return read_file(path, config.text_field)
+
+
+def _source_files(config: CorpusConfig) -> list[tuple[str, Path]]:
+    """(name, path) of every file the source depends on, in a fixed order."""
+    if config.source == STDLIB_SOURCE:
+        root = stdlib_root()
+        everything = dataclasses.replace(config, split="all")
+        return [(name, root / name) for name in sorted(stdlib_files(everything))]
+    path = _require_path(config.source)
+    if not path.is_dir():
+        return [(path.name, path)]
+    files = (
+        sorted(p for p in path.rglob("*") if p.is_file())
+        if is_hf_dataset(path)
+        else _require_document_files(path)
+    )
+    return [(p.relative_to(path).as_posix(), p) for p in files]

@@ -1,0 +1,176 @@
+"""Tokenizers: a byte-level one built in, any local Hugging Face tokenizer through an adapter.
+
+Both satisfy the `Tokenizer` protocol, the only interface the rest of the data layer uses:
+`encode(text) -> list[int]` without special tokens, `decode(ids) -> str` without special tokens,
+`vocab_size`, the special ids, and `spec`, the string `load_tokenizer` was given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+BYTE_SPEC = "byte"
+NUM_BYTES = 256
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the data layer needs of a tokenizer.
+
+    `eos_id` separates documents in the packed token stream; `bos_id` and `pad_id` are there for
+    the model and generation code and are never written into shards.
+    """
+
+    @property
+    def spec(self) -> str: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
+    @property
+    def bos_id(self) -> int: ...
+
+    @property
+    def pad_id(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, then three specials: `<|bos|>` 256, `<|eos|>` 257, `<|pad|>` 258.
+
+    `encode("hé")` -> `[104, 195, 169]`; `decode([104, 257, 195, 169])` -> `"hé"` (specials are
+    dropped), or `"h<|eos|>é"` with `render_special=True`. Bytes that are not valid UTF-8, as a
+    window cut through a multi-byte character, decode to U+FFFD instead of raising.
+    """
+
+    SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
+
+    @property
+    def spec(self) -> str:
+        return BYTE_SPEC
+
+    @property
+    def vocab_size(self) -> int:
+        return NUM_BYTES + len(self.SPECIAL_TOKENS)
+
+    @property
+    def bos_id(self) -> int:
+        return NUM_BYTES
+
+    @property
+    def eos_id(self) -> int:
+        return NUM_BYTES + 1
+
+    @property
+    def pad_id(self) -> int:
+        return NUM_BYTES + 2
+
+    def encode(self, text: str) -> list[int]:
+        """`text` -> its UTF-8 bytes as ints; no special token is added."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int], *, render_special: bool = False) -> str:
+        """Token ids -> text; specials are dropped, or written as `<|eos|>` etc. when asked."""
+        pieces: list[str] = []
+        run = bytearray()
+        for position, token in enumerate(ids):
+            token = int(token)
+            if 0 <= token < NUM_BYTES:
+                run.append(token)
+                continue
+            if not NUM_BYTES <= token < self.vocab_size:
+                raise ValueError(
+                    f"ids[{position}] = {token} is not a token id of the byte tokenizer, "
+                    f"expected 0 <= id < {self.vocab_size}"
+                )
+            if render_special:
+                # A special cuts the byte run: each run is decoded on its own, as written.
+                pieces.append(run.decode("utf-8", errors="replace"))
+                pieces.append(self.SPECIAL_TOKENS[token - NUM_BYTES])
+                run = bytearray()
+        pieces.append(run.decode("utf-8", errors="replace"))
+        return "".join(pieces)
+
+
+class HuggingFaceTokenizer:
+    """A `transformers` tokenizer behind the `Tokenizer` protocol.
+
+    Tokenizers without a BOS or PAD token (GPT-2 has neither) use the EOS id for them, the usual
+    convention; a tokenizer without an EOS token is refused, since EOS separates documents.
+    """
+
+    def __init__(self, tokenizer: Any, spec: str) -> None:
+        eos = tokenizer.eos_token_id
+        if eos is None:
+            raise ValueError(
+                f"the tokenizer at {spec!r} has no eos_token_id; one is needed to separate "
+                "documents in the token stream"
+            )
+        self._tokenizer = tokenizer
+        self._spec = spec
+        self._eos = int(eos)
+        bos, pad = tokenizer.bos_token_id, tokenizer.pad_token_id
+        self._bos = self._eos if bos is None else int(bos)
+        self._pad = self._eos if pad is None else int(pad)
+
+    @property
+    def spec(self) -> str:
+        return self._spec
+
+    @property
+    def vocab_size(self) -> int:
+        # len() counts added tokens, which `tokenizer.vocab_size` leaves out.
+        return len(self._tokenizer)
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos
+
+    @property
+    def bos_id(self) -> int:
+        return self._bos
+
+    @property
+    def pad_id(self) -> int:
+        return self._pad
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return str(self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True))
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """`"byte"` -> `ByteTokenizer`; otherwise a local directory loaded by `transformers`.
+
+    Nothing is downloaded: the directory must hold the tokenizer files (`tokenizer.json` etc.).
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"tokenizer spec must be a str, got {type(spec).__name__}")
+    if spec == BYTE_SPEC:
+        return ByteTokenizer()
+    path = Path(spec)
+    if not path.exists():
+        raise ValueError(
+            f"tokenizer spec {spec!r} is neither 'byte' nor an existing local path to a "
+            "Hugging Face tokenizer directory"
+        )
+    try:
+        import transformers
+    except ImportError as error:
+        raise ImportError(
+            f"loading the tokenizer at {spec!r} needs transformers: pip install transformers"
+        ) from error
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return HuggingFaceTokenizer(tokenizer, spec)
