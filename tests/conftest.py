@@ -5,6 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+# Test shapes are tiny: one thread is faster than two, and a busy second core (CI neighbours,
+# a background job) cannot stall every parallel region at a thread barrier.
+torch.set_num_threads(1)
+
 
 def random_delta_inputs(
     generator: torch.Generator,

@@ -1,5 +1,6 @@
 """Token mixers, `[B, T, D] -> [B, T, D]`, all with
-`forward(x, state=None, *, return_gates=False) -> (y, state)` (see `deltalab.layers.common`)."""
+`forward(x, state=None, *, mask=None, return_gates=False) -> (y, state)`
+(see `deltalab.layers.common`)."""
 
 from deltalab.layers.attention import Attention
 from deltalab.layers.common import (
@@ -13,17 +14,26 @@ from deltalab.layers.common import (
 from deltalab.layers.deltanet import DeltaNet, GatedDeltaNet
 from deltalab.layers.gdn2 import GatedDeltaNet2
 from deltalab.layers.kda import KimiDeltaAttention
+from deltalab.layers.kdn import DiagonalKDN, ExactKDN, IsotropicKDN, KDNState
+from deltalab.layers.muir import Muir, MuirRanks, muir_ffn_width
 
 __all__ = [
     "Attention",
     "AttentionState",
     "DeltaMixer",
     "DeltaNet",
+    "DiagonalKDN",
+    "ExactKDN",
     "GatedDeltaNet",
     "GatedDeltaNet2",
     "GatedRMSNorm",
+    "IsotropicKDN",
+    "KDNState",
     "KimiDeltaAttention",
+    "Muir",
+    "MuirRanks",
     "RMSNorm",
     "RecurrentState",
     "ShortConvolution",
+    "muir_ffn_width",
 ]

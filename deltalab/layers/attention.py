@@ -13,6 +13,7 @@ from torch import nn
 from deltalab.layers.common import (
     AttentionState,
     check_hidden,
+    check_mask,
     compute_dtype,
     require_positive_int,
 )
@@ -93,12 +94,19 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(value_width, hidden_size, bias=False)
 
     def forward(
-        self, x: torch.Tensor, state: AttentionState | None = None, *, return_gates: bool = False
+        self,
+        x: torch.Tensor,
+        state: AttentionState | None = None,
+        *,
+        mask: torch.Tensor | None = None,
+        return_gates: bool = False,
     ) -> tuple[torch.Tensor, AttentionState]:
-        """x `[B, T, D]`, state from a previous call or None -> (y `[B, T, D]`, new state)."""
+        """x `[B, T, D]`, state from a previous call or None, mask `[B, T]` (False at padding
+        tokens, which no query sees) -> (y `[B, T, D]`, new state)."""
         check_hidden(x, self.hidden_size)
         if state is not None and not isinstance(state, AttentionState):
             raise TypeError(f"state must be an AttentionState or None, got {type(state).__name__}")
+        mask = check_mask(mask, x)
         length = x.shape[1]
         offset = 0 if state is None else state.offset
         positions = torch.arange(offset, offset + length, device=x.device)
@@ -106,21 +114,30 @@ class Attention(nn.Module):
         q = apply_rope(self.q_proj(x).unflatten(-1, key_shape), positions, self.rope_base)
         k = apply_rope(self.k_proj(x).unflatten(-1, key_shape), positions, self.rope_base)
         v = self.v_proj(x).unflatten(-1, (self.num_heads, self.value_dim))
+        key_mask = mask
         if state is not None:
             k = torch.cat([state.key.to(k.dtype), k], dim=1)
             v = torch.cat([state.value.to(v.dtype), v], dim=1)
-        mask = None
-        if state is not None or self.window is not None:
+            if state.key_mask is not None or mask is not None:
+                old = state.key_mask if state.key_mask is not None else _ones(state.key)
+                key_mask = torch.cat([old, mask if mask is not None else _ones(x)], dim=1)
+        attn_mask = None
+        if state is not None or self.window is not None or key_mask is not None:
             cached = k.shape[1]
             key_positions = torch.arange(offset + length - cached, offset + length, device=x.device)
-            mask = sliding_window_mask(positions, key_positions, self.window)
-        # SDPA takes [B, H, T, *]; without a cache or window its causal fast path applies.
+            attn_mask = sliding_window_mask(positions, key_positions, self.window)
+            if key_mask is not None:
+                # Padding keys are hidden; a padding query still sees itself, so that no row
+                # of the softmax is empty (its output is never read by a real token).
+                itself = positions[:, None] == key_positions[None, :]
+                attn_mask = (attn_mask & key_mask[:, None, None, :]) | itself
+        # SDPA takes [B, H, T, *]; without a cache, window or padding its causal fast path applies.
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=mask,
-            is_causal=mask is None,
+            attn_mask=attn_mask,
+            is_causal=attn_mask is None,
         )
         y = self.o_proj(o.transpose(1, 2).flatten(-2))
         keep = k.shape[1] if self.window is None else min(self.window - 1, k.shape[1])
@@ -129,5 +146,10 @@ class Attention(nn.Module):
             value=v[:, v.shape[1] - keep :],
             offset=offset + length,
             gates={} if return_gates else None,
+            key_mask=None if key_mask is None else key_mask[:, key_mask.shape[1] - keep :],
         )
         return y, new_state
+
+
+def _ones(x: torch.Tensor) -> torch.Tensor:
+    return torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)

@@ -35,11 +35,14 @@ __all__ = [
     "RecurrentState",
     "ShortConvolution",
     "check_hidden",
+    "check_mask",
     "compute_dtype",
+    "identity_at_padding",
     "l2_normalize",
     "no_weight_decay",
     "require_positive_int",
     "run_delta_rule",
+    "zero_at_padding",
 ]
 
 GATE_ACTIVATIONS = ("sigmoid", "silu")
@@ -72,6 +75,16 @@ def check_hidden(x: object, hidden_size: int) -> torch.Tensor:
     if x.shape[1] == 0:
         raise ValueError("x must hold at least one token (T >= 1), got T = 0")
     return x
+
+
+def check_mask(mask: object, x: torch.Tensor) -> torch.Tensor | None:
+    """A padding mask `[B, T]` for `x [B, T, D]` as bool (True at real tokens), or None."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    require_shape("mask", mask, x.shape[:2], "[B, T]", "to match x")
+    return mask.bool()
 
 
 def no_weight_decay(param: nn.Parameter) -> nn.Parameter:
@@ -185,12 +198,14 @@ class AttentionState:
     key: `[B, S, H, K]` (RoPE already applied), value: `[B, S, H, V]`: the cached tokens, the
         last `window - 1` of them under a sliding window; offset: the position of the next token.
     gates: empty dict when asked for (softmax attention has no gates), else None.
+    key_mask: `[B, S]`, False at cached padding tokens; None when no padding was seen.
     """
 
     key: torch.Tensor
     value: torch.Tensor
     offset: int
     gates: dict[str, torch.Tensor] | None = None
+    key_mask: torch.Tensor | None = None
 
 
 def run_delta_rule(
@@ -210,6 +225,18 @@ def run_delta_rule(
     )
     # output_final_state=True always returns the state.
     return o, cast(torch.Tensor, final)
+
+
+def zero_at_padding(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x `[B, T, ...]` with zeros where mask `[B, T]` is False (exact even for inf/NaN there)."""
+    keep = mask.reshape(*mask.shape, *([1] * (x.dim() - 2)))
+    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def identity_at_padding(inputs: DeltaRuleInputs, mask: torch.Tensor) -> DeltaRuleInputs:
+    """Turns padding tokens (mask `[B, T]` False) into identity tokens of the delta rule:
+    q = a = b = u = 0 and g = 0, so they neither decay, erase nor write."""
+    return DeltaRuleInputs(*(zero_at_padding(x, mask) for x in inputs))
 
 
 def output_gate_projection(hidden_size: int, width: int, rank: int | None) -> nn.Module:
@@ -272,25 +299,60 @@ class DeltaMixer(nn.Module, abc.ABC):
         """x `[B, T, D]`, unit-norm q, k `[B, T, H, K]`, v `[B, T, H, V]` -> the primitive's
         `(q, a, b, u, g)` and the gates by name."""
 
-    def forward(
-        self, x: torch.Tensor, state: RecurrentState | None = None, *, return_gates: bool = False
+    def recurrence(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        state: RecurrentState | None,
+        conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        return_gates: bool,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, RecurrentState]:
-        """x `[B, T, D]`, state from a previous call or None -> (y `[B, T, D]`, new state)."""
-        check_hidden(x, self.hidden_size)
-        if state is not None and not isinstance(state, RecurrentState):
-            raise TypeError(f"state must be a RecurrentState or None, got {type(state).__name__}")
-        heads = self.num_heads
-        q, conv_q = self.q_conv(self.q_proj(x), None if state is None else state.conv_q)
-        k, conv_k = self.k_conv(self.k_proj(x), None if state is None else state.conv_k)
-        v, conv_v = self.v_conv(self.v_proj(x), None if state is None else state.conv_v)
-        q = l2_normalize(q.unflatten(-1, (heads, self.head_dim)))
-        k = l2_normalize(k.unflatten(-1, (heads, self.head_dim)))
-        v = v.unflatten(-1, (heads, self.value_dim))
+        """The gates and the memory update: x, q, k, v as in `primitive_inputs`, the incoming
+        state, the new conv caches `(conv_q, conv_k, conv_v)`, the padding mask `[B, T]` or
+        None -> (o `[B, T, H, V]`, new state).
+
+        Mixers whose state holds more than the memory (KDN's uncertainty) override this.
+        """
         inputs, gates = self.primitive_inputs(x, q, k, v)
+        if mask is not None:
+            inputs = identity_at_padding(inputs, mask)
         o, memory = run_delta_rule(
             inputs, None if state is None else state.memory, chunk_size=self.chunk_size
         )
+        return o, RecurrentState(memory, *conv, gates if return_gates else None)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        state: RecurrentState | None = None,
+        *,
+        mask: torch.Tensor | None = None,
+        return_gates: bool = False,
+    ) -> tuple[torch.Tensor, RecurrentState]:
+        """x `[B, T, D]`, state from a previous call or None, mask `[B, T]` (False at padding
+        tokens, which leave the state as it was) -> (y `[B, T, D]`, new state)."""
+        check_hidden(x, self.hidden_size)
+        if state is not None and not isinstance(state, RecurrentState):
+            raise TypeError(f"state must be a RecurrentState or None, got {type(state).__name__}")
+        mask = check_mask(mask, x)
+        heads = self.num_heads
+
+        def projected(proj: nn.Module) -> torch.Tensor:
+            # Padding enters the short convolutions as zeros, like the zero cache before a prompt.
+            y = proj(x)
+            return y if mask is None else y * mask.unsqueeze(-1).to(y.dtype)
+
+        q, conv_q = self.q_conv(projected(self.q_proj), None if state is None else state.conv_q)
+        k, conv_k = self.k_conv(projected(self.k_proj), None if state is None else state.conv_k)
+        v, conv_v = self.v_conv(projected(self.v_proj), None if state is None else state.conv_v)
+        q = l2_normalize(q.unflatten(-1, (heads, self.head_dim)))
+        k = l2_normalize(k.unflatten(-1, (heads, self.head_dim)))
+        v = v.unflatten(-1, (heads, self.value_dim))
+        conv = (conv_q, conv_k, conv_v)
+        o, new_state = self.recurrence(x, q, k, v, state, conv, return_gates, mask)
         gate = self.g_proj(x).unflatten(-1, (heads, self.value_dim))
         y = self.o_proj(self.o_norm(o, gate).flatten(-2))
-        new_state = RecurrentState(memory, conv_q, conv_k, conv_v, gates if return_gates else None)
         return y, new_state

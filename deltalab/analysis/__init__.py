@@ -1,0 +1,28 @@
+"""Analyses of trained or initial models: gate sensitivity, state row norms."""
+
+from deltalab.analysis._plot import save_figure
+from deltalab.analysis.gate_sensitivity import (
+    SensitivityReport,
+    allocate_ranks,
+    gate_inputs,
+    gate_sensitivity,
+    perturb_gate,
+    plot_gate_sensitivity,
+    unit_directions,
+)
+from deltalab.analysis.row_norms import RowNormReport, plot_row_norms, row_norms, spearman
+
+__all__ = [
+    "RowNormReport",
+    "SensitivityReport",
+    "allocate_ranks",
+    "gate_inputs",
+    "gate_sensitivity",
+    "perturb_gate",
+    "plot_gate_sensitivity",
+    "plot_row_norms",
+    "row_norms",
+    "save_figure",
+    "spearman",
+    "unit_directions",
+]

@@ -1,0 +1,409 @@
+"""Gate sensitivity (seed 003): how far each gate moves a layer's memory, and the loss.
+
+For a delta-rule layer with gate G (erase `[B, T, H, K]`, write `[B, T, H, V]`, log decay g,
+read rho, beta `[B, T, H]`, ...) and that layer's final memory M `[B, H, K, V]`, the sensitivity
+at token t along a unit direction d_t of the gate's space is the directional derivative
+J_t d_t = dM/d eps of G_t -> G_t + eps d_t. We report the root mean square over the B*T tokens
+and over random unit directions,
+
+    state(G) = sqrt( E_d  1/(B T) sum_{b,t} ||J_{b,t} d_{b,t}||^2 )     (loss(G): dL instead of dM)
+
+estimated with every token perturbed at once: for independent zero-mean directions the cross
+terms of ||sum_t J_t d_t||^2 vanish in expectation, so E||J d||^2 / (B T) is the mean over tokens
+of E||J_t d_t||^2 -- one forward pass per probe, not one per token. Each pass is exact
+forward-mode AD (`torch.autograd.forward_ad`) through the whole model, not a finite difference.
+
+Perturbation: `perturb_gate` wraps a layer's `primitive_inputs` on the instance; the layer
+computes its gates as usual, then the primitive's inputs are rebuilt from the perturbed gates
+(a layer's `inputs_from_gates` method, or the baselines' `deltalab.ops.parametrize` functions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch import nn
+
+from deltalab.analysis._plot import new_figure, save_figure
+from deltalab.benchmarking import format_table
+from deltalab.layers.common import DeltaMixer, require_positive_int
+from deltalab.layers.deltanet import DeltaNet, GatedDeltaNet
+from deltalab.layers.gdn2 import GatedDeltaNet2
+from deltalab.layers.kda import KimiDeltaAttention
+from deltalab.layers.muir import MuirRanks
+from deltalab.ops.parametrize import (
+    DeltaRuleInputs,
+    deltanet_inputs,
+    gated_deltanet_inputs,
+    gdn2_inputs,
+    kda_inputs,
+)
+
+__all__ = [
+    "GateInputs",
+    "SensitivityReport",
+    "allocate_ranks",
+    "gate_inputs",
+    "gate_sensitivity",
+    "perturb_gate",
+    "plot_gate_sensitivity",
+    "unit_directions",
+]
+
+# (q, k, v, gates by name) -> the primitive's inputs: how a layer's gates enter the delta rule.
+GateInputs = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, Mapping[str, torch.Tensor]], DeltaRuleInputs
+]
+# (layer name, gate name, gate value [B, T, ...]) -> direction of the gate's shape, unit norm
+# over each (b, t) slice.
+Direction = Callable[[str, str, torch.Tensor], torch.Tensor]
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+# The baseline mixers do not carry `inputs_from_gates`; their gates enter as in parametrize.py.
+BASELINE_GATE_INPUTS: dict[type[DeltaMixer], GateInputs] = {
+    DeltaNet: lambda q, k, v, gates: deltanet_inputs(q, k, v, gates["beta"]),
+    GatedDeltaNet: lambda q, k, v, gates: gated_deltanet_inputs(q, k, v, gates["beta"], gates["g"]),
+    KimiDeltaAttention: lambda q, k, v, gates: kda_inputs(q, k, v, gates["beta"], gates["g"]),
+    GatedDeltaNet2: lambda q, k, v, gates: gdn2_inputs(
+        q, k, v, gates["erase"], gates["write"], gates["g"]
+    ),
+}
+# Gate names of the layers -> fields of MuirRanks, for `allocate_ranks`.
+RANK_FIELDS = {"g": "decay", "erase": "erase", "write": "write", "read": "read"}
+
+
+def gate_inputs(layer: DeltaMixer) -> GateInputs:
+    """How `layer`'s gates enter the primitive: its `inputs_from_gates` method when it has one
+    (Muir), else the parametrization of the closest baseline class in its MRO."""
+    own = getattr(layer, "inputs_from_gates", None)
+    if callable(own):
+        return own
+    for cls in type(layer).__mro__:
+        if cls in BASELINE_GATE_INPUTS:
+            return BASELINE_GATE_INPUTS[cls]
+    raise TypeError(
+        f"{type(layer).__name__} has no inputs_from_gates(q, k, v, gates) method and is not a "
+        "baseline mixer: its gates cannot be perturbed"
+    )
+
+
+@contextlib.contextmanager
+def perturb_gate(
+    layer: DeltaMixer, gate: str, delta: Callable[[torch.Tensor], torch.Tensor]
+) -> Iterator[None]:
+    """Inside the block, every forward of `layer` uses `gate + delta(gate)` for the named gate.
+
+    `delta` receives the gate tensor (e.g. erase `[B, T, H, K]`) and returns a tensor of its
+    shape. The perturbed gates are also what `return_gates=True` reports. The layer's own
+    `primitive_inputs` is restored on exit, also after an error.
+    """
+    rebuild = gate_inputs(layer)
+
+    def perturbed(original, x, q, k, v):
+        _, gates = original(x, q, k, v)
+        if gate not in gates:
+            raise KeyError(f"{type(layer).__name__} has no gate {gate!r}; gates: {list(gates)}")
+        gates = {**gates, gate: gates[gate] + delta(gates[gate])}
+        return rebuild(q, k, v, gates), gates
+
+    with _wrapped_primitive_inputs(layer, perturbed):
+        yield
+
+
+@contextlib.contextmanager
+def _wrapped_primitive_inputs(layer: DeltaMixer, wrapper: Callable[..., Any]) -> Iterator[None]:
+    """Replaces `layer.primitive_inputs(x, q, k, v)` on the instance by
+    `wrapper(original, x, q, k, v)`; restores the original on exit, also after an error."""
+    original = layer.primitive_inputs
+    had_own = "primitive_inputs" in vars(layer)
+    layer.primitive_inputs = functools.partial(wrapper, original)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if had_own:
+            layer.primitive_inputs = original  # type: ignore[method-assign]
+        else:
+            del layer.primitive_inputs
+
+
+def unit_directions(value: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Gaussian directions of `value`'s shape `[B, T, ...]`, unit norm over each (b, t) slice.
+
+    Drawn in float64 on the CPU from `generator` (the same numbers on every device), returned in
+    `value`'s dtype and device.
+    """
+    d = torch.randn(value.shape, generator=generator, dtype=torch.float64)
+    norms = d.flatten(2).norm(dim=-1)  # [B, T]
+    d = d / norms[(..., *[None] * (d.dim() - 2))]
+    return d.to(device=value.device, dtype=value.dtype)
+
+
+@dataclass(frozen=True)
+class SensitivityReport:
+    """Per layer (module name) and gate: RMS over tokens and directions of the change of the
+    layer's final memory (`state`) and of the loss (`loss`) per unit gate perturbation."""
+
+    state: dict[str, dict[str, float]]
+    loss: dict[str, dict[str, float]]
+    probes: int
+
+    @property
+    def layers(self) -> list[str]:
+        return list(self.state)
+
+    @property
+    def gates(self) -> list[str]:
+        """Every gate name, in order of first appearance."""
+        return list(dict.fromkeys(g for per_layer in self.state.values() for g in per_layer))
+
+    def mean(self, kind: str = "loss") -> dict[str, float]:
+        """Each gate's sensitivity averaged over the layers that have it ("state" or "loss")."""
+        if kind not in ("state", "loss"):
+            raise ValueError(f"kind must be 'state' or 'loss', got {kind!r}")
+        table = getattr(self, kind)
+        means = {}
+        for gate in self.gates:
+            values = [per_layer[gate] for per_layer in table.values() if gate in per_layer]
+            means[gate] = sum(values) / len(values)
+        return means
+
+    def table(self) -> str:
+        """One row per layer and gate, then the mean over layers."""
+        rows: list[list[object]] = [
+            [layer, gate, value, self.loss[layer][gate]]
+            for layer, per_layer in self.state.items()
+            for gate, value in per_layer.items()
+        ]
+        state, loss = self.mean("state"), self.mean("loss")
+        rows += [["mean", gate, state[gate], loss[gate]] for gate in self.gates]
+        headers = ["layer", "gate", "d state / d gate", "d loss / d gate"]
+        return format_table(headers, rows)
+
+
+def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    return model(batch)
+
+
+def _delta_layers(model: nn.Module) -> list[tuple[str, DeltaMixer]]:
+    layers = [
+        (name or type(model).__name__, module)
+        for name, module in model.named_modules()
+        if isinstance(module, DeltaMixer)
+    ]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} holds no delta-rule layer (DeltaMixer)")
+    return layers
+
+
+def _scalar_loss(loss_fn: LossFn, model: nn.Module, batch: Any) -> torch.Tensor:
+    loss = loss_fn(model, batch)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ValueError(
+            "loss_fn(model, batch) must return a scalar tensor, got "
+            + (
+                f"shape {tuple(loss.shape)}"
+                if isinstance(loss, torch.Tensor)
+                else type(loss).__name__
+            )
+        )
+    return loss
+
+
+def _gate_names(
+    model: nn.Module, batch: Any, loss_fn: LossFn, layers: list[tuple[str, DeltaMixer]]
+) -> dict[str, list[str]]:
+    """Runs the model once and records each layer's gate names (layers never called: none)."""
+    names: dict[str, list[str]] = {name: [] for name, _ in layers}
+    with contextlib.ExitStack() as stack:
+        for name, layer in layers:
+            stack.enter_context(_recording(layer, names[name]))
+        with torch.no_grad():
+            _scalar_loss(loss_fn, model, batch)
+    return names
+
+
+def _recording(layer: DeltaMixer, names: list[str]) -> contextlib.AbstractContextManager[None]:
+    """Appends the names of the gates `layer` computes to `names`, changing nothing else."""
+
+    def recorded(original, x, q, k, v):
+        inputs, gates = original(x, q, k, v)
+        names.extend(g for g in gates if g not in names)
+        return inputs, gates
+
+    return _wrapped_primitive_inputs(layer, recorded)
+
+
+def _probe(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    layer: DeltaMixer,
+    gate: str,
+    direction: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[float, float]:
+    """||J d||^2 / tokens for the layer's final memory and for the loss, one direction."""
+    seen = {"tokens": 0, "memory": None}
+
+    def delta(value: torch.Tensor) -> torch.Tensor:
+        d = direction(value)
+        if d.shape != value.shape:
+            raise ValueError(
+                f"direction for gate {gate!r} must have shape {tuple(value.shape)}, "
+                f"got {tuple(d.shape)}"
+            )
+        seen["tokens"] += value.shape[0] * value.shape[1]
+        return fwAD.make_dual(torch.zeros_like(value), d.to(value.dtype))
+
+    def capture(module, args, output):
+        seen["memory"] = output[1].memory
+
+    handle = layer.register_forward_hook(capture)
+    try:
+        with torch.no_grad(), fwAD.dual_level(), perturb_gate(layer, gate, delta):
+            loss = _scalar_loss(loss_fn, model, batch)
+            loss_tangent = fwAD.unpack_dual(loss).tangent
+            memory_tangent = fwAD.unpack_dual(seen["memory"]).tangent
+    finally:
+        handle.remove()
+    tokens = seen["tokens"]
+    # No tangent: the quantity does not depend on the gate (e.g. the memory on the read gate).
+    state_sq = 0.0 if memory_tangent is None else memory_tangent.double().square().sum().item()
+    loss_sq = 0.0 if loss_tangent is None else loss_tangent.double().square().item()
+    return state_sq / tokens, loss_sq / tokens
+
+
+def gate_sensitivity(
+    model: nn.Module,
+    batch: Any,
+    *,
+    loss_fn: LossFn | None = None,
+    probes: int = 4,
+    seed: int = 0,
+    direction: Direction | None = None,
+    gates: Sequence[str] | None = None,
+) -> SensitivityReport:
+    """Sensitivity of each delta-rule layer's final memory and of the loss to each of its gates.
+
+    Args:
+        model: any module holding `DeltaMixer` layers (found by `named_modules`).
+        batch: what `loss_fn` takes.
+        loss_fn: `(model, batch) -> scalar tensor`; default `model(batch)`.
+        probes: random directions per gate (the estimate's error falls as 1/sqrt(probes)).
+        seed: seeds the directions (a local generator; the global RNG is untouched).
+        direction: replaces the random directions: `(layer name, gate name, gate value
+            [B, T, ...]) -> direction` of the value's shape, unit norm per (b, t) slice.
+        gates: only these gate names (default: every gate of every layer).
+
+    Returns a `SensitivityReport`: the numbers of the module docstring per layer and gate. A
+    layer called more than once per loss is perturbed in every call; its memory is the last
+    call's and the tokens are counted over all calls. The model is run as is (train/eval mode).
+    """
+    loss_fn = _default_loss if loss_fn is None else loss_fn
+    probes = require_positive_int("probes", probes)
+    layers = _delta_layers(model)
+    names = _gate_names(model, batch, loss_fn, layers)
+    generator = torch.Generator().manual_seed(seed)
+    state: dict[str, dict[str, float]] = {}
+    loss: dict[str, dict[str, float]] = {}
+    for layer_name, layer in layers:
+        chosen = [g for g in names[layer_name] if gates is None or g in gates]
+        if not chosen:
+            continue
+        state[layer_name], loss[layer_name] = {}, {}
+        for gate in chosen:
+
+            def draw(value: torch.Tensor, layer_name=layer_name, gate=gate) -> torch.Tensor:
+                if direction is None:
+                    return unit_directions(value, generator)
+                return direction(layer_name, gate, value)
+
+            results = [_probe(model, batch, loss_fn, layer, gate, draw) for _ in range(probes)]
+            state[layer_name][gate] = math.sqrt(sum(r[0] for r in results) / probes)
+            loss[layer_name][gate] = math.sqrt(sum(r[1] for r in results) / probes)
+    return SensitivityReport(state=state, loss=loss, probes=probes)
+
+
+def allocate_ranks(
+    sensitivity: Mapping[str, float], budget: int, *, minimum: int = 1
+) -> dict[str, int]:
+    """Splits `budget` ranks across gates in proportion to `sensitivity`, each >= `minimum`.
+
+    Keys are gate names ("g" or "decay", "erase", "write", "read"); the result is keyed by
+    `MuirRanks` fields, e.g. `dataclasses.replace(MuirRanks.default(K), **allocate_ranks(...))`.
+    Gates whose proportional share falls below `minimum` get `minimum` and the rest is shared
+    again among the others; the shares are rounded by largest remainder (ties: input order), so
+    the ranks sum exactly to `budget`. All-zero sensitivities split the budget evenly.
+
+    Example: {"g": 6, "erase": 1, "write": 3}, budget 20 -> {"decay": 12, "erase": 2, "write": 6}.
+    """
+    rank_fields = {f.name for f in fields(MuirRanks)}
+    shares: dict[str, float] = {}
+    for name, value in sensitivity.items():
+        key = RANK_FIELDS.get(name, name)
+        if key not in rank_fields:
+            raise ValueError(f"sensitivity has gate {name!r}, which is not a MuirRanks field")
+        if key in shares:
+            raise ValueError(f"sensitivity names the gate {key!r} twice")
+        value = float(value)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"sensitivity[{name!r}] must be finite and >= 0, got {value}")
+        shares[key] = value
+    minimum = require_positive_int("minimum", minimum)
+    budget = require_positive_int("budget", budget)
+    if budget < minimum * len(shares):
+        raise ValueError(
+            f"budget must be >= minimum * gates = {minimum} * {len(shares)}, got {budget}"
+        )
+    if not shares:
+        raise ValueError("sensitivity is empty")
+    if not any(shares.values()):
+        shares = dict.fromkeys(shares, 1.0)
+    # Exact rational quotas: equal remainders stay equal, so ties go by input order.
+    exact = {k: Fraction(v) for k, v in shares.items()}
+    floored: set[str] = set()
+    while True:
+        free = [k for k in shares if k not in floored]
+        left = budget - minimum * len(floored)
+        total = sum(exact[k] for k in free)
+        quota = {k: Fraction(minimum) for k in floored}
+        quota.update({k: left * exact[k] / total for k in free})
+        low = {k for k in free if quota[k] < minimum}
+        if not low:
+            break
+        floored |= low
+    ranks = {k: math.floor(q) for k, q in quota.items()}
+    order = sorted(shares, key=lambda k: quota[k] - ranks[k], reverse=True)
+    for key in order[: budget - sum(ranks.values())]:
+        ranks[key] += 1
+    return {k: ranks[k] for k in shares}
+
+
+def plot_gate_sensitivity(report: SensitivityReport, path: str | os.PathLike[str]) -> Path:
+    """Bar chart of the report (memory and loss panels, one bar group per layer) as a PNG."""
+    figure = new_figure(figsize=(max(6.0, 1.2 * len(report.layers) + 3.0), 6.0))
+    axes = figure.subplots(2, 1, sharex=True)
+    gates, layers = report.gates, report.layers
+    width = 0.8 / max(1, len(gates))
+    for ax, kind, label in (
+        (axes[0], report.state, "d final memory / d gate"),
+        (axes[1], report.loss, "d loss / d gate"),
+    ):
+        for i, gate in enumerate(gates):
+            xs = [j + (i - (len(gates) - 1) / 2) * width for j in range(len(layers))]
+            heights = [kind[layer].get(gate, 0.0) for layer in layers]
+            ax.bar(xs, heights, width=width, label=gate)
+        ax.set_ylabel(label)
+    axes[0].legend(title="gate", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    axes[0].set_title(f"Gate sensitivity: RMS over tokens, {report.probes} random directions")
+    axes[1].set_xticks(range(len(layers)), layers, rotation=30, ha="right")
+    return save_figure(figure, path)

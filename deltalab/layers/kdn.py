@@ -1,0 +1,509 @@
+"""Kalman Delta Networks as token mixers (MATH.md sec. 2, 3, 5).
+
+Each value column of the memory is a Gaussian state observed through the key; the layer learns
+the filter's noise model and the `deltalab.ops.kdn` gains turn it into the write direction of the
+one primitive, `S_t = D_t S_{t-1} + gain_t (v_t - (D_t S_{t-1})^T k_t)^T`. Per token and head:
+
+    g_t   = -exp(A_log) * softplus(f_proj(x_t) + dt_bias)        per channel, as KDA
+    r_t   = r_min + softplus(w_r^T x_t + b_r)                      observation noise, per head
+    q_t   = softplus(w_q^T x_t + b_q)                              process noise, per head (Iso)
+          = softplus(up(down(x_t)) + b_q)                          per head-channel, `up` zero-
+                                                                   initialized (Diagonal, Exact)
+    1/p_0 = 0.1 + softplus(rho)                                    prior precision, per head
+
+so r > 0, q >= 0 and 0 < p_0 <= 10 hold for every parameter value (q_min = 0, as the reference).
+With `process_noise="tied"` the process noise follows the decay instead, `q_t = (1 - exp(2 g_t))
+* p_inf` with a learned `p_inf = softplus(.) >= 0` per head: forgetting restores the variance
+towards p_inf. The isotropic variant projects this by the trace, `q_t = (1 - a_t) p_inf` with
+`a_t = mean_i exp(2 g_t,i)`, the same contraction its variance scan uses.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltalab.layers.common import (
+    DeltaMixer,
+    RecurrentState,
+    compute_dtype,
+    identity_at_padding,
+    no_weight_decay,
+    require_positive_int,
+    run_delta_rule,
+    zero_at_padding,
+)
+from deltalab.layers.decay import ChannelDecay
+from deltalab.ops import _checks
+from deltalab.ops.kdn import kdn_gain_diag, kdn_gain_iso
+from deltalab.ops.kdn.exact import exact_gain
+from deltalab.ops.parametrize import DeltaRuleInputs
+
+__all__ = [
+    "PROCESS_NOISE_MODES",
+    "DiagonalKDN",
+    "ExactKDN",
+    "FreeProcessNoise",
+    "IsotropicKDN",
+    "KDNMixer",
+    "KDNState",
+    "TiedProcessNoise",
+]
+
+PROCESS_NOISE_MODES = ("free", "tied")
+# Floors of MATH.md sec. 3 (the reference implementation's): r >= 0.01, 1/p_0 >= 0.1.
+R_MIN = 0.01
+PRECISION_FLOOR = 0.1
+# Choice: with p_0 = 1 and r = 1 at initialization, a unit key's first write strength is
+# p_0 / (p_0 + r) = 0.5, KDA's sigmoid(0).
+PRIOR_PRECISION_INIT = 1.0
+R_INIT = 1.0
+# Choice: stationary variance sqrt(q r) ~ 0.3 for slow decays, so writes stay well away from 0.
+Q_INIT = 0.1
+# Choice: the tied mode restores the variance towards the prior's at initialization.
+P_INF_INIT = 1.0
+
+
+def inverse_softplus(y: float) -> float:
+    """softplus^-1(y) = log(exp(y) - 1) for y > 0, written stably for small y."""
+    return y + math.log(-math.expm1(-y))
+
+
+class FreeProcessNoise(nn.Module):
+    """q = softplus(proj(x)): per head `hidden -> H` (Isotropic), or per head-channel through a
+    low-rank `hidden -> rank -> H*K` whose second factor starts at zero (MATH.md sec. 3), so
+    every channel starts from q = Q_INIT."""
+
+    def __init__(
+        self, hidden_size: int, num_heads: int, head_dim: int, channel: bool, rank: int
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.channel = num_heads, head_dim, channel
+        if channel:
+            rank = require_positive_int("noise_rank", rank)
+            up = nn.Linear(rank, num_heads * head_dim)
+            nn.init.zeros_(up.weight)
+            self.proj: nn.Module = nn.Sequential(nn.Linear(hidden_size, rank, bias=False), up)
+            bias = up.bias
+        else:
+            linear = nn.Linear(hidden_size, num_heads)
+            self.proj, bias = linear, linear.bias
+        nn.init.constant_(no_weight_decay(bias), inverse_softplus(Q_INIT))
+
+    def forward(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """x `[B, T, D]`, g (unused) -> q `[B, T, H, K]` (channel) or `[B, T, H]`, >= 0."""
+        raw = self.proj(x).to(compute_dtype(x))
+        if self.channel:
+            raw = raw.unflatten(-1, (self.num_heads, self.head_dim))
+        return F.softplus(raw)
+
+
+class TiedProcessNoise(nn.Module):
+    """q = (1 - exp(2 g)) * p_inf, p_inf = softplus(.) per head: per head-channel (channel), or
+    `(1 - mean_i exp(2 g_i)) * p_inf` per head, the isotropic projection of the same."""
+
+    def __init__(self, num_heads: int, channel: bool) -> None:
+        super().__init__()
+        self.channel = channel
+        p_inf = torch.full((num_heads,), inverse_softplus(P_INF_INIT))
+        self.p_inf_raw = no_weight_decay(nn.Parameter(p_inf))
+
+    def p_inf(self) -> torch.Tensor:
+        """`[H]`, >= 0."""
+        return F.softplus(self.p_inf_raw)
+
+    def forward(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """x (unused), g `[B, T, H, K]` -> q `[B, T, H, K]` (channel) or `[B, T, H]`, >= 0."""
+        # 1 - exp(2g) in [0, 1]: the share of the variance a decay of g removes.
+        restore = -torch.expm1(2 * g)
+        p_inf = self.p_inf().to(restore.dtype)
+        if self.channel:
+            return restore * p_inf.unsqueeze(-1)
+        return restore.mean(dim=-1) * p_inf
+
+
+@dataclass
+class KDNState(RecurrentState):
+    """`RecurrentState` plus the filter's uncertainty about the memory after the last token.
+
+    uncertainty: precision 1/p `[B, H]` (IsotropicKDN), `[B, H, K]` (DiagonalKDN), or the
+        covariance P `[B, H, K, K]` (ExactKDN); float32, or float64 for float64 inputs.
+    gates (with `return_gates=True`): g `[B, T, H, K]`, r `[B, T, H]`, q_noise `[B, T, H]`
+        (Isotropic) or `[B, T, H, K]`, the write strength beta `[B, T, H]` (Isotropic, gain =
+        beta k) or the gain `[B, T, H, K]`, the posterior variance p_t `[B, T, H]` (Isotropic)
+        or `[B, T, H, K]` (Diagonal; Exact: the diagonal of P_t), and `predictive`
+        `[B, T, H]`, the predicted variance of the observation before the update,
+        `k_t^T P_bar_t k_t` with `P_bar_t = D_t P_{t-1} D_t + Q_t` (r_t excluded): the gain is
+        `P_bar_t k_t / (predictive + r_t)`.
+    """
+
+    uncertainty: torch.Tensor = field(kw_only=True)
+
+
+class KDNMixer(DeltaMixer):
+    """Shared by the KDN variants: the noise model, the prior, the state with uncertainty.
+
+    Subclasses define `filter`, the gains from the noise model. Shapes: x `[B, T, D]`, q/k
+    `[B, T, H, K]`, v/o `[B, T, H, V]`, memory `[B, H, K, V]`.
+
+    Args (beyond `DeltaMixer`'s): decay_rank: rank of the decay projection (default head_dim);
+    gate_rank: rank of the output gate (default value_dim), both as KDA; channel_noise: process
+    noise per head-channel (else per head); noise_rank: rank of that projection (default
+    head_dim); process_noise: "free" or "tied"; r_min: floor of the observation noise (> 0).
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        value_dim: int | None,
+        conv_size: int,
+        chunk_size: int,
+        decay_rank: int | None,
+        gate_rank: int | None,
+        channel_noise: bool,
+        noise_rank: int | None,
+        process_noise: str,
+        r_min: float,
+        gate_activation: str,
+        norm_eps: float,
+    ) -> None:
+        value_dim = head_dim if value_dim is None else value_dim
+        super().__init__(
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            value_dim=value_dim,
+            conv_size=conv_size,
+            chunk_size=chunk_size,
+            gate_rank=value_dim if gate_rank is None else gate_rank,
+            gate_activation=gate_activation,
+            norm_eps=norm_eps,
+        )
+        _checks.require_choice("process_noise", process_noise, PROCESS_NOISE_MODES)
+        # Checked in every mode, so a bad value never goes unnoticed until a mode switch.
+        noise_rank = require_positive_int(
+            "noise_rank", head_dim if noise_rank is None else noise_rank
+        )
+        self.r_min = _checks.require_positive_number("r_min", r_min)
+        rank = head_dim if decay_rank is None else decay_rank
+        self.decay = ChannelDecay(hidden_size, num_heads, head_dim, rank)
+        self.r_proj = nn.Linear(hidden_size, num_heads)
+        # softplus starts at R_INIT - R_MIN: r = R_INIT at the default floor, any r_min > 0 works.
+        nn.init.constant_(no_weight_decay(self.r_proj.bias), inverse_softplus(R_INIT - R_MIN))
+        precision = inverse_softplus(PRIOR_PRECISION_INIT - PRECISION_FLOOR)
+        self.prior_precision_raw = no_weight_decay(
+            nn.Parameter(torch.full((num_heads,), precision))
+        )
+        self.process: FreeProcessNoise | TiedProcessNoise
+        if process_noise == "tied":
+            self.process = TiedProcessNoise(num_heads, channel_noise)
+        else:
+            self.process = FreeProcessNoise(
+                hidden_size, num_heads, head_dim, channel_noise, noise_rank
+            )
+
+    def prior_variance(self) -> torch.Tensor:
+        """p_0 `[H]`, in (0, 10]: 1 / (0.1 + softplus(rho))."""
+        return 1.0 / (PRECISION_FLOOR + F.softplus(self.prior_precision_raw))
+
+    def kalman_gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x `[B, T, D]` -> (g `[B, T, H, K]` <= 0, q_noise `[B, T, H(, K)]` >= 0, r `[B, T, H]`
+        >= r_min), in at least float32."""
+        g = self.decay(x)
+        r = self.r_min + F.softplus(self.r_proj(x).to(compute_dtype(x)))
+        return g, self.process(x, g), r
+
+    @abc.abstractmethod
+    def filter(
+        self,
+        k: torch.Tensor,
+        g: torch.Tensor,
+        q_noise: torch.Tensor,
+        r: torch.Tensor,
+        uncertainty: torch.Tensor | None,
+        trace: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Gains over the tokens: k `[B, T, H, K]`, the noise model of `kalman_gates`, the
+        incoming uncertainty (None: the prior) -> (write direction a `[B, T, H, K]`, the
+        uncertainty after the last token, the gain gates, with p and predictive when `trace`)."""
+
+    def _filtered(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        uncertainty: torch.Tensor | None,
+        trace: bool,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[DeltaRuleInputs, torch.Tensor, dict[str, torch.Tensor]]:
+        g, q_noise, r = self.kalman_gates(x)
+        if mask is not None:
+            # Padding tokens carry k = 0 (no evidence); with no decay and no process noise
+            # either, the uncertainty passes them unchanged.
+            g, q_noise = (zero_at_padding(x_, mask) for x_ in (g, q_noise))
+        write, uncertainty, gains = self.filter(k, g, q_noise, r, uncertainty, trace)
+        gates = {"g": g, "r": r, "q_noise": q_noise, **gains}
+        return DeltaRuleInputs(q, write, k, v, g), uncertainty, gates
+
+    def primitive_inputs(
+        self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[DeltaRuleInputs, dict[str, torch.Tensor]]:
+        """The primitive's `(q, gain, k, v, g)` and all gates (with the uncertainty trace) for
+        a sequence that starts with these tokens (zero memory, prior p_0)."""
+        inputs, _, gates = self._filtered(x, q, k, v, None, trace=True)
+        return inputs, gates
+
+    def recurrence(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        state: RecurrentState | None,
+        conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        return_gates: bool,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, KDNState]:
+        """As `DeltaMixer.recurrence`, the filter continuing from the state's uncertainty."""
+        if state is not None and not isinstance(state, KDNState):
+            raise TypeError(f"state must be a KDNState or None, got {type(state).__name__}")
+        uncertainty = None if state is None else state.uncertainty
+        inputs, uncertainty, gates = self._filtered(x, q, k, v, uncertainty, return_gates, mask)
+        if mask is not None:
+            inputs = identity_at_padding(inputs, mask)
+        memory = None if state is None else state.memory
+        o, memory = run_delta_rule(inputs, memory, chunk_size=self.chunk_size)
+        new_state = KDNState(
+            memory, *conv, gates if return_gates else None, uncertainty=uncertainty
+        )
+        return o, new_state
+
+
+def _previous(p: torch.Tensor, p_start: torch.Tensor) -> torch.Tensor:
+    """p_{t-1} for every t: `[B, T, ...]` from p `[B, T, ...]` and p_0 `[B, ...]`."""
+    return torch.cat([p_start.to(p.dtype).unsqueeze(1), p[:, :-1]], dim=1)
+
+
+class IsotropicKDN(KDNMixer):
+    """Isotropic KDN: `P = p I` per head, KDA whose beta comes from a variance scan.
+
+    Gates: g `[B, T, H, K]`; r, q_noise, beta, p, predictive `[B, T, H]` (see `KDNState`).
+    State uncertainty: precision `[B, H]`.
+
+    Args (beyond `KDNMixer`'s): info_scale: evidence scale s > 0 (default K, as the reference).
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        value_dim: int | None = None,
+        conv_size: int = 4,
+        chunk_size: int = 64,
+        decay_rank: int | None = None,
+        gate_rank: int | None = None,
+        process_noise: str = "free",
+        info_scale: float | None = None,
+        r_min: float = R_MIN,
+        gate_activation: str = "sigmoid",
+        norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__(
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            value_dim=value_dim,
+            conv_size=conv_size,
+            chunk_size=chunk_size,
+            decay_rank=decay_rank,
+            gate_rank=gate_rank,
+            channel_noise=False,
+            noise_rank=None,
+            process_noise=process_noise,
+            r_min=r_min,
+            gate_activation=gate_activation,
+            norm_eps=norm_eps,
+        )
+        scale = float(head_dim) if info_scale is None else info_scale
+        self.info_scale = _checks.require_positive_number("info_scale", scale)
+
+    def filter(
+        self,
+        k: torch.Tensor,
+        g: torch.Tensor,
+        q_noise: torch.Tensor,
+        r: torch.Tensor,
+        uncertainty: torch.Tensor | None,
+        trace: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        p0 = self.prior_variance()
+        beta, p, precision = kdn_gain_iso(
+            k, g, q_noise, r, p0, info_scale=self.info_scale, initial_precision=uncertainty
+        )
+        gains = {"beta": beta}
+        if trace:
+            start = p0.expand(k.shape[0], -1) if uncertainty is None else 1.0 / uncertainty
+            p_bar = (2 * g).exp().mean(dim=-1) * _previous(p, start) + q_noise
+            gains |= {"p": p, "predictive": p_bar * k.to(p.dtype).square().sum(dim=-1)}
+        return beta.unsqueeze(-1) * k, precision, gains
+
+
+class DiagonalKDN(KDNMixer):
+    """Diagonal KDN: `P = diag(p)` per head, a variance scan per key channel.
+
+    Gates: g, q_noise, gain, p `[B, T, H, K]`; r, predictive `[B, T, H]` (see `KDNState`).
+    State uncertainty: precision `[B, H, K]`.
+
+    Args (beyond `KDNMixer`'s): info_scale: evidence scale s > 0 (default K, as the reference).
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        value_dim: int | None = None,
+        conv_size: int = 4,
+        chunk_size: int = 64,
+        decay_rank: int | None = None,
+        gate_rank: int | None = None,
+        noise_rank: int | None = None,
+        process_noise: str = "free",
+        info_scale: float | None = None,
+        r_min: float = R_MIN,
+        gate_activation: str = "sigmoid",
+        norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__(
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            value_dim=value_dim,
+            conv_size=conv_size,
+            chunk_size=chunk_size,
+            decay_rank=decay_rank,
+            gate_rank=gate_rank,
+            channel_noise=True,
+            noise_rank=noise_rank,
+            process_noise=process_noise,
+            r_min=r_min,
+            gate_activation=gate_activation,
+            norm_eps=norm_eps,
+        )
+        scale = float(head_dim) if info_scale is None else info_scale
+        self.info_scale = _checks.require_positive_number("info_scale", scale)
+
+    def filter(
+        self,
+        k: torch.Tensor,
+        g: torch.Tensor,
+        q_noise: torch.Tensor,
+        r: torch.Tensor,
+        uncertainty: torch.Tensor | None,
+        trace: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        p0 = self.prior_variance().unsqueeze(-1).expand(-1, self.head_dim)
+        gain, p, precision = kdn_gain_diag(
+            k, g, q_noise, r, p0, info_scale=self.info_scale, initial_precision=uncertainty
+        )
+        gains = {"gain": gain}
+        if trace:
+            start = p0.expand(k.shape[0], -1, -1) if uncertainty is None else 1.0 / uncertainty
+            p_bar = (2 * g).exp() * _previous(p, start) + q_noise
+            gains |= {"p": p, "predictive": (p_bar * k.to(p.dtype).square()).sum(dim=-1)}
+        return gain, precision, gains
+
+
+class ExactKDN(KDNMixer):
+    """Exact KDN: the Kalman filter with a dense `P [K, K]` per head (a token loop, O(K^3)).
+
+    Gates: g, q_noise, gain, p (the diagonal of P_t) `[B, T, H, K]`; r, predictive `[B, T, H]`
+    (see `KDNState`). State uncertainty: covariance `[B, H, K, K]`. The prior is `p_0 I`.
+    Exact KDN has no information scale (it is exact, s = 1).
+
+    Args: as `DiagonalKDN` without info_scale (process noise per head-channel).
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        value_dim: int | None = None,
+        conv_size: int = 4,
+        chunk_size: int = 64,
+        decay_rank: int | None = None,
+        gate_rank: int | None = None,
+        noise_rank: int | None = None,
+        process_noise: str = "free",
+        r_min: float = R_MIN,
+        gate_activation: str = "sigmoid",
+        norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__(
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            value_dim=value_dim,
+            conv_size=conv_size,
+            chunk_size=chunk_size,
+            decay_rank=decay_rank,
+            gate_rank=gate_rank,
+            channel_noise=True,
+            noise_rank=noise_rank,
+            process_noise=process_noise,
+            r_min=r_min,
+            gate_activation=gate_activation,
+            norm_eps=norm_eps,
+        )
+
+    def filter(
+        self,
+        k: torch.Tensor,
+        g: torch.Tensor,
+        q_noise: torch.Tensor,
+        r: torch.Tensor,
+        uncertainty: torch.Tensor | None,
+        trace: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        batch, length, heads, key_dim = k.shape
+        dtype = _checks.compute_dtype(k, g, q_noise, r, uncertainty)
+        k, g, q_noise, r = (t.to(dtype) for t in (k, g, q_noise, r))
+        if uncertainty is None:
+            eye = torch.eye(key_dim, dtype=dtype, device=k.device)
+            P = (self.prior_variance().to(dtype)[:, None, None] * eye).expand(batch, -1, -1, -1)
+        else:
+            shape = (batch, heads, key_dim, key_dim)
+            _checks.require_shape("state.uncertainty", uncertainty, shape, "[B, H, K, K]")
+            P = uncertainty.to(dtype)
+        gains, variances, predictive = [], [], []
+        # One token at a time: the trace needs every P_t, which exact_gain keeps to itself.
+        for t in range(length):
+            step = slice(t, t + 1)
+            if trace:
+                decay = g[:, t].exp()
+                P_bar = decay.unsqueeze(-1) * P * decay.unsqueeze(-2)
+                P_bar = P_bar + torch.diag_embed(q_noise[:, t])
+                predictive.append(torch.einsum("bhi,bhij,bhj->bh", k[:, t], P_bar, k[:, t]))
+            gain, P = exact_gain(k[:, step], g[:, step], q_noise[:, step], r[:, step], P)
+            gains.append(gain)
+            if trace:
+                variances.append(P.diagonal(dim1=-2, dim2=-1))
+        gain = torch.cat(gains, dim=1)
+        named = {"gain": gain}
+        if trace:
+            named |= {"p": torch.stack(variances, dim=1), "predictive": torch.stack(predictive, 1)}
+        return gain, P, named

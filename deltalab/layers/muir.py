@@ -1,0 +1,389 @@
+"""Muir (MATH.md sec. 4, seed 003): GDN-2 with fused low-rank gates and a matched-filter read.
+
+    z_t   = W_down x_t                    one projection of rank R = r_decay + r_erase + r_write
+                                          (+ r_read), sliced per gate
+    g_t   = -exp(A_log) * softplus(U_decay z_decay + dt_bias)          [H, K]  (KDA decay)
+    e_t   = sigmoid(U_erase z_erase + c_erase)                         [H, K]  erase gate
+    w_t   = sigmoid(U_write z_write + c_write)                         [H, V]  write gate
+    rho_t = exp(r) * 2 sigmoid(U_read z_read + c_read)   ("dynamic")   [H, K]  read gate
+            exp(r)                                       ("static")
+            1                                            ("none")
+    S_t   = (I - k_t (e_t * k_t)^T) diag(exp(g_t)) S_{t-1} + k_t (w_t * v_t)^T
+    o_t   = S_t^T (rho_t * q_t)
+
+`exp(r)` is the static read vector `[H, K]`, initialized to the matched filter of the initial
+decays. A gate of rank None skips the fused projection and gets a full-rank `nn.Linear(D, width)`
+without bias: with erase and write full rank and `read_gate="none"`, Muir is GDN-2
+(`Muir.from_gdn2` copies a GDN-2 layer exactly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltalab.layers.common import (
+    DeltaMixer,
+    compute_dtype,
+    no_weight_decay,
+    require_positive_int,
+)
+from deltalab.layers.decay import init_A_log, init_dt_bias
+from deltalab.layers.gdn2 import GatedDeltaNet2
+from deltalab.ops._checks import require_choice
+from deltalab.ops.parametrize import DeltaRuleInputs, gdn2_inputs
+
+__all__ = [
+    "DEFAULT_RANK_DIVISORS",
+    "READ_GATES",
+    "FusedGateProjection",
+    "Muir",
+    "MuirRanks",
+    "matched_filter",
+    "muir_ffn_width",
+]
+
+READ_GATES = ("dynamic", "static", "none")
+# The gates computed from the fused projection, in the order of its slices.
+FUSED_GATES = ("decay", "erase", "write", "read")
+# Default rank of each gate as head_dim // divisor (at least 1). Seed 003: the state is far less
+# sensitive to erasure than to writes. Keys are L2-normalized after a SiLU, so their energy sits
+# on a few channels and a change of the erase gate on the others barely moves the state (its
+# effect is e_i * k_i^2), while the write gate scales every value channel of the written row:
+# erase gets the lowest rank, write a middle one. The read gate never touches the state (only
+# the output), and around a learned static matched filter it needs little more than a
+# modulation. Decay and output gate keep GDN-2's rank (128 at its head_dim 128).
+DEFAULT_RANK_DIVISORS = {"decay": 1, "erase": 8, "write": 2, "read": 4, "outgate": 1}
+# Floor of the static read weight relative to its head mean: keeps log(weight) finite when a
+# channel starts without decay (1 - exp(2 g0) = 0).
+READ_WEIGHT_FLOOR = 1e-4
+# SwiGLU feed-forward: gate, up and down matrices of hidden x width each.
+SWIGLU_MATRICES = 3
+
+
+@dataclass(frozen=True)
+class MuirRanks:
+    """Rank of each gate's projection; None means a full-rank, unfused `nn.Linear(D, width)`.
+
+    decay, erase, write, read: slices of the fused down-projection (read only with
+    `read_gate="dynamic"`; validated but unused otherwise). outgate: rank of the output-gate projection, which
+    stays the frontend's own `hidden -> rank -> H*V` projection (`DeltaMixer.g_proj`): the
+    frontend computes it outside `primitive_inputs`, and MATH.md's R counts the four
+    delta-rule gates only. A rank may not exceed min(hidden, width) of the map it factors.
+    """
+
+    decay: int | None
+    erase: int | None
+    write: int | None
+    read: int | None
+    outgate: int | None
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if value is not None:
+                require_positive_int(f"ranks.{field.name}", value)
+
+    @classmethod
+    def default(cls, head_dim: int, hidden_size: int | None = None) -> MuirRanks:
+        """head_dim // DEFAULT_RANK_DIVISORS[gate], at least 1, at most hidden_size."""
+        head_dim = require_positive_int("head_dim", head_dim)
+        limit = (
+            head_dim if hidden_size is None else require_positive_int("hidden_size", hidden_size)
+        )
+        return cls(
+            **{
+                name: min(limit, max(1, head_dim // divisor))
+                for name, divisor in DEFAULT_RANK_DIVISORS.items()
+            }
+        )
+
+    def check_widths(self, hidden_size: int, widths: dict[str, int]) -> None:
+        """Refuses a rank above min(hidden_size, width) for the gates named in `widths`."""
+        for name, width in widths.items():
+            rank = getattr(self, name)
+            if rank is not None and rank > min(hidden_size, width):
+                raise ValueError(
+                    f"ranks.{name} must be <= min(hidden_size, width) = "
+                    f"min({hidden_size}, {width}), got {rank}"
+                )
+
+
+class FusedGateProjection(nn.Module):
+    """x `[B, T, D]` -> each gate's pre-activation `[B, T, width]`, by name.
+
+    Gates with a rank share one down-projection `down: D -> R` (R = the sum of their ranks, one
+    matrix product for all of them), sliced per gate in `names` order and up-projected by
+    `up[name]: rank -> width`. Gates of rank None get `full[name]: D -> width`, no bias.
+
+    Args:
+        hidden_size: D. widths: output width per gate. ranks: rank per gate (None: full rank).
+        biased: gates whose up-projection has a bias (low rank only).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        widths: dict[str, int],
+        ranks: dict[str, int | None],
+        biased: frozenset[str],
+    ) -> None:
+        super().__init__()
+        self.names = tuple(widths)
+        low_rank = [name for name in self.names if ranks[name] is not None]
+        self.split_sizes = [int(ranks[name]) for name in low_rank]  # type: ignore[arg-type]
+        total = sum(self.split_sizes)
+        self.down = nn.Linear(hidden_size, total, bias=False) if total else None
+        self.up = nn.ModuleDict(
+            {
+                name: nn.Linear(int(ranks[name]), widths[name], bias=name in biased)  # type: ignore[arg-type]
+                for name in low_rank
+            }
+        )
+        self.full = nn.ModuleDict(
+            {
+                name: nn.Linear(hidden_size, widths[name], bias=False)
+                for name in self.names
+                if ranks[name] is None
+            }
+        )
+        for module in self.up.values():
+            if module.bias is not None:
+                no_weight_decay(module.bias)
+
+    def projection(self, name: str) -> nn.Linear:
+        """The last linear map of gate `name` (its up-projection, or its full-rank map)."""
+        return self.up[name] if name in self.up else self.full[name]
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        raw: dict[str, torch.Tensor] = {}
+        if self.down is not None:
+            pieces = self.down(x).split(self.split_sizes, dim=-1)
+            for name, z in zip(self.up.keys(), pieces, strict=True):
+                raw[name] = self.up[name](z)
+        for name, proj in self.full.items():
+            raw[name] = proj(x)
+        return raw
+
+
+def matched_filter(A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """The read weights matched to the initial decays: `[H, K]`, mean 1 per head.
+
+    A row with decay alpha = exp(g0) collects interference of variance ~ 1 / (1 - alpha^2), so
+    the matched filter weighs it by 1 - alpha^2 = 1 - exp(2 g0), with the input-independent
+    decay g0 = -exp(A_log) * softplus(dt_bias) (A_log `[H]`, dt_bias `[H, K]`).
+    """
+    g0 = -A_log.exp().unsqueeze(-1) * F.softplus(dt_bias)
+    weight = -torch.expm1(2.0 * g0)
+    weight = weight / weight.mean(dim=-1, keepdim=True)
+    return weight.clamp_min(READ_WEIGHT_FLOOR)
+
+
+class Muir(DeltaMixer):
+    """Muir: GDN-2 whose gates come from one fused low-rank projection, plus a read gate.
+
+    Gates: erase `[B, T, H, K]`, write `[B, T, H, V]`, g `[B, T, H, K]`, read (rho, > 0)
+    `[B, T, H, K]` (a broadcast view for "static" and "none").
+
+    Args (beyond `DeltaMixer`'s): ranks: `MuirRanks`, default `MuirRanks.default(head_dim,
+    hidden_size)`; read_gate: "dynamic" (rho from the fused projection around the static
+    vector), "static" (a learned input-independent `[H, K]` vector) or "none" (rho = 1).
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        value_dim: int | None = None,
+        conv_size: int = 4,
+        chunk_size: int = 64,
+        ranks: MuirRanks | None = None,
+        read_gate: str = "dynamic",
+        gate_activation: str = "sigmoid",
+        norm_eps: float = 1e-5,
+    ) -> None:
+        hidden_size = require_positive_int("hidden_size", hidden_size)
+        if ranks is None:
+            ranks = MuirRanks.default(require_positive_int("head_dim", head_dim), hidden_size)
+        if not isinstance(ranks, MuirRanks):
+            raise TypeError(f"ranks must be a MuirRanks or None, got {type(ranks).__name__}")
+        read_gate = require_choice("read_gate", read_gate, READ_GATES)
+        super().__init__(
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            value_dim=value_dim,
+            conv_size=conv_size,
+            chunk_size=chunk_size,
+            gate_rank=ranks.outgate,
+            gate_activation=gate_activation,
+            norm_eps=norm_eps,
+        )
+        self.ranks, self.read_gate = ranks, read_gate
+        key_width, value_width = num_heads * head_dim, num_heads * self.value_dim
+        widths = {"decay": key_width, "erase": key_width, "write": value_width}
+        if read_gate == "dynamic":
+            widths["read"] = key_width
+        ranks.check_widths(hidden_size, {**widths, "read": key_width, "outgate": value_width})
+        # The decay's bias is dt_bias, as in KDA; a low-rank erase/write/read gate gets a bias so
+        # that each channel keeps its own resting level whatever the rank.
+        self.gate_proj = FusedGateProjection(
+            hidden_size,
+            widths,
+            {name: getattr(ranks, name) for name in widths},
+            biased=frozenset(FUSED_GATES) - {"decay"},
+        )
+        self.A_log = init_A_log(num_heads)
+        self.dt_bias = init_dt_bias(num_heads, head_dim)
+        if read_gate != "none":
+            # log of the static read vector: positive by construction, updates are relative.
+            self.read_log = no_weight_decay(nn.Parameter(torch.empty(num_heads, head_dim)))
+            self.reset_read_gate()
+        if read_gate == "dynamic":
+            # Zero up-projection: 2 * sigmoid(0) = 1, so at init rho is the static matched filter
+            # and the dynamic part is learned as a modulation in (0, 2) around it.
+            read_proj = self.gate_proj.projection("read")
+            nn.init.zeros_(read_proj.weight)
+            if read_proj.bias is not None:
+                nn.init.zeros_(read_proj.bias)
+
+    @torch.no_grad()
+    def reset_read_gate(self) -> None:
+        """Sets the static read vector to the matched filter of the current A_log, dt_bias."""
+        if self.read_gate != "none":
+            # In float64 whatever the parameters' dtype: the weights span orders of magnitude.
+            weight = matched_filter(self.A_log.double(), self.dt_bias.double())
+            self.read_log.copy_(weight.log())
+
+    def gate_values(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """x `[B, T, D]` -> erase, write, g, read (shapes in the class docstring)."""
+        heads, key_dim, value_dim = self.num_heads, self.head_dim, self.value_dim
+        raw = self.gate_proj(x)
+        dtype = compute_dtype(x)
+        decay_raw = raw["decay"].unflatten(-1, (heads, key_dim)).to(dtype)
+        rate = self.A_log.to(dtype).exp().unsqueeze(-1)
+        g = -rate * F.softplus(decay_raw + self.dt_bias.to(dtype))
+        erase = torch.sigmoid(raw["erase"]).unflatten(-1, (heads, key_dim))
+        write = torch.sigmoid(raw["write"]).unflatten(-1, (heads, value_dim))
+        shape = (*x.shape[:2], heads, key_dim)
+        if self.read_gate == "none":
+            read = x.new_ones(()).expand(shape)
+        else:
+            read = self.read_log.to(x.dtype).exp()
+            if self.read_gate == "dynamic":
+                modulation = 2.0 * torch.sigmoid(raw["read"].unflatten(-1, (heads, key_dim)))
+                read = read * modulation
+            else:
+                read = read.expand(shape)
+        return {"erase": erase, "write": write, "g": g, "read": read}
+
+    def inputs_from_gates(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]
+    ) -> DeltaRuleInputs:
+        """The primitive's inputs from the gates: GDN-2's, with the query read as rho * q."""
+        inputs = gdn2_inputs(q, k, v, gates["erase"], gates["write"], gates["g"])
+        return inputs._replace(q=gates["read"] * q)
+
+    def primitive_inputs(
+        self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[DeltaRuleInputs, dict[str, torch.Tensor]]:
+        gates = self.gate_values(x)
+        return self.inputs_from_gates(q, k, v, gates), gates
+
+    @classmethod
+    def from_gdn2(
+        cls, layer: GatedDeltaNet2, *, read_gate: str = "none", read_rank: int | None = None
+    ) -> Muir:
+        """A Muir layer computing what `layer` computes (exactly, with `read_gate="none"`).
+
+        Erase and write become full-rank unfused gates holding GDN-2's `b_proj`, `w_proj`; the
+        decay projection becomes the fused projection's decay slice and its up-projection; the
+        frontend is copied as is. With a read gate, the static vector is the matched filter of
+        the copied decays and the dynamic part (rank `read_rank`, default head_dim // 4) starts
+        at zero, so the layer differs from GDN-2 only by that reweighting of the query.
+        """
+        if not isinstance(layer, GatedDeltaNet2):
+            raise TypeError(f"layer must be a GatedDeltaNet2, got {type(layer).__name__}")
+        decay_rank = layer.decay.f_proj[0].out_features
+        outgate = layer.g_proj[0].out_features if isinstance(layer.g_proj, nn.Sequential) else None
+        if read_rank is None:
+            read_rank = max(1, layer.head_dim // DEFAULT_RANK_DIVISORS["read"])
+        ranks = MuirRanks(decay=decay_rank, erase=None, write=None, read=read_rank, outgate=outgate)
+        reference = next(layer.parameters())
+        muir = cls(
+            hidden_size=layer.hidden_size,
+            num_heads=layer.num_heads,
+            head_dim=layer.head_dim,
+            value_dim=layer.value_dim,
+            conv_size=layer.q_conv.kernel_size,
+            chunk_size=layer.chunk_size,
+            ranks=ranks,
+            read_gate=read_gate,
+            gate_activation=layer.o_norm.activation,
+            norm_eps=layer.o_norm.eps,
+        ).to(device=reference.device, dtype=reference.dtype)
+        source = layer.state_dict()
+        target = muir.state_dict()
+        renamed = {
+            "decay.A_log": "A_log",
+            "decay.dt_bias": "dt_bias",
+            "decay.f_proj.1.weight": "gate_proj.up.decay.weight",
+            "b_proj.weight": "gate_proj.full.erase.weight",
+            "w_proj.weight": "gate_proj.full.write.weight",
+        }
+        for name, tensor in source.items():
+            if name == "decay.f_proj.0.weight":
+                # The decay slice comes first in the fused down-projection.
+                target["gate_proj.down.weight"][:decay_rank] = tensor
+            else:
+                target[renamed.get(name, name)] = tensor
+        muir.load_state_dict(target)
+        muir.reset_read_gate()
+        return muir
+
+
+def _parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def muir_ffn_width(
+    hidden_size: int,
+    num_heads: int,
+    head_dim: int,
+    gdn2_ffn_width: int,
+    *,
+    value_dim: int | None = None,
+    ranks: MuirRanks | None = None,
+    read_gate: str = "dynamic",
+    gdn2_decay_rank: int | None = None,
+    gdn2_gate_rank: int | None = None,
+    multiple_of: int = 64,
+) -> int:
+    """The SwiGLU width that gives a Muir block the parameters of a GDN-2 block.
+
+    A block is mixer + SwiGLU FFN (3 * hidden * width parameters) + norms (the same in both), so
+    the parameters Muir's gates save are reinvested in the FFN: width = gdn2_ffn_width +
+    (GDN-2 mixer - Muir mixer) / (3 * hidden), rounded to a multiple of `multiple_of` (64 by
+    default: GDN-2's 1.3B width 6208 is 97 * 64). Mixers are counted by instantiating both on
+    the meta device, so any size is free. The other arguments configure the two mixers as
+    their constructors do.
+    """
+    require_positive_int("gdn2_ffn_width", gdn2_ffn_width)
+    require_positive_int("multiple_of", multiple_of)
+    sizes = {
+        "hidden_size": hidden_size,
+        "num_heads": num_heads,
+        "head_dim": head_dim,
+        "value_dim": value_dim,
+    }
+    with torch.device("meta"):
+        gdn2 = GatedDeltaNet2(**sizes, decay_rank=gdn2_decay_rank, gate_rank=gdn2_gate_rank)
+        muir = Muir(**sizes, ranks=ranks, read_gate=read_gate)
+    saved = _parameter_count(gdn2) - _parameter_count(muir)
+    width = gdn2_ffn_width + saved / (SWIGLU_MATRICES * hidden_size)
+    return max(multiple_of, multiple_of * round(width / multiple_of))

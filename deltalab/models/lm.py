@@ -1,0 +1,248 @@
+"""The causal language model: embedding -> pre-norm blocks (mixer, SwiGLU) -> norm -> LM head.
+
+    x = x + mixer(norm(x));   x = x + SwiGLU(norm(x))
+
+`CausalLM` is a `transformers` model (`model_type = "deltalab"`): `save_pretrained`,
+`from_pretrained` and `generate()` work as for any Hugging Face causal LM. Generation keeps a
+`RecurrentCache`: per block the mixer's state (memory and short-conv buffers for recurrent
+mixers, keys and values for attention), so a pure recurrent model decodes in constant memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from deltalab.layers.common import RMSNorm
+from deltalab.models.cache import RecurrentCache
+from deltalab.models.config import DeltaLabConfig
+from deltalab.models.mixers import build_mixer
+
+__all__ = ["Block", "CausalLM", "DeltaLabModel", "SwiGLU"]
+
+
+class SwiGLU(nn.Module):
+    """`x [..., D] -> down(silu(gate(x)) * up(x)) [..., D]`, hidden width `width`."""
+
+    def __init__(self, hidden_size: int, width: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(hidden_size, 2 * width, bias=False)
+        self.down = nn.Linear(width, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """One pre-norm block around a token mixer."""
+
+    def __init__(self, config: DeltaLabConfig, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.mixer_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.mixer = build_mixer(config, kind)
+        self.ffn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.ffn = SwiGLU(config.hidden_size, config.ffn_width)
+
+    def forward(
+        self, x: torch.Tensor, state: Any = None, mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Any]:
+        """x `[B, T, D]`, the mixer's state, mask `[B, T]` (False at padding) -> (x, state)."""
+        y, state = self.mixer(self.mixer_norm(x), state, mask=mask)
+        x = x + y
+        return x + self.ffn(self.ffn_norm(x)), state
+
+
+class DeltaLabPreTrainedModel(PreTrainedModel):
+    config_class = DeltaLabConfig
+    config: DeltaLabConfig
+    base_model_prefix = "model"
+    _no_split_modules: ClassVar[list[str]] = ["Block"]
+    main_input_name = "input_ids"
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # Generation state is a RecurrentCache built by the model, not a transformers KV cache.
+        return False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        # Mixers keep their own initializations (decay rates, zero-initialized gate projections);
+        # embeddings, FFNs and the LM head get the usual normal(0, initializer_range).
+        std = self.config.initializer_range
+        if isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, SwiGLU):
+            nn.init.normal_(module.gate_up.weight, std=std)
+            nn.init.normal_(module.down.weight, std=std)
+        elif isinstance(module, CausalLM):
+            nn.init.normal_(module.lm_head.weight, std=std)
+
+
+class DeltaLabModel(DeltaLabPreTrainedModel):
+    """Embedding and blocks: `input_ids [B, T] -> hidden states [B, T, D]`."""
+
+    def __init__(self, config: DeltaLabConfig) -> None:
+        super().__init__(config)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.blocks = nn.ModuleList(Block(config, kind) for kind in config.layer_kinds())
+        self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: RecurrentCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is None:
+            check_token_ids(input_ids, self.config.vocab_size)
+            inputs_embeds = self.embed(input_ids)
+        length = inputs_embeds.shape[1]
+        mask = padding_mask(attention_mask, length)
+        if use_cache and past_key_values is None:
+            past_key_values = RecurrentCache(len(self.blocks))
+        x = inputs_embeds
+        for i, block in enumerate(self.blocks):
+            state = None if past_key_values is None else past_key_values.states[i]
+            x, state = block(x, state, mask)
+            if past_key_values is not None:
+                past_key_values.states[i] = state
+        if past_key_values is not None:
+            past_key_values.seen_tokens += length
+        return BaseModelOutputWithPast(
+            last_hidden_state=self.norm(x), past_key_values=past_key_values
+        )
+
+
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must have shape [B, T], got {tuple(input_ids.shape)}")
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
+        raise ValueError(
+            f"input_ids must lie in [0, {vocab_size - 1}] (vocab_size {vocab_size}), got values "
+            f"in [{int(input_ids.min())}, {int(input_ids.max())}]"
+        )
+
+
+def padding_mask(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """The last `length` columns of a `[B, S]` attention mask as bool, or None if all ones."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask[:, -length:].bool()
+    return None if bool(mask.all()) else mask
+
+
+class CausalLM(DeltaLabPreTrainedModel, GenerationMixin):
+    """deltalab language model with an LM head; `forward` follows transformers' causal LMs."""
+
+    _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.embed.weight"}
+
+    def __init__(self, config: DeltaLabConfig) -> None:
+        super().__init__(config)
+        self.model = DeltaLabModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
+        """As `PreTrainedModel.from_pretrained`, but a checkpoint whose weights do not match the
+        config (missing, unexpected or reshaped tensors) is refused instead of half-loaded."""
+        want_info = kwargs.pop("output_loading_info", False)
+        # Reshaped tensors are reported below with the rest, instead of transformers' own error.
+        kwargs.setdefault("ignore_mismatched_sizes", True)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        problems = {
+            key: sorted(map(str, value))[:5]
+            for key, value in info.items()
+            if key in ("missing_keys", "unexpected_keys", "mismatched_keys") and value
+        }
+        if problems:
+            raise ValueError(f"the checkpoint's weights do not match its config: {problems}")
+        return (model, info) if want_info else model
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: RecurrentCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        """input_ids `[B, T]` -> logits `[B, T, vocab]` (float32), loss when labels are given.
+
+        labels `[B, T]` are shifted inside (position t predicts labels[t + 1]); -100 is ignored.
+        """
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+        )
+        hidden = out.last_hidden_state
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        logits = self.lm_head(hidden).float()
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
+            )
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        past_key_values: RecurrentCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = True,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """The prompt on the first call, then only the tokens the cache has not seen."""
+        if past_key_values is not None and past_key_values.seen_tokens > 0:
+            input_ids = input_ids[:, past_key_values.seen_tokens :]
+            inputs_embeds = None
+        inputs: dict[str, Any] = dict(
+            past_key_values=past_key_values, attention_mask=attention_mask, use_cache=use_cache
+        )
+        if inputs_embeds is not None:
+            inputs["inputs_embeds"] = inputs_embeds
+        else:
+            inputs["input_ids"] = input_ids
+        return inputs

@@ -1,0 +1,147 @@
+"""Named model presets: `tiny` for CPU, and the papers' scales for every mixer family.
+
+`build_config("340M", mixer="muir", num_layers=2)` returns a `DeltaLabConfig`. Scale presets
+fix width, depth and heads (head dim 128, vocab 32000, as in the GDN-2 and KDN papers); the
+FFN width is solved so that the non-embedding parameter count (embeddings and LM head excluded,
+as the papers count) matches the scale, except where a paper publishes it (GDN-2 1.3B: 6208).
+Muir's FFN reinvests what its low-rank gates save, matching GDN-2's count at each scale.
+Parameter counts are taken on the meta device, so the big presets allocate nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deltalab.models.config import MIXER_KINDS, DeltaLabConfig, closest
+
+__all__ = ["PRESETS", "SCALES", "build_config", "count_parameters", "preset_table"]
+
+FFN_MULTIPLE = 32
+PAPER_VOCAB = 32000
+PAPER_HEAD_DIM = 128
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Shape of one scale: target non-embedding parameters, width, depth."""
+
+    target: float
+    hidden_size: int
+    num_layers: int
+
+
+SCALES = {
+    "166M": Scale(166e6, 1024, 12),
+    "340M": Scale(340e6, 1024, 24),
+    "750M": Scale(750e6, 1536, 24),
+    # GDN-2 and KDN 1.3B: 18 layers of width 2304 (MATH.md sec. 4).
+    "1.3B": Scale(1.3e9, 2304, 18),
+}
+PRESETS = ("tiny", *SCALES)
+
+TINY = dict(hidden_size=128, num_layers=6, num_heads=2, head_dim=64, vocab_size=259)
+
+# Published FFN widths: (scale, mixer) -> width.
+PUBLISHED_FFN = {("1.3B", "gdn2"): 6208}
+
+
+def count_parameters(config: DeltaLabConfig, *, embeddings: bool = False) -> int:
+    """Parameters of `CausalLM(config)`, built on the meta device; embeddings and LM head are
+    left out unless `embeddings` (tied weights counted once)."""
+    from deltalab.models.lm import CausalLM
+
+    with torch.device("meta"):
+        model = CausalLM(config)
+    skip = set() if embeddings else {id(model.model.embed.weight), id(model.lm_head.weight)}
+    unique = {id(p): p for p in model.parameters()}
+    return sum(p.numel() for key, p in unique.items() if key not in skip)
+
+
+def _heads(scale_name: str, mixer: str, hidden_size: int) -> int:
+    # GDN-2 1.3B uses 16 heads of 128 (key width 2048 < 2304); KDN and the others fill the width.
+    if scale_name == "1.3B" and mixer in ("gdn2", "muir", "gdn", "kda", "deltanet"):
+        return 16
+    return hidden_size // PAPER_HEAD_DIM
+
+
+def _solve_ffn(fields: dict[str, Any], target: float, multiple: int = FFN_MULTIPLE) -> int:
+    """The FFN width (a multiple of `multiple`) whose model is closest to `target`."""
+    probe = DeltaLabConfig(**{**fields, "ffn_width": multiple})
+    without_ffn = count_parameters(probe) - 3 * probe.hidden_size * multiple * probe.num_layers
+    per_unit = 3 * probe.hidden_size * probe.num_layers
+    width = round((target - without_ffn) / per_unit / multiple) * multiple
+    if width <= 0:
+        raise ValueError(f"the {fields['mixer']} mixer alone exceeds {target:.3g} parameters")
+    return width
+
+
+def _scale_fields(name: str, mixer: str) -> dict[str, Any]:
+    scale = SCALES[name]
+    fields: dict[str, Any] = dict(
+        mixer=mixer,
+        hidden_size=scale.hidden_size,
+        num_layers=scale.num_layers,
+        num_heads=_heads(name, mixer, scale.hidden_size),
+        head_dim=PAPER_HEAD_DIM,
+        vocab_size=PAPER_VOCAB,
+        tie_word_embeddings=False,
+    )
+    if (name, mixer) in PUBLISHED_FFN:
+        fields["ffn_width"] = PUBLISHED_FFN[(name, mixer)]
+    elif mixer == "muir":
+        # Reinvest: match the GDN-2 model of the same scale.
+        reference = count_parameters(DeltaLabConfig(**_scale_fields(name, "gdn2")))
+        fields["ffn_width"] = _solve_ffn(fields, reference)
+    else:
+        fields["ffn_width"] = _solve_ffn(fields, scale.target)
+    return fields
+
+
+def build_config(preset: str, **overrides: Any) -> DeltaLabConfig:
+    """The config of a named preset (`PRESETS`), with field overrides (e.g. `mixer="kdn_diag"`)."""
+    if preset not in PRESETS:
+        raise ValueError(
+            f"preset must be one of {list(PRESETS)}, got {preset!r}{closest(str(preset), PRESETS)}"
+        )
+    mixer = overrides.pop("mixer", "gdn2")
+    if mixer not in MIXER_KINDS:
+        raise ValueError(
+            f"mixer must be one of {list(MIXER_KINDS)}, got {mixer!r}{closest(str(mixer), MIXER_KINDS)}"
+        )
+    if preset == "tiny":
+        fields = {**TINY, "mixer": mixer}
+        if mixer == "muir":
+            reference = count_parameters(DeltaLabConfig(**{**TINY, "mixer": "gdn2"}))
+            fields["ffn_width"] = _solve_ffn(fields, reference, multiple=8)
+    else:
+        fields = _scale_fields(preset, mixer)
+    unknown = set(overrides) - set(DeltaLabConfig().to_dict()) - {"ffn_width", "value_dim"}
+    for name in sorted(unknown):
+        raise ValueError(
+            f"unknown config field {name!r}{closest(name, list(DeltaLabConfig().to_dict()))}"
+        )
+    return DeltaLabConfig(**{**fields, **overrides})
+
+
+def preset_table(mixers: tuple[str, ...] = MIXER_KINDS) -> list[list[object]]:
+    """Rows: preset, mixer, width, layers, heads, FFN, non-embedding and total parameters."""
+    rows = []
+    for preset in PRESETS:
+        for mixer in mixers:
+            config = build_config(preset, mixer=mixer)
+            rows.append(
+                [
+                    preset,
+                    mixer,
+                    config.hidden_size,
+                    config.num_layers,
+                    config.num_heads,
+                    config.ffn_width,
+                    count_parameters(config),
+                    count_parameters(config, embeddings=True),
+                ]
+            )
+    return rows

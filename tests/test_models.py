@@ -1,0 +1,186 @@
+"""Causal LMs over every mixer: cache decoding, generate(), save/load, hybrids, presets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import deltalab  # noqa: F401  (registers the model with transformers' Auto classes)
+from deltalab.models import MIXER_KINDS, CausalLM, RecurrentCache, build_config, count_parameters
+from deltalab.models.presets import SCALES
+from deltalab.testing import assert_close
+
+TINY = dict(hidden_size=32, num_layers=2, num_heads=2, head_dim=16, vocab_size=67, chunk_size=16)
+
+
+def tiny_model(mixer: str, seed: int = 0, **overrides) -> CausalLM:
+    torch.manual_seed(seed)
+    return CausalLM(build_config("tiny", mixer=mixer, **{**TINY, **overrides})).eval()
+
+
+def token_ids(generator, batch, length, vocab=67):
+    return torch.randint(0, vocab, (batch, length), generator=generator)
+
+
+@pytest.mark.parametrize("mixer", MIXER_KINDS)
+def test_prefill_then_token_by_token_decoding_equals_full_forward(generator, mixer):
+    model = tiny_model(mixer)
+    ids = token_ids(generator, 2, 37)
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :20], use_cache=True)
+        logits, cache = [out.logits], out.past_key_values
+        for t in range(20, 37):
+            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            logits.append(out.logits)
+            cache = out.past_key_values
+    assert_close(torch.cat(logits, dim=1), full, 1e-5, mixer)
+
+
+@pytest.mark.parametrize("mixer", ["gdn2", "kdn_diag", "muir", "transformer"])
+def test_greedy_generate_equals_argmax_of_full_forwards(generator, mixer):
+    model = tiny_model(mixer)
+    prompt = token_ids(generator, 1, 9)
+    with torch.no_grad():
+        generated = model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)
+        ids = prompt
+        for _ in range(12):
+            next_id = model(ids).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, next_id], dim=1)
+    assert torch.equal(generated, ids)
+
+
+@pytest.mark.parametrize("mixer", ["gdn", "kdn_iso", "muir", "transformer"])
+def test_left_padded_batch_generates_as_one_by_one(generator, mixer):
+    model = tiny_model(mixer, attention_every=2) if mixer == "gdn" else tiny_model(mixer)
+    prompts = [token_ids(generator, 1, n) for n in (5, 11, 8)]
+    longest = max(p.shape[1] for p in prompts)
+    pad = 3  # any id: the attention mask, not the id, marks padding
+    batch = torch.full((3, longest), pad)
+    attention = torch.zeros(3, longest, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        batch[i, longest - p.shape[1] :] = p[0]
+        attention[i, longest - p.shape[1] :] = 1
+    settings = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=pad)
+    with torch.no_grad():
+        together = model.generate(batch, attention_mask=attention, **settings)
+        for i, p in enumerate(prompts):
+            alone = model.generate(p, attention_mask=torch.ones_like(p), **settings)
+            assert torch.equal(together[i, longest:], alone[0, p.shape[1] :]), f"prompt {i}"
+
+
+@pytest.mark.parametrize("mixer", MIXER_KINDS)
+def test_save_pretrained_round_trip_gives_identical_logits(tmp_path, generator, mixer):
+    model = tiny_model(mixer)
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded, CausalLM)
+    ids = token_ids(generator, 2, 23)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+def test_checkpoint_whose_config_does_not_match_the_weights_is_refused(tmp_path):
+    tiny_model("gdn2").save_pretrained(tmp_path)
+    config = AutoConfig.from_pretrained(tmp_path)
+    config.mixer = "kda"
+    with pytest.raises(ValueError, match=r"do not match|missing|unexpected"):
+        CausalLM.from_pretrained(tmp_path, config=config)
+
+
+@pytest.mark.parametrize(
+    ("layout", "expected"),
+    [(dict(attention_layers=[0, 3]), [0, 3]), (dict(attention_every=2), [1, 3])],
+)
+def test_hybrid_layout_puts_attention_exactly_at_the_requested_layers(layout, expected):
+    model = tiny_model("muir", num_layers=4, attention_window=8, **layout)
+    kinds = [type(block.mixer).__name__ for block in model.model.blocks]
+    assert [i for i, k in enumerate(kinds) if k == "Attention"] == expected
+    assert all(k == "Muir" for i, k in enumerate(kinds) if i not in expected)
+    assert all(model.model.blocks[i].mixer.window == 8 for i in expected)
+
+
+@pytest.mark.parametrize("mixer", ["gdn2", "kdn_diag"])
+def test_recurrent_cache_memory_is_constant_in_the_number_of_tokens(generator, mixer):
+    model = tiny_model(mixer)
+    sizes = {}
+    with torch.no_grad():
+        out = model(token_ids(generator, 1, 5), use_cache=True)
+        cache = out.past_key_values
+        for step in range(1, 1025):
+            next_id = out.logits[:, -1:].argmax(-1)
+            out = model(next_id, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            if step in (16, 1024):
+                sizes[step] = cache.nbytes()
+    assert isinstance(cache, RecurrentCache)
+    assert sizes[16] == sizes[1024] > 0
+
+
+def test_sliding_window_attention_cache_is_bounded_by_the_window(generator):
+    model = tiny_model("transformer", attention_window=6)
+    with torch.no_grad():
+        out = model(token_ids(generator, 1, 20), use_cache=True)
+    assert all(state.key.shape[1] == 5 for state in out.past_key_values.states)
+
+
+def test_loss_is_next_token_cross_entropy(generator):
+    model = tiny_model("gdn")
+    ids = token_ids(generator, 2, 15)
+    out = model(ids, labels=ids)
+    expected = torch.nn.functional.cross_entropy(
+        out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()
+    )
+    assert_close(out.loss, expected, 1e-6)
+
+
+def test_unknown_mixer_and_preset_and_field_are_named():
+    with pytest.raises(ValueError, match=r"mixer must be one of .*got 'gdn3' \(did you mean 'gdn"):
+        build_config("tiny", mixer="gdn3")
+    with pytest.raises(ValueError, match=r"preset must be one of .*'34OM'"):
+        build_config("34OM")
+    with pytest.raises(
+        ValueError, match=r"unknown config field 'num_layer'.*did you mean 'num_layers'"
+    ):
+        build_config("tiny", num_layer=3)
+    with pytest.raises(ValueError, match=r"attention_layers holds 7, outside the layers 0..5"):
+        build_config("tiny", attention_layers=[1, 7])
+
+
+def test_input_ids_outside_the_vocabulary_are_refused():
+    model = tiny_model("gdn")
+    with pytest.raises(
+        ValueError, match=r"input_ids must lie in \[0, 66\].*got values in \[0, 67\]"
+    ):
+        model(torch.tensor([[0, 67]]))
+
+
+@pytest.mark.parametrize("mixer", MIXER_KINDS)
+@pytest.mark.parametrize("scale", list(SCALES))
+def test_preset_parameter_count_matches_its_name(scale, mixer):
+    count = count_parameters(build_config(scale, mixer=mixer))
+    target = SCALES[scale].target
+    assert abs(count - target) / target < 0.05, f"{scale} {mixer}: {count / 1e6:.1f}M"
+
+
+def test_tiny_presets_are_cpu_sized():
+    for mixer in MIXER_KINDS:
+        total = count_parameters(build_config("tiny", mixer=mixer), embeddings=True)
+        assert 1e6 <= total <= 5e6, f"{mixer}: {total}"
+
+
+def test_gdn2_1p3b_preset_is_the_published_shape():
+    config = build_config("1.3B", mixer="gdn2")
+    shape = (config.num_layers, config.hidden_size, config.num_heads, config.head_dim)
+    assert shape == (18, 2304, 16, 128) and config.ffn_width == 6208 and config.vocab_size == 32000
+    kdn = build_config("1.3B", mixer="kdn_diag")
+    assert (kdn.num_heads, kdn.head_dim) == (18, 128)
+
+
+def test_muir_preset_matches_gdn2_parameter_count():
+    for scale in ("tiny", *SCALES):
+        muir = count_parameters(build_config(scale, mixer="muir"))
+        gdn2 = count_parameters(build_config(scale, mixer="gdn2"))
+        assert abs(muir - gdn2) / gdn2 < 0.005, scale
