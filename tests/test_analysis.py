@@ -27,11 +27,12 @@ from deltalab.analysis import (
     unit_directions,
 )
 from deltalab.analysis._plot import new_figure
+from deltalab.layers.common import DeltaMixer
 from deltalab.layers.deltanet import DeltaNet, GatedDeltaNet
 from deltalab.layers.gdn2 import GatedDeltaNet2
 from deltalab.layers.kda import KimiDeltaAttention
 from deltalab.layers.muir import Muir
-from deltalab.ops.parametrize import DeltaRuleInputs
+from deltalab.ops.parametrize import DeltaRuleInputs, deltanet_inputs
 
 D, H, K = 16, 2, 8
 SIZES = {"hidden_size": D, "num_heads": H, "head_dim": K}
@@ -241,6 +242,26 @@ def test_bad_models_losses_and_directions_are_refused(generator):
         gate_sensitivity(model, batch, direction=lambda layer, gate, value: value[:, :1])
     with pytest.raises(ValueError, match="probes"):
         gate_sensitivity(model, batch, probes=0)
+
+
+class Unregistered(DeltaMixer):
+    """A mixer that neither has `inputs_from_gates` nor is a baseline."""
+
+    def primitive_inputs(self, x, q, k, v):
+        beta = torch.sigmoid(x[..., :H])
+        return deltanet_inputs(q, k, v, beta), {"beta": beta}
+
+
+@torch.no_grad()
+def test_layers_whose_gates_cannot_be_perturbed_are_refused_or_left_out(generator):
+    model = Stack(seeded(GatedDeltaNet2, 0), seeded(Unregistered, 1))
+    batch = make_batch(generator, length=5)
+    with pytest.raises(TypeError, match=r"layers\.1.*Unregistered"):
+        gate_sensitivity(model, batch)
+    report = gate_sensitivity(model, batch, probes=1, layers=["layers.0"])
+    assert report.layers == ["layers.0"]
+    with pytest.raises(ValueError, match=r"layers\.7"):
+        gate_sensitivity(model, batch, layers=["layers.7"])
 
 
 def test_table_and_bar_chart(tmp_path, generator):

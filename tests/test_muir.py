@@ -301,3 +301,14 @@ def test_ffn_width_is_the_gdn2_width_when_nothing_is_saved():
     same = {"ranks": ranks, "read_gate": "none"}
     assert muir_ffn_width(**SIZES, gdn2_ffn_width=128, **same) == 128
     assert muir_ffn_width(**SIZES, gdn2_ffn_width=100, multiple_of=1, **same) == 100
+
+
+@pytest.mark.parametrize("read_gate", READ_GATES)
+def test_bfloat16_activations_keep_a_float32_memory(read_gate, generator):
+    mixer = build(read_gate=read_gate).to(torch.bfloat16)
+    x = hidden(generator, 5, dtype=torch.bfloat16)
+    y, state = mixer(x)
+    y_step, state = mixer(x[:, :1], state)
+    assert y.dtype == y_step.dtype == torch.bfloat16
+    assert state.memory.dtype == torch.float32
+    assert torch.isfinite(y).all() and torch.isfinite(y_step).all()

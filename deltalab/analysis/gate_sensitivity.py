@@ -194,29 +194,35 @@ def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return model(batch)
 
 
-def _delta_layers(model: nn.Module) -> list[tuple[str, DeltaMixer]]:
+def _delta_layers(model: nn.Module, only: Sequence[str] | None) -> list[tuple[str, DeltaMixer]]:
+    """The model's delta-rule layers (module name, layer), restricted to `only` when given;
+    refuses a layer whose gates cannot be perturbed rather than leaving it out silently."""
     layers = [
         (name or type(model).__name__, module)
         for name, module in model.named_modules()
         if isinstance(module, DeltaMixer)
     ]
+    if only is not None:
+        unknown = set(only) - {name for name, _ in layers}
+        if unknown:
+            raise ValueError(f"layers {sorted(unknown)} are not delta-rule layers of the model")
+        layers = [(name, layer) for name, layer in layers if name in only]
     if not layers:
         raise ValueError(f"{type(model).__name__} holds no delta-rule layer (DeltaMixer)")
+    for name, layer in layers:
+        try:
+            gate_inputs(layer)
+        except TypeError as error:
+            raise TypeError(f"layer {name!r}: {error}; leave it out with layers=[...]") from None
     return layers
 
 
 def _scalar_loss(loss_fn: LossFn, model: nn.Module, batch: Any) -> torch.Tensor:
     loss = loss_fn(model, batch)
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise ValueError(
-            "loss_fn(model, batch) must return a scalar tensor, got "
-            + (
-                f"shape {tuple(loss.shape)}"
-                if isinstance(loss, torch.Tensor)
-                else type(loss).__name__
-            )
-        )
-    return loss
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+        return loss
+    got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+    raise ValueError(f"loss_fn(model, batch) must return a scalar tensor, got {got}")
 
 
 def _gate_names(
@@ -252,30 +258,32 @@ def _probe(
     direction: Callable[[torch.Tensor], torch.Tensor],
 ) -> tuple[float, float]:
     """||J d||^2 / tokens for the layer's final memory and for the loss, one direction."""
-    seen = {"tokens": 0, "memory": None}
+    tokens, memory = 0, None
 
     def delta(value: torch.Tensor) -> torch.Tensor:
+        nonlocal tokens
         d = direction(value)
         if d.shape != value.shape:
             raise ValueError(
                 f"direction for gate {gate!r} must have shape {tuple(value.shape)}, "
                 f"got {tuple(d.shape)}"
             )
-        seen["tokens"] += value.shape[0] * value.shape[1]
+        tokens += value.shape[0] * value.shape[1]
+        # A dual number: primal 0, tangent d; the model carries d/d eps along exactly.
         return fwAD.make_dual(torch.zeros_like(value), d.to(value.dtype))
 
-    def capture(module, args, output):
-        seen["memory"] = output[1].memory
+    def capture(module: nn.Module, args: Any, output: tuple[torch.Tensor, Any]) -> None:
+        nonlocal memory
+        memory = output[1].memory
 
     handle = layer.register_forward_hook(capture)
     try:
         with torch.no_grad(), fwAD.dual_level(), perturb_gate(layer, gate, delta):
             loss = _scalar_loss(loss_fn, model, batch)
             loss_tangent = fwAD.unpack_dual(loss).tangent
-            memory_tangent = fwAD.unpack_dual(seen["memory"]).tangent
+            memory_tangent = fwAD.unpack_dual(memory).tangent
     finally:
         handle.remove()
-    tokens = seen["tokens"]
     # No tangent: the quantity does not depend on the gate (e.g. the memory on the read gate).
     state_sq = 0.0 if memory_tangent is None else memory_tangent.double().square().sum().item()
     loss_sq = 0.0 if loss_tangent is None else loss_tangent.double().square().item()
@@ -291,6 +299,7 @@ def gate_sensitivity(
     seed: int = 0,
     direction: Direction | None = None,
     gates: Sequence[str] | None = None,
+    layers: Sequence[str] | None = None,
 ) -> SensitivityReport:
     """Sensitivity of each delta-rule layer's final memory and of the loss to each of its gates.
 
@@ -303,6 +312,8 @@ def gate_sensitivity(
         direction: replaces the random directions: `(layer name, gate name, gate value
             [B, T, ...]) -> direction` of the value's shape, unit norm per (b, t) slice.
         gates: only these gate names (default: every gate of every layer).
+        layers: only these layers, by module name (default: every `DeltaMixer`). A layer whose
+            gates cannot be perturbed (no `inputs_from_gates`, not a baseline) is an error.
 
     Returns a `SensitivityReport`: the numbers of the module docstring per layer and gate. A
     layer called more than once per loss is perturbed in every call; its memory is the last
@@ -310,12 +321,12 @@ def gate_sensitivity(
     """
     loss_fn = _default_loss if loss_fn is None else loss_fn
     probes = require_positive_int("probes", probes)
-    layers = _delta_layers(model)
-    names = _gate_names(model, batch, loss_fn, layers)
+    chosen_layers = _delta_layers(model, layers)
+    names = _gate_names(model, batch, loss_fn, chosen_layers)
     generator = torch.Generator().manual_seed(seed)
     state: dict[str, dict[str, float]] = {}
     loss: dict[str, dict[str, float]] = {}
-    for layer_name, layer in layers:
+    for layer_name, layer in chosen_layers:
         chosen = [g for g in names[layer_name] if gates is None or g in gates]
         if not chosen:
             continue

@@ -133,14 +133,14 @@ class FusedGateProjection(nn.Module):
     ) -> None:
         super().__init__()
         self.names = tuple(widths)
-        low_rank = [name for name in self.names if ranks[name] is not None]
-        self.split_sizes = [int(ranks[name]) for name in low_rank]  # type: ignore[arg-type]
+        low_rank = {name: rank for name in self.names if (rank := ranks[name]) is not None}
+        self.split_sizes = list(low_rank.values())
         total = sum(self.split_sizes)
         self.down = nn.Linear(hidden_size, total, bias=False) if total else None
         self.up = nn.ModuleDict(
             {
-                name: nn.Linear(int(ranks[name]), widths[name], bias=name in biased)  # type: ignore[arg-type]
-                for name in low_rank
+                name: nn.Linear(rank, widths[name], bias=name in biased)
+                for name, rank in low_rank.items()
             }
         )
         self.full = nn.ModuleDict(
@@ -274,12 +274,11 @@ class Muir(DeltaMixer):
         if self.read_gate == "none":
             read = x.new_ones(()).expand(shape)
         else:
-            read = self.read_log.to(x.dtype).exp()
+            read = self.read_log.to(dtype).exp()
             if self.read_gate == "dynamic":
-                modulation = 2.0 * torch.sigmoid(raw["read"].unflatten(-1, (heads, key_dim)))
-                read = read * modulation
-            else:
-                read = read.expand(shape)
+                modulation = torch.sigmoid(raw["read"].unflatten(-1, (heads, key_dim)).to(dtype))
+                read = read * (2.0 * modulation)
+            read = read.to(x.dtype).expand(shape)
         return {"erase": erase, "write": write, "g": g, "read": read}
 
     def inputs_from_gates(
