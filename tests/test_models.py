@@ -184,3 +184,32 @@ def test_muir_preset_matches_gdn2_parameter_count():
         muir = count_parameters(build_config(scale, mixer="muir"))
         gdn2 = count_parameters(build_config(scale, mixer="gdn2"))
         assert abs(muir - gdn2) / gdn2 < 0.005, scale
+
+
+def test_generate_command_continues_a_prompt_from_a_checkpoint(tmp_path, capsys):
+    from deltalab.cli import main
+    from deltalab.data import ByteTokenizer
+
+    torch.manual_seed(0)
+    model = CausalLM(build_config("tiny", mixer="kdn_iso")).eval()
+    model.save_pretrained(tmp_path)
+    assert main(["generate", str(tmp_path), "def f(", "--max-new-tokens", "7"]) == 0
+    printed = capsys.readouterr().out
+    tokenizer = ByteTokenizer()
+    prompt = torch.tensor([tokenizer.encode("def f(")])
+    with torch.no_grad():
+        expected = model.generate(
+            prompt,
+            max_new_tokens=7,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_id,
+            pad_token_id=tokenizer.pad_id,
+        )
+    assert printed == "def f(" + tokenizer.decode(expected[0, prompt.shape[1] :].tolist()) + "\n"
+
+
+def test_generate_command_refuses_a_folder_without_a_checkpoint(tmp_path):
+    from deltalab.generate import GenerateConfig, generate_text
+
+    with pytest.raises(ValueError, match=r"holds no config.json"):
+        generate_text(GenerateConfig(checkpoint=str(tmp_path), prompt="x"))

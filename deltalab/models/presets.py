@@ -67,15 +67,28 @@ def _heads(scale_name: str, mixer: str, hidden_size: int) -> int:
     return hidden_size // PAPER_HEAD_DIM
 
 
-def _solve_ffn(fields: dict[str, Any], target: float, multiple: int = FFN_MULTIPLE) -> int:
-    """The FFN width (a multiple of `multiple`) whose model is closest to `target`."""
-    probe = DeltaLabConfig(**{**fields, "ffn_width": multiple})
-    without_ffn = count_parameters(probe) - 3 * probe.hidden_size * multiple * probe.num_layers
+def _solve_ffn(fields: dict[str, Any], target: float) -> int:
+    """The FFN width (a multiple of FFN_MULTIPLE) whose model is closest to `target`."""
+    probe = DeltaLabConfig(**{**fields, "ffn_width": FFN_MULTIPLE})
+    without_ffn = count_parameters(probe) - 3 * probe.hidden_size * FFN_MULTIPLE * probe.num_layers
     per_unit = 3 * probe.hidden_size * probe.num_layers
-    width = round((target - without_ffn) / per_unit / multiple) * multiple
+    width = round((target - without_ffn) / per_unit / FFN_MULTIPLE) * FFN_MULTIPLE
     if width <= 0:
         raise ValueError(f"the {fields['mixer']} mixer alone exceeds {target:.3g} parameters")
     return width
+
+
+def _muir_ffn(fields: dict[str, Any], gdn2_ffn: int, multiple: int = FFN_MULTIPLE) -> int:
+    """Reinvest what Muir's low-rank gates save: the FFN that matches GDN-2's parameter count."""
+    from deltalab.layers.muir import muir_ffn_width
+
+    return muir_ffn_width(
+        fields["hidden_size"],
+        fields["num_heads"],
+        fields["head_dim"],
+        gdn2_ffn,
+        multiple_of=multiple,
+    )
 
 
 def _scale_fields(name: str, mixer: str) -> dict[str, Any]:
@@ -92,9 +105,7 @@ def _scale_fields(name: str, mixer: str) -> dict[str, Any]:
     if (name, mixer) in PUBLISHED_FFN:
         fields["ffn_width"] = PUBLISHED_FFN[(name, mixer)]
     elif mixer == "muir":
-        # Reinvest: match the GDN-2 model of the same scale.
-        reference = count_parameters(DeltaLabConfig(**_scale_fields(name, "gdn2")))
-        fields["ffn_width"] = _solve_ffn(fields, reference)
+        fields["ffn_width"] = _muir_ffn(fields, _scale_fields(name, "gdn2")["ffn_width"])
     else:
         fields["ffn_width"] = _solve_ffn(fields, scale.target)
     return fields
@@ -114,8 +125,8 @@ def build_config(preset: str, **overrides: Any) -> DeltaLabConfig:
     if preset == "tiny":
         fields = {**TINY, "mixer": mixer}
         if mixer == "muir":
-            reference = count_parameters(DeltaLabConfig(**{**TINY, "mixer": "gdn2"}))
-            fields["ffn_width"] = _solve_ffn(fields, reference, multiple=8)
+            gdn2_ffn = DeltaLabConfig(**{**TINY, "mixer": "gdn2"}).ffn_width
+            fields["ffn_width"] = _muir_ffn(fields, gdn2_ffn, multiple=8)
     else:
         fields = _scale_fields(preset, mixer)
     unknown = set(overrides) - set(DeltaLabConfig().to_dict()) - {"ffn_width", "value_dim"}
