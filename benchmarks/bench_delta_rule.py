@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from deltalab.benchmarking import format_table, median_seconds
+from deltalab.benchmarking import format_table, forward_and_train_seconds
 from deltalab.ops import delta_rule
 
 TRAIN_TARGET, FORWARD_TARGET, DEFAULT_CHUNK = 10.0, 3.0, 64
@@ -32,17 +32,7 @@ def make_inputs(args, channel: bool, generator: torch.Generator):
 
 
 def time_backend(inputs, repeats, **kwargs):
-    def forward():
-        with torch.no_grad():
-            delta_rule(*inputs, **kwargs)
-
-    leaves = [x.clone().requires_grad_() for x in inputs]
-
-    def train():
-        o, _ = delta_rule(*leaves, **kwargs)
-        o.sum().backward()
-
-    return median_seconds(forward, repeats), median_seconds(train, repeats)
+    return forward_and_train_seconds(lambda *x: delta_rule(*x, **kwargs)[0], list(inputs), repeats)
 
 
 def main() -> None:

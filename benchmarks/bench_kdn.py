@@ -12,11 +12,10 @@ forward+backward within 2x of delta_rule; the parallel scan faster than the sequ
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 
 import torch
 
-from deltalab.benchmarking import format_table, median_seconds
+from deltalab.benchmarking import format_table, forward_and_train_seconds
 from deltalab.ops import delta_rule, kdn_diag, kdn_iso, mobius_scan
 
 KDN_TARGET = 2.0
@@ -41,21 +40,6 @@ def make_inputs(args, generator: torch.Generator) -> dict[str, torch.Tensor]:
         "q_noise": 0.1 * draw(*shape, uniform=True),
         "r": 0.01 + draw(*shape[:3], uniform=True),
     }
-
-
-def time_pair(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], repeats: int):
-    """Median seconds of fn(*inputs) without autograd, and of fn(*inputs).sum().backward()."""
-
-    def forward():
-        with torch.no_grad():
-            fn(*inputs)
-
-    leaves = [x.clone().requires_grad_() for x in inputs]
-
-    def train():
-        fn(*leaves).sum().backward()
-
-    return median_seconds(forward, repeats), median_seconds(train, repeats)
 
 
 def main() -> None:
@@ -92,11 +76,11 @@ def main() -> None:
 
     base = [x[n] for n in ("q", "k", "v", "g")]
     noise = [*base, x["q_noise"], x["r"]]
-    reference = time_pair(rule, [*base, x["beta"]], args.repeats)
+    reference = forward_and_train_seconds(rule, [*base, x["beta"]], args.repeats)
     rows = [["delta_rule (chunk)", *(t * 1e3 for t in reference), 1.0, 1.0]]
     timings = {}
     for name, fn in (("kdn_diag", diag), ("kdn_iso", iso)):
-        timings[name] = time_pair(fn, noise, args.repeats)
+        timings[name] = forward_and_train_seconds(fn, noise, args.repeats)
         ratios = (timings[name][0] / reference[0], timings[name][1] / reference[1])
         rows.append([name, *(t * 1e3 for t in timings[name]), *ratios])
 
@@ -113,7 +97,9 @@ def main() -> None:
     ]
     scans = {}
     for backend, repeats in (("sequential", args.sequential_repeats), ("parallel", args.repeats)):
-        scans[backend] = time_pair(lambda *m, b=backend: mobius_scan(*m, backend=b), maps, repeats)
+        scans[backend] = forward_and_train_seconds(
+            lambda *m, b=backend: mobius_scan(*m, backend=b), maps, repeats
+        )
     sequential = scans["sequential"]
     for backend, (fwd, train) in scans.items():
         speedup = (sequential[0] / fwd, sequential[1] / train)

@@ -28,6 +28,24 @@ def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) 
     return statistics.median(times)
 
 
+def forward_and_train_seconds(
+    fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], repeats: int
+) -> tuple[float, float]:
+    """Median seconds of `fn(*inputs)` without autograd, and of `fn(*inputs).sum().backward()`
+    with every input a fresh leaf."""
+
+    def forward() -> None:
+        with torch.no_grad():
+            fn(*inputs)
+
+    leaves = [x.clone().requires_grad_() for x in inputs]
+
+    def train() -> None:
+        fn(*leaves).sum().backward()
+
+    return median_seconds(forward, repeats), median_seconds(train, repeats)
+
+
 def format_table(headers: list[str], rows: list[list[object]]) -> str:
     """A plain-text table with right-aligned columns."""
     cells = [headers] + [[_format(v) for v in row] for row in rows]
