@@ -459,3 +459,24 @@ def test_stdlib_pipeline_from_documents_to_batches(tmp_path):
     sequences = PackedSequences(shards, seq_len=128)
     batch = next(batches(sequences, ResumableSampler(len(sequences), seed=0), batch_size=2))
     assert batch.shape == (2, 129) and int(batch.max()) < tokenizer.vocab_size
+
+
+def test_a_tokenizer_saved_on_disk_loads_through_transformers(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    from deltalab.data import load_tokenizer
+
+    model = tokenizers.models.BPE(unk_token="<unk>")
+    raw = tokenizers.Tokenizer(model)
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"])
+    raw.train_from_iterator(["def add(a, b):", "return a + b", "class Node: pass"] * 20, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=raw, unk_token="<unk>", eos_token="</s>"
+    )
+    fast.save_pretrained(tmp_path)
+    tokenizer = load_tokenizer(str(tmp_path))
+    ids = tokenizer.encode("return a + b")
+    assert ids and all(0 <= i < tokenizer.vocab_size for i in ids)
+    assert tokenizer.decode(ids).replace(" ", "") == "returna+b"
+    assert tokenizer.eos_id == fast.convert_tokens_to_ids("</s>")
