@@ -1,9 +1,23 @@
-"""The `deltalab` command: check, presets, generate."""
+"""The `deltalab` command: train, check, presets, generate."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+
+def _train(args: argparse.Namespace) -> int:
+    import yaml
+
+    from deltalab.train import load_run_config, train
+
+    overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
+    config = load_run_config(args.config, overrides)
+    print("resolved config:\n" + yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
+    result = train(config)
+    change = f"{result.initial_perplexity:.3f} -> {result.final_perplexity:.3f}"
+    print(f"held-out perplexity {change}; outputs in {result.out_dir}")
+    return 0
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -48,6 +62,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deltalab", description=__doc__)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    from deltalab.train.config import config_help
+
+    train = commands.add_parser(
+        "train",
+        help="train a language model (default: a tiny Muir on the Python standard library)",
+        description="Train a language model. Fields are set by a YAML/JSON file and dotted "
+        "overrides (section.field=value, values in YAML syntax), later ones winning.",
+        epilog="fields:\n" + config_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument("--config", default=None, help="a YAML or JSON run config")
+    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
+    train.set_defaults(run=_train)
 
     check = commands.add_parser(
         "check", help="run the delta-rule backends against each other and print errors and timings"

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -93,6 +94,8 @@ class DeltaLabModel(DeltaLabPreTrainedModel):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.blocks = nn.ModuleList(Block(config, kind) for kind in config.layer_kinds())
         self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        # Set by the trainer: recompute each block in the backward pass instead of storing it.
+        self.checkpoint_blocks = False
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -122,7 +125,12 @@ class DeltaLabModel(DeltaLabPreTrainedModel):
         x = inputs_embeds
         for i, block in enumerate(self.blocks):
             state = None if past_key_values is None else past_key_values.states[i]
-            x, state = block(x, state, mask)
+            if self.checkpoint_blocks and self.training and torch.is_grad_enabled():
+                x, state = torch.utils.checkpoint.checkpoint(
+                    block, x, state, mask, use_reentrant=False
+                )
+            else:
+                x, state = block(x, state, mask)
             if past_key_values is not None:
                 past_key_values.states[i] = state
         if past_key_values is not None:

@@ -1,0 +1,77 @@
+"""Training throughput of `deltalab train` per mixer (tokens/s, and peak GPU memory on CUDA).
+
+    python benchmarks/bench_train.py                       # CPU: the tiny default, every mixer
+    python benchmarks/bench_train.py --device cuda --preset 340M --seq-len 4096 --batch 8 \\
+        --mixers muir gdn2 transformer                     # H200, bf16 autocast
+
+Each mixer trains `--steps` steps of the real loop on the stdlib corpus; the figure is the
+median tokens/s over the steps after the first two (compilation and allocator warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from deltalab.benchmarking import format_table
+from deltalab.models import MIXER_KINDS
+from deltalab.train import load_run_config, train
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--mixers", nargs="+", default=list(MIXER_KINDS))
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--cache-dir", default="runs/token-cache")
+    args = parser.parse_args()
+    rows = []
+    for mixer in args.mixers:
+        with tempfile.TemporaryDirectory() as out:
+            config = load_run_config(
+                None,
+                [
+                    f"model.preset={args.preset}",
+                    f"model.mixer={mixer}",
+                    f"train.device={args.device}",
+                    f"train.seq_len={args.seq_len}",
+                    f"train.batch_size={args.batch}",
+                    f"train.steps={args.steps}",
+                    f"data.cache_dir={args.cache_dir}",
+                    "eval.batches=1",
+                    "eval.sample_tokens=0",
+                    "checkpoint.every=0",
+                    "log.progress=false",
+                    "log.tensorboard=false",
+                    f"log.out_dir={out}",
+                ],
+            )
+            train(config)
+            metrics = json.loads((Path(out) / "metrics.json").read_text())
+        speeds = [r["tokens_per_s"] for r in metrics["history"]["train"][2:]]
+        memory = metrics["peak_memory_bytes"]
+        rows.append(
+            [
+                mixer,
+                f"{metrics['parameters'] / 1e6:.1f}M",
+                statistics.median(speeds),
+                "-" if memory is None else f"{memory / 2**30:.1f}",
+            ]
+        )
+    print(
+        f"deltalab train, preset {args.preset}, {args.device}, batch {args.batch} x "
+        f"{args.seq_len} tokens, {args.steps} steps"
+    )
+    print(format_table(["mixer", "params", "tokens/s", "peak GiB"], rows))
+
+
+if __name__ == "__main__":
+    main()

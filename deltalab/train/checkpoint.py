@@ -1,0 +1,300 @@
+"""Checkpoint I/O that never loses a run: atomic writes, verified reads, RNG state, clean stops.
+
+Layout under a run directory::
+
+    run_dir/checkpoints/step_00001000.pt          torch.save(payload)
+    run_dir/checkpoints/step_00001000.pt.sha256   "<hex digest>  step_00001000.pt" (sha256sum -c)
+
+Both files are written to a temporary file in the same directory, flushed, fsynced and renamed
+over the final name (`os.replace` is atomic within one file system), so a crash leaves either the
+old file, the new file, or a stale `.step_*.tmp` that nothing reads. A checkpoint is *complete*
+when its sidecar exists and names the SHA-256 of the file; the loader skips anything else with a
+`CheckpointWarning` and falls back to the previous complete one.
+
+One process writes a run's checkpoints (rank 0 in a distributed run): `prune_checkpoints` deletes
+temporary files it finds, which would break a save running concurrently in another process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import re
+import signal
+import threading
+import uuid
+import warnings
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "CheckpointWarning",
+    "GracefulStop",
+    "capture_rng_state",
+    "list_checkpoints",
+    "load_latest_checkpoint",
+    "prune_checkpoints",
+    "restore_rng_state",
+    "save_checkpoint",
+]
+
+CHECKPOINT_DIR = "checkpoints"
+DIGEST_SUFFIX = ".sha256"
+_CHECKPOINT_NAME = re.compile(r"step_(\d+)\.pt")
+_TEMP_GLOB = ".step_*.tmp"
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint on disk was skipped (incomplete or unreadable) or a state could not be
+    restored exactly."""
+
+
+def save_checkpoint(run_dir: str | Path, step: int, payload: dict[str, Any]) -> Path:
+    """Write `payload` as `run_dir/checkpoints/step_{step:08d}.pt` atomically, then its digest.
+
+    The payload is anything `torch.save` pickles: state dicts of model, optimizer and scheduler,
+    sampler position, `capture_rng_state()`, config, step, metrics. Saving a step that already
+    exists replaces it; until the new sidecar lands that step counts as incomplete.
+    Returns the path of the checkpoint file.
+    """
+    if step < 0:
+        raise ValueError(f"step must be non-negative, got {step}")
+    directory = Path(run_dir) / CHECKPOINT_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"step_{step:08d}.pt"
+    sidecar = _sidecar(path)
+
+    temp = _temp_path(path)
+    try:
+        with open(temp, "xb") as file:
+            torch.save(payload, file)
+            file.flush()
+            os.fsync(file.fileno())
+        digest = _sha256(temp)
+        # A stale sidecar of an earlier save of this step would otherwise name the old digest.
+        sidecar.unlink(missing_ok=True)
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(directory)
+    _write_atomically(sidecar, f"{digest}  {path.name}\n".encode())
+    _fsync_directory(directory)
+    return path
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Checkpoint files of a run, sorted by step ascending; complete or not, temp files excluded."""
+    directory = Path(run_dir) / CHECKPOINT_DIR
+    if not directory.is_dir():
+        return []
+    found = [
+        (int(match.group(1)), path)
+        for path in directory.iterdir()
+        if (match := _CHECKPOINT_NAME.fullmatch(path.name)) and path.is_file()
+    ]
+    return [path for _, path in sorted(found)]
+
+
+def load_latest_checkpoint(
+    run_dir: str | Path, *, map_location: str | torch.device = "cpu"
+) -> tuple[Path, dict[str, Any]] | None:
+    """The newest complete and loadable checkpoint as `(path, payload)`, or None if there is none.
+
+    Newer checkpoints with a missing or wrong digest, or that `torch.load` rejects, are skipped
+    with a `CheckpointWarning` naming the file and the reason.
+
+    `torch.load(weights_only=False)` is needed because payloads carry NumPy and Python RNG
+    states, configs and other plain objects that the weights-only unpickler refuses. It runs only
+    after the digest matched, i.e. on a file this module wrote in full; the digest guards against
+    truncation and corruption, not tampering, so load only run directories you trust.
+    """
+    for path in reversed(list_checkpoints(run_dir)):
+        problem = _completeness_problem(path)
+        if problem is None:
+            try:
+                payload = torch.load(path, map_location=map_location, weights_only=False)
+            except Exception as error:
+                problem = f"torch.load failed ({type(error).__name__}: {error})"
+            else:
+                if isinstance(payload, dict):
+                    return path, payload
+                problem = f"payload is a {type(payload).__name__}, not a dict"
+        warnings.warn(
+            f"skipping checkpoint {path}: {problem}; falling back to an earlier one",
+            CheckpointWarning,
+            stacklevel=2,
+        )
+    return None
+
+
+def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints; returns the deleted paths.
+
+    Also deleted: incomplete checkpoints (which `load_latest_checkpoint` would skip anyway), their
+    sidecars, orphan sidecars and stale temporary files of interrupted saves. `keep >= 1`, so the
+    newest complete checkpoint always survives.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1 so the newest checkpoint survives, got {keep}")
+    directory = Path(run_dir) / CHECKPOINT_DIR
+    if not directory.is_dir():
+        return []
+    checkpoints = list_checkpoints(run_dir)
+    kept: set[Path] = set()
+    for path in reversed(checkpoints):
+        if len(kept) == keep:
+            break
+        if _completeness_problem(path) is None:
+            kept.add(path)
+
+    doomed = [path for path in checkpoints if path not in kept]
+    doomed += [_sidecar(path) for path in doomed]
+    doomed += [
+        sidecar
+        for sidecar in directory.glob(f"step_*.pt{DIGEST_SUFFIX}")
+        if not sidecar.with_suffix("").exists()
+    ]
+    doomed += directory.glob(_TEMP_GLOB)
+    deleted = []
+    for path in sorted(set(doomed)):
+        if path.is_file():
+            path.unlink()
+            deleted.append(path)
+    return deleted
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """The global RNG states: Python `random`, NumPy, torch CPU, and every CUDA device if any."""
+    return {
+        "python": random.getstate(),
+        # The global NumPy state is the one third-party code draws from, hence the legacy API.
+        "numpy": np.random.get_state(),  # noqa: NPY002
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `capture_rng_state` returned, so the same numbers are drawn again.
+
+    CUDA states are restored for the devices present in both; a different device count means the
+    run cannot continue bit for bit, which is warned about rather than ignored.
+    """
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])  # noqa: NPY002
+    torch.set_rng_state(state["torch"].cpu())
+    saved = list(state.get("cuda", []))
+    present = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if len(saved) != present:
+        warnings.warn(
+            f"RNG state holds {len(saved)} CUDA device(s) but {present} are present; "
+            f"restoring the first {min(len(saved), present)}",
+            CheckpointWarning,
+            stacklevel=2,
+        )
+    for device, device_state in enumerate(saved[:present]):
+        torch.cuda.set_rng_state(device_state.cpu(), device)
+
+
+class GracefulStop:
+    """Turn SIGINT/SIGTERM into a flag the training loop polls at step boundaries.
+
+    Inside `with GracefulStop() as stop:` the first signal sets `stop.stop_requested` (and
+    `stop.received`), so the loop can checkpoint and exit cleanly; a SIGINT after that raises
+    `KeyboardInterrupt` as usual. The previous handlers come back on exit. Signal handlers can only
+    be installed from the main thread; elsewhere this is a no-op and the flag stays False.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.stop_requested = False
+        self.received: signal.Signals | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        for signum, handler in self._previous.items():
+            # None means a handler installed outside Python; the default is the nearest we can do.
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.stop_requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.stop_requested = True
+        self.received = signal.Signals(signum)
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + DIGEST_SUFFIX)
+
+
+def _temp_path(path: Path) -> Path:
+    # Hidden, unique per attempt, and outside `_CHECKPOINT_NAME`, so no reader ever picks it up.
+    return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    temp = _temp_path(path)
+    try:
+        with open(temp, "xb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def _fsync_directory(directory: Path) -> None:
+    # Makes the renames durable; POSIX only, Windows cannot open a directory as a file.
+    if os.name != "posix":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _completeness_problem(path: Path) -> str | None:
+    """Why `path` is not a complete checkpoint, or None if its sidecar names its digest."""
+    sidecar = _sidecar(path)
+    try:
+        fields = sidecar.read_text().split()
+    except FileNotFoundError:
+        return f"missing digest file {sidecar.name}"
+    except (OSError, UnicodeDecodeError) as error:
+        return f"unreadable digest file {sidecar.name} ({error})"
+    if not fields:
+        return f"empty digest file {sidecar.name}"
+    try:
+        actual = _sha256(path)
+    except OSError as error:
+        return f"unreadable checkpoint file ({error})"
+    if fields[0].lower() != actual:
+        return f"digest mismatch (sidecar {fields[0][:16]}..., file {actual[:16]}...)"
+    return None

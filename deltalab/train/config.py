@@ -1,0 +1,569 @@
+"""The run configuration of `deltalab train`: typed sections, a file, and dotted overrides.
+
+    config = load_run_config("run.yaml", ["train.steps=10", "model.overrides.num_layers=2"])
+    save_run_config(config, "runs/default/config.yaml")
+
+A file (YAML or JSON) is a mapping by section, e.g. `{"train": {"steps": 10}}`; an override is
+`section.field=value` with the value read as YAML (`optim.betas=[0.9,0.99]`,
+`data.max_bytes=null`), or deeper under a mapping field (`model.overrides.mixer_options.x=1`).
+Every value is checked against its field's type when the sections are built, and every error
+names the dotted field. The model's own fields (preset, mixer, overrides) are checked later, by
+`deltalab.models.build_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import json
+import math
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Self
+
+import yaml
+
+from deltalab.models.config import closest
+
+__all__ = [
+    "DEVICES",
+    "NAN_POLICIES",
+    "PARALLEL_MODES",
+    "PRECISIONS",
+    "SCHEDULES",
+    "SECTIONS",
+    "CheckpointSection",
+    "DataSection",
+    "EvalSection",
+    "LogSection",
+    "ModelSection",
+    "OptimSection",
+    "RunConfig",
+    "ScheduleSection",
+    "TrainSection",
+    "config_help",
+    "load_run_config",
+    "save_run_config",
+]
+
+SCHEDULES = ("cosine", "wsd", "constant")
+PRECISIONS = ("auto", "fp32", "bf16")
+NAN_POLICIES = ("stop", "skip")
+PARALLEL_MODES = ("ddp", "fsdp")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _describe(hint: Any) -> str:
+    """What a value of type `hint` looks like, for error messages."""
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        return " or ".join(_describe(a) for a in inner) + " or null"
+    if typing.get_origin(hint) is tuple:
+        args = typing.get_args(hint)
+        return f"a list of {len(args)} {'numbers' if args[0] is float else 'values'}"
+    names = {bool: "a bool", int: "an int", float: "a finite number", str: "a string"}
+    return names.get(hint, "a mapping with string keys")
+
+
+def _plain(key: str, value: Any) -> Any:
+    """A deep copy of `value` as YAML/JSON data (tuples become lists); TypeError otherwise."""
+    if isinstance(value, Mapping):
+        for name in value:
+            if not isinstance(name, str):
+                raise TypeError(f"{key} keys must be strings, got {name!r}")
+        return {name: _plain(f"{key}.{name}", item) for name, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(f"{key}[{i}]", item) for i, item in enumerate(value)]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise TypeError(f"{key} must hold YAML data, got {type(value).__name__} {value!r}")
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """`value` as the type `hint` (int -> float, list -> tuple), or TypeError naming `key`."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        try:
+            return _coerce(key, value, inner)
+        except TypeError:
+            pass
+    elif hint is bool or hint is str:
+        if isinstance(value, hint):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        # YAML 1.1 (PyYAML) reads `3e-3` without a dot as the string "3e-3".
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    elif origin is tuple:
+        if isinstance(value, list | tuple) and len(value) == len(args):
+            try:
+                return tuple(_coerce(key, v, a) for v, a in zip(value, args, strict=True))
+            except TypeError:
+                pass
+    elif origin is dict:
+        if isinstance(value, Mapping):
+            return _plain(key, value)
+    else:
+        raise TypeError(f"{key} has an unsupported type {hint!r}")
+    raise TypeError(f"{key} must be {_describe(hint)}, got {type(value).__name__} {value!r}")
+
+
+def _require(ok: bool, key: str, requirement: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{key} must be {requirement}, got {value!r}")
+
+
+def _require_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(
+            f"{key} must be one of {list(choices)}, got {value!r}{closest(value, choices)}"
+        )
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """{field: description} from the `name: text` lines of the class docstring."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    docs: dict[str, str] = {}
+    current = None
+    for line in inspect.cleandoc(cls.__doc__ or "").splitlines():
+        match = re.match(r"(\w+): (.*)", line)
+        if match and match[1] in names:
+            current = match[1]
+            docs[current] = match[2].strip()
+        elif current and line.startswith(" "):
+            docs[current] += " " + line.strip()
+        else:
+            current = None
+    return docs
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+@dataclass(frozen=True)
+class _Section:
+    """One section of the run configuration; `key` is its name in `RunConfig`."""
+
+    key: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = _coerce(self.dotted(f.name), getattr(self, f.name), _hints(type(self))[f.name])
+            object.__setattr__(self, f.name, value)
+        self.validate()
+
+    def validate(self) -> None:
+        """The section's checks beyond the field types."""
+
+    @classmethod
+    def dotted(cls, name: str) -> str:
+        """`section.field`, the name of a field in files, overrides and errors."""
+        return f"{cls.key}.{name}"
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def check_names(cls, data: Any) -> dict[str, Any]:
+        """`data` (a mapping, or None for nothing set) as a dict, refusing unknown fields."""
+        if data is None:
+            return {}
+        if not isinstance(data, Mapping):
+            raise TypeError(f"{cls.key} must be a mapping of fields, got {data!r}")
+        known = cls.field_names()
+        for name in data:
+            if name not in known:
+                dotted = cls.dotted(str(name))
+                suggestion = closest(dotted, [cls.dotted(n) for n in known])
+                raise ValueError(f"unknown config field {dotted!r}{suggestion}")
+        return dict(data)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> Self:
+        """The section from a mapping of its fields (missing ones take their defaults)."""
+        return cls(**cls.check_names(data))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as YAML/JSON data (tuples as lists)."""
+        return {
+            f.name: _plain(self.dotted(f.name), getattr(self, f.name))
+            for f in dataclasses.fields(self)
+        }
+
+
+def _require_text(section: _Section, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        _require(bool(value), section.dotted(name), "a non-empty string", value)
+
+
+@dataclass(frozen=True)
+class ModelSection(_Section):
+    """Which model to train.
+
+    preset: named model preset of `deltalab.models.PRESETS` (tiny, 166M, 340M, 750M, 1.3B).
+    mixer: token mixer of every block, one of `deltalab.models.MIXER_KINDS`.
+    overrides: further `DeltaLabConfig` fields, e.g. {num_layers: 2, mixer_options: {...}}.
+    """
+
+    key: ClassVar[str] = "model"
+
+    preset: str = "tiny"
+    mixer: str = "muir"
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        _require_text(self, "preset", "mixer")
+        if "mixer" in self.overrides:
+            raise ValueError("model.overrides.mixer is not allowed: set model.mixer instead")
+
+
+@dataclass(frozen=True)
+class DataSection(_Section):
+    """What to train on (see `deltalab.data.CorpusConfig`).
+
+    source: "stdlib" (the Python standard library) or a path: a file, a directory of .txt,
+        .jsonl and .parquet files, or a dataset saved by Hugging Face `datasets`.
+    tokenizer: "byte", or a directory holding a Hugging Face tokenizer.
+    cache_dir: directory of the tokenized shards, reused until the source changes.
+    max_bytes: stop reading the source after this many UTF-8 bytes (null: read it all).
+    held_out_fraction: fraction of the documents held out for evaluation, in (0, 1).
+    text_field: JSON field, parquet or dataset column that holds the text.
+    """
+
+    key: ClassVar[str] = "data"
+
+    source: str = "stdlib"
+    tokenizer: str = "byte"
+    cache_dir: str = "runs/token-cache"
+    max_bytes: int | None = 4194304
+    held_out_fraction: float = 0.05
+    text_field: str = "text"
+
+    def validate(self) -> None:
+        _require_text(self, "source", "tokenizer", "cache_dir", "text_field")
+        if self.max_bytes is not None:
+            _require(self.max_bytes > 0, self.dotted("max_bytes"), "> 0 or null", self.max_bytes)
+        fraction = self.held_out_fraction
+        _require(0 < fraction < 1, self.dotted("held_out_fraction"), "in (0, 1)", fraction)
+
+
+@dataclass(frozen=True)
+class OptimSection(_Section):
+    """AdamW and gradient clipping.
+
+    lr: peak learning rate, > 0.
+    betas: AdamW (beta1, beta2), each in [0, 1).
+    eps: AdamW epsilon, > 0.
+    weight_decay: decoupled weight decay, >= 0.
+    grad_clip: clip the global gradient norm to this, >= 0 (0: no clipping).
+    """
+
+    key: ClassVar[str] = "optim"
+
+    lr: float = 3e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+
+    def validate(self) -> None:
+        _require(self.lr > 0, self.dotted("lr"), "> 0", self.lr)
+        _require(all(0 <= b < 1 for b in self.betas), self.dotted("betas"), "in [0, 1)", self.betas)
+        _require(self.eps > 0, self.dotted("eps"), "> 0", self.eps)
+        _require(self.weight_decay >= 0, self.dotted("weight_decay"), ">= 0", self.weight_decay)
+        _require(self.grad_clip >= 0, self.dotted("grad_clip"), ">= 0", self.grad_clip)
+
+
+@dataclass(frozen=True)
+class ScheduleSection(_Section):
+    """The learning-rate schedule.
+
+    kind: "cosine" (warmup, then cosine decay to min_lr_ratio), "wsd" (warmup, stable, then
+        linear decay over the last decay_fraction of the steps) or "constant" (warmup, then flat).
+    warmup_steps: steps of linear warmup from 0 to the peak learning rate, >= 0.
+    min_lr_ratio: final learning rate as a fraction of the peak, in [0, 1].
+    decay_fraction: WSD only: the last fraction of the steps that decays, in [0, 1].
+    """
+
+    key: ClassVar[str] = "schedule"
+
+    kind: str = "cosine"
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    decay_fraction: float = 0.2
+
+    def validate(self) -> None:
+        _require_choice(self.dotted("kind"), self.kind, SCHEDULES)
+        _require(self.warmup_steps >= 0, self.dotted("warmup_steps"), ">= 0", self.warmup_steps)
+        ratio, fraction = self.min_lr_ratio, self.decay_fraction
+        _require(0 <= ratio <= 1, self.dotted("min_lr_ratio"), "in [0, 1]", ratio)
+        _require(0 <= fraction <= 1, self.dotted("decay_fraction"), "in [0, 1]", fraction)
+
+
+@dataclass(frozen=True)
+class TrainSection(_Section):
+    """The training loop.
+
+    steps: optimizer steps of the run, > 0.
+    batch_size: sequences per optimizer step, global across ranks and accumulation steps.
+    seq_len: tokens per training sequence, > 0.
+    grad_accum: micro-batches accumulated per optimizer step; must divide batch_size.
+    precision: "auto" (bf16 autocast on CUDA, fp32 on CPU), "fp32" or "bf16".
+    compile: compile the model with torch.compile.
+    activation_checkpointing: recompute each block's activations in the backward pass.
+    seed: seed of initialization and data order, >= 0.
+    nan_policy: on a non-finite loss, "stop" the run or "skip" the step.
+    parallel: multi-GPU strategy, "ddp" or "fsdp".
+    device: "auto" (CUDA when available), "cpu" or "cuda".
+    """
+
+    key: ClassVar[str] = "train"
+
+    steps: int = 240
+    batch_size: int = 8
+    seq_len: int = 256
+    grad_accum: int = 1
+    precision: str = "auto"
+    compile: bool = False
+    activation_checkpointing: bool = False
+    seed: int = 0
+    nan_policy: str = "stop"
+    parallel: str = "ddp"
+    device: str = "auto"
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "grad_accum"):
+            _require(getattr(self, name) > 0, self.dotted(name), "> 0", getattr(self, name))
+        _require(self.seed >= 0, self.dotted("seed"), ">= 0", self.seed)
+        if self.batch_size % self.grad_accum:
+            raise ValueError(
+                f"train.batch_size ({self.batch_size}) must be divisible by "
+                f"train.grad_accum ({self.grad_accum})"
+            )
+        _require_choice(self.dotted("precision"), self.precision, PRECISIONS)
+        _require_choice(self.dotted("nan_policy"), self.nan_policy, NAN_POLICIES)
+        _require_choice(self.dotted("parallel"), self.parallel, PARALLEL_MODES)
+        _require_choice(self.dotted("device"), self.device, DEVICES)
+
+
+@dataclass(frozen=True)
+class EvalSection(_Section):
+    """Held-out evaluation and samples.
+
+    every: evaluate every this many steps and at the last step (0: at the last step only).
+    batches: held-out batches per evaluation, > 0.
+    sample_tokens: tokens generated from sample_prompt at each evaluation (0: no sample).
+    sample_prompt: prompt of the generated sample (quote it to keep edge spaces: "'def '").
+    """
+
+    key: ClassVar[str] = "eval"
+
+    every: int = 80
+    batches: int = 8
+    sample_tokens: int = 120
+    sample_prompt: str = "def "
+
+    def validate(self) -> None:
+        _require(self.every >= 0, self.dotted("every"), ">= 0", self.every)
+        _require(self.batches > 0, self.dotted("batches"), "> 0", self.batches)
+        _require(self.sample_tokens >= 0, self.dotted("sample_tokens"), ">= 0", self.sample_tokens)
+
+
+@dataclass(frozen=True)
+class CheckpointSection(_Section):
+    """Checkpoints and resumption.
+
+    every: save every this many steps and at the last step (0: at the last step only).
+    keep: newest checkpoints kept on disk, > 0.
+    resume: continue from the newest checkpoint in log.out_dir, if there is one.
+    """
+
+    key: ClassVar[str] = "checkpoint"
+
+    every: int = 80
+    keep: int = 2
+    resume: bool = False
+
+    def validate(self) -> None:
+        _require(self.every >= 0, self.dotted("every"), ">= 0", self.every)
+        _require(self.keep > 0, self.dotted("keep"), "> 0", self.keep)
+
+
+@dataclass(frozen=True)
+class LogSection(_Section):
+    """Where the run writes and what it shows.
+
+    out_dir: directory of the run: resolved config, metrics, checkpoints, logs.
+    progress: show a progress bar on the terminal.
+    tensorboard: also write TensorBoard event files to out_dir.
+    """
+
+    key: ClassVar[str] = "log"
+
+    out_dir: str = "runs/default"
+    progress: bool = True
+    tensorboard: bool = True
+
+    def validate(self) -> None:
+        _require_text(self, "out_dir")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a `deltalab train` run depends on, one section per concern."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    log: LogSection = field(default_factory=LogSection)
+
+    def __post_init__(self) -> None:
+        for name, section in SECTIONS.items():
+            value = getattr(self, name)
+            if not isinstance(value, section):
+                raise TypeError(
+                    f"{name} must be a {section.__name__}, got {type(value).__name__} {value!r}"
+                )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunConfig:
+        """The config from a mapping by section (as `to_dict` writes); missing parts default."""
+        tree = _check_names(data)
+        return cls(**{name: SECTIONS[name].from_dict(fields) for name, fields in tree.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field of every section, as YAML/JSON data."""
+        return {name: getattr(self, name).to_dict() for name in SECTIONS}
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    f.name: _hints(RunConfig)[f.name] for f in dataclasses.fields(RunConfig)
+}
+
+
+def _section(name: str) -> type[_Section]:
+    if name not in SECTIONS:
+        raise ValueError(f"unknown config section {name!r}{closest(name, list(SECTIONS))}")
+    return SECTIONS[name]
+
+
+def _check_names(data: Any) -> dict[str, dict[str, Any]]:
+    """`data` as {section: {field: value}}, refusing unknown sections and fields."""
+    if not isinstance(data, Mapping):
+        raise TypeError(f"a run config must be a mapping by section, got {data!r}")
+    return {str(name): _section(str(name)).check_names(value) for name, value in data.items()}
+
+
+def _apply_override(tree: dict[str, dict[str, Any]], override: str) -> None:
+    """Set `section.field[.key...]=value` in `tree`, the value read as YAML."""
+    key, equals, text = override.partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if not equals or len(parts) < 2 or not all(parts):
+        raise ValueError(f"override {override!r} must be section.field=value, e.g. train.steps=10")
+    section = _section(parts[0])
+    section.check_names({parts[1]: None})
+    hint = _hints(section)[parts[1]]
+    if len(parts) > 2 and typing.get_origin(hint) is not dict:
+        raise ValueError(f"cannot set {key!r}: {section.dotted(parts[1])} is not a mapping")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        if hint is not str:
+            raise ValueError(f"{key}: cannot read {text!r} as YAML: {error}") from error
+        value = text
+    # A string field takes the text as written when YAML reads another type (data.source=2024).
+    if hint is str and not isinstance(value, str):
+        value = text
+    node = tree.setdefault(parts[0], {})
+    for depth in range(1, len(parts) - 1):
+        child = node.get(parts[depth])
+        node[parts[depth]] = child = {} if child is None else child
+        if not isinstance(child, dict):
+            raise ValueError(
+                f"cannot set {key!r}: {'.'.join(parts[: depth + 1])} is {child!r}, not a mapping"
+            )
+        node = child
+    node[parts[-1]] = value
+
+
+def load_run_config(path: str | os.PathLike[str] | None, overrides: Sequence[str]) -> RunConfig:
+    """The config of an optional YAML or JSON file (`.json` is read as JSON), then `overrides`
+    (`section.field=value`, later ones win).
+
+    Raises ValueError or TypeError naming the dotted field: an unknown section or field (with the
+    closest valid name), a malformed override, a value of the wrong type or out of range.
+    """
+    tree: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        text = Path(path).read_text(encoding="utf-8")
+        try:
+            data = json.loads(text) if Path(path).suffix == ".json" else yaml.safe_load(text)
+            tree = _check_names({} if data is None else data)
+        except TypeError as error:
+            raise TypeError(f"{path}: {error}") from error
+        except (ValueError, yaml.YAMLError) as error:
+            raise ValueError(f"{path}: {error}") from error
+    for override in overrides:
+        _apply_override(tree, override)
+    return RunConfig.from_dict(tree)
+
+
+def save_run_config(config: RunConfig, path: str | os.PathLike[str]) -> Path:
+    """Write `config` as YAML (JSON for a `.json` path) atomically: a temporary file, then
+    `os.replace`, so a reader never sees half a file. Returns the path."""
+    path = Path(path)
+    data = config.to_dict()
+    if path.suffix == ".json":
+        text = json.dumps(data, indent=2) + "\n"
+    else:
+        text = yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text(text, encoding="utf-8")
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return path
+
+
+def config_help() -> str:
+    """Every field as `section.field (type, default X): description`, grouped by section."""
+    lines = [
+        "run configuration: a YAML/JSON file by section, then section.field=value overrides"
+        " (values in YAML):"
+    ]
+    for name, section in SECTIONS.items():
+        summary = inspect.cleandoc(section.__doc__ or "").partition("\n")[0]
+        lines.append(f"\n{name}: {summary}")
+        defaults, docs = section(), _field_docs(section)
+        for f in dataclasses.fields(section):
+            default = json.dumps(_plain(f.name, getattr(defaults, f.name)))
+            lines.append(f"  {name}.{f.name} ({f.type}, default {default}): {docs.get(f.name, '')}")
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""AdamW with the usual no-decay groups, and the learning-rate schedules of the run config."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["build_optimizer", "build_scheduler", "lr_multiplier", "parameter_groups"]
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW groups: decayed matrices, and the rest without decay.
+
+    No decay on norms and biases (every parameter of rank < 2) and on the parameters the layers
+    mark with `_no_weight_decay` (decay rates, gate biases, read-gate vectors).
+    """
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        if param.dim() < 2 or getattr(param, "_no_weight_decay", False):
+            no_decay.append(param)
+        else:
+            decay.append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, optim) -> torch.optim.AdamW:
+    """AdamW over `parameter_groups`; `optim` is the run config's OptimSection."""
+    return torch.optim.AdamW(
+        parameter_groups(model, optim.weight_decay),
+        lr=optim.lr,
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+    )
+
+
+def lr_multiplier(schedule, total_steps: int) -> Callable[[int], float]:
+    """step -> factor on the peak learning rate; `schedule` is the run config's ScheduleSection.
+
+    Linear warmup over `warmup_steps`, then "cosine" (to `min_lr_ratio` at the last step), "wsd"
+    (warmup-stable-decay: flat, then linear to `min_lr_ratio` over the last `decay_fraction`
+    of the steps) or "constant".
+    """
+    warmup, floor = schedule.warmup_steps, schedule.min_lr_ratio
+    decay_start = total_steps - max(1, round(schedule.decay_fraction * total_steps))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule.kind == "constant":
+            return 1.0
+        if schedule.kind == "cosine":
+            progress = min(1.0, (step - warmup) / max(1, total_steps - 1 - warmup))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        if step < decay_start:
+            return 1.0
+        progress = min(1.0, (step - decay_start) / max(1, total_steps - 1 - decay_start))
+        return 1 - (1 - floor) * progress
+
+    return factor
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, schedule, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(schedule, total_steps))

@@ -1,0 +1,243 @@
+"""deltalab train: loss falls for every family, resume is bit-for-bit, gloo DDP == one process."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from deltalab.models import MIXER_KINDS
+from deltalab.train import load_run_config, train
+from deltalab.train.checkpoint import CheckpointWarning, list_checkpoints
+
+SMALL_MODEL = (
+    "model.overrides={hidden_size: 32, num_layers: 2, num_heads: 2, head_dim: 16, chunk_size: 16}"
+)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """A directory of 60 small documents: repetitive enough to learn in a few steps."""
+    folder = tmp_path_factory.mktemp("corpus")
+    words = ["def", "return", "self", "value", "for", "in", "range", "if", "else", "print"]
+    for i in range(60):
+        lines = [f"{words[i % 10]} item_{j} = {words[(i + j) % 10]}({j})" for j in range(12)]
+        (folder / f"doc_{i:02d}.txt").write_text("\n".join(lines) + "\n")
+    return str(folder)
+
+
+def run_config(tmp_path, corpus, *extra: str):
+    overrides = [
+        f"data.source={corpus}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.max_bytes=null",
+        "data.held_out_fraction=0.2",
+        SMALL_MODEL,
+        "train.seq_len=32",
+        "train.batch_size=4",
+        "train.steps=6",
+        "train.device=cpu",
+        "optim.lr=0.01",
+        "schedule.warmup_steps=2",
+        "eval.every=3",
+        "eval.batches=2",
+        "eval.sample_tokens=8",
+        "checkpoint.every=3",
+        "checkpoint.keep=3",
+        "log.progress=false",
+        "log.tensorboard=false",
+        f"log.out_dir={tmp_path / 'run'}",
+        *extra,
+    ]
+    return load_run_config(None, overrides)
+
+
+@pytest.mark.parametrize("mixer", MIXER_KINDS)
+def test_a_few_steps_lower_the_held_out_loss(tmp_path, corpus, mixer):
+    result = train(run_config(tmp_path, corpus, f"model.mixer={mixer}", "train.steps=10"))
+    assert result.final_perplexity < result.initial_perplexity
+    assert all(math.isfinite(loss) for loss in result.losses) and len(result.losses) == 10
+
+
+def test_run_writes_checkpoint_export_metrics_curve_and_sample(tmp_path, corpus):
+    result = train(run_config(tmp_path, corpus))
+    run = tmp_path / "run"
+    for name in ("config.yaml", "metrics.json", "loss_curve.png", "log.jsonl", "model/config.json"):
+        assert (run / name).stat().st_size > 0, name
+    assert [p.name for p in list_checkpoints(run)] == ["step_00000003.pt", "step_00000006.pt"]
+    assert isinstance(result.sample, str)
+
+
+def _final_weights(out_dir) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(out_dir / "model").state_dict()
+
+
+def test_crash_and_resume_continues_bit_for_bit(tmp_path, corpus, monkeypatch):
+    reference = train(run_config(tmp_path / "a", corpus))
+
+    original_step = torch.optim.AdamW.step
+    calls = {"n": 0}
+
+    def crashing_step(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise RuntimeError("simulated crash")
+        return original_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", crashing_step)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(run_config(tmp_path / "b", corpus))
+    monkeypatch.setattr(torch.optim.AdamW, "step", original_step)
+    resumed = train(run_config(tmp_path / "b", corpus, "checkpoint.resume=true"))
+
+    assert resumed.losses == reference.losses
+    a, b = _final_weights(tmp_path / "a" / "run"), _final_weights(tmp_path / "b" / "run")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_truncated_checkpoint_is_skipped_and_the_previous_one_resumed(tmp_path, corpus):
+    reference = train(run_config(tmp_path, corpus))
+    newest = list_checkpoints(tmp_path / "run")[-1]
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = train(run_config(tmp_path, corpus, "checkpoint.resume=true"))
+    assert any(issubclass(w.category, CheckpointWarning) for w in caught)
+    assert resumed.losses == reference.losses
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_non_finite_loss_stops_or_skips_per_config(tmp_path, corpus, monkeypatch, policy):
+    import deltalab.train.loop as loop
+
+    original = loop._loss
+    calls = {"n": 0}
+
+    def poisoned(model, window, autocast):
+        loss = original(model, window, autocast)
+        if model.training:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                return loss * float("nan")
+        return loss
+
+    monkeypatch.setattr(loop, "_loss", poisoned)
+    config = run_config(tmp_path, corpus, f"train.nan_policy={policy}")
+    if policy == "stop":
+        with pytest.raises(FloatingPointError, match=r"not finite.*train.nan_policy=stop"):
+            train(config)
+    else:
+        result = train(config)
+        assert len(result.losses) == 5 and all(math.isfinite(x) for x in result.losses)
+
+
+def test_corpus_smaller_than_one_sequence_is_refused(tmp_path, corpus):
+    with pytest.raises(ValueError, match=r"seq_len=100000 needs at least"):
+        train(run_config(tmp_path, corpus, "train.seq_len=100000"))
+
+
+def test_missing_data_path_is_refused(tmp_path, corpus):
+    with pytest.raises(ValueError, match=r"does-not-exist"):
+        train(run_config(tmp_path, str(tmp_path / "does-not-exist")))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, overrides: list[str], queue) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    result = train(load_run_config(None, overrides))
+    queue.put((rank, result.losses))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_gloo_processes_follow_the_single_process_loss_curve(tmp_path, corpus, parallel):
+    single = train(run_config(tmp_path / "one", corpus))
+    config = run_config(tmp_path / "two", corpus, f"train.parallel={parallel}")
+    overrides = [f"{k}={v}" for k, v in _flatten(config.to_dict())]
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    port = _free_port()
+    processes = [
+        context.Process(target=_rank_main, args=(rank, 2, port, overrides, queue))
+        for rank in range(2)
+    ]
+    for p in processes:
+        p.start()
+    results = dict(queue.get(timeout=300) for _ in processes)
+    for p in processes:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert results[0] == results[1]
+    assert torch.allclose(
+        torch.tensor(results[0]), torch.tensor(single.losses), rtol=1e-4, atol=1e-5
+    )
+
+
+def _flatten(tree: dict, prefix: str = "") -> list[tuple[str, str]]:
+    import json
+
+    items = []
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and key != "overrides":
+            items.extend(_flatten(value, name + "."))
+        else:
+            items.append((name, json.dumps(value)))
+    return items
+
+
+def test_gradient_accumulation_and_activation_checkpointing_keep_the_loss_curve(tmp_path, corpus):
+    plain = train(run_config(tmp_path / "plain", corpus))
+    accumulated = train(run_config(tmp_path / "accum", corpus, "train.grad_accum=2"))
+    recomputed = train(run_config(tmp_path / "ckpt", corpus, "train.activation_checkpointing=true"))
+    assert torch.allclose(torch.tensor(accumulated.losses), torch.tensor(plain.losses), atol=1e-5)
+    assert recomputed.losses == plain.losses
+
+
+def test_a_stop_signal_checkpoints_and_the_run_resumes_bit_for_bit(tmp_path, corpus, monkeypatch):
+    reference = train(run_config(tmp_path / "a", corpus))
+    original = torch.optim.AdamW.step
+    calls = {"n": 0}
+
+    # A real SIGTERM to this process right after the second optimizer step (the scheduler wraps
+    # the optimizer's step when it is built, so the class is patched before the run starts).
+    def step(optimizer, *args, **kwargs):
+        result = original(optimizer, *args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    stopped = train(run_config(tmp_path / "b", corpus))
+    monkeypatch.undo()
+    assert stopped.interrupted and len(stopped.losses) == 2
+    assert [p.name for p in list_checkpoints(tmp_path / "b" / "run")] == ["step_00000002.pt"]
+    resumed = train(run_config(tmp_path / "b", corpus, "checkpoint.resume=true"))
+    assert resumed.losses == reference.losses
+
+
+def test_tensorboard_events_are_written_when_enabled(tmp_path, corpus):
+    pytest.importorskip("tensorboard")
+    train(run_config(tmp_path, corpus, "log.tensorboard=true"))
+    assert any((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))

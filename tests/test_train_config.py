@@ -1,0 +1,321 @@
+"""The run configuration of `deltalab train`: defaults, files, overrides, errors, round trips."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deltalab.train.config import (
+    SECTIONS,
+    ModelSection,
+    OptimSection,
+    RunConfig,
+    TrainSection,
+    config_help,
+    load_run_config,
+    save_run_config,
+)
+
+# One out-of-range override per check, with the dotted field its error must name.
+INVALID_OVERRIDES = [
+    ("model.preset=''", "model.preset"),
+    ("model.overrides.mixer=gdn2", "model.mixer"),
+    ("data.source=''", "data.source"),
+    ("data.max_bytes=0", "data.max_bytes"),
+    ("data.held_out_fraction=0", "data.held_out_fraction"),
+    ("data.held_out_fraction=1", "data.held_out_fraction"),
+    ("optim.lr=0", "optim.lr"),
+    ("optim.lr=-1e-3", "optim.lr"),
+    ("optim.betas=[0.9,1.0]", "optim.betas"),
+    ("optim.betas=[-0.1,0.9]", "optim.betas"),
+    ("optim.eps=0", "optim.eps"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay"),
+    ("optim.grad_clip=-1", "optim.grad_clip"),
+    ("schedule.kind=linear", "schedule.kind"),
+    ("schedule.warmup_steps=-1", "schedule.warmup_steps"),
+    ("schedule.min_lr_ratio=1.5", "schedule.min_lr_ratio"),
+    ("schedule.decay_fraction=-0.2", "schedule.decay_fraction"),
+    ("train.steps=0", "train.steps"),
+    ("train.batch_size=0", "train.batch_size"),
+    ("train.seq_len=-4", "train.seq_len"),
+    ("train.grad_accum=0", "train.grad_accum"),
+    ("train.grad_accum=3", "train.grad_accum"),
+    ("train.precision=fp16", "train.precision"),
+    ("train.seed=-1", "train.seed"),
+    ("train.nan_policy=ignore", "train.nan_policy"),
+    ("train.parallel=tp", "train.parallel"),
+    ("train.device=tpu", "train.device"),
+    ("eval.every=-1", "eval.every"),
+    ("eval.batches=0", "eval.batches"),
+    ("eval.sample_tokens=-1", "eval.sample_tokens"),
+    ("checkpoint.every=-5", "checkpoint.every"),
+    ("checkpoint.keep=0", "checkpoint.keep"),
+    ("log.out_dir=''", "log.out_dir"),
+]
+
+# Values of the wrong type, with the dotted field the error must name.
+MISTYPED_OVERRIDES = [
+    ("train.steps=abc", "train.steps"),
+    ("train.steps=2.5", "train.steps"),
+    ("train.steps=true", "train.steps"),
+    ("train.compile=maybe", "train.compile"),
+    ("train.compile=1", "train.compile"),
+    ("optim.lr=fast", "optim.lr"),
+    ("optim.lr=.nan", "optim.lr"),
+    ("optim.betas=0.9", "optim.betas"),
+    ("optim.betas=[0.9]", "optim.betas"),
+    ("optim.betas=[0.9,x]", "optim.betas"),
+    ("data.max_bytes=lots", "data.max_bytes"),
+    ("train.steps=null", "train.steps"),
+    ("model.overrides=[1,2]", "model.overrides"),
+]
+
+
+def write(path: Path, data: object) -> Path:
+    path.write_text(yaml.safe_dump(data) if path.suffix != ".json" else json.dumps(data))
+    return path
+
+
+def test_defaults_construct_with_the_documented_values() -> None:
+    config = RunConfig()
+    assert config == load_run_config(None, [])
+    assert config.model == ModelSection(preset="tiny", mixer="muir", overrides={})
+    assert config.optim.betas == (0.9, 0.95)
+    assert config.data.max_bytes == 4194304
+    assert config.train.batch_size == 8 and config.train.precision == "auto"
+    assert config.eval.sample_prompt == "def "
+    assert list(SECTIONS) == [f.name for f in dataclasses.fields(RunConfig)]
+    assert all(section.key == name for name, section in SECTIONS.items())
+
+
+def test_sections_are_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        RunConfig().train.steps = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_file_then_overrides_the_override_wins(tmp_path: Path, suffix: str) -> None:
+    path = write(
+        tmp_path / f"run{suffix}",
+        {"train": {"steps": 50, "seq_len": 64}, "optim": {"lr": 1e-3}, "log": None},
+    )
+    config = load_run_config(path, ["train.steps=10", "train.steps=12", "schedule.kind=wsd"])
+    assert config.train.steps == 12
+    assert config.train.seq_len == 64
+    assert config.optim.lr == 1e-3
+    assert config.schedule.kind == "wsd"
+    assert config.log == RunConfig().log
+
+
+def test_empty_file_gives_the_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    assert load_run_config(path, []) == RunConfig()
+
+
+def test_nested_overrides_merge_into_model_overrides(tmp_path: Path) -> None:
+    path = write(
+        tmp_path / "run.yaml",
+        {"model": {"overrides": {"num_layers": 4, "mixer_options": {"read_gate": False}}}},
+    )
+    config = load_run_config(
+        path,
+        [
+            "model.overrides.num_layers=2",
+            "model.overrides.mixer_options.rank=8",
+            "model.overrides.attention_layers=[1]",
+        ],
+    )
+    assert config.model.overrides == {
+        "num_layers": 2,
+        "mixer_options": {"read_gate": False, "rank": 8},
+        "attention_layers": [1],
+    }
+
+
+def test_override_values_are_read_as_yaml_and_coerced() -> None:
+    config = load_run_config(
+        None,
+        [
+            "optim.betas=[0.9,0.99]",
+            "data.max_bytes=null",
+            "optim.lr=1e-3",  # YAML 1.1 reads this as a string
+            "optim.grad_clip=2",  # an int where a float is expected
+            "train.compile=true",
+            "data.source=2024",  # a string field keeps the text YAML read as an int
+            "eval.sample_prompt='class '",
+            "data.source=a=b",  # only the first '=' separates
+        ],
+    )
+    assert config.optim.betas == (0.9, 0.99) and isinstance(config.optim.betas, tuple)
+    assert config.data.max_bytes is None
+    assert config.optim.lr == 1e-3
+    assert config.optim.grad_clip == 2.0 and isinstance(config.optim.grad_clip, float)
+    assert config.train.compile is True
+    assert config.data.source == "a=b"
+    assert config.eval.sample_prompt == "class "
+    assert load_run_config(None, ["data.source=2024"]).data.source == "2024"
+
+
+@pytest.mark.parametrize(("override", "field"), MISTYPED_OVERRIDES)
+def test_mistyped_value_is_refused_naming_the_field(override: str, field: str) -> None:
+    with pytest.raises(TypeError, match=rf"^{field} must be"):
+        load_run_config(None, [override])
+
+
+@pytest.mark.parametrize(("override", "field"), INVALID_OVERRIDES)
+def test_invalid_value_is_refused_naming_the_field(override: str, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        load_run_config(None, [override])
+
+
+def test_sections_validate_when_built_directly() -> None:
+    with pytest.raises(ValueError, match=r"train\.batch_size must be > 0, got 0"):
+        TrainSection(batch_size=0)
+    with pytest.raises(TypeError, match=r"optim\.lr must be a finite number"):
+        OptimSection(lr="fast")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"model\.overrides\.x must hold YAML data"):
+        ModelSection(overrides={"x": object()})
+    with pytest.raises(TypeError, match="train must be a TrainSection"):
+        RunConfig(train={"steps": 3})  # type: ignore[arg-type]
+    assert OptimSection(betas=[0.8, 0.9]).betas == (0.8, 0.9)  # type: ignore[arg-type]
+
+
+def test_batch_size_must_divide_by_grad_accum() -> None:
+    assert TrainSection(batch_size=8, grad_accum=4).grad_accum == 4
+    with pytest.raises(ValueError, match=r"train\.batch_size \(8\).*train\.grad_accum \(3\)"):
+        TrainSection(batch_size=8, grad_accum=3)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.step=10", "unknown config field 'train.step' (did you mean 'train.steps'?)"),
+        ("optim.betas1=0.9", "'optim.betas1' (did you mean 'optim.betas'?)"),
+        ("trian.steps=10", "unknown config section 'trian' (did you mean 'train'?)"),
+        ("eval.sample_promt=x", "(did you mean 'eval.sample_prompt'?)"),
+    ],
+)
+def test_unknown_override_names_the_closest_field(override: str, message: str) -> None:
+    with pytest.raises(ValueError) as error:
+        load_run_config(None, [override])
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            {"train": {"step": 10}},
+            "unknown config field 'train.step' (did you mean 'train.steps'?)",
+        ),
+        (
+            {"schedul": {"kind": "wsd"}},
+            "unknown config section 'schedul' (did you mean 'schedule'?)",
+        ),
+    ],
+)
+def test_unknown_file_entry_names_the_file_and_closest_field(
+    tmp_path: Path, data: dict[str, object], message: str
+) -> None:
+    path = write(tmp_path / "run.yaml", data)
+    with pytest.raises(ValueError) as error:
+        load_run_config(path, [])
+    assert message in str(error.value) and str(path) in str(error.value)
+
+
+@pytest.mark.parametrize(("name", "text"), [("run.yaml", "train: [steps"), ("run.json", "{")])
+def test_unreadable_file_is_refused_naming_it(tmp_path: Path, name: str, text: str) -> None:
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=name):
+        load_run_config(tmp_path / name, [])
+
+
+def test_file_that_is_not_a_mapping_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("- train\n- steps\n")
+    with pytest.raises(TypeError, match="mapping by section"):
+        load_run_config(path, [])
+    path.write_text("train: 10\n")
+    with pytest.raises(TypeError, match="train must be a mapping"):
+        load_run_config(path, [])
+
+
+@pytest.mark.parametrize(
+    "override", ["train.steps", "train=10", "steps=10", "=10", "train.=3", ".steps=3"]
+)
+def test_malformed_override_is_refused(override: str) -> None:
+    with pytest.raises(ValueError, match=r"section\.field=value|unknown config"):
+        load_run_config(None, [override])
+
+
+def test_override_below_a_non_mapping_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"train\.steps is not a mapping"):
+        load_run_config(None, ["train.steps.x=1"])
+    with pytest.raises(ValueError, match=r"model\.overrides\.num_layers is 2, not a mapping"):
+        load_run_config(None, ["model.overrides.num_layers=2", "model.overrides.num_layers.x=1"])
+
+
+def custom_config() -> RunConfig:
+    return load_run_config(
+        None,
+        [
+            "model.preset=340M",
+            "model.overrides={num_layers: 2, mixer_options: {read_gate: true}}",
+            "data.max_bytes=null",
+            "optim.betas=[0.8,0.99]",
+            "optim.eps=1e-6",
+            "schedule.kind=wsd",
+            "train.grad_accum=2",
+            "eval.sample_prompt='Grüße '",
+            "checkpoint.resume=true",
+        ],
+    )
+
+
+def test_to_dict_from_dict_round_trip() -> None:
+    config = custom_config()
+    data = config.to_dict()
+    assert data["optim"]["betas"] == [0.8, 0.99]
+    assert json.loads(json.dumps(data)) == data
+    assert RunConfig.from_dict(data) == config
+    assert RunConfig.from_dict({}) == RunConfig()
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "config.json"])
+def test_save_then_load_round_trip(tmp_path: Path, name: str) -> None:
+    config = custom_config()
+    path = save_run_config(config, tmp_path / "run" / name)
+    assert load_run_config(path, []) == config
+    assert [p.name for p in path.parent.iterdir()] == [name]  # no temporary file left
+    save_run_config(RunConfig(), path)
+    assert load_run_config(path, []) == RunConfig()
+
+
+def test_saved_yaml_is_plain_yaml(tmp_path: Path) -> None:
+    path = save_run_config(custom_config(), tmp_path / "config.yaml")
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    assert list(data) == list(SECTIONS)
+    assert data["model"]["overrides"]["mixer_options"] == {"read_gate": True}
+
+
+def test_config_help_lists_every_field_with_type_default_and_description() -> None:
+    text = config_help()
+    for name, section in SECTIONS.items():
+        assert f"\n{name}: " in text
+        for f in dataclasses.fields(section):
+            line = next(
+                (ln for ln in text.splitlines() if ln.strip().startswith(f"{name}.{f.name} (")),
+                None,
+            )
+            assert line is not None, f"{name}.{f.name} is missing from config_help()"
+            assert f"({f.type}, default " in line
+            description = line.partition("): ")[2]
+            assert description.strip(), f"{name}.{f.name} has no description in its docstring"
+    assert "train.batch_size (int, default 8): " in text
+    assert "data.max_bytes (int | None, default 4194304): " in text
+    assert 'eval.sample_prompt (str, default "def "): ' in text
