@@ -113,17 +113,29 @@ def _loss(model, window: torch.Tensor, autocast) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model, held_out: PackedSequences, count: int, micro: int, ctx, autocast) -> float:
-    """Mean held-out loss over the first `count` windows (dealt over ranks), in order."""
+    """Mean held-out loss over the first `count` windows (dealt evenly over ranks), in order."""
     was_training = model.training
     model.eval()
-    indices = list(range(min(count, len(held_out))))[ctx.rank :: ctx.world_size]
+    used = min(count, len(held_out)) // ctx.world_size * ctx.world_size
+    if used == 0:
+        raise ValueError(
+            f"the held-out split has {len(held_out)} windows, fewer than the {ctx.world_size} "
+            "ranks; raise data.held_out_fraction or lower train.seq_len"
+        )
+    indices = list(range(used))[ctx.rank :: ctx.world_size]
     total = torch.zeros((), dtype=torch.float64, device=ctx.device)
     for start in range(0, len(indices), micro):
         window = torch.stack([held_out[i] for i in indices[start : start + micro]]).to(ctx.device)
         total += _loss(model, window, autocast).double() * window.shape[0]
     total = all_reduce_mean(total, ctx) * ctx.world_size
     model.train(was_training)
-    return (total / max(1, min(count, len(held_out)) // ctx.world_size * ctx.world_size)).item()
+    return (total / used).item()
+
+
+def _stop_everywhere(stop, ctx: Distributed) -> bool:
+    """Whether any rank was signalled: ranks must checkpoint and leave at the same step."""
+    flag = torch.tensor(float(stop.stop_requested), device=ctx.device)
+    return bool(all_reduce_mean(flag, ctx).item() > 0)
 
 
 def _payload(step, core, optimizer, scheduler, sampler, config, history) -> dict[str, Any]:
@@ -279,11 +291,12 @@ def train(config: RunConfig) -> TrainResult:
                 history["eval"].append({"step": done, "loss": value})
                 logger.eval_step(done, value)
             checkpoint_due = _due(done, config.checkpoint.every) or done == config.train.steps
-            if checkpoint_due or stop.stop_requested:
+            stopping = _stop_everywhere(stop, ctx)
+            if checkpoint_due or stopping:
                 _checkpoint(
                     out_dir, done, core, optimizer, scheduler, sampler, config, history, ctx
                 )
-            if stop.stop_requested:
+            if stopping:
                 interrupted = True
                 logger.print(
                     f"stopped by signal after step {done}; resume with checkpoint.resume=true"
