@@ -422,3 +422,13 @@ def test_forward_refuses_wrong_width_and_foreign_state(name, other, generator):
     _, foreign_state = build(other)(x)
     with pytest.raises(TypeError, match="state must be"):
         mixer(x, foreign_state)
+
+
+def test_padding_after_real_tokens_is_refused():
+    from deltalab.layers import GatedDeltaNet
+
+    layer = GatedDeltaNet(hidden_size=16, num_heads=2, head_dim=8)
+    x = torch.randn(2, 5, 16)
+    layer(x, mask=torch.tensor([[False, False, True, True, True]] * 2))
+    with pytest.raises(ValueError, match=r"mask must be left padding"):
+        layer(x, mask=torch.tensor([[True, True, True, False, False]] * 2))

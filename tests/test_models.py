@@ -213,3 +213,19 @@ def test_generate_command_refuses_a_folder_without_a_checkpoint(tmp_path):
 
     with pytest.raises(ValueError, match=r"holds no config.json"):
         generate_text(GenerateConfig(checkpoint=str(tmp_path), prompt="x"))
+
+
+def test_muir_ranks_given_as_configuration_round_trip(tmp_path, generator):
+    from deltalab.layers import MuirRanks
+
+    ranks = dict(decay=8, erase=2, write=4, read=3, outgate=8)
+    as_mapping = tiny_model("muir", mixer_options={"ranks": ranks})
+    as_object = tiny_model("muir", mixer_options={"ranks": MuirRanks(**ranks)})
+    assert as_object.config.mixer_options == as_mapping.config.mixer_options
+    as_object.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = token_ids(generator, 1, 19)
+    with torch.no_grad():
+        assert torch.equal(as_object(ids).logits, loaded(ids).logits)
+    with pytest.raises(ValueError, match=r"ranks has unknown gates \['erasure'\]"):
+        tiny_model("muir", mixer_options={"ranks": {"erasure": 2}})

@@ -274,8 +274,10 @@ def test_zero_or_negative_rank_is_refused_naming_the_field(field):
         MuirRanks(**{**ranks, field: 2.0})
 
 
-def test_ranks_must_be_a_muir_ranks():
-    with pytest.raises(TypeError, match="ranks"):
+def test_ranks_must_be_a_muir_ranks_or_a_complete_mapping():
+    with pytest.raises(TypeError, match="ranks must be a MuirRanks, a mapping or None"):
+        build(ranks=[8, 2, 4, 3, 8])
+    with pytest.raises(ValueError, match=r"ranks has unknown gates \[\] and lacks \['erase'"):
         build(ranks={"decay": 8})
 
 

@@ -241,3 +241,24 @@ def test_tensorboard_events_are_written_when_enabled(tmp_path, corpus):
     pytest.importorskip("tensorboard")
     train(run_config(tmp_path, corpus, "log.tensorboard=true"))
     assert any((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))
+
+
+def test_a_skipped_last_step_still_writes_the_final_checkpoint(tmp_path, corpus, monkeypatch):
+    import deltalab.train.loop as loop
+
+    original = loop._loss
+    calls = {"n": 0}
+
+    def poisoned(model, window, autocast):
+        loss = original(model, window, autocast)
+        if model.training:
+            calls["n"] += 1
+            if calls["n"] == 6:
+                return loss * float("nan")
+        return loss
+
+    monkeypatch.setattr(loop, "_loss", poisoned)
+    result = train(run_config(tmp_path, corpus, "train.nan_policy=skip"))
+    assert len(result.losses) == 5
+    names = [p.name for p in list_checkpoints(tmp_path / "run")]
+    assert names[-1] == "step_00000006.pt"

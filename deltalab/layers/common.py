@@ -78,13 +78,25 @@ def check_hidden(x: object, hidden_size: int) -> torch.Tensor:
 
 
 def check_mask(mask: object, x: torch.Tensor) -> torch.Tensor | None:
-    """A padding mask `[B, T]` for `x [B, T, D]` as bool (True at real tokens), or None."""
+    """A left-padding mask `[B, T]` for `x [B, T, D]` as bool (True at real tokens), or None.
+
+    Only left padding is taken (padding before a row's first real token, as decoder-only
+    generation pads): there a padding token is exactly a token that never happened. Padding
+    after real tokens would still have to leave the short-convolution caches and the KDN
+    uncertainty as they were, which the mixers do not attempt, so it is refused.
+    """
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
     require_shape("mask", mask, x.shape[:2], "[B, T]", "to match x")
-    return mask.bool()
+    mask = mask.bool()
+    if mask.shape[1] > 1 and bool((mask[:, :-1] & ~mask[:, 1:]).any()):
+        raise ValueError(
+            "mask must be left padding (False only before each row's first True); got a False "
+            "after a True"
+        )
+    return mask
 
 
 def no_weight_decay(param: nn.Parameter) -> nn.Parameter:

@@ -19,6 +19,7 @@ without bias: with erase and write full rank and `read_gate="none"`, Muir is GDN
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 import torch
@@ -210,8 +211,19 @@ class Muir(DeltaMixer):
         hidden_size = require_positive_int("hidden_size", hidden_size)
         if ranks is None:
             ranks = MuirRanks.default(require_positive_int("head_dim", head_dim), hidden_size)
+        elif isinstance(ranks, Mapping):
+            # Configuration files and config.json carry the ranks as a plain mapping.
+            gates = {f.name for f in fields(MuirRanks)}
+            if set(ranks) != gates:
+                raise ValueError(
+                    f"ranks has unknown gates {sorted(set(ranks) - gates)} and lacks "
+                    f"{sorted(gates - set(ranks))}; it needs exactly {sorted(gates)}"
+                )
+            ranks = MuirRanks(**ranks)
         if not isinstance(ranks, MuirRanks):
-            raise TypeError(f"ranks must be a MuirRanks or None, got {type(ranks).__name__}")
+            raise TypeError(
+                f"ranks must be a MuirRanks, a mapping or None, got {type(ranks).__name__}"
+            )
         read_gate = require_choice("read_gate", read_gate, READ_GATES)
         super().__init__(
             hidden_size=hidden_size,

@@ -8,6 +8,7 @@ keyword arguments (so an unknown option fails there, naming the field).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from typing import Any
 
@@ -116,7 +117,12 @@ class DeltaLabConfig(PreTrainedConfig):
         self.rope_base = float(rope_base)
         if mixer_options is not None and not isinstance(mixer_options, dict):
             raise TypeError(f"mixer_options must be a dict, got {type(mixer_options).__name__}")
-        self.mixer_options = dict(mixer_options or {})
+        # Dataclass options (e.g. MuirRanks) are stored as plain mappings, so that the config
+        # serializes to config.json and the mixer rebuilds them on load.
+        self.mixer_options = {
+            key: dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+            for key, value in (mixer_options or {}).items()
+        }
         # The byte tokenizer's specials (deltalab.data.ByteTokenizer) when the vocabulary has them.
         for name, byte_id in (("bos_token_id", 256), ("eos_token_id", 257), ("pad_token_id", 258)):
             kwargs.setdefault(name, byte_id if byte_id < vocab_size else None)

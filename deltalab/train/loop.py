@@ -259,33 +259,33 @@ def train(config: RunConfig) -> TrainResult:
             loss_value = all_reduce_mean(total, ctx).item()
             grad_norm = _grad_norm(core, config.optim.grad_clip)
             lr = scheduler.get_last_lr()[0]
-            if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-                if config.train.nan_policy == "stop":
-                    raise FloatingPointError(
-                        f"loss {loss_value} / gradient norm {grad_norm} at step {step + 1} is not "
-                        "finite; stopping (train.nan_policy=stop). The last checkpoint in "
-                        f"{out_dir / 'checkpoints'} is intact; lower optim.lr or set "
-                        "train.nan_policy=skip to skip such steps"
-                    )
-                logger.print(f"step {step + 1}: non-finite loss or gradient, step skipped")
-                optimizer.zero_grad(set_to_none=True)
-                scheduler.step()
-                continue
-            optimizer.step()
+            done = step + 1
+            finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
+            if not finite and config.train.nan_policy == "stop":
+                raise FloatingPointError(
+                    f"loss {loss_value} / gradient norm {grad_norm} at step {done} is not "
+                    "finite; stopping (train.nan_policy=stop). The last checkpoint in "
+                    f"{out_dir / 'checkpoints'} is intact; lower optim.lr or set "
+                    "train.nan_policy=skip to skip such steps"
+                )
+            if finite:
+                optimizer.step()
+            else:
+                # Skipped: no update, but the step counts (schedule, data, checkpoints below).
+                logger.print(f"step {done}: non-finite loss or gradient, step skipped")
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-            seconds = time.perf_counter() - began
-            record = {
-                "step": step + 1,
-                "loss": loss_value,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "tokens_per_s": tokens_per_step / seconds,
-            }
-            history["train"].append(record)
-            logger.train_step(record)
-            progress.update(record)
-            done = step + 1
+            if finite:
+                record = {
+                    "step": done,
+                    "loss": loss_value,
+                    "lr": lr,
+                    "grad_norm": grad_norm,
+                    "tokens_per_s": tokens_per_step / (time.perf_counter() - began),
+                }
+                history["train"].append(record)
+                logger.train_step(record)
+                progress.update(record)
             if _due(done, config.eval.every) and done < config.train.steps:
                 value = evaluate(core, held_out, eval_windows, micro, ctx, autocast)
                 history["eval"].append({"step": done, "loss": value})
