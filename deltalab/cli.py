@@ -101,7 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--device", default="cpu")
     generate.set_defaults(run=_generate)
 
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # Overrides after an option (`deltalab train a=1 --resume b=2`) arrive as leftovers.
+    if args.command == "train":
+        args.overrides += [e for e in extra if "=" in e and not e.startswith("-")]
+        extra = [e for e in extra if e not in args.overrides]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.threads is not None:
         import torch
 

@@ -262,3 +262,54 @@ def test_a_skipped_last_step_still_writes_the_final_checkpoint(tmp_path, corpus,
     assert len(result.losses) == 5
     names = [p.name for p in list_checkpoints(tmp_path / "run")]
     assert names[-1] == "step_00000006.pt"
+
+
+def test_a_new_run_refuses_a_directory_with_checkpoints_and_resume_refuses_a_changed_config(
+    tmp_path, corpus
+):
+    train(run_config(tmp_path, corpus))
+    with pytest.raises(ValueError, match=r"already holds checkpoints of a run; continue it with"):
+        train(run_config(tmp_path, corpus, "optim.lr=0.001"))
+    with pytest.raises(ValueError, match=r"the run config changed \(optim.lr: 0.01 -> 0.001\)"):
+        train(run_config(tmp_path, corpus, "optim.lr=0.001", "checkpoint.resume=true"))
+
+
+def test_run_directories_inside_the_data_source_are_refused(tmp_path, corpus):
+    with pytest.raises(ValueError, match=r"log.out_dir .* lies inside data.source"):
+        train(run_config(tmp_path, corpus, f"log.out_dir={corpus}/run"))
+
+
+def test_no_decay_marks_survive_parameter_replacement_as_fsdp_does():
+    from deltalab.models import CausalLM, build_config
+    from deltalab.train.optim import no_decay_names, parameter_groups
+
+    model = CausalLM(build_config("tiny", mixer="muir", num_layers=1))
+    exempt = no_decay_names(model)
+    assert any(name.endswith("dt_bias") for name in exempt)
+    # FSDP2 swaps every parameter for a new one, dropping Python attributes such as the marks.
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(param.detach().clone()))
+    decay, no_decay = parameter_groups(model, 0.1, exempt)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[id(p)] for p in no_decay["params"]} == exempt
+    assert all(p.dim() >= 2 for p in decay["params"])
+
+
+def test_a_run_with_a_local_tokenizer_exports_it_for_generate(tmp_path, corpus, capsys):
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    from deltalab.cli import main
+
+    raw = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"])
+    raw.train_from_iterator(["def item_1 = value(2)", "return self"] * 30, trainer)
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=raw, unk_token="<unk>", eos_token="</s>"
+    ).save_pretrained(tmp_path / "tok")
+    train(run_config(tmp_path, corpus, f"data.tokenizer={tmp_path / 'tok'}"))
+    assert (tmp_path / "run" / "model" / "tokenizer_config.json").exists()
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "run" / "model"), "def", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("def")

@@ -319,3 +319,44 @@ def test_config_help_lists_every_field_with_type_default_and_description() -> No
     assert "train.batch_size (int, default 8): " in text
     assert "data.max_bytes (int | None, default 4194304): " in text
     assert 'eval.sample_prompt (str, default "def "): ' in text
+
+
+def test_string_overrides_keep_the_text_as_written_and_null_clears_a_mapping():
+    from deltalab.train.config import load_run_config
+
+    config = load_run_config(
+        None, ["log.out_dir=runs/exp #2", "data.source=2024", "model.overrides=null"]
+    )
+    assert config.log.out_dir == "runs/exp #2"
+    assert config.data.source == "2024"
+    assert config.model.overrides == {}
+    assert load_run_config(None, ["eval.sample_prompt='class '"]).eval.sample_prompt == "class "
+
+
+def test_lr_schedules_end_at_the_floor_on_the_last_step():
+    from types import SimpleNamespace
+
+    from deltalab.train.optim import lr_multiplier
+
+    def schedule(kind, warmup, fraction=0.2):
+        return SimpleNamespace(
+            kind=kind, warmup_steps=warmup, min_lr_ratio=0.1, decay_fraction=fraction
+        )
+
+    for kind in ("cosine", "wsd"):
+        for warmup in (0, 3, 9):
+            f = lr_multiplier(schedule(kind, warmup), 10)
+            assert abs(f(9) - 0.1) < 1e-12, (kind, warmup)
+    wsd = lr_multiplier(schedule("wsd", 0, fraction=0.1), 10)
+    assert [wsd(s) for s in range(9)] == [1.0] * 9
+    warm = lr_multiplier(schedule("constant", 4), 10)
+    assert [warm(s) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+
+
+def test_cli_takes_overrides_before_and_after_options(tmp_path, monkeypatch):
+    import deltalab.cli as cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "_train", lambda args: seen.update(vars(args)) or 0)
+    cli.main(["train", "train.steps=5", "--resume", "log.out_dir=x"])
+    assert seen["overrides"] == ["train.steps=5", "log.out_dir=x"] and seen["resume"]

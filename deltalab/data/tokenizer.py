@@ -7,6 +7,7 @@ Both satisfy the `Tokenizer` protocol, the only interface the rest of the data l
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -143,6 +144,10 @@ class HuggingFaceTokenizer:
     @property
     def pad_id(self) -> int:
         return self._pad
+
+    def save_pretrained(self, path: str | os.PathLike[str]) -> None:
+        """Writes the tokenizer's files to `path`, so a checkpoint carries its tokenizer."""
+        self._tokenizer.save_pretrained(path)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False))

@@ -491,15 +491,18 @@ def _apply_override(tree: dict[str, dict[str, Any]], override: str) -> None:
     hint = _hints(section)[parts[1]]
     if len(parts) > 2 and typing.get_origin(hint) is not dict:
         raise ValueError(f"cannot set {key!r}: {section.dotted(parts[1])} is not a mapping")
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        if hint is not str:
+    stripped = text.strip()
+    if hint is str and stripped[:1] not in ("'", '"'):
+        # A string field takes the text as written (YAML would cut `runs/exp #2` at the comment
+        # or read `2024` as a number); quote it to have YAML read it (e.g. edge spaces).
+        value = stripped
+    else:
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as error:
             raise ValueError(f"{key}: cannot read {text!r} as YAML: {error}") from error
-        value = text
-    # A string field takes the text as written when YAML reads another type (data.source=2024).
-    if hint is str and not isinstance(value, str):
-        value = text
+    if typing.get_origin(hint) is dict and len(parts) == 2 and value is None:
+        value = {}
     node = tree.setdefault(parts[0], {})
     for depth in range(1, len(parts) - 1):
         child = node.get(parts[depth])

@@ -40,6 +40,7 @@ from deltalab.models import CausalLM, build_config
 from deltalab.train.checkpoint import (
     GracefulStop,
     capture_rng_state,
+    list_checkpoints,
     load_latest_checkpoint,
     prune_checkpoints,
     restore_rng_state,
@@ -47,7 +48,7 @@ from deltalab.train.checkpoint import (
 )
 from deltalab.train.config import RunConfig, save_run_config
 from deltalab.train.distributed import Distributed, all_reduce_mean, setup_distributed, wrap_model
-from deltalab.train.optim import build_optimizer, build_scheduler
+from deltalab.train.optim import build_optimizer, build_scheduler, no_decay_names
 from deltalab.train.report import RunLogger, plot_loss_curve
 
 __all__ = ["TrainResult", "train"]
@@ -69,8 +70,11 @@ class TrainResult:
 
 
 def _sequences(config: RunConfig, tokenizer, split: str, ctx: Distributed) -> PackedSequences:
+    source = config.data.source
+    # One cache entry per source, however its path is spelled (`data`, `./data/`, absolute).
+    source = source if source == "stdlib" else str(Path(source).resolve())
     corpus = CorpusConfig(
-        source=config.data.source,
+        source=source,
         split=split,
         held_out_fraction=config.data.held_out_fraction,
         max_bytes=config.data.max_bytes,
@@ -84,6 +88,23 @@ def _sequences(config: RunConfig, tokenizer, split: str, ctx: Distributed) -> Pa
     if not ctx.is_main:
         tokens = prepare_tokens(corpus, tokenizer, config.data.cache_dir)
     return PackedSequences(tokens, config.train.seq_len)
+
+
+def _check_outside_source(config: RunConfig) -> None:
+    """The run's own files must not become training data on the next run."""
+    if config.data.source == "stdlib":
+        return
+    source = Path(config.data.source).resolve()
+    for name, value in (
+        ("log.out_dir", config.log.out_dir),
+        ("data.cache_dir", config.data.cache_dir),
+    ):
+        inside = Path(value).resolve()
+        if inside == source or source in inside.parents:
+            raise ValueError(
+                f"{name} {value!r} lies inside data.source {config.data.source!r}: the run's "
+                "files would be read as documents; put them elsewhere"
+            )
 
 
 def _micro_batch(config: RunConfig, ctx: Distributed) -> int:
@@ -160,11 +181,56 @@ def _checkpoint(out_dir, step, core, optimizer, scheduler, sampler, config, hist
         dist.barrier()
 
 
-def _resume(out_dir, core, optimizer, scheduler, sampler) -> tuple[int, dict]:
+# Fields a resumed run may change: they do not change what is computed.
+RESUMABLE_CHANGES = {
+    "checkpoint.resume",
+    "checkpoint.every",
+    "checkpoint.keep",
+    "train.device",
+    "train.compile",
+    "train.activation_checkpointing",
+    "train.nan_policy",
+    "eval.every",
+    "eval.sample_tokens",
+    "eval.sample_prompt",
+    "log.progress",
+    "log.tensorboard",
+    "log.out_dir",
+    "data.cache_dir",
+}
+
+
+def _changed_fields(saved: dict, current: dict) -> list[str]:
+    changed = []
+    for section, fields in current.items():
+        for name, value in fields.items():
+            key = f"{section}.{name}"
+            if key not in RESUMABLE_CHANGES and saved.get(section, {}).get(name) != value:
+                changed.append(f"{key}: {saved.get(section, {}).get(name)!r} -> {value!r}")
+    return changed
+
+
+def _check_fresh_start(out_dir: Path, config: RunConfig) -> None:
+    """A new run must not share a directory with another run's checkpoints: the older ones
+    would be pruned in its place and picked up by a later resume."""
+    if not config.checkpoint.resume and list_checkpoints(out_dir):
+        raise ValueError(
+            f"log.out_dir {str(out_dir)!r} already holds checkpoints of a run; continue it with "
+            "--resume (checkpoint.resume=true) or choose another log.out_dir"
+        )
+
+
+def _resume(out_dir, core, optimizer, scheduler, sampler, config) -> tuple[int, dict]:
     found = load_latest_checkpoint(out_dir)
     if found is None:
         return 0, {"train": [], "eval": []}
-    _, payload = found
+    path, payload = found
+    changed = _changed_fields(payload["config"], config.to_dict())
+    if changed:
+        raise ValueError(
+            f"cannot resume {path}: the run config changed ({'; '.join(changed)}); restore "
+            "those fields or start a new run in another log.out_dir"
+        )
     set_model_state_dict(core, payload["model"], options=FULL_STATE)
     set_optimizer_state_dict(core, optimizer, payload["optimizer"], options=FULL_STATE)
     scheduler.load_state_dict(payload["scheduler"])
@@ -192,6 +258,8 @@ def train(config: RunConfig) -> TrainResult:
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     out_dir = Path(config.log.out_dir)
+    _check_fresh_start(out_dir, config)
+    _check_outside_source(config)
     torch.manual_seed(config.train.seed)
     tokenizer = load_tokenizer(config.data.tokenizer)
     train_data = _sequences(config, tokenizer, "train", ctx)
@@ -207,20 +275,21 @@ def train(config: RunConfig) -> TrainResult:
         setattr(model_config, f"{name}_token_id", getattr(tokenizer, f"{name}_id"))
     core = CausalLM(model_config).to(ctx.device)
     core.model.checkpoint_blocks = config.train.activation_checkpointing
+    exempt = no_decay_names(core)
     model = wrap_model(core, ctx, config.train.parallel)
     forward = torch.compile(model) if config.train.compile else model
-    optimizer = build_optimizer(core, config.optim)
+    optimizer = build_optimizer(core, config.optim, exempt)
     scheduler = build_scheduler(optimizer, config.schedule, config.train.steps)
     sampler = ResumableSampler(
         len(train_data), seed=config.train.seed, rank=ctx.rank, world_size=ctx.world_size
     )
     start, history = 0, {"train": [], "eval": []}
     if config.checkpoint.resume:
-        start, history = _resume(out_dir, core, optimizer, scheduler, sampler)
+        start, history = _resume(out_dir, core, optimizer, scheduler, sampler, config)
 
     autocast = _autocast(config, ctx)
     eval_windows = config.eval.batches * micro * ctx.world_size
-    logger = RunLogger(out_dir, config, enabled=ctx.is_main)
+    logger = RunLogger(out_dir, config, enabled=ctx.is_main, append=start > 0)
     if ctx.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_run_config(config, out_dir / "config.yaml")

@@ -8,33 +8,47 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["build_optimizer", "build_scheduler", "lr_multiplier", "parameter_groups"]
+__all__ = [
+    "build_optimizer",
+    "build_scheduler",
+    "lr_multiplier",
+    "no_decay_names",
+    "parameter_groups",
+]
 
 
-def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW groups: decayed matrices, and the rest without decay.
+def no_decay_names(model: nn.Module) -> set[str]:
+    """Names of the parameters trained without weight decay: every parameter of rank < 2
+    (norms, biases) and those the layers mark with `_no_weight_decay` (decay rates, gate
+    biases, read-gate vectors). Taken before sharding: FSDP2 replaces the parameter objects and
+    their marks with them, but keeps the names."""
+    return {
+        name
+        for name, param in model.named_parameters()
+        if param.dim() < 2 or getattr(param, "_no_weight_decay", False)
+    }
 
-    No decay on norms and biases (every parameter of rank < 2) and on the parameters the layers
-    mark with `_no_weight_decay` (decay rates, gate biases, read-gate vectors).
-    """
+
+def parameter_groups(
+    model: nn.Module, weight_decay: float, exempt: set[str] | None = None
+) -> list[dict]:
+    """Two AdamW groups: decayed matrices, and `exempt` (default `no_decay_names(model)`)."""
+    exempt = no_decay_names(model) if exempt is None else exempt
     decay, no_decay = [], []
-    for param in model.parameters():
+    for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if param.dim() < 2 or getattr(param, "_no_weight_decay", False):
-            no_decay.append(param)
-        else:
-            decay.append(param)
+        (no_decay if name in exempt else decay).append(param)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
 
 
-def build_optimizer(model: nn.Module, optim) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, optim, exempt: set[str] | None = None) -> torch.optim.AdamW:
     """AdamW over `parameter_groups`; `optim` is the run config's OptimSection."""
     return torch.optim.AdamW(
-        parameter_groups(model, optim.weight_decay),
+        parameter_groups(model, optim.weight_decay, exempt),
         lr=optim.lr,
         betas=tuple(optim.betas),
         eps=optim.eps,
@@ -49,19 +63,21 @@ def lr_multiplier(schedule, total_steps: int) -> Callable[[int], float]:
     of the steps) or "constant".
     """
     warmup, floor = schedule.warmup_steps, schedule.min_lr_ratio
-    decay_start = total_steps - max(1, round(schedule.decay_fraction * total_steps))
+    decay_steps = round(schedule.decay_fraction * total_steps)
+    decay_start = max(warmup, total_steps - decay_steps)
 
     def factor(step: int) -> float:
+        """Factor of 0-based `step`; the last step (total_steps - 1) ends a decay at `floor`."""
         if step < warmup:
             return (step + 1) / warmup
         if schedule.kind == "constant":
             return 1.0
         if schedule.kind == "cosine":
-            progress = min(1.0, (step - warmup) / max(1, total_steps - 1 - warmup))
+            progress = min(1.0, (step - warmup + 1) / max(1, total_steps - warmup))
             return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
         if step < decay_start:
             return 1.0
-        progress = min(1.0, (step - decay_start) / max(1, total_steps - 1 - decay_start))
+        progress = min(1.0, (step - decay_start + 1) / max(1, total_steps - decay_start))
         return 1 - (1 - floor) * progress
 
     return factor

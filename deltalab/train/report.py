@@ -28,7 +28,7 @@ class _Progress:
 class RunLogger:
     """Rank 0's voice: stdout, `log.jsonl`, TensorBoard (`tb/`) when installed and enabled."""
 
-    def __init__(self, out_dir: Path, config, *, enabled: bool) -> None:
+    def __init__(self, out_dir: Path, config, *, enabled: bool, append: bool = False) -> None:
         self.enabled = enabled
         self.show_progress = enabled and config.log.progress
         self.jsonl = None
@@ -36,7 +36,8 @@ class RunLogger:
         if not enabled:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = (out_dir / "log.jsonl").open("a")
+        # A resumed run continues its log; a new run starts one.
+        self.jsonl = (out_dir / "log.jsonl").open("a" if append else "w")
         if config.log.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
