@@ -313,3 +313,49 @@ def test_a_run_with_a_local_tokenizer_exports_it_for_generate(tmp_path, corpus, 
     capsys.readouterr()
     assert main(["generate", str(tmp_path / "run" / "model"), "def", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("def")
+
+
+def _failing_rank_main(rank: int, world: int, port: int, overrides: list[str], queue) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    try:
+        train(load_run_config(None, overrides))
+    except Exception as error:
+        queue.put((rank, type(error).__name__, str(error)))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def test_a_data_error_on_rank_0_stops_every_rank(tmp_path, corpus):
+    # A document rank 0 cannot read: it fails while tokenizing, the others wait for its tokens.
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "broken.jsonl").write_text('{"title": "no text field"}\n')
+    config = run_config(tmp_path, str(bad))
+    overrides = [f"{k}={v}" for k, v in _flatten(config.to_dict())]
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    port = _free_port()
+    processes = [
+        context.Process(target=_failing_rank_main, args=(rank, 2, port, overrides, queue))
+        for rank in range(2)
+    ]
+    for p in processes:
+        p.start()
+    errors = dict(
+        (rank, (kind, text)) for rank, kind, text in (queue.get(timeout=120) for _ in processes)
+    )
+    for p in processes:
+        p.join(timeout=60)
+    assert errors[0][0] == "ValueError" and "text" in errors[0][1]
+    assert errors[1] == (
+        "RuntimeError",
+        "rank 0 could not prepare the training data; see its error",
+    )

@@ -80,11 +80,21 @@ def _sequences(config: RunConfig, tokenizer, split: str, ctx: Distributed) -> Pa
         max_bytes=config.data.max_bytes,
         text_field=config.data.text_field,
     )
-    # Rank 0 tokenizes; the others then find the finished cache entry.
+    # Rank 0 tokenizes; the others then find the finished cache entry. Rank 0's failure is
+    # shared (instead of a barrier the others would wait at forever) so every rank stops.
+    failure = None
     if ctx.is_main:
-        tokens = prepare_tokens(corpus, tokenizer, config.data.cache_dir)
+        try:
+            tokens = prepare_tokens(corpus, tokenizer, config.data.cache_dir)
+        except Exception as error:
+            failure = error
     if ctx.active:
-        dist.barrier()
+        failed = torch.tensor(float(failure is not None), device=ctx.device)
+        dist.all_reduce(failed)
+        if failed.item() and failure is None:
+            raise RuntimeError("rank 0 could not prepare the training data; see its error")
+    if failure is not None:
+        raise failure
     if not ctx.is_main:
         tokens = prepare_tokens(corpus, tokenizer, config.data.cache_dir)
     return PackedSequences(tokens, config.train.seq_len)
