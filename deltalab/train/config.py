@@ -373,8 +373,9 @@ class EvalSection(_Section):
 
     every: evaluate every this many steps and at the last step (0: at the last step only).
     batches: held-out batches per evaluation, > 0.
-    sample_tokens: tokens generated from sample_prompt at each evaluation (0: no sample).
+    sample_tokens: tokens generated from sample_prompt at the end of the run (0: no sample).
     sample_prompt: prompt of the generated sample (quote it to keep edge spaces: "'def '").
+    sample_temperature: sampling temperature of the sample, seeded by train.seed (0: greedy).
     """
 
     key: ClassVar[str] = "eval"
@@ -383,11 +384,18 @@ class EvalSection(_Section):
     batches: int = 8
     sample_tokens: int = 120
     sample_prompt: str = "def "
+    sample_temperature: float = 0.7
 
     def validate(self) -> None:
         _require(self.every >= 0, self.dotted("every"), ">= 0", self.every)
         _require(self.batches > 0, self.dotted("batches"), "> 0", self.batches)
         _require(self.sample_tokens >= 0, self.dotted("sample_tokens"), ">= 0", self.sample_tokens)
+        _require(
+            self.sample_temperature >= 0,
+            self.dotted("sample_temperature"),
+            ">= 0",
+            self.sample_temperature,
+        )
 
 
 @dataclass(frozen=True)

@@ -412,20 +412,27 @@ def train(config: RunConfig) -> TrainResult:
 
 @torch.no_grad()
 def _sample(core: CausalLM, tokenizer, config: RunConfig, ctx: Distributed) -> str:
-    """Greedy continuation of `eval.sample_prompt` (every rank takes part under FSDP)."""
+    """A continuation of `eval.sample_prompt`: sampled at `eval.sample_temperature` from a
+    generator seeded by `train.seed` (the same tokens on every rank, which all take part under
+    FSDP), or greedy at temperature 0."""
     if config.eval.sample_tokens == 0:
         return ""
     core.eval()
     ids = tokenizer.encode(config.eval.sample_prompt) or [tokenizer.bos_id]
     prompt = torch.tensor([ids], device=ctx.device)
-    out = core.generate(
-        prompt,
-        attention_mask=torch.ones_like(prompt),
-        max_new_tokens=config.eval.sample_tokens,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=tokenizer.pad_id,
-    )
+    temperature = config.eval.sample_temperature
+    with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
+        torch.manual_seed(config.train.seed)
+        out = core.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=config.eval.sample_tokens,
+            do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else None,
+            top_k=None,
+            eos_token_id=None,
+            pad_token_id=tokenizer.pad_id,
+        )
     core.train()
     return tokenizer.decode(out[0, prompt.shape[1] :].tolist())
 
