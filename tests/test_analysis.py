@@ -2,7 +2,8 @@
 
 Exactness checks run in float64. The finite differences perturb the primitive's inputs by hand
 (MATH.md sec. 1 table: erase scales b = e * k, write scales u = w * v, g adds to the log decay,
-read scales q), independently of the rebuild that `perturb_gate` uses.
+read scales q), independently of the rebuild that `perturb_gate` uses. KDN layers are perturbed
+by hand in the tensors that `kalman_gates` returns (g, q_noise, r).
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from deltalab.layers.common import DeltaMixer
 from deltalab.layers.deltanet import DeltaNet, GatedDeltaNet
 from deltalab.layers.gdn2 import GatedDeltaNet2
 from deltalab.layers.kda import KimiDeltaAttention
+from deltalab.layers.kdn import DiagonalKDN, IsotropicKDN
 from deltalab.layers.muir import Muir
+from deltalab.models import CausalLM, build_config
 from deltalab.ops.parametrize import DeltaRuleInputs, deltanet_inputs
 
 D, H, K = 16, 2, 8
@@ -141,6 +144,103 @@ def test_sensitivity_matches_finite_differences_float64(generator):
     # The read gate weighs the query only: the memory does not move, the loss does.
     assert report.state["layers.1"]["read"] == 0.0
     assert report.loss["layers.1"]["read"] > 0.0
+
+
+KALMAN_GATES = ("g", "q_noise", "r")
+
+
+def run_noise_perturbed_by_hand(model, batch, layer, gate, delta):
+    """(loss, the layer's final memory) with `delta` added to one of the KDN layer's
+    `kalman_gates` outputs, written out by hand."""
+    original, seen = layer.kalman_gates, {}
+
+    def perturbed(x):
+        gates = list(original(x))
+        index = KALMAN_GATES.index(gate)
+        gates[index] = gates[index] + delta
+        # The perturbed point is a valid noise model: q_noise >= 0, r >= r_min.
+        assert gates[1].min() >= 0 and gates[2].min() >= layer.r_min
+        return tuple(gates)
+
+    layer.kalman_gates = perturbed
+    handle = layer.register_forward_hook(lambda m, a, out: seen.update(memory=out[1].memory))
+    try:
+        loss = model(batch)
+    finally:
+        handle.remove()
+        del layer.kalman_gates
+    return loss, seen["memory"]
+
+
+@torch.no_grad()
+def test_kdn_sensitivity_matches_finite_differences_float64(generator):
+    model = Stack(seeded(IsotropicKDN, 0), seeded(DiagonalKDN, 1))
+    batch = make_batch(generator)
+    tokens = batch[0].shape[0] * batch[0].shape[1]
+    for layer in model.layers:
+        # Every point of the central difference stays a valid noise model (|d| <= 1 per token).
+        _, q_noise, r = layer.kalman_gates(batch[0])
+        assert q_noise.min() > 10 * FD_EPS and (r - layer.r_min).min() > 10 * FD_EPS
+    directions = {}
+
+    def direction(layer, gate, value):
+        if (layer, gate) not in directions:
+            directions[layer, gate] = unit_directions(value, generator)
+        return directions[layer, gate]
+
+    report = gate_sensitivity(model, batch, probes=1, direction=direction)
+    expected = [(f"layers.{i}", g) for i in range(2) for g in KALMAN_GATES]
+    assert sorted(directions) == sorted(expected)
+    assert report.gates == list(KALMAN_GATES)
+    for layer_name, gate in expected:
+        layer = model.get_submodule(layer_name)
+        d = directions[layer_name, gate]
+        plus = run_noise_perturbed_by_hand(model, batch, layer, gate, FD_EPS * d)
+        minus = run_noise_perturbed_by_hand(model, batch, layer, gate, -FD_EPS * d)
+        state_fd = ((plus[1] - minus[1]) / (2 * FD_EPS)).norm().item()
+        loss_fd = abs((plus[0] - minus[0]).item()) / (2 * FD_EPS)
+        what = f"{layer_name} {gate}"
+        assert state_fd > 0 and loss_fd > 0, what
+        assert report.state[layer_name][gate] == pytest.approx(
+            state_fd / math.sqrt(tokens), rel=FD_TOL
+        ), what
+        assert report.loss[layer_name][gate] == pytest.approx(
+            loss_fd / math.sqrt(tokens), rel=FD_TOL
+        ), what
+    # Wrapping restored the layers.
+    assert not any("kalman_gates" in vars(layer) for layer in model.layers)
+
+
+@torch.no_grad()
+def test_kdn_perturb_gate_moves_the_reported_noise_and_restores_the_layer(generator):
+    layer = seeded(DiagonalKDN, 0)
+    x = make_batch(generator, length=5)[0]
+    y, state = layer(x, return_gates=True)
+    with perturb_gate(layer, "r", torch.zeros_like):
+        y_wrapped, state_wrapped = layer(x)
+    assert torch.equal(y_wrapped, y) and torch.equal(state_wrapped.memory, state.memory)
+    with perturb_gate(layer, "r", lambda r: 2 * r):
+        _, moved = layer(x, return_gates=True)
+    torch.testing.assert_close(moved.gates["r"], 3 * state.gates["r"])
+    with pytest.raises(KeyError, match="beta"), perturb_gate(layer, "beta", torch.zeros_like):
+        layer(x)
+    assert "kalman_gates" not in vars(layer)
+
+
+@torch.no_grad()
+def test_kdn_language_model_reports_finite_sensitivities(generator):
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = CausalLM(build_config("tiny", mixer="kdn_diag", num_layers=2)).eval()
+    batch = torch.randint(0, model.config.vocab_size, (2, 12), generator=generator)
+    report = gate_sensitivity(
+        model, batch, probes=1, loss_fn=lambda m, b: m(input_ids=b, labels=b).loss
+    )
+    assert len(report.layers) == 2
+    for table in (report.state, report.loss):
+        for per_layer in table.values():
+            assert list(per_layer) == list(KALMAN_GATES)
+            assert all(math.isfinite(v) for v in per_layer.values())
 
 
 def test_random_probes_estimate_the_mean_over_tokens(generator):

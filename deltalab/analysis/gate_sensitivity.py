@@ -16,6 +16,10 @@ forward-mode AD (`torch.autograd.forward_ad`) through the whole model, not a fin
 Perturbation: `perturb_gate` wraps a layer's `primitive_inputs` on the instance; the layer
 computes its gates as usual, then the primitive's inputs are rebuilt from the perturbed gates
 (a layer's `inputs_from_gates` method, or the baselines' `deltalab.ops.parametrize` functions).
+KDN layers (`deltalab.layers.kdn.KDNMixer`) have their noise model perturbed instead: the wrapped
+method is `kalman_gates`, whose gates g (log decay `[B, T, H, K]`), q_noise (process noise
+`[B, T, H(, K)]`) and r (observation noise `[B, T, H]`) the filter then turns into gains as
+usual; their derived gates (beta, gain, p, predictive) are not perturbed on their own.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from deltalab.layers.common import DeltaMixer, require_positive_int
 from deltalab.layers.deltanet import DeltaNet, GatedDeltaNet
 from deltalab.layers.gdn2 import GatedDeltaNet2
 from deltalab.layers.kda import KimiDeltaAttention
+from deltalab.layers.kdn import KDNMixer
 from deltalab.layers.muir import MuirRanks
 from deltalab.ops.parametrize import (
     DeltaRuleInputs,
@@ -78,6 +83,8 @@ BASELINE_GATE_INPUTS: dict[type[DeltaMixer], GateInputs] = {
         q, k, v, gates["erase"], gates["write"], gates["g"]
     ),
 }
+# The gates of a KDN layer that can be perturbed: what `kalman_gates` returns, in its order.
+KALMAN_GATES = ("g", "q_noise", "r")
 # Gate names of the layers -> fields of MuirRanks, for `allocate_ranks`.
 RANK_FIELDS = {"g": "decay", "erase": "erase", "write": "write", "read": "read"}
 
@@ -97,6 +104,12 @@ def gate_inputs(layer: DeltaMixer) -> GateInputs:
     )
 
 
+def _check_perturbable(layer: DeltaMixer) -> None:
+    """Raises TypeError if `perturb_gate` cannot perturb `layer`'s gates."""
+    if not isinstance(layer, KDNMixer):
+        gate_inputs(layer)
+
+
 @contextlib.contextmanager
 def perturb_gate(
     layer: DeltaMixer, gate: str, delta: Callable[[torch.Tensor], torch.Tensor]
@@ -105,35 +118,50 @@ def perturb_gate(
 
     `delta` receives the gate tensor (e.g. erase `[B, T, H, K]`) and returns a tensor of its
     shape. The perturbed gates are also what `return_gates=True` reports. The layer's own
-    `primitive_inputs` is restored on exit, also after an error.
+    `primitive_inputs` is restored on exit, also after an error. For a KDN layer the gate is one
+    of `KALMAN_GATES` (g, q_noise, r) and `kalman_gates` is wrapped and restored instead; the
+    caller keeps q_noise >= 0 and r >= r_min if the perturbed point must be a valid filter.
     """
-    rebuild = gate_inputs(layer)
 
-    def perturbed(original, x, q, k, v):
-        _, gates = original(x, q, k, v)
+    def moved(gates: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if gate not in gates:
             raise KeyError(f"{type(layer).__name__} has no gate {gate!r}; gates: {list(gates)}")
-        gates = {**gates, gate: gates[gate] + delta(gates[gate])}
-        return rebuild(q, k, v, gates), gates
+        return {**gates, gate: gates[gate] + delta(gates[gate])}
 
-    with _wrapped_primitive_inputs(layer, perturbed):
+    if isinstance(layer, KDNMixer):
+
+        def perturbed_noise(original, x):
+            gates = moved(dict(zip(KALMAN_GATES, original(x), strict=True)))
+            return tuple(gates[name] for name in KALMAN_GATES)
+
+        wrapped = _wrapped_method(layer, "kalman_gates", perturbed_noise)
+    else:
+        rebuild = gate_inputs(layer)
+
+        def perturbed(original, x, q, k, v):
+            _, gates = original(x, q, k, v)
+            gates = moved(gates)
+            return rebuild(q, k, v, gates), gates
+
+        wrapped = _wrapped_method(layer, "primitive_inputs", perturbed)
+    with wrapped:
         yield
 
 
 @contextlib.contextmanager
-def _wrapped_primitive_inputs(layer: DeltaMixer, wrapper: Callable[..., Any]) -> Iterator[None]:
-    """Replaces `layer.primitive_inputs(x, q, k, v)` on the instance by
-    `wrapper(original, x, q, k, v)`; restores the original on exit, also after an error."""
-    original = layer.primitive_inputs
-    had_own = "primitive_inputs" in vars(layer)
-    layer.primitive_inputs = functools.partial(wrapper, original)  # type: ignore[method-assign]
+def _wrapped_method(layer: DeltaMixer, name: str, wrapper: Callable[..., Any]) -> Iterator[None]:
+    """Replaces `layer.<name>(*args)` on the instance by `wrapper(original, *args)`; restores
+    the original on exit, also after an error."""
+    original = getattr(layer, name)
+    had_own = name in vars(layer)
+    setattr(layer, name, functools.partial(wrapper, original))
     try:
         yield
     finally:
         if had_own:
-            layer.primitive_inputs = original  # type: ignore[method-assign]
+            setattr(layer, name, original)
         else:
-            del layer.primitive_inputs
+            delattr(layer, name)
 
 
 def unit_directions(value: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -211,7 +239,7 @@ def _delta_layers(model: nn.Module, only: Sequence[str] | None) -> list[tuple[st
         raise ValueError(f"{type(model).__name__} holds no delta-rule layer (DeltaMixer)")
     for name, layer in layers:
         try:
-            gate_inputs(layer)
+            _check_perturbable(layer)
         except TypeError as error:
             raise TypeError(f"layer {name!r}: {error}; leave it out with layers=[...]") from None
     return layers
@@ -239,14 +267,22 @@ def _gate_names(
 
 
 def _recording(layer: DeltaMixer, names: list[str]) -> contextlib.AbstractContextManager[None]:
-    """Appends the names of the gates `layer` computes to `names`, changing nothing else."""
+    """Appends the names of the gates `layer` computes to `names`, changing nothing else (for a
+    KDN layer: the gates of `kalman_gates`, the ones `perturb_gate` can move)."""
+    if isinstance(layer, KDNMixer):
+
+        def recorded_noise(original, x):
+            names.extend(g for g in KALMAN_GATES if g not in names)
+            return original(x)
+
+        return _wrapped_method(layer, "kalman_gates", recorded_noise)
 
     def recorded(original, x, q, k, v):
         inputs, gates = original(x, q, k, v)
         names.extend(g for g in gates if g not in names)
         return inputs, gates
 
-    return _wrapped_primitive_inputs(layer, recorded)
+    return _wrapped_method(layer, "primitive_inputs", recorded)
 
 
 def _probe(
@@ -313,7 +349,8 @@ def gate_sensitivity(
             [B, T, ...]) -> direction` of the value's shape, unit norm per (b, t) slice.
         gates: only these gate names (default: every gate of every layer).
         layers: only these layers, by module name (default: every `DeltaMixer`). A layer whose
-            gates cannot be perturbed (no `inputs_from_gates`, not a baseline) is an error.
+            gates cannot be perturbed (no `inputs_from_gates`, not a baseline, not a KDN layer)
+            is an error. A KDN layer reports its noise model's gates g, q_noise and r.
 
     Returns a `SensitivityReport`: the numbers of the module docstring per layer and gate. A
     layer called more than once per loss is perturbed in every call; its memory is the last
