@@ -229,3 +229,27 @@ def test_muir_ranks_given_as_configuration_round_trip(tmp_path, generator):
         assert torch.equal(as_object(ids).logits, loaded(ids).logits)
     with pytest.raises(ValueError, match=r"ranks has unknown gates \['erasure'\]"):
         tiny_model("muir", mixer_options={"ranks": {"erasure": 2}})
+
+
+def test_sampled_generation_is_reproducible_with_a_seed_and_respects_top_k(generator):
+    model = tiny_model("muir")
+    prompt = token_ids(generator, 2, 6)
+    settings = dict(max_new_tokens=15, do_sample=True, temperature=1.5, top_k=3, eos_token_id=None)
+    with torch.no_grad():
+        torch.manual_seed(7)
+        first = model.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
+        torch.manual_seed(7)
+        again = model.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
+        greedy = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=15,
+            do_sample=False,
+            eos_token_id=None,
+        )
+        # Every sampled token is among the 3 most likely given what came before it.
+        logits = model(first[:, :-1]).logits[:, prompt.shape[1] - 1 :]
+        top3 = logits.topk(3, dim=-1).indices
+    assert torch.equal(first, again)
+    assert not torch.equal(first, greedy)
+    assert (top3 == first[:, prompt.shape[1] :, None]).any(-1).all()
