@@ -22,7 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltalab.ops._checks import require_choice, require_rank, require_shape
+from deltalab.ops._checks import (
+    require_choice,
+    require_positive_int,
+    require_rank,
+    require_shape,
+)
 from deltalab.ops.delta_rule import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, delta_rule, delta_rule_step
 from deltalab.ops.parametrize import DeltaRuleInputs
 
@@ -48,15 +53,6 @@ __all__ = [
 GATE_ACTIVATIONS = ("sigmoid", "silu")
 # eps inside the square root of the L2 norm, as fla's `l2norm`: keeps an all-zero key finite.
 L2_EPS = 1e-6
-
-
-def require_positive_int(name: str, value: object) -> int:
-    """`value` as an int > 0; the error names the field."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
-    return value
 
 
 def require_chunk_size(value: object) -> int:

@@ -14,6 +14,8 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
+from deltalab.ops._checks import require_positive_int
+
 __all__ = ["MIXER_KINDS", "RECURRENT_KINDS", "DeltaLabConfig", "closest"]
 
 RECURRENT_KINDS = ("deltanet", "gdn", "kda", "gdn2", "kdn_iso", "kdn_diag", "kdn_exact", "muir")
@@ -24,14 +26,6 @@ def closest(name: str, choices: list[str] | tuple[str, ...]) -> str:
     """' (did you mean X?)' for the closest valid name, or '' when nothing is close."""
     match = difflib.get_close_matches(name, list(choices), n=1)
     return f" (did you mean {match[0]!r}?)" if match else ""
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
-    return value
 
 
 class DeltaLabConfig(PreTrainedConfig):
@@ -82,26 +76,30 @@ class DeltaLabConfig(PreTrainedConfig):
                 f"mixer must be one of {list(MIXER_KINDS)}, got {mixer!r}{closest(str(mixer), MIXER_KINDS)}"
             )
         self.mixer = mixer
-        self.hidden_size = _positive_int("hidden_size", hidden_size)
-        self.num_layers = _positive_int("num_layers", num_layers)
-        self.num_heads = _positive_int("num_heads", num_heads)
-        self.head_dim = _positive_int("head_dim", head_dim)
-        self.value_dim = _positive_int("value_dim", head_dim if value_dim is None else value_dim)
+        self.hidden_size = require_positive_int("hidden_size", hidden_size)
+        self.num_layers = require_positive_int("num_layers", num_layers)
+        self.num_heads = require_positive_int("num_heads", num_heads)
+        self.head_dim = require_positive_int("head_dim", head_dim)
+        self.value_dim = require_positive_int(
+            "value_dim", head_dim if value_dim is None else value_dim
+        )
         default_ffn = 64 * -(-8 * hidden_size // (3 * 64))
-        self.ffn_width = _positive_int("ffn_width", default_ffn if ffn_width is None else ffn_width)
-        self.vocab_size = _positive_int("vocab_size", vocab_size)
+        self.ffn_width = require_positive_int(
+            "ffn_width", default_ffn if ffn_width is None else ffn_width
+        )
+        self.vocab_size = require_positive_int("vocab_size", vocab_size)
         if not norm_eps > 0:
             raise ValueError(f"norm_eps must be > 0, got {norm_eps}")
         self.norm_eps = float(norm_eps)
         if not initializer_range > 0:
             raise ValueError(f"initializer_range must be > 0, got {initializer_range}")
         self.initializer_range = float(initializer_range)
-        self.conv_size = _positive_int("conv_size", conv_size)
-        self.chunk_size = _positive_int("chunk_size", chunk_size)
+        self.conv_size = require_positive_int("conv_size", conv_size)
+        self.chunk_size = require_positive_int("chunk_size", chunk_size)
         if attention_layers is not None and attention_every is not None:
             raise ValueError("give attention_layers or attention_every, not both")
         if attention_every is not None:
-            _positive_int("attention_every", attention_every)
+            require_positive_int("attention_every", attention_every)
         for index in attention_layers or []:
             if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_layers:
                 raise ValueError(
@@ -110,7 +108,7 @@ class DeltaLabConfig(PreTrainedConfig):
         self.attention_layers = sorted(set(attention_layers)) if attention_layers else None
         self.attention_every = attention_every
         if attention_window is not None:
-            _positive_int("attention_window", attention_window)
+            require_positive_int("attention_window", attention_window)
         self.attention_window = attention_window
         if not rope_base > 0:
             raise ValueError(f"rope_base must be > 0, got {rope_base}")

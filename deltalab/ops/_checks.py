@@ -77,6 +77,15 @@ def require_nonnegative(name: str, x: torch.Tensor, meaning: str) -> None:
         raise ValueError(f"{name} must be >= 0 ({meaning}), got {_worst(x, 'minimum')}")
 
 
+def require_positive_int(name: str, value: object) -> int:
+    """`value` as an int > 0; the error names the field."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
 def require_positive_number(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a positive number, got {type(value).__name__}")
