@@ -155,7 +155,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, overrides: list[str], queue) -> None:
+def _join(rank: int, world: int, port: int) -> None:
+    """Makes this spawned process rank `rank` of a torchrun-like environment."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -164,6 +165,30 @@ def _rank_main(rank: int, world: int, port: int, overrides: list[str], queue) ->
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
+
+
+def _spawn_ranks(target, config, *, world: int = 2, timeout: float = 300) -> tuple[list, list]:
+    """Runs `target(rank, world, port, overrides, queue)` in `world` spawned processes with the
+    flattened `config`; returns what each put on the queue (in arrival order) and the exit
+    codes."""
+    overrides = [f"{k}={v}" for k, v in _flatten(config.to_dict())]
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    port = _free_port()
+    processes = [
+        context.Process(target=target, args=(rank, world, port, overrides, queue))
+        for rank in range(world)
+    ]
+    for p in processes:
+        p.start()
+    results = [queue.get(timeout=timeout) for _ in processes]
+    for p in processes:
+        p.join(timeout=60)
+    return results, [p.exitcode for p in processes]
+
+
+def _rank_main(rank: int, world: int, port: int, overrides: list[str], queue) -> None:
+    _join(rank, world, port)
     result = train(load_run_config(None, overrides))
     queue.put((rank, result.losses))
     torch.distributed.destroy_process_group()
@@ -173,20 +198,9 @@ def _rank_main(rank: int, world: int, port: int, overrides: list[str], queue) ->
 def test_two_gloo_processes_follow_the_single_process_loss_curve(tmp_path, corpus, parallel):
     single = train(run_config(tmp_path / "one", corpus))
     config = run_config(tmp_path / "two", corpus, f"train.parallel={parallel}")
-    overrides = [f"{k}={v}" for k, v in _flatten(config.to_dict())]
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    port = _free_port()
-    processes = [
-        context.Process(target=_rank_main, args=(rank, 2, port, overrides, queue))
-        for rank in range(2)
-    ]
-    for p in processes:
-        p.start()
-    results = dict(queue.get(timeout=300) for _ in processes)
-    for p in processes:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    reports, exit_codes = _spawn_ranks(_rank_main, config)
+    results = dict(reports)
+    assert exit_codes == [0, 0]
     assert results[0] == results[1]
     assert torch.allclose(
         torch.tensor(results[0]), torch.tensor(single.losses), rtol=1e-4, atol=1e-5
@@ -316,14 +330,7 @@ def test_a_run_with_a_local_tokenizer_exports_it_for_generate(tmp_path, corpus, 
 
 
 def _failing_rank_main(rank: int, world: int, port: int, overrides: list[str], queue) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
+    _join(rank, world, port)
     try:
         train(load_run_config(None, overrides))
     except Exception as error:
@@ -339,21 +346,8 @@ def test_a_data_error_on_rank_0_stops_every_rank(tmp_path, corpus):
     bad.mkdir()
     (bad / "broken.jsonl").write_text('{"title": "no text field"}\n')
     config = run_config(tmp_path, str(bad))
-    overrides = [f"{k}={v}" for k, v in _flatten(config.to_dict())]
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    port = _free_port()
-    processes = [
-        context.Process(target=_failing_rank_main, args=(rank, 2, port, overrides, queue))
-        for rank in range(2)
-    ]
-    for p in processes:
-        p.start()
-    errors = dict(
-        (rank, (kind, text)) for rank, kind, text in (queue.get(timeout=120) for _ in processes)
-    )
-    for p in processes:
-        p.join(timeout=60)
+    reports, _ = _spawn_ranks(_failing_rank_main, config, timeout=120)
+    errors = {rank: (kind, text) for rank, kind, text in reports}
     assert errors[0][0] == "ValueError" and "text" in errors[0][1]
     assert errors[1] == (
         "RuntimeError",
