@@ -1,0 +1,45 @@
+"""Whether Triton kernels can run, and where.
+
+Triton kernels run compiled on CUDA tensors, or under Triton's interpreter on CPU tensors when
+`TRITON_INTERPRET=1` is set before deltalab is imported (that is how CI and reviewers without a
+GPU run them). A machine without Triton still imports deltalab; asking for a Triton backend there
+is an error that says why.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+# Read once: triton.jit decides at decoration time whether a kernel is compiled or interpreted.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """None when a Triton kernel can run on `device`, else a sentence saying why not."""
+    if not HAS_TRITON:
+        return "Triton is not installed (pip install triton)"
+    if device.type == "cuda":
+        if INTERPRET:
+            return "TRITON_INTERPRET=1 is set, which runs kernels on CPU tensors only"
+        return None
+    if device.type == "cpu":
+        if INTERPRET:
+            return None
+        return "CPU tensors need TRITON_INTERPRET=1 set before deltalab is imported"
+    return f"Triton kernels run on CUDA (or on CPU under TRITON_INTERPRET=1), not on {device.type}"
+
+
+def require_triton(name: str, device: torch.device) -> None:
+    """Raises a RuntimeError naming the caller's backend argument when Triton cannot run."""
+    reason = triton_unavailable_reason(device)
+    if reason is not None:
+        raise RuntimeError(f'{name}="triton" cannot run here: {reason}')
+
+
+def triton_available(device: torch.device) -> bool:
+    """True when `backend="auto"` should take a Triton kernel on `device` (compiled CUDA only)."""
+    return device.type == "cuda" and triton_unavailable_reason(device) is None
