@@ -3,7 +3,9 @@
     S_t = (I - a_t b_t^T) diag(exp(g_t)) S_{t-1} + a_t u_t^T,      o_t = scale * S_t^T q_t
 
 Backends: "naive" (token loop, the definition), "chunk" (chunkwise-parallel PyTorch, stable up
-to 256-token chunks). "auto" picks the fastest available for the inputs' device.
+to 256-token chunks), "triton" (the chunk operators of "chunk" with the sequential state pass in a
+Triton kernel; CUDA, or CPU under TRITON_INTERPRET=1). "auto" picks the fastest available for the
+inputs' device.
 """
 
 from __future__ import annotations
@@ -21,21 +23,23 @@ from deltalab.ops._checks import (
     require_same_device,
     require_shape,
 )
+from deltalab.ops._triton import require_triton, triton_available
 from deltalab.ops.delta_rule.chunk import delta_rule_chunk
 from deltalab.ops.delta_rule.naive import delta_rule_naive, delta_rule_token
 
 __all__ = ["BACKENDS", "MAX_CHUNK_SIZE", "MIN_CHUNK_SIZE", "delta_rule", "delta_rule_step"]
 
-BACKENDS = ("auto", "naive", "chunk")
+BACKENDS = ("auto", "naive", "chunk", "triton")
 MIN_CHUNK_SIZE, MAX_CHUNK_SIZE = 16, 256
 
 
-def _resolve_backend(backend: str) -> str:
+def _resolve_backend(backend: str, device: torch.device) -> str:
     require_choice("backend", backend, BACKENDS)
+    if backend == "triton":
+        require_triton("backend", device)
     if backend != "auto":
         return backend
-    # The chunked path wins on every device we run on; GPU kernels will take "auto" on CUDA.
-    return "chunk"
+    return "triton" if triton_available(device) else "chunk"
 
 
 def _check_chunk_size(chunk_size: object) -> int:
@@ -92,7 +96,8 @@ def delta_rule(
         output_final_state: also return the state after the last token of each sequence.
         cu_seqlens: int `[N+1]` offsets of sequences packed along T (needs B == 1).
         chunk_size: tokens per chunk of the "chunk" backend, 16..256.
-        backend: "auto", "naive" or "chunk".
+        backend: "auto", "naive", "chunk" or "triton" ("auto": "triton" on CUDA when Triton
+            is installed, else "chunk").
 
     Returns:
         `(o [B, T, H, V] in q's dtype, final state [N, H, K, V] or None)`. The state is kept in
@@ -115,7 +120,7 @@ def delta_rule(
         }
     )
     chunk_size = _check_chunk_size(chunk_size)
-    backend = _resolve_backend(backend)
+    backend = _resolve_backend(backend, q.device)
     if not isinstance(output_final_state, bool):
         raise TypeError(
             f"output_final_state must be a bool, got {type(output_final_state).__name__}"
@@ -140,10 +145,19 @@ def delta_rule(
     scale = key_dim**-0.5 if scale is None else require_positive_number("scale", scale)
 
     inputs = [q.to(dtype) * scale, *(x.to(dtype) for x in (a, b, u, g))]
+    if backend == "triton" and dtype == torch.float64:
+        raise ValueError(
+            'backend="triton" computes in float32 (bf16/fp16/fp32 inputs); float64 inputs need '
+            'backend="chunk" or "naive"'
+        )
     if backend == "naive":
         o, final = delta_rule_naive(*inputs, state, offsets)
-    else:
+    elif backend == "chunk":
         o, final = delta_rule_chunk(*inputs, state, offsets, chunk_size)
+    else:
+        from deltalab.ops.delta_rule.triton.chunk import delta_rule_triton
+
+        o, final = delta_rule_triton(*inputs, state, offsets, chunk_size)
     return o.to(q.dtype), (final if output_final_state else None)
 
 

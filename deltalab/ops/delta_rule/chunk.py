@@ -28,6 +28,7 @@ so the whole inverse is log2(C/16) rounds of batched matrix products.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -130,44 +131,100 @@ def _intra_channel(q, a, b, g):
     return lower.flatten(-4, -3).flatten(-2, -1), attend.flatten(-4, -3).flatten(-2, -1)
 
 
-def _to_chunks(x: torch.Tensor, chunks: int, chunk: int, padded: int) -> torch.Tensor:
-    """[B, T, H, *rest] -> [B, H, n, C_pad, *rest], zero (identity) padding."""
+class ChunkOperators(NamedTuple):
+    """What the sequential state pass needs of each chunk, all chunks at once.
+
+    Shapes: [B, H, n, C, *] with n chunks of C (padded) tokens; `decay` is [B, H, n, K].
+
+    read   = exp(G) * Q                     (queries decayed from the chunk start)
+    attend = M                              (intra-chunk attention, inclusive)
+    erase  = (I + L)^-1 (exp(G) * B)        (how the chunk-start state enters the residuals)
+    target = (I + L)^-1 U                   (the residuals if the chunk-start state were 0)
+    write  = exp(G_C - G) * A               (writes decayed to the chunk end)
+    decay  = exp(G_C)                       (the chunk's total decay of the state)
+    """
+
+    read: torch.Tensor
+    attend: torch.Tensor
+    erase: torch.Tensor
+    target: torch.Tensor
+    write: torch.Tensor
+    decay: torch.Tensor
+
+
+def to_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """[B, T, H, *rest] -> [B, H, n, C_pad, *rest] with identity (zero) tokens as padding."""
+    chunks = math.ceil(x.shape[1] / chunk_size)
     x = x.movedim(2, 1)  # [B, H, T, *rest]
     rest = x.dim() - 3
-    x = F.pad(x, (0, 0) * rest + (0, chunks * chunk - x.shape[2]))
-    x = x.unflatten(2, (chunks, chunk))
-    return F.pad(x, (0, 0) * rest + (0, padded - chunk))
+    x = F.pad(x, (0, 0) * rest + (0, chunks * chunk_size - x.shape[2]))
+    x = x.unflatten(2, (chunks, chunk_size))
+    return F.pad(x, (0, 0) * rest + (0, padded_chunk_size(chunk_size) - chunk_size))
+
+
+def from_chunks(x: torch.Tensor, chunk_size: int, length: int) -> torch.Tensor:
+    """[B, H, n, C_pad, V] -> [B, T, H, V]: the inverse of `to_chunks` for outputs."""
+    return x[:, :, :, :chunk_size].flatten(2, 3)[:, :, :length].movedim(1, 2)
+
+
+def intra_chunk(q, a, b, g):
+    """Stage 1: L (strict) and M (inclusive) [B, H, n, C, C] of chunked inputs."""
+    if g.dim() == q.dim() - 1:
+        return _intra_scalar(q, a, b, g)
+    return _intra_channel(q, a, b, g)
+
+
+def chunk_operators(q, a, b, u, g) -> ChunkOperators:
+    """Stages 1 and 2 over chunked inputs [B, H, n, C, *]: intra-chunk matrices, then the
+    unit-lower-triangular solve. Parallel over chunks."""
+    lower, attend = intra_chunk(q, a, b, g)
+    solve = unit_lower_inverse(lower)
+    if g.dim() == q.dim() - 1:
+        g = g.unsqueeze(-1)  # [B, H, n, C, 1]: broadcast over channels from here on
+    # Decay from the chunk start to t (inclusive) and from t to the chunk end (exclusive).
+    from_start = g.cumsum(dim=-2).exp()
+    to_end = F.pad(g.flip(-2).cumsum(dim=-2).flip(-2)[..., 1:, :], (0, 0, 0, 1)).exp()
+    decay = g.sum(dim=-2).exp().expand(*q.shape[:-2], q.shape[-1])
+    return ChunkOperators(
+        read=from_start * q,
+        attend=attend,
+        erase=solve @ (from_start * b),
+        target=solve @ u,
+        write=to_end * a,
+        decay=decay,
+    )
+
+
+def state_pass(
+    ops: ChunkOperators, initial_state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 3, sequential over chunks: residuals N [B, H, n, C, V], chunk-start states
+    [B, H, n, K, V] and the final state [B, H, K, V].
+
+        N_i = target_i - erase_i S_i,     S_{i+1} = decay_i * S_i + write_i^T N_i
+    """
+    state = initial_state
+    residuals, states = [], []
+    for i in range(ops.target.shape[2]):
+        states.append(state)
+        residual = ops.target[:, :, i] - ops.erase[:, :, i] @ state
+        residuals.append(residual)
+        state = (
+            ops.decay[:, :, i, :, None] * state + ops.write[:, :, i].transpose(-1, -2) @ residual
+        )
+    return torch.stack(residuals, dim=2), torch.stack(states, dim=2), state
+
+
+def chunk_output(ops: ChunkOperators, states: torch.Tensor, residuals: torch.Tensor):
+    """Stage 4, parallel over chunks: O_i = read_i S_i + attend_i N_i, [B, H, n, C, V]."""
+    return ops.read @ states + ops.attend @ residuals
 
 
 def _delta_rule_chunk_dense(q, a, b, u, g, initial_state, chunk_size):
-    _batch, length, _heads, _ = q.shape
-    chunks = math.ceil(length / chunk_size)
-    padded = padded_chunk_size(chunk_size)
-    q, a, b, u, g = (_to_chunks(x, chunks, chunk_size, padded) for x in (q, a, b, u, g))
-    if g.dim() == 4:
-        lower, attend = _intra_scalar(q, a, b, g)
-        g = g.unsqueeze(-1)  # [B, H, n, C, 1]: broadcast over channels from here on
-    else:
-        lower, attend = _intra_channel(q, a, b, g)
-    solve = unit_lower_inverse(lower)
-    # Decay from the chunk start to t (inclusive) and from s to the chunk end (exclusive).
-    from_start = g.cumsum(dim=-2).exp()  # [B, H, n, C, K or 1]
-    to_end = F.pad(g.flip(-2).cumsum(dim=-2).flip(-2)[..., 1:, :], (0, 0, 0, 1)).exp()
-    erase_from_start = solve @ (from_start * b)  # [B, H, n, C, K]
-    target = solve @ u  # [B, H, n, C, V]
-    read_from_start = from_start * q
-    write_to_end = to_end * a
-    end_decay = g.sum(dim=-2).exp().unsqueeze(-1)  # [B, H, n, K or 1, 1]
-
-    state = initial_state
-    outputs = []
-    for i in range(chunks):
-        residual = target[:, :, i] - erase_from_start[:, :, i] @ state
-        outputs.append(read_from_start[:, :, i] @ state + attend[:, :, i] @ residual)
-        state = end_decay[:, :, i] * state + write_to_end[:, :, i].transpose(-1, -2) @ residual
-    o = torch.stack(outputs, dim=2)[:, :, :, :chunk_size]  # [B, H, n, C, V]
-    o = o.flatten(2, 3)[:, :, :length].movedim(1, 2)
-    return o, state
+    length = q.shape[1]
+    ops = chunk_operators(*(to_chunks(x, chunk_size) for x in (q, a, b, u, g)))
+    residuals, states, final = state_pass(ops, initial_state)
+    return from_chunks(chunk_output(ops, states, residuals), chunk_size, length), final
 
 
 def delta_rule_chunk(

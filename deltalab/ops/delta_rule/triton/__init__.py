@@ -1,0 +1,1 @@
+"""Triton kernels of the generalized delta rule (compiled on CUDA, interpreted on CPU)."""

@@ -1,0 +1,245 @@
+"""Triton state pass of the chunkwise delta rule: stage 3 (and the output, stage 4) fused.
+
+The chunk operators (stages 1-2, `chunk.py`'s `chunk_operators`) are parallel over chunks; what
+remains sequential is, per chunk i with chunk-start state S_i [K, V]:
+
+    N_i     = target_i - erase_i S_i                     residuals          [C, V]
+    O_i     = read_i S_i + attend_i N_i                  outputs            [C, V]
+    S_{i+1} = decay_i * S_i + write_i^T N_i              next state         [K, V]
+
+One program owns one (sequence, head) and a block of BV value columns and walks the chunks with
+S in registers: columns of S never mix (every product above acts on S from the left), so value
+blocks are independent programs. The backward walks the chunks in reverse with the adjoint
+dS [K, BV] in registers:
+
+    dN_i = attend_i^T dO_i + write_i dS_{i+1}
+    dS_i = read_i^T dO_i + decay_i * dS_{i+1} - erase_i^T dN_i
+
+and returns dN_i and dS_{i+1} per chunk; the gradients of the operators are then batched
+matrix products over all chunks at once (`_operator_grads`).
+
+Precision: S and every accumulator are float32. With float32 operators the products run in
+IEEE float32 (TF32 would cost ~1e-3 relative error); no exponential is taken here, the decays
+arrive as factors <= 1 from the stable stage 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltalab.ops._triton import INTERPRET
+from deltalab.ops._varlen import pad_packed, unpad_packed
+from deltalab.ops.delta_rule.chunk import (
+    ChunkOperators,
+    chunk_operators,
+    from_chunks,
+    to_chunks,
+)
+
+# Value columns per program: 32 keeps S [K, 32] float32 in registers for K up to 256 and gives
+# B * H * V / 32 programs to fill the GPU's SMs (one sequence and head alone is sequential).
+_BLOCK_V = (32,) if INTERPRET else (32, 64)
+_CONFIGS = [
+    triton.Config({"BV": bv}, num_warps=w, num_stages=1)
+    for bv in _BLOCK_V
+    for w in ((4,) if INTERPRET else (4, 8))
+]
+
+
+@triton.autotune(configs=_CONFIGS, key=["K", "V", "C", "BK"])
+@triton.jit
+def _state_pass_fwd(
+    read, attend, erase, target, write, decay, initial, out, residual, states, final,
+    n_chunks,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_INITIAL: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_v = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rk = tl.arange(0, BK)
+    rv = pid_v * BV + tl.arange(0, BV)
+    rc = tl.arange(0, C)
+    mk = rk < K
+    mv = rv < V
+    kv = rk[:, None] * V + rv[None, :]
+    mkv = mk[:, None] & mv[None, :]
+    ck = rc[:, None] * K + rk[None, :]
+    cv = rc[:, None] * V + rv[None, :]
+    cc = rc[:, None] * C + rc[None, :]
+    if HAS_INITIAL:
+        s = tl.load(initial + bh * K * V + kv, mask=mkv, other=0.0).to(tl.float32)
+    else:
+        s = tl.zeros([BK, BV], dtype=tl.float32)
+    for i in range(n_chunks):
+        chunk = bh * n_chunks + i
+        tl.store(states + chunk * K * V + kv, s, mask=mkv)
+        e = tl.load(erase + chunk * C * K + ck, mask=mk[None, :], other=0.0)
+        t = tl.load(target + chunk * C * V + cv, mask=mv[None, :], other=0.0)
+        n = t - tl.dot(e, s, input_precision=PRECISION)
+        tl.store(residual + chunk * C * V + cv, n, mask=mv[None, :])
+        r = tl.load(read + chunk * C * K + ck, mask=mk[None, :], other=0.0)
+        m = tl.load(attend + chunk * C * C + cc)
+        o = tl.dot(r, s, input_precision=PRECISION) + tl.dot(m, n, input_precision=PRECISION)
+        tl.store(out + chunk * C * V + cv, o, mask=mv[None, :])
+        w = tl.load(write + chunk * C * K + ck, mask=mk[None, :], other=0.0)
+        d = tl.load(decay + chunk * K + rk, mask=mk, other=0.0)
+        s = d[:, None] * s + tl.dot(tl.trans(w), n, input_precision=PRECISION)
+    tl.store(final + bh * K * V + kv, s, mask=mkv)
+
+
+@triton.autotune(configs=_CONFIGS, key=["K", "V", "C", "BK"])
+@triton.jit
+def _state_pass_bwd(
+    read, attend, erase, write, decay, d_out, d_final, d_residual, d_next, d_initial,
+    n_chunks,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_D_FINAL: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_v = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rk = tl.arange(0, BK)
+    rv = pid_v * BV + tl.arange(0, BV)
+    rc = tl.arange(0, C)
+    mk = rk < K
+    mv = rv < V
+    kv = rk[:, None] * V + rv[None, :]
+    mkv = mk[:, None] & mv[None, :]
+    ck = rc[:, None] * K + rk[None, :]
+    cv = rc[:, None] * V + rv[None, :]
+    cc = rc[:, None] * C + rc[None, :]
+    if HAS_D_FINAL:
+        ds = tl.load(d_final + bh * K * V + kv, mask=mkv, other=0.0).to(tl.float32)
+    else:
+        ds = tl.zeros([BK, BV], dtype=tl.float32)
+    for j in range(n_chunks):
+        chunk = bh * n_chunks + (n_chunks - 1 - j)
+        tl.store(d_next + chunk * K * V + kv, ds, mask=mkv)
+        do = tl.load(d_out + chunk * C * V + cv, mask=mv[None, :], other=0.0)
+        m = tl.load(attend + chunk * C * C + cc)
+        w = tl.load(write + chunk * C * K + ck, mask=mk[None, :], other=0.0)
+        dn = tl.dot(tl.trans(m), do, input_precision=PRECISION)
+        dn += tl.dot(w, ds, input_precision=PRECISION)
+        tl.store(d_residual + chunk * C * V + cv, dn, mask=mv[None, :])
+        r = tl.load(read + chunk * C * K + ck, mask=mk[None, :], other=0.0)
+        e = tl.load(erase + chunk * C * K + ck, mask=mk[None, :], other=0.0)
+        d = tl.load(decay + chunk * K + rk, mask=mk, other=0.0)
+        ds = d[:, None] * ds + tl.dot(tl.trans(r), do, input_precision=PRECISION)
+        ds -= tl.dot(tl.trans(e), dn, input_precision=PRECISION)
+    tl.store(d_initial + bh * K * V + kv, ds, mask=mkv)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _grid(value_dim: int, programs: int):
+    return lambda meta: (triton.cdiv(value_dim, meta["BV"]), programs)
+
+
+def state_pass_triton(ops, initial_state: torch.Tensor | None):
+    """Stages 3-4 of `chunk.py` in one kernel: (outputs [B, H, n, C, V], residuals
+    [B, H, n, C, V], chunk-start states [B, H, n, K, V], final state [B, H, K, V]).
+
+    `ops`: a `ChunkOperators` of contiguous float32 tensors; initial_state: [B, H, K, V] or None.
+    """
+    batch, heads, n_chunks, size, key_dim = ops.read.shape
+    value_dim = ops.target.shape[-1]
+    device = ops.read.device
+    out = torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
+    residual = torch.empty_like(out)
+    states = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
+    final = torch.empty(batch, heads, key_dim, value_dim, device=device)
+    _state_pass_fwd[_grid(value_dim, batch * heads)](
+        *ops, initial_state if initial_state is not None else final,
+        out, residual, states, final, n_chunks,
+        K=key_dim, V=value_dim, C=size, BK=triton.next_power_of_2(key_dim),
+        HAS_INITIAL=initial_state is not None, PRECISION=_precision(ops.read.dtype),
+    )  # fmt: skip
+    return out, residual, states, final
+
+
+def state_pass_triton_backward(ops, d_out: torch.Tensor, d_final: torch.Tensor | None):
+    """The adjoint walk: (dN [B, H, n, C, V], dS after each chunk [B, H, n, K, V],
+    d initial state [B, H, K, V])."""
+    batch, heads, n_chunks, size, key_dim = ops.read.shape
+    value_dim = d_out.shape[-1]
+    device = d_out.device
+    d_residual = torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
+    d_next = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
+    d_initial = torch.empty(batch, heads, key_dim, value_dim, device=device)
+    _state_pass_bwd[_grid(value_dim, batch * heads)](
+        ops.read, ops.attend, ops.erase, ops.write, ops.decay, d_out,
+        d_final if d_final is not None else d_initial, d_residual, d_next, d_initial, n_chunks,
+        K=key_dim, V=value_dim, C=size, BK=triton.next_power_of_2(key_dim),
+        HAS_D_FINAL=d_final is not None, PRECISION=_precision(ops.read.dtype),
+    )  # fmt: skip
+    return d_residual, d_next, d_initial
+
+
+def _operator_grads(ops, states, residuals, d_out, d_residual, d_next) -> ChunkOperators:
+    """Gradients of the chunk operators from the adjoint walk, batched over all chunks."""
+    states_t = states.transpose(-1, -2)
+    return ChunkOperators(
+        read=d_out @ states_t,
+        attend=d_out @ residuals.transpose(-1, -2),
+        erase=-(d_residual @ states_t),
+        target=d_residual,
+        write=residuals @ d_next.transpose(-1, -2),
+        decay=(d_next * states).sum(dim=-1),
+    )
+
+
+class _DeltaRuleTriton(torch.autograd.Function):
+    """Chunk operators in PyTorch (recomputed in backward, never stored), state pass in Triton.
+
+    Saved for backward: the inputs, the chunk-start states and the residuals; the [C, C] and
+    [C, K] operators of every chunk are rebuilt from the inputs when the gradient is needed.
+    """
+
+    @staticmethod
+    def forward(ctx, q, a, b, u, g, initial_state, chunk_size):
+        ctx.set_materialize_grads(False)
+        chunked = (to_chunks(x, chunk_size) for x in (q, a, b, u, g))
+        ops = ChunkOperators(*(x.contiguous() for x in chunk_operators(*chunked)))
+        out, residuals, states, final = state_pass_triton(ops, initial_state.contiguous())
+        ctx.save_for_backward(q, a, b, u, g, states, residuals)
+        ctx.chunk_size = chunk_size
+        return from_chunks(out, chunk_size, q.shape[1]), final
+
+    @staticmethod
+    def backward(ctx, d_o, d_final):
+        q, a, b, u, g, states, residuals = ctx.saved_tensors
+        chunk_size = ctx.chunk_size
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_(True) for x in (q, a, b, u, g)]
+            ops = chunk_operators(*(to_chunks(x, chunk_size) for x in leaves))
+        if d_o is None:
+            d_o = torch.zeros_like(u)
+        detached = ChunkOperators(*(x.detach().contiguous() for x in ops))
+        d_out = to_chunks(d_o.to(torch.float32), chunk_size).contiguous()
+        d_final = None if d_final is None else d_final.to(torch.float32).contiguous()
+        d_residual, d_next, d_initial = state_pass_triton_backward(detached, d_out, d_final)
+        grads = _operator_grads(detached, states, residuals, d_out, d_residual, d_next)
+        d_inputs = torch.autograd.grad(ops, leaves, grads, allow_unused=True)
+        return (*d_inputs, d_initial, None)
+
+
+def delta_rule_triton(
+    q: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    u: torch.Tensor,
+    g: torch.Tensor,
+    initial_state: torch.Tensor,
+    offsets: list[int] | None,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `delta_rule_chunk`: validated float32 inputs, q already scaled;
+    returns (o [B, T, H, V], final state [N, H, K, V])."""
+    if offsets is None:
+        return _DeltaRuleTriton.apply(q, a, b, u, g, initial_state, chunk_size)
+    padded = [pad_packed(x, offsets) for x in (q, a, b, u, g)]
+    o, state = _DeltaRuleTriton.apply(*padded, initial_state, chunk_size)
+    return unpad_packed(o, offsets), state
