@@ -1,0 +1,294 @@
+"""The Triton backend of the delta rule against the chunk backend, fla and SDPA, in one run.
+
+    python benchmarks/bench_triton.py --out results.json          # H200: the issue's shapes
+    TRITON_INTERPRET=1 python benchmarks/bench_triton.py --tiny   # CPU: proves it executes
+
+Three parts, all on fresh random inputs (never zeros), bf16 inputs unless said:
+1. check: relative error against a float64 reference (the chunk backend in float64) of the
+   output and every gradient, fp32 (TF32 off) and bf16 inputs;
+2. stability: float32 error at chunk 64/128/256 under per-channel log decays down to -gmax,
+   next to fla's `chunk_kda` (fixed chunk 64) on the same inputs;
+3. time: median ms of forward and forward+backward and peak GiB of forward+backward, per form
+   (KDA: a = beta k, b = k; GDN-2: a = k, b = beta_e * k, u = w * v; GDN: one decay per head;
+   Isotropic / Diagonal KDN), with ratios to fla's `chunk_kda` / `chunk_gdn2` of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from deltalab.benchmarking import format_table, median_seconds
+from deltalab.ops import delta_rule, kdn_diag, kdn_iso
+from deltalab.testing import relative_error
+
+try:  # fla is a yardstick, not a dependency: its rows are skipped where it does not import.
+    from fla.ops.gdn2 import chunk_gdn2
+    from fla.ops.kda import chunk_kda
+except ImportError:
+    chunk_kda = chunk_gdn2 = None
+
+
+def draw_inputs(batch, length, heads, dim, device, dtype, gmax=1.0, seed=0):
+    """Unit keys, beta and the GDN-2 gates in (0, 1), per-channel log decays in [-gmax, 0]."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=gen)
+
+    shape = (batch, length, heads, dim)
+    x = {
+        "q": randn(*shape),
+        "k": F.normalize(randn(*shape), dim=-1),
+        "v": randn(*shape),
+        "g": -gmax * rand(*shape),
+        "g_head": -gmax * rand(*shape[:3]),
+        "beta": rand(*shape[:3]),
+        "erase_gate": rand(*shape),
+        "write_gate": rand(*shape),
+        "q_noise": 0.1 * rand(*shape[:3]),
+        "r": 0.01 + rand(*shape[:3]),
+    }
+    return {k: v.to(device=device, dtype=dtype) for k, v in x.items()}
+
+
+def forms(backend: str, chunk_size: int):
+    """name -> (fn(**inputs) -> output, input names that get gradients)."""
+
+    def kda(q, k, v, g, beta, **_):
+        return delta_rule(q, beta[..., None] * k, k, v, g, chunk_size=chunk_size, backend=backend)[
+            0
+        ]
+
+    def gdn2(q, k, v, g, erase_gate, write_gate, **_):
+        return delta_rule(
+            q, k, erase_gate * k, write_gate * v, g, chunk_size=chunk_size, backend=backend
+        )[0]
+
+    def gdn(q, k, v, g_head, beta, **_):
+        return delta_rule(
+            q, beta[..., None] * k, k, v, g_head, chunk_size=chunk_size, backend=backend
+        )[0]
+
+    def iso(q, k, v, g, q_noise, r, **_):
+        p0 = torch.ones(q.shape[2], device=q.device)
+        return kdn_iso(q, k, v, g, q_noise, r, p0, chunk_size=chunk_size, backend=backend)[0]
+
+    def diag(q, k, v, g, q_noise, r, **_):
+        p0 = torch.ones(q.shape[2], q.shape[3], device=q.device)
+        qn = q_noise[..., None].expand_as(k)
+        return kdn_diag(q, k, v, g, qn, r, p0, chunk_size=chunk_size, backend=backend)[0]
+
+    return {
+        "kda": (kda, ("q", "k", "v", "g", "beta")),
+        "gdn2": (gdn2, ("q", "k", "v", "g", "erase_gate", "write_gate")),
+        "gdn": (gdn, ("q", "k", "v", "g_head", "beta")),
+        "kdn_iso": (iso, ("q", "k", "v", "g", "q_noise", "r")),
+        "kdn_diag": (diag, ("q", "k", "v", "g", "q_noise", "r")),
+    }
+
+
+def fla_forms():
+    if chunk_kda is None:
+        return {}
+
+    def kda(q, k, v, g, beta, **_):
+        return chunk_kda(q, k, v, g.float(), beta)[0]
+
+    def gdn2(q, k, v, g, erase_gate, write_gate, **_):
+        return chunk_gdn2(q, k, v, g.float(), erase_gate, write_gate)[0]
+
+    return {
+        "fla_kda": (kda, ("q", "k", "v", "g", "beta")),
+        "fla_gdn2": (gdn2, ("q", "k", "v", "g", "erase_gate", "write_gate")),
+    }
+
+
+def sdpa_form():
+    def sdpa(q, k, v, **_):
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return out.transpose(1, 2)
+
+    return {"sdpa": (sdpa, ("q", "k", "v"))}
+
+
+def run_with_grads(fn, inputs, names, d_out=None):
+    leaves = {
+        k: (v.detach().clone().requires_grad_() if k in names else v) for k, v in inputs.items()
+    }
+    out = fn(**leaves)
+    if d_out is None:
+        d_out = torch.randn_like(out)
+    out.backward(d_out.to(out.dtype))
+    return out.detach(), {k: leaves[k].grad for k in names}, d_out
+
+
+def check(device, shape, chunk_sizes):
+    """Relative errors of output and gradients against the chunk backend in float64."""
+    rows = []
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for name, (fn64, names) in forms("chunk", 64).items():
+        ref_inputs = draw_inputs(*shape, device, torch.float64, seed=1)
+        o_ref, g_ref, d_out = run_with_grads(fn64, ref_inputs, names)
+        for chunk in chunk_sizes:
+            fn, _ = forms("triton", chunk)[name]
+            for dtype in (torch.float32, torch.bfloat16):
+                if dtype == torch.bfloat16 and device == "cpu":
+                    continue  # the interpreter computes bf16 tiles wrongly; fp32 covers it
+                inputs = {k: v.to(dtype) for k, v in ref_inputs.items()}
+                o, grads, _ = run_with_grads(fn, inputs, names, d_out)
+                errors = {"out": relative_error(o, o_ref)}
+                errors.update({f"d{k}": relative_error(grads[k], g_ref[k]) for k in names})
+                rows.append(
+                    {"form": name, "chunk": chunk, "dtype": str(dtype).split(".")[-1], **errors}
+                )
+    return rows
+
+
+def stability(device, shape, gmaxes, chunk_sizes):
+    """float32 output error vs float64 under strong per-channel decays (KDA form)."""
+    rows = []
+    for gmax in gmaxes:
+        inputs = draw_inputs(*shape, device, torch.float64, gmax=gmax, seed=2)
+        ref = forms("chunk", 64)["kda"][0](**inputs)
+        f32 = {k: v.float() for k, v in inputs.items()}
+        row = {"gmax": gmax}
+        for chunk in chunk_sizes:
+            with torch.no_grad():
+                out = forms("triton", chunk)["kda"][0](**f32)
+            row[f"triton_c{chunk}"] = relative_error(out, ref)
+        if chunk_kda is not None and device == "cuda":
+            with torch.no_grad():
+                out = fla_forms()["fla_kda"][0](**f32)
+            row["fla_kda_c64"] = relative_error(out, ref)
+        rows.append(row)
+    return rows
+
+
+def time_case(fn, inputs, names, repeats, device):
+    def forward():
+        with torch.no_grad():
+            fn(**inputs)
+
+    leaves = {k: (v.clone().requires_grad_() if k in names else v) for k, v in inputs.items()}
+    d_out = torch.randn_like(fn(**inputs))
+
+    def train():
+        fn(**leaves).backward(d_out)
+
+    if device == "cuda":
+        import triton
+
+        forward_ms = triton.testing.do_bench(forward, warmup=50, rep=300, return_mode="median")
+        train()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        train()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        train_ms = triton.testing.do_bench(train, warmup=50, rep=300, return_mode="median")
+        return forward_ms, train_ms, peak
+    return median_seconds(forward, repeats) * 1e3, median_seconds(train, repeats) * 1e3, math.nan
+
+
+def timings(device, shapes, chunk_sizes, repeats, with_chunk_backend):
+    rows = []
+    for shape in shapes:
+        inputs = draw_inputs(*shape, device, torch.bfloat16 if device == "cuda" else torch.float32)
+        cases = {}
+        for chunk in chunk_sizes:
+            cases.update({f"{k}_c{chunk}": v for k, v in forms("triton", chunk).items()})
+        if with_chunk_backend:
+            cases.update({f"{k}_chunk64": v for k, v in forms("chunk", 64).items()})
+        if device == "cuda":
+            cases.update(fla_forms())
+            cases.update(sdpa_form())
+        for name, (fn, names) in cases.items():
+            try:
+                fwd, train, peak = time_case(fn, inputs, names, repeats, device)
+            except torch.OutOfMemoryError:
+                fwd = train = peak = math.inf
+            torch.cuda.empty_cache() if device == "cuda" else None
+            rows.append(
+                {"shape": "x".join(map(str, shape)), "case": name, "fwd_ms": fwd,
+                 "train_ms": train, "peak_gib": peak}
+            )  # fmt: skip
+            print(f"{rows[-1]}", file=sys.stderr, flush=True)
+    return rows
+
+
+def add_ratios(rows):
+    """Each row's forward+backward time over fla's of the same form and shape."""
+    anchor = {"kda": "fla_kda", "gdn": "fla_kda", "kdn_iso": "fla_kda", "kdn_diag": "fla_kda",
+              "gdn2": "fla_gdn2"}  # fmt: skip
+    by_case = {(r["shape"], r["case"]): r for r in rows}
+    for r in rows:
+        form = r["case"].rsplit("_", 1)[0]
+        ref = by_case.get((r["shape"], anchor.get(form, "")))
+        sdpa = by_case.get((r["shape"], "sdpa"))
+        r["vs_fla"] = r["train_ms"] / ref["train_ms"] if ref else math.nan
+        r["vs_sdpa"] = r["train_ms"] / sdpa["train_ms"] if sdpa else math.nan
+    return rows
+
+
+def print_records(rows: list[dict]) -> None:
+    """One table for rows with different keys (a blank where a row lacks a column)."""
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    print(format_table(columns, [[r.get(c, "") for c in columns] for r in rows]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--out", default=None, help="write every number as JSON here")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU, interpreter)")
+    parser.add_argument("--parts", nargs="+", default=["check", "stability", "time"])
+    parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--with-chunk-backend", action="store_true")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.tiny:
+        check_shape, stab_shape, shapes = (1, 40, 2, 16), (1, 300, 2, 16), [(1, 100, 2, 32)]
+    else:
+        check_shape, stab_shape = (2, 1000, 4, 64), (1, 4096, 4, 128)
+        shapes = [(4, 4096, 16, 128), (1, 32768, 16, 128)]
+    result = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
+        "torch": torch.__version__,
+    }
+    try:
+        import triton
+
+        result["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if "check" in args.parts:
+        result["check"] = check(device, check_shape, args.chunk_sizes)
+        print_records(result["check"])
+    if "stability" in args.parts:
+        result["stability"] = stability(device, stab_shape, [1.0, 8.0, 20.0], [64, 128, 256])
+        print_records(result["stability"])
+    if "time" in args.parts:
+        rows = add_ratios(timings(device, shapes, args.chunk_sizes, 3, args.with_chunk_backend))
+        result["time"] = rows
+        print_records(rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
