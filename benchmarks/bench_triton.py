@@ -229,6 +229,36 @@ def timings(device, shapes, chunk_sizes, repeats, with_chunk_backend):
     return rows
 
 
+def stages(device, shape, chunk_size):
+    """Forward time of each stage of the Triton path (KDA form): where the time goes."""
+    from deltalab.ops.delta_rule.chunk import ChunkOperators, chunk_operators, to_chunks
+    from deltalab.ops.delta_rule.triton.chunk import state_pass_triton
+
+    x = draw_inputs(*shape, device, torch.float32)
+    raw = (x["q"], x["beta"][..., None] * x["k"], x["k"], x["v"], x["g"])
+    chunked = [to_chunks(t, chunk_size).contiguous() for t in raw]
+    state = torch.zeros(shape[0], shape[2], shape[3], shape[3], device=device)
+
+    def operators():
+        return ChunkOperators(*(t.contiguous() for t in chunk_operators(*chunked)))
+
+    ops = operators()
+    rows = []
+    for name, fn in (
+        ("operators", operators),
+        ("state_pass", lambda: state_pass_triton(ops, state)),
+    ):
+        ms = median_seconds(fn, 5) * 1e3
+        if device == "cuda":
+            import triton
+
+            ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+        rows.append(
+            {"shape": "x".join(map(str, shape)), "chunk": chunk_size, "stage": name, "fwd_ms": ms}
+        )
+    return rows
+
+
 def add_ratios(rows):
     """Each row's forward+backward time over fla's of the same form and shape."""
     anchor = {"kda": "fla_kda", "gdn": "fla_kda", "kdn_iso": "fla_kda", "kdn_diag": "fla_kda",
@@ -255,7 +285,7 @@ def main() -> None:
     )
     parser.add_argument("--out", default=None, help="write every number as JSON here")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU, interpreter)")
-    parser.add_argument("--parts", nargs="+", default=["check", "stability", "time"])
+    parser.add_argument("--parts", nargs="+", default=["check", "stability", "stages", "time"])
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--with-chunk-backend", action="store_true")
     args = parser.parse_args()
@@ -281,6 +311,9 @@ def main() -> None:
     if "stability" in args.parts:
         result["stability"] = stability(device, stab_shape, [1.0, 8.0, 20.0], [64, 128, 256])
         print_records(result["stability"])
+    if "stages" in args.parts:
+        result["stages"] = [r for c in args.chunk_sizes for r in stages(device, shapes[0], c)]
+        print_records(result["stages"])
     if "time" in args.parts:
         rows = add_ratios(timings(device, shapes, args.chunk_sizes, 3, args.with_chunk_backend))
         result["time"] = rows

@@ -29,7 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from deltalab.ops._triton import INTERPRET
 from deltalab.ops._varlen import pad_packed, unpad_packed
 from deltalab.ops.delta_rule.chunk import (
     ChunkOperators,
@@ -40,27 +39,25 @@ from deltalab.ops.delta_rule.chunk import (
 
 # Value columns per program: 32 keeps S [K, 32] float32 in registers for K up to 256 and gives
 # B * H * V / 32 programs to fill the GPU's SMs (one sequence and head alone is sequential).
-_BLOCK_V = (32,) if INTERPRET else (32, 64)
-_CONFIGS = [
-    triton.Config({"BV": bv}, num_warps=w, num_stages=1)
-    for bv in _BLOCK_V
-    for w in ((4,) if INTERPRET else (4, 8))
-]
+BLOCK_V = 32
+# Rows of a chunk per tile: a 64 x 64 float32 tile of `attend` is 16 KiB; a whole 256 x 256 chunk
+# is 256 KiB, past the 227 KiB of shared memory of an H100/H200 SM (measured: chunk 256 failed
+# to compile as one tile).
+BLOCK_C = 64
 
 
-@triton.autotune(configs=_CONFIGS, key=["K", "V", "C", "BK"])
 @triton.jit
 def _state_pass_fwd(
     read, attend, erase, target, write, decay, initial, out, residual, states, final,
     n_chunks,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_INITIAL: tl.constexpr, PRECISION: tl.constexpr,
+    BC: tl.constexpr, HAS_INITIAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_v = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rk = tl.arange(0, BK)
     rv = pid_v * BV + tl.arange(0, BV)
-    rc = tl.arange(0, C)
+    rc = tl.arange(0, BC)
     mk = rk < K
     mv = rv < V
     kv = rk[:, None] * V + rv[None, :]
@@ -75,33 +72,44 @@ def _state_pass_fwd(
     for i in range(n_chunks):
         chunk = bh * n_chunks + i
         tl.store(states + chunk * K * V + kv, s, mask=mkv)
-        e = tl.load(erase + chunk * C * K + ck, mask=mk[None, :], other=0.0)
-        t = tl.load(target + chunk * C * V + cv, mask=mv[None, :], other=0.0)
-        n = t - tl.dot(e, s, input_precision=PRECISION)
-        tl.store(residual + chunk * C * V + cv, n, mask=mv[None, :])
-        r = tl.load(read + chunk * C * K + ck, mask=mk[None, :], other=0.0)
-        m = tl.load(attend + chunk * C * C + cc)
-        o = tl.dot(r, s, input_precision=PRECISION) + tl.dot(m, n, input_precision=PRECISION)
-        tl.store(out + chunk * C * V + cv, o, mask=mv[None, :])
-        w = tl.load(write + chunk * C * K + ck, mask=mk[None, :], other=0.0)
         d = tl.load(decay + chunk * K + rk, mask=mk, other=0.0)
-        s = d[:, None] * s + tl.dot(tl.trans(w), n, input_precision=PRECISION)
+        s_next = d[:, None] * s
+        # Row blocks in order: block rb's outputs need the residuals of blocks <= rb, which
+        # this program wrote to `residual` before the barrier (same CTA: visible after it).
+        for rb in tl.static_range(C // BC):
+            rows = chunk * C + rb * BC
+            e = tl.load(erase + rows * K + ck, mask=mk[None, :], other=0.0)
+            t = tl.load(target + rows * V + cv, mask=mv[None, :], other=0.0)
+            n = t - tl.dot(e, s, input_precision=PRECISION)
+            tl.store(residual + rows * V + cv, n, mask=mv[None, :])
+            r = tl.load(read + rows * K + ck, mask=mk[None, :], other=0.0)
+            m = tl.load(attend + rows * C + rb * BC + cc)
+            o = tl.dot(r, s, input_precision=PRECISION) + tl.dot(m, n, input_precision=PRECISION)
+            if rb > 0:
+                tl.debug_barrier()
+            for cb in tl.static_range(rb):
+                m = tl.load(attend + rows * C + cb * BC + cc)
+                n_before = tl.load(residual + (chunk * C + cb * BC) * V + cv, mask=mv[None, :])
+                o += tl.dot(m, n_before, input_precision=PRECISION)
+            tl.store(out + rows * V + cv, o, mask=mv[None, :])
+            w = tl.load(write + rows * K + ck, mask=mk[None, :], other=0.0)
+            s_next += tl.dot(tl.trans(w), n, input_precision=PRECISION)
+        s = s_next
     tl.store(final + bh * K * V + kv, s, mask=mkv)
 
 
-@triton.autotune(configs=_CONFIGS, key=["K", "V", "C", "BK"])
 @triton.jit
 def _state_pass_bwd(
     read, attend, erase, write, decay, d_out, d_final, d_residual, d_next, d_initial,
     n_chunks,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_D_FINAL: tl.constexpr, PRECISION: tl.constexpr,
+    BC: tl.constexpr, HAS_D_FINAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_v = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rk = tl.arange(0, BK)
     rv = pid_v * BV + tl.arange(0, BV)
-    rc = tl.arange(0, C)
+    rc = tl.arange(0, BC)
     mk = rk < K
     mv = rv < V
     kv = rk[:, None] * V + rv[None, :]
@@ -116,17 +124,26 @@ def _state_pass_bwd(
     for j in range(n_chunks):
         chunk = bh * n_chunks + (n_chunks - 1 - j)
         tl.store(d_next + chunk * K * V + kv, ds, mask=mkv)
-        do = tl.load(d_out + chunk * C * V + cv, mask=mv[None, :], other=0.0)
-        m = tl.load(attend + chunk * C * C + cc)
-        w = tl.load(write + chunk * C * K + ck, mask=mk[None, :], other=0.0)
-        dn = tl.dot(tl.trans(m), do, input_precision=PRECISION)
-        dn += tl.dot(w, ds, input_precision=PRECISION)
-        tl.store(d_residual + chunk * C * V + cv, dn, mask=mv[None, :])
-        r = tl.load(read + chunk * C * K + ck, mask=mk[None, :], other=0.0)
-        e = tl.load(erase + chunk * C * K + ck, mask=mk[None, :], other=0.0)
         d = tl.load(decay + chunk * K + rk, mask=mk, other=0.0)
-        ds = d[:, None] * ds + tl.dot(tl.trans(r), do, input_precision=PRECISION)
-        ds -= tl.dot(tl.trans(e), dn, input_precision=PRECISION)
+        ds_before = d[:, None] * ds
+        for cb in tl.static_range(C // BC):
+            cols = chunk * C + cb * BC
+            # dN of column block cb: attend^T dO over row blocks rb >= cb (attend is lower
+            # triangular in blocks), plus the path through the next state.
+            w = tl.load(write + cols * K + ck, mask=mk[None, :], other=0.0)
+            dn = tl.dot(w, ds, input_precision=PRECISION)
+            for rb in tl.static_range(cb, C // BC):
+                rows = chunk * C + rb * BC
+                m = tl.load(attend + rows * C + cb * BC + cc)
+                do = tl.load(d_out + rows * V + cv, mask=mv[None, :], other=0.0)
+                dn += tl.dot(tl.trans(m), do, input_precision=PRECISION)
+            tl.store(d_residual + cols * V + cv, dn, mask=mv[None, :])
+            r = tl.load(read + cols * K + ck, mask=mk[None, :], other=0.0)
+            e = tl.load(erase + cols * K + ck, mask=mk[None, :], other=0.0)
+            do = tl.load(d_out + cols * V + cv, mask=mv[None, :], other=0.0)
+            ds_before += tl.dot(tl.trans(r), do, input_precision=PRECISION)
+            ds_before -= tl.dot(tl.trans(e), dn, input_precision=PRECISION)
+        ds = ds_before
     tl.store(d_initial + bh * K * V + kv, ds, mask=mkv)
 
 
@@ -134,8 +151,14 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _grid(value_dim: int, programs: int):
-    return lambda meta: (triton.cdiv(value_dim, meta["BV"]), programs)
+def _launch(value_dim: int, programs: int, size: int, key_dim: int, dtype: torch.dtype):
+    """Grid and the shape constants shared by both kernels."""
+    grid = (triton.cdiv(value_dim, BLOCK_V), programs)
+    consts = {
+        "K": key_dim, "V": value_dim, "C": size, "BK": triton.next_power_of_2(key_dim),
+        "BV": BLOCK_V, "BC": min(size, BLOCK_C), "PRECISION": _precision(dtype),
+    }  # fmt: skip
+    return grid, consts
 
 
 def state_pass_triton(ops, initial_state: torch.Tensor | None):
@@ -151,11 +174,10 @@ def state_pass_triton(ops, initial_state: torch.Tensor | None):
     residual = torch.empty_like(out)
     states = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
     final = torch.empty(batch, heads, key_dim, value_dim, device=device)
-    _state_pass_fwd[_grid(value_dim, batch * heads)](
+    grid, consts = _launch(value_dim, batch * heads, size, key_dim, ops.read.dtype)
+    _state_pass_fwd[grid](
         *ops, initial_state if initial_state is not None else final,
-        out, residual, states, final, n_chunks,
-        K=key_dim, V=value_dim, C=size, BK=triton.next_power_of_2(key_dim),
-        HAS_INITIAL=initial_state is not None, PRECISION=_precision(ops.read.dtype),
+        out, residual, states, final, n_chunks, HAS_INITIAL=initial_state is not None, **consts,
     )  # fmt: skip
     return out, residual, states, final
 
@@ -169,11 +191,11 @@ def state_pass_triton_backward(ops, d_out: torch.Tensor, d_final: torch.Tensor |
     d_residual = torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
     d_next = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
     d_initial = torch.empty(batch, heads, key_dim, value_dim, device=device)
-    _state_pass_bwd[_grid(value_dim, batch * heads)](
+    grid, consts = _launch(value_dim, batch * heads, size, key_dim, ops.read.dtype)
+    _state_pass_bwd[grid](
         ops.read, ops.attend, ops.erase, ops.write, ops.decay, d_out,
         d_final if d_final is not None else d_initial, d_residual, d_next, d_initial, n_chunks,
-        K=key_dim, V=value_dim, C=size, BK=triton.next_power_of_2(key_dim),
-        HAS_D_FINAL=d_final is not None, PRECISION=_precision(ops.read.dtype),
+        HAS_D_FINAL=d_final is not None, **consts,
     )  # fmt: skip
     return d_residual, d_next, d_initial
 
