@@ -76,7 +76,7 @@ def _state_pass_fwd(
         s_next = d[:, None] * s
         # Row blocks in order: block rb's outputs need the residuals of blocks <= rb, which
         # this program wrote to `residual` before the barrier (same CTA: visible after it).
-        for rb in tl.static_range(C // BC):
+        for rb in range(C // BC):
             rows = chunk * C + rb * BC
             e = tl.load(erase + rows * K + ck, mask=mk[None, :], other=0.0)
             t = tl.load(target + rows * V + cv, mask=mv[None, :], other=0.0)
@@ -87,7 +87,7 @@ def _state_pass_fwd(
             o = tl.dot(r, s, input_precision=PRECISION) + tl.dot(m, n, input_precision=PRECISION)
             if rb > 0:
                 tl.debug_barrier()
-            for cb in tl.static_range(rb):
+            for cb in range(rb):
                 m = tl.load(attend + rows * C + cb * BC + cc)
                 n_before = tl.load(residual + (chunk * C + cb * BC) * V + cv, mask=mv[None, :])
                 o += tl.dot(m, n_before, input_precision=PRECISION)
@@ -126,13 +126,13 @@ def _state_pass_bwd(
         tl.store(d_next + chunk * K * V + kv, ds, mask=mkv)
         d = tl.load(decay + chunk * K + rk, mask=mk, other=0.0)
         ds_before = d[:, None] * ds
-        for cb in tl.static_range(C // BC):
+        for cb in range(C // BC):
             cols = chunk * C + cb * BC
             # dN of column block cb: attend^T dO over row blocks rb >= cb (attend is lower
             # triangular in blocks), plus the path through the next state.
             w = tl.load(write + cols * K + ck, mask=mk[None, :], other=0.0)
             dn = tl.dot(w, ds, input_precision=PRECISION)
-            for rb in tl.static_range(cb, C // BC):
+            for rb in range(cb, C // BC):
                 rows = chunk * C + rb * BC
                 m = tl.load(attend + rows * C + cb * BC + cc)
                 do = tl.load(d_out + rows * V + cv, mask=mv[None, :], other=0.0)
@@ -157,6 +157,9 @@ def _launch(value_dim: int, programs: int, size: int, key_dim: int, dtype: torch
     consts = {
         "K": key_dim, "V": value_dim, "C": size, "BK": triton.next_power_of_2(key_dim),
         "BV": BLOCK_V, "BC": min(size, BLOCK_C), "PRECISION": _precision(dtype),
+        # One stage: software pipelining of the chunk loop doubles every tile in shared memory
+        # (measured 270 KiB at chunk 64 with 2 stages, over the SM's 227 KiB; 72 KiB with 1).
+        "num_warps": 4, "num_stages": 1,
     }  # fmt: skip
     return grid, consts
 
