@@ -164,8 +164,7 @@ class StaticDecoder:
             _static_kv(s, length) if isinstance(s, AttentionState) else _static_recurrent(s)
             for s in cache.states
         ]
-        batch = self.states[0].key.shape[0] if isinstance(self.states[0], StaticKV) else None
-        batch = batch or self.states[0].memory.shape[0]  # type: ignore[union-attr]
+        batch = cache.tensors()[0].shape[0]
         # Device-side counters, so the captured step advances them itself.
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.position = torch.zeros(1, dtype=torch.long, device=device)
