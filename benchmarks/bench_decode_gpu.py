@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-from deltalab.benchmarking import format_table
+from deltalab.benchmarking import format_table, median_seconds
 from deltalab.models import CausalLM, RecurrentCache, build_config
 from deltalab.models.static_decode import WARMUP_STEPS, StaticDecoder
+from deltalab.ops import delta_rule_step
 
 GIB = 2**30
 
@@ -106,6 +107,62 @@ def static_latency(model, cache, steps, rounds, device) -> float:
     return time_rounds(run_round, rounds, device) / steps
 
 
+def kernel_seconds(fn, device: torch.device, calls: int = 20) -> float:
+    """Seconds per `fn()`: on CUDA replayed from a graph of `calls` calls (no Python in the
+    timing, as in the decoder), else timed eagerly."""
+    if device.type != "cuda":
+        return median_seconds(fn, repeats=3)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compiles the kernel, outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return median_seconds(graph.replay, repeats=5) / calls
+
+
+def step_kernel_timings(device, batches, heads, key_dim, value_dim, dtype) -> list[dict]:
+    """`delta_rule_step` alone, per variant of what the generation path could do with the state:
+    update it in place, write a new state, or write a new one and copy it back into a buffer
+    (what a static cache would pay without in_place)."""
+    backend = "triton" if device.type == "cuda" else "naive"
+    rows = []
+    for batch in batches:
+        shape = (batch, heads, key_dim)
+        k = torch.nn.functional.normalize(torch.randn(*shape, device=device), dim=-1)
+        q, a, b = torch.randn(*shape, device=device).to(dtype), (0.5 * k).to(dtype), k.to(dtype)
+        u = torch.randn(batch, heads, value_dim, device=device).to(dtype)
+        g = -torch.rand(*shape, device=device)
+        state = torch.randn(batch, heads, key_dim, value_dim, device=device)
+        args = (q, a, b, u, g)
+
+        def in_place(args=args, state=state) -> None:
+            delta_rule_step(*args, state, backend=backend, in_place=True)
+
+        def new_state(args=args, state=state) -> None:
+            delta_rule_step(*args, state, backend=backend)
+
+        def new_then_copy(args=args, state=state) -> None:
+            state.copy_(delta_rule_step(*args, state, backend=backend)[1])
+
+        state_bytes = state.numel() * state.element_size()
+        row = dict(batch=batch, heads=heads, key_dim=key_dim, value_dim=value_dim)
+        row["backend"], row["state_mib"] = backend, round(state_bytes / 2**20, 2)
+        for name, fn in (("in_place", in_place), ("new", new_state), ("new_copy", new_then_copy)):
+            seconds = kernel_seconds(fn, device)
+            # The state is read once and written once by the step itself.
+            row[name] = {
+                "us": round(seconds * 1e6, 2),
+                "state_gb_s": round(2 * state_bytes / seconds / 1e9, 1),
+            }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def memory_budget(device: torch.device, fraction: float) -> float:
     """Bytes a configuration may add to what is allocated now (inf on CPU)."""
     if device.type != "cuda":
@@ -155,12 +212,20 @@ def main() -> None:
         "statistic": "median over rounds of round time / steps, seconds per token of the batch",
         "prefill": "one random prompt per context, by the chunked forward; its cache is "
         "replicated to every sequence of the batch",
+        "step_kernel": "delta_rule_step alone (gdn2's heads): the state updated in place, "
+        "written to a new tensor, or written to a new tensor and copied back; CUDA: "
+        "replayed from a graph of 20 calls",
         "paths": {
             "eager": "model(token, past_key_values=cache, use_cache=True) per token",
             static_path: "StaticDecoder.step(): static cache"
             + (", one CUDA graph replay per token" if device.type == "cuda" else ", eagerly"),
         },
     }
+    # The step kernel alone, at the shape of the 340M presets (heads of 128 x 128).
+    config = build_config(preset, mixer="gdn2")
+    step_kernel = step_kernel_timings(
+        device, batches, config.num_heads, config.head_dim, config.value_dim, dtype
+    )
     rows, results = [], []
     for mixer in args.mixers:
         torch.manual_seed(0)
@@ -223,7 +288,9 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     meta["seconds"] = round(time.perf_counter() - began, 1)
-    Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    Path(args.out).write_text(
+        json.dumps({"meta": meta, "step_kernel": step_kernel, "results": results}, indent=2) + "\n"
+    )
     print(format_table(["mixer", "context", "batch", "eager ms", f"{static_path} ms"], rows))
     print(f"wrote {args.out} in {meta['seconds']} s")
 
