@@ -9,6 +9,9 @@ import torch
 
 __all__ = ["GenerateConfig", "generate_text"]
 
+# The top_k that model.generate samples with when none is given (transformers' default).
+HF_DEFAULT_TOP_K = 50
+
 
 @dataclass(frozen=True)
 class GenerateConfig:
@@ -26,11 +29,13 @@ class GenerateConfig:
 
 
 def generate_text(config: GenerateConfig) -> str:
-    """The prompt's continuation (greedy at temperature 0, else sampled)."""
+    """The prompt's continuation (greedy at temperature 0, else sampled). On CUDA through
+    `static_generate` (CUDA graphs), elsewhere through `model.generate`."""
     from transformers import AutoModelForCausalLM
 
     import deltalab.models  # noqa: F401  (registers the model type)
     from deltalab.data import load_tokenizer
+    from deltalab.models.static_decode import static_generate
 
     path = Path(config.checkpoint)
     if not (path / "config.json").exists():
@@ -47,6 +52,21 @@ def generate_text(config: GenerateConfig) -> str:
     )
     torch.manual_seed(config.seed)
     sampling = config.temperature > 0
+    if model.device.type == "cuda":
+        # Static cache and CUDA graphs: the per-token cost of the GPU, not of Python. Greedy
+        # tokens are those of model.generate; top_k as model.generate reads it (unset: 50,
+        # 0: every token).
+        top_k = HF_DEFAULT_TOP_K if config.top_k is None else config.top_k
+        out = static_generate(
+            model,
+            ids,
+            max_new_tokens=config.max_new_tokens,
+            temperature=config.temperature if sampling else 0.0,
+            top_k=(top_k or None) if sampling else None,
+            eos_token_id=tokenizer.eos_id,
+            pad_token_id=tokenizer.pad_id,
+        )
+        return tokenizer.decode(out[0, ids.shape[1] :].tolist())
     with torch.no_grad():
         out = model.generate(
             ids,

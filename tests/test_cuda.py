@@ -10,6 +10,7 @@ import torch
 from conftest import random_delta_inputs
 
 from deltalab.models import CausalLM, build_config
+from deltalab.models.static_decode import StaticDecoder, static_generate
 from deltalab.ops import delta_rule, kdn_diag, kdn_iso
 from deltalab.testing import TOLERANCE, relative_error
 
@@ -71,3 +72,124 @@ def test_cuda_model_decoding_equals_full_forward(generator, mixer):
             out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
             logits.append(out.logits)
     assert relative_error(torch.cat(logits, dim=1), full) < 1e-5
+
+
+GRAPH_MIXERS = [
+    ("gdn2", {}),
+    ("muir", {}),
+    ("kdn_diag", {}),
+    ("kdn_iso", {}),
+    ("kdn_exact", {}),
+    ("transformer", {}),
+    ("transformer", dict(attention_window=7)),
+    ("gdn", dict(attention_every=2)),
+]
+GRAPH_IDS = ["gdn2", "muir", "kdn_diag", "kdn_iso", "kdn_exact", "transformer", "window", "hybrid"]
+
+
+def cuda_tiny_model(mixer, dtype=torch.float32, **overrides):
+    torch.manual_seed(0)
+    config = build_config("tiny", mixer=mixer, chunk_size=16, **overrides)
+    return CausalLM(config).to("cuda", dtype).eval()
+
+
+@pytest.mark.parametrize(("mixer", "overrides"), GRAPH_MIXERS, ids=GRAPH_IDS)
+def test_cuda_graph_decoding_gives_the_tokens_of_generate(generator, mixer, overrides):
+    model = cuda_tiny_model(mixer, **overrides)
+    prompt = torch.randint(0, 256, (3, 21), generator=generator).cuda()
+    with torch.no_grad():
+        expected = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=40,
+            do_sample=False,
+            eos_token_id=None,
+        )
+    got = static_generate(model, prompt, max_new_tokens=40, cuda_graph=True)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("mixer", ["gdn2", "kdn_diag", "transformer"])
+def test_cuda_graph_replays_the_eager_static_step_in_bfloat16(generator, mixer):
+    model = cuda_tiny_model(mixer, dtype=torch.bfloat16)
+    prompt = torch.randint(0, 256, (4, 33), generator=generator).cuda()
+    eager = static_generate(model, prompt, max_new_tokens=30, cuda_graph=False)
+    graph = static_generate(model, prompt, max_new_tokens=30, cuda_graph=True)
+    assert torch.equal(graph, eager)
+
+
+def test_cuda_graph_left_padded_batch_with_an_end_token_stops_as_generate(generator):
+    model = cuda_tiny_model("gdn", attention_every=2)
+    lengths, pad = (5, 11, 8), 3
+    batch = torch.full((3, 11), pad)
+    attention = torch.zeros(3, 11, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        batch[i, 11 - n :] = torch.randint(0, 256, (n,), generator=generator)
+        attention[i, 11 - n :] = 1
+    batch, attention = batch.cuda(), attention.cuda()
+    settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=pad)
+    with torch.no_grad():
+        free = model.generate(batch, attention_mask=attention, eos_token_id=None, **settings)
+        eos = int(free[0, 11 + 2])
+        expected = model.generate(batch, attention_mask=attention, eos_token_id=eos, **settings)
+    got = static_generate(
+        model,
+        batch,
+        attention_mask=attention,
+        max_new_tokens=12,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    assert torch.equal(got, expected)
+
+
+def test_cuda_graph_sampling_is_reproducible_and_stays_within_top_k(generator):
+    model = cuda_tiny_model("muir")
+    prompt = torch.randint(0, 256, (2, 6), generator=generator).cuda()
+    settings = dict(max_new_tokens=20, temperature=1.5, top_k=3, cuda_graph=True)
+    torch.manual_seed(7)
+    first = static_generate(model, prompt, **settings)
+    torch.manual_seed(7)
+    again = static_generate(model, prompt, **settings)
+    with torch.no_grad():
+        logits = model(first[:, :-1]).logits[:, prompt.shape[1] - 1 :]
+    top3 = logits.topk(3, dim=-1).indices
+    assert torch.equal(first, again)
+    assert (top3 == first[:, prompt.shape[1] :, None]).any(-1).all()
+    assert len(first[:, prompt.shape[1] :].unique()) > 3
+
+
+def test_cuda_graph_decoder_reloaded_from_its_cache_decodes_the_same_tokens(generator):
+    model = cuda_tiny_model("kdn_diag")
+    with torch.no_grad():
+        out = model(torch.randint(0, 256, (2, 17), generator=generator).cuda(), use_cache=True)
+    decoder = StaticDecoder(model, out.past_key_values, 10, cuda_graph=True)
+    assert decoder.graph is not None
+    runs = []
+    for _ in range(2):
+        decoder.load(out.past_key_values)
+        decoder.start(out.logits[:, -1])
+        for _ in range(9):
+            decoder.step()
+        runs.append(decoder.generated().clone())
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_cuda_generate_command_gives_the_tokens_of_generate(tmp_path):
+    from deltalab.data import ByteTokenizer
+    from deltalab.generate import GenerateConfig, generate_text
+
+    model = cuda_tiny_model("muir")
+    model.save_pretrained(tmp_path)
+    config = GenerateConfig(str(tmp_path), "def f(", max_new_tokens=25, device="cuda")
+    tokenizer = ByteTokenizer()
+    prompt = torch.tensor([tokenizer.encode("def f(")], device="cuda")
+    with torch.no_grad():
+        expected = model.generate(
+            prompt,
+            max_new_tokens=25,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_id,
+            pad_token_id=tokenizer.pad_id,
+        )
+    assert generate_text(config) == tokenizer.decode(expected[0, prompt.shape[1] :].tolist())

@@ -190,6 +190,10 @@ class RecurrentState:
     conv_q, conv_k: `[B, H*K, W-1]`; conv_v: `[B, H*V, W-1]`: the last W-1 projected inputs.
     gates: the mixer's gates over the tokens of this call when asked for (`return_gates=True`),
         e.g. beta `[B, T, H]`, g `[B, T, H]` or `[B, T, H, K]`, erase `[B, T, H, K]`.
+    in_place: a one-token step writes the new memory into `memory` instead of a new tensor
+        (the returned state holds the same tensor). Set by the static-cache decoder on its own
+        buffers, which a captured CUDA graph reads at fixed addresses; False everywhere else,
+        so a state passed to a mixer is never modified.
     """
 
     memory: torch.Tensor
@@ -197,6 +201,7 @@ class RecurrentState:
     conv_k: torch.Tensor
     conv_v: torch.Tensor
     gates: dict[str, torch.Tensor] | None = None
+    in_place: bool = False
 
 
 @dataclass
@@ -217,16 +222,21 @@ class AttentionState:
 
 
 def run_delta_rule(
-    inputs: DeltaRuleInputs, memory: torch.Tensor | None, *, chunk_size: int
+    inputs: DeltaRuleInputs,
+    memory: torch.Tensor | None,
+    *,
+    chunk_size: int,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The one place where a mixer's recurrent-vs-chunked choice is made.
 
     inputs: q, a, b `[B, T, H, K]`, u `[B, T, H, V]`, g `[B, T, H(, K)]`; memory `[B, H, K, V]` or
     None (zeros). Returns (o `[B, T, H, V]`, new memory `[B, H, K, V]`). One token continuing a
-    state is a decoding step: the token update, with none of the chunked path's padding.
+    state is a decoding step: the token update, with none of the chunked path's padding; with
+    `in_place` it overwrites `memory` (see `RecurrentState.in_place`).
     """
     if memory is not None and inputs.q.shape[1] == 1:
-        o, memory = delta_rule_step(*(x[:, 0] for x in inputs), memory)
+        o, memory = delta_rule_step(*(x[:, 0] for x in inputs), memory, in_place=in_place)
         return o.unsqueeze(1), memory
     o, final = delta_rule(
         *inputs, initial_state=memory, output_final_state=True, chunk_size=chunk_size
@@ -327,9 +337,8 @@ class DeltaMixer(nn.Module, abc.ABC):
         inputs, gates = self.primitive_inputs(x, q, k, v)
         if mask is not None:
             inputs = identity_at_padding(inputs, mask)
-        o, memory = run_delta_rule(
-            inputs, None if state is None else state.memory, chunk_size=self.chunk_size
-        )
+        memory, in_place = (None, False) if state is None else (state.memory, state.in_place)
+        o, memory = run_delta_rule(inputs, memory, chunk_size=self.chunk_size, in_place=in_place)
         return o, RecurrentState(memory, *conv, gates if return_gates else None)
 
     def forward(

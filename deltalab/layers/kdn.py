@@ -280,8 +280,8 @@ class KDNMixer(DeltaMixer):
         inputs, uncertainty, gates = self._filtered(x, q, k, v, uncertainty, return_gates, mask)
         if mask is not None:
             inputs = identity_at_padding(inputs, mask)
-        memory = None if state is None else state.memory
-        o, memory = run_delta_rule(inputs, memory, chunk_size=self.chunk_size)
+        memory, in_place = (None, False) if state is None else (state.memory, state.in_place)
+        o, memory = run_delta_rule(inputs, memory, chunk_size=self.chunk_size, in_place=in_place)
         new_state = KDNState(
             memory, *conv, gates if return_gates else None, uncertainty=uncertainty
         )

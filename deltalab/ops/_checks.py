@@ -53,15 +53,24 @@ def require_same_device(named: dict[str, torch.Tensor | None]) -> None:
             )
 
 
+def values_checkable(x: torch.Tensor) -> bool:
+    """Whether a check may read x's values: x is not empty, and no CUDA graph is being captured.
+
+    Reading a value back to the host is forbidden during a capture. The static-cache decoder
+    runs its step once eagerly (values checked) before capturing the same step.
+    """
+    return x.numel() > 0 and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def require_nonpositive(name: str, x: torch.Tensor, meaning: str) -> None:
     """Refuses values > 0 and NaN (-inf passes: a log decay of -inf is a full reset)."""
-    if x.numel() and not bool((x <= 0).all()):
+    if values_checkable(x) and not bool((x <= 0).all()):
         raise ValueError(f"{name} must be <= 0 ({meaning}), got {_worst(x, 'maximum')}")
 
 
 def require_positive(name: str, x: torch.Tensor, meaning: str) -> None:
     """Refuses values <= 0 and NaN."""
-    if x.numel() and not bool((x > 0).all()):
+    if values_checkable(x) and not bool((x > 0).all()):
         raise ValueError(f"{name} must be > 0 ({meaning}), got {_worst(x, 'minimum')}")
 
 
@@ -73,7 +82,7 @@ def _worst(x: torch.Tensor, reduce: str) -> str:
 
 def require_nonnegative(name: str, x: torch.Tensor, meaning: str) -> None:
     """Refuses values < 0 and NaN."""
-    if x.numel() and not bool((x >= 0).all()):
+    if values_checkable(x) and not bool((x >= 0).all()):
         raise ValueError(f"{name} must be >= 0 ({meaning}), got {_worst(x, 'minimum')}")
 
 

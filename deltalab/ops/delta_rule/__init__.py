@@ -170,17 +170,27 @@ def delta_rule_step(
     state: torch.Tensor,
     *,
     scale: float | None = None,
+    backend: str = "auto",
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoding step of the generalized delta rule, one token per sequence.
 
     Args:
         q, a, b: `[B, H, K]`; u: `[B, H, V]`; g: `[B, H, K]` or `[B, H]` (log decay <= 0);
         state: `[B, H, K, V]`; scale: defaults to `K ** -0.5`.
+        backend: "naive" (`delta_rule_token`), "triton" (one fused kernel; float32 state math,
+            so no float64 inputs) or "auto" (Triton for CUDA tensors when it can run, unless an
+            input is float64; else naive).
+        in_place: write the new state into `state` and return it (`state` must already be in
+            the state dtype). The static-cache decoder uses it: its state buffers stay where
+            a captured CUDA graph reads them, and the step makes no copy of the state.
 
     Returns:
         `(o [B, H, V] in q's dtype, new state [B, H, K, V] in float32, or float64 when any
         input is float64)`.
     """
+    from deltalab.ops._triton import require_triton, triton_available
+
     _check_gates(q, a, b, u, g, "B, H")
     batch, heads, key_dim = q.shape
     require_float("state", state)
@@ -189,8 +199,32 @@ def delta_rule_step(
     )
     require_same_device({"q": q, "a": a, "b": b, "u": u, "g": g, "state": state})
     scale = key_dim**-0.5 if scale is None else require_positive_number("scale", scale)
+    require_choice("backend", backend, ("auto", "naive", "triton"))
+    if not isinstance(in_place, bool):
+        raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
     dtype = compute_dtype(q, a, b, u, g, state)
+    if in_place and state.dtype != dtype:
+        raise ValueError(f"in_place=True needs state in {dtype}, got {state.dtype}")
+    if backend == "auto":
+        use_triton = dtype == torch.float32 and triton_available(q.device)
+        backend = "triton" if use_triton else "naive"
+    elif backend == "triton":
+        require_triton("backend", q.device)
+        if dtype == torch.float64:
+            raise ValueError(
+                'backend="triton" keeps the state in float32; the inputs hold float64 '
+                '(use backend="naive" for float64)'
+            )
+
+    if backend == "triton":
+        from deltalab.ops.delta_rule.triton.step import delta_rule_step_triton
+
+        return delta_rule_step_triton(
+            q, a, b, u, g, state, scale=scale, new_state=state if in_place else None
+        )
     o, new_state = delta_rule_token(
         q.to(dtype) * scale, *(x.to(dtype) for x in (a, b, u, g)), state.to(dtype)
     )
+    if in_place:
+        new_state = state.copy_(new_state)
     return o.to(q.dtype), new_state

@@ -12,12 +12,13 @@ from deltalab.ops._checks import (
     require_positive_number,
     require_rank,
     require_shape,
+    values_checkable,
 )
 
 
 def require_finite_positive(name: str, x: torch.Tensor, meaning: str) -> None:
     require_positive(name, x, meaning)
-    if x.numel() and not bool(torch.isfinite(x).all()):
+    if values_checkable(x) and not bool(torch.isfinite(x).all()):
         raise ValueError(f"{name} must be finite ({meaning}), got a maximum of {x.max().item()}")
 
 

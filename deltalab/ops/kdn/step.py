@@ -28,6 +28,7 @@ def _step(
     state: tuple[torch.Tensor, torch.Tensor],
     scale: float | None,
     info_scale: float | None,
+    backend: str,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     k = check_keys(k, "B, H")
     check_query_value(q, v, k, "B, H")
@@ -61,7 +62,7 @@ def _step(
         p_bar = decay2 * (1.0 / precision_) + q_noise_
         write = (p_bar / (p_bar * norm2 + r_)).unsqueeze(-1) * k_
         new_precision = 1.0 / p_bar + s * norm2 / (k_.shape[-1] * r_)
-    o, new_memory = delta_rule_step(q, write, k, v, g, memory, scale=scale)
+    o, new_memory = delta_rule_step(q, write, k, v, g, memory, scale=scale, backend=backend)
     return o, (new_memory, new_precision)
 
 
@@ -76,6 +77,7 @@ def kdn_iso_step(
     *,
     scale: float | None = None,
     info_scale: float | None = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """One token of Isotropic KDN per sequence.
 
@@ -83,12 +85,12 @@ def kdn_iso_step(
         q, k: `[B, H, K]`; v: `[B, H, V]`; g: `[B, H]` or `[B, H, K]` (log decay <= 0);
         q_noise, r: `[B, H]`; state: `(memory [B, H, K, V], precision [B, H])`, e.g. the final
         state of `kdn_iso` (start from zeros and 1 / p0); scale: defaults to `K ** -0.5`;
-        info_scale: defaults to K.
+        info_scale: defaults to K; backend: of the memory update, as `delta_rule_step`'s.
 
     Returns:
         `(o [B, H, V] in q's dtype, (memory [B, H, K, V], precision [B, H]))`.
     """
-    return _step(False, q, k, v, g, q_noise, r, state, scale, info_scale)
+    return _step(False, q, k, v, g, q_noise, r, state, scale, info_scale, backend)
 
 
 def kdn_diag_step(
@@ -102,15 +104,17 @@ def kdn_diag_step(
     *,
     scale: float | None = None,
     info_scale: float | None = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """One token of Diagonal KDN per sequence.
 
     Args:
         q, k, q_noise: `[B, H, K]`; v: `[B, H, V]`; g: `[B, H, K]` or `[B, H]` (log decay <= 0);
         r: `[B, H]`; state: `(memory [B, H, K, V], precision [B, H, K])`; scale: defaults to
-        `K ** -0.5`; info_scale: defaults to K.
+        `K ** -0.5`; info_scale: defaults to K; backend: of the memory update, as
+        `delta_rule_step`'s.
 
     Returns:
         `(o [B, H, V] in q's dtype, (memory [B, H, K, V], precision [B, H, K]))`.
     """
-    return _step(True, q, k, v, g, q_noise, r, state, scale, info_scale)
+    return _step(True, q, k, v, g, q_noise, r, state, scale, info_scale, backend)
