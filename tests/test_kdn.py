@@ -65,7 +65,7 @@ def kdn_inputs(
 
 
 def textbook_kalman(q, k, v, g, q_noise, r, P0, S0, scale):
-    """The Kalman filter of MATH.md sec. 2 in numpy, one value column at a time: state s
+    """The Kalman filter of docs/MATH.md sec. 2.2 in numpy, one value column at a time: state s
     (one column of S), transition diag(exp(g)), process noise diag(q_noise), observation
     v_j = k^T s + e with e ~ N(0, r). Returns (o, final S, final P) as numpy arrays."""
     q, k, v, g, q_noise, r, P0, S0 = (x.numpy() for x in (q, k, v, g, q_noise, r, P0, S0))
@@ -304,7 +304,7 @@ def test_decode_steps_match_full_sequence(variant, channel_decay):
 
 
 def iso_gain_loop(k, g, q_noise, r, p0, info_scale):
-    """MATH.md sec. 3, Isotropic, as written: returns (beta, p) `[B, T, H]`."""
+    """docs/MATH.md sec. 3.2, Isotropic, as written: returns (beta, p) `[B, T, H]`."""
     batch, length, heads, key_dim = k.shape
     p, betas, variances = p0.expand(batch, heads), [], []
     for t in range(length):
@@ -319,7 +319,7 @@ def iso_gain_loop(k, g, q_noise, r, p0, info_scale):
 
 
 def diag_gain_loop(k, g, q_noise, r, p0, info_scale):
-    """MATH.md sec. 3, Diagonal, as written: returns (gain, p) `[B, T, H, K]`."""
+    """docs/MATH.md sec. 3.1, Diagonal, as written: returns (gain, p) `[B, T, H, K]`."""
     batch, length, heads, key_dim = k.shape
     p, gains, variances = p0.expand(batch, heads, key_dim), [], []
     for t in range(length):

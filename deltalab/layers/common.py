@@ -5,10 +5,11 @@ state)`. Passing the returned state back in with the next tokens (any number of 
 the sequence exactly as one forward over the whole sequence would. With `return_gates=True` the
 returned state also carries the mixer's intermediate gates in `state.gates` (name -> tensor).
 
-The delta-rule frontend (MATH.md sec. 5) lives once, in `DeltaMixer`: q, k, v projections, a short
-causal depthwise convolution with SiLU on each, L2-normalized q and k (q is scaled by `K^-1/2`
-inside `delta_rule`), per-head RMSNorm of the output gated by an output-gate projection, output
-projection. A mixer only adds its gates and its `deltalab.ops.parametrize` call.
+The delta-rule frontend (docs/MATH.md sec. 5) lives once, in `DeltaMixer`: q, k, v projections,
+a short causal depthwise convolution with SiLU on each, L2-normalized q and k (q is scaled by
+`K^-1/2` inside `delta_rule`), per-head RMSNorm of the output gated by an output-gate
+projection, output projection. A mixer only adds its gates and its `deltalab.ops.parametrize`
+call.
 """
 
 from __future__ import annotations

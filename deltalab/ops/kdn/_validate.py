@@ -65,7 +65,7 @@ def check_noise(
 
 
 def check_info_scale(info_scale: object, key_dim: int) -> float:
-    """The information scale s of MATH.md sec. 3; None means K (the reference's choice)."""
+    """The information scale s of docs/MATH.md sec. 3.3; None means K (the reference's choice)."""
     if info_scale is None:
         return float(key_dim)
     return require_positive_number("info_scale", info_scale)
