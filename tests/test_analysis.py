@@ -1,9 +1,9 @@
 """Analysis helpers: gate sensitivity against finite differences, rank allocation, row norms.
 
 Exactness checks run in float64. The finite differences perturb the primitive's inputs by hand
-(MATH.md sec. 1 table: erase scales b = e * k, write scales u = w * v, g adds to the log decay,
-read scales q), independently of the rebuild that `perturb_gate` uses. KDN layers are perturbed
-by hand in the tensors that `kalman_gates` returns (g, q_noise, r).
+(docs/MATH.md sec. 1.2 table: erase scales b = e * k, write scales u = w * v, g adds to the log
+decay, read scales q), independently of the rebuild that `perturb_gate` uses. KDN layers are
+perturbed by hand in the tensors that `kalman_gates` returns (g, q_noise, r).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from deltalab.data import (
     open_shards,
     prepare_tokens,
     read_parquet,
+    save_tokenizer,
     stdlib_files,
 )
 from deltalab.data import shards as shards_module
@@ -99,6 +100,54 @@ def test_byte_decode_replaces_a_cut_multibyte_character():
 def test_byte_decode_refuses_ids_outside_the_vocabulary():
     with pytest.raises(ValueError, match=r"ids\[1\] = 259 .* 0 <= id < 259"):
         ByteTokenizer().decode([65, 259])
+
+
+@pytest.fixture(scope="module")
+def exported_byte_tokenizer(tmp_path_factory):
+    """The byte tokenizer as written to a model directory, loaded back by AutoTokenizer."""
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("byte_tokenizer")
+    save_tokenizer(ByteTokenizer(), path)
+    return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+@pytest.mark.parametrize("text", [*TEXTS, "literal specials <|bos|><|eos|><|pad|> stay bytes"])
+def test_exported_byte_tokenizer_encodes_and_decodes_exactly_as_the_byte_tokenizer(
+    exported_byte_tokenizer, text
+):
+    ids = exported_byte_tokenizer.encode(text, add_special_tokens=False)
+    assert ids == ByteTokenizer().encode(text)
+    assert exported_byte_tokenizer.decode(ids, skip_special_tokens=True) == text
+    # The call pipelines make (add_special_tokens left at its default) adds nothing either.
+    assert exported_byte_tokenizer(text)["input_ids"] == ids
+
+
+def test_exported_byte_tokenizer_has_the_byte_tokenizers_specials_and_size(
+    exported_byte_tokenizer,
+):
+    byte = ByteTokenizer()
+    assert len(exported_byte_tokenizer) == byte.vocab_size
+    for name in ("bos", "eos", "pad"):
+        assert getattr(exported_byte_tokenizer, f"{name}_token_id") == getattr(byte, f"{name}_id")
+    special_ids = [byte.bos_id, byte.eos_id, byte.pad_id]
+    assert exported_byte_tokenizer.convert_ids_to_tokens(special_ids) == list(byte.SPECIAL_TOKENS)
+
+
+def test_exported_byte_tokenizer_decodes_any_ids_as_the_byte_tokenizer(exported_byte_tokenizer):
+    # Random ids biased to UTF-8 lead and continuation bytes: cut and invalid sequences, with
+    # specials dropped from the middle of a character, must give the same U+FFFD replacements.
+    rng = np.random.default_rng(0)
+    byte = ByteTokenizer()
+    pools = [np.arange(259), np.arange(0x80, 0xC0), np.arange(0xC0, 0xF8), np.arange(256, 259)]
+    for _ in range(500):
+        ids = [int(rng.choice(pools[rng.integers(4)])) for _ in range(rng.integers(1, 10))]
+        decoded = exported_byte_tokenizer.decode(ids, skip_special_tokens=True)
+        assert decoded == byte.decode(ids), ids
+
+
+def test_save_tokenizer_refuses_a_tokenizer_without_save_pretrained(tmp_path):
+    with pytest.raises(TypeError, match=r"save_pretrained\(path\).*WideTokenizer"):
+        save_tokenizer(WideTokenizer(), tmp_path)
 
 
 def test_load_tokenizer_byte_and_refusals(tmp_path, monkeypatch):

@@ -113,6 +113,28 @@ def test_cu_seqlens_needs_batch_of_one():
         delta_rule(*kwargs.values(), cu_seqlens=torch.tensor([0, 5, 20]))
 
 
+@pytest.mark.parametrize("per_channel_decay", [True, False])
+def test_empty_key_dimension_is_refused_naming_q(per_channel_decay):
+    kwargs = good(key_dim=0)
+    if not per_channel_decay:
+        kwargs["g"] = kwargs["g"].sum(-1)
+    with pytest.raises(ValueError, match=r"q must have K >= 1 .*\(1, 20, 2, 0\)"):
+        delta_rule(*kwargs.values())
+    step = {name: x[:, 0] for name, x in kwargs.items()}
+    with pytest.raises(ValueError, match=r"q must have K >= 1 .*\(1, 2, 0\)"):
+        delta_rule_step(*step.values(), torch.zeros(1, 2, 0, 4))
+
+
+@pytest.mark.parametrize("backend", ["naive", "chunk"])
+def test_empty_value_dimension_is_refused_naming_u(backend):
+    kwargs = good(value_dim=0)
+    with pytest.raises(ValueError, match=r"u must have V >= 1 .*\(1, 20, 2, 0\)"):
+        delta_rule(*kwargs.values(), backend=backend)
+    step = {name: x[:, 0] for name, x in kwargs.items()}
+    with pytest.raises(ValueError, match=r"u must have V >= 1 .*\(1, 2, 0\)"):
+        delta_rule_step(*step.values(), torch.zeros(1, 2, 8, 0))
+
+
 def test_empty_sequence_is_refused():
     with pytest.raises(ValueError, match=r"q must hold at least one token \(T >= 1\), got T = 0"):
         delta_rule(*good(length=0).values())

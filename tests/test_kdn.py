@@ -65,7 +65,7 @@ def kdn_inputs(
 
 
 def textbook_kalman(q, k, v, g, q_noise, r, P0, S0, scale):
-    """The Kalman filter of MATH.md sec. 2 in numpy, one value column at a time: state s
+    """The Kalman filter of docs/MATH.md sec. 2.2 in numpy, one value column at a time: state s
     (one column of S), transition diag(exp(g)), process noise diag(q_noise), observation
     v_j = k^T s + e with e ~ N(0, r). Returns (o, final S, final P) as numpy arrays."""
     q, k, v, g, q_noise, r, P0, S0 = (x.numpy() for x in (q, k, v, g, q_noise, r, P0, S0))
@@ -304,7 +304,7 @@ def test_decode_steps_match_full_sequence(variant, channel_decay):
 
 
 def iso_gain_loop(k, g, q_noise, r, p0, info_scale):
-    """MATH.md sec. 3, Isotropic, as written: returns (beta, p) `[B, T, H]`."""
+    """docs/MATH.md sec. 3.2, Isotropic, as written: returns (beta, p) `[B, T, H]`."""
     batch, length, heads, key_dim = k.shape
     p, betas, variances = p0.expand(batch, heads), [], []
     for t in range(length):
@@ -319,7 +319,7 @@ def iso_gain_loop(k, g, q_noise, r, p0, info_scale):
 
 
 def diag_gain_loop(k, g, q_noise, r, p0, info_scale):
-    """MATH.md sec. 3, Diagonal, as written: returns (gain, p) `[B, T, H, K]`."""
+    """docs/MATH.md sec. 3.1, Diagonal, as written: returns (gain, p) `[B, T, H, K]`."""
     batch, length, heads, key_dim = k.shape
     p, gains, variances = p0.expand(batch, heads, key_dim), [], []
     for t in range(length):
@@ -461,6 +461,26 @@ BAD_INPUTS = [
     ("kdn_gain_iso", lambda a: {"q_noise": a["q_noise"] - 1}, ValueError, "q_noise must be >= 0"),
     ("kdn_gain_diag", lambda a: {"q_noise": a["q_noise"] - 1}, ValueError, "q_noise must be >="),
     ("kdn_exact", lambda a: {"q_noise": a["q_noise"] - 1}, ValueError, "q_noise must be >= 0"),
+    ("kdn_iso", lambda a: {"q_noise": a["q_noise"] / 0}, ValueError, "q_noise must be finite"),
+    ("kdn_diag", lambda a: {"q_noise": a["q_noise"] / 0}, ValueError, "q_noise must be finite"),
+    ("kdn_exact", lambda a: {"q_noise": a["q_noise"] / 0}, ValueError, "q_noise must be finite"),
+    ("kdn_iso_step", lambda a: {"q_noise": a["q_noise"] / 0}, ValueError, "q_noise must be fin"),
+    (
+        "kdn_iso",
+        lambda a: {"q_noise": a["q_noise"] * float("nan")},
+        ValueError,
+        "q_noise .* got NaN",
+    ),
+    (
+        "kdn_diag",
+        lambda a: {"q_noise": a["q_noise"] * float("nan")},
+        ValueError,
+        "q_noise .* got NaN",
+    ),
+    ("kdn_exact", lambda a: {"r": a["r"] / 0}, ValueError, r"r must be finite .* got inf at"),
+    ("kdn_diag", lambda a: {"r": a["r"] / 0}, ValueError, r"r must be finite .* got inf at"),
+    ("kdn_iso", lambda a: {"k": a["k"][..., :0]}, ValueError, r"k must have K >= 1"),
+    ("kdn_diag", lambda a: {"v": a["v"][..., :0]}, ValueError, r"v must have V >= 1"),
     ("kdn_iso", lambda a: {"p0": a["p0"] * 0}, ValueError, "p0 must be > 0"),
     ("kdn_gain_diag", lambda a: {"p0": -a["p0"]}, ValueError, "p0 must be > 0"),
     ("kdn_diag", lambda a: {"p0": a["p0"] / 0}, ValueError, "p0 must be finite"),

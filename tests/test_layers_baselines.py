@@ -19,10 +19,14 @@ from deltalab.layers import (
     Attention,
     AttentionState,
     DeltaNet,
+    DiagonalKDN,
+    ExactKDN,
     GatedDeltaNet,
     GatedDeltaNet2,
     GatedRMSNorm,
+    IsotropicKDN,
     KimiDeltaAttention,
+    Muir,
     RecurrentState,
     ShortConvolution,
 )
@@ -432,3 +436,37 @@ def test_padding_after_real_tokens_is_refused():
     layer(x, mask=torch.tensor([[False, False, True, True, True]] * 2))
     with pytest.raises(ValueError, match=r"mask must be left padding"):
         layer(x, mask=torch.tensor([[True, True, True, False, False]] * 2))
+
+
+# Every mixer class of the package, the KDN variants and Muir included.
+ALL_MIXERS = {
+    **MIXERS,
+    "muir": Muir,
+    "kdn_iso": IsotropicKDN,
+    "kdn_diag": DiagonalKDN,
+    "kdn_exact": ExactKDN,
+}
+
+
+@pytest.mark.parametrize("name", ALL_MIXERS)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_integer_input_is_refused_with_its_dtype_and_a_pointer_to_the_embedding(name, dtype):
+    mixer = ALL_MIXERS[name](**SIZES)
+    token_ids = torch.zeros(2, 5, dtype=dtype)
+    pattern = rf"x must be floating-point hidden states .*got .*dtype {dtype}.*embedding"
+    with pytest.raises(TypeError, match=pattern):
+        mixer(token_ids)
+    # The same with the right rank: the dtype is what is wrong, not only the shape.
+    with pytest.raises(TypeError, match=pattern):
+        mixer(token_ids.unsqueeze(-1).expand(2, 5, D))
+
+
+@pytest.mark.parametrize("name", ALL_MIXERS)
+def test_a_state_from_another_batch_size_is_refused_naming_the_state(name, generator):
+    mixer = ALL_MIXERS[name](**SIZES)
+    _, state = mixer(hidden(generator, 4, batch=2, dtype=torch.float32))
+    cached = "state.key" if isinstance(state, AttentionState) else "state.memory"
+    with pytest.raises(
+        ValueError, match=rf"{cached} must be for x's batch of B = 3, got one for 2"
+    ):
+        mixer(hidden(generator, 1, batch=3, dtype=torch.float32), state)

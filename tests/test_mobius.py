@@ -22,7 +22,7 @@ def random_maps(shape: tuple[int, ...], gen: torch.Generator, dtype=torch.float6
 
 
 def kdn_maps(log_decay, process_noise, evidence):
-    """The variance map of KDN (MATH.md sec. 3): A = a, B = q, C = c a, D = c q + 1."""
+    """The variance map of KDN (docs/MATH.md sec. 3.4): A = a, B = q, C = c a, D = c q + 1."""
     a = (2 * log_decay).exp()
     return a, process_noise, evidence * a, evidence * process_noise + 1
 

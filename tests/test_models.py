@@ -208,6 +208,27 @@ def test_generate_command_continues_a_prompt_from_a_checkpoint(tmp_path, capsys)
     assert printed == "def f(" + tokenizer.decode(expected[0, prompt.shape[1] :].tolist()) + "\n"
 
 
+def test_text_generation_pipeline_runs_on_a_model_directory_with_the_byte_tokenizer(tmp_path):
+    from transformers import AutoTokenizer, pipeline
+
+    from deltalab.data import ByteTokenizer, save_tokenizer
+
+    torch.manual_seed(0)
+    model = CausalLM(build_config("tiny", mixer="muir", num_layers=1)).eval()
+    model.save_pretrained(tmp_path)
+    tokenizer = ByteTokenizer()
+    save_tokenizer(tokenizer, tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded.encode("é", add_special_tokens=False) == [195, 169]
+    prompt = "Grüße: def f("
+    generator = pipeline("text-generation", model=str(tmp_path), device="cpu")
+    text = generator(prompt, max_new_tokens=9, do_sample=False)[0]["generated_text"]
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=9, do_sample=False)
+    assert text == prompt + tokenizer.decode(expected[0, ids.shape[1] :].tolist())
+
+
 def test_generate_command_refuses_a_folder_without_a_checkpoint(tmp_path):
     from deltalab.generate import GenerateConfig, generate_text
 

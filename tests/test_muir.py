@@ -30,7 +30,7 @@ F32_DECODE = 1e-5
 F32_PARAMETER = 1e-6
 D, H, K = 32, 2, 16
 SIZES = {"hidden_size": D, "num_heads": H, "head_dim": K}
-# GDN-2's 1.3B configuration (MATH.md sec. 4).
+# GDN-2's 1.3B configuration (docs/MATH.md sec. 4.3).
 GDN2_1B3 = {"hidden_size": 2304, "num_heads": 16, "head_dim": 128}
 GDN2_1B3_FFN, GDN2_1B3_LAYERS = 6208, 18
 

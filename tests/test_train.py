@@ -68,7 +68,8 @@ def test_a_few_steps_lower_the_held_out_loss(tmp_path, corpus, mixer):
 def test_run_writes_checkpoint_export_metrics_curve_and_sample(tmp_path, corpus):
     result = train(run_config(tmp_path, corpus))
     run = tmp_path / "run"
-    for name in ("config.yaml", "metrics.json", "loss_curve.png", "log.jsonl", "model/config.json"):
+    exported = ("model/config.json", "model/tokenizer.json", "model/tokenizer_config.json")
+    for name in ("config.yaml", "metrics.json", "loss_curve.png", "log.jsonl", *exported):
         assert (run / name).stat().st_size > 0, name
     assert [p.name for p in list_checkpoints(run)] == ["step_00000003.pt", "step_00000006.pt"]
     assert isinstance(result.sample, str)

@@ -1,4 +1,4 @@
-"""Gate sensitivity (seed 003): how far each gate moves a layer's memory, and the loss.
+"""Gate sensitivity (docs/MATH.md sec. 4.4): how far each gate moves a layer's memory, and the loss.
 
 For a delta-rule layer with gate G (erase `[B, T, H, K]`, write `[B, T, H, V]`, log decay g,
 read rho, beta `[B, T, H]`, ...) and that layer's final memory M `[B, H, K, V]`, the sensitivity

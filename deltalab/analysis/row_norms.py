@@ -1,4 +1,4 @@
-"""State row norms against decay (seed 003): why Muir reads through a matched filter.
+"""State row norms against decay (docs/MATH.md sec. 4.5): why Muir reads through a matched filter.
 
 Row i (key channel i) of a memory `S [K, V]` decays by alpha_i = exp(g_i) per token and gains a
 write each token, so its norm grows like 1 / sqrt(1 - alpha_i^2): slowly decaying rows grow

@@ -50,6 +50,7 @@ from deltalab.data.tokenizer import (
     HuggingFaceTokenizer,
     Tokenizer,
     load_tokenizer,
+    save_tokenizer,
 )
 
 __all__ = [
@@ -81,6 +82,7 @@ __all__ = [
     "read_jsonl",
     "read_parquet",
     "read_text_file",
+    "save_tokenizer",
     "source_fingerprint",
     "stdlib_files",
     "stdlib_root",

@@ -3,6 +3,10 @@
 Both satisfy the `Tokenizer` protocol, the only interface the rest of the data layer uses:
 `encode(text) -> list[int]` without special tokens, `decode(ids) -> str` without special tokens,
 `vocab_size`, the special ids, and `spec`, the string `load_tokenizer` was given.
+
+`save_tokenizer(tokenizer, path)` writes either kind as Hugging Face tokenizer files, so a model
+directory loads with `AutoTokenizer.from_pretrained` and `pipeline("text-generation", ...)`; the
+byte tokenizer becomes a `tokenizers` fast tokenizer with the same ids, specials included.
 """
 
 from __future__ import annotations
@@ -102,6 +106,61 @@ class ByteTokenizer:
         pieces.append(run.decode("utf-8", errors="replace"))
         return "".join(pieces)
 
+    def to_transformers(self) -> Any:
+        """The same tokenizer as a `transformers` fast tokenizer (`tokenizers`-backed).
+
+        Byte b is token b and the specials keep their ids 256..258, so `encode(text,
+        add_special_tokens=False)` and `decode(ids, skip_special_tokens=True)` give what `encode`
+        and `decode` give here, for any text and any ids (cut UTF-8 included: both replace it by
+        U+FFFD). No BOS is prepended by default, as training streams carry none.
+        """
+        import tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        unicode_of = _gpt2_byte_alphabet()
+        # A BPE without merges over the byte alphabet: one token per byte, id = byte value.
+        model = tokenizers.models.BPE(vocab={unicode_of[b]: b for b in range(NUM_BYTES)}, merges=[])
+        raw = tokenizers.Tokenizer(model)
+        # No regex split and no prefix space: the text is mapped byte for byte, nothing added.
+        raw.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(
+            add_prefix_space=False, use_regex=False
+        )
+        raw.decoder = tokenizers.decoders.ByteLevel()
+        raw.add_special_tokens(
+            [tokenizers.AddedToken(t, special=True, normalized=False) for t in self.SPECIAL_TOKENS]
+        )
+        bos, eos, pad = self.SPECIAL_TOKENS
+        return PreTrainedTokenizerFast(
+            tokenizer_object=raw,
+            bos_token=bos,
+            eos_token=eos,
+            pad_token=pad,
+            # The text "<|eos|>" is seven bytes here, as in `encode`, not the EOS token.
+            split_special_tokens=True,
+            # transformers would otherwise rewrite " ." as "." etc. when decoding.
+            clean_up_tokenization_spaces=False,
+        )
+
+    def save_pretrained(self, path: str | os.PathLike[str]) -> None:
+        """Writes `tokenizer.json` and `tokenizer_config.json` (see `to_transformers`) to `path`."""
+        self.to_transformers().save_pretrained(path)
+
+
+def _gpt2_byte_alphabet() -> dict[int, str]:
+    """Byte -> the printable character `tokenizers`' ByteLevel pre-tokenizer stands it for.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 take the code points from 256 up,
+    in byte order (the GPT-2 convention, which the Rust pre-tokenizer and decoder hard-code).
+    """
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    alphabet = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(NUM_BYTES):
+        if b not in alphabet:
+            alphabet[b] = chr(NUM_BYTES + extra)
+            extra += 1
+    return alphabet
+
 
 class HuggingFaceTokenizer:
     """A `transformers` tokenizer behind the `Tokenizer` protocol.
@@ -154,6 +213,20 @@ class HuggingFaceTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return str(self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True))
+
+
+def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike[str]) -> None:
+    """Writes `tokenizer` to `path` as Hugging Face tokenizer files (beside a model's weights).
+
+    Both tokenizers of `load_tokenizer` can; any other must have its own `save_pretrained`.
+    """
+    save = getattr(tokenizer, "save_pretrained", None)
+    if not callable(save):
+        raise TypeError(
+            f"tokenizer must have a save_pretrained(path) method to be exported, got "
+            f"{type(tokenizer).__name__} without one"
+        )
+    save(path)
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

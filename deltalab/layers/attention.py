@@ -14,6 +14,7 @@ from deltalab.layers.common import (
     AttentionState,
     check_hidden,
     check_mask,
+    check_state_batch,
     compute_dtype,
     require_positive_int,
 )
@@ -106,6 +107,8 @@ class Attention(nn.Module):
         check_hidden(x, self.hidden_size)
         if state is not None and not isinstance(state, AttentionState):
             raise TypeError(f"state must be an AttentionState or None, got {type(state).__name__}")
+        if state is not None:
+            check_state_batch("state.key", state.key, x, "[B, S, H, K]")
         mask = check_mask(mask, x)
         length = x.shape[1]
         offset = 0 if state is None else state.offset

@@ -5,10 +5,11 @@ state)`. Passing the returned state back in with the next tokens (any number of 
 the sequence exactly as one forward over the whole sequence would. With `return_gates=True` the
 returned state also carries the mixer's intermediate gates in `state.gates` (name -> tensor).
 
-The delta-rule frontend (MATH.md sec. 5) lives once, in `DeltaMixer`: q, k, v projections, a short
-causal depthwise convolution with SiLU on each, L2-normalized q and k (q is scaled by `K^-1/2`
-inside `delta_rule`), per-head RMSNorm of the output gated by an output-gate projection, output
-projection. A mixer only adds its gates and its `deltalab.ops.parametrize` call.
+The delta-rule frontend (docs/MATH.md sec. 5) lives once, in `DeltaMixer`: q, k, v projections,
+a short causal depthwise convolution with SiLU on each, L2-normalized q and k (q is scaled by
+`K^-1/2` inside `delta_rule`), per-head RMSNorm of the output gated by an output-gate
+projection, output projection. A mixer only adds its gates and its `deltalab.ops.parametrize`
+call.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ __all__ = [
     "ShortConvolution",
     "check_hidden",
     "check_mask",
+    "check_state_batch",
     "compute_dtype",
     "identity_at_padding",
     "l2_normalize",
@@ -64,13 +66,32 @@ def require_chunk_size(value: object) -> int:
 
 def check_hidden(x: object, hidden_size: int) -> torch.Tensor:
     """Checks a mixer input `x [B, T, D]` with D = hidden_size and T >= 1."""
-    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+    if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a floating-point torch.Tensor, got {type(x).__name__}")
+    if not x.dtype.is_floating_point:
+        # The usual mistake: token ids given to a mixer; say where they should go.
+        raise TypeError(
+            f"x must be floating-point hidden states [B, T, D], got a tensor of dtype {x.dtype}; "
+            "token ids go through the model's embedding first (CausalLM, or an nn.Embedding)"
+        )
     require_rank("x", x, (3,), "[B, T, D]")
     require_shape("x", x, (*x.shape[:2], hidden_size), "[B, T, D]", "(D = hidden_size)")
     if x.shape[1] == 0:
         raise ValueError("x must hold at least one token (T >= 1), got T = 0")
     return x
+
+
+def check_state_batch(name: str, cached: torch.Tensor, x: torch.Tensor, layout: str) -> None:
+    """A cached tensor of a state (`layout` starts with B) must belong to x's batch `[B, T, D]`.
+
+    Without this the mismatch surfaces deep inside a concatenation or the recurrence, naming
+    neither the state nor the batch.
+    """
+    if cached.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"{name} must be for x's batch of B = {x.shape[0]}, got one for {cached.shape[0]} "
+            f"({layout} = {tuple(cached.shape)}); a state continues the batch it was returned for"
+        )
 
 
 def check_mask(mask: object, x: torch.Tensor) -> torch.Tensor | None:
@@ -354,6 +375,8 @@ class DeltaMixer(nn.Module, abc.ABC):
         check_hidden(x, self.hidden_size)
         if state is not None and not isinstance(state, RecurrentState):
             raise TypeError(f"state must be a RecurrentState or None, got {type(state).__name__}")
+        if state is not None:
+            check_state_batch("state.memory", state.memory, x, "[B, H, K, V]")
         mask = check_mask(mask, x)
         heads = self.num_heads
 

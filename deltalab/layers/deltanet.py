@@ -2,6 +2,10 @@
 
 DeltaNet: S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T
 GDN:      the same after a per-head decay exp(g_t), g_t = -exp(A_log) softplus(W_a x + dt_bias)
+
+docs/MATH.md sec. 4.1-4.2. Papers: "Parallelizing Linear Transformers with the Delta Rule over
+Sequence Length" (arXiv:2406.06484); "Gated Delta Networks: Improving Mamba2 with Delta Rule"
+(arXiv:2412.06464).
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""Gated DeltaNet-2 (MATH.md sec. 4): decoupled channel-wise erase and write gates.
+"""Gated DeltaNet-2 (docs/MATH.md sec. 4.3): decoupled channel-wise erase and write gates.
 
     S_t = (I - k_t (e_t * k_t)^T) diag(exp(g_t)) S_{t-1} + k_t (w_t * v_t)^T
     e_t = sigmoid(W_e x_t) in (0,1)^{H*K}, w_t = sigmoid(W_w x_t) in (0,1)^{H*V}, g_t as KDA.
 
 Tying both gates to one scalar per head, e = w = beta, gives KDA.
+
+Paper: "Gated DeltaNet-2: Decoupling Erase and Write in Linear Attention" (arXiv:2605.22791).
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T
 g_t = -exp(A_log[h]) * softplus(f_proj(x_t) + dt_bias[h, :]),  f_proj: D -> rank -> H*K
+
+docs/MATH.md sec. 4.1-4.2. Paper: "Kimi Linear: An Expressive, Efficient Attention
+Architecture" (arXiv:2510.26692).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Kalman Delta Networks as token mixers (MATH.md sec. 2, 3, 5).
+"""Kalman Delta Networks as token mixers (docs/MATH.md sec. 2, 3, 5).
 
 Each value column of the memory is a Gaussian state observed through the key; the layer learns
 the filter's noise model and the `deltalab.ops.kdn` gains turn it into the write direction of the
@@ -16,6 +16,9 @@ With `process_noise="tied"` the process noise follows the decay instead, `q_t = 
 * p_inf` with a learned `p_inf = softplus(.) >= 0` per head: forgetting restores the variance
 towards p_inf. The isotropic variant projects this by the trace, `q_t = (1 - a_t) p_inf` with
 `a_t = mean_i exp(2 g_t,i)`, the same contraction its variance scan uses.
+
+Paper: "Kalman Delta Networks: uncertainty-aware associative memory" (no arXiv identifier known;
+docs/MATH.md sec. 6). "The reference" is the implementation released with it.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ __all__ = [
 ]
 
 PROCESS_NOISE_MODES = ("free", "tied")
-# Floors of MATH.md sec. 3 (the reference implementation's): r >= 0.01, 1/p_0 >= 0.1.
+# Floors of docs/MATH.md sec. 3.5 (the reference implementation's): r >= 0.01, 1/p_0 >= 0.1.
 R_MIN = 0.01
 PRECISION_FLOOR = 0.1
 # Choice: with p_0 = 1 and r = 1 at initialization, a unit key's first write strength is
@@ -76,7 +79,7 @@ def inverse_softplus(y: float) -> float:
 
 class FreeProcessNoise(nn.Module):
     """q = softplus(proj(x)): per head `hidden -> H` (Isotropic), or per head-channel through a
-    low-rank `hidden -> rank -> H*K` whose second factor starts at zero (MATH.md sec. 3), so
+    low-rank `hidden -> rank -> H*K` whose second factor starts at zero (docs/MATH.md sec. 3.5), so
     every channel starts from q = Q_INIT."""
 
     def __init__(

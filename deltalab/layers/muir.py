@@ -1,4 +1,4 @@
-"""Muir (MATH.md sec. 4, seed 003): GDN-2 with fused low-rank gates and a matched-filter read.
+"""Muir (docs/MATH.md sec. 4.4-4.6): GDN-2 with fused low-rank gates and a matched-filter read.
 
     z_t   = W_down x_t                    one projection of rank R = r_decay + r_erase + r_write
                                           (+ r_read), sliced per gate
@@ -15,6 +15,9 @@
 decays. A gate of rank None skips the fused projection and gets a full-rank `nn.Linear(D, width)`
 without bias: with erase and write full rank and `read_gate="none"`, Muir is GDN-2
 (`Muir.from_gdn2` copies a GDN-2 layer exactly).
+
+Paper: "Muir: linear attention with sensitivity-allocated gating and matched-filter readout"
+(no arXiv identifier known; docs/MATH.md sec. 6).
 """
 
 from __future__ import annotations
@@ -50,13 +53,13 @@ __all__ = [
 READ_GATES = ("dynamic", "static", "none")
 # The gates computed from the fused projection, in the order of its slices.
 FUSED_GATES = ("decay", "erase", "write", "read")
-# Default rank of each gate as head_dim // divisor (at least 1). Seed 003: the state is far less
-# sensitive to erasure than to writes. Keys are L2-normalized after a SiLU, so their energy sits
-# on a few channels and a change of the erase gate on the others barely moves the state (its
-# effect is e_i * k_i^2), while the write gate scales every value channel of the written row:
-# erase gets the lowest rank, write a middle one. The read gate never touches the state (only
-# the output), and around a learned static matched filter it needs little more than a
-# modulation. Decay and output gate keep GDN-2's rank (128 at its head_dim 128).
+# Default rank of each gate as head_dim // divisor (at least 1). docs/MATH.md sec. 4.4: the state
+# is far less sensitive to erasure than to writes. Keys are L2-normalized after a SiLU, so their
+# energy sits on a few channels and a change of the erase gate on the others barely moves the
+# state (its effect is e_i * k_i^2), while the write gate scales every value channel of the
+# written row: erase gets the lowest rank, write a middle one. The read gate never touches the
+# state (only the output), and around a learned static matched filter it needs little more than
+# a modulation. Decay and output gate keep GDN-2's rank (128 at its head_dim 128).
 DEFAULT_RANK_DIVISORS = {"decay": 1, "erase": 8, "write": 2, "read": 4, "outgate": 1}
 # Floor of the static read weight relative to its head mean: keeps log(weight) finite when a
 # channel starts without decay (1 - exp(2 g0) = 0).
@@ -70,10 +73,11 @@ class MuirRanks:
     """Rank of each gate's projection; None means a full-rank, unfused `nn.Linear(D, width)`.
 
     decay, erase, write, read: slices of the fused down-projection (read only with
-    `read_gate="dynamic"`; validated but unused otherwise). outgate: rank of the output-gate projection, which
-    stays the frontend's own `hidden -> rank -> H*V` projection (`DeltaMixer.g_proj`): the
-    frontend computes it outside `primitive_inputs`, and MATH.md's R counts the four
-    delta-rule gates only. A rank may not exceed min(hidden, width) of the map it factors.
+    `read_gate="dynamic"`; validated but unused otherwise). outgate: rank of the output-gate
+    projection, which stays the frontend's own `hidden -> rank -> H*V` projection
+    (`DeltaMixer.g_proj`): the frontend computes it outside `primitive_inputs`, and the R of
+    docs/MATH.md sec. 4.4 counts the four delta-rule gates only. A rank may not exceed
+    min(hidden, width) of the map it factors.
     """
 
     decay: int | None

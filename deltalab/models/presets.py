@@ -37,7 +37,7 @@ SCALES = {
     "166M": Scale(166e6, 1024, 12),
     "340M": Scale(340e6, 1024, 24),
     "750M": Scale(750e6, 1536, 24),
-    # GDN-2 and KDN 1.3B: 18 layers of width 2304 (MATH.md sec. 4).
+    # GDN-2 and KDN 1.3B: 18 layers of width 2304 (docs/MATH.md sec. 4.3).
     "1.3B": Scale(1.3e9, 2304, 18),
 }
 PRESETS = ("tiny", *SCALES)

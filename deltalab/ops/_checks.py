@@ -86,6 +86,16 @@ def require_nonnegative(name: str, x: torch.Tensor, meaning: str) -> None:
         raise ValueError(f"{name} must be >= 0 ({meaning}), got {_worst(x, 'minimum')}")
 
 
+def require_finite(name: str, x: torch.Tensor, meaning: str) -> None:
+    """Refuses inf, -inf and NaN; the error shows the first such value and where it is."""
+    if not values_checkable(x):
+        return
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{name} must be finite ({meaning}), got {x[index].item()} at {index}")
+
+
 def require_positive_int(name: str, value: object) -> int:
     """`value` as an int > 0; the error names the field."""
     if isinstance(value, bool) or not isinstance(value, int):

@@ -1,4 +1,4 @@
-"""Each baseline mixer's own inputs -> the primitive's `(q, a, b, u, g)` (MATH.md sec. 1).
+"""Each baseline mixer's own inputs -> the primitive's `(q, a, b, u, g)` (docs/MATH.md sec. 1.2).
 
 | mixer    | a        | b          | u          | g                     |
 |----------|----------|------------|------------|-----------------------|

@@ -35,6 +35,7 @@ from deltalab.data import (
     batches,
     load_tokenizer,
     prepare_tokens,
+    save_tokenizer,
 )
 from deltalab.models import CausalLM, build_config
 from deltalab.train.checkpoint import (
@@ -443,8 +444,7 @@ def _export(
     """Rank 0's outputs: HF model (from the gathered `weights`), metrics JSON, loss curve."""
     model_dir = out_dir / "model"
     core.save_pretrained(model_dir, state_dict=weights)
-    if hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(model_dir)
+    save_tokenizer(tokenizer, model_dir)
     speeds = [r["tokens_per_s"] for r in history["train"]]
     metrics = {
         "steps": len(history["train"]),

@@ -58,10 +58,16 @@ def _check_gates(q, a, b, u, g, leading: str) -> None:
     for name, x in (("q", q), ("a", a), ("b", b), ("u", u), ("g", g)):
         require_float(name, x)
     require_rank("q", q, (rank,), f"[{leading}, K]")
+    # An empty key or value axis leaves no state: K = 0 would divide by zero in the default
+    # scale K^-1/2, V = 0 would return empty outputs instead of saying what went wrong.
+    if q.shape[-1] == 0:
+        raise ValueError(f"q must have K >= 1 (last axis of [{leading}, K]), got {tuple(q.shape)}")
     require_shape("a", a, q.shape, f"[{leading}, K]", "to match q")
     require_shape("b", b, q.shape, f"[{leading}, K]", "to match q")
     require_rank("u", u, (rank,), f"[{leading}, V]")
     require_shape("u", u, (*q.shape[:-1], u.shape[-1]), f"[{leading}, V]", "to match q")
+    if u.shape[-1] == 0:
+        raise ValueError(f"u must have V >= 1 (last axis of [{leading}, V]), got {tuple(u.shape)}")
     require_rank("g", g, (rank - 1, rank), f"[{leading}] or [{leading}, K]")
     expected_g = q.shape[:-1] if g.dim() == rank - 1 else q.shape
     layout = f"[{leading}]" if g.dim() == rank - 1 else f"[{leading}, K]"

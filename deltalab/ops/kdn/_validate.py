@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from deltalab.ops._checks import (
+    require_finite,
     require_float,
     require_nonnegative,
     require_nonpositive,
@@ -18,8 +19,7 @@ from deltalab.ops._checks import (
 
 def require_finite_positive(name: str, x: torch.Tensor, meaning: str) -> None:
     require_positive(name, x, meaning)
-    if values_checkable(x) and not bool(torch.isfinite(x).all()):
-        raise ValueError(f"{name} must be finite ({meaning}), got a maximum of {x.max().item()}")
+    require_finite(name, x, meaning)
 
 
 def check_keys(k: object, leading: str) -> torch.Tensor:
@@ -28,6 +28,8 @@ def check_keys(k: object, leading: str) -> torch.Tensor:
     require_rank("k", k, (leading.count(",") + 2,), f"[{leading}, K]")
     if "T" in leading and k.shape[1] == 0:
         raise ValueError("k must hold at least one token (T >= 1), got T = 0")
+    if k.shape[-1] == 0:
+        raise ValueError(f"k must have K >= 1 (last axis of [{leading}, K]), got {tuple(k.shape)}")
     return k
 
 
@@ -45,20 +47,26 @@ def check_decay(g: object, k: torch.Tensor, leading: str) -> None:
 def check_noise(
     q_noise: object, r: object, k: torch.Tensor, leading: str, per_channel_process: bool
 ) -> None:
-    """Process noise q_noise (>= 0) and observation noise r `[<leading>]` (> 0)."""
+    """Process noise q_noise (>= 0) and observation noise r `[<leading>]` (> 0), both finite.
+
+    Infinite variances are refused because floating point cannot take their limits: inf q_noise
+    makes the gain inf / inf, inf r makes the exact filter's Joseph update 0 * inf, and either
+    gives NaN outputs. A very large r (1e30) is the way to say "no evidence".
+    """
     q_noise = require_float("q_noise", q_noise)
     if per_channel_process:
         require_shape("q_noise", q_noise, k.shape, f"[{leading}, K]", "to match k")
     else:
         require_shape("q_noise", q_noise, k.shape[:-1], f"[{leading}]", "to match k")
     require_nonnegative("q_noise", q_noise, "a process-noise variance")
+    require_finite("q_noise", q_noise, "a process-noise variance")
     r = require_float("r", r)
     require_shape("r", r, k.shape[:-1], f"[{leading}]", "(one observation noise per head)")
-    require_positive("r", r, "an observation-noise variance")
+    require_finite_positive("r", r, "an observation-noise variance")
 
 
 def check_info_scale(info_scale: object, key_dim: int) -> float:
-    """The information scale s of MATH.md sec. 3; None means K (the reference's choice)."""
+    """The information scale s of docs/MATH.md sec. 3.3; None means K (the reference's choice)."""
     if info_scale is None:
         return float(key_dim)
     return require_positive_number("info_scale", info_scale)
@@ -114,3 +122,5 @@ def check_query_value(q: object, v: object, k: torch.Tensor, leading: str) -> No
     v = require_float("v", v)
     require_rank("v", v, (k.dim(),), f"[{leading}, V]")
     require_shape("v", v, (*k.shape[:-1], v.shape[-1]), f"[{leading}, V]", "to match k")
+    if v.shape[-1] == 0:
+        raise ValueError(f"v must have V >= 1 (last axis of [{leading}, V]), got {tuple(v.shape)}")

@@ -1,4 +1,4 @@
-"""Exact KDN: the Kalman filter with a dense K x K covariance per head (MATH.md sec. 2).
+"""Exact KDN: the Kalman filter with a dense K x K covariance per head (docs/MATH.md sec. 2.2).
 
     P_bar = D P D + diag(q)           sigma2 = k^T P_bar k + r        gain = P_bar k / sigma2
     P     = (I - gain k^T) P_bar (I - gain k^T)^T + r gain gain^T       (Joseph form)

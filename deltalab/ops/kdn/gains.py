@@ -1,4 +1,4 @@
-"""KDN gains from the uncertainty scan (MATH.md sec. 3); the memory never enters.
+"""KDN gains from the uncertainty scan (docs/MATH.md sec. 3); the memory never enters.
 
 Isotropic (`P = p I`, one p per head), channel-wise decay projected by its trace:
 

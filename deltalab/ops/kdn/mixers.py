@@ -1,5 +1,5 @@
 """Isotropic and Diagonal KDN over whole sequences: gains by the uncertainty scan, then the
-memory through the generalized delta rule with a = gain, b = k, u = v (MATH.md sec. 1, 3)."""
+memory through the generalized delta rule with a = gain, b = k, u = v (docs/MATH.md sec. 1, 3)."""
 
 from __future__ import annotations
 
