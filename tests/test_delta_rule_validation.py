@@ -60,7 +60,7 @@ def call(**changes):
         (dict(chunk_size=8), ValueError, r"chunk_size must be in \[16, 256\], got 8"),
         (dict(chunk_size=512), ValueError, r"chunk_size must be in \[16, 256\], got 512"),
         (dict(chunk_size=64.0), TypeError, r"chunk_size must be an int"),
-        (dict(backend="triton"), ValueError, r"backend must be one of .*got 'triton'"),
+        (dict(backend="cuda"), ValueError, r"backend must be one of .*got 'cuda'"),
         (dict(scale=-1.0), ValueError, r"scale must be a finite positive number"),
         (
             dict(initial_state=torch.zeros(1, 2, 8, 5)),

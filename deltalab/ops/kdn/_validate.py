@@ -13,7 +13,6 @@ from deltalab.ops._checks import (
     require_positive_number,
     require_rank,
     require_shape,
-    values_checkable,
 )
 
 
