@@ -362,6 +362,25 @@ def test_gains_streamed_in_pieces_match_one_pass(variant):
     assert_close(second[2], final, TOL, "final precision")
 
 
+def test_diagonal_per_head_prior_is_broadcast_over_channels():
+    """Issue 9 item 12: p0 `[H]` is the prior `[H, K]` with one value per head, gradients
+    included (they sum over the channels)."""
+    gen = torch.Generator().manual_seed(25)
+    B, T, H, K, V = 2, 9, 3, 4, 2
+    args = kdn_inputs(gen, (B, T, H, K, V), variant="diag")
+    per_head = (0.5 + torch.rand(H, generator=gen, dtype=F64)).requires_grad_()
+    shared = per_head.detach().unsqueeze(-1).expand(H, K).clone().requires_grad_()
+    gates = [args[n] for n in ("k", "g", "q_noise", "r")]
+    for fn in (kdn_gain_diag, lambda *a: kdn_diag(args["q"], a[0], args["v"], *a[1:])):
+        head_out = fn(*gates, per_head)[0]
+        shared_out = fn(*gates, shared)[0]
+        assert_close(head_out, shared_out, 0.0, "per-head prior vs its [H, K] broadcast")
+        weights = torch.randn(head_out.shape, generator=gen, dtype=F64)
+        (grad_head,) = torch.autograd.grad((head_out * weights).sum(), per_head)
+        (grad_shared,) = torch.autograd.grad((shared_out * weights).sum(), shared)
+        assert_close(grad_head, grad_shared.sum(-1), TOL, "d/dp0 sums over channels")
+
+
 @pytest.mark.parametrize("variant", ["iso", "diag"])
 @pytest.mark.parametrize("from_precision", [False, True])
 def test_gain_gradients_match_finite_differences(variant, from_precision):
@@ -500,7 +519,10 @@ BAD_INPUTS = [
     ("kdn_iso", lambda a: {"g": a["g"][..., :-1]}, ValueError, "g must have shape"),
     ("kdn_gain_iso", lambda a: {"p0": a["p0"][:-1]}, ValueError, "p0 must have shape"),
     ("kdn_diag", lambda a: {"p0": a["p0"][:, :1]}, ValueError, "p0 must have shape"),
-    ("kdn_diag", lambda a: {"p0": a["p0"][:, 0]}, ValueError, "p0 must have rank"),
+    ("kdn_diag", lambda a: {"p0": a["p0"][0, 0]}, ValueError, "p0 must have rank"),
+    ("kdn_diag", lambda a: {"p0": a["p0"][:1, 0]}, ValueError, r"p0 must have shape \[H\]"),
+    ("kdn_gain_diag", lambda a: {"p0": -a["p0"][:, 0]}, ValueError, "p0 must be > 0"),
+    ("kdn_gain_iso", lambda a: {"backend": "chunk"}, ValueError, "backend must be one of"),
     ("kdn_gain_iso", lambda a: {"k": a["k"][0]}, ValueError, "k must have rank"),
     ("kdn_gain_iso", lambda a: {"k": a["k"][:, :0]}, ValueError, r"T >= 1"),
     ("kdn_iso", lambda a: {"k": a["k"].long()}, TypeError, "k must be a floating-point"),
