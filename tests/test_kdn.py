@@ -16,6 +16,7 @@ from deltalab.ops import (
     kdn_iso,
     kdn_iso_step,
 )
+from deltalab.ops._triton import INTERPRET
 from deltalab.testing import TOLERANCE, assert_close
 
 F64 = torch.float64
@@ -568,3 +569,11 @@ def test_bad_inputs_raise_naming_the_argument(fn_name, change, error, match):
     FUNCTIONS[fn_name](**args)
     with pytest.raises(error, match=match):
         FUNCTIONS[fn_name](**{**args, **change(args)})
+
+
+@pytest.mark.skipif(INTERPRET, reason="under TRITON_INTERPRET=1 the Triton scan runs on CPU")
+@pytest.mark.parametrize("fn_name", ["kdn_iso", "kdn_diag", "kdn_gain_iso", "kdn_gain_diag"])
+def test_triton_backend_on_cpu_says_it_needs_the_interpreter(fn_name):
+    # tests/test_mobius_triton.py runs these ops on the Triton scan (GPU, or the interpreter).
+    with pytest.raises(RuntimeError, match='backend="triton" cannot run here'):
+        FUNCTIONS[fn_name](**valid_arguments(fn_name), backend="triton")

@@ -205,11 +205,13 @@ def _next_power_of_2(n: int) -> int:
 def launch_config(lanes: int, length: int, tile: int = 2048) -> tuple[int, int]:
     """(BLOCK_T, BLOCK_L) for `lanes` scans of `length` steps, `tile` elements per tile at most.
 
-    Lanes per program only while there are enough programs to fill an H200 (132 SMs, two
-    programs each); the rest of the tile goes to steps, which the scan handles in parallel.
+    Lanes per program only while there are programs enough to fill an H200 (132 SMs); the rest
+    of the tile goes to steps, which the scan handles in parallel. Many lanes (Diagonal KDN,
+    8192 at B=4, H=16, K=128): 32 lanes x 64 steps; few lanes (Isotropic, 64): one lane x 1024
+    steps, so a lane is only T / 1024 sequential tiles long.
     """
     block_l = 32
-    while block_l > 1 and triton.cdiv(lanes, block_l) < 264:
+    while block_l > 1 and triton.cdiv(lanes, block_l) < 128:
         block_l //= 2
     block_t = max(16, min(tile // block_l, 1024, _next_power_of_2(length)))
     return block_t, block_l
