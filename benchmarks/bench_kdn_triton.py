@@ -7,13 +7,14 @@ Shapes: B=4 T=4096 H=16 K=V=128 and B=1 T=32768 H=16 K=V=128 (`--tiny`: B=1 T=20
 CPU under the interpreter, to prove the script runs). Per shape, medians in ms of the forward
 and of forward+backward (and peak CUDA memory of forward+backward, MiB):
 
-- the variance scan alone on KDN's maps, Diagonal ([B, T, H K] lanes) and Isotropic ([B, T, H]),
-  by the Triton kernel and by the PyTorch parallel scan;
+- the variance scan alone, Diagonal ([B, T, H K] lanes) and Isotropic ([B, T, H]): KDN's fused
+  Triton kernel (a, q, c in; p and p_bar out), the generic Triton Mobius scan on the four map
+  coefficients, and the PyTorch parallel scan;
 - `kdn_gain_diag` / `kdn_gain_iso` with the Triton scan and with the parallel scan;
 - `delta_rule` (the backend `kdn_*(backend="triton")` runs the memory on) and `kdn_diag` /
   `kdn_iso` with backend="triton", with their ratio to `delta_rule`;
-- a sweep of the scan's launch configurations (BLOCK_T, BLOCK_L) at both lane counts, to tune
-  `deltalab.ops.mobius.triton.launch_config` (the default is marked).
+- a sweep of the fused scan's launch configurations (BLOCK_T, BLOCK_L) at both lane counts, to
+  tune `deltalab.ops.mobius.triton.launch_config` (the default is marked).
 
 Inputs are random (unit keys, decays in [-1, 0], q_noise in [0, 0.1], r in [0.01, 1.01]), never
 zeros. The JSON written to --out holds every number printed.
@@ -32,6 +33,7 @@ import torch
 from deltalab.benchmarking import format_table
 from deltalab.ops import delta_rule, kdn_diag, kdn_gain_diag, kdn_gain_iso, kdn_iso
 from deltalab.ops.delta_rule import BACKENDS as DELTA_RULE_BACKENDS
+from deltalab.ops.kdn.triton import kdn_variance_scan
 from deltalab.ops.mobius import scan_along_time
 from deltalab.ops.mobius.triton import launch_config, mobius_scan_lanes
 
@@ -104,8 +106,8 @@ def make_inputs(shape, device: str, dtype: torch.dtype, generator: torch.Generat
     }
 
 
-def variance_maps(x: dict[str, torch.Tensor], diagonal: bool) -> list[torch.Tensor]:
-    """KDN's maps (A, B, C, D) `[B, T, lanes]` and x0 `[B, lanes]`, as gains.py builds them."""
+def variance_gates(x: dict[str, torch.Tensor], diagonal: bool) -> list[torch.Tensor]:
+    """KDN's (a, q, c) `[B, T, lanes]` and p0 `[B, lanes]`, as gains.py builds them."""
     dim = x["k"].shape[-1]
     decay2 = (2 * x["g"].float()).exp()
     if diagonal:
@@ -115,9 +117,14 @@ def variance_maps(x: dict[str, torch.Tensor], diagonal: bool) -> list[torch.Tens
         decay2 = decay2.mean(-1)
         evidence = x["k"].float().square().sum(-1) / x["r"].float()
         q_noise = x["q_noise"].float().mean(-1)
-    maps = [decay2, q_noise, evidence * decay2, evidence * q_noise + 1]
-    maps = [m.flatten(2) if m.dim() == 4 else m for m in maps]
-    return [*(m.contiguous() for m in maps), torch.ones_like(maps[0][:, 0])]
+    gates = [m.flatten(2).contiguous() if m.dim() == 4 else m for m in (decay2, q_noise, evidence)]
+    return [*gates, torch.ones_like(gates[0][:, 0])]
+
+
+def variance_maps(x: dict[str, torch.Tensor], diagonal: bool) -> list[torch.Tensor]:
+    """The same as Mobius maps (A, B, C, D) `[B, T, lanes]` and x0 `[B, lanes]`."""
+    a, q, c, p0 = variance_gates(x, diagonal)
+    return [a, q, c * a, c * q + 1, p0]
 
 
 def bench_shape(shape, args, device: str, dtype: torch.dtype) -> dict:
@@ -127,8 +134,11 @@ def bench_shape(shape, args, device: str, dtype: torch.dtype) -> dict:
     r = args.repeats
 
     for variant, diagonal in (("diag", True), ("iso", False)):
+        rows[f"scan {variant} triton (KDN, fused)"] = time_op(
+            lambda *a: kdn_variance_scan(*a)[0], variance_gates(x, diagonal), r, device
+        )
         maps = variance_maps(x, diagonal)
-        rows[f"scan {variant} triton"] = time_op(mobius_scan_lanes, maps, r, device)
+        rows[f"scan {variant} triton (Mobius)"] = time_op(mobius_scan_lanes, maps, r, device)
         rows[f"scan {variant} parallel"] = time_op(
             lambda *m: scan_along_time(*m, "parallel"), maps, r, device
         )

@@ -19,7 +19,7 @@ from test_mobius import kdn_maps, random_maps, sequential_float64_numpy
 
 from deltalab.ops import kdn_diag, kdn_gain_diag, kdn_gain_iso, kdn_iso, mobius_scan
 from deltalab.ops._triton import HAS_TRITON, INTERPRET
-from deltalab.ops.mobius import resolve_backend
+from deltalab.ops.mobius import resolve_backend, scan_along_time
 from deltalab.testing import TOLERANCE, assert_close
 
 CUDA = torch.cuda.is_available() and not INTERPRET
@@ -32,6 +32,7 @@ F64 = torch.float64
 gpu_only = pytest.mark.skipif(not CUDA, reason="realistic shapes: too slow for the interpreter")
 
 if HAS_TRITON:
+    from deltalab.ops.kdn.triton import kdn_variance_scan
     from deltalab.ops.mobius.triton import launch_config, mobius_scan_lanes
 
 
@@ -148,6 +149,73 @@ def test_launch_config_fills_the_gpu():
     assert launch_config(3, 7)[0] == 16
 
 
+def kdn_variance_loop(a, q, c, p0):
+    """p_t and p_bar_t `[N, T, R]` by the recursion as written (gains.py), step by step."""
+    p, posterior, predicted = p0, [], []
+    for t in range(a.shape[1]):
+        p_bar = a[:, t] * p + q[:, t]
+        p = p_bar / (c[:, t] * p_bar + 1)
+        posterior.append(p)
+        predicted.append(p_bar)
+    return torch.stack(posterior, dim=1), torch.stack(predicted, dim=1)
+
+
+def kdn_variance_parallel(a, q, c, p0):
+    """The same by the PyTorch parallel scan (as gains.py runs it), for long references."""
+    p = scan_along_time(a, q, c * a, c * q + 1, p0, "parallel")
+    return p, a * torch.cat([p0.unsqueeze(1), p[:, :-1]], dim=1) + q
+
+
+def assert_kdn_variance_scan_matches(gates, p0, tol, config, reference=kdn_variance_loop):
+    """p, p_bar and d/d(a, q, c, p0) of a loss weighting both, vs `reference` in float64 on
+    the same numbers."""
+    gen = torch.Generator().manual_seed(gates[0].shape[1])
+    weights = [torch.randn(gates[0].shape, generator=gen, dtype=F64) for _ in range(2)]
+    results = []
+    for device, dtype, scan in (
+        ("cpu" if reference is kdn_variance_loop else DEVICE, F64, reference),
+        (DEVICE, gates[0].dtype, lambda *x: kdn_variance_scan(*x, config=config)),
+    ):
+        leaves = [x.detach().to(device, dtype).requires_grad_() for x in (*gates, p0)]
+        p, p_bar = scan(*leaves)
+        loss = sum((y * w.to(y)).sum() for y, w in zip((p, p_bar), weights, strict=True))
+        grads = torch.autograd.grad(loss, leaves)
+        results.append([x.detach().cpu() for x in (p, p_bar, *grads)])
+    labels = ["p", "p_bar", "d/da", "d/dq", "d/dc", "d/dp0"]
+    for label, x, ref in zip(labels, results[1], results[0], strict=True):
+        assert x.dtype == gates[0].dtype
+        assert_close(x, ref, tol, f"{config} {label}")
+
+
+@pytest.mark.parametrize("config", [(16, 4), (32, 1), (16, 8)])
+def test_kdn_variance_scan_tiles_and_lane_blocks(config):
+    """KDN's fused scan (p and p_bar from a, q, c) over several tiles and masked lane blocks."""
+    gen = torch.Generator().manual_seed(config[0] + config[1])
+    shape = (2, 45, 3)  # [N, T, R]: 6 lanes, strided by 3
+
+    def uniform(low, high):
+        return low + (high - low) * torch.rand(shape, generator=gen, dtype=F64)
+
+    gates = [uniform(0.05, 1.0), uniform(0.0, 0.3), uniform(0.0, 5.0)]
+    p0 = 0.5 + torch.rand(2, 3, generator=gen, dtype=F64)
+    assert_kdn_variance_scan_matches(gates, p0, TOLERANCE[F64], config)
+
+
+def test_kdn_variance_scan_extreme_float32():
+    """Decays down to exp(-40) and 1 - 2e-4, evidence up to 1e4 (also at every step, with no
+    noise), noise over eight decades, priors from 1e-6 to 1e6: float32 against float64."""
+    gen = torch.Generator().manual_seed(21)
+    shape = (1, 130, 5)
+    g = -20 * torch.rand(shape, generator=gen, dtype=F64)
+    g[..., 1] = -1e-4
+    q = 10 ** (-8 * torch.rand(shape, generator=gen, dtype=F64))
+    c = 10 ** (8 * torch.rand(shape, generator=gen, dtype=F64) - 4)
+    c[..., 2], q[..., 2], g[..., 2] = 1e4, 0.0, 0.0
+    gates = [x.float() for x in ((2 * g).exp(), q, c)]
+    p0 = torch.tensor([[1e-6, 1.0, 1.0, 1e6, 0.5]])
+    assert_kdn_variance_scan_matches(gates, p0, TOLERANCE[torch.float32], (64, 2))
+
+
 GAINS = {"iso": kdn_gain_iso, "diag": kdn_gain_diag}
 MIXERS = {"iso": kdn_iso, "diag": kdn_diag}
 
@@ -249,7 +317,9 @@ def test_gpu_realistic_gains_match_float64(variant, dtype, batch, length):
         results[backend] = [x.double().cpu() for x in (gain, p, *grads)]
     labels = ["gain", "p", "dk", "dg", "dq_noise", "dr", "dp0"]
     for label, x, ref in zip(labels, results["triton"], results["parallel"], strict=True):
-        assert_close(x, ref, TOLERANCE[torch.float32], f"{variant} {dtype} {label}")
+        # Gains are float32 for either input dtype; gradients come back in the leaves' dtype.
+        tol = TOLERANCE[torch.float32 if label in ("gain", "p") else dtype]
+        assert_close(x, ref, tol, f"{variant} {dtype} {label}")
 
 
 @gpu_only
@@ -281,19 +351,30 @@ def test_gpu_kdn_mixers_match_float64(variant, dtype):
 
 @gpu_only
 def test_gpu_many_lanes_long_scan_with_gradients():
-    """The diagonal case's lane count (8192) over 10^5 steps of extreme maps, float32."""
+    """256 lanes of 10^5 steps of extreme maps, float32 (default launch configuration, the
+    `[..., T]` layout), against the float64 parallel scan."""
     gen = torch.Generator().manual_seed(18)
-    shape = (8192, 100_000 // 8)
+    shape = (256, 100_000)
     g = -20 * torch.rand(shape, generator=gen, dtype=F64)
     q = 10 ** (-8 * torch.rand(shape, generator=gen, dtype=F64))
     c = 10 ** (8 * torch.rand(shape, generator=gen, dtype=F64) - 4)
     maps = [x.float() for x in kdn_maps(g, q, c)]
     x0 = torch.rand(shape[0], generator=gen, dtype=F64).float()
-    weights = torch.randn(shape, generator=gen, dtype=F64)
-    leaves = [x.cuda().double().requires_grad_() for x in (*maps, x0)]
-    x_ref = mobius_scan(*leaves, backend="parallel")
-    grads_ref = torch.autograd.grad((x_ref * weights.cuda()).sum(), leaves)
-    x, grads = triton_with_grads(maps, x0, weights)
-    assert_close(x, x_ref.cpu(), TOLERANCE[torch.float32], "iterates")
-    for name, g_, ref in zip("ABCDx", grads, grads_ref, strict=True):
-        assert_close(g_, ref.cpu(), TOLERANCE[torch.float32], f"d/d{name}")
+    assert_scan_matches(maps, x0, TOLERANCE[torch.float32], reference="parallel")
+
+
+@gpu_only
+@pytest.mark.parametrize("lanes", [16, 256])
+def test_gpu_kdn_variance_scan_long_float32(lanes):
+    """KDN's fused scan over 10^5 steps (Isotropic-like and Diagonal-like lane counts, default
+    launch configuration), extreme gates, float32 against the float64 parallel scan."""
+    gen = torch.Generator().manual_seed(lanes)
+    shape = (1, 100_000, lanes)
+    g = -20 * torch.rand(shape, generator=gen, dtype=F64) ** 4  # mostly mild, some strong
+    q = 10 ** (-8 * torch.rand(shape, generator=gen, dtype=F64))
+    c = 10 ** (8 * torch.rand(shape, generator=gen, dtype=F64) - 4)
+    gates = [x.float() for x in ((2 * g).exp(), q, c)]
+    p0 = torch.rand(1, lanes, generator=gen, dtype=F64).float() + 0.1
+    assert_kdn_variance_scan_matches(
+        gates, p0, TOLERANCE[torch.float32], None, reference=kdn_variance_parallel
+    )

@@ -41,8 +41,13 @@ def _variance_scan(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Posterior p_t and predicted p_bar_t, both `[B, T, *rest]`, from p_prior `[B, *rest]`, by
     the Mobius scan `scan` ("sequential", "parallel" or "triton")."""
+    if scan == "triton":
+        # One kernel reads (a, q, c) and writes p and p_bar, forward and backward.
+        from deltalab.ops.kdn.triton import kdn_variance_scan
+
+        return kdn_variance_scan(decay2, q_noise, evidence, p_prior)
     maps = (decay2, q_noise, evidence * decay2, evidence * q_noise + 1)
-    p = scan_along_time(*maps, p_prior.contiguous(), scan)
+    p = scan_along_time(*maps, p_prior, scan)
     previous = torch.cat([p_prior.unsqueeze(1), p[:, :-1]], dim=1)
     return p, decay2 * previous + q_noise
 

@@ -151,7 +151,7 @@ def _mobius_backward_kernel(
     lane, lane_ok, base = _lane_offsets(tl.program_id(0), T, INNER, LANES, BLOCK_L)
     rows = tl.arange(0, BLOCK_T)
     x0 = tl.load(X0 + lane, mask=lane_ok, other=0.0)
-    nu = x0 * 0.0  # nu at the first step after the tile (0 after step T)
+    nu = tl.zeros([BLOCK_L], dtype=x0.dtype)  # nu at the first step after the tile (0 after T)
     last_start = (T - 1) // BLOCK_T * BLOCK_T
     for i in range(0, T, BLOCK_T):
         # Tiles from the last to the first; row 0 is the tile's last step.
