@@ -16,6 +16,7 @@ from deltalab.ops import (
     kdn_iso,
     kdn_iso_step,
 )
+from deltalab.ops._triton import INTERPRET
 from deltalab.testing import TOLERANCE, assert_close
 
 F64 = torch.float64
@@ -362,6 +363,25 @@ def test_gains_streamed_in_pieces_match_one_pass(variant):
     assert_close(second[2], final, TOL, "final precision")
 
 
+def test_diagonal_per_head_prior_is_broadcast_over_channels():
+    """Issue 9 item 12: p0 `[H]` is the prior `[H, K]` with one value per head, gradients
+    included (they sum over the channels)."""
+    gen = torch.Generator().manual_seed(25)
+    B, T, H, K, V = 2, 9, 3, 4, 2
+    args = kdn_inputs(gen, (B, T, H, K, V), variant="diag")
+    per_head = (0.5 + torch.rand(H, generator=gen, dtype=F64)).requires_grad_()
+    shared = per_head.detach().unsqueeze(-1).expand(H, K).clone().requires_grad_()
+    gates = [args[n] for n in ("k", "g", "q_noise", "r")]
+    for fn in (kdn_gain_diag, lambda *a: kdn_diag(args["q"], a[0], args["v"], *a[1:])):
+        head_out = fn(*gates, per_head)[0]
+        shared_out = fn(*gates, shared)[0]
+        assert_close(head_out, shared_out, 0.0, "per-head prior vs its [H, K] broadcast")
+        weights = torch.randn(head_out.shape, generator=gen, dtype=F64)
+        (grad_head,) = torch.autograd.grad((head_out * weights).sum(), per_head)
+        (grad_shared,) = torch.autograd.grad((shared_out * weights).sum(), shared)
+        assert_close(grad_head, grad_shared.sum(-1), TOL, "d/dp0 sums over channels")
+
+
 @pytest.mark.parametrize("variant", ["iso", "diag"])
 @pytest.mark.parametrize("from_precision", [False, True])
 def test_gain_gradients_match_finite_differences(variant, from_precision):
@@ -520,7 +540,10 @@ BAD_INPUTS = [
     ("kdn_iso", lambda a: {"g": a["g"][..., :-1]}, ValueError, "g must have shape"),
     ("kdn_gain_iso", lambda a: {"p0": a["p0"][:-1]}, ValueError, "p0 must have shape"),
     ("kdn_diag", lambda a: {"p0": a["p0"][:, :1]}, ValueError, "p0 must have shape"),
-    ("kdn_diag", lambda a: {"p0": a["p0"][:, 0]}, ValueError, "p0 must have rank"),
+    ("kdn_diag", lambda a: {"p0": a["p0"][0, 0]}, ValueError, "p0 must have rank"),
+    ("kdn_diag", lambda a: {"p0": a["p0"][:1, 0]}, ValueError, r"p0 must have shape \[H\]"),
+    ("kdn_gain_diag", lambda a: {"p0": -a["p0"][:, 0]}, ValueError, "p0 must be > 0"),
+    ("kdn_gain_iso", lambda a: {"backend": "chunk"}, ValueError, "backend must be one of"),
     ("kdn_gain_iso", lambda a: {"k": a["k"][0]}, ValueError, "k must have rank"),
     ("kdn_gain_iso", lambda a: {"k": a["k"][:, :0]}, ValueError, r"T >= 1"),
     ("kdn_iso", lambda a: {"k": a["k"].long()}, TypeError, "k must be a floating-point"),
@@ -566,3 +589,11 @@ def test_bad_inputs_raise_naming_the_argument(fn_name, change, error, match):
     FUNCTIONS[fn_name](**args)
     with pytest.raises(error, match=match):
         FUNCTIONS[fn_name](**{**args, **change(args)})
+
+
+@pytest.mark.skipif(INTERPRET, reason="under TRITON_INTERPRET=1 the Triton scan runs on CPU")
+@pytest.mark.parametrize("fn_name", ["kdn_iso", "kdn_diag", "kdn_gain_iso", "kdn_gain_diag"])
+def test_triton_backend_on_cpu_says_it_needs_the_interpreter(fn_name):
+    # tests/test_mobius_triton.py runs these ops on the Triton scan (GPU, or the interpreter).
+    with pytest.raises(RuntimeError, match='backend="triton" cannot run here'):
+        FUNCTIONS[fn_name](**valid_arguments(fn_name), backend="triton")

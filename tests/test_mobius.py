@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from deltalab.ops._triton import INTERPRET
 from deltalab.ops.mobius import mobius_scan
 from deltalab.testing import TOLERANCE, assert_close
 
@@ -171,3 +172,10 @@ def test_bad_inputs_raise_naming_the_argument(change, error, match):
 def test_unknown_backend_raises():
     with pytest.raises(ValueError, match="backend must be one of"):
         mobius_scan(**valid_arguments(), backend="fast")
+
+
+@pytest.mark.skipif(INTERPRET, reason="under TRITON_INTERPRET=1 the Triton scan runs on CPU")
+def test_triton_backend_on_cpu_says_it_needs_the_interpreter():
+    # tests/test_mobius_triton.py checks the kernel itself (GPU, or TRITON_INTERPRET=1).
+    with pytest.raises(RuntimeError, match='backend="triton" cannot run here'):
+        mobius_scan(**valid_arguments(), backend="triton")

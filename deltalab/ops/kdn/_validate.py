@@ -77,18 +77,26 @@ def prior_variance(
     batch: int,
     tail: tuple[int, ...],
     names: tuple[str, str] = ("p0", "initial_precision"),
+    per_head: bool = False,
 ) -> torch.Tensor:
     """The variance each sequence starts from `[N, *tail]`.
 
-    p0 is shared (`tail`) or per sequence (`[N, *tail]`); initial_precision, when given, is
-    `[N, *tail]` (the precision 1/p of an earlier call) and takes precedence. `tail` is `(H,)`
-    (isotropic) or `(H, K)` (diagonal).
+    p0 is shared (`tail`) or per sequence (`[N, *tail]`), or with `per_head` (diagonal only) one
+    per head `[H]`, the same for every channel; initial_precision, when given, is `[N, *tail]`
+    (the precision 1/p of an earlier call) and takes precedence. `tail` is `(H,)` (isotropic)
+    or `(H, K)` (diagonal).
     """
     p0_name, precision_name = names
     p0 = require_float(p0_name, p0)
     axes = ", ".join("H" if i == 0 else "K" for i in range(len(tail)))
-    require_rank(p0_name, p0, (len(tail), len(tail) + 1), f"[{axes}] or [N, {axes}]")
-    if p0.dim() == len(tail):
+    if per_head:
+        require_rank(p0_name, p0, (1, len(tail), len(tail) + 1), f"[H], [{axes}] or [N, {axes}]")
+    else:
+        require_rank(p0_name, p0, (len(tail), len(tail) + 1), f"[{axes}] or [N, {axes}]")
+    if p0.dim() == 1 and len(tail) > 1:
+        require_shape(p0_name, p0, tail[:1], "[H]", "(one prior per head)")
+        p0 = p0.reshape(-1, *(1,) * (len(tail) - 1)).expand(tail)
+    elif p0.dim() == len(tail):
         require_shape(p0_name, p0, tail, f"[{axes}]", "(shared by all sequences)")
     else:
         require_shape(p0_name, p0, (batch, *tail), f"[N, {axes}]", "(one prior per sequence)")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from deltalab.ops._checks import compute_dtype, require_same_device
+from deltalab.ops._checks import compute_dtype, require_choice, require_same_device
 from deltalab.ops.kdn._validate import (
     check_decay,
     check_info_scale,
@@ -29,7 +29,7 @@ from deltalab.ops.kdn._validate import (
     check_noise,
     prior_variance,
 )
-from deltalab.ops.mobius import mobius_scan_parallel, mobius_scan_sequential
+from deltalab.ops.mobius import BACKENDS, resolve_backend, scan_along_time
 
 
 def _variance_scan(
@@ -37,12 +37,17 @@ def _variance_scan(
     q_noise: torch.Tensor,
     evidence: torch.Tensor,
     p_prior: torch.Tensor,
-    parallel: bool,
+    scan: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Posterior p_t and predicted p_bar_t, both `[B, T, *rest]`, from p_prior `[B, *rest]`."""
-    maps = [x.movedim(1, -1) for x in (decay2, q_noise, evidence * decay2, evidence * q_noise + 1)]
-    scan = mobius_scan_parallel if parallel else mobius_scan_sequential
-    p = scan(*maps, p_prior).movedim(-1, 1)
+    """Posterior p_t and predicted p_bar_t, both `[B, T, *rest]`, from p_prior `[B, *rest]`, by
+    the Mobius scan `scan` ("sequential", "parallel" or "triton")."""
+    if scan == "triton":
+        # One kernel reads (a, q, c) and writes p and p_bar, forward and backward.
+        from deltalab.ops.kdn.triton import kdn_variance_scan
+
+        return kdn_variance_scan(decay2, q_noise, evidence, p_prior)
+    maps = (decay2, q_noise, evidence * decay2, evidence * q_noise + 1)
+    p = scan_along_time(*maps, p_prior, scan)
     previous = torch.cat([p_prior.unsqueeze(1), p[:, :-1]], dim=1)
     return p, decay2 * previous + q_noise
 
@@ -54,16 +59,17 @@ def iso_gain(
     r: torch.Tensor,
     p_prior: torch.Tensor,
     info_scale: float,
-    parallel: bool,
+    scan: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated inputs in one dtype: k `[B, T, H, K]`, g `[B, T, H(, K)]`, q_noise, r
-    `[B, T, H]`, p_prior `[B, H]`. Returns (beta, p), both `[B, T, H]`."""
+    `[B, T, H]`, p_prior `[B, H]`; `scan` a resolved Mobius backend. Returns (beta, p), both
+    `[B, T, H]`."""
     decay2 = (2 * g).exp()
     if g.dim() == k.dim():
         decay2 = decay2.mean(dim=-1)
     norm2 = (k * k).sum(dim=-1)
     evidence = info_scale * norm2 / (k.shape[-1] * r)
-    p, p_bar = _variance_scan(decay2, q_noise, evidence, p_prior, parallel)
+    p, p_bar = _variance_scan(decay2, q_noise, evidence, p_prior, scan)
     return p_bar / (p_bar * norm2 + r), p
 
 
@@ -74,16 +80,17 @@ def diag_gain(
     r: torch.Tensor,
     p_prior: torch.Tensor,
     info_scale: float,
-    parallel: bool,
+    scan: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated inputs in one dtype: k, q_noise `[B, T, H, K]`, g `[B, T, H(, K)]`, r
-    `[B, T, H]`, p_prior `[B, H, K]`. Returns (gain, p), both `[B, T, H, K]`."""
+    `[B, T, H]`, p_prior `[B, H, K]`; `scan` a resolved Mobius backend. Returns (gain, p), both
+    `[B, T, H, K]`."""
     decay2 = (2 * g).exp()
     if g.dim() < k.dim():
         decay2 = decay2.unsqueeze(-1).expand(k.shape)
     r = r.unsqueeze(-1)
     evidence = info_scale * k * k / r
-    p, p_bar = _variance_scan(decay2, q_noise, evidence, p_prior, parallel)
+    p, p_bar = _variance_scan(decay2, q_noise, evidence, p_prior, scan)
     weighted = p_bar * k
     return weighted / ((weighted * k).sum(dim=-1, keepdim=True) + r), p
 
@@ -97,6 +104,7 @@ def kdn_gain_iso(
     *,
     info_scale: float | None = None,
     initial_precision: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Isotropic KDN gains: one variance per head, scanned over time.
 
@@ -110,6 +118,8 @@ def kdn_gain_iso(
         info_scale: evidence scale s (> 0); defaults to K.
         initial_precision: `[B, H]` precision 1/p left by an earlier call (streaming); when
             given, it replaces p0.
+        backend: the variance scan, a `deltalab.ops.mobius` backend: "auto" (Triton on CUDA
+            when installed, else "parallel"), "sequential", "parallel" or "triton".
 
     Returns:
         `(beta [B, T, H], p [B, T, H], final_precision [B, H])`: the write strength
@@ -124,9 +134,10 @@ def kdn_gain_iso(
     scale = check_info_scale(info_scale, key_dim)
     named = {"k": k, "g": g, "q_noise": q_noise, "r": r, "p0": p0}
     require_same_device({**named, "initial_precision": initial_precision})
+    scan = resolve_backend(require_choice("backend", backend, BACKENDS), k.device)
     dtype = compute_dtype(*named.values(), initial_precision)
     inputs = (x.to(dtype) for x in (k, g, q_noise, r, p_prior))
-    beta, p = iso_gain(*inputs, scale, parallel=True)
+    beta, p = iso_gain(*inputs, scale, scan)
     return beta, p, 1.0 / p[:, -1]
 
 
@@ -139,6 +150,7 @@ def kdn_gain_diag(
     *,
     info_scale: float | None = None,
     initial_precision: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Diagonal KDN gains: one variance per head and key channel, scanned over time.
 
@@ -147,9 +159,11 @@ def kdn_gain_diag(
         g: log decays (<= 0), per channel `[B, T, H, K]` or per head `[B, T, H]`.
         q_noise: process-noise variances (>= 0) `[B, T, H, K]`.
         r: observation-noise variances (> 0) `[B, T, H]`.
-        p0: prior variances (> 0), shared `[H, K]` or per sequence `[B, H, K]`.
+        p0: prior variances (> 0): per head `[H]` (the same for every channel), shared
+            `[H, K]` or per sequence `[B, H, K]`.
         info_scale: evidence scale s (> 0); defaults to K.
         initial_precision: `[B, H, K]` precision 1/p left by an earlier call; replaces p0.
+        backend: the variance scan, as for `kdn_gain_iso`.
 
     Returns:
         `(gain [B, T, H, K], p [B, T, H, K], final_precision [B, H, K])`. Float64 when any
@@ -159,11 +173,12 @@ def kdn_gain_diag(
     check_decay(g, k, "B, T, H")
     check_noise(q_noise, r, k, "B, T, H", per_channel_process=True)
     batch, _, heads, key_dim = k.shape
-    p_prior = prior_variance(p0, initial_precision, batch, (heads, key_dim))
+    p_prior = prior_variance(p0, initial_precision, batch, (heads, key_dim), per_head=True)
     scale = check_info_scale(info_scale, key_dim)
     named = {"k": k, "g": g, "q_noise": q_noise, "r": r, "p0": p0}
     require_same_device({**named, "initial_precision": initial_precision})
+    scan = resolve_backend(require_choice("backend", backend, BACKENDS), k.device)
     dtype = compute_dtype(*named.values(), initial_precision)
     inputs = (x.to(dtype) for x in (k, g, q_noise, r, p_prior))
-    gain, p = diag_gain(*inputs, scale, parallel=True)
+    gain, p = diag_gain(*inputs, scale, scan)
     return gain, p, 1.0 / p[:, -1]

@@ -15,7 +15,8 @@ from deltalab.ops._checks import (
     require_same_device,
 )
 from deltalab.ops._varlen import pad_packed, unpad_packed
-from deltalab.ops.delta_rule import BACKENDS, delta_rule
+from deltalab.ops.delta_rule import BACKENDS as MEMORY_BACKENDS
+from deltalab.ops.delta_rule import delta_rule
 from deltalab.ops.kdn._validate import (
     check_decay,
     check_info_scale,
@@ -26,9 +27,31 @@ from deltalab.ops.kdn._validate import (
     split_state,
 )
 from deltalab.ops.kdn.gains import diag_gain, iso_gain
+from deltalab.ops.mobius import resolve_backend
 
 GainFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 State = tuple[torch.Tensor | None, torch.Tensor | None]
+
+# delta_rule's backends and "triton" (the variance scan's Triton kernel); the dedup keeps this
+# right once delta_rule lists "triton" itself.
+BACKENDS = tuple(dict.fromkeys((*MEMORY_BACKENDS, "triton")))
+
+
+def _scan_backend(backend: str, device: torch.device) -> str:
+    """The variance scan paired with a KDN backend: the token loop with the step loop, the
+    PyTorch chunked rule with the PyTorch parallel scan, Triton with Triton ("auto": Triton on
+    CUDA when installed)."""
+    if backend == "naive":
+        return "sequential"
+    if backend == "chunk":
+        return "parallel"
+    return resolve_backend(backend, device)
+
+
+# MERGE: delete this helper (and pass `backend` to delta_rule unchanged) once delta_rule's
+# BACKENDS has "triton"; until then the memory of backend="triton" runs on the "chunk" path.
+def _memory_backend(backend: str) -> str:
+    return "chunk" if backend == "triton" else backend
 
 
 def _packed_gains(
@@ -39,7 +62,7 @@ def _packed_gains(
     r: torch.Tensor,
     p_prior: torch.Tensor,
     info_scale: float,
-    parallel: bool,
+    scan: str,
     offsets: list[int] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gains `[B, T, H(, K)]` and each sequence's last posterior variance `[N, H(, K)]`.
@@ -48,12 +71,12 @@ def _packed_gains(
     get k = 0, g = 0, q_noise = 0 and r = 1: the identity map, finite in both directions.
     """
     if offsets is None:
-        gain, p = gain_fn(k, g, q_noise, r, p_prior, info_scale, parallel)
+        gain, p = gain_fn(k, g, q_noise, r, p_prior, info_scale, scan)
         return gain, p[:, -1]
     real = pad_packed(torch.ones_like(r), offsets) > 0
     r_padded = torch.where(real, pad_packed(r, offsets), torch.ones_like(real, dtype=r.dtype))
     padded = [pad_packed(x, offsets) for x in (k, g, q_noise)]
-    gain, p = gain_fn(*padded, r_padded, p_prior, info_scale, parallel)
+    gain, p = gain_fn(*padded, r_padded, p_prior, info_scale, scan)
     last = torch.tensor([end - start - 1 for start, end in itertools.pairwise(offsets)])
     return unpad_packed(gain, offsets), p[torch.arange(len(last)), last.to(p.device)]
 
@@ -86,7 +109,9 @@ def _kdn(
     sequences = batch if offsets is None else len(offsets) - 1
     memory, precision = split_state(initial_state, "initial_state")
     tail = (heads, key_dim) if diagonal else (heads,)
-    p_prior = prior_variance(p0, precision, sequences, tail, ("p0", "initial_state[1]"))
+    p_prior = prior_variance(
+        p0, precision, sequences, tail, ("p0", "initial_state[1]"), per_head=diagonal
+    )
     s = check_info_scale(info_scale, key_dim)
     named = {"q": q, "k": k, "v": v, "g": g, "q_noise": q_noise, "r": r, "p0": p0}
     require_same_device({**named, "initial_state[1]": precision})
@@ -94,9 +119,8 @@ def _kdn(
     dtype = compute_dtype(*named.values(), precision)
     inputs = [x.to(dtype) for x in (k, g, q_noise, r, p_prior)]
     gain_fn = diag_gain if diagonal else iso_gain
-    # The token-loop backend is the reference: pair it with the step-loop scan.
-    parallel = backend != "naive"
-    gain, p_last = _packed_gains(gain_fn, *inputs, s, parallel, offsets)
+    scan = _scan_backend(backend, k.device)
+    gain, p_last = _packed_gains(gain_fn, *inputs, s, scan, offsets)
     write = gain if diagonal else gain.unsqueeze(-1) * inputs[0]
     o, final_memory = delta_rule(
         q,
@@ -109,7 +133,7 @@ def _kdn(
         output_final_state=output_final_state,
         cu_seqlens=cu_seqlens,
         chunk_size=chunk_size,
-        backend=backend,
+        backend=_memory_backend(backend),
     )
     if not output_final_state:
         return o, None
@@ -150,8 +174,10 @@ def kdn_iso(
         cu_seqlens: int `[N+1]` offsets of sequences packed along T (needs B == 1); the memory
             and the variance scan both restart at every boundary.
         chunk_size: tokens per chunk of the "chunk" backend of `delta_rule`, 16..256.
-        backend: "auto", "naive" or "chunk" for `delta_rule`; "naive" also scans the variance
-            step by step, the others by the parallel scan.
+        backend: "auto", "naive", "chunk" or "triton", for `delta_rule` and the variance scan:
+            "naive" scans the variance step by step, "chunk" by the PyTorch parallel scan,
+            "triton" by the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1); "auto" takes
+            the Triton scan on CUDA when Triton is installed, else the parallel scan.
 
     N = B, or the number of sequences in cu_seqlens.
 
@@ -202,7 +228,8 @@ def kdn_diag(
         g: log decays (<= 0), per channel `[B, T, H, K]` or per head `[B, T, H]`.
         q_noise: process-noise variances (>= 0) `[B, T, H, K]`.
         r: observation-noise variances (> 0) `[B, T, H]`.
-        p0: prior variances (> 0), shared `[H, K]` or per sequence `[N, H, K]`.
+        p0: prior variances (> 0): per head `[H]` (the same for every channel), shared
+            `[H, K]` or per sequence `[N, H, K]`.
         scale: output scale; defaults to `K ** -0.5`.
         info_scale: evidence scale s (> 0); defaults to K.
         initial_state: None or a pair `(memory [N, H, K, V] or None, precision [N, H, K] or
@@ -210,7 +237,7 @@ def kdn_diag(
         output_final_state: also return the state after each sequence's last token.
         cu_seqlens: int `[N+1]` offsets of sequences packed along T (needs B == 1).
         chunk_size: tokens per chunk of the "chunk" backend of `delta_rule`, 16..256.
-        backend: "auto", "naive" or "chunk" (as for `kdn_iso`).
+        backend: "auto", "naive", "chunk" or "triton" (as for `kdn_iso`).
 
     N = B, or the number of sequences in cu_seqlens.
 

@@ -1,7 +1,9 @@
 """Scans of Mobius maps: x_t = (A_t x_{t-1} + B_t) / (C_t x_{t-1} + D_t), all t at once.
 
 Backends: "sequential" (step loop, the definition), "parallel" (log-depth scan of renormalized
-2x2 matrix products). "auto" picks "parallel". README.md in this folder has the math.
+2x2 matrix products), "triton" (a Triton kernel, forward and backward: CUDA, or CPU under
+TRITON_INTERPRET=1). "auto" picks "triton" on CUDA when Triton is installed, else "parallel".
+README.md in this folder has the math.
 """
 
 from __future__ import annotations
@@ -16,12 +18,49 @@ from deltalab.ops._checks import (
     require_same_device,
     require_shape,
 )
+from deltalab.ops._triton import require_triton, triton_available
 from deltalab.ops.mobius.parallel import mobius_scan_parallel
 from deltalab.ops.mobius.sequential import mobius_scan_sequential
 
-__all__ = ["BACKENDS", "mobius_scan", "mobius_scan_parallel", "mobius_scan_sequential"]
+__all__ = [
+    "BACKENDS",
+    "mobius_scan",
+    "mobius_scan_parallel",
+    "mobius_scan_sequential",
+    "resolve_backend",
+    "scan_along_time",
+]
 
-BACKENDS = ("auto", "sequential", "parallel")
+BACKENDS = ("auto", "sequential", "parallel", "triton")
+
+
+def resolve_backend(backend: str, device: torch.device, name: str = "backend") -> str:
+    """The scan that runs: "auto" is "triton" where it compiles (CUDA), else "parallel"."""
+    if backend == "auto":
+        return "triton" if triton_available(device) else "parallel"
+    if backend == "triton":
+        require_triton(name, device)
+    return backend
+
+
+def scan_along_time(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    x0: torch.Tensor,
+    backend: str,
+) -> torch.Tensor:
+    """The scan along axis 1 of `[N, T, *rest]` maps from x0 `[N, *rest]` (validated, one dtype),
+    by a resolved backend ("sequential", "parallel" or "triton"). KDN's gates are laid out this
+    way; the Triton kernel reads them in place."""
+    if backend == "triton":
+        from deltalab.ops.mobius.triton import mobius_scan_lanes
+
+        return mobius_scan_lanes(A, B, C, D, x0)
+    scan = mobius_scan_sequential if backend == "sequential" else mobius_scan_parallel
+    maps = [x.movedim(1, -1) for x in (A, B, C, D)]
+    return scan(*maps, x0).movedim(-1, 1)
 
 
 def _check_determinant(A, B, C, D) -> None:
@@ -49,7 +88,7 @@ def mobius_scan(
     Args:
         A, B, C, D: map coefficients `[..., T]`, T >= 1, entries >= 0, A * D - B * C > 0.
         x0: starting points `[...]` (the leading shape of A), >= 0.
-        backend: "auto", "sequential" or "parallel".
+        backend: "auto", "sequential", "parallel" or "triton" (see the module docstring).
 
     Returns:
         x_1..x_T `[..., T]`, in float64 when any input is float64, else float32.
@@ -68,9 +107,14 @@ def mobius_scan(
         require_nonnegative(name, x, "Mobius scans are defined for non-negative maps")
     _check_determinant(A, B, C, D)
     require_choice("backend", backend, BACKENDS)
+    backend = resolve_backend(backend, A.device)
 
     dtype = compute_dtype(A, B, C, D, x0)
     inputs = [x.to(dtype) for x in (A, B, C, D, x0)]
     if backend == "sequential":
         return mobius_scan_sequential(*inputs)
+    if backend == "triton":
+        from deltalab.ops.mobius.triton import mobius_scan_triton
+
+        return mobius_scan_triton(*inputs)
     return mobius_scan_parallel(*inputs)

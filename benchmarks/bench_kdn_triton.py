@@ -1,0 +1,266 @@
+"""Times the Triton Mobius scan against the PyTorch parallel scan, and KDN against its delta rule.
+
+    python benchmarks/bench_kdn_triton.py --out kdn_triton.json          # GPU, float32
+    TRITON_INTERPRET=1 python benchmarks/bench_kdn_triton.py --tiny --out /tmp/tiny.json
+
+Shapes: B=4 T=4096 H=16 K=V=128 and B=1 T=32768 H=16 K=V=128 (`--tiny`: B=1 T=20 H=2 K=V=2 on
+CPU under the interpreter, to prove the script runs). Per shape, medians in ms of the forward
+and of forward+backward (and peak CUDA memory of forward+backward, MiB):
+
+- the variance scan alone, Diagonal ([B, T, H K] lanes) and Isotropic ([B, T, H]): KDN's fused
+  Triton kernel (a, q, c in; p and p_bar out), the generic Triton Mobius scan on the four map
+  coefficients, and the PyTorch parallel scan;
+- `kdn_gain_diag` / `kdn_gain_iso` with the Triton scan and with the parallel scan;
+- `delta_rule` (the backend `kdn_*(backend="triton")` runs the memory on) and `kdn_diag` /
+  `kdn_iso` with backend="triton", with their ratio to `delta_rule`;
+- a sweep of the fused scan's launch configurations (BLOCK_T, BLOCK_L) at both lane counts, to
+  tune `deltalab.ops.mobius.triton.launch_config` (the default is marked).
+
+Inputs are random (unit keys, decays in [-1, 0], q_noise in [0, 0.1], r in [0.01, 1.01]), never
+zeros. The JSON written to --out holds every number printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from deltalab.benchmarking import format_table
+from deltalab.ops import delta_rule, kdn_diag, kdn_gain_diag, kdn_gain_iso, kdn_iso
+from deltalab.ops.delta_rule import BACKENDS as DELTA_RULE_BACKENDS
+from deltalab.ops.kdn.triton import kdn_variance_scan
+from deltalab.ops.mobius import scan_along_time
+from deltalab.ops.mobius.triton import launch_config, mobius_scan_lanes
+
+SHAPES = [(4, 4096, 16, 128), (1, 32768, 16, 128)]
+TINY_SHAPES = [(1, 20, 2, 2)]
+SWEEP = [(16, 32), (32, 32), (64, 32), (64, 16), (128, 16), (256, 4), (1024, 1), (512, 1)]
+TINY_SWEEP = [(16, 1), (16, 4)]
+# What kdn_*(backend="triton") hands delta_rule: "triton" once delta_rule has it, else "chunk".
+MEMORY_BACKEND = "triton" if "triton" in DELTA_RULE_BACKENDS else "chunk"
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_op(fn, inputs, repeats: int, device: str) -> dict[str, float]:
+    """Median ms of fn(*inputs) under no_grad, and of fn(*leaves).sum().backward(); peak MiB of
+    the latter on CUDA (over what the inputs already hold)."""
+
+    def median_ms(step) -> float:
+        step()  # warm-up (compiles the kernels)
+        synchronize(device)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            step()
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
+
+    def forward() -> None:
+        with torch.no_grad():
+            fn(*inputs)
+
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+
+    def train() -> None:
+        out = fn(*leaves)
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
+        for leaf in leaves:
+            leaf.grad = None
+
+    result = {"fwd_ms": median_ms(forward), "fwd_bwd_ms": median_ms(train)}
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        train()
+        synchronize(device)
+        result["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return result
+
+
+def make_inputs(shape, device: str, dtype: torch.dtype, generator: torch.Generator):
+    batch, length, heads, dim = shape
+
+    def draw(*s, uniform=False):
+        x = torch.rand(*s, generator=generator) if uniform else torch.randn(*s, generator=generator)
+        return x.to(device=device, dtype=dtype)
+
+    full = (batch, length, heads, dim)
+    return {
+        "q": draw(*full),
+        "k": torch.nn.functional.normalize(draw(*full), dim=-1),
+        "v": draw(*full),
+        "g": -draw(*full, uniform=True),
+        "q_noise": 0.1 * draw(*full, uniform=True),
+        "r": 0.01 + draw(*full[:3], uniform=True),
+        "beta": draw(*full[:3], uniform=True),
+    }
+
+
+def variance_gates(x: dict[str, torch.Tensor], diagonal: bool) -> list[torch.Tensor]:
+    """KDN's (a, q, c) `[B, T, lanes]` and p0 `[B, lanes]`, as gains.py builds them."""
+    dim = x["k"].shape[-1]
+    decay2 = (2 * x["g"].float()).exp()
+    if diagonal:
+        evidence = dim * x["k"].float().square() / x["r"].float().unsqueeze(-1)
+        q_noise = x["q_noise"].float()
+    else:
+        decay2 = decay2.mean(-1)
+        evidence = x["k"].float().square().sum(-1) / x["r"].float()
+        q_noise = x["q_noise"].float().mean(-1)
+    gates = [m.flatten(2).contiguous() if m.dim() == 4 else m for m in (decay2, q_noise, evidence)]
+    return [*gates, torch.ones_like(gates[0][:, 0])]
+
+
+def variance_maps(x: dict[str, torch.Tensor], diagonal: bool) -> list[torch.Tensor]:
+    """The same as Mobius maps (A, B, C, D) `[B, T, lanes]` and x0 `[B, lanes]`."""
+    a, q, c, p0 = variance_gates(x, diagonal)
+    return [a, q, c * a, c * q + 1, p0]
+
+
+def bench_shape(shape, args, device: str, dtype: torch.dtype) -> dict:
+    batch, length, heads, dim = shape
+    x = make_inputs(shape, device, dtype, torch.Generator().manual_seed(0))
+    rows: dict[str, dict[str, float]] = {}
+    r = args.repeats
+
+    for variant, diagonal in (("diag", True), ("iso", False)):
+        rows[f"scan {variant} triton (KDN, fused)"] = time_op(
+            lambda *a: kdn_variance_scan(*a)[0], variance_gates(x, diagonal), r, device
+        )
+        maps = variance_maps(x, diagonal)
+        rows[f"scan {variant} triton (Mobius)"] = time_op(mobius_scan_lanes, maps, r, device)
+        rows[f"scan {variant} parallel"] = time_op(
+            lambda *m: scan_along_time(*m, "parallel"), maps, r, device
+        )
+
+    p0 = torch.ones(heads, device=device, dtype=dtype)
+    gates = [x[n] for n in ("k", "g", "q_noise", "r")]
+    iso_gates = [*gates[:2], x["q_noise"].mean(-1), gates[3]]
+    for backend in ("triton", "parallel"):
+        rows[f"kdn_gain_diag ({backend} scan)"] = time_op(
+            lambda *a, b=backend: kdn_gain_diag(*a, backend=b)[0], [*gates, p0], r, device
+        )
+        rows[f"kdn_gain_iso ({backend} scan)"] = time_op(
+            lambda *a, b=backend: kdn_gain_iso(*a, backend=b)[0], [*iso_gates, p0], r, device
+        )
+
+    base = [x[n] for n in ("q", "k", "v", "g")]
+    rows[f"delta_rule ({MEMORY_BACKEND})"] = time_op(
+        lambda q, k, v, g, beta: delta_rule(
+            q, beta.unsqueeze(-1) * k, k, v, g, backend=MEMORY_BACKEND
+        )[0],
+        [*base, x["beta"]],
+        r,
+        device,
+    )
+    rows["kdn_diag (triton)"] = time_op(
+        lambda q, k, v, g, qn, rr, p: kdn_diag(q, k, v, g, qn, rr, p, backend="triton")[0],
+        [*base, x["q_noise"], x["r"], p0],
+        r,
+        device,
+    )
+    rows["kdn_iso (triton)"] = time_op(
+        lambda q, k, v, g, qn, rr, p: kdn_iso(q, k, v, g, qn, rr, p, backend="triton")[0],
+        [*base, x["q_noise"].mean(-1), x["r"], p0],
+        r,
+        device,
+    )
+    reference = rows[f"delta_rule ({MEMORY_BACKEND})"]
+    for name in ("kdn_diag (triton)", "kdn_iso (triton)"):
+        rows[name]["fwd_ratio"] = rows[name]["fwd_ms"] / reference["fwd_ms"]
+        rows[name]["fwd_bwd_ratio"] = rows[name]["fwd_bwd_ms"] / reference["fwd_bwd_ms"]
+
+    sweep = []
+    for variant, diagonal in (("diag", True), ("iso", False)):
+        maps = variance_maps(x, diagonal)
+        lanes = maps[0].shape[0] * maps[0].shape[2]
+        default = launch_config(lanes, length)
+        for config in TINY_SWEEP if args.tiny else SWEEP:
+            timing = time_op(lambda *m, c=config: mobius_scan_lanes(*m, config=c), maps, r, device)
+            sweep.append(
+                {
+                    "variant": variant,
+                    "lanes": lanes,
+                    "BLOCK_T": config[0],
+                    "BLOCK_L": config[1],
+                    "default_fwd": config == default,
+                    **timing,
+                }
+            )
+    return {"B": batch, "T": length, "H": heads, "K": dim, "rows": rows, "sweep": sweep}
+
+
+def print_shape(result: dict) -> None:
+    print(f"\nB={result['B']} T={result['T']} H={result['H']} K=V={result['K']}")
+    headers = ["op", "fwd ms", "fwd+bwd ms", "peak MiB", "fwd/dr", "fwd+bwd/dr"]
+    table = [
+        [
+            name,
+            row["fwd_ms"],
+            row["fwd_bwd_ms"],
+            row.get("peak_mib", "-"),
+            row.get("fwd_ratio", "-"),
+            row.get("fwd_bwd_ratio", "-"),
+        ]
+        for name, row in result["rows"].items()
+    ]
+    print(format_table(headers, table))
+    headers = ["scan", "lanes", "BLOCK_T", "BLOCK_L", "fwd ms", "fwd+bwd ms"]
+    table = [
+        [
+            s["variant"] + (" (default fwd)" if s["default_fwd"] else ""),
+            s["lanes"],
+            s["BLOCK_T"],
+            s["BLOCK_L"],
+            s["fwd_ms"],
+            s["fwd_bwd_ms"],
+        ]
+        for s in result["sweep"]
+    ]
+    print(format_table(headers, table))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--out", required=True, help="path of the JSON file to write")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (interpreter smoke run)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per op")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    args.repeats = args.repeats or (1 if args.tiny else 10)
+    dtype = getattr(torch, args.dtype)
+    import triton
+
+    header = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "dtype": args.dtype,
+        "memory_backend": MEMORY_BACKEND,
+        "repeats": args.repeats,
+    }
+    print(" ".join(f"{k}={v}" for k, v in header.items()))
+    results = []
+    for shape in TINY_SHAPES if args.tiny else SHAPES:
+        results.append(bench_shape(shape, args, device, dtype))
+        print_shape(results[-1])
+    with open(args.out, "w") as f:
+        json.dump({**header, "shapes": results}, f, indent=1)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
