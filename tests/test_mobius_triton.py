@@ -254,15 +254,16 @@ def test_kdn_with_triton_backend_matches_naive(variant, packed):
     loss_ref = o_ref.square().sum() + S_ref.sum() + prec_ref.sum()
     grads_ref = torch.autograd.grad(loss_ref, list(leaves.values()))
 
-    moved = {n: x.detach().to(DEVICE).requires_grad_() for n, x in args.items()}
+    # The Triton delta rule computes in float32: compare its float32 run with the float64 loop.
+    moved = {n: x.detach().to(DEVICE, torch.float32).requires_grad_() for n, x in args.items()}
     cu = kwargs.get("cu_seqlens")
     kwargs = {**kwargs, "cu_seqlens": None if cu is None else cu.to(DEVICE)}
     o, (S, prec) = MIXERS[variant](**moved, backend="triton", **kwargs)
     grads = torch.autograd.grad(o.square().sum() + S.sum() + prec.sum(), list(moved.values()))
     for label, x, ref in (("o", o, o_ref), ("memory", S, S_ref), ("precision", prec, prec_ref)):
-        assert_close(x.cpu(), ref, TOLERANCE[F64], label)
+        assert_close(x.cpu(), ref, TOLERANCE[torch.float32], label)
     for name, g, g_ref in zip(leaves, grads, grads_ref, strict=True):
-        assert_close(g.cpu(), g_ref, TOLERANCE[F64], f"d/d{name}")
+        assert_close(g.cpu(), g_ref, TOLERANCE[torch.float32], f"d/d{name}")
 
 
 def test_kdn_diag_per_head_prior_on_triton():
@@ -270,9 +271,10 @@ def test_kdn_diag_per_head_prior_on_triton():
     args = kdn_inputs(gen, (2, 9, 2, 4, 3), variant="diag")
     per_head = torch.tensor([0.3, 2.0], dtype=F64)
     o_ref, _ = kdn_diag(**{**args, "p0": per_head.unsqueeze(-1).expand(2, 4)}, backend="naive")
-    moved = {n: x.to(DEVICE) for n, x in args.items()}
-    o, _ = kdn_diag(**{**moved, "p0": per_head.to(DEVICE)}, backend="triton", chunk_size=16)
-    assert_close(o.cpu(), o_ref, TOLERANCE[F64])
+    moved = {n: x.to(DEVICE, torch.float32) for n, x in args.items()}
+    p0 = per_head.to(DEVICE, torch.float32)
+    o, _ = kdn_diag(**{**moved, "p0": p0}, backend="triton", chunk_size=16)
+    assert_close(o.cpu(), o_ref, TOLERANCE[torch.float32])
 
 
 # --- GPU only: realistic shapes, float32 and bfloat16 inputs against float64 ----------------

@@ -15,8 +15,7 @@ from deltalab.ops._checks import (
     require_same_device,
 )
 from deltalab.ops._varlen import pad_packed, unpad_packed
-from deltalab.ops.delta_rule import BACKENDS as MEMORY_BACKENDS
-from deltalab.ops.delta_rule import delta_rule
+from deltalab.ops.delta_rule import BACKENDS, delta_rule
 from deltalab.ops.kdn._validate import (
     check_decay,
     check_info_scale,
@@ -32,10 +31,6 @@ from deltalab.ops.mobius import resolve_backend
 GainFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 State = tuple[torch.Tensor | None, torch.Tensor | None]
 
-# delta_rule's backends and "triton" (the variance scan's Triton kernel); the dedup keeps this
-# right once delta_rule lists "triton" itself.
-BACKENDS = tuple(dict.fromkeys((*MEMORY_BACKENDS, "triton")))
-
 
 def _scan_backend(backend: str, device: torch.device) -> str:
     """The variance scan paired with a KDN backend: the token loop with the step loop, the
@@ -46,12 +41,6 @@ def _scan_backend(backend: str, device: torch.device) -> str:
     if backend == "chunk":
         return "parallel"
     return resolve_backend(backend, device)
-
-
-# MERGE: delete this helper (and pass `backend` to delta_rule unchanged) once delta_rule's
-# BACKENDS has "triton"; until then the memory of backend="triton" runs on the "chunk" path.
-def _memory_backend(backend: str) -> str:
-    return "chunk" if backend == "triton" else backend
 
 
 def _packed_gains(
@@ -133,7 +122,7 @@ def _kdn(
         output_final_state=output_final_state,
         cu_seqlens=cu_seqlens,
         chunk_size=chunk_size,
-        backend=_memory_backend(backend),
+        backend=backend,
     )
     if not output_final_state:
         return o, None
