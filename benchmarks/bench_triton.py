@@ -206,7 +206,7 @@ def time_case(fn, inputs, names, repeats, device):
     return median_seconds(forward, repeats) * 1e3, median_seconds(train, repeats) * 1e3, math.nan
 
 
-def timings(device, shapes, chunk_sizes, repeats, with_chunk_backend):
+def timings(device, shapes, chunk_sizes, repeats, with_chunk_backend, only):
     rows = []
     for shape in shapes:
         inputs = draw_inputs(*shape, device, torch.bfloat16 if device == "cuda" else torch.float32)
@@ -219,6 +219,8 @@ def timings(device, shapes, chunk_sizes, repeats, with_chunk_backend):
             cases.update(fla_forms())
             cases.update(sdpa_form())
         for name, (fn, names) in cases.items():
+            if only and not any(name.startswith(prefix) for prefix in only):
+                continue
             try:
                 fwd, train, peak = time_case(fn, inputs, names, repeats, device)
             except torch.OutOfMemoryError:
@@ -237,18 +239,24 @@ def timings(device, shapes, chunk_sizes, repeats, with_chunk_backend):
 
 def stages(device, shape, chunk_size):
     """Forward time of each stage of the Triton path (KDA form): where the time goes."""
-    from deltalab.ops.delta_rule.chunk import ChunkOperators, chunk_operators, to_chunks
+    from deltalab.ops.delta_rule.chunk import (
+        ChunkOperators,
+        chunk_operators,
+        intra_chunk,
+        to_chunks,
+    )
     from deltalab.ops.delta_rule.triton.chunk import state_pass_triton
+    from deltalab.ops.delta_rule.triton.intra import intra_chunk_triton
 
     x = draw_inputs(*shape, device, torch.float32)
     raw = (x["q"], x["beta"][..., None] * x["k"], x["k"], x["v"], x["g"])
     chunked = [to_chunks(t, chunk_size).contiguous() for t in raw]
     state = torch.zeros(shape[0], shape[2], shape[3], shape[3], device=device)
 
-    def operators():
-        return ChunkOperators(*(t.contiguous() for t in chunk_operators(*chunked)))
+    def operators(intra):
+        return ChunkOperators(*(t.contiguous() for t in chunk_operators(*chunked, intra=intra)))
 
-    ops = operators()
+    ops = operators(intra_chunk)
     rows = []
     for name, fn in (
         ("operators", operators),
@@ -294,6 +302,9 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", default=["check", "stability", "stages", "time"])
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--with-chunk-backend", action="store_true")
+    parser.add_argument(
+        "--only", nargs="+", default=None, help="time only cases with these prefixes"
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.tiny:
@@ -321,7 +332,9 @@ def main() -> None:
         result["stages"] = [r for c in args.chunk_sizes for r in stages(device, shapes[0], c)]
         print_records(result["stages"])
     if "time" in args.parts:
-        rows = add_ratios(timings(device, shapes, args.chunk_sizes, 3, args.with_chunk_backend))
+        rows = add_ratios(
+            timings(device, shapes, args.chunk_sizes, 3, args.with_chunk_backend, args.only)
+        )
         result["time"] = rows
         print_records(rows)
     if args.out:

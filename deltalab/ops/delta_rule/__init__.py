@@ -33,13 +33,14 @@ BACKENDS = ("auto", "naive", "chunk", "triton")
 MIN_CHUNK_SIZE, MAX_CHUNK_SIZE = 16, 256
 
 
-def _resolve_backend(backend: str, device: torch.device) -> str:
+def _resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     require_choice("backend", backend, BACKENDS)
     if backend == "triton":
         require_triton("backend", device)
     if backend != "auto":
         return backend
-    return "triton" if triton_available(device) else "chunk"
+    # The kernels compute in float32: float64 (references, gradient checks) stays in PyTorch.
+    return "triton" if triton_available(device) and dtype != torch.float64 else "chunk"
 
 
 def _check_chunk_size(chunk_size: object) -> int:
@@ -126,7 +127,6 @@ def delta_rule(
         }
     )
     chunk_size = _check_chunk_size(chunk_size)
-    backend = _resolve_backend(backend, q.device)
     if not isinstance(output_final_state, bool):
         raise TypeError(
             f"output_final_state must be a bool, got {type(output_final_state).__name__}"
@@ -136,6 +136,7 @@ def delta_rule(
         offsets = check_cu_seqlens(cu_seqlens, batch, length, q.device)
     sequences = batch if offsets is None else len(offsets) - 1
     dtype = compute_dtype(q, a, b, u, g, initial_state)
+    backend = _resolve_backend(backend, q.device, dtype)
     if initial_state is None:
         state = q.new_zeros(sequences, heads, key_dim, value_dim, dtype=dtype)
     else:
@@ -150,20 +151,23 @@ def delta_rule(
         state = initial_state.to(dtype)
     scale = key_dim**-0.5 if scale is None else require_positive_number("scale", scale)
 
-    inputs = [q.to(dtype) * scale, *(x.to(dtype) for x in (a, b, u, g))]
-    if backend == "triton" and dtype == torch.float64:
-        raise ValueError(
-            'backend="triton" computes in float32 (bf16/fp16/fp32 inputs); float64 inputs need '
-            'backend="chunk" or "naive"'
-        )
-    if backend == "naive":
-        o, final = delta_rule_naive(*inputs, state, offsets)
-    elif backend == "chunk":
-        o, final = delta_rule_chunk(*inputs, state, offsets, chunk_size)
-    else:
+    if backend == "triton":
+        if dtype == torch.float64:
+            raise ValueError(
+                'backend="triton" computes in float32 (bf16/fp16/fp32 inputs); float64 inputs '
+                'need backend="chunk" or "naive"'
+            )
+        # Imported here: Triton is optional, and deltalab imports without it.
         from deltalab.ops.delta_rule.triton.chunk import delta_rule_triton
 
-        o, final = delta_rule_triton(*inputs, state, offsets, chunk_size)
+        # Given the inputs' own dtype: it picks the precision of its matrix products from it.
+        o, final = delta_rule_triton(q, a, b, u, g, state, offsets, chunk_size, scale)
+    else:
+        inputs = [q.to(dtype) * scale, *(x.to(dtype) for x in (a, b, u, g))]
+        if backend == "naive":
+            o, final = delta_rule_naive(*inputs, state, offsets)
+        else:
+            o, final = delta_rule_chunk(*inputs, state, offsets, chunk_size)
     return o.to(q.dtype), (final if output_final_state else None)
 
 

@@ -174,10 +174,11 @@ def intra_chunk(q, a, b, g):
     return _intra_channel(q, a, b, g)
 
 
-def chunk_operators(q, a, b, u, g) -> ChunkOperators:
+def chunk_operators(q, a, b, u, g, intra=intra_chunk) -> ChunkOperators:
     """Stages 1 and 2 over chunked inputs [B, H, n, C, *]: intra-chunk matrices, then the
-    unit-lower-triangular solve. Parallel over chunks."""
-    lower, attend = intra_chunk(q, a, b, g)
+    unit-lower-triangular solve. Parallel over chunks. `intra` computes stage 1 (`intra_chunk`
+    here, its Triton twin on the "triton" backend)."""
+    lower, attend = intra(q, a, b, g)
     solve = unit_lower_inverse(lower)
     if g.dim() == q.dim() - 1:
         g = g.unsqueeze(-1)  # [B, H, n, C, 1]: broadcast over channels from here on

@@ -36,6 +36,7 @@ from deltalab.ops.delta_rule.chunk import (
     from_chunks,
     to_chunks,
 )
+from deltalab.ops.delta_rule.triton.intra import intra_chunk_triton
 
 # Value columns per program: 32 keeps S [K, 32] float32 in registers for K up to 256 and gives
 # B * H * V / 32 programs to fill the GPU's SMs (one sequence and head alone is sequential).
@@ -147,16 +148,12 @@ def _state_pass_bwd(
     tl.store(d_initial + bh * K * V + kv, ds, mask=mkv)
 
 
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _launch(value_dim: int, programs: int, size: int, key_dim: int, dtype: torch.dtype):
+def _launch(value_dim: int, programs: int, size: int, key_dim: int, precision: str):
     """Grid and the shape constants shared by both kernels."""
     grid = (triton.cdiv(value_dim, BLOCK_V), programs)
     consts = {
         "K": key_dim, "V": value_dim, "C": size, "BK": triton.next_power_of_2(key_dim),
-        "BV": BLOCK_V, "BC": min(size, BLOCK_C), "PRECISION": _precision(dtype),
+        "BV": BLOCK_V, "BC": min(size, BLOCK_C), "PRECISION": precision,
         # One stage: software pipelining of the chunk loop doubles every tile in shared memory
         # (measured 270 KiB at chunk 64 with 2 stages, over the SM's 227 KiB; 72 KiB with 1).
         "num_warps": 4, "num_stages": 1,
@@ -164,11 +161,12 @@ def _launch(value_dim: int, programs: int, size: int, key_dim: int, dtype: torch
     return grid, consts
 
 
-def state_pass_triton(ops, initial_state: torch.Tensor | None):
+def state_pass_triton(ops, initial_state: torch.Tensor | None, precision: str = "ieee"):
     """Stages 3-4 of `chunk.py` in one kernel: (outputs [B, H, n, C, V], residuals
     [B, H, n, C, V], chunk-start states [B, H, n, K, V], final state [B, H, K, V]).
 
-    `ops`: a `ChunkOperators` of contiguous float32 tensors; initial_state: [B, H, K, V] or None.
+    `ops`: a `ChunkOperators` of contiguous float32 tensors; initial_state: [B, H, K, V] or None;
+    precision: "ieee" (float32 products) or "tf32".
     """
     batch, heads, n_chunks, size, key_dim = ops.read.shape
     value_dim = ops.target.shape[-1]
@@ -177,7 +175,7 @@ def state_pass_triton(ops, initial_state: torch.Tensor | None):
     residual = torch.empty_like(out)
     states = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
     final = torch.empty(batch, heads, key_dim, value_dim, device=device)
-    grid, consts = _launch(value_dim, batch * heads, size, key_dim, ops.read.dtype)
+    grid, consts = _launch(value_dim, batch * heads, size, key_dim, precision)
     _state_pass_fwd[grid](
         *ops, initial_state if initial_state is not None else final,
         out, residual, states, final, n_chunks, HAS_INITIAL=initial_state is not None, **consts,
@@ -185,7 +183,9 @@ def state_pass_triton(ops, initial_state: torch.Tensor | None):
     return out, residual, states, final
 
 
-def state_pass_triton_backward(ops, d_out: torch.Tensor, d_final: torch.Tensor | None):
+def state_pass_triton_backward(
+    ops, d_out: torch.Tensor, d_final: torch.Tensor | None, precision: str = "ieee"
+):
     """The adjoint walk: (dN [B, H, n, C, V], dS after each chunk [B, H, n, K, V],
     d initial state [B, H, K, V])."""
     batch, heads, n_chunks, size, key_dim = ops.read.shape
@@ -194,7 +194,7 @@ def state_pass_triton_backward(ops, d_out: torch.Tensor, d_final: torch.Tensor |
     d_residual = torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
     d_next = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
     d_initial = torch.empty(batch, heads, key_dim, value_dim, device=device)
-    grid, consts = _launch(value_dim, batch * heads, size, key_dim, ops.read.dtype)
+    grid, consts = _launch(value_dim, batch * heads, size, key_dim, precision)
     _state_pass_bwd[grid](
         ops.read, ops.attend, ops.erase, ops.write, ops.decay, d_out,
         d_final if d_final is not None else d_initial, d_residual, d_next, d_initial, n_chunks,
@@ -217,38 +217,50 @@ def _operator_grads(ops, states, residuals, d_out, d_residual, d_next) -> ChunkO
 
 
 class _DeltaRuleTriton(torch.autograd.Function):
-    """Chunk operators in PyTorch (recomputed in backward, never stored), state pass in Triton.
+    """Stages 1 (Triton), 2 (PyTorch) and 3-4 (Triton); stages 1-2 recomputed in backward.
 
     Saved for backward: the inputs, the chunk-start states and the residuals; the [C, C] and
     [C, K] operators of every chunk are rebuilt from the inputs when the gradient is needed.
     """
 
     @staticmethod
-    def forward(ctx, q, a, b, u, g, initial_state, chunk_size):
+    def forward(ctx, q, a, b, u, g, initial_state, chunk_size, precision):
         ctx.set_materialize_grads(False)
-        chunked = (to_chunks(x, chunk_size) for x in (q, a, b, u, g))
-        ops = ChunkOperators(*(x.contiguous() for x in chunk_operators(*chunked)))
-        out, residuals, states, final = state_pass_triton(ops, initial_state.contiguous())
+        ops = _operators((q, a, b, u, g), chunk_size, precision)
+        out, residuals, states, final = state_pass_triton(
+            ops, initial_state.contiguous(), precision
+        )
         ctx.save_for_backward(q, a, b, u, g, states, residuals)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.precision = chunk_size, precision
         return from_chunks(out, chunk_size, q.shape[1]), final
 
     @staticmethod
     def backward(ctx, d_o, d_final):
         q, a, b, u, g, states, residuals = ctx.saved_tensors
-        chunk_size = ctx.chunk_size
+        chunk_size, precision = ctx.chunk_size, ctx.precision
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_(True) for x in (q, a, b, u, g)]
-            ops = chunk_operators(*(to_chunks(x, chunk_size) for x in leaves))
+            ops = _operators(leaves, chunk_size, precision)
         if d_o is None:
             d_o = torch.zeros_like(u)
-        detached = ChunkOperators(*(x.detach().contiguous() for x in ops))
+        detached = ChunkOperators(*(x.detach() for x in ops))
         d_out = to_chunks(d_o.to(torch.float32), chunk_size).contiguous()
         d_final = None if d_final is None else d_final.to(torch.float32).contiguous()
-        d_residual, d_next, d_initial = state_pass_triton_backward(detached, d_out, d_final)
+        d_residual, d_next, d_initial = state_pass_triton_backward(
+            detached, d_out, d_final, precision
+        )
         grads = _operator_grads(detached, states, residuals, d_out, d_residual, d_next)
         d_inputs = torch.autograd.grad(ops, leaves, grads, allow_unused=True)
-        return (*d_inputs, d_initial, None)
+        return (*d_inputs, d_initial, None, None)
+
+
+def _operators(inputs, chunk_size: int, precision: str) -> ChunkOperators:
+    """Stages 1-2 of chunked inputs, contiguous for the kernels."""
+    chunked = [to_chunks(x, chunk_size) for x in inputs]
+    ops = chunk_operators(
+        *chunked, intra=lambda q, a, b, g: intra_chunk_triton(q, a, b, g, precision)
+    )
+    return ChunkOperators(*(x.contiguous() for x in ops))
 
 
 def delta_rule_triton(
@@ -260,11 +272,18 @@ def delta_rule_triton(
     initial_state: torch.Tensor,
     offsets: list[int] | None,
     chunk_size: int,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `delta_rule_chunk`: validated float32 inputs, q already scaled;
-    returns (o [B, T, H, V], final state [N, H, K, V])."""
+    """Validated inputs in their own dtype (bf16, fp16 or fp32); computes in float32 with float32
+    state and accumulators. Returns (o [B, T, H, V] float32, final state [N, H, K, V]).
+
+    Matrix products take TF32 operands when the inputs are bf16/fp16 (their rounding is already
+    coarser than TF32's) and IEEE float32 when the inputs are float32.
+    """
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    q, a, b, u, g = (x.to(torch.float32) for x in (q * scale, a, b, u, g))
     if offsets is None:
-        return _DeltaRuleTriton.apply(q, a, b, u, g, initial_state, chunk_size)
+        return _DeltaRuleTriton.apply(q, a, b, u, g, initial_state, chunk_size, precision)
     padded = [pad_packed(x, offsets) for x in (q, a, b, u, g)]
-    o, state = _DeltaRuleTriton.apply(*padded, initial_state, chunk_size)
+    o, state = _DeltaRuleTriton.apply(*padded, initial_state, chunk_size, precision)
     return unpad_packed(o, offsets), state
