@@ -258,10 +258,13 @@ def stages(device, shape, chunk_size):
 
     ops = operators(intra_chunk)
     rows = []
-    for name, fn in (
-        ("operators", operators),
-        ("state_pass", lambda: state_pass_triton(ops, state)),
-    ):
+    cases = (
+        ("operators_torch", lambda: operators(intra_chunk)),
+        ("operators_triton", lambda: operators(intra_chunk_triton)),
+        ("state_pass_ieee", lambda: state_pass_triton(ops, state, "ieee")),
+        ("state_pass_tf32", lambda: state_pass_triton(ops, state, "tf32")),
+    )
+    for name, fn in cases:
         ms = median_seconds(fn, 5) * 1e3
         if device == "cuda":
             import triton
