@@ -10,7 +10,8 @@ TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 2e-2, to
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||actual - expected|| / ||expected|| in float64; inf when either side is not finite."""
-    actual, expected = actual.detach().double(), expected.detach().double()
+    # On the CPU in float64: a GPU result and a CPU reference compare without moving either first.
+    actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
     if actual.shape != expected.shape:
         raise ValueError(f"shapes differ: {tuple(actual.shape)} vs {tuple(expected.shape)}")
     if not (torch.isfinite(actual).all() and torch.isfinite(expected).all()):
