@@ -6,6 +6,7 @@ silently: a shape either matches exactly or the call is refused.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -53,16 +54,29 @@ def require_same_device(named: dict[str, torch.Tensor | None]) -> None:
             )
 
 
+class NonFiniteError(ValueError):
+    """A value check failed on NaN or an infinity: the numbers went wrong (a diverging training
+    run), not the way the op was called. A ValueError like every other refusal; the training
+    loop catches this subclass to apply its NaN policy."""
+
+
+def _refusal(x: torch.Tensor) -> type[ValueError]:
+    return ValueError if bool(torch.isfinite(x).all()) else NonFiniteError
+
+
 def require_nonpositive(name: str, x: torch.Tensor, meaning: str) -> None:
     """Refuses values > 0 and NaN (-inf passes: a log decay of -inf is a full reset)."""
     if x.numel() and not bool((x <= 0).all()):
-        raise ValueError(f"{name} must be <= 0 ({meaning}), got {_worst(x, 'maximum')}")
+        # -inf is allowed here, so only NaN and +inf make the refusal a NonFiniteError.
+        raise _refusal(x.nan_to_num(nan=math.nan, posinf=math.inf, neginf=0.0))(
+            f"{name} must be <= 0 ({meaning}), got {_worst(x, 'maximum')}"
+        )
 
 
 def require_positive(name: str, x: torch.Tensor, meaning: str) -> None:
     """Refuses values <= 0 and NaN."""
     if x.numel() and not bool((x > 0).all()):
-        raise ValueError(f"{name} must be > 0 ({meaning}), got {_worst(x, 'minimum')}")
+        raise _refusal(x)(f"{name} must be > 0 ({meaning}), got {_worst(x, 'minimum')}")
 
 
 def _worst(x: torch.Tensor, reduce: str) -> str:
@@ -74,7 +88,7 @@ def _worst(x: torch.Tensor, reduce: str) -> str:
 def require_nonnegative(name: str, x: torch.Tensor, meaning: str) -> None:
     """Refuses values < 0 and NaN."""
     if x.numel() and not bool((x >= 0).all()):
-        raise ValueError(f"{name} must be >= 0 ({meaning}), got {_worst(x, 'minimum')}")
+        raise _refusal(x)(f"{name} must be >= 0 ({meaning}), got {_worst(x, 'minimum')}")
 
 
 def require_positive_int(name: str, value: object) -> int:
