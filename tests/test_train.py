@@ -228,6 +228,14 @@ def test_corpus_smaller_than_one_sequence_is_refused(tmp_path, corpus):
         train(run_config(tmp_path, corpus, "train.seq_len=100000"))
 
 
+def test_a_single_text_file_trains_on_its_head_and_evaluates_on_its_tail(tmp_path, corpus):
+    # One document used to fall whole into one split, leaving the other empty.
+    book = tmp_path / "book.txt"
+    book.write_text("".join(p.read_text() for p in sorted(Path(corpus).glob("*.txt"))))
+    result = train(run_config(tmp_path, str(book)))
+    assert len(result.losses) == 6 and result.final_perplexity < result.initial_perplexity
+
+
 def test_missing_data_path_is_refused(tmp_path, corpus):
     with pytest.raises(ValueError, match=r"does-not-exist"):
         train(run_config(tmp_path, str(tmp_path / "does-not-exist")))

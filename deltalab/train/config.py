@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Self
 
 import yaml
 
+from deltalab.errors import ConfigError, ConfigTypeError, UserError
 from deltalab.models.config import closest
 
 __all__ = [
@@ -243,11 +244,14 @@ class DataSection(_Section):
     """What to train on (see `deltalab.data.CorpusConfig`).
 
     source: "stdlib" (the Python standard library) or a path: a file, a directory of .txt,
-        .jsonl and .parquet files, or a dataset saved by Hugging Face `datasets`.
+        .jsonl and .parquet files, or a dataset saved by Hugging Face `datasets`. A single
+        text file is one document, split by position: its last held_out_fraction (from a line
+        start) is held out.
     tokenizer: "byte", or a directory holding a Hugging Face tokenizer.
     cache_dir: directory of the tokenized shards, reused until the source changes.
     max_bytes: stop reading the source after this many UTF-8 bytes (null: read it all).
-    held_out_fraction: fraction of the documents held out for evaluation, in (0, 1).
+    held_out_fraction: fraction of the documents held out for evaluation, in (0, 1); of a
+        single text file, the fraction of its bytes.
     text_field: JSON field, parquet or dataset column that holds the text.
     """
 
@@ -527,22 +531,46 @@ def load_run_config(path: str | os.PathLike[str] | None, overrides: Sequence[str
     """The config of an optional YAML or JSON file (`.json` is read as JSON), then `overrides`
     (`section.field=value`, later ones win).
 
-    Raises ValueError or TypeError naming the dotted field: an unknown section or field (with the
-    closest valid name), a malformed override, a value of the wrong type or out of range.
+    Raises `ConfigError` (a ValueError) or `ConfigTypeError` (a TypeError) naming the file or the
+    dotted field: a missing or unreadable file, text that is not UTF-8 (with its line), an
+    unknown section or field (with the closest valid name), a malformed override, a value of the
+    wrong type or out of range.
     """
-    tree: dict[str, dict[str, Any]] = {}
-    if path is not None:
-        text = Path(path).read_text(encoding="utf-8")
-        try:
-            data = json.loads(text) if Path(path).suffix == ".json" else yaml.safe_load(text)
-            tree = _check_names({} if data is None else data)
-        except TypeError as error:
-            raise TypeError(f"{path}: {error}") from error
-        except (ValueError, yaml.YAMLError) as error:
-            raise ValueError(f"{path}: {error}") from error
-    for override in overrides:
-        _apply_override(tree, override)
-    return RunConfig.from_dict(tree)
+    try:
+        tree: dict[str, dict[str, Any]] = {} if path is None else _read_config_file(Path(path))
+        for override in overrides:
+            _apply_override(tree, override)
+        return RunConfig.from_dict(tree)
+    except UserError:
+        raise
+    except TypeError as error:
+        raise ConfigTypeError(str(error)) from error
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+
+def _read_config_file(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {error.strerror}") from error
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise ConfigError(
+            f"{path}:{line} is not valid UTF-8 (byte {raw[error.start]:#04x} at offset "
+            f"{error.start}); save the config file as UTF-8"
+        ) from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        return _check_names({} if data is None else data)
+    except TypeError as error:
+        raise ConfigTypeError(f"{path}: {error}") from error
+    except (ValueError, yaml.YAMLError) as error:
+        raise ConfigError(f"{path}: {error}") from error
 
 
 def save_run_config(config: RunConfig, path: str | os.PathLike[str]) -> Path:

@@ -308,16 +308,22 @@ def _due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
 
 
-def _check_out_dir(out_dir: Path) -> None:
-    """The run directory must be a directory (or not exist yet): found before any work."""
-    for path in (out_dir, *out_dir.parents):
-        if path.exists():
-            if not path.is_dir():
-                raise ConfigError(
-                    f"log.out_dir {str(out_dir)!r} cannot be a run directory: {str(path)!r} is "
-                    "a file; choose another log.out_dir"
-                )
-            return
+def _check_directories(config: RunConfig) -> None:
+    """The run and cache directories must be directories (or not exist yet), found before any
+    work rather than as an OSError after tokenizing."""
+    for name, value in (
+        ("log.out_dir", config.log.out_dir),
+        ("data.cache_dir", config.data.cache_dir),
+    ):
+        directory = Path(value)
+        for path in (directory, *directory.parents):
+            if path.exists():
+                if not path.is_dir():
+                    raise ConfigError(
+                        f"{name} must be a directory, got {value!r}, where {str(path)!r} is a "
+                        f"file; choose another {name}"
+                    )
+                break
 
 
 # Arguments `build_mixer` passes itself, from the config's own fields: not mixer_options.
@@ -412,7 +418,7 @@ def train(config: RunConfig) -> TrainResult:
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     out_dir = Path(config.log.out_dir)
-    _check_out_dir(out_dir)
+    _check_directories(config)
     _check_fresh_start(out_dir, config)
     _check_outside_source(config)
     torch.manual_seed(config.train.seed)
