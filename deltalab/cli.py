@@ -49,11 +49,27 @@ def _presets(args: argparse.Namespace) -> int:
     from deltalab.models.presets import preset_table
 
     mixers = tuple(args.mixer) if args.mixer else MIXER_KINDS
-    headers = ["preset", "mixer", "width", "layers", "heads", "ffn", "non-embedding", "total"]
+    headers = [
+        "preset",
+        "mixer",
+        "width",
+        "layers",
+        "heads",
+        "ffn",
+        "non-embedding",
+        "total",
+        "lr",
+        "warmup",
+    ]
     rows = [
-        [*row[:6], f"{row[6] / 1e6:.2f}M", f"{row[7] / 1e6:.2f}M"] for row in preset_table(mixers)
+        [*row[:6], f"{row[6] / 1e6:.2f}M", f"{row[7] / 1e6:.2f}M", f"{row[8]:g}", row[9]]
+        for row in preset_table(mixers)
     ]
     print(format_table(headers, rows))
+    print(
+        "lr and warmup: the preset's optim.lr and schedule.warmup_steps, used unless the run "
+        "config sets them"
+    )
     return 0
 
 

@@ -463,6 +463,16 @@ def train(config: RunConfig) -> TrainResult:
                 f"eval.batches={config.eval.batches} asks for more windows than the "
                 f"{len(held_out)} held-out ones; each evaluation uses all {eval_windows}"
             )
+        logger.print(
+            f"optimizer: peak optim.lr={config.optim.lr:g} after "
+            f"schedule.warmup_steps={config.schedule.warmup_steps} ({config.schedule.kind})"
+        )
+        if config.schedule.warmup_steps >= config.train.steps:
+            logger.print(
+                f"note: schedule.warmup_steps={config.schedule.warmup_steps} >= train.steps="
+                f"{config.train.steps}: the learning rate never reaches its peak; set "
+                "schedule.warmup_steps lower for a short run"
+            )
     first_eval = evaluate(core, held_out, eval_windows, micro, ctx, autocast)
     if start == 0:
         history["eval"].append({"step": 0, "loss": first_eval})
