@@ -466,8 +466,9 @@ def test_a_data_error_on_rank_0_stops_every_rank(tmp_path, corpus):
     config = run_config(tmp_path, str(bad))
     reports, _ = _spawn_ranks(_failing_rank_main, config, timeout=120)
     errors = {rank: (kind, text) for rank, kind, text in reports}
-    assert errors[0][0] == "ValueError" and "text" in errors[0][1]
+    # A user error: every rank reports one, which the CLI prints as one line.
+    assert errors[0][0] == "DataError" and "text" in errors[0][1]
     assert errors[1] == (
-        "RuntimeError",
+        "DataError",
         "rank 0 could not prepare the training data; see its error",
     )

@@ -39,7 +39,13 @@ from deltalab.data import (
     load_tokenizer,
     prepare_tokens,
 )
-from deltalab.errors import CheckpointError, ConfigError, DataError, DivergenceError
+from deltalab.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    DivergenceError,
+    UserError,
+)
 from deltalab.models import CausalLM, DeltaLabConfig, build_config
 from deltalab.models.mixers import mixer_class
 from deltalab.ops._checks import NonFiniteError
@@ -102,10 +108,13 @@ def _sequences(config: RunConfig, tokenizer, split: str, ctx: Distributed) -> Pa
         except Exception as error:
             failure = error
     if ctx.active:
-        failed = torch.tensor(float(failure is not None), device=ctx.device)
+        # 0: ready; 1: a user error (the others report one too, in one line); 2: anything else.
+        code = 0 if failure is None else 1 if isinstance(failure, UserError) else 2
+        failed = torch.tensor(float(code), device=ctx.device)
         dist.all_reduce(failed)
         if failed.item() and failure is None:
-            raise RuntimeError("rank 0 could not prepare the training data; see its error")
+            kind = DataError if failed.item() == 1 else RuntimeError
+            raise kind("rank 0 could not prepare the training data; see its error")
     if failure is not None:
         raise failure
     if not ctx.is_main:
