@@ -94,6 +94,10 @@ def test_an_endless_data_source_is_refused_not_read(tmp_path, capsys):
         ("model.overrides.mixer_options={bogus: 1}", "mixer_options.bogus is not an option"),
         ("model.overrides.vocab_size=100", "vocab_size must be >= the tokenizer's vocabulary"),
         ("model.overrides.num_layers=0", "num_layers must be > 0"),
+        (
+            ("model.mixer=transformer", "model.overrides.mixer_options={read_gate: true}"),
+            "mixer_options.read_gate is not an option of the transformer mixer; its options are []",
+        ),
     ],
 )
 def test_model_config_errors_come_before_any_data_is_tokenized(
@@ -103,7 +107,8 @@ def test_model_config_errors_come_before_any_data_is_tokenized(
         raise AssertionError("tokenized data before checking the model config")
 
     monkeypatch.setattr(loop, "prepare_tokens", no_tokenizing)
-    err = _one_line_error(capsys, _train_args(tmp_path, corpus, override))
+    overrides = (override,) if isinstance(override, str) else override
+    err = _one_line_error(capsys, _train_args(tmp_path, corpus, *overrides))
     assert message in err
 
 

@@ -367,8 +367,16 @@ def _model_config(config: RunConfig, tokenizer) -> DeltaLabConfig:
     except (ValueError, TypeError) as error:
         raise ConfigError(f"model: {error}") from error
     if model_config.mixer_options:
-        accepted = inspect.signature(mixer_class(model_config.mixer).__init__).parameters
-        choices = sorted(set(accepted) - MIXER_ARGUMENTS)
+        # Options reach the recurrent mixer only; attention blocks take none.
+        recurrent = {kind for kind in model_config.layer_kinds() if kind != "attention"}
+        choices = sorted(
+            {
+                name
+                for kind in recurrent
+                for name in inspect.signature(mixer_class(kind).__init__).parameters
+            }
+            - MIXER_ARGUMENTS
+        )
         for name in model_config.mixer_options:
             if name not in choices:
                 raise ConfigError(
