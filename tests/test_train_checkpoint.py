@@ -226,6 +226,17 @@ def _draw() -> tuple[float, np.ndarray, torch.Tensor]:
     return random.random(), np.random.rand(3), torch.rand(3)  # noqa: NPY002
 
 
+def test_a_checkpoint_with_numpy_rng_state_from_before_weights_only_loading_still_loads(
+    tmp_path,
+):
+    # The format of earlier runs: NumPy's own state tuple, its key array an ndarray.
+    save_checkpoint(tmp_path, 1, {"rng": {**capture_rng_state(), "numpy": np.random.get_state()}})  # noqa: NPY002
+    first = _draw()
+    restore_rng_state(load_latest_checkpoint(tmp_path)[1]["rng"])
+    again = _draw()
+    assert first[0] == again[0] and np.array_equal(first[1], again[1])
+
+
 def test_rng_restore_repeats_the_same_draws_through_a_checkpoint(tmp_path):
     save_checkpoint(tmp_path, 1, {"rng": capture_rng_state()})
     first = _draw()

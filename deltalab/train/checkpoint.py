@@ -11,9 +11,9 @@ old file, the new file, or a stale `.step_*.tmp` that nothing reads. A checkpoin
 when its sidecar exists and names the SHA-256 of the file; the loader skips anything else with a
 `CheckpointWarning` and falls back to the previous complete one.
 
-Trust: payloads are read with `torch.load(weights_only=True)`, which rebuilds tensors and plain
-containers and refuses any other object, so a checkpoint cannot run code when it is loaded (the
-RNG states are stored as tensors and tuples for that reason). The digest guards against
+Trust: payloads are read with `torch.load(weights_only=True)`, which rebuilds tensors, plain
+containers and NumPy arrays of plain data (the RNG state of older checkpoints) and refuses any
+other object, so a checkpoint cannot run code when it is loaded. The digest guards against
 truncation and corruption, not tampering: whoever can write the run directory can write a
 matching digest, so a tampered file loads wrong numbers, never code.
 
@@ -58,6 +58,15 @@ CHECKPOINT_DIR = "checkpoints"
 DIGEST_SUFFIX = ".sha256"
 _CHECKPOINT_NAME = re.compile(r"step_(\d+)\.pt")
 _TEMP_GLOB = ".step_*.tmp"
+# What a NumPy array unpickles through: checkpoints written before the RNG state was stored as
+# tensors hold NumPy's key array. These build arrays of plain data only (an object array's items
+# still pass the weights-only unpickler), the allow-list PyTorch documents for NumPy.
+_NUMPY_ARRAY_GLOBALS = [
+    np.ndarray,
+    (getattr(np, "_core", None) or np.core).multiarray._reconstruct,
+    np.dtype,
+    type(np.dtype(np.uint32)),  # the key array's dtype class (numpy.dtypes.UInt32DType)
+]
 
 
 class CheckpointWarning(UserWarning):
@@ -130,7 +139,8 @@ def find_latest_checkpoint(
         problem = _completeness_problem(path)
         if problem is None:
             try:
-                payload = torch.load(path, map_location=map_location, weights_only=True)
+                with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
+                    payload = torch.load(path, map_location=map_location, weights_only=True)
             except Exception as error:
                 # The weights-only unpickler explains itself over many lines; the first says why.
                 reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
