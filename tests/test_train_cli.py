@@ -170,3 +170,13 @@ def test_config_errors_stay_value_errors_for_the_python_api():
     with pytest.raises(ValueError, match=r"train\.steps must be > 0") as caught:
         load_run_config(None, ["train.steps=0"])
     assert isinstance(caught.value, ConfigError)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("temperature", -0.5), ("top_k", 0), ("max_new_tokens", -1)]
+)
+def test_generate_config_refuses_out_of_range_values_naming_them(field, value):
+    from deltalab.generate import GenerateConfig
+
+    with pytest.raises(ConfigError, match=rf"generate {field} must be .* got {value}"):
+        GenerateConfig(checkpoint="model", prompt="def", **{field: value})
