@@ -1,9 +1,17 @@
-"""The `deltalab` command: train, check, presets, generate."""
+"""The `deltalab` command: train, check, presets, generate.
+
+Exit status: 0 done; 2 a user error (a config, data, checkpoint or argument problem), printed as
+one line on stderr; 128 + the signal number (130 SIGINT, 143 SIGTERM) for a training run stopped
+by a signal, whose outputs are marked `"status": "interrupted"`. Anything else is a bug and keeps
+its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+USER_ERROR = 2
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -16,6 +24,14 @@ def _train(args: argparse.Namespace) -> int:
     print("resolved config:\n" + yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
     result = train(config)
     change = f"{result.initial_perplexity:.3f} -> {result.final_perplexity:.3f}"
+    if result.interrupted:
+        print(
+            f"interrupted after step {result.last_step} of {config.train.steps}: held-out "
+            f"perplexity {change}; outputs in {result.out_dir} are marked interrupted; continue "
+            "with --resume",
+            file=sys.stderr,
+        )
+        return 128 + (result.stop_signal or 15)
     print(f"held-out perplexity {change}; outputs in {result.out_dir}")
     return 0
 
@@ -33,11 +49,27 @@ def _presets(args: argparse.Namespace) -> int:
     from deltalab.models.presets import preset_table
 
     mixers = tuple(args.mixer) if args.mixer else MIXER_KINDS
-    headers = ["preset", "mixer", "width", "layers", "heads", "ffn", "non-embedding", "total"]
+    headers = [
+        "preset",
+        "mixer",
+        "width",
+        "layers",
+        "heads",
+        "ffn",
+        "non-embedding",
+        "total",
+        "lr",
+        "warmup",
+    ]
     rows = [
-        [*row[:6], f"{row[6] / 1e6:.2f}M", f"{row[7] / 1e6:.2f}M"] for row in preset_table(mixers)
+        [*row[:6], f"{row[6] / 1e6:.2f}M", f"{row[7] / 1e6:.2f}M", f"{row[8]:g}", row[9]]
+        for row in preset_table(mixers)
     ]
     print(format_table(headers, rows))
+    print(
+        "lr and warmup: the preset's optim.lr and schedule.warmup_steps, used unless the run "
+        "config sets them"
+    )
     return 0
 
 
@@ -58,9 +90,43 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an int > 0 (argparse turns the ValueError into a usage error)."""
+    value = int(text)
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
+_positive_int.__name__ = "positive int"
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(text)
+    return value
+
+
+_non_negative_float.__name__ = "finite number >= 0"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="deltalab", description=__doc__)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    """Runs the command of `argv`; returns its exit status (see the module docstring)."""
+    from deltalab.errors import UserError
+
+    try:
+        return _main(argv)
+    except UserError as error:
+        print(f"deltalab: error: {error}", file=sys.stderr)
+        return USER_ERROR
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="deltalab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     commands = parser.add_subparsers(dest="command", required=True)
 
     from deltalab.train.config import config_help
@@ -93,9 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     generate = commands.add_parser("generate", help="continue a prompt with a saved checkpoint")
     generate.add_argument("checkpoint", help="a save_pretrained directory")
     generate.add_argument("prompt")
-    generate.add_argument("--max-new-tokens", type=int, default=200)
-    generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    generate.add_argument("--top-k", type=int, default=None)
+    generate.add_argument("--max-new-tokens", type=_positive_int, default=200)
+    generate.add_argument(
+        "--temperature", type=_non_negative_float, default=0.0, help=">= 0; 0: greedy"
+    )
+    generate.add_argument("--top-k", type=_positive_int, default=None)
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--tokenizer", default=None, help='"byte" or a local tokenizer path')
     generate.add_argument("--device", default="cpu")

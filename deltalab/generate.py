@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from deltalab.errors import CheckpointError, ConfigError
 
 __all__ = ["GenerateConfig", "generate_text"]
 
@@ -27,6 +30,31 @@ class GenerateConfig:
     tokenizer: str | None = None
     device: str = "cpu"
 
+    def __post_init__(self) -> None:
+        checks = (
+            ("max_new_tokens", self.max_new_tokens, "an int >= 0", _is_int(self.max_new_tokens, 0)),
+            ("temperature", self.temperature, "a finite number >= 0 (0: greedy)", _is_temp(self)),
+            (
+                "top_k",
+                self.top_k,
+                "null or an int >= 1",
+                self.top_k is None or _is_int(self.top_k, 1),
+            ),
+            ("seed", self.seed, "an int >= 0", _is_int(self.seed, 0)),
+        )
+        for name, value, expected, ok in checks:
+            if not ok:
+                raise ConfigError(f"generate {name} must be {expected}, got {value!r}")
+
+
+def _is_int(value: object, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _is_temp(config: GenerateConfig) -> bool:
+    value = config.temperature
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < math.inf
+
 
 def generate_text(config: GenerateConfig) -> str:
     """The prompt's continuation (greedy at temperature 0, else sampled). On CUDA through
@@ -39,8 +67,9 @@ def generate_text(config: GenerateConfig) -> str:
 
     path = Path(config.checkpoint)
     if not (path / "config.json").exists():
-        raise ValueError(
-            f"checkpoint {str(path)!r} holds no config.json (a save_pretrained directory)"
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds no config.json; expected a save_pretrained "
+            "directory such as a run's model/"
         )
     spec = config.tokenizer
     if spec is None:

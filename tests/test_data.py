@@ -34,6 +34,7 @@ from deltalab.data import (
 )
 from deltalab.data import shards as shards_module
 from deltalab.data.corpus import STDLIB_EXCLUDED_DIRS, read_hf_dataset
+from deltalab.errors import DataError
 
 TEXTS = [
     "plain ASCII, with punctuation: {}[]()!\n\ttabs too",
@@ -359,6 +360,53 @@ def test_jsonl_without_the_text_field_names_file_and_line(tmp_path):
     source.write_text('{"text": "ok"}\n{"body": "no text"}\n', encoding="utf-8")
     with pytest.raises(ValueError, match=r"bad\.jsonl:2 .*string field 'text'"):
         list(iter_documents(CorpusConfig(source=str(source), split="all")))
+
+
+def test_a_single_text_file_is_split_by_position_at_a_line_start(tmp_path):
+    lines = [f"line {i:03d}: déjà vu\n" for i in range(200)]
+    source = tmp_path / "book.txt"
+    source.write_text("".join(lines), encoding="utf-8")
+    split = {
+        name: list(iter_documents(CorpusConfig(source=str(source), split=name)))
+        for name in ("train", "held_out", "all")
+    }
+    # One document each, disjoint, together the whole file; the held-out part is about 5%.
+    assert len(split["train"]) == len(split["held_out"]) == 1
+    assert split["train"][0] + split["held_out"][0] == split["all"][0] == "".join(lines)
+    assert split["held_out"][0].startswith("line ")
+    assert len(split["held_out"][0].splitlines()) == 10
+
+
+def test_a_single_text_file_is_read_only_up_to_max_bytes_at_a_character_boundary(tmp_path):
+    source = tmp_path / "one-line.txt"
+    source.write_text("é" * 10_000, encoding="utf-8")  # 20000 bytes, no newline
+    config = CorpusConfig(source=str(source), split="train", max_bytes=1001)
+    (document,) = iter_documents(config)
+    assert document == "é" * 500
+
+
+def test_invalid_utf8_names_the_file_and_line(tmp_path):
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"docs\.jsonl:2 is not valid UTF-8 \(byte 0xe9\)"):
+        list(iter_documents(CorpusConfig(source=str(jsonl), split="all")))
+    text = tmp_path / "notes.txt"
+    text.write_bytes(b"one\ntwo\nth\xffree\n")
+    with pytest.raises(DataError, match=r"notes\.txt:3 is not valid UTF-8"):
+        list(iter_documents(CorpusConfig(source=str(text), split="all")))
+
+
+@pytest.mark.skipif(not Path("/dev/zero").exists(), reason="needs /dev/zero")
+def test_an_endless_source_is_refused_before_reading(tmp_path):
+    with pytest.raises(DataError, match=r"'/dev/zero' is not a regular file or directory"):
+        iter_documents(CorpusConfig(source="/dev/zero"))
+
+
+def test_an_empty_tokenizer_directory_is_refused_naming_it(tmp_path):
+    pytest.importorskip("transformers")
+    (tmp_path / "tok").mkdir()
+    with pytest.raises(DataError, match=r"tokenizer directory .*tok' is empty"):
+        load_tokenizer(str(tmp_path / "tok"))
 
 
 def test_parquet_files_are_read_by_their_text_column(tmp_path):

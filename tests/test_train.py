@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import signal
 import socket
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from deltalab.errors import CheckpointError, DivergenceError
 from deltalab.models import MIXER_KINDS
 from deltalab.train import load_run_config, train
 from deltalab.train.checkpoint import CheckpointWarning, list_checkpoints
@@ -102,6 +106,66 @@ def test_crash_and_resume_continues_bit_for_bit(tmp_path, corpus, monkeypatch):
     assert resumed.losses == reference.losses
     a, b = _final_weights(tmp_path / "a" / "run"), _final_weights(tmp_path / "b" / "run")
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # The crash came after step 4 was logged and the checkpoint of step 3 was written: the
+    # resumed log holds step 4 once, as the uninterrupted run's does.
+    assert _logged_steps(tmp_path / "b" / "run") == _logged_steps(tmp_path / "a" / "run")
+
+
+def _logged_steps(run: Path) -> list[tuple[str, int]]:
+    lines = (run / "log.jsonl").read_text().splitlines()
+    return [(record["kind"], record["step"]) for record in map(json.loads, lines)]
+
+
+def _metrics(run: Path) -> dict:
+    return json.loads((run / "metrics.json").read_text())
+
+
+def test_resume_refuses_unverifiable_checkpoints_instead_of_starting_over(tmp_path, corpus):
+    train(run_config(tmp_path, corpus))
+    run = tmp_path / "run"
+    # Copied to another machine without their digests.
+    for sidecar in (run / "checkpoints").glob("*.sha256"):
+        sidecar.unlink()
+    before = {path: path.read_bytes() for path in [*list_checkpoints(run), run / "log.jsonl"]}
+    with pytest.raises(CheckpointError, match=r"none can be used") as caught:
+        train(run_config(tmp_path, corpus, "checkpoint.resume=true"))
+    message = str(caught.value)
+    assert "step_00000003.pt: missing digest" in message and "step_00000006.pt" in message
+    assert "sha256sum step_00000006.pt > step_00000006.pt.sha256" in message
+    # Nothing pruned, nothing truncated.
+    assert {path: path.read_bytes() for path in before} == before
+
+
+class _RunsCode:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.marker),)
+
+
+def test_resume_never_runs_code_from_a_planted_checkpoint(tmp_path, corpus):
+    planted = tmp_path / "run" / "checkpoints" / "step_00000003.pt"
+    planted.parent.mkdir(parents=True)
+    marker = tmp_path / "payload-ran"
+    torch.save({"step": 3, "config": {}, "model": _RunsCode(marker)}, planted)
+    digest = hashlib.sha256(planted.read_bytes()).hexdigest()
+    planted.with_name(planted.name + ".sha256").write_text(f"{digest}  {planted.name}\n")
+    with pytest.raises(CheckpointError, match=r"step_00000003\.pt: torch\.load\(weights_only"):
+        train(run_config(tmp_path, corpus, "checkpoint.resume=true"))
+    assert not marker.exists() and planted.exists()
+
+
+def test_a_checkpoint_without_its_config_is_skipped_like_a_damaged_one(tmp_path, corpus):
+    reference = train(run_config(tmp_path, corpus))
+    newest = list_checkpoints(tmp_path / "run")[-1]
+    fake = {"step": 6, "model": {}}
+    torch.save(fake, newest)
+    digest = hashlib.sha256(newest.read_bytes()).hexdigest()
+    newest.with_name(newest.name + ".sha256").write_text(f"{digest}  {newest.name}\n")
+    with pytest.warns(CheckpointWarning, match=r"step_00000006\.pt: payload lacks .*'config'"):
+        resumed = train(run_config(tmp_path, corpus, "checkpoint.resume=true"))
+    assert resumed.losses == reference.losses
 
 
 def test_truncated_checkpoint_is_skipped_and_the_previous_one_resumed(tmp_path, corpus):
@@ -133,16 +197,44 @@ def test_non_finite_loss_stops_or_skips_per_config(tmp_path, corpus, monkeypatch
     monkeypatch.setattr(loop, "_loss", poisoned)
     config = run_config(tmp_path, corpus, f"train.nan_policy={policy}")
     if policy == "stop":
-        with pytest.raises(FloatingPointError, match=r"not finite.*train.nan_policy=stop"):
+        with pytest.raises(FloatingPointError, match=r"not finite.*train.nan_policy=stop") as e:
             train(config)
+        # Step 2 fails before the first checkpoint (step 3) is due.
+        assert "no checkpoint was written" in str(e.value)
     else:
         result = train(config)
         assert len(result.losses) == 5 and all(math.isfinite(x) for x in result.losses)
 
 
+def test_a_diverging_recurrent_model_is_stopped_by_the_policy_with_a_hint(tmp_path, corpus):
+    # At this learning rate the gates go NaN inside the forward, where the op refuses them.
+    diverging = ("optim.lr=1000", "schedule.warmup_steps=0", "optim.grad_clip=0")
+    with pytest.raises(DivergenceError, match=r"step 2 is not finite \(the model produced") as e:
+        train(run_config(tmp_path, corpus, "model.mixer=gdn", *diverging))
+    assert "no checkpoint was written" in str(e.value) and "lower optim.lr" in str(e.value)
+
+
+def test_a_diverged_run_under_skip_ends_cleanly_and_says_so(tmp_path, corpus):
+    diverging = ("optim.lr=1000", "schedule.warmup_steps=0", "optim.grad_clip=0")
+    result = train(
+        run_config(tmp_path, corpus, "model.mixer=muir", "train.nan_policy=skip", *diverging)
+    )
+    assert len(result.losses) == 1 and result.sample == ""
+    metrics = _metrics(tmp_path / "run")
+    assert (metrics["status"], metrics["skipped_steps"]) == ("completed", 5)
+
+
 def test_corpus_smaller_than_one_sequence_is_refused(tmp_path, corpus):
     with pytest.raises(ValueError, match=r"seq_len=100000 needs at least"):
         train(run_config(tmp_path, corpus, "train.seq_len=100000"))
+
+
+def test_a_single_text_file_trains_on_its_head_and_evaluates_on_its_tail(tmp_path, corpus):
+    # One document used to fall whole into one split, leaving the other empty.
+    book = tmp_path / "book.txt"
+    book.write_text("".join(p.read_text() for p in sorted(Path(corpus).glob("*.txt"))))
+    result = train(run_config(tmp_path, str(book)))
+    assert len(result.losses) == 6 and result.final_perplexity < result.initial_perplexity
 
 
 def test_missing_data_path_is_refused(tmp_path, corpus):
@@ -247,9 +339,35 @@ def test_a_stop_signal_checkpoints_and_the_run_resumes_bit_for_bit(tmp_path, cor
     stopped = train(run_config(tmp_path / "b", corpus))
     monkeypatch.undo()
     assert stopped.interrupted and len(stopped.losses) == 2
+    assert stopped.stop_signal == signal.SIGTERM
     assert [p.name for p in list_checkpoints(tmp_path / "b" / "run")] == ["step_00000002.pt"]
+    interrupted = _metrics(tmp_path / "b" / "run")
+    assert (interrupted["status"], interrupted["steps_done"], interrupted["steps_planned"]) == (
+        "interrupted",
+        2,
+        6,
+    )
     resumed = train(run_config(tmp_path / "b", corpus, "checkpoint.resume=true"))
     assert resumed.losses == reference.losses
+    assert _metrics(tmp_path / "b" / "run")["status"] == "completed"
+    assert _metrics(tmp_path / "b" / "run")["steps_done"] == 6
+
+
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_run_stopped_by_a_signal_exits_non_zero(tmp_path, corpus, monkeypatch, signum, status):
+    from deltalab.cli import main
+
+    original = torch.optim.AdamW.step
+
+    def step(optimizer, *args, **kwargs):
+        result = original(optimizer, *args, **kwargs)
+        os.kill(os.getpid(), signum)
+        return result
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    overrides = [f"{k}={v}" for k, v in _flatten(run_config(tmp_path, corpus).to_dict())]
+    assert main(["train", *overrides]) == status
+    assert _metrics(tmp_path / "run")["status"] == "interrupted"
 
 
 def test_tensorboard_events_are_written_when_enabled(tmp_path, corpus):
@@ -349,8 +467,9 @@ def test_a_data_error_on_rank_0_stops_every_rank(tmp_path, corpus):
     config = run_config(tmp_path, str(bad))
     reports, _ = _spawn_ranks(_failing_rank_main, config, timeout=120)
     errors = {rank: (kind, text) for rank, kind, text in reports}
-    assert errors[0][0] == "ValueError" and "text" in errors[0][1]
+    # A user error: every rank reports one, which the CLI prints as one line.
+    assert errors[0][0] == "DataError" and "text" in errors[0][1]
     assert errors[1] == (
-        "RuntimeError",
+        "DataError",
         "rank 0 could not prepare the training data; see its error",
     )

@@ -113,8 +113,39 @@ def test_unloadable_file_with_matching_digest_is_skipped(tmp_path):
     bad = save_checkpoint(tmp_path, 2, {})
     bad.write_bytes(b"not a torch file")
     _digest_of(bad).write_text(hashlib.sha256(b"not a torch file").hexdigest())
-    with pytest.warns(CheckpointWarning, match=r"step_00000002\.pt.*torch\.load failed"):
+    with pytest.warns(CheckpointWarning, match=r"step_00000002\.pt.*torch\.load.* failed"):
         path, _ = load_latest_checkpoint(tmp_path)
+    assert path == paths[0]
+
+
+class _RunsCode:
+    """Pickles as a call of `os.mkdir(marker)`: what a planted checkpoint would execute."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.marker),)
+
+
+def test_a_code_payload_with_a_matching_digest_is_refused_without_running(tmp_path):
+    paths = _save_steps(tmp_path, [1])
+    marker = tmp_path / "payload-ran"
+    planted = tmp_path / "checkpoints" / "step_00000002.pt"
+    torch.save({"step": 2, "model": _RunsCode(marker)}, planted)
+    # A digest only proves the file is whole; anyone who can plant a file can write one.
+    _digest_of(planted).write_text(f"{hashlib.sha256(planted.read_bytes()).hexdigest()}  x\n")
+    with pytest.warns(CheckpointWarning, match=r"step_00000002\.pt.*weights_only=True"):
+        path, _ = load_latest_checkpoint(tmp_path)
+    assert path == paths[0]
+    assert not marker.exists()
+
+
+def test_a_payload_without_a_required_key_is_skipped(tmp_path):
+    paths = _save_steps(tmp_path, [1])
+    save_checkpoint(tmp_path, 2, {"step": 2, "model": {}})
+    with pytest.warns(CheckpointWarning, match=r"step_00000002\.pt.*lacks \['config'\]"):
+        path, _ = load_latest_checkpoint(tmp_path, required=("step", "config"))
     assert path == paths[0]
 
 
@@ -149,14 +180,16 @@ def test_prune_keeps_the_newest_complete_checkpoints(tmp_path):
     assert load_latest_checkpoint(tmp_path)[1]["step"] == 5
 
 
-def test_prune_never_deletes_the_newest_complete_checkpoint(tmp_path):
-    paths = _save_steps(tmp_path, [1, 2, 3])
-    # Steps 2 and 3 are incomplete, so step 1 is the one to keep.
-    _digest_of(paths[2]).unlink()
-    os.truncate(paths[1], 10)
-    prune_checkpoints(tmp_path, keep=1)
-    assert list_checkpoints(tmp_path) == paths[:1]
-    assert load_latest_checkpoint(tmp_path)[1]["step"] == 1
+def test_prune_never_deletes_the_newest_complete_checkpoint_nor_unverifiable_ones(tmp_path):
+    paths = _save_steps(tmp_path, [1, 2, 3, 4])
+    # Step 2 was copied without its digest and step 4 is damaged: neither is pruning's to delete,
+    # so step 3 is the newest complete one, and step 1 the only one deleted.
+    _digest_of(paths[1]).unlink()
+    os.truncate(paths[3], 10)
+    assert prune_checkpoints(tmp_path, keep=1) == [paths[0], _digest_of(paths[0])]
+    assert list_checkpoints(tmp_path) == paths[1:]
+    with pytest.warns(CheckpointWarning, match=r"step_00000004"):
+        assert load_latest_checkpoint(tmp_path)[1]["step"] == 3
     with pytest.raises(ValueError, match="keep"):
         prune_checkpoints(tmp_path, keep=0)
 
@@ -191,6 +224,17 @@ def test_saving_a_step_again_replaces_it(tmp_path):
 def _draw() -> tuple[float, np.ndarray, torch.Tensor]:
     # The global generators on purpose: they are what a resumed run must reproduce.
     return random.random(), np.random.rand(3), torch.rand(3)  # noqa: NPY002
+
+
+def test_a_checkpoint_with_numpy_rng_state_from_before_weights_only_loading_still_loads(
+    tmp_path,
+):
+    # The format of earlier runs: NumPy's own state tuple, its key array an ndarray.
+    save_checkpoint(tmp_path, 1, {"rng": {**capture_rng_state(), "numpy": np.random.get_state()}})  # noqa: NPY002
+    first = _draw()
+    restore_rng_state(load_latest_checkpoint(tmp_path)[1]["rng"])
+    again = _draw()
+    assert first[0] == again[0] and np.array_equal(first[1], again[1])
 
 
 def test_rng_restore_repeats_the_same_draws_through_a_checkpoint(tmp_path):

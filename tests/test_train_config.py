@@ -92,6 +92,36 @@ def test_defaults_construct_with_the_documented_values() -> None:
     assert all(section.key == name for name, section in SECTIONS.items())
 
 
+def test_presets_bring_their_learning_rate_and_warmup_unless_the_run_sets_them() -> None:
+    from deltalab.models.presets import PRESET_TRAINING, PRESETS
+
+    assert set(PRESET_TRAINING) == set(PRESETS)
+    tiny = RunConfig()
+    assert (tiny.optim.lr, tiny.schedule.warmup_steps) == (3e-3, 20)
+    big = load_run_config(None, ["model.preset=340M"])
+    assert (big.optim.lr, big.schedule.warmup_steps) == (1e-3, 1000)
+    assert load_run_config(None, ["model.preset=1.3B"]).optim.lr == 4e-4
+    # Larger models never get a larger learning rate.
+    rates = [PRESET_TRAINING[name].lr for name in PRESETS]
+    assert rates == sorted(rates, reverse=True)
+    chosen = load_run_config(None, ["model.preset=340M", "optim.lr=2e-3"])
+    assert (chosen.optim.lr, chosen.schedule.warmup_steps) == (2e-3, 1000)
+    # What a run saves is resolved, so a resume compares numbers, not nulls.
+    assert RunConfig.from_dict(big.to_dict()) == big
+    assert big.to_dict()["optim"]["lr"] == 1e-3
+
+
+def test_presets_command_and_help_show_the_preset_learning_rates(capsys) -> None:
+    from deltalab.cli import main
+
+    assert main(["presets", "--mixer", "muir"]) == 0
+    out = capsys.readouterr().out
+    header, _, *rows = out.splitlines()
+    assert header.split()[-2:] == ["lr", "warmup"]
+    assert rows[2].split()[0] == "340M" and rows[2].split()[-2:] == ["0.001", "1000"]
+    assert "340M 0.001" in config_help() and "1.3B 1000" in config_help()
+
+
 def test_sections_are_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         RunConfig().train.steps = 3  # type: ignore[misc]

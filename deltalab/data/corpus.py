@@ -9,7 +9,9 @@ Sources:
   test directories and files over `stdlib_max_file_bytes` (generated tables such as
   `pydoc_data/topics.py`). One file is one document.
 - a file: `.jsonl` (one JSON object per line, text in `text_field`), `.parquet` (column
-  `text_field`, read with pyarrow), anything else is one UTF-8 text document.
+  `text_field`, read with pyarrow), anything else is one UTF-8 text document. Such a single
+  text file is split by position, not by hash (one document would always fall in one split):
+  its last `held_out_fraction` of bytes, from a line start, is held out, the rest is trained on.
 - a directory saved by Hugging Face `datasets` (`save_to_disk`): column `text_field`.
 - any other directory: every `.txt`, `.jsonl` and `.parquet` file below it, in path order.
 """
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deltalab.data._validate import require_choice, require_fraction, require_int
+from deltalab.errors import DataError
 
 STDLIB_SOURCE = "stdlib"
 SPLITS = ("train", "held_out", "all")
@@ -40,7 +43,10 @@ HF_DATASET_MARKERS = ("dataset_dict.json", "state.json")
 # 4 MiB of the ~11 MB stdlib: a few million byte tokens, a first run of minutes on a CPU.
 DEFAULT_MAX_BYTES = 4 * 2**20
 # Bumped whenever the way documents are read changes, which invalidates every cached shard set.
-FINGERPRINT_VERSION = 1
+# 2: a single text file is split by position.
+FINGERPRINT_VERSION = 2
+# How far past the split point of a single text file a line start is looked for.
+_LINE_SEARCH_BYTES = 1 << 16
 _HASH_CHUNK = 1 << 20
 
 
@@ -51,9 +57,12 @@ class CorpusConfig:
     source: `"stdlib"` or a path (file, directory, or a saved Hugging Face dataset).
     split: `"train"`, `"held_out"` or `"all"`. A stdlib file belongs to the held-out split when
         the hash of its relative path falls below `held_out_fraction`; a user document when the
-        hash of its text does, so duplicated documents never straddle the split.
+        hash of its text does, so duplicated documents never straddle the split. A source that
+        is a single text file is one document, split by position instead: the held-out split is
+        its last `held_out_fraction` of bytes (from the next line start), train the rest.
     max_bytes: reading stops after the document that reaches this many UTF-8 bytes (counted
-        within the split); None reads the whole source.
+        within the split); None reads the whole source. Of a single text file, at most this
+        many bytes of the split's range are read.
     stdlib_max_file_bytes: stdlib files larger than this are skipped.
     text_field: the JSON field / parquet or dataset column holding the text.
     dataset_split: the split of a saved `DatasetDict` (ignored for a single `Dataset`).
@@ -119,28 +128,98 @@ def stdlib_files(config: CorpusConfig) -> list[str]:
 def read_text_file(path: str | Path) -> Iterator[str]:
     """The whole file as one document (nothing when it is empty)."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{path} is not valid UTF-8 text: {error}") from error
+    text = _decode(path.read_bytes(), path)
     if text:
         yield text
+
+
+def _decode(raw: bytes, path: Path, *, first_line: int = 1) -> str:
+    """`raw` as UTF-8, or a DataError naming the file and line of the first invalid byte."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = first_line + raw.count(b"\n", 0, error.start)
+        raise DataError(
+            f"{path}:{line} is not valid UTF-8 (byte {raw[error.start]:#04x}); documents must "
+            "be UTF-8 text"
+        ) from None
+
+
+def read_text_range(
+    path: str | Path, split: str, held_out_fraction: float, max_bytes: int | None = None
+) -> Iterator[str]:
+    """The part of one text file that belongs to `split`, as one document.
+
+    The held-out part is the last `held_out_fraction` of the file's bytes, moved forward to the
+    next line start (when one lies within 64 KiB; else to a character boundary); the train part
+    is everything before it, `"all"` the whole file. At most `max_bytes` bytes of the part are
+    read, cut back to a line end where there is one, so a large file is never read in full.
+    """
+    path = Path(path)
+    require_choice("split", split, SPLITS)
+    size = path.stat().st_size
+    with path.open("rb") as file:
+        cut = _split_point(file, size, held_out_fraction)
+        start, stop = {"train": (0, cut), "held_out": (cut, size), "all": (0, size)}[split]
+        length = stop - start if max_bytes is None else min(stop - start, max_bytes)
+        file.seek(start)
+        raw = file.read(length)
+    if length < stop - start:
+        # Capped: end at a line end, or at least not inside a multi-byte character.
+        raw = raw[: raw.rfind(b"\n") + 1 or _complete_chars(raw)]
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        # Only now are the lines before `start` worth counting, to name the line.
+        with path.open("rb") as file:
+            before = file.read(start).count(b"\n")
+        text = _decode(raw, path, first_line=1 + before)
+    if text:
+        yield text
+
+
+def _split_point(file, size: int, held_out_fraction: float) -> int:
+    """Where the held-out part of a single text file begins: a line start (or a character
+    boundary) at or after the last `held_out_fraction` of its bytes."""
+    target = size - round(size * held_out_fraction)
+    if target <= 0 or target >= size:
+        return target
+    file.seek(target - 1)
+    window = file.read(_LINE_SEARCH_BYTES + 1)
+    newline = window.find(b"\n")
+    if newline >= 0:
+        return target + newline
+    index = 1
+    while index < len(window) and window[index] & 0xC0 == 0x80:  # a continuation byte
+        index += 1
+    return target - 1 + index
+
+
+def _complete_chars(raw: bytes) -> int:
+    """The length of `raw` without a UTF-8 character cut off at its end."""
+    for back in range(1, min(4, len(raw)) + 1):
+        lead = raw[-back]
+        if lead & 0xC0 != 0x80:  # not a continuation byte: the last character starts here
+            need = 1 if lead < 0x80 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+            return len(raw) - back if back < need else len(raw)
+    return len(raw)
 
 
 def read_jsonl(path: str | Path, text_field: str = "text") -> Iterator[str]:
     """One document per non-blank line, from the string field `text_field` of its JSON object."""
     path = Path(path)
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            line = _decode(raw, path, first_line=number)
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number} is not valid JSON: {error}") from error
+                raise DataError(f"{path}:{number} is not valid JSON: {error}") from error
             text = record.get(text_field) if isinstance(record, dict) else None
             if not isinstance(text, str):
-                raise ValueError(
+                raise DataError(
                     f"{path}:{number} must be a JSON object with a string field {text_field!r}, "
                     f"got {type(record).__name__} {line.strip()[:80]!r}"
                 )
@@ -157,7 +236,7 @@ def read_parquet(path: str | Path, text_field: str = "text") -> Iterator[str]:
         raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from error
     table = pq.ParquetFile(path)
     if text_field not in table.schema_arrow.names:
-        raise ValueError(
+        raise DataError(
             f"{path} has no column {text_field!r}; its columns are {table.schema_arrow.names}"
         )
     for batch in table.iter_batches(columns=[text_field]):
@@ -180,12 +259,12 @@ def read_hf_dataset(
     dataset = datasets.load_from_disk(str(path))
     if isinstance(dataset, datasets.DatasetDict):
         if dataset_split not in dataset:
-            raise ValueError(
+            raise DataError(
                 f"dataset_split {dataset_split!r} is not in {path}; it has {list(dataset)}"
             )
         dataset = dataset[dataset_split]
     if text_field not in dataset.column_names:
-        raise ValueError(
+        raise DataError(
             f"{path} has no column {text_field!r}; its columns are {dataset.column_names}"
         )
     for batch in dataset.select_columns([text_field]).iter(batch_size=1024):
@@ -230,7 +309,7 @@ def read_directory(directory: str | Path, text_field: str = "text") -> Iterator[
 def iter_documents(config: CorpusConfig) -> Iterator[str]:
     """The documents of `config.source` in its split, in a fixed order, up to `max_bytes`.
 
-    Raises ValueError naming the source when the path is missing or a directory holds no
+    Raises `DataError` (a ValueError) naming the source when the path is missing or a directory holds no
     document file (at the call), or when no document is left (at the end of the iteration:
     empty files, or everything in the other split).
     """
@@ -244,11 +323,25 @@ def iter_documents(config: CorpusConfig) -> Iterator[str]:
         )
         # Stdlib files are split by path, above; user documents by their text, below.
         return _capped(texts, config, split_by_text=False)
-    texts = _read_source(_require_path(config.source), config)
-    return _capped(texts, config, split_by_text=True)
+    path = _require_path(config.source)
+    if _is_text_file(path):
+        texts = read_text_range(path, config.split, config.held_out_fraction, config.max_bytes)
+        why = (
+            f"the file is empty or too short to give both splits a part with "
+            f"held_out_fraction={config.held_out_fraction}"
+        )
+        return _capped(texts, config, split_by_text=False, why=why)
+    return _capped(_read_source(path, config), config, split_by_text=True)
 
 
-def _capped(texts: Iterator[str], config: CorpusConfig, *, split_by_text: bool) -> Iterator[str]:
+def _is_text_file(path: Path) -> bool:
+    """A source that is one plain-text file, hence one document, split by position."""
+    return path.is_file() and path.suffix not in (".jsonl", ".parquet")
+
+
+def _capped(
+    texts: Iterator[str], config: CorpusConfig, *, split_by_text: bool, why: str = ""
+) -> Iterator[str]:
     count, total = 0, 0
     for text in texts:
         if not text:
@@ -261,11 +354,11 @@ def _capped(texts: Iterator[str], config: CorpusConfig, *, split_by_text: bool) 
         if config.max_bytes is not None and total >= config.max_bytes:
             return
     if count == 0:
-        raise ValueError(
-            f"no documents in split {config.split!r} of {config.source} (empty files, or every "
-            f"document fell in the other split with held_out_fraction={config.held_out_fraction}"
-            "; split='all' takes every document)"
+        why = why or (
+            "empty files, or every document fell in the other split with "
+            f"held_out_fraction={config.held_out_fraction}; split='all' takes every document"
         )
+        raise DataError(f"no documents in split {config.split!r} of {config.source} ({why})")
 
 
 def source_fingerprint(config: CorpusConfig) -> str:
@@ -290,14 +383,20 @@ def source_fingerprint(config: CorpusConfig) -> str:
 def _require_path(source: str) -> Path:
     path = Path(source)
     if not path.exists():
-        raise ValueError(f"source {source!r} is neither 'stdlib' nor an existing file or directory")
+        raise DataError(f"source {source!r} is neither 'stdlib' nor an existing file or directory")
+    if not (path.is_file() or path.is_dir()):
+        # A device such as /dev/zero, a pipe or a socket can be read without end.
+        raise DataError(
+            f"source {source!r} is not a regular file or directory (a device, pipe or socket "
+            "has no end to read to); save the text to a file and point at that"
+        )
     return path
 
 
 def _require_document_files(directory: Path) -> list[Path]:
     files = document_files(directory)
     if not files:
-        raise ValueError(
+        raise DataError(
             f"directory {directory} holds no document file; expected files ending in "
             f"{' or '.join(DOCUMENT_SUFFIXES)}, or a dataset saved by `datasets`"
         )

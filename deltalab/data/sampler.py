@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from deltalab.data._validate import require_int
+from deltalab.errors import DataError
 
 
 class TokenStream(Protocol):
@@ -42,7 +43,7 @@ class PackedSequences:
         self.seq_len = require_int("seq_len", seq_len, minimum=1)
         available = len(tokens)
         if available < seq_len + 1:
-            raise ValueError(
+            raise DataError(
                 f"the corpus has {available} tokens; seq_len={seq_len} needs at least "
                 f"{seq_len + 1} (one window of inputs plus the shifted target)"
             )

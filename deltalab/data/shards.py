@@ -27,6 +27,7 @@ from deltalab.data._validate import require_int
 from deltalab.data.corpus import CorpusConfig, iter_documents
 from deltalab.data.corpus import source_fingerprint as corpus_fingerprint
 from deltalab.data.tokenizer import Tokenizer
+from deltalab.errors import DataError
 
 MANIFEST_NAME = "manifest.json"
 SHARD_NAME = "shard_{:05d}.bin"
@@ -151,7 +152,7 @@ def build_shards(
     finally:
         writer.close()
     if num_documents == 0:
-        raise ValueError(f"no documents to write into {out}")
+        raise DataError(f"no documents to write into {out}")
     manifest = ShardManifest(
         dtype=dtype.name,
         vocab_size=vocab_size,

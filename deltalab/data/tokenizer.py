@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from deltalab.errors import DataError
+
 BYTE_SPEC = "byte"
 NUM_BYTES = 256
 
@@ -240,7 +242,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
         return ByteTokenizer()
     path = Path(spec)
     if not path.exists():
-        raise ValueError(
+        raise DataError(
             f"tokenizer spec {spec!r} is neither 'byte' nor an existing local path to a "
             "Hugging Face tokenizer directory"
         )
@@ -250,5 +252,11 @@ def load_tokenizer(spec: str) -> Tokenizer:
         raise ImportError(
             f"loading the tokenizer at {spec!r} needs transformers: pip install transformers"
         ) from error
+    if path.is_dir() and not any(path.iterdir()):
+        # transformers would fail with a long message about the Hub and repository ids.
+        raise DataError(
+            f"tokenizer directory {spec!r} is empty; expected the files a tokenizer's "
+            "save_pretrained writes (tokenizer.json, tokenizer_config.json, ...), or use 'byte'"
+        )
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     return HuggingFaceTokenizer(tokenizer, spec)

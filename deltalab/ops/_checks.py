@@ -6,6 +6,7 @@ silently: a shape either matches exactly or the call is refused.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -62,16 +63,29 @@ def values_checkable(x: torch.Tensor) -> bool:
     return x.numel() > 0 and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
+class NonFiniteError(ValueError):
+    """A value check failed on NaN or an infinity: the numbers went wrong (a diverging training
+    run), not the way the op was called. A ValueError like every other refusal; the training
+    loop catches this subclass to apply its NaN policy."""
+
+
+def _refusal(x: torch.Tensor) -> type[ValueError]:
+    return ValueError if bool(torch.isfinite(x).all()) else NonFiniteError
+
+
 def require_nonpositive(name: str, x: torch.Tensor, meaning: str) -> None:
     """Refuses values > 0 and NaN (-inf passes: a log decay of -inf is a full reset)."""
     if values_checkable(x) and not bool((x <= 0).all()):
-        raise ValueError(f"{name} must be <= 0 ({meaning}), got {_worst(x, 'maximum')}")
+        # -inf is allowed here, so only NaN and +inf make the refusal a NonFiniteError.
+        raise _refusal(x.nan_to_num(nan=math.nan, posinf=math.inf, neginf=0.0))(
+            f"{name} must be <= 0 ({meaning}), got {_worst(x, 'maximum')}"
+        )
 
 
 def require_positive(name: str, x: torch.Tensor, meaning: str) -> None:
     """Refuses values <= 0 and NaN."""
     if values_checkable(x) and not bool((x > 0).all()):
-        raise ValueError(f"{name} must be > 0 ({meaning}), got {_worst(x, 'minimum')}")
+        raise _refusal(x)(f"{name} must be > 0 ({meaning}), got {_worst(x, 'minimum')}")
 
 
 def _worst(x: torch.Tensor, reduce: str) -> str:
@@ -83,7 +97,7 @@ def _worst(x: torch.Tensor, reduce: str) -> str:
 def require_nonnegative(name: str, x: torch.Tensor, meaning: str) -> None:
     """Refuses values < 0 and NaN."""
     if values_checkable(x) and not bool((x >= 0).all()):
-        raise ValueError(f"{name} must be >= 0 ({meaning}), got {_worst(x, 'minimum')}")
+        raise _refusal(x)(f"{name} must be >= 0 ({meaning}), got {_worst(x, 'minimum')}")
 
 
 def require_finite(name: str, x: torch.Tensor, meaning: str) -> None:
@@ -93,7 +107,7 @@ def require_finite(name: str, x: torch.Tensor, meaning: str) -> None:
     bad = ~torch.isfinite(x)
     if bool(bad.any()):
         index = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"{name} must be finite ({meaning}), got {x[index].item()} at {index}")
+        raise NonFiniteError(f"{name} must be finite ({meaning}), got {x[index].item()} at {index}")
 
 
 def require_positive_int(name: str, value: object) -> int:

@@ -11,6 +11,15 @@ old file, the new file, or a stale `.step_*.tmp` that nothing reads. A checkpoin
 when its sidecar exists and names the SHA-256 of the file; the loader skips anything else with a
 `CheckpointWarning` and falls back to the previous complete one.
 
+Trust: payloads are read with `torch.load(weights_only=True)`, which rebuilds tensors, plain
+containers and NumPy arrays of plain data (the RNG state of older checkpoints) and refuses any
+other object, so a checkpoint cannot run code when it is loaded. The digest guards against
+truncation and corruption, not tampering: whoever can write the run directory can write a
+matching digest, so a tampered file loads wrong numbers, never code.
+
+Pruning deletes only checkpoints it verified (complete ones older than the newest `keep`):
+files it cannot verify, such as checkpoints copied without their `.sha256`, are left for the user.
+
 One process writes a run's checkpoints (rank 0 in a distributed run): `prune_checkpoints` deletes
 temporary files it finds, which would break a save running concurrently in another process.
 """
@@ -25,6 +34,7 @@ import signal
 import threading
 import uuid
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
@@ -36,6 +46,7 @@ __all__ = [
     "CheckpointWarning",
     "GracefulStop",
     "capture_rng_state",
+    "find_latest_checkpoint",
     "list_checkpoints",
     "load_latest_checkpoint",
     "prune_checkpoints",
@@ -47,6 +58,15 @@ CHECKPOINT_DIR = "checkpoints"
 DIGEST_SUFFIX = ".sha256"
 _CHECKPOINT_NAME = re.compile(r"step_(\d+)\.pt")
 _TEMP_GLOB = ".step_*.tmp"
+# What a NumPy array unpickles through: checkpoints written before the RNG state was stored as
+# tensors hold NumPy's key array. These build arrays of plain data only (an object array's items
+# still pass the weights-only unpickler), the allow-list PyTorch documents for NumPy.
+_NUMPY_ARRAY_GLOBALS = [
+    np.ndarray,
+    (getattr(np, "_core", None) or np.core).multiarray._reconstruct,
+    np.dtype,
+    type(np.dtype(np.uint32)),  # the key array's dtype class (numpy.dtypes.UInt32DType)
+]
 
 
 class CheckpointWarning(UserWarning):
@@ -101,59 +121,79 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
-def load_latest_checkpoint(
-    run_dir: str | Path, *, map_location: str | torch.device = "cpu"
-) -> tuple[Path, dict[str, Any]] | None:
-    """The newest complete and loadable checkpoint as `(path, payload)`, or None if there is none.
+def find_latest_checkpoint(
+    run_dir: str | Path,
+    *,
+    map_location: str | torch.device = "cpu",
+    required: Collection[str] = (),
+) -> tuple[tuple[Path, dict[str, Any]] | None, list[tuple[Path, str]]]:
+    """The newest usable checkpoint as `(path, payload)` (or None), and the newer ones skipped.
 
-    Newer checkpoints with a missing or wrong digest, or that `torch.load` rejects, are skipped
-    with a `CheckpointWarning` naming the file and the reason.
-
-    `torch.load(weights_only=False)` is needed because payloads carry NumPy and Python RNG
-    states, configs and other plain objects that the weights-only unpickler refuses. It runs only
-    after the digest matched, i.e. on a file this module wrote in full; the digest guards against
-    truncation and corruption, not tampering, so load only run directories you trust.
+    A checkpoint is usable when its digest matches, `torch.load(weights_only=True)` reads it, and
+    its payload is a dict holding every key in `required`. The second item lists each skipped
+    checkpoint (newest first) with the reason; when the first is None, it lists every checkpoint
+    file of the run.
     """
+    skipped: list[tuple[Path, str]] = []
     for path in reversed(list_checkpoints(run_dir)):
         problem = _completeness_problem(path)
         if problem is None:
             try:
-                payload = torch.load(path, map_location=map_location, weights_only=False)
+                with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
+                    payload = torch.load(path, map_location=map_location, weights_only=True)
             except Exception as error:
-                problem = f"torch.load failed ({type(error).__name__}: {error})"
+                # The weights-only unpickler explains itself over many lines; the first says why.
+                reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                problem = f"torch.load(weights_only=True) failed ({type(error).__name__}: {reason})"
             else:
-                if isinstance(payload, dict):
-                    return path, payload
-                problem = f"payload is a {type(payload).__name__}, not a dict"
+                if not isinstance(payload, dict):
+                    problem = f"payload is a {type(payload).__name__}, not a dict"
+                elif missing := [key for key in required if key not in payload]:
+                    problem = f"payload lacks {missing}"
+                else:
+                    return (path, payload), skipped
+        skipped.append((path, problem))
+    return None, skipped
+
+
+def load_latest_checkpoint(
+    run_dir: str | Path,
+    *,
+    map_location: str | torch.device = "cpu",
+    required: Collection[str] = (),
+) -> tuple[Path, dict[str, Any]] | None:
+    """The newest complete and loadable checkpoint as `(path, payload)`, or None if there is none.
+
+    Newer checkpoints with a missing or wrong digest, that `torch.load(weights_only=True)`
+    rejects, or whose payload lacks a `required` key, are skipped with a `CheckpointWarning`
+    naming the file and the reason.
+    """
+    found, skipped = find_latest_checkpoint(run_dir, map_location=map_location, required=required)
+    for path, problem in skipped:
         warnings.warn(
             f"skipping checkpoint {path}: {problem}; falling back to an earlier one",
             CheckpointWarning,
             stacklevel=2,
         )
-    return None
+    return found
 
 
 def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
     """Delete all but the newest `keep` complete checkpoints; returns the deleted paths.
 
-    Also deleted: incomplete checkpoints (which `load_latest_checkpoint` would skip anyway), their
-    sidecars, orphan sidecars and stale temporary files of interrupted saves. `keep >= 1`, so the
-    newest complete checkpoint always survives.
+    Only checkpoints whose digest this call verified are deleted, with their sidecars; one it
+    cannot verify (no sidecar, a wrong digest: copied without its `.sha256`, or damaged) is
+    never deleted, since it may be the only copy of a run. Also deleted: orphan sidecars and
+    stale temporary files of interrupted saves, which nothing reads. `keep >= 1`, so the newest
+    complete checkpoint always survives.
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1 so the newest checkpoint survives, got {keep}")
     directory = Path(run_dir) / CHECKPOINT_DIR
     if not directory.is_dir():
         return []
-    checkpoints = list_checkpoints(run_dir)
-    kept: set[Path] = set()
-    for path in reversed(checkpoints):
-        if len(kept) == keep:
-            break
-        if _completeness_problem(path) is None:
-            kept.add(path)
-
-    doomed = [path for path in checkpoints if path not in kept]
+    complete = [path for path in list_checkpoints(run_dir) if _completeness_problem(path) is None]
+    doomed = complete[: max(0, len(complete) - keep)]
     doomed += [_sidecar(path) for path in doomed]
     doomed += [
         sidecar
@@ -170,11 +210,22 @@ def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
 
 
 def capture_rng_state() -> dict[str, Any]:
-    """The global RNG states: Python `random`, NumPy, torch CPU, and every CUDA device if any."""
+    """The global RNG states: Python `random`, NumPy, torch CPU, and every CUDA device if any.
+
+    Only tensors, tuples, ints, floats and strings, so that `torch.load(weights_only=True)`
+    reads them back: NumPy's key array is stored as an int64 tensor.
+    """
+    # The global NumPy state is the one third-party code draws from, hence the legacy API.
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()  # noqa: NPY002
     return {
         "python": random.getstate(),
-        # The global NumPy state is the one third-party code draws from, hence the legacy API.
-        "numpy": np.random.get_state(),  # noqa: NPY002
+        "numpy": (
+            str(kind),
+            torch.from_numpy(keys.astype(np.int64)),
+            int(position),
+            int(has_gauss),
+            float(cached_gaussian),
+        ),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
@@ -187,7 +238,9 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     run cannot continue bit for bit, which is warned about rather than ignored.
     """
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])  # noqa: NPY002
+    kind, keys, *rest = state["numpy"]
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+    np.random.set_state((kind, keys.astype(np.uint32), *rest))  # noqa: NPY002
     torch.set_rng_state(state["torch"].cpu())
     saved = list(state.get("cuda", []))
     present = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -29,7 +29,9 @@ from typing import Any, ClassVar, Self
 
 import yaml
 
+from deltalab.errors import ConfigError, ConfigTypeError, UserError
 from deltalab.models.config import closest
+from deltalab.models.presets import PRESET_TRAINING
 
 __all__ = [
     "DEVICES",
@@ -243,11 +245,14 @@ class DataSection(_Section):
     """What to train on (see `deltalab.data.CorpusConfig`).
 
     source: "stdlib" (the Python standard library) or a path: a file, a directory of .txt,
-        .jsonl and .parquet files, or a dataset saved by Hugging Face `datasets`.
+        .jsonl and .parquet files, or a dataset saved by Hugging Face `datasets`. A single
+        text file is one document, split by position: its last held_out_fraction (from a line
+        start) is held out.
     tokenizer: "byte", or a directory holding a Hugging Face tokenizer.
     cache_dir: directory of the tokenized shards, reused until the source changes.
     max_bytes: stop reading the source after this many UTF-8 bytes (null: read it all).
-    held_out_fraction: fraction of the documents held out for evaluation, in (0, 1).
+    held_out_fraction: fraction of the documents held out for evaluation, in (0, 1); of a
+        single text file, the fraction of its bytes.
     text_field: JSON field, parquet or dataset column that holds the text.
     """
 
@@ -272,7 +277,7 @@ class DataSection(_Section):
 class OptimSection(_Section):
     """AdamW and gradient clipping.
 
-    lr: peak learning rate, > 0.
+    lr: peak learning rate, > 0 (null: the preset's, as `deltalab presets` lists).
     betas: AdamW (beta1, beta2), each in [0, 1).
     eps: AdamW epsilon, > 0.
     weight_decay: decoupled weight decay, >= 0.
@@ -281,14 +286,15 @@ class OptimSection(_Section):
 
     key: ClassVar[str] = "optim"
 
-    lr: float = 3e-3
+    lr: float | None = None
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: float = 1.0
 
     def validate(self) -> None:
-        _require(self.lr > 0, self.dotted("lr"), "> 0", self.lr)
+        if self.lr is not None:
+            _require(self.lr > 0, self.dotted("lr"), "> 0", self.lr)
         _require(all(0 <= b < 1 for b in self.betas), self.dotted("betas"), "in [0, 1)", self.betas)
         _require(self.eps > 0, self.dotted("eps"), "> 0", self.eps)
         _require(self.weight_decay >= 0, self.dotted("weight_decay"), ">= 0", self.weight_decay)
@@ -301,7 +307,8 @@ class ScheduleSection(_Section):
 
     kind: "cosine" (warmup, then cosine decay to min_lr_ratio), "wsd" (warmup, stable, then
         linear decay over the last decay_fraction of the steps) or "constant" (warmup, then flat).
-    warmup_steps: steps of linear warmup from 0 to the peak learning rate, >= 0.
+    warmup_steps: steps of linear warmup from 0 to the peak learning rate, >= 0 (null: the
+        preset's, as `deltalab presets` lists).
     min_lr_ratio: final learning rate as a fraction of the peak, in [0, 1].
     decay_fraction: WSD only: the last fraction of the steps that decays, in [0, 1].
     """
@@ -309,13 +316,15 @@ class ScheduleSection(_Section):
     key: ClassVar[str] = "schedule"
 
     kind: str = "cosine"
-    warmup_steps: int = 20
+    warmup_steps: int | None = None
     min_lr_ratio: float = 0.1
     decay_fraction: float = 0.2
 
     def validate(self) -> None:
         _require_choice(self.dotted("kind"), self.kind, SCHEDULES)
-        _require(self.warmup_steps >= 0, self.dotted("warmup_steps"), ">= 0", self.warmup_steps)
+        if self.warmup_steps is not None:
+            warmup = self.warmup_steps
+            _require(warmup >= 0, self.dotted("warmup_steps"), ">= 0", warmup)
         ratio, fraction = self.min_lr_ratio, self.decay_fraction
         _require(0 <= ratio <= 1, self.dotted("min_lr_ratio"), "in [0, 1]", ratio)
         _require(0 <= fraction <= 1, self.dotted("decay_fraction"), "in [0, 1]", fraction)
@@ -457,6 +466,20 @@ class RunConfig:
                 raise TypeError(
                     f"{name} must be a {section.__name__}, got {type(value).__name__} {value!r}"
                 )
+        self._apply_preset_training()
+
+    def _apply_preset_training(self) -> None:
+        """Fill optim.lr and schedule.warmup_steps left null with the preset's values, so a
+        340M model does not train at the tiny model's learning rate. An unknown preset is
+        left for the model's own check to refuse, with its list of presets."""
+        training = PRESET_TRAINING.get(self.model.preset)
+        if training is None:
+            return
+        if self.optim.lr is None:
+            object.__setattr__(self, "optim", dataclasses.replace(self.optim, lr=training.lr))
+        if self.schedule.warmup_steps is None:
+            schedule = dataclasses.replace(self.schedule, warmup_steps=training.warmup_steps)
+            object.__setattr__(self, "schedule", schedule)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RunConfig:
@@ -527,22 +550,46 @@ def load_run_config(path: str | os.PathLike[str] | None, overrides: Sequence[str
     """The config of an optional YAML or JSON file (`.json` is read as JSON), then `overrides`
     (`section.field=value`, later ones win).
 
-    Raises ValueError or TypeError naming the dotted field: an unknown section or field (with the
-    closest valid name), a malformed override, a value of the wrong type or out of range.
+    Raises `ConfigError` (a ValueError) or `ConfigTypeError` (a TypeError) naming the file or the
+    dotted field: a missing or unreadable file, text that is not UTF-8 (with its line), an
+    unknown section or field (with the closest valid name), a malformed override, a value of the
+    wrong type or out of range.
     """
-    tree: dict[str, dict[str, Any]] = {}
-    if path is not None:
-        text = Path(path).read_text(encoding="utf-8")
-        try:
-            data = json.loads(text) if Path(path).suffix == ".json" else yaml.safe_load(text)
-            tree = _check_names({} if data is None else data)
-        except TypeError as error:
-            raise TypeError(f"{path}: {error}") from error
-        except (ValueError, yaml.YAMLError) as error:
-            raise ValueError(f"{path}: {error}") from error
-    for override in overrides:
-        _apply_override(tree, override)
-    return RunConfig.from_dict(tree)
+    try:
+        tree: dict[str, dict[str, Any]] = {} if path is None else _read_config_file(Path(path))
+        for override in overrides:
+            _apply_override(tree, override)
+        return RunConfig.from_dict(tree)
+    except UserError:
+        raise
+    except TypeError as error:
+        raise ConfigTypeError(str(error)) from error
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+
+def _read_config_file(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {error.strerror}") from error
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise ConfigError(
+            f"{path}:{line} is not valid UTF-8 (byte {raw[error.start]:#04x} at offset "
+            f"{error.start}); save the config file as UTF-8"
+        ) from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        return _check_names({} if data is None else data)
+    except TypeError as error:
+        raise ConfigTypeError(f"{path}: {error}") from error
+    except (ValueError, yaml.YAMLError) as error:
+        raise ConfigError(f"{path}: {error}") from error
 
 
 def save_run_config(config: RunConfig, path: str | os.PathLike[str]) -> Path:
@@ -564,6 +611,10 @@ def save_run_config(config: RunConfig, path: str | os.PathLike[str]) -> Path:
     return path
 
 
+# Fields whose null default means the preset's value (`PRESET_TRAINING`).
+PRESET_FIELDS = ("optim.lr", "schedule.warmup_steps")
+
+
 def config_help() -> str:
     """Every field as `section.field (type, default X): description`, grouped by section."""
     lines = [
@@ -576,5 +627,12 @@ def config_help() -> str:
         defaults, docs = section(), _field_docs(section)
         for f in dataclasses.fields(section):
             default = json.dumps(_plain(f.name, getattr(defaults, f.name)))
-            lines.append(f"  {name}.{f.name} ({f.type}, default {default}): {docs.get(f.name, '')}")
+            doc = docs.get(f.name, "")
+            if f"{name}.{f.name}" in PRESET_FIELDS:
+                values = ", ".join(
+                    f"{preset} {getattr(training, f.name):g}"
+                    for preset, training in PRESET_TRAINING.items()
+                )
+                doc += f" Preset values: {values}."
+            lines.append(f"  {name}.{f.name} ({f.type}, default {default}): {doc}")
     return "\n".join(lines)

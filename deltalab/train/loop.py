@@ -9,10 +9,13 @@ end) -> a Hugging Face export, a metrics JSON, a loss-curve PNG and a generated 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 import os
+import signal
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,12 +40,22 @@ from deltalab.data import (
     prepare_tokens,
     save_tokenizer,
 )
-from deltalab.models import CausalLM, build_config
+from deltalab.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    DivergenceError,
+    UserError,
+)
+from deltalab.models import CausalLM, DeltaLabConfig, build_config
+from deltalab.models.mixers import mixer_class
+from deltalab.ops._checks import NonFiniteError
 from deltalab.train.checkpoint import (
+    CheckpointWarning,
     GracefulStop,
     capture_rng_state,
+    find_latest_checkpoint,
     list_checkpoints,
-    load_latest_checkpoint,
     prune_checkpoints,
     restore_rng_state,
     save_checkpoint,
@@ -59,7 +72,11 @@ FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 @dataclass
 class TrainResult:
-    """What a run produced. Perplexities are exp(held-out loss per token)."""
+    """What a run produced. Perplexities are exp(held-out loss per token).
+
+    `steps` counts the recorded (not skipped) steps; `last_step` is the step the run reached of
+    `config.train.steps`. `stop_signal` is the signal number that interrupted the run, if any.
+    """
 
     out_dir: Path
     steps: int
@@ -68,6 +85,8 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     sample: str = ""
     interrupted: bool = False
+    last_step: int = 0
+    stop_signal: int | None = None
 
 
 def _sequences(config: RunConfig, tokenizer, split: str, ctx: Distributed) -> PackedSequences:
@@ -90,10 +109,13 @@ def _sequences(config: RunConfig, tokenizer, split: str, ctx: Distributed) -> Pa
         except Exception as error:
             failure = error
     if ctx.active:
-        failed = torch.tensor(float(failure is not None), device=ctx.device)
+        # 0: ready; 1: a user error (the others report one too, in one line); 2: anything else.
+        code = 0 if failure is None else 1 if isinstance(failure, UserError) else 2
+        failed = torch.tensor(float(code), device=ctx.device)
         dist.all_reduce(failed)
         if failed.item() and failure is None:
-            raise RuntimeError("rank 0 could not prepare the training data; see its error")
+            kind = DataError if failed.item() == 1 else RuntimeError
+            raise kind("rank 0 could not prepare the training data; see its error")
     if failure is not None:
         raise failure
     if not ctx.is_main:
@@ -150,7 +172,7 @@ def evaluate(model, held_out: PackedSequences, count: int, micro: int, ctx, auto
     model.eval()
     used = min(count, len(held_out)) // ctx.world_size * ctx.world_size
     if used == 0:
-        raise ValueError(
+        raise DataError(
             f"the held-out split has {len(held_out)} windows, fewer than the {ctx.world_size} "
             "ranks; raise data.held_out_fraction or lower train.seq_len"
         )
@@ -158,7 +180,11 @@ def evaluate(model, held_out: PackedSequences, count: int, micro: int, ctx, auto
     total = torch.zeros((), dtype=torch.float64, device=ctx.device)
     for start in range(0, len(indices), micro):
         window = torch.stack([held_out[i] for i in indices[start : start + micro]]).to(ctx.device)
-        total += _loss(model, window, autocast).double() * window.shape[0]
+        try:
+            total += _loss(model, window, autocast).double() * window.shape[0]
+        except NonFiniteError:
+            # A diverged model: its held-out loss is NaN, which the caller reports.
+            total += math.nan
     total = all_reduce_mean(total, ctx) * ctx.world_size
     model.train(was_training)
     return (total / used).item()
@@ -225,20 +251,49 @@ def _check_fresh_start(out_dir: Path, config: RunConfig) -> None:
     """A new run must not share a directory with another run's checkpoints: the older ones
     would be pruned in its place and picked up by a later resume."""
     if not config.checkpoint.resume and list_checkpoints(out_dir):
-        raise ValueError(
+        raise CheckpointError(
             f"log.out_dir {str(out_dir)!r} already holds checkpoints of a run; continue it with "
             "--resume (checkpoint.resume=true) or choose another log.out_dir"
         )
 
 
+# What `_resume` reads from a payload; one without them is skipped like a damaged file.
+PAYLOAD_KEYS = ("step", "model", "optimizer", "scheduler", "sampler", "rng", "config", "history")
+
+
+def _unusable_checkpoints(out_dir: Path, skipped: list[tuple[Path, str]]) -> CheckpointError:
+    """Why a resume stops rather than start over: step 0 would prune the files at its first
+    save and truncate the log, losing a run that may only need its digests back."""
+    listing = "; ".join(f"{path.name}: {problem}" for path, problem in reversed(skipped))
+    directory = out_dir / "checkpoints"
+    newest = skipped[0][0].name
+    return CheckpointError(
+        f"cannot resume from log.out_dir {str(out_dir)!r}: it holds {len(skipped)} checkpoint "
+        f"file(s) and none can be used ({listing}). Nothing was changed. If you trust a file "
+        f"that lacks its digest, write one (cd {directory} && sha256sum {newest} > "
+        f"{newest}.sha256) and resume again; to start over, move {directory} away or choose "
+        "another log.out_dir"
+    )
+
+
 def _resume(out_dir, core, optimizer, scheduler, sampler, config) -> tuple[int, dict]:
-    found = load_latest_checkpoint(out_dir)
+    found, skipped = find_latest_checkpoint(out_dir, required=PAYLOAD_KEYS)
     if found is None:
+        if skipped:
+            raise _unusable_checkpoints(out_dir, skipped)
         return 0, {"train": [], "eval": []}
+    for skipped_path, problem in skipped:
+        # Not deleted: pruning leaves files it cannot verify, and a save of the same step
+        # replaces it only once the run has recomputed that step.
+        warnings.warn(
+            f"skipping checkpoint {skipped_path}: {problem}; resuming from {found[0].name}",
+            CheckpointWarning,
+            stacklevel=2,
+        )
     path, payload = found
     changed = _changed_fields(payload["config"], config.to_dict())
     if changed:
-        raise ValueError(
+        raise CheckpointError(
             f"cannot resume {path}: the run config changed ({'; '.join(changed)}); restore "
             "those fields or start a new run in another log.out_dir"
         )
@@ -263,27 +318,138 @@ def _due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
 
 
+def _check_directories(config: RunConfig) -> None:
+    """The run and cache directories must be directories (or not exist yet), found before any
+    work rather than as an OSError after tokenizing."""
+    for name, value in (
+        ("log.out_dir", config.log.out_dir),
+        ("data.cache_dir", config.data.cache_dir),
+    ):
+        directory = Path(value)
+        for path in (directory, *directory.parents):
+            if path.exists():
+                if not path.is_dir():
+                    raise ConfigError(
+                        f"{name} must be a directory, got {value!r}, where {str(path)!r} is a "
+                        f"file; choose another {name}"
+                    )
+                break
+
+
+# Arguments `build_mixer` passes itself, from the config's own fields: not mixer_options.
+MIXER_ARGUMENTS = {
+    "self",
+    "hidden_size",
+    "num_heads",
+    "head_dim",
+    "value_dim",
+    "conv_size",
+    "chunk_size",
+}
+
+
+def _model_config(config: RunConfig, tokenizer) -> DeltaLabConfig:
+    """The model's config, checked by building the model on the meta device (no memory): its
+    errors name `model.*` and come before any data is tokenized."""
+    overrides = config.model.overrides
+    vocab_size = overrides.get("vocab_size", tokenizer.vocab_size)
+    if isinstance(vocab_size, int) and vocab_size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"model.overrides.vocab_size must be >= the tokenizer's vocabulary "
+            f"({tokenizer.vocab_size} tokens of data.tokenizer={config.data.tokenizer!r}), got "
+            f"{vocab_size}"
+        )
+    try:
+        model_config = build_config(
+            config.model.preset,
+            mixer=config.model.mixer,
+            **{"vocab_size": tokenizer.vocab_size, **overrides},
+        )
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"model: {error}") from error
+    if model_config.mixer_options:
+        # Options reach the recurrent mixer only; attention blocks take none.
+        recurrent = {kind for kind in model_config.layer_kinds() if kind != "attention"}
+        choices = sorted(
+            {
+                name
+                for kind in recurrent
+                for name in inspect.signature(mixer_class(kind).__init__).parameters
+            }
+            - MIXER_ARGUMENTS
+        )
+        for name in model_config.mixer_options:
+            if name not in choices:
+                raise ConfigError(
+                    f"model.overrides.mixer_options.{name} is not an option of the "
+                    f"{model_config.mixer} mixer; its options are {choices}"
+                )
+    for name in ("bos", "eos", "pad"):
+        setattr(model_config, f"{name}_token_id", getattr(tokenizer, f"{name}_id"))
+    try:
+        with torch.device("meta"):
+            CausalLM(model_config)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"model: {error}") from error
+    return model_config
+
+
+def _check_batch_sizes(config: RunConfig, train_data, held_out, micro: int, ctx) -> int:
+    """Refuse a batch the data cannot fill, before anything is allocated (a batch of more
+    windows than the split holds repeats windows within one step and grows memory without
+    bound); returns the held-out windows one evaluation uses."""
+    windows = f"windows of train.seq_len + 1 = {config.train.seq_len + 1} tokens"
+    if config.train.batch_size > len(train_data):
+        raise ConfigError(
+            f"train.batch_size must be at most the {len(train_data)} {windows} of the train "
+            f"split, got {config.train.batch_size}; lower train.batch_size or train.seq_len, or "
+            "train on more data"
+        )
+    if len(held_out) < ctx.world_size:
+        raise DataError(
+            f"the held-out split has {len(held_out)} windows, fewer than the {ctx.world_size} "
+            "ranks; raise data.held_out_fraction or lower train.seq_len"
+        )
+    wanted = config.eval.batches * micro * ctx.world_size
+    return min(wanted, len(held_out))
+
+
+def _nonfinite_hint(out_dir: Path, step: int, config: RunConfig, cause: str) -> str:
+    """The message of a run stopped by train.nan_policy=stop, true about what is on disk."""
+    saved = list_checkpoints(out_dir)
+    if saved:
+        where = f"the newest checkpoint is {saved[-1]}"
+    else:
+        where = "no checkpoint was written before it"
+    return (
+        f"step {step} is not finite ({cause}); stopping (train.nan_policy=stop), {where}. The "
+        f"learning rate is likely too high for this model: lower optim.lr (now "
+        f"{config.optim.lr:g}) or lengthen schedule.warmup_steps (now "
+        f"{config.schedule.warmup_steps}) and start a new run, or set train.nan_policy=skip "
+        "to skip such steps"
+    )
+
+
 def train(config: RunConfig) -> TrainResult:
     """Trains the configured model; returns its perplexities, losses and sample."""
     ctx = setup_distributed(config.train.device)
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     out_dir = Path(config.log.out_dir)
+    _check_directories(config)
     _check_fresh_start(out_dir, config)
     _check_outside_source(config)
     torch.manual_seed(config.train.seed)
     tokenizer = load_tokenizer(config.data.tokenizer)
+    model_config = _model_config(config, tokenizer)
+    micro = _micro_batch(config, ctx)
     train_data = _sequences(config, tokenizer, "train", ctx)
     held_out = _sequences(config, tokenizer, "held_out", ctx)
-    micro = _micro_batch(config, ctx)
+    eval_windows = _check_batch_sizes(config, train_data, held_out, micro, ctx)
 
-    model_config = build_config(
-        config.model.preset,
-        mixer=config.model.mixer,
-        **{"vocab_size": tokenizer.vocab_size, **config.model.overrides},
-    )
-    for name in ("bos", "eos", "pad"):
-        setattr(model_config, f"{name}_token_id", getattr(tokenizer, f"{name}_id"))
+    # The seed again: building the model on the meta device above draws nothing, but the
+    # initialization must not depend on what the checks did.
+    torch.manual_seed(config.train.seed)
     core = CausalLM(model_config).to(ctx.device)
     core.model.checkpoint_blocks = config.train.activation_checkpointing
     exempt = no_decay_names(core)
@@ -299,8 +465,7 @@ def train(config: RunConfig) -> TrainResult:
         start, history = _resume(out_dir, core, optimizer, scheduler, sampler, config)
 
     autocast = _autocast(config, ctx)
-    eval_windows = config.eval.batches * micro * ctx.world_size
-    logger = RunLogger(out_dir, config, enabled=ctx.is_main, append=start > 0)
+    logger = RunLogger(out_dir, config, enabled=ctx.is_main, resume_step=start or None)
     if ctx.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_run_config(config, out_dir / "config.yaml")
@@ -311,6 +476,21 @@ def train(config: RunConfig) -> TrainResult:
             f"{len(train_data)} train / {len(held_out)} held-out windows of {config.train.seq_len}"
             f" tokens; {ctx.world_size} process(es) on {ctx.device}"
         )
+        if eval_windows < config.eval.batches * micro * ctx.world_size:
+            logger.print(
+                f"eval.batches={config.eval.batches} asks for more windows than the "
+                f"{len(held_out)} held-out ones; each evaluation uses all {eval_windows}"
+            )
+        logger.print(
+            f"optimizer: peak optim.lr={config.optim.lr:g} after "
+            f"schedule.warmup_steps={config.schedule.warmup_steps} ({config.schedule.kind})"
+        )
+        if config.schedule.warmup_steps >= config.train.steps:
+            logger.print(
+                f"note: schedule.warmup_steps={config.schedule.warmup_steps} >= train.steps="
+                f"{config.train.steps}: the learning rate never reaches its peak; set "
+                "schedule.warmup_steps lower for a short run"
+            )
     first_eval = evaluate(core, held_out, eval_windows, micro, ctx, autocast)
     if start == 0:
         history["eval"].append({"step": 0, "loss": first_eval})
@@ -318,23 +498,33 @@ def train(config: RunConfig) -> TrainResult:
 
     stream = batches(train_data, sampler, micro)
     tokens_per_step = config.train.batch_size * config.train.seq_len
-    interrupted = False
+    interrupted, stop_signal, done, skipped = False, None, start, 0
     model.train()
     with GracefulStop() as stop, logger.progress(start, config.train.steps) as progress:
         for step in range(start, config.train.steps):
             began = time.perf_counter()
             total = torch.zeros((), device=ctx.device)
+            cause = None
             for micro_step in range(config.train.grad_accum):
                 window = next(stream).to(ctx.device)
+                if cause is not None:
+                    continue  # the step is lost; its windows are still drawn, as in a clean run
                 last = micro_step == config.train.grad_accum - 1
                 sync = (
                     model.no_sync()
                     if (ctx.active and not last and config.train.parallel == "ddp")
                     else contextlib.nullcontext()
                 )
-                with sync:
-                    loss = _loss(forward, window, autocast) / config.train.grad_accum
-                    loss.backward()
+                try:
+                    with sync:
+                        loss = _loss(forward, window, autocast) / config.train.grad_accum
+                        loss.backward()
+                except NonFiniteError as error:
+                    # An op refused the non-finite values the model produced (a NaN gate):
+                    # the same event as a non-finite loss, under the same policy.
+                    cause = f"the model produced non-finite values: {error}"
+                    total += math.nan
+                    continue
                 total += loss.detach()
             loss_value = all_reduce_mean(total, ctx).item()
             grad_norm = _grad_norm(core, config.optim.grad_clip)
@@ -342,16 +532,13 @@ def train(config: RunConfig) -> TrainResult:
             done = step + 1
             finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
             if not finite and config.train.nan_policy == "stop":
-                raise FloatingPointError(
-                    f"loss {loss_value} / gradient norm {grad_norm} at step {done} is not "
-                    "finite; stopping (train.nan_policy=stop). The last checkpoint in "
-                    f"{out_dir / 'checkpoints'} is intact; lower optim.lr or set "
-                    "train.nan_policy=skip to skip such steps"
-                )
+                cause = cause or f"loss {loss_value}, gradient norm {grad_norm}"
+                raise DivergenceError(_nonfinite_hint(out_dir, done, config, cause))
             if finite:
                 optimizer.step()
             else:
                 # Skipped: no update, but the step counts (schedule, data, checkpoints below).
+                skipped += 1
                 logger.print(f"step {done}: non-finite loss or gradient, step skipped")
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
@@ -376,10 +563,14 @@ def train(config: RunConfig) -> TrainResult:
                 _checkpoint(
                     out_dir, done, core, optimizer, scheduler, sampler, config, history, ctx
                 )
-            if stopping:
+            if stopping and done < config.train.steps:
                 interrupted = True
+                # Ranks not signalled themselves stop for a peer, which launchers signal
+                # with SIGTERM.
+                stop_signal = int(stop.received or signal.SIGTERM)
                 logger.print(
-                    f"stopped by signal after step {done}; resume with checkpoint.resume=true"
+                    f"stopped by signal after step {done} of {config.train.steps}; the run is "
+                    "incomplete, resume it with --resume (checkpoint.resume=true)"
                 )
                 break
 
@@ -389,12 +580,36 @@ def train(config: RunConfig) -> TrainResult:
     ):
         history["eval"].append({"step": config.train.steps, "loss": final_eval})
     logger.print(f"held-out perplexity at the end: {math.exp(final_eval):.3f}")
-    sample = _sample(core, tokenizer, config, ctx)
+    if skipped:
+        logger.print(f"{skipped} of the run's steps were skipped as non-finite")
+    if math.isfinite(final_eval):
+        sample = _sample(core, tokenizer, config, ctx)
+    else:
+        # A model whose held-out loss is not finite has nothing to sample from (NaN logits).
+        sample = ""
+        logger.print("no sample: the model's held-out loss is not finite")
     # Gathering the full weights is a collective under FSDP: every rank takes part.
     weights = get_model_state_dict(core, options=FULL_STATE)
+    status = {
+        "status": "interrupted" if interrupted else "completed",
+        "steps_done": done,
+        "steps_planned": config.train.steps,
+        "skipped_steps": skipped,
+    }
     if ctx.is_main:
         logger.print(f"sample:\n{config.eval.sample_prompt}{sample}")
-        _export(core, weights, tokenizer, out_dir, config, history, first_eval, final_eval, sample)
+        _export(
+            core,
+            weights,
+            tokenizer,
+            out_dir,
+            config,
+            history,
+            first_eval,
+            final_eval,
+            sample,
+            status,
+        )
     logger.close()
     if ctx.active:
         dist.barrier()
@@ -408,6 +623,8 @@ def train(config: RunConfig) -> TrainResult:
         losses=[r["loss"] for r in history["train"]],
         sample=sample,
         interrupted=interrupted,
+        last_step=done,
+        stop_signal=stop_signal,
     )
 
 
@@ -439,14 +656,19 @@ def _sample(core: CausalLM, tokenizer, config: RunConfig, ctx: Distributed) -> s
 
 
 def _export(
-    core, weights, tokenizer, out_dir: Path, config, history, first_eval, final_eval, sample
+    core, weights, tokenizer, out_dir: Path, config, history, first_eval, final_eval, sample, status
 ) -> None:
-    """Rank 0's outputs: HF model (from the gathered `weights`), metrics JSON, loss curve."""
+    """Rank 0's outputs: HF model (from the gathered `weights`), metrics JSON, loss curve.
+
+    `status` leads the metrics: "completed", or "interrupted" with the steps done of those
+    planned, so an interrupted run's outputs are never mistaken for a finished one's.
+    """
     model_dir = out_dir / "model"
     core.save_pretrained(model_dir, state_dict=weights)
     save_tokenizer(tokenizer, model_dir)
     speeds = [r["tokens_per_s"] for r in history["train"]]
     metrics = {
+        **status,
         "steps": len(history["train"]),
         "initial_eval_loss": history["eval"][0]["loss"] if history["eval"] else first_eval,
         "final_eval_loss": final_eval,

@@ -6,11 +6,12 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunLogger", "plot_loss_curve"]
+__all__ = ["RunLogger", "plot_loss_curve", "truncate_log"]
 
 
 class _Progress:
@@ -28,7 +29,9 @@ class _Progress:
 class RunLogger:
     """Rank 0's voice: stdout, `log.jsonl`, TensorBoard (`tb/`) when installed and enabled."""
 
-    def __init__(self, out_dir: Path, config, *, enabled: bool, append: bool = False) -> None:
+    def __init__(
+        self, out_dir: Path, config, *, enabled: bool, resume_step: int | None = None
+    ) -> None:
         self.enabled = enabled
         self.show_progress = enabled and config.log.progress
         self.jsonl = None
@@ -36,8 +39,11 @@ class RunLogger:
         if not enabled:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
-        # A resumed run continues its log; a new run starts one.
-        self.jsonl = (out_dir / "log.jsonl").open("a" if append else "w")
+        # A resumed run continues its log from the checkpoint's step; a new run starts one.
+        path = out_dir / "log.jsonl"
+        if resume_step is not None:
+            truncate_log(path, resume_step)
+        self.jsonl = path.open("a" if resume_step is not None else "w")
         if config.log.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -88,6 +94,36 @@ class RunLogger:
             self.jsonl.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Keep the records of `log.jsonl` up to `step`, atomically.
+
+    A run resumed from the checkpoint of `step` logs the steps after it again; without this,
+    the steps between that checkpoint and the crash would appear twice. A torn last line (a
+    crash mid-write) is dropped too.
+    """
+    if not path.exists():
+        return
+    kept = []
+    with path.open(encoding="utf-8", errors="replace") as lines:
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if (
+                isinstance(record, dict)
+                and isinstance(record.get("step"), int)
+                and record["step"] <= step
+            ):
+                kept.append(line if line.endswith("\n") else line + "\n")
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text("".join(kept), encoding="utf-8")
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def plot_loss_curve(history: dict[str, list[dict[str, Any]]], path: Path) -> Path:

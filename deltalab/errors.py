@@ -1,0 +1,44 @@
+"""Errors that are the user's to fix, as opposed to bugs.
+
+The `deltalab` command prints a `UserError` as one line on stderr and exits with status 2; any
+other exception keeps its traceback, since it points at a bug. Each class also derives from the
+built-in exception that code catching the library's errors expects (`ValueError`, `TypeError`),
+so callers of the Python API see no change.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "ConfigTypeError",
+    "DataError",
+    "DivergenceError",
+    "UserError",
+]
+
+
+class UserError(Exception):
+    """A problem with what the user asked for or pointed at: a config, data, a checkpoint, an
+    argument. The message names the field or file, what was found and what was expected."""
+
+
+class ConfigError(UserError, ValueError):
+    """A run or model configuration value that cannot be used."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A configuration value of the wrong type."""
+
+
+class DataError(UserError, ValueError):
+    """A data source, tokenizer or token cache that cannot be used as configured."""
+
+
+class CheckpointError(UserError, ValueError):
+    """Checkpoints that cannot be resumed from, or a run directory that cannot be written."""
+
+
+class DivergenceError(UserError, FloatingPointError):
+    """Training produced a non-finite loss, gradient or activation under train.nan_policy=stop;
+    the message names the step and what to change (usually a lower learning rate)."""

@@ -1,0 +1,182 @@
+"""The `deltalab` command: user errors are one line and exit 2, bugs keep their traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import deltalab.train.loop as loop
+from deltalab.cli import main
+from deltalab.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = "model.overrides={hidden_size: 32, num_layers: 1, num_heads: 2, head_dim: 16}"
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i in range(20):
+        (folder / f"doc_{i:02d}.txt").write_text(f"def f_{i}(x):\n    return x + {i}\n" * 8)
+    return folder
+
+
+def _train_args(tmp_path: Path, corpus: Path, *extra: str) -> list[str]:
+    return [
+        "train",
+        f"data.source={corpus}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.held_out_fraction=0.3",
+        SMALL,
+        "train.seq_len=16",
+        "train.batch_size=2",
+        "train.steps=2",
+        "train.device=cpu",
+        "eval.batches=1",
+        "eval.sample_tokens=0",
+        "log.progress=false",
+        "log.tensorboard=false",
+        f"log.out_dir={tmp_path / 'run'}",
+        *extra,
+    ]
+
+
+def _one_line_error(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("deltalab: error: ") and "\n" not in err, err
+    assert "Traceback" not in err
+    return err
+
+
+def test_a_missing_config_file_is_one_line(tmp_path, capsys):
+    err = _one_line_error(capsys, ["train", "--config", str(tmp_path / "nope.yaml")])
+    assert "config file" in err and "nope.yaml' does not exist" in err
+
+
+def test_a_config_file_that_is_not_utf8_names_its_line(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"train:\n  steps: 10\n  # caf\xe9\n")
+    err = _one_line_error(capsys, ["train", "--config", str(path)])
+    assert "run.yaml:3 is not valid UTF-8" in err
+
+
+def test_an_unknown_field_is_one_line(capsys):
+    err = _one_line_error(capsys, ["train", "train.stepz=3"])
+    assert "unknown config field 'train.stepz'" in err and "train.steps" in err
+
+
+def test_an_out_dir_that_is_a_file_is_one_line(tmp_path, corpus, capsys):
+    (tmp_path / "taken").write_text("a file")
+    err = _one_line_error(
+        capsys, _train_args(tmp_path, corpus, f"log.out_dir={tmp_path / 'taken' / 'run'}")
+    )
+    assert "log.out_dir must be a directory" in err and "is a file" in err
+
+
+def test_an_endless_data_source_is_refused_not_read(tmp_path, capsys):
+    if not Path("/dev/zero").exists():
+        pytest.skip("needs /dev/zero")
+    err = _one_line_error(capsys, _train_args(tmp_path, Path("/dev/zero")))
+    assert "'/dev/zero' is not a regular file or directory" in err
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.mixer=mur", "mixer must be one of"),
+        ("model.preset=tinyy", "preset must be one of"),
+        ("model.overrides.mixer_options={bogus: 1}", "mixer_options.bogus is not an option"),
+        ("model.overrides.vocab_size=100", "vocab_size must be >= the tokenizer's vocabulary"),
+        ("model.overrides.num_layers=0", "num_layers must be > 0"),
+        (
+            ("model.mixer=transformer", "model.overrides.mixer_options={read_gate: true}"),
+            "mixer_options.read_gate is not an option of the transformer mixer; its options are []",
+        ),
+    ],
+)
+def test_model_config_errors_come_before_any_data_is_tokenized(
+    tmp_path, corpus, capsys, monkeypatch, override, message
+):
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("tokenized data before checking the model config")
+
+    monkeypatch.setattr(loop, "prepare_tokens", no_tokenizing)
+    overrides = (override,) if isinstance(override, str) else override
+    err = _one_line_error(capsys, _train_args(tmp_path, corpus, *overrides))
+    assert message in err
+
+
+def test_a_batch_larger_than_the_data_is_refused_before_allocating(tmp_path, corpus, capsys):
+    err = _one_line_error(capsys, _train_args(tmp_path, corpus, "train.batch_size=100000"))
+    assert "train.batch_size must be at most the" in err and "got 100000" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--threads", "0", "presets"], "argument --threads: invalid positive int value: '0'"),
+        (
+            ["generate", "some/dir", "hi", "--temperature", "-1"],
+            "argument --temperature: invalid finite number >= 0 value: '-1'",
+        ),
+    ],
+)
+def test_bad_arguments_are_a_usage_error(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_generate_refuses_a_directory_without_a_model_in_one_line(tmp_path, capsys):
+    err = _one_line_error(capsys, ["generate", str(tmp_path), "hi"])
+    assert "holds no config.json" in err
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    def broken(config):
+        raise RuntimeError("a bug in the loop")
+
+    monkeypatch.setattr("deltalab.train.train", broken)
+    with pytest.raises(RuntimeError, match="a bug in the loop"):
+        main(["train", "train.steps=1"])
+
+
+def test_the_installed_command_prints_a_user_error_without_traceback(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "deltalab.cli", "train", "--config", str(tmp_path / "x.yaml")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"deltalab: error: config file {str(tmp_path / 'x.yaml')!r} does not exist"
+    ]
+
+
+def test_config_errors_stay_value_errors_for_the_python_api():
+    from deltalab.train import load_run_config
+
+    with pytest.raises(ValueError, match=r"train\.steps must be > 0") as caught:
+        load_run_config(None, ["train.steps=0"])
+    assert isinstance(caught.value, ConfigError)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("temperature", -0.5), ("top_k", 0), ("max_new_tokens", -1)]
+)
+def test_generate_config_refuses_out_of_range_values_naming_them(field, value):
+    from deltalab.generate import GenerateConfig
+
+    with pytest.raises(ConfigError, match=rf"generate {field} must be .* got {value}"):
+        GenerateConfig(checkpoint="model", prompt="def", **{field: value})
