@@ -2,7 +2,9 @@
 
 For each decay kind and chunk size: the chunk backend against the token loop in float64 (outputs,
 final states, gradients), float32 chunks against the float64 loop under strong decay, and the
-forward time of both backends. Returns a non-zero exit code when any error exceeds its tolerance.
+forward time of both backends. On a CUDA GPU with Triton, the same for the Triton backend in
+float32 (errors against the float64 loop, time against the chunk backend on the GPU). Returns a
+non-zero exit code when any error exceeds its tolerance.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 from deltalab.benchmarking import format_table, median_seconds
 from deltalab.ops import delta_rule
+from deltalab.ops._triton import triton_available
 from deltalab.testing import TOLERANCE, relative_error
 
 
@@ -91,6 +94,64 @@ def run_check(config: CheckConfig = CheckConfig()) -> tuple[list[list[object]], 
     return rows, ok
 
 
+def run_triton_check(config: CheckConfig, device: torch.device) -> tuple[list[list[object]], bool]:
+    """The Triton backend in float32 on `device` against the float64 loop on the CPU."""
+    generator = torch.Generator().manual_seed(config.seed + 1)
+    rows, ok = [], True
+    for channel in (False, True):
+        accurate = _inputs(config, config.accuracy_length, channel, -1.0, generator)
+        strong = _inputs(
+            config, config.accuracy_length, channel, config.strong_log_decay, generator
+        )
+        timed = [
+            x.float().to(device)
+            for x in _inputs(config, config.timing_length, channel, -1.0, generator)
+        ]
+        o_ref, s_ref = delta_rule(*accurate, backend="naive", output_final_state=True)
+        grad_ref = _gradients(accurate, backend="naive")
+        o_strong_ref, _ = delta_rule(*strong, backend="naive")
+        on_device = [x.float().to(device) for x in accurate]
+        for chunk in (64, 128):
+            kwargs = dict(backend="triton", chunk_size=chunk)
+            o, s = delta_rule(*on_device, output_final_state=True, **kwargs)
+            errors = [
+                relative_error(o, o_ref),
+                relative_error(s, s_ref),
+                relative_error(_gradients(on_device, **kwargs), grad_ref),
+                relative_error(
+                    delta_rule(*(x.float().to(device) for x in strong), **kwargs)[0], o_strong_ref
+                ),
+            ]
+            ok &= max(errors) <= TOLERANCE[torch.float32]
+            chunk_time = median_seconds(
+                lambda x=timed, c=chunk: delta_rule(*x, backend="chunk", chunk_size=c), repeats=3
+            )
+            triton_time = median_seconds(lambda x=timed, k=kwargs: delta_rule(*x, **k), repeats=3)
+            rows.append(
+                [
+                    "channel" if channel else "head",
+                    chunk,
+                    *errors,
+                    chunk_time * 1e3,
+                    triton_time * 1e3,
+                    chunk_time / triton_time,
+                ]
+            )
+    return rows, ok
+
+
+TRITON_HEADERS = [
+    "decay",
+    "chunk",
+    "err o f32",
+    "err S f32",
+    "err grad f32",
+    "err o f32 (g>=-20)",
+    "chunk ms",
+    "triton ms",
+    "speedup",
+]
+
 HEADERS = [
     "decay",
     "chunk",
@@ -113,5 +174,12 @@ def main(config: CheckConfig = CheckConfig()) -> int:
     )
     rows, ok = run_check(config)
     print(format_table(HEADERS, rows))
+    device = torch.device("cuda") if torch.cuda.is_available() else None
+    if device is not None and triton_available(device):
+        print("backend='triton' on the GPU (float32, TF32 off) vs the float64 loop on the CPU:")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        triton_rows, triton_ok = run_triton_check(config, device)
+        print(format_table(TRITON_HEADERS, triton_rows))
+        ok &= triton_ok
     print("all backends agree" if ok else "FAILED: an error exceeds its tolerance")
     return 0 if ok else 1

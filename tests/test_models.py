@@ -274,3 +274,16 @@ def test_sampled_generation_is_reproducible_with_a_seed_and_respects_top_k(gener
     assert torch.equal(first, again)
     assert not torch.equal(first, greedy)
     assert (top3 == first[:, prompt.shape[1] :, None]).any(-1).all()
+
+
+def test_config_backend_reaches_every_recurrent_mixer_and_round_trips(tmp_path):
+    model = CausalLM(build_config("tiny", mixer="kdn_diag", attention_every=2, backend="chunk"))
+    backends = {m.backend for m in model.modules() if hasattr(m, "backend")}
+    assert backends == {"chunk"}
+    model.save_pretrained(tmp_path)
+    assert CausalLM.from_pretrained(tmp_path).config.backend == "chunk"
+
+
+def test_config_backend_is_validated_naming_the_field():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        build_config("tiny", mixer="gdn2", backend="cuda")

@@ -29,7 +29,13 @@ from deltalab.ops._checks import (
     require_rank,
     require_shape,
 )
-from deltalab.ops.delta_rule import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, delta_rule, delta_rule_step
+from deltalab.ops.delta_rule import (
+    BACKENDS,
+    MAX_CHUNK_SIZE,
+    MIN_CHUNK_SIZE,
+    delta_rule,
+    delta_rule_step,
+)
 from deltalab.ops.parametrize import DeltaRuleInputs
 
 __all__ = [
@@ -247,6 +253,7 @@ def run_delta_rule(
     memory: torch.Tensor | None,
     *,
     chunk_size: int,
+    backend: str = "auto",
     in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The one place where a mixer's recurrent-vs-chunked choice is made.
@@ -260,7 +267,11 @@ def run_delta_rule(
         o, memory = delta_rule_step(*(x[:, 0] for x in inputs), memory, in_place=in_place)
         return o.unsqueeze(1), memory
     o, final = delta_rule(
-        *inputs, initial_state=memory, output_final_state=True, chunk_size=chunk_size
+        *inputs,
+        initial_state=memory,
+        output_final_state=True,
+        chunk_size=chunk_size,
+        backend=backend,
     )
     # output_final_state=True always returns the state.
     return o, cast(torch.Tensor, final)
@@ -295,6 +306,7 @@ class DeltaMixer(nn.Module, abc.ABC):
     Args:
         hidden_size: D. num_heads: H. head_dim: K. value_dim: V (defaults to K).
         conv_size: kernel of the short convolutions. chunk_size: tokens per chunk, 16..256.
+        backend: `delta_rule`'s backend for whole sequences ("auto", "naive", "chunk", "triton").
         gate_rank: rank of the output-gate projection, None for full rank.
         gate_activation: "sigmoid" or "silu" on the output gate. norm_eps: of the output RMSNorm.
     """
@@ -308,6 +320,7 @@ class DeltaMixer(nn.Module, abc.ABC):
         value_dim: int | None = None,
         conv_size: int = 4,
         chunk_size: int = 64,
+        backend: str = "auto",
         gate_rank: int | None = None,
         gate_activation: str = "silu",
         norm_eps: float = 1e-5,
@@ -320,6 +333,7 @@ class DeltaMixer(nn.Module, abc.ABC):
             "value_dim", head_dim if value_dim is None else value_dim
         )
         self.chunk_size = require_chunk_size(chunk_size)
+        self.backend = require_choice("backend", backend, BACKENDS)
         key_width, value_width = num_heads * head_dim, num_heads * self.value_dim
         self.q_proj = nn.Linear(hidden_size, key_width, bias=False)
         self.k_proj = nn.Linear(hidden_size, key_width, bias=False)
@@ -359,7 +373,9 @@ class DeltaMixer(nn.Module, abc.ABC):
         if mask is not None:
             inputs = identity_at_padding(inputs, mask)
         memory, in_place = (None, False) if state is None else (state.memory, state.in_place)
-        o, memory = run_delta_rule(inputs, memory, chunk_size=self.chunk_size, in_place=in_place)
+        o, memory = run_delta_rule(
+            inputs, memory, chunk_size=self.chunk_size, backend=self.backend, in_place=in_place
+        )
         return o, RecurrentState(memory, *conv, gates if return_gates else None)
 
     def forward(

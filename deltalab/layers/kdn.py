@@ -169,6 +169,7 @@ class KDNMixer(DeltaMixer):
         value_dim: int | None,
         conv_size: int,
         chunk_size: int,
+        backend: str,
         decay_rank: int | None,
         gate_rank: int | None,
         channel_noise: bool,
@@ -186,6 +187,7 @@ class KDNMixer(DeltaMixer):
             value_dim=value_dim,
             conv_size=conv_size,
             chunk_size=chunk_size,
+            backend=backend,
             gate_rank=value_dim if gate_rank is None else gate_rank,
             gate_activation=gate_activation,
             norm_eps=norm_eps,
@@ -284,7 +286,9 @@ class KDNMixer(DeltaMixer):
         if mask is not None:
             inputs = identity_at_padding(inputs, mask)
         memory, in_place = (None, False) if state is None else (state.memory, state.in_place)
-        o, memory = run_delta_rule(inputs, memory, chunk_size=self.chunk_size, in_place=in_place)
+        o, memory = run_delta_rule(
+            inputs, memory, chunk_size=self.chunk_size, backend=self.backend, in_place=in_place
+        )
         new_state = KDNState(
             memory, *conv, gates if return_gates else None, uncertainty=uncertainty
         )
@@ -314,6 +318,7 @@ class IsotropicKDN(KDNMixer):
         value_dim: int | None = None,
         conv_size: int = 4,
         chunk_size: int = 64,
+        backend: str = "auto",
         decay_rank: int | None = None,
         gate_rank: int | None = None,
         process_noise: str = "free",
@@ -329,6 +334,7 @@ class IsotropicKDN(KDNMixer):
             value_dim=value_dim,
             conv_size=conv_size,
             chunk_size=chunk_size,
+            backend=backend,
             decay_rank=decay_rank,
             gate_rank=gate_rank,
             channel_noise=False,
@@ -380,6 +386,7 @@ class DiagonalKDN(KDNMixer):
         value_dim: int | None = None,
         conv_size: int = 4,
         chunk_size: int = 64,
+        backend: str = "auto",
         decay_rank: int | None = None,
         gate_rank: int | None = None,
         noise_rank: int | None = None,
@@ -396,6 +403,7 @@ class DiagonalKDN(KDNMixer):
             value_dim=value_dim,
             conv_size=conv_size,
             chunk_size=chunk_size,
+            backend=backend,
             decay_rank=decay_rank,
             gate_rank=gate_rank,
             channel_noise=True,
@@ -448,6 +456,7 @@ class ExactKDN(KDNMixer):
         value_dim: int | None = None,
         conv_size: int = 4,
         chunk_size: int = 64,
+        backend: str = "auto",
         decay_rank: int | None = None,
         gate_rank: int | None = None,
         noise_rank: int | None = None,
@@ -463,6 +472,7 @@ class ExactKDN(KDNMixer):
             value_dim=value_dim,
             conv_size=conv_size,
             chunk_size=chunk_size,
+            backend=backend,
             decay_rank=decay_rank,
             gate_rank=gate_rank,
             channel_noise=True,

@@ -14,7 +14,8 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
-from deltalab.ops._checks import require_positive_int
+from deltalab.ops._checks import require_choice, require_positive_int
+from deltalab.ops.delta_rule import BACKENDS
 
 __all__ = ["MIXER_KINDS", "RECURRENT_KINDS", "DeltaLabConfig", "closest"]
 
@@ -40,6 +41,9 @@ class DeltaLabConfig(PreTrainedConfig):
         norm_eps: epsilon of every RMSNorm. tie_word_embeddings: share embedding and LM head.
         initializer_range: std of the normal init of embeddings, FFN and LM head.
         conv_size, chunk_size: short-convolution kernel and chunk length of recurrent mixers.
+        backend: `delta_rule` backend of the recurrent mixers: "auto" (Triton on CUDA, else the
+            PyTorch chunk path), "chunk", "triton" or "naive"; set it to compare backends on
+            one model.
         attention_layers: indices of the blocks that use softmax attention instead of `mixer`.
         attention_every: alternatively, every n-th block (indices n-1, 2n-1, ...) uses attention.
         attention_window: sliding window of the attention blocks (None: full causal attention).
@@ -64,6 +68,7 @@ class DeltaLabConfig(PreTrainedConfig):
         initializer_range: float = 0.02,
         conv_size: int = 4,
         chunk_size: int = 64,
+        backend: str = "auto",
         attention_layers: list[int] | None = None,
         attention_every: int | None = None,
         attention_window: int | None = None,
@@ -96,6 +101,7 @@ class DeltaLabConfig(PreTrainedConfig):
         self.initializer_range = float(initializer_range)
         self.conv_size = require_positive_int("conv_size", conv_size)
         self.chunk_size = require_positive_int("chunk_size", chunk_size)
+        self.backend = require_choice("backend", backend, BACKENDS)
         if attention_layers is not None and attention_every is not None:
             raise ValueError("give attention_layers or attention_every, not both")
         if attention_every is not None:

@@ -46,5 +46,6 @@ def build_mixer(config: DeltaLabConfig, kind: str) -> nn.Module:
         **common,
         conv_size=config.conv_size,
         chunk_size=config.chunk_size,
+        backend=config.backend,
         **config.mixer_options,
     )

@@ -1,0 +1,196 @@
+"""delta_rule backend="triton" against the float64 token loop, stage by stage and end to end.
+
+Runs where Triton kernels can run: on a CUDA GPU, or on CPU tensors under TRITON_INTERPRET=1
+(README's test command runs this file a second time with it set). Shapes are tiny: the
+interpreter executes every tile operation in Python.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_delta_inputs
+
+from deltalab.ops import delta_rule
+from deltalab.ops._triton import HAS_TRITON, INTERPRET
+from deltalab.testing import TOLERANCE, assert_close
+
+pytestmark = pytest.mark.skipif(
+    not (HAS_TRITON and (INTERPRET or torch.cuda.is_available())),
+    reason="needs Triton on a CUDA GPU, or TRITON_INTERPRET=1 on CPU",
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+F32 = TOLERANCE[torch.float32]
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty / empty_like return NaN-filled tensors: an element a kernel never writes
+    turns the comparison into a failure instead of passing on leftover memory."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan_empty(*args, **kwargs):
+        x = empty(*args, **kwargs)
+        return x.fill_(float("nan")) if x.dtype.is_floating_point else x
+
+    def nan_empty_like(*args, **kwargs):
+        x = empty_like(*args, **kwargs)
+        return x.fill_(float("nan")) if x.dtype.is_floating_point else x
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    monkeypatch.setattr(torch, "empty_like", nan_empty_like)
+
+    def nan_new_empty(self, *size, **kwargs):
+        return nan_empty(*size, **{"dtype": self.dtype, "device": self.device, **kwargs})
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", nan_new_empty)
+
+
+def _run(inputs, state, backend, dtype, device, **kwargs):
+    """Output, final state and the gradients of every input and of the initial state."""
+    leaves = [x.detach().to(device, dtype).requires_grad_() for x in (*inputs, state)]
+    o, s = delta_rule(
+        *leaves[:5], initial_state=leaves[5], backend=backend, output_final_state=True, **kwargs
+    )
+    weights = torch.linspace(-1, 1, o.numel(), dtype=torch.float64).reshape(o.shape)
+    (o * weights.to(device, o.dtype)).sum().backward(retain_graph=True)
+    s.sum().backward()
+    return [o, s, *(x.grad for x in leaves)]
+
+
+def _compare(inputs, state, chunk_size, cu_seqlens=None):
+    kwargs = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+    reference = _run(inputs, state, "naive", torch.float64, "cpu", **kwargs)
+    if cu_seqlens is not None:
+        kwargs["cu_seqlens"] = cu_seqlens.to(DEVICE)
+    actual = _run(inputs, state, "triton", torch.float32, DEVICE, chunk_size=chunk_size, **kwargs)
+    labels = ["o", "final state", "dq", "da", "db", "du", "dg", "d initial state"]
+    for label, x, ref in zip(labels, actual, reference, strict=True):
+        assert_close(x, ref, F32, label)
+
+
+@pytest.mark.parametrize("channel_decay", [False, True], ids=["head_decay", "channel_decay"])
+@pytest.mark.parametrize(("length", "chunk_size"), [(1, 16), (37, 16), (100, 32), (70, 64)])
+def test_triton_matches_float64_loop_with_every_gradient(
+    generator, poisoned_empty, length, chunk_size, channel_decay
+):
+    inputs = random_delta_inputs(generator, 2, length, 2, 16, 8, channel_decay=channel_decay)
+    state = torch.randn(2, 2, 16, 8, generator=generator, dtype=torch.float64)
+    _compare(inputs, state, chunk_size)
+
+
+def test_triton_chunk_128_with_key_and_value_sizes_that_need_masking(generator, poisoned_empty):
+    inputs = random_delta_inputs(generator, 1, 130, 1, 20, 12, channel_decay=True)
+    state = torch.randn(1, 1, 20, 12, generator=generator, dtype=torch.float64)
+    _compare(inputs, state, 128)
+
+
+def test_triton_packed_sequences_match_the_loop(generator, poisoned_empty):
+    inputs = random_delta_inputs(generator, 1, 50, 2, 16, 8, channel_decay=True)
+    state = torch.randn(3, 2, 16, 8, generator=generator, dtype=torch.float64)
+    _compare(inputs, state, 16, cu_seqlens=torch.tensor([0, 7, 30, 50]))
+
+
+@pytest.mark.parametrize("channel_decay", [False, True], ids=["head_decay", "channel_decay"])
+def test_triton_float32_is_stable_under_log_decays_down_to_minus_20(generator, channel_decay):
+    inputs = random_delta_inputs(
+        generator, 1, 150, 1, 16, 8, channel_decay=channel_decay, min_log_decay=-20.0
+    )
+    o_ref, s_ref = delta_rule(*inputs, backend="naive", output_final_state=True)
+    f32 = [x.to(DEVICE, torch.float32) for x in inputs]
+    o, s = delta_rule(*f32, backend="triton", chunk_size=64, output_final_state=True)
+    assert_close(o, o_ref, F32, "o")
+    assert_close(s, s_ref, F32, "final state")
+
+
+def test_triton_log_decay_of_minus_infinity_is_an_exact_reset(generator):
+    q, a, b, u, g = random_delta_inputs(generator, 1, 40, 2, 16, 8, channel_decay=True)
+    g[:, 21] = -float("inf")
+    f32 = [x.to(DEVICE, torch.float32) for x in (q, a, b, u, g)]
+    o, s = delta_rule(*f32, backend="triton", chunk_size=16, output_final_state=True)
+    o_ref, s_ref = delta_rule(q, a, b, u, g, backend="naive", output_final_state=True)
+    assert torch.isfinite(o).all()
+    assert_close(o, o_ref, F32, "o")
+    assert_close(s, s_ref, F32, "final state")
+
+
+def test_triton_intra_stage_matches_its_pytorch_twin(generator):
+    from deltalab.ops.delta_rule.chunk import intra_chunk
+    from deltalab.ops.delta_rule.triton.intra import intra_chunk_triton
+
+    shape = (1, 2, 2, 32, 20)
+    q, a, b = (torch.randn(*shape, generator=generator, dtype=torch.float64) for _ in range(3))
+    g = -3.0 * torch.rand(*shape, generator=generator, dtype=torch.float64)
+    ref = [x.clone().requires_grad_() for x in (q, a, b, g)]
+    lower, attend = intra_chunk(*ref)
+    d_lower, d_attend = torch.randn_like(lower).tril(-1), torch.randn_like(attend).tril()
+    ((lower * d_lower).sum() + (attend * d_attend).sum()).backward()
+    f32 = [x.to(DEVICE, torch.float32).requires_grad_() for x in (q, a, b, g)]
+    lower_t, attend_t = intra_chunk_triton(*f32)
+    weights = [x.to(DEVICE, torch.float32) for x in (d_lower, d_attend)]
+    ((lower_t * weights[0]).sum() + (attend_t * weights[1]).sum()).backward()
+    assert_close(lower_t, lower, F32, "L")
+    assert_close(attend_t, attend, F32, "M")
+    for name, x, r in zip("qabg", f32, ref, strict=True):
+        assert_close(x.grad, r.grad, F32, f"d{name}")
+
+
+def test_triton_state_pass_matches_its_pytorch_twin(generator):
+    from deltalab.ops.delta_rule.chunk import (
+        ChunkOperators,
+        chunk_operators,
+        chunk_output,
+        state_pass,
+        to_chunks,
+    )
+    from deltalab.ops.delta_rule.triton.chunk import state_pass_triton
+
+    inputs = random_delta_inputs(generator, 1, 90, 2, 16, 8, channel_decay=True)
+    ops = chunk_operators(*(to_chunks(x, 32) for x in inputs))
+    state = torch.randn(1, 2, 16, 8, generator=generator, dtype=torch.float64)
+    residuals, states, final = state_pass(ops, state)
+    out = chunk_output(ops, states, residuals)
+    ops32 = ChunkOperators(*(x.to(DEVICE, torch.float32).contiguous() for x in ops))
+    out_t, residuals_t, states_t, final_t = state_pass_triton(ops32, state.to(DEVICE).float())
+    for label, x, ref in (
+        ("outputs", out_t, out),
+        ("residuals", residuals_t, residuals),
+        ("chunk-start states", states_t, states),
+        ("final state", final_t, final),
+    ):
+        assert_close(x, ref, F32, label)
+
+
+def test_triton_refuses_float64_naming_the_backend(generator):
+    inputs = random_delta_inputs(generator, 1, 5, 1, 16, 8, channel_decay=False)
+    with pytest.raises(ValueError, match='backend="triton" computes in float32'):
+        delta_rule(*(x.to(DEVICE) for x in inputs), backend="triton")
+
+
+def test_triton_bfloat16_inputs_return_bfloat16_close_to_the_loop(generator):
+    inputs = random_delta_inputs(generator, 1, 40, 2, 16, 8, channel_decay=True)
+    o_ref, _ = delta_rule(*inputs, backend="naive")
+    # bf16 inputs, float32 inside: the interpreter only loads them (the products see float32).
+    o, _ = delta_rule(*(x.to(DEVICE, torch.bfloat16) for x in inputs), backend="triton")
+    assert o.dtype == torch.bfloat16
+    assert_close(o, o_ref, TOLERANCE[torch.bfloat16], "o")
+
+
+@pytest.mark.parametrize("mixer", ["gdn2", "muir", "kdn_diag"])
+def test_model_trains_identically_on_the_triton_backend(mixer):
+    from deltalab.models import CausalLM, build_config
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, 40), device=DEVICE)
+    results = {}
+    for backend in ("chunk", "triton"):
+        torch.manual_seed(0)
+        model = CausalLM(build_config("tiny", mixer=mixer, num_layers=2, backend=backend))
+        model = model.to(DEVICE)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        results[backend] = (loss.detach(), grads)
+    assert_close(results["triton"][0], results["chunk"][0], F32, "loss")
+    assert_close(results["triton"][1], results["chunk"][1], 1e-5, "parameter gradients")
