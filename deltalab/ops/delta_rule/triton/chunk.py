@@ -278,9 +278,12 @@ def delta_rule_triton(
     state and accumulators. Returns (o [B, T, H, V] float32, final state [N, H, K, V]).
 
     Matrix products take TF32 operands when the inputs are bf16/fp16 (their rounding is already
-    coarser than TF32's) and IEEE float32 when the inputs are float32.
+    coarser than TF32's), and for float32 inputs only when PyTorch is allowed TF32 for float32
+    matrix products (`torch.set_float32_matmul_precision("high")`), as its own matmuls are.
     """
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    low_precision = q.dtype in (torch.bfloat16, torch.float16)
+    allowed = torch.get_float32_matmul_precision() != "highest"
+    precision = "tf32" if low_precision or allowed else "ieee"
     q, a, b, u, g = (x.to(torch.float32) for x in (q * scale, a, b, u, g))
     if offsets is None:
         return _DeltaRuleTriton.apply(q, a, b, u, g, initial_state, chunk_size, precision)
