@@ -75,7 +75,9 @@ def generate_text(config: GenerateConfig) -> str:
     if spec is None:
         spec = str(path) if (path / "tokenizer_config.json").exists() else "byte"
     tokenizer = load_tokenizer(spec)
-    model = AutoModelForCausalLM.from_pretrained(path).to(config.device).eval()
+    # The backend a model was trained with is a choice of that machine (a GPU's Triton kernels):
+    # generation picks the fastest one available where it runs.
+    model = AutoModelForCausalLM.from_pretrained(path, backend="auto").to(config.device).eval()
     ids = torch.tensor(
         [tokenizer.encode(config.prompt) or [tokenizer.bos_id]], device=config.device
     )

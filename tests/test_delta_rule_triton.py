@@ -194,3 +194,16 @@ def test_model_trains_identically_on_the_triton_backend(mixer):
         results[backend] = (loss.detach(), grads)
     assert_close(results["triton"][0], results["chunk"][0], F32, "loss")
     assert_close(results["triton"][1], results["chunk"][1], 1e-5, "parameter gradients")
+
+
+def test_triton_with_tiny_head_dims_matches_the_loop(generator, poisoned_empty):
+    # K = 3 pads to a 16-wide key tile (NVIDIA's tl.dot needs an inner dimension >= 8).
+    inputs = random_delta_inputs(generator, 1, 20, 1, 3, 2, channel_decay=True)
+    state = torch.randn(1, 1, 3, 2, generator=generator, dtype=torch.float64)
+    _compare(inputs, state, 16)
+
+
+def test_triton_refuses_head_dims_past_its_tiles_naming_k(generator):
+    inputs = random_delta_inputs(generator, 1, 2, 1, 257, 4, channel_decay=False)
+    with pytest.raises(ValueError, match="K <= 256, got K = 257"):
+        delta_rule(*(x.to(DEVICE, torch.float32) for x in inputs), backend="triton")

@@ -287,3 +287,12 @@ def test_config_backend_reaches_every_recurrent_mixer_and_round_trips(tmp_path):
 def test_config_backend_is_validated_naming_the_field():
     with pytest.raises(ValueError, match="backend must be one of"):
         build_config("tiny", mixer="gdn2", backend="cuda")
+
+
+def test_a_model_saved_with_the_triton_backend_generates_on_the_cpu(tmp_path):
+    from deltalab.generate import GenerateConfig, generate_text
+
+    torch.manual_seed(0)
+    CausalLM(build_config("tiny", mixer="gdn", backend="triton")).save_pretrained(tmp_path)
+    text = generate_text(GenerateConfig(str(tmp_path), "def f(", max_new_tokens=5))
+    assert isinstance(text, str)

@@ -92,6 +92,9 @@ def test_an_endless_data_source_is_refused_not_read(tmp_path, capsys):
         ("model.mixer=mur", "mixer must be one of"),
         ("model.preset=tinyy", "preset must be one of"),
         ("model.overrides.mixer_options={bogus: 1}", "mixer_options.bogus is not an option"),
+        # The backend is a model field (model.overrides.backend), not a mixer option.
+        ("model.overrides.mixer_options={backend: naive}", "mixer_options.backend is not an"),
+        ("model.overrides.backend=cuda", "backend must be one of"),
         ("model.overrides.vocab_size=100", "vocab_size must be >= the tokenizer's vocabulary"),
         ("model.overrides.num_layers=0", "num_layers must be > 0"),
         (

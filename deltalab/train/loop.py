@@ -344,6 +344,7 @@ MIXER_ARGUMENTS = {
     "head_dim",
     "value_dim",
     "conv_size",
+    "backend",
     "chunk_size",
 }
 

@@ -30,17 +30,26 @@ from deltalab.ops.delta_rule.naive import delta_rule_naive, delta_rule_token
 __all__ = ["BACKENDS", "MAX_CHUNK_SIZE", "MIN_CHUNK_SIZE", "delta_rule", "delta_rule_step"]
 
 BACKENDS = ("auto", "naive", "chunk", "triton")
+# Largest head dim K of the Triton kernels: the state tile [K, 32] stays in registers and every
+# kernel fits a Hopper SM's shared memory up to here (tests/test_triton_compile.py).
+TRITON_MAX_KEY_DIM = 256
 MIN_CHUNK_SIZE, MAX_CHUNK_SIZE = 16, 256
 
 
-def _resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+def _resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, key_dim: int) -> str:
     require_choice("backend", backend, BACKENDS)
     if backend == "triton":
         require_triton("backend", device)
+        if key_dim > TRITON_MAX_KEY_DIM:
+            raise ValueError(
+                f'backend="triton" takes head dims K <= {TRITON_MAX_KEY_DIM}, got K = {key_dim} '
+                '(q\'s last axis); use backend="chunk"'
+            )
     if backend != "auto":
         return backend
     # The kernels compute in float32: float64 (references, gradient checks) stays in PyTorch.
-    return "triton" if triton_available(device) and dtype != torch.float64 else "chunk"
+    fits = dtype != torch.float64 and key_dim <= TRITON_MAX_KEY_DIM
+    return "triton" if fits and triton_available(device) else "chunk"
 
 
 def _check_chunk_size(chunk_size: object) -> int:
@@ -136,7 +145,7 @@ def delta_rule(
         offsets = check_cu_seqlens(cu_seqlens, batch, length, q.device)
     sequences = batch if offsets is None else len(offsets) - 1
     dtype = compute_dtype(q, a, b, u, g, initial_state)
-    backend = _resolve_backend(backend, q.device, dtype)
+    backend = _resolve_backend(backend, q.device, dtype, key_dim)
     if initial_state is None:
         state = q.new_zeros(sequences, heads, key_dim, value_dim, dtype=dtype)
     else:

@@ -36,7 +36,7 @@ from deltalab.ops.delta_rule.chunk import (
     from_chunks,
     to_chunks,
 )
-from deltalab.ops.delta_rule.triton.intra import intra_chunk_triton
+from deltalab.ops.delta_rule.triton.intra import intra_chunk_triton, key_block
 
 # Value columns per program: 32 keeps S [K, 32] float32 in registers for K up to 256 and gives
 # B * H * V / 32 programs to fill the GPU's SMs (one sequence and head alone is sequential).
@@ -48,16 +48,12 @@ BLOCK_C = 64
 
 
 @triton.jit
-def _state_pass_fwd(
-    read, attend, erase, target, write, decay, initial, out, residual, states, final,
-    n_chunks,
-    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BC: tl.constexpr, HAS_INITIAL: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    pid_v = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+def _offsets(K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+             BV: tl.constexpr, BC: tl.constexpr):  # fmt: skip
+    """Offsets and masks of one program's tiles: S [BK, BV], rows of a chunk [BC, BK] and
+    [BC, BV], and a [BC, BC] block of `attend` (row stride C)."""
     rk = tl.arange(0, BK)
-    rv = pid_v * BV + tl.arange(0, BV)
+    rv = tl.program_id(0) * BV + tl.arange(0, BV)
     rc = tl.arange(0, BC)
     mk = rk < K
     mv = rv < V
@@ -66,6 +62,18 @@ def _state_pass_fwd(
     ck = rc[:, None] * K + rk[None, :]
     cv = rc[:, None] * V + rv[None, :]
     cc = rc[:, None] * C + rc[None, :]
+    return rk, mk, mv, kv, mkv, ck, cv, cc
+
+
+@triton.jit
+def _state_pass_fwd(
+    read, attend, erase, target, write, decay, initial, out, residual, states, final,
+    n_chunks,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BC: tl.constexpr, HAS_INITIAL: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    bh = tl.program_id(1).to(tl.int64)
+    rk, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
     if HAS_INITIAL:
         s = tl.load(initial + bh * K * V + kv, mask=mkv, other=0.0).to(tl.float32)
     else:
@@ -106,18 +114,8 @@ def _state_pass_bwd(
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BC: tl.constexpr, HAS_D_FINAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    pid_v = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    rk = tl.arange(0, BK)
-    rv = pid_v * BV + tl.arange(0, BV)
-    rc = tl.arange(0, BC)
-    mk = rk < K
-    mv = rv < V
-    kv = rk[:, None] * V + rv[None, :]
-    mkv = mk[:, None] & mv[None, :]
-    ck = rc[:, None] * K + rk[None, :]
-    cv = rc[:, None] * V + rv[None, :]
-    cc = rc[:, None] * C + rc[None, :]
+    rk, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
     if HAS_D_FINAL:
         ds = tl.load(d_final + bh * K * V + kv, mask=mkv, other=0.0).to(tl.float32)
     else:
@@ -152,7 +150,7 @@ def _launch(value_dim: int, programs: int, size: int, key_dim: int, precision: s
     """Grid and the shape constants shared by both kernels."""
     grid = (triton.cdiv(value_dim, BLOCK_V), programs)
     consts = {
-        "K": key_dim, "V": value_dim, "C": size, "BK": triton.next_power_of_2(key_dim),
+        "K": key_dim, "V": value_dim, "C": size, "BK": key_block(key_dim),
         "BV": BLOCK_V, "BC": min(size, BLOCK_C), "PRECISION": precision,
         # One stage: software pipelining of the chunk loop doubles every tile in shared memory
         # (measured 270 KiB at chunk 64 with 2 stages, over the SM's 227 KiB; 72 KiB with 1).
@@ -284,7 +282,9 @@ def delta_rule_triton(
     low_precision = q.dtype in (torch.bfloat16, torch.float16)
     allowed = torch.get_float32_matmul_precision() != "highest"
     precision = "tf32" if low_precision or allowed else "ieee"
-    q, a, b, u, g = (x.to(torch.float32) for x in (q * scale, a, b, u, g))
+    # Scaled after the cast, as the other backends do: fp16 q times a scale > 1 cannot overflow.
+    q, a, b, u, g = (x.to(torch.float32) for x in (q, a, b, u, g))
+    q = q * scale
     if offsets is None:
         return _DeltaRuleTriton.apply(q, a, b, u, g, initial_state, chunk_size, precision)
     padded = [pad_packed(x, offsets) for x in (q, a, b, u, g)]

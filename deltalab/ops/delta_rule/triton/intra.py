@@ -40,6 +40,14 @@ import triton.language as tl
 SUB_BLOCK = 16
 # Channels per pairwise tile (diagonal sub-blocks) and per program of the adjoint.
 BLOCK_KD = 32
+# One pipeline stage: the loops are short and their tiles change every iteration.
+LAUNCH = {"num_warps": 4, "num_stages": 1}
+
+
+def key_block(key_dim: int) -> int:
+    """K padded to a power of two of at least 16 (tl.dot needs an inner dimension of 8 or more
+    on NVIDIA GPUs; 16 fills a tensor-core tile). The padded channels are masked to zero."""
+    return max(16, triton.next_power_of_2(key_dim))
 
 
 @triton.jit
@@ -211,11 +219,10 @@ class IntraChunk(torch.autograd.Function):
         chunks = q.numel() // (size * key_dim)
         lower = q.new_empty(*lead, size, size)
         attend = q.new_empty(*lead, size, size)
-        block_k = triton.next_power_of_2(key_dim)
+        block_k = key_block(key_dim)
         _intra_fwd[(chunks,)](
             q, a, b, g, lower, attend, K=key_dim, C=size, BK=block_k,
-            BKD=min(BLOCK_KD, block_k), BT=SUB_BLOCK, PRECISION=precision,
-            num_warps=4, num_stages=1,
+            BKD=min(BLOCK_KD, block_k), BT=SUB_BLOCK, PRECISION=precision, **LAUNCH,
         )  # fmt: skip
         ctx.save_for_backward(q, a, b, g)
         ctx.precision = precision
@@ -229,10 +236,10 @@ class IntraChunk(torch.autograd.Function):
         d_lower = torch.zeros_like(d_lower) if d_lower is None else d_lower.contiguous()
         d_attend = torch.zeros_like(d_attend) if d_attend is None else d_attend.contiguous()
         dq, da, db = (torch.empty_like(q) for _ in range(3))
-        block_kd = min(BLOCK_KD, triton.next_power_of_2(key_dim))
+        block_kd = min(BLOCK_KD, key_block(key_dim))
         _intra_bwd[(chunks, triton.cdiv(key_dim, block_kd))](
             q, a, b, g, d_lower, d_attend, dq, da, db, K=key_dim, C=size, BKD=block_kd,
-            BT=SUB_BLOCK, PRECISION=ctx.precision, num_warps=4, num_stages=1,
+            BT=SUB_BLOCK, PRECISION=ctx.precision, **LAUNCH,
         )  # fmt: skip
         # dg_j = reverse cumulative sum over the chunk of q dq + b db - a da (module docstring).
         dg = (q * dq + b * db - a * da).flip(-2).cumsum(-2).flip(-2)

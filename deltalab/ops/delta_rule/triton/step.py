@@ -114,6 +114,8 @@ def delta_rule_step_triton(
         )
     if o is None:
         o = torch.empty(batch, heads, value_dim, dtype=q.dtype, device=q.device)
+    if new_state.data_ptr() == state.data_ptr() and not state.is_contiguous():
+        raise ValueError("state must be contiguous to be updated in place")
     expected = {"new_state": (state.shape, torch.float32), "o": (u.shape, q.dtype)}
     for name, x in (("new_state", new_state), ("o", o)):
         shape, dtype = expected[name]
@@ -124,8 +126,6 @@ def delta_rule_step_triton(
             )
     if new_state.data_ptr() != state.data_ptr():
         state = state.contiguous()
-    elif not state.is_contiguous():
-        raise ValueError("state must be contiguous to be updated in place")
     rows = batch * heads
     block_k, block_v = _blocks(rows, key_dim, value_dim)
     grid = (rows, triton.cdiv(value_dim, block_v))

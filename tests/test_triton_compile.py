@@ -1,0 +1,60 @@
+"""The Triton kernels compile for a Hopper GPU (sm_90) and fit its shared memory, checked on CPU.
+
+The interpreter runs the kernels' arithmetic but not NVIDIA's compiler, which refuses what the
+interpreter accepts (a tl.dot inner dimension below 8; more shared memory than an SM has: both
+happened here). Compiling ahead of time for sm_90 needs no GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from deltalab.ops._triton import HAS_TRITON, INTERPRET
+
+pytestmark = pytest.mark.skipif(
+    not HAS_TRITON or INTERPRET, reason="needs Triton, compiling (not interpreting) kernels"
+)
+
+# Shared memory per SM usable by one block on an H100/H200 (227 KiB).
+HOPPER_SHARED_BYTES = 232448
+
+
+def _compile_for_hopper(kernel, pointers, scalars, constants, options):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {
+        **{p: "*fp32" for p in pointers},
+        **{s: "i32" for s in scalars},
+        **{k: "constexpr" for k in constants},
+    }
+    constexprs = {(kernel.arg_names.index(k),): v for k, v in constants.items()}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+@pytest.mark.parametrize(("key_dim", "chunk"), [(3, 256), (128, 64), (256, 128)])
+def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chunk):
+    from deltalab.ops.delta_rule.triton import chunk as state_pass
+    from deltalab.ops.delta_rule.triton import intra
+    from deltalab.ops.delta_rule.triton.intra import BLOCK_KD, SUB_BLOCK, key_block
+
+    block_k = key_block(key_dim)
+    for precision in ("ieee", "tf32"):
+        # The state pass's own launch constants and options, as `state_pass_triton` uses them.
+        _, launch = state_pass._launch(key_dim, 1, chunk, key_dim, precision)
+        options = {k: launch.pop(k) for k in ("num_warps", "num_stages")}
+        tiles = dict(K=key_dim, C=chunk, BKD=min(BLOCK_KD, block_k), BT=SUB_BLOCK)
+        tiles["PRECISION"] = precision
+        kernels = [
+            (state_pass._state_pass_fwd, 11, {**launch, "HAS_INITIAL": True}, options),
+            (state_pass._state_pass_bwd, 10, {**launch, "HAS_D_FINAL": True}, options),
+            (intra._intra_fwd, 6, {**tiles, "BK": block_k}, intra.LAUNCH),
+            (intra._intra_bwd, 9, tiles, intra.LAUNCH),
+        ]
+        for kernel, n_pointers, constants, kernel_options in kernels:
+            pointers = kernel.arg_names[:n_pointers]
+            scalars = [a for a in kernel.arg_names[n_pointers:] if a not in constants]
+            compiled = _compile_for_hopper(kernel, pointers, scalars, constants, kernel_options)
+            assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, kernel.fn.__name__
