@@ -1,0 +1,69 @@
+"""Checkpoints written before a refactor load after it and compute exactly what they computed.
+
+tests/data/make_refactor_fixture.py recorded, from the code before issue 12's refactors, a tiny
+model of every mixer kind (and of the options that switch code paths) as a `save_pretrained`
+directory, with its logits and the parameters after one AdamW step. Bit-for-bit equality is the
+claim (`torch.equal`): a refactor may move code, not change one floating-point operation. The
+reference is CPU float32 on one thread; another CPU's kernels may round differently, in which
+case rerun the script on the code before the change to re-record it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltalab.models import CausalLM, DeltaLabConfig
+
+DATA = Path(__file__).parent / "data"
+sys.path.insert(0, str(DATA))
+import make_refactor_fixture as fixture  # noqa: E402
+
+REFERENCE = torch.load(fixture.HERE / "reference.pt", weights_only=True)
+
+
+def test_fixture_covers_every_mixer_kind():
+    from deltalab.models import MIXER_KINDS
+
+    kinds = {
+        json.loads((fixture.HERE / n / "config.json").read_text())["mixer"]
+        for n in fixture.VARIANTS
+    }
+    assert kinds == set(MIXER_KINDS)
+    assert set(REFERENCE["reference"]) == set(fixture.VARIANTS)
+
+
+@pytest.mark.parametrize("name", fixture.VARIANTS)
+def test_checkpoint_written_before_the_refactor_reproduces_its_logits_bit_for_bit(name):
+    model = CausalLM.from_pretrained(fixture.HERE / name)
+    assert torch.equal(REFERENCE["tokens"], fixture.tokens())
+    logits = fixture.logits(model)
+    for kind, expected in REFERENCE["reference"][name]["logits"].items():
+        assert torch.equal(logits[kind], expected), f"{name}: {kind} logits changed"
+
+
+@pytest.mark.parametrize("name", fixture.VARIANTS)
+def test_one_training_step_from_the_old_checkpoint_gives_the_same_parameters_bit_for_bit(name):
+    model = CausalLM.from_pretrained(fixture.HERE / name)
+    trained = fixture.train_step(model)
+    expected = REFERENCE["reference"][name]["trained"]
+    sizes = [p.numel() for p in trained.values()]
+    pieces = dict(zip(trained, expected.split(sizes), strict=True))
+    changed = [key for key, p in trained.items() if not torch.equal(p.flatten(), pieces[key])]
+    assert sum(sizes) == expected.numel() and not changed, f"{name}: after one step: {changed}"
+
+
+@pytest.mark.parametrize("name", fixture.VARIANTS)
+def test_seeded_construction_gives_the_recorded_initial_weights(name):
+    # The same config and seed must draw the same weights: refactored constructors keep the
+    # order in which parameters are created and initialized.
+    config = DeltaLabConfig.from_pretrained(fixture.HERE / name)
+    torch.manual_seed(fixture.SEED)
+    fresh = CausalLM(config).state_dict()
+    saved = CausalLM.from_pretrained(fixture.HERE / name).state_dict()
+    changed = [key for key in saved if not torch.equal(fresh[key], saved[key])]
+    assert fresh.keys() == saved.keys() and not changed, f"{name}: {changed}"
