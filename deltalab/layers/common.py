@@ -8,22 +8,27 @@ returned state also carries the mixer's intermediate gates in `state.gates` (nam
 The delta-rule frontend (docs/MATH.md sec. 5) lives once, in `DeltaMixer`: q, k, v projections,
 a short causal depthwise convolution with SiLU on each, L2-normalized q and k (q is scaled by
 `K^-1/2` inside `delta_rule`), per-head RMSNorm of the output gated by an output-gate
-projection, output projection. A mixer only adds its gates and its `deltalab.ops.parametrize`
-call.
+projection, output projection. Its options are one `FrontendOptions`, which every mixer takes
+as `options=` or as the same plain keywords (`Muir(hidden_size=..., num_heads=..., head_dim=...)`).
+A mixer only adds its gates and its `deltalab.ops.parametrize` call.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
+import inspect
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import cast
+from typing import ClassVar, TypedDict, Unpack, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from deltalab.ops._checks import (
+    closest,
     require_choice,
     require_positive_int,
     require_rank,
@@ -42,6 +47,8 @@ __all__ = [
     "GATE_ACTIVATIONS",
     "AttentionState",
     "DeltaMixer",
+    "FrontendKeywords",
+    "FrontendOptions",
     "GatedRMSNorm",
     "RMSNorm",
     "RecurrentState",
@@ -50,6 +57,7 @@ __all__ = [
     "check_mask",
     "check_state_batch",
     "compute_dtype",
+    "frontend_options",
     "identity_at_padding",
     "l2_normalize",
     "no_weight_decay",
@@ -68,6 +76,89 @@ def require_chunk_size(value: object) -> int:
     if not MIN_CHUNK_SIZE <= size <= MAX_CHUNK_SIZE:
         raise ValueError(f"chunk_size must be in [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}], got {size}")
     return size
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrontendOptions:
+    """The options of the delta-rule frontend that every `DeltaMixer` shares (see `DeltaMixer`).
+
+    hidden_size: D. num_heads: H. head_dim: K. value_dim: V (None: K).
+    conv_size: kernel of the short convolutions. chunk_size: tokens per chunk, 16..256.
+    backend: `delta_rule`'s backend for whole sequences ("auto", "naive", "chunk", "triton").
+    gate_activation: "sigmoid" or "silu" on the output gate, None for the mixer's default.
+    norm_eps: of the output RMSNorm.
+    """
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    value_dim: int | None = None
+    conv_size: int = 4
+    chunk_size: int = 64
+    backend: str = "auto"
+    gate_activation: str | None = None
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        require_positive_int("hidden_size", self.hidden_size)
+        require_positive_int("num_heads", self.num_heads)
+        require_positive_int("head_dim", self.head_dim)
+        value_dim = self.head_dim if self.value_dim is None else self.value_dim
+        # Frozen: the resolved V is written once here, so every reader sees an int.
+        object.__setattr__(self, "value_dim", require_positive_int("value_dim", value_dim))
+        require_positive_int("conv_size", self.conv_size)
+        require_chunk_size(self.chunk_size)
+        require_choice("backend", self.backend, BACKENDS)
+        if self.gate_activation is not None:
+            require_choice("gate_activation", self.gate_activation, GATE_ACTIVATIONS)
+
+
+class FrontendKeywords(TypedDict, total=False):
+    """`FrontendOptions` as keyword arguments of a mixer: type checkers see every keyword."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    value_dim: int | None
+    conv_size: int
+    chunk_size: int
+    backend: str
+    gate_activation: str | None
+    norm_eps: float
+
+
+FRONTEND_FIELDS = tuple(f.name for f in dataclasses.fields(FrontendOptions))
+
+
+def frontend_options(
+    options: FrontendOptions | None, keywords: Mapping[str, object], mixer: type
+) -> FrontendOptions:
+    """The frontend options of a `mixer` constructed with `options` or with the plain
+    frontend `keywords` (the rest of its keyword arguments), not both.
+
+    A keyword that is neither a frontend option nor one of the mixer's own arguments is refused
+    by name, with the closest valid one: the keywords arrive through `**`, so Python no longer
+    does that.
+    """
+    unknown = sorted(set(keywords) - set(FRONTEND_FIELDS))
+    if unknown:
+        parameters = inspect.signature(mixer.__init__).parameters.values()
+        own = [p.name for p in parameters if p.kind == p.KEYWORD_ONLY]
+        valid = [*FRONTEND_FIELDS, *own]
+        raise TypeError(
+            f"{mixer.__name__} got an unexpected keyword argument {unknown[0]!r}"
+            f"{closest(unknown[0], valid)}"
+        )
+    if options is None:
+        return FrontendOptions(**keywords)  # type: ignore[arg-type]
+    if not isinstance(options, FrontendOptions):
+        raise TypeError(f"options must be a FrontendOptions or None, got {type(options).__name__}")
+    if keywords:
+        raise TypeError(
+            f"{mixer.__name__} takes options or the frontend keywords, not both: got options "
+            f"and {sorted(keywords)}"
+        )
+    return options
 
 
 def check_hidden(x: object, hidden_size: int) -> torch.Tensor:
@@ -303,37 +394,36 @@ class DeltaMixer(nn.Module, abc.ABC):
     Subclasses define `primitive_inputs`, the mixer's gates and parametrization. Shapes: x
     `[B, T, D]`, q/k `[B, T, H, K]`, v/o `[B, T, H, V]`, memory `[B, H, K, V]`.
 
+    A subclass's constructor takes `options: FrontendOptions | None`, its own keyword arguments
+    and `**frontend: Unpack[FrontendKeywords]`, and passes options and frontend on to this one;
+    one that needs the options first (e.g. for a default rank) resolves them with
+    `frontend_options` and passes the result alone.
+
     Args:
-        hidden_size: D. num_heads: H. head_dim: K. value_dim: V (defaults to K).
-        conv_size: kernel of the short convolutions. chunk_size: tokens per chunk, 16..256.
-        backend: `delta_rule`'s backend for whole sequences ("auto", "naive", "chunk", "triton").
+        options: the frontend's `FrontendOptions` (`self.options` keeps them, resolved), or
+            None with the same as plain keywords (`hidden_size=..., num_heads=..., ...`).
         gate_rank: rank of the output-gate projection, None for full rank.
-        gate_activation: "sigmoid" or "silu" on the output gate. norm_eps: of the output RMSNorm.
     """
+
+    # The output gate's activation when the options leave it None.
+    default_gate_activation: ClassVar[str] = "silu"
 
     def __init__(
         self,
+        options: FrontendOptions | None = None,
         *,
-        hidden_size: int,
-        num_heads: int,
-        head_dim: int,
-        value_dim: int | None = None,
-        conv_size: int = 4,
-        chunk_size: int = 64,
-        backend: str = "auto",
         gate_rank: int | None = None,
-        gate_activation: str = "silu",
-        norm_eps: float = 1e-5,
+        **frontend: Unpack[FrontendKeywords],
     ) -> None:
         super().__init__()
-        self.hidden_size = require_positive_int("hidden_size", hidden_size)
-        self.num_heads = require_positive_int("num_heads", num_heads)
-        self.head_dim = require_positive_int("head_dim", head_dim)
-        self.value_dim = require_positive_int(
-            "value_dim", head_dim if value_dim is None else value_dim
-        )
-        self.chunk_size = require_chunk_size(chunk_size)
-        self.backend = require_choice("backend", backend, BACKENDS)
+        options = frontend_options(options, frontend, type(self))
+        activation = options.gate_activation or self.default_gate_activation
+        self.options = dataclasses.replace(options, gate_activation=activation)
+        hidden_size, num_heads, head_dim = options.hidden_size, options.num_heads, options.head_dim
+        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+        self.value_dim = cast(int, options.value_dim)
+        self.chunk_size, self.backend = options.chunk_size, options.backend
+        conv_size, norm_eps = options.conv_size, options.norm_eps
         key_width, value_width = num_heads * head_dim, num_heads * self.value_dim
         self.q_proj = nn.Linear(hidden_size, key_width, bias=False)
         self.k_proj = nn.Linear(hidden_size, key_width, bias=False)
@@ -342,7 +432,7 @@ class DeltaMixer(nn.Module, abc.ABC):
         self.k_conv = ShortConvolution(key_width, conv_size)
         self.v_conv = ShortConvolution(value_width, conv_size)
         self.g_proj = output_gate_projection(hidden_size, value_width, gate_rank)
-        self.o_norm = GatedRMSNorm(self.value_dim, eps=norm_eps, activation=gate_activation)
+        self.o_norm = GatedRMSNorm(self.value_dim, eps=norm_eps, activation=activation)
         self.o_proj = nn.Linear(value_width, hidden_size, bias=False)
 
     @abc.abstractmethod

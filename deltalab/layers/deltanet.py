@@ -10,10 +10,12 @@ Sequence Length" (arXiv:2406.06484); "Gated Delta Networks: Improving Mamba2 wit
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import torch
 from torch import nn
 
-from deltalab.layers.common import DeltaMixer
+from deltalab.layers.common import DeltaMixer, FrontendKeywords, FrontendOptions
 from deltalab.layers.decay import ScalarDecay
 from deltalab.ops.parametrize import DeltaRuleInputs, deltanet_inputs, gated_deltanet_inputs
 
@@ -23,36 +25,19 @@ __all__ = ["DeltaNet", "GatedDeltaNet"]
 class DeltaNet(DeltaMixer):
     """DeltaNet: beta = sigmoid(W_b x) per head, no decay. Gates: beta `[B, T, H]`.
 
-    Keyword arguments as `DeltaMixer` (output gate full rank, SiLU by default).
+    Args: options or the frontend keywords (`FrontendOptions`; output gate SiLU by default);
+    gate_rank: rank of the output gate, None for full rank.
     """
 
     def __init__(
         self,
+        options: FrontendOptions | None = None,
         *,
-        hidden_size: int,
-        num_heads: int,
-        head_dim: int,
-        value_dim: int | None = None,
-        conv_size: int = 4,
-        chunk_size: int = 64,
-        backend: str = "auto",
         gate_rank: int | None = None,
-        gate_activation: str = "silu",
-        norm_eps: float = 1e-5,
+        **frontend: Unpack[FrontendKeywords],
     ) -> None:
-        super().__init__(
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            value_dim=value_dim,
-            conv_size=conv_size,
-            chunk_size=chunk_size,
-            backend=backend,
-            gate_rank=gate_rank,
-            gate_activation=gate_activation,
-            norm_eps=norm_eps,
-        )
-        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        super().__init__(options, gate_rank=gate_rank, **frontend)
+        self.b_proj = nn.Linear(self.hidden_size, self.num_heads, bias=False)
 
     def primitive_inputs(
         self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -64,36 +49,18 @@ class DeltaNet(DeltaMixer):
 class GatedDeltaNet(DeltaNet):
     """Gated DeltaNet: DeltaNet with one log decay per head (`ScalarDecay`).
 
-    Gates: beta `[B, T, H]`, g `[B, T, H]`. Keyword arguments as `DeltaMixer`.
+    Gates: beta `[B, T, H]`, g `[B, T, H]`. Arguments as `DeltaNet`.
     """
 
     def __init__(
         self,
+        options: FrontendOptions | None = None,
         *,
-        hidden_size: int,
-        num_heads: int,
-        head_dim: int,
-        value_dim: int | None = None,
-        conv_size: int = 4,
-        chunk_size: int = 64,
-        backend: str = "auto",
         gate_rank: int | None = None,
-        gate_activation: str = "silu",
-        norm_eps: float = 1e-5,
+        **frontend: Unpack[FrontendKeywords],
     ) -> None:
-        super().__init__(
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            value_dim=value_dim,
-            conv_size=conv_size,
-            chunk_size=chunk_size,
-            backend=backend,
-            gate_rank=gate_rank,
-            gate_activation=gate_activation,
-            norm_eps=norm_eps,
-        )
-        self.decay = ScalarDecay(hidden_size, num_heads)
+        super().__init__(options, gate_rank=gate_rank, **frontend)
+        self.decay = ScalarDecay(self.hidden_size, self.num_heads)
 
     def primitive_inputs(
         self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -10,10 +10,12 @@ Paper: "Gated DeltaNet-2: Decoupling Erase and Write in Linear Attention" (arXiv
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import torch
 from torch import nn
 
-from deltalab.layers.common import DeltaMixer, require_positive_int
+from deltalab.layers.common import DeltaMixer, FrontendKeywords, FrontendOptions, frontend_options
 from deltalab.layers.decay import ChannelDecay
 from deltalab.ops.parametrize import DeltaRuleInputs, gdn2_inputs
 
@@ -28,42 +30,29 @@ class GatedDeltaNet2(DeltaMixer):
 
     Gates: erase `[B, T, H, K]`, write `[B, T, H, V]`, g `[B, T, H, K]`.
 
-    Args (beyond `DeltaMixer`'s): decay_rank, gate_rank: ranks of the decay and output-gate
-    projections, default min(128, hidden_size).
+    Args: options or the frontend keywords (`FrontendOptions`; output gate sigmoid by default);
+    decay_rank, gate_rank: ranks of the decay and output-gate projections, default
+    min(128, hidden_size).
     """
+
+    default_gate_activation = "sigmoid"
 
     def __init__(
         self,
+        options: FrontendOptions | None = None,
         *,
-        hidden_size: int,
-        num_heads: int,
-        head_dim: int,
-        value_dim: int | None = None,
-        conv_size: int = 4,
-        chunk_size: int = 64,
-        backend: str = "auto",
         decay_rank: int | None = None,
         gate_rank: int | None = None,
-        gate_activation: str = "sigmoid",
-        norm_eps: float = 1e-5,
+        **frontend: Unpack[FrontendKeywords],
     ) -> None:
-        default_rank = min(GDN2_RANK, require_positive_int("hidden_size", hidden_size))
-        super().__init__(
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            value_dim=value_dim,
-            conv_size=conv_size,
-            chunk_size=chunk_size,
-            backend=backend,
-            gate_rank=default_rank if gate_rank is None else gate_rank,
-            gate_activation=gate_activation,
-            norm_eps=norm_eps,
-        )
-        self.b_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
-        self.w_proj = nn.Linear(hidden_size, num_heads * self.value_dim, bias=False)
+        options = frontend_options(options, frontend, type(self))
+        default_rank = min(GDN2_RANK, options.hidden_size)
+        super().__init__(options, gate_rank=default_rank if gate_rank is None else gate_rank)
+        hidden_size, heads, head_dim = self.hidden_size, self.num_heads, self.head_dim
+        self.b_proj = nn.Linear(hidden_size, heads * head_dim, bias=False)
+        self.w_proj = nn.Linear(hidden_size, heads * self.value_dim, bias=False)
         rank = default_rank if decay_rank is None else decay_rank
-        self.decay = ChannelDecay(hidden_size, num_heads, head_dim, rank)
+        self.decay = ChannelDecay(hidden_size, heads, head_dim, rank)
 
     def primitive_inputs(
         self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -9,10 +9,12 @@ Architecture" (arXiv:2510.26692).
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import torch
 from torch import nn
 
-from deltalab.layers.common import DeltaMixer
+from deltalab.layers.common import DeltaMixer, FrontendKeywords, FrontendOptions, frontend_options
 from deltalab.layers.decay import ChannelDecay
 from deltalab.ops.parametrize import DeltaRuleInputs, kda_inputs
 
@@ -24,41 +26,27 @@ class KimiDeltaAttention(DeltaMixer):
 
     Gates: beta `[B, T, H]`, g `[B, T, H, K]`.
 
-    Args (beyond `DeltaMixer`'s): decay_rank: rank of the decay projection (default head_dim);
-    gate_rank: rank of the output gate (default value_dim), both as fla's KDA.
+    Args: options or the frontend keywords (`FrontendOptions`; output gate sigmoid by default);
+    decay_rank: rank of the decay projection (default head_dim); gate_rank: rank of the output
+    gate (default value_dim), both as fla's KDA.
     """
+
+    default_gate_activation = "sigmoid"
 
     def __init__(
         self,
+        options: FrontendOptions | None = None,
         *,
-        hidden_size: int,
-        num_heads: int,
-        head_dim: int,
-        value_dim: int | None = None,
-        conv_size: int = 4,
-        chunk_size: int = 64,
-        backend: str = "auto",
         decay_rank: int | None = None,
         gate_rank: int | None = None,
-        gate_activation: str = "sigmoid",
-        norm_eps: float = 1e-5,
+        **frontend: Unpack[FrontendKeywords],
     ) -> None:
-        value_dim = head_dim if value_dim is None else value_dim
-        super().__init__(
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            value_dim=value_dim,
-            conv_size=conv_size,
-            chunk_size=chunk_size,
-            backend=backend,
-            gate_rank=value_dim if gate_rank is None else gate_rank,
-            gate_activation=gate_activation,
-            norm_eps=norm_eps,
-        )
-        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        options = frontend_options(options, frontend, type(self))
+        super().__init__(options, gate_rank=options.value_dim if gate_rank is None else gate_rank)
+        heads, head_dim = self.num_heads, self.head_dim
+        self.b_proj = nn.Linear(self.hidden_size, heads, bias=False)
         rank = head_dim if decay_rank is None else decay_rank
-        self.decay = ChannelDecay(hidden_size, num_heads, head_dim, rank)
+        self.decay = ChannelDecay(self.hidden_size, heads, head_dim, rank)
 
     def primitive_inputs(
         self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -26,6 +26,7 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar, Unpack
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +34,11 @@ from torch import nn
 
 from deltalab.layers.common import (
     DeltaMixer,
+    FrontendKeywords,
+    FrontendOptions,
     RecurrentState,
     compute_dtype,
+    frontend_options,
     identity_at_padding,
     no_weight_decay,
     require_positive_int,
@@ -154,44 +158,42 @@ class KDNMixer(DeltaMixer):
     Subclasses define `filter`, the gains from the noise model. Shapes: x `[B, T, D]`, q/k
     `[B, T, H, K]`, v/o `[B, T, H, V]`, memory `[B, H, K, V]`.
 
-    Args (beyond `DeltaMixer`'s): decay_rank: rank of the decay projection (default head_dim);
-    gate_rank: rank of the output gate (default value_dim), both as KDA; channel_noise: process
-    noise per head-channel (else per head); noise_rank: rank of that projection (default
-    head_dim); process_noise: "free" or "tied"; r_min: floor of the observation noise (> 0).
+    Args: options or the frontend keywords (`FrontendOptions`; output gate sigmoid by default);
+    decay_rank: rank of the decay projection (default head_dim); gate_rank: rank of the output
+    gate (default value_dim), both as KDA; noise_rank: rank of the per-channel process-noise
+    projection (default head_dim; not for `IsotropicKDN`, whose noise is per head);
+    process_noise: "free" or "tied"; info_scale: evidence scale s > 0 (default K, as the
+    reference; not for `ExactKDN`, which is exact, s = 1); r_min: floor of the observation
+    noise (> 0).
     """
+
+    default_gate_activation = "sigmoid"
+    # Process noise per head-channel (Diagonal, Exact), else per head (Isotropic).
+    channel_noise: ClassVar[bool] = True
+    # Whether the filter scales the evidence (the scans) or is exact.
+    has_info_scale: ClassVar[bool] = True
 
     def __init__(
         self,
+        options: FrontendOptions | None = None,
         *,
-        hidden_size: int,
-        num_heads: int,
-        head_dim: int,
-        value_dim: int | None,
-        conv_size: int,
-        chunk_size: int,
-        backend: str,
-        decay_rank: int | None,
-        gate_rank: int | None,
-        channel_noise: bool,
-        noise_rank: int | None,
-        process_noise: str,
-        r_min: float,
-        gate_activation: str,
-        norm_eps: float,
+        decay_rank: int | None = None,
+        gate_rank: int | None = None,
+        noise_rank: int | None = None,
+        process_noise: str = "free",
+        info_scale: float | None = None,
+        r_min: float = R_MIN,
+        **frontend: Unpack[FrontendKeywords],
     ) -> None:
-        value_dim = head_dim if value_dim is None else value_dim
-        super().__init__(
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            value_dim=value_dim,
-            conv_size=conv_size,
-            chunk_size=chunk_size,
-            backend=backend,
-            gate_rank=value_dim if gate_rank is None else gate_rank,
-            gate_activation=gate_activation,
-            norm_eps=norm_eps,
-        )
+        options = frontend_options(options, frontend, type(self))
+        name = type(self).__name__
+        # Refused by name rather than ignored: the option has no meaning for this variant.
+        if noise_rank is not None and not self.channel_noise:
+            raise TypeError(f"{name} got noise_rank, but its process noise is per head (no rank)")
+        if info_scale is not None and not self.has_info_scale:
+            raise TypeError(f"{name} got info_scale, but it is exact (no information scale)")
+        super().__init__(options, gate_rank=options.value_dim if gate_rank is None else gate_rank)
+        hidden_size, num_heads, head_dim = self.hidden_size, self.num_heads, self.head_dim
         _checks.require_choice("process_noise", process_noise, PROCESS_NOISE_MODES)
         # Checked in every mode, so a bad value never goes unnoticed until a mode switch.
         noise_rank = require_positive_int(
@@ -209,11 +211,14 @@ class KDNMixer(DeltaMixer):
         )
         self.process: FreeProcessNoise | TiedProcessNoise
         if process_noise == "tied":
-            self.process = TiedProcessNoise(num_heads, channel_noise)
+            self.process = TiedProcessNoise(num_heads, self.channel_noise)
         else:
             self.process = FreeProcessNoise(
-                hidden_size, num_heads, head_dim, channel_noise, noise_rank
+                hidden_size, num_heads, head_dim, self.channel_noise, noise_rank
             )
+        if self.has_info_scale:
+            scale = float(head_dim) if info_scale is None else info_scale
+            self.info_scale = _checks.require_positive_number("info_scale", scale)
 
     def prior_variance(self) -> torch.Tensor:
         """p_0 `[H]`, in (0, 10]: 1 / (0.1 + softplus(rho))."""
@@ -304,48 +309,10 @@ class IsotropicKDN(KDNMixer):
     """Isotropic KDN: `P = p I` per head, KDA whose beta comes from a variance scan.
 
     Gates: g `[B, T, H, K]`; r, q_noise, beta, p, predictive `[B, T, H]` (see `KDNState`).
-    State uncertainty: precision `[B, H]`.
-
-    Args (beyond `KDNMixer`'s): info_scale: evidence scale s > 0 (default K, as the reference).
+    State uncertainty: precision `[B, H]`. Arguments as `KDNMixer`, without noise_rank.
     """
 
-    def __init__(
-        self,
-        *,
-        hidden_size: int,
-        num_heads: int,
-        head_dim: int,
-        value_dim: int | None = None,
-        conv_size: int = 4,
-        chunk_size: int = 64,
-        backend: str = "auto",
-        decay_rank: int | None = None,
-        gate_rank: int | None = None,
-        process_noise: str = "free",
-        info_scale: float | None = None,
-        r_min: float = R_MIN,
-        gate_activation: str = "sigmoid",
-        norm_eps: float = 1e-5,
-    ) -> None:
-        super().__init__(
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            value_dim=value_dim,
-            conv_size=conv_size,
-            chunk_size=chunk_size,
-            backend=backend,
-            decay_rank=decay_rank,
-            gate_rank=gate_rank,
-            channel_noise=False,
-            noise_rank=None,
-            process_noise=process_noise,
-            r_min=r_min,
-            gate_activation=gate_activation,
-            norm_eps=norm_eps,
-        )
-        scale = float(head_dim) if info_scale is None else info_scale
-        self.info_scale = _checks.require_positive_number("info_scale", scale)
+    channel_noise = False
 
     def filter(
         self,
@@ -372,49 +339,8 @@ class DiagonalKDN(KDNMixer):
     """Diagonal KDN: `P = diag(p)` per head, a variance scan per key channel.
 
     Gates: g, q_noise, gain, p `[B, T, H, K]`; r, predictive `[B, T, H]` (see `KDNState`).
-    State uncertainty: precision `[B, H, K]`.
-
-    Args (beyond `KDNMixer`'s): info_scale: evidence scale s > 0 (default K, as the reference).
+    State uncertainty: precision `[B, H, K]`. Arguments as `KDNMixer`.
     """
-
-    def __init__(
-        self,
-        *,
-        hidden_size: int,
-        num_heads: int,
-        head_dim: int,
-        value_dim: int | None = None,
-        conv_size: int = 4,
-        chunk_size: int = 64,
-        backend: str = "auto",
-        decay_rank: int | None = None,
-        gate_rank: int | None = None,
-        noise_rank: int | None = None,
-        process_noise: str = "free",
-        info_scale: float | None = None,
-        r_min: float = R_MIN,
-        gate_activation: str = "sigmoid",
-        norm_eps: float = 1e-5,
-    ) -> None:
-        super().__init__(
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            value_dim=value_dim,
-            conv_size=conv_size,
-            chunk_size=chunk_size,
-            backend=backend,
-            decay_rank=decay_rank,
-            gate_rank=gate_rank,
-            channel_noise=True,
-            noise_rank=noise_rank,
-            process_noise=process_noise,
-            r_min=r_min,
-            gate_activation=gate_activation,
-            norm_eps=norm_eps,
-        )
-        scale = float(head_dim) if info_scale is None else info_scale
-        self.info_scale = _checks.require_positive_number("info_scale", scale)
 
     def filter(
         self,
@@ -444,44 +370,10 @@ class ExactKDN(KDNMixer):
     (see `KDNState`). State uncertainty: covariance `[B, H, K, K]`. The prior is `p_0 I`.
     Exact KDN has no information scale (it is exact, s = 1).
 
-    Args: as `DiagonalKDN` without info_scale (process noise per head-channel).
+    Arguments as `KDNMixer`, without info_scale.
     """
 
-    def __init__(
-        self,
-        *,
-        hidden_size: int,
-        num_heads: int,
-        head_dim: int,
-        value_dim: int | None = None,
-        conv_size: int = 4,
-        chunk_size: int = 64,
-        backend: str = "auto",
-        decay_rank: int | None = None,
-        gate_rank: int | None = None,
-        noise_rank: int | None = None,
-        process_noise: str = "free",
-        r_min: float = R_MIN,
-        gate_activation: str = "sigmoid",
-        norm_eps: float = 1e-5,
-    ) -> None:
-        super().__init__(
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            value_dim=value_dim,
-            conv_size=conv_size,
-            chunk_size=chunk_size,
-            backend=backend,
-            decay_rank=decay_rank,
-            gate_rank=gate_rank,
-            channel_noise=True,
-            noise_rank=noise_rank,
-            process_noise=process_noise,
-            r_min=r_min,
-            gate_activation=gate_activation,
-            norm_eps=norm_eps,
-        )
+    has_info_scale = False
 
     def filter(
         self,

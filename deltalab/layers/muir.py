@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import Unpack
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,10 @@ from torch import nn
 
 from deltalab.layers.common import (
     DeltaMixer,
+    FrontendKeywords,
+    FrontendOptions,
     compute_dtype,
+    frontend_options,
     no_weight_decay,
     require_positive_int,
 )
@@ -193,29 +197,26 @@ class Muir(DeltaMixer):
     Gates: erase `[B, T, H, K]`, write `[B, T, H, V]`, g `[B, T, H, K]`, read (rho, > 0)
     `[B, T, H, K]` (a broadcast view for "static" and "none").
 
-    Args (beyond `DeltaMixer`'s): ranks: `MuirRanks`, default `MuirRanks.default(head_dim,
+    Args: options or the frontend keywords (`FrontendOptions`; output gate sigmoid by default);
+    ranks: `MuirRanks` (or the same as a mapping), default `MuirRanks.default(head_dim,
     hidden_size)`; read_gate: "dynamic" (rho from the fused projection around the static
     vector), "static" (a learned input-independent `[H, K]` vector) or "none" (rho = 1).
     """
 
+    default_gate_activation = "sigmoid"
+
     def __init__(
         self,
+        options: FrontendOptions | None = None,
         *,
-        hidden_size: int,
-        num_heads: int,
-        head_dim: int,
-        value_dim: int | None = None,
-        conv_size: int = 4,
-        chunk_size: int = 64,
-        backend: str = "auto",
-        ranks: MuirRanks | None = None,
+        ranks: MuirRanks | Mapping[str, int | None] | None = None,
         read_gate: str = "dynamic",
-        gate_activation: str = "sigmoid",
-        norm_eps: float = 1e-5,
+        **frontend: Unpack[FrontendKeywords],
     ) -> None:
-        hidden_size = require_positive_int("hidden_size", hidden_size)
+        options = frontend_options(options, frontend, type(self))
+        hidden_size, num_heads, head_dim = options.hidden_size, options.num_heads, options.head_dim
         if ranks is None:
-            ranks = MuirRanks.default(require_positive_int("head_dim", head_dim), hidden_size)
+            ranks = MuirRanks.default(head_dim, hidden_size)
         elif isinstance(ranks, Mapping):
             # Configuration files and config.json carry the ranks as a plain mapping.
             gates = {f.name for f in fields(MuirRanks)}
@@ -230,18 +231,7 @@ class Muir(DeltaMixer):
                 f"ranks must be a MuirRanks, a mapping or None, got {type(ranks).__name__}"
             )
         read_gate = require_choice("read_gate", read_gate, READ_GATES)
-        super().__init__(
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            value_dim=value_dim,
-            conv_size=conv_size,
-            chunk_size=chunk_size,
-            backend=backend,
-            gate_rank=ranks.outgate,
-            gate_activation=gate_activation,
-            norm_eps=norm_eps,
-        )
+        super().__init__(options, gate_rank=ranks.outgate)
         self.ranks, self.read_gate = ranks, read_gate
         key_width, value_width = num_heads * head_dim, num_heads * self.value_dim
         widths = {"decay": key_width, "erase": key_width, "write": value_width}
@@ -332,19 +322,9 @@ class Muir(DeltaMixer):
             read_rank = max(1, layer.head_dim // DEFAULT_RANK_DIVISORS["read"])
         ranks = MuirRanks(decay=decay_rank, erase=None, write=None, read=read_rank, outgate=outgate)
         reference = next(layer.parameters())
-        muir = cls(
-            hidden_size=layer.hidden_size,
-            num_heads=layer.num_heads,
-            head_dim=layer.head_dim,
-            value_dim=layer.value_dim,
-            conv_size=layer.q_conv.kernel_size,
-            chunk_size=layer.chunk_size,
-            backend=layer.backend,
-            ranks=ranks,
-            read_gate=read_gate,
-            gate_activation=layer.o_norm.activation,
-            norm_eps=layer.o_norm.eps,
-        ).to(device=reference.device, dtype=reference.dtype)
+        muir = cls(layer.options, ranks=ranks, read_gate=read_gate).to(
+            device=reference.device, dtype=reference.dtype
+        )
         source = layer.state_dict()
         target = muir.state_dict()
         renamed = {

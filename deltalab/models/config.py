@@ -9,24 +9,17 @@ keyword arguments (so an unknown option fails there, naming the field).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from typing import Any
 
 from transformers import PreTrainedConfig
 
-from deltalab.ops._checks import require_choice, require_positive_int
+from deltalab.ops._checks import closest, require_choice, require_positive_int
 from deltalab.ops.delta_rule import BACKENDS
 
 __all__ = ["MIXER_KINDS", "RECURRENT_KINDS", "DeltaLabConfig", "closest"]
 
 RECURRENT_KINDS = ("deltanet", "gdn", "kda", "gdn2", "kdn_iso", "kdn_diag", "kdn_exact", "muir")
 MIXER_KINDS = ("transformer", *RECURRENT_KINDS)
-
-
-def closest(name: str, choices: list[str] | tuple[str, ...]) -> str:
-    """' (did you mean X?)' for the closest valid name, or '' when nothing is close."""
-    match = difflib.get_close_matches(name, list(choices), n=1)
-    return f" (did you mean {match[0]!r}?)" if match else ""
 
 
 class DeltaLabConfig(PreTrainedConfig):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from torch import nn
 
+from deltalab.layers.common import FRONTEND_FIELDS, FrontendOptions
 from deltalab.models.config import DeltaLabConfig
 
 __all__ = ["MIXER_CLASSES", "build_mixer"]
@@ -30,22 +32,39 @@ def mixer_class(kind: str) -> type[nn.Module]:
     return getattr(importlib.import_module(f"deltalab.layers.{module}"), name)
 
 
-def build_mixer(config: DeltaLabConfig, kind: str) -> nn.Module:
-    """The mixer of one block: `kind` is "attention" or the config's recurrent kind."""
-    common = dict(
+def frontend_options(config: DeltaLabConfig) -> tuple[FrontendOptions, dict[str, Any]]:
+    """The recurrent mixers' `FrontendOptions` from the config, and the rest of
+    `config.mixer_options` (the mixer's own keyword arguments).
+
+    The sizes, conv_size, chunk_size and backend are config fields; the other frontend options
+    (gate_activation, norm_eps) may come in `mixer_options`, which must not repeat a field.
+    """
+    own = dict(config.mixer_options)
+    shared = {name: own.pop(name) for name in FRONTEND_FIELDS if name in own}
+    fields = dict(
         hidden_size=config.hidden_size,
         num_heads=config.num_heads,
         head_dim=config.head_dim,
         value_dim=config.value_dim,
-    )
-    if kind == "attention":
-        return mixer_class(kind)(
-            **common, window=config.attention_window, rope_base=config.rope_base
-        )
-    return mixer_class(kind)(
-        **common,
         conv_size=config.conv_size,
         chunk_size=config.chunk_size,
         backend=config.backend,
-        **config.mixer_options,
     )
+    for name in sorted(set(shared) & set(fields)):
+        raise ValueError(f"mixer_options.{name} repeats the config field {name}; set it there")
+    return FrontendOptions(**fields, **shared), own
+
+
+def build_mixer(config: DeltaLabConfig, kind: str) -> nn.Module:
+    """The mixer of one block: `kind` is "attention" or the config's recurrent kind."""
+    if kind == "attention":
+        return mixer_class(kind)(
+            hidden_size=config.hidden_size,
+            num_heads=config.num_heads,
+            head_dim=config.head_dim,
+            value_dim=config.value_dim,
+            window=config.attention_window,
+            rope_base=config.rope_base,
+        )
+    options, own = frontend_options(config)
+    return mixer_class(kind)(options, **own)

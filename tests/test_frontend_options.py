@@ -1,0 +1,100 @@
+"""Every delta-rule mixer takes its shared frontend as one `FrontendOptions` or as the plain
+keywords users wrote before it existed; wrong keywords fail naming themselves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltalab.layers import (
+    DeltaNet,
+    DiagonalKDN,
+    ExactKDN,
+    GatedDeltaNet,
+    GatedDeltaNet2,
+    IsotropicKDN,
+    KimiDeltaAttention,
+    Muir,
+)
+from deltalab.layers.common import FrontendOptions
+from deltalab.models import CausalLM, DeltaLabConfig
+
+MIXERS = (
+    DeltaNet,
+    GatedDeltaNet,
+    KimiDeltaAttention,
+    GatedDeltaNet2,
+    Muir,
+    IsotropicKDN,
+    DiagonalKDN,
+    ExactKDN,
+)
+FRONTEND = dict(hidden_size=16, num_heads=2, head_dim=8, value_dim=4, conv_size=3, chunk_size=16)
+
+
+def seeded(build):
+    torch.manual_seed(0)
+    return build()
+
+
+@pytest.mark.parametrize("mixer", MIXERS, ids=lambda cls: cls.__name__)
+def test_options_object_and_plain_keywords_build_the_same_layer(mixer):
+    by_keywords = seeded(lambda: mixer(**FRONTEND, norm_eps=1e-3))
+    by_options = seeded(lambda: mixer(options=FrontendOptions(**FRONTEND, norm_eps=1e-3)))
+    assert by_keywords.options == by_options.options
+    assert by_options.options.norm_eps == by_options.o_norm.eps == 1e-3
+    expected = by_keywords.state_dict()
+    for name, tensor in by_options.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+@pytest.mark.parametrize("mixer", MIXERS, ids=lambda cls: cls.__name__)
+def test_misspelt_keyword_is_refused_naming_it_and_the_closest_valid_one(mixer):
+    with pytest.raises(TypeError, match=r"'hiden_size' \(did you mean 'hidden_size'\?\)"):
+        mixer(hiden_size=16, num_heads=2, head_dim=8)
+
+
+def test_misspelt_own_keyword_of_a_mixer_gets_the_closest_of_its_own_arguments():
+    with pytest.raises(TypeError, match=r"Muir got .*'read_gates' \(did you mean 'read_gate'\?\)"):
+        Muir(**FRONTEND, read_gates="static")
+
+
+def test_options_and_frontend_keywords_together_are_refused():
+    with pytest.raises(TypeError, match=r"options or the frontend keywords.*\['conv_size'\]"):
+        GatedDeltaNet2(FrontendOptions(**FRONTEND), conv_size=2)
+
+
+def test_mixer_default_gate_activation_applies_when_the_options_leave_it_open():
+    options = FrontendOptions(**FRONTEND)
+    assert DeltaNet(options).o_norm.activation == "silu"
+    assert KimiDeltaAttention(options).o_norm.activation == "sigmoid"
+    assert KimiDeltaAttention(options).options.gate_activation == "sigmoid"
+
+
+def test_frontend_options_are_validated_naming_the_field():
+    with pytest.raises(ValueError, match="chunk_size must be in"):
+        FrontendOptions(**{**FRONTEND, "chunk_size": 8})
+    with pytest.raises(ValueError, match="backend must be one of"):
+        FrontendOptions(**FRONTEND, backend="cuda")
+
+
+def test_kdn_options_that_a_variant_lacks_are_refused_by_name():
+    with pytest.raises(TypeError, match="IsotropicKDN got noise_rank"):
+        IsotropicKDN(**FRONTEND, noise_rank=2)
+    with pytest.raises(TypeError, match="ExactKDN got info_scale"):
+        ExactKDN(**FRONTEND, info_scale=2.0)
+
+
+def test_model_config_gives_frontend_options_from_its_fields_and_mixer_options():
+    config = DeltaLabConfig(
+        **FRONTEND, mixer="kda", num_layers=1, mixer_options={"norm_eps": 1e-3, "decay_rank": 2}
+    )
+    mixer = CausalLM(config).model.blocks[0].mixer
+    assert mixer.options == FrontendOptions(**FRONTEND, gate_activation="sigmoid", norm_eps=1e-3)
+    assert mixer.decay.f_proj[0].out_features == 2
+
+
+def test_mixer_options_repeating_a_config_field_are_refused():
+    config = DeltaLabConfig(**FRONTEND, mixer="gdn", mixer_options={"chunk_size": 32})
+    with pytest.raises(ValueError, match=r"mixer_options\.chunk_size repeats the config field"):
+        CausalLM(config)
