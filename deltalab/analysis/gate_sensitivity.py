@@ -13,19 +13,18 @@ terms of ||sum_t J_t d_t||^2 vanish in expectation, so E||J d||^2 / (B T) is the
 of E||J_t d_t||^2 -- one forward pass per probe, not one per token. Each pass is exact
 forward-mode AD (`torch.autograd.forward_ad`) through the whole model, not a finite difference.
 
-Perturbation: `perturb_gate` wraps a layer's `primitive_inputs` on the instance; the layer
-computes its gates as usual, then the primitive's inputs are rebuilt from the perturbed gates
-(a layer's `inputs_from_gates` method, or the baselines' `deltalab.ops.parametrize` functions).
-KDN layers (`deltalab.layers.kdn.KDNMixer`) have their noise model perturbed instead: the wrapped
-method is `kalman_gates`, whose gates g (log decay `[B, T, H, K]`), q_noise (process noise
-`[B, T, H(, K)]`) and r (observation noise `[B, T, H]`) the filter then turns into gains as
-usual; their derived gates (beta, gain, p, predictive) are not perturbed on their own.
+Perturbation: `perturb_gate` registers a gate hook on the layer
+(`DeltaMixer.register_gate_hook`), which every mixer calls between computing its gates (`gates`)
+and turning them into the primitive's inputs (`inputs_from_gates`). The gates of a KDN layer
+(`deltalab.layers.kdn.KDNMixer`) are its noise model: g (log decay `[B, T, H, K]`), q_noise
+(process noise `[B, T, H(, K)]`) and r (observation noise `[B, T, H]`), which the filter then
+turns into gains as usual; their derived gates (beta, gain, p, predictive) are not perturbed on
+their own.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -41,18 +40,9 @@ from torch import nn
 from deltalab.analysis._plot import new_figure, save_figure
 from deltalab.benchmarking import format_table
 from deltalab.layers.common import DeltaMixer, require_positive_int
-from deltalab.layers.deltanet import DeltaNet, GatedDeltaNet
-from deltalab.layers.gdn2 import GatedDeltaNet2
-from deltalab.layers.kda import KimiDeltaAttention
 from deltalab.layers.kdn import KDNMixer
 from deltalab.layers.muir import MuirRanks
-from deltalab.ops.parametrize import (
-    DeltaRuleInputs,
-    deltanet_inputs,
-    gated_deltanet_inputs,
-    gdn2_inputs,
-    kda_inputs,
-)
+from deltalab.ops.parametrize import DeltaRuleInputs
 
 __all__ = [
     "GateInputs",
@@ -74,40 +64,31 @@ GateInputs = Callable[
 Direction = Callable[[str, str, torch.Tensor], torch.Tensor]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
-# The baseline mixers do not carry `inputs_from_gates`; their gates enter as in parametrize.py.
-BASELINE_GATE_INPUTS: dict[type[DeltaMixer], GateInputs] = {
-    DeltaNet: lambda q, k, v, gates: deltanet_inputs(q, k, v, gates["beta"]),
-    GatedDeltaNet: lambda q, k, v, gates: gated_deltanet_inputs(q, k, v, gates["beta"], gates["g"]),
-    KimiDeltaAttention: lambda q, k, v, gates: kda_inputs(q, k, v, gates["beta"], gates["g"]),
-    GatedDeltaNet2: lambda q, k, v, gates: gdn2_inputs(
-        q, k, v, gates["erase"], gates["write"], gates["g"]
-    ),
-}
-# The gates of a KDN layer that can be perturbed: what `kalman_gates` returns, in its order.
-KALMAN_GATES = ("g", "q_noise", "r")
 # Gate names of the layers -> fields of MuirRanks, for `allocate_ranks`.
 RANK_FIELDS = {"g": "decay", "erase": "erase", "write": "write", "read": "read"}
 
 
 def gate_inputs(layer: DeltaMixer) -> GateInputs:
-    """How `layer`'s gates enter the primitive: its `inputs_from_gates` method when it has one
-    (Muir), else the parametrization of the closest baseline class in its MRO."""
-    own = getattr(layer, "inputs_from_gates", None)
-    if callable(own):
-        return own
-    for cls in type(layer).__mro__:
-        if cls in BASELINE_GATE_INPUTS:
-            return BASELINE_GATE_INPUTS[cls]
-    raise TypeError(
-        f"{type(layer).__name__} has no inputs_from_gates(q, k, v, gates) method and is not a "
-        "baseline mixer: its gates cannot be perturbed"
-    )
+    """How `layer`'s gates enter the primitive: its `inputs_from_gates` method."""
+    _check_perturbable(layer)
+    return layer.inputs_from_gates
 
 
 def _check_perturbable(layer: DeltaMixer) -> None:
-    """Raises TypeError if `perturb_gate` cannot perturb `layer`'s gates."""
-    if not isinstance(layer, KDNMixer):
-        gate_inputs(layer)
+    """Raises TypeError if `perturb_gate` cannot perturb `layer`'s gates: a mixer that still
+    computes its gates inside its own `primitive_inputs` offers no point to hook them."""
+    cls = type(layer)
+    if cls.gates is DeltaMixer.gates or cls.inputs_from_gates is DeltaMixer.inputs_from_gates:
+        raise TypeError(
+            f"{cls.__name__} has no gates(x) and inputs_from_gates(q, k, v, gates) methods: its "
+            "gates cannot be perturbed"
+        )
+    if cls.primitive_inputs is DeltaMixer.primitive_inputs or isinstance(layer, KDNMixer):
+        return
+    raise TypeError(
+        f"{cls.__name__} overrides primitive_inputs, which may bypass the gate hooks: its gates "
+        "cannot be perturbed"
+    )
 
 
 @contextlib.contextmanager
@@ -117,51 +98,23 @@ def perturb_gate(
     """Inside the block, every forward of `layer` uses `gate + delta(gate)` for the named gate.
 
     `delta` receives the gate tensor (e.g. erase `[B, T, H, K]`) and returns a tensor of its
-    shape. The perturbed gates are also what `return_gates=True` reports. The layer's own
-    `primitive_inputs` is restored on exit, also after an error. For a KDN layer the gate is one
-    of `KALMAN_GATES` (g, q_noise, r) and `kalman_gates` is wrapped and restored instead; the
-    caller keeps q_noise >= 0 and r >= r_min if the perturbed point must be a valid filter.
+    shape. The perturbed gates are also what `return_gates=True` reports. The hook is removed on
+    exit, also after an error. For a KDN layer the gate is one of `KALMAN_GATES` (g, q_noise,
+    r); the caller keeps q_noise >= 0 and r >= r_min if the perturbed point must be a valid
+    filter.
     """
+    _check_perturbable(layer)
 
-    def moved(gates: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def moved(gates: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if gate not in gates:
             raise KeyError(f"{type(layer).__name__} has no gate {gate!r}; gates: {list(gates)}")
         return {**gates, gate: gates[gate] + delta(gates[gate])}
 
-    if isinstance(layer, KDNMixer):
-
-        def perturbed_noise(original, x):
-            gates = moved(dict(zip(KALMAN_GATES, original(x), strict=True)))
-            return tuple(gates[name] for name in KALMAN_GATES)
-
-        wrapped = _wrapped_method(layer, "kalman_gates", perturbed_noise)
-    else:
-        rebuild = gate_inputs(layer)
-
-        def perturbed(original, x, q, k, v):
-            _, gates = original(x, q, k, v)
-            gates = moved(gates)
-            return rebuild(q, k, v, gates), gates
-
-        wrapped = _wrapped_method(layer, "primitive_inputs", perturbed)
-    with wrapped:
-        yield
-
-
-@contextlib.contextmanager
-def _wrapped_method(layer: DeltaMixer, name: str, wrapper: Callable[..., Any]) -> Iterator[None]:
-    """Replaces `layer.<name>(*args)` on the instance by `wrapper(original, *args)`; restores
-    the original on exit, also after an error."""
-    original = getattr(layer, name)
-    had_own = name in vars(layer)
-    setattr(layer, name, functools.partial(wrapper, original))
+    handle = layer.register_gate_hook(moved)
     try:
         yield
     finally:
-        if had_own:
-            setattr(layer, name, original)
-        else:
-            delattr(layer, name)
+        handle.remove()
 
 
 def unit_directions(value: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -266,23 +219,20 @@ def _gate_names(
     return names
 
 
-def _recording(layer: DeltaMixer, names: list[str]) -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def _recording(layer: DeltaMixer, names: list[str]) -> Iterator[None]:
     """Appends the names of the gates `layer` computes to `names`, changing nothing else (for a
-    KDN layer: the gates of `kalman_gates`, the ones `perturb_gate` can move)."""
-    if isinstance(layer, KDNMixer):
+    KDN layer: its noise model, the gates `perturb_gate` can move)."""
 
-        def recorded_noise(original, x):
-            names.extend(g for g in KALMAN_GATES if g not in names)
-            return original(x)
-
-        return _wrapped_method(layer, "kalman_gates", recorded_noise)
-
-    def recorded(original, x, q, k, v):
-        inputs, gates = original(x, q, k, v)
+    def recorded(gates: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         names.extend(g for g in gates if g not in names)
-        return inputs, gates
+        return gates
 
-    return _wrapped_method(layer, "primitive_inputs", recorded)
+    handle = layer.register_gate_hook(recorded)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _probe(

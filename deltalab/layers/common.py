@@ -19,13 +19,15 @@ import abc
 import dataclasses
 import inspect
 import math
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar, TypedDict, Unpack, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from deltalab.ops._checks import (
     closest,
@@ -388,10 +390,17 @@ def output_gate_projection(hidden_size: int, width: int, rank: int | None) -> nn
     return nn.Sequential(nn.Linear(hidden_size, rank, bias=False), nn.Linear(rank, width))
 
 
+# gates by name -> gates by name (see `DeltaMixer.register_gate_hook`).
+GateHook = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
 class DeltaMixer(nn.Module, abc.ABC):
     """Base of the delta-rule mixers: the shared frontend around `deltalab.ops.delta_rule`.
 
-    Subclasses define `primitive_inputs`, the mixer's gates and parametrization. Shapes: x
+    Subclasses define their gates apart from the memory: `gates(x)` computes them from the
+    hidden states, `inputs_from_gates(q, k, v, gates)` turns them into the primitive's inputs
+    (its parametrization). `primitive_inputs` calls both, with the hooks of
+    `register_gate_hook` in between (gate sensitivity perturbs gates there). Shapes: x
     `[B, T, D]`, q/k `[B, T, H, K]`, v/o `[B, T, H, V]`, memory `[B, H, K, V]`.
 
     A subclass's constructor takes `options: FrontendOptions | None`, its own keyword arguments
@@ -434,13 +443,44 @@ class DeltaMixer(nn.Module, abc.ABC):
         self.g_proj = output_gate_projection(hidden_size, value_width, gate_rank)
         self.o_norm = GatedRMSNorm(self.value_dim, eps=norm_eps, activation=activation)
         self.o_proj = nn.Linear(value_width, hidden_size, bias=False)
+        # An OrderedDict, as nn.Module's own hooks: RemovableHandle holds a weak reference to it.
+        self._gate_hooks: OrderedDict[int, GateHook] = OrderedDict()
 
-    @abc.abstractmethod
+    # Not abstract: a subclass written before `gates` existed overrides `primitive_inputs`
+    # instead, and keeps working (without gate hooks).
+    def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """x `[B, T, D]` -> the mixer's gates by name (shapes in each class's docstring)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define gates(x)")
+
+    def inputs_from_gates(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]
+    ) -> DeltaRuleInputs:
+        """Unit-norm q, k `[B, T, H, K]`, v `[B, T, H, V]` and `gates(x)` -> the primitive's
+        `(q, a, b, u, g)`."""
+        raise NotImplementedError(f"{type(self).__name__} does not define inputs_from_gates")
+
+    def register_gate_hook(self, hook: GateHook) -> RemovableHandle:
+        """Calls `hook(gates)` on every forward between `gates` and `inputs_from_gates`; what it
+        returns replaces the gates (also those `return_gates=True` reports). Returns a handle
+        whose `remove()` takes the hook away."""
+        handle = RemovableHandle(self._gate_hooks)
+        self._gate_hooks[handle.id] = hook
+        return handle
+
+    def hooked_gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`gates(x)` passed through the registered gate hooks, in registration order."""
+        gates = self.gates(x)
+        for hook in self._gate_hooks.values():
+            gates = hook(gates)
+        return gates
+
     def primitive_inputs(
         self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[DeltaRuleInputs, dict[str, torch.Tensor]]:
         """x `[B, T, D]`, unit-norm q, k `[B, T, H, K]`, v `[B, T, H, V]` -> the primitive's
         `(q, a, b, u, g)` and the gates by name."""
+        gates = self.hooked_gates(x)
+        return self.inputs_from_gates(q, k, v, gates), gates
 
     def recurrence(
         self,

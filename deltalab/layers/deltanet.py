@@ -39,11 +39,13 @@ class DeltaNet(DeltaMixer):
         super().__init__(options, gate_rank=gate_rank, **frontend)
         self.b_proj = nn.Linear(self.hidden_size, self.num_heads, bias=False)
 
-    def primitive_inputs(
-        self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[DeltaRuleInputs, dict[str, torch.Tensor]]:
-        beta = torch.sigmoid(self.b_proj(x))
-        return deltanet_inputs(q, k, v, beta), {"beta": beta}
+    def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"beta": torch.sigmoid(self.b_proj(x))}
+
+    def inputs_from_gates(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]
+    ) -> DeltaRuleInputs:
+        return deltanet_inputs(q, k, v, gates["beta"])
 
 
 class GatedDeltaNet(DeltaNet):
@@ -62,9 +64,10 @@ class GatedDeltaNet(DeltaNet):
         super().__init__(options, gate_rank=gate_rank, **frontend)
         self.decay = ScalarDecay(self.hidden_size, self.num_heads)
 
-    def primitive_inputs(
-        self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[DeltaRuleInputs, dict[str, torch.Tensor]]:
-        beta = torch.sigmoid(self.b_proj(x))
-        g = self.decay(x)
-        return gated_deltanet_inputs(q, k, v, beta, g), {"beta": beta, "g": g}
+    def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"beta": torch.sigmoid(self.b_proj(x)), "g": self.decay(x)}
+
+    def inputs_from_gates(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]
+    ) -> DeltaRuleInputs:
+        return gated_deltanet_inputs(q, k, v, gates["beta"], gates["g"])

@@ -54,10 +54,13 @@ class GatedDeltaNet2(DeltaMixer):
         rank = default_rank if decay_rank is None else decay_rank
         self.decay = ChannelDecay(hidden_size, heads, head_dim, rank)
 
-    def primitive_inputs(
-        self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[DeltaRuleInputs, dict[str, torch.Tensor]]:
-        erase = torch.sigmoid(self.b_proj(x)).unflatten(-1, k.shape[-2:])
-        write = torch.sigmoid(self.w_proj(x)).unflatten(-1, v.shape[-2:])
-        g = self.decay(x)
-        return gdn2_inputs(q, k, v, erase, write, g), {"erase": erase, "write": write, "g": g}
+    def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        heads = self.num_heads
+        erase = torch.sigmoid(self.b_proj(x)).unflatten(-1, (heads, self.head_dim))
+        write = torch.sigmoid(self.w_proj(x)).unflatten(-1, (heads, self.value_dim))
+        return {"erase": erase, "write": write, "g": self.decay(x)}
+
+    def inputs_from_gates(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]
+    ) -> DeltaRuleInputs:
+        return gdn2_inputs(q, k, v, gates["erase"], gates["write"], gates["g"])

@@ -48,9 +48,10 @@ class KimiDeltaAttention(DeltaMixer):
         rank = head_dim if decay_rank is None else decay_rank
         self.decay = ChannelDecay(self.hidden_size, heads, head_dim, rank)
 
-    def primitive_inputs(
-        self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[DeltaRuleInputs, dict[str, torch.Tensor]]:
-        beta = torch.sigmoid(self.b_proj(x))
-        g = self.decay(x)
-        return kda_inputs(q, k, v, beta, g), {"beta": beta, "g": g}
+    def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"beta": torch.sigmoid(self.b_proj(x)), "g": self.decay(x)}
+
+    def inputs_from_gates(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]
+    ) -> DeltaRuleInputs:
+        return kda_inputs(q, k, v, gates["beta"], gates["g"])

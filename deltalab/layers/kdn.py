@@ -52,6 +52,7 @@ from deltalab.ops.kdn.exact import exact_gain
 from deltalab.ops.parametrize import DeltaRuleInputs
 
 __all__ = [
+    "KALMAN_GATES",
     "PROCESS_NOISE_MODES",
     "DiagonalKDN",
     "ExactKDN",
@@ -63,6 +64,8 @@ __all__ = [
 ]
 
 PROCESS_NOISE_MODES = ("free", "tied")
+# The noise model `KDNMixer.kalman_gates` returns, in its order: the gates of a KDN layer.
+KALMAN_GATES = ("g", "q_noise", "r")
 # Floors of docs/MATH.md sec. 3.5 (the reference implementation's): r >= 0.01, 1/p_0 >= 0.1.
 R_MIN = 0.01
 PRECISION_FLOOR = 0.1
@@ -245,6 +248,19 @@ class KDNMixer(DeltaMixer):
         incoming uncertainty (None: the prior) -> (write direction a `[B, T, H, K]`, the
         uncertainty after the last token, the gain gates, with p and predictive when `trace`)."""
 
+    def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The noise model by name, g, q_noise and r (`kalman_gates`): the gates a hook may
+        move; the gains the filter derives from them (beta, gain, p, predictive) follow."""
+        return dict(zip(KALMAN_GATES, self.kalman_gates(x), strict=True))
+
+    def inputs_from_gates(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]
+    ) -> DeltaRuleInputs:
+        """The primitive's `(q, gain, k, v, g)` of a sequence that starts with these tokens
+        (prior p_0), from the noise model of `gates`."""
+        write, _, _ = self.filter(k, gates["g"], gates["q_noise"], gates["r"], None, False)
+        return DeltaRuleInputs(q, write, k, v, gates["g"])
+
     def _filtered(
         self,
         x: torch.Tensor,
@@ -255,7 +271,8 @@ class KDNMixer(DeltaMixer):
         trace: bool,
         mask: torch.Tensor | None = None,
     ) -> tuple[DeltaRuleInputs, torch.Tensor, dict[str, torch.Tensor]]:
-        g, q_noise, r = self.kalman_gates(x)
+        noise = self.hooked_gates(x)
+        g, q_noise, r = (noise[name] for name in KALMAN_GATES)
         if mask is not None:
             # Padding tokens carry k = 0 (no evidence); with no decay and no process noise
             # either, the uncertainty passes them unchanged.

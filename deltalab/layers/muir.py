@@ -268,7 +268,7 @@ class Muir(DeltaMixer):
             weight = matched_filter(self.A_log.double(), self.dt_bias.double())
             self.read_log.copy_(weight.log())
 
-    def gate_values(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """x `[B, T, D]` -> erase, write, g, read (shapes in the class docstring)."""
         heads, key_dim, value_dim = self.num_heads, self.head_dim, self.value_dim
         raw = self.gate_proj(x)
@@ -296,11 +296,8 @@ class Muir(DeltaMixer):
         inputs = gdn2_inputs(q, k, v, gates["erase"], gates["write"], gates["g"])
         return inputs._replace(q=gates["read"] * q)
 
-    def primitive_inputs(
-        self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[DeltaRuleInputs, dict[str, torch.Tensor]]:
-        gates = self.gate_values(x)
-        return self.inputs_from_gates(q, k, v, gates), gates
+    # The name `gates` had before every mixer had one; kept for callers of the old name.
+    gate_values = gates
 
     @classmethod
     def from_gdn2(

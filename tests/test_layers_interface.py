@@ -1,5 +1,6 @@
-"""Every delta-rule mixer takes its shared frontend as one `FrontendOptions` or as the plain
-keywords users wrote before it existed; wrong keywords fail naming themselves."""
+"""The interface every delta-rule mixer shares: its frontend as one `FrontendOptions` or as the
+plain keywords users wrote before it existed (wrong keywords fail naming themselves), and its
+gates apart from the memory (`gates`, gate hooks, `inputs_from_gates`)."""
 
 from __future__ import annotations
 
@@ -98,3 +99,42 @@ def test_mixer_options_repeating_a_config_field_are_refused():
     config = DeltaLabConfig(**FRONTEND, mixer="gdn", mixer_options={"chunk_size": 32})
     with pytest.raises(ValueError, match=r"mixer_options\.chunk_size repeats the config field"):
         CausalLM(config)
+
+
+@pytest.mark.parametrize("mixer", MIXERS, ids=lambda cls: cls.__name__)
+def test_gates_then_inputs_from_gates_are_what_the_forward_feeds_the_primitive(mixer, generator):
+    layer = seeded(lambda: mixer(**FRONTEND)).double()
+    x = torch.randn(2, 5, FRONTEND["hidden_size"], generator=generator, dtype=torch.float64)
+    seen = {}
+
+    def record(gates):
+        seen.update(gates)
+        return gates
+
+    handle = layer.register_gate_hook(record)
+    y, state = layer(x, return_gates=True)
+    handle.remove()
+    assert set(seen) == set(layer.gates(x)) and set(seen) <= set(state.gates)
+    for name, value in layer.gates(x).items():
+        assert torch.equal(value, seen[name]) and torch.equal(value, state.gates[name]), name
+    # A hook that replaces the gates replaces what the layer computes with; removed, it is gone.
+    halved = {name: 0.5 * value for name, value in seen.items()}
+    with torch.no_grad():
+        handle = layer.register_gate_hook(lambda gates: halved)
+        y_hooked, _ = layer(x)
+        handle.remove()
+        y_again, _ = layer(x)
+    assert not torch.allclose(y_hooked, y) and torch.equal(y_again, y)
+
+
+@pytest.mark.parametrize("mixer", [GatedDeltaNet2, Muir, DiagonalKDN], ids=lambda c: c.__name__)
+def test_inputs_from_gates_rebuild_the_primitive_inputs_of_a_first_call(mixer, generator):
+    layer = seeded(lambda: mixer(**FRONTEND)).double()
+    x = torch.randn(2, 5, FRONTEND["hidden_size"], generator=generator, dtype=torch.float64)
+    q, k, v = (
+        torch.randn(2, 5, 2, dim, generator=generator, dtype=torch.float64) for dim in (8, 8, 4)
+    )
+    inputs, _ = layer.primitive_inputs(x, q, k, v)
+    rebuilt = layer.inputs_from_gates(q, k, v, layer.gates(x))
+    for name, a, b in zip(inputs._fields, inputs, rebuilt, strict=True):
+        assert torch.equal(a, b), name
