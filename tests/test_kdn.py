@@ -17,6 +17,7 @@ from deltalab.ops import (
     kdn_iso_step,
 )
 from deltalab.ops._triton import INTERPRET
+from deltalab.ops.kdn.exact import exact_gain
 from deltalab.testing import TOLERANCE, assert_close
 
 F64 = torch.float64
@@ -68,7 +69,8 @@ def kdn_inputs(
 def textbook_kalman(q, k, v, g, q_noise, r, P0, S0, scale):
     """The Kalman filter of docs/MATH.md sec. 2.2 in numpy, one value column at a time: state s
     (one column of S), transition diag(exp(g)), process noise diag(q_noise), observation
-    v_j = k^T s + e with e ~ N(0, r). Returns (o, final S, final P) as numpy arrays."""
+    v_j = k^T s + e with e ~ N(0, r). Returns (o, final S, final P, predictive k^T P_bar k
+    `[B, T, H]`, the diagonal of each posterior P_t `[B, T, H, K]`) as numpy arrays."""
     q, k, v, g, q_noise, r, P0, S0 = (x.numpy() for x in (q, k, v, g, q_noise, r, P0, S0))
     batch, length, heads, key_dim = k.shape
     value_dim = v.shape[-1]
@@ -77,6 +79,8 @@ def textbook_kalman(q, k, v, g, q_noise, r, P0, S0, scale):
     o = np.zeros((batch, length, heads, value_dim))
     S = np.zeros((batch, heads, key_dim, value_dim))
     P_final = np.zeros((batch, heads, key_dim, key_dim))
+    predictive = np.zeros((batch, length, heads))
+    variances = np.zeros((batch, length, heads, key_dim))
     for b in range(batch):
         for h in range(heads):
             for j in range(value_dim):
@@ -87,14 +91,16 @@ def textbook_kalman(q, k, v, g, q_noise, r, P0, S0, scale):
                     P = F @ P @ F.T + np.diag(q_noise[b, t, h])
                     H = k[b, t, h][None, :]
                     innovation = v[b, t, h, j] - (H @ mean)[0]
-                    variance = (H @ P @ H.T)[0, 0] + r[b, t, h]
+                    predictive[b, t, h] = (H @ P @ H.T)[0, 0]
+                    variance = predictive[b, t, h] + r[b, t, h]
                     gain = (P @ H.T)[:, 0] / variance
                     mean = mean + gain * innovation
                     P = (np.eye(key_dim) - gain[:, None] @ H) @ P
+                    variances[b, t, h] = np.diag(P)
                     o[b, t, h, j] = scale * q[b, t, h] @ mean
                 S[b, h, :, j] = mean
                 P_final[b, h] = P
-    return o, S, P_final
+    return o, S, P_final, predictive, variances
 
 
 @pytest.mark.parametrize("channel_decay", [True, False])
@@ -113,12 +119,31 @@ def test_exact_matches_textbook_kalman_filter_float64(channel_decay, with_initia
         initial_state = (S0, P0)
     scale = 0.7
     o, (S, P) = kdn_exact(**args, scale=scale, initial_state=initial_state, output_final_state=True)
-    o_ref, S_ref, P_ref = textbook_kalman(
+    o_ref, S_ref, P_ref, _, _ = textbook_kalman(
         args["q"], args["k"], args["v"], args["g"], args["q_noise"], args["r"], P0, S0, scale
     )
     assert_close(o, torch.from_numpy(o_ref), TOL, "outputs")
     assert_close(S, torch.from_numpy(S_ref), TOL, "memory")
     assert_close(P, torch.from_numpy(P_ref), TOL, "covariance")
+
+
+@pytest.mark.parametrize("channel_decay", [True, False])
+def test_exact_gain_trace_matches_textbook_kalman_filter_float64(channel_decay):
+    gen = torch.Generator().manual_seed(30 + channel_decay)
+    B, T, H, K, V = 2, 7, 2, 3, 1
+    args = kdn_inputs(gen, (B, T, H, K, V), variant="exact", channel_decay=channel_decay)
+    P0 = args["P0"].expand(B, H, K, K)
+    noise = [args[n] for n in ("k", "g", "q_noise", "r")]
+    gain, P, trace = exact_gain(*noise, P0, trace=True)
+    untraced = exact_gain(*noise, P0)
+    assert torch.equal(untraced[0], gain) and torch.equal(untraced[1], P) and untraced[2] is None
+    zeros = torch.zeros(B, H, K, V, dtype=F64)
+    *_, predictive, variances = textbook_kalman(
+        args["q"], *noise[:1], args["v"], *noise[1:], P0, zeros, 1.0
+    )
+    assert torch.equal(trace.gain, gain)
+    assert_close(trace.predictive, torch.from_numpy(predictive), TOL, "predictive k^T P_bar k")
+    assert_close(trace.p, torch.from_numpy(variances), TOL, "diagonal of P_t")
 
 
 def test_exact_without_final_state_returns_none():
@@ -305,33 +330,36 @@ def test_decode_steps_match_full_sequence(variant, channel_decay):
 
 
 def iso_gain_loop(k, g, q_noise, r, p0, info_scale):
-    """docs/MATH.md sec. 3.2, Isotropic, as written: returns (beta, p) `[B, T, H]`."""
+    """docs/MATH.md sec. 3.2, Isotropic, as written: returns (beta, p, predictive) `[B, T, H]`."""
     batch, length, heads, key_dim = k.shape
-    p, betas, variances = p0.expand(batch, heads), [], []
+    p, betas, variances, predictives = p0.expand(batch, heads), [], [], []
     for t in range(length):
         a = (2 * g[:, t]).exp()
         a = a.mean(-1) if g.dim() == 4 else a
         norm2 = (k[:, t] ** 2).sum(-1)
         p_bar = a * p + q_noise[:, t]
         betas.append(p_bar / (p_bar * norm2 + r[:, t]))
+        predictives.append(p_bar * norm2)
         p = 1.0 / (1.0 / p_bar + info_scale * norm2 / (key_dim * r[:, t]))
         variances.append(p)
-    return torch.stack(betas, dim=1), torch.stack(variances, dim=1)
+    return tuple(torch.stack(x, dim=1) for x in (betas, variances, predictives))
 
 
 def diag_gain_loop(k, g, q_noise, r, p0, info_scale):
-    """docs/MATH.md sec. 3.1, Diagonal, as written: returns (gain, p) `[B, T, H, K]`."""
+    """docs/MATH.md sec. 3.1, Diagonal, as written: returns (gain, p) `[B, T, H, K]` and
+    predictive `[B, T, H]`."""
     batch, length, heads, key_dim = k.shape
-    p, gains, variances = p0.expand(batch, heads, key_dim), [], []
+    p, gains, variances, predictives = p0.expand(batch, heads, key_dim), [], [], []
     for t in range(length):
         a = (2 * g[:, t]).exp()
         a = a if g.dim() == 4 else a.unsqueeze(-1)
         r_t = r[:, t, :, None]
         p_bar = a * p + q_noise[:, t]
         gains.append(p_bar * k[:, t] / ((p_bar * k[:, t] ** 2).sum(-1, keepdim=True) + r_t))
+        predictives.append((p_bar * k[:, t] ** 2).sum(-1))
         p = 1.0 / (1.0 / p_bar + info_scale * k[:, t] ** 2 / r_t)
         variances.append(p)
-    return torch.stack(gains, dim=1), torch.stack(variances, dim=1)
+    return tuple(torch.stack(x, dim=1) for x in (gains, variances, predictives))
 
 
 @pytest.mark.parametrize("variant", ["iso", "diag"])
@@ -344,10 +372,14 @@ def test_gain_scan_matches_python_loop_of_the_recurrence(variant, channel_decay,
     inputs = [args[n] for n in ("k", "g", "q_noise", "r", "p0")]
     gain, p, final_precision = GAIN[variant](*inputs, info_scale=info_scale)
     loop = iso_gain_loop if variant == "iso" else diag_gain_loop
-    gain_ref, p_ref = loop(*inputs, K if info_scale is None else info_scale)
+    gain_ref, p_ref, predictive_ref = loop(*inputs, K if info_scale is None else info_scale)
     assert_close(gain, gain_ref, TOL, "gain")
     assert_close(p, p_ref, TOL, "posterior variance")
     assert_close(final_precision, 1.0 / p_ref[:, -1], TOL, "final precision")
+    *same, predictive = GAIN[variant](*inputs, info_scale=info_scale, output_predictive=True)
+    for name, a, b in zip(("gain", "p", "final"), same, (gain, p, final_precision), strict=True):
+        assert torch.equal(a, b), name
+    assert_close(predictive, predictive_ref, TOL, "predictive variance k^T P_bar k")
 
 
 @pytest.mark.parametrize("variant", ["iso", "diag"])

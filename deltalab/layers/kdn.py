@@ -317,12 +317,42 @@ class KDNMixer(DeltaMixer):
         return o, new_state
 
 
-def _previous(p: torch.Tensor, p_start: torch.Tensor) -> torch.Tensor:
-    """p_{t-1} for every t: `[B, T, ...]` from p `[B, T, ...]` and p_0 `[B, ...]`."""
-    return torch.cat([p_start.to(p.dtype).unsqueeze(1), p[:, :-1]], dim=1)
+class _ScanKDN(KDNMixer):
+    """Isotropic and Diagonal KDN: the gains by an uncertainty scan of `deltalab.ops.kdn`, which
+    also returns the trace (p, predictive)."""
+
+    # The op's gain: beta `[B, T, H]` (write = beta k) when False, the gain itself when True.
+    diagonal_gain: ClassVar[bool]
+
+    def filter(
+        self,
+        k: torch.Tensor,
+        g: torch.Tensor,
+        q_noise: torch.Tensor,
+        r: torch.Tensor,
+        uncertainty: torch.Tensor | None,
+        trace: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        # The prior p_0 `[H]`: kdn_gain_diag takes it per head for every channel too.
+        scan = kdn_gain_diag if self.diagonal_gain else kdn_gain_iso
+        gain, p, precision, predictive = scan(
+            k,
+            g,
+            q_noise,
+            r,
+            self.prior_variance(),
+            info_scale=self.info_scale,
+            initial_precision=uncertainty,
+            output_predictive=True,
+        )
+        gains = {"gain" if self.diagonal_gain else "beta": gain}
+        if trace:
+            gains |= {"p": p, "predictive": predictive}
+        write = gain if self.diagonal_gain else gain.unsqueeze(-1) * k
+        return write, precision, gains
 
 
-class IsotropicKDN(KDNMixer):
+class IsotropicKDN(_ScanKDN):
     """Isotropic KDN: `P = p I` per head, KDA whose beta comes from a variance scan.
 
     Gates: g `[B, T, H, K]`; r, q_noise, beta, p, predictive `[B, T, H]` (see `KDNState`).
@@ -330,54 +360,17 @@ class IsotropicKDN(KDNMixer):
     """
 
     channel_noise = False
-
-    def filter(
-        self,
-        k: torch.Tensor,
-        g: torch.Tensor,
-        q_noise: torch.Tensor,
-        r: torch.Tensor,
-        uncertainty: torch.Tensor | None,
-        trace: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        p0 = self.prior_variance()
-        beta, p, precision = kdn_gain_iso(
-            k, g, q_noise, r, p0, info_scale=self.info_scale, initial_precision=uncertainty
-        )
-        gains = {"beta": beta}
-        if trace:
-            start = p0.expand(k.shape[0], -1) if uncertainty is None else 1.0 / uncertainty
-            p_bar = (2 * g).exp().mean(dim=-1) * _previous(p, start) + q_noise
-            gains |= {"p": p, "predictive": p_bar * k.to(p.dtype).square().sum(dim=-1)}
-        return beta.unsqueeze(-1) * k, precision, gains
+    diagonal_gain = False
 
 
-class DiagonalKDN(KDNMixer):
+class DiagonalKDN(_ScanKDN):
     """Diagonal KDN: `P = diag(p)` per head, a variance scan per key channel.
 
     Gates: g, q_noise, gain, p `[B, T, H, K]`; r, predictive `[B, T, H]` (see `KDNState`).
     State uncertainty: precision `[B, H, K]`. Arguments as `KDNMixer`.
     """
 
-    def filter(
-        self,
-        k: torch.Tensor,
-        g: torch.Tensor,
-        q_noise: torch.Tensor,
-        r: torch.Tensor,
-        uncertainty: torch.Tensor | None,
-        trace: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        p0 = self.prior_variance().unsqueeze(-1).expand(-1, self.head_dim)
-        gain, p, precision = kdn_gain_diag(
-            k, g, q_noise, r, p0, info_scale=self.info_scale, initial_precision=uncertainty
-        )
-        gains = {"gain": gain}
-        if trace:
-            start = p0.expand(k.shape[0], -1, -1) if uncertainty is None else 1.0 / uncertainty
-            p_bar = (2 * g).exp() * _previous(p, start) + q_noise
-            gains |= {"p": p, "predictive": (p_bar * k.to(p.dtype).square()).sum(dim=-1)}
-        return gain, precision, gains
+    diagonal_gain = True
 
 
 class ExactKDN(KDNMixer):
@@ -401,7 +394,7 @@ class ExactKDN(KDNMixer):
         uncertainty: torch.Tensor | None,
         trace: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        batch, length, heads, key_dim = k.shape
+        batch, _, heads, key_dim = k.shape
         dtype = _checks.compute_dtype(k, g, q_noise, r, uncertainty)
         k, g, q_noise, r = (t.to(dtype) for t in (k, g, q_noise, r))
         if uncertainty is None:
@@ -411,21 +404,8 @@ class ExactKDN(KDNMixer):
             shape = (batch, heads, key_dim, key_dim)
             _checks.require_shape("state.uncertainty", uncertainty, shape, "[B, H, K, K]")
             P = uncertainty.to(dtype)
-        gains, variances, predictive = [], [], []
-        # One token at a time: the trace needs every P_t, which exact_gain keeps to itself.
-        for t in range(length):
-            step = slice(t, t + 1)
-            if trace:
-                decay = g[:, t].exp()
-                P_bar = decay.unsqueeze(-1) * P * decay.unsqueeze(-2)
-                P_bar = P_bar + torch.diag_embed(q_noise[:, t])
-                predictive.append(torch.einsum("bhi,bhij,bhj->bh", k[:, t], P_bar, k[:, t]))
-            gain, P = exact_gain(k[:, step], g[:, step], q_noise[:, step], r[:, step], P)
-            gains.append(gain)
-            if trace:
-                variances.append(P.diagonal(dim1=-2, dim2=-1))
-        gain = torch.cat(gains, dim=1)
+        gain, P, traced = exact_gain(k, g, q_noise, r, P, trace=trace)
         named = {"gain": gain}
-        if trace:
-            named |= {"p": torch.stack(variances, dim=1), "predictive": torch.stack(predictive, 1)}
+        if traced is not None:
+            named |= {"p": traced.p, "predictive": traced.predictive}
         return gain, P, named

@@ -26,6 +26,7 @@ from deltalab.ops.kdn._validate import (
     check_query_value,
     split_state,
 )
+from deltalab.ops.kdn.gains import Gains
 
 # P0 may differ from its transpose by this many units of roundoff (relative to its largest
 # entry): enough for X @ X.T + c I built in floating point, far below any intended asymmetry.
@@ -69,27 +70,41 @@ def _prior_covariance(
 
 
 def exact_gain(
-    k: torch.Tensor, g: torch.Tensor, q_noise: torch.Tensor, r: torch.Tensor, P: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    k: torch.Tensor,
+    g: torch.Tensor,
+    q_noise: torch.Tensor,
+    r: torch.Tensor,
+    P: torch.Tensor,
+    trace: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, Gains | None]:
     """Validated inputs in one dtype: k, q_noise `[B, T, H, K]`, g `[B, T, H(, K)]`, r
-    `[B, T, H]`, P `[B, H, K, K]`. Returns (gain `[B, T, H, K]`, final P `[B, H, K, K]`)."""
+    `[B, T, H]`, P `[B, H, K, K]`. Returns (gain `[B, T, H, K]`, final P `[B, H, K, K]`, and
+    with `trace` the `Gains` of every token: gain, the diagonal of each P_t `[B, T, H, K]` and
+    predictive `[B, T, H]`; else None)."""
     decay = g.exp()
     if g.dim() < k.dim():
         decay = decay.unsqueeze(-1).expand(k.shape)
     eye = torch.eye(k.shape[-1], dtype=k.dtype, device=k.device)
-    gains = []
+    gains, variances, predictives = [], [], []
     for t in range(k.shape[1]):
         d, k_t, r_t = decay[:, t], k[:, t], r[:, t, :, None]
         P_bar = d.unsqueeze(-1) * P * d.unsqueeze(-2) + torch.diag_embed(q_noise[:, t])
         P_k = (P_bar @ k_t.unsqueeze(-1)).squeeze(-1)
-        gain = P_k / ((k_t * P_k).sum(dim=-1, keepdim=True) + r_t)
+        predictive = (k_t * P_k).sum(dim=-1, keepdim=True)
+        gain = P_k / (predictive + r_t)
         X = eye - gain.unsqueeze(-1) * k_t.unsqueeze(-2)
         # Joseph form keeps P positive semi-definite under roundoff; the average keeps it
         # exactly symmetric, which the textbook (I - gain k^T) P_bar is not.
         P = X @ P_bar @ X.mT + r_t.unsqueeze(-1) * gain.unsqueeze(-1) * gain.unsqueeze(-2)
         P = 0.5 * (P + P.mT)
         gains.append(gain)
-    return torch.stack(gains, dim=1), P
+        if trace:
+            variances.append(P.diagonal(dim1=-2, dim2=-1))
+            predictives.append(predictive.squeeze(-1))
+    gain = torch.stack(gains, dim=1)
+    if not trace:
+        return gain, P, None
+    return gain, P, Gains(gain, torch.stack(variances, dim=1), torch.stack(predictives, dim=1))
 
 
 def kdn_exact(
@@ -137,7 +152,7 @@ def kdn_exact(
 
     dtype = compute_dtype(*named.values(), P_init)
     inputs = [x.to(dtype) for x in (k, g, q_noise, r)]
-    gain, P = exact_gain(*inputs, 0.5 * (P_prior + P_prior.mT).to(dtype))
+    gain, P, _ = exact_gain(*inputs, 0.5 * (P_prior + P_prior.mT).to(dtype))
     o, final_memory = delta_rule(
         q, gain, k, v, g, scale=scale, initial_state=memory, output_final_state=output_final_state
     )

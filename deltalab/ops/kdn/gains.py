@@ -19,6 +19,8 @@ C = c a, D = c q + 1 and evidence c (s ||k||^2 / (K r), resp. s k^2 / r), scanne
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from deltalab.ops._checks import compute_dtype, require_choice, require_same_device
@@ -52,6 +54,61 @@ def _variance_scan(
     return p, decay2 * previous + q_noise
 
 
+class Gains(NamedTuple):
+    """What a gain computation gives: the gain (Isotropic: the write strength beta `[..., H]`,
+    gain = beta k; Diagonal and Exact: the gain `[..., H, K]`), the posterior variance p
+    (`[..., H]`, or `[..., H, K]`: Exact's is the diagonal of P), and the predicted variance of
+    the observation `k^T P_bar k` `[..., H]` (r excluded), whose sum with r divides the gain."""
+
+    gain: torch.Tensor
+    p: torch.Tensor
+    predictive: torch.Tensor
+
+
+# The per-token formulas, written once for the scans below and the decoding steps (step.py).
+
+
+def iso_terms(
+    k: torch.Tensor, g: torch.Tensor, r: torch.Tensor, info_scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Isotropic contraction a = mean_i exp(2 g_i) (or exp(2 g) per head), ||k||^2 and the
+    evidence s ||k||^2 / (K r); k `[..., H, K]`, g `[..., H(, K)]`, r `[..., H]`."""
+    decay2 = (2 * g).exp()
+    if g.dim() == k.dim():
+        decay2 = decay2.mean(dim=-1)
+    norm2 = (k * k).sum(dim=-1)
+    return decay2, norm2, info_scale * norm2 / (k.shape[-1] * r)
+
+
+def iso_beta(
+    p_bar: torch.Tensor, norm2: torch.Tensor, r: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(beta = p_bar / (p_bar ||k||^2 + r), predictive = p_bar ||k||^2)."""
+    predictive = p_bar * norm2
+    return p_bar / (predictive + r), predictive
+
+
+def diag_terms(
+    k: torch.Tensor, g: torch.Tensor, r: torch.Tensor, info_scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Diagonal contraction exp(2 g) `[..., H, K]` (a per-head g is broadcast), r `[..., H, 1]`
+    and the evidence s k^2 / r; k `[..., H, K]`, g `[..., H(, K)]`, r `[..., H]`."""
+    decay2 = (2 * g).exp()
+    if g.dim() < k.dim():
+        decay2 = decay2.unsqueeze(-1).expand(k.shape)
+    r = r.unsqueeze(-1)
+    return decay2, r, info_scale * k * k / r
+
+
+def diag_gain_from(
+    p_bar: torch.Tensor, k: torch.Tensor, r: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gain = p_bar k / (k^T (p_bar k) + r), predictive = k^T (p_bar k)); r `[..., H, 1]`."""
+    weighted = p_bar * k
+    predictive = (weighted * k).sum(dim=-1)
+    return weighted / (predictive.unsqueeze(-1) + r), predictive
+
+
 def iso_gain(
     k: torch.Tensor,
     g: torch.Tensor,
@@ -60,17 +117,14 @@ def iso_gain(
     p_prior: torch.Tensor,
     info_scale: float,
     scan: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> Gains:
     """Validated inputs in one dtype: k `[B, T, H, K]`, g `[B, T, H(, K)]`, q_noise, r
-    `[B, T, H]`, p_prior `[B, H]`; `scan` a resolved Mobius backend. Returns (beta, p), both
-    `[B, T, H]`."""
-    decay2 = (2 * g).exp()
-    if g.dim() == k.dim():
-        decay2 = decay2.mean(dim=-1)
-    norm2 = (k * k).sum(dim=-1)
-    evidence = info_scale * norm2 / (k.shape[-1] * r)
+    `[B, T, H]`, p_prior `[B, H]`; `scan` a resolved Mobius backend. Returns beta, p and
+    predictive, all `[B, T, H]`."""
+    decay2, norm2, evidence = iso_terms(k, g, r, info_scale)
     p, p_bar = _variance_scan(decay2, q_noise, evidence, p_prior, scan)
-    return p_bar / (p_bar * norm2 + r), p
+    beta, predictive = iso_beta(p_bar, norm2, r)
+    return Gains(beta, p, predictive)
 
 
 def diag_gain(
@@ -81,18 +135,14 @@ def diag_gain(
     p_prior: torch.Tensor,
     info_scale: float,
     scan: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> Gains:
     """Validated inputs in one dtype: k, q_noise `[B, T, H, K]`, g `[B, T, H(, K)]`, r
-    `[B, T, H]`, p_prior `[B, H, K]`; `scan` a resolved Mobius backend. Returns (gain, p), both
-    `[B, T, H, K]`."""
-    decay2 = (2 * g).exp()
-    if g.dim() < k.dim():
-        decay2 = decay2.unsqueeze(-1).expand(k.shape)
-    r = r.unsqueeze(-1)
-    evidence = info_scale * k * k / r
+    `[B, T, H]`, p_prior `[B, H, K]`; `scan` a resolved Mobius backend. Returns gain and p
+    `[B, T, H, K]`, predictive `[B, T, H]`."""
+    decay2, r, evidence = diag_terms(k, g, r, info_scale)
     p, p_bar = _variance_scan(decay2, q_noise, evidence, p_prior, scan)
-    weighted = p_bar * k
-    return weighted / ((weighted * k).sum(dim=-1, keepdim=True) + r), p
+    gain, predictive = diag_gain_from(p_bar, k, r)
+    return Gains(gain, p, predictive)
 
 
 def kdn_gain_iso(
@@ -105,7 +155,8 @@ def kdn_gain_iso(
     info_scale: float | None = None,
     initial_precision: torch.Tensor | None = None,
     backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    output_predictive: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Isotropic KDN gains: one variance per head, scanned over time.
 
     Args:
@@ -120,11 +171,13 @@ def kdn_gain_iso(
             given, it replaces p0.
         backend: the variance scan, a `deltalab.ops.mobius` backend: "auto" (Triton on CUDA
             when installed, else "parallel"), "sequential", "parallel" or "triton".
+        output_predictive: also return the predicted variance of each observation.
 
     Returns:
         `(beta [B, T, H], p [B, T, H], final_precision [B, H])`: the write strength
-        (gain_t = beta_t k_t), the posterior variance p_t, and 1/p_T. Float64 when any input
-        is float64, else float32.
+        (gain_t = beta_t k_t), the posterior variance p_t, and 1/p_T; with
+        `output_predictive`, then `predictive [B, T, H]` = p_bar_t ||k_t||^2 (beta_t =
+        p_bar_t / (predictive_t + r_t)). Float64 when any input is float64, else float32.
     """
     k = check_keys(k, "B, T, H")
     check_decay(g, k, "B, T, H")
@@ -137,8 +190,8 @@ def kdn_gain_iso(
     scan = resolve_backend(require_choice("backend", backend, BACKENDS), k.device)
     dtype = compute_dtype(*named.values(), initial_precision)
     inputs = (x.to(dtype) for x in (k, g, q_noise, r, p_prior))
-    beta, p = iso_gain(*inputs, scale, scan)
-    return beta, p, 1.0 / p[:, -1]
+    gains = iso_gain(*inputs, scale, scan)
+    return _returned(gains, output_predictive)
 
 
 def kdn_gain_diag(
@@ -151,7 +204,8 @@ def kdn_gain_diag(
     info_scale: float | None = None,
     initial_precision: torch.Tensor | None = None,
     backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    output_predictive: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Diagonal KDN gains: one variance per head and key channel, scanned over time.
 
     Args:
@@ -164,10 +218,12 @@ def kdn_gain_diag(
         info_scale: evidence scale s (> 0); defaults to K.
         initial_precision: `[B, H, K]` precision 1/p left by an earlier call; replaces p0.
         backend: the variance scan, as for `kdn_gain_iso`.
+        output_predictive: also return the predicted variance of each observation.
 
     Returns:
-        `(gain [B, T, H, K], p [B, T, H, K], final_precision [B, H, K])`. Float64 when any
-        input is float64, else float32.
+        `(gain [B, T, H, K], p [B, T, H, K], final_precision [B, H, K])`; with
+        `output_predictive`, then `predictive [B, T, H]` = k_t^T (p_bar_t * k_t) (the gain's
+        denominator less r_t). Float64 when any input is float64, else float32.
     """
     k = check_keys(k, "B, T, H")
     check_decay(g, k, "B, T, H")
@@ -180,5 +236,11 @@ def kdn_gain_diag(
     scan = resolve_backend(require_choice("backend", backend, BACKENDS), k.device)
     dtype = compute_dtype(*named.values(), initial_precision)
     inputs = (x.to(dtype) for x in (k, g, q_noise, r, p_prior))
-    gain, p = diag_gain(*inputs, scale, scan)
-    return gain, p, 1.0 / p[:, -1]
+    gains = diag_gain(*inputs, scale, scan)
+    return _returned(gains, output_predictive)
+
+
+def _returned(gains: Gains, output_predictive: bool) -> tuple[torch.Tensor, ...]:
+    """The public gain functions' result: (gain, p, final precision[, predictive])."""
+    returned = (gains.gain, gains.p, 1.0 / gains.p[:, -1])
+    return (*returned, gains.predictive) if output_predictive else returned

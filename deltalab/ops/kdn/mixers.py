@@ -25,10 +25,10 @@ from deltalab.ops.kdn._validate import (
     prior_variance,
     split_state,
 )
-from deltalab.ops.kdn.gains import diag_gain, iso_gain
+from deltalab.ops.kdn.gains import Gains, diag_gain, iso_gain
 from deltalab.ops.mobius import resolve_backend
 
-GainFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+GainFn = Callable[..., Gains]
 State = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
@@ -60,18 +60,19 @@ def _packed_gains(
     get k = 0, g = 0, q_noise = 0 and r = 1: the identity map, finite in both directions.
     """
     if offsets is None:
-        gain, p = gain_fn(k, g, q_noise, r, p_prior, info_scale, scan)
+        gain, p, _ = gain_fn(k, g, q_noise, r, p_prior, info_scale, scan)
         return gain, p[:, -1]
     real = pad_packed(torch.ones_like(r), offsets) > 0
     r_padded = torch.where(real, pad_packed(r, offsets), torch.ones_like(real, dtype=r.dtype))
     padded = [pad_packed(x, offsets) for x in (k, g, q_noise)]
-    gain, p = gain_fn(*padded, r_padded, p_prior, info_scale, scan)
+    gain, p, _ = gain_fn(*padded, r_padded, p_prior, info_scale, scan)
     last = torch.tensor([end - start - 1 for start, end in itertools.pairwise(offsets)])
     return unpad_packed(gain, offsets), p[torch.arange(len(last)), last.to(p.device)]
 
 
 def _kdn(
     variant: str,
+    *,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -175,20 +176,20 @@ def kdn_iso(
     """
     return _kdn(
         "iso",
-        q,
-        k,
-        v,
-        g,
-        q_noise,
-        r,
-        p0,
-        scale,
-        info_scale,
-        initial_state,
-        output_final_state,
-        cu_seqlens,
-        chunk_size,
-        backend,
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        q_noise=q_noise,
+        r=r,
+        p0=p0,
+        scale=scale,
+        info_scale=info_scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size,
+        backend=backend,
     )
 
 
@@ -235,18 +236,18 @@ def kdn_diag(
     """
     return _kdn(
         "diag",
-        q,
-        k,
-        v,
-        g,
-        q_noise,
-        r,
-        p0,
-        scale,
-        info_scale,
-        initial_state,
-        output_final_state,
-        cu_seqlens,
-        chunk_size,
-        backend,
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        q_noise=q_noise,
+        r=r,
+        p0=p0,
+        scale=scale,
+        info_scale=info_scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size,
+        backend=backend,
     )

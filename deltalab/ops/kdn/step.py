@@ -15,6 +15,7 @@ from deltalab.ops.kdn._validate import (
     check_query_value,
     split_state,
 )
+from deltalab.ops.kdn.gains import diag_gain_from, diag_terms, iso_beta, iso_terms
 
 
 def _step(
@@ -46,22 +47,17 @@ def _step(
 
     dtype = compute_dtype(q, k, v, g, q_noise, r, memory, precision)
     k_, g_, q_noise_, r_, precision_ = (x.to(dtype) for x in (k, g, q_noise, r, precision))
-    decay2 = (2 * g_).exp()
+    # One token of the scans' recursion: p_bar from the last posterior, then the gain and the
+    # posterior precision 1/p = 1/p_bar + evidence, by the formulas of gains.py.
+    # `shape_term` is diag_terms' r `[B, H, 1]`, iso_terms' ||k||^2 `[B, H]`.
+    decay2, shape_term, evidence = (diag_terms if diagonal else iso_terms)(k_, g_, r_, s)
+    p_bar = decay2 * (1.0 / precision_) + q_noise_
     if diagonal:
-        if g_.dim() < k_.dim():
-            decay2 = decay2.unsqueeze(-1)
-        r_ = r_.unsqueeze(-1)
-        p_bar = decay2 * (1.0 / precision_) + q_noise_
-        weighted = p_bar * k_
-        write = weighted / ((weighted * k_).sum(dim=-1, keepdim=True) + r_)
-        new_precision = 1.0 / p_bar + s * k_ * k_ / r_
+        write, _ = diag_gain_from(p_bar, k_, shape_term)
     else:
-        if g_.dim() == k_.dim():
-            decay2 = decay2.mean(dim=-1)
-        norm2 = (k_ * k_).sum(dim=-1)
-        p_bar = decay2 * (1.0 / precision_) + q_noise_
-        write = (p_bar / (p_bar * norm2 + r_)).unsqueeze(-1) * k_
-        new_precision = 1.0 / p_bar + s * norm2 / (k_.shape[-1] * r_)
+        beta, _ = iso_beta(p_bar, shape_term, r_)
+        write = beta.unsqueeze(-1) * k_
+    new_precision = 1.0 / p_bar + evidence
     o, new_memory = delta_rule_step(q, write, k, v, g, memory, scale=scale, backend=backend)
     return o, (new_memory, new_precision)
 
