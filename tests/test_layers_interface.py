@@ -19,6 +19,7 @@ from deltalab.layers import (
 )
 from deltalab.layers.common import FrontendOptions
 from deltalab.models import CausalLM, DeltaLabConfig
+from deltalab.ops import delta_rule
 
 MIXERS = (
     DeltaNet,
@@ -77,6 +78,17 @@ def test_frontend_options_are_validated_naming_the_field():
         FrontendOptions(**{**FRONTEND, "chunk_size": 8})
     with pytest.raises(ValueError, match="backend must be one of"):
         FrontendOptions(**FRONTEND, backend="cuda")
+
+
+@pytest.mark.parametrize("chunk_size", [0, 15, 257, 64.0])
+def test_layers_refuse_exactly_the_chunk_sizes_the_op_refuses(chunk_size, generator):
+    q, a, b = (torch.randn(1, 4, 1, 8, generator=generator) for _ in range(3))
+    u, g = torch.randn(1, 4, 1, 4, generator=generator), torch.zeros(1, 4, 1)
+    with pytest.raises((TypeError, ValueError)) as op_error:
+        delta_rule(q, a, b, u, g, chunk_size=chunk_size)
+    with pytest.raises(type(op_error.value)) as layer_error:
+        GatedDeltaNet(**{**FRONTEND, "chunk_size": chunk_size})
+    assert str(layer_error.value) == str(op_error.value)
 
 
 def test_kdn_options_that_a_variant_lacks_are_refused_by_name():

@@ -95,6 +95,9 @@ def test_an_endless_data_source_is_refused_not_read(tmp_path, capsys):
         # The backend is a model field (model.overrides.backend), not a mixer option.
         ("model.overrides.mixer_options={backend: naive}", "mixer_options.backend is not an"),
         ("model.overrides.backend=cuda", "backend must be one of"),
+        # A config field is set as one; the other frontend options are mixer options.
+        ("model.overrides.mixer_options={chunk_size: 32}", "mixer_options.chunk_size is not an"),
+        ("model.overrides.mixer_options={gate_activation: tanh}", "gate_activation must be one"),
         ("model.overrides.vocab_size=100", "vocab_size must be >= the tokenizer's vocabulary"),
         ("model.overrides.num_layers=0", "num_layers must be > 0"),
         (

@@ -221,6 +221,13 @@ def test_batch_size_must_divide_by_grad_accum() -> None:
         TrainSection(batch_size=8, grad_accum=3)
 
 
+def test_micro_batch_splits_the_batch_over_ranks_and_accumulation_or_says_why_not() -> None:
+    section = TrainSection(batch_size=12, grad_accum=2)
+    assert section.micro_batch(world_size=1) == 6 and section.micro_batch(world_size=3) == 2
+    with pytest.raises(ValueError, match=r"batch_size \(12\).*over 4 rank\(s\).*grad_accum \(2\)"):
+        section.micro_batch(world_size=4)
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [

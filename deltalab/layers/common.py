@@ -38,10 +38,9 @@ from deltalab.ops._checks import (
 )
 from deltalab.ops.delta_rule import (
     BACKENDS,
-    MAX_CHUNK_SIZE,
-    MIN_CHUNK_SIZE,
     delta_rule,
     delta_rule_step,
+    require_chunk_size,
 )
 from deltalab.ops.parametrize import DeltaRuleInputs
 
@@ -71,13 +70,6 @@ __all__ = [
 GATE_ACTIVATIONS = ("sigmoid", "silu")
 # eps inside the square root of the L2 norm, as fla's `l2norm`: keeps an all-zero key finite.
 L2_EPS = 1e-6
-
-
-def require_chunk_size(value: object) -> int:
-    size = require_positive_int("chunk_size", value)
-    if not MIN_CHUNK_SIZE <= size <= MAX_CHUNK_SIZE:
-        raise ValueError(f"chunk_size must be in [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}], got {size}")
-    return size
 
 
 @dataclass(frozen=True, kw_only=True)

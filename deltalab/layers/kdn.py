@@ -395,7 +395,7 @@ class ExactKDN(KDNMixer):
         trace: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         batch, _, heads, key_dim = k.shape
-        dtype = _checks.compute_dtype(k, g, q_noise, r, uncertainty)
+        dtype = _checks.state_dtype(k, g, q_noise, r, uncertainty)
         k, g, q_noise, r = (t.to(dtype) for t in (k, g, q_noise, r))
         if uncertainty is None:
             eye = torch.eye(key_dim, dtype=dtype, device=k.device)

@@ -3,28 +3,43 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+import inspect
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from deltalab.layers.common import FRONTEND_FIELDS, FrontendOptions
-from deltalab.models.config import DeltaLabConfig
 
-__all__ = ["MIXER_CLASSES", "build_mixer"]
+if TYPE_CHECKING:
+    # Only a type here: config.py takes its list of mixer kinds from MIXER_CLASSES.
+    from deltalab.models.config import DeltaLabConfig
+
+__all__ = ["MIXER_CLASSES", "build_mixer", "mixer_option_names"]
 
 # kind -> "module:Class" inside deltalab.layers; imported on use so a kind's module loads only
-# when a model needs it.
+# when a model needs it. The one list of mixer kinds: the recurrent ones (in this order) are
+# `deltalab.models.RECURRENT_KINDS`.
 MIXER_CLASSES = {
     "deltanet": "deltanet:DeltaNet",
     "gdn": "deltanet:GatedDeltaNet",
     "kda": "kda:KimiDeltaAttention",
     "gdn2": "gdn2:GatedDeltaNet2",
-    "muir": "muir:Muir",
     "kdn_iso": "kdn:IsotropicKDN",
     "kdn_diag": "kdn:DiagonalKDN",
     "kdn_exact": "kdn:ExactKDN",
+    "muir": "muir:Muir",
     "attention": "attention:Attention",
 }
+# The frontend options that are the config's own fields (the rest may come in mixer_options).
+CONFIG_FRONTEND_FIELDS = (
+    "hidden_size",
+    "num_heads",
+    "head_dim",
+    "value_dim",
+    "conv_size",
+    "chunk_size",
+    "backend",
+)
 
 
 def mixer_class(kind: str) -> type[nn.Module]:
@@ -41,18 +56,18 @@ def frontend_options(config: DeltaLabConfig) -> tuple[FrontendOptions, dict[str,
     """
     own = dict(config.mixer_options)
     shared = {name: own.pop(name) for name in FRONTEND_FIELDS if name in own}
-    fields = dict(
-        hidden_size=config.hidden_size,
-        num_heads=config.num_heads,
-        head_dim=config.head_dim,
-        value_dim=config.value_dim,
-        conv_size=config.conv_size,
-        chunk_size=config.chunk_size,
-        backend=config.backend,
-    )
+    fields = {name: getattr(config, name) for name in CONFIG_FRONTEND_FIELDS}
     for name in sorted(set(shared) & set(fields)):
         raise ValueError(f"mixer_options.{name} repeats the config field {name}; set it there")
     return FrontendOptions(**fields, **shared), own
+
+
+def mixer_option_names(kind: str) -> list[str]:
+    """What `mixer_options` may hold for a recurrent `kind`: its class's own keyword arguments
+    and the frontend options that are not config fields."""
+    parameters = inspect.signature(mixer_class(kind).__init__).parameters.values()
+    own = {p.name for p in parameters if p.kind == p.KEYWORD_ONLY}
+    return sorted(own | (set(FRONTEND_FIELDS) - set(CONFIG_FRONTEND_FIELDS)))
 
 
 def build_mixer(config: DeltaLabConfig, kind: str) -> nn.Module:

@@ -141,8 +141,12 @@ def require_choice(name: str, value: object, choices: Sequence[str]) -> str:
     return value  # type: ignore[return-value]
 
 
-def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
-    """float64 when any input is float64, else float32: the dtype states are kept in."""
+def state_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """float64 when any input is float64, else float32: the dtype states are kept in.
+
+    Not `deltalab.layers.common.compute_dtype(x)`, which widens one activation to at least
+    float32 (a bfloat16 x gives float32 there, a float64 x float64; float16 and float32 inputs
+    here all give float32)."""
     if any(t is not None and t.dtype == torch.float64 for t in tensors):
         return torch.float64
     return torch.float32

@@ -365,15 +365,23 @@ class TrainSection(_Section):
         for name in ("steps", "batch_size", "seq_len", "grad_accum"):
             _require(getattr(self, name) > 0, self.dotted(name), "> 0", getattr(self, name))
         _require(self.seed >= 0, self.dotted("seed"), ">= 0", self.seed)
-        if self.batch_size % self.grad_accum:
-            raise ValueError(
-                f"train.batch_size ({self.batch_size}) must be divisible by "
-                f"train.grad_accum ({self.grad_accum})"
-            )
+        self.micro_batch(world_size=1)
         _require_choice(self.dotted("precision"), self.precision, PRECISIONS)
         _require_choice(self.dotted("nan_policy"), self.nan_policy, NAN_POLICIES)
         _require_choice(self.dotted("parallel"), self.parallel, PARALLEL_MODES)
         _require_choice(self.dotted("device"), self.device, DEVICES)
+
+    def micro_batch(self, world_size: int) -> int:
+        """Windows per forward on each of `world_size` ranks: batch_size must split evenly
+        into world_size x grad_accum micro-batches (checked with one rank on construction,
+        with the real number when the run starts)."""
+        parts = world_size * self.grad_accum
+        if self.batch_size % parts:
+            raise ValueError(
+                f"train.batch_size ({self.batch_size}) must divide evenly over {world_size} "
+                f"rank(s) x train.grad_accum ({self.grad_accum})"
+            )
+        return self.batch_size // parts
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ end) -> a Hugging Face export, a metrics JSON, a loss-curve PNG and a generated 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import math
 import os
@@ -48,7 +47,7 @@ from deltalab.errors import (
     UserError,
 )
 from deltalab.models import CausalLM, DeltaLabConfig, build_config
-from deltalab.models.mixers import mixer_class
+from deltalab.models.mixers import mixer_option_names
 from deltalab.ops._checks import NonFiniteError
 from deltalab.train.checkpoint import (
     CheckpointWarning,
@@ -140,17 +139,6 @@ def _check_outside_source(config: RunConfig) -> None:
             )
 
 
-def _micro_batch(config: RunConfig, ctx: Distributed) -> int:
-    per_step = config.train.batch_size
-    parts = ctx.world_size * config.train.grad_accum
-    if per_step % parts:
-        raise ValueError(
-            f"train.batch_size = {per_step} must divide evenly over {ctx.world_size} rank(s) x "
-            f"train.grad_accum = {config.train.grad_accum}"
-        )
-    return per_step // parts
-
-
 def _autocast(config: RunConfig, ctx: Distributed):
     precision = config.train.precision
     if precision == "bf16" or (precision == "auto" and ctx.device.type == "cuda"):
@@ -190,32 +178,94 @@ def evaluate(model, held_out: PackedSequences, count: int, micro: int, ctx, auto
     return (total / used).item()
 
 
+@dataclass
+class TrainState:
+    """What a run's steps, checkpoints, resume and export share: one object instead of the
+    same eight passed to each.
+
+    core: the unwrapped model (state dicts, export); the DDP/FSDP wrapper is `train`'s own.
+    history: {"train": step records, "eval": {"step", "loss"} records}, checkpointed with the
+    rest.
+    """
+
+    config: RunConfig
+    ctx: Distributed
+    out_dir: Path
+    core: CausalLM
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    sampler: ResumableSampler
+    history: dict[str, list[dict[str, Any]]] = field(
+        default_factory=lambda: {"train": [], "eval": []}
+    )
+
+    def payload(self, step: int) -> dict[str, Any]:
+        """Everything a resume needs after `step` (`PAYLOAD_KEYS`)."""
+        return {
+            "step": step,
+            "model": get_model_state_dict(self.core, options=FULL_STATE),
+            "optimizer": get_optimizer_state_dict(self.core, self.optimizer, options=FULL_STATE),
+            "scheduler": self.scheduler.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "rng": capture_rng_state(),
+            "config": self.config.to_dict(),
+            "history": self.history,
+        }
+
+    def checkpoint(self, step: int) -> None:
+        """Rank 0 saves the payload of `step` and prunes old checkpoints; all ranks take part
+        in gathering it (FSDP) and wait for the file."""
+        payload = self.payload(step)
+        if self.ctx.is_main:
+            save_checkpoint(self.out_dir, step, payload)
+            prune_checkpoints(self.out_dir, self.config.checkpoint.keep)
+        if self.ctx.active:
+            dist.barrier()
+
+    def resume(self) -> int:
+        """Loads the newest usable checkpoint of `out_dir` into the state; returns its step
+        (0, and the state as it was, when there is none)."""
+        out_dir, config = self.out_dir, self.config
+        found, skipped = find_latest_checkpoint(out_dir, required=PAYLOAD_KEYS)
+        if found is None:
+            if skipped:
+                raise _unusable_checkpoints(out_dir, skipped)
+            return 0
+        for skipped_path, problem in skipped:
+            # Not deleted: pruning leaves files it cannot verify, and a save of the same step
+            # replaces it only once the run has recomputed that step.
+            warnings.warn(
+                f"skipping checkpoint {skipped_path}: {problem}; resuming from {found[0].name}",
+                CheckpointWarning,
+                stacklevel=2,
+            )
+        path, payload = found
+        changed = _changed_fields(payload["config"], config.to_dict())
+        if changed:
+            raise CheckpointError(
+                f"cannot resume {path}: the run config changed ({'; '.join(changed)}); restore "
+                "those fields or start a new run in another log.out_dir"
+            )
+        set_model_state_dict(self.core, payload["model"], options=FULL_STATE)
+        set_optimizer_state_dict(
+            self.core, self.optimizer, payload["optimizer"], options=FULL_STATE
+        )
+        self.scheduler.load_state_dict(payload["scheduler"])
+        self.sampler.load_state_dict(payload["sampler"])
+        restore_rng_state(payload["rng"])
+        self.history = payload["history"]
+        return int(payload["step"])
+
+    def initial_eval_loss(self, first_eval: float) -> float:
+        """The held-out loss before training: step 0's evaluation when the history has it (a
+        resumed run evaluates again at its resume step), else `first_eval`."""
+        return self.history["eval"][0]["loss"] if self.history["eval"] else first_eval
+
+
 def _stop_everywhere(stop, ctx: Distributed) -> bool:
     """Whether any rank was signalled: ranks must checkpoint and leave at the same step."""
     flag = torch.tensor(float(stop.stop_requested), device=ctx.device)
     return bool(all_reduce_mean(flag, ctx).item() > 0)
-
-
-def _payload(step, core, optimizer, scheduler, sampler, config, history) -> dict[str, Any]:
-    return {
-        "step": step,
-        "model": get_model_state_dict(core, options=FULL_STATE),
-        "optimizer": get_optimizer_state_dict(core, optimizer, options=FULL_STATE),
-        "scheduler": scheduler.state_dict(),
-        "sampler": sampler.state_dict(),
-        "rng": capture_rng_state(),
-        "config": config.to_dict(),
-        "history": history,
-    }
-
-
-def _checkpoint(out_dir, step, core, optimizer, scheduler, sampler, config, history, ctx) -> None:
-    payload = _payload(step, core, optimizer, scheduler, sampler, config, history)
-    if ctx.is_main:
-        save_checkpoint(out_dir, step, payload)
-        prune_checkpoints(out_dir, config.checkpoint.keep)
-    if ctx.active:
-        dist.barrier()
 
 
 # Fields a resumed run may change: they do not change what is computed.
@@ -257,7 +307,7 @@ def _check_fresh_start(out_dir: Path, config: RunConfig) -> None:
         )
 
 
-# What `_resume` reads from a payload; one without them is skipped like a damaged file.
+# What `TrainState.resume` reads from a payload; one without them is skipped like a damaged file.
 PAYLOAD_KEYS = ("step", "model", "optimizer", "scheduler", "sampler", "rng", "config", "history")
 
 
@@ -274,35 +324,6 @@ def _unusable_checkpoints(out_dir: Path, skipped: list[tuple[Path, str]]) -> Che
         f"{newest}.sha256) and resume again; to start over, move {directory} away or choose "
         "another log.out_dir"
     )
-
-
-def _resume(out_dir, core, optimizer, scheduler, sampler, config) -> tuple[int, dict]:
-    found, skipped = find_latest_checkpoint(out_dir, required=PAYLOAD_KEYS)
-    if found is None:
-        if skipped:
-            raise _unusable_checkpoints(out_dir, skipped)
-        return 0, {"train": [], "eval": []}
-    for skipped_path, problem in skipped:
-        # Not deleted: pruning leaves files it cannot verify, and a save of the same step
-        # replaces it only once the run has recomputed that step.
-        warnings.warn(
-            f"skipping checkpoint {skipped_path}: {problem}; resuming from {found[0].name}",
-            CheckpointWarning,
-            stacklevel=2,
-        )
-    path, payload = found
-    changed = _changed_fields(payload["config"], config.to_dict())
-    if changed:
-        raise CheckpointError(
-            f"cannot resume {path}: the run config changed ({'; '.join(changed)}); restore "
-            "those fields or start a new run in another log.out_dir"
-        )
-    set_model_state_dict(core, payload["model"], options=FULL_STATE)
-    set_optimizer_state_dict(core, optimizer, payload["optimizer"], options=FULL_STATE)
-    scheduler.load_state_dict(payload["scheduler"])
-    sampler.load_state_dict(payload["sampler"])
-    restore_rng_state(payload["rng"])
-    return int(payload["step"]), payload["history"]
 
 
 def _grad_norm(core, max_norm: float) -> float:
@@ -336,19 +357,6 @@ def _check_directories(config: RunConfig) -> None:
                 break
 
 
-# Arguments `build_mixer` passes itself, from the config's own fields: not mixer_options.
-MIXER_ARGUMENTS = {
-    "self",
-    "hidden_size",
-    "num_heads",
-    "head_dim",
-    "value_dim",
-    "conv_size",
-    "backend",
-    "chunk_size",
-}
-
-
 def _model_config(config: RunConfig, tokenizer) -> DeltaLabConfig:
     """The model's config, checked by building the model on the meta device (no memory): its
     errors name `model.*` and come before any data is tokenized."""
@@ -371,14 +379,7 @@ def _model_config(config: RunConfig, tokenizer) -> DeltaLabConfig:
     if model_config.mixer_options:
         # Options reach the recurrent mixer only; attention blocks take none.
         recurrent = {kind for kind in model_config.layer_kinds() if kind != "attention"}
-        choices = sorted(
-            {
-                name
-                for kind in recurrent
-                for name in inspect.signature(mixer_class(kind).__init__).parameters
-            }
-            - MIXER_ARGUMENTS
-        )
+        choices = sorted({name for kind in recurrent for name in mixer_option_names(kind)})
         for name in model_config.mixer_options:
             if name not in choices:
                 raise ConfigError(
@@ -431,6 +432,70 @@ def _nonfinite_hint(out_dir: Path, step: int, config: RunConfig, cause: str) -> 
     )
 
 
+def _announce(
+    state: TrainState, logger: RunLogger, sizes: tuple[int, int], eval_windows: int, micro: int
+) -> None:
+    """Rank 0's opening lines: the saved config, the model and data, the optimizer, and what
+    of the config will not do what it says (too few held-out windows, warmup past the end)."""
+    config, ctx, out_dir = state.config, state.ctx, state.out_dir
+    train_windows, held_out_windows = sizes
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_run_config(config, out_dir / "config.yaml")
+    logger.print(f"run config saved to {out_dir / 'config.yaml'}")
+    logger.print(
+        f"model: {config.model.preset} {config.model.mixer}, "
+        f"{sum(p.numel() for p in state.core.parameters()) / 1e6:.2f}M parameters; "
+        f"{train_windows} train / {held_out_windows} held-out windows of {config.train.seq_len}"
+        f" tokens; {ctx.world_size} process(es) on {ctx.device}"
+    )
+    if eval_windows < config.eval.batches * micro * ctx.world_size:
+        logger.print(
+            f"eval.batches={config.eval.batches} asks for more windows than the "
+            f"{held_out_windows} held-out ones; each evaluation uses all {eval_windows}"
+        )
+    logger.print(
+        f"optimizer: peak optim.lr={config.optim.lr:g} after "
+        f"schedule.warmup_steps={config.schedule.warmup_steps} ({config.schedule.kind})"
+    )
+    if config.schedule.warmup_steps >= config.train.steps:
+        logger.print(
+            f"note: schedule.warmup_steps={config.schedule.warmup_steps} >= train.steps="
+            f"{config.train.steps}: the learning rate never reaches its peak; set "
+            "schedule.warmup_steps lower for a short run"
+        )
+
+
+def _accumulate(state: TrainState, model, forward, stream, autocast) -> tuple[float, str | None]:
+    """One step's forward and backward passes over `train.grad_accum` micro-batches: (the
+    mean loss over ranks, NaN if any part failed; why the step failed, or None)."""
+    config, ctx = state.config, state.ctx
+    accum = config.train.grad_accum
+    total = torch.zeros((), device=ctx.device)
+    cause = None
+    for micro_step in range(accum):
+        window = next(stream).to(ctx.device)
+        if cause is not None:
+            continue  # the step is lost; its windows are still drawn, as in a clean run
+        last = micro_step == accum - 1
+        sync = (
+            model.no_sync()
+            if (ctx.active and not last and config.train.parallel == "ddp")
+            else contextlib.nullcontext()
+        )
+        try:
+            with sync:
+                loss = _loss(forward, window, autocast) / accum
+                loss.backward()
+        except NonFiniteError as error:
+            # An op refused the non-finite values the model produced (a NaN gate): the same
+            # event as a non-finite loss, under the same policy.
+            cause = f"the model produced non-finite values: {error}"
+            total += math.nan
+            continue
+        total += loss.detach()
+    return all_reduce_mean(total, ctx).item(), cause
+
+
 def train(config: RunConfig) -> TrainResult:
     """Trains the configured model; returns its perplexities, losses and sample."""
     ctx = setup_distributed(config.train.device)
@@ -443,7 +508,7 @@ def train(config: RunConfig) -> TrainResult:
     torch.manual_seed(config.train.seed)
     tokenizer = load_tokenizer(config.data.tokenizer)
     model_config = _model_config(config, tokenizer)
-    micro = _micro_batch(config, ctx)
+    micro = config.train.micro_batch(ctx.world_size)
     train_data = _sequences(config, tokenizer, "train", ctx)
     held_out = _sequences(config, tokenizer, "held_out", ctx)
     eval_windows = _check_batch_sizes(config, train_data, held_out, micro, ctx)
@@ -457,79 +522,39 @@ def train(config: RunConfig) -> TrainResult:
     model = wrap_model(core, ctx, config.train.parallel)
     forward = torch.compile(model) if config.train.compile else model
     optimizer = build_optimizer(core, config.optim, exempt)
-    scheduler = build_scheduler(optimizer, config.schedule, config.train.steps)
-    sampler = ResumableSampler(
-        len(train_data), seed=config.train.seed, rank=ctx.rank, world_size=ctx.world_size
+    state = TrainState(
+        config=config,
+        ctx=ctx,
+        out_dir=out_dir,
+        core=core,
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, config.schedule, config.train.steps),
+        sampler=ResumableSampler(
+            len(train_data), seed=config.train.seed, rank=ctx.rank, world_size=ctx.world_size
+        ),
     )
-    start, history = 0, {"train": [], "eval": []}
-    if config.checkpoint.resume:
-        start, history = _resume(out_dir, core, optimizer, scheduler, sampler, config)
+    start = state.resume() if config.checkpoint.resume else 0
+    history = state.history
 
     autocast = _autocast(config, ctx)
     logger = RunLogger(out_dir, config, enabled=ctx.is_main, resume_step=start or None)
     if ctx.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_run_config(config, out_dir / "config.yaml")
-        logger.print(f"run config saved to {out_dir / 'config.yaml'}")
-        logger.print(
-            f"model: {config.model.preset} {config.model.mixer}, "
-            f"{sum(p.numel() for p in core.parameters()) / 1e6:.2f}M parameters; "
-            f"{len(train_data)} train / {len(held_out)} held-out windows of {config.train.seq_len}"
-            f" tokens; {ctx.world_size} process(es) on {ctx.device}"
-        )
-        if eval_windows < config.eval.batches * micro * ctx.world_size:
-            logger.print(
-                f"eval.batches={config.eval.batches} asks for more windows than the "
-                f"{len(held_out)} held-out ones; each evaluation uses all {eval_windows}"
-            )
-        logger.print(
-            f"optimizer: peak optim.lr={config.optim.lr:g} after "
-            f"schedule.warmup_steps={config.schedule.warmup_steps} ({config.schedule.kind})"
-        )
-        if config.schedule.warmup_steps >= config.train.steps:
-            logger.print(
-                f"note: schedule.warmup_steps={config.schedule.warmup_steps} >= train.steps="
-                f"{config.train.steps}: the learning rate never reaches its peak; set "
-                "schedule.warmup_steps lower for a short run"
-            )
+        _announce(state, logger, (len(train_data), len(held_out)), eval_windows, micro)
     first_eval = evaluate(core, held_out, eval_windows, micro, ctx, autocast)
     if start == 0:
         history["eval"].append({"step": 0, "loss": first_eval})
     logger.print(f"held-out perplexity at step {start}: {math.exp(first_eval):.3f}")
 
-    stream = batches(train_data, sampler, micro)
+    stream = batches(train_data, state.sampler, micro)
     tokens_per_step = config.train.batch_size * config.train.seq_len
     interrupted, stop_signal, done, skipped = False, None, start, 0
     model.train()
     with GracefulStop() as stop, logger.progress(start, config.train.steps) as progress:
         for step in range(start, config.train.steps):
             began = time.perf_counter()
-            total = torch.zeros((), device=ctx.device)
-            cause = None
-            for micro_step in range(config.train.grad_accum):
-                window = next(stream).to(ctx.device)
-                if cause is not None:
-                    continue  # the step is lost; its windows are still drawn, as in a clean run
-                last = micro_step == config.train.grad_accum - 1
-                sync = (
-                    model.no_sync()
-                    if (ctx.active and not last and config.train.parallel == "ddp")
-                    else contextlib.nullcontext()
-                )
-                try:
-                    with sync:
-                        loss = _loss(forward, window, autocast) / config.train.grad_accum
-                        loss.backward()
-                except NonFiniteError as error:
-                    # An op refused the non-finite values the model produced (a NaN gate):
-                    # the same event as a non-finite loss, under the same policy.
-                    cause = f"the model produced non-finite values: {error}"
-                    total += math.nan
-                    continue
-                total += loss.detach()
-            loss_value = all_reduce_mean(total, ctx).item()
+            loss_value, cause = _accumulate(state, model, forward, stream, autocast)
             grad_norm = _grad_norm(core, config.optim.grad_clip)
-            lr = scheduler.get_last_lr()[0]
+            lr = state.scheduler.get_last_lr()[0]
             done = step + 1
             finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
             if not finite and config.train.nan_policy == "stop":
@@ -542,7 +567,7 @@ def train(config: RunConfig) -> TrainResult:
                 skipped += 1
                 logger.print(f"step {done}: non-finite loss or gradient, step skipped")
             optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+            state.scheduler.step()
             if finite:
                 record = {
                     "step": done,
@@ -561,9 +586,7 @@ def train(config: RunConfig) -> TrainResult:
             checkpoint_due = _due(done, config.checkpoint.every) or done == config.train.steps
             stopping = _stop_everywhere(stop, ctx)
             if checkpoint_due or stopping:
-                _checkpoint(
-                    out_dir, done, core, optimizer, scheduler, sampler, config, history, ctx
-                )
+                state.checkpoint(done)
             if stopping and done < config.train.steps:
                 interrupted = True
                 # Ranks not signalled themselves stop for a peer, which launchers signal
@@ -597,29 +620,17 @@ def train(config: RunConfig) -> TrainResult:
         "steps_planned": config.train.steps,
         "skipped_steps": skipped,
     }
+    initial_eval = state.initial_eval_loss(first_eval)
     if ctx.is_main:
         logger.print(f"sample:\n{config.eval.sample_prompt}{sample}")
-        _export(
-            core,
-            weights,
-            tokenizer,
-            out_dir,
-            config,
-            history,
-            first_eval,
-            final_eval,
-            sample,
-            status,
-        )
+        _export(state, weights, tokenizer, (initial_eval, final_eval), sample, status)
     logger.close()
     if ctx.active:
         dist.barrier()
     return TrainResult(
         out_dir=out_dir,
         steps=len(history["train"]),
-        initial_perplexity=math.exp(history["eval"][0]["loss"])
-        if history["eval"]
-        else math.exp(first_eval),
+        initial_perplexity=math.exp(initial_eval),
         final_perplexity=math.exp(final_eval),
         losses=[r["loss"] for r in history["train"]],
         sample=sample,
@@ -657,13 +668,21 @@ def _sample(core: CausalLM, tokenizer, config: RunConfig, ctx: Distributed) -> s
 
 
 def _export(
-    core, weights, tokenizer, out_dir: Path, config, history, first_eval, final_eval, sample, status
+    state: TrainState,
+    weights: dict[str, Any],
+    tokenizer,
+    eval_losses: tuple[float, float],
+    sample: str,
+    status: dict[str, Any],
 ) -> None:
     """Rank 0's outputs: HF model (from the gathered `weights`), metrics JSON, loss curve.
 
-    `status` leads the metrics: "completed", or "interrupted" with the steps done of those
-    planned, so an interrupted run's outputs are never mistaken for a finished one's.
+    eval_losses: the held-out loss before and after training. `status` leads the metrics:
+    "completed", or "interrupted" with the steps done of those planned, so an interrupted run's
+    outputs are never mistaken for a finished one's.
     """
+    core, out_dir, history = state.core, state.out_dir, state.history
+    initial_eval, final_eval = eval_losses
     model_dir = out_dir / "model"
     core.save_pretrained(model_dir, state_dict=weights)
     save_tokenizer(tokenizer, model_dir)
@@ -671,11 +690,9 @@ def _export(
     metrics = {
         **status,
         "steps": len(history["train"]),
-        "initial_eval_loss": history["eval"][0]["loss"] if history["eval"] else first_eval,
+        "initial_eval_loss": initial_eval,
         "final_eval_loss": final_eval,
-        "initial_perplexity": math.exp(history["eval"][0]["loss"])
-        if history["eval"]
-        else math.exp(first_eval),
+        "initial_perplexity": math.exp(initial_eval),
         "final_perplexity": math.exp(final_eval),
         "median_tokens_per_s": sorted(speeds)[len(speeds) // 2] if speeds else None,
         "parameters": sum(p.numel() for p in core.parameters()),
@@ -683,7 +700,7 @@ def _export(
         if torch.cuda.is_available()
         else None,
         "sample": sample,
-        "config": config.to_dict(),
+        "config": state.config.to_dict(),
         "history": history,
         "versions": {"torch": torch.__version__},
     }

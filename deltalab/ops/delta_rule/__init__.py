@@ -14,7 +14,6 @@ import torch
 
 from deltalab.ops._checks import (
     check_cu_seqlens,
-    compute_dtype,
     require_choice,
     require_float,
     require_nonpositive,
@@ -22,6 +21,7 @@ from deltalab.ops._checks import (
     require_rank,
     require_same_device,
     require_shape,
+    state_dtype,
 )
 from deltalab.ops._triton import require_triton, triton_available
 from deltalab.ops.delta_rule.chunk import delta_rule_chunk
@@ -52,7 +52,9 @@ def _resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, key
     return "triton" if fits and triton_available(device) else "chunk"
 
 
-def _check_chunk_size(chunk_size: object) -> int:
+def require_chunk_size(chunk_size: object) -> int:
+    """chunk_size as an int in [MIN_CHUNK_SIZE, MAX_CHUNK_SIZE]: the chunked path's range (the
+    layers check their `chunk_size` option with this too)."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
         raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
     if not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
@@ -135,7 +137,7 @@ def delta_rule(
             "cu_seqlens": cu_seqlens,
         }
     )
-    chunk_size = _check_chunk_size(chunk_size)
+    chunk_size = require_chunk_size(chunk_size)
     if not isinstance(output_final_state, bool):
         raise TypeError(
             f"output_final_state must be a bool, got {type(output_final_state).__name__}"
@@ -144,7 +146,7 @@ def delta_rule(
     if cu_seqlens is not None:
         offsets = check_cu_seqlens(cu_seqlens, batch, length, q.device)
     sequences = batch if offsets is None else len(offsets) - 1
-    dtype = compute_dtype(q, a, b, u, g, initial_state)
+    dtype = state_dtype(q, a, b, u, g, initial_state)
     backend = _resolve_backend(backend, q.device, dtype, key_dim)
     if initial_state is None:
         state = q.new_zeros(sequences, heads, key_dim, value_dim, dtype=dtype)
@@ -221,7 +223,7 @@ def delta_rule_step(
     require_choice("backend", backend, ("auto", "naive", "triton"))
     if not isinstance(in_place, bool):
         raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
-    dtype = compute_dtype(q, a, b, u, g, state)
+    dtype = state_dtype(q, a, b, u, g, state)
     if in_place and state.dtype != dtype:
         raise ValueError(f"in_place=True needs state in {dtype}, got {state.dtype}")
     if backend == "auto":

@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 
 from deltalab.ops._checks import (
-    compute_dtype,
     require_float,
     require_rank,
     require_same_device,
     require_shape,
+    state_dtype,
 )
 from deltalab.ops.delta_rule import delta_rule
 from deltalab.ops.kdn._validate import (
@@ -150,7 +150,7 @@ def kdn_exact(
     named = {"q": q, "k": k, "v": v, "g": g, "q_noise": q_noise, "r": r, "P0": P0}
     require_same_device({**named, "initial_state[1]": P_init})
 
-    dtype = compute_dtype(*named.values(), P_init)
+    dtype = state_dtype(*named.values(), P_init)
     inputs = [x.to(dtype) for x in (k, g, q_noise, r)]
     gain, P, _ = exact_gain(*inputs, 0.5 * (P_prior + P_prior.mT).to(dtype))
     o, final_memory = delta_rule(

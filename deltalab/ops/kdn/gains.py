@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from deltalab.ops._checks import compute_dtype, require_choice, require_same_device
+from deltalab.ops._checks import require_choice, require_same_device, state_dtype
 from deltalab.ops.kdn._validate import (
     check_decay,
     check_info_scale,
@@ -188,7 +188,7 @@ def kdn_gain_iso(
     named = {"k": k, "g": g, "q_noise": q_noise, "r": r, "p0": p0}
     require_same_device({**named, "initial_precision": initial_precision})
     scan = resolve_backend(require_choice("backend", backend, BACKENDS), k.device)
-    dtype = compute_dtype(*named.values(), initial_precision)
+    dtype = state_dtype(*named.values(), initial_precision)
     inputs = (x.to(dtype) for x in (k, g, q_noise, r, p_prior))
     gains = iso_gain(*inputs, scale, scan)
     return _returned(gains, output_predictive)
@@ -234,7 +234,7 @@ def kdn_gain_diag(
     named = {"k": k, "g": g, "q_noise": q_noise, "r": r, "p0": p0}
     require_same_device({**named, "initial_precision": initial_precision})
     scan = resolve_backend(require_choice("backend", backend, BACKENDS), k.device)
-    dtype = compute_dtype(*named.values(), initial_precision)
+    dtype = state_dtype(*named.values(), initial_precision)
     inputs = (x.to(dtype) for x in (k, g, q_noise, r, p_prior))
     gains = diag_gain(*inputs, scale, scan)
     return _returned(gains, output_predictive)

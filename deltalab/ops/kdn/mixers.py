@@ -10,9 +10,9 @@ import torch
 
 from deltalab.ops._checks import (
     check_cu_seqlens,
-    compute_dtype,
     require_choice,
     require_same_device,
+    state_dtype,
 )
 from deltalab.ops._varlen import pad_packed, unpad_packed
 from deltalab.ops.delta_rule import BACKENDS, delta_rule
@@ -106,7 +106,7 @@ def _kdn(
     named = {"q": q, "k": k, "v": v, "g": g, "q_noise": q_noise, "r": r, "p0": p0}
     require_same_device({**named, "initial_state[1]": precision})
 
-    dtype = compute_dtype(*named.values(), precision)
+    dtype = state_dtype(*named.values(), precision)
     inputs = [x.to(dtype) for x in (k, g, q_noise, r, p_prior)]
     gain_fn = diag_gain if diagonal else iso_gain
     scan = _scan_backend(backend, k.device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from deltalab.ops._checks import compute_dtype, require_float, require_positive, require_shape
+from deltalab.ops._checks import require_float, require_positive, require_shape, state_dtype
 from deltalab.ops.delta_rule import delta_rule_step
 from deltalab.ops.kdn._validate import (
     check_decay,
@@ -45,7 +45,7 @@ def _step(
     require_positive("state[1]", precision, "a precision 1 / p")
     s = check_info_scale(info_scale, k.shape[-1])
 
-    dtype = compute_dtype(q, k, v, g, q_noise, r, memory, precision)
+    dtype = state_dtype(q, k, v, g, q_noise, r, memory, precision)
     k_, g_, q_noise_, r_, precision_ = (x.to(dtype) for x in (k, g, q_noise, r, precision))
     # One token of the scans' recursion: p_bar from the last posterior, then the gain and the
     # posterior precision 1/p = 1/p_bar + evidence, by the formulas of gains.py.

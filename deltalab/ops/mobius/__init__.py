@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 
 from deltalab.ops._checks import (
-    compute_dtype,
     require_choice,
     require_float,
     require_nonnegative,
     require_same_device,
     require_shape,
+    state_dtype,
 )
 from deltalab.ops._triton import require_triton, triton_available
 from deltalab.ops.mobius.parallel import mobius_scan_parallel
@@ -109,7 +109,7 @@ def mobius_scan(
     require_choice("backend", backend, BACKENDS)
     backend = resolve_backend(backend, A.device)
 
-    dtype = compute_dtype(A, B, C, D, x0)
+    dtype = state_dtype(A, B, C, D, x0)
     inputs = [x.to(dtype) for x in (A, B, C, D, x0)]
     if backend == "sequential":
         return mobius_scan_sequential(*inputs)
