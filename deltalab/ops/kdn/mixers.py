@@ -174,23 +174,9 @@ def kdn_iso(
     Returns:
         `(o [B, T, H, V] in q's dtype, (memory [N, H, K, V], precision [N, H]) or None)`.
     """
-    return _kdn(
-        "iso",
-        q=q,
-        k=k,
-        v=v,
-        g=g,
-        q_noise=q_noise,
-        r=r,
-        p0=p0,
-        scale=scale,
-        info_scale=info_scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size,
-        backend=backend,
-    )
+    # The arguments by name (locals() holds exactly the parameters here): _kdn takes
+    # keywords only, so scale and info_scale, both floats, can never trade places.
+    return _kdn("iso", **locals())
 
 
 def kdn_diag(
@@ -234,20 +220,6 @@ def kdn_diag(
     Returns:
         `(o [B, T, H, V] in q's dtype, (memory [N, H, K, V], precision [N, H, K]) or None)`.
     """
-    return _kdn(
-        "diag",
-        q=q,
-        k=k,
-        v=v,
-        g=g,
-        q_noise=q_noise,
-        r=r,
-        p0=p0,
-        scale=scale,
-        info_scale=info_scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size,
-        backend=backend,
-    )
+    # The arguments by name (locals() holds exactly the parameters here): _kdn takes
+    # keywords only, so scale and info_scale, both floats, can never trade places.
+    return _kdn("diag", **locals())
