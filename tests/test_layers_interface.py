@@ -4,6 +4,8 @@ gates apart from the memory (`gates`, gate hooks, `inputs_from_gates`)."""
 
 from __future__ import annotations
 
+from typing import get_type_hints
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from deltalab.layers import (
     KimiDeltaAttention,
     Muir,
 )
-from deltalab.layers.common import FrontendOptions
+from deltalab.layers.common import FRONTEND_FIELDS, FrontendKeywords, FrontendOptions
 from deltalab.models import CausalLM, DeltaLabConfig
 from deltalab.ops import delta_rule
 
@@ -150,3 +152,10 @@ def test_inputs_from_gates_rebuild_the_primitive_inputs_of_a_first_call(mixer, g
     rebuilt = layer.inputs_from_gates(q, k, v, layer.gates(x))
     for name, a, b in zip(inputs._fields, inputs, rebuilt, strict=True):
         assert torch.equal(a, b), name
+
+
+def test_frontend_keywords_type_the_same_fields_as_the_options():
+    # FrontendKeywords repeats FrontendOptions for type checkers (Unpack needs a TypedDict):
+    # a field added to one and not the other would make plain keywords and options diverge.
+    assert tuple(get_type_hints(FrontendKeywords)) == FRONTEND_FIELDS
+    assert get_type_hints(FrontendKeywords) == get_type_hints(FrontendOptions)
