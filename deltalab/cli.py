@@ -1,4 +1,4 @@
-"""The `deltalab` command: train, check, presets, generate."""
+"""The `deltalab` command: train, check, presets, generate, eval."""
 
 from __future__ import annotations
 
@@ -101,10 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--device", default="cpu")
     generate.set_defaults(run=_generate)
 
+    from deltalab.eval.cli import add_parser as add_eval_parser
+
+    add_eval_parser(commands)
+
     args, extra = parser.parse_known_args(argv)
-    # Overrides after an option (`deltalab train a=1 --resume b=2`) arrive as leftovers.
-    if args.command == "train":
-        args.overrides += [e for e in extra if "=" in e and not e.startswith("-")]
+    # Overrides after an option (`deltalab train a=1 --resume b=2`) arrive as leftovers; so do
+    # the checkpoints of `deltalab eval --task perplexity CHECKPOINT`.
+    if args.command in ("train", "eval"):
+        words = args.command == "eval"
+        args.overrides += [e for e in extra if (words or "=" in e) and not e.startswith("-")]
         extra = [e for e in extra if e not in args.overrides]
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["GenerateConfig", "generate_text"]
+__all__ = ["GenerateConfig", "generate_text", "load_model"]
 
 
 @dataclass(frozen=True)
@@ -25,23 +25,33 @@ class GenerateConfig:
     device: str = "cpu"
 
 
-def generate_text(config: GenerateConfig) -> str:
-    """The prompt's continuation (greedy at temperature 0, else sampled)."""
+def load_model(checkpoint: str, *, tokenizer: str | None = None, device: str = "cpu"):
+    """(model in eval mode on `device`, tokenizer) of a `save_pretrained` directory; the
+    tokenizer is `tokenizer` ("byte" or a local path), else the one saved beside the model,
+    else bytes."""
     from transformers import AutoModelForCausalLM
 
     import deltalab.models  # noqa: F401  (registers the model type)
     from deltalab.data import load_tokenizer
 
-    path = Path(config.checkpoint)
+    path = Path(checkpoint)
     if not (path / "config.json").exists():
         raise ValueError(
             f"checkpoint {str(path)!r} holds no config.json (a save_pretrained directory)"
         )
-    spec = config.tokenizer
+    spec = tokenizer
     if spec is None:
         spec = str(path) if (path / "tokenizer_config.json").exists() else "byte"
-    tokenizer = load_tokenizer(spec)
-    model = AutoModelForCausalLM.from_pretrained(path).to(config.device).eval()
+    loaded = load_tokenizer(spec)
+    model = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
+    return model, loaded
+
+
+def generate_text(config: GenerateConfig) -> str:
+    """The prompt's continuation (greedy at temperature 0, else sampled)."""
+    model, tokenizer = load_model(
+        config.checkpoint, tokenizer=config.tokenizer, device=config.device
+    )
     ids = torch.tensor(
         [tokenizer.encode(config.prompt) or [tokenizer.bos_id]], device=config.device
     )
