@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from deltalab.cli import main
+from deltalab.data import ByteTokenizer
 from deltalab.eval.common import EvalError, load_checkpoint, stream_token_nll
 from deltalab.eval.mqar import (
     IGNORE,
@@ -24,6 +25,14 @@ from deltalab.eval.mqar import (
     generate_mqar,
     recall_accuracy,
     train_one,
+)
+from deltalab.eval.needles import (
+    NEEDLE_TASKS,
+    NeedleSettings,
+    make_passkey_example,
+    make_variable_tracking_example,
+    needle_examples,
+    score_answer,
 )
 from deltalab.eval.perplexity import PerplexitySettings, perplexity
 from deltalab.eval.tasks import TaskContext, parse_settings
@@ -257,3 +266,130 @@ def test_eval_command_writes_results_and_compares_runs(tmp_path, capsys):
     table = capsys.readouterr().out.splitlines()
     assert table[0].startswith("| run | task | checkpoint | loss | perplexity | bits_per_byte")
     assert len(table) == 4
+
+
+# --- needles ---------------------------------------------------------------------------------
+
+NEEDLE_NAMES = [*NEEDLE_TASKS, "variable-tracking"]
+
+
+def haystack_file(tmp_path: Path) -> Path:
+    path = tmp_path / "haystack.txt"
+    path.write_text(
+        "".join(
+            f"line {i}: the river keeps the mill turning, season after season.\n"
+            for i in range(400)
+        )
+    )
+    return path
+
+
+@pytest.mark.parametrize("task", NEEDLE_NAMES)
+def test_needle_examples_are_deterministic_per_seed_and_differ_across_seeds(tmp_path, task):
+    settings = NeedleSettings(
+        source=str(haystack_file(tmp_path)), split="all", lengths=(1024,), samples=2
+    )
+    first = needle_examples(task, settings, 0, ByteTokenizer())
+    assert first == needle_examples(task, settings, 0, ByteTokenizer())
+    assert [e.context for e in first] != [
+        e.context for e in needle_examples(task, settings, 1, ByteTokenizer())
+    ]
+
+
+@pytest.mark.parametrize("task", NEEDLE_NAMES)
+def test_needles_are_present_exactly_once_at_the_requested_length(tmp_path, task):
+    settings = NeedleSettings(
+        source=str(haystack_file(tmp_path)), split="all", lengths=(1024, 2048), samples=3
+    )
+    examples = needle_examples(task, settings, 0, ByteTokenizer())
+    for example, length in zip(examples, [1024] * 3 + [2048] * 3, strict=True):
+        for needle in example.needles:
+            assert example.context.count(needle) == 1, needle
+        if task != "variable-tracking":
+            for answer in example.answers:
+                assert example.context.count(answer) == 1, answer
+        # Within one haystack line (or noise paragraph) of the requested length.
+        assert length - 5 <= example.length <= length + 100
+    keys, values, asked = NEEDLE_TASKS.get(task, (None, None, None, 1, 1, 1))[3:]
+    assert all(
+        len(e.needles) == (5 if task == "variable-tracking" else keys * values) for e in examples
+    )
+    assert all(
+        len(e.answers) == (5 if task == "variable-tracking" else asked * values) for e in examples
+    )
+
+
+def test_variable_tracking_answers_are_the_chain_bound_to_the_value(tmp_path):
+    example = make_variable_tracking_example(1024, 0, ByteTokenizer(), chains=2, hops=3)
+    bound: dict[str, str] = {}
+    for statement in example.needles:  # in the order they stand in the context
+        name, value = statement.removeprefix("VAR ").rstrip(".").split(" = ")
+        bound[name] = bound.get(value, value)
+        assert example.context.index(statement) >= 0
+    value = bound[example.answers[0]]
+    assert sorted(n for n, v in bound.items() if v == value) == sorted(example.answers)
+    assert len(example.answers) == 4 and f"the value {value} in the text above" in example.context
+
+
+def test_passkey_depth_places_the_needle(tmp_path):
+    top = make_passkey_example(1024, 0.0, 0, ByteTokenizer())
+    bottom = make_passkey_example(1024, 1.0, 0, ByteTokenizer())
+    middle = make_passkey_example(1024, 0.5, 0, ByteTokenizer())
+    position = [e.context.index(e.needles[0]) / len(e.context) for e in (top, middle, bottom)]
+    assert position[0] < 0.2 < 0.4 < position[1] < 0.6 < 0.85 < position[2]
+    assert top.context.count(top.needles[0]) == 1 and top.answers[0] in top.needles[0]
+    assert 1000 <= top.length <= 1124
+
+
+def test_needle_settings_that_cannot_be_generated_are_refused(tmp_path):
+    with pytest.raises(EvalError, match="lengths holds 100: niah-multikey needs more than"):
+        needle_examples(
+            "niah-multikey",
+            NeedleSettings(
+                source=str(haystack_file(tmp_path)), split="all", lengths=(100,), samples=1
+            ),
+            0,
+            ByteTokenizer(),
+        )
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(EvalError, match="holds no document file"):
+        needle_examples(
+            "niah-single-2",
+            NeedleSettings(source=str(tmp_path / "empty"), split="all", lengths=(1024,), samples=1),
+            0,
+            ByteTokenizer(),
+        )
+    (tmp_path / "blank.txt").write_text("\n\n   \n")
+    with pytest.raises(EvalError, match="holds 0 tokens of non-blank lines"):
+        needle_examples(
+            "niah-single-3",
+            NeedleSettings(
+                source=str(tmp_path / "blank.txt"), split="all", lengths=(1024,), samples=1
+            ),
+            0,
+            ByteTokenizer(),
+        )
+
+
+def test_score_counts_the_expected_strings_found():
+    assert score_answer(" 123 and 456.", ["123", "456"]) == 1.0
+    assert score_answer(" 123 only", ["123", "456"]) == 0.5
+    assert score_answer("", ["1"]) == 0.0
+
+
+def test_passkey_command_writes_grid_and_heatmap(tmp_path):
+    path = save_tiny(tmp_path, "gdn2")
+    out = tmp_path / "pk"
+    args = [
+        "eval",
+        str(path),
+        "--task",
+        "passkey",
+        "lengths=[400,600]",
+        "depths=[0,1]",
+        "samples=1",
+    ]
+    assert main([*args, "--out", str(out), "--no-progress"]) == 0
+    record = json.loads((out / "results.json").read_text())
+    assert len(record["metrics"]["grid"]) == 2 and len(record["metrics"]["grid"][0]) == 2
+    assert len(record["metrics"]["examples"]) == 4 and (out / "passkey.png").stat().st_size > 0
