@@ -179,13 +179,16 @@ def stream_token_nll(
     attention_mask: torch.Tensor | None = None,
     progress: Any = None,
     on_segment: Any = None,
-) -> torch.Tensor:
+    with_greedy: bool = False,
+) -> Any:
     """Next-token losses `[B, T - 1]` (nats, float32) of `ids [B, T]`, read in segments.
 
-    Entry t is -log p(ids[t + 1] | ids[: t + 1]). Each segment continues the previous one's
-    cache, so a recurrent model gives the losses of one full-length pass in constant memory.
+    Entry t is -log p(ids[t + 1] | ids[: t + 1]); the last token is only a target, never fed.
+    Each segment continues the previous one's cache, so a recurrent model gives the losses of
+    one full-length pass in constant memory. `attention_mask [B, T]` marks left padding (False).
     `on_segment(end, cache)` is called after each segment (memory probes); `progress` is a tqdm
-    bar advanced by the tokens of each segment.
+    bar advanced by the tokens of each segment. With `with_greedy`, also returns `[B, T - 1]`
+    bools: whether the target was the most likely token.
     """
     from deltalab.models.cache import RecurrentCache
 
@@ -193,19 +196,21 @@ def stream_token_nll(
     batch, length = ids.shape
     cache = RecurrentCache(len(model.model.blocks))
     losses = torch.empty(batch, max(length - 1, 0), dtype=torch.float32)
-    for start, stop in _segments(length, segment_len):
+    greedy = torch.empty(batch, max(length - 1, 0), dtype=torch.bool)
+    for start, stop in _segments(length - 1, segment_len):
         chunk = ids[:, start:stop].to(device)
         mask = None if attention_mask is None else attention_mask[:, start:stop].to(device)
         logits = model(input_ids=chunk, attention_mask=mask, past_key_values=cache, use_cache=True)
         targets = ids[:, start + 1 : stop + 1].to(device)
-        scored = logits.logits[:, : targets.shape[1]]
-        nll = F.cross_entropy(scored.flatten(0, 1), targets.flatten(), reduction="none")
-        losses[:, start : start + targets.shape[1]] = nll.view(batch, -1).float().cpu()
+        nll = F.cross_entropy(logits.logits.flatten(0, 1), targets.flatten(), reduction="none")
+        losses[:, start:stop] = nll.view(batch, -1).float().cpu()
+        if with_greedy:
+            greedy[:, start:stop] = (logits.logits.argmax(-1) == targets).cpu()
         if on_segment is not None:
             on_segment(stop, cache)
         if progress is not None:
             progress.update(stop - start)
-    return losses
+    return (losses, greedy) if with_greedy else losses
 
 
 @torch.no_grad()

@@ -73,7 +73,7 @@ def _rss_bytes() -> int:
 def streaming(settings: StreamingSettings, ctx: TaskContext) -> TaskOutcome:
     loaded = ctx.checkpoint
     assert loaded is not None
-    loaded.allow_context(settings.tokens + 1, ctx.long_context)
+    loaded.allow_context(settings.tokens, ctx.long_context)
     stream = source_tokens(settings, loaded.tokenizer)
     if len(stream) < settings.tokens + 1:
         raise EvalError(
@@ -93,7 +93,7 @@ def streaming(settings: StreamingSettings, ctx: TaskContext) -> TaskOutcome:
                 {"position": end, "cache_bytes": cache.nbytes(), "rss_bytes": _rss_bytes()}
             )
 
-    bar = ctx.bar(total=settings.tokens + 1, unit="tok", desc="streaming")
+    bar = ctx.bar(total=settings.tokens, unit="tok", desc="streaming")
     losses = stream_token_nll(
         loaded.model, ids, settings.segment_len, progress=bar, on_segment=probe
     )[0]
