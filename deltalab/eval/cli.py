@@ -68,10 +68,15 @@ def _list_tasks() -> str:
     from deltalab.eval.tasks import field_docs, get_task, task_names
 
     lines = []
+    described: dict[type, str] = {}
     for name in task_names():
         task = get_task(name)
         shown = "lm-eval:TASKS" if name == "lm-eval" else name
         lines.append(f"{shown}: {task.summary}")
+        if task.settings in described:
+            lines.append(f"    (settings as {described[task.settings]})")
+            continue
+        described[task.settings] = shown
         docs = field_docs(task.settings)
         for spec in dataclasses.fields(task.settings):
             default = (

@@ -458,7 +458,7 @@ def _heatmap(grid: list[list[float]], depths: Any, lengths: Any, path: Any, titl
 
 
 @dataclass(frozen=True)
-class NeedleSettings(TextSource):
+class NeedleSettings:
     """Settings of the RULER-style needle tasks and variable tracking.
 
     lengths: context lengths in tokens.
@@ -468,7 +468,6 @@ class NeedleSettings(TextSource):
     held_out_fraction: the fraction of documents in the held-out split (as in training).
     max_bytes: read at most this many bytes of the source (null: as much as needed).
     text_field: JSON field or parquet column of the text.
-    cache_dir: unused by these tasks (the haystack is read as text).
     segment_len: tokens read per forward pass (recurrent models: constant memory).
     max_new_tokens: tokens generated per answer (null: enough for the expected answers).
     chains: variable tracking: chains of assignments (the others are distractors).
@@ -477,6 +476,11 @@ class NeedleSettings(TextSource):
 
     lengths: tuple[int, ...] = (1024, 2048, 4096, 8192)
     samples: int = 10
+    source: str = "stdlib"
+    split: str = "held_out"
+    held_out_fraction: float = 0.05
+    max_bytes: int | None = None
+    text_field: str = "text"
     segment_len: int = 2048
     max_new_tokens: int | None = None
     chains: int = 1
@@ -494,6 +498,15 @@ class NeedleSettings(TextSource):
         require(self.chains > 0, "chains", "a positive int", self.chains)
         require(self.hops > 0, "hops", "a positive int", self.hops)
 
+    def text_source(self) -> TextSource:
+        return TextSource(
+            source=self.source,
+            split=self.split,
+            held_out_fraction=self.held_out_fraction,
+            max_bytes=self.max_bytes,
+            text_field=self.text_field,
+        )
+
 
 def needle_examples(
     task: str, settings: NeedleSettings, seed: int, tokenizer: Any
@@ -510,7 +523,7 @@ def needle_examples(
         units = (
             noise_units()
             if NEEDLE_TASKS[task][0] == "noise"
-            else text_units(settings, tokenizer, max(settings.lengths))
+            else text_units(settings.text_source(), tokenizer, max(settings.lengths))
         )
 
         def make(length: int, seed: int) -> Example:

@@ -29,7 +29,7 @@ class StreamingSettings(TextSource):
     """Settings of the streaming task.
 
     source: "stdlib" (the built-in corpus) or a path: a file, a directory of .txt/.jsonl/.parquet.
-    split: "held_out", "train" or "all" (the stdlib's held-out split holds ~0.5M byte tokens;
+    split: "held_out", "train" or "all" (the stdlib's held-out split holds 475K byte tokens;
         longer streams need "all", which includes training documents).
     held_out_fraction: the fraction of documents in the held-out split (as in training).
     max_bytes: stop reading documents after this many bytes (null: all of the split).

@@ -95,10 +95,12 @@ def get_task(name: str) -> Task:
     _load_all()
     key = "lm-eval" if name.startswith("lm-eval:") else name
     if key not in _TASKS:
-        raise EvalError(
-            f"--task: unknown task {name!r}{closest(name, list(_TASKS))}; "
-            "`deltalab eval --list` lists them"
-        )
+        hint = closest(name, list(_TASKS))
+        # A prefix such as "mqar" or "niah" is too short for difflib but names a family.
+        family = [t for t in sorted(_TASKS) if t.startswith(name)] if name else []
+        if not hint and family:
+            hint = f" (did you mean {' or '.join(map(repr, family))}?)"
+        raise EvalError(f"--task: unknown task {name!r}{hint}; `deltalab eval --list` lists them")
     return _TASKS[key]
 
 
