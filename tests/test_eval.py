@@ -393,3 +393,41 @@ def test_passkey_command_writes_grid_and_heatmap(tmp_path):
     record = json.loads((out / "results.json").read_text())
     assert len(record["metrics"]["grid"]) == 2 and len(record["metrics"]["grid"][0]) == 2
     assert len(record["metrics"]["examples"]) == 4 and (out / "passkey.png").stat().st_size > 0
+
+
+def test_streaming_several_checkpoints_share_one_plot_and_recurrent_memory_stays_flat(tmp_path):
+    (tmp_path / "text.txt").write_text(TEXT * 2)
+    first, second = save_tiny(tmp_path, "gdn2", "a"), save_tiny(tmp_path, "muir", "b")
+    out = tmp_path / "streams"
+    settings = ["tokens=1500", "segment_len=100", "first_bucket=16", "split=all"]
+    settings += [f"source={tmp_path / 'text.txt'}", f"cache_dir={tmp_path / 'cache'}"]
+    assert (
+        main(
+            [
+                "eval",
+                str(first),
+                str(second),
+                "--task",
+                "streaming",
+                *settings,
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    assert (out / "streaming.png").stat().st_size > 0
+    for name in ("a", "b"):
+        metrics = json.loads((out / name / "results.json").read_text())["metrics"]
+        assert [b["start"] for b in metrics["buckets"]] == [0, 16, 32, 64, 128, 256, 512, 1024]
+        assert sum(b["tokens"] for b in metrics["buckets"]) == 1500
+        # The recurrent state has one size from the first segment to the 1500th token.
+        assert (
+            len({p["cache_bytes"] for p in metrics["memory"]}) == 1 and len(metrics["memory"]) > 3
+        )
+
+
+def test_unknown_task_suggests_the_family_member(capsys):
+    assert main(["eval", "--task", "mqar"]) == 2
+    assert "did you mean 'mqar-train'" in capsys.readouterr().err
