@@ -58,10 +58,9 @@ def add_parser(commands: Any) -> None:
 
 
 def _slug(checkpoint: str) -> str:
-    path = Path(checkpoint).resolve()
-    # A run's model/ is named after its run directory.
-    name = path.parent.name if path.name == "model" else path.name
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", name) or "checkpoint"
+    from deltalab.eval.common import checkpoint_label
+
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", checkpoint_label(checkpoint)) or "checkpoint"
 
 
 def _list_tasks() -> str:
@@ -87,6 +86,7 @@ def _list_tasks() -> str:
 
 
 def _compare(dirs: list[str], out: str | None) -> str:
+    from deltalab.eval.common import checkpoint_label
     from deltalab.eval.results import compare_table, load_results
     from deltalab.eval.streaming import plot_streaming
 
@@ -94,7 +94,7 @@ def _compare(dirs: list[str], out: str | None) -> str:
     table = compare_table(records)
     if out is not None and all(r["task"] == "streaming" for _, r in records):
         runs = [
-            (Path((r["checkpoint"] or {}).get("path", d)).parent.name or d, r["metrics"])
+            (checkpoint_label((r["checkpoint"] or {}).get("path", d)), r["metrics"])
             for d, r in records
         ]
         plot = plot_streaming(runs, Path(out) / "streaming.png")

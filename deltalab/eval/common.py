@@ -103,6 +103,12 @@ class LoadedCheckpoint:
         self.notes.append(f"sliding attention window of {self.trained_length} tokens applied")
 
 
+def checkpoint_label(checkpoint: str) -> str:
+    """A short name for a checkpoint: a run's `model/` is named after its run directory."""
+    path = Path(checkpoint).resolve()
+    return (path.parent.name if path.name == "model" else path.name) or str(checkpoint)
+
+
 def _config_hash(path: Path) -> str:
     config = json.loads((path / "config.json").read_text())
     # Fields transformers rewrites on every save carry no information about the model.

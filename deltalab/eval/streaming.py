@@ -18,7 +18,13 @@ from typing import Any
 
 import torch
 
-from deltalab.eval.common import EvalError, TextSource, source_tokens, stream_token_nll
+from deltalab.eval.common import (
+    EvalError,
+    TextSource,
+    checkpoint_label,
+    source_tokens,
+    stream_token_nll,
+)
 from deltalab.eval.tasks import Task, TaskContext, TaskOutcome, register, require
 
 __all__ = ["StreamingSettings", "bucket_edges", "plot_streaming", "streaming"]
@@ -124,9 +130,7 @@ def streaming(settings: StreamingSettings, ctx: TaskContext) -> TaskOutcome:
         lines.append(
             f"| [{bucket['start']}, {bucket['stop']}) | {bucket['tokens']} | {bucket['loss']:.4f} | {cache_text} |"
         )
-    plot = plot_streaming(
-        [(Path(loaded.path).name or loaded.path, metrics)], ctx.out_dir / "streaming.png"
-    )
+    plot = plot_streaming([(checkpoint_label(loaded.path), metrics)], ctx.out_dir / "streaming.png")
     return TaskOutcome(metrics=metrics, summary=summary, table="\n".join(lines), files=[str(plot)])
 
 
