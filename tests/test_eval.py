@@ -359,6 +359,16 @@ def test_needle_settings_that_cannot_be_generated_are_refused(tmp_path):
             0,
             ByteTokenizer(),
         )
+    (tmp_path / "nothing.txt").write_text("")
+    with pytest.raises(EvalError, match="no documents in split 'all'"):
+        needle_examples(
+            "niah-single-2",
+            NeedleSettings(
+                source=str(tmp_path / "nothing.txt"), split="all", lengths=(1024,), samples=1
+            ),
+            0,
+            ByteTokenizer(),
+        )
     (tmp_path / "blank.txt").write_text("\n\n   \n")
     with pytest.raises(EvalError, match="holds 0 tokens of non-blank lines"):
         needle_examples(

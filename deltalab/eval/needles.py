@@ -147,13 +147,18 @@ def text_units(source: TextSource, tokenizer: Any, needed: int) -> list[str]:
     """Non-blank lines of the source's documents, at least `needed` tokens of them."""
     units: list[str] = []
     used = 0
-    for document in source_documents(source):
-        for line in document.splitlines():
-            if line.strip():
-                units.append(line.rstrip())
-                used += _tokens(tokenizer, line + "\n")
-        if used >= needed:
-            return units
+    documents = source_documents(source)
+    try:
+        for document in documents:
+            for line in document.splitlines():
+                if line.strip():
+                    units.append(line.rstrip())
+                    used += _tokens(tokenizer, line + "\n")
+            if used >= needed:
+                return units
+    except ValueError as error:
+        # The data layer finds an empty source only at the end of its documents.
+        raise EvalError(f"haystack source {source.source!r}: {error}") from error
     raise EvalError(
         f"haystack source {source.source!r} (split {source.split!r}) holds {used} tokens of "
         f"non-blank lines, fewer than the {needed} the longest context needs"
