@@ -1,4 +1,4 @@
-"""The `deltalab` command: train, check, presets, generate.
+"""The `deltalab` command: train, check, presets, generate, eval.
 
 Exit status: 0 done; 2 a user error (a config, data, checkpoint or argument problem), printed as
 one line on stderr; 128 + the signal number (130 SIGINT, 143 SIGTERM) for a training run stopped
@@ -169,10 +169,16 @@ def _main(argv: list[str] | None) -> int:
     generate.add_argument("--device", default="cpu")
     generate.set_defaults(run=_generate)
 
+    from deltalab.eval.cli import add_parser as add_eval_parser
+
+    add_eval_parser(commands)
+
     args, extra = parser.parse_known_args(argv)
-    # Overrides after an option (`deltalab train a=1 --resume b=2`) arrive as leftovers.
-    if args.command == "train":
-        args.overrides += [e for e in extra if "=" in e and not e.startswith("-")]
+    # Overrides after an option (`deltalab train a=1 --resume b=2`) arrive as leftovers; so do
+    # the checkpoints of `deltalab eval --task perplexity CHECKPOINT`.
+    if args.command in ("train", "eval"):
+        words = args.command == "eval"
+        args.overrides += [e for e in extra if (words or "=" in e) and not e.startswith("-")]
         extra = [e for e in extra if e not in args.overrides]
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -10,7 +10,7 @@ import torch
 
 from deltalab.errors import CheckpointError, ConfigError
 
-__all__ = ["GenerateConfig", "generate_text"]
+__all__ = ["GenerateConfig", "generate_text", "load_model"]
 
 # The top_k that model.generate samples with when none is given (transformers' default).
 HF_DEFAULT_TOP_K = 50
@@ -56,28 +56,39 @@ def _is_temp(config: GenerateConfig) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < math.inf
 
 
-def generate_text(config: GenerateConfig) -> str:
-    """The prompt's continuation (greedy at temperature 0, else sampled). On CUDA through
-    `static_generate` (CUDA graphs), elsewhere through `model.generate`."""
+def load_model(checkpoint: str, *, tokenizer: str | None = None, device: str = "cpu"):
+    """(model in eval mode on `device`, tokenizer) of a `save_pretrained` directory; the
+    tokenizer is `tokenizer` ("byte" or a local path), else the one saved beside the model,
+    else bytes."""
     from transformers import AutoModelForCausalLM
 
     import deltalab.models  # noqa: F401  (registers the model type)
     from deltalab.data import load_tokenizer
-    from deltalab.models.static_decode import static_generate
 
-    path = Path(config.checkpoint)
+    path = Path(checkpoint)
     if not (path / "config.json").exists():
         raise CheckpointError(
             f"checkpoint {str(path)!r} holds no config.json; expected a save_pretrained "
             "directory such as a run's model/"
         )
-    spec = config.tokenizer
+    spec = tokenizer
     if spec is None:
         spec = str(path) if (path / "tokenizer_config.json").exists() else "byte"
-    tokenizer = load_tokenizer(spec)
+    loaded = load_tokenizer(spec)
     # The backend a model was trained with is a choice of that machine (a GPU's Triton kernels):
-    # generation picks the fastest one available where it runs.
-    model = AutoModelForCausalLM.from_pretrained(path, backend="auto").to(config.device).eval()
+    # inference picks the fastest one available where it runs.
+    model = AutoModelForCausalLM.from_pretrained(path, backend="auto").to(device).eval()
+    return model, loaded
+
+
+def generate_text(config: GenerateConfig) -> str:
+    """The prompt's continuation (greedy at temperature 0, else sampled). On CUDA through
+    `static_generate` (CUDA graphs), elsewhere through `model.generate`."""
+    from deltalab.models.static_decode import static_generate
+
+    model, tokenizer = load_model(
+        config.checkpoint, tokenizer=config.tokenizer, device=config.device
+    )
     ids = torch.tensor(
         [tokenizer.encode(config.prompt) or [tokenizer.bos_id]], device=config.device
     )

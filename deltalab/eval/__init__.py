@@ -1,0 +1,9 @@
+"""The evaluation suite behind `deltalab eval`: perplexity, streaming extrapolation, MQAR,
+passkey retrieval, RULER-style needles and variable tracking, and an lm-evaluation-harness
+adapter. Each task is a function of (typed settings, checkpoint, seed) that returns metrics; the
+command writes them to results.json and prints a table (`deltalab.eval.cli`).
+"""
+
+from deltalab.eval.common import EvalError, LoadedCheckpoint, load_checkpoint
+
+__all__ = ["EvalError", "LoadedCheckpoint", "load_checkpoint"]

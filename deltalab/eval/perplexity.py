@@ -1,0 +1,106 @@
+"""Perplexity and bits per byte on held-out text.
+
+The text is the data layer's token stream (the built-in corpus's held-out split by default, or
+the user's files), cut into windows exactly as the training loop's evaluation cuts it
+(`PackedSequences`: every token but the first is predicted once). The loss is the sum of all
+token losses divided by the number of tokens, not a mean of batch means.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from deltalab.eval.common import EvalError, TextSource, source_tokens, stream_token_nll, token_bytes
+from deltalab.eval.tasks import Task, TaskContext, TaskOutcome, register, require
+
+__all__ = ["PerplexitySettings", "perplexity"]
+
+
+@dataclass(frozen=True)
+class PerplexitySettings(TextSource):
+    """Settings of the perplexity task.
+
+    source: "stdlib" (the built-in corpus) or a path: a file, a directory of .txt/.jsonl/.parquet.
+    split: "held_out" (documents the training run did not see), "train" or "all".
+    held_out_fraction: the fraction of documents in the held-out split (as in training).
+    max_bytes: stop reading documents after this many bytes (null: all of the split).
+    text_field: JSON field or parquet column of the text.
+    cache_dir: where the tokenized text is cached.
+    seq_len: tokens per window (null: the checkpoint's training length, else 1024).
+    max_tokens: score at most this many tokens (whole windows; null: every window).
+    batch_size: windows per forward pass.
+    segment_len: longer windows are read in segments of this many tokens through the cache.
+    """
+
+    seq_len: int | None = None
+    max_tokens: int | None = 262144
+    batch_size: int = 8
+    segment_len: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "max_tokens"):
+            value = getattr(self, name)
+            require(value is None or value > 0, name, "a positive int or null", value)
+        require(self.batch_size > 0, "batch_size", "a positive int", self.batch_size)
+        require(self.segment_len > 0, "segment_len", "a positive int", self.segment_len)
+
+
+@torch.no_grad()
+def perplexity(settings: PerplexitySettings, ctx: TaskContext) -> TaskOutcome:
+    from deltalab.data import PackedSequences
+
+    loaded = ctx.checkpoint
+    assert loaded is not None
+    seq_len = settings.seq_len or loaded.trained_length or 1024
+    loaded.allow_context(seq_len, ctx.long_context)
+    tokens = source_tokens(settings, loaded.tokenizer)
+    try:
+        windows = PackedSequences(tokens, seq_len)
+    except ValueError as error:
+        raise EvalError(f"seq_len={seq_len}: {error}") from error
+    count = len(windows)
+    if settings.max_tokens is not None:
+        count = min(count, max(1, settings.max_tokens // seq_len))
+    total_nll, total_tokens, total_bytes = 0.0, 0, 0
+    bar = ctx.bar(total=count * seq_len, unit="tok", desc="perplexity")
+    for start in range(0, count, settings.batch_size):
+        batch = torch.stack(
+            [windows[i] for i in range(start, min(start + settings.batch_size, count))]
+        )
+        nll = stream_token_nll(loaded.model, batch, settings.segment_len)
+        # Sums in float64: over a million tokens a float32 running sum loses digits.
+        total_nll += nll.double().sum().item()
+        total_tokens += nll.numel()
+        total_bytes += token_bytes(loaded.tokenizer, batch[:, 1:].flatten())
+        bar.update(nll.numel())
+    bar.close()
+    loss = total_nll / total_tokens
+    bpb = total_nll / math.log(2) / total_bytes if total_bytes else float("nan")
+    metrics = {
+        "loss": loss,
+        "perplexity": math.exp(loss),
+        "bits_per_byte": bpb,
+        "tokens": total_tokens,
+        "bytes": total_bytes,
+        "windows": count,
+        "seq_len": seq_len,
+    }
+    table = (
+        "| tokens | seq_len | loss (nats/token) | perplexity | bits/byte |\n|---|---|---|---|---|\n"
+        f"| {total_tokens} | {seq_len} | {loss:.4f} | {math.exp(loss):.3f} | {bpb:.4f} |"
+    )
+    summary = {"loss": loss, "perplexity": math.exp(loss), "bits_per_byte": bpb}
+    return TaskOutcome(metrics=metrics, summary=summary, table=table)
+
+
+register(
+    Task(
+        name="perplexity",
+        summary="loss per token, perplexity and bits per byte on held-out text",
+        settings=PerplexitySettings,
+        run=perplexity,
+    )
+)

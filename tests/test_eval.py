@@ -1,0 +1,443 @@
+"""The evaluation suite: generators, scoring, streaming, MQAR training and the `deltalab eval`
+command. Models are built here, tiny (2 layers, width 32-64), so the file runs in well under a
+minute on two cores."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltalab.cli import main
+from deltalab.data import ByteTokenizer
+from deltalab.eval.common import EvalError, load_checkpoint, stream_token_nll
+from deltalab.eval.mqar import (
+    IGNORE,
+    MQARConfig,
+    MQARTrainSettings,
+    generate_mqar,
+    recall_accuracy,
+    train_one,
+)
+from deltalab.eval.needles import (
+    NEEDLE_TASKS,
+    NeedleSettings,
+    make_passkey_example,
+    make_variable_tracking_example,
+    needle_examples,
+    score_answer,
+)
+from deltalab.eval.perplexity import PerplexitySettings, perplexity
+from deltalab.eval.tasks import TaskContext, parse_settings
+from deltalab.models import CausalLM, DeltaLabConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = "def add(a, b):\n    return a + b\n\n" * 40
+
+
+def tiny_model(mixer: str, seed: int = 0, **fields) -> CausalLM:
+    torch.manual_seed(seed)
+    config = DeltaLabConfig(
+        mixer=mixer, hidden_size=32, num_layers=2, num_heads=2, head_dim=16, chunk_size=16, **fields
+    )
+    return CausalLM(config).eval()
+
+
+def save_tiny(tmp_path: Path, mixer: str, name: str = "model", **fields) -> Path:
+    path = tmp_path / name
+    tiny_model(mixer, **fields).save_pretrained(path)
+    return path
+
+
+def context(tmp_path: Path, checkpoint=None, **fields) -> TaskContext:
+    return TaskContext(
+        checkpoint=checkpoint,
+        seed=0,
+        device="cpu",
+        out_dir=tmp_path / "out",
+        progress=False,
+        **fields,
+    )
+
+
+# --- MQAR ---------------------------------------------------------------------------------
+
+
+def test_mqar_generator_is_a_pure_function_of_settings_and_seed():
+    config = MQARConfig(vocab_size=32, seq_len=32, num_pairs=4, num_examples=20)
+    first, again, other = (
+        generate_mqar(config, 3),
+        generate_mqar(config, 3),
+        generate_mqar(config, 4),
+    )
+    assert torch.equal(first.inputs, again.inputs) and torch.equal(first.labels, again.labels)
+    assert not torch.equal(first.inputs, other.inputs)
+    state = torch.random.get_rng_state()
+    generate_mqar(config, 3)
+    assert torch.equal(state, torch.random.get_rng_state()), "the global RNG was used"
+
+
+def test_mqar_labels_stand_exactly_at_queries_and_name_the_paired_value():
+    config = MQARConfig(vocab_size=64, seq_len=64, num_pairs=8, num_examples=50)
+    data = generate_mqar(config, 0)
+    half = config.vocab_size // 2
+    for inputs, labels in zip(data.inputs.tolist(), data.labels.tolist(), strict=True):
+        keys, values = inputs[0:16:2], inputs[1:16:2]
+        assert len(set(keys)) == 8 and len(set(values)) == 8, "pairs drawn with replacement"
+        assert all(k < half for k in keys) and all(v >= half for v in values)
+        paired = dict(zip(keys, values, strict=True))
+        answered = [t for t, label in enumerate(labels) if label != IGNORE]
+        assert len(answered) == 8 and all(t >= 16 and t % 2 == 0 for t in answered)
+        assert sorted(inputs[t] for t in answered) == sorted(keys), "each key asked once"
+        for t in answered:
+            assert labels[t] == paired[inputs[t]] == inputs[t + 1]
+
+
+def test_mqar_refuses_more_pairs_than_keys():
+    with pytest.raises(EvalError, match=r"num_pairs=20 .* 16 keys of vocab_size=32"):
+        MQARConfig(vocab_size=32, seq_len=128, num_pairs=20)
+    with pytest.raises(EvalError, match="seq_len=14 leaves 3 query slots"):
+        MQARConfig(vocab_size=64, seq_len=14, num_pairs=4)
+
+
+def test_mqar_training_learns_recall():
+    settings = MQARTrainSettings(
+        mixers=("gdn2",), vocab_size=16, train=((16, 2),), test=((16, 2),), steps=80, lrs=(1e-2,)
+    )
+    train = [generate_mqar(settings.config(16, 2, 2000), 0)]
+    model = train_one(settings, "gdn2", 1e-2, 0, train)
+    correct, total = recall_accuracy(model, generate_mqar(settings.config(16, 2, 100), 1))
+    # Chance is 1/8 (the eight values); the model has to read the pairs to get this far.
+    assert correct / total > 0.9
+
+
+# --- perplexity and streaming ----------------------------------------------------------------
+
+
+def test_uniform_model_has_perplexity_equal_to_vocab_size(tmp_path):
+    model = tiny_model("gdn2")
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # tied: every logit is 0, every token has p = 1/259
+    model.save_pretrained(tmp_path / "uniform")
+    (tmp_path / "text.txt").write_text(TEXT)
+    loaded = load_checkpoint(str(tmp_path / "uniform"))
+    settings = PerplexitySettings(
+        source=str(tmp_path / "text.txt"),
+        split="all",
+        cache_dir=str(tmp_path / "cache"),
+        seq_len=64,
+    )
+    outcome = perplexity(settings, context(tmp_path, loaded))
+    assert outcome.metrics["perplexity"] == pytest.approx(259, rel=1e-5)
+    assert outcome.metrics["bits_per_byte"] == pytest.approx(math.log2(259), rel=1e-5)
+
+
+def test_perplexity_averages_over_tokens_not_batches(tmp_path):
+    model = tiny_model("gdn2")
+    model.save_pretrained(tmp_path / "m")
+    (tmp_path / "text.txt").write_text(TEXT)
+    loaded = load_checkpoint(str(tmp_path / "m"))
+    # 3 windows in batches of 2: a mean of batch means would weigh the last window double.
+    settings = PerplexitySettings(
+        source=str(tmp_path / "text.txt"),
+        split="all",
+        cache_dir=str(tmp_path / "cache"),
+        seq_len=100,
+        max_tokens=300,
+        batch_size=2,
+    )
+    outcome = perplexity(settings, context(tmp_path, loaded))
+    ids = torch.tensor(list(TEXT.encode()))[:301]
+    windows = torch.stack([ids[i * 100 : i * 100 + 101] for i in range(3)])
+    with torch.no_grad():
+        logits = model(input_ids=windows[:, :-1]).logits
+    expected = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item()
+    assert outcome.metrics["tokens"] == 300
+    assert outcome.metrics["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("mixer", ["gdn2", "muir", "kdn_diag"])
+def test_streamed_loss_of_recurrent_model_equals_full_sequence_loss(mixer):
+    model = tiny_model(mixer)
+    ids = torch.randint(0, 259, (2, 61), generator=torch.Generator().manual_seed(0))
+    streamed = stream_token_nll(model, ids, segment_len=13)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    full = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
+    torch.testing.assert_close(streamed, full.view(2, 60), rtol=1e-4, atol=1e-4)
+
+
+def test_full_attention_past_trained_length_is_refused_or_windowed(tmp_path):
+    path = save_tiny(tmp_path, "transformer")
+    loaded = load_checkpoint(str(path), trained_length=16)
+    loaded.allow_context(16, "refuse")  # within the trained length: nothing to say
+    with pytest.raises(EvalError, match="40 tokens is longer than the 16 tokens"):
+        loaded.allow_context(40, "refuse")
+    loaded.allow_context(40, "window")
+    ids = torch.randint(0, 259, (1, 40), generator=torch.Generator().manual_seed(1))
+    streamed = stream_token_nll(loaded.model, ids, segment_len=7)
+    # The same weights built with a 16-token window, read in one pass.
+    windowed = tiny_model("transformer", attention_window=16)
+    windowed.load_state_dict(tiny_model("transformer").state_dict())
+    with torch.no_grad():
+        logits = windowed(input_ids=ids).logits
+    full = F.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="none")
+    torch.testing.assert_close(streamed[0], full, rtol=1e-4, atol=1e-4)
+    unknown = load_checkpoint(str(path))
+    with pytest.raises(EvalError, match="trained length is unknown"):
+        unknown.allow_context(40, "refuse")
+
+
+# --- settings and the command ----------------------------------------------------------------
+
+
+def test_settings_errors_name_the_field_and_the_closest_name():
+    with pytest.raises(EvalError, match=r"unknown setting 'seq_lne'.*did you mean 'seq_len'"):
+        parse_settings(PerplexitySettings, ["seq_lne=5"])
+    with pytest.raises(EvalError, match=r"batch_size must be an int, got 'x'"):
+        parse_settings(PerplexitySettings, ["batch_size=x"])
+    with pytest.raises(EvalError, match=r"mixers holds 'gnd2'.*did you mean 'gdn2'"):
+        parse_settings(MQARTrainSettings, ["mixers=[gnd2]"])
+    assert parse_settings(MQARTrainSettings, ["lrs=[1e-3, 2]"]).lrs == (1e-3, 2.0)
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "deltalab.cli", "eval", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path):
+    result = run_cli("--task", "perplexty", str(tmp_path), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "did you mean 'perplexity'" in result.stderr and "Traceback" not in result.stderr
+    assert main(["eval", str(tmp_path / "missing"), "--task", "perplexity"]) == 2
+
+
+def test_eval_command_writes_results_and_compares_runs(tmp_path, capsys):
+    path = save_tiny(tmp_path, "gdn2")
+    (tmp_path / "text.txt").write_text(TEXT)
+    common = [
+        f"source={tmp_path / 'text.txt'}",
+        "split=all",
+        f"cache_dir={tmp_path / 'cache'}",
+        "seq_len=64",
+    ]
+    for name in ("a", "b"):
+        out = tmp_path / name
+        assert (
+            main(
+                [
+                    "eval",
+                    str(path),
+                    "--task",
+                    "perplexity",
+                    *common,
+                    "--out",
+                    str(out),
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
+        record = json.loads((out / "results.json").read_text())
+        assert record["task"] == "perplexity" and record["seed"] == 0
+        assert record["settings"]["seq_len"] == 64
+        assert (
+            record["checkpoint"]["path"] == str(path)
+            and len(record["checkpoint"]["config_hash"]) == 16
+        )
+        assert {"python", "torch", "transformers"} <= set(record["versions"])
+    capsys.readouterr()
+    assert main(["eval", "--compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("| run | task | checkpoint | loss | perplexity | bits_per_byte")
+    assert len(table) == 4
+
+
+# --- needles ---------------------------------------------------------------------------------
+
+NEEDLE_NAMES = [*NEEDLE_TASKS, "variable-tracking"]
+
+
+def haystack_file(tmp_path: Path) -> Path:
+    path = tmp_path / "haystack.txt"
+    path.write_text(
+        "".join(
+            f"line {i}: the river keeps the mill turning, season after season.\n"
+            for i in range(400)
+        )
+    )
+    return path
+
+
+@pytest.mark.parametrize("task", NEEDLE_NAMES)
+def test_needle_examples_are_deterministic_per_seed_and_differ_across_seeds(tmp_path, task):
+    settings = NeedleSettings(
+        source=str(haystack_file(tmp_path)), split="all", lengths=(1024,), samples=2
+    )
+    first = needle_examples(task, settings, 0, ByteTokenizer())
+    assert first == needle_examples(task, settings, 0, ByteTokenizer())
+    assert [e.context for e in first] != [
+        e.context for e in needle_examples(task, settings, 1, ByteTokenizer())
+    ]
+
+
+@pytest.mark.parametrize("task", NEEDLE_NAMES)
+def test_needles_are_present_exactly_once_at_the_requested_length(tmp_path, task):
+    settings = NeedleSettings(
+        source=str(haystack_file(tmp_path)), split="all", lengths=(1024, 2048), samples=3
+    )
+    examples = needle_examples(task, settings, 0, ByteTokenizer())
+    for example, length in zip(examples, [1024] * 3 + [2048] * 3, strict=True):
+        for needle in example.needles:
+            assert example.context.count(needle) == 1, needle
+        if task != "variable-tracking":
+            for answer in example.answers:
+                assert example.context.count(answer) == 1, answer
+        # Within one haystack line (or noise paragraph) of the requested length.
+        assert length - 5 <= example.length <= length + 100
+    keys, values, asked = NEEDLE_TASKS.get(task, (None, None, None, 1, 1, 1))[3:]
+    assert all(
+        len(e.needles) == (5 if task == "variable-tracking" else keys * values) for e in examples
+    )
+    assert all(
+        len(e.answers) == (5 if task == "variable-tracking" else asked * values) for e in examples
+    )
+
+
+def test_variable_tracking_answers_are_the_chain_bound_to_the_value(tmp_path):
+    example = make_variable_tracking_example(1024, 0, ByteTokenizer(), chains=2, hops=3)
+    bound: dict[str, str] = {}
+    for statement in example.needles:  # in the order they stand in the context
+        name, value = statement.removeprefix("VAR ").rstrip(".").split(" = ")
+        bound[name] = bound.get(value, value)
+        assert example.context.index(statement) >= 0
+    value = bound[example.answers[0]]
+    assert sorted(n for n, v in bound.items() if v == value) == sorted(example.answers)
+    assert len(example.answers) == 4 and f"the value {value} in the text above" in example.context
+
+
+def test_passkey_depth_places_the_needle(tmp_path):
+    top = make_passkey_example(1024, 0.0, 0, ByteTokenizer())
+    bottom = make_passkey_example(1024, 1.0, 0, ByteTokenizer())
+    middle = make_passkey_example(1024, 0.5, 0, ByteTokenizer())
+    position = [e.context.index(e.needles[0]) / len(e.context) for e in (top, middle, bottom)]
+    assert position[0] < 0.2 < 0.4 < position[1] < 0.6 < 0.85 < position[2]
+    assert top.context.count(top.needles[0]) == 1 and top.answers[0] in top.needles[0]
+    assert 1000 <= top.length <= 1124
+
+
+def test_needle_settings_that_cannot_be_generated_are_refused(tmp_path):
+    with pytest.raises(EvalError, match="lengths holds 100: niah-multikey needs more than"):
+        needle_examples(
+            "niah-multikey",
+            NeedleSettings(
+                source=str(haystack_file(tmp_path)), split="all", lengths=(100,), samples=1
+            ),
+            0,
+            ByteTokenizer(),
+        )
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(EvalError, match="holds no document file"):
+        needle_examples(
+            "niah-single-2",
+            NeedleSettings(source=str(tmp_path / "empty"), split="all", lengths=(1024,), samples=1),
+            0,
+            ByteTokenizer(),
+        )
+    (tmp_path / "nothing.txt").write_text("")
+    with pytest.raises(EvalError, match="no documents in split 'all'"):
+        needle_examples(
+            "niah-single-2",
+            NeedleSettings(
+                source=str(tmp_path / "nothing.txt"), split="all", lengths=(1024,), samples=1
+            ),
+            0,
+            ByteTokenizer(),
+        )
+    (tmp_path / "blank.txt").write_text("\n\n   \n")
+    with pytest.raises(EvalError, match="holds 0 tokens of non-blank lines"):
+        needle_examples(
+            "niah-single-3",
+            NeedleSettings(
+                source=str(tmp_path / "blank.txt"), split="all", lengths=(1024,), samples=1
+            ),
+            0,
+            ByteTokenizer(),
+        )
+
+
+def test_score_counts_the_expected_strings_found():
+    assert score_answer(" 123 and 456.", ["123", "456"]) == 1.0
+    assert score_answer(" 123 only", ["123", "456"]) == 0.5
+    assert score_answer("", ["1"]) == 0.0
+
+
+def test_passkey_command_writes_grid_and_heatmap(tmp_path):
+    path = save_tiny(tmp_path, "gdn2")
+    out = tmp_path / "pk"
+    args = [
+        "eval",
+        str(path),
+        "--task",
+        "passkey",
+        "lengths=[400,600]",
+        "depths=[0,1]",
+        "samples=1",
+    ]
+    assert main([*args, "--out", str(out), "--no-progress"]) == 0
+    record = json.loads((out / "results.json").read_text())
+    assert len(record["metrics"]["grid"]) == 2 and len(record["metrics"]["grid"][0]) == 2
+    assert len(record["metrics"]["examples"]) == 4 and (out / "passkey.png").stat().st_size > 0
+
+
+def test_streaming_several_checkpoints_share_one_plot_and_recurrent_memory_stays_flat(tmp_path):
+    (tmp_path / "text.txt").write_text(TEXT * 2)
+    first, second = save_tiny(tmp_path, "gdn2", "a"), save_tiny(tmp_path, "muir", "b")
+    out = tmp_path / "streams"
+    settings = ["tokens=1500", "segment_len=100", "first_bucket=16", "split=all"]
+    settings += [f"source={tmp_path / 'text.txt'}", f"cache_dir={tmp_path / 'cache'}"]
+    assert (
+        main(
+            [
+                "eval",
+                str(first),
+                str(second),
+                "--task",
+                "streaming",
+                *settings,
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    assert (out / "streaming.png").stat().st_size > 0
+    for name in ("a", "b"):
+        metrics = json.loads((out / name / "results.json").read_text())["metrics"]
+        assert [b["start"] for b in metrics["buckets"]] == [0, 16, 32, 64, 128, 256, 512, 1024]
+        assert sum(b["tokens"] for b in metrics["buckets"]) == 1500
+        # The recurrent state has one size from the first segment to the 1500th token.
+        assert (
+            len({p["cache_bytes"] for p in metrics["memory"]}) == 1 and len(metrics["memory"]) > 3
+        )
+
+
+def test_unknown_task_suggests_the_family_member(capsys):
+    assert main(["eval", "--task", "mqar"]) == 2
+    assert "did you mean 'mqar-train'" in capsys.readouterr().err
