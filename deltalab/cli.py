@@ -113,12 +113,12 @@ _non_negative_float.__name__ = "finite number >= 0"
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the command of `argv`; returns its exit status (see the module docstring)."""
-    from deltalab.errors import UserError
+    from deltalab.errors import UserError, one_line
 
     try:
         return _main(argv)
     except UserError as error:
-        print(f"deltalab: error: {error}", file=sys.stderr)
+        print(f"deltalab: error: {one_line(error)}", file=sys.stderr)
         return USER_ERROR
 
 

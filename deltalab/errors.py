@@ -15,7 +15,14 @@ __all__ = [
     "DataError",
     "DivergenceError",
     "UserError",
+    "one_line",
 ]
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line: messages quoting other libraries (a YAML parser's
+    "while parsing ... in <unicode string>, line 1" block) keep their words, not their breaks."""
+    return " ".join(str(error).split())
 
 
 class UserError(Exception):

@@ -24,6 +24,7 @@ from deltalab.eval.mqar import (
     MQARTrainSettings,
     generate_mqar,
     recall_accuracy,
+    train_mqar,
     train_one,
 )
 from deltalab.eval.needles import (
@@ -116,6 +117,18 @@ def test_mqar_training_learns_recall():
     correct, total = recall_accuracy(model, generate_mqar(settings.config(16, 2, 100), 1))
     # Chance is 1/8 (the eight values); the model has to read the pairs to get this far.
     assert correct / total > 0.9
+
+
+def test_mqar_sweep_reports_a_diverging_learning_rate_and_goes_on():
+    settings = MQARTrainSettings(
+        mixers=("gdn",), vocab_size=16, train=((16, 2),), test=((16, 2),), steps=6,
+        lrs=(1e3, 1e-2), train_examples=64, test_examples=16,
+    )  # fmt: skip
+    context = TaskContext(None, seed=0, device="cpu", out_dir=Path("."), progress=False)
+    runs = train_mqar(settings, context).metrics["runs"]
+    assert [r["lr"] for r in runs] == [1e3, 1e-2]
+    assert "diverged" in runs[0] and runs[0]["accuracy"]["16x2"]["accuracy"] == 0.0
+    assert "diverged" not in runs[1]
 
 
 # --- perplexity and streaming ----------------------------------------------------------------
@@ -225,6 +238,13 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path):
     assert result.returncode == 2
     assert "did you mean 'perplexity'" in result.stderr and "Traceback" not in result.stderr
     assert main(["eval", str(tmp_path / "missing"), "--task", "perplexity"]) == 2
+
+
+def test_a_malformed_yaml_setting_is_reported_on_one_line(tmp_path, capsys):
+    path = save_tiny(tmp_path, "gdn2")
+    assert main(["eval", str(path), "--task", "perplexity", "max_tokens=[1,2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot read '[1,2' as YAML" in err and "\n" not in err
 
 
 def test_eval_command_writes_results_and_compares_runs(tmp_path, capsys):

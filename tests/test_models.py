@@ -296,3 +296,20 @@ def test_a_model_saved_with_the_triton_backend_generates_on_the_cpu(tmp_path):
     CausalLM(build_config("tiny", mixer="gdn", backend="triton")).save_pretrained(tmp_path)
     text = generate_text(GenerateConfig(str(tmp_path), "def f(", max_new_tokens=5))
     assert isinstance(text, str)
+
+
+@pytest.mark.parametrize("mixer", ["kdn_iso", "kdn_diag"])
+def test_config_backend_also_picks_the_kdn_variance_scan(monkeypatch, mixer):
+    import deltalab.ops.kdn.gains as gains
+
+    seen = []
+    scan = gains._variance_scan
+
+    def spy(decay2, q_noise, evidence, p_prior, scan_name):
+        seen.append(scan_name)
+        return scan(decay2, q_noise, evidence, p_prior, scan_name)
+
+    monkeypatch.setattr(gains, "_variance_scan", spy)
+    model = CausalLM(build_config("tiny", mixer=mixer, num_layers=1, backend="naive"))
+    model(torch.randint(0, 256, (1, 20)))
+    assert seen and all(backend == "sequential" for backend in seen)

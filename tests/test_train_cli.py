@@ -8,10 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import deltalab.train.loop as loop
 from deltalab.cli import main
 from deltalab.errors import ConfigError
+from deltalab.ops._triton import INTERPRET
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = "model.overrides={hidden_size: 32, num_layers: 1, num_heads: 2, head_dim: 16}"
@@ -95,6 +97,14 @@ def test_an_endless_data_source_is_refused_not_read(tmp_path, capsys):
         # The backend is a model field (model.overrides.backend), not a mixer option.
         ("model.overrides.mixer_options={backend: naive}", "mixer_options.backend is not an"),
         ("model.overrides.backend=cuda", "backend must be one of"),
+        # Without a GPU (CI), Triton kernels need the interpreter: refused before any data.
+        pytest.param(
+            "model.overrides.backend=triton",
+            "backend='triton' cannot run on cpu",
+            marks=pytest.mark.skipif(
+                torch.cuda.is_available() or INTERPRET, reason="Triton can run here"
+            ),
+        ),
         # A config field is set as one; the other frontend options are mixer options.
         ("model.overrides.mixer_options={chunk_size: 32}", "mixer_options.chunk_size is not an"),
         ("model.overrides.mixer_options={gate_activation: tanh}", "gate_activation must be one"),

@@ -182,6 +182,7 @@ def _evaluate(args: argparse.Namespace) -> str:
 
 def run_eval(args: argparse.Namespace) -> int:
     """The `deltalab eval` command; input errors -> one line on stderr, exit code 2."""
+    from deltalab.errors import one_line
     from deltalab.eval.common import EvalError
 
     try:
@@ -192,6 +193,6 @@ def run_eval(args: argparse.Namespace) -> int:
         else:
             print(_evaluate(args))
     except EvalError as error:
-        print(f"deltalab eval: error: {error}", file=sys.stderr)
+        print(f"deltalab eval: error: {one_line(error)}", file=sys.stderr)
         return 2
     return 0

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from deltalab.eval.common import EvalError, wilson_interval
 from deltalab.eval.tasks import Task, TaskContext, TaskOutcome, register, require
+from deltalab.ops._checks import NonFiniteError
 
 __all__ = ["IGNORE", "MQARConfig", "MQARData", "MQARTrainSettings", "generate_mqar", "train_mqar"]
 
@@ -287,6 +288,8 @@ def train_one(
         cursor[which] += settings.batch_size
         logits = model(input_ids=data.inputs[index]).logits
         loss = recall_loss(logits, data.labels[index])
+        if not torch.isfinite(loss):
+            raise NonFiniteError(f"the loss became {loss.item()} at step {step}")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -317,7 +320,16 @@ def train_mqar(settings: MQARTrainSettings, ctx: TaskContext) -> TaskOutcome:
     )
     for mixer in settings.mixers:
         for lr in settings.lrs:
-            model = train_one(settings, mixer, lr, ctx.seed, train_sets, bar)
+            try:
+                model = train_one(settings, mixer, lr, ctx.seed, train_sets, bar)
+            except NonFiniteError as error:
+                # A learning rate that diverges is a result of the sweep (no recall), reported
+                # with the others, not the end of the sweep.
+                runs.append({"mixer": mixer, "lr": lr, "diverged": str(error), "accuracy": {
+                    f"{s}x{p}": {"accuracy": 0.0, "ci95": None, "answers": 0}
+                    for s, p in settings.test
+                }})  # fmt: skip
+                continue
             accuracy = {}
             for (s, p), data in test_sets.items():
                 correct, total = recall_accuracy(model, data)

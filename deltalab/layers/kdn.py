@@ -47,7 +47,7 @@ from deltalab.layers.common import (
 )
 from deltalab.layers.decay import ChannelDecay
 from deltalab.ops import _checks
-from deltalab.ops.kdn import kdn_gain_diag, kdn_gain_iso
+from deltalab.ops.kdn import kdn_gain_diag, kdn_gain_iso, scan_backend
 from deltalab.ops.kdn.exact import exact_gain
 from deltalab.ops.parametrize import DeltaRuleInputs
 
@@ -344,6 +344,8 @@ class _ScanKDN(KDNMixer):
             info_scale=self.info_scale,
             initial_precision=uncertainty,
             output_predictive=True,
+            # The scan that goes with the memory's backend, as the kdn_iso/kdn_diag ops pair them.
+            backend=scan_backend(self.backend, k.device),
         )
         gains = {"gain" if self.diagonal_gain else "beta": gain}
         if trace:

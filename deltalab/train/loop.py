@@ -49,6 +49,7 @@ from deltalab.errors import (
 from deltalab.models import CausalLM, DeltaLabConfig, build_config
 from deltalab.models.mixers import mixer_option_names
 from deltalab.ops._checks import NonFiniteError
+from deltalab.ops._triton import triton_unavailable_reason
 from deltalab.train.checkpoint import (
     CheckpointWarning,
     GracefulStop,
@@ -357,9 +358,10 @@ def _check_directories(config: RunConfig) -> None:
                 break
 
 
-def _model_config(config: RunConfig, tokenizer) -> DeltaLabConfig:
-    """The model's config, checked by building the model on the meta device (no memory): its
-    errors name `model.*` and come before any data is tokenized."""
+def _model_config(config: RunConfig, tokenizer, device: torch.device) -> DeltaLabConfig:
+    """The model's config, checked by building the model on the meta device (no memory) and
+    its backend against the training device: errors name `model.*` and come before any data is
+    tokenized."""
     overrides = config.model.overrides
     vocab_size = overrides.get("vocab_size", tokenizer.vocab_size)
     if isinstance(vocab_size, int) and vocab_size < tokenizer.vocab_size:
@@ -386,6 +388,10 @@ def _model_config(config: RunConfig, tokenizer) -> DeltaLabConfig:
                     f"model.overrides.mixer_options.{name} is not an option of the "
                     f"{model_config.mixer} mixer; its options are {choices}"
                 )
+    if model_config.backend == "triton":
+        reason = triton_unavailable_reason(device)
+        if reason is not None:
+            raise ConfigError(f"model.overrides.backend='triton' cannot run on {device}: {reason}")
     for name in ("bos", "eos", "pad"):
         setattr(model_config, f"{name}_token_id", getattr(tokenizer, f"{name}_id"))
     try:
@@ -507,7 +513,7 @@ def train(config: RunConfig) -> TrainResult:
     _check_outside_source(config)
     torch.manual_seed(config.train.seed)
     tokenizer = load_tokenizer(config.data.tokenizer)
-    model_config = _model_config(config, tokenizer)
+    model_config = _model_config(config, tokenizer, ctx.device)
     micro = config.train.micro_batch(ctx.world_size)
     train_data = _sequences(config, tokenizer, "train", ctx)
     held_out = _sequences(config, tokenizer, "held_out", ctx)

@@ -7,7 +7,7 @@ with a = gain, b = k, u = v. README.md in this folder has the math and the choic
 
 from deltalab.ops.kdn.exact import kdn_exact
 from deltalab.ops.kdn.gains import kdn_gain_diag, kdn_gain_iso
-from deltalab.ops.kdn.mixers import kdn_diag, kdn_iso
+from deltalab.ops.kdn.mixers import kdn_diag, kdn_iso, scan_backend
 from deltalab.ops.kdn.step import kdn_diag_step, kdn_iso_step
 
 __all__ = [
@@ -18,4 +18,5 @@ __all__ = [
     "kdn_gain_iso",
     "kdn_iso",
     "kdn_iso_step",
+    "scan_backend",
 ]

@@ -32,7 +32,7 @@ GainFn = Callable[..., Gains]
 State = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
-def _scan_backend(backend: str, device: torch.device) -> str:
+def scan_backend(backend: str, device: torch.device) -> str:
     """The variance scan paired with a KDN backend: the token loop with the step loop, the
     PyTorch chunked rule with the PyTorch parallel scan, Triton with Triton ("auto": Triton on
     CUDA when installed)."""
@@ -109,7 +109,7 @@ def _kdn(
     dtype = state_dtype(*named.values(), precision)
     inputs = [x.to(dtype) for x in (k, g, q_noise, r, p_prior)]
     gain_fn = diag_gain if diagonal else iso_gain
-    scan = _scan_backend(backend, k.device)
+    scan = scan_backend(backend, k.device)
     gain, p_last = _packed_gains(gain_fn, *inputs, s, scan, offsets)
     write = gain if diagonal else gain.unsqueeze(-1) * inputs[0]
     o, final_memory = delta_rule(
