@@ -242,6 +242,7 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path):
 
 def test_a_malformed_yaml_setting_is_reported_on_one_line(tmp_path, capsys):
     path = save_tiny(tmp_path, "gdn2")
+    capsys.readouterr()  # saving the model prints a progress bar
     assert main(["eval", str(path), "--task", "perplexity", "max_tokens=[1,2"]) == 2
     err = capsys.readouterr().err.strip()
     assert "cannot read '[1,2' as YAML" in err and "\n" not in err
