@@ -313,3 +313,11 @@ def test_config_backend_also_picks_the_kdn_variance_scan(monkeypatch, mixer):
     model = CausalLM(build_config("tiny", mixer=mixer, num_layers=1, backend="naive"))
     model(torch.randint(0, 256, (1, 20)))
     assert seen and all(backend == "sequential" for backend in seen)
+
+
+def test_mixer_option_names_leave_out_what_a_kdn_variant_refuses():
+    from deltalab.models.mixers import mixer_option_names
+
+    assert "noise_rank" not in mixer_option_names("kdn_iso")
+    assert "info_scale" not in mixer_option_names("kdn_exact")
+    assert {"noise_rank", "info_scale"} <= set(mixer_option_names("kdn_diag"))

@@ -176,6 +176,16 @@ class KDNMixer(DeltaMixer):
     # Whether the filter scales the evidence (the scans) or is exact.
     has_info_scale: ClassVar[bool] = True
 
+    @classmethod
+    def refused_options(cls) -> frozenset[str]:
+        """Keyword arguments of the shared constructor that this variant refuses."""
+        refused = set()
+        if not cls.channel_noise:
+            refused.add("noise_rank")
+        if not cls.has_info_scale:
+            refused.add("info_scale")
+        return frozenset(refused)
+
     def __init__(
         self,
         options: FrontendOptions | None = None,

@@ -65,8 +65,11 @@ def frontend_options(config: DeltaLabConfig) -> tuple[FrontendOptions, dict[str,
 def mixer_option_names(kind: str) -> list[str]:
     """What `mixer_options` may hold for a recurrent `kind`: its class's own keyword arguments
     and the frontend options that are not config fields."""
-    parameters = inspect.signature(mixer_class(kind).__init__).parameters.values()
+    cls = mixer_class(kind)
+    parameters = inspect.signature(cls.__init__).parameters.values()
     own = {p.name for p in parameters if p.kind == p.KEYWORD_ONLY}
+    # Variants sharing one constructor (the KDN family) name what they refuse of it.
+    own -= getattr(cls, "refused_options", frozenset)()
     return sorted(own | (set(FRONTEND_FIELDS) - set(CONFIG_FRONTEND_FIELDS)))
 
 
