@@ -362,40 +362,31 @@ def test_passkey_depth_places_the_needle(tmp_path):
     assert 1000 <= top.length <= 1124
 
 
+@pytest.mark.parametrize(
+    ("name", "contents", "message"),
+    [
+        ("empty", None, "holds no document file"),
+        ("nothing.txt", "", "no documents in split 'all'"),
+        ("blank.txt", "\n\n   \n", "holds 0 tokens of non-blank lines"),
+    ],
+)
+def test_empty_haystack_sources_are_refused(tmp_path, name, contents, message):
+    source = tmp_path / name
+    if contents is None:
+        source.mkdir()
+    else:
+        source.write_text(contents)
+    settings = NeedleSettings(source=str(source), split="all", lengths=(1024,), samples=1)
+    with pytest.raises(EvalError, match=message):
+        needle_examples("niah-single-2", settings, 0, ByteTokenizer())
+
+
 def test_needle_settings_that_cannot_be_generated_are_refused(tmp_path):
     with pytest.raises(EvalError, match="lengths holds 100: niah-multikey needs more than"):
         needle_examples(
             "niah-multikey",
             NeedleSettings(
                 source=str(haystack_file(tmp_path)), split="all", lengths=(100,), samples=1
-            ),
-            0,
-            ByteTokenizer(),
-        )
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(EvalError, match="holds no document file"):
-        needle_examples(
-            "niah-single-2",
-            NeedleSettings(source=str(tmp_path / "empty"), split="all", lengths=(1024,), samples=1),
-            0,
-            ByteTokenizer(),
-        )
-    (tmp_path / "nothing.txt").write_text("")
-    with pytest.raises(EvalError, match="no documents in split 'all'"):
-        needle_examples(
-            "niah-single-2",
-            NeedleSettings(
-                source=str(tmp_path / "nothing.txt"), split="all", lengths=(1024,), samples=1
-            ),
-            0,
-            ByteTokenizer(),
-        )
-    (tmp_path / "blank.txt").write_text("\n\n   \n")
-    with pytest.raises(EvalError, match="holds 0 tokens of non-blank lines"):
-        needle_examples(
-            "niah-single-3",
-            NeedleSettings(
-                source=str(tmp_path / "blank.txt"), split="all", lengths=(1024,), samples=1
             ),
             0,
             ByteTokenizer(),
