@@ -25,18 +25,21 @@ arrive as factors <= 1 from the stable stage 1.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
 
 from deltalab.ops._varlen import pad_packed, unpad_packed
-from deltalab.ops.delta_rule.chunk import (
-    ChunkOperators,
-    chunk_operators,
-    from_chunks,
-    to_chunks,
+from deltalab.ops.delta_rule.chunk import ChunkOperators, from_chunks, to_chunks
+from deltalab.ops.delta_rule.triton.factors import factors_triton, factors_triton_backward
+from deltalab.ops.delta_rule.triton.intra import intra_triton, intra_triton_backward, key_block
+from deltalab.ops.delta_rule.triton.solve import (
+    lower_grad_triton,
+    solve_triton,
+    solve_triton_backward,
 )
-from deltalab.ops.delta_rule.triton.intra import intra_chunk_triton, key_block
 
 # Value columns per program: 32 keeps S [K, 32] float32 in registers for K up to 256 and gives
 # B * H * V / 32 programs to fill the GPU's SMs (one sequence and head alone is sequential).
@@ -214,51 +217,76 @@ def _operator_grads(ops, states, residuals, d_out, d_residual, d_next) -> ChunkO
     )
 
 
-class _DeltaRuleTriton(torch.autograd.Function):
-    """Stages 1 (Triton), 2 (PyTorch) and 3-4 (Triton); stages 1-2 recomputed in backward.
+@contextlib.contextmanager
+def _matmul_precision(precision: str):
+    """PyTorch's float32 products in TF32 ("tf32") or IEEE float32 ("ieee") inside the block,
+    matching the kernels' `input_precision`; the caller's setting is restored after."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if precision == "tf32" else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
-    Saved for backward: the inputs, the chunk-start states and the residuals; the [C, C] and
-    [C, K] operators of every chunk are rebuilt from the inputs when the gradient is needed.
+
+def _operators_triton(q, a, b, u, g, precision: str) -> tuple[ChunkOperators, torch.Tensor]:
+    """Stages 1-2 in Triton over contiguous float32 chunked inputs (g per channel):
+    (the chunk operators, L). The twin of `chunk.chunk_operators`."""
+    read, erase_rhs, write, decay = factors_triton(q, a, b, g)
+    lower, attend = intra_triton(q, a, b, g, precision)
+    erase = solve_triton(lower, erase_rhs, precision)
+    target = solve_triton(lower, u, precision)
+    return ChunkOperators(read, attend, erase, target, write, decay), lower
+
+
+class _DeltaRuleTriton(torch.autograd.Function):
+    """Chunked float32 inputs [B, H, n, C, *] -> (chunked outputs, final state), every stage a
+    Triton kernel; the backward recomputes stages 1-2 instead of storing the per-chunk
+    operators, and walks the stages back by hand (no PyTorch graph through them).
+
+    Saved for backward: the chunked inputs, the chunk-start states and the residuals.
     """
 
     @staticmethod
-    def forward(ctx, q, a, b, u, g, initial_state, chunk_size, precision):
+    def forward(ctx, q, a, b, u, g, initial_state, precision):
         ctx.set_materialize_grads(False)
-        ops = _operators((q, a, b, u, g), chunk_size, precision)
+        head_decay = g.dim() == q.dim() - 1
+        g_full = (g.unsqueeze(-1).expand(q.shape) if head_decay else g).contiguous()
+        ops, _ = _operators_triton(q, a, b, u, g_full, precision)
         out, residuals, states, final = state_pass_triton(
             ops, initial_state.contiguous(), precision
         )
-        ctx.save_for_backward(q, a, b, u, g, states, residuals)
-        ctx.chunk_size, ctx.precision = chunk_size, precision
-        return from_chunks(out, chunk_size, q.shape[1]), final
+        ctx.save_for_backward(q, a, b, u, g_full, states, residuals)
+        ctx.precision, ctx.head_decay = precision, head_decay
+        return out, final
 
     @staticmethod
-    def backward(ctx, d_o, d_final):
+    def backward(ctx, d_out, d_final):
         q, a, b, u, g, states, residuals = ctx.saved_tensors
-        chunk_size, precision = ctx.chunk_size, ctx.precision
-        with torch.enable_grad():
-            leaves = [x.detach().requires_grad_(True) for x in (q, a, b, u, g)]
-            ops = _operators(leaves, chunk_size, precision)
-        if d_o is None:
-            d_o = torch.zeros_like(u)
-        detached = ChunkOperators(*(x.detach() for x in ops))
-        d_out = to_chunks(d_o.to(torch.float32), chunk_size).contiguous()
-        d_final = None if d_final is None else d_final.to(torch.float32).contiguous()
-        d_residual, d_next, d_initial = state_pass_triton_backward(
-            detached, d_out, d_final, precision
+        precision = ctx.precision
+        ops, lower = _operators_triton(q, a, b, u, g, precision)
+        if d_out is None:
+            d_out = torch.zeros_like(u)
+        d_out = d_out.contiguous()
+        d_final = None if d_final is None else d_final.contiguous()
+        d_residual, d_next, d_initial = state_pass_triton_backward(ops, d_out, d_final, precision)
+        with _matmul_precision(precision):
+            grads = _operator_grads(ops, states, residuals, d_out, d_residual, d_next)
+        # Stage 2 back: R = [exp(G) B | U] through the solve, then L's share.
+        d_erase_rhs = solve_triton_backward(lower, grads.erase.contiguous(), precision)
+        du = solve_triton_backward(lower, grads.target.contiguous(), precision)
+        d_lower = lower_grad_triton(d_erase_rhs, ops.erase, du, ops.target, precision)
+        # Stage 1 back, then the factors (which also form dg for both).
+        dq, da, db = intra_triton_backward(
+            q, a, b, g, d_lower, grads.attend.contiguous(), precision
         )
-        grads = _operator_grads(detached, states, residuals, d_out, d_residual, d_next)
-        d_inputs = torch.autograd.grad(ops, leaves, grads, allow_unused=True)
-        return (*d_inputs, d_initial, None, None)
-
-
-def _operators(inputs, chunk_size: int, precision: str) -> ChunkOperators:
-    """Stages 1-2 of chunked inputs, contiguous for the kernels."""
-    chunked = [to_chunks(x, chunk_size) for x in inputs]
-    ops = chunk_operators(
-        *chunked, intra=lambda q, a, b, g: intra_chunk_triton(q, a, b, g, precision)
-    )
-    return ChunkOperators(*(x.contiguous() for x in ops))
+        dq, da, db, dg = factors_triton_backward(
+            q, a, b, g, grads.read.contiguous(), d_erase_rhs, grads.write.contiguous(),
+            grads.decay.contiguous(), dq, da, db,
+        )  # fmt: skip
+        if ctx.head_decay:
+            dg = dg.sum(dim=-1)
+        return dq, da, db, du, dg, d_initial, None
 
 
 def delta_rule_triton(
@@ -285,8 +313,10 @@ def delta_rule_triton(
     # Scaled after the cast, as the other backends do: fp16 q times a scale > 1 cannot overflow.
     q, a, b, u, g = (x.to(torch.float32) for x in (q, a, b, u, g))
     q = q * scale
-    if offsets is None:
-        return _DeltaRuleTriton.apply(q, a, b, u, g, initial_state, chunk_size, precision)
-    padded = [pad_packed(x, offsets) for x in (q, a, b, u, g)]
-    o, state = _DeltaRuleTriton.apply(*padded, initial_state, chunk_size, precision)
-    return unpad_packed(o, offsets), state
+    if offsets is not None:
+        q, a, b, u, g = (pad_packed(x, offsets) for x in (q, a, b, u, g))
+    length = q.shape[1]
+    chunked = [to_chunks(x, chunk_size).contiguous() for x in (q, a, b, u, g)]
+    out, state = _DeltaRuleTriton.apply(*chunked, initial_state, precision)
+    o = from_chunks(out, chunk_size, length)
+    return (o, state) if offsets is None else (unpad_packed(o, offsets), state)

@@ -209,38 +209,50 @@ def _intra_bwd(
         tl.store(da + cols_k, da_j, mask=mkd[None, :])
 
 
+def intra_triton(q, a, b, g, precision: str = "ieee"):
+    """(L, M) [..., C, C] of contiguous float32 chunked inputs [..., C, K] (g per channel)."""
+    *lead, size, key_dim = q.shape
+    chunks = q.numel() // (size * key_dim)
+    lower = q.new_empty(*lead, size, size)
+    attend = q.new_empty(*lead, size, size)
+    block_k = key_block(key_dim)
+    _intra_fwd[(chunks,)](
+        q, a, b, g, lower, attend, K=key_dim, C=size, BK=block_k,
+        BKD=min(BLOCK_KD, block_k), BT=SUB_BLOCK, PRECISION=precision, **LAUNCH,
+    )  # fmt: skip
+    return lower, attend
+
+
+def intra_triton_backward(q, a, b, g, d_lower, d_attend, precision: str = "ieee"):
+    """(dq, da, db) through L and M (the log decays' share is formed by the caller: see the
+    module docstring). Only the blocks on and below the diagonal of d_lower, d_attend are read."""
+    *_, size, key_dim = q.shape
+    chunks = q.numel() // (size * key_dim)
+    dq, da, db = (torch.empty_like(q) for _ in range(3))
+    block_kd = min(BLOCK_KD, key_block(key_dim))
+    _intra_bwd[(chunks, triton.cdiv(key_dim, block_kd))](
+        q, a, b, g, d_lower, d_attend, dq, da, db, K=key_dim, C=size, BKD=block_kd,
+        BT=SUB_BLOCK, PRECISION=precision, **LAUNCH,
+    )  # fmt: skip
+    return dq, da, db
+
+
 class IntraChunk(torch.autograd.Function):
     """(q, a, b, g) [..., C, K] float32 -> (L, M) [..., C, C], forward and adjoint in Triton."""
 
     @staticmethod
     def forward(ctx, q, a, b, g, precision):
         q, a, b, g = (x.contiguous() for x in (q, a, b, g))
-        *lead, size, key_dim = q.shape
-        chunks = q.numel() // (size * key_dim)
-        lower = q.new_empty(*lead, size, size)
-        attend = q.new_empty(*lead, size, size)
-        block_k = key_block(key_dim)
-        _intra_fwd[(chunks,)](
-            q, a, b, g, lower, attend, K=key_dim, C=size, BK=block_k,
-            BKD=min(BLOCK_KD, block_k), BT=SUB_BLOCK, PRECISION=precision, **LAUNCH,
-        )  # fmt: skip
         ctx.save_for_backward(q, a, b, g)
         ctx.precision = precision
-        return lower, attend
+        return intra_triton(q, a, b, g, precision)
 
     @staticmethod
     def backward(ctx, d_lower, d_attend):
         q, a, b, g = ctx.saved_tensors
-        *_, size, key_dim = q.shape
-        chunks = q.numel() // (size * key_dim)
         d_lower = torch.zeros_like(d_lower) if d_lower is None else d_lower.contiguous()
         d_attend = torch.zeros_like(d_attend) if d_attend is None else d_attend.contiguous()
-        dq, da, db = (torch.empty_like(q) for _ in range(3))
-        block_kd = min(BLOCK_KD, key_block(key_dim))
-        _intra_bwd[(chunks, triton.cdiv(key_dim, block_kd))](
-            q, a, b, g, d_lower, d_attend, dq, da, db, K=key_dim, C=size, BKD=block_kd,
-            BT=SUB_BLOCK, PRECISION=ctx.precision, **LAUNCH,
-        )  # fmt: skip
+        dq, da, db = intra_triton_backward(q, a, b, g, d_lower, d_attend, ctx.precision)
         # dg_j = reverse cumulative sum over the chunk of q dq + b db - a da (module docstring).
         dg = (q * dq + b * db - a * da).flip(-2).cumsum(-2).flip(-2)
         return dq, da, db, dg, None
