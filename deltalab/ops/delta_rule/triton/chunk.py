@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltalab.ops._varlen import pad_packed, unpad_packed
+from deltalab.ops._varlen import max_seqlen, pad_packed, unpad_packed
 from deltalab.ops.delta_rule.chunk import (
     ChunkOperators,
     chunk_operators,
@@ -268,7 +268,7 @@ def delta_rule_triton(
     u: torch.Tensor,
     g: torch.Tensor,
     initial_state: torch.Tensor,
-    offsets: list[int] | None,
+    cu_seqlens: torch.Tensor | None,
     chunk_size: int,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,8 +285,9 @@ def delta_rule_triton(
     # Scaled after the cast, as the other backends do: fp16 q times a scale > 1 cannot overflow.
     q, a, b, u, g = (x.to(torch.float32) for x in (q, a, b, u, g))
     q = q * scale
-    if offsets is None:
+    if cu_seqlens is None:
         return _DeltaRuleTriton.apply(q, a, b, u, g, initial_state, chunk_size, precision)
-    padded = [pad_packed(x, offsets) for x in (q, a, b, u, g)]
+    max_len = max_seqlen(cu_seqlens, q.shape[1])  # one device -> host sync (see max_seqlen)
+    padded = [pad_packed(x, cu_seqlens, max_len) for x in (q, a, b, u, g)]
     o, state = _DeltaRuleTriton.apply(*padded, initial_state, chunk_size, precision)
-    return unpad_packed(o, offsets), state
+    return unpad_packed(o, cu_seqlens, q.shape[1]), state
