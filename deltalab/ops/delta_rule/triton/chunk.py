@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltalab.ops._varlen import pad_packed, unpad_packed
+from deltalab.ops._varlen import max_seqlen, pad_packed, unpad_packed
 from deltalab.ops.delta_rule.chunk import ChunkOperators, from_chunks, to_chunks
 from deltalab.ops.delta_rule.triton.factors import factors_triton, factors_triton_backward
 from deltalab.ops.delta_rule.triton.intra import intra_triton, intra_triton_backward, key_block
@@ -296,7 +296,7 @@ def delta_rule_triton(
     u: torch.Tensor,
     g: torch.Tensor,
     initial_state: torch.Tensor,
-    offsets: list[int] | None,
+    cu_seqlens: torch.Tensor | None,
     chunk_size: int,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -313,10 +313,11 @@ def delta_rule_triton(
     # Scaled after the cast, as the other backends do: fp16 q times a scale > 1 cannot overflow.
     q, a, b, u, g = (x.to(torch.float32) for x in (q, a, b, u, g))
     q = q * scale
-    if offsets is not None:
-        q, a, b, u, g = (pad_packed(x, offsets) for x in (q, a, b, u, g))
     length = q.shape[1]
+    if cu_seqlens is not None:
+        max_len = max_seqlen(cu_seqlens, length)  # one device -> host sync (see max_seqlen)
+        q, a, b, u, g = (pad_packed(x, cu_seqlens, max_len) for x in (q, a, b, u, g))
     chunked = [to_chunks(x, chunk_size).contiguous() for x in (q, a, b, u, g)]
     out, state = _DeltaRuleTriton.apply(*chunked, initial_state, precision)
-    o = from_chunks(out, chunk_size, length)
-    return (o, state) if offsets is None else (unpad_packed(o, offsets), state)
+    o = from_chunks(out, chunk_size, q.shape[1])
+    return (o, state) if cu_seqlens is None else (unpad_packed(o, cu_seqlens, length), state)
