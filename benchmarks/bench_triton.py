@@ -308,6 +308,9 @@ def main() -> None:
     parser.add_argument(
         "--only", nargs="+", default=None, help="time only cases with these prefixes"
     )
+    parser.add_argument(
+        "--shapes", nargs="+", default=None, help="timed shapes as BxTxHxD (default: both)"
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.tiny:
@@ -315,6 +318,8 @@ def main() -> None:
     else:
         check_shape, stab_shape = (2, 1000, 4, 64), (1, 4096, 4, 128)
         shapes = [(4, 4096, 16, 128), (1, 32768, 16, 128)]
+    if args.shapes:
+        shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes]
     result = {
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
         "torch": torch.__version__,
