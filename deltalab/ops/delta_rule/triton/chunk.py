@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from deltalab.ops._varlen import max_seqlen, pad_packed, unpad_packed
-from deltalab.ops.delta_rule.chunk import ChunkOperators, from_chunks, to_chunks
+from deltalab.ops.delta_rule.chunk import ChunkOperators, from_chunks, padded_chunk_size
 from deltalab.ops.delta_rule.triton.factors import factors_triton, factors_triton_backward
 from deltalab.ops.delta_rule.triton.intra import intra_triton, intra_triton_backward, key_block
 from deltalab.ops.delta_rule.triton.solve import (
@@ -239,35 +239,73 @@ def _operators_triton(q, a, b, u, g, precision: str) -> tuple[ChunkOperators, to
     return ChunkOperators(read, attend, erase, target, write, decay), lower
 
 
+def _to_chunks_f32(x: torch.Tensor, chunk_size: int, factor: float = 1.0) -> torch.Tensor:
+    """`chunk.to_chunks(x.float() * factor)` [B, H, n, C_pad, *] in one copy of x (the layout
+    change, the cast and the factor fused), padding tokens zero."""
+    batch, length, heads, *rest = x.shape
+    chunks = -(-length // chunk_size)
+    out = x.new_zeros(batch, heads, chunks, padded_chunk_size(chunk_size), *rest,
+                      dtype=torch.float32)  # fmt: skip
+    full = length // chunk_size
+    source = x.movedim(2, 1)  # [B, H, T, *]
+    if full:
+        out[:, :, :full, :chunk_size] = source[:, :, : full * chunk_size].unflatten(
+            2, (full, chunk_size)
+        )
+    if full < chunks:
+        out[:, :, full, : length - full * chunk_size] = source[:, :, full * chunk_size :]
+    return out if factor == 1.0 else out.mul_(factor)
+
+
+def _from_chunks_as(x: torch.Tensor, chunk_size: int, shape, dtype) -> torch.Tensor:
+    """`chunk.from_chunks` of x [B, H, n, C_pad, *] into a new contiguous [B, T, H, *] tensor
+    of `shape` and `dtype` (one copy)."""
+    out = x.new_empty(shape, dtype=dtype)
+    if len(shape) == 3:  # one log decay per head: no channel axis
+        out.unsqueeze(-1).copy_(from_chunks(x.unsqueeze(-1), chunk_size, shape[1]))
+    else:
+        out.copy_(from_chunks(x, chunk_size, shape[1]))
+    return out
+
+
 class _DeltaRuleTriton(torch.autograd.Function):
-    """Chunked float32 inputs [B, H, n, C, *] -> (chunked outputs, final state), every stage a
-    Triton kernel; the backward recomputes stages 1-2 instead of storing the per-chunk
+    """Inputs [B, T, H, *] in their own dtype -> (o [B, T, H, V] in q's dtype, final state).
+
+    Every stage is a Triton kernel; the inputs are cast and rearranged into chunks once
+    (`_to_chunks_f32`). The backward recomputes stages 1-2 instead of storing the per-chunk
     operators, and walks the stages back by hand (no PyTorch graph through them).
 
     Saved for backward: the chunked inputs, the chunk-start states and the residuals.
     """
 
     @staticmethod
-    def forward(ctx, q, a, b, u, g, initial_state, precision):
+    def forward(ctx, q, a, b, u, g, initial_state, chunk_size, scale, precision):
         ctx.set_materialize_grads(False)
         head_decay = g.dim() == q.dim() - 1
-        g_full = (g.unsqueeze(-1).expand(q.shape) if head_decay else g).contiguous()
-        ops, _ = _operators_triton(q, a, b, u, g_full, precision)
+        chunked_q = _to_chunks_f32(q, chunk_size, scale)
+        chunked = [_to_chunks_f32(x, chunk_size) for x in (a, b, u, g)]
+        ca, cb, cu, cg = chunked
+        g_full = (cg.unsqueeze(-1).expand(chunked_q.shape) if head_decay else cg).contiguous()
+        ops, _ = _operators_triton(chunked_q, ca, cb, cu, g_full, precision)
         out, residuals, states, final = state_pass_triton(
             ops, initial_state.contiguous(), precision
         )
-        ctx.save_for_backward(q, a, b, u, g_full, states, residuals)
-        ctx.precision, ctx.head_decay = precision, head_decay
-        return out, final
+        ctx.save_for_backward(chunked_q, ca, cb, cu, g_full, states, residuals)
+        ctx.precision, ctx.head_decay, ctx.chunk_size, ctx.scale = (
+            precision, head_decay, chunk_size, scale
+        )  # fmt: skip
+        ctx.layouts = [(x.shape, x.dtype) for x in (q, a, b, u, g)]
+        return _from_chunks_as(out, chunk_size, u.shape, q.dtype), final
 
     @staticmethod
-    def backward(ctx, d_out, d_final):
+    def backward(ctx, d_o, d_final):
         q, a, b, u, g, states, residuals = ctx.saved_tensors
-        precision = ctx.precision
+        precision, chunk_size = ctx.precision, ctx.chunk_size
         ops, lower = _operators_triton(q, a, b, u, g, precision)
-        if d_out is None:
+        if d_o is None:
             d_out = torch.zeros_like(u)
-        d_out = d_out.contiguous()
+        else:
+            d_out = _to_chunks_f32(d_o, chunk_size)
         d_final = None if d_final is None else d_final.contiguous()
         d_residual, d_next, d_initial = state_pass_triton_backward(ops, d_out, d_final, precision)
         with _matmul_precision(precision):
@@ -286,7 +324,14 @@ class _DeltaRuleTriton(torch.autograd.Function):
         )  # fmt: skip
         if ctx.head_decay:
             dg = dg.sum(dim=-1)
-        return dq, da, db, du, dg, d_initial, None
+        dq = dq.mul_(ctx.scale)
+        grads = [
+            _from_chunks_as(d, chunk_size, *layout) if needed else None
+            for d, layout, needed in zip(
+                (dq, da, db, du, dg), ctx.layouts, ctx.needs_input_grad, strict=False
+            )
+        ]
+        return (*grads, d_initial, None, None, None)
 
 
 def delta_rule_triton(
@@ -310,14 +355,11 @@ def delta_rule_triton(
     low_precision = q.dtype in (torch.bfloat16, torch.float16)
     allowed = torch.get_float32_matmul_precision() != "highest"
     precision = "tf32" if low_precision or allowed else "ieee"
-    # Scaled after the cast, as the other backends do: fp16 q times a scale > 1 cannot overflow.
-    q, a, b, u, g = (x.to(torch.float32) for x in (q, a, b, u, g))
-    q = q * scale
+    # The cast to float32 comes before the scale (inside `_to_chunks_f32`), as the other
+    # backends do it: fp16 q times a scale > 1 cannot overflow.
     length = q.shape[1]
     if cu_seqlens is not None:
         max_len = max_seqlen(cu_seqlens, length)  # one device -> host sync (see max_seqlen)
         q, a, b, u, g = (pad_packed(x, cu_seqlens, max_len) for x in (q, a, b, u, g))
-    chunked = [to_chunks(x, chunk_size).contiguous() for x in (q, a, b, u, g)]
-    out, state = _DeltaRuleTriton.apply(*chunked, initial_state, precision)
-    o = from_chunks(out, chunk_size, q.shape[1])
+    o, state = _DeltaRuleTriton.apply(q, a, b, u, g, initial_state, chunk_size, scale, precision)
     return (o, state) if cu_seqlens is None else (unpad_packed(o, cu_seqlens, length), state)
