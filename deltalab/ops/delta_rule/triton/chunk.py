@@ -48,6 +48,8 @@ BLOCK_V = 32
 # is 256 KiB, past the 227 KiB of shared memory of an H100/H200 SM (measured: chunk 256 failed
 # to compile as one tile).
 BLOCK_C = 64
+# Warps per program of the state pass.
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -157,7 +159,7 @@ def _launch(value_dim: int, programs: int, size: int, key_dim: int, precision: s
         "BV": BLOCK_V, "BC": min(size, BLOCK_C), "PRECISION": precision,
         # One stage: software pipelining of the chunk loop doubles every tile in shared memory
         # (measured 270 KiB at chunk 64 with 2 stages, over the SM's 227 KiB; 72 KiB with 1).
-        "num_warps": 4, "num_stages": 1,
+        "num_warps": NUM_WARPS, "num_stages": 1,
     }  # fmt: skip
     return grid, consts
 
