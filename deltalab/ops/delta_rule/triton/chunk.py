@@ -41,15 +41,18 @@ from deltalab.ops.delta_rule.triton.solve import (
     solve_triton_backward,
 )
 
-# Value columns per program: 32 keeps S [K, 32] float32 in registers for K up to 256 and gives
-# B * H * V / 32 programs to fill the GPU's SMs (one sequence and head alone is sequential).
-BLOCK_V = 32
+# Value columns per program: S [K, BV] float32 stays in registers, and B * H * V / BV programs
+# fill the GPU's SMs (one sequence and head alone is sequential). Measured on the H200 at K = 128
+# (benchmarks/tune_triton.py): 64 columns with 8 warps beat 32 with 4 (0.78 / 0.86 ms forward /
+# backward against 0.88 / 1.19: half the programs reload each chunk's operators); K = 256 keeps 32.
+BLOCK_V = 64
+BLOCK_V_WIDE_K = 32
 # Rows of a chunk per tile: a 64 x 64 float32 tile of `attend` is 16 KiB; a whole 256 x 256 chunk
 # is 256 KiB, past the 227 KiB of shared memory of an H100/H200 SM (measured: chunk 256 failed
 # to compile as one tile).
 BLOCK_C = 64
-# Warps per program of the state pass.
-NUM_WARPS = 4
+# Warps per program of the state pass (with BLOCK_V above).
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -153,10 +156,11 @@ def _state_pass_bwd(
 
 def _launch(value_dim: int, programs: int, size: int, key_dim: int, precision: str):
     """Grid and the shape constants shared by both kernels."""
-    grid = (triton.cdiv(value_dim, BLOCK_V), programs)
+    block_v = BLOCK_V if key_dim <= 128 else BLOCK_V_WIDE_K
+    grid = (triton.cdiv(value_dim, block_v), programs)
     consts = {
         "K": key_dim, "V": value_dim, "C": size, "BK": key_block(key_dim),
-        "BV": BLOCK_V, "BC": min(size, BLOCK_C), "PRECISION": precision,
+        "BV": block_v, "BC": min(size, BLOCK_C), "PRECISION": precision,
         # One stage: software pipelining of the chunk loop doubles every tile in shared memory
         # (measured 270 KiB at chunk 64 with 2 stages, over the SM's 227 KiB; 72 KiB with 1).
         "num_warps": NUM_WARPS, "num_stages": 1,
