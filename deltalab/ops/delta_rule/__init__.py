@@ -3,8 +3,8 @@
     S_t = (I - a_t b_t^T) diag(exp(g_t)) S_{t-1} + a_t u_t^T,      o_t = scale * S_t^T q_t
 
 Backends: "naive" (token loop, the definition), "chunk" (chunkwise-parallel PyTorch, stable up
-to 256-token chunks), "triton" (the chunk operators of "chunk" with the sequential state pass in a
-Triton kernel; CUDA, or CPU under TRITON_INTERPRET=1). "auto" picks the fastest available for the
+to 256-token chunks), "triton" (the stages of "chunk", each a Triton kernel, forward and
+backward; CUDA, or CPU under TRITON_INTERPRET=1). "auto" picks the fastest available for the
 inputs' device.
 """
 
