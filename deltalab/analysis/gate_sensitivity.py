@@ -40,7 +40,7 @@ from torch import nn
 from deltalab.analysis._plot import new_figure, save_figure
 from deltalab.benchmarking import format_table
 from deltalab.layers.common import DeltaMixer, require_positive_int
-from deltalab.layers.kdn import KDNMixer
+from deltalab.layers.kdn import KalmanMixer
 from deltalab.layers.muir import MuirRanks
 from deltalab.ops.parametrize import DeltaRuleInputs
 
@@ -83,7 +83,7 @@ def _check_perturbable(layer: DeltaMixer) -> None:
             f"{cls.__name__} has no gates(x) and inputs_from_gates(q, k, v, gates) methods: its "
             "gates cannot be perturbed"
         )
-    if cls.primitive_inputs is DeltaMixer.primitive_inputs or isinstance(layer, KDNMixer):
+    if cls.primitive_inputs is DeltaMixer.primitive_inputs or isinstance(layer, KalmanMixer):
         return
     raise TypeError(
         f"{cls.__name__} overrides primitive_inputs, which may bypass the gate hooks: its gates "
