@@ -26,6 +26,7 @@ from deltalab.layers import (
     GatedDeltaNet2,
     GatedRMSNorm,
     IsotropicKDN,
+    KDNMuir,
     KimiDeltaAttention,
     Muir,
     RecurrentState,
@@ -428,13 +429,14 @@ def test_padding_after_real_tokens_is_refused():
         layer(x, mask=torch.tensor([[True, True, True, False, False]] * 2))
 
 
-# Every mixer class of the package, the KDN variants and Muir included.
+# Every mixer class of the package, the KDN variants, Muir and KDN-Muir included.
 ALL_MIXERS = {
     **MIXERS,
     "muir": Muir,
     "kdn_iso": IsotropicKDN,
     "kdn_diag": DiagonalKDN,
     "kdn_exact": ExactKDN,
+    "kdn_muir": KDNMuir,
 }
 
 
