@@ -316,18 +316,26 @@ class _DeltaRuleTriton(torch.autograd.Function):
         d_residual, d_next, d_initial = state_pass_triton_backward(ops, d_out, d_final, precision)
         with _matmul_precision(precision):
             grads = _operator_grads(ops, states, residuals, d_out, d_residual, d_next)
+        # Each tensor is dropped once its last use is behind: the peak of the backward is the
+        # sum of what is alive at its fullest point, not of everything it makes.
+        erase, target = ops.erase, ops.target
+        del ops, d_out, d_residual, d_next
         # Stage 2 back: R = [exp(G) B | U] through the solve, then L's share.
         d_erase_rhs = solve_triton_backward(lower, grads.erase.contiguous(), precision)
         du = solve_triton_backward(lower, grads.target.contiguous(), precision)
-        d_lower = lower_grad_triton(d_erase_rhs, ops.erase, du, ops.target, precision)
+        grads = grads._replace(erase=None, target=None)
+        d_lower = lower_grad_triton(d_erase_rhs, erase, du, target, precision)
+        del erase, target
         # Stage 1 back, then the factors (which also form dg for both).
         dq, da, db = intra_triton_backward(
             q, a, b, g, d_lower, grads.attend.contiguous(), precision
         )
+        del d_lower, lower
         dq, da, db, dg = factors_triton_backward(
             q, a, b, g, grads.read.contiguous(), d_erase_rhs, grads.write.contiguous(),
             grads.decay.contiguous(), dq, da, db,
         )  # fmt: skip
+        del grads, d_erase_rhs
         if ctx.head_decay:
             dg = dg.sum(dim=-1)
         dq = dq.mul_(ctx.scale)
