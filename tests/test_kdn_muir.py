@@ -351,3 +351,16 @@ def test_presets_match_the_parameter_count_of_their_size(preset):
     for mixer in others:
         other = count_parameters(build_config(preset, mixer=mixer))
         assert abs(kdn_muir - other) / other < 0.02, f"{preset}: {mixer}"
+
+
+def test_ranks_in_the_model_config_survive_save_and_load(tmp_path, generator):
+    ranks = KDNMuirRanks(decay=8, process=2, observation=None, read=2, outgate=4)
+    config = build_config("tiny", mixer="kdn_muir", num_layers=1, mixer_options={"ranks": ranks})
+    torch.manual_seed(0)
+    model = CausalLM(config).eval()
+    model.save_pretrained(tmp_path)
+    loaded = CausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.model.blocks[0].mixer.ranks == ranks
+    ids = torch.randint(0, 259, (1, 9), generator=generator)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)

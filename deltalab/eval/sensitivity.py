@@ -230,10 +230,11 @@ def plot_erase_write(results: dict[str, Any], path: Path) -> Path:
     ax = figure.add_subplot(1, 1, 1)
     for model, measured in results.items():
         layers = list(measured["layers"])
-        for kind, marker in zip(KINDS, ("o", "s"), strict=True):
+        for kind, marker, color in zip(KINDS, ("o", "s"), ("C0", "C1"), strict=True):
             ratios = [measured["layers"][layer]["erase_write"][kind] for layer in layers]
             style = "-" if model == "trained" else ":"
-            ax.plot(range(len(layers)), ratios, style, marker=marker, label=f"{kind}, {model}")
+            label = f"{kind}, {model}"
+            ax.plot(range(len(layers)), ratios, style, marker=marker, color=color, label=label)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_yscale("log")
     ax.set_xticks(range(len(layers)), layers, rotation=30, ha="right")

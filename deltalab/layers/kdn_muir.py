@@ -52,7 +52,7 @@ __all__ = ["KDN_MUIR_RANK_DIVISORS", "KDNMuir", "KDNMuirRanks"]
 
 # Default rank of each gate as head_dim // divisor (at least 1, at most the gate's width: the
 # observation noise has one number per head, so its rank is the number of heads).
-# docs/MATH.md sec. 4.7 and docs/RESULTS.md ("Gate sensitivity after training") give the
+# docs/MATH.md sec. 4.7 and docs/RESULTS.md (issue 13) give the
 # measurement behind them.
 KDN_MUIR_RANK_DIVISORS = {"decay": 1, "process": 4, "observation": 1, "read": 4, "outgate": 1}
 
