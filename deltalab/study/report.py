@@ -484,7 +484,8 @@ def _loss_figure(plan: StudyPlan, data: dict[str, Any], path: Path) -> Path | No
         axes.set_xlabel("step")
         axes.set_ylabel("loss (nats / token), moving average")
         axes.grid(alpha=0.3)
-        axes.legend(fontsize=7, ncols=2)
+        if axes.get_legend_handles_labels()[0]:
+            axes.legend(fontsize=7, ncols=2)
         tops = [
             _smooth(_curve(r.directory, "train")[1], max(1, r.config.train.steps // 20))
             for r in plan.runs
@@ -492,7 +493,7 @@ def _loss_figure(plan: StudyPlan, data: dict[str, Any], path: Path) -> Path | No
         ]
         ends = [t[len(t) // 4] for t in tops if t and math.isfinite(t[len(t) // 4])]
         lows = [min(x for x in t if math.isfinite(x)) for t in tops if any(map(math.isfinite, t))]
-        if ends and lows:
+        if ends and lows and max(ends) > min(lows):
             # The first quarter is the steep descent every model shares; the comparison is below.
             axes.set_ylim(min(lows) - 0.05 * (max(ends) - min(lows)), max(ends))
     return save_figure(figure, path)
