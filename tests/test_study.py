@@ -402,3 +402,16 @@ def test_aggregate_only_rebuilds_the_report_without_running(tmp_path, corpus, ca
     markdown = (tmp_path / "study" / "study.md").read_text()
     # Differences of exactly -0.3 at every seed: sd 0, an interval of one point, below zero.
     assert "| transformer | 2 | -0.3 | [-0.3, -0.3] | lower |" in markdown
+
+
+def test_only_runs_the_matching_runs_and_reports_the_others_pending(tmp_path, corpus):
+    plan = plan_of(micro_spec(tmp_path, corpus))
+    launcher = FakeTrain({run.name: 1.0 for run in plan.runs})
+    assert execute(plan, launcher=launcher, say=quiet, only=["gdn2.*.s1"]) == 0
+    assert [Path(c[c.index("--config") + 1]).parent.name for c in launcher.trains()] == [
+        "gdn2.tiny.lr0.003.s1"
+    ]
+    report = json.loads((tmp_path / "study" / "study.json").read_text())
+    assert report["counts"] == {
+        "completed": 1, "diverged": 0, "failed": 0, "interrupted": 0, "pending": 3,
+    }  # fmt: skip

@@ -3,6 +3,7 @@
     deltalab study studies/cpu_tiny.yaml              # plan, check, run what is left, report
     deltalab study studies/cpu_tiny.yaml --dry-run    # the plan and its parameter counts only
     deltalab study studies/cpu_tiny.yaml --aggregate-only   # rebuild the report from the runs
+    deltalab study studies/gpu.yaml --only 'kdn_diag.*.s0'  # a subset (time one run first)
 
 The spec (see `deltalab/study/spec.py` and docs/STUDY.md) names the mixers, seeds, learning
 rates and sizes, the shared train config, the evaluations, and how many runs go at once. The
@@ -22,6 +23,7 @@ import argparse
 import contextlib
 import dataclasses
 import fcntl
+import fnmatch
 import os
 import sys
 import time
@@ -45,6 +47,13 @@ def add_parser(commands: Any) -> None:
         "--aggregate-only", action="store_true", help="rebuild the report from finished runs"
     )
     parser.add_argument("--out", default=None, help="study directory (instead of the spec's)")
+    parser.add_argument(
+        "--only",
+        action="append",
+        metavar="GLOB",
+        help="run only the runs and task jobs whose names match (repeatable; e.g. 'gdn2.*.s0' "
+        "to time one run first); the report still lists every run",
+    )
     parser.set_defaults(run=run_study)
 
 
@@ -153,9 +162,25 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
-def execute(plan: Any, *, launcher: Any = None, say: Any = _say) -> int:
-    """Runs the plan's pending jobs and writes the report; the exit status of the module
-    docstring."""
+def select(plan: Any, patterns: list[str]) -> Any:
+    """The plan restricted to the runs and task jobs whose names match a glob of `patterns`."""
+    from deltalab.errors import ConfigError
+
+    def chosen(name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+    runs = [r for r in plan.runs if chosen(r.name)]
+    tasks = [t for t in plan.tasks if chosen(t.name)]
+    if not runs and not tasks:
+        raise ConfigError(f"--only {' '.join(patterns)} matches no run or task job of the plan")
+    return dataclasses.replace(plan, runs=runs, tasks=tasks)
+
+
+def execute(
+    plan: Any, *, launcher: Any = None, say: Any = _say, only: list[str] | None = None
+) -> int:
+    """Runs the plan's pending jobs (those matching `only`, if given) and writes the report of
+    the whole plan; the exit status of the module docstring."""
     from deltalab.study.report import write_report
     from deltalab.study.runner import StudyRunner, check_finished_runs
 
@@ -165,7 +190,7 @@ def execute(plan: Any, *, launcher: Any = None, say: Any = _say) -> int:
         _prepare_data(plan)
         started = time.perf_counter()
         _note_invocation(out_dir, started=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-        runner = StudyRunner(plan, launcher=launcher, say=say)
+        runner = StudyRunner(select(plan, only) if only else plan, launcher=launcher, say=say)
         outcomes = runner.run()
         _note_invocation(
             out_dir, wall_s=round(time.perf_counter() - started, 1), launched=runner.launches
@@ -202,5 +227,7 @@ def run_study(args: argparse.Namespace) -> int:
         written = write_report(plan)
         print(f"report: {written['markdown']}")
         return 0
+    if args.only:
+        select(plan, args.only)  # refuses patterns that match nothing, before any work
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    return execute(plan)
+    return execute(plan, only=args.only)

@@ -25,13 +25,9 @@ from deltalab.study.spec import EvalSpec, StudySpec, Variant
 __all__ = ["EvalStep", "PlannedRun", "PlannedTask", "StudyPlan", "make_plan"]
 
 # The perplexity-style tasks read text as training does; left unset in the spec, these settings
-# come from the run's data section, so the held-out text is the run's own held-out split.
-DATA_FIELDS = {
-    "source": "source",
-    "held_out_fraction": "held_out_fraction",
-    "text_field": "text_field",
-    "cache_dir": "cache_dir",
-}
+# come from the run's data section, so the held-out text is the run's own held-out split (and
+# its tokens are already in the cache).
+DATA_FIELDS = ("source", "held_out_fraction", "max_bytes", "text_field", "cache_dir")
 
 
 @dataclass(frozen=True)
@@ -211,9 +207,9 @@ def _checkpoint_step(spec: StudySpec, entry: EvalSpec, run_config: Any) -> EvalS
     task = get_task(entry.task)
     names = {f.name for f in dataclasses.fields(task.settings)}
     settings = dict(entry.settings)
-    for name, data_field in DATA_FIELDS.items():
+    for name in DATA_FIELDS:
         if name in names and name not in settings:
-            settings[name] = getattr(run_config.data, data_field)
+            settings[name] = getattr(run_config.data, name)
     return _step(spec, entry, settings, f"eval/{_slug(entry.task)}")
 
 
