@@ -101,7 +101,8 @@ def error_line(log: Path) -> str:
         for prefix in ("deltalab: error: ", "deltalab eval: error: "):
             if line.startswith(prefix):
                 return line[len(prefix) :]
-    lines = [line for line in lines if line]
+    # "$ ..." lines are the runner's own echo of each command.
+    lines = [line for line in lines if line and not line.startswith("$ ")]
     return lines[-1] if lines else ""
 
 
@@ -277,7 +278,7 @@ class StudyRunner:
             if code != 0:
                 error = error_line(log)
                 if self._stopped(code):
-                    status = "interrupted"
+                    status, error = "interrupted", f"stopped by a signal (exit {code})"
                 elif "is not finite" in error:
                     status = "diverged"
                 else:
@@ -322,7 +323,7 @@ class StudyRunner:
         return Outcome(run.name, "completed")
 
     def _interrupted(self, directory: Path, name: str) -> Outcome:
-        self._record(directory, status="interrupted")
+        self._record(directory, status="interrupted", error="stopped by a signal")
         return Outcome(name, "interrupted")
 
     def task_one(self, task: PlannedTask, worker: int) -> Outcome:
