@@ -119,6 +119,10 @@ def quiet(line: str) -> None:
             "unknown task 'perplexty' (did you mean 'perplexity'?)",
         ),
         (
+            {"evals": [{"task": "perplexity", "skip": ["transfomer"]}]},
+            "skip names 'transfomer', not a grid.mixers name (did you mean 'transformer'?)",
+        ),
+        (
             {"evals": [{"task": "mqar-train", "settings": {"stepz": 3}}]},
             "unknown setting 'stepz' for this task (did you mean 'steps'?)",
         ),
@@ -180,6 +184,19 @@ def test_runs_of_one_seed_differ_only_in_the_model(tmp_path, corpus):
         # Same data, order (train.seed), schedule and evaluation for every mixer.
         assert all(c == configs[0] for c in configs)
     assert by_seed[0][0]["train"]["seed"] == 0 and by_seed[1][0]["train"]["seed"] == 1
+
+
+def test_a_task_is_not_planned_for_the_variants_it_skips(tmp_path, corpus):
+    evals = [
+        {"task": "perplexity", "skip": ["transformer"]},
+        {"task": "mqar-train", "settings": MQAR, "skip": ["gdn2"]},
+    ]
+    plan = plan_of(micro_spec(tmp_path, corpus, evals=evals))
+    assert {r.variant.name: [s.task for s in r.evals] for r in plan.runs} == {
+        "transformer": [],
+        "gdn2": ["perplexity"],
+    }
+    assert {t.variant.name for t in plan.tasks} == {"transformer"}
 
 
 def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path, corpus, capsys):

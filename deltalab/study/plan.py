@@ -343,7 +343,11 @@ def make_plan(spec: StudySpec) -> StudyPlan:
                     run_tree["train"]["device"] = device
                     run_tree["log"]["out_dir"] = str(directory)
                     config, *_ = counter.model_config(f"run {name}", run_tree)
-                    steps = tuple(_checkpoint_step(spec, e, config) for e in checkpoint_entries)
+                    steps = tuple(
+                        _checkpoint_step(spec, e, config)
+                        for e in checkpoint_entries
+                        if variant.name not in e.skip
+                    )
                     runs.append(
                         PlannedRun(
                             name,
@@ -361,7 +365,7 @@ def make_plan(spec: StudySpec) -> StudyPlan:
                     )
     tasks = []
     for entry in task_entries:
-        for variant in spec.variants:
+        for variant in (v for v in spec.variants if v.name not in entry.skip):
             step = _task_step(spec, entry, variant)
             for seed in spec.seeds:
                 name = f"{_slug(entry.task)}.{variant.name}.s{seed}"

@@ -57,7 +57,7 @@ TOP_KEYS = (
 PARAMS_KEYS = ("match", "tolerance", "ffn_multiple")
 GRID_KEYS = ("mixers", "seeds", "lrs", "sizes")
 VARIANT_KEYS = ("name", "mixer", "options", "overrides")
-EVAL_KEYS = ("task", "settings", "long_context")
+EVAL_KEYS = ("task", "settings", "long_context", "skip")
 # What the study sets in each run itself, so the spec may not.
 STUDY_FIELDS = {
     "log.out_dir": "the study puts each run in its own directory under out_dir",
@@ -92,6 +92,7 @@ class EvalSpec:
     task: str
     settings: dict[str, Any]
     long_context: str = "refuse"
+    skip: tuple[str, ...] = ()  # variants the task does not apply to (no gates to measure)
 
 
 @dataclass(frozen=True)
@@ -239,9 +240,11 @@ def _evals(value: Any, where: str) -> tuple[EvalSpec, ...]:
                 where,
                 f"{key}.long_context must be one of {list(LONG_CONTEXT)}, got {long_context!r}",
             )
-        found.append(
-            EvalSpec(task, _mapping(data.get("settings"), f"{key}.settings", where), long_context)
-        )
+        skip = data.get("skip", [])
+        if not isinstance(skip, list) or not all(isinstance(name, str) for name in skip):
+            raise _fail(where, f"{key}.skip must be a list of grid.mixers names, got {skip!r}")
+        settings = _mapping(data.get("settings"), f"{key}.settings", where)
+        found.append(EvalSpec(task, settings, long_context, tuple(skip)))
     tasks = [e.task for e in found]
     for task in tasks:
         if tasks.count(task) > 1:
@@ -291,6 +294,15 @@ def parse_spec(data: Any, path: str | os.PathLike[str] | None = None) -> StudySp
         for name, fields in sizes.items():
             if "mixer" in fields:
                 raise _fail(where, f"grid.sizes.{name} may not set mixer")
+    evals = _evals(spec.get("evals"), where)
+    for index, entry in enumerate(evals):
+        for name in entry.skip:
+            if name not in names:
+                raise _fail(
+                    where,
+                    f"evals[{index}].skip names {name!r}, not a grid.mixers name"
+                    f"{closest(name, names)}; they are {names}",
+                )
     baseline = spec.get("baseline", names[0])
     if baseline not in names:
         raise _fail(
@@ -342,7 +354,7 @@ def parse_spec(data: Any, path: str | os.PathLike[str] | None = None) -> StudySp
         seeds=seeds,
         lrs=lrs,
         sizes=sizes,
-        evals=_evals(spec.get("evals"), where),
+        evals=evals,
     )
 
 
