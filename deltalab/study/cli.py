@@ -152,7 +152,8 @@ def _note_invocation(out_dir: Path, **fields: Any) -> None:
     path = out_dir / INVOCATIONS_NAME
     data = _read_json(path) or {"invocations": []}
     if fields.get("started") and (not data["invocations"] or "wall_s" in data["invocations"][-1]):
-        data["invocations"].append({"command": " ".join(sys.argv), **fields})
+        command = "deltalab " + " ".join(sys.argv[1:])
+        data["invocations"].append({"command": command, **fields})
     else:
         data["invocations"][-1].update(fields)
     _write_json(path, data)
