@@ -239,30 +239,26 @@ def timings(device, shapes, chunk_sizes, repeats, with_chunk_backend, only):
 
 def stages(device, shape, chunk_size):
     """Forward time of each stage of the Triton path (KDA form): where the time goes."""
-    from deltalab.ops.delta_rule.chunk import (
-        ChunkOperators,
-        chunk_operators,
-        intra_chunk,
-        to_chunks,
-    )
-    from deltalab.ops.delta_rule.triton.chunk import state_pass_triton
-    from deltalab.ops.delta_rule.triton.intra import intra_chunk_triton
+    from deltalab.ops.delta_rule.chunk import chunk_operators, intra_chunk, to_chunks
+    from deltalab.ops.delta_rule.triton.chunk import _operators_triton, state_pass_triton
+    from deltalab.ops.delta_rule.triton.factors import factors_triton
+    from deltalab.ops.delta_rule.triton.intra import intra_triton
+    from deltalab.ops.delta_rule.triton.solve import solve_triton
 
     x = draw_inputs(*shape, device, torch.float32)
     raw = (x["q"], x["beta"][..., None] * x["k"], x["k"], x["v"], x["g"])
-    chunked = [to_chunks(t, chunk_size).contiguous() for t in raw]
+    q, a, b, u, g = (to_chunks(t, chunk_size).contiguous() for t in raw)
     state = torch.zeros(shape[0], shape[2], shape[3], shape[3], device=device)
-
-    def operators(intra):
-        return ChunkOperators(*(t.contiguous() for t in chunk_operators(*chunked, intra=intra)))
-
-    ops = operators(intra_chunk)
+    ops, lower = _operators_triton(q, a, b, u, g, "tf32")
     rows = []
     cases = (
-        ("operators_torch", lambda: operators(intra_chunk)),
-        ("operators_triton", lambda: operators(intra_chunk_triton)),
-        ("state_pass_ieee", lambda: state_pass_triton(ops, state, "ieee")),
-        ("state_pass_tf32", lambda: state_pass_triton(ops, state, "tf32")),
+        ("stages 1-2, PyTorch", lambda: chunk_operators(q, a, b, u, g, intra=intra_chunk)),
+        ("factors", lambda: factors_triton(q, a, b, g)),
+        ("stage 1", lambda: intra_triton(q, a, b, g, "tf32")),
+        ("stage 2 (one solve)", lambda: solve_triton(lower, u, "tf32")),
+        ("stages 1-2, Triton", lambda: _operators_triton(q, a, b, u, g, "tf32")),
+        ("stages 3-4, IEEE", lambda: state_pass_triton(ops, state, "ieee")),
+        ("stages 3-4, TF32", lambda: state_pass_triton(ops, state, "tf32")),
     )
     for name, fn in cases:
         ms = median_seconds(fn, 5) * 1e3
@@ -308,6 +304,9 @@ def main() -> None:
     parser.add_argument(
         "--only", nargs="+", default=None, help="time only cases with these prefixes"
     )
+    parser.add_argument(
+        "--shapes", nargs="+", default=None, help="timed shapes as BxTxHxD (default: both)"
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.tiny:
@@ -315,6 +314,8 @@ def main() -> None:
     else:
         check_shape, stab_shape = (2, 1000, 4, 64), (1, 4096, 4, 128)
         shapes = [(4, 4096, 16, 128), (1, 32768, 16, 128)]
+    if args.shapes:
+        shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes]
     result = {
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
         "torch": torch.__version__,

@@ -43,6 +43,18 @@ def random_delta_inputs(
     return tuple(x.to(dtype) for x in (q, beta * k, k, u, g))
 
 
+def run_in_pieces(mixer, x: torch.Tensor, pieces: list[int], state=None):
+    """Feeds x `[B, T, D]` to a mixer in consecutive pieces of the given lengths, threading the
+    state (from `state`; None: a new sequence) -> (outputs `[B, T, D]`, last state)."""
+    assert sum(pieces) == x.shape[1]
+    outputs, start = [], 0
+    for n in pieces:
+        y, state = mixer(x[:, start : start + n], state)
+        outputs.append(y)
+        start += n
+    return torch.cat(outputs, dim=1), state
+
+
 @pytest.fixture
 def generator(request) -> torch.Generator:
     """A generator seeded from the test's name: fresh inputs per test, reproducible per test."""

@@ -33,6 +33,7 @@ from deltalab.layers.deltanet import DeltaNet, GatedDeltaNet
 from deltalab.layers.gdn2 import GatedDeltaNet2
 from deltalab.layers.kda import KimiDeltaAttention
 from deltalab.layers.kdn import DiagonalKDN, IsotropicKDN
+from deltalab.layers.kdn_muir import KDNMuirRanks
 from deltalab.layers.muir import Muir
 from deltalab.models import CausalLM, build_config
 from deltalab.ops.parametrize import DeltaRuleInputs, deltanet_inputs
@@ -426,6 +427,34 @@ def test_allocate_ranks_is_proportional_and_sums_to_the_budget():
         assert sum(ranks.values()) == budget and min(ranks.values()) >= 1
 
 
+def test_allocate_ranks_keeps_each_gate_within_its_maximum():
+    # r's share (10 of 12) is above its width 2: it gets 2, the rest is split 6 : 1 again,
+    # and process's quota 10/7 is then above the minimum, so it is not floored first.
+    assert allocate_ranks(
+        {"g": 6, "q_noise": 1, "r": 50}, 12, maximum={"observation": 2}, ranks=KDNMuirRanks
+    ) == {"decay": 9, "process": 1, "observation": 2}
+    assert allocate_ranks(
+        {"g": 6.0, "q_noise": 1.0, "r": 50.0, "read": 3.0},
+        24,
+        maximum={"observation": 2},
+        ranks=KDNMuirRanks,
+    ) == {"decay": 13, "process": 2, "observation": 2, "read": 7}
+    # Every gate with a share at its maximum: the zero-share gates take the rest evenly.
+    assert allocate_ranks({"decay": 5, "erase": 0, "write": 0}, 10, maximum={"decay": 4}) == {
+        "decay": 4,
+        "erase": 3,
+        "write": 3,
+    }
+    generator = torch.Generator().manual_seed(1)
+    for budget in (6, 19, 40):
+        weights = torch.rand(4, generator=generator).square().tolist()
+        names = ("decay", "erase", "write", "read")
+        maximum = {"erase": 2, "read": 3}
+        ranks = allocate_ranks(dict(zip(names, weights, strict=True)), budget, maximum=maximum)
+        assert sum(ranks.values()) == budget and min(ranks.values()) >= 1
+        assert ranks["erase"] <= 2 and ranks["read"] <= 3
+
+
 def test_allocate_ranks_refuses_bad_input():
     with pytest.raises(ValueError, match="beta"):
         allocate_ranks({"beta": 1.0}, 8)
@@ -437,6 +466,12 @@ def test_allocate_ranks_refuses_bad_input():
         allocate_ranks({"erase": -1.0}, 3)
     with pytest.raises(ValueError, match="twice"):
         allocate_ranks({"g": 1.0, "decay": 1.0}, 3)
+    with pytest.raises(ValueError, match="not a KDNMuirRanks field"):
+        allocate_ranks({"erase": 1.0}, 3, ranks=KDNMuirRanks)
+    with pytest.raises(ValueError, match="sum of the maxima"):
+        allocate_ranks({"erase": 1.0, "write": 1.0}, 9, maximum={"erase": 2, "write": 3})
+    with pytest.raises(ValueError, match="maximum has gate 'read'"):
+        allocate_ranks({"erase": 1.0}, 3, maximum={"read": 2})
 
 
 def test_spearman_ranks_with_ties():

@@ -58,7 +58,7 @@ def test_cuda_kdn_matches_cpu(generator, op):
     assert relative_error(o.cpu(), o_ref) < TOLERANCE[torch.float64]
 
 
-@pytest.mark.parametrize("mixer", ["gdn2", "muir", "kdn_diag", "transformer"])
+@pytest.mark.parametrize("mixer", ["gdn2", "muir", "kdn_diag", "kdn_muir", "transformer"])
 def test_cuda_model_decoding_equals_full_forward(generator, mixer):
     torch.manual_seed(0)
     config = build_config("tiny", mixer=mixer, chunk_size=16)
@@ -80,11 +80,22 @@ GRAPH_MIXERS = [
     ("kdn_diag", {}),
     ("kdn_iso", {}),
     ("kdn_exact", {}),
+    ("kdn_muir", {}),
     ("transformer", {}),
     ("transformer", dict(attention_window=7)),
     ("gdn", dict(attention_every=2)),
 ]
-GRAPH_IDS = ["gdn2", "muir", "kdn_diag", "kdn_iso", "kdn_exact", "transformer", "window", "hybrid"]
+GRAPH_IDS = [
+    "gdn2",
+    "muir",
+    "kdn_diag",
+    "kdn_iso",
+    "kdn_exact",
+    "kdn_muir",
+    "transformer",
+    "window",
+    "hybrid",
+]
 
 
 def cuda_tiny_model(mixer, dtype=torch.float32, **overrides):

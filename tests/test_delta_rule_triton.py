@@ -136,6 +136,78 @@ def test_triton_intra_stage_matches_its_pytorch_twin(generator):
         assert_close(x.grad, r.grad, F32, f"d{name}")
 
 
+def test_triton_solve_stage_and_its_adjoint_match_the_pytorch_inverse(generator, poisoned_empty):
+    """Stage 2: (I + L)^-1 R by blockwise substitution, dR = (I + L)^-T dX and dL, against the
+    doubling inverse of chunk.py in float64 (chunk 64: four row blocks, both loop orders)."""
+    from deltalab.ops.delta_rule.chunk import unit_lower_inverse
+    from deltalab.ops.delta_rule.triton.solve import (
+        lower_grad_triton,
+        solve_triton,
+        solve_triton_backward,
+    )
+
+    lead, size = (2, 3), 64
+    # Entries of a realistic size (unit keys times beta): the solve is well conditioned there.
+    lower = 0.3 * torch.randn(*lead, size, size, generator=generator, dtype=torch.float64)
+    lower = lower.tril(-1).requires_grad_()
+    rhs_b = torch.randn(*lead, size, 20, generator=generator, dtype=torch.float64).requires_grad_()
+    rhs_u = torch.randn(*lead, size, 12, generator=generator, dtype=torch.float64).requires_grad_()
+    inverse = unit_lower_inverse(lower)
+    x_b, x_u = inverse @ rhs_b, inverse @ rhs_u
+    d_b, d_u = torch.randn_like(x_b), torch.randn_like(x_u)
+    ((x_b * d_b).sum() + (x_u * d_u).sum()).backward()
+
+    def f32(x):
+        return x.detach().to(DEVICE, torch.float32).contiguous()
+
+    # The upper triangle is never read: fill it with NaN to prove it.
+    lower_t = f32(lower) + torch.full((size, size), float("nan")).triu().to(DEVICE)
+    x_b_t, x_u_t = solve_triton(lower_t, f32(rhs_b)), solve_triton(lower_t, f32(rhs_u))
+    dr_b, dr_u = solve_triton_backward(lower_t, f32(d_b)), solve_triton_backward(lower_t, f32(d_u))
+    d_lower = lower_grad_triton(dr_b, x_b_t, dr_u, x_u_t)
+    assert_close(x_b_t, x_b, F32, "erase operator")
+    assert_close(x_u_t, x_u, F32, "target operator")
+    assert_close(dr_b, rhs_b.grad, F32, "d rhs (erase)")
+    assert_close(dr_u, rhs_u.grad, F32, "d rhs (target)")
+    assert_close(d_lower.tril(-1), lower.grad.tril(-1), F32, "dL")
+
+
+def test_triton_decay_factors_and_their_adjoint_match_autograd(generator, poisoned_empty):
+    """The factor kernels against the same formulas in float64 PyTorch with autograd, with
+    stage 1's gradients added (dg includes its reverse cumulative sum); one chunk has a reset."""
+    from deltalab.ops.delta_rule.triton.factors import factors_triton, factors_triton_backward
+
+    shape = (2, 3, 32, 20)
+    q, a, b = (torch.randn(*shape, generator=generator, dtype=torch.float64) for _ in range(3))
+    g = -2.0 * torch.rand(*shape, generator=generator, dtype=torch.float64)
+    g[0, 1, 7, 3] = -float("inf")
+    leaves = [x.clone().requires_grad_() for x in (q, a, b, g)]
+    lq, la, lb, lg = leaves
+    from_start = lg.cumsum(-2).exp()
+    after = torch.cat([lg[..., 1:, :], torch.zeros_like(lg[..., :1, :])], dim=-2)
+    to_end = after.flip(-2).cumsum(-2).flip(-2).exp()
+    outputs = (from_start * lq, from_start * lb, to_end * la, lg.sum(-2).exp())
+    weights = [torch.randn_like(x) for x in outputs]
+    intra = [torch.randn_like(q) for _ in range(3)]  # stage 1's dq, da, db
+    # Stage 1's share of dg (intra.py): reverse cumsum of q dq' + b db' - a da'.
+    stage1 = (lq * intra[0] + lb * intra[2] - la * intra[1]).flip(-2).cumsum(-2).flip(-2)
+    loss = sum((x * w).sum() for x, w in zip(outputs, weights, strict=True))
+    loss = loss + (lq * intra[0]).sum() + (la * intra[1]).sum() + (lb * intra[2]).sum()
+    (loss + (lg * stage1.detach()).sum()).backward()
+
+    def f32(x):
+        return x.detach().to(DEVICE, torch.float32).contiguous()
+
+    got = factors_triton(*(f32(x) for x in (q, a, b, g)))
+    for label, x, ref in zip(("read", "erase rhs", "write", "decay"), got, outputs, strict=True):
+        assert_close(x, ref.detach(), F32, label)
+    grads = factors_triton_backward(
+        *(f32(x) for x in (q, a, b, g)), *(f32(w) for w in weights), *(f32(x) for x in intra)
+    )
+    for name, x, leaf in zip("qabg", grads, leaves, strict=True):
+        assert_close(x, leaf.grad, F32, f"d{name}")
+
+
 def test_triton_state_pass_matches_its_pytorch_twin(generator):
     from deltalab.ops.delta_rule.chunk import (
         ChunkOperators,

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_in_pieces
 from torch import nn
 
 import deltalab.layers.common as common
@@ -25,6 +26,7 @@ from deltalab.layers import (
     GatedDeltaNet2,
     GatedRMSNorm,
     IsotropicKDN,
+    KDNMuir,
     KimiDeltaAttention,
     Muir,
     RecurrentState,
@@ -61,17 +63,6 @@ def build(name: str, seed: int = 0, **overrides) -> nn.Module:
 
 def hidden(generator: torch.Generator, length: int, batch: int = 2, dtype=torch.float64):
     return torch.randn(batch, length, D, generator=generator, dtype=dtype)
-
-
-def run_in_pieces(mixer: nn.Module, x: torch.Tensor, pieces: list[int]):
-    """Feeds x `[B, T, D]` in consecutive pieces of the given lengths, threading the state."""
-    assert sum(pieces) == x.shape[1]
-    outputs, state, start = [], None, 0
-    for n in pieces:
-        y, state = mixer(x[:, start : start + n], state)
-        outputs.append(y)
-        start += n
-    return torch.cat(outputs, dim=1), state
 
 
 def state_tensors(state) -> dict[str, torch.Tensor]:
@@ -438,13 +429,14 @@ def test_padding_after_real_tokens_is_refused():
         layer(x, mask=torch.tensor([[True, True, True, False, False]] * 2))
 
 
-# Every mixer class of the package, the KDN variants and Muir included.
+# Every mixer class of the package, the KDN variants, Muir and KDN-Muir included.
 ALL_MIXERS = {
     **MIXERS,
     "muir": Muir,
     "kdn_iso": IsotropicKDN,
     "kdn_diag": DiagonalKDN,
     "kdn_exact": ExactKDN,
+    "kdn_muir": KDNMuir,
 }
 
 

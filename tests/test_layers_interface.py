@@ -16,6 +16,7 @@ from deltalab.layers import (
     GatedDeltaNet,
     GatedDeltaNet2,
     IsotropicKDN,
+    KDNMuir,
     KimiDeltaAttention,
     Muir,
 )
@@ -32,6 +33,7 @@ MIXERS = (
     IsotropicKDN,
     DiagonalKDN,
     ExactKDN,
+    KDNMuir,
 )
 FRONTEND = dict(hidden_size=16, num_heads=2, head_dim=8, value_dim=4, conv_size=3, chunk_size=16)
 
@@ -141,7 +143,9 @@ def test_gates_then_inputs_from_gates_are_what_the_forward_feeds_the_primitive(m
     assert not torch.allclose(y_hooked, y) and torch.equal(y_again, y)
 
 
-@pytest.mark.parametrize("mixer", [GatedDeltaNet2, Muir, DiagonalKDN], ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "mixer", [GatedDeltaNet2, Muir, DiagonalKDN, KDNMuir], ids=lambda c: c.__name__
+)
 def test_inputs_from_gates_rebuild_the_primitive_inputs_of_a_first_call(mixer, generator):
     layer = seeded(lambda: mixer(**FRONTEND)).double()
     x = torch.randn(2, 5, FRONTEND["hidden_size"], generator=generator, dtype=torch.float64)

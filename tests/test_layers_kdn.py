@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_in_pieces
 from matplotlib.figure import Figure
 from torch import nn
 
@@ -56,17 +57,6 @@ def build(name: str, seed: int = 0, **overrides) -> KDNMixer:
 
 def hidden(generator: torch.Generator, length: int, batch: int = 2, dtype=torch.float64):
     return torch.randn(batch, length, D, generator=generator, dtype=dtype)
-
-
-def run_in_pieces(mixer: nn.Module, x: torch.Tensor, pieces: list[int]):
-    """Feeds x `[B, T, D]` in consecutive pieces of the given lengths, threading the state."""
-    assert sum(pieces) == x.shape[1]
-    outputs, state, start = [], None, 0
-    for n in pieces:
-        y, state = mixer(x[:, start : start + n], state)
-        outputs.append(y)
-        start += n
-    return torch.cat(outputs, dim=1), state
 
 
 def state_tensors(state: KDNState) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import run_in_pieces
 from torch import nn
 
 from deltalab.layers.common import RecurrentState
@@ -50,16 +51,6 @@ def build_gdn2(seed: int = 0, **overrides) -> GatedDeltaNet2:
 
 def hidden(generator: torch.Generator, length: int, batch: int = 2, dtype=torch.float64):
     return torch.randn(batch, length, D, generator=generator, dtype=dtype)
-
-
-def run_in_pieces(mixer: nn.Module, x: torch.Tensor, pieces: list[int]):
-    """Feeds x `[B, T, D]` in consecutive pieces of the given lengths, threading the state."""
-    outputs, state, start = [], None, 0
-    for n in pieces:
-        y, state = mixer(x[:, start : start + n], state)
-        outputs.append(y)
-        start += n
-    return torch.cat(outputs, dim=1), state
 
 
 def count(module: nn.Module) -> int:

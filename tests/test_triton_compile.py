@@ -37,7 +37,7 @@ def _compile_for_hopper(kernel, pointers, scalars, constants, options):
 @pytest.mark.parametrize(("key_dim", "chunk"), [(3, 256), (128, 64), (256, 128)])
 def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chunk):
     from deltalab.ops.delta_rule.triton import chunk as state_pass
-    from deltalab.ops.delta_rule.triton import intra
+    from deltalab.ops.delta_rule.triton import factors, intra, solve
     from deltalab.ops.delta_rule.triton.intra import BLOCK_KD, SUB_BLOCK, key_block
 
     block_k = key_block(key_dim)
@@ -45,14 +45,23 @@ def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chu
         # The state pass's own launch constants and options, as `state_pass_triton` uses them.
         _, launch = state_pass._launch(key_dim, 1, chunk, key_dim, precision)
         options = {k: launch.pop(k) for k in ("num_warps", "num_stages")}
-        tiles = dict(K=key_dim, C=chunk, BKD=min(BLOCK_KD, block_k), BT=SUB_BLOCK)
-        tiles["PRECISION"] = precision
+        shape = dict(K=key_dim, C=chunk, BT=SUB_BLOCK, PRECISION=precision)
+        block_kd = min(BLOCK_KD, block_k)
+        block_n = min(solve.BLOCK_N, block_k)
+        columns = dict(N=key_dim, C=chunk, BT=SUB_BLOCK, BN=block_n, PRECISION=precision)
+        per_chunk = dict(K=key_dim, C=chunk, BKD=block_kd)
         kernels = [
             (state_pass._state_pass_fwd, 11, {**launch, "HAS_INITIAL": True}, options),
             (state_pass._state_pass_bwd, 10, {**launch, "HAS_D_FINAL": True}, options),
-            (intra._intra_fwd, 6, {**tiles, "BK": block_k}, intra.LAUNCH),
-            (intra._intra_bwd, 9, tiles, intra.LAUNCH),
-        ]
+            (intra._intra_fwd, 6, {**shape, "BK": block_k}, intra.LAUNCH),
+            (intra._intra_bwd, 9, {**shape, "BKD": block_kd}, intra.LAUNCH),
+            (solve._solve_fwd, 3, columns, intra.LAUNCH),
+            (solve._solve_bwd, 3, columns, intra.LAUNCH),
+            (solve._lower_grad, 5, {**shape, "V": key_dim, "BK": block_n, "BV": block_n},
+             intra.LAUNCH),
+            (factors._factors_fwd, 8, per_chunk, intra.LAUNCH),
+            (factors._factors_bwd, 12, per_chunk, intra.LAUNCH),
+        ]  # fmt: skip
         for kernel, n_pointers, constants, kernel_options in kernels:
             pointers = kernel.arg_names[:n_pointers]
             scalars = [a for a in kernel.arg_names[n_pointers:] if a not in constants]

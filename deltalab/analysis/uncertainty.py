@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from deltalab.analysis._plot import new_figure, save_figure
-from deltalab.layers.kdn import KDNMixer, KDNState
+from deltalab.layers.kdn import KalmanMixer, KDNState
 
 __all__ = ["UncertaintyTrace", "plot_uncertainty", "uncertainty_trace"]
 
@@ -63,10 +63,10 @@ def _numpy(x: torch.Tensor) -> np.ndarray:
 
 @torch.no_grad()
 def uncertainty_trace(
-    layer: KDNMixer, x: torch.Tensor, state: KDNState | None = None
+    layer: KalmanMixer, x: torch.Tensor, state: KDNState | None = None
 ) -> UncertaintyTrace:
     """Runs `layer` on x `[B, T, D]` (continuing `state` when given) and returns its trace."""
-    if not isinstance(layer, KDNMixer):
+    if not isinstance(layer, KalmanMixer):
         raise TypeError(f"layer must be a KDN mixer, got {type(layer).__name__}")
     _, new_state = layer(x, state, return_gates=True)
     # return_gates=True always fills the gates.

@@ -119,16 +119,18 @@ def _config_hash(path: Path) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _trained_length(path: Path) -> int | None:
-    """train.seq_len of the run whose `model/` directory `path` is, if its config is there."""
+def run_train_field(path: str | Path, name: str) -> int | None:
+    """train.<name> (an int: seq_len, seed) of the run whose `model/` directory `path` is, if
+    the run's config.yaml is beside it."""
     import yaml
 
+    path = Path(path)
     run_config = path.parent / "config.yaml"
     if path.name != "model" or not run_config.is_file():
         return None
     try:
         data = yaml.safe_load(run_config.read_text())
-        return int(data["train"]["seq_len"])
+        return int(data["train"][name])
     except (yaml.YAMLError, KeyError, TypeError, ValueError):
         return None
 
@@ -167,7 +169,9 @@ def load_checkpoint(
         path=str(path),
         config_hash=config_hash,
         mixer=str(config.mixer),
-        trained_length=trained_length if trained_length is not None else _trained_length(path),
+        trained_length=(
+            trained_length if trained_length is not None else run_train_field(path, "seq_len")
+        ),
         limited=limited,
     )
 
@@ -300,8 +304,16 @@ def wilson_interval(successes: float, trials: int, z: float = 1.96) -> tuple[flo
 
 @dataclass(frozen=True)
 class TextSource:
-    """Where text comes from (see `deltalab.data.CorpusConfig`): "stdlib" or a path, a split,
-    a byte cap; the tokens are cached under `cache_dir` as for training."""
+    """Where text comes from (see `deltalab.data.CorpusConfig`); the tokens are cached under
+    `cache_dir` as for training.
+
+    source: "stdlib" (the built-in corpus) or a path: a file, a directory of .txt/.jsonl/.parquet.
+    split: "held_out" (documents the training run did not see), "train" or "all".
+    held_out_fraction: the fraction of documents in the held-out split (as in training).
+    max_bytes: stop reading documents after this many bytes (null: all of the split).
+    text_field: JSON field or parquet column of the text.
+    cache_dir: where the tokenized text is cached.
+    """
 
     source: str = "stdlib"
     split: str = "held_out"

@@ -21,14 +21,8 @@ __all__ = ["PerplexitySettings", "perplexity"]
 
 @dataclass(frozen=True)
 class PerplexitySettings(TextSource):
-    """Settings of the perplexity task.
+    """Settings of the perplexity task (the text's other settings are `TextSource`'s).
 
-    source: "stdlib" (the built-in corpus) or a path: a file, a directory of .txt/.jsonl/.parquet.
-    split: "held_out" (documents the training run did not see), "train" or "all".
-    held_out_fraction: the fraction of documents in the held-out split (as in training).
-    max_bytes: stop reading documents after this many bytes (null: all of the split).
-    text_field: JSON field or parquet column of the text.
-    cache_dir: where the tokenized text is cached.
     seq_len: tokens per window (null: the checkpoint's training length, else 1024).
     max_tokens: score at most this many tokens (whole windows; null: every window).
     batch_size: windows per forward pass.

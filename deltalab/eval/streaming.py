@@ -32,15 +32,10 @@ __all__ = ["StreamingSettings", "bucket_edges", "plot_streaming", "streaming"]
 
 @dataclass(frozen=True)
 class StreamingSettings(TextSource):
-    """Settings of the streaming task.
+    """Settings of the streaming task (the text's other settings are `TextSource`'s).
 
-    source: "stdlib" (the built-in corpus) or a path: a file, a directory of .txt/.jsonl/.parquet.
     split: "held_out", "train" or "all" (the stdlib's held-out split holds 475K byte tokens;
         longer streams need "all", which includes training documents).
-    held_out_fraction: the fraction of documents in the held-out split (as in training).
-    max_bytes: stop reading documents after this many bytes (null: all of the split).
-    text_field: JSON field or parquet column of the text.
-    cache_dir: where the tokenized text is cached.
     tokens: length of the stream (tokens whose next token is predicted).
     segment_len: tokens read per forward pass; memory does not grow with the stream.
     first_bucket: the first bucket is positions [0, first_bucket); then they double.

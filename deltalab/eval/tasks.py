@@ -82,7 +82,14 @@ def register(task: Task) -> Task:
 
 def _load_all() -> None:
     # Importing a task module registers it; kept lazy so `deltalab --help` stays fast.
-    from deltalab.eval import lm_eval_adapter, mqar, needles, perplexity, streaming  # noqa: F401
+    from deltalab.eval import (  # noqa: F401
+        lm_eval_adapter,
+        mqar,
+        needles,
+        perplexity,
+        sensitivity,
+        streaming,
+    )
 
 
 def task_names() -> list[str]:
@@ -105,7 +112,16 @@ def get_task(name: str) -> Task:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """{field: description} from the `name: text` lines of the class docstring."""
+    """{field: description} from the `name: text` lines of the class docstring, and of its
+    base classes' for the fields it does not describe (settings that extend `TextSource`)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass) and "__doc__" in vars(klass):
+            docs |= _own_field_docs(klass)
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
     docs: dict[str, str] = {}
     current = None
     for line in inspect.getdoc(cls).splitlines() if cls.__doc__ else []:

@@ -15,6 +15,7 @@ from deltalab.layers.deltanet import DeltaNet, GatedDeltaNet
 from deltalab.layers.gdn2 import GatedDeltaNet2
 from deltalab.layers.kda import KimiDeltaAttention
 from deltalab.layers.kdn import DiagonalKDN, ExactKDN, IsotropicKDN, KDNState
+from deltalab.layers.kdn_muir import KDNMuir, KDNMuirRanks
 from deltalab.layers.muir import Muir, MuirRanks, muir_ffn_width
 
 __all__ = [
@@ -28,6 +29,8 @@ __all__ = [
     "GatedDeltaNet2",
     "GatedRMSNorm",
     "IsotropicKDN",
+    "KDNMuir",
+    "KDNMuirRanks",
     "KDNState",
     "KimiDeltaAttention",
     "Muir",

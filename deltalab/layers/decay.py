@@ -18,7 +18,7 @@ from torch import nn
 
 from deltalab.layers.common import compute_dtype, no_weight_decay, require_positive_int
 
-__all__ = ["ChannelDecay", "ScalarDecay", "init_A_log", "init_dt_bias"]
+__all__ = ["ChannelDecay", "ScalarDecay", "init_A_log", "init_dt_bias", "log_decay"]
 
 # Mamba2 / Gated DeltaNet defaults.
 A_INIT_RANGE = (1.0, 16.0)
@@ -39,7 +39,9 @@ def init_dt_bias(*shape: int) -> nn.Parameter:
     return no_weight_decay(nn.Parameter(dt + torch.log(-torch.expm1(-dt))))
 
 
-def _log_decay(A_log: torch.Tensor, raw: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+def log_decay(A_log: torch.Tensor, raw: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """g = -exp(A_log) * softplus(raw + dt_bias) <= 0, in at least float32; A_log broadcast
+    against raw (`[H]` for raw `[B, T, H]`, `[H, 1]` for `[B, T, H, K]`)."""
     dtype = compute_dtype(raw)
     rate = A_log.to(dtype).exp()
     return -rate * F.softplus(raw.to(dtype) + dt_bias.to(dtype))
@@ -57,7 +59,7 @@ class ScalarDecay(nn.Module):
         self.dt_bias = init_dt_bias(num_heads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _log_decay(self.A_log, self.a_proj(x), self.dt_bias)
+        return log_decay(self.A_log, self.a_proj(x), self.dt_bias)
 
 
 class ChannelDecay(nn.Module):
@@ -81,4 +83,4 @@ class ChannelDecay(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raw = self.f_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
-        return _log_decay(self.A_log.unsqueeze(-1), raw, self.dt_bias)
+        return log_decay(self.A_log.unsqueeze(-1), raw, self.dt_bias)

@@ -60,7 +60,10 @@ __all__ = [
     "IsotropicKDN",
     "KDNMixer",
     "KDNState",
+    "KalmanMixer",
+    "ScanFilter",
     "TiedProcessNoise",
+    "observation_noise",
 ]
 
 PROCESS_NOISE_MODES = ("free", "tied")
@@ -84,6 +87,17 @@ def inverse_softplus(y: float) -> float:
     return y + math.log(-math.expm1(-y))
 
 
+# The biases of the noise model's last maps: softplus starts at Q_INIT (the process noise), and at
+# R_INIT - R_MIN, so that r = R_INIT at the default floor (any r_min > 0 works).
+Q_BIAS_INIT = inverse_softplus(Q_INIT)
+R_BIAS_INIT = inverse_softplus(R_INIT - R_MIN)
+
+
+def observation_noise(raw: torch.Tensor, r_min: float) -> torch.Tensor:
+    """r = r_min + softplus(raw) `[B, T, H]` > 0, in at least float32 (docs/MATH.md sec. 3.5)."""
+    return r_min + F.softplus(raw.to(compute_dtype(raw)))
+
+
 class FreeProcessNoise(nn.Module):
     """q = softplus(proj(x)): per head `hidden -> H` (Isotropic), or per head-channel through a
     low-rank `hidden -> rank -> H*K` whose second factor starts at zero (docs/MATH.md sec. 3.5), so
@@ -103,7 +117,7 @@ class FreeProcessNoise(nn.Module):
         else:
             linear = nn.Linear(hidden_size, num_heads)
             self.proj, bias = linear, linear.bias
-        nn.init.constant_(no_weight_decay(bias), inverse_softplus(Q_INIT))
+        nn.init.constant_(no_weight_decay(bias), Q_BIAS_INIT)
 
     def forward(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """x `[B, T, D]`, g (unused) -> q `[B, T, H, K]` (channel) or `[B, T, H]`, >= 0."""
@@ -155,8 +169,125 @@ class KDNState(RecurrentState):
     uncertainty: torch.Tensor = field(kw_only=True)
 
 
-class KDNMixer(DeltaMixer):
-    """Shared by the KDN variants: the noise model, the prior, the state with uncertainty.
+class KalmanMixer(DeltaMixer):
+    """Base of every layer whose write direction is a Kalman gain (the KDN variants, KDN-Muir):
+    the prior p_0, the state with uncertainty, and the path gates -> noise model -> gains ->
+    primitive (docs/MATH.md sec. 2, 3).
+
+    A subclass computes `gates(x)`, which hold at least the noise model `KALMAN_GATES` (g
+    `[B, T, H, K]`, q_noise, r `[B, T, H]` >= r_min), defines `filter` (the gains from the noise
+    model), calls `_init_prior()` in its constructor and sets `r_min` (and `info_scale` when the
+    filter scales the evidence). `read_query` may reweight the query by its other gates. Shapes:
+    x `[B, T, D]`, q/k `[B, T, H, K]`, v/o `[B, T, H, V]`, memory `[B, H, K, V]`.
+    """
+
+    default_gate_activation = "sigmoid"
+    # Process noise per head-channel (Diagonal, Exact), else per head (Isotropic).
+    channel_noise: ClassVar[bool] = True
+    # Whether the filter scales the evidence (the scans) or is exact.
+    has_info_scale: ClassVar[bool] = True
+    r_min: float
+    info_scale: float
+
+    def _init_prior(self) -> None:
+        """The prior precision's parameter, 1/p_0 = 0.1 + softplus(rho) per head."""
+        precision = inverse_softplus(PRIOR_PRECISION_INIT - PRECISION_FLOOR)
+        self.prior_precision_raw = no_weight_decay(
+            nn.Parameter(torch.full((self.num_heads,), precision))
+        )
+
+    def prior_variance(self) -> torch.Tensor:
+        """p_0 `[H]`, in (0, 10]: 1 / (0.1 + softplus(rho))."""
+        return 1.0 / (PRECISION_FLOOR + F.softplus(self.prior_precision_raw))
+
+    @abc.abstractmethod
+    def filter(
+        self,
+        k: torch.Tensor,
+        g: torch.Tensor,
+        q_noise: torch.Tensor,
+        r: torch.Tensor,
+        uncertainty: torch.Tensor | None,
+        trace: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Gains over the tokens: k `[B, T, H, K]`, the noise model of `gates`, the incoming
+        uncertainty (None: the prior) -> (write direction a `[B, T, H, K]`, the uncertainty
+        after the last token, the gain gates, with p and predictive when `trace`)."""
+
+    def read_query(self, q: torch.Tensor, gates: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The query the primitive reads with: q itself (KDN-Muir: rho * q)."""
+        return q
+
+    def inputs_from_gates(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]
+    ) -> DeltaRuleInputs:
+        """The primitive's `(q, gain, k, v, g)` of a sequence that starts with these tokens
+        (prior p_0), from the noise model of `gates`."""
+        write, _, _ = self.filter(k, gates["g"], gates["q_noise"], gates["r"], None, False)
+        return DeltaRuleInputs(self.read_query(q, gates), write, k, v, gates["g"])
+
+    def _filtered(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        uncertainty: torch.Tensor | None,
+        trace: bool,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[DeltaRuleInputs, torch.Tensor, dict[str, torch.Tensor]]:
+        gates = dict(self.hooked_gates(x))
+        if mask is not None:
+            # Padding tokens carry k = 0 (no evidence); with no decay and no process noise
+            # either, the uncertainty passes them unchanged.
+            for name in ("g", "q_noise"):
+                gates[name] = zero_at_padding(gates[name], mask)
+        g = gates["g"]
+        write, uncertainty, gains = self.filter(
+            k, g, gates["q_noise"], gates["r"], uncertainty, trace
+        )
+        inputs = DeltaRuleInputs(self.read_query(q, gates), write, k, v, g)
+        return inputs, uncertainty, gates | gains
+
+    def primitive_inputs(
+        self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[DeltaRuleInputs, dict[str, torch.Tensor]]:
+        """The primitive's `(q, gain, k, v, g)` and all gates (with the uncertainty trace) for
+        a sequence that starts with these tokens (zero memory, prior p_0)."""
+        inputs, _, gates = self._filtered(x, q, k, v, None, trace=True)
+        return inputs, gates
+
+    def recurrence(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        state: RecurrentState | None,
+        conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        return_gates: bool,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, KDNState]:
+        """As `DeltaMixer.recurrence`, the filter continuing from the state's uncertainty."""
+        if state is not None and not isinstance(state, KDNState):
+            raise TypeError(f"state must be a KDNState or None, got {type(state).__name__}")
+        uncertainty = None if state is None else state.uncertainty
+        inputs, uncertainty, gates = self._filtered(x, q, k, v, uncertainty, return_gates, mask)
+        if mask is not None:
+            inputs = identity_at_padding(inputs, mask)
+        memory, in_place = (None, False) if state is None else (state.memory, state.in_place)
+        o, memory = run_delta_rule(
+            inputs, memory, chunk_size=self.chunk_size, backend=self.backend, in_place=in_place
+        )
+        new_state = KDNState(
+            memory, *conv, gates if return_gates else None, uncertainty=uncertainty
+        )
+        return o, new_state
+
+
+class KDNMixer(KalmanMixer):
+    """Shared by the KDN variants: the noise model from its own projections (sec. 3.5), the
+    prior, the state with uncertainty (`KalmanMixer`).
 
     Subclasses define `filter`, the gains from the noise model. Shapes: x `[B, T, D]`, q/k
     `[B, T, H, K]`, v/o `[B, T, H, V]`, memory `[B, H, K, V]`.
@@ -169,12 +300,6 @@ class KDNMixer(DeltaMixer):
     reference; not for `ExactKDN`, which is exact, s = 1); r_min: floor of the observation
     noise (> 0).
     """
-
-    default_gate_activation = "sigmoid"
-    # Process noise per head-channel (Diagonal, Exact), else per head (Isotropic).
-    channel_noise: ClassVar[bool] = True
-    # Whether the filter scales the evidence (the scans) or is exact.
-    has_info_scale: ClassVar[bool] = True
 
     @classmethod
     def refused_options(cls) -> frozenset[str]:
@@ -216,12 +341,8 @@ class KDNMixer(DeltaMixer):
         rank = head_dim if decay_rank is None else decay_rank
         self.decay = ChannelDecay(hidden_size, num_heads, head_dim, rank)
         self.r_proj = nn.Linear(hidden_size, num_heads)
-        # softplus starts at R_INIT - R_MIN: r = R_INIT at the default floor, any r_min > 0 works.
-        nn.init.constant_(no_weight_decay(self.r_proj.bias), inverse_softplus(R_INIT - R_MIN))
-        precision = inverse_softplus(PRIOR_PRECISION_INIT - PRECISION_FLOOR)
-        self.prior_precision_raw = no_weight_decay(
-            nn.Parameter(torch.full((num_heads,), precision))
-        )
+        nn.init.constant_(no_weight_decay(self.r_proj.bias), R_BIAS_INIT)
+        self._init_prior()
         self.process: FreeProcessNoise | TiedProcessNoise
         if process_noise == "tied":
             self.process = TiedProcessNoise(num_heads, self.channel_noise)
@@ -233,103 +354,22 @@ class KDNMixer(DeltaMixer):
             scale = float(head_dim) if info_scale is None else info_scale
             self.info_scale = _checks.require_positive_number("info_scale", scale)
 
-    def prior_variance(self) -> torch.Tensor:
-        """p_0 `[H]`, in (0, 10]: 1 / (0.1 + softplus(rho))."""
-        return 1.0 / (PRECISION_FLOOR + F.softplus(self.prior_precision_raw))
-
     def kalman_gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x `[B, T, D]` -> (g `[B, T, H, K]` <= 0, q_noise `[B, T, H(, K)]` >= 0, r `[B, T, H]`
         >= r_min), in at least float32."""
         g = self.decay(x)
-        r = self.r_min + F.softplus(self.r_proj(x).to(compute_dtype(x)))
+        r = observation_noise(self.r_proj(x), self.r_min)
         return g, self.process(x, g), r
-
-    @abc.abstractmethod
-    def filter(
-        self,
-        k: torch.Tensor,
-        g: torch.Tensor,
-        q_noise: torch.Tensor,
-        r: torch.Tensor,
-        uncertainty: torch.Tensor | None,
-        trace: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """Gains over the tokens: k `[B, T, H, K]`, the noise model of `kalman_gates`, the
-        incoming uncertainty (None: the prior) -> (write direction a `[B, T, H, K]`, the
-        uncertainty after the last token, the gain gates, with p and predictive when `trace`)."""
 
     def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """The noise model by name, g, q_noise and r (`kalman_gates`): the gates a hook may
         move; the gains the filter derives from them (beta, gain, p, predictive) follow."""
         return dict(zip(KALMAN_GATES, self.kalman_gates(x), strict=True))
 
-    def inputs_from_gates(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]
-    ) -> DeltaRuleInputs:
-        """The primitive's `(q, gain, k, v, g)` of a sequence that starts with these tokens
-        (prior p_0), from the noise model of `gates`."""
-        write, _, _ = self.filter(k, gates["g"], gates["q_noise"], gates["r"], None, False)
-        return DeltaRuleInputs(q, write, k, v, gates["g"])
 
-    def _filtered(
-        self,
-        x: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        uncertainty: torch.Tensor | None,
-        trace: bool,
-        mask: torch.Tensor | None = None,
-    ) -> tuple[DeltaRuleInputs, torch.Tensor, dict[str, torch.Tensor]]:
-        noise = self.hooked_gates(x)
-        g, q_noise, r = (noise[name] for name in KALMAN_GATES)
-        if mask is not None:
-            # Padding tokens carry k = 0 (no evidence); with no decay and no process noise
-            # either, the uncertainty passes them unchanged.
-            g, q_noise = (zero_at_padding(x_, mask) for x_ in (g, q_noise))
-        write, uncertainty, gains = self.filter(k, g, q_noise, r, uncertainty, trace)
-        gates = {"g": g, "r": r, "q_noise": q_noise, **gains}
-        return DeltaRuleInputs(q, write, k, v, g), uncertainty, gates
-
-    def primitive_inputs(
-        self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[DeltaRuleInputs, dict[str, torch.Tensor]]:
-        """The primitive's `(q, gain, k, v, g)` and all gates (with the uncertainty trace) for
-        a sequence that starts with these tokens (zero memory, prior p_0)."""
-        inputs, _, gates = self._filtered(x, q, k, v, None, trace=True)
-        return inputs, gates
-
-    def recurrence(
-        self,
-        x: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        state: RecurrentState | None,
-        conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        return_gates: bool,
-        mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, KDNState]:
-        """As `DeltaMixer.recurrence`, the filter continuing from the state's uncertainty."""
-        if state is not None and not isinstance(state, KDNState):
-            raise TypeError(f"state must be a KDNState or None, got {type(state).__name__}")
-        uncertainty = None if state is None else state.uncertainty
-        inputs, uncertainty, gates = self._filtered(x, q, k, v, uncertainty, return_gates, mask)
-        if mask is not None:
-            inputs = identity_at_padding(inputs, mask)
-        memory, in_place = (None, False) if state is None else (state.memory, state.in_place)
-        o, memory = run_delta_rule(
-            inputs, memory, chunk_size=self.chunk_size, backend=self.backend, in_place=in_place
-        )
-        new_state = KDNState(
-            memory, *conv, gates if return_gates else None, uncertainty=uncertainty
-        )
-        return o, new_state
-
-
-class _ScanKDN(KDNMixer):
-    """Isotropic and Diagonal KDN: the gains by an uncertainty scan of `deltalab.ops.kdn`, which
-    also returns the trace (p, predictive)."""
+class ScanFilter(KalmanMixer):
+    """The gains by an uncertainty scan of `deltalab.ops.kdn`, which also returns the trace
+    (p, predictive): Isotropic and Diagonal KDN, KDN-Muir (diagonal)."""
 
     # The op's gain: beta `[B, T, H]` (write = beta k) when False, the gain itself when True.
     diagonal_gain: ClassVar[bool]
@@ -364,7 +404,7 @@ class _ScanKDN(KDNMixer):
         return write, precision, gains
 
 
-class IsotropicKDN(_ScanKDN):
+class IsotropicKDN(ScanFilter, KDNMixer):
     """Isotropic KDN: `P = p I` per head, KDA whose beta comes from a variance scan.
 
     Gates: g `[B, T, H, K]`; r, q_noise, beta, p, predictive `[B, T, H]` (see `KDNState`).
@@ -375,7 +415,7 @@ class IsotropicKDN(_ScanKDN):
     diagonal_gain = False
 
 
-class DiagonalKDN(_ScanKDN):
+class DiagonalKDN(ScanFilter, KDNMixer):
     """Diagonal KDN: `P = diag(p)` per head, a variance scan per key channel.
 
     Gates: g, q_noise, gain, p `[B, T, H, K]`; r, predictive `[B, T, H]` (see `KDNState`).

@@ -22,9 +22,9 @@ Paper: "Muir: linear attention with sensitivity-allocated gating and matched-fil
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Unpack
+from typing import ClassVar, Self, Unpack
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +39,7 @@ from deltalab.layers.common import (
     no_weight_decay,
     require_positive_int,
 )
-from deltalab.layers.decay import init_A_log, init_dt_bias
+from deltalab.layers.decay import init_A_log, init_dt_bias, log_decay
 from deltalab.layers.gdn2 import GatedDeltaNet2
 from deltalab.ops._checks import require_choice
 from deltalab.ops.parametrize import DeltaRuleInputs, gdn2_inputs
@@ -47,7 +47,9 @@ from deltalab.ops.parametrize import DeltaRuleInputs, gdn2_inputs
 __all__ = [
     "DEFAULT_RANK_DIVISORS",
     "READ_GATES",
+    "FusedGateMixer",
     "FusedGateProjection",
+    "GateRanks",
     "Muir",
     "MuirRanks",
     "matched_filter",
@@ -55,8 +57,6 @@ __all__ = [
 ]
 
 READ_GATES = ("dynamic", "static", "none")
-# The gates computed from the fused projection, in the order of its slices.
-FUSED_GATES = ("decay", "erase", "write", "read")
 # Default rank of each gate as head_dim // divisor (at least 1). docs/MATH.md sec. 4.4: the state
 # is far less sensitive to erasure than to writes. Keys are L2-normalized after a SiLU, so their
 # energy sits on a few channels and a change of the erase gate on the others barely moves the
@@ -73,22 +73,14 @@ SWIGLU_MATRICES = 3
 
 
 @dataclass(frozen=True)
-class MuirRanks:
-    """Rank of each gate's projection; None means a full-rank, unfused `nn.Linear(D, width)`.
-
-    decay, erase, write, read: slices of the fused down-projection (read only with
-    `read_gate="dynamic"`; validated but unused otherwise). outgate: rank of the output-gate
-    projection, which stays the frontend's own `hidden -> rank -> H*V` projection
-    (`DeltaMixer.g_proj`): the frontend computes it outside `primitive_inputs`, and the R of
-    docs/MATH.md sec. 4.4 counts the four delta-rule gates only. A rank may not exceed
-    min(hidden, width) of the map it factors.
+class GateRanks:
+    """Base of the rank sets of the fused-gate mixers (`MuirRanks`, `KDNMuirRanks`): one field
+    per gate, an int rank or None (a full-rank, unfused `nn.Linear(D, width)`). Subclasses name
+    their gates as fields and give `divisors`, the default rank of each as head_dim // divisor.
+    A rank may not exceed min(hidden, width) of the map it factors.
     """
 
-    decay: int | None
-    erase: int | None
-    write: int | None
-    read: int | None
-    outgate: int | None
+    divisors: ClassVar[Mapping[str, int]] = {}
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -97,18 +89,46 @@ class MuirRanks:
                 require_positive_int(f"ranks.{field.name}", value)
 
     @classmethod
-    def default(cls, head_dim: int, hidden_size: int | None = None) -> MuirRanks:
-        """head_dim // DEFAULT_RANK_DIVISORS[gate], at least 1, at most hidden_size."""
+    def default(
+        cls,
+        head_dim: int,
+        hidden_size: int | None = None,
+        *,
+        widths: Mapping[str, int] | None = None,
+    ) -> Self:
+        """head_dim // divisors[gate], at least 1, at most hidden_size and the gate's width in
+        `widths` (for gates narrower than head_dim)."""
         head_dim = require_positive_int("head_dim", head_dim)
         limit = (
             head_dim if hidden_size is None else require_positive_int("hidden_size", hidden_size)
         )
+        widths = widths or {}
         return cls(
             **{
-                name: min(limit, max(1, head_dim // divisor))
-                for name, divisor in DEFAULT_RANK_DIVISORS.items()
+                name: min(limit, widths.get(name, limit), max(1, head_dim // divisor))
+                for name, divisor in cls.divisors.items()
             }
         )
+
+    @classmethod
+    def resolve(cls, ranks: object, default: Callable[[], Self]) -> Self:
+        """`ranks` as this class: None gives `default()`; a mapping (configuration files and
+        config.json carry the ranks so) must name exactly the fields."""
+        if ranks is None:
+            return default()
+        if isinstance(ranks, Mapping):
+            gates = {f.name for f in fields(cls)}
+            if set(ranks) != gates:
+                raise ValueError(
+                    f"ranks has unknown gates {sorted(set(ranks) - gates)} and lacks "
+                    f"{sorted(gates - set(ranks))}; it needs exactly {sorted(gates)}"
+                )
+            return cls(**ranks)
+        if not isinstance(ranks, cls):
+            raise TypeError(
+                f"ranks must be a {cls.__name__}, a mapping or None, got {type(ranks).__name__}"
+            )
+        return ranks
 
     def check_widths(self, hidden_size: int, widths: dict[str, int]) -> None:
         """Refuses a rank above min(hidden_size, width) for the gates named in `widths`."""
@@ -121,16 +141,38 @@ class MuirRanks:
                 )
 
 
+@dataclass(frozen=True)
+class MuirRanks(GateRanks):
+    """Rank of each gate's projection; None means a full-rank, unfused `nn.Linear(D, width)`.
+
+    decay, erase, write, read: slices of the fused down-projection (read only with
+    `read_gate="dynamic"`; validated but unused otherwise). outgate: rank of the output-gate
+    projection, which stays the frontend's own `hidden -> rank -> H*V` projection
+    (`DeltaMixer.g_proj`): the frontend computes it outside `primitive_inputs`, and the R of
+    docs/MATH.md sec. 4.4 counts the four delta-rule gates only. A rank may not exceed
+    min(hidden, width) of the map it factors. `MuirRanks.default(head_dim, hidden_size)`:
+    head_dim // DEFAULT_RANK_DIVISORS[gate], at least 1, at most hidden_size.
+    """
+
+    divisors: ClassVar[Mapping[str, int]] = DEFAULT_RANK_DIVISORS
+
+    decay: int | None
+    erase: int | None
+    write: int | None
+    read: int | None
+    outgate: int | None
+
+
 class FusedGateProjection(nn.Module):
     """x `[B, T, D]` -> each gate's pre-activation `[B, T, width]`, by name.
 
     Gates with a rank share one down-projection `down: D -> R` (R = the sum of their ranks, one
     matrix product for all of them), sliced per gate in `names` order and up-projected by
-    `up[name]: rank -> width`. Gates of rank None get `full[name]: D -> width`, no bias.
+    `up[name]: rank -> width`. Gates of rank None get `full[name]: D -> width`.
 
     Args:
         hidden_size: D. widths: output width per gate. ranks: rank per gate (None: full rank).
-        biased: gates whose up-projection has a bias (low rank only).
+        biased: gates whose last map (up-projection or full-rank map) has a bias.
     """
 
     def __init__(
@@ -154,12 +196,12 @@ class FusedGateProjection(nn.Module):
         )
         self.full = nn.ModuleDict(
             {
-                name: nn.Linear(hidden_size, widths[name], bias=False)
+                name: nn.Linear(hidden_size, widths[name], bias=name in biased)
                 for name in self.names
                 if ranks[name] is None
             }
         )
-        for module in self.up.values():
+        for module in (*self.up.values(), *self.full.values()):
             if module.bias is not None:
                 no_weight_decay(module.bias)
 
@@ -191,61 +233,41 @@ def matched_filter(A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
     return weight.clamp_min(READ_WEIGHT_FLOOR)
 
 
-class Muir(DeltaMixer):
-    """Muir: GDN-2 whose gates come from one fused low-rank projection, plus a read gate.
+class FusedGateMixer(DeltaMixer):
+    """Base of the mixers whose gates come from one fused low-rank projection (Muir, KDN-Muir):
+    the projection `gate_proj`, the KDA log decay from its "decay" slice (`A_log`, `dt_bias`)
+    and the matched-filter read gate (docs/MATH.md sec. 4.4, 4.5).
 
-    Gates: erase `[B, T, H, K]`, write `[B, T, H, V]`, g `[B, T, H, K]`, read (rho, > 0)
-    `[B, T, H, K]` (a broadcast view for "static" and "none").
-
-    Args: options or the frontend keywords (`FrontendOptions`; output gate sigmoid by default);
-    ranks: `MuirRanks` (or the same as a mapping), default `MuirRanks.default(head_dim,
-    hidden_size)`; read_gate: "dynamic" (rho from the fused projection around the static
-    vector), "static" (a learned input-independent `[H, K]` vector) or "none" (rho = 1).
+    A subclass resolves its `GateRanks`, builds the frontend with the output-gate rank
+    (`DeltaMixer.__init__`), then calls `_init_fused_gates` with the widths of its own gates;
+    its `gates(x)` reads `self.gate_proj(x)` through `decay_from` and `read_from`.
     """
 
     default_gate_activation = "sigmoid"
+    ranks: GateRanks
+    read_gate: str
 
-    def __init__(
-        self,
-        options: FrontendOptions | None = None,
-        *,
-        ranks: MuirRanks | Mapping[str, int | None] | None = None,
-        read_gate: str = "dynamic",
-        **frontend: Unpack[FrontendKeywords],
+    def _init_fused_gates(
+        self, ranks: GateRanks, read_gate: str, widths: dict[str, int], biased: frozenset[str]
     ) -> None:
-        options = frontend_options(options, frontend, type(self))
-        hidden_size, num_heads, head_dim = options.hidden_size, options.num_heads, options.head_dim
-        if ranks is None:
-            ranks = MuirRanks.default(head_dim, hidden_size)
-        elif isinstance(ranks, Mapping):
-            # Configuration files and config.json carry the ranks as a plain mapping.
-            gates = {f.name for f in fields(MuirRanks)}
-            if set(ranks) != gates:
-                raise ValueError(
-                    f"ranks has unknown gates {sorted(set(ranks) - gates)} and lacks "
-                    f"{sorted(gates - set(ranks))}; it needs exactly {sorted(gates)}"
-                )
-            ranks = MuirRanks(**ranks)
-        if not isinstance(ranks, MuirRanks):
-            raise TypeError(
-                f"ranks must be a MuirRanks, a mapping or None, got {type(ranks).__name__}"
-            )
-        read_gate = require_choice("read_gate", read_gate, READ_GATES)
-        super().__init__(options, gate_rank=ranks.outgate)
+        """The fused projection with the slices decay, then `widths` (the subclass's own gates,
+        in order), then read (with `read_gate="dynamic"`); A_log, dt_bias; the static read
+        vector. biased: the gates of `widths` whose last map has a bias (the read gate's has
+        one when it is low rank)."""
+        hidden_size, num_heads, head_dim = self.hidden_size, self.num_heads, self.head_dim
+        key_width = num_heads * head_dim
         self.ranks, self.read_gate = ranks, read_gate
-        key_width, value_width = num_heads * head_dim, num_heads * self.value_dim
-        widths = {"decay": key_width, "erase": key_width, "write": value_width}
+        all_widths = {"decay": key_width, **widths}
         if read_gate == "dynamic":
-            widths["read"] = key_width
-        ranks.check_widths(hidden_size, {**widths, "read": key_width, "outgate": value_width})
-        # The decay's bias is dt_bias, as in KDA; a low-rank erase/write/read gate gets a bias so
-        # that each channel keeps its own resting level whatever the rank.
-        self.gate_proj = FusedGateProjection(
-            hidden_size,
-            widths,
-            {name: getattr(ranks, name) for name in widths},
-            biased=frozenset(FUSED_GATES) - {"decay"},
-        )
+            all_widths["read"] = key_width
+        outgate = num_heads * self.value_dim
+        ranks.check_widths(hidden_size, {**all_widths, "read": key_width, "outgate": outgate})
+        rank_of = {name: getattr(ranks, name) for name in all_widths}
+        if rank_of.get("read") is not None:
+            biased = biased | {"read"}
+        # The decay's bias is dt_bias, as in KDA; a low-rank read gate gets a bias so that each
+        # channel keeps its own resting level whatever the rank.
+        self.gate_proj = FusedGateProjection(hidden_size, all_widths, rank_of, biased)
         self.A_log = init_A_log(num_heads)
         self.dt_bias = init_dt_bias(num_heads, head_dim)
         if read_gate != "none":
@@ -268,26 +290,73 @@ class Muir(DeltaMixer):
             weight = matched_filter(self.A_log.double(), self.dt_bias.double())
             self.read_log.copy_(weight.log())
 
+    def decay_from(self, raw: dict[str, torch.Tensor]) -> torch.Tensor:
+        """g `[B, T, H, K]` (at least float32) from the fused projection's output `raw`."""
+        decay_raw = raw["decay"].unflatten(-1, (self.num_heads, self.head_dim))
+        return log_decay(self.A_log.unsqueeze(-1), decay_raw, self.dt_bias)
+
+    def read_from(self, raw: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """The read gate rho `[B, T, H, K]` > 0 in x's dtype (a broadcast view unless
+        dynamic), from the fused projection's output `raw` on x `[B, T, D]`."""
+        heads, key_dim = self.num_heads, self.head_dim
+        shape = (*x.shape[:2], heads, key_dim)
+        if self.read_gate == "none":
+            return x.new_ones(()).expand(shape)
+        dtype = compute_dtype(x)
+        read = self.read_log.to(dtype).exp()
+        if self.read_gate == "dynamic":
+            modulation = torch.sigmoid(raw["read"].unflatten(-1, (heads, key_dim)).to(dtype))
+            read = read * (2.0 * modulation)
+        return read.to(x.dtype).expand(shape)
+
+
+class Muir(FusedGateMixer):
+    """Muir: GDN-2 whose gates come from one fused low-rank projection, plus a read gate.
+
+    Gates: erase `[B, T, H, K]`, write `[B, T, H, V]`, g `[B, T, H, K]`, read (rho, > 0)
+    `[B, T, H, K]` (a broadcast view for "static" and "none").
+
+    Args: options or the frontend keywords (`FrontendOptions`; output gate sigmoid by default);
+    ranks: `MuirRanks` (or the same as a mapping), default `MuirRanks.default(head_dim,
+    hidden_size)`; read_gate: "dynamic" (rho from the fused projection around the static
+    vector), "static" (a learned input-independent `[H, K]` vector) or "none" (rho = 1).
+    """
+
+    ranks: MuirRanks
+
+    def __init__(
+        self,
+        options: FrontendOptions | None = None,
+        *,
+        ranks: MuirRanks | Mapping[str, int | None] | None = None,
+        read_gate: str = "dynamic",
+        **frontend: Unpack[FrontendKeywords],
+    ) -> None:
+        options = frontend_options(options, frontend, type(self))
+        ranks = MuirRanks.resolve(
+            ranks, lambda: MuirRanks.default(options.head_dim, options.hidden_size)
+        )
+        read_gate = require_choice("read_gate", read_gate, READ_GATES)
+        super().__init__(options, gate_rank=ranks.outgate)
+        key_width, value_width = self.num_heads * self.head_dim, self.num_heads * self.value_dim
+        # A low-rank erase or write gate gets a bias, so that each channel keeps its own resting
+        # level whatever the rank; a full-rank one is GDN-2's projection, without.
+        own = {"erase": key_width, "write": value_width}
+        biased = frozenset(name for name in own if getattr(ranks, name) is not None)
+        self._init_fused_gates(ranks, read_gate, own, biased)
+
     def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """x `[B, T, D]` -> erase, write, g, read (shapes in the class docstring)."""
         heads, key_dim, value_dim = self.num_heads, self.head_dim, self.value_dim
         raw = self.gate_proj(x)
-        dtype = compute_dtype(x)
-        decay_raw = raw["decay"].unflatten(-1, (heads, key_dim)).to(dtype)
-        rate = self.A_log.to(dtype).exp().unsqueeze(-1)
-        g = -rate * F.softplus(decay_raw + self.dt_bias.to(dtype))
         erase = torch.sigmoid(raw["erase"]).unflatten(-1, (heads, key_dim))
         write = torch.sigmoid(raw["write"]).unflatten(-1, (heads, value_dim))
-        shape = (*x.shape[:2], heads, key_dim)
-        if self.read_gate == "none":
-            read = x.new_ones(()).expand(shape)
-        else:
-            read = self.read_log.to(dtype).exp()
-            if self.read_gate == "dynamic":
-                modulation = torch.sigmoid(raw["read"].unflatten(-1, (heads, key_dim)).to(dtype))
-                read = read * (2.0 * modulation)
-            read = read.to(x.dtype).expand(shape)
-        return {"erase": erase, "write": write, "g": g, "read": read}
+        return {
+            "erase": erase,
+            "write": write,
+            "g": self.decay_from(raw),
+            "read": self.read_from(raw, x),
+        }
 
     def inputs_from_gates(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]

@@ -28,6 +28,7 @@ MIXER_CLASSES = {
     "kdn_diag": "kdn:DiagonalKDN",
     "kdn_exact": "kdn:ExactKDN",
     "muir": "muir:Muir",
+    "kdn_muir": "kdn_muir:KDNMuir",
     "attention": "attention:Attention",
 }
 # The frontend options that are the config's own fields (the rest may come in mixer_options).

@@ -4,7 +4,8 @@
 fix width, depth and heads (head dim 128, vocab 32000, as in the GDN-2 and KDN papers); the
 FFN width is solved so that the non-embedding parameter count (embeddings and LM head excluded,
 as the papers count) matches the scale, except where a paper publishes it (GDN-2 1.3B: 6208).
-Muir's FFN reinvests what its low-rank gates save, matching GDN-2's count at each scale.
+Muir's FFN reinvests what its low-rank gates save, matching GDN-2's count at each scale;
+KDN-Muir's matches the scale's target, and at tiny Diagonal KDN's count, the same way.
 Parameter counts are taken on the meta device, so the big presets allocate nothing.
 """
 
@@ -51,6 +52,11 @@ SCALES = {
 PRESETS = ("tiny", *SCALES)
 
 TINY = dict(hidden_size=128, num_layers=6, num_heads=2, head_dim=64, vocab_size=259)
+# The tiny FFN widths solved for a parameter count are multiples of 8 (the scales': 32).
+TINY_FFN_MULTIPLE = 8
+# Tiny presets whose FFN is solved to the parameter count of another mixer's tiny preset (Muir's
+# is solved against GDN-2 by `muir_ffn_width`): KDN-Muir against its unfused twin, Diagonal KDN.
+TINY_MATCHED = {"kdn_muir": "kdn_diag"}
 
 
 @dataclass(frozen=True)
@@ -99,12 +105,12 @@ def _heads(scale_name: str, mixer: str, hidden_size: int) -> int:
     return hidden_size // PAPER_HEAD_DIM
 
 
-def _solve_ffn(fields: dict[str, Any], target: float) -> int:
-    """The FFN width (a multiple of FFN_MULTIPLE) whose model is closest to `target`."""
-    probe = DeltaLabConfig(**{**fields, "ffn_width": FFN_MULTIPLE})
-    without_ffn = count_parameters(probe) - 3 * probe.hidden_size * FFN_MULTIPLE * probe.num_layers
+def _solve_ffn(fields: dict[str, Any], target: float, multiple: int = FFN_MULTIPLE) -> int:
+    """The FFN width (a multiple of `multiple`) whose model is closest to `target`."""
+    probe = DeltaLabConfig(**{**fields, "ffn_width": multiple})
+    without_ffn = count_parameters(probe) - 3 * probe.hidden_size * multiple * probe.num_layers
     per_unit = 3 * probe.hidden_size * probe.num_layers
-    width = round((target - without_ffn) / per_unit / FFN_MULTIPLE) * FFN_MULTIPLE
+    width = round((target - without_ffn) / per_unit / multiple) * multiple
     if width <= 0:
         raise ValueError(f"the {fields['mixer']} mixer alone exceeds {target:.3g} parameters")
     return width
@@ -158,7 +164,11 @@ def build_config(preset: str, **overrides: Any) -> DeltaLabConfig:
         fields = {**TINY, "mixer": mixer}
         if mixer == "muir":
             gdn2_ffn = DeltaLabConfig(**{**TINY, "mixer": "gdn2"}).ffn_width
-            fields["ffn_width"] = _muir_ffn(fields, gdn2_ffn, multiple=8)
+            fields["ffn_width"] = _muir_ffn(fields, gdn2_ffn, multiple=TINY_FFN_MULTIPLE)
+        elif mixer in TINY_MATCHED:
+            # Reinvest what the fused gates save, as Muir does: the count of the unfused twin.
+            twin = count_parameters(DeltaLabConfig(**{**TINY, "mixer": TINY_MATCHED[mixer]}))
+            fields["ffn_width"] = _solve_ffn(fields, twin, multiple=TINY_FFN_MULTIPLE)
     else:
         fields = _scale_fields(preset, mixer)
     unknown = set(overrides) - set(DeltaLabConfig().to_dict()) - {"ffn_width", "value_dim"}

@@ -55,13 +55,19 @@ def require_same_device(named: dict[str, torch.Tensor | None]) -> None:
             )
 
 
+def capturing(x: torch.Tensor) -> bool:
+    """Whether x is a CUDA tensor and a CUDA graph is being captured on the current stream:
+    then nothing may be read back to the host."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def values_checkable(x: torch.Tensor) -> bool:
     """Whether a check may read x's values: x is not empty, and no CUDA graph is being captured.
 
     Reading a value back to the host is forbidden during a capture. The static-cache decoder
     runs its step once eagerly (values checked) before capturing the same step.
     """
-    return x.numel() > 0 and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    return x.numel() > 0 and not capturing(x)
 
 
 class NonFiniteError(ValueError):
@@ -154,8 +160,14 @@ def state_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
 
 def check_cu_seqlens(
     cu_seqlens: object, batch: int, length: int, device: torch.device
-) -> list[int]:
-    """Validates packed-sequence offsets `[N+1]` and returns them as a Python list."""
+) -> torch.Tensor:
+    """Validates packed-sequence offsets `[N+1]`; returns them as an int64 tensor on `device`.
+
+    The backends take this tensor (no host copy), so a call syncs with the device once, here:
+    the value checks read four numbers back in one transfer (one more, on the error path, to
+    quote a non-increasing pair). During a CUDA graph capture nothing may be read back, so only
+    the dtype, shape and device are checked, as `values_checkable` does for every value check.
+    """
     cu = require_tensor("cu_seqlens", cu_seqlens)
     if cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
         raise TypeError(f"cu_seqlens must be an integer tensor, got dtype {cu.dtype}")
@@ -167,15 +179,24 @@ def check_cu_seqlens(
         raise ValueError(f"cu_seqlens is on {cu.device} but the inputs are on {device}")
     if batch != 1:
         raise ValueError(f"cu_seqlens packs sequences along T and needs B == 1, got B = {batch}")
-    offsets = [int(v) for v in cu.tolist()]
-    if offsets[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got {offsets[0]}")
-    if offsets[-1] != length:
-        raise ValueError(f"cu_seqlens must end at T = {length}, got {offsets[-1]}")
-    for i in range(1, len(offsets)):
-        if offsets[i] <= offsets[i - 1]:
-            raise ValueError(
-                f"cu_seqlens must be strictly increasing, got {offsets[i - 1]} then {offsets[i]} "
-                f"at positions {i - 1}, {i}"
-            )
-    return offsets
+    # int64 before any arithmetic: differences of unsigned offsets would wrap around.
+    cu = cu.to(torch.int64)
+    if not values_checkable(cu):
+        return cu
+    steps = cu[1:] - cu[:-1]
+    # argmax of a bool mask is the first True (0 when there is none; `bad` tells which).
+    first_bad = (steps <= 0).to(torch.uint8).argmax()
+    bad = (steps <= 0).any().to(torch.int64)
+    # The one device -> host sync of validation.
+    start, end, has_bad, at = torch.stack([cu[0], cu[-1], bad, first_bad]).tolist()
+    if start != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {start}")
+    if end != length:
+        raise ValueError(f"cu_seqlens must end at T = {length}, got {end}")
+    if has_bad:
+        before, after = cu[at : at + 2].tolist()
+        raise ValueError(
+            f"cu_seqlens must be strictly increasing, got {before} then {after} "
+            f"at positions {at}, {at + 1}"
+        )
+    return cu

@@ -3,8 +3,8 @@
     S_t = (I - a_t b_t^T) diag(exp(g_t)) S_{t-1} + a_t u_t^T,      o_t = scale * S_t^T q_t
 
 Backends: "naive" (token loop, the definition), "chunk" (chunkwise-parallel PyTorch, stable up
-to 256-token chunks), "triton" (the chunk operators of "chunk" with the sequential state pass in a
-Triton kernel; CUDA, or CPU under TRITON_INTERPRET=1). "auto" picks the fastest available for the
+to 256-token chunks), "triton" (the stages of "chunk", each a Triton kernel, forward and
+backward; CUDA, or CPU under TRITON_INTERPRET=1). "auto" picks the fastest available for the
 inputs' device.
 """
 
@@ -142,10 +142,10 @@ def delta_rule(
         raise TypeError(
             f"output_final_state must be a bool, got {type(output_final_state).__name__}"
         )
-    offsets = None
     if cu_seqlens is not None:
-        offsets = check_cu_seqlens(cu_seqlens, batch, length, q.device)
-    sequences = batch if offsets is None else len(offsets) - 1
+        # The backends take the validated offsets as an int64 tensor on q's device.
+        cu_seqlens = check_cu_seqlens(cu_seqlens, batch, length, q.device)
+    sequences = batch if cu_seqlens is None else cu_seqlens.numel() - 1
     dtype = state_dtype(q, a, b, u, g, initial_state)
     backend = _resolve_backend(backend, q.device, dtype, key_dim)
     if initial_state is None:
@@ -172,13 +172,13 @@ def delta_rule(
         from deltalab.ops.delta_rule.triton.chunk import delta_rule_triton
 
         # Given the inputs' own dtype: it picks the precision of its matrix products from it.
-        o, final = delta_rule_triton(q, a, b, u, g, state, offsets, chunk_size, scale)
+        o, final = delta_rule_triton(q, a, b, u, g, state, cu_seqlens, chunk_size, scale)
     else:
         inputs = [q.to(dtype) * scale, *(x.to(dtype) for x in (a, b, u, g))]
         if backend == "naive":
-            o, final = delta_rule_naive(*inputs, state, offsets)
+            o, final = delta_rule_naive(*inputs, state, cu_seqlens)
         else:
-            o, final = delta_rule_chunk(*inputs, state, offsets, chunk_size)
+            o, final = delta_rule_chunk(*inputs, state, cu_seqlens, chunk_size)
     return o.to(q.dtype), (final if output_final_state else None)
 
 

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from deltalab.ops._varlen import pad_packed, unpad_packed
+from deltalab.ops._varlen import max_seqlen, pad_packed, unpad_packed
 
 # Sub-block size: pairwise decays inside, one reference point between. 16 is the smallest
 # tile of a tensor-core matrix product, and keeps the pairwise [16, 16, K] tensors small.
@@ -235,17 +235,19 @@ def delta_rule_chunk(
     u: torch.Tensor,
     g: torch.Tensor,
     initial_state: torch.Tensor,
-    offsets: list[int] | None,
+    cu_seqlens: torch.Tensor | None,
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunkwise evaluation over validated inputs already scaled and cast to the state dtype.
 
     q, a, b: [B, T, H, K]; u: [B, T, H, V]; g: [B, T, H(, K)]; initial_state: [N, H, K, V];
-    offsets: packed-sequence boundaries (B == 1) or None. Returns (o [B, T, H, V],
-    final state [N, H, K, V]).
+    cu_seqlens: packed-sequence boundaries [N+1] (B == 1, int64 on the inputs' device) or None.
+    Returns (o [B, T, H, V], final state [N, H, K, V]).
     """
-    if offsets is None:
+    if cu_seqlens is None:
         return _delta_rule_chunk_dense(q, a, b, u, g, initial_state, chunk_size)
-    padded = [pad_packed(x, offsets) for x in (q, a, b, u, g)]
+    length = q.shape[1]
+    max_len = max_seqlen(cu_seqlens, length)  # one device -> host sync (see max_seqlen)
+    padded = [pad_packed(x, cu_seqlens, max_len) for x in (q, a, b, u, g)]
     o, state = _delta_rule_chunk_dense(*padded, initial_state, chunk_size)
-    return unpad_packed(o, offsets), state
+    return unpad_packed(o, cu_seqlens, length), state

@@ -49,16 +49,19 @@ def delta_rule_naive(
     u: torch.Tensor,
     g: torch.Tensor,
     initial_state: torch.Tensor,
-    offsets: list[int] | None,
+    cu_seqlens: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token loop over validated inputs already scaled and cast to the state dtype.
 
     q, a, b: [B, T, H, K]; u: [B, T, H, V]; g: [B, T, H(, K)]; initial_state: [N, H, K, V];
-    offsets: the packed-sequence boundaries (B == 1) or None. Returns (o [B, T, H, V],
-    final state [N, H, K, V]).
+    cu_seqlens: the packed-sequence boundaries [N+1] (B == 1, int64 on the inputs' device) or
+    None. Returns (o [B, T, H, V], final state [N, H, K, V]).
     """
-    if offsets is None:
+    if cu_seqlens is None:
         return _run(q, a, b, u, g, initial_state)
+    # The definition runs each sequence alone, sliced by Python offsets: one device -> host sync
+    # (this backend is a Python loop over tokens, so one more read back costs nothing).
+    offsets = cu_seqlens.tolist()
     outputs, finals = [], []
     for i, (start, end) in enumerate(itertools.pairwise(offsets)):
         piece = [x[:, start:end] for x in (q, a, b, u, g)]

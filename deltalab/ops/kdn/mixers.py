@@ -3,7 +3,6 @@ memory through the generalized delta rule with a = gain, b = k, u = v (docs/MATH
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 
 import torch
@@ -14,7 +13,7 @@ from deltalab.ops._checks import (
     require_same_device,
     state_dtype,
 )
-from deltalab.ops._varlen import pad_packed, unpad_packed
+from deltalab.ops._varlen import max_seqlen, pad_packed, unpad_packed
 from deltalab.ops.delta_rule import BACKENDS, delta_rule
 from deltalab.ops.kdn._validate import (
     check_decay,
@@ -52,22 +51,26 @@ def _packed_gains(
     p_prior: torch.Tensor,
     info_scale: float,
     scan: str,
-    offsets: list[int] | None,
+    cu_seqlens: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gains `[B, T, H(, K)]` and each sequence's last posterior variance `[N, H(, K)]`.
 
     Packed sequences are scanned as a padded batch, each from its own prior. Padding tokens
     get k = 0, g = 0, q_noise = 0 and r = 1: the identity map, finite in both directions.
     """
-    if offsets is None:
+    if cu_seqlens is None:
         gain, p, _ = gain_fn(k, g, q_noise, r, p_prior, info_scale, scan)
         return gain, p[:, -1]
-    real = pad_packed(torch.ones_like(r), offsets) > 0
-    r_padded = torch.where(real, pad_packed(r, offsets), torch.ones_like(real, dtype=r.dtype))
-    padded = [pad_packed(x, offsets) for x in (k, g, q_noise)]
+    length = k.shape[1]
+    max_len = max_seqlen(cu_seqlens, length)  # one device -> host sync (see max_seqlen)
+    real = pad_packed(torch.ones_like(r), cu_seqlens, max_len) > 0
+    r_padded = pad_packed(r, cu_seqlens, max_len)
+    r_padded = torch.where(real, r_padded, torch.ones_like(real, dtype=r.dtype))
+    padded = [pad_packed(x, cu_seqlens, max_len) for x in (k, g, q_noise)]
     gain, p, _ = gain_fn(*padded, r_padded, p_prior, info_scale, scan)
-    last = torch.tensor([end - start - 1 for start, end in itertools.pairwise(offsets)])
-    return unpad_packed(gain, offsets), p[torch.arange(len(last)), last.to(p.device)]
+    last = cu_seqlens[1:] - cu_seqlens[:-1] - 1
+    sequences = torch.arange(last.numel(), device=p.device)
+    return unpad_packed(gain, cu_seqlens, length), p[sequences, last]
 
 
 def _kdn(
@@ -95,8 +98,9 @@ def _kdn(
     check_noise(q_noise, r, k, "B, T, H", per_channel_process=diagonal)
     require_choice("backend", backend, BACKENDS)
     batch, length, heads, key_dim = k.shape
-    offsets = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, batch, length, k.device)
-    sequences = batch if offsets is None else len(offsets) - 1
+    # Validated as an int64 tensor on k's device: the variance scan takes it as it is.
+    cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, batch, length, k.device)
+    sequences = batch if cu is None else cu.numel() - 1
     memory, precision = split_state(initial_state, "initial_state")
     tail = (heads, key_dim) if diagonal else (heads,)
     p_prior = prior_variance(
@@ -110,7 +114,7 @@ def _kdn(
     inputs = [x.to(dtype) for x in (k, g, q_noise, r, p_prior)]
     gain_fn = diag_gain if diagonal else iso_gain
     scan = scan_backend(backend, k.device)
-    gain, p_last = _packed_gains(gain_fn, *inputs, s, scan, offsets)
+    gain, p_last = _packed_gains(gain_fn, *inputs, s, scan, cu)
     write = gain if diagonal else gain.unsqueeze(-1) * inputs[0]
     o, final_memory = delta_rule(
         q,
@@ -121,7 +125,7 @@ def _kdn(
         scale=scale,
         initial_state=memory,
         output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
+        cu_seqlens=cu,
         chunk_size=chunk_size,
         backend=backend,
     )

@@ -25,26 +25,34 @@ arrive as factors <= 1 from the stable stage 1.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
 
-from deltalab.ops._varlen import pad_packed, unpad_packed
-from deltalab.ops.delta_rule.chunk import (
-    ChunkOperators,
-    chunk_operators,
-    from_chunks,
-    to_chunks,
+from deltalab.ops._varlen import max_seqlen, pad_packed, unpad_packed
+from deltalab.ops.delta_rule.chunk import ChunkOperators, from_chunks, padded_chunk_size
+from deltalab.ops.delta_rule.triton.factors import factors_triton, factors_triton_backward
+from deltalab.ops.delta_rule.triton.intra import intra_triton, intra_triton_backward, key_block
+from deltalab.ops.delta_rule.triton.solve import (
+    lower_grad_triton,
+    solve_triton,
+    solve_triton_backward,
 )
-from deltalab.ops.delta_rule.triton.intra import intra_chunk_triton, key_block
 
-# Value columns per program: 32 keeps S [K, 32] float32 in registers for K up to 256 and gives
-# B * H * V / 32 programs to fill the GPU's SMs (one sequence and head alone is sequential).
-BLOCK_V = 32
+# Value columns per program: S [K, BV] float32 stays in registers, and B * H * V / BV programs
+# fill the GPU's SMs (one sequence and head alone is sequential). Measured on the H200 at K = 128
+# (benchmarks/tune_triton.py): 64 columns with 8 warps beat 32 with 4 (0.78 / 0.86 ms forward /
+# backward against 0.88 / 1.19: half the programs reload each chunk's operators); K = 256 keeps 32.
+BLOCK_V = 64
+BLOCK_V_WIDE_K = 32
 # Rows of a chunk per tile: a 64 x 64 float32 tile of `attend` is 16 KiB; a whole 256 x 256 chunk
 # is 256 KiB, past the 227 KiB of shared memory of an H100/H200 SM (measured: chunk 256 failed
 # to compile as one tile).
 BLOCK_C = 64
+# Warps per program of the state pass (with BLOCK_V above).
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -148,13 +156,14 @@ def _state_pass_bwd(
 
 def _launch(value_dim: int, programs: int, size: int, key_dim: int, precision: str):
     """Grid and the shape constants shared by both kernels."""
-    grid = (triton.cdiv(value_dim, BLOCK_V), programs)
+    block_v = BLOCK_V if key_dim <= 128 else BLOCK_V_WIDE_K
+    grid = (triton.cdiv(value_dim, block_v), programs)
     consts = {
         "K": key_dim, "V": value_dim, "C": size, "BK": key_block(key_dim),
-        "BV": BLOCK_V, "BC": min(size, BLOCK_C), "PRECISION": precision,
+        "BV": block_v, "BC": min(size, BLOCK_C), "PRECISION": precision,
         # One stage: software pipelining of the chunk loop doubles every tile in shared memory
         # (measured 270 KiB at chunk 64 with 2 stages, over the SM's 227 KiB; 72 KiB with 1).
-        "num_warps": 4, "num_stages": 1,
+        "num_warps": NUM_WARPS, "num_stages": 1,
     }  # fmt: skip
     return grid, consts
 
@@ -214,51 +223,129 @@ def _operator_grads(ops, states, residuals, d_out, d_residual, d_next) -> ChunkO
     )
 
 
-class _DeltaRuleTriton(torch.autograd.Function):
-    """Stages 1 (Triton), 2 (PyTorch) and 3-4 (Triton); stages 1-2 recomputed in backward.
+@contextlib.contextmanager
+def _matmul_precision(precision: str):
+    """PyTorch's float32 products in TF32 ("tf32") or IEEE float32 ("ieee") inside the block,
+    matching the kernels' `input_precision`; the caller's setting is restored after."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if precision == "tf32" else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
-    Saved for backward: the inputs, the chunk-start states and the residuals; the [C, C] and
-    [C, K] operators of every chunk are rebuilt from the inputs when the gradient is needed.
+
+def _operators_triton(q, a, b, u, g, precision: str) -> tuple[ChunkOperators, torch.Tensor]:
+    """Stages 1-2 in Triton over contiguous float32 chunked inputs (g per channel):
+    (the chunk operators, L). The twin of `chunk.chunk_operators`."""
+    read, erase_rhs, write, decay = factors_triton(q, a, b, g)
+    lower, attend = intra_triton(q, a, b, g, precision)
+    erase = solve_triton(lower, erase_rhs, precision)
+    target = solve_triton(lower, u, precision)
+    return ChunkOperators(read, attend, erase, target, write, decay), lower
+
+
+def _to_chunks_f32(x: torch.Tensor, chunk_size: int, factor: float = 1.0) -> torch.Tensor:
+    """`chunk.to_chunks(x.float() * factor)` [B, H, n, C_pad, *] in one copy of x (the layout
+    change, the cast and the factor fused), padding tokens zero."""
+    batch, length, heads, *rest = x.shape
+    chunks = -(-length // chunk_size)
+    out = x.new_zeros(batch, heads, chunks, padded_chunk_size(chunk_size), *rest,
+                      dtype=torch.float32)  # fmt: skip
+    full = length // chunk_size
+    source = x.movedim(2, 1)  # [B, H, T, *]
+    if full:
+        out[:, :, :full, :chunk_size] = source[:, :, : full * chunk_size].unflatten(
+            2, (full, chunk_size)
+        )
+    if full < chunks:
+        out[:, :, full, : length - full * chunk_size] = source[:, :, full * chunk_size :]
+    return out if factor == 1.0 else out.mul_(factor)
+
+
+def _from_chunks_as(x: torch.Tensor, chunk_size: int, shape, dtype) -> torch.Tensor:
+    """`chunk.from_chunks` of x [B, H, n, C_pad, *] into a new contiguous [B, T, H, *] tensor
+    of `shape` and `dtype` (one copy)."""
+    out = x.new_empty(shape, dtype=dtype)
+    if len(shape) == 3:  # one log decay per head: no channel axis
+        out.unsqueeze(-1).copy_(from_chunks(x.unsqueeze(-1), chunk_size, shape[1]))
+    else:
+        out.copy_(from_chunks(x, chunk_size, shape[1]))
+    return out
+
+
+class _DeltaRuleTriton(torch.autograd.Function):
+    """Inputs [B, T, H, *] in their own dtype -> (o [B, T, H, V] in q's dtype, final state).
+
+    Every stage is a Triton kernel; the inputs are cast and rearranged into chunks once
+    (`_to_chunks_f32`). The backward recomputes stages 1-2 instead of storing the per-chunk
+    operators, and walks the stages back by hand (no PyTorch graph through them).
+
+    Saved for backward: the chunked inputs, the chunk-start states and the residuals.
     """
 
     @staticmethod
-    def forward(ctx, q, a, b, u, g, initial_state, chunk_size, precision):
+    def forward(ctx, q, a, b, u, g, initial_state, chunk_size, scale, precision):
         ctx.set_materialize_grads(False)
-        ops = _operators((q, a, b, u, g), chunk_size, precision)
+        head_decay = g.dim() == q.dim() - 1
+        chunked_q = _to_chunks_f32(q, chunk_size, scale)
+        chunked = [_to_chunks_f32(x, chunk_size) for x in (a, b, u, g)]
+        ca, cb, cu, cg = chunked
+        g_full = (cg.unsqueeze(-1).expand(chunked_q.shape) if head_decay else cg).contiguous()
+        ops, _ = _operators_triton(chunked_q, ca, cb, cu, g_full, precision)
         out, residuals, states, final = state_pass_triton(
             ops, initial_state.contiguous(), precision
         )
-        ctx.save_for_backward(q, a, b, u, g, states, residuals)
-        ctx.chunk_size, ctx.precision = chunk_size, precision
-        return from_chunks(out, chunk_size, q.shape[1]), final
+        ctx.save_for_backward(chunked_q, ca, cb, cu, g_full, states, residuals)
+        ctx.precision, ctx.head_decay, ctx.chunk_size, ctx.scale = (
+            precision, head_decay, chunk_size, scale
+        )  # fmt: skip
+        ctx.layouts = [(x.shape, x.dtype) for x in (q, a, b, u, g)]
+        return _from_chunks_as(out, chunk_size, u.shape, q.dtype), final
 
     @staticmethod
     def backward(ctx, d_o, d_final):
         q, a, b, u, g, states, residuals = ctx.saved_tensors
-        chunk_size, precision = ctx.chunk_size, ctx.precision
-        with torch.enable_grad():
-            leaves = [x.detach().requires_grad_(True) for x in (q, a, b, u, g)]
-            ops = _operators(leaves, chunk_size, precision)
+        precision, chunk_size = ctx.precision, ctx.chunk_size
+        ops, lower = _operators_triton(q, a, b, u, g, precision)
         if d_o is None:
-            d_o = torch.zeros_like(u)
-        detached = ChunkOperators(*(x.detach() for x in ops))
-        d_out = to_chunks(d_o.to(torch.float32), chunk_size).contiguous()
-        d_final = None if d_final is None else d_final.to(torch.float32).contiguous()
-        d_residual, d_next, d_initial = state_pass_triton_backward(
-            detached, d_out, d_final, precision
+            d_out = torch.zeros_like(u)
+        else:
+            d_out = _to_chunks_f32(d_o, chunk_size)
+        d_final = None if d_final is None else d_final.contiguous()
+        d_residual, d_next, d_initial = state_pass_triton_backward(ops, d_out, d_final, precision)
+        with _matmul_precision(precision):
+            grads = _operator_grads(ops, states, residuals, d_out, d_residual, d_next)
+        # Each tensor is dropped once its last use is behind: the peak of the backward is the
+        # sum of what is alive at its fullest point, not of everything it makes.
+        erase, target = ops.erase, ops.target
+        del ops, d_out, d_residual, d_next
+        # Stage 2 back: R = [exp(G) B | U] through the solve, then L's share.
+        d_erase_rhs = solve_triton_backward(lower, grads.erase.contiguous(), precision)
+        du = solve_triton_backward(lower, grads.target.contiguous(), precision)
+        grads = grads._replace(erase=None, target=None)
+        d_lower = lower_grad_triton(d_erase_rhs, erase, du, target, precision)
+        del erase, target
+        # Stage 1 back, then the factors (which also form dg for both).
+        dq, da, db = intra_triton_backward(
+            q, a, b, g, d_lower, grads.attend.contiguous(), precision
         )
-        grads = _operator_grads(detached, states, residuals, d_out, d_residual, d_next)
-        d_inputs = torch.autograd.grad(ops, leaves, grads, allow_unused=True)
-        return (*d_inputs, d_initial, None, None)
-
-
-def _operators(inputs, chunk_size: int, precision: str) -> ChunkOperators:
-    """Stages 1-2 of chunked inputs, contiguous for the kernels."""
-    chunked = [to_chunks(x, chunk_size) for x in inputs]
-    ops = chunk_operators(
-        *chunked, intra=lambda q, a, b, g: intra_chunk_triton(q, a, b, g, precision)
-    )
-    return ChunkOperators(*(x.contiguous() for x in ops))
+        del d_lower, lower
+        dq, da, db, dg = factors_triton_backward(
+            q, a, b, g, grads.read.contiguous(), d_erase_rhs, grads.write.contiguous(),
+            grads.decay.contiguous(), dq, da, db,
+        )  # fmt: skip
+        del grads, d_erase_rhs
+        if ctx.head_decay:
+            dg = dg.sum(dim=-1)
+        dq = dq.mul_(ctx.scale)
+        grads = [
+            _from_chunks_as(d, chunk_size, *layout) if needed else None
+            for d, layout, needed in zip(
+                (dq, da, db, du, dg), ctx.layouts, ctx.needs_input_grad, strict=False
+            )
+        ]
+        return (*grads, d_initial, None, None, None)
 
 
 def delta_rule_triton(
@@ -268,7 +355,7 @@ def delta_rule_triton(
     u: torch.Tensor,
     g: torch.Tensor,
     initial_state: torch.Tensor,
-    offsets: list[int] | None,
+    cu_seqlens: torch.Tensor | None,
     chunk_size: int,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,11 +369,11 @@ def delta_rule_triton(
     low_precision = q.dtype in (torch.bfloat16, torch.float16)
     allowed = torch.get_float32_matmul_precision() != "highest"
     precision = "tf32" if low_precision or allowed else "ieee"
-    # Scaled after the cast, as the other backends do: fp16 q times a scale > 1 cannot overflow.
-    q, a, b, u, g = (x.to(torch.float32) for x in (q, a, b, u, g))
-    q = q * scale
-    if offsets is None:
-        return _DeltaRuleTriton.apply(q, a, b, u, g, initial_state, chunk_size, precision)
-    padded = [pad_packed(x, offsets) for x in (q, a, b, u, g)]
-    o, state = _DeltaRuleTriton.apply(*padded, initial_state, chunk_size, precision)
-    return unpad_packed(o, offsets), state
+    # The cast to float32 comes before the scale (inside `_to_chunks_f32`), as the other
+    # backends do it: fp16 q times a scale > 1 cannot overflow.
+    length = q.shape[1]
+    if cu_seqlens is not None:
+        max_len = max_seqlen(cu_seqlens, length)  # one device -> host sync (see max_seqlen)
+        q, a, b, u, g = (pad_packed(x, cu_seqlens, max_len) for x in (q, a, b, u, g))
+    o, state = _DeltaRuleTriton.apply(q, a, b, u, g, initial_state, chunk_size, scale, precision)
+    return (o, state) if cu_seqlens is None else (unpad_packed(o, cu_seqlens, length), state)

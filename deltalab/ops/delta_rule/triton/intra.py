@@ -17,8 +17,10 @@ sub-block J the factor splits at the start of I:
 
 the row factor a cumulative sum inside I, the column factor a reverse cumulative sum inside J
 (from the token after s) plus the totals of the sub-blocks strictly between, accumulated as sums.
-Inside a diagonal sub-block the factors are pairwise segment sums (a masked cumulative sum over
-a [BT, BT, BKD] tile). Every exponent is a sum of log decays, so g = -inf (a full reset) gives
+Inside a diagonal sub-block the factors are pairwise: the rows t are walked in order with the
+segment sums sum_{s < j <= t} g_j of every column s in a [BT, channels] tile, each row's from
+the previous row's plus g_t (`_next_segment`): exact running sums, no cumulative scan over a
+three-dimensional tile (which spilled registers and cost most of the kernel's time). Every exponent is a sum of log decays, so g = -inf (a full reset) gives
 exact zeros and strong decays mixed with weak ones keep float32 precision.
 
 Adjoint: with c_tsk the contribution of one (t, s, k) term,
@@ -35,10 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
-# Tokens per sub-block: the smallest tile of a tensor-core product, and short enough that the
-# pairwise [BT, BT, BKD] factor tiles of a diagonal sub-block stay in registers.
+# Tokens per sub-block: the smallest tile of a tensor-core product, and the number of rows a
+# diagonal sub-block walks one at a time.
 SUB_BLOCK = 16
-# Channels per pairwise tile (diagonal sub-blocks) and per program of the adjoint.
+# Channels per program of the adjoint.
 BLOCK_KD = 32
 # One pipeline stage: the loops are short and their tiles change every iteration.
 LAUNCH = {"num_warps": 4, "num_stages": 1}
@@ -51,14 +53,61 @@ def key_block(key_dim: int) -> int:
 
 
 @triton.jit
-def _pair_factors(g, rows, rt, rkd, mkd, K: tl.constexpr, BT: tl.constexpr):
-    """exp(sum_{s < j <= t} g_j) for t >= s inside one sub-block, 0 above: [BT(t), BT(s), BKD]."""
-    gd = tl.load(g + rows * K + rt[:, None] * K + rkd[None, :], mask=mkd[None, :], other=0.0)
-    later = rt[:, None] > rt[None, :]  # [j, s]: j > s
-    terms = tl.where(later[:, :, None], gd[:, None, :], 0.0)
-    segments = tl.cumsum(terms, axis=0)  # [t, s, k] = sum over s < j <= t
-    causal = rt[:, None] >= rt[None, :]
-    return tl.where(causal[:, :, None], tl.exp(segments), 0.0)
+def _next_segment(seg, g, row, rt, rk, mk, t, K: tl.constexpr):
+    """Row t's segment sums sum_{s < j <= t} g_j over the sub-block's columns s: [BT(s), BK].
+
+    Built from row t - 1's by adding g_t (s < t), 0 at s = t, -inf above (s > t): a running sum,
+    never a difference, so g = -inf gives exact zeros and no exponent is positive."""
+    g_t = tl.load(g + row * K + rk, mask=mk, other=0.0)
+    return tl.where(rt[:, None] == t, 0.0, seg + g_t[None, :])
+
+
+@triton.jit
+def _diag_fwd(q, a, b, g, lower, attend, rows, K: tl.constexpr, C: tl.constexpr,
+              BK: tl.constexpr, BT: tl.constexpr):  # fmt: skip
+    """L and M of diagonal sub-block `rows`, one row t at a time with exact pairwise factors."""
+    rt = tl.arange(0, BT)
+    rk = tl.arange(0, BK)
+    mk = rk < K
+    a_d = tl.load(a + (rows + rt)[:, None] * K + rk[None, :], mask=mk[None, :], other=0.0)
+    seg = tl.full([BT, BK], float("-inf"), dtype=tl.float32)
+    for t in range(BT):
+        row = rows + t
+        seg = _next_segment(seg, g, row, rt, rk, mk, t, K)
+        a_f = tl.exp(seg) * a_d
+        b_t = tl.load(b + row * K + rk, mask=mk, other=0.0)
+        q_t = tl.load(q + row * K + rk, mask=mk, other=0.0)
+        l_t = tl.where(rt < t, tl.sum(a_f * b_t[None, :], axis=1), 0.0)
+        m_t = tl.sum(a_f * q_t[None, :], axis=1)
+        tl.store(lower + row * C + rows + rt, l_t)
+        tl.store(attend + row * C + rows + rt, m_t)
+
+
+@triton.jit
+def _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, K: tl.constexpr, C: tl.constexpr,
+              BKD: tl.constexpr, BT: tl.constexpr):  # fmt: skip
+    """The diagonal sub-block's share of (dq, db, da) [BT, BKD] for channels rkd."""
+    rt = tl.arange(0, BT)
+    tile = (rows + rt)[:, None] * K + rkd[None, :]
+    a_d = tl.load(a + tile, mask=mkd[None, :], other=0.0)
+    seg = tl.full([BT, BKD], float("-inf"), dtype=tl.float32)
+    dq_d = tl.zeros([BT, BKD], dtype=tl.float32)
+    db_d = tl.zeros([BT, BKD], dtype=tl.float32)
+    da_d = tl.zeros([BT, BKD], dtype=tl.float32)
+    for t in range(BT):
+        row = rows + t
+        seg = _next_segment(seg, g, row, rt, rkd, mkd, t, K)
+        f = tl.exp(seg)
+        dm_t = tl.load(d_attend + row * C + rows + rt, mask=rt <= t, other=0.0)
+        dl_t = tl.load(d_lower + row * C + rows + rt, mask=rt < t, other=0.0)
+        q_t = tl.load(q + row * K + rkd, mask=mkd, other=0.0)
+        b_t = tl.load(b + row * K + rkd, mask=mkd, other=0.0)
+        a_f = f * a_d
+        at_t = rt[:, None] == t
+        dq_d = tl.where(at_t, tl.sum(dm_t[:, None] * a_f, axis=0)[None, :], dq_d)
+        db_d = tl.where(at_t, tl.sum(dl_t[:, None] * a_f, axis=0)[None, :], db_d)
+        da_d += (dm_t[:, None] * q_t[None, :] + dl_t[:, None] * b_t[None, :]) * f
+    return dq_d, db_d, da_d
 
 
 @triton.jit
@@ -76,8 +125,7 @@ def _column_factor(g, cols, rt, rk, mk, between, K: tl.constexpr, BT: tl.constex
 @triton.jit
 def _intra_fwd(
     q, a, b, g, lower, attend,
-    K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr, BT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     chunk = tl.program_id(0).to(tl.int64)
     q += chunk * C * K
@@ -108,22 +156,7 @@ def _intra_fwd(
             tl.store(lower + rows * C + cols + tile, l_ij)
             tl.store(attend + rows * C + cols + tile, m_ij)
             between += tl.sum(tl.load(g + cols_k, mask=mk[None, :], other=0.0), axis=0)
-        l_ii = tl.zeros([BT, BT], dtype=tl.float32)
-        m_ii = tl.zeros([BT, BT], dtype=tl.float32)
-        for kb in range(BK // BKD):
-            rkd = kb * BKD + tl.arange(0, BKD)
-            mkd = rkd < K
-            f = _pair_factors(g, rows, rt, rkd, mkd, K, BT)
-            offs = (rows + rt)[:, None] * K + rkd[None, :]
-            a_d = tl.load(a + offs, mask=mkd[None, :], other=0.0)
-            b_d = tl.load(b + offs, mask=mkd[None, :], other=0.0)
-            q_d = tl.load(q + offs, mask=mkd[None, :], other=0.0)
-            a_f = a_d[None, :, :] * f
-            l_ii += tl.sum(b_d[:, None, :] * a_f, axis=2)
-            m_ii += tl.sum(q_d[:, None, :] * a_f, axis=2)
-        l_ii = tl.where(rt[:, None] > rt[None, :], l_ii, 0.0)
-        tl.store(lower + rows * C + rows + tile, l_ii)
-        tl.store(attend + rows * C + rows + tile, m_ii)
+        _diag_fwd(q, a, b, g, lower, attend, rows, K, C, BK, BT)
         zero = tl.zeros([BT, BT], dtype=tl.float32)
         for j in range(i + 1, C // BT):
             tl.store(lower + rows * C + j * BT + tile, zero)
@@ -151,8 +184,6 @@ def _intra_bwd(
     rkd = kb * BKD + tl.arange(0, BKD)
     mkd = rkd < K
     tile = rt[:, None] * C + rt[None, :]
-    strict = rt[:, None] > rt[None, :]
-    causal = rt[:, None] >= rt[None, :]
     # Rows: dq and db of sub-block i from the columns s <= t.
     for i in range(C // BT):
         rows = i * BT
@@ -171,13 +202,9 @@ def _intra_bwd(
             acc_q += tl.dot(dm, a_j, input_precision=PRECISION)
             acc_b += tl.dot(dl, a_j, input_precision=PRECISION)
             between += tl.sum(tl.load(g + cols_k, mask=mkd[None, :], other=0.0), axis=0)
-        f = _pair_factors(g, rows, rt, rkd, mkd, K, BT)
-        a_d = tl.load(a + rows_k, mask=mkd[None, :], other=0.0)
-        a_f = a_d[None, :, :] * f
-        dm = tl.where(causal, tl.load(d_attend + rows * C + rows + tile), 0.0)
-        dl = tl.where(strict, tl.load(d_lower + rows * C + rows + tile), 0.0)
-        dq_i = acc_q * row_f + tl.sum(dm[:, :, None] * a_f, axis=1)
-        db_i = acc_b * row_f + tl.sum(dl[:, :, None] * a_f, axis=1)
+        dq_d, db_d, _ = _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, K, C, BKD, BT)
+        dq_i = acc_q * row_f + dq_d
+        db_i = acc_b * row_f + db_d
         tl.store(dq + rows_k, dq_i, mask=mkd[None, :])
         tl.store(db + rows_k, db_i, mask=mkd[None, :])
     # Columns: da of sub-block j from the rows t >= s.
@@ -199,14 +226,37 @@ def _intra_bwd(
             part += tl.dot(tl.trans(dl), b_i, input_precision=PRECISION)
             acc_a += part * _column_factor(g, cols, rt, rkd, mkd, between, K, BT)
             between += tl.sum(g_i, axis=0)
-        f = _pair_factors(g, cols, rt, rkd, mkd, K, BT)
-        q_d = tl.load(q + cols_k, mask=mkd[None, :], other=0.0)
-        b_d = tl.load(b + cols_k, mask=mkd[None, :], other=0.0)
-        dm = tl.where(causal, tl.load(d_attend + cols * C + cols + tile), 0.0)
-        dl = tl.where(strict, tl.load(d_lower + cols * C + cols + tile), 0.0)
-        weights = dm[:, :, None] * q_d[:, None, :] + dl[:, :, None] * b_d[:, None, :]
-        da_j = acc_a + tl.sum(weights * f, axis=0)
+        _, _, da_d = _diag_bwd(q, a, b, g, d_lower, d_attend, cols, rkd, mkd, K, C, BKD, BT)
+        da_j = acc_a + da_d
         tl.store(da + cols_k, da_j, mask=mkd[None, :])
+
+
+def intra_triton(q, a, b, g, precision: str = "ieee"):
+    """(L, M) [..., C, C] of contiguous float32 chunked inputs [..., C, K] (g per channel)."""
+    *lead, size, key_dim = q.shape
+    chunks = q.numel() // (size * key_dim)
+    lower = q.new_empty(*lead, size, size)
+    attend = q.new_empty(*lead, size, size)
+    block_k = key_block(key_dim)
+    _intra_fwd[(chunks,)](
+        q, a, b, g, lower, attend, K=key_dim, C=size, BK=block_k, BT=SUB_BLOCK,
+        PRECISION=precision, **LAUNCH,
+    )  # fmt: skip
+    return lower, attend
+
+
+def intra_triton_backward(q, a, b, g, d_lower, d_attend, precision: str = "ieee"):
+    """(dq, da, db) through L and M (the log decays' share is formed by the caller: see the
+    module docstring). Only the blocks on and below the diagonal of d_lower, d_attend are read."""
+    *_, size, key_dim = q.shape
+    chunks = q.numel() // (size * key_dim)
+    dq, da, db = (torch.empty_like(q) for _ in range(3))
+    block_kd = min(BLOCK_KD, key_block(key_dim))
+    _intra_bwd[(chunks, triton.cdiv(key_dim, block_kd))](
+        q, a, b, g, d_lower, d_attend, dq, da, db, K=key_dim, C=size, BKD=block_kd,
+        BT=SUB_BLOCK, PRECISION=precision, **LAUNCH,
+    )  # fmt: skip
+    return dq, da, db
 
 
 class IntraChunk(torch.autograd.Function):
@@ -215,32 +265,16 @@ class IntraChunk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, a, b, g, precision):
         q, a, b, g = (x.contiguous() for x in (q, a, b, g))
-        *lead, size, key_dim = q.shape
-        chunks = q.numel() // (size * key_dim)
-        lower = q.new_empty(*lead, size, size)
-        attend = q.new_empty(*lead, size, size)
-        block_k = key_block(key_dim)
-        _intra_fwd[(chunks,)](
-            q, a, b, g, lower, attend, K=key_dim, C=size, BK=block_k,
-            BKD=min(BLOCK_KD, block_k), BT=SUB_BLOCK, PRECISION=precision, **LAUNCH,
-        )  # fmt: skip
         ctx.save_for_backward(q, a, b, g)
         ctx.precision = precision
-        return lower, attend
+        return intra_triton(q, a, b, g, precision)
 
     @staticmethod
     def backward(ctx, d_lower, d_attend):
         q, a, b, g = ctx.saved_tensors
-        *_, size, key_dim = q.shape
-        chunks = q.numel() // (size * key_dim)
         d_lower = torch.zeros_like(d_lower) if d_lower is None else d_lower.contiguous()
         d_attend = torch.zeros_like(d_attend) if d_attend is None else d_attend.contiguous()
-        dq, da, db = (torch.empty_like(q) for _ in range(3))
-        block_kd = min(BLOCK_KD, key_block(key_dim))
-        _intra_bwd[(chunks, triton.cdiv(key_dim, block_kd))](
-            q, a, b, g, d_lower, d_attend, dq, da, db, K=key_dim, C=size, BKD=block_kd,
-            BT=SUB_BLOCK, PRECISION=ctx.precision, **LAUNCH,
-        )  # fmt: skip
+        dq, da, db = intra_triton_backward(q, a, b, g, d_lower, d_attend, ctx.precision)
         # dg_j = reverse cumulative sum over the chunk of q dq + b db - a da (module docstring).
         dg = (q * dq + b * db - a * da).flip(-2).cumsum(-2).flip(-2)
         return dq, da, db, dg, None

@@ -1,0 +1,146 @@
+"""KDN-Muir (docs/MATH.md sec. 4.7): Diagonal KDN's Kalman gain under Muir's fused gates.
+
+Muir's one fused, sensitivity-allocated low-rank projection computes the Diagonal KDN noise model
+and Muir's read gate; the write direction is the Kalman gain of the per-channel variance scan,
+as in `DiagonalKDN`. Per token and head:
+
+    z_t   = W_down x_t                     one projection of rank R = r_decay + r_process
+                                           + r_observation (+ r_read), sliced per gate
+    g_t   = -exp(A_log) * softplus(U_decay z_decay + dt_bias)           [H, K]  (KDA decay)
+    q_t   = softplus(U_process z_process + c_process)                   [H, K]  process noise
+    r_t   = r_min + softplus(U_observation z_observation + c_obs)       [H]     observation noise
+    rho_t = exp(r) * 2 sigmoid(U_read z_read + c_read)   ("dynamic")    [H, K]  read gate
+    gain_t from the diagonal variance scan (sec. 3.1) of (g, q, r) and the key
+    S_t   = (I - gain_t k_t^T) diag(exp(g_t)) S_{t-1} + gain_t v_t^T,   o_t = S_t^T (rho_t * q_t)
+
+The primitive's inputs are Diagonal KDN's, `(rho * q, gain, k, v, g)`: Muir's erase and write
+gates are gone, their job done by the gain. The output gate keeps its own projection of rank
+`ranks.outgate`, as in Muir. Initialization: the noise model starts where `DiagonalKDN`'s does
+(q = 0.1 for every channel, r = 1, p_0 = 1), the read gate at the matched filter of the initial
+decays, as Muir's.
+
+No paper has this mixer: it is deltalab's answer to issue 13 (docs/MATH.md sec. 4.7).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar, Unpack
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltalab.layers.common import (
+    FrontendKeywords,
+    FrontendOptions,
+    compute_dtype,
+    frontend_options,
+)
+from deltalab.layers.kdn import (
+    Q_BIAS_INIT,
+    R_BIAS_INIT,
+    R_MIN,
+    ScanFilter,
+    observation_noise,
+)
+from deltalab.layers.muir import READ_GATES, FusedGateMixer, GateRanks
+from deltalab.ops import _checks
+
+__all__ = ["KDN_MUIR_RANK_DIVISORS", "KDNMuir", "KDNMuirRanks"]
+
+# Default rank of each gate as head_dim // divisor (at least 1, at most the gate's width: the
+# observation noise has one number per head, so its rank is the number of heads).
+# docs/MATH.md sec. 4.7 and docs/RESULTS.md ("Gate sensitivity after training") give the
+# measurement behind them.
+KDN_MUIR_RANK_DIVISORS = {"decay": 1, "process": 4, "observation": 1, "read": 4, "outgate": 1}
+
+
+@dataclass(frozen=True)
+class KDNMuirRanks(GateRanks):
+    """Rank of each gate's projection of `KDNMuir`; None means a full-rank, unfused
+    `nn.Linear(D, width)` (with a bias, except for the decay, whose bias is dt_bias).
+
+    decay, process (q, `H*K` wide), observation (r, `H` wide), read: slices of the fused
+    down-projection (read only with `read_gate="dynamic"`); outgate: the frontend's output-gate
+    projection, as in `MuirRanks`. `KDNMuirRanks.default(head_dim, hidden_size, widths=
+    {"observation": num_heads})`: head_dim // KDN_MUIR_RANK_DIVISORS[gate], at least 1, at most
+    hidden_size and the width.
+    """
+
+    divisors: ClassVar[Mapping[str, int]] = KDN_MUIR_RANK_DIVISORS
+
+    decay: int | None
+    process: int | None
+    observation: int | None
+    read: int | None
+    outgate: int | None
+
+
+class KDNMuir(ScanFilter, FusedGateMixer):
+    """KDN-Muir: the Diagonal KDN filter whose noise model and read gate come from Muir's fused
+    low-rank gate projection.
+
+    Gates: g, q_noise, read (rho > 0; a broadcast view for "static" and "none") `[B, T, H, K]`;
+    r `[B, T, H]`; with `return_gates=True` also the filter's gain, p `[B, T, H, K]` and
+    predictive `[B, T, H]` (see `KDNState`). State: `KDNState`, uncertainty = precision
+    `[B, H, K]`, as `DiagonalKDN`.
+
+    Args: options or the frontend keywords (`FrontendOptions`; output gate sigmoid by default);
+    ranks: `KDNMuirRanks` (or the same as a mapping), default `KDNMuirRanks.default`;
+    read_gate: "dynamic", "static" or "none", as Muir's; info_scale: evidence scale s > 0
+    (default K, as the KDN reference); r_min: floor of the observation noise (> 0).
+    """
+
+    diagonal_gain = True
+    ranks: KDNMuirRanks
+
+    def __init__(
+        self,
+        options: FrontendOptions | None = None,
+        *,
+        ranks: KDNMuirRanks | Mapping[str, int | None] | None = None,
+        read_gate: str = "dynamic",
+        info_scale: float | None = None,
+        r_min: float = R_MIN,
+        **frontend: Unpack[FrontendKeywords],
+    ) -> None:
+        options = frontend_options(options, frontend, type(self))
+        head_dim, heads = options.head_dim, options.num_heads
+        ranks = KDNMuirRanks.resolve(
+            ranks,
+            lambda: KDNMuirRanks.default(
+                head_dim, options.hidden_size, widths={"observation": heads}
+            ),
+        )
+        read_gate = _checks.require_choice("read_gate", read_gate, READ_GATES)
+        super().__init__(options, gate_rank=ranks.outgate)
+        self.r_min = _checks.require_positive_number("r_min", r_min)
+        own = {"process": heads * head_dim, "observation": heads}
+        self._init_fused_gates(ranks, read_gate, own, biased=frozenset(own))
+        # Where DiagonalKDN's noise model starts: q = Q_INIT on every channel (a zero last map,
+        # as its low-rank process noise), r = R_INIT.
+        process = self.gate_proj.projection("process")
+        nn.init.zeros_(process.weight)
+        nn.init.constant_(process.bias, Q_BIAS_INIT)
+        nn.init.constant_(self.gate_proj.projection("observation").bias, R_BIAS_INIT)
+        self._init_prior()
+        scale = float(head_dim) if info_scale is None else info_scale
+        self.info_scale = _checks.require_positive_number("info_scale", scale)
+
+    def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """x `[B, T, D]` -> the noise model g, q_noise, r (at least float32) and the read gate
+        (x's dtype), all from one pass of the fused projection."""
+        raw = self.gate_proj(x)
+        process = raw["process"].to(compute_dtype(x)).unflatten(-1, (self.num_heads, -1))
+        return {
+            "g": self.decay_from(raw),
+            "q_noise": F.softplus(process),
+            "r": observation_noise(raw["observation"], self.r_min),
+            "read": self.read_from(raw, x),
+        }
+
+    def read_query(self, q: torch.Tensor, gates: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Muir's matched-filter read: rho * q."""
+        return gates["read"] * q
