@@ -273,8 +273,8 @@ def _paired_tables(plan: StudyPlan, group: dict[str, Any]) -> list[str]:
         rows = []
         for variant, stats in group["statistics"].items():
             paired = stats[metric].get("paired")
-            if paired is None:
-                continue
+            if paired is None or paired["n"] == 0:
+                continue  # the baseline, or a variant the metric does not apply to
             interval = paired["ci95"]
             rows.append(
                 [

@@ -246,8 +246,12 @@ class StudyRunner:
     # --- one job --------------------------------------------------------------------------------
 
     def _record(self, directory: Path, **fields: Any) -> None:
+        """Updates the job's study_run.json; `elapsed_s` adds up over invocations (training in
+        one, an evaluation added later in another)."""
         path = directory / RECORD_NAME
         record = _read_json(path) or {}
+        if "elapsed_s" in fields:
+            fields["elapsed_s"] += record.get("elapsed_s") or 0.0
         record.update(fields, updated=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         _write_json(path, record)
 
