@@ -1,9 +1,9 @@
-"""The `deltalab` command: train, check, presets, generate, eval.
+"""The `deltalab` command: train, check, presets, generate, eval, study.
 
 Exit status: 0 done; 2 a user error (a config, data, checkpoint or argument problem), printed as
 one line on stderr; 128 + the signal number (130 SIGINT, 143 SIGTERM) for a training run stopped
-by a signal, whose outputs are marked `"status": "interrupted"`. Anything else is a bug and keeps
-its traceback.
+by a signal, whose outputs are marked `"status": "interrupted"`; 1 for a study some of whose runs
+failed (each recorded in its report). Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -172,6 +172,10 @@ def _main(argv: list[str] | None) -> int:
     from deltalab.eval.cli import add_parser as add_eval_parser
 
     add_eval_parser(commands)
+
+    from deltalab.study.cli import add_parser as add_study_parser
+
+    add_study_parser(commands)
 
     args, extra = parser.parse_known_args(argv)
     # Overrides after an option (`deltalab train a=1 --resume b=2`) arrive as leftovers; so do

@@ -22,6 +22,7 @@ from deltalab.eval.mqar import (
     IGNORE,
     MQARConfig,
     MQARTrainSettings,
+    _model,
     generate_mqar,
     recall_accuracy,
     train_mqar,
@@ -117,6 +118,17 @@ def test_mqar_training_learns_recall():
     correct, total = recall_accuracy(model, generate_mqar(settings.config(16, 2, 100), 1))
     # Chance is 1/8 (the eight values); the model has to read the pairs to get this far.
     assert correct / total > 0.9
+
+
+def test_mqar_models_take_the_mixer_options():
+    settings = parse_settings(
+        MQARTrainSettings, ["mixers=[muir, transformer]", "mixer_options={read_gate: none}"]
+    )
+    muir = _model(settings, "muir", 0)
+    assert {block.mixer.read_gate for block in muir.model.blocks} == {"none"}
+    _model(settings, "transformer", 0)  # attention blocks take no options
+    with pytest.raises(EvalError, match="read_gat is not an option of the muir mixer"):
+        parse_settings(MQARTrainSettings, ["mixers=[muir]", "mixer_options={read_gat: none}"])
 
 
 def test_mqar_sweep_reports_a_diverging_learning_rate_and_goes_on():

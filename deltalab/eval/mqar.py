@@ -11,7 +11,7 @@ settings it was not trained on.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -133,6 +133,8 @@ class MQARTrainSettings:
     """Settings of mqar-train.
 
     mixers: mixer kinds to train (deltalab.models.MIXER_KINDS).
+    mixer_options: options of the recurrent mixers (the model config's mixer_options, e.g.
+        {read_gate: static} for Muir); attention blocks take none.
     hidden_size: model width (64-256 in Zoology's sweeps).
     num_layers: blocks per model.
     num_heads: heads per mixer (head_dim = hidden_size // num_heads).
@@ -149,6 +151,7 @@ class MQARTrainSettings:
     """
 
     mixers: tuple[str, ...] = ("transformer", "gdn2", "muir", "kdn_diag")
+    mixer_options: dict[str, Any] = field(default_factory=dict)
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 1
@@ -173,6 +176,19 @@ class MQARTrainSettings:
                     f"mixers holds {mixer!r}, expected one of {list(MIXER_KINDS)}"
                     f"{closest(mixer, MIXER_KINDS)}"
                 )
+        if self.mixer_options:
+            from deltalab.models.mixers import mixer_option_names
+
+            for mixer in self.mixers:
+                if mixer == "transformer":
+                    continue
+                known = mixer_option_names(mixer)
+                for name in self.mixer_options:
+                    if name not in known:
+                        raise EvalError(
+                            f"mixer_options.{name} is not an option of the {mixer} mixer"
+                            f"{closest(name, known)}; its options are {known}"
+                        )
         for name in (
             "hidden_size",
             "num_layers",
@@ -219,6 +235,7 @@ def _model(settings: MQARTrainSettings, mixer: str, seed: int) -> Any:
         vocab_size=settings.vocab_size,
         # Chunks no longer than the shortest sequence keep the chunked kernels' work small.
         chunk_size=max(16, min(64, min(s[0] for s in settings.train))),
+        mixer_options=dict(settings.mixer_options) if mixer != "transformer" else None,
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -232,12 +249,13 @@ def recall_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def recall_accuracy(model: Any, data: MQARData, batch_size: int = 64) -> tuple[int, int]:
-    """(answers predicted right by argmax, answers) over `data`."""
+    """(answers predicted right by argmax, answers) over `data`, on the model's device."""
     model.eval()
+    device = next(model.parameters()).device
     correct = total = 0
     for start in range(0, data.inputs.shape[0], batch_size):
-        inputs = data.inputs[start : start + batch_size]
-        labels = data.labels[start : start + batch_size]
+        inputs = data.inputs[start : start + batch_size].to(device)
+        labels = data.labels[start : start + batch_size].to(device)
         logits = model(input_ids=inputs).logits
         answer = labels != IGNORE
         correct += int((logits.argmax(-1)[answer] == labels[answer]).sum())
@@ -253,9 +271,11 @@ def train_one(
     seed: int,
     train_sets: list[MQARData],
     bar: Any = None,
+    device: str = "cpu",
 ) -> Any:
-    """A model of `mixer` trained on the training settings in turn (AdamW, warmup then cosine)."""
-    model = _model(settings, mixer, seed)
+    """A model of `mixer` trained on `device` on the training settings in turn (AdamW, warmup
+    then cosine); initialization and example order depend on `seed` alone."""
+    model = _model(settings, mixer, seed).to(device)
     model.train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
@@ -286,8 +306,8 @@ def train_one(
             cursor[which] = 0
         index = torch.from_numpy(perm[cursor[which] : cursor[which] + settings.batch_size])
         cursor[which] += settings.batch_size
-        logits = model(input_ids=data.inputs[index]).logits
-        loss = recall_loss(logits, data.labels[index])
+        logits = model(input_ids=data.inputs[index].to(device)).logits
+        loss = recall_loss(logits, data.labels[index].to(device))
         if not torch.isfinite(loss):
             raise NonFiniteError(f"the loss became {loss.item()} at step {step}")
         optimizer.zero_grad(set_to_none=True)
@@ -321,7 +341,7 @@ def train_mqar(settings: MQARTrainSettings, ctx: TaskContext) -> TaskOutcome:
     for mixer in settings.mixers:
         for lr in settings.lrs:
             try:
-                model = train_one(settings, mixer, lr, ctx.seed, train_sets, bar)
+                model = train_one(settings, mixer, lr, ctx.seed, train_sets, bar, ctx.device)
             except NonFiniteError as error:
                 # A learning rate that diverges is a result of the sweep (no recall), reported
                 # with the others, not the end of the sweep.

@@ -143,6 +143,8 @@ def _describe(hint: Any) -> str:
         return " or ".join(_describe(a) for a in inner) + " or null"
     if origin is tuple:
         return f"a list of {_describe(args[0]).removeprefix('a ').removeprefix('an ')}s"
+    if origin is dict:
+        return "a mapping"
     return {bool: "a bool", int: "an int", float: "a number", str: "a string"}.get(hint, str(hint))
 
 
@@ -171,6 +173,8 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
     elif origin is tuple and isinstance(value, list | tuple):
         item = args[0]
         return tuple(_coerce(f"{name}[{i}]", v, item) for i, v in enumerate(value))
+    elif origin is dict:
+        ok = isinstance(value, dict) and all(isinstance(key, str) for key in value)
     if not ok:
         raise EvalError(f"{name} must be {_describe(hint)}, got {value!r}")
     return value

@@ -1,0 +1,234 @@
+"""`deltalab study SPEC`: a grid of training runs, their evaluations and one report.
+
+    deltalab study studies/cpu_tiny.yaml              # plan, check, run what is left, report
+    deltalab study studies/cpu_tiny.yaml --dry-run    # the plan and its parameter counts only
+    deltalab study studies/cpu_tiny.yaml --aggregate-only   # rebuild the report from the runs
+    deltalab study studies/gpu.yaml --only 'kdn_diag.*.s0'  # a subset (time one run first)
+
+The spec (see `deltalab/study/spec.py` and docs/STUDY.md) names the mixers, seeds, learning
+rates and sizes, the shared train config, the evaluations, and how many runs go at once. The
+whole plan is checked first (spec keys, every run's config, parameter counts matched within 2%,
+eval settings); nothing trains unless all of it passes. Runs already finished are skipped, an
+interrupted one resumes from its checkpoint. The report is written to the study directory:
+study.json, study.md and figures.
+
+Exit status: 0 every run completed or diverged (a divergence is a result, reported); 1 some
+runs failed (each with its error line in study.md); 2 a spec or plan error, one line;
+130/143 stopped by a signal (rerun the same command to continue).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import fcntl
+import fnmatch
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_parser", "format_plan", "run_study"]
+
+
+def add_parser(commands: Any) -> None:
+    parser = commands.add_parser(
+        "study",
+        help="a grid of runs (mixers x seeds x lrs x sizes), their evals, one report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("spec", help="a study spec (YAML)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan; run nothing")
+    parser.add_argument(
+        "--aggregate-only", action="store_true", help="rebuild the report from finished runs"
+    )
+    parser.add_argument("--out", default=None, help="study directory (instead of the spec's)")
+    parser.add_argument(
+        "--only",
+        action="append",
+        metavar="GLOB",
+        help="run only the runs and task jobs whose names match (repeatable; e.g. 'gdn2.*.s0' "
+        "to time one run first); the report still lists every run",
+    )
+    parser.set_defaults(run=run_study)
+
+
+def format_plan(plan: Any) -> str:
+    """The plan as text: budget, matched parameter counts, every run with its state."""
+    from deltalab.benchmarking import format_table
+    from deltalab.study.runner import run_state, task_state
+
+    spec = plan.spec
+    first = plan.runs[0].config.train
+    lines = [
+        f"study {spec.path or '(given as data)'} -> {spec.out_dir}",
+        f"{len(plan.runs)} runs ({len(spec.variants)} variants x {len(plan.sizes)} size(s) x "
+        f"{len(plan.lrs)} lr(s) x {len(spec.seeds)} seed(s)), {len(plan.tasks)} task job(s); "
+        f"{first.steps} steps x {first.batch_size} x {first.seq_len} = "
+        f"{plan.tokens_per_run:,} tokens per run; device {plan.device}, {spec.parallel} at a "
+        f"time, {plan.threads} thread(s) each; baseline {spec.baseline}",
+        f"non-embedding parameters matched to {spec.match} within {spec.tolerance:.0%} by the "
+        f"FFN width (a multiple of {spec.ffn_multiple}):",
+    ]
+    rows, seen = [], set()
+    for run in plan.runs:
+        key = (run.variant.name, run.size)
+        if key in seen:
+            continue
+        seen.add(key)
+        target = plan.targets[run.size]
+        options = ", ".join(
+            f"{k}={v}" for k, v in {**run.variant.options, **run.variant.overrides}.items()
+        )
+        rows.append(
+            [
+                run.variant.name,
+                run.variant.mixer,
+                options or "-",
+                run.size,
+                run.ffn_width,
+                f"{run.params:,}",
+                f"{run.params / target - 1:+.2%}",
+            ]
+        )
+    lines.append(
+        format_table(
+            ["variant", "mixer", "options", "size", "ffn", "params", f"vs {spec.match}"], rows
+        )
+    )
+    states = [[run.name, run_state(run)] for run in plan.runs]
+    states += [[task.name, task_state(task)] for task in plan.tasks]
+    lines.append(format_table(["run", "state"], states))
+    if plan.runs[0].evals:
+        lines.append(
+            "evaluations of each checkpoint: "
+            + "; ".join(
+                f"{step.task} {' '.join(step.words)}".strip() for step in plan.runs[0].evals
+            )
+        )
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _exclusive(out_dir: Path) -> Iterator[None]:
+    """One study process per directory at a time."""
+    from deltalab.errors import ConfigError
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / ".study.lock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(
+                f"another deltalab study is running in {out_dir}; wait for it or stop it"
+            ) from None
+        yield
+
+
+def _prepare_data(plan: Any) -> None:
+    """Tokenize the shared data once, before any run starts (a bad source fails here, and the
+    runs do not tokenize it side by side)."""
+    from deltalab.data import load_tokenizer
+    from deltalab.train.distributed import Distributed
+    from deltalab.train.loop import _sequences
+
+    config = plan.runs[0].config
+    tokenizer = load_tokenizer(config.data.tokenizer)
+    import torch
+
+    ctx = Distributed(0, 1, 0, torch.device("cpu"))
+    for split in ("train", "held_out"):
+        _sequences(config, tokenizer, split, ctx)
+
+
+def _note_invocation(out_dir: Path, **fields: Any) -> None:
+    from deltalab.study.report import INVOCATIONS_NAME
+    from deltalab.study.runner import _read_json, _write_json
+
+    path = out_dir / INVOCATIONS_NAME
+    data = _read_json(path) or {"invocations": []}
+    if fields.get("started") and (not data["invocations"] or "wall_s" in data["invocations"][-1]):
+        command = "deltalab " + " ".join(sys.argv[1:])
+        data["invocations"].append({"command": command, **fields})
+    else:
+        data["invocations"][-1].update(fields)
+    _write_json(path, data)
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def select(plan: Any, patterns: list[str]) -> Any:
+    """The plan restricted to the runs and task jobs whose names match a glob of `patterns`."""
+    from deltalab.errors import ConfigError
+
+    def chosen(name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+    runs = [r for r in plan.runs if chosen(r.name)]
+    tasks = [t for t in plan.tasks if chosen(t.name)]
+    if not runs and not tasks:
+        raise ConfigError(f"--only {' '.join(patterns)} matches no run or task job of the plan")
+    return dataclasses.replace(plan, runs=runs, tasks=tasks)
+
+
+def execute(
+    plan: Any, *, launcher: Any = None, say: Any = _say, only: list[str] | None = None
+) -> int:
+    """Runs the plan's pending jobs (those matching `only`, if given) and writes the report of
+    the whole plan; the exit status of the module docstring."""
+    from deltalab.study.report import write_report
+    from deltalab.study.runner import StudyRunner, check_finished_runs
+
+    out_dir = plan.spec.out_dir
+    with _exclusive(out_dir):
+        check_finished_runs(plan)
+        _prepare_data(plan)
+        started = time.perf_counter()
+        _note_invocation(out_dir, started=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        runner = StudyRunner(select(plan, only) if only else plan, launcher=launcher, say=say)
+        outcomes = runner.run()
+        _note_invocation(
+            out_dir, wall_s=round(time.perf_counter() - started, 1), launched=runner.launches
+        )
+        written = write_report(plan)
+    statuses = [o.status for o in outcomes]
+    say(
+        f"{statuses.count('completed')} completed, {statuses.count('skipped')} already done, "
+        f"{statuses.count('diverged')} diverged, {statuses.count('failed')} failed, "
+        f"{statuses.count('interrupted')} interrupted; report: {written['markdown']}"
+    )
+    if runner.stopping.is_set() or "interrupted" in statuses:
+        return 130
+    return 1 if "failed" in statuses else 0
+
+
+def run_study(args: argparse.Namespace) -> int:
+    from deltalab.study.plan import make_plan
+    from deltalab.study.report import write_report
+    from deltalab.study.spec import load_spec
+
+    spec = load_spec(args.spec)
+    if args.out is not None:
+        spec = dataclasses.replace(spec, out_dir=Path(args.out).resolve())
+    if args.dry_run and args.aggregate_only:
+        from deltalab.errors import ConfigError
+
+        raise ConfigError("--dry-run and --aggregate-only exclude each other")
+    plan = make_plan(spec)
+    print(format_plan(plan), flush=True)
+    if args.dry_run:
+        return 0
+    if args.aggregate_only:
+        written = write_report(plan)
+        print(f"report: {written['markdown']}")
+        return 0
+    if args.only:
+        select(plan, args.only)  # refuses patterns that match nothing, before any work
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    return execute(plan, only=args.only)

@@ -1,0 +1,606 @@
+"""The aggregate of a study: `study.json` (every run and what it measured), `study.md` (mean
+and standard deviation over seeds, paired differences against the baseline with 95% t-intervals,
+every run that did not complete) and the figures.
+
+Nothing is dropped: a run that diverged or failed stays in study.json and in the markdown with
+its error line; the means count the runs that completed (n is printed), and a paired difference
+counts the seeds where both the variant and the baseline completed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from deltalab.study.plan import PlannedRun, PlannedTask, StudyPlan
+from deltalab.study.runner import RECORD_NAME, _read_json, _write_json, run_state, task_state
+from deltalab.study.stats import paired_difference, summarize
+
+__all__ = ["INVOCATIONS_NAME", "collect", "write_report"]
+
+INVOCATIONS_NAME = "invocations.json"
+HELD_OUT = "held_out_loss"
+# Measured but not compared: how fast a run was says nothing of the model's quality.
+NOT_PAIRED = ("tokens_per_s",)
+
+
+def _numbers(summary: dict[str, Any], prefix: str, strip: str = "") -> dict[str, float]:
+    found = {}
+    for key, value in summary.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        name = key[len(strip) :] if strip and key.startswith(strip) else key
+        found[f"{prefix}.{name}"] = float(value)
+    return found
+
+
+def _status(record: dict[str, Any], state: str) -> str:
+    if state == "done":
+        return "completed"
+    if state == "diverged":
+        return "diverged"
+    status = record.get("status")
+    if status in ("failed", "interrupted"):
+        return status
+    # "running" in the record of a study that was killed outright: it stopped with it.
+    return "interrupted" if status == "running" else "pending"
+
+
+def _run_entry(plan: StudyPlan, run: PlannedRun) -> dict[str, Any]:
+    record = _read_json(run.directory / RECORD_NAME) or {}
+    metrics = _read_json(run.directory / "metrics.json") or {}
+    status = _status(record, run_state(run))
+    entry: dict[str, Any] = {
+        "name": run.name,
+        "variant": run.variant.name,
+        "mixer": run.variant.mixer,
+        "options": run.variant.options,
+        "size": run.size,
+        "lr": run.lr,
+        "seed": run.seed,
+        "status": status,
+        "error": record.get("error", "") if status != "completed" else "",
+        "stage": record.get("stage", "") if status != "completed" else "",
+        "params": run.params,
+        "total_params": run.total_params,
+        "ffn_width": run.ffn_width,
+        "directory": os.path.relpath(run.directory, plan.spec.out_dir),
+        "elapsed_s": record.get("elapsed_s"),
+        "steps_done": metrics.get("steps_done"),
+        "skipped_steps": metrics.get("skipped_steps"),
+        "metrics": {},
+    }
+    if metrics.get("status") == "completed":
+        found = entry["metrics"]
+        found[HELD_OUT] = metrics.get("final_eval_loss")
+        if metrics.get("median_tokens_per_s") is not None:
+            found["tokens_per_s"] = metrics["median_tokens_per_s"]
+        for step in run.evals:
+            results = _read_json(run.directory / step.out / "results.json")
+            if results is not None:
+                found.update(_numbers(results.get("summary") or {}, step.task))
+    return entry
+
+
+def _task_entry(plan: StudyPlan, task: PlannedTask) -> dict[str, Any]:
+    record = _read_json(task.directory / RECORD_NAME) or {}
+    status = _status(record, task_state(task))
+    entry: dict[str, Any] = {
+        "name": task.name,
+        "task": task.step.task,
+        "variant": task.variant.name,
+        "seed": task.seed,
+        "status": status,
+        "error": record.get("error", "") if status != "completed" else "",
+        "directory": os.path.relpath(task.directory, plan.spec.out_dir),
+        "elapsed_s": record.get("elapsed_s"),
+        "metrics": {},
+    }
+    results = _read_json(task.directory / "results.json")
+    if status == "completed" and results is not None:
+        # One mixer per job: "gdn2@64x4" is the setting "64x4".
+        strip = f"{task.variant.mixer}@"
+        entry["metrics"] = _numbers(results.get("summary") or {}, task.step.task, strip)
+    return entry
+
+
+def _by_variant(entries: Iterable[dict[str, Any]]) -> dict[str, dict[int, dict[str, float]]]:
+    """variant -> seed -> metrics, completed entries only."""
+    table: dict[str, dict[int, dict[str, float]]] = defaultdict(dict)
+    for entry in entries:
+        if entry["status"] == "completed":
+            table[entry["variant"]][entry["seed"]] = entry["metrics"]
+    return table
+
+
+def _statistics(
+    plan: StudyPlan, entries: list[dict[str, Any]], metrics: list[str]
+) -> dict[str, Any]:
+    """Per variant and metric: n, mean, sd; paired difference against the baseline."""
+    table = _by_variant(entries)
+    baseline = table.get(plan.spec.baseline, {})
+    out: dict[str, Any] = {}
+    for variant in (v.name for v in plan.spec.variants):
+        seeds = table.get(variant, {})
+        out[variant] = {}
+        for metric in metrics:
+            values = {s: m[metric] for s, m in seeds.items() if m.get(metric) is not None}
+            summary = summarize(list(values.values()))
+            item: dict[str, Any] = {"n": summary.n, "mean": summary.mean, "sd": summary.sd}
+            if variant != plan.spec.baseline and metric not in NOT_PAIRED:
+                base = {s: m[metric] for s, m in baseline.items() if m.get(metric) is not None}
+                paired = paired_difference(values, base)
+                item["paired"] = {
+                    "n": paired.n,
+                    "mean": paired.mean,
+                    "sd": paired.sd,
+                    "ci95": None if paired.low is None else [paired.low, paired.high],
+                    "verdict": paired.verdict,
+                }
+            out[variant][metric] = item
+    return out
+
+
+def _metric_names(entries: list[dict[str, Any]]) -> list[str]:
+    names: list[str] = []
+    for entry in entries:
+        names += [m for m in entry["metrics"] if m not in names]
+    # In the order the tasks report them (MQAR: its test settings as listed), speed last.
+    last = [m for m in NOT_PAIRED if m in names]
+    return [m for m in names if m not in last] + last
+
+
+def _group_label(size: str, lr: float) -> str:
+    return f"size {size}, lr {lr:g}"
+
+
+def collect(plan: StudyPlan) -> dict[str, Any]:
+    """Everything the report says, as JSON data (what study.json holds)."""
+    runs = [_run_entry(plan, run) for run in plan.runs]
+    tasks = [_task_entry(plan, task) for task in plan.tasks]
+    groups = []
+    for size in plan.sizes:
+        for lr in plan.lrs:
+            members = [e for e in runs if e["size"] == size and e["lr"] == lr]
+            if not members:
+                continue
+            metrics = _metric_names(members)
+            groups.append(
+                {
+                    "size": size,
+                    "lr": lr,
+                    "metrics": metrics,
+                    "statistics": _statistics(plan, members, metrics),
+                }
+            )
+    task_groups = []
+    for name in dict.fromkeys(t["task"] for t in tasks):
+        members = [t for t in tasks if t["task"] == name]
+        metrics = _metric_names(members)
+        task_groups.append(
+            {"task": name, "metrics": metrics, "statistics": _statistics(plan, members, metrics)}
+        )
+    spec = plan.spec
+    first = plan.runs[0].config
+    invocations = _read_json(spec.out_dir / INVOCATIONS_NAME) or {"invocations": []}
+    return {
+        "spec": str(spec.path) if spec.path else None,
+        "out_dir": str(spec.out_dir),
+        "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "device": plan.device,
+        "parallel": spec.parallel,
+        "threads_per_run": plan.threads,
+        "baseline": spec.baseline,
+        "params": {"match": spec.match, "tolerance": spec.tolerance, "targets": plan.targets},
+        "budget": {
+            "steps": first.train.steps,
+            "batch_size": first.train.batch_size,
+            "seq_len": first.train.seq_len,
+            "tokens_per_run": plan.tokens_per_run,
+            "data": first.data.to_dict(),
+        },
+        "variants": [
+            {"name": v.name, "mixer": v.mixer, "options": v.options, "overrides": v.overrides}
+            for v in spec.variants
+        ],
+        "evals": [{"task": e.task, "settings": e.settings} for e in spec.evals],
+        "counts": {
+            status: sum(1 for e in runs + tasks if e["status"] == status)
+            for status in ("completed", "diverged", "failed", "interrupted", "pending")
+        },
+        "invocations": invocations["invocations"],
+        "groups": groups,
+        "task_groups": task_groups,
+        "runs": runs,
+        "tasks": tasks,
+    }
+
+
+# --- markdown -----------------------------------------------------------------------------------
+
+
+def _number(value: float | None, signed: bool = False) -> str:
+    if value is None or not math.isfinite(value):
+        return "–"
+    if abs(value) >= 1000:
+        return f"{value:+,.0f}" if signed else f"{value:,.0f}"
+    return f"{value:+.4g}" if signed else f"{value:.4g}"
+
+
+def _label(metric: str) -> str:
+    return "held-out loss (end of training)" if metric == HELD_OUT else metric
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def _mean_table(plan: StudyPlan, group: dict[str, Any], params: dict[str, int] | None) -> list[str]:
+    metrics = group["metrics"]
+    header = ["variant", *(["non-embedding params"] if params else []), "n"]
+    header += [_label(m) for m in metrics]
+    rows = []
+    for variant, stats in group["statistics"].items():
+        n = max((item["n"] for item in stats.values()), default=0)
+        cells = [variant + (" (baseline)" if variant == plan.spec.baseline else "")]
+        if params:
+            cells.append(f"{params[variant]:,}")
+        cells.append(f"{n}/{len(plan.spec.seeds)}")
+        for metric in metrics:
+            item = stats[metric]
+            cell = _number(item["mean"])
+            if item["sd"] is not None:
+                cell += f" ± {_number(item['sd'])}"
+            cells.append(cell)
+        rows.append(cells)
+    return _table(header, rows)
+
+
+def _paired_tables(plan: StudyPlan, group: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    for metric in group["metrics"]:
+        if metric in NOT_PAIRED:
+            continue
+        rows = []
+        for variant, stats in group["statistics"].items():
+            paired = stats[metric].get("paired")
+            if paired is None or paired["n"] == 0:
+                continue  # the baseline, or a variant the metric does not apply to
+            interval = paired["ci95"]
+            rows.append(
+                [
+                    variant,
+                    str(paired["n"]),
+                    _number(paired["mean"], signed=True),
+                    "–"
+                    if interval is None
+                    else f"[{_number(interval[0], True)}, {_number(interval[1], True)}]",
+                    paired["verdict"],
+                ]
+            )
+        if rows:
+            lines += ["", f"**{_label(metric)}**, variant − {plan.spec.baseline}:", ""]
+            lines += _table(
+                ["variant", "pairs", "mean difference", "95% interval", "verdict"], rows
+            )
+    return lines
+
+
+def _markdown(plan: StudyPlan, data: dict[str, Any], figures: list[str]) -> str:
+    spec = plan.spec
+    budget = data["budget"]
+    spec_name = data["spec"] or "(given as data)"
+    lines = [
+        f"# Study: {Path(spec_name).name}",
+        "",
+        f"Spec `{spec_name}`, run with `deltalab study {spec_name}`; written {data['written']} on "
+        f"{data['machine']['platform']} ({data['machine']['cpus']} CPUs), device "
+        f"{data['device']}, {spec.parallel} run(s) at a time, {plan.threads} CPU thread(s) each.",
+    ]
+    for invocation in data["invocations"]:
+        lines.append(
+            f"Invocation {invocation['started']}: {invocation.get('wall_s', 0):.0f} s wall, "
+            f"{invocation.get('launched', 0)} command(s) launched."
+        )
+    lines += [
+        "",
+        f"Every run: {budget['steps']} steps x {budget['batch_size']} sequences x "
+        f"{budget['seq_len']} tokens = {budget['tokens_per_run']:,} training tokens, the same "
+        f"data in the same order for every variant at a given seed (data.source="
+        f"{budget['data']['source']!r}, held-out fraction {budget['data']['held_out_fraction']}). "
+        f"Seeds {list(spec.seeds)}. Non-embedding parameters matched to {spec.match}'s "
+        f"({', '.join(f'{s}: {t:,}' for s, t in plan.targets.items())}) within "
+        f"{spec.tolerance:.0%} by the FFN width.",
+        "",
+        "Status: "
+        + ", ".join(f"{count} {status}" for status, count in data["counts"].items() if count)
+        + ".",
+    ]
+    params = {r.variant.name: r.params for r in plan.runs}
+    for group in data["groups"]:
+        sized = {
+            r.variant.name: r.params
+            for r in plan.runs
+            if r.size == group["size"] and r.lr == group["lr"]
+        }
+        lines += [
+            "",
+            f"## Language modeling: {_group_label(group['size'], group['lr'])}",
+            "",
+            f"Mean ± standard deviation over the seeds that completed (n of {len(spec.seeds)}).",
+            "",
+        ]
+        lines += _mean_table(plan, group, sized or params)
+        lines += [
+            "",
+            f"Paired differences against {spec.baseline} at the same seed, mean and 95% "
+            'Student-t interval over seeds; "no difference detected" when the interval covers '
+            "zero.",
+        ]
+        lines += _paired_tables(plan, group)
+    for group in data["task_groups"]:
+        lines += [
+            "",
+            f"## {group['task']} (its own models, one per variant and seed)",
+            "",
+            "Mean ± standard deviation over seeds.",
+            "",
+        ]
+        lines += _mean_table(plan, group, None)
+        lines += ["", f"Paired differences against {spec.baseline} at the same seed:"]
+        lines += _paired_tables(plan, group)
+    incomplete = [e for e in data["runs"] + data["tasks"] if e["status"] != "completed"]
+    lines += ["", "## Runs that did not complete", ""]
+    if incomplete:
+        lines += _table(
+            ["run", "status", "stage", "error"],
+            [[e["name"], e["status"], e.get("stage", ""), e["error"] or "–"] for e in incomplete],
+        )
+    else:
+        lines.append("None: every run completed.")
+    lines += ["", "## Every run", ""]
+    rows = []
+    for entry in data["runs"]:
+        metrics = entry["metrics"]
+        rows.append(
+            [
+                entry["name"],
+                entry["status"],
+                f"{entry['params']:,}",
+                str(entry["ffn_width"]),
+                _number(metrics.get(HELD_OUT)),
+                _number(metrics.get("perplexity.perplexity")),
+                _number(entry["elapsed_s"]),
+            ]
+        )
+    lines += _table(
+        ["run", "status", "params", "ffn", "held-out loss", "perplexity", "wall s"], rows
+    )
+    if figures:
+        lines += ["", "## Figures", ""]
+        lines += [f"![{Path(f).stem}]({f})" for f in figures]
+    return "\n".join(lines) + "\n"
+
+
+# --- figures ------------------------------------------------------------------------------------
+
+
+def _curve(run_dir: Path, kind: str) -> tuple[list[int], list[float]]:
+    """(steps, losses) of a run's `log.jsonl` records of `kind` ("train" or "eval")."""
+    steps, losses = [], []
+    try:
+        lines = (run_dir / "log.jsonl").read_text(errors="replace").splitlines()
+    except OSError:
+        return steps, losses
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("kind") == kind:
+            steps.append(int(record["step"]))
+            losses.append(float(record["loss"]))
+    return steps, losses
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _colors(plan: StudyPlan) -> dict[str, Any]:
+    from matplotlib import colormaps
+
+    palette = colormaps["tab10" if len(plan.spec.variants) <= 10 else "tab20"]
+    return {v.name: palette(i % palette.N) for i, v in enumerate(plan.spec.variants)}
+
+
+def _loss_figure(plan: StudyPlan, data: dict[str, Any], path: Path) -> Path | None:
+    from deltalab.analysis._plot import new_figure, save_figure
+
+    groups = [(g["size"], g["lr"]) for g in data["groups"]]
+    if not groups:
+        return None
+    colors = _colors(plan)
+    figure = new_figure(figsize=(7.5, 4.5 * len(groups)))
+    entries = {e["name"]: e for e in data["runs"]}
+    for index, (size, lr) in enumerate(groups):
+        axes = figure.add_subplot(len(groups), 1, index + 1)
+        for variant in plan.spec.variants:
+            runs = [
+                r for r in plan.runs if r.variant.name == variant.name and r.group == (size, lr)
+            ]
+            curves = []
+            for run in runs:
+                steps, losses = _curve(run.directory, "train")
+                if not steps:
+                    continue
+                window = max(1, run.config.train.steps // 20)
+                if entries[run.name]["status"] == "completed":
+                    curves.append((steps, _smooth(losses, window)))
+                else:
+                    # A run that did not complete is drawn alone, dashed, to where it stopped.
+                    axes.plot(
+                        steps, _smooth(losses, window), "--", color=colors[variant.name], lw=0.8
+                    )
+                    axes.plot(
+                        steps[-1:], _smooth(losses, window)[-1:], "x", color=colors[variant.name]
+                    )
+            if not curves:
+                continue
+            length = min(len(c[0]) for c in curves)
+            steps = curves[0][0][:length]
+            columns = list(zip(*(c[1][:length] for c in curves), strict=True))
+            mean = [sum(c) / len(c) for c in columns]
+            axes.plot(
+                steps,
+                mean,
+                color=colors[variant.name],
+                lw=1.4,
+                label=f"{variant.name} ({len(curves)})",
+            )
+            if len(curves) > 1:
+                axes.fill_between(
+                    steps, [min(c) for c in columns], [max(c) for c in columns],
+                    color=colors[variant.name], alpha=0.18, lw=0,
+                )  # fmt: skip
+        axes.set_title(
+            f"training loss, mean over seeds (band: min to max), {_group_label(size, lr)}"
+        )
+        axes.set_xlabel("step")
+        axes.set_ylabel("loss (nats / token), moving average")
+        axes.grid(alpha=0.3)
+        if axes.get_legend_handles_labels()[0]:
+            axes.legend(fontsize=7, ncols=2)
+        tops = [
+            _smooth(_curve(r.directory, "train")[1], max(1, r.config.train.steps // 20))
+            for r in plan.runs
+            if r.group == (size, lr)
+        ]
+        ends = [t[len(t) // 4] for t in tops if t and math.isfinite(t[len(t) // 4])]
+        lows = [min(x for x in t if math.isfinite(x)) for t in tops if any(map(math.isfinite, t))]
+        if ends and lows and max(ends) > min(lows):
+            # The first quarter is the steep descent every model shares; the comparison is below.
+            axes.set_ylim(min(lows) - 0.05 * (max(ends) - min(lows)), max(ends))
+    return save_figure(figure, path)
+
+
+def _task_figure(plan: StudyPlan, group: dict[str, Any], path: Path) -> Path | None:
+    from deltalab.analysis._plot import new_figure, save_figure
+
+    metrics = group["metrics"]
+    if not metrics:
+        return None
+    colors = _colors(plan)
+    variants = [v.name for v in plan.spec.variants]
+    figure = new_figure(figsize=(max(6.0, 1.2 * len(metrics) + 2), 4.0))
+    axes = figure.add_subplot(1, 1, 1)
+    width = 0.8 / len(variants)
+    for i, variant in enumerate(variants):
+        stats = group["statistics"][variant]
+        means = [stats[m]["mean"] if stats[m]["mean"] is not None else 0.0 for m in metrics]
+        errors = [stats[m]["sd"] or 0.0 for m in metrics]
+        positions = [j + (i - (len(variants) - 1) / 2) * width for j in range(len(metrics))]
+        axes.bar(
+            positions, means, width, yerr=errors, color=colors[variant], label=variant, capsize=2
+        )
+    prefix = f"{group['task']}."
+    axes.set_xticks(range(len(metrics)), [m.removeprefix(prefix) for m in metrics])
+    axes.set_ylabel(f"{group['task']} (mean over seeds, bar: sd)")
+    axes.set_xlabel("setting")
+    axes.grid(alpha=0.3, axis="y")
+    axes.legend(fontsize=7, ncols=2)
+    return save_figure(figure, path)
+
+
+def _scaling_figure(plan: StudyPlan, data: dict[str, Any], path: Path) -> Path | None:
+    from deltalab.analysis._plot import new_figure, save_figure
+
+    if len(plan.sizes) < 2:
+        return None
+    colors = _colors(plan)
+    figure = new_figure(figsize=(6.5, 4.5))
+    axes = figure.add_subplot(1, 1, 1)
+    for lr in plan.lrs:
+        for variant in plan.spec.variants:
+            xs, ys, errors = [], [], []
+            for group in data["groups"]:
+                if group["lr"] != lr:
+                    continue
+                stats = group["statistics"][variant.name]
+                metric = "perplexity.perplexity" if "perplexity.perplexity" in stats else HELD_OUT
+                item = stats.get(metric)
+                if item is None or item["mean"] is None:
+                    continue
+                runs = [
+                    r
+                    for r in plan.runs
+                    if r.variant.name == variant.name and r.group == (group["size"], lr)
+                ]
+                xs.append(runs[0].params)
+                value = item["mean"] if metric != HELD_OUT else math.exp(item["mean"])
+                ys.append(value)
+                errors.append((item["sd"] or 0.0) if metric != HELD_OUT else 0.0)
+            if xs:
+                label = variant.name + (f", lr {lr:g}" if len(plan.lrs) > 1 else "")
+                axes.errorbar(
+                    xs,
+                    ys,
+                    yerr=errors,
+                    marker="o",
+                    color=colors[variant.name],
+                    label=label,
+                    capsize=2,
+                )
+    axes.set_xscale("log")
+    axes.set_xlabel("non-embedding parameters")
+    axes.set_ylabel("held-out perplexity (mean over seeds)")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=7)
+    return save_figure(figure, path)
+
+
+def write_report(plan: StudyPlan) -> dict[str, Path]:
+    """Writes study.json, study.md and the figures into the study directory; returns their
+    paths by name."""
+    out = plan.spec.out_dir
+    data = collect(plan)
+    written: dict[str, Path] = {}
+    figures = []
+    loss = _loss_figure(plan, data, out / "loss_curves.png")
+    if loss is not None:
+        written["loss_curves"] = loss
+        figures.append(loss.name)
+    for group in data["task_groups"]:
+        name = "".join(c if c.isalnum() or c in "._-" else "_" for c in group["task"])
+        figure = _task_figure(plan, group, out / f"{name}.png")
+        if figure is not None:
+            written[group["task"]] = figure
+            figures.append(figure.name)
+    scaling = _scaling_figure(plan, data, out / "perplexity_vs_params.png")
+    if scaling is not None:
+        written["perplexity_vs_params"] = scaling
+        figures.append(scaling.name)
+    data["figures"] = figures
+    _write_json(out / "study.json", data)
+    written["json"] = out / "study.json"
+    markdown = out / "study.md"
+    temporary = markdown.with_name(f".{markdown.name}.{os.getpid()}.tmp")
+    temporary.write_text(_markdown(plan, data, figures), encoding="utf-8")
+    os.replace(temporary, markdown)
+    written["markdown"] = markdown
+    return written

@@ -1,0 +1,433 @@
+"""Carrying out a study plan: each run as `python -m deltalab train` then `deltalab eval`
+subprocesses, several at a time, surviving interruption.
+
+A run is done when its `metrics.json` says completed and every evaluation's `results.json`
+exists with the planned settings; a rerun skips it. A run that stopped part way resumes from
+its newest checkpoint (`deltalab train --resume`); one whose training completed but whose
+evaluations did not runs only the missing ones. A run that diverged is a result and is not
+retried; a run that failed (a crash, a bad setting found late) is recorded with its error line
+and retried on the next invocation. What happened to each run is in its `study_run.json`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deltalab.errors import ConfigError
+from deltalab.study.plan import EvalStep, PlannedRun, PlannedTask, StudyPlan
+
+__all__ = [
+    "RECORD_NAME",
+    "Launcher",
+    "StudyRunner",
+    "SubprocessLauncher",
+    "error_line",
+    "run_state",
+    "task_state",
+]
+
+RECORD_NAME = "study_run.json"
+# Exit statuses of a child stopped by a signal: 128 + SIGINT / SIGTERM, or killed outright.
+STOPPED = {130, 143, -signal.SIGINT, -signal.SIGTERM, -signal.SIGKILL}
+# Environment a child must not inherit: a study under torchrun must not make its runs join the
+# launcher's process group.
+DISTRIBUTED_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+Launcher = Callable[[list[str], dict[str, str], Path], int]
+
+
+class SubprocessLauncher:
+    """Runs `python -m deltalab ARGS` with its output in a log file; remembers the live
+    children so that a stopped study can pass the signal on."""
+
+    def __init__(self) -> None:
+        self.live: set[subprocess.Popen] = set()
+        self.lock = threading.Lock()
+
+    def __call__(self, args: list[str], env: dict[str, str], log: Path) -> int:
+        with log.open("a", encoding="utf-8") as out:
+            out.write(f"$ {sys.executable} -m deltalab {' '.join(args)}\n")
+            out.flush()
+            process = subprocess.Popen(
+                [sys.executable, "-m", "deltalab", *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
+            with self.lock:
+                self.live.add(process)
+            try:
+                return process.wait()
+            finally:
+                with self.lock:
+                    self.live.discard(process)
+
+    def signal_all(self, signum: int) -> None:
+        with self.lock:
+            for process in self.live:
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signum)
+
+
+def error_line(log: Path) -> str:
+    """The error a failed command printed: its `deltalab: error:` line, else the last line (a
+    traceback's exception)."""
+    try:
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines()]
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        for prefix in ("deltalab: error: ", "deltalab eval: error: "):
+            if line.startswith(prefix):
+                return line[len(prefix) :]
+    # "$ ..." lines are the runner's own echo of each command.
+    lines = [line for line in lines if line and not line.startswith("$ ")]
+    return lines[-1] if lines else ""
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    temporary.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(temporary, path)
+
+
+def _plain(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=list))
+
+
+def eval_done(directory: Path, step: EvalStep) -> bool:
+    """Whether `step`'s results.json exists with the planned settings."""
+    results = _read_json(directory / step.out / "results.json")
+    if results is None:
+        return False
+    recorded = results.get("settings") or {}
+    return all(_plain(recorded.get(k)) == _plain(v) for k, v in step.settings.items())
+
+
+def trained(run: PlannedRun) -> dict[str, Any] | None:
+    """The run's metrics.json when its training completed, else None."""
+    metrics = _read_json(run.directory / "metrics.json")
+    if metrics is None or metrics.get("status") != "completed":
+        return None
+    return metrics
+
+
+def config_changes(run: PlannedRun) -> list[str]:
+    """How the config a finished run was trained with differs from the planned one."""
+    from deltalab.train.loop import _changed_fields
+
+    metrics = _read_json(run.directory / "metrics.json")
+    if metrics is None or "config" not in metrics:
+        return []
+    return _changed_fields(metrics["config"], run.config.to_dict())
+
+
+def run_state(run: PlannedRun) -> str:
+    """ "done", "diverged" (a recorded divergence), "evaluate" (trained; evaluations missing),
+    "resume" (checkpoints to continue from) or "new"."""
+    from deltalab.train.checkpoint import list_checkpoints
+
+    record = _read_json(run.directory / RECORD_NAME) or {}
+    metrics = trained(run)
+    if record.get("status") == "diverged" and metrics is None:
+        return "diverged"
+    if metrics is not None:
+        if not math.isfinite(metrics.get("final_eval_loss", math.nan)):
+            return "diverged"
+        if all(eval_done(run.directory, step) for step in run.evals):
+            return "done"
+        return "evaluate"
+    return "resume" if list_checkpoints(run.directory) else "new"
+
+
+def task_state(task: PlannedTask) -> str:
+    return "done" if eval_done(task.directory, task.step) else "new"
+
+
+@dataclass
+class Outcome:
+    name: str
+    status: str  # completed, diverged, failed, interrupted, skipped
+    error: str = ""
+    launches: int = 0
+
+
+@dataclass
+class StudyRunner:
+    """Runs the plan's pending jobs, `spec.parallel` at a time."""
+
+    plan: StudyPlan
+    launcher: Launcher | None = None
+    say: Callable[[str], None] = print
+    stopping: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.launches = 0
+        self._count_lock = threading.Lock()
+        if self.launcher is None:
+            self.launcher = SubprocessLauncher()
+        say, say_lock = self.say, threading.Lock()
+
+        def locked(line: str) -> None:
+            # Workers report from their threads: one whole line at a time.
+            with say_lock:
+                say(line)
+
+        self.say = locked
+
+    # --- environment of a child ---------------------------------------------------------------
+
+    def _devices(self) -> list[str]:
+        if self.plan.device != "cuda":
+            return []
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible:
+            return [d.strip() for d in visible.split(",") if d.strip()]
+        import torch
+
+        return [str(i) for i in range(torch.cuda.device_count())]
+
+    def _env(self, worker: int) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
+        threads = str(self.plan.threads)
+        env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+        devices = self._devices()
+        if devices:
+            # Round-robin: worker i on device i mod n, so `parallel` > n shares devices.
+            env["CUDA_VISIBLE_DEVICES"] = devices[worker % len(devices)]
+        return env
+
+    def _launch(self, args: list[str], worker: int, log: Path) -> int:
+        with self._count_lock:
+            self.launches += 1
+        assert self.launcher is not None
+        return self.launcher(["--threads", str(self.plan.threads), *args], self._env(worker), log)
+
+    def _eval_args(
+        self, step: EvalStep, directory: Path, checkpoint: Path | None, seed: int
+    ) -> list[str]:
+        args = ["eval"] + ([str(checkpoint)] if checkpoint is not None else [])
+        args += ["--task", step.task, *step.words, "--out", str(directory / step.out)]
+        args += ["--seed", str(seed), "--device", self.plan.device, "--no-progress"]
+        if step.long_context != "refuse":
+            args += ["--long-context", step.long_context]
+        return args
+
+    # --- one job --------------------------------------------------------------------------------
+
+    def _record(self, directory: Path, **fields: Any) -> None:
+        """Updates the job's study_run.json; `elapsed_s` adds up over invocations (training in
+        one, an evaluation added later in another)."""
+        path = directory / RECORD_NAME
+        record = _read_json(path) or {}
+        if "elapsed_s" in fields:
+            fields["elapsed_s"] += record.get("elapsed_s") or 0.0
+        record.update(fields, updated=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        _write_json(path, record)
+
+    def _stopped(self, code: int) -> bool:
+        return code in STOPPED or self.stopping.is_set()
+
+    def run_one(self, run: PlannedRun, worker: int) -> Outcome:
+        from deltalab.train.config import save_run_config
+
+        state = run_state(run)
+        if state in ("done", "diverged"):
+            return Outcome(run.name, "skipped")
+        directory = run.directory
+        directory.mkdir(parents=True, exist_ok=True)
+        log = directory / "study.log"
+        started = time.perf_counter()
+        base = dict(
+            name=run.name, variant=run.variant.name, seed=run.seed, size=run.size, lr=run.lr
+        )
+        self._record(directory, **base, status="running", stage="train", error="")
+        if state in ("new", "resume"):
+            config_path = save_run_config(run.config, directory / "run.yaml")
+            args = ["train", "--config", str(config_path)] + (
+                ["--resume"] if state == "resume" else []
+            )
+            self.say(f"{run.name}: {'resuming' if state == 'resume' else 'training'}")
+            code = self._launch(args, worker, log)
+            if code != 0:
+                error = error_line(log)
+                if self._stopped(code):
+                    status, error = "interrupted", f"stopped by a signal (exit {code})"
+                elif "is not finite" in error:
+                    status = "diverged"
+                else:
+                    status = "failed"
+                self._record(directory, status=status, stage="train", error=error, returncode=code)
+                self.say(f"{run.name}: {status} in training{': ' + error if error else ''}")
+                return Outcome(run.name, status, error)
+            metrics = trained(run)
+            if metrics is None or not math.isfinite(metrics.get("final_eval_loss", math.nan)):
+                status = "diverged" if metrics is not None else "failed"
+                error = (
+                    "held-out loss not finite"
+                    if metrics is not None
+                    else "no completed metrics.json"
+                )
+                self._record(directory, status=status, stage="train", error=error, returncode=code)
+                self.say(f"{run.name}: {status}: {error}")
+                return Outcome(run.name, status, error)
+        failures = []
+        for step in run.evals:
+            if eval_done(directory, step):
+                continue
+            if self.stopping.is_set():
+                return self._interrupted(directory, run.name)
+            self._record(directory, stage=f"eval {step.task}")
+            self.say(f"{run.name}: eval {step.task}")
+            code = self._launch(
+                self._eval_args(step, directory, directory / "model", run.seed), worker, log
+            )
+            if self._stopped(code) and code != 0:
+                return self._interrupted(directory, run.name)
+            if code != 0:
+                failures.append(f"eval {step.task}: {error_line(log)}")
+        elapsed = time.perf_counter() - started
+        if failures:
+            error = "; ".join(failures)
+            self._record(directory, status="failed", stage="eval", error=error, elapsed_s=elapsed)
+            self.say(f"{run.name}: failed: {error}")
+            return Outcome(run.name, "failed", error)
+        self._record(directory, status="completed", stage="", error="", elapsed_s=elapsed)
+        self.say(f"{run.name}: completed in {elapsed:.0f} s")
+        return Outcome(run.name, "completed")
+
+    def _interrupted(self, directory: Path, name: str) -> Outcome:
+        self._record(directory, status="interrupted", error="stopped by a signal")
+        return Outcome(name, "interrupted")
+
+    def task_one(self, task: PlannedTask, worker: int) -> Outcome:
+        if task_state(task) == "done":
+            return Outcome(task.name, "skipped")
+        directory = task.directory
+        directory.mkdir(parents=True, exist_ok=True)
+        log = directory / "study.log"
+        started = time.perf_counter()
+        base = dict(name=task.name, variant=task.variant.name, seed=task.seed, task=task.step.task)
+        self._record(directory, **base, status="running", stage=task.step.task, error="")
+        self.say(f"{task.name}: running")
+        code = self._launch(self._eval_args(task.step, directory, None, task.seed), worker, log)
+        if code != 0:
+            if self._stopped(code):
+                return self._interrupted(directory, task.name)
+            error = error_line(log)
+            self._record(directory, status="failed", error=error, returncode=code)
+            self.say(f"{task.name}: failed: {error}")
+            return Outcome(task.name, "failed", error)
+        elapsed = time.perf_counter() - started
+        self._record(directory, status="completed", stage="", elapsed_s=elapsed)
+        self.say(f"{task.name}: completed in {elapsed:.0f} s")
+        return Outcome(task.name, "completed")
+
+    # --- the pool ---------------------------------------------------------------------------------
+
+    def run(self) -> list[Outcome]:
+        """Every pending job, `parallel` at a time (longest first: training runs, then the
+        task jobs); SIGTERM or Ctrl-C stops launching and passes SIGTERM to the children,
+        which checkpoint and leave the study resumable."""
+        jobs: queue.Queue = queue.Queue()
+        for run in self.plan.runs:
+            jobs.put((self.run_one, run))
+        for task in self.plan.tasks:
+            jobs.put((self.task_one, task))
+        outcomes: list[Outcome] = []
+        lock = threading.Lock()
+
+        def worker(index: int) -> None:
+            while not self.stopping.is_set():
+                try:
+                    job, item = jobs.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    outcome = job(item, index)
+                except Exception as error:  # a bug or an OS error in one job: the others go on
+                    outcome = Outcome(item.name, "failed", f"{type(error).__name__}: {error}")
+                    self._record(item.directory, status="failed", error=outcome.error)
+                    self.say(f"{item.name}: failed: {outcome.error}")
+                with lock:
+                    outcomes.append(outcome)
+
+        threads = [
+            threading.Thread(target=worker, args=(i,), daemon=True)
+            for i in range(self.plan.spec.parallel)
+        ]
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                while thread.is_alive():
+                    thread.join(0.2)
+        except KeyboardInterrupt:
+            self.stop()
+            for thread in threads:
+                thread.join()
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        return outcomes
+
+    def stop(self) -> None:
+        """Launch nothing more; ask the running children to stop (they checkpoint first)."""
+        self.stopping.set()
+        if isinstance(self.launcher, SubprocessLauncher):
+            self.launcher.signal_all(signal.SIGTERM)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.say(
+            "deltalab study: stopping (SIGTERM); runs checkpoint and resume on the next invocation"
+        )
+        self.stop()
+
+
+def check_finished_runs(plan: StudyPlan) -> None:
+    """Refuse, before anything trains, a study directory whose finished runs were trained with
+    another config than the spec now gives them (their results would be mixed with new ones)."""
+    changed = []
+    for run in plan.runs:
+        if trained(run) is not None:
+            differences = config_changes(run)
+            if differences:
+                changed.append(f"{run.name} ({'; '.join(differences)})")
+    if changed:
+        raise ConfigError(
+            f"{plan.spec.out_dir} holds runs trained with another config than the spec gives: "
+            f"{', '.join(changed)}; restore the spec or choose another out_dir"
+        )

@@ -1,0 +1,434 @@
+"""`deltalab study`: the spec's checks, matched parameter counts, skipping and resuming runs,
+failures recorded, and the statistics of the report against hand-computed numbers."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import deltalab.train.loop as loop
+from deltalab.cli import main
+from deltalab.data import load_tokenizer
+from deltalab.errors import ConfigError
+from deltalab.models.presets import count_parameters
+from deltalab.study.cli import execute
+from deltalab.study.plan import make_plan
+from deltalab.study.report import collect
+from deltalab.study.runner import SubprocessLauncher, run_state
+from deltalab.study.spec import parse_spec
+from deltalab.study.stats import NO_DIFFERENCE, paired_difference, summarize, t_quantile
+
+MICRO = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "head_dim": 16}
+MQAR = {
+    "vocab_size": 16, "train": [[16, 2]], "test": [[16, 2]], "steps": 2, "lrs": [1e-2],
+    "train_examples": 8, "test_examples": 4, "hidden_size": 16,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("corpus")
+    for i in range(20):
+        (folder / f"doc_{i:02d}.txt").write_text(f"def f_{i}(x):\n    return x + {i}\n" * 8)
+    return folder
+
+
+def micro_spec(tmp_path: Path, corpus: Path, **changes) -> dict:
+    """A 2-mixer x 2-seed study of 4 steps at a micro size."""
+    spec = {
+        "out_dir": str(tmp_path / "study"),
+        "parallel": 1,
+        "device": "cpu",
+        "baseline": "gdn2",
+        "params": {"ffn_multiple": 4},
+        "run": {
+            "model": {"preset": "tiny", "overrides": dict(MICRO)},
+            "data": {
+                "source": str(corpus),
+                "cache_dir": str(tmp_path.parent / "study-cache"),
+                "held_out_fraction": 0.3,
+            },
+            "train": {"steps": 4, "batch_size": 2, "seq_len": 16},
+            "schedule": {"warmup_steps": 0},
+            "eval": {"batches": 1, "sample_tokens": 0, "every": 0},
+            "checkpoint": {"every": 2},
+        },
+        "grid": {"mixers": ["transformer", "gdn2"], "seeds": [0, 1]},
+        "evals": [{"task": "perplexity", "settings": {"max_tokens": 64}}],
+    }
+    for key, value in changes.items():
+        node = spec
+        *path, last = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return spec
+
+
+def plan_of(spec: dict):
+    return make_plan(parse_spec(copy.deepcopy(spec)))
+
+
+class InProcess:
+    """Runs `deltalab ARGS` in this process (a subprocess costs seconds of imports), its output
+    in the log; counts the launches. `fail` maps a run name to an error the launch prints."""
+
+    def __init__(self, fail: dict[str, str] | None = None) -> None:
+        self.calls: list[list[str]] = []
+        self.fail = fail or {}
+
+    def __call__(self, args: list[str], env: dict[str, str], log: Path) -> int:
+        self.calls.append(args)
+        for name, error in self.fail.items():
+            if any(name in arg for arg in args):
+                log.write_text(f"Traceback (most recent call last):\n{error}\n")
+                return 1
+        with log.open("a") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            return main(args)
+
+    def trains(self) -> list[list[str]]:
+        return [c for c in self.calls if "train" in c]
+
+
+def quiet(line: str) -> None:
+    pass
+
+
+# --- the spec and the plan ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"grid.mixer": ["gdn2"]}, "unknown key 'grid.mixer' (did you mean 'grid.mixers'?)"),
+        ({"paralel": 2}, "unknown key 'paralel' (did you mean 'parallel'?)"),
+        ({"run.train.seed": 3}, "run.train.seed is set by the study"),
+        ({"run.trian": {}}, "unknown config section 'trian' (did you mean 'train'?)"),
+        ({"grid.mixers": ["gdn2", "muri"]}, "did you mean 'muir'?"),
+        ({"baseline": "gdn"}, "baseline 'gdn' is not a grid.mixers name"),
+        ({"params.tolerance": 0.05}, "params.tolerance must be in [0, 0.02]"),
+        (
+            {"evals": [{"task": "perplexty"}]},
+            "unknown task 'perplexty' (did you mean 'perplexity'?)",
+        ),
+        (
+            {"evals": [{"task": "perplexity", "skip": ["transfomer"]}]},
+            "skip names 'transfomer', not a grid.mixers name (did you mean 'transformer'?)",
+        ),
+        (
+            {"evals": [{"task": "mqar-train", "settings": {"stepz": 3}}]},
+            "unknown setting 'stepz' for this task (did you mean 'steps'?)",
+        ),
+        (
+            {"grid.mixers": ["gdn2", {"name": "m", "mixer": "muir", "options": {"read_gat": "x"}}]},
+            "mixer_options.read_gat is not an option of the muir mixer",
+        ),
+    ],
+)
+def test_the_plan_refuses_a_bad_spec_naming_the_key(tmp_path, corpus, change, message):
+    spec = micro_spec(tmp_path, corpus, **change)
+    with pytest.raises(ConfigError) as caught:
+        plan_of(spec)
+    assert message in str(caught.value)
+    assert not (tmp_path / "study").exists()
+
+
+def test_every_run_is_within_two_percent_of_the_matched_count(tmp_path, corpus):
+    spec = micro_spec(tmp_path, corpus)
+    spec["grid"]["mixers"] = [
+        "transformer", "gdn2", "kdn_diag", {"name": "m-none", "mixer": "muir", "options": {"read_gate": "none"}},
+    ]  # fmt: skip
+    plan = plan_of(spec)
+    target = plan.targets["tiny"]
+    for run in plan.runs:
+        # Counted again from the run's own config, as the trainer will build it.
+        model = loop._model_config(run.config, load_tokenizer("byte"), torch.device("cpu"))
+        assert count_parameters(model) == run.params
+        assert abs(run.params / target - 1) <= 0.02, run.name
+    widths = {run.variant.name: run.ffn_width for run in plan.runs}
+    # The attention mixer is the smallest: it gets the widest FFN.
+    assert widths["transformer"] > widths["gdn2"]
+
+
+def test_a_grid_that_cannot_be_matched_is_refused_naming_the_runs(tmp_path, corpus, capsys):
+    spec = micro_spec(tmp_path, corpus)
+    spec["grid"]["mixers"] = [
+        "gdn2",
+        {"name": "wide", "mixer": "gdn", "overrides": {"ffn_width": 512}},
+    ]
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["study", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "parameter counts do not match gdn2's within 2%" in err
+    assert "wide.tiny (" in err and "gdn2.tiny" not in err.split("):")[-1]
+    assert not (tmp_path / "study").exists()
+
+
+def test_runs_of_one_seed_differ_only_in_the_model(tmp_path, corpus):
+    plan = plan_of(micro_spec(tmp_path, corpus))
+    by_seed: dict[int, list[dict]] = {}
+    for run in plan.runs:
+        config = run.config.to_dict()
+        config.pop("model")
+        config["log"].pop("out_dir")
+        by_seed.setdefault(run.seed, []).append(config)
+    for configs in by_seed.values():
+        # Same data, order (train.seed), schedule and evaluation for every mixer.
+        assert all(c == configs[0] for c in configs)
+    assert by_seed[0][0]["train"]["seed"] == 0 and by_seed[1][0]["train"]["seed"] == 1
+
+
+def test_a_task_is_not_planned_for_the_variants_it_skips(tmp_path, corpus):
+    evals = [
+        {"task": "perplexity", "skip": ["transformer"]},
+        {"task": "mqar-train", "settings": MQAR, "skip": ["gdn2"]},
+    ]
+    plan = plan_of(micro_spec(tmp_path, corpus, evals=evals))
+    assert {r.variant.name: [s.task for s in r.evals] for r in plan.runs} == {
+        "transformer": [],
+        "gdn2": ["perplexity"],
+    }
+    assert {t.variant.name for t in plan.tasks} == {"transformer"}
+
+
+def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path, corpus, capsys):
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(micro_spec(tmp_path, corpus)))
+    assert main(["study", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "4 runs (2 variants" in out and "vs gdn2" in out and "transformer.tiny.lr0.003.s1" in out
+    assert not (tmp_path / "study" / "runs").exists()
+
+
+# --- running ----------------------------------------------------------------------------------
+
+
+def test_a_rerun_skips_the_finished_runs(tmp_path, corpus):
+    spec = micro_spec(tmp_path, corpus, evals=[{"task": "perplexity", "settings": {"max_tokens": 64}}, {"task": "mqar-train", "settings": MQAR}])  # fmt: skip
+    plan = plan_of(spec)
+    first = InProcess()
+    assert execute(plan, launcher=first, say=quiet) == 0
+    # 4 runs x (train + perplexity) + 2 mixers x 2 seeds of mqar-train.
+    assert len(first.calls) == 4 * 2 + 4
+    report = json.loads((tmp_path / "study" / "study.json").read_text())
+    assert report["counts"]["completed"] == 8
+    again = InProcess()
+    assert execute(plan_of(spec), launcher=again, say=quiet) == 0
+    assert again.calls == []
+    # Evaluation settings changed: only the evaluations run again, not the training.
+    spec["evals"][0]["settings"]["max_tokens"] = 32
+    changed = InProcess()
+    assert execute(plan_of(spec), launcher=changed, say=quiet) == 0
+    assert len(changed.calls) == 4 and all(c[2] == "eval" for c in changed.calls)
+
+
+def test_an_interrupted_run_resumes_from_its_checkpoint_and_ends_as_an_uninterrupted_one(
+    tmp_path, corpus, monkeypatch
+):
+    spec = micro_spec(tmp_path, corpus)
+    spec["grid"] = {"mixers": ["gdn2"], "seeds": [0]}
+    plan = plan_of(spec)
+    calls = {"n": 0}
+    real = loop._stop_everywhere
+
+    def stop_after_two_steps(stop, ctx):
+        calls["n"] += 1
+        return calls["n"] == 2 or real(stop, ctx)
+
+    monkeypatch.setattr(loop, "_stop_everywhere", stop_after_two_steps)
+    launcher = InProcess()
+    assert execute(plan, launcher=launcher, say=quiet) == 130
+    (run,) = plan.runs
+    assert run_state(run) == "resume"
+    assert json.loads((run.directory / "metrics.json").read_text())["steps_done"] == 2
+    monkeypatch.setattr(loop, "_stop_everywhere", real)
+    resumed = InProcess()
+    assert execute(plan_of(spec), launcher=resumed, say=quiet) == 0
+    assert "--resume" in resumed.trains()[0]
+    metrics = json.loads((run.directory / "metrics.json").read_text())
+    reference = plan_of(
+        micro_spec(tmp_path / "ref", corpus, grid={"mixers": ["gdn2"], "seeds": [0]})
+    )
+    assert execute(reference, launcher=InProcess(), say=quiet) == 0
+    expected = json.loads((reference.runs[0].directory / "metrics.json").read_text())
+    assert [r["step"] for r in metrics["history"]["train"]] == [1, 2, 3, 4]
+    assert metrics["final_eval_loss"] == expected["final_eval_loss"]
+
+
+def test_a_failed_run_is_recorded_and_the_study_goes_on(tmp_path, corpus):
+    plan = plan_of(micro_spec(tmp_path, corpus))
+    failing = InProcess(fail={"transformer.tiny.lr0.003.s1": "RuntimeError: out of memory"})
+    assert execute(plan, launcher=failing, say=quiet) == 1
+    report = json.loads((tmp_path / "study" / "study.json").read_text())
+    status = {r["name"]: (r["status"], r["error"]) for r in report["runs"]}
+    assert status.pop("transformer.tiny.lr0.003.s1") == ("failed", "RuntimeError: out of memory")
+    assert all(s == "completed" for s, _ in status.values())
+    markdown = (tmp_path / "study" / "study.md").read_text()
+    assert (
+        "| transformer.tiny.lr0.003.s1 | failed | train | RuntimeError: out of memory |" in markdown
+    )
+    # The transformer's mean counts the seed that completed, and says so.
+    assert "| transformer | " in markdown and " | 1/2 | " in markdown
+    retry = InProcess()
+    assert execute(plan_of(micro_spec(tmp_path, corpus)), launcher=retry, say=quiet) == 0
+    assert len(retry.trains()) == 1
+
+
+def test_a_diverged_run_is_reported_and_not_retried(tmp_path, corpus):
+    spec = micro_spec(
+        tmp_path, corpus, grid={"mixers": ["gdn2"], "seeds": [0], "lrs": [1e-3, 1e30]}
+    )
+    launcher = InProcess()
+    assert execute(plan_of(spec), launcher=launcher, say=quiet) == 0
+    report = json.loads((tmp_path / "study" / "study.json").read_text())
+    status = {r["lr"]: r for r in report["runs"]}
+    assert status[1e-3]["status"] == "completed"
+    assert status[1e30]["status"] == "diverged" and "is not finite" in status[1e30]["error"]
+    assert (
+        "| gdn2.tiny.lr1e+30.s0 | diverged | train |"
+        in (tmp_path / "study" / "study.md").read_text()
+    )
+    again = InProcess()
+    assert execute(plan_of(spec), launcher=again, say=quiet) == 0
+    assert again.calls == []
+
+
+def test_runs_go_as_subprocesses_two_at_a_time(tmp_path, corpus):
+    # The evaluations' command lines are those the in-process tests run through `main`.
+    spec = micro_spec(tmp_path, corpus, parallel=2, threads=1, evals=[])
+    spec["grid"]["seeds"] = [0]
+    plan = plan_of(spec)
+    launcher = SubprocessLauncher()
+    assert execute(plan, launcher=launcher, say=quiet) == 0
+    for run in plan.runs:
+        assert run_state(run) == "done"
+        log = (run.directory / "study.log").read_text()
+        assert "-m deltalab --threads 1 train --config" in log
+    starts = [json.loads((r.directory / "study_run.json").read_text()) for r in plan.runs]
+    assert all(s["status"] == "completed" for s in starts)
+
+
+# --- the statistics of the report -------------------------------------------------------------
+
+
+def test_t_quantiles_match_the_tables():
+    assert t_quantile(0.975, 1) == pytest.approx(12.7062047, abs=1e-6)
+    assert t_quantile(0.975, 2) == pytest.approx(4.30265273, abs=1e-7)
+    assert t_quantile(0.975, 4) == pytest.approx(2.77644511, abs=1e-7)
+    assert t_quantile(0.975, 30) == pytest.approx(2.04227246, abs=1e-7)
+    assert t_quantile(0.025, 4) == pytest.approx(-2.77644511, abs=1e-7)
+
+
+def test_paired_interval_by_hand():
+    # Differences 0.5, 0.6, 0.55: mean 0.55, sd 0.05, half-width 4.3027 * 0.05 / sqrt(3).
+    paired = paired_difference({0: 1.5, 1: 2.6, 2: 3.55}, {0: 1.0, 1: 2.0, 2: 3.0})
+    half = 4.302652729749464 * 0.05 / math.sqrt(3)
+    assert paired.n == 3 and paired.mean == pytest.approx(0.55) and paired.sd == pytest.approx(0.05)
+    assert (paired.low, paired.high) == (pytest.approx(0.55 - half), pytest.approx(0.55 + half))
+    assert paired.verdict == "higher"
+    # A seed missing on one side is not paired; a NaN (a diverged run) neither.
+    assert paired_difference({0: 1.0, 1: math.nan, 2: 2.0}, {0: 2.0, 2: 2.5, 3: 1.0}).n == 2
+    assert summarize([1.0, 2.0, 4.0]).sd == pytest.approx(math.sqrt(7 / 3))
+
+
+class FakeTrain(InProcess):
+    """Writes the files of a finished run with chosen numbers instead of training."""
+
+    def __init__(self, losses: dict[str, float]) -> None:
+        super().__init__()
+        self.losses = losses
+
+    def __call__(self, args, env, log):
+        self.calls.append(args)
+        if "train" in args:
+            config = yaml.safe_load(Path(args[args.index("--config") + 1]).read_text())
+            out = Path(config["log"]["out_dir"])
+            name = out.name
+            history = {"train": [{"step": 1, "loss": 5.0}], "eval": []}
+            metrics = {
+                "status": "completed", "steps_done": 4, "final_eval_loss": self.losses[name],
+                "config": config, "history": history, "median_tokens_per_s": 100.0,
+            }  # fmt: skip
+            (out / "metrics.json").write_text(json.dumps(metrics))
+            (out / "log.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 5.0}))
+        else:
+            out = Path(args[args.index("--out") + 1])
+            out.mkdir(parents=True, exist_ok=True)
+            words = [w.split("=", 1) for w in args if "=" in w]
+            settings = {name: yaml.safe_load(value) for name, value in words}
+            name = out.parent.parent.name
+            loss = self.losses[name] + 0.25
+            summary = {"loss": loss, "perplexity": math.exp(loss), "bits_per_byte": loss}
+            (out / "results.json").write_text(
+                json.dumps({"settings": settings, "summary": summary})
+            )
+        return 0
+
+
+def test_the_report_holds_means_sds_and_paired_intervals_computed_by_hand(tmp_path, corpus):
+    spec = micro_spec(tmp_path, corpus)
+    spec["grid"]["seeds"] = [0, 1, 2]
+    plan = plan_of(spec)
+    losses = {
+        "gdn2.tiny.lr0.003.s0": 1.0, "gdn2.tiny.lr0.003.s1": 2.0, "gdn2.tiny.lr0.003.s2": 3.0,
+        # Differences 0.5, 0.1, 0.8 against gdn2: the interval covers zero.
+        "transformer.tiny.lr0.003.s0": 1.5, "transformer.tiny.lr0.003.s1": 2.1,
+        "transformer.tiny.lr0.003.s2": 3.8,
+    }  # fmt: skip
+    assert execute(plan, launcher=FakeTrain(losses), say=quiet) == 0
+    report = collect(plan)
+    (group,) = report["groups"]
+    transformer = group["statistics"]["transformer"]["held_out_loss"]
+    assert transformer["n"] == 3 and transformer["mean"] == pytest.approx(7.4 / 3)
+    assert transformer["sd"] == pytest.approx(
+        math.sqrt(((1.5 - 7.4 / 3) ** 2 + (2.1 - 7.4 / 3) ** 2 + (3.8 - 7.4 / 3) ** 2) / 2)
+    )
+    paired = transformer["paired"]
+    sd = math.sqrt(((0.5 - 1.4 / 3) ** 2 + (0.1 - 1.4 / 3) ** 2 + (0.8 - 1.4 / 3) ** 2) / 2)
+    half = 4.302652729749464 * sd / math.sqrt(3)
+    assert paired["mean"] == pytest.approx(1.4 / 3) and paired["sd"] == pytest.approx(sd)
+    assert paired["ci95"] == [pytest.approx(1.4 / 3 - half), pytest.approx(1.4 / 3 + half)]
+    assert paired["verdict"] == NO_DIFFERENCE
+    assert "paired" not in group["statistics"]["gdn2"]["held_out_loss"]
+    markdown = (tmp_path / "study" / "study.md").read_text()
+    row = f"| transformer | 3 | +{1.4 / 3:.4g} | [{1.4 / 3 - half:+.4g}, {1.4 / 3 + half:+.4g}] | no difference detected |"
+    assert row in markdown
+    assert (tmp_path / "study" / "loss_curves.png").stat().st_size > 0
+
+
+def test_aggregate_only_rebuilds_the_report_without_running(tmp_path, corpus, capsys):
+    spec = micro_spec(tmp_path, corpus)
+    plan = plan_of(spec)
+    losses = {
+        run.name: 1.0 + 0.1 * run.seed + (0.3 if run.variant.name == "gdn2" else 0)
+        for run in plan.runs
+    }
+    assert execute(plan, launcher=FakeTrain(losses), say=quiet) == 0
+    (tmp_path / "study" / "study.md").unlink()
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["study", str(path), "--aggregate-only"]) == 0
+    markdown = (tmp_path / "study" / "study.md").read_text()
+    # Differences of exactly -0.3 at every seed: sd 0, an interval of one point, below zero.
+    assert "| transformer | 2 | -0.3 | [-0.3, -0.3] | lower |" in markdown
+
+
+def test_only_runs_the_matching_runs_and_reports_the_others_pending(tmp_path, corpus):
+    plan = plan_of(micro_spec(tmp_path, corpus))
+    launcher = FakeTrain({run.name: 1.0 for run in plan.runs})
+    assert execute(plan, launcher=launcher, say=quiet, only=["gdn2.*.s1"]) == 0
+    assert [Path(c[c.index("--config") + 1]).parent.name for c in launcher.trains()] == [
+        "gdn2.tiny.lr0.003.s1"
+    ]
+    report = json.loads((tmp_path / "study" / "study.json").read_text())
+    assert report["counts"] == {
+        "completed": 1, "diverged": 0, "failed": 0, "interrupted": 0, "pending": 3,
+    }  # fmt: skip
