@@ -14,7 +14,7 @@ study.json, study.md and figures.
 
 Exit status: 0 every run completed or diverged (a divergence is a result, reported); 1 some
 runs failed (each with its error line in study.md); 2 a spec or plan error, one line;
-130/143 stopped by a signal (rerun the same command to continue).
+130 stopped by a signal, Ctrl-C or SIGTERM (rerun the same command to continue).
 """
 
 from __future__ import annotations
