@@ -283,7 +283,16 @@ def add_ratios(rows):
         sdpa = by_case.get((r["shape"], "sdpa"))
         r["vs_fla"] = r["train_ms"] / ref["train_ms"] if ref else math.nan
         r["vs_sdpa"] = r["train_ms"] / sdpa["train_ms"] if sdpa else math.nan
+        r["fwd_tb_s"] = floor_bytes(r["shape"]) / (r["fwd_ms"] * 1e-3) / 1e12
     return rows
+
+
+def floor_bytes(shape: str) -> int:
+    """Bytes a forward pass cannot avoid moving: q, k, v and per-channel g read once, the output
+    written once, all bf16 ([B, T, H, D] each; the per-head scalars are negligible). Over the
+    forward time this is the achieved bandwidth to set against the GPU's peak (H200: 4.8 TB/s)."""
+    batch, length, heads, dim = (int(n) for n in shape.split("x"))
+    return 5 * batch * length * heads * dim * 2
 
 
 def print_records(rows: list[dict]) -> None:
