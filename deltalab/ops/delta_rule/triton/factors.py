@@ -33,17 +33,25 @@ import torch
 import triton
 import triton.language as tl
 
-from deltalab.ops.delta_rule.triton.intra import BLOCK_KD, LAUNCH, key_block
+from deltalab.ops.delta_rule.triton.intra import BLOCK_KD, LAUNCH, chunk_count, key_block
 
 
 @triton.jit
-def _chunk_decays(g, offs, mask, rc, C: tl.constexpr, K: tl.constexpr):
-    """(exp(G_t), exp(sum_{j > t} g_j), g tile) for a [C, BKD] tile of one chunk."""
+def _chunk_decays(g, K: tl.constexpr, C: tl.constexpr, BKD: tl.constexpr):
+    """This program's [C, BKD] tile of one chunk: its offsets and mask, the offsets of its
+    channels in the chunk's [K] decay row and their mask, then exp(G_t), exp(sum_{j > t} g_j)
+    and the g tile."""
+    chunk = tl.program_id(0).to(tl.int64)
+    rc = tl.arange(0, C)
+    rk = tl.program_id(1) * BKD + tl.arange(0, BKD)
+    mk = rk < K
+    offs = chunk * C * K + rc[:, None] * K + rk[None, :]
+    mask = mk[None, :]
     g_t = tl.load(g + offs, mask=mask, other=0.0)
     g_after = tl.load(g + offs + K, mask=mask & (rc < C - 1)[:, None], other=0.0)
     from_start = tl.exp(tl.cumsum(g_t, axis=0))
     to_end = tl.exp(tl.cumsum(g_after, axis=0, reverse=True))
-    return from_start, to_end, g_t
+    return offs, mask, chunk * K + rk, mk, from_start, to_end, g_t
 
 
 @triton.jit
@@ -51,17 +59,11 @@ def _factors_fwd(
     q, a, b, g, read, rhs, write, decay,
     K: tl.constexpr, C: tl.constexpr, BKD: tl.constexpr,
 ):  # fmt: skip
-    chunk = tl.program_id(0).to(tl.int64)
-    rc = tl.arange(0, C)
-    rk = tl.program_id(1) * BKD + tl.arange(0, BKD)
-    mk = rk < K
-    offs = chunk * C * K + rc[:, None] * K + rk[None, :]
-    mask = mk[None, :]
-    from_start, to_end, g_t = _chunk_decays(g, offs, mask, rc, C, K)
+    offs, mask, row, mk, from_start, to_end, g_t = _chunk_decays(g, K, C, BKD)
     tl.store(read + offs, from_start * tl.load(q + offs, mask=mask), mask=mask)
     tl.store(rhs + offs, from_start * tl.load(b + offs, mask=mask), mask=mask)
     tl.store(write + offs, to_end * tl.load(a + offs, mask=mask), mask=mask)
-    tl.store(decay + chunk * K + rk, tl.exp(tl.sum(g_t, axis=0)), mask=mk)
+    tl.store(decay + row, tl.exp(tl.sum(g_t, axis=0)), mask=mk)
 
 
 @triton.jit
@@ -70,13 +72,7 @@ def _factors_bwd(
     K: tl.constexpr, C: tl.constexpr, BKD: tl.constexpr,
 ):  # fmt: skip
     """dq, da, db hold stage 1's gradients on entry and the totals on exit."""
-    chunk = tl.program_id(0).to(tl.int64)
-    rc = tl.arange(0, C)
-    rk = tl.program_id(1) * BKD + tl.arange(0, BKD)
-    mk = rk < K
-    offs = chunk * C * K + rc[:, None] * K + rk[None, :]
-    mask = mk[None, :]
-    from_start, to_end, g_t = _chunk_decays(g, offs, mask, rc, C, K)
+    offs, mask, row, mk, from_start, to_end, g_t = _chunk_decays(g, K, C, BKD)
     q_t = tl.load(q + offs, mask=mask, other=0.0)
     a_t = tl.load(a + offs, mask=mask, other=0.0)
     b_t = tl.load(b + offs, mask=mask, other=0.0)
@@ -89,7 +85,7 @@ def _factors_bwd(
     written = to_end * a_t * dw_t
     terms = q_t * dq_t + b_t * db_t - a_t * da_t + from_start * (q_t * dr_t + b_t * dh_t) - written
     total = tl.sum(written, axis=0)
-    total += tl.exp(tl.sum(g_t, axis=0)) * tl.load(d_decay + chunk * K + rk, mask=mk, other=0.0)
+    total += tl.exp(tl.sum(g_t, axis=0)) * tl.load(d_decay + row, mask=mk, other=0.0)
     tl.store(dg + offs, tl.cumsum(terms, axis=0, reverse=True) + total[None, :], mask=mask)
     tl.store(dq + offs, dq_t + from_start * dr_t, mask=mask)
     tl.store(db + offs, db_t + from_start * dh_t, mask=mask)
@@ -97,9 +93,9 @@ def _factors_bwd(
 
 
 def _grid(q: torch.Tensor):
-    *_, size, key_dim = q.shape
+    key_dim = q.shape[-1]
     block = min(BLOCK_KD, key_block(key_dim))
-    return (q.numel() // (size * key_dim), triton.cdiv(key_dim, block)), block
+    return (chunk_count(q), triton.cdiv(key_dim, block)), block
 
 
 def factors_triton(q, a, b, g):

@@ -46,6 +46,11 @@ BLOCK_KD = 32
 LAUNCH = {"num_warps": 4, "num_stages": 1}
 
 
+def chunk_count(x: torch.Tensor) -> int:
+    """The number of chunks of a chunked tensor [..., C, *]: one program each."""
+    return x.numel() // (x.shape[-1] * x.shape[-2])
+
+
 def key_block(key_dim: int) -> int:
     """K padded to a power of two of at least 16 (tl.dot needs an inner dimension of 8 or more
     on NVIDIA GPUs; 16 fills a tensor-core tile). The padded channels are masked to zero."""
@@ -234,7 +239,7 @@ def _intra_bwd(
 def intra_triton(q, a, b, g, precision: str = "ieee"):
     """(L, M) [..., C, C] of contiguous float32 chunked inputs [..., C, K] (g per channel)."""
     *lead, size, key_dim = q.shape
-    chunks = q.numel() // (size * key_dim)
+    chunks = chunk_count(q)
     lower = q.new_empty(*lead, size, size)
     attend = q.new_empty(*lead, size, size)
     block_k = key_block(key_dim)
@@ -249,7 +254,7 @@ def intra_triton_backward(q, a, b, g, d_lower, d_attend, precision: str = "ieee"
     """(dq, da, db) through L and M (the log decays' share is formed by the caller: see the
     module docstring). Only the blocks on and below the diagonal of d_lower, d_attend are read."""
     *_, size, key_dim = q.shape
-    chunks = q.numel() // (size * key_dim)
+    chunks = chunk_count(q)
     dq, da, db = (torch.empty_like(q) for _ in range(3))
     block_kd = min(BLOCK_KD, key_block(key_dim))
     _intra_bwd[(chunks, triton.cdiv(key_dim, block_kd))](

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltalab.ops.delta_rule.triton.intra import LAUNCH, SUB_BLOCK, key_block
+from deltalab.ops.delta_rule.triton.intra import LAUNCH, SUB_BLOCK, chunk_count, key_block
 
 # Columns per program: a [16, 128] float32 tile of X and its right-hand side per row block.
 # Measured on the H200 at K = V = 128 (benchmarks/tune_triton.py): 128 columns 0.20 ms per
@@ -137,7 +137,7 @@ def _lower_grad(
 
 
 def _grid(lower: torch.Tensor, columns: int):
-    chunks = lower.numel() // (lower.shape[-1] ** 2)
+    chunks = chunk_count(lower)
     block = min(BLOCK_N, key_block(columns))
     return (chunks, triton.cdiv(columns, block)), block
 
@@ -171,7 +171,7 @@ def lower_grad_triton(d_erase_rhs, erase, d_target_rhs, target, precision: str =
     *lead, size, key_dim = erase.shape
     value_dim = target.shape[-1]
     d_lower = erase.new_empty(*lead, size, size)
-    chunks = erase.numel() // (size * key_dim)
+    chunks = chunk_count(erase)
     _lower_grad[(chunks,)](
         d_erase_rhs, erase, d_target_rhs, target, d_lower, K=key_dim, V=value_dim, C=size,
         BT=SUB_BLOCK, BK=min(BLOCK_N, key_block(key_dim)),
