@@ -171,10 +171,13 @@ def stability(device, shape, gmaxes, chunk_sizes):
                 row[f"triton_c{chunk}"] = relative_error(out, ref)
             except Exception as error:  # a failed case is a result: record it, run the rest
                 row[f"triton_c{chunk}"] = f"{type(error).__name__}"
+            print(f"gmax {gmax} triton_c{chunk}: {row[f'triton_c{chunk}']}", file=sys.stderr,
+                  flush=True)  # fmt: skip
         if chunk_kda is not None and device == "cuda":
             with torch.no_grad():
                 out = fla_forms()["fla_kda"][0](**f32)
             row["fla_kda_c64"] = relative_error(out, ref)
+            print(f"gmax {gmax} fla_kda_c64: {row['fla_kda_c64']}", file=sys.stderr, flush=True)
         rows.append(row)
     return rows
 
@@ -242,23 +245,27 @@ def stages(device, shape, chunk_size):
     from deltalab.ops.delta_rule.chunk import chunk_operators, intra_chunk, to_chunks
     from deltalab.ops.delta_rule.triton.chunk import _operators_triton, state_pass_triton
     from deltalab.ops.delta_rule.triton.factors import factors_triton
-    from deltalab.ops.delta_rule.triton.intra import intra_triton
+    from deltalab.ops.delta_rule.triton.intra import Tokens, intra_triton
     from deltalab.ops.delta_rule.triton.solve import solve_triton
 
-    x = draw_inputs(*shape, device, torch.float32)
+    x = draw_inputs(*shape, device, torch.bfloat16 if device == "cuda" else torch.float32)
     raw = (x["q"], x["beta"][..., None] * x["k"], x["k"], x["v"], x["g"])
-    q, a, b, u, g = (to_chunks(t, chunk_size).contiguous() for t in raw)
+    # The Triton stages read the token-major inputs in place; the PyTorch twin takes chunks.
+    q, a, b, u, g = raw
+    chunked = [to_chunks(t.float(), chunk_size).contiguous() for t in raw]
+    tokens = Tokens(-(-shape[1] // chunk_size), shape[2], shape[1], chunk_size)
     state = torch.zeros(shape[0], shape[2], shape[3], shape[3], device=device)
-    ops, lower = _operators_triton(q, a, b, u, g, "tf32")
+    ops, lower = _operators_triton(q, a, b, u, g, "tf32", tokens, 1.0)
+    out = torch.empty_like(u)
     rows = []
     cases = (
-        ("stages 1-2, PyTorch", lambda: chunk_operators(q, a, b, u, g, intra=intra_chunk)),
-        ("factors", lambda: factors_triton(q, a, b, g)),
-        ("stage 1", lambda: intra_triton(q, a, b, g, "tf32")),
-        ("stage 2 (one solve)", lambda: solve_triton(lower, u, "tf32")),
-        ("stages 1-2, Triton", lambda: _operators_triton(q, a, b, u, g, "tf32")),
-        ("stages 3-4, IEEE", lambda: state_pass_triton(ops, state, "ieee")),
-        ("stages 3-4, TF32", lambda: state_pass_triton(ops, state, "tf32")),
+        ("stages 1-2, PyTorch", lambda: chunk_operators(*chunked, intra=intra_chunk)),
+        ("factors", lambda: factors_triton(q, a, b, g, tokens)),
+        ("stage 1", lambda: intra_triton(q, a, b, g, "tf32", tokens)),
+        ("stage 2 (one solve)", lambda: solve_triton(lower, u, "tf32", tokens)),
+        ("stages 1-2, Triton", lambda: _operators_triton(q, a, b, u, g, "tf32", tokens, 1.0)),
+        ("stages 3-4, IEEE", lambda: state_pass_triton(ops, state, "ieee", out, tokens)),
+        ("stages 3-4, TF32", lambda: state_pass_triton(ops, state, "tf32", out, tokens)),
     )
     for name, fn in cases:
         ms = median_seconds(fn, 5) * 1e3

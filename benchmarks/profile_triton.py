@@ -1,6 +1,6 @@
 """Where the time of one forward+backward goes, kernel by kernel (torch.profiler), per form.
 
-    python benchmarks/profile_triton.py --forms kda fla_kda --batch 4 --length 4096 --out prof.json
+    python benchmarks/profile_triton.py --forms kda_c64 fla_kda --batch 4 --length 4096 --out prof.json
 
 Prints, per form, the kernels sorted by total GPU time over `--steps` forward+backward passes
 (after warm-up), and writes them as JSON. Uses bench_triton's inputs and forms (bf16 inputs).

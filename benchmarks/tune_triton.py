@@ -4,7 +4,7 @@
 
 For each stage kernel (state pass forward/backward, stage 1 forward/backward, the solve) and
 each candidate setting (tile sizes, warps), the median ms on the issue's 4K shape (KDA form,
-bf16 inputs cast to float32, TF32 products) and the largest difference of its outputs from the
+bf16 inputs read in place, TF32 products) and the largest difference of its outputs from the
 first setting's (the settings change tiling, not the math). The defaults in the kernels' modules
 are the fastest of these on the machine this ran on (docs/RESULTS.md).
 """
@@ -24,10 +24,10 @@ from deltalab.ops.delta_rule.triton import intra as intra_module
 from deltalab.ops.delta_rule.triton import solve as solve_module
 from deltalab.ops.delta_rule.triton.chunk import (
     _operators_triton,
-    _to_chunks_f32,
     state_pass_triton,
     state_pass_triton_backward,
 )
+from deltalab.ops.delta_rule.triton.intra import Tokens
 
 
 @contextlib.contextmanager
@@ -62,11 +62,12 @@ def main() -> None:
     args = parser.parse_args()
     batch, length, heads, dim = (int(n) for n in args.shape.split("x"))
     x = draw_inputs(batch, length, heads, dim, "cuda", torch.bfloat16)
-    raw = (x["q"], x["beta"][..., None] * x["k"], x["k"], x["v"], x["g"])
-    q, a, b, u, g = (_to_chunks_f32(t, args.chunk) for t in raw)
-    ops, lower = _operators_triton(q, a, b, u, g, "tf32")
+    # Token-major bf16 inputs, read in place by the kernels as the backend passes them.
+    q, a, b, u, g = (x["q"], x["beta"][..., None] * x["k"], x["k"], x["v"], x["g"])
+    tokens = Tokens(-(-length // args.chunk), heads, length, args.chunk)
+    ops, lower = _operators_triton(q, a, b, u, g, "tf32", tokens, 1.0)
     state = torch.randn(batch, heads, dim, dim, device="cuda")
-    d_out = torch.randn_like(u)
+    d_out = torch.randn_like(ops.target)
     d_lower, d_attend = torch.randn_like(lower), torch.randn_like(ops.attend)
     cases = {
         "state_pass": (
@@ -80,15 +81,17 @@ def main() -> None:
         "intra": (
             intra_module,
             [dict(BLOCK_KD=k, LAUNCH={"num_warps": w, "num_stages": 1})
-             for k, w in [(32, 4), (64, 4), (32, 8), (64, 8), (16, 4)]],
-            lambda: intra_module.intra_triton(q, a, b, g, "tf32"),
-            lambda: intra_module.intra_triton_backward(q, a, b, g, d_lower, d_attend, "tf32"),
+             for k, w in [(32, 4), (64, 4), (32, 8), (64, 8), (16, 4), (128, 8)]],
+            lambda: intra_module.intra_triton(q, a, b, g, "tf32", tokens),
+            lambda: intra_module.intra_triton_backward(
+                q, a, b, g, d_lower, d_attend, "tf32", tokens
+            ),
         ),
         "solve": (
             solve_module,
             [dict(BLOCK_N=n, LAUNCH={"num_warps": w, "num_stages": 1})
              for n, w in [(64, 4), (128, 4), (32, 4), (64, 8), (128, 8)]],
-            lambda: solve_module.solve_triton(lower, u, "tf32"),
+            lambda: solve_module.solve_triton(lower, u, "tf32", tokens),
             lambda: solve_module.solve_triton_backward(lower, d_out, "tf32"),
         ),
     }  # fmt: skip

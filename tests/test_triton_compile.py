@@ -26,7 +26,7 @@ def _compile_for_hopper(kernel, pointers, scalars, constants, options):
 
     signature = {
         **{p: "*fp32" for p in pointers},
-        **{s: "i32" for s in scalars},
+        **{s: "fp32" if s == "scale" else "i32" for s in scalars},
         **{k: "constexpr" for k in constants},
     }
     constexprs = {(kernel.arg_names.index(k),): v for k, v in constants.items()}
@@ -49,18 +49,20 @@ def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chu
         block_kd = min(BLOCK_KD, block_k)
         block_n = min(solve.BLOCK_N, block_k)
         columns = dict(N=key_dim, C=chunk, BT=SUB_BLOCK, BN=block_n, PRECISION=precision)
-        per_chunk = dict(K=key_dim, C=chunk, BKD=block_kd)
+        # Both decay layouts over the cases: one log decay per head at K = 3.
+        g_head = {"G_HEAD": key_dim == 3}
+        per_chunk = dict(K=key_dim, C=chunk, BKD=block_kd, **g_head)
         kernels = [
             (state_pass._state_pass_fwd, 11, {**launch, "HAS_INITIAL": True}, options),
             (state_pass._state_pass_bwd, 10, {**launch, "HAS_D_FINAL": True}, options),
-            (intra._intra_fwd, 6, {**shape, "BK": block_k}, intra.LAUNCH),
-            (intra._intra_bwd, 9, {**shape, "BKD": block_kd}, intra.LAUNCH),
+            (intra._intra_fwd, 6, {**shape, "BK": block_k, **g_head}, intra.LAUNCH),
+            (intra._intra_bwd, 9, {**shape, "BKD": block_kd, **g_head}, intra.LAUNCH),
             (solve._solve_fwd, 3, columns, intra.LAUNCH),
-            (solve._solve_bwd, 3, columns, intra.LAUNCH),
+            (solve._solve_bwd, 4, {**columns, "TOKENS": True}, intra.LAUNCH),
             (solve._lower_grad, 5, {**shape, "V": key_dim, "BK": block_n, "BV": block_n},
              intra.LAUNCH),
             (factors._factors_fwd, 8, per_chunk, intra.LAUNCH),
-            (factors._factors_bwd, 12, per_chunk, intra.LAUNCH),
+            (factors._factors_bwd, 15, per_chunk, intra.LAUNCH),
         ]  # fmt: skip
         for kernel, n_pointers, constants, kernel_options in kernels:
             pointers = kernel.arg_names[:n_pointers]

@@ -32,9 +32,15 @@ import triton
 import triton.language as tl
 
 from deltalab.ops._varlen import max_seqlen, pad_packed, unpad_packed
-from deltalab.ops.delta_rule.chunk import ChunkOperators, from_chunks, padded_chunk_size
+from deltalab.ops.delta_rule.chunk import ChunkOperators, padded_chunk_size
 from deltalab.ops.delta_rule.triton.factors import factors_triton, factors_triton_backward
-from deltalab.ops.delta_rule.triton.intra import intra_triton, intra_triton_backward, key_block
+from deltalab.ops.delta_rule.triton.intra import (
+    Tokens,
+    _token_offset,
+    intra_triton,
+    intra_triton_backward,
+    key_block,
+)
 from deltalab.ops.delta_rule.triton.solve import (
     lower_grad_triton,
     solve_triton,
@@ -70,24 +76,27 @@ def _offsets(K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr
     ck = rc[:, None] * K + rk[None, :]
     cv = rc[:, None] * V + rv[None, :]
     cc = rc[:, None] * C + rc[None, :]
-    return rk, mk, mv, kv, mkv, ck, cv, cc
+    return rk, rv, rc, mk, mv, kv, mkv, ck, cv, cc
 
 
 @triton.jit
 def _state_pass_fwd(
     read, attend, erase, target, write, decay, initial, out, residual, states, final,
-    n_chunks,
+    n_chunks, TN, H, T, CS,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BC: tl.constexpr, HAS_INITIAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """out: token-major [B, T, H, V] as `intra.Tokens` (TN, H, T, CS) maps it, written in its
+    own dtype; everything else chunked float32, n_chunks per (sequence, head)."""
     bh = tl.program_id(1).to(tl.int64)
-    rk, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
+    rk, rv, rc, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
     if HAS_INITIAL:
         s = tl.load(initial + bh * K * V + kv, mask=mkv, other=0.0).to(tl.float32)
     else:
         s = tl.zeros([BK, BV], dtype=tl.float32)
     for i in range(n_chunks):
         chunk = bh * n_chunks + i
+        out_offset, valid = _token_offset(chunk, TN, H, T, CS, V)
         tl.store(states + chunk * K * V + kv, s, mask=mkv)
         d = tl.load(decay + chunk * K + rk, mask=mk, other=0.0)
         s_next = d[:, None] * s
@@ -108,7 +117,9 @@ def _state_pass_fwd(
                 m = tl.load(attend + rows * C + cb * BC + cc)
                 n_before = tl.load(residual + (chunk * C + cb * BC) * V + cv, mask=mv[None, :])
                 o += tl.dot(m, n_before, input_precision=PRECISION)
-            tl.store(out + rows * V + cv, o, mask=mv[None, :])
+            tokens = out_offset + (rb * BC + rc)[:, None] * (H * V) + rv[None, :]
+            present = ((rb * BC + rc) < valid)[:, None] & mv[None, :]
+            tl.store(out + tokens, o.to(out.dtype.element_ty), mask=present)
             w = tl.load(write + rows * K + ck, mask=mk[None, :], other=0.0)
             s_next += tl.dot(tl.trans(w), n, input_precision=PRECISION)
         s = s_next
@@ -123,7 +134,7 @@ def _state_pass_bwd(
     BC: tl.constexpr, HAS_D_FINAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(1).to(tl.int64)
-    rk, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
+    rk, _, _, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
     if HAS_D_FINAL:
         ds = tl.load(d_final + bh * K * V + kv, mask=mkv, other=0.0).to(tl.float32)
     else:
@@ -168,24 +179,29 @@ def _launch(value_dim: int, programs: int, size: int, key_dim: int, precision: s
     return grid, consts
 
 
-def state_pass_triton(ops, initial_state: torch.Tensor | None, precision: str = "ieee"):
-    """Stages 3-4 of `chunk.py` in one kernel: (outputs [B, H, n, C, V], residuals
-    [B, H, n, C, V], chunk-start states [B, H, n, K, V], final state [B, H, K, V]).
+def state_pass_triton(ops, initial_state: torch.Tensor | None, precision: str = "ieee",
+                      out: torch.Tensor | None = None, tokens: Tokens | None = None):  # fmt: skip
+    """Stages 3-4 of `chunk.py` in one kernel: (outputs, residuals [B, H, n, C, V], chunk-start
+    states [B, H, n, K, V], final state [B, H, K, V]).
 
-    `ops`: a `ChunkOperators` of contiguous float32 tensors; initial_state: [B, H, K, V] or None;
-    precision: "ieee" (float32 products) or "tf32".
+    `ops`: a `ChunkOperators` of contiguous float32 tensors [B, H, n, C, *]; initial_state:
+    [B, H, K, V] or None; precision: "ieee" (float32 products) or "tf32". The outputs go to
+    `out`, token-major [B, T, H, V] as `tokens` maps it, in its dtype; without it, to a new
+    chunked float32 [B, H, n, C, V].
     """
     batch, heads, n_chunks, size, key_dim = ops.read.shape
     value_dim = ops.target.shape[-1]
     device = ops.read.device
-    out = torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
-    residual = torch.empty_like(out)
+    residual = torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
+    if out is None:
+        out, tokens = torch.empty_like(residual), Tokens.of_chunks(residual)
     states = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
     final = torch.empty(batch, heads, key_dim, value_dim, device=device)
     grid, consts = _launch(value_dim, batch * heads, size, key_dim, precision)
     _state_pass_fwd[grid](
         *ops, initial_state if initial_state is not None else final,
-        out, residual, states, final, n_chunks, HAS_INITIAL=initial_state is not None, **consts,
+        out, residual, states, final, n_chunks, *tokens.args(),
+        HAS_INITIAL=initial_state is not None, **consts,
     )  # fmt: skip
     return out, residual, states, final
 
@@ -235,14 +251,16 @@ def _matmul_precision(precision: str):
         torch.set_float32_matmul_precision(before)
 
 
-def _operators_triton(q, a, b, u, g, precision: str) -> tuple[ChunkOperators, torch.Tensor]:
-    """Stages 1-2 in Triton over contiguous float32 chunked inputs (g per channel):
-    (the chunk operators, L). The twin of `chunk.chunk_operators`."""
-    read, erase_rhs, write, decay = factors_triton(q, a, b, g)
-    lower, attend = intra_triton(q, a, b, g, precision)
+def _operators_triton(q, a, b, u, g, precision: str, tokens: Tokens, scale: float):
+    """Stages 1-2 in Triton over token-major inputs as `tokens` maps them (q times `scale`):
+    (the chunk operators [B, H, n, C, *] float32, L). The twin of `chunk.chunk_operators`."""
+    read, erase_rhs, write, decay = factors_triton(q, a, b, g, tokens, scale)
+    lower, attend = intra_triton(q, a, b, g, precision, tokens, scale)
     erase = solve_triton(lower, erase_rhs, precision)
-    target = solve_triton(lower, u, precision)
-    return ChunkOperators(read, attend, erase, target, write, decay), lower
+    target = solve_triton(lower, u, precision, tokens)
+    lead = (q.shape[0], tokens.heads, tokens.chunks)
+    ops = ChunkOperators(read, attend, erase, target, write, decay)
+    return ChunkOperators(*(x.view(*lead, *x.shape[1:]) for x in ops)), lower
 
 
 def _to_chunks_f32(x: torch.Tensor, chunk_size: int, factor: float = 1.0) -> torch.Tensor:
@@ -263,55 +281,42 @@ def _to_chunks_f32(x: torch.Tensor, chunk_size: int, factor: float = 1.0) -> tor
     return out if factor == 1.0 else out.mul_(factor)
 
 
-def _from_chunks_as(x: torch.Tensor, chunk_size: int, shape, dtype) -> torch.Tensor:
-    """`chunk.from_chunks` of x [B, H, n, C_pad, *] into a new contiguous [B, T, H, *] tensor
-    of `shape` and `dtype` (one copy)."""
-    out = x.new_empty(shape, dtype=dtype)
-    if len(shape) == 3:  # one log decay per head: no channel axis
-        out.unsqueeze(-1).copy_(from_chunks(x.unsqueeze(-1), chunk_size, shape[1]))
-    else:
-        out.copy_(from_chunks(x, chunk_size, shape[1]))
-    return out
-
-
 class _DeltaRuleTriton(torch.autograd.Function):
     """Inputs [B, T, H, *] in their own dtype -> (o [B, T, H, V] in q's dtype, final state).
 
-    Every stage is a Triton kernel; the inputs are cast and rearranged into chunks once
-    (`_to_chunks_f32`). The backward recomputes stages 1-2 instead of storing the per-chunk
-    operators, and walks the stages back by hand (no PyTorch graph through them).
+    Every stage is a Triton kernel. The kernels read the inputs where they lie (token-major, any
+    float dtype, `intra.Tokens`) and write the output and the input gradients there in the
+    inputs' dtypes: no copy into chunks, no cast. The backward recomputes stages 1-2 instead of
+    storing the per-chunk operators, and walks the stages back by hand (no PyTorch graph through
+    them).
 
-    Saved for backward: the chunked inputs, the chunk-start states and the residuals.
+    Saved for backward: the inputs themselves, the chunk-start states and the residuals.
     """
 
     @staticmethod
     def forward(ctx, q, a, b, u, g, initial_state, chunk_size, scale, precision):
         ctx.set_materialize_grads(False)
-        head_decay = g.dim() == q.dim() - 1
-        chunked_q = _to_chunks_f32(q, chunk_size, scale)
-        chunked = [_to_chunks_f32(x, chunk_size) for x in (a, b, u, g)]
-        ca, cb, cu, cg = chunked
-        g_full = (cg.unsqueeze(-1).expand(chunked_q.shape) if head_decay else cg).contiguous()
-        ops, _ = _operators_triton(chunked_q, ca, cb, cu, g_full, precision)
-        out, residuals, states, final = state_pass_triton(
-            ops, initial_state.contiguous(), precision
+        q, a, b, u, g = (x.contiguous() for x in (q, a, b, u, g))
+        length, heads = q.shape[1], q.shape[2]
+        tokens = Tokens(-(-length // chunk_size), heads, length, chunk_size)
+        ops, _ = _operators_triton(q, a, b, u, g, precision, tokens, scale)
+        out = q.new_empty(u.shape)
+        _, residuals, states, final = state_pass_triton(
+            ops, initial_state.contiguous(), precision, out=out, tokens=tokens
         )
-        ctx.save_for_backward(chunked_q, ca, cb, cu, g_full, states, residuals)
-        ctx.precision, ctx.head_decay, ctx.chunk_size, ctx.scale = (
-            precision, head_decay, chunk_size, scale
-        )  # fmt: skip
-        ctx.layouts = [(x.shape, x.dtype) for x in (q, a, b, u, g)]
-        return _from_chunks_as(out, chunk_size, u.shape, q.dtype), final
+        ctx.save_for_backward(q, a, b, u, g, states, residuals)
+        ctx.precision, ctx.tokens, ctx.scale = precision, tokens, scale
+        return out, final
 
     @staticmethod
     def backward(ctx, d_o, d_final):
         q, a, b, u, g, states, residuals = ctx.saved_tensors
-        precision, chunk_size = ctx.precision, ctx.chunk_size
-        ops, lower = _operators_triton(q, a, b, u, g, precision)
+        precision, tokens, scale = ctx.precision, ctx.tokens, ctx.scale
+        ops, lower = _operators_triton(q, a, b, u, g, precision, tokens, scale)
         if d_o is None:
-            d_out = torch.zeros_like(u)
+            d_out = torch.zeros_like(residuals)
         else:
-            d_out = _to_chunks_f32(d_o, chunk_size)
+            d_out = _to_chunks_f32(d_o, tokens.chunk_size)
         d_final = None if d_final is None else d_final.contiguous()
         d_residual, d_next, d_initial = state_pass_triton_backward(ops, d_out, d_final, precision)
         with _matmul_precision(precision):
@@ -320,31 +325,26 @@ class _DeltaRuleTriton(torch.autograd.Function):
         # sum of what is alive at its fullest point, not of everything it makes.
         erase, target = ops.erase, ops.target
         del ops, d_out, d_residual, d_next
-        # Stage 2 back: R = [exp(G) B | U] through the solve, then L's share.
+        # Stage 2 back: R = [exp(G) B | U] through the solve, then L's share; du token-major.
         d_erase_rhs = solve_triton_backward(lower, grads.erase.contiguous(), precision)
-        du = solve_triton_backward(lower, grads.target.contiguous(), precision)
+        d_target_rhs, du = solve_triton_backward(
+            lower, grads.target.contiguous(), precision, tokens_like=u, tokens=tokens
+        )
         grads = grads._replace(erase=None, target=None)
-        d_lower = lower_grad_triton(d_erase_rhs, erase, du, target, precision)
-        del erase, target
-        # Stage 1 back, then the factors (which also form dg for both).
-        dq, da, db = intra_triton_backward(
-            q, a, b, g, d_lower, grads.attend.contiguous(), precision
+        d_lower = lower_grad_triton(d_erase_rhs, erase, d_target_rhs, target, precision)
+        del erase, target, d_target_rhs
+        # Stage 1 back, then the factors (which also form dg for both, and write dq, da, db,
+        # dg token-major in the inputs' dtypes).
+        dq1, da1, db1 = intra_triton_backward(
+            q, a, b, g, d_lower, grads.attend.contiguous(), precision, tokens, scale
         )
         del d_lower, lower
         dq, da, db, dg = factors_triton_backward(
             q, a, b, g, grads.read.contiguous(), d_erase_rhs, grads.write.contiguous(),
-            grads.decay.contiguous(), dq, da, db,
+            grads.decay.contiguous(), dq1, da1, db1, tokens, scale,
         )  # fmt: skip
-        del grads, d_erase_rhs
-        if ctx.head_decay:
-            dg = dg.sum(dim=-1)
-        dq = dq.mul_(ctx.scale)
-        grads = [
-            _from_chunks_as(d, chunk_size, *layout) if needed else None
-            for d, layout, needed in zip(
-                (dq, da, db, du, dg), ctx.layouts, ctx.needs_input_grad, strict=False
-            )
-        ]
+        needed = ctx.needs_input_grad
+        grads = [d if need else None for d, need in zip((dq, da, db, du, dg), needed, strict=False)]
         return (*grads, d_initial, None, None, None)
 
 
@@ -369,7 +369,7 @@ def delta_rule_triton(
     low_precision = q.dtype in (torch.bfloat16, torch.float16)
     allowed = torch.get_float32_matmul_precision() != "highest"
     precision = "tf32" if low_precision or allowed else "ieee"
-    # The cast to float32 comes before the scale (inside `_to_chunks_f32`), as the other
+    # The kernels cast to float32 on load, then scale q, as the other
     # backends do it: fp16 q times a scale > 1 cannot overflow.
     length = q.shape[1]
     if cu_seqlens is not None:

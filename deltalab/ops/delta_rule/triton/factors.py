@@ -7,7 +7,8 @@ operators of `chunk.py`'s `chunk_operators` scale the inputs elementwise:
     write = exp(sum_{j > t} g_j) a_t                                (to the chunk end)
     decay = exp(sum_j g_j)                                          (the whole chunk)
 
-One program owns a chunk and BKD channels: every exponent is a cumulative sum of log decays
+One program owns a chunk and BKD channels; the inputs are read where they lie, token-major
+(`intra.Tokens`), and the adjoint writes the final gradients there too: every exponent is a cumulative sum of log decays
 (never a difference of two, never positive), the one to the chunk end taken over the rows
 shifted by one, so g = -inf gives exact zeros as in stage 1.
 
@@ -33,90 +34,131 @@ import torch
 import triton
 import triton.language as tl
 
-from deltalab.ops.delta_rule.triton.intra import BLOCK_KD, LAUNCH, chunk_count, key_block
+from deltalab.ops.delta_rule.chunk import padded_chunk_size
+from deltalab.ops.delta_rule.triton.intra import (
+    BLOCK_KD,
+    LAUNCH,
+    Tokens,
+    _g_head,
+    _load_rows,
+    _token_layout,
+    key_block,
+)
 
 
 @triton.jit
-def _chunk_decays(g, K: tl.constexpr, C: tl.constexpr, BKD: tl.constexpr):
-    """This program's [C, BKD] tile of one chunk: its offsets and mask, the offsets of its
-    channels in the chunk's [K] decay row and their mask, then exp(G_t), exp(sum_{j > t} g_j)
-    and the g tile."""
+def _chunk_decays(g, n_chunks, H, T, CS, K: tl.constexpr, C: tl.constexpr, BKD: tl.constexpr,
+                  G_HEAD: tl.constexpr):  # fmt: skip
+    """This program's [C, BKD] tile of one chunk: the chunk, its token offset and token count,
+    the row stride of q, a, b, the tile's channels and their mask, then exp(G_t),
+    exp(sum_{j > t} g_j) and the g tile."""
     chunk = tl.program_id(0).to(tl.int64)
+    offset, valid, rs, g_offset, grs, gcs = _token_layout(chunk, n_chunks, H, T, CS, K, G_HEAD)
     rc = tl.arange(0, C)
     rk = tl.program_id(1) * BKD + tl.arange(0, BKD)
     mk = rk < K
-    offs = chunk * C * K + rc[:, None] * K + rk[None, :]
-    mask = mk[None, :]
-    g_t = tl.load(g + offs, mask=mask, other=0.0)
-    g_after = tl.load(g + offs + K, mask=mask & (rc < C - 1)[:, None], other=0.0)
+    g_t = _load_rows(g + g_offset, rc, grs, rk, gcs, valid, mk)
+    g_after = _load_rows(g + g_offset, rc + 1, grs, rk, gcs, valid, mk)
     from_start = tl.exp(tl.cumsum(g_t, axis=0))
     to_end = tl.exp(tl.cumsum(g_after, axis=0, reverse=True))
-    return offs, mask, chunk * K + rk, mk, from_start, to_end, g_t
+    return chunk, offset, valid, rs, rc, rk, mk, from_start, to_end, g_t
 
 
 @triton.jit
 def _factors_fwd(
-    q, a, b, g, read, rhs, write, decay,
-    K: tl.constexpr, C: tl.constexpr, BKD: tl.constexpr,
+    q, a, b, g, read, rhs, write, decay, n_chunks, H, T, CS, scale,
+    K: tl.constexpr, C: tl.constexpr, BKD: tl.constexpr, G_HEAD: tl.constexpr,
 ):  # fmt: skip
-    offs, mask, row, mk, from_start, to_end, g_t = _chunk_decays(g, K, C, BKD)
-    tl.store(read + offs, from_start * tl.load(q + offs, mask=mask), mask=mask)
-    tl.store(rhs + offs, from_start * tl.load(b + offs, mask=mask), mask=mask)
-    tl.store(write + offs, to_end * tl.load(a + offs, mask=mask), mask=mask)
-    tl.store(decay + row, tl.exp(tl.sum(g_t, axis=0)), mask=mk)
+    chunk, offset, valid, rs, rc, rk, mk, from_start, to_end, g_t = _chunk_decays(
+        g, n_chunks, H, T, CS, K, C, BKD, G_HEAD
+    )
+    out = chunk * C * K + rc[:, None] * K + rk[None, :]
+    mask = mk[None, :]
+    q_t = _load_rows(q + offset, rc, rs, rk, 1, valid, mk) * scale
+    tl.store(read + out, from_start * q_t, mask=mask)
+    tl.store(rhs + out, from_start * _load_rows(b + offset, rc, rs, rk, 1, valid, mk), mask=mask)
+    tl.store(write + out, to_end * _load_rows(a + offset, rc, rs, rk, 1, valid, mk), mask=mask)
+    tl.store(decay + chunk * K + rk, tl.exp(tl.sum(g_t, axis=0)), mask=mk)
 
 
 @triton.jit
 def _factors_bwd(
-    q, a, b, g, d_read, d_rhs, d_write, d_decay, dq, da, db, dg,
-    K: tl.constexpr, C: tl.constexpr, BKD: tl.constexpr,
+    q, a, b, g, d_read, d_rhs, d_write, d_decay, dq1, da1, db1, dq, da, db, dg,
+    n_chunks, H, T, CS, scale,
+    K: tl.constexpr, C: tl.constexpr, BKD: tl.constexpr, G_HEAD: tl.constexpr,
 ):  # fmt: skip
-    """dq, da, db hold stage 1's gradients on entry and the totals on exit."""
-    offs, mask, row, mk, from_start, to_end, g_t = _chunk_decays(g, K, C, BKD)
-    q_t = tl.load(q + offs, mask=mask, other=0.0)
-    a_t = tl.load(a + offs, mask=mask, other=0.0)
-    b_t = tl.load(b + offs, mask=mask, other=0.0)
-    dq_t = tl.load(dq + offs, mask=mask, other=0.0)
-    da_t = tl.load(da + offs, mask=mask, other=0.0)
-    db_t = tl.load(db + offs, mask=mask, other=0.0)
-    dr_t = tl.load(d_read + offs, mask=mask, other=0.0)
-    dh_t = tl.load(d_rhs + offs, mask=mask, other=0.0)
-    dw_t = tl.load(d_write + offs, mask=mask, other=0.0)
+    """dq1, da1, db1: stage 1's gradients, chunked [chunks, C, K] (dq1 that of the scaled q).
+    dq, da, db, dg: the totals, laid out as q (dg per channel), in their tensors' dtypes; dq
+    of the unscaled q. Rows past the chunk's tokens are not written."""
+    chunk, offset, valid, rs, rc, rk, mk, from_start, to_end, g_t = _chunk_decays(
+        g, n_chunks, H, T, CS, K, C, BKD, G_HEAD
+    )
+    inner = chunk * C * K + rc[:, None] * K + rk[None, :]
+    mask = mk[None, :]
+    q_t = _load_rows(q + offset, rc, rs, rk, 1, valid, mk) * scale
+    a_t = _load_rows(a + offset, rc, rs, rk, 1, valid, mk)
+    b_t = _load_rows(b + offset, rc, rs, rk, 1, valid, mk)
+    dq_t = tl.load(dq1 + inner, mask=mask, other=0.0)
+    da_t = tl.load(da1 + inner, mask=mask, other=0.0)
+    db_t = tl.load(db1 + inner, mask=mask, other=0.0)
+    dr_t = tl.load(d_read + inner, mask=mask, other=0.0)
+    dh_t = tl.load(d_rhs + inner, mask=mask, other=0.0)
+    dw_t = tl.load(d_write + inner, mask=mask, other=0.0)
     written = to_end * a_t * dw_t
     terms = q_t * dq_t + b_t * db_t - a_t * da_t + from_start * (q_t * dr_t + b_t * dh_t) - written
     total = tl.sum(written, axis=0)
-    total += tl.exp(tl.sum(g_t, axis=0)) * tl.load(d_decay + row, mask=mk, other=0.0)
-    tl.store(dg + offs, tl.cumsum(terms, axis=0, reverse=True) + total[None, :], mask=mask)
-    tl.store(dq + offs, dq_t + from_start * dr_t, mask=mask)
-    tl.store(db + offs, db_t + from_start * dh_t, mask=mask)
-    tl.store(da + offs, da_t + to_end * dw_t, mask=mask)
+    total += tl.exp(tl.sum(g_t, axis=0)) * tl.load(d_decay + chunk * K + rk, mask=mk, other=0.0)
+    outer = offset + rc[:, None] * rs + rk[None, :]
+    present = (rc < valid)[:, None] & mask
+    dg_t = tl.cumsum(terms, axis=0, reverse=True) + total[None, :]
+    tl.store(dg + outer, dg_t.to(dg.dtype.element_ty), mask=present)
+    dq_t = (dq_t + from_start * dr_t) * scale
+    tl.store(dq + outer, dq_t.to(dq.dtype.element_ty), mask=present)
+    tl.store(db + outer, (db_t + from_start * dh_t).to(db.dtype.element_ty), mask=present)
+    tl.store(da + outer, (da_t + to_end * dw_t).to(da.dtype.element_ty), mask=present)
 
 
-def _grid(q: torch.Tensor):
+def _grid(q: torch.Tensor, tokens: Tokens):
     key_dim = q.shape[-1]
     block = min(BLOCK_KD, key_block(key_dim))
-    return (chunk_count(q), triton.cdiv(key_dim, block)), block
+    return (tokens.programs(q), triton.cdiv(key_dim, block)), block
 
 
-def factors_triton(q, a, b, g):
-    """(read, exp(G) b, write [..., C, K], decay [..., K]) of contiguous float32 chunked inputs
-    [..., C, K] (g per channel); the twin of the factor lines of `chunk.chunk_operators`."""
-    *lead, size, key_dim = q.shape
-    read, rhs, write = (torch.empty_like(q) for _ in range(3))
-    decay = q.new_empty(*lead, key_dim)
-    grid, block = _grid(q)
-    _factors_fwd[grid](q, a, b, g, read, rhs, write, decay, K=key_dim, C=size, BKD=block,
-                       **LAUNCH)  # fmt: skip
+def factors_triton(q, a, b, g, tokens: Tokens | None = None, scale: float = 1.0):
+    """(read, exp(G) b, write [chunks, C, K], decay [chunks, K]) float32 of token-major inputs
+    as `tokens` maps them (see `intra.Tokens`; read of q times `scale`), or, with tokens=None,
+    of chunked inputs [..., C, K] (g per channel), shaped [..., C, K] and [..., K]. The twin of
+    the factor lines of `chunk.chunk_operators`."""
+    chunked = tokens is None
+    tokens = Tokens.of_chunks(q) if chunked else tokens
+    size, key_dim = padded_chunk_size(tokens.chunk_size), q.shape[-1]
+    grid, block = _grid(q, tokens)
+    read, rhs, write = (q.new_empty(grid[0], size, key_dim, dtype=torch.float32) for _ in "rhw")
+    decay = q.new_empty(grid[0], key_dim, dtype=torch.float32)
+    _factors_fwd[grid](
+        q, a, b, g, read, rhs, write, decay, *tokens.args(), scale, K=key_dim, C=size,
+        BKD=block, G_HEAD=_g_head(q, g), **LAUNCH,
+    )  # fmt: skip
+    if chunked:
+        return (*(x.view(q.shape) for x in (read, rhs, write)), decay.view(*q.shape[:-2], key_dim))
     return read, rhs, write, decay
 
 
-def factors_triton_backward(q, a, b, g, d_read, d_rhs, d_write, d_decay, dq, da, db):
+def factors_triton_backward(q, a, b, g, d_read, d_rhs, d_write, d_decay, dq1, da1, db1,
+                            tokens: Tokens | None = None, scale: float = 1.0):  # fmt: skip
     """(dq, da, db, dg): the gradients of q, a, b, g through the factors and, given stage 1's
-    dq, da, db (updated in place), through stage 1 too."""
-    dg = torch.empty_like(g)
-    grid, block = _grid(q)
-    _factors_bwd[grid](
-        q, a, b, g, d_read, d_rhs, d_write, d_decay, dq, da, db, dg, K=q.shape[-1],
-        C=q.shape[-2], BKD=block, **LAUNCH,
+    dq1, da1, db1 (chunked float32; dq1 that of the scaled q), through stage 1 too. Laid out and
+    typed as q, a, b and g are (dg of a per-head g summed over channels); dq of the unscaled q."""
+    tokens = Tokens.of_chunks(q) if tokens is None else tokens
+    size = padded_chunk_size(tokens.chunk_size)
+    head = _g_head(q, g)
+    dq, da, db = (torch.empty_like(x) for x in (q, a, b))
+    dg = torch.empty(q.shape, dtype=torch.float32, device=q.device) if head else (
+        torch.empty_like(g)
     )  # fmt: skip
-    return dq, da, db, dg
+    grid, block = _grid(q, tokens)
+    _factors_bwd[grid](
+        q, a, b, g, d_read, d_rhs, d_write, d_decay, dq1, da1, db1, dq, da, db, dg,
+        *tokens.args(), scale, K=q.shape[-1], C=size, BKD=block, G_HEAD=head, **LAUNCH,
+    )  # fmt: skip
+    return dq, da, db, (dg.sum(dim=-1).to(g.dtype) if head else dg)

@@ -1,7 +1,7 @@
 """Triton stage 1 of the chunkwise delta rule: the intra-chunk matrices L and M, and their adjoint.
 
-For chunked inputs q, a, b, g [B, H, n, C, K] (per-channel log decays; one per head is expanded
-to K channels by the caller), per chunk
+For inputs q, a, b [B, T, H, K] and g [B, T, H, K] (per channel) or [B, T, H] (per head), read
+in place (`Tokens` below: no copy into chunks, any float dtype, q scaled on load), per chunk
 
     L_ts = sum_k b_tk a_sk exp(G_tk - G_sk)   (s < t)      M_ts = same with q_t   (s <= t)
 
@@ -33,9 +33,13 @@ a reverse cumulative sum: every pair (t, s) with s, t >= j appears in both sums 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
+
+from deltalab.ops.delta_rule.chunk import padded_chunk_size
 
 # Tokens per sub-block: the smallest tile of a tensor-core product, and the number of rows a
 # diagonal sub-block walks one at a time.
@@ -51,6 +55,70 @@ def chunk_count(x: torch.Tensor) -> int:
     return x.numel() // (x.shape[-1] * x.shape[-2])
 
 
+class Tokens(NamedTuple):
+    """How the kernels find chunk `i` (ordered batch, head, chunk, as the chunked intermediates
+    [B, H, n, C, *] are) in token-major inputs [B, T, H, *]: chunk i = (b, h, j) holds the tokens
+    j * chunk_size ... of sequence b, head h, its rows past `chunk_size` or past T read as zero.
+
+    A chunked tensor [..., C, *] is the case of one chunk per "sequence" (`Tokens.of_chunks`),
+    which is how the stage twins are tested on chunked inputs."""
+
+    chunks: int  # n: chunks per (sequence, head)
+    heads: int  # H
+    length: int  # T
+    chunk_size: int  # tokens per chunk (<= the tile's C, which is padded to 16 * 2^m)
+
+    @classmethod
+    def of_chunks(cls, x: torch.Tensor) -> Tokens:
+        return cls(1, 1, x.shape[-2], x.shape[-2])
+
+    def programs(self, q: torch.Tensor) -> int:
+        """Chunks in all, one program each (q: [B, T, H, K], or chunked [..., C, K])."""
+        return q.numel() // (self.length * q.shape[-1]) * self.chunks
+
+    def args(self) -> tuple[int, int, int, int]:
+        """The kernels' runtime arguments n_chunks, H, T, CS."""
+        return self.chunks, self.heads, self.length, self.chunk_size
+
+
+@triton.jit
+def _token_offset(chunk, n_chunks, H, T, CS, X: tl.constexpr):
+    """Where chunk `chunk` (ordered b, h, j) starts in a [B, T, H, X] tensor, and how many of its
+    rows are tokens (min(CS, T - j * CS)); its rows are H * X elements apart."""
+    j = chunk % n_chunks
+    bh = chunk // n_chunks
+    first = j * CS
+    return ((bh // H) * T + first) * H * X + (bh % H) * X, tl.minimum(CS, T - first)
+
+
+@triton.jit
+def _token_layout(chunk, n_chunks, H, T, CS, K: tl.constexpr, G_HEAD: tl.constexpr):
+    """Chunk `chunk`'s offsets in q, a, b [B, T, H, K] and in g ([B, T, H] when G_HEAD, one
+    log decay per head read for every channel with a channel stride of 0), its tokens, and the
+    row and channel strides of both."""
+    offset, valid = _token_offset(chunk, n_chunks, H, T, CS, K)
+    if G_HEAD:
+        g_offset, _ = _token_offset(chunk, n_chunks, H, T, CS, 1)
+        return offset, valid, H * K, g_offset, H, 0
+    return offset, valid, H * K, offset, H * K, 1
+
+
+@triton.jit
+def _load_rows(x, rows, rs, cols, cs, valid, mk):
+    """x[rows, cols] as float32 [len(rows), len(cols)], zero past the chunk's tokens and K."""
+    mask = (rows < valid)[:, None] & mk[None, :]
+    return tl.load(x + rows[:, None] * rs + cols[None, :] * cs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_row(x, row, rs, cols, cs, valid, mk):
+    """x[row, cols] as float32, zero past the chunk's tokens and K."""
+    # The row test is made a vector: Triton's interpreter refuses a vector mask and'ed with a
+    # scalar one (compiled, both are the same predicate).
+    present = mk & ((cols * 0 + row) < valid)
+    return tl.load(x + row * rs + cols * cs, mask=present, other=0.0).to(tl.float32)
+
+
 def key_block(key_dim: int) -> int:
     """K padded to a power of two of at least 16 (tl.dot needs an inner dimension of 8 or more
     on NVIDIA GPUs; 16 fills a tensor-core tile). The padded channels are masked to zero."""
@@ -58,30 +126,30 @@ def key_block(key_dim: int) -> int:
 
 
 @triton.jit
-def _next_segment(seg, g, row, rt, rk, mk, t, K: tl.constexpr):
+def _next_segment(seg, g, row, rt, rk, mk, t, grs, gcs, valid):
     """Row t's segment sums sum_{s < j <= t} g_j over the sub-block's columns s: [BT(s), BK].
 
     Built from row t - 1's by adding g_t (s < t), 0 at s = t, -inf above (s > t): a running sum,
     never a difference, so g = -inf gives exact zeros and no exponent is positive."""
-    g_t = tl.load(g + row * K + rk, mask=mk, other=0.0)
+    g_t = _load_row(g, row, grs, rk, gcs, valid, mk)
     return tl.where(rt[:, None] == t, 0.0, seg + g_t[None, :])
 
 
 @triton.jit
-def _diag_fwd(q, a, b, g, lower, attend, rows, K: tl.constexpr, C: tl.constexpr,
-              BK: tl.constexpr, BT: tl.constexpr):  # fmt: skip
+def _diag_fwd(q, a, b, g, lower, attend, rows, rs, grs, gcs, valid, scale, K: tl.constexpr,
+              C: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr):  # fmt: skip
     """L and M of diagonal sub-block `rows`, one row t at a time with exact pairwise factors."""
     rt = tl.arange(0, BT)
     rk = tl.arange(0, BK)
     mk = rk < K
-    a_d = tl.load(a + (rows + rt)[:, None] * K + rk[None, :], mask=mk[None, :], other=0.0)
+    a_d = _load_rows(a, rows + rt, rs, rk, 1, valid, mk)
     seg = tl.full([BT, BK], float("-inf"), dtype=tl.float32)
     for t in range(BT):
         row = rows + t
-        seg = _next_segment(seg, g, row, rt, rk, mk, t, K)
+        seg = _next_segment(seg, g, row, rt, rk, mk, t, grs, gcs, valid)
         a_f = tl.exp(seg) * a_d
-        b_t = tl.load(b + row * K + rk, mask=mk, other=0.0)
-        q_t = tl.load(q + row * K + rk, mask=mk, other=0.0)
+        b_t = _load_row(b, row, rs, rk, 1, valid, mk)
+        q_t = _load_row(q, row, rs, rk, 1, valid, mk) * scale
         l_t = tl.where(rt < t, tl.sum(a_f * b_t[None, :], axis=1), 0.0)
         m_t = tl.sum(a_f * q_t[None, :], axis=1)
         tl.store(lower + row * C + rows + rt, l_t)
@@ -89,24 +157,23 @@ def _diag_fwd(q, a, b, g, lower, attend, rows, K: tl.constexpr, C: tl.constexpr,
 
 
 @triton.jit
-def _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, K: tl.constexpr, C: tl.constexpr,
-              BKD: tl.constexpr, BT: tl.constexpr):  # fmt: skip
+def _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, grs, gcs, valid, scale,
+              C: tl.constexpr, BKD: tl.constexpr, BT: tl.constexpr):  # fmt: skip
     """The diagonal sub-block's share of (dq, db, da) [BT, BKD] for channels rkd."""
     rt = tl.arange(0, BT)
-    tile = (rows + rt)[:, None] * K + rkd[None, :]
-    a_d = tl.load(a + tile, mask=mkd[None, :], other=0.0)
+    a_d = _load_rows(a, rows + rt, rs, rkd, 1, valid, mkd)
     seg = tl.full([BT, BKD], float("-inf"), dtype=tl.float32)
     dq_d = tl.zeros([BT, BKD], dtype=tl.float32)
     db_d = tl.zeros([BT, BKD], dtype=tl.float32)
     da_d = tl.zeros([BT, BKD], dtype=tl.float32)
     for t in range(BT):
         row = rows + t
-        seg = _next_segment(seg, g, row, rt, rkd, mkd, t, K)
+        seg = _next_segment(seg, g, row, rt, rkd, mkd, t, grs, gcs, valid)
         f = tl.exp(seg)
         dm_t = tl.load(d_attend + row * C + rows + rt, mask=rt <= t, other=0.0)
         dl_t = tl.load(d_lower + row * C + rows + rt, mask=rt < t, other=0.0)
-        q_t = tl.load(q + row * K + rkd, mask=mkd, other=0.0)
-        b_t = tl.load(b + row * K + rkd, mask=mkd, other=0.0)
+        q_t = _load_row(q, row, rs, rkd, 1, valid, mkd) * scale
+        b_t = _load_row(b, row, rs, rkd, 1, valid, mkd)
         a_f = f * a_d
         at_t = rt[:, None] == t
         dq_d = tl.where(at_t, tl.sum(dm_t[:, None] * a_f, axis=0)[None, :], dq_d)
@@ -116,27 +183,26 @@ def _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, K: tl.constexpr, C:
 
 
 @triton.jit
-def _column_factor(g, cols, rt, rk, mk, between, K: tl.constexpr, BT: tl.constexpr):
+def _column_factor(g, cols, rt, rk, mk, between, grs, gcs, valid, BT: tl.constexpr):
     """exp(sum of g from the token after s to the end of its sub-block + `between`): [BT, BK]."""
     after = rt + 1
-    g_after = tl.load(
-        g + (cols + after)[:, None] * K + rk[None, :],
-        mask=(after < BT)[:, None] & mk[None, :],
-        other=0.0,
-    )
+    # Rows past the sub-block read as zero through the token bound.
+    g_after = _load_rows(g, cols + after, grs, rk, gcs, tl.minimum(valid, cols + BT), mk)
     return tl.exp(tl.cumsum(g_after, axis=0, reverse=True) + between[None, :])
 
 
 @triton.jit
 def _intra_fwd(
-    q, a, b, g, lower, attend,
-    K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
+    q, a, b, g, lower, attend, n_chunks, H, T, CS, scale,
+    K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, G_HEAD: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     chunk = tl.program_id(0).to(tl.int64)
-    q += chunk * C * K
-    a += chunk * C * K
-    b += chunk * C * K
-    g += chunk * C * K
+    offset, valid, rs, g_offset, grs, gcs = _token_layout(chunk, n_chunks, H, T, CS, K, G_HEAD)
+    q += offset
+    a += offset
+    b += offset
+    g += g_offset
     lower += chunk * C * C
     attend += chunk * C * C
     rt = tl.arange(0, BT)
@@ -145,23 +211,20 @@ def _intra_fwd(
     tile = rt[:, None] * C + rt[None, :]
     for i in range(C // BT):
         rows = i * BT
-        rows_k = (rows + rt)[:, None] * K + rk[None, :]
-        g_i = tl.load(g + rows_k, mask=mk[None, :], other=0.0)
-        row_f = tl.exp(tl.cumsum(g_i, axis=0))
-        b_i = tl.load(b + rows_k, mask=mk[None, :], other=0.0) * row_f
-        q_i = tl.load(q + rows_k, mask=mk[None, :], other=0.0) * row_f
+        row_f = tl.exp(tl.cumsum(_load_rows(g, rows + rt, grs, rk, gcs, valid, mk), axis=0))
+        b_i = _load_rows(b, rows + rt, rs, rk, 1, valid, mk) * row_f
+        q_i = _load_rows(q, rows + rt, rs, rk, 1, valid, mk) * (row_f * scale)
         between = tl.zeros([BK], dtype=tl.float32)
         for jj in range(i):
             cols = (i - 1 - jj) * BT
-            cols_k = (cols + rt)[:, None] * K + rk[None, :]
-            a_j = tl.load(a + cols_k, mask=mk[None, :], other=0.0)
-            a_j *= _column_factor(g, cols, rt, rk, mk, between, K, BT)
+            a_j = _load_rows(a, cols + rt, rs, rk, 1, valid, mk)
+            a_j *= _column_factor(g, cols, rt, rk, mk, between, grs, gcs, valid, BT)
             l_ij = tl.dot(b_i, tl.trans(a_j), input_precision=PRECISION)
             m_ij = tl.dot(q_i, tl.trans(a_j), input_precision=PRECISION)
             tl.store(lower + rows * C + cols + tile, l_ij)
             tl.store(attend + rows * C + cols + tile, m_ij)
-            between += tl.sum(tl.load(g + cols_k, mask=mk[None, :], other=0.0), axis=0)
-        _diag_fwd(q, a, b, g, lower, attend, rows, K, C, BK, BT)
+            between += tl.sum(_load_rows(g, cols + rt, grs, rk, gcs, valid, mk), axis=0)
+        _diag_fwd(q, a, b, g, lower, attend, rows, rs, grs, gcs, valid, scale, K, C, BK, BT)
         zero = tl.zeros([BT, BT], dtype=tl.float32)
         for j in range(i + 1, C // BT):
             tl.store(lower + rows * C + j * BT + tile, zero)
@@ -170,16 +233,19 @@ def _intra_fwd(
 
 @triton.jit
 def _intra_bwd(
-    q, a, b, g, d_lower, d_attend, dq, da, db,
-    K: tl.constexpr, C: tl.constexpr, BKD: tl.constexpr, BT: tl.constexpr,
+    q, a, b, g, d_lower, d_attend, dq, da, db, n_chunks, H, T, CS, scale,
+    K: tl.constexpr, C: tl.constexpr, BKD: tl.constexpr, BT: tl.constexpr, G_HEAD: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """dq, da, db [chunks, C, K] float32, chunked (what `_factors_bwd` adds its share to); dq is
+    the gradient of the scaled q (the caller applies the scale once, at the end)."""
     chunk = tl.program_id(0).to(tl.int64)
     kb = tl.program_id(1)
-    q += chunk * C * K
-    a += chunk * C * K
-    b += chunk * C * K
-    g += chunk * C * K
+    offset, valid, rs, g_offset, grs, gcs = _token_layout(chunk, n_chunks, H, T, CS, K, G_HEAD)
+    q += offset
+    a += offset
+    b += offset
+    g += g_offset
     dq += chunk * C * K
     da += chunk * C * K
     db += chunk * C * K
@@ -193,21 +259,21 @@ def _intra_bwd(
     for i in range(C // BT):
         rows = i * BT
         rows_k = (rows + rt)[:, None] * K + rkd[None, :]
-        row_f = tl.exp(tl.cumsum(tl.load(g + rows_k, mask=mkd[None, :], other=0.0), axis=0))
+        row_f = tl.exp(tl.cumsum(_load_rows(g, rows + rt, grs, rkd, gcs, valid, mkd), axis=0))
         acc_q = tl.zeros([BT, BKD], dtype=tl.float32)
         acc_b = tl.zeros([BT, BKD], dtype=tl.float32)
         between = tl.zeros([BKD], dtype=tl.float32)
         for jj in range(i):
             cols = (i - 1 - jj) * BT
-            cols_k = (cols + rt)[:, None] * K + rkd[None, :]
-            a_j = tl.load(a + cols_k, mask=mkd[None, :], other=0.0)
-            a_j *= _column_factor(g, cols, rt, rkd, mkd, between, K, BT)
+            a_j = _load_rows(a, cols + rt, rs, rkd, 1, valid, mkd)
+            a_j *= _column_factor(g, cols, rt, rkd, mkd, between, grs, gcs, valid, BT)
             dm = tl.load(d_attend + rows * C + cols + tile)
             dl = tl.load(d_lower + rows * C + cols + tile)
             acc_q += tl.dot(dm, a_j, input_precision=PRECISION)
             acc_b += tl.dot(dl, a_j, input_precision=PRECISION)
-            between += tl.sum(tl.load(g + cols_k, mask=mkd[None, :], other=0.0), axis=0)
-        dq_d, db_d, _ = _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, K, C, BKD, BT)
+            between += tl.sum(_load_rows(g, cols + rt, grs, rkd, gcs, valid, mkd), axis=0)
+        dq_d, db_d, _ = _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, grs, gcs,
+                                  valid, scale, C, BKD, BT)  # fmt: skip
         dq_i = acc_q * row_f + dq_d
         db_i = acc_b * row_f + db_d
         tl.store(dq + rows_k, dq_i, mask=mkd[None, :])
@@ -220,46 +286,64 @@ def _intra_bwd(
         between = tl.zeros([BKD], dtype=tl.float32)
         for i in range(j + 1, C // BT):
             rows = i * BT
-            rows_k = (rows + rt)[:, None] * K + rkd[None, :]
-            g_i = tl.load(g + rows_k, mask=mkd[None, :], other=0.0)
+            g_i = _load_rows(g, rows + rt, grs, rkd, gcs, valid, mkd)
             row_f = tl.exp(tl.cumsum(g_i, axis=0))
-            q_i = tl.load(q + rows_k, mask=mkd[None, :], other=0.0) * row_f
-            b_i = tl.load(b + rows_k, mask=mkd[None, :], other=0.0) * row_f
+            q_i = _load_rows(q, rows + rt, rs, rkd, 1, valid, mkd) * (row_f * scale)
+            b_i = _load_rows(b, rows + rt, rs, rkd, 1, valid, mkd) * row_f
             dm = tl.load(d_attend + rows * C + cols + tile)
             dl = tl.load(d_lower + rows * C + cols + tile)
             part = tl.dot(tl.trans(dm), q_i, input_precision=PRECISION)
             part += tl.dot(tl.trans(dl), b_i, input_precision=PRECISION)
-            acc_a += part * _column_factor(g, cols, rt, rkd, mkd, between, K, BT)
+            acc_a += part * _column_factor(g, cols, rt, rkd, mkd, between, grs, gcs, valid, BT)
             between += tl.sum(g_i, axis=0)
-        _, _, da_d = _diag_bwd(q, a, b, g, d_lower, d_attend, cols, rkd, mkd, K, C, BKD, BT)
+        _, _, da_d = _diag_bwd(q, a, b, g, d_lower, d_attend, cols, rkd, mkd, rs, grs, gcs,
+                               valid, scale, C, BKD, BT)  # fmt: skip
         da_j = acc_a + da_d
         tl.store(da + cols_k, da_j, mask=mkd[None, :])
 
 
-def intra_triton(q, a, b, g, precision: str = "ieee"):
-    """(L, M) [..., C, C] of contiguous float32 chunked inputs [..., C, K] (g per channel)."""
-    *lead, size, key_dim = q.shape
-    chunks = chunk_count(q)
-    lower = q.new_empty(*lead, size, size)
-    attend = q.new_empty(*lead, size, size)
-    block_k = key_block(key_dim)
+def _g_head(q: torch.Tensor, g: torch.Tensor) -> bool:
+    """One log decay per head (g [B, T, H] beside q [B, T, H, K]) rather than per channel."""
+    return g.dim() == q.dim() - 1
+
+
+def intra_triton(q, a, b, g, precision: str = "ieee", tokens: Tokens | None = None,
+                 scale: float = 1.0):  # fmt: skip
+    """(L, M) [chunks, C, C] float32: of token-major inputs q, a, b [B, T, H, K] and g
+    ([B, T, H, K] or [B, T, H]) as `tokens` maps them into chunks of C = the padded chunk size,
+    q times `scale`; or, with tokens=None, of chunked inputs [..., C, K] (g per channel),
+    returned as [..., C, C]."""
+    tokens = Tokens.of_chunks(q) if tokens is None else tokens
+    size = padded_chunk_size(tokens.chunk_size)
+    key_dim = q.shape[-1]
+    chunks = tokens.programs(q)
+    lower = q.new_empty(chunks, size, size, dtype=torch.float32)
+    attend = q.new_empty(chunks, size, size, dtype=torch.float32)
     _intra_fwd[(chunks,)](
-        q, a, b, g, lower, attend, K=key_dim, C=size, BK=block_k, BT=SUB_BLOCK,
-        PRECISION=precision, **LAUNCH,
+        q, a, b, g, lower, attend, *tokens.args(), scale, K=key_dim, C=size,
+        BK=key_block(key_dim), BT=SUB_BLOCK, G_HEAD=_g_head(q, g), PRECISION=precision,
+        **LAUNCH,
     )  # fmt: skip
+    if tokens.chunks == 1 and tokens.heads == 1:  # chunked inputs: their own leading shape
+        lead = q.shape[:-2]
+        return lower.view(*lead, size, size), attend.view(*lead, size, size)
     return lower, attend
 
 
-def intra_triton_backward(q, a, b, g, d_lower, d_attend, precision: str = "ieee"):
-    """(dq, da, db) through L and M (the log decays' share is formed by the caller: see the
-    module docstring). Only the blocks on and below the diagonal of d_lower, d_attend are read."""
-    *_, size, key_dim = q.shape
-    chunks = chunk_count(q)
-    dq, da, db = (torch.empty_like(q) for _ in range(3))
+def intra_triton_backward(q, a, b, g, d_lower, d_attend, precision: str = "ieee",
+                          tokens: Tokens | None = None, scale: float = 1.0):  # fmt: skip
+    """(dq, da, db) [chunks, C, K] float32 through L and M (the log decays' share is formed by
+    the caller: see the module docstring); dq is the gradient of the scaled q. Only the blocks
+    on and below the diagonal of d_lower, d_attend are read."""
+    tokens = Tokens.of_chunks(q) if tokens is None else tokens
+    size = padded_chunk_size(tokens.chunk_size)
+    key_dim = q.shape[-1]
+    chunks = tokens.programs(q)
+    dq, da, db = (q.new_empty(chunks, size, key_dim, dtype=torch.float32) for _ in range(3))
     block_kd = min(BLOCK_KD, key_block(key_dim))
     _intra_bwd[(chunks, triton.cdiv(key_dim, block_kd))](
-        q, a, b, g, d_lower, d_attend, dq, da, db, K=key_dim, C=size, BKD=block_kd,
-        BT=SUB_BLOCK, PRECISION=precision, **LAUNCH,
+        q, a, b, g, d_lower, d_attend, dq, da, db, *tokens.args(), scale, K=key_dim, C=size,
+        BKD=block_kd, BT=SUB_BLOCK, G_HEAD=_g_head(q, g), PRECISION=precision, **LAUNCH,
     )  # fmt: skip
     return dq, da, db
 
@@ -279,7 +363,10 @@ class IntraChunk(torch.autograd.Function):
         q, a, b, g = ctx.saved_tensors
         d_lower = torch.zeros_like(d_lower) if d_lower is None else d_lower.contiguous()
         d_attend = torch.zeros_like(d_attend) if d_attend is None else d_attend.contiguous()
-        dq, da, db = intra_triton_backward(q, a, b, g, d_lower, d_attend, ctx.precision)
+        dq, da, db = (
+            x.view(q.shape)
+            for x in intra_triton_backward(q, a, b, g, d_lower, d_attend, ctx.precision)
+        )
         # dg_j = reverse cumulative sum over the chunk of q dq + b db - a da (module docstring).
         dg = (q * dq + b * db - a * da).flip(-2).cumsum(-2).flip(-2)
         return dq, da, db, dg, None

@@ -24,7 +24,14 @@ import torch
 import triton
 import triton.language as tl
 
-from deltalab.ops.delta_rule.triton.intra import LAUNCH, SUB_BLOCK, chunk_count, key_block
+from deltalab.ops.delta_rule.triton.intra import (
+    LAUNCH,
+    SUB_BLOCK,
+    Tokens,
+    _token_offset,
+    chunk_count,
+    key_block,
+)
 
 # Columns per program: a [16, 128] float32 tile of X and its right-hand side per row block.
 # Measured on the H200 at K = V = 128 (benchmarks/tune_triton.py): 128 columns 0.20 ms per
@@ -47,13 +54,16 @@ def _inverse_diag(lower, C: tl.constexpr, BT: tl.constexpr):
 
 @triton.jit
 def _solve_fwd(
-    lower, rhs, out,
+    lower, rhs, out, n_chunks, H, T, CS,
     N: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """rhs: token-major [B, T, H, N] (`intra.Tokens`; chunked is its one-chunk case) in any
+    float dtype; lower and out chunked float32."""
     chunk = tl.program_id(0).to(tl.int64)
+    offset, valid = _token_offset(chunk, n_chunks, H, T, CS, N)
     lower += chunk * C * C
-    rhs += chunk * C * N
+    rhs += offset
     out += chunk * C * N
     rt = tl.arange(0, BT)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -61,7 +71,9 @@ def _solve_fwd(
     for i in range(C // BT):
         rows = i * BT
         tile = (rows + rt)[:, None] * N + rn[None, :]
-        acc = tl.load(rhs + tile, mask=mn, other=0.0)
+        present = ((rows + rt) < valid)[:, None] & mn
+        acc = tl.load(rhs + (rows + rt)[:, None] * (H * N) + rn[None, :], mask=present, other=0.0)
+        acc = acc.to(tl.float32)
         for j in range(i):
             l_ij = tl.load(lower + (rows + rt)[:, None] * C + j * BT + rt[None, :])
             x_j = tl.load(out + (j * BT + rt)[:, None] * N + rn[None, :], mask=mn, other=0.0)
@@ -73,11 +85,15 @@ def _solve_fwd(
 
 @triton.jit
 def _solve_bwd(
-    lower, d_out, d_rhs,
+    lower, d_out, d_rhs, d_rhs_tokens, n_chunks, H, T, CS,
     N: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, TOKENS: tl.constexpr,
 ):  # fmt: skip
+    """d_rhs: chunked float32 (read back by the substitution); with TOKENS, also written
+    token-major [B, T, H, N] into d_rhs_tokens in its dtype (the gradient of a token-major rhs)."""
     chunk = tl.program_id(0).to(tl.int64)
+    offset, valid = _token_offset(chunk, n_chunks, H, T, CS, N)
+    d_rhs_tokens += offset
     lower += chunk * C * C
     d_out += chunk * C * N
     d_rhs += chunk * C * N
@@ -93,7 +109,12 @@ def _solve_bwd(
             dr_r = tl.load(d_rhs + (r + rt)[:, None] * N + rn[None, :], mask=mn, other=0.0)
             acc -= tl.dot(tl.trans(l_ri), dr_r, input_precision=PRECISION)
         inv = _inverse_diag(lower + rows * C + rows, C, BT)
-        tl.store(d_rhs + tile, tl.dot(tl.trans(inv), acc, input_precision=PRECISION), mask=mn)
+        dr = tl.dot(tl.trans(inv), acc, input_precision=PRECISION)
+        tl.store(d_rhs + tile, dr, mask=mn)
+        if TOKENS:
+            present = ((rows + rt) < valid)[:, None] & mn
+            tokens = (rows + rt)[:, None] * (H * N) + rn[None, :]
+            tl.store(d_rhs_tokens + tokens, dr.to(d_rhs_tokens.dtype.element_ty), mask=present)
         tl.debug_barrier()
 
 
@@ -142,27 +163,37 @@ def _grid(lower: torch.Tensor, columns: int):
     return (chunks, triton.cdiv(columns, block)), block
 
 
-def solve_triton(lower: torch.Tensor, rhs: torch.Tensor, precision: str = "ieee") -> torch.Tensor:
-    """(I + L)^-1 R per chunk: lower [..., C, C] (strictly lower; the upper triangle is not
-    read), rhs [..., C, N], both contiguous float32. Twin of `unit_lower_inverse(L) @ R`."""
+def solve_triton(lower: torch.Tensor, rhs: torch.Tensor, precision: str = "ieee",
+                 tokens: Tokens | None = None) -> torch.Tensor:  # fmt: skip
+    """(I + L)^-1 R per chunk: lower [..., C, C] float32 (strictly lower; the upper triangle is
+    not read), rhs chunked [..., C, N] float32 (tokens=None) or token-major [B, T, H, N] in any
+    float dtype as `tokens` maps it. Returns X like lower's chunks, [..., C, N] float32. Twin of
+    `unit_lower_inverse(L) @ R`."""
     size, columns = lower.shape[-1], rhs.shape[-1]
-    out = torch.empty_like(rhs)
+    tokens = Tokens.of_chunks(rhs) if tokens is None else tokens
+    out = lower.new_empty(*lower.shape[:-1], columns)
     grid, block = _grid(lower, columns)
-    _solve_fwd[grid](lower, rhs, out, N=columns, C=size, BT=SUB_BLOCK, BN=block,
+    _solve_fwd[grid](lower, rhs, out, *tokens.args(), N=columns, C=size, BT=SUB_BLOCK, BN=block,
                      PRECISION=precision, **LAUNCH)  # fmt: skip
     return out
 
 
-def solve_triton_backward(
-    lower: torch.Tensor, d_out: torch.Tensor, precision: str = "ieee"
-) -> torch.Tensor:
-    """dR = (I + L)^-T dX per chunk (the gradient of `solve_triton` with respect to R)."""
+def solve_triton_backward(lower: torch.Tensor, d_out: torch.Tensor, precision: str = "ieee",
+                          tokens_like: torch.Tensor | None = None,
+                          tokens: Tokens | None = None):  # fmt: skip
+    """dR = (I + L)^-T dX per chunk (the gradient of `solve_triton` with respect to R), chunked
+    float32 like d_out; with `tokens_like` (a token-major rhs), also (dR, dR laid out and typed
+    as `tokens_like`)."""
     size, columns = lower.shape[-1], d_out.shape[-1]
     d_rhs = torch.empty_like(d_out)
     grid, block = _grid(lower, columns)
-    _solve_bwd[grid](lower, d_out, d_rhs, N=columns, C=size, BT=SUB_BLOCK, BN=block,
-                     PRECISION=precision, **LAUNCH)  # fmt: skip
-    return d_rhs
+    as_tokens = tokens_like is not None
+    d_tokens = torch.empty_like(tokens_like) if as_tokens else d_rhs
+    tokens = tokens if as_tokens else Tokens.of_chunks(d_out)
+    _solve_bwd[grid](lower, d_out, d_rhs, d_tokens, *tokens.args(), N=columns, C=size,
+                     BT=SUB_BLOCK, BN=block, PRECISION=precision, TOKENS=as_tokens,
+                     **LAUNCH)  # fmt: skip
+    return (d_rhs, d_tokens) if as_tokens else d_rhs
 
 
 def lower_grad_triton(d_erase_rhs, erase, d_target_rhs, target, precision: str = "ieee"):
