@@ -45,7 +45,7 @@ from deltalab.layers.kdn import (
     ScanFilter,
     observation_noise,
 )
-from deltalab.layers.muir import READ_GATES, FusedGateMixer, GateRanks
+from deltalab.layers.muir import READ_GATES, FusedGateMixer, GateRanks, read_query
 from deltalab.ops import _checks
 
 __all__ = ["KDN_MUIR_RANK_DIVISORS", "KDNMuir", "KDNMuirRanks"]
@@ -142,5 +142,5 @@ class KDNMuir(ScanFilter, FusedGateMixer):
         }
 
     def read_query(self, q: torch.Tensor, gates: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Muir's matched-filter read: rho * q."""
-        return gates["read"] * q
+        """Muir's matched-filter read: rho * q, in q's dtype (`muir.read_query`)."""
+        return read_query(gates["read"], q)

@@ -362,11 +362,12 @@ def delta_rule_triton(
     """Validated inputs in their own dtype (bf16, fp16 or fp32); computes in float32 with float32
     state and accumulators. Returns (o [B, T, H, V] float32, final state [N, H, K, V]).
 
-    Matrix products take TF32 operands when the inputs are bf16/fp16 (their rounding is already
+    Matrix products take TF32 operands when an input is bf16/fp16 (its rounding is already
     coarser than TF32's), and for float32 inputs only when PyTorch is allowed TF32 for float32
     matrix products (`torch.set_float32_matmul_precision("high")`), as its own matmuls are.
     """
-    low_precision = q.dtype in (torch.bfloat16, torch.float16)
+    # Any input in bf16/fp16 (a float32 gate times a bf16 projection still carries its rounding).
+    low_precision = any(x.dtype in (torch.bfloat16, torch.float16) for x in (q, a, b, u))
     allowed = torch.get_float32_matmul_precision() != "highest"
     precision = "tf32" if low_precision or allowed else "ieee"
     # The kernels cast to float32 on load, then scale q, as the other
