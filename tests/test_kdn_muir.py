@@ -364,3 +364,15 @@ def test_ranks_in_the_model_config_survive_save_and_load(tmp_path, generator):
     ids = torch.randint(0, 259, (1, 9), generator=generator)
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_read_gate_keeps_the_query_in_its_dtype_under_autocast(generator):
+    """rho is float32 under autocast (x's dtype), q bf16: the read query stays bf16, as Muir's."""
+    layer = build(read_gate="dynamic").float()
+    x = torch.randn(2, 5, D, generator=generator)
+    q = torch.randn(2, 5, H, K, generator=generator).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        gates = layer.gates(x)
+        read = layer.read_query(q, gates)
+    assert gates["read"].dtype == torch.float32
+    assert read.dtype == torch.bfloat16

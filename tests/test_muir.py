@@ -305,3 +305,17 @@ def test_bfloat16_activations_keep_a_float32_memory(read_gate, generator):
     assert y.dtype == y_step.dtype == torch.bfloat16
     assert state.memory.dtype == torch.float32
     assert torch.isfinite(y).all() and torch.isfinite(y_step).all()
+
+
+@pytest.mark.parametrize("read_gate", ["dynamic", "static"])
+def test_read_gate_keeps_the_query_in_its_dtype_under_autocast(read_gate, generator):
+    """Under autocast rho comes out float32 (x's dtype) while q is bf16: the primitive's query
+    must stay bf16 (a float32 query sends the Triton kernels to IEEE float32 products)."""
+    mixer = build(read_gate=read_gate).float()
+    x = hidden(generator, 5, dtype=torch.float32)
+    q, k, v = (torch.randn(2, 5, H, K, generator=generator).bfloat16() for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        gates = mixer.gates(x)
+        inputs = mixer.inputs_from_gates(q, k, v, gates)
+    assert gates["read"].dtype == torch.float32
+    assert inputs.q.dtype == torch.bfloat16
