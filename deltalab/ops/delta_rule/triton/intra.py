@@ -255,7 +255,9 @@ def _intra_bwd(
     rkd = kb * BKD + tl.arange(0, BKD)
     mkd = rkd < K
     tile = rt[:, None] * C + rt[None, :]
-    # Rows: dq and db of sub-block i from the columns s <= t.
+    # Rows: dq and db of sub-block i from the columns s <= t. The diagonal sub-block's walk also
+    # gives its share of da, stored here and completed by the column pass below (one walk of
+    # each diagonal sub-block instead of two).
     for i in range(C // BT):
         rows = i * BT
         rows_k = (rows + rt)[:, None] * K + rkd[None, :]
@@ -272,13 +274,16 @@ def _intra_bwd(
             acc_q += tl.dot(dm, a_j, input_precision=PRECISION)
             acc_b += tl.dot(dl, a_j, input_precision=PRECISION)
             between += tl.sum(_load_rows(g, cols + rt, grs, rkd, gcs, valid, mkd), axis=0)
-        dq_d, db_d, _ = _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, grs, gcs,
-                                  valid, scale, C, BKD, BT)  # fmt: skip
+        dq_d, db_d, da_d = _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, grs,
+                                     gcs, valid, scale, C, BKD, BT)  # fmt: skip
         dq_i = acc_q * row_f + dq_d
         db_i = acc_b * row_f + db_d
         tl.store(dq + rows_k, dq_i, mask=mkd[None, :])
         tl.store(db + rows_k, db_i, mask=mkd[None, :])
-    # Columns: da of sub-block j from the rows t >= s.
+        tl.store(da + rows_k, da_d, mask=mkd[None, :])
+    # The diagonal shares of da, stored above by this program, are read back below.
+    tl.debug_barrier()
+    # Columns: da of sub-block j from the rows t > s, added to the diagonal share.
     for j in range(C // BT):
         cols = j * BT
         cols_k = (cols + rt)[:, None] * K + rkd[None, :]
@@ -296,9 +301,7 @@ def _intra_bwd(
             part += tl.dot(tl.trans(dl), b_i, input_precision=PRECISION)
             acc_a += part * _column_factor(g, cols, rt, rkd, mkd, between, grs, gcs, valid, BT)
             between += tl.sum(g_i, axis=0)
-        _, _, da_d = _diag_bwd(q, a, b, g, d_lower, d_attend, cols, rkd, mkd, rs, grs, gcs,
-                               valid, scale, C, BKD, BT)  # fmt: skip
-        da_j = acc_a + da_d
+        da_j = acc_a + tl.load(da + cols_k, mask=mkd[None, :], other=0.0)
         tl.store(da + cols_k, da_j, mask=mkd[None, :])
 
 
