@@ -238,3 +238,29 @@ def test_bad_offsets_are_refused_naming_cu_seqlens(name, cu_seqlens, error, matc
 def test_offsets_need_a_batch_of_one(name):
     with pytest.raises(ValueError, match=r"cu_seqlens .* needs B == 1, got B = 2$"):
         _call(name, torch.tensor([0, 5, 20]), batch=2)
+
+
+@pytest.mark.parametrize("name", ["kdn_iso", "kdn_diag"])
+def test_kdn_reads_the_offsets_back_once_per_call(name, monkeypatch):
+    """A KDN op checks cu_seqlens and hands them to delta_rule: one host read-back, not two."""
+    checked = []
+    values_checkable = _checks.values_checkable
+
+    def counting(x):
+        if x.dtype == torch.int64:  # the offsets (the other value checks see float inputs)
+            checked.append(x)
+        return values_checkable(x)
+
+    monkeypatch.setattr(_checks, "values_checkable", counting)
+    _call(name, torch.tensor([0, 5, 20]))
+    assert len(checked) == 1
+
+
+def test_offsets_written_in_place_after_a_check_are_checked_again():
+    cu = torch.tensor([0, 5, 20])
+    assert _checks.check_cu_seqlens(cu, 1, 20, cu.device) is cu
+    cu[1] = 25
+    with pytest.raises(ValueError, match="strictly increasing, got 25 then 20"):
+        _checks.check_cu_seqlens(cu, 1, 20, cu.device)
+    with pytest.raises(ValueError, match="must end at T = 30, got 20"):
+        _checks.check_cu_seqlens(torch.tensor([0, 5, 20]), 1, 30, cu.device)
