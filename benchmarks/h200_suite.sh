@@ -1,0 +1,53 @@
+#!/bin/bash
+# Every GPU measurement of issue 10 in one device call, each part under its own time limit, so
+# that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
+# only its own budget. Writes each part's output and JSON under $OUT (or ./gpu-out).
+#
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests time prof stability train decode kdn
+#
+# With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
+# of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
+# and they are installed first. Budget the call: tests 150 s, time 300 s,
+# prof 90 s, stability 240 s, train 300 s, decode 200 s, kdn 120 s.
+set -u
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests time prof stability train decode kdn)
+
+part() {  # part NAME SECONDS COMMAND...: run, log to $OUT/NAME.txt, record rc and seconds
+    local name=$1 limit=$2
+    shift 2
+    local start=$(date +%s)
+    timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+    echo "$name rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/parts.txt"
+}
+
+for p in "${parts[@]}"; do
+    case $p in
+    tests) part tests 150 python3 -m pytest -q -x -p no:cacheprovider \
+        tests/test_delta_rule_triton.py tests/test_cuda.py -k "not trains" ;;
+    time) part time 300 python3 benchmarks/bench_triton.py --parts time \
+        --only kda_c64 gdn2_c64 gdn_c64 kdn_iso_c64 kdn_diag_c64 kda_c128 fla sdpa \
+        --out "$OUT/time.json" ;;
+    prof) part prof 90 python3 benchmarks/profile_triton.py --forms kda_c64 fla_kda \
+        --out "$OUT/prof.json" ;;
+    stability) part stability 240 python3 benchmarks/bench_triton.py --parts stability \
+        --out "$OUT/stability.json" ;;
+    train) part train 300 bash -c "python3 benchmarks/bench_train.py --device cuda --preset 340M \
+        --seq-len 4096 --batch 4 --steps 8 --mixers gdn2 muir kdn_diag transformer && \
+        python3 benchmarks/bench_train.py --device cuda --preset 340M --seq-len 16384 --batch 1 \
+        --steps 8 --mixers gdn2 muir transformer" ;;
+    decode) part decode 200 python3 benchmarks/bench_decode_gpu.py --out "$OUT/decode.json" ;;
+    kdn) part kdn 120 python3 benchmarks/bench_kdn_triton.py --out "$OUT/kdn.json" ;;
+    *) echo "unknown part: $p (tests time prof stability train decode kdn)"; exit 2 ;;
+    esac
+done
