@@ -234,6 +234,34 @@ def test_triton_state_pass_matches_its_pytorch_twin(generator):
         assert_close(x, ref, F32, label)
 
 
+def test_triton_operator_gradients_match_their_pytorch_twin(generator, poisoned_empty):
+    """The operator-gradient kernel against `_operator_grads` (batched matmuls in float64), with
+    dO token-major over a length that is not a multiple of the chunk (its padding rows read as
+    zero), K and V that need masking."""
+    from deltalab.ops.delta_rule.chunk import ChunkOperators, to_chunks
+    from deltalab.ops.delta_rule.triton.chunk import _operator_grads, operator_grads_triton
+    from deltalab.ops.delta_rule.triton.intra import Tokens
+
+    batch, length, heads, key_dim, value_dim, size = 2, 50, 3, 20, 12, 32
+    n = -(-length // size)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    states, d_next = rand(batch, heads, n, key_dim, value_dim), rand(batch, heads, n, key_dim,
+                                                                     value_dim)  # fmt: skip
+    residuals, d_residual = rand(batch, heads, n, size, value_dim), rand(batch, heads, n, size,
+                                                                         value_dim)  # fmt: skip
+    d_o = rand(batch, length, heads, value_dim)
+    ref = _operator_grads(states, residuals, to_chunks(d_o, size), d_residual, d_next)
+    got = operator_grads_triton(
+        *(x.to(DEVICE, torch.float32) for x in (states, residuals, d_o, d_residual, d_next)),
+        tokens=Tokens(n, heads, length, size),
+    )
+    for label, x, r in zip(ChunkOperators._fields, got, ref, strict=True):
+        assert_close(x, r, F32, f"d {label}")
+
+
 def test_triton_refuses_float64_naming_the_backend(generator):
     inputs = random_delta_inputs(generator, 1, 5, 1, 16, 8, channel_decay=False)
     with pytest.raises(ValueError, match='backend="triton" computes in float32'):

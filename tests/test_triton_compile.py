@@ -64,6 +64,14 @@ def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chu
             (factors._factors_fwd, 8, per_chunk, intra.LAUNCH),
             (factors._factors_bwd, 15, per_chunk, intra.LAUNCH),
         ]  # fmt: skip
+        grads = dict(K=key_dim, V=key_dim, C=chunk, BK=block_k, PRECISION=precision,
+                     BV=min(state_pass.OPERATOR_BLOCK_V, block_k),
+                     BC=min(chunk, state_pass.BLOCK_C))  # fmt: skip
+        kernels += [
+            (state_pass._operator_grads_kernel, 10, {**grads, "FROM_OUTPUT": from_output},
+             {"num_warps": state_pass.NUM_WARPS, "num_stages": 1})
+            for from_output in (True, False)
+        ]  # fmt: skip
         for kernel, n_pointers, constants, kernel_options in kernels:
             pointers = kernel.arg_names[:n_pointers]
             scalars = [a for a in kernel.arg_names[n_pointers:] if a not in constants]

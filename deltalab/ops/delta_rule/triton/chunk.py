@@ -15,8 +15,11 @@ dS [K, BV] in registers:
     dN_i = attend_i^T dO_i + write_i dS_{i+1}
     dS_i = read_i^T dO_i + decay_i * dS_{i+1} - erase_i^T dN_i
 
-and returns dN_i and dS_{i+1} per chunk; the gradients of the operators are then batched
-matrix products over all chunks at once (`_operator_grads`).
+and returns dN_i and dS_{i+1} per chunk; the gradients of the operators are then products
+parallel over all chunks (`operator_grads_triton`; its PyTorch twin `_operator_grads`):
+
+    d read_i = dO_i S_i^T    d attend_i = dO_i N_i^T    d erase_i = -dN_i S_i^T
+    d write_i = N_i dS_{i+1}^T    d decay_i = sum_v dS_{i+1} * S_i    d target_i = dN_i
 
 Precision: S and every accumulator are float32. With float32 operators the products run in
 IEEE float32 (TF32 would cost ~1e-3 relative error); no exponential is taken here, the decays
@@ -25,17 +28,16 @@ arrive as factors <= 1 from the stable stage 1.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
 from deltalab.ops._varlen import max_seqlen, pad_packed, unpad_packed
-from deltalab.ops.delta_rule.chunk import ChunkOperators, padded_chunk_size
+from deltalab.ops.delta_rule.chunk import ChunkOperators
 from deltalab.ops.delta_rule.triton.factors import factors_triton, factors_triton_backward
 from deltalab.ops.delta_rule.triton.intra import (
     Tokens,
+    _load_rows,
     _token_offset,
     intra_triton,
     intra_triton_backward,
@@ -57,8 +59,11 @@ BLOCK_V_WIDE_K = 32
 # is 256 KiB, past the 227 KiB of shared memory of an H100/H200 SM (measured: chunk 256 failed
 # to compile as one tile).
 BLOCK_C = 64
-# Warps per program of the state pass (with BLOCK_V above).
+# Warps per program of the state pass (with BLOCK_V above) and of the operator gradients.
 NUM_WARPS = 8
+# Value columns per step of the operator-gradient kernel: its [C, K] accumulators stay in
+# registers, the [K, BV] state blocks stream through.
+OPERATOR_BLOCK_V = 32
 
 
 @triton.jit
@@ -129,18 +134,21 @@ def _state_pass_fwd(
 @triton.jit
 def _state_pass_bwd(
     read, attend, erase, write, decay, d_out, d_final, d_residual, d_next, d_initial,
-    n_chunks,
+    n_chunks, TN, H, T, CS,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BC: tl.constexpr, HAS_D_FINAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """d_out: token-major [B, T, H, V] as `intra.Tokens` (TN, H, T, CS) maps it, any float
+    dtype; everything else chunked float32."""
     bh = tl.program_id(1).to(tl.int64)
-    rk, _, _, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
+    rk, rv, rc, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
     if HAS_D_FINAL:
         ds = tl.load(d_final + bh * K * V + kv, mask=mkv, other=0.0).to(tl.float32)
     else:
         ds = tl.zeros([BK, BV], dtype=tl.float32)
     for j in range(n_chunks):
         chunk = bh * n_chunks + (n_chunks - 1 - j)
+        out_offset, valid = _token_offset(chunk, TN, H, T, CS, V)
         tl.store(d_next + chunk * K * V + kv, ds, mask=mkv)
         d = tl.load(decay + chunk * K + rk, mask=mk, other=0.0)
         ds_before = d[:, None] * ds
@@ -153,16 +161,73 @@ def _state_pass_bwd(
             for rb in range(cb, C // BC):
                 rows = chunk * C + rb * BC
                 m = tl.load(attend + rows * C + cb * BC + cc)
-                do = tl.load(d_out + rows * V + cv, mask=mv[None, :], other=0.0)
+                do = _load_rows(d_out + out_offset, rb * BC + rc, H * V, rv, 1, valid, mv)
                 dn += tl.dot(tl.trans(m), do, input_precision=PRECISION)
             tl.store(d_residual + cols * V + cv, dn, mask=mv[None, :])
             r = tl.load(read + cols * K + ck, mask=mk[None, :], other=0.0)
             e = tl.load(erase + cols * K + ck, mask=mk[None, :], other=0.0)
-            do = tl.load(d_out + cols * V + cv, mask=mv[None, :], other=0.0)
+            do = _load_rows(d_out + out_offset, cb * BC + rc, H * V, rv, 1, valid, mv)
             ds_before += tl.dot(tl.trans(r), do, input_precision=PRECISION)
             ds_before -= tl.dot(tl.trans(e), dn, input_precision=PRECISION)
         ds = ds_before
     tl.store(d_initial + bh * K * V + kv, ds, mask=mkv)
+
+
+@triton.jit
+def _operator_grads_kernel(
+    d_out, states, residual, d_residual, d_next, d_read, d_attend, d_erase, d_write, d_decay,
+    TN, H, T, CS,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BC: tl.constexpr, FROM_OUTPUT: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The operator gradients of one block of BC rows of one chunk, summed over blocks of BV
+    value columns. FROM_OUTPUT: d_read = dO S^T [BC, K] and d_attend = dO N^T [BC, C] (dO
+    token-major as `intra.Tokens` maps it); else d_erase = -dN S^T, d_write = N dS'^T [BC, K]
+    and, from the first row block, d_decay = sum_v dS' * S [K]. S the chunk-start state, N the
+    residuals, dS' the adjoint after the chunk; all chunked float32. Two launches of one
+    source, so that each keeps only its own accumulators in registers."""
+    chunk = tl.program_id(0).to(tl.int64)
+    rb = tl.program_id(1)
+    rows = rb * BC + tl.arange(0, BC)
+    rc = tl.arange(0, C)
+    rk = tl.arange(0, BK)
+    mk = rk < K
+    rows_k = chunk * C * K + rows[:, None] * K + rk[None, :]
+    if FROM_OUTPUT:
+        out_offset, valid = _token_offset(chunk, TN, H, T, CS, V)
+        acc_read = tl.zeros([BC, BK], dtype=tl.float32)
+        acc_attend = tl.zeros([BC, C], dtype=tl.float32)
+    else:
+        acc_erase = tl.zeros([BC, BK], dtype=tl.float32)
+        acc_write = tl.zeros([BC, BK], dtype=tl.float32)
+        acc_decay = tl.zeros([BK], dtype=tl.float32)
+    for vb in range(0, V, BV):
+        rv = vb + tl.arange(0, BV)
+        mv = rv < V
+        mkv = mk[:, None] & mv[None, :]
+        kv = chunk * K * V + rk[:, None] * V + rv[None, :]
+        rows_v = chunk * C * V + rows[:, None] * V + rv[None, :]
+        s = tl.load(states + kv, mask=mkv, other=0.0)
+        if FROM_OUTPUT:
+            do = _load_rows(d_out + out_offset, rows, H * V, rv, 1, valid, mv)
+            n = tl.load(residual + chunk * C * V + rc[:, None] * V + rv[None, :],
+                        mask=mv[None, :], other=0.0)  # fmt: skip
+            acc_read += tl.dot(do, tl.trans(s), input_precision=PRECISION)
+            acc_attend += tl.dot(do, tl.trans(n), input_precision=PRECISION)
+        else:
+            n = tl.load(residual + rows_v, mask=mv[None, :], other=0.0)
+            dn = tl.load(d_residual + rows_v, mask=mv[None, :], other=0.0)
+            ds = tl.load(d_next + kv, mask=mkv, other=0.0)
+            acc_erase -= tl.dot(dn, tl.trans(s), input_precision=PRECISION)
+            acc_write += tl.dot(n, tl.trans(ds), input_precision=PRECISION)
+            acc_decay += tl.sum(ds * s, axis=1)
+    if FROM_OUTPUT:
+        tl.store(d_read + rows_k, acc_read, mask=mk[None, :])
+        tl.store(d_attend + chunk * C * C + rows[:, None] * C + rc[None, :], acc_attend)
+    else:
+        tl.store(d_erase + rows_k, acc_erase, mask=mk[None, :])
+        tl.store(d_write + rows_k, acc_write, mask=mk[None, :])
+        tl.store(d_decay + chunk * K + rk, acc_decay, mask=mk & (rk * 0 + rb == 0))
 
 
 def _launch(value_dim: int, programs: int, size: int, key_dim: int, precision: str):
@@ -207,12 +272,15 @@ def state_pass_triton(ops, initial_state: torch.Tensor | None, precision: str = 
 
 
 def state_pass_triton_backward(
-    ops, d_out: torch.Tensor, d_final: torch.Tensor | None, precision: str = "ieee"
-):
+    ops, d_out: torch.Tensor, d_final: torch.Tensor | None, precision: str = "ieee",
+    tokens: Tokens | None = None,
+):  # fmt: skip
     """The adjoint walk: (dN [B, H, n, C, V], dS after each chunk [B, H, n, K, V],
-    d initial state [B, H, K, V])."""
+    d initial state [B, H, K, V]). d_out: token-major [B, T, H, V] as `tokens` maps it, or
+    chunked [B, H, n, C, V] float32 (tokens=None)."""
     batch, heads, n_chunks, size, key_dim = ops.read.shape
     value_dim = d_out.shape[-1]
+    tokens = Tokens.of_chunks(d_out) if tokens is None else tokens
     device = d_out.device
     d_residual = torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
     d_next = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
@@ -221,13 +289,38 @@ def state_pass_triton_backward(
     _state_pass_bwd[grid](
         ops.read, ops.attend, ops.erase, ops.write, ops.decay, d_out,
         d_final if d_final is not None else d_initial, d_residual, d_next, d_initial, n_chunks,
-        HAS_D_FINAL=d_final is not None, **consts,
+        *tokens.args(), HAS_D_FINAL=d_final is not None, **consts,
     )  # fmt: skip
     return d_residual, d_next, d_initial
 
 
-def _operator_grads(ops, states, residuals, d_out, d_residual, d_next) -> ChunkOperators:
-    """Gradients of the chunk operators from the adjoint walk, batched over all chunks."""
+def operator_grads_triton(states, residuals, d_out, d_residual, d_next, precision: str = "ieee",
+                          tokens: Tokens | None = None) -> ChunkOperators:  # fmt: skip
+    """`_operator_grads` in Triton (erase and target as in the twin; d_out token-major as
+    `tokens` maps it, or chunked float32 with tokens=None). Returns chunked float32 tensors
+    shaped as the operators [B, H, n, C, *]."""
+    batch, heads, n_chunks, key_dim, value_dim = states.shape
+    size = residuals.shape[-2]
+    tokens = Tokens.of_chunks(d_out) if tokens is None else tokens
+    lead = (batch, heads, n_chunks)
+    d_read, d_erase, d_write = (states.new_empty(*lead, size, key_dim) for _ in range(3))
+    d_attend = states.new_empty(*lead, size, size)
+    d_decay = states.new_empty(*lead, key_dim)
+    block_v = min(OPERATOR_BLOCK_V, key_block(value_dim))
+    for from_output in (True, False):
+        block_c = min(size, BLOCK_C)
+        _operator_grads_kernel[(batch * heads * n_chunks, size // block_c)](
+            d_out, states, residuals, d_residual, d_next, d_read, d_attend, d_erase, d_write,
+            d_decay, *tokens.args(), K=key_dim, V=value_dim, C=size, BK=key_block(key_dim),
+            BV=block_v, BC=block_c, FROM_OUTPUT=from_output, PRECISION=precision,
+            num_warps=NUM_WARPS, num_stages=1,
+        )  # fmt: skip
+    return ChunkOperators(d_read, d_attend, d_erase, d_residual, d_write, d_decay)
+
+
+def _operator_grads(states, residuals, d_out, d_residual, d_next) -> ChunkOperators:
+    """Gradients of the chunk operators from the adjoint walk, batched over all chunks (the
+    PyTorch twin of `operator_grads_triton`)."""
     states_t = states.transpose(-1, -2)
     return ChunkOperators(
         read=d_out @ states_t,
@@ -237,18 +330,6 @@ def _operator_grads(ops, states, residuals, d_out, d_residual, d_next) -> ChunkO
         write=residuals @ d_next.transpose(-1, -2),
         decay=(d_next * states).sum(dim=-1),
     )
-
-
-@contextlib.contextmanager
-def _matmul_precision(precision: str):
-    """PyTorch's float32 products in TF32 ("tf32") or IEEE float32 ("ieee") inside the block,
-    matching the kernels' `input_precision`; the caller's setting is restored after."""
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high" if precision == "tf32" else "highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
 
 
 def _operators_triton(q, a, b, u, g, precision: str, tokens: Tokens, scale: float):
@@ -261,24 +342,6 @@ def _operators_triton(q, a, b, u, g, precision: str, tokens: Tokens, scale: floa
     lead = (q.shape[0], tokens.heads, tokens.chunks)
     ops = ChunkOperators(read, attend, erase, target, write, decay)
     return ChunkOperators(*(x.view(*lead, *x.shape[1:]) for x in ops)), lower
-
-
-def _to_chunks_f32(x: torch.Tensor, chunk_size: int, factor: float = 1.0) -> torch.Tensor:
-    """`chunk.to_chunks(x.float() * factor)` [B, H, n, C_pad, *] in one copy of x (the layout
-    change, the cast and the factor fused), padding tokens zero."""
-    batch, length, heads, *rest = x.shape
-    chunks = -(-length // chunk_size)
-    out = x.new_zeros(batch, heads, chunks, padded_chunk_size(chunk_size), *rest,
-                      dtype=torch.float32)  # fmt: skip
-    full = length // chunk_size
-    source = x.movedim(2, 1)  # [B, H, T, *]
-    if full:
-        out[:, :, :full, :chunk_size] = source[:, :, : full * chunk_size].unflatten(
-            2, (full, chunk_size)
-        )
-    if full < chunks:
-        out[:, :, full, : length - full * chunk_size] = source[:, :, full * chunk_size :]
-    return out if factor == 1.0 else out.mul_(factor)
 
 
 class _DeltaRuleTriton(torch.autograd.Function):
@@ -313,14 +376,15 @@ class _DeltaRuleTriton(torch.autograd.Function):
         q, a, b, u, g, states, residuals = ctx.saved_tensors
         precision, tokens, scale = ctx.precision, ctx.tokens, ctx.scale
         ops, lower = _operators_triton(q, a, b, u, g, precision, tokens, scale)
-        if d_o is None:
-            d_out = torch.zeros_like(residuals)
-        else:
-            d_out = _to_chunks_f32(d_o, tokens.chunk_size)
+        # The output's gradient is read token-major where it lies, like the inputs.
+        d_out = torch.zeros_like(u) if d_o is None else d_o.contiguous()
         d_final = None if d_final is None else d_final.contiguous()
-        d_residual, d_next, d_initial = state_pass_triton_backward(ops, d_out, d_final, precision)
-        with _matmul_precision(precision):
-            grads = _operator_grads(ops, states, residuals, d_out, d_residual, d_next)
+        d_residual, d_next, d_initial = state_pass_triton_backward(
+            ops, d_out, d_final, precision, tokens
+        )
+        grads = operator_grads_triton(
+            states, residuals, d_out, d_residual, d_next, precision, tokens
+        )
         # Each tensor is dropped once its last use is behind: the peak of the backward is the
         # sum of what is alive at its fullest point, not of everything it makes.
         erase, target = ops.erase, ops.target
