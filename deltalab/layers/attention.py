@@ -17,6 +17,7 @@ from deltalab.layers.common import (
     check_state_batch,
     compute_dtype,
     require_positive_int,
+    shared_autocast_input,
 )
 
 __all__ = ["ROPE_BASE", "Attention", "apply_rope", "sliding_window_mask"]
@@ -114,9 +115,11 @@ class Attention(nn.Module):
         offset = 0 if state is None else state.offset
         positions = torch.arange(offset, offset + length, device=x.device)
         key_shape = (self.num_heads, self.head_dim)
-        q = apply_rope(self.q_proj(x).unflatten(-1, key_shape), positions, self.rope_base)
-        k = apply_rope(self.k_proj(x).unflatten(-1, key_shape), positions, self.rope_base)
-        v = self.v_proj(x).unflatten(-1, (self.num_heads, self.value_dim))
+        # One autocast copy of x kept for the three projections, instead of one by each.
+        x_in = shared_autocast_input(x)
+        q = apply_rope(self.q_proj(x_in()).unflatten(-1, key_shape), positions, self.rope_base)
+        k = apply_rope(self.k_proj(x_in()).unflatten(-1, key_shape), positions, self.rope_base)
+        v = self.v_proj(x_in()).unflatten(-1, (self.num_heads, self.value_dim))
         key_mask = mask
         if state is not None:
             k = torch.cat([state.key.to(k.dtype), k], dim=1)

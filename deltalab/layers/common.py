@@ -64,6 +64,7 @@ __all__ = [
     "no_weight_decay",
     "require_positive_int",
     "run_delta_rule",
+    "shared_autocast_input",
     "zero_at_padding",
 ]
 
@@ -216,6 +217,44 @@ def no_weight_decay(param: nn.Parameter) -> nn.Parameter:
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """At least float32: gate and norm arithmetic stays accurate under bf16 activations."""
     return torch.promote_types(x.dtype, torch.float32)
+
+
+class _SharedCast(torch.autograd.Function):
+    """`cast`, a copy of x made once, as one more use of x: the gradient goes back to x in its
+    dtype through this node alone, as through the cast autocast makes for each use."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cast: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = x.dtype
+        return cast.view_as(cast)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.to(ctx.dtype), None
+
+
+def shared_autocast_input(x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Hands out x as autocast would cast it for a matrix product, all from one copy.
+
+    Under autocast every `nn.Linear` casts a float32 input anew and keeps its cast for backward:
+    n projections of x keep n equal copies. The returned function gives each projection x in the
+    autocast dtype of its device as a view of one copy made here, through its own graph node, so
+    each gradient returns to x in x's dtype and they add up there as before: forward and
+    backward are unchanged, and the projections keep one copy between them. Without autocast on
+    x's device (or for float64 x, which autocast leaves alone) it gives x itself.
+    """
+    device = x.device.type
+    if not (
+        x.is_floating_point()
+        and x.dtype != torch.float64
+        and torch.amp.is_autocast_available(device)
+        and torch.is_autocast_enabled(device)
+    ):
+        return lambda: x
+    cast = x.detach().to(torch.get_autocast_dtype(device))
+    if cast.dtype == x.dtype:
+        return lambda: x
+    return lambda: _SharedCast.apply(x, cast)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
@@ -517,10 +556,12 @@ class DeltaMixer(nn.Module, abc.ABC):
             check_state_batch("state.memory", state.memory, x, "[B, H, K, V]")
         mask = check_mask(mask, x)
         heads = self.num_heads
+        # One autocast copy of x kept for the projections, instead of one by each.
+        x_in = shared_autocast_input(x)
 
         def projected(proj: nn.Module) -> torch.Tensor:
             # Padding enters the short convolutions as zeros, like the zero cache before a prompt.
-            y = proj(x)
+            y = proj(x_in())
             return y if mask is None else y * mask.unsqueeze(-1).to(y.dtype)
 
         q, conv_q = self.q_conv(projected(self.q_proj), None if state is None else state.conv_q)
@@ -531,6 +572,6 @@ class DeltaMixer(nn.Module, abc.ABC):
         v = v.unflatten(-1, (heads, self.value_dim))
         conv = (conv_q, conv_k, conv_v)
         o, new_state = self.recurrence(x, q, k, v, state, conv, return_gates, mask)
-        gate = self.g_proj(x).unflatten(-1, (heads, self.value_dim))
+        gate = self.g_proj(x_in()).unflatten(-1, (heads, self.value_dim))
         y = self.o_proj(self.o_norm(o, gate).flatten(-2))
         return y, new_state

@@ -9,6 +9,11 @@
 
 Shapes: q, k `[B, T, H, K]`, v `[B, T, H, V]`, beta `[B, T, H]`, erase `[B, T, H, K]`,
 write `[B, T, H, V]`. The same functions serve one-token decoding (`[B, H, *]`, beta `[B, H]`).
+
+k is made contiguous first: the layers' k is a strided view of the short convolution's output,
+and both the gate product (beta * k, erase * k) and the Triton delta rule keep it for
+backward, the kernel as its own contiguous copy: otherwise one k is kept twice. Same values, so
+no result changes.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ def _check_beta(k: torch.Tensor, beta: torch.Tensor) -> None:
 def deltanet_inputs(q, k, v, beta) -> DeltaRuleInputs:
     """DeltaNet: S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T, no decay."""
     _check_beta(k, beta)
+    k = k.contiguous()  # one k for the gate product and the kernel (module docstring)
     return DeltaRuleInputs(q, beta.unsqueeze(-1) * k, k, v, torch.zeros_like(beta))
 
 
@@ -47,6 +53,7 @@ def gated_deltanet_inputs(q, k, v, beta, g) -> DeltaRuleInputs:
     _check_beta(k, beta)
     require_float("g", g)
     require_shape("g", g, k.shape[:-1], "[B, T, H]", "(one log decay per head)")
+    k = k.contiguous()  # one k for the gate product and the kernel (module docstring)
     return DeltaRuleInputs(q, beta.unsqueeze(-1) * k, k, v, g)
 
 
@@ -55,6 +62,7 @@ def kda_inputs(q, k, v, beta, g) -> DeltaRuleInputs:
     _check_beta(k, beta)
     require_float("g", g)
     require_shape("g", g, k.shape, "[B, T, H, K]", "(one log decay per key channel)")
+    k = k.contiguous()  # one k for the gate product and the kernel (module docstring)
     return DeltaRuleInputs(q, beta.unsqueeze(-1) * k, k, v, g)
 
 
@@ -68,4 +76,5 @@ def gdn2_inputs(q, k, v, erase, write, g) -> DeltaRuleInputs:
     require_shape("erase", erase, k.shape, "[B, T, H, K]", "to match k")
     require_shape("write", write, v.shape, "[B, T, H, V]", "to match v")
     require_shape("g", g, k.shape, "[B, T, H, K]", "(one log decay per key channel)")
+    k = k.contiguous()  # one k for the gate product and the kernel (module docstring)
     return DeltaRuleInputs(q, k, erase * k, write * v, g)

@@ -1,0 +1,190 @@
+"""What the mixers keep for backward under bf16 autocast (benchmarks/memory_audit.py measures
+it per token): the frontend's projections of one input share one autocast copy of it (without
+changing an output or a gradient), and k reaches the delta rule contiguous, the tensor the
+layer's gate product keeps (the Triton kernel keeps its inputs contiguous: a strided k would be
+kept twice)."""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import pytest
+import torch
+
+import deltalab.layers.common as common
+from deltalab.layers import (
+    Attention,
+    DeltaNet,
+    DiagonalKDN,
+    ExactKDN,
+    GatedDeltaNet,
+    GatedDeltaNet2,
+    IsotropicKDN,
+    KDNMuir,
+    KimiDeltaAttention,
+    Muir,
+)
+from deltalab.layers.common import shared_autocast_input
+
+DELTA_MIXERS = (
+    DeltaNet,
+    GatedDeltaNet,
+    KimiDeltaAttention,
+    GatedDeltaNet2,
+    Muir,
+    IsotropicKDN,
+    DiagonalKDN,
+    ExactKDN,
+    KDNMuir,
+)
+SIZES = dict(hidden_size=32, num_heads=2, head_dim=16)
+FRONTEND = dict(**SIZES, conv_size=3, chunk_size=16, backend="chunk")
+
+
+def build(cls):
+    torch.manual_seed(0)
+    layer = cls(**SIZES) if cls is Attention else cls(**FRONTEND)
+    with torch.no_grad():
+        # Zero-initialized projections (Muir's read gate) would leave a gate constant.
+        for param in layer.parameters():
+            if not param.any():
+                param.normal_(std=0.1)
+    return layer
+
+
+def hidden(length=20):
+    return torch.randn(2, length, SIZES["hidden_size"], generator=torch.Generator().manual_seed(1))
+
+
+def non_leaf(x):
+    """x as a layer sees it in a model: the output of an op (autocast caches its casts of
+    leaves that need a gradient, so a leaf would share its cast anyway)."""
+    leaf = x.requires_grad_()
+    return leaf, leaf * 1.0
+
+
+def saved_tensors(layer, x):
+    """Every tensor the layer's graph saves for backward under CPU bf16 autocast."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            layer(x)
+    return saved
+
+
+def saved_copies(cls, share: bool) -> int:
+    """How many storages the layer saves holding x's bf16 cast."""
+    layer = build(cls)
+    _, x = non_leaf(hidden())
+    copy = x.detach().bfloat16().flatten(0, 1)
+    with unshared(not share):
+        saved = saved_tensors(layer, x)
+    return len(
+        {
+            t.untyped_storage().data_ptr()
+            for t in saved
+            if t.dtype == torch.bfloat16
+            and t.numel() == x.numel()
+            and torch.equal(t.reshape(copy.shape), copy)
+        }
+    )
+
+
+def separate(x):
+    """What the layers did before `shared_autocast_input`: x as it is, autocast casts it."""
+    return lambda: x
+
+
+@contextlib.contextmanager
+def unshared(active: bool = True):
+    """The layers with `separate` in place of `shared_autocast_input` (when active)."""
+    with contextlib.ExitStack() as stack:
+        if active:
+            for module in ("deltalab.layers.common", "deltalab.layers.attention"):
+                stack.enter_context(mock.patch(f"{module}.shared_autocast_input", separate))
+        yield
+
+
+@pytest.mark.parametrize("cls", (*DELTA_MIXERS, Attention), ids=lambda cls: cls.__name__)
+def test_frontend_projections_share_one_saved_autocast_copy_of_the_input(cls):
+    # q, k, v and the output gate (attention: q, k, v) keep one copy between them instead of
+    # one each; a gate projection that takes x (GDN-2's erase and write...) still casts it anew.
+    shared_by = 3 if cls is Attention else 4
+    assert saved_copies(cls, share=True) == saved_copies(cls, share=False) - (shared_by - 1)
+
+
+# The mixers whose k reaches the delta rule through `deltalab.ops.parametrize`.
+PARAMETRIZED = (DeltaNet, GatedDeltaNet, KimiDeltaAttention, GatedDeltaNet2, Muir)
+
+
+@pytest.mark.parametrize("cls", PARAMETRIZED, ids=lambda cls: cls.__name__)
+def test_the_key_the_delta_rule_keeps_is_the_one_the_gate_product_keeps(cls):
+    layer, x = build(cls), hidden()
+    calls = []
+    real = common.delta_rule
+
+    def spy(*inputs, **kwargs):
+        calls.append(inputs)
+        return real(*inputs, **kwargs)
+
+    with mock.patch.object(common, "delta_rule", spy):
+        saved = saved_tensors(layer, x)
+    ((_, a, b, _, _),) = calls
+    key = a if cls in (GatedDeltaNet2, Muir) else b
+    # Contiguous, so the Triton kernel keeps k itself rather than a copy, and the same storage
+    # as the k the layer's graph keeps.
+    assert key.is_contiguous()
+    storages = {t.untyped_storage().data_ptr() for t in saved}
+    assert key.untyped_storage().data_ptr() in storages
+
+
+def test_shared_autocast_input_is_what_autocast_would_cast_and_nothing_else():
+    x = torch.randn(3, 4)
+    assert shared_autocast_input(x)() is x
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        make = shared_autocast_input(x)
+        first, second = make(), make()
+        assert torch.equal(first, x.bfloat16()) and first.dtype == torch.bfloat16
+        assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+        assert shared_autocast_input(x.double())().dtype == torch.float64
+        bf16 = x.bfloat16()
+        assert shared_autocast_input(bf16)() is bf16
+    with torch.device("meta"):
+        meta = torch.empty(3, 4)
+    assert shared_autocast_input(meta)() is meta
+
+
+def test_each_use_of_the_shared_copy_returns_its_gradient_in_the_input_dtype():
+    # With one node for all uses, their gradients would add up in bf16 before reaching x.
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(8, 8, generator=generator) for _ in range(3)]
+
+    def grad(share: bool):
+        leaf, x = non_leaf(torch.randn(4, 8, generator=torch.Generator().manual_seed(1)))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            make = shared_autocast_input(x) if share else lambda: x
+            y = sum(torch.nn.functional.linear(make(), w).float() for w in weights)
+        y.square().sum().backward()
+        return leaf.grad
+
+    assert torch.equal(grad(True), grad(False))
+
+
+@pytest.mark.parametrize("cls", (*DELTA_MIXERS, Attention), ids=lambda cls: cls.__name__)
+def test_sharing_the_autocast_copy_changes_no_output_or_gradient(cls):
+    def run(share: bool):
+        layer = build(cls)
+        leaf, x = non_leaf(hidden())
+        with unshared(not share), torch.autocast("cpu", dtype=torch.bfloat16):
+            y, _ = layer(x)
+        y.float().square().sum().backward()
+        return [y, leaf.grad, *(p.grad for p in layer.parameters())]
+
+    for shared, separate in zip(run(True), run(False), strict=True):
+        assert torch.equal(shared, separate)
