@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import deltalab.layers.common as common
 from deltalab.models import CausalLM, DeltaLabConfig
 
 DATA = Path(__file__).parent / "data"
@@ -50,7 +51,14 @@ def test_checkpoint_written_before_the_refactor_reproduces_its_logits_bit_for_bi
 
 
 @pytest.mark.parametrize("name", fixture.VARIANTS)
-def test_one_training_step_from_the_old_checkpoint_gives_the_same_parameters_bit_for_bit(name):
+def test_one_training_step_from_the_old_checkpoint_gives_the_same_parameters_bit_for_bit(
+    name, monkeypatch
+):
+    # The RMS norms' hand-written adjoint (kept for memory, issue 10) rounds differently from
+    # autograd through their formula, which the fixture recorded: the norms run as that formula
+    # here so that everything else is still checked bit for bit. The adjoint is checked against
+    # the formula in tests/test_memory.py.
+    monkeypatch.setattr(common, "rms_norm", common.rms_norm_reference)
     model = CausalLM.from_pretrained(fixture.HERE / name)
     trained = fixture.train_step(model)
     expected = REFERENCE["reference"][name]["trained"]
