@@ -278,3 +278,53 @@ def test_a_model_trained_through_the_norm_adjoints_gets_the_formulas_gradients(m
     for name, grad in ours.items():
         scale = formula[name].abs().max().clamp_min(1e-12)
         assert (grad - formula[name]).abs().max() / scale < 1e-5, name
+
+
+def _pieces():
+    from deltalab.layers.common import ShortConvolution, l2_normalize
+    from deltalab.layers.decay import log_decay
+    from deltalab.models.lm import SwiGLU
+
+    torch.manual_seed(0)
+    conv, swiglu = ShortConvolution(8, 4), SwiGLU(8, 12)
+    a_log, dt_bias = torch.randn(2, 1), torch.randn(2, 4)
+    return {
+        "l2_normalize": (lambda x: l2_normalize(x), (2, 9, 8)),
+        "log_decay": (lambda x: log_decay(a_log, x.unflatten(-1, (2, 4)), dt_bias), (2, 9, 8)),
+        "short_convolution": (lambda x: conv(x)[0], (2, 9, 8)),
+        "swiglu": (swiglu, (2, 9, 8)),
+    }
+
+
+@pytest.mark.parametrize("name", ["l2_normalize", "log_decay", "short_convolution", "swiglu"])
+def test_recomputed_pieces_keep_less_and_give_the_same_gradients_bit_for_bit(name, monkeypatch):
+    """Under bf16 autocast on a bf16 input (a projection's output), as training runs: each
+    piece keeps fewer bytes for backward with its intermediates recomputed than without, and
+    every gradient is the same bit for bit."""
+    fn, shape = _pieces()[name]
+
+    def run():
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(2)).bfloat16()
+        x.requires_grad_()
+        kept = {}
+
+        def pack(t):
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = fn(x)
+        y.float().square().sum().backward()
+        return sum(kept.values()), x.grad
+
+    kept, grad = run()
+    monkeypatch.setattr(common, "recomputed", lambda f, *args: f(*args))
+    import deltalab.layers.decay as decay
+    import deltalab.models.lm as lm
+
+    monkeypatch.setattr(decay, "recomputed", lambda f, *args: f(*args))
+    monkeypatch.setattr(lm, "recomputed", lambda f, *args: f(*args))
+    kept_plain, grad_plain = run()
+    assert kept < kept_plain
+    assert torch.equal(grad, grad_plain)

@@ -22,10 +22,11 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import ClassVar, TypedDict, Unpack, cast
+from typing import Any, ClassVar, TypedDict, Unpack, cast
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -62,6 +63,7 @@ __all__ = [
     "identity_at_padding",
     "l2_normalize",
     "no_weight_decay",
+    "recomputed",
     "require_positive_int",
     "run_delta_rule",
     "shared_autocast_input",
@@ -257,10 +259,29 @@ def shared_autocast_input(x: torch.Tensor) -> Callable[[], torch.Tensor]:
     return lambda: _SharedCast.apply(x, cast)
 
 
-def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
-    """x / sqrt(||x||^2 + eps) over the last dim, computed in at least float32; x's dtype out."""
+def recomputed(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """fn(*args), keeping only args for backward: fn's intermediates are computed again when
+    the backward needs them (non-reentrant activation checkpointing of one small piece). The
+    autograd graph is the same, so gradients are the same bit for bit; what it costs is fn's
+    forward once more in the backward, for elementwise pieces whose float32 intermediates would
+    otherwise be kept per token (benchmarks/memory_audit.py). Without gradients, plain fn."""
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(a, torch.Tensor) and a.requires_grad for a in args
+    )
+    if not needs_grad:
+        return fn(*args)
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+
+def _l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     y = x.to(compute_dtype(x))
     return (y * torch.rsqrt(y.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
+    """x / sqrt(||x||^2 + eps) over the last dim, computed in at least float32; x's dtype out.
+    Keeps only x for backward (`recomputed`), not its float32 copies."""
+    return recomputed(_l2_normalize, x, eps)
 
 
 class ShortConvolution(nn.Module):
@@ -289,8 +310,14 @@ class ShortConvolution(nn.Module):
             cache = x_t.new_zeros(batch, channels, width)
         require_shape("conv cache", cache, (batch, channels, width), "[B, C, W-1]")
         padded = torch.cat([cache.to(x_t.dtype), x_t], dim=-1)
-        y = F.silu(F.conv1d(padded, self.weight.to(x.dtype), groups=channels))
+        # Keeps the padded input for backward, not the convolution's output (`recomputed`).
+        y = recomputed(_conv_silu, padded, self.weight)
         return y.transpose(1, 2), padded[..., length:]
+
+
+def _conv_silu(padded: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """SiLU of the depthwise causal convolution of `padded [B, C, W-1+T]`: `[B, C, T]`."""
+    return F.silu(F.conv1d(padded, weight.to(padded.dtype), groups=padded.shape[1]))
 
 
 def rms_norm_reference(

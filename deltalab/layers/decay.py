@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltalab.layers.common import compute_dtype, no_weight_decay, require_positive_int
+from deltalab.layers.common import compute_dtype, no_weight_decay, recomputed, require_positive_int
 
 __all__ = ["ChannelDecay", "ScalarDecay", "init_A_log", "init_dt_bias", "log_decay"]
 
@@ -41,7 +41,13 @@ def init_dt_bias(*shape: int) -> nn.Parameter:
 
 def log_decay(A_log: torch.Tensor, raw: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
     """g = -exp(A_log) * softplus(raw + dt_bias) <= 0, in at least float32; A_log broadcast
-    against raw (`[H]` for raw `[B, T, H]`, `[H, 1]` for `[B, T, H, K]`)."""
+    against raw (`[H]` for raw `[B, T, H]`, `[H, 1]` for `[B, T, H, K]`). Keeps only raw (in
+    its own dtype) and the parameters for backward, not the float32 intermediates
+    (`recomputed`)."""
+    return recomputed(_log_decay, A_log, raw, dt_bias)
+
+
+def _log_decay(A_log: torch.Tensor, raw: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
     dtype = compute_dtype(raw)
     rate = A_log.to(dtype).exp()
     return -rate * F.softplus(raw.to(dtype) + dt_bias.to(dtype))

@@ -19,7 +19,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from deltalab.layers.common import RMSNorm
+from deltalab.layers.common import RMSNorm, recomputed
 from deltalab.models.cache import RecurrentCache
 from deltalab.models.config import DeltaLabConfig
 from deltalab.models.mixers import build_mixer
@@ -36,8 +36,13 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(width, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        # Keeps the projection for backward, not silu(gate) (`recomputed`).
+        return self.down(recomputed(_swiglu, self.gate_up(x)))
+
+
+def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class Block(nn.Module):
