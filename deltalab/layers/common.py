@@ -372,10 +372,14 @@ class _RMSNormFunction(torch.autograd.Function):
         return y * (torch.sigmoid(gate) if activation == "sigmoid" else F.silu(gate))
 
     @staticmethod
-    def backward(ctx, dy):
+    def _normalized(ctx):
+        """The saved tensors, then x / rms(x) and the weight in the compute dtype, recomputed."""
         x, weight, gate, rstd = ctx.saved_tensors
-        xhat = x.to(rstd.dtype) * rstd
-        w = weight.to(rstd.dtype)
+        return x, weight, gate, rstd, x.to(rstd.dtype) * rstd, weight.to(rstd.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, gate, rstd, xhat, w = _RMSNormFunction._normalized(ctx)
         d_gate = None
         if gate is not None:
             act, slope = _activation_and_slope(gate.to(rstd.dtype), ctx.activation)
@@ -395,9 +399,7 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, tx, tw, tg, _eps, _activation):
         """Forward-mode derivative (gate-sensitivity probes run through the norms with it)."""
-        x, weight, gate, rstd = ctx.saved_tensors
-        xhat = x.to(rstd.dtype) * rstd
-        w = weight.to(rstd.dtype)
+        _, _, gate, rstd, xhat, w = _RMSNormFunction._normalized(ctx)
         t_out = torch.zeros_like(xhat)
         if tx is not None:
             txf = tx.to(rstd.dtype)
