@@ -125,19 +125,31 @@ def test_triton_log_decay_of_minus_infinity_is_an_exact_reset(generator):
     assert_close(s, s_ref, F32, "final state")
 
 
-def test_triton_intra_stage_matches_its_pytorch_twin(generator):
+@pytest.mark.parametrize("diagonal", ["factored_where_mild", "walked_everywhere"])
+def test_triton_intra_stage_matches_its_pytorch_twin(generator, diagonal):
+    """Both forms of a diagonal sub-block: factored (mild decays) and walked row by row (strong
+    decays; everywhere with a bound of 0), mixed within one program."""
     from deltalab.ops.delta_rule.chunk import intra_chunk
-    from deltalab.ops.delta_rule.triton.intra import intra_chunk_triton
+    from deltalab.ops.delta_rule.triton.intra import (
+        DIAGONAL_FACTOR_BOUND,
+        SUB_BLOCK,
+        intra_chunk_triton,
+    )
 
     shape = (1, 2, 2, 32, 20)
     q, a, b = (torch.randn(*shape, generator=generator, dtype=torch.float64) for _ in range(3))
     g = -3.0 * torch.rand(*shape, generator=generator, dtype=torch.float64)
+    g[:, :, 0, SUB_BLOCK:] *= 8.0  # one sub-block per (batch, head) too strong to factor
+    depth = g.unflatten(-2, (-1, SUB_BLOCK)).sum(-2).abs().amax(-1)  # per sub-block
+    assert (depth < DIAGONAL_FACTOR_BOUND).any() and (depth > DIAGONAL_FACTOR_BOUND).any()
+    bound = DIAGONAL_FACTOR_BOUND if diagonal == "factored_where_mild" else 0.0
     ref = [x.clone().requires_grad_() for x in (q, a, b, g)]
     lower, attend = intra_chunk(*ref)
-    d_lower, d_attend = torch.randn_like(lower).tril(-1), torch.randn_like(attend).tril()
+    # Gradients above the diagonal too: the kernel must not read them.
+    d_lower, d_attend = torch.randn_like(lower), torch.randn_like(attend)
     ((lower * d_lower).sum() + (attend * d_attend).sum()).backward()
     f32 = [x.to(DEVICE, torch.float32).requires_grad_() for x in (q, a, b, g)]
-    lower_t, attend_t = intra_chunk_triton(*f32)
+    lower_t, attend_t = intra_chunk_triton(*f32, factor_bound=bound)
     weights = [x.to(DEVICE, torch.float32) for x in (d_lower, d_attend)]
     ((lower_t * weights[0]).sum() + (attend_t * weights[1]).sum()).backward()
     assert_close(lower_t, lower, F32, "L")
