@@ -6,7 +6,8 @@ in place (`Tokens` below: no copy into chunks, any float dtype, q scaled on load
     L_ts = sum_k b_tk a_sk exp(G_tk - G_sk)   (s < t)      M_ts = same with q_t   (s <= t)
 
 with G the cumulative log decay. This is `chunk.py`'s `intra_chunk` (its PyTorch twin, which the
-tests compare it with) written as one program per chunk.
+tests compare it with) written as one program per row sub-block of a chunk (the adjoint: per
+sub-block and block of channels).
 
 Stability, as in `chunk.py`: no exponent is a difference of prefix sums and none is positive.
 The chunk is cut into sub-blocks of BT = 16 tokens. For a row sub-block I and an earlier column
@@ -64,6 +65,13 @@ BLOCK_KD = 32
 DIAGONAL_FACTOR_BOUND = 40.0
 # One pipeline stage: the loops are short and their tiles change every iteration.
 LAUNCH = {"num_warps": 4, "num_stages": 1}
+# Stage 1's own launch: two warps, and the adjoint with up to 128 channels per program. Measured
+# on the H200 (B=4 T=4096 H=16 K=128, chunk 64, mild decays; gpu sweep of BKD 32/64/128 x 2/4/8
+# warps): forward 0.48 ms with 2 warps against 0.83 with 4 and 1.56 with 8; adjoint 0.91 ms at
+# BKD=128 with 2 warps against 1.57 at BKD=32 with 4 (the sub-block tiles are 16 rows: more warps
+# only split them thinner).
+INTRA_LAUNCH = {"num_warps": 2, "num_stages": 1}
+INTRA_BLOCK_KD = 128
 
 
 def chunk_count(x: torch.Tensor) -> int:
@@ -199,12 +207,18 @@ def _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, grs, gcs, valid
 
 
 @triton.jit
-def _column_factor(g, cols, rt, rk, mk, between, grs, gcs, valid, BT: tl.constexpr):
-    """exp(sum of g from the token after s to the end of its sub-block + `between`): [BT, BK]."""
+def _column_tail(g, cols, rt, rk, mk, grs, gcs, valid, BT: tl.constexpr):
+    """Sum of g from the token after s to the end of its sub-block, for every s: [BT, BK]."""
     after = rt + 1
     # Rows past the sub-block read as zero through the token bound.
     g_after = _load_rows(g, cols + after, grs, rk, gcs, tl.minimum(valid, cols + BT), mk)
-    return tl.exp(tl.cumsum(g_after, axis=0, reverse=True) + between[None, :])
+    return tl.cumsum(g_after, axis=0, reverse=True)
+
+
+@triton.jit
+def _column_factor(g, cols, rt, rk, mk, between, grs, gcs, valid, BT: tl.constexpr):
+    """exp(_column_tail + `between`): [BT, BK]."""
+    return tl.exp(_column_tail(g, cols, rt, rk, mk, grs, gcs, valid, BT) + between[None, :])
 
 
 @triton.jit
@@ -213,48 +227,48 @@ def _intra_fwd(
     K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, G_HEAD: tl.constexpr,
     PRECISION: tl.constexpr, BOUND: tl.constexpr,
 ):  # fmt: skip
+    """Row sub-block i = program_id(1) of L and M: its blocks left of, on and right of (zeros)
+    the diagonal. One program per sub-block rather than per chunk: four times the programs,
+    each a quarter of the serial chain (chunk 64)."""
     chunk = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1)
     offset, valid, rs, g_offset, grs, gcs = _token_layout(chunk, n_chunks, H, T, CS, K, G_HEAD)
     q += offset
     a += offset
     b += offset
     g += g_offset
-    lower += chunk * C * C
-    attend += chunk * C * C
+    rows = i * BT
+    lower += chunk * C * C + rows * C
+    attend += chunk * C * C + rows * C
     rt = tl.arange(0, BT)
     rk = tl.arange(0, BK)
     mk = rk < K
     tile = rt[:, None] * C + rt[None, :]
-    strict = rt[:, None] > rt[None, :]
-    inclusive = rt[:, None] >= rt[None, :]
-    for i in range(C // BT):
-        rows = i * BT
-        cum = tl.cumsum(_load_rows(g, rows + rt, grs, rk, gcs, valid, mk), axis=0)
-        row_f = tl.exp(cum)
-        b_i = _load_rows(b, rows + rt, rs, rk, 1, valid, mk) * row_f
-        q_i = _load_rows(q, rows + rt, rs, rk, 1, valid, mk) * (row_f * scale)
-        between = tl.zeros([BK], dtype=tl.float32)
-        for jj in range(i):
-            cols = (i - 1 - jj) * BT
-            a_j = _load_rows(a, cols + rt, rs, rk, 1, valid, mk)
-            a_j *= _column_factor(g, cols, rt, rk, mk, between, grs, gcs, valid, BT)
-            l_ij = tl.dot(b_i, tl.trans(a_j), input_precision=PRECISION)
-            m_ij = tl.dot(q_i, tl.trans(a_j), input_precision=PRECISION)
-            tl.store(lower + rows * C + cols + tile, l_ij)
-            tl.store(attend + rows * C + cols + tile, m_ij)
-            between += tl.sum(_load_rows(g, cols + rt, grs, rk, gcs, valid, mk), axis=0)
-        if tl.max(tl.abs(cum)) < BOUND:  # mild decays: the factored diagonal (docstring)
-            a_i = _load_rows(a, rows + rt, rs, rk, 1, valid, mk) * tl.exp(-cum)
-            l_ii = tl.dot(b_i, tl.trans(a_i), input_precision=PRECISION)
-            m_ii = tl.dot(q_i, tl.trans(a_i), input_precision=PRECISION)
-            tl.store(lower + rows * C + rows + tile, tl.where(strict, l_ii, 0.0))
-            tl.store(attend + rows * C + rows + tile, tl.where(inclusive, m_ii, 0.0))
-        else:
-            _diag_fwd(q, a, b, g, lower, attend, rows, rs, grs, gcs, valid, scale, K, C, BK, BT)
-        zero = tl.zeros([BT, BT], dtype=tl.float32)
-        for j in range(i + 1, C // BT):
-            tl.store(lower + rows * C + j * BT + tile, zero)
-            tl.store(attend + rows * C + j * BT + tile, zero)
+    cum = tl.cumsum(_load_rows(g, rows + rt, grs, rk, gcs, valid, mk), axis=0)
+    row_f = tl.exp(cum)
+    b_i = _load_rows(b, rows + rt, rs, rk, 1, valid, mk) * row_f
+    q_i = _load_rows(q, rows + rt, rs, rk, 1, valid, mk) * (row_f * scale)
+    between = tl.zeros([BK], dtype=tl.float32)
+    for jj in range(i):
+        cols = (i - 1 - jj) * BT
+        a_j = _load_rows(a, cols + rt, rs, rk, 1, valid, mk)
+        a_j *= _column_factor(g, cols, rt, rk, mk, between, grs, gcs, valid, BT)
+        tl.store(lower + cols + tile, tl.dot(b_i, tl.trans(a_j), input_precision=PRECISION))
+        tl.store(attend + cols + tile, tl.dot(q_i, tl.trans(a_j), input_precision=PRECISION))
+        between += tl.sum(_load_rows(g, cols + rt, grs, rk, gcs, valid, mk), axis=0)
+    if tl.max(tl.abs(cum)) < BOUND:  # mild decays: the factored diagonal (docstring)
+        a_i = _load_rows(a, rows + rt, rs, rk, 1, valid, mk) * tl.exp(-cum)
+        l_ii = tl.dot(b_i, tl.trans(a_i), input_precision=PRECISION)
+        m_ii = tl.dot(q_i, tl.trans(a_i), input_precision=PRECISION)
+        tl.store(lower + rows + tile, tl.where(rt[:, None] > rt[None, :], l_ii, 0.0))
+        tl.store(attend + rows + tile, tl.where(rt[:, None] >= rt[None, :], m_ii, 0.0))
+    else:
+        _diag_fwd(q, a, b, g, lower - rows * C, attend - rows * C, rows, rs, grs, gcs, valid,
+                  scale, K, C, BK, BT)  # fmt: skip
+    zero = tl.zeros([BT, BT], dtype=tl.float32)
+    for j in range(i + 1, C // BT):
+        tl.store(lower + j * BT + tile, zero)
+        tl.store(attend + j * BT + tile, zero)
 
 
 @triton.jit
@@ -263,90 +277,78 @@ def _intra_bwd(
     K: tl.constexpr, C: tl.constexpr, BKD: tl.constexpr, BT: tl.constexpr, G_HEAD: tl.constexpr,
     PRECISION: tl.constexpr, BOUND: tl.constexpr,
 ):  # fmt: skip
-    """dq, da, db [chunks, C, K] float32, chunked (what `_factors_bwd` adds its share to); dq is
-    the gradient of the scaled q (the caller applies the scale once, at the end)."""
+    """dq, da, db [chunks, C, K] float32, chunked (what `_factors_bwd` adds its share to), of
+    sub-block i = program_id(2) and channels program_id(1): dq, db of its rows (columns s <= t)
+    and da of its columns (rows t >= s), the diagonal block shared by both. dq is the gradient
+    of the scaled q (the caller applies the scale once, at the end)."""
     chunk = tl.program_id(0).to(tl.int64)
     kb = tl.program_id(1)
+    i = tl.program_id(2)
     offset, valid, rs, g_offset, grs, gcs = _token_layout(chunk, n_chunks, H, T, CS, K, G_HEAD)
     q += offset
     a += offset
     b += offset
     g += g_offset
-    dq += chunk * C * K
-    da += chunk * C * K
-    db += chunk * C * K
     d_lower += chunk * C * C
     d_attend += chunk * C * C
     rt = tl.arange(0, BT)
     rkd = kb * BKD + tl.arange(0, BKD)
     mkd = rkd < K
     tile = rt[:, None] * C + rt[None, :]
-    strict = rt[:, None] > rt[None, :]
-    inclusive = rt[:, None] >= rt[None, :]
-    # Rows: dq and db of sub-block i from the columns s <= t. The diagonal sub-block's walk also
-    # gives its share of da, stored here and completed by the column pass below (one walk of
-    # each diagonal sub-block instead of two).
-    for i in range(C // BT):
-        rows = i * BT
-        rows_k = (rows + rt)[:, None] * K + rkd[None, :]
-        cum = tl.cumsum(_load_rows(g, rows + rt, grs, rkd, gcs, valid, mkd), axis=0)
-        row_f = tl.exp(cum)
-        acc_q = tl.zeros([BT, BKD], dtype=tl.float32)
-        acc_b = tl.zeros([BT, BKD], dtype=tl.float32)
-        between = tl.zeros([BKD], dtype=tl.float32)
-        for jj in range(i):
-            cols = (i - 1 - jj) * BT
-            a_j = _load_rows(a, cols + rt, rs, rkd, 1, valid, mkd)
-            a_j *= _column_factor(g, cols, rt, rkd, mkd, between, grs, gcs, valid, BT)
-            dm = tl.load(d_attend + rows * C + cols + tile)
-            dl = tl.load(d_lower + rows * C + cols + tile)
-            acc_q += tl.dot(dm, a_j, input_precision=PRECISION)
-            acc_b += tl.dot(dl, a_j, input_precision=PRECISION)
-            between += tl.sum(_load_rows(g, cols + rt, grs, rkd, gcs, valid, mkd), axis=0)
-        if tl.max(tl.abs(cum)) < BOUND:  # mild decays: the factored diagonal (docstring)
-            col_f = tl.exp(-cum)
-            a_i = _load_rows(a, rows + rt, rs, rkd, 1, valid, mkd) * col_f
-            q_i = _load_rows(q, rows + rt, rs, rkd, 1, valid, mkd) * (row_f * scale)
-            b_i = _load_rows(b, rows + rt, rs, rkd, 1, valid, mkd) * row_f
-            dm = tl.where(inclusive, tl.load(d_attend + rows * C + rows + tile), 0.0)
-            dl = tl.where(strict, tl.load(d_lower + rows * C + rows + tile), 0.0)
-            acc_q += tl.dot(dm, a_i, input_precision=PRECISION)
-            acc_b += tl.dot(dl, a_i, input_precision=PRECISION)
-            da_d = tl.dot(tl.trans(dm), q_i, input_precision=PRECISION)
-            da_d += tl.dot(tl.trans(dl), b_i, input_precision=PRECISION)
-            da_d *= col_f
-            dq_i = acc_q * row_f
-            db_i = acc_b * row_f
-        else:
-            dq_d, db_d, da_d = _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, grs,
-                                         gcs, valid, scale, C, BKD, BT)  # fmt: skip
-            dq_i = acc_q * row_f + dq_d
-            db_i = acc_b * row_f + db_d
-        tl.store(dq + rows_k, dq_i, mask=mkd[None, :])
-        tl.store(db + rows_k, db_i, mask=mkd[None, :])
-        tl.store(da + rows_k, da_d, mask=mkd[None, :])
-    # The diagonal shares of da, stored above by this program, are read back below.
-    tl.debug_barrier()
-    # Columns: da of sub-block j from the rows t > s, added to the diagonal share.
-    for j in range(C // BT):
-        cols = j * BT
-        cols_k = (cols + rt)[:, None] * K + rkd[None, :]
-        acc_a = tl.zeros([BT, BKD], dtype=tl.float32)
-        between = tl.zeros([BKD], dtype=tl.float32)
-        for i in range(j + 1, C // BT):
-            rows = i * BT
-            g_i = _load_rows(g, rows + rt, grs, rkd, gcs, valid, mkd)
-            row_f = tl.exp(tl.cumsum(g_i, axis=0))
-            q_i = _load_rows(q, rows + rt, rs, rkd, 1, valid, mkd) * (row_f * scale)
-            b_i = _load_rows(b, rows + rt, rs, rkd, 1, valid, mkd) * row_f
-            dm = tl.load(d_attend + rows * C + cols + tile)
-            dl = tl.load(d_lower + rows * C + cols + tile)
-            part = tl.dot(tl.trans(dm), q_i, input_precision=PRECISION)
-            part += tl.dot(tl.trans(dl), b_i, input_precision=PRECISION)
-            acc_a += part * _column_factor(g, cols, rt, rkd, mkd, between, grs, gcs, valid, BT)
-            between += tl.sum(g_i, axis=0)
-        da_j = acc_a + tl.load(da + cols_k, mask=mkd[None, :], other=0.0)
-        tl.store(da + cols_k, da_j, mask=mkd[None, :])
+    rows = i * BT
+    cum = tl.cumsum(_load_rows(g, rows + rt, grs, rkd, gcs, valid, mkd), axis=0)
+    row_f = tl.exp(cum)
+    # Rows: dq and db of sub-block i from the columns s < start(i).
+    acc_q = tl.zeros([BT, BKD], dtype=tl.float32)
+    acc_b = tl.zeros([BT, BKD], dtype=tl.float32)
+    between = tl.zeros([BKD], dtype=tl.float32)
+    for jj in range(i):
+        cols = (i - 1 - jj) * BT
+        a_j = _load_rows(a, cols + rt, rs, rkd, 1, valid, mkd)
+        a_j *= _column_factor(g, cols, rt, rkd, mkd, between, grs, gcs, valid, BT)
+        acc_q += tl.dot(tl.load(d_attend + rows * C + cols + tile), a_j, input_precision=PRECISION)
+        acc_b += tl.dot(tl.load(d_lower + rows * C + cols + tile), a_j, input_precision=PRECISION)
+        between += tl.sum(_load_rows(g, cols + rt, grs, rkd, gcs, valid, mkd), axis=0)
+    # The diagonal block: its share of all three.
+    if tl.max(tl.abs(cum)) < BOUND:  # mild decays: the factored diagonal (docstring)
+        col_f = tl.exp(-cum)
+        a_i = _load_rows(a, rows + rt, rs, rkd, 1, valid, mkd) * col_f
+        q_i = _load_rows(q, rows + rt, rs, rkd, 1, valid, mkd) * (row_f * scale)
+        b_i = _load_rows(b, rows + rt, rs, rkd, 1, valid, mkd) * row_f
+        d_diag = rows * C + rows + tile
+        dm = tl.where(rt[:, None] >= rt[None, :], tl.load(d_attend + d_diag), 0.0)
+        dl = tl.where(rt[:, None] > rt[None, :], tl.load(d_lower + d_diag), 0.0)
+        acc_q += tl.dot(dm, a_i, input_precision=PRECISION)
+        acc_b += tl.dot(dl, a_i, input_precision=PRECISION)
+        acc_a = tl.dot(tl.trans(dm), q_i, input_precision=PRECISION)
+        acc_a += tl.dot(tl.trans(dl), b_i, input_precision=PRECISION)
+        acc_a *= col_f
+        dq_i = acc_q * row_f
+        db_i = acc_b * row_f
+    else:
+        dq_d, db_d, acc_a = _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, grs,
+                                      gcs, valid, scale, C, BKD, BT)  # fmt: skip
+        dq_i = acc_q * row_f + dq_d
+        db_i = acc_b * row_f + db_d
+    # Columns: da of sub-block i from the rows t >= start(i + 1).
+    tail = _column_tail(g, rows, rt, rkd, mkd, grs, gcs, valid, BT)
+    between = tl.zeros([BKD], dtype=tl.float32)
+    for r in range(i + 1, C // BT):
+        later = r * BT
+        g_r = _load_rows(g, later + rt, grs, rkd, gcs, valid, mkd)
+        later_f = tl.exp(tl.cumsum(g_r, axis=0))
+        q_r = _load_rows(q, later + rt, rs, rkd, 1, valid, mkd) * (later_f * scale)
+        b_r = _load_rows(b, later + rt, rs, rkd, 1, valid, mkd) * later_f
+        dm = tl.load(d_attend + later * C + rows + tile)
+        dl = tl.load(d_lower + later * C + rows + tile)
+        part = tl.dot(tl.trans(dm), q_r, input_precision=PRECISION)
+        part += tl.dot(tl.trans(dl), b_r, input_precision=PRECISION)
+        acc_a += part * tl.exp(tail + between[None, :])
+        between += tl.sum(g_r, axis=0)
+    rows_k = chunk * C * K + (rows + rt)[:, None] * K + rkd[None, :]
+    tl.store(dq + rows_k, dq_i, mask=mkd[None, :])
+    tl.store(db + rows_k, db_i, mask=mkd[None, :])
+    tl.store(da + rows_k, acc_a, mask=mkd[None, :])
 
 
 def _g_head(q: torch.Tensor, g: torch.Tensor) -> bool:
@@ -366,10 +368,10 @@ def intra_triton(q, a, b, g, precision: str = "ieee", tokens: Tokens | None = No
     chunks = tokens.programs(q)
     lower = q.new_empty(chunks, size, size, dtype=torch.float32)
     attend = q.new_empty(chunks, size, size, dtype=torch.float32)
-    _intra_fwd[(chunks,)](
+    _intra_fwd[(chunks, size // SUB_BLOCK)](
         q, a, b, g, lower, attend, *tokens.args(), scale, K=key_dim, C=size,
         BK=key_block(key_dim), BT=SUB_BLOCK, G_HEAD=_g_head(q, g), PRECISION=precision,
-        BOUND=factor_bound, **LAUNCH,
+        BOUND=factor_bound, **INTRA_LAUNCH,
     )  # fmt: skip
     if tokens.chunks == 1 and tokens.heads == 1:  # chunked inputs: their own leading shape
         lead = q.shape[:-2]
@@ -388,11 +390,11 @@ def intra_triton_backward(q, a, b, g, d_lower, d_attend, precision: str = "ieee"
     key_dim = q.shape[-1]
     chunks = tokens.programs(q)
     dq, da, db = (q.new_empty(chunks, size, key_dim, dtype=torch.float32) for _ in range(3))
-    block_kd = min(BLOCK_KD, key_block(key_dim))
-    _intra_bwd[(chunks, triton.cdiv(key_dim, block_kd))](
+    block_kd = min(INTRA_BLOCK_KD, key_block(key_dim))
+    _intra_bwd[(chunks, triton.cdiv(key_dim, block_kd), size // SUB_BLOCK)](
         q, a, b, g, d_lower, d_attend, dq, da, db, *tokens.args(), scale, K=key_dim, C=size,
         BKD=block_kd, BT=SUB_BLOCK, G_HEAD=_g_head(q, g), PRECISION=precision,
-        BOUND=factor_bound, **LAUNCH,
+        BOUND=factor_bound, **INTRA_LAUNCH,
     )  # fmt: skip
     return dq, da, db
 
