@@ -3,12 +3,12 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Writes each part's output and JSON under $OUT (or ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests time prof stability train decode kdn
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests time prof stability train decode kdn tune
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
 # and they are installed first. Budget the call: tests 150 s, time 300 s,
-# prof 90 s, stability 240 s, train 300 s, decode 200 s, kdn 120 s.
+# prof 90 s, stability 240 s, train 300 s, decode 200 s, kdn 120 s, tune 180 s.
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -48,6 +48,7 @@ for p in "${parts[@]}"; do
         --steps 8 --mixers gdn2 muir transformer" ;;
     decode) part decode 200 python3 benchmarks/bench_decode_gpu.py --out "$OUT/decode.json" ;;
     kdn) part kdn 120 python3 benchmarks/bench_kdn_triton.py --out "$OUT/kdn.json" ;;
-    *) echo "unknown part: $p (tests time prof stability train decode kdn)"; exit 2 ;;
+    tune) part tune 180 python3 benchmarks/tune_triton.py --out "$OUT/tune.json" ;;
+    *) echo "unknown part: $p (tests time prof stability train decode kdn tune)"; exit 2 ;;
     esac
 done

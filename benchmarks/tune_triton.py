@@ -1,12 +1,14 @@
 """Launch settings of each Triton stage of the delta rule, timed one against another (GPU).
 
     python benchmarks/tune_triton.py --out tune.json
+    TRITON_INTERPRET=1 python benchmarks/tune_triton.py --device cpu --shape 1x64x1x16 --stages intra
 
-For each stage kernel (state pass forward/backward, stage 1 forward/backward, the solve) and
-each candidate setting (tile sizes, warps), the median ms on the issue's 4K shape (KDA form,
-bf16 inputs read in place, TF32 products) and the largest difference of its outputs from the
-first setting's (the settings change tiling, not the math). The defaults in the kernels' modules
-are the fastest of these on the machine this ran on (docs/RESULTS.md).
+For each stage kernel (stage 1 forward/backward, the decay factors, the solve and dL, the state
+pass forward/backward, the operator gradients) and each candidate setting (tile sizes, warps),
+the median ms on the issue's 4K shape (KDA form, bf16 inputs read in place, TF32 products) and
+the largest difference of its outputs from the first setting's (the settings change tiling, not
+the math). The defaults in the kernels' modules are the fastest of these on the machine this
+ran on (docs/RESULTS.md). On CPU (under the interpreter) it only proves the settings run.
 """
 
 from __future__ import annotations
@@ -14,16 +16,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
+import time
 
 import torch
 import triton
 from bench_triton import draw_inputs
 
 from deltalab.ops.delta_rule.triton import chunk as state_module
+from deltalab.ops.delta_rule.triton import factors as factors_module
 from deltalab.ops.delta_rule.triton import intra as intra_module
 from deltalab.ops.delta_rule.triton import solve as solve_module
 from deltalab.ops.delta_rule.triton.chunk import (
     _operators_triton,
+    operator_grads_triton,
     state_pass_triton,
     state_pass_triton_backward,
 )
@@ -42,12 +48,22 @@ def patched(module, **values):
             setattr(module, k, v)
 
 
-def measure(fn):
-    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+def measure(fn, device):
+    if device == "cuda":
+        return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
 
 
-def as_list(result):
-    return list(result) if isinstance(result, tuple) else [result]
+def flatten(result):
+    """The tensors of a result: a tensor, or (nested) tuples and lists of them and of None."""
+    if isinstance(result, torch.Tensor):
+        return [result]
+    return [t for item in (result or ()) for t in flatten(item)]
 
 
 def max_diff(xs, ys):
@@ -59,52 +75,89 @@ def main() -> None:
     parser.add_argument("--shape", default="4x4096x16x128")
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--stages", nargs="+", default=None, help="only these stages")
     args = parser.parse_args()
+    device = args.device
     batch, length, heads, dim = (int(n) for n in args.shape.split("x"))
-    x = draw_inputs(batch, length, heads, dim, "cuda", torch.bfloat16)
-    # Token-major bf16 inputs, read in place by the kernels as the backend passes them.
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter: fp32 only
+    x = draw_inputs(batch, length, heads, dim, device, dtype)
+    precision = "tf32" if device == "cuda" else "ieee"
+    # Token-major inputs, read in place by the kernels as the backend passes them.
     q, a, b, u, g = (x["q"], x["beta"][..., None] * x["k"], x["k"], x["v"], x["g"])
     tokens = Tokens(-(-length // args.chunk), heads, length, args.chunk)
-    ops, lower = _operators_triton(q, a, b, u, g, "tf32", tokens, 1.0)
-    state = torch.randn(batch, heads, dim, dim, device="cuda")
+    ops, lower = _operators_triton(q, a, b, u, g, precision, tokens, 1.0)
+    state = torch.randn(batch, heads, dim, dim, device=device)
     d_out = torch.randn_like(ops.target)
     d_lower, d_attend = torch.randn_like(lower), torch.randn_like(ops.attend)
+    _, residuals, states, _ = state_pass_triton(ops, state, precision)
+    d_residual, d_next, _ = state_pass_triton_backward(ops, d_out, state, precision)
+    chunked = [torch.randn_like(ops.read) for _ in range(6)]  # d read, d rhs, d write, dq1...
+    d_decay = torch.randn_like(ops.decay)
+
+    def warps(*counts):
+        return [{"num_warps": w, "num_stages": 1} for w in counts]
+
     cases = {
-        "state_pass": (
-            state_module,
-            [dict(NUM_WARPS=w, BLOCK_C=c, BLOCK_V=v)
-             for w, c, v in [(4, 64, 32), (8, 64, 32), (4, 64, 16), (4, 32, 16), (8, 64, 64),
-                             (8, 32, 32)]],
-            lambda: state_pass_triton(ops, state, "tf32"),
-            lambda: state_pass_triton_backward(ops, d_out, state, "tf32"),
-        ),
         "intra": (
             intra_module,
-            [dict(BLOCK_KD=k, LAUNCH={"num_warps": w, "num_stages": 1})
-             for k, w in [(32, 4), (64, 4), (32, 8), (64, 8), (16, 4), (128, 8)]],
-            lambda: intra_module.intra_triton(q, a, b, g, "tf32", tokens),
+            [dict(INTRA_BLOCK_KD=k, INTRA_LAUNCH=launch)
+             for k in (128, 64, 32) for launch in warps(2, 1, 4)],
+            lambda: intra_module.intra_triton(q, a, b, g, precision, tokens),
             lambda: intra_module.intra_triton_backward(
-                q, a, b, g, d_lower, d_attend, "tf32", tokens
+                q, a, b, g, d_lower, d_attend, precision, tokens
+            ),
+        ),
+        "factors": (
+            factors_module,
+            [dict(BLOCK_KD=k, LAUNCH=launch) for k in (32, 64, 128) for launch in warps(4, 2, 1)],
+            lambda: factors_module.factors_triton(q, a, b, g, tokens),
+            lambda: factors_module.factors_triton_backward(
+                q, a, b, g, *chunked[:3], d_decay, *chunked[3:], tokens
             ),
         ),
         "solve": (
             solve_module,
-            [dict(BLOCK_N=n, LAUNCH={"num_warps": w, "num_stages": 1})
-             for n, w in [(64, 4), (128, 4), (32, 4), (64, 8), (128, 8)]],
-            lambda: solve_module.solve_triton(lower, u, "tf32", tokens),
-            lambda: solve_module.solve_triton_backward(lower, d_out, "tf32"),
+            [dict(BLOCK_N=n, LAUNCH=launch) for n in (64, 128, 32) for launch in warps(4, 2, 8)],
+            lambda: solve_module.solve_triton(lower, u, precision, tokens),
+            lambda: [
+                solve_module.solve_triton_backward(lower, d_out, precision),
+                solve_module.lower_grad_triton(d_out, ops.target, d_out, ops.target, precision),
+            ],
+        ),
+        "state_pass": (
+            state_module,
+            [dict(NUM_WARPS=w, BLOCK_C=c, BLOCK_V=v)
+             for w, c, v in [(8, 64, 64), (4, 64, 64), (4, 64, 32), (8, 64, 32), (4, 32, 16),
+                             (2, 64, 32), (2, 32, 16)]],
+            lambda: state_pass_triton(ops, state, precision),
+            lambda: state_pass_triton_backward(ops, d_out, state, precision),
+        ),
+        "operator_grads": (
+            state_module,
+            [dict(NUM_WARPS=w, OPERATOR_BLOCK_V=v) for w in (8, 4, 2) for v in (32, 64, 16)],
+            lambda: operator_grads_triton(
+                states, residuals, d_out, d_residual, d_next, precision
+            ),
+            None,
         ),
     }  # fmt: skip
+    if args.stages:
+        unknown = set(args.stages) - set(cases)
+        if unknown:
+            parser.error(f"--stages: unknown {sorted(unknown)}; known: {sorted(cases)}")
+        cases = {k: v for k, v in cases.items() if k in args.stages}
     rows = []
     for stage, (module, settings, forward, backward) in cases.items():
         reference = None
         for setting in settings:
             with patched(module, **setting):
                 try:
-                    outputs = [*as_list(forward()), *as_list(backward())]
+                    outputs = flatten(forward()) + (flatten(backward()) if backward else [])
                     reference = reference or outputs
                     row = {"stage": stage, "setting": str(setting),
-                           "fwd_ms": measure(forward), "bwd_ms": measure(backward),
+                           "fwd_ms": measure(forward, device),
+                           "bwd_ms": measure(backward, device) if backward else None,
                            "max_diff": max_diff(outputs, reference)}  # fmt: skip
                 except Exception as error:  # a setting that fails to compile is a result too
                     row = {"stage": stage, "setting": str(setting), "error": repr(error)[:200]}
@@ -112,7 +165,8 @@ def main() -> None:
             print(row, flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
+            json.dump({"device": name, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
