@@ -34,8 +34,8 @@ taken only when every |c| of the sub-block (every channel of the program) is bel
 `DIAGONAL_FACTOR_BOUND` = 40, a runtime test per sub-block. Then no factor exceeds e^40 ~ 2e17
 (float32 holds 3e38, with room for |a| |b| K), c's rounding costs at most 40 * 2^-24 ~ 2e-6
 relative on a factor, and the masked pairs s > t are finite before they are zeroed. A sub-block
-with stronger decays (a mean log decay below -2.5 per token, a reset at -inf, a NaN) keeps the
-exact walk, so the stability argument above holds everywhere.
+with stronger decays (a mean log decay below -2.5 per token, or a reset at -inf) keeps the exact
+walk, so the stability argument above holds everywhere.
 
 Adjoint: with c_tsk the contribution of one (t, s, k) term,
     dq_t = sum_s dM_ts a_s * f_ts,   db_t = sum_s dL_ts a_s * f_ts,
