@@ -90,6 +90,26 @@ def test_triton_matches_float64_loop_with_every_gradient(
     _compare(inputs, state, chunk_size)
 
 
+@pytest.mark.parametrize("channel_decay", [False, True], ids=["head_decay", "channel_decay"])
+def test_triton_gradients_under_strong_decays_where_stage_1_walks_its_diagonal(
+    generator, poisoned_empty, monkeypatch, channel_decay
+):
+    """Log decays down to -6 per token: most diagonal sub-blocks exceed the factored form's bound
+    and are walked row by row, in the forward and the adjoint; with stage 1's adjoint cut into
+    channel blocks of 16, K = 20 takes two of them."""
+    from deltalab.ops.delta_rule.triton import intra
+
+    monkeypatch.setattr(intra, "INTRA_BLOCK_KD", 16)
+    inputs = random_delta_inputs(
+        generator, 1, 37, 1, 20, 8, channel_decay=channel_decay, min_log_decay=-6.0
+    )
+    g = inputs[-1] if channel_decay else inputs[-1][..., None]
+    depth = g[:, :32].unflatten(1, (-1, intra.SUB_BLOCK)).sum(2).abs().amax((-2, -1))
+    assert (depth > intra.DIAGONAL_FACTOR_BOUND).all()  # every full sub-block walks
+    state = torch.randn(1, 1, 20, 8, generator=generator, dtype=torch.float64)
+    _compare(inputs, state, 16)
+
+
 def test_triton_chunk_128_with_key_and_value_sizes_that_need_masking(generator, poisoned_empty):
     inputs = random_delta_inputs(generator, 1, 130, 1, 20, 12, channel_decay=True)
     state = torch.randn(1, 1, 20, 12, generator=generator, dtype=torch.float64)
@@ -128,7 +148,7 @@ def test_triton_log_decay_of_minus_infinity_is_an_exact_reset(generator):
 @pytest.mark.parametrize("diagonal", ["factored_where_mild", "walked_everywhere"])
 def test_triton_intra_stage_matches_its_pytorch_twin(generator, diagonal):
     """Both forms of a diagonal sub-block: factored (mild decays) and walked row by row (strong
-    decays; everywhere with a bound of 0), mixed within one program."""
+    decays; everywhere with a bound of 0), mixed within one chunk."""
     from deltalab.ops.delta_rule.chunk import intra_chunk
     from deltalab.ops.delta_rule.triton.intra import (
         DIAGONAL_FACTOR_BOUND,

@@ -38,7 +38,14 @@ def _compile_for_hopper(kernel, pointers, scalars, constants, options):
 def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chunk):
     from deltalab.ops.delta_rule.triton import chunk as state_pass
     from deltalab.ops.delta_rule.triton import factors, intra, solve
-    from deltalab.ops.delta_rule.triton.intra import BLOCK_KD, SUB_BLOCK, key_block
+    from deltalab.ops.delta_rule.triton.intra import (
+        BLOCK_KD,
+        DIAGONAL_FACTOR_BOUND,
+        INTRA_BLOCK_KD,
+        INTRA_LAUNCH,
+        SUB_BLOCK,
+        key_block,
+    )
 
     block_k = key_block(key_dim)
     for precision in ("ieee", "tf32"):
@@ -52,11 +59,14 @@ def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chu
         # Both decay layouts over the cases: one log decay per head at K = 3.
         g_head = {"G_HEAD": key_dim == 3}
         per_chunk = dict(K=key_dim, C=chunk, BKD=block_kd, **g_head)
+        # Stage 1 with its own launch, channel block and factored-diagonal bound.
+        stage_1 = {**shape, **g_head, "BOUND": DIAGONAL_FACTOR_BOUND}
+        intra_kd = min(INTRA_BLOCK_KD, block_k)
         kernels = [
             (state_pass._state_pass_fwd, 11, {**launch, "HAS_INITIAL": True}, options),
             (state_pass._state_pass_bwd, 10, {**launch, "HAS_D_FINAL": True}, options),
-            (intra._intra_fwd, 6, {**shape, "BK": block_k, **g_head}, intra.LAUNCH),
-            (intra._intra_bwd, 9, {**shape, "BKD": block_kd, **g_head}, intra.LAUNCH),
+            (intra._intra_fwd, 6, {**stage_1, "BK": block_k}, INTRA_LAUNCH),
+            (intra._intra_bwd, 9, {**stage_1, "BKD": intra_kd}, INTRA_LAUNCH),
             (solve._solve_fwd, 3, columns, intra.LAUNCH),
             (solve._solve_bwd, 4, {**columns, "TOKENS": True}, intra.LAUNCH),
             (solve._lower_grad, 5, {**shape, "V": key_dim, "BK": block_n, "BV": block_n},

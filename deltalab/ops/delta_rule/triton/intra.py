@@ -32,8 +32,10 @@ sub-block whose decays are mild takes the factored form instead, two tensor-core
 
 taken only when every |c| of the sub-block (every channel of the program) is below
 `DIAGONAL_FACTOR_BOUND` = 40, a runtime test per sub-block. Then no factor exceeds e^40 ~ 2e17
-(float32 holds 3e38, with room for |a| |b| K), c's rounding costs at most 40 * 2^-24 ~ 2e-6
-relative on a factor, and the masked pairs s > t are finite before they are zeroed. A sub-block
+(float32 holds 3e38, with room for |a| |b| K), and the masked pairs s > t are finite before they
+are zeroed. The price is precision: c_t and c_s are rounded separately, each a running sum of up
+to 16 log decays that reaches up to 40 in magnitude, so a factor is off by up to ~1e-5 relative (the walk: ~1e-7),
+far below the TF32 products' 1e-3 that bf16 inputs get anyway. A sub-block
 with stronger decays (a mean log decay below -2.5 per token, or a reset at -inf) keeps the exact
 walk, so the stability argument above holds everywhere.
 
