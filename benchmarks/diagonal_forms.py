@@ -1,0 +1,98 @@
+"""How often the Triton stage 1 would walk a diagonal sub-block, on a model's real log decays.
+
+    python benchmarks/diagonal_forms.py --preset 340M --mixers gdn2 muir kdn_diag   # at init
+    python benchmarks/diagonal_forms.py --checkpoint runs/my_run/model               # trained
+
+A diagonal sub-block (16 tokens, one sequence and head) takes the factored form, two matrix
+products, when every |cumulative log decay| inside it is below `DIAGONAL_FACTOR_BOUND`, over all
+channels; otherwise the serial row walk (`deltalab/ops/delta_rule/triton/intra.py`). This runs
+the model on CPU over random token ids, reads each delta layer's log decays `g` through its gate
+hook, and prints per layer the fraction of sub-blocks that would be walked and the largest
+depth max|c|. It times nothing (docs/RESULTS.md has the timings of both forms).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from deltalab.layers.common import DeltaMixer
+from deltalab.ops.delta_rule.triton.intra import DIAGONAL_FACTOR_BOUND, SUB_BLOCK
+
+
+def sub_block_depths(g: torch.Tensor) -> torch.Tensor:
+    """max over channels of |sum of g| per full 16-token sub-block: [B, n, H] of g [B, T, H(, K)].
+    g <= 0, so the cumulative sum is deepest at the sub-block's end."""
+    g = g.float() if g.dim() == 4 else g.float()[..., None]
+    full = g.shape[1] // SUB_BLOCK * SUB_BLOCK
+    return g[:, :full].unflatten(1, (-1, SUB_BLOCK)).sum(2).abs().amax(-1)
+
+
+def measure(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, tuple[float, float]]:
+    """Per delta layer: (fraction of sub-blocks walked, largest depth)."""
+    found: dict[str, tuple[float, float]] = {}
+    handles = []
+    for name, layer in model.named_modules():
+        if not isinstance(layer, DeltaMixer):
+            continue
+
+        def record(gates: dict[str, torch.Tensor], name: str = name) -> dict[str, torch.Tensor]:
+            if "g" in gates:
+                depth = sub_block_depths(gates["g"].detach())
+                walked = (depth >= DIAGONAL_FACTOR_BOUND).float().mean().item()
+                found[name] = (walked, depth.max().item())
+            return gates
+
+        handles.append(layer.register_gate_hook(record))
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="340M")
+    parser.add_argument("--mixers", nargs="+", default=["gdn2", "muir", "kdn_diag"])
+    parser.add_argument("--checkpoint", nargs="+", default=None, help="saved model directories")
+    parser.add_argument("--num-layers", type=int, default=4, help="of a preset (init only)")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    from deltalab.models import CausalLM, build_config
+
+    torch.manual_seed(args.seed)
+    models = []
+    if args.checkpoint:
+        models = [
+            (path, lambda path=path: CausalLM.from_pretrained(path)) for path in args.checkpoint
+        ]
+    else:
+        models = [
+            (
+                f"{args.preset} {mixer} (init, {args.num_layers} layers)",
+                lambda mixer=mixer: CausalLM(
+                    build_config(args.preset, mixer=mixer, num_layers=args.num_layers)
+                ),
+            )
+            for mixer in args.mixers
+        ]
+    print(f"bound {DIAGONAL_FACTOR_BOUND}, sub-blocks of {SUB_BLOCK} tokens, "
+          f"{args.batch} x {args.seq_len} random token ids")  # fmt: skip
+    for label, build in models:
+        model = build().eval()
+        ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len))
+        found = measure(model, ids)
+        walked = " ".join(f"{w:.2f}" for w, _ in found.values())
+        depth = " ".join(f"{d:.0f}" for _, d in found.values())
+        print(f"{label}\n  walked fraction per layer: {walked}\n  largest depth per layer: {depth}")
+
+
+if __name__ == "__main__":
+    main()
