@@ -209,10 +209,11 @@ def time_case(fn, inputs, names, repeats, device):
     return median_seconds(forward, repeats) * 1e3, median_seconds(train, repeats) * 1e3, math.nan
 
 
-def timings(device, shapes, chunk_sizes, repeats, with_chunk_backend, only):
+def timings(device, shapes, chunk_sizes, repeats, with_chunk_backend, only, gmax=1.0):
     rows = []
     for shape in shapes:
-        inputs = draw_inputs(*shape, device, torch.bfloat16 if device == "cuda" else torch.float32)
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        inputs = draw_inputs(*shape, device, dtype, gmax=gmax)
         cases = {}
         for chunk in chunk_sizes:
             cases.update({f"{k}_c{chunk}": v for k, v in forms("triton", chunk).items()})
@@ -233,7 +234,7 @@ def timings(device, shapes, chunk_sizes, repeats, with_chunk_backend, only):
                 fwd = train = peak = math.nan
             torch.cuda.empty_cache() if device == "cuda" else None
             rows.append(
-                {"shape": "x".join(map(str, shape)), "case": name, "fwd_ms": fwd,
+                {"shape": "x".join(map(str, shape)), "case": name, "gmax": gmax, "fwd_ms": fwd,
                  "train_ms": train, "peak_gib": peak}
             )  # fmt: skip
             print(f"{rows[-1]}", file=sys.stderr, flush=True)
@@ -323,6 +324,12 @@ def main() -> None:
     parser.add_argument(
         "--shapes", nargs="+", default=None, help="timed shapes as BxTxHxD (default: both)"
     )
+    parser.add_argument(
+        "--gmax", type=float, default=1.0,
+        help="timed log decays uniform in [-gmax, 0]; 1 keeps every diagonal sub-block of the\n"
+        "Triton stage 1 factored, 5-10 sends many to the walk, as trained gates do\n"
+        "(benchmarks/diagonal_forms.py)",
+    )  # fmt: skip
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.tiny:
@@ -353,7 +360,9 @@ def main() -> None:
         print_records(result["stages"])
     if "time" in args.parts:
         rows = add_ratios(
-            timings(device, shapes, args.chunk_sizes, 3, args.with_chunk_backend, args.only)
+            timings(
+                device, shapes, args.chunk_sizes, 3, args.with_chunk_backend, args.only, args.gmax
+            )
         )
         result["time"] = rows
         print_records(rows)

@@ -3,12 +3,14 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Writes each part's output and JSON under $OUT (or ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests time prof stability train decode kdn tune
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests time prof stability train decode kdn tune time_deep
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
 # and they are installed first. Budget the call: tests 150 s, time 300 s,
-# prof 90 s, stability 240 s, train 300 s, decode 200 s, kdn 120 s, tune 180 s.
+# prof 90 s, stability 240 s, train 300 s, decode 200 s, kdn 120 s, tune 180 s, time_deep
+# 120 s (log decays down to -8 per token: stage 1 walks most diagonal sub-blocks, as on trained
+# gates; benchmarks/diagonal_forms.py).
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -38,6 +40,8 @@ for p in "${parts[@]}"; do
     time) part time 300 python3 benchmarks/bench_triton.py --parts time \
         --only kda_c64 gdn2_c64 gdn_c64 kdn_iso_c64 kdn_diag_c64 kda_c128 fla sdpa \
         --out "$OUT/time.json" ;;
+    time_deep) part time_deep 120 python3 benchmarks/bench_triton.py --parts time --gmax 8 \
+        --shapes 4x4096x16x128 --only kda_c64 gdn2_c64 kdn_diag_c64 --out "$OUT/time_deep.json" ;;
     prof) part prof 90 python3 benchmarks/profile_triton.py --forms kda_c64 fla_kda \
         --out "$OUT/prof.json" ;;
     stability) part stability 240 python3 benchmarks/bench_triton.py --parts stability \
@@ -49,6 +53,6 @@ for p in "${parts[@]}"; do
     decode) part decode 200 python3 benchmarks/bench_decode_gpu.py --out "$OUT/decode.json" ;;
     kdn) part kdn 120 python3 benchmarks/bench_kdn_triton.py --out "$OUT/kdn.json" ;;
     tune) part tune 180 python3 benchmarks/tune_triton.py --out "$OUT/tune.json" ;;
-    *) echo "unknown part: $p (tests time prof stability train decode kdn tune)"; exit 2 ;;
+    *) echo "unknown part: $p (tests time prof stability train decode kdn tune time_deep)"; exit 2 ;;
     esac
 done
