@@ -510,3 +510,27 @@ def test_report_mean_refuses_unknown_kind():
     assert report.mean("loss") == {"g": 2.0}
     with pytest.raises(ValueError, match="kind"):
         report.mean("memory")
+
+
+@torch.no_grad()
+def test_probes_run_triton_layers_on_the_chunk_path_and_restore_their_backend(generator):
+    """Forward-mode AD cannot go through the Triton kernels (their autograd Functions define no
+    jvp): a model built for the Triton backend is probed on the chunk path, gives the chunk
+    path's numbers, and keeps its backend."""
+    batch = torch.randint(0, 256, (2, 12), generator=generator)
+
+    def report_for(backend: str) -> SensitivityReport:
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            config = build_config("tiny", mixer="gdn2", num_layers=2, backend=backend)
+            model = CausalLM(config).eval()
+        report = gate_sensitivity(
+            model, batch, probes=1, loss_fn=lambda m, b: m(input_ids=b, labels=b).loss
+        )
+        assert {m.backend for m in model.modules() if isinstance(m, DeltaMixer)} == {backend}
+        return report
+
+    triton, chunk = report_for("triton"), report_for("chunk")
+    for kind in ("state", "loss"):
+        for layer, values in getattr(chunk, kind).items():
+            assert getattr(triton, kind)[layer] == pytest.approx(values, rel=1e-6)

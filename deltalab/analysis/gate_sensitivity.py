@@ -288,6 +288,30 @@ def _probe(
     return state_sq / tokens, loss_sq / tokens
 
 
+@contextlib.contextmanager
+def _forward_mode_paths(model: nn.Module) -> Iterator[None]:
+    """Runs every delta-rule layer of `model` on a path that forward-mode AD can go through.
+
+    A probe's tangent flows from the perturbed gate through every later layer, and forward-mode
+    AD needs each autograd Function on the way to define a jvp. The PyTorch paths ("chunk",
+    "naive") are built from torch ops and have them; the Triton kernels' Functions define only
+    a backward. So layers whose backend is "auto" or "triton" run the chunk path (and its
+    parallel variance scan) while the probes run, and get their backend back afterwards, also
+    after an error. The numbers agree up to rounding: both paths compute one function."""
+    switched = [
+        (layer, layer.backend)
+        for layer in model.modules()
+        if isinstance(layer, DeltaMixer) and layer.backend not in ("chunk", "naive")
+    ]
+    for layer, _ in switched:
+        layer.backend = "chunk"
+    try:
+        yield
+    finally:
+        for layer, backend in switched:
+            layer.backend = backend
+
+
 def gate_sensitivity(
     model: nn.Module,
     batch: Any,
@@ -316,30 +340,33 @@ def gate_sensitivity(
 
     Returns a `SensitivityReport`: the numbers of the module docstring per layer and gate. A
     layer called more than once per loss is perturbed in every call; its memory is the last
-    call's and the tokens are counted over all calls. The model is run as is (train/eval mode).
+    call's and the tokens are counted over all calls. The model is run as is (train/eval mode),
+    its delta-rule layers on the PyTorch chunk path (`_forward_mode_paths`: the Triton kernels
+    define no forward-mode derivative).
     """
     loss_fn = _default_loss if loss_fn is None else loss_fn
     probes = require_positive_int("probes", probes)
     chosen_layers = _delta_layers(model, layers)
-    names = _gate_names(model, batch, loss_fn, chosen_layers)
     generator = torch.Generator().manual_seed(seed)
     state: dict[str, dict[str, float]] = {}
     loss: dict[str, dict[str, float]] = {}
-    for layer_name, layer in chosen_layers:
-        chosen = [g for g in names[layer_name] if gates is None or g in gates]
-        if not chosen:
-            continue
-        state[layer_name], loss[layer_name] = {}, {}
-        for gate in chosen:
+    with _forward_mode_paths(model):
+        names = _gate_names(model, batch, loss_fn, chosen_layers)
+        for layer_name, layer in chosen_layers:
+            chosen = [g for g in names[layer_name] if gates is None or g in gates]
+            if not chosen:
+                continue
+            state[layer_name], loss[layer_name] = {}, {}
+            for gate in chosen:
 
-            def draw(value: torch.Tensor, layer_name=layer_name, gate=gate) -> torch.Tensor:
-                if direction is None:
-                    return unit_directions(value, generator)
-                return direction(layer_name, gate, value)
+                def draw(value: torch.Tensor, layer_name=layer_name, gate=gate) -> torch.Tensor:
+                    if direction is None:
+                        return unit_directions(value, generator)
+                    return direction(layer_name, gate, value)
 
-            results = [_probe(model, batch, loss_fn, layer, gate, draw) for _ in range(probes)]
-            state[layer_name][gate] = math.sqrt(sum(r[0] for r in results) / probes)
-            loss[layer_name][gate] = math.sqrt(sum(r[1] for r in results) / probes)
+                results = [_probe(model, batch, loss_fn, layer, gate, draw) for _ in range(probes)]
+                state[layer_name][gate] = math.sqrt(sum(r[0] for r in results) / probes)
+                loss[layer_name][gate] = math.sqrt(sum(r[1] for r in results) / probes)
     return SensitivityReport(state=state, loss=loss, probes=probes)
 
 
