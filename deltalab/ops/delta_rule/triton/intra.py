@@ -35,9 +35,9 @@ inputs get anyway.
 
 The tree form, for every other sub-block (a mean log decay below -2.5 per token, or a reset at
 -inf): a pair s < t is split at the level W in (8, 4, 2, 1) of the binary tree over the 16
-tokens where the two part, the highest power of two in which s and t differ. There s is in the
-left half and t in the right half of one aligned block of 2W tokens; with p the first token of
-that right half,
+tokens where the two part, the highest power of two in which their positions in the sub-block
+differ. There s is in the left half and t in the right half of one aligned block of 2W tokens;
+with p the first token of that right half,
 
     exp(G_t - G_s) = exp(sum_{s < j < p} g_j) * exp(sum_{p <= j <= t} g_j) = S_W[s] * R_W[t],
 
