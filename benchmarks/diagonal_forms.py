@@ -1,16 +1,14 @@
-"""How often the Triton stage 1 takes a diagonal sub-block's tree form, on a model's log decays.
+"""How often the Triton stage 1 would walk a diagonal sub-block, on a model's real log decays.
 
     python benchmarks/diagonal_forms.py --preset 340M --mixers gdn2 muir kdn_diag   # at init
     python benchmarks/diagonal_forms.py --checkpoint runs/my_run/model               # trained
 
 A diagonal sub-block (16 tokens, one sequence and head) takes the factored form, two matrix
 products, when every |cumulative log decay| inside it is below `DIAGONAL_FACTOR_BOUND`, over all
-channels; otherwise the tree-factored form, exact for any decay but four times the products
-(`deltalab/ops/delta_rule/triton/intra.py`). This runs the model on CPU over random token ids,
-reads each delta layer's log decays `g` through its gate hook, and prints per layer the fraction
-of sub-blocks that take the tree form instead of the factored one, and the largest depth max|c|.
-It times nothing (docs/RESULTS.md has timings; those before the tree form are of the row walk it
-replaced).
+channels; otherwise the serial row walk (`deltalab/ops/delta_rule/triton/intra.py`). This runs
+the model on CPU over random token ids, reads each delta layer's log decays `g` through its gate
+hook, and prints per layer the fraction of sub-blocks that would be walked and the largest
+depth max|c|. It times nothing (docs/RESULTS.md has the timings of both forms).
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ def sub_block_depths(g: torch.Tensor) -> torch.Tensor:
 
 
 def measure(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, tuple[float, float]]:
-    """Per delta layer: (fraction of sub-blocks in the tree form, largest depth)."""
+    """Per delta layer: (fraction of sub-blocks walked, largest depth)."""
     found: dict[str, tuple[float, float]] = {}
     handles = []
     for name, layer in model.named_modules():
@@ -42,8 +40,8 @@ def measure(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, tuple[float,
         def record(gates: dict[str, torch.Tensor], name: str = name) -> dict[str, torch.Tensor]:
             if "g" in gates:
                 depth = sub_block_depths(gates["g"].detach())
-                tree = (depth >= DIAGONAL_FACTOR_BOUND).float().mean().item()
-                found[name] = (tree, depth.max().item())
+                walked = (depth >= DIAGONAL_FACTOR_BOUND).float().mean().item()
+                found[name] = (walked, depth.max().item())
             return gates
 
         handles.append(layer.register_gate_hook(record))
@@ -91,9 +89,9 @@ def main() -> None:
         model = build().eval()
         ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len))
         found = measure(model, ids)
-        tree = " ".join(f"{w:.2f}" for w, _ in found.values())
+        walked = " ".join(f"{w:.2f}" for w, _ in found.values())
         depth = " ".join(f"{d:.0f}" for _, d in found.values())
-        print(f"{label}\n  tree fraction per layer: {tree}\n  largest depth per layer: {depth}")
+        print(f"{label}\n  walked fraction per layer: {walked}\n  largest depth per layer: {depth}")
 
 
 if __name__ == "__main__":

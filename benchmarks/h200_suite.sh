@@ -9,8 +9,8 @@
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
 # and they are installed first. Budget the call: tests 150 s, time 300 s,
 # prof 90 s, stability 240 s, train 300 s, decode 200 s, kdn 120 s, tune 180 s, time_deep
-# 120 s (log decays down to -8 per token: stage 1 takes the tree form for most diagonal
-# sub-blocks, as on trained gates; benchmarks/diagonal_forms.py).
+# 120 s (log decays down to -8 per token: stage 1 walks most diagonal sub-blocks, as on trained
+# gates; benchmarks/diagonal_forms.py).
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"

@@ -1,5 +1,4 @@
-"""benchmarks/diagonal_forms.py: which diagonal sub-blocks the Triton stage 1 takes in the tree
-form instead of the factored one."""
+"""benchmarks/diagonal_forms.py: which diagonal sub-blocks the Triton stage 1 would walk."""
 
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ def test_depth_is_the_deepest_channel_of_each_full_sub_block():
     assert diagonal_forms.sub_block_depths(g[..., 1]).flatten().tolist() == [0.0, 48.0]
 
 
-def test_a_model_takes_the_tree_form_only_where_its_decays_pass_the_bound():
+def test_a_model_walks_only_where_its_decays_pass_the_bound():
     from deltalab.models import CausalLM, build_config
 
     torch.manual_seed(0)
@@ -35,10 +34,10 @@ def test_a_model_takes_the_tree_form_only_where_its_decays_pass_the_bound():
     ids = torch.randint(0, 256, (1, 4 * SUB_BLOCK))
     mild = diagonal_forms.measure(model, ids)
     assert len(mild) == 2 and all(depth < DIAGONAL_FACTOR_BOUND for _, depth in mild.values())
-    assert all(tree == 0.0 for tree, _ in mild.values())
+    assert all(walked == 0.0 for walked, _ in mild.values())
     with torch.no_grad():  # decay rates e^6 ~ 400 times larger: every sub-block goes deep
         for module in model.modules():
             if hasattr(module, "A_log"):
                 module.A_log += 6.0
     strong = diagonal_forms.measure(model, ids)
-    assert all(tree == 1.0 for tree, _ in strong.values())
+    assert all(walked == 1.0 for walked, _ in strong.values())

@@ -18,39 +18,26 @@ sub-block J the factor splits at the start of I:
 
 the row factor a cumulative sum inside I, the column factor a reverse cumulative sum inside J
 (from the token after s) plus the totals of the sub-blocks strictly between, accumulated as sums.
-Inside a diagonal sub-block there is no single split point; it takes one of two forms, both
-made of tensor-core products, chosen per sub-block at run time.
+Inside a diagonal sub-block the factors are pairwise: the rows t are walked in order with the
+segment sums sum_{s < j <= t} g_j of every column s in a [BT, channels] tile, each row's from
+the previous row's plus g_t (`_next_segment`): exact running sums, no cumulative scan over a
+three-dimensional tile (which spilled registers and cost most of the kernel's time). Every exponent is a sum of log decays, so g = -inf (a full reset) gives
+exact zeros and strong decays mixed with weak ones keep float32 precision.
 
-The factored form, for mild decays: with c the cumulative sum of g inside the sub-block,
+That walk is serial (16 dependent steps per sub-block) and cost most of the stage's time on an
+H200 (0.6 of 1.1 ms forward, 2.9 of 3.8 ms adjoint, B=4 T=4096 H=16 K=128). So a diagonal
+sub-block whose decays are mild takes the factored form instead, two tensor-core products:
 
-    exp(G_t - G_s) = exp(c_t) * exp(-c_s),
+    exp(G_t - G_s) = exp(c_t) * exp(-c_s),   c the cumulative sum of g inside the sub-block,
 
-one product for L and one for M. exp(-c_s) has a positive exponent, so this form is taken only
-when every |c| of the sub-block (every channel of the program) is below `DIAGONAL_FACTOR_BOUND`
-= 40. Then no factor exceeds e^40 ~ 2e17 (float32 holds 3e38, with room for |a| |b| K), and the
-masked pairs s > t are finite before they are zeroed. It costs precision: c_t and c_s are
-rounded separately, each a running sum of up to 16 log decays reaching up to 40 in magnitude,
-so a factor is off by up to ~1e-5 relative, far below the 1e-3 of the TF32 products that bf16
-inputs get anyway.
-
-The tree form, for every other sub-block (a mean log decay below -2.5 per token, or a reset at
--inf): a pair s < t is split at the level W in (8, 4, 2, 1) of the binary tree over the 16
-tokens where the two part, the highest power of two in which their positions in the sub-block
-differ. There s is in the left half and t in the right half of one aligned block of 2W tokens;
-with p the first token of that right half,
-
-    exp(G_t - G_s) = exp(sum_{s < j < p} g_j) * exp(sum_{p <= j <= t} g_j) = S_W[s] * R_W[t],
-
-S_W a reverse cumulative sum inside s's W-block (from the token after s), R_W a cumulative sum
-inside t's. Both add at most W <= 8 log decays and subtract nothing, so each factor is in
-[0, 1], a reset gives exact zeros, and the rounding stays at float32's ~1e-7 relative, as for
-the pairs across sub-blocks. Each level is one product for L and one for M, masked to the
-level's pairs (`_tree_pairs`), and M's own diagonal s = t (factor 1) is a row sum: four products
-per 16 x 16 tile where the factored form needs one, which is why the factored form is kept for
-mild sub-blocks. The tree replaced a serial walk over the 16 rows (exact running sums, 16
-dependent steps), which cost most of the stage's time on an H200 (0.6 of 1.1 ms forward, 2.9 of
-3.8 ms adjoint, B=4 T=4096 H=16 K=128, docs/RESULTS.md); the tree itself has not been timed on a
-GPU yet.
+taken only when every |c| of the sub-block (every channel of the program) is below
+`DIAGONAL_FACTOR_BOUND` = 40, a runtime test per sub-block. Then no factor exceeds e^40 ~ 2e17
+(float32 holds 3e38, with room for |a| |b| K), and the masked pairs s > t are finite before they
+are zeroed. The price is precision: c_t and c_s are rounded separately, each a running sum of up
+to 16 log decays that reaches up to 40 in magnitude, so a factor is off by up to ~1e-5 relative (the walk: ~1e-7),
+far below the TF32 products' 1e-3 that bf16 inputs get anyway. A sub-block
+with stronger decays (a mean log decay below -2.5 per token, or a reset at -inf) keeps the exact
+walk, so the stability argument above holds everywhere.
 
 Adjoint: with c_tsk the contribution of one (t, s, k) term,
     dq_t = sum_s dM_ts a_s * f_ts,   db_t = sum_s dL_ts a_s * f_ts,
@@ -58,8 +45,6 @@ Adjoint: with c_tsk the contribution of one (t, s, k) term,
 and since d f_ts / d g_j = f_ts for s < j <= t,
     dg_j = sum_{t >= j} (q_t dq_t + b_t db_t) - sum_{s >= j} a_s da_s   (per channel, in the chunk),
 a reverse cumulative sum: every pair (t, s) with s, t >= j appears in both sums and cancels.
-In the tree form f_ts = S_W[s] R_W[t] per level, so dq and db of the rows are R_W times a product
-with the S_W-scaled a, and da of the columns S_W times products with the R_W-scaled q and b.
 """
 
 from __future__ import annotations
@@ -72,13 +57,13 @@ import triton.language as tl
 
 from deltalab.ops.delta_rule.chunk import padded_chunk_size
 
-# Tokens per sub-block: the smallest tile of a tensor-core product, and the leaves of the binary
-# tree (four levels) that splits a diagonal sub-block's pairs.
+# Tokens per sub-block: the smallest tile of a tensor-core product, and the number of rows a
+# diagonal sub-block walks one at a time.
 SUB_BLOCK = 16
 # Channels per program of the adjoint.
 BLOCK_KD = 32
 # Largest |cumulative log decay| inside a diagonal sub-block for which it is factored (module
-# docstring); 0 forces the tree everywhere (the tests run both).
+# docstring); 0 forces the walk everywhere (the tests run both).
 DIAGONAL_FACTOR_BOUND = 40.0
 # One pipeline stage: the loops are short and their tiles change every iteration.
 LAUNCH = {"num_warps": 4, "num_stages": 1}
@@ -151,6 +136,15 @@ def _load_rows(x, rows, rs, cols, cs, valid, mk):
     return tl.load(x + rows[:, None] * rs + cols[None, :] * cs, mask=mask, other=0.0).to(tl.float32)
 
 
+@triton.jit
+def _load_row(x, row, rs, cols, cs, valid, mk):
+    """x[row, cols] as float32, zero past the chunk's tokens and K."""
+    # The row test is made a vector: Triton's interpreter refuses a vector mask and'ed with a
+    # scalar one (compiled, both are the same predicate).
+    present = mk & ((cols * 0 + row) < valid)
+    return tl.load(x + row * rs + cols * cs, mask=present, other=0.0).to(tl.float32)
+
+
 def key_block(key_dim: int) -> int:
     """K padded to a power of two of at least 16 (tl.dot needs an inner dimension of 8 or more
     on NVIDIA GPUs; 16 fills a tensor-core tile). The padded channels are masked to zero."""
@@ -158,100 +152,60 @@ def key_block(key_dim: int) -> int:
 
 
 @triton.jit
-def _tree_pairs(rt, W: tl.constexpr):
-    """[BT(t), BT(s)]: the pairs s < t that split at level W of the binary tree over the
-    sub-block, s in the left half and t in the right half of one aligned block of 2W tokens."""
-    return (rt[:, None] // W == rt[None, :] // W + 1) & (rt // W % 2 == 0)[None, :]
+def _next_segment(seg, g, row, rt, rk, mk, t, grs, gcs, valid):
+    """Row t's segment sums sum_{s < j <= t} g_j over the sub-block's columns s: [BT(s), BK].
+
+    Built from row t - 1's by adding g_t (s < t), 0 at s = t, -inf above (s > t): a running sum,
+    never a difference, so g = -inf gives exact zeros and no exponent is positive."""
+    g_t = _load_row(g, row, grs, rk, gcs, valid, mk)
+    return tl.where(rt[:, None] == t, 0.0, seg + g_t[None, :])
 
 
 @triton.jit
-def _tree_factor(g, rows, rt, rk, mk, grs, gcs, valid, W: tl.constexpr, BT: tl.constexpr,
-                 BK: tl.constexpr):  # fmt: skip
-    """Level W's factors of diagonal sub-block `rows`, one [BT, BK] tile. In each aligned block
-    of 2W tokens, its right half starting at p, a token t of the right half gets
-    R[t] = exp(sum_{p <= j <= t} g_j) and a token s of the left half S[s] = exp(sum_{s < j < p}
-    g_j), so that a pair split at level W has exp(G_t - G_s) = S[s] * R[t] (module docstring).
-    `_tree_pairs` keeps only those pairs (t right, s left), so one tile serves both sides of
-    the product.
-
-    Both are cumulative sums of at most W <= 8 log decays inside the 2W-block (R forward over the
-    right half, S backward over the left half from the token after s), taken on the tile
-    reshaped to [BT // (2W), 2W, BK]: sums, never differences, so the factor is in [0, 1] and
-    g = -inf gives an exact 0 (exp(-inf)), never a NaN."""
-    right = (rt // W % 2 == 1)[:, None]
-    # R: g on the right halves, 0 on the left ones, summed forward.
-    g_r = tl.where(right, _load_rows(g, rows + rt, grs, rk, gcs, valid, mk), 0.0)
-    up_to = tl.cumsum(tl.reshape(g_r, [BT // (2 * W), 2 * W, BK]), axis=1)
-    # S: g of the token after s on the left halves but their last rows (nothing lies between
-    # the last left token and p), 0 on the right halves, summed backward.
-    after_s = (rt // W % 2 == 0) & (rt % W != W - 1)
-    g_s = tl.where(after_s[:, None], _load_rows(g, rows + rt + 1, grs, rk, gcs, valid, mk), 0.0)
-    after = tl.cumsum(tl.reshape(g_s, [BT // (2 * W), 2 * W, BK]), axis=1, reverse=True)
-    return tl.exp(tl.where(right, tl.reshape(up_to, [BT, BK]), tl.reshape(after, [BT, BK])))
-
-
-@triton.jit
-def _diag_tree_fwd(q, a, b, g, rows, rs, grs, gcs, valid, scale, K: tl.constexpr,
-                   BK: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    """L and M [BT, BT] of diagonal sub-block `rows` in the tree-factored form: one product
-    per level W = 8, 4, 2, 1 for each, masked to the level's pairs, and M's own diagonal
-    (s = t, factor 1) as a row sum."""
-    tl.static_assert(BT == 16, "the tree has the four levels of a 16-token sub-block")
+def _diag_fwd(q, a, b, g, lower, attend, rows, rs, grs, gcs, valid, scale, K: tl.constexpr,
+              C: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr):  # fmt: skip
+    """L and M of diagonal sub-block `rows`, one row t at a time with exact pairwise factors."""
     rt = tl.arange(0, BT)
     rk = tl.arange(0, BK)
     mk = rk < K
     a_d = _load_rows(a, rows + rt, rs, rk, 1, valid, mk)
-    b_d = _load_rows(b, rows + rt, rs, rk, 1, valid, mk)
-    q_d = _load_rows(q, rows + rt, rs, rk, 1, valid, mk) * scale
-    l_dd = tl.zeros([BT, BT], dtype=tl.float32)
-    m_dd = tl.where(rt[:, None] == rt[None, :], tl.sum(q_d * a_d, axis=1)[:, None], 0.0)
-    # W = BT >> level = 8, 4, 2, 1, written out at each use (a name for it would not stay a
-    # compile-time constant through the unrolled loop).
-    for level in tl.static_range(1, 5):
-        f = _tree_factor(g, rows, rt, rk, mk, grs, gcs, valid, BT >> level, BT, BK)
-        a_s = tl.trans(a_d * f)
-        # Every factor is in [0, 1], so the products are finite on the pairs the mask drops.
-        pairs = _tree_pairs(rt, BT >> level)
-        l_dd += tl.where(pairs, tl.dot(b_d * f, a_s, input_precision=PRECISION), 0.0)
-        m_dd += tl.where(pairs, tl.dot(q_d * f, a_s, input_precision=PRECISION), 0.0)
-    return l_dd, m_dd
+    seg = tl.full([BT, BK], float("-inf"), dtype=tl.float32)
+    for t in range(BT):
+        row = rows + t
+        seg = _next_segment(seg, g, row, rt, rk, mk, t, grs, gcs, valid)
+        a_f = tl.exp(seg) * a_d
+        b_t = _load_row(b, row, rs, rk, 1, valid, mk)
+        q_t = _load_row(q, row, rs, rk, 1, valid, mk) * scale
+        l_t = tl.where(rt < t, tl.sum(a_f * b_t[None, :], axis=1), 0.0)
+        m_t = tl.sum(a_f * q_t[None, :], axis=1)
+        tl.store(lower + row * C + rows + rt, l_t)
+        tl.store(attend + row * C + rows + rt, m_t)
 
 
 @triton.jit
-def _diag_tree_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, grs, gcs, valid, scale,
-                   dq_i, db_i, C: tl.constexpr, BKD: tl.constexpr, BT: tl.constexpr,
-                   PRECISION: tl.constexpr):  # fmt: skip
-    """The adjoint of `_diag_tree_fwd` for channels rkd: the diagonal sub-block's share added
-    to dq_i, db_i [BT, BKD] (its rows), and its share of da [BT, BKD] (its columns)."""
-    tl.static_assert(BT == 16, "the tree has the four levels of a 16-token sub-block")
+def _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, grs, gcs, valid, scale,
+              C: tl.constexpr, BKD: tl.constexpr, BT: tl.constexpr):  # fmt: skip
+    """The diagonal sub-block's share of (dq, db, da) [BT, BKD] for channels rkd."""
     rt = tl.arange(0, BT)
     a_d = _load_rows(a, rows + rt, rs, rkd, 1, valid, mkd)
-    b_d = _load_rows(b, rows + rt, rs, rkd, 1, valid, mkd)
-    q_d = _load_rows(q, rows + rt, rs, rkd, 1, valid, mkd) * scale
-    tile = rows * C + rows + rt[:, None] * C + rt[None, :]
-    # Read whole, used only through the masks below (where, not a product: whatever lies above
-    # the diagonal is never read into a sum).
-    dm = tl.load(d_attend + tile)
-    dl = tl.load(d_lower + tile)
-    dm_tt = tl.sum(tl.where(rt[:, None] == rt[None, :], dm, 0.0), axis=1)[:, None]
-    dq_i += dm_tt * a_d
-    da_d = dm_tt * q_d
-    # W = BT >> level = 8, 4, 2, 1, written out at each use (a name for it would not stay a
-    # compile-time constant through the unrolled loop).
-    for level in tl.static_range(1, 5):
-        f = _tree_factor(g, rows, rt, rkd, mkd, grs, gcs, valid, BT >> level, BT, BKD)
-        pairs = _tree_pairs(rt, BT >> level)
-        dm_w = tl.where(pairs, dm, 0.0)
-        dl_w = tl.where(pairs, dl, 0.0)
-        # The rows of dm_w, dl_w are zero outside right halves and their columns outside left
-        # halves, so f is R where it scales a row t and S where it scales a column s.
-        a_s = a_d * f
-        dq_i += f * tl.dot(dm_w, a_s, input_precision=PRECISION)
-        db_i += f * tl.dot(dl_w, a_s, input_precision=PRECISION)
-        part = tl.dot(tl.trans(dm_w), q_d * f, input_precision=PRECISION)
-        part += tl.dot(tl.trans(dl_w), b_d * f, input_precision=PRECISION)
-        da_d += f * part
-    return dq_i, db_i, da_d
+    seg = tl.full([BT, BKD], float("-inf"), dtype=tl.float32)
+    dq_d = tl.zeros([BT, BKD], dtype=tl.float32)
+    db_d = tl.zeros([BT, BKD], dtype=tl.float32)
+    da_d = tl.zeros([BT, BKD], dtype=tl.float32)
+    for t in range(BT):
+        row = rows + t
+        seg = _next_segment(seg, g, row, rt, rkd, mkd, t, grs, gcs, valid)
+        f = tl.exp(seg)
+        dm_t = tl.load(d_attend + row * C + rows + rt, mask=rt <= t, other=0.0)
+        dl_t = tl.load(d_lower + row * C + rows + rt, mask=rt < t, other=0.0)
+        q_t = _load_row(q, row, rs, rkd, 1, valid, mkd) * scale
+        b_t = _load_row(b, row, rs, rkd, 1, valid, mkd)
+        a_f = f * a_d
+        at_t = rt[:, None] == t
+        dq_d = tl.where(at_t, tl.sum(dm_t[:, None] * a_f, axis=0)[None, :], dq_d)
+        db_d = tl.where(at_t, tl.sum(dl_t[:, None] * a_f, axis=0)[None, :], db_d)
+        da_d += (dm_t[:, None] * q_t[None, :] + dl_t[:, None] * b_t[None, :]) * f
+    return dq_d, db_d, da_d
 
 
 @triton.jit
@@ -308,13 +262,11 @@ def _intra_fwd(
         a_i = _load_rows(a, rows + rt, rs, rk, 1, valid, mk) * tl.exp(-cum)
         l_ii = tl.dot(b_i, tl.trans(a_i), input_precision=PRECISION)
         m_ii = tl.dot(q_i, tl.trans(a_i), input_precision=PRECISION)
-        l_ii = tl.where(rt[:, None] > rt[None, :], l_ii, 0.0)
-        m_ii = tl.where(rt[:, None] >= rt[None, :], m_ii, 0.0)
-    else:  # strong decays or a reset: the tree-factored diagonal (docstring)
-        l_ii, m_ii = _diag_tree_fwd(q, a, b, g, rows, rs, grs, gcs, valid, scale, K, BK, BT,
-                                    PRECISION)  # fmt: skip
-    tl.store(lower + rows + tile, l_ii)
-    tl.store(attend + rows + tile, m_ii)
+        tl.store(lower + rows + tile, tl.where(rt[:, None] > rt[None, :], l_ii, 0.0))
+        tl.store(attend + rows + tile, tl.where(rt[:, None] >= rt[None, :], m_ii, 0.0))
+    else:
+        _diag_fwd(q, a, b, g, lower - rows * C, attend - rows * C, rows, rs, grs, gcs, valid,
+                  scale, K, C, BK, BT)  # fmt: skip
     zero = tl.zeros([BT, BT], dtype=tl.float32)
     for j in range(i + 1, C // BT):
         tl.store(lower + j * BT + tile, zero)
@@ -375,10 +327,11 @@ def _intra_bwd(
         acc_a *= col_f
         dq_i = acc_q * row_f
         db_i = acc_b * row_f
-    else:  # strong decays or a reset: the tree-factored diagonal (docstring)
-        dq_i, db_i, acc_a = _diag_tree_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, grs,
-                                           gcs, valid, scale, acc_q * row_f, acc_b * row_f, C,
-                                           BKD, BT, PRECISION)  # fmt: skip
+    else:
+        dq_d, db_d, acc_a = _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, grs,
+                                      gcs, valid, scale, C, BKD, BT)  # fmt: skip
+        dq_i = acc_q * row_f + dq_d
+        db_i = acc_b * row_f + db_d
     # Columns: da of sub-block i from the rows t >= start(i + 1).
     tail = _column_tail(g, rows, rt, rkd, mkd, grs, gcs, valid, BT)
     between = tl.zeros([BKD], dtype=tl.float32)
