@@ -178,6 +178,48 @@ def test_triton_intra_stage_matches_its_pytorch_twin(generator, diagonal):
         assert_close(x.grad, r.grad, F32, f"d{name}")
 
 
+@pytest.mark.parametrize("channel_decay", [False, True], ids=["head_decay", "channel_decay"])
+def test_triton_intra_walk_is_exact_across_resets_and_deep_decays(generator, channel_decay):
+    """Stage 1 alone with the exact diagonal form everywhere (bound 0: the row walk) on
+    sub-blocks that mix resets (g = -inf), deep log decays (-30) and mild ones, where the
+    factored form's exp(-c) would be inf. Every pair across a reset is an exact 0, and L, M and
+    every gradient, dg included, stay finite and within 1e-6 of the float64 twin (running sums
+    of log decays, never differences), where the other tests allow 1e-4."""
+    from deltalab.ops.delta_rule.chunk import intra_chunk
+    from deltalab.ops.delta_rule.triton.intra import intra_chunk_triton
+
+    shape = (1, 2, 1, 32, 20)  # one chunk of two sub-blocks per head
+    q, a, b = (torch.randn(*shape, generator=generator, dtype=torch.float64) for _ in range(3))
+    decay_shape = (*shape[:-1], shape[-1] if channel_decay else 1)
+    g = -0.5 * torch.rand(*decay_shape, generator=generator, dtype=torch.float64)
+    # Resets inside a sub-block (tokens 8, 19) and at a sub-block's first token (16); deep
+    # decays beside them.
+    resets = [8, 16, 19]
+    g[..., resets, :] = -float("inf")
+    g[..., [3, 12, 25], :] = -30.0
+    if channel_decay:  # and a reset of a few channels only
+        g[..., 5, :7] = -float("inf")
+    else:
+        g = g.squeeze(-1)
+    ref = [x.clone().requires_grad_() for x in (q, a, b, g)]
+    lower, attend = intra_chunk(*ref)
+    d_lower, d_attend = torch.randn_like(lower), torch.randn_like(attend)
+    ((lower * d_lower).sum() + (attend * d_attend).sum()).backward()
+    f32 = [x.to(DEVICE, torch.float32).requires_grad_() for x in (q, a, b, g)]
+    lower_t, attend_t = intra_chunk_triton(*f32, factor_bound=0.0)
+    weights = [x.to(DEVICE, torch.float32) for x in (d_lower, d_attend)]
+    ((lower_t * weights[0]).sum() + (attend_t * weights[1]).sum()).backward()
+    token = torch.arange(shape[-2], device=lower_t.device)
+    for r in resets:
+        across = (token[:, None] >= r) & (token[None, :] < r)  # s < r <= t
+        assert (lower_t[..., across] == 0).all() and (attend_t[..., across] == 0).all()
+    exact = 1e-6
+    assert_close(lower_t, lower, exact, "L")
+    assert_close(attend_t, attend, exact, "M")
+    for name, x, r in zip("qabg", f32, ref, strict=True):
+        assert_close(x.grad, r.grad, exact, f"d{name}")  # fails on inf or NaN too
+
+
 def test_triton_solve_stage_and_its_adjoint_match_the_pytorch_inverse(generator, poisoned_empty):
     """Stage 2: (I + L)^-1 R by blockwise substitution, dR = (I + L)^-T dX and dL, against the
     doubling inverse of chunk.py in float64 (chunk 64: four row blocks, both loop orders)."""
