@@ -327,7 +327,7 @@ def main() -> None:
     parser.add_argument(
         "--gmax", type=float, default=1.0,
         help="timed log decays uniform in [-gmax, 0]; 1 keeps every diagonal sub-block of the\n"
-        "Triton stage 1 factored, 5-10 sends many to the walk, as trained gates do\n"
+        "Triton stage 1 factored, 8 or more sends most to the walk, as trained gates do\n"
         "(benchmarks/diagonal_forms.py)",
     )  # fmt: skip
     args = parser.parse_args()

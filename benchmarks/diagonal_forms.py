@@ -29,8 +29,10 @@ def sub_block_depths(g: torch.Tensor) -> torch.Tensor:
     return g[:, :full].unflatten(1, (-1, SUB_BLOCK)).sum(2).abs().amax(-1)
 
 
-def measure(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, tuple[float, float]]:
-    """Per delta layer: (fraction of sub-blocks walked, largest depth)."""
+def measure(
+    model: torch.nn.Module, ids: torch.Tensor, bound: float = DIAGONAL_FACTOR_BOUND
+) -> dict[str, tuple[float, float]]:
+    """Per delta layer: (fraction of sub-blocks walked at `bound`, largest depth)."""
     found: dict[str, tuple[float, float]] = {}
     handles = []
     for name, layer in model.named_modules():
@@ -40,7 +42,7 @@ def measure(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, tuple[float,
         def record(gates: dict[str, torch.Tensor], name: str = name) -> dict[str, torch.Tensor]:
             if "g" in gates:
                 depth = sub_block_depths(gates["g"].detach())
-                walked = (depth >= DIAGONAL_FACTOR_BOUND).float().mean().item()
+                walked = (depth >= bound).float().mean().item()
                 found[name] = (walked, depth.max().item())
             return gates
 
@@ -63,6 +65,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--bound", type=float, nargs="+", default=[DIAGONAL_FACTOR_BOUND],
+        help="factored-form bounds to count against (default: stage 1's)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     from deltalab.models import CausalLM, build_config
@@ -83,15 +89,17 @@ def main() -> None:
             )
             for mixer in args.mixers
         ]
-    print(f"bound {DIAGONAL_FACTOR_BOUND}, sub-blocks of {SUB_BLOCK} tokens, "
-          f"{args.batch} x {args.seq_len} random token ids")  # fmt: skip
+    print(f"sub-blocks of {SUB_BLOCK} tokens, {args.batch} x {args.seq_len} random token ids")
     for label, build in models:
         model = build().eval()
         ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len))
-        found = measure(model, ids)
-        walked = " ".join(f"{w:.2f}" for w, _ in found.values())
+        print(label)
+        for bound in args.bound:
+            found = measure(model, ids, bound)
+            walked = " ".join(f"{w:.2f}" for w, _ in found.values())
+            print(f"  walked fraction per layer at bound {bound:g}: {walked}")
         depth = " ".join(f"{d:.0f}" for _, d in found.values())
-        print(f"{label}\n  walked fraction per layer: {walked}\n  largest depth per layer: {depth}")
+        print(f"  largest depth per layer: {depth}")
 
 
 if __name__ == "__main__":

@@ -94,14 +94,14 @@ def test_triton_matches_float64_loop_with_every_gradient(
 def test_triton_gradients_under_strong_decays_where_stage_1_walks_its_diagonal(
     generator, poisoned_empty, monkeypatch, channel_decay
 ):
-    """Log decays down to -6 per token: most diagonal sub-blocks exceed the factored form's bound
+    """Log decays down to -16 per token: the diagonal sub-blocks exceed the factored form's bound
     and are walked row by row, in the forward and the adjoint; with stage 1's adjoint cut into
     channel blocks of 16, K = 20 takes two of them."""
     from deltalab.ops.delta_rule.triton import intra
 
     monkeypatch.setattr(intra, "INTRA_BLOCK_KD", 16)
     inputs = random_delta_inputs(
-        generator, 1, 37, 1, 20, 8, channel_decay=channel_decay, min_log_decay=-6.0
+        generator, 1, 37, 1, 20, 8, channel_decay=channel_decay, min_log_decay=-16.0
     )
     g = inputs[-1] if channel_decay else inputs[-1][..., None]
     depth = g[:, :32].unflatten(1, (-1, intra.SUB_BLOCK)).sum(2).abs().amax((-2, -1))
@@ -176,6 +176,35 @@ def test_triton_intra_stage_matches_its_pytorch_twin(generator, diagonal):
     assert_close(attend_t, attend, F32, "M")
     for name, x, r in zip("qabg", f32, ref, strict=True):
         assert_close(x.grad, r.grad, F32, f"d{name}")
+
+
+def test_triton_factored_diagonal_is_shifted_to_its_midpoint(generator):
+    """Sub-blocks about 100 deep (log decays of -5.5 to -7 per token) with the bound raised to
+    120: exp(-c) alone would overflow float32 (e^88), but the factors taken about the midpoint
+    of c stay within e^60, and L, M and their gradients match the float64 twin."""
+    from deltalab.ops.delta_rule.chunk import intra_chunk
+    from deltalab.ops.delta_rule.triton.intra import SUB_BLOCK, intra_chunk_triton
+
+    shape = (1, 2, 2, 32, 20)
+    q, a, b = (torch.randn(*shape, generator=generator, dtype=torch.float64) for _ in range(3))
+    g = -5.5 - 1.5 * torch.rand(*shape, generator=generator, dtype=torch.float64)
+    depth = g.unflatten(-2, (-1, SUB_BLOCK)).sum(-2).abs()
+    assert (depth > 88).all() and (depth < 120).all()
+    ref = [x.clone().requires_grad_() for x in (q, a, b, g)]
+    lower, attend = intra_chunk(*ref)
+    d_lower, d_attend = torch.randn_like(lower), torch.randn_like(attend)
+    ((lower * d_lower).sum() + (attend * d_attend).sum()).backward()
+    f32 = [x.to(DEVICE, torch.float32).requires_grad_() for x in (q, a, b, g)]
+    lower_t, attend_t = intra_chunk_triton(*f32, factor_bound=120.0)
+    weights = [x.to(DEVICE, torch.float32) for x in (d_lower, d_attend)]
+    ((lower_t * weights[0]).sum() + (attend_t * weights[1]).sum()).backward()
+    assert_close(lower_t, lower, F32, "L")  # fails on inf or NaN too
+    assert_close(attend_t, attend, F32, "M")
+    for name, x, r in zip("qab", f32[:3], ref[:3], strict=True):
+        assert_close(x.grad, r.grad, F32, f"d{name}")
+    # dg is a reverse cumulative sum of q dq + b db - a da in float32, which cancels at this
+    # depth whatever the diagonal's form: 8e-5 with the walk on such inputs, 1.1e-4 factored.
+    assert_close(f32[3].grad, ref[3].grad, 1e-3, "dg")
 
 
 @pytest.mark.parametrize("channel_decay", [False, True], ids=["head_decay", "channel_decay"])

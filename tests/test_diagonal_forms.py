@@ -35,6 +35,8 @@ def test_a_model_walks_only_where_its_decays_pass_the_bound():
     mild = diagonal_forms.measure(model, ids)
     assert len(mild) == 2 and all(depth < DIAGONAL_FACTOR_BOUND for _, depth in mild.values())
     assert all(walked == 0.0 for walked, _ in mild.values())
+    # At a bound of 0 every sub-block counts as walked.
+    assert all(walked == 1.0 for walked, _ in diagonal_forms.measure(model, ids, 0.0).values())
     with torch.no_grad():  # decay rates e^6 ~ 400 times larger: every sub-block goes deep
         for module in model.modules():
             if hasattr(module, "A_log"):

@@ -28,16 +28,22 @@ That walk is serial (16 dependent steps per sub-block) and cost most of the stag
 H200 (0.6 of 1.1 ms forward, 2.9 of 3.8 ms adjoint, B=4 T=4096 H=16 K=128). So a diagonal
 sub-block whose decays are mild takes the factored form instead, two tensor-core products:
 
-    exp(G_t - G_s) = exp(c_t) * exp(-c_s),   c the cumulative sum of g inside the sub-block,
+    exp(G_t - G_s) = exp(c_t - m) * exp(m - c_s),   c the cumulative sum of g inside the
+                                                     sub-block, m = min_t c_t / 2 per channel,
 
 taken only when every |c| of the sub-block (every channel of the program) is below
-`DIAGONAL_FACTOR_BOUND` = 40, a runtime test per sub-block. Then no factor exceeds e^40 ~ 2e17
-(float32 holds 3e38, with room for |a| |b| K), and the masked pairs s > t are finite before they
-are zeroed. The price is precision: c_t and c_s are rounded separately, each a running sum of up
-to 16 log decays that reaches up to 40 in magnitude, so a factor is off by up to ~1e-5 relative (the walk: ~1e-7),
-far below the TF32 products' 1e-3 that bf16 inputs get anyway. A sub-block
-with stronger decays (a mean log decay below -2.5 per token, or a reset at -inf) keeps the exact
-walk, so the stability argument above holds everywhere.
+`DIAGONAL_FACTOR_BOUND` = 80, a runtime test per sub-block. c falls from 0 to -depth across the
+sub-block (g <= 0), so the midpoint m keeps both exponents within depth / 2 < 40: no factor
+exceeds e^40 ~ 2e17 (float32 holds 3e38, with room for |a| |b| K), and the masked pairs s > t,
+at most e^80 ~ 6e34, are finite before they are zeroed. Without the shift (m = 0) the column
+factor alone reaches e^depth, which allowed only half the depth. The price is precision: c_t
+and c_s are rounded separately, each a running sum of up to 16 log decays that reaches up to 80
+in magnitude, so a factor is off by up to ~1e-5 relative, typically (the walk: ~1e-7), far below
+the TF32 products' 1e-3 that bf16 inputs get anyway. A sub-block with stronger decays (a mean
+log decay below -5 per token in one channel, or a reset at -inf) keeps the exact walk, so the
+stability argument above holds everywhere. On an H200 the walk cost 2x the factored forward and
+4.6x its adjoint (bf16, g in [-8, 0] against [-0.1, 0], docs/RESULTS.md), and a tree of masked
+products in its place was no faster (reverted: `005e794`).
 
 Adjoint: with c_tsk the contribution of one (t, s, k) term,
     dq_t = sum_s dM_ts a_s * f_ts,   db_t = sum_s dL_ts a_s * f_ts,
@@ -64,7 +70,7 @@ SUB_BLOCK = 16
 BLOCK_KD = 32
 # Largest |cumulative log decay| inside a diagonal sub-block for which it is factored (module
 # docstring); 0 forces the walk everywhere (the tests run both).
-DIAGONAL_FACTOR_BOUND = 40.0
+DIAGONAL_FACTOR_BOUND = 80.0
 # One pipeline stage: the loops are short and their tiles change every iteration.
 LAUNCH = {"num_warps": 4, "num_stages": 1}
 # Stage 1's own launch: two warps, and the adjoint with up to 128 channels per program. Measured
@@ -209,6 +215,15 @@ def _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, grs, gcs, valid
 
 
 @triton.jit
+def _midpoint_factors(cum):
+    """The factored diagonal's row and column factors exp(c_t - m), exp(m - c_s) [BT, BK], with
+    m = min_t c_t / 2 per channel: the cumulative log decay c falls from 0 to -depth across the
+    sub-block, so both exponents stay within depth / 2 (module docstring)."""
+    mid = 0.5 * tl.min(cum, axis=0)
+    return tl.exp(cum - mid[None, :]), tl.exp(mid[None, :] - cum)
+
+
+@triton.jit
 def _column_tail(g, cols, rt, rk, mk, grs, gcs, valid, BT: tl.constexpr):
     """Sum of g from the token after s to the end of its sub-block, for every s: [BT, BK]."""
     after = rt + 1
@@ -259,9 +274,12 @@ def _intra_fwd(
         tl.store(attend + cols + tile, tl.dot(q_i, tl.trans(a_j), input_precision=PRECISION))
         between += tl.sum(_load_rows(g, cols + rt, grs, rk, gcs, valid, mk), axis=0)
     if tl.max(tl.abs(cum)) < BOUND:  # mild decays: the factored diagonal (docstring)
-        a_i = _load_rows(a, rows + rt, rs, rk, 1, valid, mk) * tl.exp(-cum)
-        l_ii = tl.dot(b_i, tl.trans(a_i), input_precision=PRECISION)
-        m_ii = tl.dot(q_i, tl.trans(a_i), input_precision=PRECISION)
+        up, down = _midpoint_factors(cum)
+        a_i = _load_rows(a, rows + rt, rs, rk, 1, valid, mk) * down
+        b_d = _load_rows(b, rows + rt, rs, rk, 1, valid, mk) * up
+        q_d = _load_rows(q, rows + rt, rs, rk, 1, valid, mk) * (up * scale)
+        l_ii = tl.dot(b_d, tl.trans(a_i), input_precision=PRECISION)
+        m_ii = tl.dot(q_d, tl.trans(a_i), input_precision=PRECISION)
         tl.store(lower + rows + tile, tl.where(rt[:, None] > rt[None, :], l_ii, 0.0))
         tl.store(attend + rows + tile, tl.where(rt[:, None] >= rt[None, :], m_ii, 0.0))
     else:
@@ -313,20 +331,18 @@ def _intra_bwd(
         between += tl.sum(_load_rows(g, cols + rt, grs, rkd, gcs, valid, mkd), axis=0)
     # The diagonal block: its share of all three.
     if tl.max(tl.abs(cum)) < BOUND:  # mild decays: the factored diagonal (docstring)
-        col_f = tl.exp(-cum)
-        a_i = _load_rows(a, rows + rt, rs, rkd, 1, valid, mkd) * col_f
-        q_i = _load_rows(q, rows + rt, rs, rkd, 1, valid, mkd) * (row_f * scale)
-        b_i = _load_rows(b, rows + rt, rs, rkd, 1, valid, mkd) * row_f
+        up, down = _midpoint_factors(cum)
+        a_i = _load_rows(a, rows + rt, rs, rkd, 1, valid, mkd) * down
+        q_i = _load_rows(q, rows + rt, rs, rkd, 1, valid, mkd) * (up * scale)
+        b_i = _load_rows(b, rows + rt, rs, rkd, 1, valid, mkd) * up
         d_diag = rows * C + rows + tile
         dm = tl.where(rt[:, None] >= rt[None, :], tl.load(d_attend + d_diag), 0.0)
         dl = tl.where(rt[:, None] > rt[None, :], tl.load(d_lower + d_diag), 0.0)
-        acc_q += tl.dot(dm, a_i, input_precision=PRECISION)
-        acc_b += tl.dot(dl, a_i, input_precision=PRECISION)
         acc_a = tl.dot(tl.trans(dm), q_i, input_precision=PRECISION)
         acc_a += tl.dot(tl.trans(dl), b_i, input_precision=PRECISION)
-        acc_a *= col_f
-        dq_i = acc_q * row_f
-        db_i = acc_b * row_f
+        acc_a *= down
+        dq_i = acc_q * row_f + up * tl.dot(dm, a_i, input_precision=PRECISION)
+        db_i = acc_b * row_f + up * tl.dot(dl, a_i, input_precision=PRECISION)
     else:
         dq_d, db_d, acc_a = _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, grs,
                                       gcs, valid, scale, C, BKD, BT)  # fmt: skip
