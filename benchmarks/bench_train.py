@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--cache-dir", default="runs/token-cache")
+    parser.add_argument("--compile", action="store_true", help="train.compile=true")
     args = parser.parse_args()
     rows = []
     for mixer in args.mixers:
@@ -52,6 +53,7 @@ def main() -> None:
                     "log.progress=false",
                     "log.tensorboard=false",
                     f"log.out_dir={out}",
+                    f"train.compile={str(args.compile).lower()}",
                 ],
             )
             train(config)
@@ -68,7 +70,7 @@ def main() -> None:
         )
     print(
         f"deltalab train, preset {args.preset}, {args.device}, batch {args.batch} x "
-        f"{args.seq_len} tokens, {args.steps} steps"
+        f"{args.seq_len} tokens, {args.steps} steps{', torch.compile' if args.compile else ''}"
     )
     print(format_table(["mixer", "params", "tokens/s", "peak GiB"], rows))
 

@@ -3,14 +3,15 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Writes each part's output and JSON under $OUT (or ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests time prof stability train decode kdn tune time_deep
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests time prof stability train decode kdn tune time_deep ptrain compile
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
 # and they are installed first. Budget the call: tests 150 s, time 300 s,
 # prof 90 s, stability 240 s, train 300 s, decode 200 s, kdn 120 s, tune 180 s, time_deep
 # 120 s (log decays down to -8 per token: stage 1 walks most diagonal sub-blocks, as on trained
-# gates; benchmarks/diagonal_forms.py).
+# gates; benchmarks/diagonal_forms.py), ptrain 180 s (a 340M training step's kernel time by
+# category), compile 300 s (340M training throughput with torch.compile).
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -53,6 +54,10 @@ for p in "${parts[@]}"; do
     decode) part decode 200 python3 benchmarks/bench_decode_gpu.py --out "$OUT/decode.json" ;;
     kdn) part kdn 120 python3 benchmarks/bench_kdn_triton.py --out "$OUT/kdn.json" ;;
     tune) part tune 180 python3 benchmarks/tune_triton.py --out "$OUT/tune.json" ;;
-    *) echo "unknown part: $p (tests time prof stability train decode kdn tune time_deep)"; exit 2 ;;
+    ptrain) part ptrain 180 python3 benchmarks/profile_train.py --device cuda --preset 340M \
+        --seq-len 4096 --batch 4 --mixers gdn2 muir kdn_diag transformer --out "$OUT/ptrain.json" ;;
+    compile) part compile 300 python3 benchmarks/bench_train.py --device cuda --preset 340M \
+        --seq-len 4096 --batch 4 --steps 8 --mixers gdn2 muir transformer --compile ;;
+    *) echo "unknown part: $p (tests time prof stability train decode kdn tune time_deep ptrain compile)"; exit 2 ;;
     esac
 done

@@ -29,6 +29,9 @@ def profile_form(fn, names, inputs, steps: int, top: int):
         torch.cuda.synchronize()
     rows = []
     for e in prof.key_averages():
+        # Kernels only: an op that launched kernels carries their time too (counted twice).
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
         gpu_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
         if gpu_us > 0 and e.key:
             rows.append({"kernel": e.key[:90], "calls": e.count // steps,

@@ -1,0 +1,176 @@
+"""Where a training step's GPU time goes, per mixer: the delta-rule kernels, the matrix products,
+attention, normalization, the optimizer, and the elementwise ops between them.
+
+    python benchmarks/profile_train.py --device cuda --preset 340M --seq-len 4096 --batch 4 \\
+        --mixers gdn2 muir transformer --out prof_train.json      # H200, bf16 autocast
+    python benchmarks/profile_train.py --mixers gdn2 --steps 1    # CPU: the tiny preset
+
+One step is what `deltalab train` does per optimizer step without the data pipeline: forward and
+loss under bf16 autocast (on CUDA), backward, AdamW. After `--warmup` steps (Triton compiles its
+kernels) `--steps` steps run under torch.profiler, and every GPU kernel's time is put in the
+first category whose name pattern it matches (`CATEGORIES`; on CPU, the aten ops' own CPU time
+instead). Prints per mixer the milliseconds per step of each category and the slowest kernels;
+`--compile` wraps the model in torch.compile as `train.compile` does.
+
+It answers the question the throughput numbers leave open (docs/RESULTS.md): at 340M and 4K
+context the recurrent models train at less than half the Transformer's speed, while the
+delta-rule kernels alone take a fraction of the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+# (category, name prefixes, name substrings) of the lowercased kernel or op name; the first
+# match wins. The project's Triton kernels are named by their functions, so a prefix finds them
+# (a substring would also catch e.g. aten::linalg_solve_triangular on CPU).
+CATEGORIES = (
+    (
+        "delta-rule and KDN kernels",
+        (
+            "_intra_",
+            "_solve_",
+            "_state_pass_",
+            "_factors_",
+            "_operator_grads",
+            "_lower_grad",
+            "_step_kernel",
+            "_mobius_",
+            "_kdn_",
+        ),
+        (),
+    ),
+    ("attention", (), ("flash", "fmha", "attention", "sdpa")),
+    (
+        "matrix products",
+        (),
+        (
+            "gemm",
+            "xmma",
+            "cutlass",
+            "nvjet",
+            "cublas",
+            "aten::mm",
+            "aten::bmm",
+            "aten::addmm",
+            "aten::matmul",
+            "aten::linear",
+        ),
+    ),
+    ("convolution", (), ("conv",)),
+    ("normalization", (), ("norm",)),
+    ("optimizer", (), ("adam", "multi_tensor", "foreach")),
+)
+OTHER = "elementwise, reductions, copies"
+
+
+def category(name: str) -> str:
+    """The category of a kernel or op name (CATEGORIES; everything else is OTHER)."""
+    lowered = name.lower()
+    for label, prefixes, substrings in CATEGORIES:
+        if lowered.startswith(prefixes) or any(p in lowered for p in substrings):
+            return label
+    return OTHER
+
+
+def kernel_times(prof: torch.profiler.profile, steps: int, device: str) -> dict[str, float]:
+    """Milliseconds per step of each kernel (CUDA: device time of the kernels themselves, not
+    of the ops that launched them, which would count them twice; CPU: each aten op's own
+    time)."""
+    times: dict[str, float] = defaultdict(float)
+    for e in prof.key_averages():
+        if device == "cuda":
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = getattr(e, "self_device_time_total", None) or e.device_time_total
+        else:
+            if not e.key.startswith("aten::"):
+                continue
+            us = e.self_cpu_time_total
+        if us > 0:
+            times[e.key] += us / steps / 1e3
+    return dict(times)
+
+
+def summarize(times: dict[str, float], top: int) -> dict:
+    """Per-category totals (ms per step, descending) and the `top` slowest kernels."""
+    by_category: dict[str, float] = defaultdict(float)
+    for name, ms in times.items():
+        by_category[category(name)] += ms
+    kernels = sorted(times.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "total_ms": sum(times.values()),
+        "categories": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
+        "kernels": [{"name": k[:100], "ms": ms, "category": category(k)} for k, ms in kernels],
+    }
+
+
+def profile_mixer(args: argparse.Namespace, mixer: str) -> dict:
+    from deltalab.models import CausalLM, build_config
+
+    device = args.device
+    torch.manual_seed(0)
+    overrides = {} if args.num_layers is None else {"num_layers": args.num_layers}
+    model = CausalLM(build_config(args.preset, mixer=mixer, **overrides)).to(device)
+    forward = torch.compile(model) if args.compile else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len), device=device)
+
+    def step() -> None:
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            loss = forward(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(args.warmup):
+        step()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        torch.cuda.synchronize()
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    return summarize(kernel_times(prof, args.steps, device), args.top)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--mixers", nargs="+", default=["gdn2", "transformer"])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--num-layers", type=int, default=None, help="default: the preset's")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    report = {}
+    for mixer in args.mixers:
+        result = report[mixer] = profile_mixer(args, mixer)
+        print(f"\n{mixer}: {result['total_ms']:.1f} ms of kernel time per step")
+        for label, ms in result["categories"].items():
+            print(f"  {label:<32} {ms:9.2f} ms  {ms / result['total_ms']:6.1%}")
+        for k in result["kernels"]:
+            print(f"    {k['ms']:8.2f} ms  {k['name'][:80]}")
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

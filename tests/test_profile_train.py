@@ -1,0 +1,60 @@
+"""benchmarks/profile_train.py: a training step's kernel time, by category."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+_ROOT = Path(__file__).parents[1]
+_SPEC = importlib.util.spec_from_file_location(
+    "profile_train", _ROOT / "benchmarks" / "profile_train.py"
+)
+profile_train = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(profile_train)
+DELTA = "delta-rule and KDN kernels"
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("_intra_bwd", DELTA),
+        ("_mobius_forward_kernel", DELTA),
+        ("aten::linalg_solve_triangular", profile_train.OTHER),  # "_solve_" inside, not a prefix
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matrix products"),
+        ("aten::mm", "matrix products"),
+        ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", "attention"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::silu>", "elementwise, "
+         "reductions, copies"),
+        ("void at::native::(anonymous)::multi_tensor_apply_kernel<adam>", "optimizer"),
+    ],
+)  # fmt: skip
+def test_kernel_names_fall_in_their_categories(name, expected):
+    assert profile_train.category(name) == expected
+
+
+def test_every_launched_triton_kernel_of_the_project_counts_as_a_delta_rule_kernel():
+    """A kernel added later without a matching prefix would be counted as elementwise work."""
+    launched = set()
+    for path in (_ROOT / "deltalab" / "ops").rglob("*.py"):
+        launched |= set(re.findall(r"\b(_[a-z0-9_]+)\[", path.read_text()))
+    jitted = set()
+    for path in (_ROOT / "deltalab" / "ops").rglob("*.py"):
+        jitted |= set(re.findall(r"@triton\.jit\ndef (_[a-z0-9_]+)\(", path.read_text()))
+    kernels = launched & jitted
+    assert len(kernels) >= 10
+    assert {k: profile_train.category(k) for k in kernels} == dict.fromkeys(kernels, DELTA)
+
+
+def test_a_cpu_step_splits_into_categories_that_add_up():
+    args = argparse.Namespace(preset="tiny", num_layers=2, device="cpu", seq_len=32, batch=2,
+                              warmup=1, steps=1, top=5, compile=False)  # fmt: skip
+    report = profile_train.profile_mixer(args, "gdn2")
+    assert report["total_ms"] > 0
+    assert sum(report["categories"].values()) == pytest.approx(report["total_ms"])
+    assert report["categories"]["matrix products"] > 0
+    times = [k["ms"] for k in report["kernels"]]
+    assert len(times) == 5 and times == sorted(times, reverse=True)
