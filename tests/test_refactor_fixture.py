@@ -2,10 +2,13 @@
 
 tests/data/make_refactor_fixture.py recorded, from the code before issue 12's refactors, a tiny
 model of every mixer kind (and of the options that switch code paths) as a `save_pretrained`
-directory, with its logits and the parameters after one AdamW step. Bit-for-bit equality is the
-claim (`torch.equal`): a refactor may move code, not change one floating-point operation. The
-reference is CPU float32 on one thread; another CPU's kernels may round differently, in which
-case rerun the script on the code before the change to re-record it.
+directory, with its logits and the parameters after one AdamW step. The claim is that a refactor
+may move code, not change what it computes. On the CPU that recorded the fixture (CPU float32,
+one thread) that held bit for bit (`torch.equal`). Other CPUs round differently in their matrix
+products and vectorized math: on an AMD EPYC (AVX-512) the same code gives logits within 6e-7
+relative, initial weights within one ulp, and one AdamW step within 2.4e-6. So `same` accepts
+equality to float32 rounding (1e-5, relative and absolute), which still fails on any change of
+formula, of initialization order or of a parameter's role (differences of order 1e-3 to 1).
 """
 
 from __future__ import annotations
@@ -30,6 +33,13 @@ REFERENCE = torch.load(fixture.HERE / "reference.pt", weights_only=True)
 ADDED_AFTER_THE_FIXTURE = {"kdn_muir"}
 
 
+def same(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Equal, or equal up to float32 rounding on another CPU (module docstring)."""
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        return False
+    return torch.equal(actual, expected) or torch.allclose(actual, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_fixture_covers_every_mixer_kind():
     from deltalab.models import MIXER_KINDS
 
@@ -42,21 +52,19 @@ def test_fixture_covers_every_mixer_kind():
 
 
 @pytest.mark.parametrize("name", fixture.VARIANTS)
-def test_checkpoint_written_before_the_refactor_reproduces_its_logits_bit_for_bit(name):
+def test_checkpoint_written_before_the_refactor_reproduces_its_logits(name):
     model = CausalLM.from_pretrained(fixture.HERE / name)
     assert torch.equal(REFERENCE["tokens"], fixture.tokens())
     logits = fixture.logits(model)
     for kind, expected in REFERENCE["reference"][name]["logits"].items():
-        assert torch.equal(logits[kind], expected), f"{name}: {kind} logits changed"
+        assert same(logits[kind], expected), f"{name}: {kind} logits changed"
 
 
 @pytest.mark.parametrize("name", fixture.VARIANTS)
-def test_one_training_step_from_the_old_checkpoint_gives_the_same_parameters_bit_for_bit(
-    name, monkeypatch
-):
+def test_one_training_step_from_the_old_checkpoint_gives_the_same_parameters(name, monkeypatch):
     # The RMS norms' hand-written adjoint (kept for memory, issue 10) rounds differently from
     # autograd through their formula, which the fixture recorded: the norms run as that formula
-    # here so that everything else is still checked bit for bit. The adjoint is checked against
+    # here so that everything else is still checked as recorded. The adjoint is checked against
     # the formula in tests/test_memory.py.
     monkeypatch.setattr(common, "rms_norm", common.rms_norm_reference)
     model = CausalLM.from_pretrained(fixture.HERE / name)
@@ -64,7 +72,7 @@ def test_one_training_step_from_the_old_checkpoint_gives_the_same_parameters_bit
     expected = REFERENCE["reference"][name]["trained"]
     sizes = [p.numel() for p in trained.values()]
     pieces = dict(zip(trained, expected.split(sizes), strict=True))
-    changed = [key for key, p in trained.items() if not torch.equal(p.flatten(), pieces[key])]
+    changed = [key for key, p in trained.items() if not same(p.flatten(), pieces[key])]
     assert sum(sizes) == expected.numel() and not changed, f"{name}: after one step: {changed}"
 
 
@@ -76,5 +84,5 @@ def test_seeded_construction_gives_the_recorded_initial_weights(name):
     torch.manual_seed(fixture.SEED)
     fresh = CausalLM(config).state_dict()
     saved = CausalLM.from_pretrained(fixture.HERE / name).state_dict()
-    changed = [key for key in saved if not torch.equal(fresh[key], saved[key])]
+    changed = [key for key in saved if not same(fresh[key], saved[key])]
     assert fresh.keys() == saved.keys() and not changed, f"{name}: {changed}"
