@@ -150,19 +150,19 @@ def test_triton_without_activation_matches_naive(
 
 
 @needs_triton
-@pytest.mark.parametrize("programs", [4, 1024], ids=["tiles-per-split", "split-per-tile"])
-def test_triton_tiles_splits_and_channel_blocks_carry_correctly(
+@pytest.mark.parametrize("programs", [4, 1024], ids=["chunks-per-split", "split-per-chunk"])
+def test_triton_chunks_splits_and_channel_blocks_carry_correctly(
     generator, poisoned_empty, monkeypatch, programs
 ):
-    """Small tiles (8 tokens x 16 channels): 5 token tiles, 2 channel blocks (the second 4/16
-    used), and the backward's token splits either several tiles long (its dw carried across
-    tiles in registers) or one tile each (dw summed across programs)."""
+    """Chunks of 8 tokens and blocks of 32 channels: 5 chunks (the last 5/8 used), 2 channel
+    blocks (the second 8/32 used), and the backward's token splits either several chunks long
+    (its dw carried across chunks in registers) or one chunk each (dw summed across programs)."""
     from deltalab.ops.short_conv import triton as kernels
 
     monkeypatch.setattr(kernels, "BACKWARD_PROGRAMS", programs)
-    inputs = conv_inputs(generator, 2, 37, 20, 4)
+    inputs = conv_inputs(generator, 2, 37, 40, 4)
     expected = run_with_grads(inputs, "naive", F64, "cpu")
-    config = {"config": {"forward": (8, 16), "backward": (8, 16)}}
+    config = {"config": {"forward": (8, 32, 1), "backward": (8, 32, 1)}}
     actual = run_with_grads(inputs, "config", torch.float32, DEVICE, **config)
     assert_all_close(actual, expected, TOLERANCE[torch.float32], f"{programs} programs")
 
@@ -235,12 +235,11 @@ def test_bad_inputs_are_refused_naming_the_argument(args, error, message):
 
 
 @needs_triton
-def test_triton_refuses_tiles_that_cannot_hold_the_cache(generator):
+@pytest.mark.parametrize("launch", [(0, 32, 1), (8, 48, 1), (8, 32, 0)])
+def test_triton_refuses_launch_configs_it_cannot_run(generator, launch):
     from deltalab.ops.short_conv.triton import short_conv_triton
 
     x, weight, cache, _, _ = conv_inputs(generator, 1, 5, 4, 4)
     x, weight, cache = (t.to(DEVICE, torch.float32) for t in (x, weight, cache))
-    with pytest.raises(ValueError, match=r"config\['backward'\]: BT must be >= W - 1"):
-        short_conv_triton(x, weight, cache, True, {"backward": (2, 16)})
-    with pytest.raises(ValueError, match=r"config\['forward'\] must be powers of 2"):
-        short_conv_triton(x, weight, cache, True, {"forward": (12, 16)})
+    with pytest.raises(ValueError, match=r"config\['backward'\] must be \(BT >= 1, BC a power"):
+        short_conv_triton(x, weight, cache, True, {"backward": launch})
