@@ -181,6 +181,39 @@ def test_triton_silu_saturates_without_nan(generator, poisoned_empty):
     assert_all_close(actual, expected, TOLERANCE[torch.float32])
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, F64])
+def test_triton_returns_x_dtype_computed_in_float32(generator, poisoned_empty, dtype):
+    """y, the new cache and dx come back in x's dtype; float16 to its own precision, float64 to
+    float32's (the kernels compute in float32 whatever comes in)."""
+    inputs = conv_inputs(generator, 2, 9, 20, 4)
+    expected = run_with_grads(inputs, "naive", F64, "cpu")
+    x, weight, cache, dy, dnew = inputs
+    leaves = [t.to(DEVICE, dtype).requires_grad_() for t in (x, weight, cache)]
+    y, new_cache = short_conv(*leaves, backend="triton")
+    assert y.dtype == new_cache.dtype == dtype
+    loss = (y * dy.to(DEVICE, dtype)).sum() + (new_cache * dnew.to(DEVICE, dtype)).sum()
+    grads = torch.autograd.grad(loss, leaves)
+    assert [g.dtype for g in grads] == [dtype] * 3
+    tol = TOLERANCE[torch.float16 if dtype == torch.float16 else torch.float32]
+    actual = [t.detach().cpu().to(F64) for t in (y, new_cache, *grads)]
+    assert_all_close(actual, expected, tol, str(dtype))
+
+
+@needs_triton
+def test_triton_reads_strided_inputs(generator):
+    """x as a view with a channel stride (a slice of a wider projection, as q, k, v are) and the
+    weight as a transposed view give the result of contiguous copies."""
+    x, weight, cache, _, _ = conv_inputs(generator, 2, 7, 10, 4)
+    wide = torch.randn(2, 7, 30, generator=generator, dtype=F64)
+    wide[..., 10:20] = x
+    x, wide, weight, cache = (t.to(DEVICE, torch.float32) for t in (x, wide, weight, cache))
+    strided = short_conv(wide[..., 10:20], weight.t().contiguous().t(), cache, backend="triton")
+    plain = short_conv(x, weight, cache, backend="triton")
+    for a, b in zip(strided, plain, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.skipif(not CUDA or NO_TRITON is not None, reason="bfloat16 kernels: CUDA only")
 @pytest.mark.parametrize("with_cache", [True, False], ids=["cache", "no-cache"])
 def test_triton_bfloat16_is_close_to_float64(generator, with_cache):
