@@ -6,7 +6,7 @@ The Triton tests run on a CUDA GPU, or on CPU tensors under Triton's interpreter
     TRITON_INTERPRET=1 python -m pytest tests/test_short_conv.py
 
 (README's test command runs this file a second time with it set); skipped otherwise. Shapes are
-tiny: the interpreter runs every tile operation in Python.
+tiny: the interpreter runs every operation of a kernel in Python.
 """
 
 from __future__ import annotations
@@ -132,6 +132,18 @@ def test_triton_matches_naive_float64_with_gradients(
     expected = run_with_grads(inputs, "naive", F64, "cpu")
     actual = run_with_grads(inputs, "triton", torch.float32, DEVICE)
     assert_all_close(actual, expected, TOLERANCE[torch.float32], f"T={length} W={width}")
+
+
+@needs_triton
+@pytest.mark.parametrize("width", [2, 8])
+def test_triton_other_widths_match_naive(generator, poisoned_empty, width):
+    """The smallest width with a cache, and the widest the kernels take (its backward launches
+    with more warps); T = 5 < W - 1 = 7 at W = 8."""
+    for length in (5, 20):
+        inputs = conv_inputs(generator, 2, length, 20, width)
+        expected = run_with_grads(inputs, "naive", F64, "cpu")
+        actual = run_with_grads(inputs, "triton", torch.float32, DEVICE)
+        assert_all_close(actual, expected, TOLERANCE[torch.float32], f"T={length} W={width}")
 
 
 @needs_triton
