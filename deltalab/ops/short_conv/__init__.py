@@ -4,8 +4,9 @@
 
 Backends: "naive" (one shifted product per tap: the definition, float64 when given float64),
 "torch" (today's `ShortConvolution` path: transposes and a grouped F.conv1d), "triton" (a
-Triton kernel each way, SiLU fused: CUDA, or CPU under TRITON_INTERPRET=1). "auto" picks
-"triton" on CUDA when Triton is installed, else "torch". README.md in this folder has the math.
+Triton kernel each way, SiLU fused: CUDA, or CPU under TRITON_INTERPRET=1; widths W <= 8).
+"auto" picks "triton" on CUDA when Triton is installed and W <= 8, else "torch". README.md in
+this folder has the math.
 """
 
 from __future__ import annotations
