@@ -3,7 +3,7 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Writes each part's output and JSON under $OUT (or ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests time prof stability train decode kdn tune time_deep ptrain compile
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests time prof stability train decode kdn tune time_deep ptrain compile conv conv_tests
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
@@ -11,7 +11,9 @@
 # prof 90 s, stability 240 s, train 300 s, decode 200 s, kdn 120 s, tune 180 s, time_deep
 # 120 s (log decays down to -8 per token: stage 1 walks most diagonal sub-blocks, as on trained
 # gates; benchmarks/diagonal_forms.py), ptrain 180 s (a 340M training step's kernel time by
-# category), compile 300 s (340M training throughput with torch.compile).
+# category), compile 300 s (340M training throughput with torch.compile), conv 90 s (the short
+# convolution: Triton kernels against the conv1d path, errors against float64, a launch sweep),
+# conv_tests 120 s (tests/test_short_conv.py compiled on the GPU, bf16 included).
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -58,6 +60,9 @@ for p in "${parts[@]}"; do
         --seq-len 4096 --batch 4 --mixers gdn2 muir kdn_diag transformer --out "$OUT/ptrain.json" ;;
     compile) part compile 300 python3 benchmarks/bench_train.py --device cuda --preset 340M \
         --seq-len 4096 --batch 4 --steps 8 --mixers gdn2 muir transformer --compile ;;
-    *) echo "unknown part: $p (tests time prof stability train decode kdn tune time_deep ptrain compile)"; exit 2 ;;
+    conv) part conv 90 python3 benchmarks/bench_short_conv.py --sweep --out "$OUT/conv.json" ;;
+    conv_tests) part conv_tests 120 python3 -m pytest -q -x -p no:cacheprovider \
+        tests/test_short_conv.py ;;
+    *) echo "unknown part: $p (tests time prof stability train decode kdn tune time_deep ptrain compile conv conv_tests)"; exit 2 ;;
     esac
 done

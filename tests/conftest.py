@@ -60,3 +60,26 @@ def generator(request) -> torch.Generator:
     """A generator seeded from the test's name: fresh inputs per test, reproducible per test."""
     seed = sum(ord(c) * (i + 1) for i, c in enumerate(request.node.name)) % (2**31)
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty / empty_like return NaN-filled tensors: an element a kernel never writes
+    turns the comparison into a failure instead of passing on leftover memory."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan_empty(*args, **kwargs):
+        x = empty(*args, **kwargs)
+        return x.fill_(float("nan")) if x.dtype.is_floating_point else x
+
+    def nan_empty_like(*args, **kwargs):
+        x = empty_like(*args, **kwargs)
+        return x.fill_(float("nan")) if x.dtype.is_floating_point else x
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    monkeypatch.setattr(torch, "empty_like", nan_empty_like)
+
+    def nan_new_empty(self, *size, **kwargs):
+        return nan_empty(*size, **{"dtype": self.dtype, "device": self.device, **kwargs})
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", nan_new_empty)

@@ -7,6 +7,8 @@ happened here). Compiling ahead of time for sm_90 needs no GPU.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from deltalab.ops._triton import HAS_TRITON, INTERPRET
@@ -19,19 +21,44 @@ pytestmark = pytest.mark.skipif(
 HOPPER_SHARED_BYTES = 232448
 
 
-def _compile_for_hopper(kernel, pointers, scalars, constants, options):
+def _compile_for_hopper(kernel, pointers, scalars, constants, options, types=None, aligned=()):
+    """`types` overrides a pointer's "*fp32"; the arguments in `aligned` are declared multiples
+    of 16 (pointers: 16-byte aligned), as Triton's launcher declares them for such values."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature = {
         **{p: "*fp32" for p in pointers},
+        **(types or {}),
         **{s: "fp32" if s == "scale" else "i32" for s in scalars},
         **{k: "constexpr" for k in constants},
     }
     constexprs = {(kernel.arg_names.index(k),): v for k, v in constants.items()}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _stack_bytes(compiled) -> int | None:
+    """Bytes of stack a thread of the compiled kernel uses (registers spilled to local memory),
+    by the cuobjdump Triton ships; None when it ships none."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run(
+            [str(tool), "-res-usage", cubin.name], capture_output=True, text=True, check=True
+        ).stdout
+    return int(re.search(r"STACK:(\d+)", usage).group(1))
 
 
 @pytest.mark.parametrize(("key_dim", "chunk"), [(3, 256), (128, 64), (256, 128)])
@@ -87,3 +114,34 @@ def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chu
             scalars = [a for a in kernel.arg_names[n_pointers:] if a not in constants]
             compiled = _compile_for_hopper(kernel, pointers, scalars, constants, kernel_options)
             assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, kernel.fn.__name__
+
+
+@pytest.mark.parametrize(
+    ("width", "dtype"), [(4, "bf16"), (3, "fp32"), (8, "fp32")], ids=["W4-bf16", "W3", "W8"]
+)
+def test_short_conv_kernels_compile_for_hopper_without_spills(width, dtype):
+    """At the launches `short_conv` uses for C = 2048, the variant that reads the cache and
+    writes its gradient (the most registers): no spill to local memory, which in a
+    bandwidth-bound kernel would add traffic of its own."""
+    from deltalab.ops.short_conv import triton as short_conv
+
+    activations = {name: f"*{dtype}" for name in ("X", "CACHE", "Y", "DY", "DX", "DCACHE")}
+    flags = {"HAS_CACHE": True, "SILU": True}
+    kernels = [
+        (short_conv._short_conv_fwd, "forward", 4, flags),
+        (short_conv._short_conv_bwd, "backward", 7, {**flags, "HAS_DCACHE": True}),
+    ]
+    for kernel, name, n_pointers, constants in kernels:
+        block_t, block_c, warps = short_conv.launch(2048, width, name)
+        constants = {**constants, "W": width, "BT": block_t, "BC": block_c}
+        pointers = kernel.arg_names[:n_pointers]
+        scalars = [a for a in kernel.arg_names[n_pointers:] if a not in constants]
+        types = {p: activations.get(p, "*fp32") for p in pointers}
+        # Every size a multiple of 16 (T, C = 2048, the block counts), as at the benchmark's.
+        compiled = _compile_for_hopper(
+            kernel, pointers, scalars, constants, {"num_warps": warps}, types,
+            aligned=[*pointers, *scalars],
+        )  # fmt: skip
+        assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, name
+        stack = _stack_bytes(compiled)
+        assert stack in (None, 0), f"{name} W={width} {dtype}: {stack} bytes spilled per thread"

@@ -11,6 +11,7 @@ from deltalab.ops.kdn import (
     kdn_iso_step,
 )
 from deltalab.ops.mobius import mobius_scan
+from deltalab.ops.short_conv import short_conv
 
 __all__ = [
     "delta_rule",
@@ -23,4 +24,5 @@ __all__ = [
     "kdn_iso",
     "kdn_iso_step",
     "mobius_scan",
+    "short_conv",
 ]
