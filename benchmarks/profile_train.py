@@ -62,7 +62,7 @@ CATEGORIES = (
             "aten::linear",
         ),
     ),
-    ("convolution", (), ("conv",)),
+    ("convolution", ("_short_conv_",), ("conv",)),
     ("normalization", (), ("norm",)),
     ("optimizer", (), ("adam", "multi_tensor", "foreach")),
 )
