@@ -71,7 +71,7 @@ def test_triton_matches_float64_loop_with_every_gradient(
 def test_triton_gradients_under_strong_decays_where_stage_1_walks_its_diagonal(
     generator, poisoned_empty, monkeypatch, channel_decay
 ):
-    """Log decays down to -16 per token: the diagonal sub-blocks exceed the factored form's bound
+    """Log decays down to -16 per token: the full diagonal sub-blocks exceed the factored form's bound
     and are walked row by row, in the forward and the adjoint; with stage 1's adjoint cut into
     channel blocks of 16, K = 20 takes two of them."""
     from deltalab.ops.delta_rule.triton import intra
@@ -155,6 +155,36 @@ def test_triton_intra_stage_matches_its_pytorch_twin(generator, diagonal):
         assert_close(x.grad, r.grad, F32, f"d{name}")
 
 
+def test_triton_factored_diagonal_at_depths_only_the_shift_admits(generator):
+    """Every diagonal sub-block 40 to 80 deep (log decays of -2.6 to -4.9 per token): taken by
+    the factored form at the production bound (before the midpoint shift, such sub-blocks were
+    walked), L, M and every gradient match the float64 twin."""
+    from deltalab.ops.delta_rule.chunk import intra_chunk
+    from deltalab.ops.delta_rule.triton.intra import (
+        DIAGONAL_FACTOR_BOUND,
+        SUB_BLOCK,
+        intra_chunk_triton,
+    )
+
+    shape = (1, 2, 2, 32, 20)
+    q, a, b = (torch.randn(*shape, generator=generator, dtype=torch.float64) for _ in range(3))
+    g = -2.6 - 2.3 * torch.rand(*shape, generator=generator, dtype=torch.float64)
+    depth = g.unflatten(-2, (-1, SUB_BLOCK)).sum(-2).abs().amax(-1)
+    assert (depth > 40).all() and (depth < DIAGONAL_FACTOR_BOUND).all()
+    ref = [x.clone().requires_grad_() for x in (q, a, b, g)]
+    lower, attend = intra_chunk(*ref)
+    d_lower, d_attend = torch.randn_like(lower), torch.randn_like(attend)
+    ((lower * d_lower).sum() + (attend * d_attend).sum()).backward()
+    f32 = [x.to(DEVICE, torch.float32).requires_grad_() for x in (q, a, b, g)]
+    lower_t, attend_t = intra_chunk_triton(*f32)
+    weights = [x.to(DEVICE, torch.float32) for x in (d_lower, d_attend)]
+    ((lower_t * weights[0]).sum() + (attend_t * weights[1]).sum()).backward()
+    assert_close(lower_t, lower, F32, "L")
+    assert_close(attend_t, attend, F32, "M")
+    for name, x, r in zip("qabg", f32, ref, strict=True):
+        assert_close(x.grad, r.grad, F32, f"d{name}")
+
+
 def test_triton_factored_diagonal_is_shifted_to_its_midpoint(generator):
     """Sub-blocks about 100 deep (log decays of -5.5 to -7 per token) with the bound raised to
     120: exp(-c) alone would overflow float32 (e^88), but the factors taken about the midpoint
@@ -187,8 +217,8 @@ def test_triton_factored_diagonal_is_shifted_to_its_midpoint(generator):
 @pytest.mark.parametrize("channel_decay", [False, True], ids=["head_decay", "channel_decay"])
 def test_triton_intra_walk_is_exact_across_resets_and_deep_decays(generator, channel_decay):
     """Stage 1 alone with the exact diagonal form everywhere (bound 0: the row walk) on
-    sub-blocks that mix resets (g = -inf), deep log decays (-30) and mild ones, where the
-    factored form's exp(-c) would be inf. Every pair across a reset is an exact 0, and L, M and
+    sub-blocks that mix resets (g = -inf), deep log decays (-30) and mild ones, which the
+    factored form cannot take (its factors would overflow, or be NaN across a reset). Every pair across a reset is an exact 0, and L, M and
     every gradient, dg included, stay finite and within 1e-6 of the float64 twin (running sums
     of log decays, never differences), where the other tests allow 1e-4."""
     from deltalab.ops.delta_rule.chunk import intra_chunk

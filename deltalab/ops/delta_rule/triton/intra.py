@@ -29,17 +29,21 @@ H200 (0.6 of 1.1 ms forward, 2.9 of 3.8 ms adjoint, B=4 T=4096 H=16 K=128). So a
 sub-block whose decays are mild takes the factored form instead, two tensor-core products:
 
     exp(G_t - G_s) = exp(c_t - m) * exp(m - c_s),   c the cumulative sum of g inside the
-                                                     sub-block, m = min_t c_t / 2 per channel,
+                                                     sub-block, m the middle of c's range,
 
-taken only when every |c| of the sub-block (every channel of the program) is below
-`DIAGONAL_FACTOR_BOUND` = 80, a runtime test per sub-block. c falls from 0 to -depth across the
-sub-block (g <= 0), so the midpoint m keeps both exponents within depth / 2 < 40: no factor
-exceeds e^40 ~ 2e17 (float32 holds 3e38, with room for |a| |b| K), and the masked pairs s > t,
-at most e^80 ~ 6e34, are finite before they are zeroed. Without the shift (m = 0) the column
-factor alone reaches e^depth, which allowed only half the depth. The price is precision: c_t
-and c_s are rounded separately, each a running sum of up to 16 log decays that reaches up to 80
-in magnitude, so a factor is off by up to ~1e-5 relative, typically (the walk: ~1e-7), far below
-the TF32 products' 1e-3 that bf16 inputs get anyway. A sub-block with stronger decays (a mean
+per channel, taken only when every |c| of the sub-block (every channel of the program) is below
+`DIAGONAL_FACTOR_BOUND` = 80, a runtime test per sub-block. c falls from g_first <= 0 to -depth
+across the sub-block (g <= 0), so the midpoint m keeps both exponents within depth / 2 < 40: no
+factor exceeds e^40 ~ 2e17 (float32 holds 3e38, with room for |a| |b| K). A masked pair s > t
+has exp(c_t - c_s) up to e^80 ~ 6e34 per channel; times sum_k |b_tk a_sk| it overflows only for
+inputs far larger than unit keys give, and even then the mask selects (tl.where) rather than
+multiplies, so nothing of it reaches an output; the adjoint zeroes the masked pairs before its
+products. Without the shift (m = 0) the column factor alone reaches e^depth, which allowed only
+half the depth. The price is precision: c_t and c_s are rounded separately, each a running sum
+of up to 16 log decays that reaches up to 80 in magnitude, so a factor is off by ~1e-6
+relative, typically, and up to ~1e-5 (measured under the interpreter at depths 60-80; the walk's
+own running sums err as much over long segments, less over the short ones that dominate), far
+below the TF32 products' 1e-3 that bf16 inputs get anyway. A sub-block with stronger decays (a mean
 log decay below -5 per token in one channel, or a reset at -inf) keeps the exact walk, so the
 stability argument above holds everywhere. On an H200 the walk cost 2x the factored forward and
 4.6x its adjoint (bf16, g in [-8, 0] against [-0.1, 0], docs/RESULTS.md), and a tree of masked
@@ -217,9 +221,11 @@ def _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, grs, gcs, valid
 @triton.jit
 def _midpoint_factors(cum):
     """The factored diagonal's row and column factors exp(c_t - m), exp(m - c_s) [BT, BK], with
-    m = min_t c_t / 2 per channel: the cumulative log decay c falls from 0 to -depth across the
-    sub-block, so both exponents stay within depth / 2 (module docstring)."""
-    mid = 0.5 * tl.min(cum, axis=0)
+    m the middle of c's range over the sub-block, per channel: both exponents stay within half
+    that range (module docstring). With g <= 0 the range is [c_last, g_first], inside
+    [-depth, 0]; for inputs outside that contract (g > 0) the exponents still stay below the
+    bound, so the factors stay finite."""
+    mid = 0.5 * (tl.max(cum, axis=0) + tl.min(cum, axis=0))
     return tl.exp(cum - mid[None, :]), tl.exp(mid[None, :] - cum)
 
 
