@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 import torch
 
-from deltalab.benchmarking import format_table
+from deltalab.benchmarking import format_table, run_environment
 from deltalab.ops import delta_rule, kdn_diag, kdn_gain_diag, kdn_gain_iso, kdn_iso
 from deltalab.ops.delta_rule import BACKENDS as DELTA_RULE_BACKENDS
 from deltalab.ops.kdn.triton import kdn_variance_scan
@@ -242,12 +241,8 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     args.repeats = args.repeats or (1 if args.tiny else 10)
     dtype = getattr(torch, args.dtype)
-    import triton
-
     header = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
+        **run_environment(device),
         "dtype": args.dtype,
         "memory_backend": MEMORY_BACKEND,
         "repeats": args.repeats,

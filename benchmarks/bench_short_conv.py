@@ -26,13 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import statistics
 import time
 
 import torch
 
-from deltalab.benchmarking import format_table
+from deltalab.benchmarking import format_table, run_environment
 from deltalab.ops.short_conv import short_conv
 from deltalab.testing import relative_error
 
@@ -239,14 +238,8 @@ def main() -> None:
     args.repeats = args.repeats or (1 if args.tiny else 10)
     # bfloat16 under the interpreter is not supported (numpy has no bfloat16): float32 there.
     dtype = getattr(torch, args.dtype) if device == "cuda" else torch.float32
-    import triton
-
     header = {
-        "device": torch.cuda.get_device_name()
-        if device == "cuda"
-        else platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
+        **run_environment(device),
         "dtype": str(dtype).removeprefix("torch."),
         "W": args.width,
     }

@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from deltalab.benchmarking import format_table, median_seconds
+from deltalab.benchmarking import format_table, median_seconds, run_environment
 from deltalab.ops import delta_rule, kdn_diag, kdn_iso
 from deltalab.testing import relative_error
 
@@ -339,16 +338,7 @@ def main() -> None:
         shapes = [(4, 4096, 16, 128), (1, 32768, 16, 128)]
     if args.shapes:
         shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes]
-    result = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
-        "torch": torch.__version__,
-    }
-    try:
-        import triton
-
-        result["triton"] = triton.__version__
-    except ImportError:
-        pass
+    result: dict = run_environment(device)
     if "check" in args.parts:
         result["check"] = check(device, check_shape, args.chunk_sizes)
         print_records(result["check"])

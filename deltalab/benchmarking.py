@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -44,6 +46,21 @@ def forward_and_train_seconds(
         fn(*leaves).sum().backward()
 
     return median_seconds(forward, repeats), median_seconds(train, repeats)
+
+
+def run_environment(device: str) -> dict[str, str | None]:
+    """What a benchmark's JSON records of the machine: the device's name (the GPU's on CUDA, the
+    processor's otherwise) and the torch and Triton versions (None without Triton)."""
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+    else:
+        name = platform.processor() or platform.machine()
+    triton = None
+    if importlib.util.find_spec("triton") is not None:
+        import triton as triton_module
+
+        triton = triton_module.__version__
+    return {"device": name, "torch": torch.__version__, "triton": triton}
 
 
 def format_table(headers: list[str], rows: list[list[object]]) -> str:
