@@ -122,16 +122,31 @@ def test_triton_log_decay_of_minus_infinity_is_an_exact_reset(generator):
     assert_close(s, s_ref, F32, "final state")
 
 
+def _stage_1_and_twin(q, a, b, g, bound):
+    """Stage 1 in Triton (float32, diagonal factored below `bound`) and its float64 PyTorch twin
+    `intra_chunk` on chunked inputs [..., C, K], both differentiated against the same random
+    weights of L and M, above the diagonal too (the kernel must not read them) -> (L, M) of
+    Triton, (L, M) of the twin, then the float32 and float64 leaves (q, a, b, g), gradients
+    filled."""
+    from deltalab.ops.delta_rule.chunk import intra_chunk
+    from deltalab.ops.delta_rule.triton.intra import intra_chunk_triton
+
+    ref = [x.clone().requires_grad_() for x in (q, a, b, g)]
+    lower, attend = intra_chunk(*ref)
+    d_lower, d_attend = torch.randn_like(lower), torch.randn_like(attend)
+    ((lower * d_lower).sum() + (attend * d_attend).sum()).backward()
+    f32 = [x.to(DEVICE, torch.float32).requires_grad_() for x in (q, a, b, g)]
+    lower_t, attend_t = intra_chunk_triton(*f32, factor_bound=bound)
+    weights = [x.to(DEVICE, torch.float32) for x in (d_lower, d_attend)]
+    ((lower_t * weights[0]).sum() + (attend_t * weights[1]).sum()).backward()
+    return lower_t, attend_t, lower, attend, f32, ref
+
+
 @pytest.mark.parametrize("diagonal", ["factored_where_mild", "walked_everywhere"])
 def test_triton_intra_stage_matches_its_pytorch_twin(generator, diagonal):
     """Both forms of a diagonal sub-block: factored (mild decays) and walked row by row (strong
     decays; everywhere with a bound of 0), mixed within one chunk."""
-    from deltalab.ops.delta_rule.chunk import intra_chunk
-    from deltalab.ops.delta_rule.triton.intra import (
-        DIAGONAL_FACTOR_BOUND,
-        SUB_BLOCK,
-        intra_chunk_triton,
-    )
+    from deltalab.ops.delta_rule.triton.intra import DIAGONAL_FACTOR_BOUND, SUB_BLOCK
 
     shape = (1, 2, 2, 32, 20)
     q, a, b = (torch.randn(*shape, generator=generator, dtype=torch.float64) for _ in range(3))
@@ -140,15 +155,7 @@ def test_triton_intra_stage_matches_its_pytorch_twin(generator, diagonal):
     depth = g.unflatten(-2, (-1, SUB_BLOCK)).sum(-2).abs().amax(-1)  # per sub-block
     assert (depth < DIAGONAL_FACTOR_BOUND).any() and (depth > DIAGONAL_FACTOR_BOUND).any()
     bound = DIAGONAL_FACTOR_BOUND if diagonal == "factored_where_mild" else 0.0
-    ref = [x.clone().requires_grad_() for x in (q, a, b, g)]
-    lower, attend = intra_chunk(*ref)
-    # Gradients above the diagonal too: the kernel must not read them.
-    d_lower, d_attend = torch.randn_like(lower), torch.randn_like(attend)
-    ((lower * d_lower).sum() + (attend * d_attend).sum()).backward()
-    f32 = [x.to(DEVICE, torch.float32).requires_grad_() for x in (q, a, b, g)]
-    lower_t, attend_t = intra_chunk_triton(*f32, factor_bound=bound)
-    weights = [x.to(DEVICE, torch.float32) for x in (d_lower, d_attend)]
-    ((lower_t * weights[0]).sum() + (attend_t * weights[1]).sum()).backward()
+    lower_t, attend_t, lower, attend, f32, ref = _stage_1_and_twin(q, a, b, g, bound)
     assert_close(lower_t, lower, F32, "L")
     assert_close(attend_t, attend, F32, "M")
     for name, x, r in zip("qabg", f32, ref, strict=True):
@@ -159,26 +166,16 @@ def test_triton_factored_diagonal_at_depths_only_the_shift_admits(generator):
     """Every diagonal sub-block 40 to 80 deep (log decays of -2.6 to -4.9 per token): taken by
     the factored form at the production bound (before the midpoint shift, such sub-blocks were
     walked), L, M and every gradient match the float64 twin."""
-    from deltalab.ops.delta_rule.chunk import intra_chunk
-    from deltalab.ops.delta_rule.triton.intra import (
-        DIAGONAL_FACTOR_BOUND,
-        SUB_BLOCK,
-        intra_chunk_triton,
-    )
+    from deltalab.ops.delta_rule.triton.intra import DIAGONAL_FACTOR_BOUND, SUB_BLOCK
 
     shape = (1, 2, 2, 32, 20)
     q, a, b = (torch.randn(*shape, generator=generator, dtype=torch.float64) for _ in range(3))
     g = -2.6 - 2.3 * torch.rand(*shape, generator=generator, dtype=torch.float64)
     depth = g.unflatten(-2, (-1, SUB_BLOCK)).sum(-2).abs().amax(-1)
     assert (depth > 40).all() and (depth < DIAGONAL_FACTOR_BOUND).all()
-    ref = [x.clone().requires_grad_() for x in (q, a, b, g)]
-    lower, attend = intra_chunk(*ref)
-    d_lower, d_attend = torch.randn_like(lower), torch.randn_like(attend)
-    ((lower * d_lower).sum() + (attend * d_attend).sum()).backward()
-    f32 = [x.to(DEVICE, torch.float32).requires_grad_() for x in (q, a, b, g)]
-    lower_t, attend_t = intra_chunk_triton(*f32)
-    weights = [x.to(DEVICE, torch.float32) for x in (d_lower, d_attend)]
-    ((lower_t * weights[0]).sum() + (attend_t * weights[1]).sum()).backward()
+    lower_t, attend_t, lower, attend, f32, ref = _stage_1_and_twin(
+        q, a, b, g, DIAGONAL_FACTOR_BOUND
+    )
     assert_close(lower_t, lower, F32, "L")
     assert_close(attend_t, attend, F32, "M")
     for name, x, r in zip("qabg", f32, ref, strict=True):
@@ -189,22 +186,14 @@ def test_triton_factored_diagonal_is_shifted_to_its_midpoint(generator):
     """Sub-blocks about 100 deep (log decays of -5.5 to -7 per token) with the bound raised to
     120: exp(-c) alone would overflow float32 (e^88), but the factors taken about the midpoint
     of c stay within e^60, and L, M and their gradients match the float64 twin."""
-    from deltalab.ops.delta_rule.chunk import intra_chunk
-    from deltalab.ops.delta_rule.triton.intra import SUB_BLOCK, intra_chunk_triton
+    from deltalab.ops.delta_rule.triton.intra import SUB_BLOCK
 
     shape = (1, 2, 2, 32, 20)
     q, a, b = (torch.randn(*shape, generator=generator, dtype=torch.float64) for _ in range(3))
     g = -5.5 - 1.5 * torch.rand(*shape, generator=generator, dtype=torch.float64)
     depth = g.unflatten(-2, (-1, SUB_BLOCK)).sum(-2).abs()
     assert (depth > 88).all() and (depth < 120).all()
-    ref = [x.clone().requires_grad_() for x in (q, a, b, g)]
-    lower, attend = intra_chunk(*ref)
-    d_lower, d_attend = torch.randn_like(lower), torch.randn_like(attend)
-    ((lower * d_lower).sum() + (attend * d_attend).sum()).backward()
-    f32 = [x.to(DEVICE, torch.float32).requires_grad_() for x in (q, a, b, g)]
-    lower_t, attend_t = intra_chunk_triton(*f32, factor_bound=120.0)
-    weights = [x.to(DEVICE, torch.float32) for x in (d_lower, d_attend)]
-    ((lower_t * weights[0]).sum() + (attend_t * weights[1]).sum()).backward()
+    lower_t, attend_t, lower, attend, f32, ref = _stage_1_and_twin(q, a, b, g, 120.0)
     assert_close(lower_t, lower, F32, "L")  # fails on inf or NaN too
     assert_close(attend_t, attend, F32, "M")
     for name, x, r in zip("qab", f32[:3], ref[:3], strict=True):
@@ -218,11 +207,10 @@ def test_triton_factored_diagonal_is_shifted_to_its_midpoint(generator):
 def test_triton_intra_walk_is_exact_across_resets_and_deep_decays(generator, channel_decay):
     """Stage 1 alone with the exact diagonal form everywhere (bound 0: the row walk) on
     sub-blocks that mix resets (g = -inf), deep log decays (-30) and mild ones, which the
-    factored form cannot take (its factors would overflow, or be NaN across a reset). Every pair across a reset is an exact 0, and L, M and
-    every gradient, dg included, stay finite and within 1e-6 of the float64 twin (running sums
-    of log decays, never differences), where the other tests allow 1e-4."""
-    from deltalab.ops.delta_rule.chunk import intra_chunk
-    from deltalab.ops.delta_rule.triton.intra import intra_chunk_triton
+    factored form cannot take (its factors would overflow, or be NaN across a reset). Every pair
+    across a reset is an exact 0, and L, M and every gradient, dg included, stay finite and
+    within 1e-6 of the float64 twin (running sums of log decays, never differences), where the
+    other tests allow 1e-4."""
 
     shape = (1, 2, 1, 32, 20)  # one chunk of two sub-blocks per head
     q, a, b = (torch.randn(*shape, generator=generator, dtype=torch.float64) for _ in range(3))
@@ -237,14 +225,7 @@ def test_triton_intra_walk_is_exact_across_resets_and_deep_decays(generator, cha
         g[..., 5, :7] = -float("inf")
     else:
         g = g.squeeze(-1)
-    ref = [x.clone().requires_grad_() for x in (q, a, b, g)]
-    lower, attend = intra_chunk(*ref)
-    d_lower, d_attend = torch.randn_like(lower), torch.randn_like(attend)
-    ((lower * d_lower).sum() + (attend * d_attend).sum()).backward()
-    f32 = [x.to(DEVICE, torch.float32).requires_grad_() for x in (q, a, b, g)]
-    lower_t, attend_t = intra_chunk_triton(*f32, factor_bound=0.0)
-    weights = [x.to(DEVICE, torch.float32) for x in (d_lower, d_attend)]
-    ((lower_t * weights[0]).sum() + (attend_t * weights[1]).sum()).backward()
+    lower_t, attend_t, lower, attend, f32, ref = _stage_1_and_twin(q, a, b, g, 0.0)
     token = torch.arange(shape[-2], device=lower_t.device)
     for r in resets:
         across = (token[:, None] >= r) & (token[None, :] < r)  # s < r <= t
