@@ -29,11 +29,9 @@ def sub_block_depths(g: torch.Tensor) -> torch.Tensor:
     return g[:, :full].unflatten(1, (-1, SUB_BLOCK)).sum(2).abs().amax(-1)
 
 
-def measure(
-    model: torch.nn.Module, ids: torch.Tensor, bound: float = DIAGONAL_FACTOR_BOUND
-) -> dict[str, tuple[float, float]]:
-    """Per delta layer: (fraction of sub-blocks walked at `bound`, largest depth)."""
-    found: dict[str, tuple[float, float]] = {}
+def layer_depths(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per delta layer, the depths of its full diagonal sub-blocks on `ids` (one forward)."""
+    found: dict[str, torch.Tensor] = {}
     handles = []
     for name, layer in model.named_modules():
         if not isinstance(layer, DeltaMixer):
@@ -41,9 +39,7 @@ def measure(
 
         def record(gates: dict[str, torch.Tensor], name: str = name) -> dict[str, torch.Tensor]:
             if "g" in gates:
-                depth = sub_block_depths(gates["g"].detach())
-                walked = (depth >= bound).float().mean().item()
-                found[name] = (walked, depth.max().item())
+                found[name] = sub_block_depths(gates["g"].detach())
             return gates
 
         handles.append(layer.register_gate_hook(record))
@@ -54,6 +50,21 @@ def measure(
         for handle in handles:
             handle.remove()
     return found
+
+
+def walked(depths: dict[str, torch.Tensor], bound: float) -> dict[str, tuple[float, float]]:
+    """Per layer: (fraction of sub-blocks walked at `bound`, largest depth)."""
+    return {
+        name: ((depth >= bound).float().mean().item(), depth.max().item())
+        for name, depth in depths.items()
+    }
+
+
+def measure(
+    model: torch.nn.Module, ids: torch.Tensor, bound: float = DIAGONAL_FACTOR_BOUND
+) -> dict[str, tuple[float, float]]:
+    """Per delta layer: (fraction of sub-blocks walked at `bound`, largest depth)."""
+    return walked(layer_depths(model, ids), bound)
 
 
 def main() -> None:
@@ -94,10 +105,11 @@ def main() -> None:
         model = build().eval()
         ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len))
         print(label)
+        depths = layer_depths(model, ids)
         for bound in args.bound:
-            found = measure(model, ids, bound)
-            walked = " ".join(f"{w:.2f}" for w, _ in found.values())
-            print(f"  walked fraction per layer at bound {bound:g}: {walked}")
+            found = walked(depths, bound)
+            fractions = " ".join(f"{w:.2f}" for w, _ in found.values())
+            print(f"  walked fraction per layer at bound {bound:g}: {fractions}")
         depth = " ".join(f"{d:.0f}" for _, d in found.values())
         print(f"  largest depth per layer: {depth}")
 
