@@ -8,6 +8,8 @@ perturbed by hand in the tensors that `kalman_gates` returns (g, q_noise, r).
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import math
 import os
 
@@ -534,3 +536,35 @@ def test_probes_run_triton_layers_on_the_chunk_path_and_restore_their_backend(ge
     for kind in ("state", "loss"):
         for layer, values in getattr(chunk, kind).items():
             assert getattr(triton, kind)[layer] == pytest.approx(values, rel=1e-6)
+
+
+@torch.no_grad()
+def test_probes_replay_the_layers_before_the_probed_one(generator, monkeypatch):
+    """A probe's tangent starts at the probed layer, so the layers called before it are replayed
+    from the recording pass, not computed: each layer computes once for the recording and once
+    per probe of itself and of every earlier layer. The report equals a full recomputation."""
+    module = importlib.import_module("deltalab.analysis.gate_sensitivity")
+    model = Stack(seeded(GatedDeltaNet2, 0), seeded(GatedDeltaNet2, 1), seeded(GatedDeltaNet2, 2))
+    batch = make_batch(generator)
+    computed = {}
+    for name, layer in model.named_modules():
+        if isinstance(layer, DeltaMixer):
+            computed[name] = 0
+
+            def count(gates, name=name):
+                computed[name] += 1
+                return gates
+
+            layer.register_gate_hook(count)
+    replayed = gate_sensitivity(model, batch, probes=2, seed=3)
+    gates = len(replayed.gates)  # erase, write, g in every layer
+    assert gates == 3
+    assert computed == {f"layers.{i}": 1 + (i + 1) * gates * 2 for i in range(3)}
+    assert not any("forward" in vars(layer) for layer in model.layers)
+
+    monkeypatch.setattr(module, "_replaying", lambda calls: contextlib.nullcontext())
+    full = gate_sensitivity(model, batch, probes=2, seed=3)
+    assert computed["layers.0"] == 2 + (1 + 3) * gates * 2  # the full run computes every layer
+    for kind in ("state", "loss"):
+        for layer, values in getattr(full, kind).items():
+            assert getattr(replayed, kind)[layer] == pytest.approx(values, rel=1e-12)
