@@ -9,8 +9,10 @@
 #
 # Finished runs come from docs/study/gpu/records (the raw records kept in the repository) and
 # from a carried gpu_jobs/study_gpu/ (an earlier call's $OUT/study_gpu.tgz unpacked there), the
-# later winning. On the H200 (2026-12-01): 8 runs at a time train at ~20K tokens/s each; a recurrent
-# run takes ~6 minutes with its evaluations, a Transformer run ~2 (docs/RESULTS.md).
+# later winning. A run cut off by LIMIT is lost (its checkpoint cannot come back), so select with
+# --only what finishes inside it. On the H200 (2026-12-01, docs/RESULTS.md), 8 at a time: a GDN-2
+# run ~480 s with its evaluations, a Muir run over 535 s, a Transformer run ~130 s; Diagonal KDN
+# trains at half the speed. The gate-sensitivity replay (fifth session) is not in those times.
 set -u
 LIMIT=${LIMIT:-540}
 OUT=${OUT:-gpu-out}
