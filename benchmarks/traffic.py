@@ -364,7 +364,7 @@ class _Dispatch(TorchDispatchMode):
             self.any_results[id(out)] = weakref.ref(out)
         if self.recorder.recording:
             read, written, inputs, outputs = op_bytes(func, args, kwargs, out)
-            if inputs or outputs:  # not e.g. aten.promote_types
+            if outputs:  # not a query returning no tensor (prim.device, promote_types)
                 name = func.__name__.split(".")[0]
                 self.recorder.record(name, inputs, outputs, read, written)
         return out
