@@ -22,9 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 # (category, name prefixes, name substrings) of the lowercased kernel or op name; the first
 # match wins. The project's Triton kernels are named by their functions, so a prefix finds them
@@ -110,24 +112,58 @@ def summarize(times: dict[str, float], top: int) -> dict:
     }
 
 
-def profile_mixer(args: argparse.Namespace, mixer: str) -> dict:
+def training_step(
+    mixer: str,
+    preset: str,
+    batch: int,
+    seq_len: int,
+    device: str = "cpu",
+    *,
+    num_layers: int | None = None,
+    compile: bool = False,
+    autocast: bool | None = None,
+) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
+    """The model, its AdamW and one training step: forward and loss on random token ids
+    `[batch, seq_len]` under bf16 autocast, backward, AdamW, gradients set to None.
+
+    autocast: None autocasts on CUDA only (as `deltalab train`); benchmarks/traffic.py asks for
+    it on CPU, where it gives CPU autocast the CUDA op lists. Tensors are made on `device` (or
+    by whatever tensor mode is active, e.g. fake tensors).
+    """
     from deltalab.models import CausalLM, build_config
 
-    device = args.device
     torch.manual_seed(0)
-    overrides = {} if args.num_layers is None else {"num_layers": args.num_layers}
-    model = CausalLM(build_config(args.preset, mixer=mixer, **overrides)).to(device)
-    forward = torch.compile(model) if args.compile else model
+    overrides = {} if num_layers is None else {"num_layers": num_layers}
+    model = CausalLM(build_config(preset, mixer=mixer, **overrides))
+    if device != "cpu":
+        # Built on CPU; not moved there again (fake tensors cannot be swapped in place).
+        model = model.to(device)
+    forward = torch.compile(model) if compile else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len), device=device)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq_len), device=device)
+    enabled = device == "cuda" if autocast is None else autocast
 
     def step() -> None:
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=enabled):
             loss = forward(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    return model, optimizer, step
+
+
+def profile_mixer(args: argparse.Namespace, mixer: str) -> dict:
+    device = args.device
+    _, _, step = training_step(
+        mixer,
+        args.preset,
+        args.batch,
+        args.seq_len,
+        device,
+        num_layers=args.num_layers,
+        compile=args.compile,
+    )
     for _ in range(args.warmup):
         step()
     activities = [torch.profiler.ProfilerActivity.CPU]

@@ -1,0 +1,114 @@
+"""benchmarks/traffic.py: a training step's memory traffic by module, op and category."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltalab.layers.common import RMSNorm
+
+_BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+# traffic.py imports its sibling profile_train.py by name.
+sys.path.insert(0, str(_BENCHMARKS))
+_SPEC = importlib.util.spec_from_file_location("traffic", _BENCHMARKS / "traffic.py")
+traffic = importlib.util.module_from_spec(_SPEC)
+sys.modules["traffic"] = traffic  # its dataclass looks itself up there
+_SPEC.loader.exec_module(traffic)
+
+
+@pytest.fixture(scope="module")
+def gdn2_ops():
+    """One fake-tensor step of a 2-layer tiny GDN-2."""
+    return traffic.measure("gdn2", "tiny", batch=2, seq_len=32, num_layers=2)
+
+
+def test_categories_add_up_to_the_total(gdn2_ops):
+    summary = traffic.summarize(gdn2_ops, top=5, bandwidth=3e12)
+    total = summary["total"]["gb"]
+    assert total == pytest.approx(sum(o.bytes for o in gdn2_ops) / 1e9)
+    assert sum(c["gb"] for c in summary["categories"].values()) == pytest.approx(total)
+    assert sum(c["calls"] for c in summary["categories"].values()) == len(gdn2_ops)
+    assert sum(r["gb"] for r in summary["glue_by_phase"]) == pytest.approx(
+        summary["categories"][traffic.GLUE]["gb"]
+    )
+    for label in (traffic.GLUE, traffic.MATMUL, traffic.DELTA, traffic.OPTIMIZER):
+        assert summary["categories"][label]["gb"] > 0, label
+
+
+def test_matrix_products_and_kernels_are_not_glue(gdn2_ops):
+    products = [o for o in gdn2_ops if o.op in ("mm", "addmm", "bmm")]
+    assert products and all(o.category == traffic.MATMUL for o in products)
+    glue = [o for o in gdn2_ops if o.category == traffic.GLUE]
+    assert not any(o.op in traffic.MATMUL_OPS or o.op.startswith("triton:") for o in glue)
+    # The delta rule ran as the Triton kernels (stubs), both ways, not the PyTorch chunk path.
+    kernels = {o.op for o in gdn2_ops if o.category == traffic.DELTA}
+    assert "triton:_state_pass_fwd" in kernels and "triton:_state_pass_bwd" in kernels
+    assert not any("delta_rule/chunk.py" in o.function for o in gdn2_ops)
+
+
+def test_backward_ops_are_charged_to_the_forward_module(gdn2_ops):
+    norm = [o for o in gdn2_ops if o.path == "model.blocks.*.mixer.o_norm"]
+    assert {o.phase for o in norm} >= {"forward", "backward"}
+    assert {o.module for o in norm} == {"GatedRMSNorm"}
+    backward = [o for o in gdn2_ops if o.phase == "backward"]
+    assert not [o for o in backward if o.path in ("(untagged)", "(top)") and o.bytes]
+    # The weights' bf16 copies for the projections: CUDA autocast's casts, charged to Linear.
+    casts = [o for o in gdn2_ops if o.module == "Linear" and o.op == "_to_copy"]
+    assert any(o.phase == "forward" and o.dtypes == "f32->bf16" for o in casts)
+
+
+def test_an_rms_norm_moves_the_bytes_of_its_ops():
+    rows, dim = 15, 16
+    model = nn.Sequential(nn.Identity(), RMSNorm(dim))
+    x = torch.randn(3, 5, dim, requires_grad=True)
+    with traffic.recording(model) as recorder:
+        model(x).sum().backward()
+    forward = [o for o in recorder.ops if o.phase == "forward" and o.module == "RMSNorm"]
+    assert {o.path for o in forward} == {"1"}
+    # pow, mean, + eps, rsqrt, * rstd, * weight over float32 [rows, dim] and rstd [rows, 1].
+    assert [o.op for o in forward] == ["pow", "mean", "add", "rsqrt", "mul", "mul"]
+    expected = 4 * (7 * rows * dim + 6 * rows + dim)
+    assert sum(o.bytes for o in forward) == expected
+    assert all(o.category == traffic.GLUE for o in forward)
+    # Its backward: the Python backward of the autograd.Function, named by its own frame.
+    backward = [o for o in recorder.ops if o.phase == "backward" and o.module == "RMSNorm"]
+    moved = [o for o in backward if o.bytes]
+    assert len(moved) == 9 and all("_RMSNormFunction" in o.function for o in moved)
+
+
+def test_bytes_count_broadcasts_once_and_in_place_destinations_once():
+    model = nn.Identity()
+    a, b = torch.zeros(8, 4), torch.ones(4)
+    with traffic.recording(model) as recorder:
+        a.add_(b.expand(8, 4))  # reads a and one row, writes a
+        a.copy_(b.expand(8, 4))  # a copy does not read its destination
+        a.t().contiguous()  # the view is free, the copy is not
+    views = [o for o in recorder.ops if o.op in ("expand", "t")]
+    assert len(views) == 3 and not any(o.bytes for o in views)
+    add, copy, clone = (o for o in recorder.ops if o not in views)
+    assert (add.op, add.read, add.written) == ("add_", 4 * (32 + 4), 4 * 32)
+    assert (copy.op, copy.read, copy.written) == ("copy_", 4 * 4, 4 * 32)
+    assert (clone.op, clone.read, clone.written) == ("clone", 4 * 32, 4 * 32)
+
+
+def test_cpu_autocast_gets_cuda_lists_only_while_measuring():
+    x = torch.randn(4, 8).to(torch.bfloat16)
+    target = torch.zeros(4, dtype=torch.long)
+    with traffic.recording(nn.Identity()) as recorder:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.exp(x).dtype == torch.float32  # CUDA: fp32 list (CPU: bf16)
+            assert x.sum().dtype == torch.float32  # CUDA: float32 through dtype=
+            F.cross_entropy(x, target)
+    # cross_entropy is not cast as a whole (CPU's list casts it): its log_softmax runs in the
+    # logits' dtype (it passes that dtype), then nll_loss (fp32 list) casts.
+    ops = [(o.op, o.dtypes) for o in recorder.ops]
+    start = ops.index(("_log_softmax", "bf16->bf16"))
+    assert ops[start + 1 :] == [("_to_copy", "bf16->f32"), ("nll_loss_forward", "f32,i64->f32")]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.exp(x).dtype == torch.bfloat16  # CPU's own lists again
