@@ -1,4 +1,4 @@
-"""Times short_conv's Triton kernels against today's conv1d path (ShortConvolution's).
+"""Times short_conv's Triton kernels against the conv1d path (ShortConvolution's off Triton).
 
     python benchmarks/bench_short_conv.py --out conv.json                 # GPU, bfloat16, W=4
     python benchmarks/bench_short_conv.py --sweep --out conv.json         # and the launch sweep
@@ -8,10 +8,10 @@ Shapes: x `[4, 4096, C]`, C in (1024, 2048), one convolution of the three a mixe
 `[2, 37, 40]` on CPU under the interpreter, to prove the script runs). Per shape and backend,
 median ms of the forward (no autograd) and of forward + backward (dx and dweight, by
 `torch.autograd.grad` with a random dy), by `triton.testing.do_bench` on the GPU; no cache
-(training). "torch" is `short_conv(backend="torch")`, the path the layers take today: transpose,
-concatenation of the zero cache, grouped F.conv1d, SiLU; its y is a transposed view, as the
-layers get it (a later reshape that copies it is not timed; neither is ShortConvolution's
-`recomputed` checkpointing). Then torch / triton, and each backend's error against the float64
+(training). "torch" is `short_conv(backend="torch")`, the layers' path on the PyTorch backends
+(and on every backend before the kernels were wired in): transpose, concatenation of the zero
+cache, grouped F.conv1d, SiLU; its y is a transposed view, as the layers get it (a later reshape
+that copies it is not timed; neither is ShortConvolution's `recomputed` checkpointing). Then torch / triton, and each backend's error against the float64
 definition ("naive") on the same inputs: normwise relative error and max |error| / max |ref|,
 for y, dx and dweight.
 

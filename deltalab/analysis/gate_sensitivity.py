@@ -331,8 +331,10 @@ def _forward_mode_paths(model: nn.Module) -> Iterator[None]:
     AD needs each autograd Function on the way to define a jvp. The PyTorch paths ("chunk",
     "naive") are built from torch ops and have them; the Triton kernels' Functions define only
     a backward. So layers whose backend is "auto" or "triton" run the chunk path (and its
-    parallel variance scan) while the probes run, and get their backend back afterwards, also
-    after an error. The numbers agree up to rounding: both paths compute one function."""
+    parallel variance scan, and the conv1d path of their short convolutions, which follow the
+    layer's backend: `short_conv_backend`) while the probes run, and get their backend back
+    afterwards, also after an error. The numbers agree up to rounding: both paths compute one
+    function."""
     switched = [
         (layer, layer.backend)
         for layer in model.modules()
@@ -376,8 +378,8 @@ def gate_sensitivity(
     Returns a `SensitivityReport`: the numbers of the module docstring per layer and gate. A
     layer called more than once per loss is perturbed in every call; its memory is the last
     call's and the tokens are counted over all calls. The model is run as is (train/eval mode),
-    its delta-rule layers on the PyTorch chunk path (`_forward_mode_paths`: the Triton kernels
-    define no forward-mode derivative).
+    its delta-rule layers (short convolutions included) on the PyTorch chunk path
+    (`_forward_mode_paths`: the Triton kernels define no forward-mode derivative).
     """
     loss_fn = _default_loss if loss_fn is None else loss_fn
     probes = require_positive_int("probes", probes)

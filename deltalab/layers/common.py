@@ -44,6 +44,9 @@ from deltalab.ops.delta_rule import (
     require_chunk_size,
 )
 from deltalab.ops.parametrize import DeltaRuleInputs
+from deltalab.ops.short_conv import BACKENDS as SHORT_CONV_BACKENDS
+from deltalab.ops.short_conv import resolve_backend as resolve_short_conv_backend
+from deltalab.ops.short_conv import short_conv
 
 __all__ = [
     "GATE_ACTIVATIONS",
@@ -67,6 +70,7 @@ __all__ = [
     "require_positive_int",
     "run_delta_rule",
     "shared_autocast_input",
+    "short_conv_backend",
     "zero_at_padding",
 ]
 
@@ -81,7 +85,8 @@ class FrontendOptions:
 
     hidden_size: D. num_heads: H. head_dim: K. value_dim: V (None: K).
     conv_size: kernel of the short convolutions. chunk_size: tokens per chunk, 16..256.
-    backend: `delta_rule`'s backend for whole sequences ("auto", "naive", "chunk", "triton").
+    backend: `delta_rule`'s backend for whole sequences ("auto", "naive", "chunk", "triton"),
+        which the short convolutions follow (`short_conv_backend`).
     gate_activation: "sigmoid" or "silu" on the output gate, None for the mixer's default.
     norm_eps: of the output RMSNorm.
     """
@@ -288,7 +293,8 @@ class ShortConvolution(nn.Module):
     """Causal depthwise conv1d followed by SiLU, with a cache of the last `kernel_size - 1` inputs.
 
     The cache makes decoding exact: the convolution over `[cache, x]` is the one the full sequence
-    would have seen, for any number of new tokens.
+    would have seen, for any number of new tokens. The weight is stored `[C, 1, W]`, as
+    nn.Conv1d's, whichever backend runs it.
     """
 
     def __init__(self, channels: int, kernel_size: int = 4) -> None:
@@ -300,19 +306,45 @@ class ShortConvolution(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
     def forward(
-        self, x: torch.Tensor, cache: torch.Tensor | None = None
+        self, x: torch.Tensor, cache: torch.Tensor | None = None, *, backend: str = "torch"
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x `[B, T, C]`, cache `[B, C, W-1]` (zeros when None) -> (y `[B, T, C]`, new cache)."""
+        """x `[B, T, C]`, cache `[B, C, W-1]` (zeros when None) -> (y `[B, T, C]`, new cache).
+
+        backend: `short_conv`'s ("auto", "naive", "torch", "triton"; a mixer passes
+        `short_conv_backend(its backend)`). "torch" is the grouped conv1d path, whose
+        intermediates are computed again in the backward rather than kept (`recomputed`);
+        the others run `short_conv`.
+        """
         batch, length, channels = x.shape
         width = self.kernel_size - 1
+        if cache is not None:
+            require_shape("conv cache", cache, (batch, channels, width), "[B, C, W-1]")
+        require_choice("backend", backend, SHORT_CONV_BACKENDS)
+        if resolve_short_conv_backend(backend, x.device, self.kernel_size) != "torch":
+            # short_conv takes the cache: decoding steps (T = 1) run on the same kernels.
+            return short_conv(x, self.weight, cache, backend=backend)
         x_t = x.transpose(1, 2)
         if cache is None:
             cache = x_t.new_zeros(batch, channels, width)
-        require_shape("conv cache", cache, (batch, channels, width), "[B, C, W-1]")
         padded = torch.cat([cache.to(x_t.dtype), x_t], dim=-1)
         # Keeps the padded input for backward, not the convolution's output (`recomputed`).
         y = recomputed(_conv_silu, padded, self.weight)
         return y.transpose(1, 2), padded[..., length:]
+
+
+def short_conv_backend(backend: str, dtype: torch.dtype) -> str:
+    """The short convolutions' backend for a mixer whose delta rule runs on `backend`, with
+    inputs of `dtype`: the convolutions take the same kind of path as the delta rule.
+
+    "triton" -> "triton" (the kernels: CUDA, or CPU under TRITON_INTERPRET=1). "auto" -> "auto"
+    (Triton on CUDA, conv1d elsewhere; `short_conv`), except float64, which stays in PyTorch as
+    the delta rule's "auto" keeps it (the kernels compute in float32). "chunk", "naive" ->
+    "torch": the PyTorch paths stay PyTorch end to end, which forward-mode AD needs (gate
+    sensitivity switches layers to "chunk" for that; the Triton Function defines no jvp).
+    """
+    if backend == "triton" or (backend == "auto" and dtype != torch.float64):
+        return backend
+    return "torch"
 
 
 def _conv_silu(padded: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -689,9 +721,13 @@ class DeltaMixer(nn.Module, abc.ABC):
             y = proj(x_in())
             return y if mask is None else y * mask.unsqueeze(-1).to(y.dtype)
 
-        q, conv_q = self.q_conv(projected(self.q_proj), None if state is None else state.conv_q)
-        k, conv_k = self.k_conv(projected(self.k_proj), None if state is None else state.conv_k)
-        v, conv_v = self.v_conv(projected(self.v_proj), None if state is None else state.conv_v)
+        # The short convolutions follow the delta rule's backend (read here, on every call, so
+        # a layer switched to another backend, as gate sensitivity does, takes them along).
+        conv_backend = short_conv_backend(self.backend, x.dtype)
+        caches = (None,) * 3 if state is None else (state.conv_q, state.conv_k, state.conv_v)
+        q, conv_q = self.q_conv(projected(self.q_proj), caches[0], backend=conv_backend)
+        k, conv_k = self.k_conv(projected(self.k_proj), caches[1], backend=conv_backend)
+        v, conv_v = self.v_conv(projected(self.v_proj), caches[2], backend=conv_backend)
         q = l2_normalize(q.unflatten(-1, (heads, self.head_dim)))
         k = l2_normalize(k.unflatten(-1, (heads, self.head_dim)))
         v = v.unflatten(-1, (heads, self.value_dim))
