@@ -134,6 +134,15 @@ def test_loss_is_next_token_cross_entropy(generator):
         out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()
     )
     assert_close(out.loss, expected, 1e-6)
+    # Labels of -100 (padding) are left out of the mean, wherever they are.
+    labels = ids.clone()
+    labels[0, 3:7] = -100
+    labels[1, -1] = -100
+    kept = labels[:, 1:].flatten() != -100
+    per_token = torch.nn.functional.cross_entropy(
+        out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none"
+    )
+    assert_close(model(ids, labels=labels).loss, per_token[kept].mean(), 1e-6)
 
 
 def test_unknown_mixer_and_preset_and_field_are_named():

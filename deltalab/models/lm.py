@@ -233,9 +233,11 @@ class CausalLM(DeltaLabPreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden).float()
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
-            )
+            # Token t predicts label t + 1: the labels shift left and the last position is
+            # ignored, rather than slicing the logits, whose float32 slice would be copied by
+            # flatten and copied again by its backward (a full [B, T, vocab] each way).
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
 
     def prepare_inputs_for_generation(
