@@ -45,7 +45,8 @@ What it models of the H200 run:
 - Values: fake tensors have none. The value checks (`require_nonpositive`, the token-id range)
   still dispatch their comparison and reduction, as on the GPU (where they also synchronize);
   reading the answer back (`aten._local_scalar_dense`) gives the answer that passes (True from
-  `all`, False from `any`, 1 from a number).
+  `all`, False from `any`, 1 from a number). Each read back is counted in its own category,
+  host reads: on a GPU each one makes the host wait for the queue to drain.
 - Not modeled: torch.compile, the allocator, kernel launch overhead, and any difference between
   CUDA's and CPU's decompositions of an op (the same composite ops decompose the same way; the
   CPU flash attention stands in for the CUDA one, both one opaque op).
@@ -93,7 +94,11 @@ ATTENTION = "attention"
 CONVOLUTION = "convolution"
 DELTA = "delta-rule and KDN kernels"
 OPTIMIZER = "optimizer"
-CATEGORY_ORDER = (GLUE, MATMUL, DELTA, ATTENTION, CONVOLUTION, OPTIMIZER)
+# A value read back to the host (`.item()`, `bool(tensor)`: a value check): no bytes to speak
+# of, but on a GPU the host waits there until every queued kernel has run, and the GPU idles
+# until the host has queued the next ones.
+HOST_READ = "host reads (syncs)"
+CATEGORY_ORDER = (GLUE, MATMUL, DELTA, ATTENTION, CONVOLUTION, OPTIMIZER, HOST_READ)
 
 MATMUL_OPS = frozenset(
     {"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "dot", "mv", "addmv", "addr"}
@@ -185,6 +190,8 @@ def _dtypes(tensors: list[torch.Tensor]) -> str:
 
 def op_category(op: str, phase: str) -> str:
     """The category of an aten op name (overload dropped) run in `phase`."""
+    if op == "_local_scalar_dense":
+        return HOST_READ
     if phase == "optimizer":
         return OPTIMIZER
     if op.startswith("triton:"):
@@ -225,15 +232,20 @@ def op_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[int, int, 
     return read, sum(accessed_bytes(t) for t in mutated), inputs, mutated
 
 
+# The value checks: a host read is charged to the function that called the check.
+CHECKS = os.path.join(PACKAGE, "ops", "_checks.py")
+
+
 def deltalab_frame() -> tuple[str, bool]:
     """The innermost deltalab function on the Python stack as `file:qualname` (path inside the
-    package), and whether a checkpoint recompute is under way above it."""
+    package; the checks of `ops/_checks.py` are skipped for their caller), and whether a
+    checkpoint recompute is under way above it."""
     frame = sys._getframe(2)
     found = ""
     recompute = False
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not found and filename.startswith(PACKAGE) and filename != HERE:
+        if not found and filename.startswith(PACKAGE) and filename not in (HERE, CHECKS):
             found = f"{os.path.relpath(filename, PACKAGE)}:{frame.f_code.co_qualname}"
         if filename.endswith(os.path.join("torch", "utils", "checkpoint.py")):
             recompute = recompute or frame.f_code.co_name in ("unpack_hook", "recompute_fn")
@@ -354,7 +366,11 @@ class _Dispatch(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
             # A value read back to the host: fake tensors have none. The answer that passes a
             # check (`all`: True, `any`: False); 1 is a valid token id and a step count that
-            # AdamW can divide by.
+            # AdamW can divide by. Counted as a host read, except the optimizer's: AdamW keeps
+            # its step counts on the host when the parameters are on a GPU (not fused or
+            # capturable), so reading them waits for nothing.
+            if self.recorder.recording and self.recorder.phase != "optimizer":
+                self.recorder.record("_local_scalar_dense", [args[0]], [], 0, 0)
             if args[0].dtype == torch.bool:
                 ref = self.any_results.get(id(args[0]))
                 return ref is None or ref() is not args[0]
@@ -637,6 +653,9 @@ def summarize(ops: list[Op], top: int, bandwidth: float) -> dict:
         )[:top],
         "glue_by_function": grouped(glue, lambda o: (o.function or o.module,))[:top],
         "glue_by_module": grouped(glue, lambda o: (o.module, o.path))[:top],
+        "host_reads_by_function": grouped(
+            [o for o in ops if o.category == HOST_READ], lambda o: (o.function or o.module,)
+        )[:top],
     }
 
 
@@ -665,6 +684,10 @@ def _print_report(mixer: str, summary: dict, args: argparse.Namespace) -> None:
     print("\nglue by module")
     rows = [[r["gb"], r["ms"], r["calls"], *r["key"]] for r in summary["glue_by_module"]]
     print(format_table(["GB", "ms", "calls", "module", "path"], rows))
+    if summary["host_reads_by_function"]:
+        print("\nhost reads (each a GPU sync) by deltalab function")
+        rows = [[r["calls"], r["key"][0]] for r in summary["host_reads_by_function"]]
+        print(format_table(["reads", "function"], rows))
 
 
 def main() -> None:

@@ -112,3 +112,17 @@ def test_cpu_autocast_gets_cuda_lists_only_while_measuring():
     assert ops[start + 1 :] == [("_to_copy", "bf16->f32"), ("nll_loss_forward", "f32,i64->f32")]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.exp(x).dtype == torch.bfloat16  # CPU's own lists again
+
+
+def test_value_checks_are_counted_as_host_reads_of_no_bytes(gdn2_ops):
+    """Every value read back to the host (a check's answer) is one op of the host-read
+    category, moving no bytes; the delta rule's check of g <= 0 is among them."""
+    reads = [o for o in gdn2_ops if o.category == traffic.HOST_READ]
+    assert reads and all(o.op == "_local_scalar_dense" for o in reads)
+    assert all(o.phase != "optimizer" for o in reads)  # AdamW's step counts stay on the host
+    assert sum(o.bytes for o in reads) == 0
+    assert not any(o.op == "_local_scalar_dense" for o in gdn2_ops if o.category != traffic.HOST_READ)
+    summary = traffic.summarize(gdn2_ops, top=50, bandwidth=3e12)
+    assert summary["categories"][traffic.HOST_READ]["calls"] == len(reads)
+    functions = {r["key"][0] for r in summary["host_reads_by_function"]}
+    assert any("delta_rule" in f for f in functions), functions
