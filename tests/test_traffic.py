@@ -121,7 +121,9 @@ def test_value_checks_are_counted_as_host_reads_of_no_bytes(gdn2_ops):
     assert reads and all(o.op == "_local_scalar_dense" for o in reads)
     assert all(o.phase != "optimizer" for o in reads)  # AdamW's step counts stay on the host
     assert sum(o.bytes for o in reads) == 0
-    assert not any(o.op == "_local_scalar_dense" for o in gdn2_ops if o.category != traffic.HOST_READ)
+    assert not any(
+        o.op == "_local_scalar_dense" for o in gdn2_ops if o.category != traffic.HOST_READ
+    )
     summary = traffic.summarize(gdn2_ops, top=50, bandwidth=3e12)
     assert summary["categories"][traffic.HOST_READ]["calls"] == len(reads)
     functions = {r["key"][0] for r in summary["host_reads_by_function"]}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from deltalab.ops._checks import (
+    one_host_read,
     require_float,
     require_rank,
     require_same_device,
@@ -140,15 +141,16 @@ def kdn_exact(
         `(o [B, T, H, V] in q's dtype, (memory [B, H, K, V], covariance [B, H, K, K]) or
         None)`, o_t = scale * S_t^T q_t with S_t the posterior mean after token t.
     """
-    k = check_keys(k, "B, T, H")
-    check_query_value(q, v, k, "B, T, H")
-    check_decay(g, k, "B, T, H")
-    check_noise(q_noise, r, k, "B, T, H", per_channel_process=True)
-    batch, _, heads, key_dim = k.shape
-    memory, P_init = split_state(initial_state, "initial_state")
-    P_prior = _prior_covariance(P0, P_init, batch, heads, key_dim)
-    named = {"q": q, "k": k, "v": v, "g": g, "q_noise": q_noise, "r": r, "P0": P0}
-    require_same_device({**named, "initial_state[1]": P_init})
+    with one_host_read():  # the value checks below read back once, not one by one
+        k = check_keys(k, "B, T, H")
+        check_query_value(q, v, k, "B, T, H")
+        check_decay(g, k, "B, T, H")
+        check_noise(q_noise, r, k, "B, T, H", per_channel_process=True)
+        batch, _, heads, key_dim = k.shape
+        memory, P_init = split_state(initial_state, "initial_state")
+        P_prior = _prior_covariance(P0, P_init, batch, heads, key_dim)
+        named = {"q": q, "k": k, "v": v, "g": g, "q_noise": q_noise, "r": r, "P0": P0}
+        require_same_device({**named, "initial_state[1]": P_init})
 
     dtype = state_dtype(*named.values(), P_init)
     inputs = [x.to(dtype) for x in (k, g, q_noise, r)]

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from deltalab.ops._checks import require_choice, require_same_device, state_dtype
+from deltalab.ops._checks import one_host_read, require_choice, require_same_device, state_dtype
 from deltalab.ops.kdn._validate import (
     check_decay,
     check_info_scale,
@@ -179,14 +179,15 @@ def kdn_gain_iso(
         `output_predictive`, then `predictive [B, T, H]` = p_bar_t ||k_t||^2 (beta_t =
         p_bar_t / (predictive_t + r_t)). Float64 when any input is float64, else float32.
     """
-    k = check_keys(k, "B, T, H")
-    check_decay(g, k, "B, T, H")
-    check_noise(q_noise, r, k, "B, T, H", per_channel_process=False)
-    batch, _, heads, key_dim = k.shape
-    p_prior = prior_variance(p0, initial_precision, batch, (heads,))
-    scale = check_info_scale(info_scale, key_dim)
-    named = {"k": k, "g": g, "q_noise": q_noise, "r": r, "p0": p0}
-    require_same_device({**named, "initial_precision": initial_precision})
+    with one_host_read():  # the value checks below read back once, not one by one
+        k = check_keys(k, "B, T, H")
+        check_decay(g, k, "B, T, H")
+        check_noise(q_noise, r, k, "B, T, H", per_channel_process=False)
+        batch, _, heads, key_dim = k.shape
+        p_prior = prior_variance(p0, initial_precision, batch, (heads,))
+        scale = check_info_scale(info_scale, key_dim)
+        named = {"k": k, "g": g, "q_noise": q_noise, "r": r, "p0": p0}
+        require_same_device({**named, "initial_precision": initial_precision})
     scan = resolve_backend(require_choice("backend", backend, BACKENDS), k.device)
     dtype = state_dtype(*named.values(), initial_precision)
     inputs = (x.to(dtype) for x in (k, g, q_noise, r, p_prior))
@@ -225,14 +226,15 @@ def kdn_gain_diag(
         `output_predictive`, then `predictive [B, T, H]` = k_t^T (p_bar_t * k_t) (the gain's
         denominator less r_t). Float64 when any input is float64, else float32.
     """
-    k = check_keys(k, "B, T, H")
-    check_decay(g, k, "B, T, H")
-    check_noise(q_noise, r, k, "B, T, H", per_channel_process=True)
-    batch, _, heads, key_dim = k.shape
-    p_prior = prior_variance(p0, initial_precision, batch, (heads, key_dim), per_head=True)
-    scale = check_info_scale(info_scale, key_dim)
-    named = {"k": k, "g": g, "q_noise": q_noise, "r": r, "p0": p0}
-    require_same_device({**named, "initial_precision": initial_precision})
+    with one_host_read():  # the value checks below read back once, not one by one
+        k = check_keys(k, "B, T, H")
+        check_decay(g, k, "B, T, H")
+        check_noise(q_noise, r, k, "B, T, H", per_channel_process=True)
+        batch, _, heads, key_dim = k.shape
+        p_prior = prior_variance(p0, initial_precision, batch, (heads, key_dim), per_head=True)
+        scale = check_info_scale(info_scale, key_dim)
+        named = {"k": k, "g": g, "q_noise": q_noise, "r": r, "p0": p0}
+        require_same_device({**named, "initial_precision": initial_precision})
     scan = resolve_backend(require_choice("backend", backend, BACKENDS), k.device)
     dtype = state_dtype(*named.values(), initial_precision)
     inputs = (x.to(dtype) for x in (k, g, q_noise, r, p_prior))

@@ -9,6 +9,7 @@ import torch
 
 from deltalab.ops._checks import (
     check_cu_seqlens,
+    one_host_read,
     require_choice,
     require_same_device,
     state_dtype,
@@ -92,23 +93,24 @@ def _kdn(
     backend: str,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     diagonal = variant == "diag"
-    k = check_keys(k, "B, T, H")
-    check_query_value(q, v, k, "B, T, H")
-    check_decay(g, k, "B, T, H")
-    check_noise(q_noise, r, k, "B, T, H", per_channel_process=diagonal)
-    require_choice("backend", backend, BACKENDS)
-    batch, length, heads, key_dim = k.shape
-    # Validated as an int64 tensor on k's device: the variance scan takes it as it is.
-    cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, batch, length, k.device)
-    sequences = batch if cu is None else cu.numel() - 1
-    memory, precision = split_state(initial_state, "initial_state")
-    tail = (heads, key_dim) if diagonal else (heads,)
-    p_prior = prior_variance(
-        p0, precision, sequences, tail, ("p0", "initial_state[1]"), per_head=diagonal
-    )
-    s = check_info_scale(info_scale, key_dim)
-    named = {"q": q, "k": k, "v": v, "g": g, "q_noise": q_noise, "r": r, "p0": p0}
-    require_same_device({**named, "initial_state[1]": precision})
+    with one_host_read():  # the value checks below read back once, not one by one
+        k = check_keys(k, "B, T, H")
+        check_query_value(q, v, k, "B, T, H")
+        check_decay(g, k, "B, T, H")
+        check_noise(q_noise, r, k, "B, T, H", per_channel_process=diagonal)
+        require_choice("backend", backend, BACKENDS)
+        batch, length, heads, key_dim = k.shape
+        # Validated as an int64 tensor on k's device: the variance scan takes it as it is.
+        cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, batch, length, k.device)
+        sequences = batch if cu is None else cu.numel() - 1
+        memory, precision = split_state(initial_state, "initial_state")
+        tail = (heads, key_dim) if diagonal else (heads,)
+        p_prior = prior_variance(
+            p0, precision, sequences, tail, ("p0", "initial_state[1]"), per_head=diagonal
+        )
+        s = check_info_scale(info_scale, key_dim)
+        named = {"q": q, "k": k, "v": v, "g": g, "q_noise": q_noise, "r": r, "p0": p0}
+        require_same_device({**named, "initial_state[1]": precision})
 
     dtype = state_dtype(*named.values(), precision)
     inputs = [x.to(dtype) for x in (k, g, q_noise, r, p_prior)]

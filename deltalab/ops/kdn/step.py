@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from deltalab.ops._checks import require_float, require_positive, require_shape, state_dtype
+from deltalab.ops._checks import (
+    one_host_read,
+    require_float,
+    require_positive,
+    require_shape,
+    state_dtype,
+)
 from deltalab.ops.delta_rule import delta_rule_step
 from deltalab.ops.kdn._validate import (
     check_decay,
@@ -31,18 +37,19 @@ def _step(
     info_scale: float | None,
     backend: str,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    k = check_keys(k, "B, H")
-    check_query_value(q, v, k, "B, H")
-    check_decay(g, k, "B, H")
-    check_noise(q_noise, r, k, "B, H", per_channel_process=diagonal)
-    if state is None:
-        raise TypeError("state must be a pair (memory, precision), got None")
-    memory, precision = split_state(state, "state")
-    memory = require_float("state[0]", memory)
-    precision = require_float("state[1]", precision)
-    layout = "[B, H, K]" if diagonal else "[B, H]"
-    require_shape("state[1]", precision, k.shape if diagonal else k.shape[:-1], layout)
-    require_positive("state[1]", precision, "a precision 1 / p")
+    with one_host_read():  # the value checks below read back once, not one by one
+        k = check_keys(k, "B, H")
+        check_query_value(q, v, k, "B, H")
+        check_decay(g, k, "B, H")
+        check_noise(q_noise, r, k, "B, H", per_channel_process=diagonal)
+        if state is None:
+            raise TypeError("state must be a pair (memory, precision), got None")
+        memory, precision = split_state(state, "state")
+        memory = require_float("state[0]", memory)
+        precision = require_float("state[1]", precision)
+        layout = "[B, H, K]" if diagonal else "[B, H]"
+        require_shape("state[1]", precision, k.shape if diagonal else k.shape[:-1], layout)
+        require_positive("state[1]", precision, "a precision 1 / p")
     s = check_info_scale(info_scale, k.shape[-1])
 
     dtype = state_dtype(q, k, v, g, q_noise, r, memory, precision)

@@ -1,0 +1,116 @@
+"""The value checks of deltalab.ops._checks read their answers back to the host one at a time,
+or, inside `one_host_read`, all together once; either way a failing input gets the same error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from deltalab.ops import kdn_diag
+from deltalab.ops._checks import (
+    NonFiniteError,
+    one_host_read,
+    require_finite,
+    require_nonnegative,
+    require_nonpositive,
+    require_positive,
+)
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the values read back to the host (`aten._local_scalar_dense`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def run_checks(g, q_noise, r, p0):
+    require_nonpositive("g", g, "a log decay")
+    require_nonnegative("q_noise", q_noise, "a process-noise variance")
+    require_finite("q_noise", q_noise, "a process-noise variance")
+    require_positive("r", r, "an observation-noise variance")
+    require_finite("r", r, "an observation-noise variance")
+    require_positive("p0", p0, "a prior variance")
+
+
+def valid_inputs(generator):
+    draw = lambda: torch.rand(2, 5, 3, generator=generator)  # noqa: E731
+    return {"g": -draw(), "q_noise": draw(), "r": draw() + 0.1, "p0": draw() + 0.1}
+
+
+def test_checks_in_a_block_read_back_once_instead_of_once_each(generator):
+    inputs = valid_inputs(generator)
+    with HostReads() as alone:
+        run_checks(**inputs)
+    with HostReads() as together:
+        with one_host_read():
+            run_checks(**inputs)
+    assert alone.count == 6
+    assert together.count == 1
+
+
+BREAKS = [
+    ("g", lambda x: x.index_fill(0, torch.tensor([1]), 0.5), ValueError, "g must be <= 0"),
+    ("q_noise", lambda x: -x, ValueError, "q_noise must be >= 0"),
+    ("q_noise", lambda x: x.index_fill(1, torch.tensor([2]), float("inf")), NonFiniteError,
+     "q_noise must be finite"),
+    ("r", lambda x: x.index_fill(2, torch.tensor([0]), float("nan")), NonFiniteError,
+     "r must be > 0"),
+    ("p0", lambda x: torch.zeros_like(x), ValueError, "p0 must be > 0"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "broken", "error", "message"), BREAKS)
+def test_a_failing_check_in_a_block_raises_what_it_raises_alone(
+    generator, name, broken, error, message
+):
+    inputs = valid_inputs(generator)
+    inputs[name] = broken(inputs[name])
+    with pytest.raises(error, match=message) as alone:
+        run_checks(**inputs)
+    with pytest.raises(error, match=message) as together:
+        with one_host_read():
+            run_checks(**inputs)
+    assert type(together.value) is type(alone.value)
+    assert str(together.value) == str(alone.value)
+
+
+def test_the_first_failing_check_in_order_names_the_error(generator):
+    inputs = valid_inputs(generator)
+    inputs["q_noise"], inputs["p0"] = -inputs["q_noise"], -inputs["p0"]
+    with pytest.raises(ValueError, match="q_noise must be >= 0"):
+        with one_host_read():
+            run_checks(**inputs)
+
+
+def test_an_error_inside_the_block_propagates_and_leaves_checks_immediate(generator):
+    inputs = valid_inputs(generator)
+    with pytest.raises(KeyError):
+        with one_host_read():
+            require_positive("p0", -inputs["p0"], "a prior variance")  # queued, never read
+            raise KeyError("raised inside")
+    with pytest.raises(ValueError, match="p0 must be > 0"):  # outside: at once again
+        require_positive("p0", -inputs["p0"], "a prior variance")
+
+
+def test_a_kdn_op_reads_its_inputs_checks_back_once(generator):
+    """Diagonal KDN checks g, q_noise, r and p0 (6 answers) with one read back, and still
+    refuses a positive log decay by name."""
+    b, t, h, k = 1, 6, 2, 4
+    draw = lambda *shape: torch.rand(*shape, generator=generator)  # noqa: E731
+    q, key, v = draw(b, t, h, k), draw(b, t, h, k), draw(b, t, h, k)
+    g, q_noise, r = -draw(b, t, h, k), draw(b, t, h, k), draw(b, t, h) + 0.5
+    p0 = torch.ones(h)
+    with HostReads() as reads:
+        kdn_diag(q, key, v, g, q_noise, r, p0=p0, backend="chunk")
+    # One for the KDN's inputs, one for the delta rule's own check of its gates.
+    assert reads.count == 2
+    with pytest.raises(ValueError, match="g must be <= 0"):
+        kdn_diag(q, key, v, -g, q_noise, r, p0=p0, backend="chunk")
