@@ -172,7 +172,7 @@ class _Norm(torch.autograd.Function):
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
         gate_act = GATES[activation if gate is not None else None]
         _norm_fwd[(triton.cdiv(rows, block_m),)](
-            x, x if weight is None else weight, x if gate is None else gate, y, rstd, rows, dim,
+            x, weight, gate, y, rstd, rows, dim,
             _row_stride(x), 0 if gate is None else _row_stride(gate), eps,
             BM=block_m, BN=block_n, MEAN=mean, HAS_WEIGHT=weight is not None, GATE_ACT=gate_act,
             num_warps=warps,
@@ -194,17 +194,13 @@ class _Norm(torch.autograd.Function):
         dy = _rows(dy)
         dx = torch.empty(rows, dim, dtype=x.dtype, device=x.device)
         want_dgate = gate is not None and ctx.needs_input_grad[2]
-        # dgate takes the gate's row stride: the kernel addresses both alike.
-        dgate = (
-            torch.empty_strided(gate.shape, gate.stride(), dtype=gate.dtype, device=gate.device)
-            if want_dgate
-            else None
-        )
+        dgate = torch.empty_like(gate) if want_dgate else None
         want_dw = weight is not None and ctx.needs_input_grad[1]
-        dw_parts = torch.empty(programs, dim, dtype=torch.float32, device=x.device)
+        dw_parts = (
+            torch.empty(programs, dim, dtype=torch.float32, device=x.device) if want_dw else None
+        )
         _norm_bwd[(programs,)](
-            x, x if weight is None else weight, x if gate is None else gate, rstd, dy, dx,
-            dx if dgate is None else dgate, dw_parts, rows, dim, _row_stride(x),
+            x, weight, gate, rstd, dy, dx, dgate, dw_parts, rows, dim, _row_stride(x),
             0 if gate is None else _row_stride(gate), _row_stride(dy), per_program,
             BM=block_m, BN=block_n, MEAN=ctx.mean, HAS_WEIGHT=weight is not None,
             GATE_ACT=ctx.gate_act, WANT_DGATE=want_dgate, WANT_DW=want_dw, num_warps=warps,
@@ -255,7 +251,8 @@ def rms_norm_triton(
     if x.numel() == 0:
         return rms_norm_naive(x, weight, eps, gate, activation).to(out_dtype)
     x2 = _rows(x)
-    gate2 = None if gate is None else _rows(gate)
+    # Contiguous (as the layers' gates are already): dgate is written in the same layout.
+    gate2 = None if gate is None else _rows(gate).contiguous()
     y = _Norm.apply(x2, weight, gate2, float(eps), True, activation, out_dtype)
     return y.view(x.shape)
 
