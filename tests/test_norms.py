@@ -316,12 +316,13 @@ def test_triton_bfloat16_is_as_close_to_float64_as_the_torch_path(generator, gat
 
 
 @needs_triton
-def test_gate_sensitivity_runs_forward_mode_through_the_triton_block_norms():
+def test_gate_sensitivity_probes_run_every_norm_on_the_torch_path_and_restore_them():
     """Gate-sensitivity probes switch the delta-rule layers (and with them the q/k and output
-    norms) to the PyTorch paths; the block norms stay on Triton, through their jvp. The report
-    equals the all-PyTorch model's."""
+    norms) and the block norms to the PyTorch paths, and give them back their backend: the
+    report equals the all-PyTorch model's. (The Triton norms' own jvp is checked above.)"""
     from deltalab.analysis import gate_sensitivity
     from deltalab.models import CausalLM, DeltaLabConfig
+    from deltalab.ops.norms import triton as kernels
 
     ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -333,11 +334,20 @@ def test_gate_sensitivity_runs_forward_mode_through_the_triton_block_norms():
         torch.manual_seed(0)
         model = CausalLM(config).to(DEVICE).eval()
         loss = lambda m, b: m(input_ids=b, labels=b).loss  # noqa: E731
-        return gate_sensitivity(model, ids.to(DEVICE), probes=1, seed=0, loss_fn=loss)
+        result = gate_sensitivity(model, ids.to(DEVICE), probes=1, seed=0, loss_fn=loss)
+        norm_backends = {m.backend for m in model.modules() if isinstance(m, common.RMSNorm)}
+        assert norm_backends == {norms.layer_backend(backend)}
+        return result
 
-    triton_report, torch_report = report("triton"), report("chunk")
+    def no_jvp(*args):
+        raise AssertionError("a probe ran a Triton norm")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels._Norm, "jvp", staticmethod(no_jvp))
+        triton_report = report("triton")
+    torch_report = report("chunk")
     for table in ("state", "loss"):
         ours, theirs = getattr(triton_report, table), getattr(torch_report, table)
         for layer, gates in theirs.items():
             for gate, value in gates.items():
-                assert ours[layer][gate] == pytest.approx(value, rel=1e-4), (table, layer, gate)
+                assert ours[layer][gate] == pytest.approx(value, rel=1e-6), (table, layer, gate)
