@@ -128,7 +128,7 @@ def test_triton_weight_gradient_sums_over_many_programs(generator, poisoned_empt
     rows: each program's partial dweight is summed once."""
     from deltalab.ops.norms import triton as kernels
 
-    monkeypatch.setattr(kernels, "BLOCK_ELEMENTS", 32)
+    monkeypatch.setattr(kernels, "BLOCK_ELEMENTS", {"forward": 32, "backward": 32})
     monkeypatch.setattr(kernels, "BACKWARD_PROGRAMS", 3)
     inputs = norm_inputs(generator, (7, 3, 16))
     expected = rms_with_grads(inputs, "naive", F64, True, "silu", "cpu")

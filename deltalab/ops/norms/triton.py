@@ -7,7 +7,8 @@ Layout. x (and the gate, dy) are taken as `[M, N]` rows, each row N contiguous e
 row stride (a view when the caller's tensor allows it, else a copy). A program owns BM rows of
 BN = next_power_of_2(N) columns, the whole row: the row's sum of squares is one `tl.sum` in
 registers, no second pass over memory. BM grows as N shrinks (BLOCK_ELEMENTS elements a program),
-so a head_dim-128 row and a 1024-wide row keep the same number of loads in flight.
+so a head_dim-128 row and a 1024-wide row keep the same number of loads in flight (the
+backward, which holds more per element, at half the tile).
 
 Forward traffic. One read of x (and of the gate), one write of y in the output dtype, and 4
 bytes per row of 1/rms (r, kept for the backward). Everything in between is float32 registers.
@@ -36,10 +37,14 @@ import triton.language as tl
 
 from deltalab.ops.norms.reference import compute_dtype, l2_normalize_naive, rms_norm_naive
 
-# Elements (BM rows x BN columns) a program holds in its tile, and the warps over them: 16
-# float32 values of x a thread at 8 warps. To be tuned on the GPU (benchmarks/bench_norms.py).
-BLOCK_ELEMENTS = 4096
-MAX_WARPS = 8
+# Elements (BM rows x BN columns) a program holds in its tile, and the elements a thread holds
+# (which sets the warps, at most MAX_WARPS), per kernel. Compiled for sm_90 (ptxas, no GPU): the
+# forward at 16 a thread takes 64-80 registers; the backward at 16 took 159-209 (head_dim 128,
+# gated, bfloat16: one program of 8 warps an SM), at 8 it takes 74-105, no spills. To be tuned
+# on the GPU (benchmarks/bench_norms.py).
+BLOCK_ELEMENTS = {"forward": 4096, "backward": 2048}
+PER_THREAD = {"forward": 16, "backward": 8}
+MAX_WARPS = 16
 # Row blocks are spread over at most this many backward programs (each keeps a float32 dw row):
 # about 8 programs of 8 warps an SM on an H200's 132 SMs, one wave; the partial-sum buffer is
 # then 1024 x N x 4 bytes (4 MiB at N = 1024).
@@ -135,13 +140,14 @@ def _norm_bwd(X, WEIGHT, GATE, RSTD, DY, DX, DGATE, DW, M, N, stride_x, stride_g
         tl.store(DW + pid.to(tl.int64) * N + cols, dw, mask=col_ok)
 
 
-def launch(rows: int, dim: int) -> tuple[int, int, int]:
-    """(BM rows, BN columns, warps) of a program for M rows of N = dim: BN the power of 2
-    covering N, BM = BLOCK_ELEMENTS / BN rows (at least 1, at most the rows' power of 2), and
-    warps for about 16 elements a thread (at most MAX_WARPS, at least 1)."""
+def launch(rows: int, dim: int, kernel: str) -> tuple[int, int, int]:
+    """(BM rows, BN columns, warps) of a `kernel` ("forward" or "backward") program for M rows
+    of N = dim: BN the power of 2 covering N, BM = BLOCK_ELEMENTS / BN rows (at least 1, at most
+    the rows' power of 2), warps for PER_THREAD elements a thread (1 to MAX_WARPS)."""
     block_n = triton.next_power_of_2(dim)
-    block_m = max(1, min(BLOCK_ELEMENTS // block_n, triton.next_power_of_2(max(rows, 1))))
-    warps = max(1, min(MAX_WARPS, block_m * block_n // 512))
+    tile = BLOCK_ELEMENTS[kernel]
+    block_m = max(1, min(tile // block_n, triton.next_power_of_2(max(rows, 1))))
+    warps = max(1, min(MAX_WARPS, block_m * block_n // (32 * PER_THREAD[kernel])))
     return block_m, block_n, warps
 
 
@@ -167,7 +173,7 @@ class _Norm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, gate, eps: float, mean: bool, activation, out_dtype):
         rows, dim = x.shape
-        block_m, block_n, warps = launch(rows, dim)
+        block_m, block_n, warps = launch(rows, dim, "forward")
         y = torch.empty(rows, dim, dtype=out_dtype, device=x.device)
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
         gate_act = GATES[activation if gate is not None else None]
@@ -187,7 +193,7 @@ class _Norm(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, gate, rstd = ctx.saved_tensors
         rows, dim = x.shape
-        block_m, block_n, warps = launch(rows, dim)
+        block_m, block_n, warps = launch(rows, dim, "backward")
         n_blocks = triton.cdiv(rows, block_m)
         per_program = triton.cdiv(n_blocks, min(n_blocks, BACKWARD_PROGRAMS))
         programs = triton.cdiv(n_blocks, per_program)
