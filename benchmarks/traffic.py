@@ -195,7 +195,11 @@ def op_category(op: str, phase: str) -> str:
     if phase == "optimizer":
         return OPTIMIZER
     if op.startswith("triton:"):
-        return DELTA if profile_train.category(op[7:]) != CONVOLUTION else CONVOLUTION
+        kernel = profile_train.category(op[7:])
+        if kernel == CONVOLUTION:
+            return CONVOLUTION
+        # The norms' kernels (deltalab.ops.norms) replace glue ops: their bytes stay glue.
+        return GLUE if kernel == "normalization" else DELTA
     if op in MATMUL_OPS:
         return MATMUL
     if "scaled_dot_product" in op or "flash_attention" in op or "efficient_attention" in op:

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import deltalab  # noqa: F401  (registers the model with transformers' Auto classes)
+from deltalab.layers.common import RMSNorm
 from deltalab.models import MIXER_KINDS, CausalLM, RecurrentCache, build_config, count_parameters
 from deltalab.models.presets import SCALES
 from deltalab.testing import assert_close
@@ -288,7 +289,9 @@ def test_sampled_generation_is_reproducible_with_a_seed_and_respects_top_k(gener
 def test_config_backend_reaches_every_recurrent_mixer_and_round_trips(tmp_path):
     model = CausalLM(build_config("tiny", mixer="kdn_diag", attention_every=2, backend="chunk"))
     backends = {m.backend for m in model.modules() if hasattr(m, "backend")}
-    assert backends == {"chunk"}
+    # The block norms take the norms' name of the PyTorch path (deltalab.ops.norms.layer_backend).
+    assert backends == {"chunk", "torch"}
+    assert {m.backend for m in model.modules() if isinstance(m, RMSNorm)} == {"torch"}
     model.save_pretrained(tmp_path)
     assert CausalLM.from_pretrained(tmp_path).config.backend == "chunk"
 

@@ -45,7 +45,10 @@ def test_matrix_products_and_kernels_are_not_glue(gdn2_ops):
     products = [o for o in gdn2_ops if o.op in ("mm", "addmm", "bmm")]
     assert products and all(o.category == traffic.MATMUL for o in products)
     glue = [o for o in gdn2_ops if o.category == traffic.GLUE]
-    assert not any(o.op in traffic.MATMUL_OPS or o.op.startswith("triton:") for o in glue)
+    # Kernels in glue: only the norms' (deltalab.ops.norms), which replace glue ops.
+    kernels_in_glue = {o.op for o in glue if o.op.startswith("triton:")}
+    assert kernels_in_glue <= {"triton:_norm_fwd", "triton:_norm_bwd"}
+    assert not any(o.op in traffic.MATMUL_OPS for o in glue)
     # The delta rule ran as the Triton kernels (stubs), both ways, not the PyTorch chunk path.
     kernels = {o.op for o in gdn2_ops if o.category == traffic.DELTA}
     assert "triton:_state_pass_fwd" in kernels and "triton:_state_pass_bwd" in kernels
@@ -65,7 +68,8 @@ def test_backward_ops_are_charged_to_the_forward_module(gdn2_ops):
 
 def test_an_rms_norm_moves_the_bytes_of_its_ops():
     rows, dim = 15, 16
-    model = nn.Sequential(nn.Identity(), RMSNorm(dim))
+    # The torch path's ops (recording would take the Triton kernels under "auto").
+    model = nn.Sequential(nn.Identity(), RMSNorm(dim, backend="torch"))
     x = torch.randn(3, 5, dim, requires_grad=True)
     with traffic.recording(model) as recorder:
         model(x).sum().backward()
@@ -80,6 +84,21 @@ def test_an_rms_norm_moves_the_bytes_of_its_ops():
     backward = [o for o in recorder.ops if o.phase == "backward" and o.module == "RMSNorm"]
     moved = [o for o in backward if o.bytes]
     assert len(moved) == 9 and all("_RMSNormFunction" in o.function for o in moved)
+
+
+def test_an_rms_norm_on_triton_is_one_glue_kernel_each_way():
+    rows, dim = 15, 16
+    model = nn.Sequential(nn.Identity(), RMSNorm(dim))
+    x = torch.randn(3, 5, dim, requires_grad=True)
+    with traffic.recording(model) as recorder:
+        model(x).sum().backward()
+    kernels = [o for o in recorder.ops if o.op.startswith("triton:") and o.module == "RMSNorm"]
+    assert [(o.phase, o.op) for o in kernels] == [
+        ("forward", "triton:_norm_fwd"), ("backward", "triton:_norm_bwd"),
+    ]  # fmt: skip
+    assert all(o.category == traffic.GLUE for o in kernels)
+    # The forward reads x and the weight, writes y and 1/rms per row: no float32 intermediates.
+    assert kernels[0].bytes == 4 * (2 * rows * dim + dim + rows)
 
 
 def test_bytes_count_broadcasts_once_and_in_place_destinations_once():

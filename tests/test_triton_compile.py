@@ -31,7 +31,7 @@ def _compile_for_hopper(kernel, pointers, scalars, constants, options, types=Non
     signature = {
         **{p: "*fp32" for p in pointers},
         **(types or {}),
-        **{s: "fp32" if s == "scale" else "i32" for s in scalars},
+        **{s: "fp32" if s in ("scale", "eps") else "i32" for s in scalars},
         **{k: "constexpr" for k in constants},
     }
     constexprs = {(kernel.arg_names.index(k),): v for k, v in constants.items()}
@@ -145,3 +145,34 @@ def test_short_conv_kernels_compile_for_hopper_without_spills(width, dtype):
         assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, name
         stack = _stack_bytes(compiled)
         assert stack in (None, 0), f"{name} W={width} {dtype}: {stack} bytes spilled per thread"
+
+
+@pytest.mark.parametrize(
+    ("dim", "dtype"),
+    [(128, "bf16"), (1024, "fp32"), (4096, "fp32"), (100, "fp32")],
+    ids=["head-bf16", "block-1024", "block-4096", "odd"],
+)
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+def test_norm_kernels_compile_for_hopper_without_spills(dim, dtype, gated):
+    """At the launches the norms use for 340M shapes (head_dim 128 rows, hidden 1024, and the
+    widest block norm planned, 4096): no spill to local memory."""
+    from deltalab.ops.norms import triton as norms
+
+    gate = {"GATE_ACT": norms.SILU if gated else norms.NO_GATE, "MEAN": True, "HAS_WEIGHT": True}
+    activations = {name: f"*{dtype}" for name in ("X", "GATE", "Y", "DY", "DX", "DGATE")}
+    kernels = [
+        (norms._norm_fwd, "forward", 5, gate),
+        (norms._norm_bwd, "backward", 8, {**gate, "WANT_DGATE": gated, "WANT_DW": True}),
+    ]
+    for kernel, name, n_pointers, constants in kernels:
+        block_m, block_n, warps = norms.launch(1 << 16, dim, name)
+        constants = {**constants, "BM": block_m, "BN": block_n}
+        pointers = kernel.arg_names[:n_pointers]
+        scalars = [a for a in kernel.arg_names[n_pointers:] if a not in constants]
+        types = {p: activations.get(p, "*fp32") for p in pointers}
+        compiled = _compile_for_hopper(
+            kernel, pointers, scalars, constants, {"num_warps": warps}, types, aligned=pointers
+        )
+        assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
+        stack = _stack_bytes(compiled)
+        assert stack in (None, 0), f"{name} N={dim} {dtype}: {stack} bytes spilled per thread"

@@ -40,7 +40,7 @@ from torch import nn
 
 from deltalab.analysis._plot import new_figure, save_figure
 from deltalab.benchmarking import format_table
-from deltalab.layers.common import DeltaMixer, require_positive_int
+from deltalab.layers.common import DeltaMixer, RMSNorm, require_positive_int
 from deltalab.layers.kdn import KalmanMixer
 from deltalab.layers.kdn_muir import KDNMuirRanks
 from deltalab.layers.muir import FusedGateMixer, GateRanks, MuirRanks
@@ -334,18 +334,25 @@ def _forward_mode_paths(model: nn.Module) -> Iterator[None]:
     parallel variance scan, and the conv1d path of their short convolutions, which follow the
     layer's backend: `short_conv_backend`) while the probes run, and get their backend back
     afterwards, also after an error. The numbers agree up to rounding: both paths compute one
-    function."""
+    function. Their norms follow their backend too; the blocks' RMSNorms, which take the
+    model's backend, run the torch path alongside (the Triton norms define a jvp, but a model
+    built for "triton" on a machine without it is probed too)."""
     switched = [
-        (layer, layer.backend)
+        (layer, layer.backend, "chunk")
         for layer in model.modules()
         if isinstance(layer, DeltaMixer) and layer.backend not in ("chunk", "naive")
     ]
-    for layer, _ in switched:
-        layer.backend = "chunk"
+    switched += [
+        (norm, norm.backend, "torch")
+        for norm in model.modules()
+        if isinstance(norm, RMSNorm) and norm.backend not in ("torch", "naive")
+    ]
+    for layer, _, path in switched:
+        layer.backend = path
     try:
         yield
     finally:
-        for layer, backend in switched:
+        for layer, backend, _ in switched:
             layer.backend = backend
 
 

@@ -22,14 +22,14 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypedDict, Unpack, cast
+from typing import ClassVar, TypedDict, Unpack, cast
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from deltalab.ops import norms
 from deltalab.ops._checks import (
     closest,
     require_choice,
@@ -37,11 +37,19 @@ from deltalab.ops._checks import (
     require_rank,
     require_shape,
 )
+from deltalab.ops._recompute import recomputed
 from deltalab.ops.delta_rule import (
     BACKENDS,
     delta_rule,
     delta_rule_step,
     require_chunk_size,
+)
+from deltalab.ops.norms import L2_EPS, layer_backend
+from deltalab.ops.norms.reference import (
+    _RMSNormFunction,  # noqa: F401 (importable here, where it was)
+    compute_dtype,
+    rms_norm_naive,
+    rms_norm_torch,
 )
 from deltalab.ops.parametrize import DeltaRuleInputs
 from deltalab.ops.short_conv import BACKENDS as SHORT_CONV_BACKENDS
@@ -74,9 +82,7 @@ __all__ = [
     "zero_at_padding",
 ]
 
-GATE_ACTIVATIONS = ("sigmoid", "silu")
-# eps inside the square root of the L2 norm, as fla's `l2norm`: keeps an all-zero key finite.
-L2_EPS = 1e-6
+GATE_ACTIVATIONS = norms.ACTIVATIONS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,11 +227,6 @@ def no_weight_decay(param: nn.Parameter) -> nn.Parameter:
     return param
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """At least float32: gate and norm arithmetic stays accurate under bf16 activations."""
-    return torch.promote_types(x.dtype, torch.float32)
-
-
 class _SharedCast(torch.autograd.Function):
     """`cast`, a copy of x made once, as one more use of x: the gradient goes back to x in its
     dtype through this node alone, as through the cast autocast makes for each use."""
@@ -264,29 +265,10 @@ def shared_autocast_input(x: torch.Tensor) -> Callable[[], torch.Tensor]:
     return lambda: _SharedCast.apply(x, cast)
 
 
-def recomputed(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
-    """fn(*args), keeping only args for backward: fn's intermediates are computed again when
-    the backward needs them (non-reentrant activation checkpointing of one small piece). The
-    autograd graph is the same, so gradients are the same bit for bit; what it costs is fn's
-    forward once more in the backward, for elementwise pieces whose float32 intermediates would
-    otherwise be kept per token (benchmarks/memory_audit.py). Without gradients, plain fn."""
-    needs_grad = torch.is_grad_enabled() and any(
-        isinstance(a, torch.Tensor) and a.requires_grad for a in args
-    )
-    if not needs_grad:
-        return fn(*args)
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
-
-
-def _l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    y = x.to(compute_dtype(x))
-    return (y * torch.rsqrt(y.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
-    """x / sqrt(||x||^2 + eps) over the last dim, computed in at least float32; x's dtype out.
-    Keeps only x for backward (`recomputed`), not its float32 copies."""
-    return recomputed(_l2_normalize, x, eps)
+def l2_normalize(x: torch.Tensor, eps: float = L2_EPS, *, backend: str = "auto") -> torch.Tensor:
+    """x / sqrt(||x||^2 + eps) over the last dim, computed in at least float32; x's dtype out
+    (`deltalab.ops.norms.l2_normalize`: "torch" keeps only x for backward, `recomputed`)."""
+    return norms.l2_normalize(x, eps, backend=backend)
 
 
 class ShortConvolution(nn.Module):
@@ -342,9 +324,9 @@ def short_conv_backend(backend: str, dtype: torch.dtype) -> str:
     "torch": the PyTorch paths stay PyTorch end to end, which forward-mode AD needs (gate
     sensitivity switches layers to "chunk" for that; the Triton Function defines no jvp).
     """
-    if backend == "triton" or (backend == "auto" and dtype != torch.float64):
-        return backend
-    return "torch"
+    # The norms' mapping (`layer_backend`), with short_conv's "auto" kept off float64.
+    follow = layer_backend(backend)
+    return "torch" if follow == "auto" and dtype == torch.float64 else follow
 
 
 def _conv_silu(padded: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -361,90 +343,8 @@ def rms_norm_reference(
 ) -> torch.Tensor:
     """x / rms(x) * weight over the last dim, times activation(gate) when a gate is given, in
     at least float32; the result in that dtype. The formula `rms_norm` computes (and tests
-    against), left to autograd."""
-    y = x.to(compute_dtype(x))
-    y = y * torch.rsqrt(y.square().mean(-1, keepdim=True) + eps)
-    y = y * weight.to(y.dtype)
-    if gate is None:
-        return y
-    gate = gate.to(y.dtype)
-    return y * (torch.sigmoid(gate) if activation == "sigmoid" else F.silu(gate))
-
-
-def _activation_and_slope(gate: torch.Tensor, activation: str):
-    """activation(gate) and its derivative, elementwise (for the adjoints; the forward takes
-    torch's own sigmoid / silu, as the formula does)."""
-    sig = torch.sigmoid(gate)
-    if activation == "sigmoid":
-        return sig, sig * (1 - sig)
-    return gate * sig, sig * (1 + gate * (1 - sig))
-
-
-class _RMSNormFunction(torch.autograd.Function):
-    """`rms_norm_reference` with a hand-written backward that recomputes the normalized x (and
-    the gate's activation) from what it saves: x and the gate in their own dtypes and one
-    1/rms per row. Autograd through the formula keeps, per token, x's float32 copy, the
-    normalized x, its product with the weight and the activation's output: at the 340M presets
-    the block norms kept 8.2 KB per token and block where this keeps 4.1 KB, the gated output
-    norm 20.7 KB where this keeps 4.1 KB (benchmarks/memory_audit.py). The forward computes
-    the same operations in the same order as the formula, so outputs are identical.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, gate, eps: float, activation: str):
-        xf = x.to(compute_dtype(x))
-        rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-        y = xf * rstd * weight.to(xf.dtype)
-        ctx.activation = activation
-        ctx.save_for_backward(x, weight, gate, rstd)
-        ctx.save_for_forward(x, weight, gate, rstd)
-        if gate is None:
-            return y
-        gate = gate.to(y.dtype)
-        return y * (torch.sigmoid(gate) if activation == "sigmoid" else F.silu(gate))
-
-    @staticmethod
-    def _normalized(ctx):
-        """The saved tensors, then x / rms(x) and the weight in the compute dtype, recomputed."""
-        x, weight, gate, rstd = ctx.saved_tensors
-        return x, weight, gate, rstd, x.to(rstd.dtype) * rstd, weight.to(rstd.dtype)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, gate, rstd, xhat, w = _RMSNormFunction._normalized(ctx)
-        d_gate = None
-        if gate is not None:
-            act, slope = _activation_and_slope(gate.to(rstd.dtype), ctx.activation)
-            if ctx.needs_input_grad[2]:
-                d_gate = (dy * xhat * w * slope).to(gate.dtype)
-            dy = dy * act
-        d_weight = None
-        if ctx.needs_input_grad[1]:
-            d_weight = (dy * xhat).flatten(0, -2).sum(0).to(weight.dtype)
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dn = dy * w
-            # d(x r)/dx with r = rms(x)^-1: r (dn - xhat mean(xhat dn)).
-            dx = (rstd * (dn - xhat * (dn * xhat).mean(-1, keepdim=True))).to(x.dtype)
-        return dx, d_weight, d_gate, None, None
-
-    @staticmethod
-    def jvp(ctx, tx, tw, tg, _eps, _activation):
-        """Forward-mode derivative (gate-sensitivity probes run through the norms with it)."""
-        _, _, gate, rstd, xhat, w = _RMSNormFunction._normalized(ctx)
-        t_out = torch.zeros_like(xhat)
-        if tx is not None:
-            txf = tx.to(rstd.dtype)
-            t_out = t_out + rstd * (txf - xhat * (xhat * txf).mean(-1, keepdim=True)) * w
-        if tw is not None:
-            t_out = t_out + xhat * tw.to(rstd.dtype)
-        if gate is None:
-            return t_out
-        act, slope = _activation_and_slope(gate.to(rstd.dtype), ctx.activation)
-        t_out = t_out * act
-        if tg is not None:
-            t_out = t_out + xhat * w * slope * tg.to(rstd.dtype)
-        return t_out
+    against), left to autograd (`deltalab.ops.norms`' "naive" backend)."""
+    return rms_norm_naive(x, weight, eps, gate, activation)
 
 
 def rms_norm(
@@ -456,21 +356,42 @@ def rms_norm(
 ) -> torch.Tensor:
     """x / rms(x) * weight over the last dim (times activation(gate) when given), in at least
     float32; the result in that dtype. What `rms_norm_reference` computes, keeping less for
-    backward (`_RMSNormFunction`)."""
-    return _RMSNormFunction.apply(x, weight, gate, eps, activation)
+    backward (`_RMSNormFunction`; `deltalab.ops.norms`' "torch" backend)."""
+    return rms_norm_torch(x, weight, eps, gate, activation)
+
+
+def _dispatch_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    gate: torch.Tensor | None,
+    activation: str,
+    backend: str,
+) -> torch.Tensor:
+    """The norm modules' path, x's dtype out: the Triton kernels or the formula when `backend`
+    resolves to them (`norms.resolve_backend`), else this module's `rms_norm` (the torch path,
+    looked up here so that tests can swap it for the formula)."""
+    resolved = norms.resolve_backend(backend, x)
+    if resolved == "torch":
+        return rms_norm(x, weight, eps, gate, activation).to(x.dtype)
+    return norms.rms_norm(x, weight, eps, gate, activation, out_dtype=x.dtype, backend=resolved)
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight over the last dim `[..., dim]`, computed in at least float32."""
+    """x / rms(x) * weight over the last dim `[..., dim]`, computed in at least float32.
 
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+    backend: `deltalab.ops.norms`' ("auto": the Triton kernels on CUDA, else the torch path).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, *, backend: str = "auto") -> None:
         super().__init__()
         self.dim = require_positive_int("dim", dim)
         self.eps = eps
+        self.backend = require_choice("backend", backend, norms.BACKENDS)
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps).to(x.dtype)
+        return _dispatch_rms_norm(x, self.weight, self.eps, None, "sigmoid", self.backend)
 
 
 class GatedRMSNorm(nn.Module):
@@ -486,8 +407,11 @@ class GatedRMSNorm(nn.Module):
         self.activation = require_choice("gate_activation", activation, GATE_ACTIVATIONS)
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return rms_norm(o, self.weight, self.eps, gate, self.activation).to(o.dtype)
+    def forward(
+        self, o: torch.Tensor, gate: torch.Tensor, *, backend: str = "auto"
+    ) -> torch.Tensor:
+        """backend: `deltalab.ops.norms`'; a mixer passes its delta rule's (`layer_backend`)."""
+        return _dispatch_rms_norm(o, self.weight, self.eps, gate, self.activation, backend)
 
 
 @dataclass
@@ -721,18 +645,20 @@ class DeltaMixer(nn.Module, abc.ABC):
             y = proj(x_in())
             return y if mask is None else y * mask.unsqueeze(-1).to(y.dtype)
 
-        # The short convolutions follow the delta rule's backend (read here, on every call, so
-        # a layer switched to another backend, as gate sensitivity does, takes them along).
+        # The short convolutions and the norms follow the delta rule's backend (read here, on
+        # every call, so a layer switched to another backend, as gate sensitivity does, takes
+        # them along): Triton where it runs, PyTorch with "chunk" or "naive".
         conv_backend = short_conv_backend(self.backend, x.dtype)
+        norm_backend = layer_backend(self.backend)
         caches = (None,) * 3 if state is None else (state.conv_q, state.conv_k, state.conv_v)
         q, conv_q = self.q_conv(projected(self.q_proj), caches[0], backend=conv_backend)
         k, conv_k = self.k_conv(projected(self.k_proj), caches[1], backend=conv_backend)
         v, conv_v = self.v_conv(projected(self.v_proj), caches[2], backend=conv_backend)
-        q = l2_normalize(q.unflatten(-1, (heads, self.head_dim)))
-        k = l2_normalize(k.unflatten(-1, (heads, self.head_dim)))
+        q = l2_normalize(q.unflatten(-1, (heads, self.head_dim)), backend=norm_backend)
+        k = l2_normalize(k.unflatten(-1, (heads, self.head_dim)), backend=norm_backend)
         v = v.unflatten(-1, (heads, self.value_dim))
         conv = (conv_q, conv_k, conv_v)
         o, new_state = self.recurrence(x, q, k, v, state, conv, return_gates, mask)
         gate = self.g_proj(x_in()).unflatten(-1, (heads, self.value_dim))
-        y = self.o_proj(self.o_norm(o, gate).flatten(-2))
+        y = self.o_proj(self.o_norm(o, gate, backend=norm_backend).flatten(-2))
         return y, new_state

@@ -23,6 +23,7 @@ from deltalab.layers.common import RMSNorm, recomputed
 from deltalab.models.cache import RecurrentCache
 from deltalab.models.config import DeltaLabConfig
 from deltalab.models.mixers import build_mixer
+from deltalab.ops.norms import layer_backend
 
 __all__ = ["Block", "CausalLM", "DeltaLabModel", "SwiGLU"]
 
@@ -51,9 +52,11 @@ class Block(nn.Module):
     def __init__(self, config: DeltaLabConfig, kind: str) -> None:
         super().__init__()
         self.kind = kind
-        self.mixer_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        # The norms run on the config's backend: Triton on CUDA under "auto", as the mixers.
+        norm_backend = layer_backend(config.backend)
+        self.mixer_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, backend=norm_backend)
         self.mixer = build_mixer(config, kind)
-        self.ffn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.ffn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, backend=norm_backend)
         self.ffn = SwiGLU(config.hidden_size, config.ffn_width)
 
     def forward(
@@ -98,7 +101,9 @@ class DeltaLabModel(DeltaLabPreTrainedModel):
         super().__init__(config)
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.blocks = nn.ModuleList(Block(config, kind) for kind in config.layer_kinds())
-        self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.norm = RMSNorm(
+            config.hidden_size, eps=config.norm_eps, backend=layer_backend(config.backend)
+        )
         # Set by the trainer: recompute each block in the backward pass instead of storing it.
         self.checkpoint_blocks = False
         self.post_init()

@@ -1,0 +1,161 @@
+"""Times the norms' Triton kernels against the torch path the layers took before (deltalab.ops.norms).
+
+    python benchmarks/bench_norms.py --out norms.json                            # GPU
+    TRITON_INTERPRET=1 python benchmarks/bench_norms.py --tiny --out /tmp/tiny.json
+
+Cases, at the 340M training step's shapes (B=4, T=4096, H=8 heads of 128, hidden 1024), in the
+dtypes that step gives them under bf16 autocast:
+  block: the block RMSNorm on the float32 residual stream, x `[4 * 4096, 1024]`, float32 out;
+  gated: the mixers' gated output norm (SiLU gate), o and gate `[4, 4096, 8, 128]` bfloat16;
+  l2:    the q/k L2 normalization, `[4, 4096, 8, 128]` bfloat16 (torch: under `recomputed`, so
+         its forward runs again in the backward, as in the layers).
+(`--tiny`: small shapes on CPU under the interpreter, float32, to prove the script runs.)
+
+Per case and backend ("torch": the layers' old path, with the cast to x's dtype the modules make;
+"triton"), median ms of the forward (no autograd) and of forward + backward (every input's
+gradient by `torch.autograd.grad` with a random dy), by `triton.testing.do_bench` on the GPU;
+then torch / triton, and each backend's error against the float64 formula ("naive") on the same
+inputs: normwise relative error of y and of each gradient. Inputs are random normal, the weight
+1 + 0.1 normal. The JSON written to --out holds every number printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from deltalab.benchmarking import format_table, run_environment
+from deltalab.ops.norms import l2_normalize, rms_norm
+from deltalab.testing import relative_error
+
+# name -> (shape, input dtype on the GPU, gate activation or None, kind)
+CASES = {
+    "block": ((4 * 4096, 1024), torch.float32, None, "rms"),
+    "gated": ((4, 4096, 8, 128), torch.bfloat16, "silu", "rms"),
+    "l2": ((4, 4096, 8, 128), torch.bfloat16, None, "l2"),
+}
+TINY_SHAPES = {"block": (37, 40), "gated": (2, 9, 2, 24), "l2": (2, 9, 2, 24)}
+BACKENDS = ("torch", "triton")
+
+
+def median_ms(fn, device: str, repeats: int) -> float:
+    """Median ms of fn(): triton.testing.do_bench on CUDA, wall time on CPU (the interpreter)."""
+    if device == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def make_inputs(shape, dtype: torch.dtype, device: str, gated: bool):
+    """x, weight `[N]` (float32, as the modules keep it), gate (or None) and dy, on `device`."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=gen)
+    weight = 1 + 0.1 * torch.randn(shape[-1], generator=gen)
+    gate = torch.randn(*shape, generator=gen) if gated else None
+    dy = torch.randn(*shape, generator=gen)
+    moved = [None if t is None else t.to(device, dtype) for t in (x, gate, dy)]
+    return moved[0], weight.to(device), moved[1], moved[2]
+
+
+def apply(kind: str, backend: str, x, weight, gate, activation):
+    """The case's norm on `backend`, x's dtype out (as the modules return it)."""
+    if kind == "l2":
+        return l2_normalize(x, backend=backend)
+    return rms_norm(
+        x, weight, 1e-5, gate, activation or "sigmoid", out_dtype=x.dtype, backend=backend
+    )
+
+
+def outputs(kind, backend, x, weight, gate, dy, activation):
+    """y and the gradients of every input (x; weight and gate for the RMS norm)."""
+    x, weight, gate = (
+        None if t is None else t.detach().requires_grad_() for t in (x, weight, gate)
+    )
+    y = apply(kind, backend, x, weight, gate, activation)
+    leaves = [x] if kind == "l2" else [t for t in (x, weight, gate) if t is not None]
+    grads = torch.autograd.grad(y, leaves, dy.to(y.dtype))
+    return [y, *grads]
+
+
+def bench_case(name: str, shape, dtype, activation, kind, device: str, repeats: int) -> dict:
+    x, weight, gate, dy = make_inputs(shape, dtype, device, activation is not None)
+    result = {"case": name, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
+    wide = [None if t is None else t.double() for t in (x, weight, gate, dy)]
+    reference = outputs(kind, "naive", *wide, activation)
+    names = ["y", "dx", "dweight", "dgate"] if kind == "rms" else ["y", "dx"]
+    for backend in BACKENDS:
+
+        def forward(backend=backend) -> None:
+            with torch.no_grad():
+                apply(kind, backend, x, weight, gate, activation)
+
+        def train(backend=backend) -> None:
+            outputs(kind, backend, x, weight, gate, dy, activation)
+
+        got = outputs(kind, backend, x, weight, gate, dy, activation)
+        result[backend] = {
+            "forward_ms": median_ms(forward, device, repeats),
+            "train_ms": median_ms(train, device, repeats),
+            "errors": {
+                n: relative_error(a, e) for n, a, e in zip(names, got, reference, strict=True)
+            },
+        }
+    for phase in ("forward_ms", "train_ms"):
+        result[f"speedup_{phase[:-3]}"] = result["torch"][phase] / result["triton"][phase]
+    return result
+
+
+def print_case(result: dict) -> None:
+    print(f"\n{result['case']}: {result['shape']} {result['dtype']}")
+    names = list(result["torch"]["errors"])
+    rows = [
+        [backend, result[backend]["forward_ms"], result[backend]["train_ms"]]
+        + [result[backend]["errors"][n] for n in names]
+        for backend in BACKENDS
+    ]
+    headers = ["backend", "fwd ms", "fwd+bwd ms"] + [f"err {n}" for n in names]
+    print(format_table(headers, rows))
+    print(f"torch / triton: forward {result['speedup_forward']:.2f}x, "
+          f"forward+backward {result['speedup_train']:.2f}x")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--out", required=True, help="path of the JSON file to write")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (interpreter smoke run)")
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs (CPU only)")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    repeats = args.repeats or (1 if args.tiny else 10)
+    header = run_environment(device)
+    print(" ".join(f"{k}={v}" for k, v in header.items()))
+    results = []
+    for name in args.cases:
+        shape, dtype, activation, kind = CASES[name]
+        if args.tiny:
+            # bfloat16 under the interpreter is not supported (numpy has none): float32 there.
+            shape, dtype = TINY_SHAPES[name], torch.float32
+        results.append(bench_case(name, shape, dtype, activation, kind, device, repeats))
+        print_case(results[-1])
+        # Written after every case: a run stopped by its time limit keeps what it measured.
+        with open(args.out, "w") as f:
+            json.dump({**header, "cases": results}, f, indent=1)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
