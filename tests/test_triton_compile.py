@@ -145,3 +145,28 @@ def test_short_conv_kernels_compile_for_hopper_without_spills(width, dtype):
         assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, name
         stack = _stack_bytes(compiled)
         assert stack in (None, 0), f"{name} W={width} {dtype}: {stack} bytes spilled per thread"
+
+
+@pytest.mark.parametrize("key_dim", [64, 128, 256])
+@pytest.mark.parametrize("g_head", [False, True], ids=["channel_decay", "head_decay"])
+def test_kdn_diag_gain_kernels_compile_for_hopper_without_spills(key_dim, g_head):
+    """At the launches `kdn_diag_gain` uses for T = 4096 (the backward with dp, the most loads):
+    no spill to local memory, which in these bandwidth-bound kernels would add traffic."""
+    from deltalab.ops.kdn import triton_gain
+
+    kernels = [
+        (triton_gain._kdn_diag_gain_forward_kernel, "forward", 8, {}),
+        (triton_gain._kdn_diag_gain_backward_kernel, "backward", 14, {"HAS_DP": True}),
+    ]
+    for kernel, which, n_pointers, flags in kernels:
+        block_t, block_k, warps = triton_gain.launch(key_dim, 4096, which)
+        constants = {**flags, "G_HEAD": g_head, "BLOCK_T": block_t, "BLOCK_K": block_k}
+        pointers = kernel.arg_names[:n_pointers]
+        scalars = [a for a in kernel.arg_names[n_pointers:] if a not in constants]
+        compiled = _compile_for_hopper(
+            kernel, pointers, scalars, constants, {"num_warps": warps}, aligned=pointers
+        )
+        name = kernel.fn.__name__
+        assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, name
+        stack = _stack_bytes(compiled)
+        assert stack in (None, 0), f"{name} K={key_dim}: {stack} bytes spilled per thread"

@@ -19,7 +19,7 @@ T in tiles of BLOCK_T tokens, as `_kdn_forward_kernel` (triton.py) walks its lan
 over K inside the tile, so r's gradient (and a per-head g's) needs no atomics and no partial sums.
 B H programs: 32 at the 340M preset (B = 4, H = 8), fewer than an H200's SMs; each then streams
 its head at a single SM's bandwidth (a whole KDN layer's gain is ~0.3 GB forward, ~0.5 GB
-backward). To be tuned on the GPU (BLOCK_T, warps).
+backward). To be tuned on the GPU (LAUNCH).
 
 Forward. As in triton.py: the scan over the maps of the steps *before* each row (the identity on
 row 0) gives p_{t-1} from the carried p; a and c of the step before are recomputed from the
@@ -63,10 +63,13 @@ import triton.language as tl
 
 from deltalab.ops.mobius.triton import _compose, _normalize
 
-# Elements of a tile (BLOCK_T tokens x BLOCK_K channels): the forward holds the four map
-# coefficients, the backward the four adjoint-map components and more terms per element.
-FORWARD_TILE = 2048
-BACKWARD_TILE = 1024
+# (elements of a tile, most tokens in it, warps) per kernel: a tile is BLOCK_T tokens x BLOCK_K
+# channels. One program per head leaves most SMs to one program (32 at 340M), so the tiles are
+# as large as compile without spills for sm_90 at K = 64..256 (ptxas, no GPU needed; 8 warps):
+# the forward at 2048 elements takes 128 registers at K = 128, 112 at K = 256, and spilled 16
+# bytes at K = 64 (32 tokens), hence at most 16 tokens; the backward at 2048 takes 186-254
+# (at 1024 elements and 8 warps ptxas capped it at 128 and spilled). To be tuned on the GPU.
+LAUNCH = {"forward": (2048, 16, 8), "backward": (2048, 32, 8)}
 
 
 @triton.jit
@@ -239,12 +242,14 @@ def _kdn_diag_gain_backward_kernel(
     tl.store(DP0 + pid * KD + ch, tl.exp(2.0 * g0) * pi_after, mask=ch_ok)
 
 
-def launch_config(key_dim: int, length: int, tile: int) -> tuple[int, int]:
-    """(BLOCK_T, BLOCK_K): every channel of a head, and as many tokens as fill `tile` elements
-    (at least 2, at most T rounded up to a power of 2)."""
+def launch(key_dim: int, length: int, kernel: str) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_K, warps) of `kernel` ("forward" or "backward"): every channel of a head,
+    and as many tokens as fill its tile (at least 2, at most its row limit and T rounded up to
+    a power of 2)."""
+    tile, rows, warps = LAUNCH[kernel]
     block_k = triton.next_power_of_2(key_dim)
-    block_t = max(2, min(tile // block_k, triton.next_power_of_2(length)))
-    return block_t, block_k
+    block_t = max(2, min(tile // block_k, rows, triton.next_power_of_2(length)))
+    return block_t, block_k, warps
 
 
 class _KDNDiagGain(torch.autograd.Function):
@@ -253,7 +258,7 @@ class _KDNDiagGain(torch.autograd.Function):
         # k, q_noise: contiguous [B, T, H, K]; g: [B, T, H, K] or [B, T, H]; r: [B, T, H];
         # p_prior: [B, H, K]; all float32, validated.
         batch, length, heads, key_dim = k.shape
-        tile_t, block_k = launch_config(key_dim, length, FORWARD_TILE)
+        tile_t, block_k, warps = launch(key_dim, length, "forward")
         # Every element is written by the kernel: no fill pass.
         gain, p = torch.empty_like(k), torch.empty_like(k)
         predictive = k.new_empty(batch, length, heads)
@@ -261,6 +266,7 @@ class _KDNDiagGain(torch.autograd.Function):
             _kdn_diag_gain_forward_kernel[(batch * heads,)](
                 k, g, q_noise, r, p_prior, gain, p, predictive, length, heads, key_dim, scale,
                 G_HEAD=g.dim() == 3, BLOCK_T=block_t or tile_t, BLOCK_K=block_k,
+                num_warps=warps,
             )  # fmt: skip
         ctx.save_for_backward(k, g, q_noise, r, p_prior, p)
         ctx.scale, ctx.block_t = scale, block_t
@@ -273,7 +279,7 @@ class _KDNDiagGain(torch.autograd.Function):
     def backward(ctx, d_gain, d_p, d_pred):
         k, g, q_noise, r, p_prior, p = ctx.saved_tensors
         batch, length, heads, key_dim = k.shape
-        tile_t, block_k = launch_config(key_dim, length, BACKWARD_TILE)
+        tile_t, block_k, warps = launch(key_dim, length, "backward")
         d_gain = torch.zeros_like(k) if d_gain is None else d_gain.contiguous()
         d_pred = r.new_zeros(r.shape) if d_pred is None else d_pred.contiguous()
         grads = [torch.empty_like(x) for x in (k, g, q_noise, r, p_prior)]
@@ -282,6 +288,7 @@ class _KDNDiagGain(torch.autograd.Function):
                 k, g, q_noise, r, p_prior, p, d_gain, d_gain if d_p is None else d_p.contiguous(),
                 d_pred, *grads, length, heads, key_dim, ctx.scale, G_HEAD=g.dim() == 3,
                 HAS_DP=d_p is not None, BLOCK_T=ctx.block_t or tile_t, BLOCK_K=block_k,
+                num_warps=warps,
             )  # fmt: skip
         return (*grads, None, None)
 
