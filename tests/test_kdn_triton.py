@@ -18,9 +18,9 @@ import torch
 from test_kdn import kdn_inputs
 
 from deltalab.analysis import gate_sensitivity
-from deltalab.layers import DiagonalKDN
+from deltalab.layers import DiagonalKDN, IsotropicKDN
 from deltalab.models import CausalLM, build_config
-from deltalab.ops import kdn_gain_diag
+from deltalab.ops import kdn_gain_diag, kdn_gain_iso
 from deltalab.ops._triton import HAS_TRITON, INTERPRET, triton_unavailable_reason
 from deltalab.ops.kdn.gains import diag_gain
 from deltalab.testing import TOLERANCE, assert_close, relative_error
@@ -216,18 +216,20 @@ def test_diagonal_kdn_layer_on_triton_matches_chunk_with_parameter_gradients(mon
 
 
 @needs_triton
-def test_gate_sensitivity_on_a_triton_kdn_model_never_reaches_the_fused_gain(monkeypatch):
-    """Forward-mode AD cannot go through the fused gain (its Function defines no jvp): gate
-    sensitivity runs the layers on the chunk path, and its numbers agree with a chunk model's."""
+@pytest.mark.parametrize("mixer", ["kdn_diag", "kdn_iso"])
+def test_gate_sensitivity_on_a_triton_kdn_model_never_reaches_the_fused_kernels(monkeypatch, mixer):
+    """Forward-mode AD cannot go through the fused gain or terms (their Functions define no
+    jvp): gate sensitivity runs the layers on the chunk path, and its numbers agree with a chunk
+    model's."""
     torch.manual_seed(0)
     sizes = dict(num_layers=1, hidden_size=32, head_dim=16, chunk_size=16)
     models = {
-        backend: CausalLM(build_config("tiny", mixer="kdn_diag", backend=backend, **sizes)).eval()
+        backend: CausalLM(build_config("tiny", mixer=mixer, backend=backend, **sizes)).eval()
         for backend in ("triton", "chunk")
     }
     models["chunk"].load_state_dict(models["triton"].state_dict(), strict=True)
     batch = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(10))
-    calls = spy_fused(monkeypatch)
+    calls = (spy_fused if mixer == "kdn_diag" else spy_iso_terms)(monkeypatch)
     reports = {}
     for backend, model in models.items():
         with torch.no_grad():
@@ -241,7 +243,112 @@ def test_gate_sensitivity_on_a_triton_kdn_model_never_reaches_the_fused_gain(mon
         assert reports["triton"].loss[layer] == pytest.approx(
             reports["chunk"].loss[layer], rel=1e-4
         )
-    # The layers keep their backend, and take the fused gain again afterwards.
+    # The layers keep their backend, and take the fused kernels again afterwards.
     with torch.no_grad():
         models["triton"](input_ids=batch.to(DEVICE))
     assert len(calls) == 1
+
+
+# --- Isotropic KDN: the terms' reductions over K on the kernels of triton_gain.py ----------------
+
+
+def spy_iso_terms(monkeypatch) -> list[tuple[int, ...]]:
+    """k's shape at every call of the fused isotropic terms."""
+    calls: list[tuple[int, ...]] = []
+    if not HAS_TRITON:
+        return calls
+    from deltalab.ops.kdn import triton_gain
+
+    original = triton_gain.kdn_iso_terms
+
+    def spy(k, *args):
+        calls.append(tuple(k.shape))
+        return original(k, *args)
+
+    monkeypatch.setattr(triton_gain, "kdn_iso_terms", spy)
+    return calls
+
+
+def iso_inputs(seed, shape, channel_decay):
+    """k, g, q_noise, r, p0 (float64) for kdn_gain_iso, with a reset (g = -inf) on one token
+    and in one channel, r = 1e30 and r = 1e-6."""
+    batch, length, heads, key_dim = shape
+    gen = torch.Generator().manual_seed(seed)
+    args = kdn_inputs(gen, (*shape, 1), variant="iso", channel_decay=channel_decay)
+    k, g, q_noise, r = (args[n].clone() for n in ("k", "g", "q_noise", "r"))
+    g[0, 1] = -torch.inf
+    if channel_decay:
+        g[-1, length - 2, -1, key_dim - 1] = -torch.inf
+    r[0, 2, 0], r[-1, 3, -1] = 1e30, 1e-6
+    p0 = 0.5 + torch.rand(batch, heads, generator=gen, dtype=F64)
+    return [k, g, q_noise, r, p0]
+
+
+@needs_triton
+@pytest.mark.parametrize("channel_decay", [True, False], ids=["channel_decay", "head_decay"])
+@pytest.mark.parametrize("shape", [(2, 9, 2, 5), (1, 6, 3, 16)], ids=["odd_K", "K_16"])
+def test_iso_gain_on_fused_terms_matches_float64_definition_and_pytorch_path(
+    monkeypatch, shape, channel_decay
+):
+    """beta, p, predictive, the final precision and the gradients of k, g, q_noise, r, p0."""
+    calls = spy_iso_terms(monkeypatch)
+    inputs = iso_inputs(11, shape, channel_decay)
+    gen = torch.Generator().manual_seed(12)
+    weights = [torch.randn(shape[:3], generator=gen, dtype=F64) for _ in range(3)]
+    results = {}
+    for name, backend, dtype in (
+        ("fused", "triton", F32),
+        ("definition", "sequential", F64),
+        ("pytorch", "parallel", F32),
+    ):
+        leaves = [x.to(DEVICE, dtype).requires_grad_() for x in inputs]
+        beta, p, final, predictive = kdn_gain_iso(*leaves, backend=backend, output_predictive=True)
+        outputs = (beta, p, predictive)
+        loss = sum((o * w.to(o)).sum() for o, w in zip(outputs, weights, strict=True))
+        grads = torch.autograd.grad(loss + final.sum(), leaves)
+        results[name] = [x.detach().cpu().double() for x in (*outputs, final, *grads)]
+    assert calls == [shape]
+    labels = ["beta", "p", "predictive", "final precision", *(f"d/d{n}" for n in NAMES)]
+    for label, x, x64, x32 in zip(labels, *results.values(), strict=True):
+        assert_close(x, x64, TOLERANCE[F32], f"{label} against float64")
+        tol = TOLERANCE[F32] + relative_error(x32, x64)
+        assert_close(x, x32, tol, f"{label} against the PyTorch path")
+
+
+@pytest.mark.parametrize(
+    ("backend", "dtype", "fused"),
+    [
+        pytest.param("triton", F32, True, marks=needs_triton),
+        pytest.param("triton", F64, False, marks=needs_triton),
+        ("auto", F32, CUDA),
+        ("parallel", F32, False),
+    ],
+)
+def test_kdn_gain_iso_takes_the_fused_terms_exactly_on_the_triton_scan_in_float32(
+    monkeypatch, backend, dtype, fused
+):
+    calls = spy_iso_terms(monkeypatch)
+    k, g, q_noise, r, _ = (x.to(DEVICE, dtype) for x in iso_inputs(13, (1, 4, 2, 3), True))
+    kdn_gain_iso(k, g, q_noise, r, torch.ones(2, device=DEVICE, dtype=dtype), backend=backend)
+    assert calls == ([(1, 4, 2, 3)] if fused else [])
+
+
+@needs_triton
+def test_isotropic_kdn_layer_on_triton_matches_chunk_with_parameter_gradients(monkeypatch):
+    calls = spy_iso_terms(monkeypatch)
+    layers = {}
+    for backend in ("chunk", "triton"):
+        torch.manual_seed(0)
+        layers[backend] = IsotropicKDN(**LAYER, backend=backend).to(DEVICE)
+    layers["triton"].load_state_dict(layers["chunk"].state_dict(), strict=True)
+    x = torch.randn(2, 20, LAYER["hidden_size"], device=DEVICE)
+    dy = torch.randn(2, 20, LAYER["hidden_size"], device=DEVICE)
+    results = {}
+    for backend, layer in layers.items():
+        y, _ = layer(x)
+        (y * dy).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in layer.parameters()])
+        results[backend] = (y.detach(), grads)
+    assert calls == [(2, 20, 2, 16)]
+    assert_close(results["triton"][0], results["chunk"][0], 1e-5, "y")
+    assert_close(results["triton"][1], results["chunk"][1], 1e-5, "parameter gradients")

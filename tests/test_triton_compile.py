@@ -149,18 +149,27 @@ def test_short_conv_kernels_compile_for_hopper_without_spills(width, dtype):
 
 @pytest.mark.parametrize("key_dim", [64, 128, 256])
 @pytest.mark.parametrize("g_head", [False, True], ids=["channel_decay", "head_decay"])
-def test_kdn_diag_gain_kernels_compile_for_hopper_without_spills(key_dim, g_head):
-    """At the launches `kdn_diag_gain` uses for T = 4096 (the backward with dp, the most loads):
-    no spill to local memory, which in these bandwidth-bound kernels would add traffic."""
+def test_kdn_gain_kernels_compile_for_hopper_without_spills(key_dim, g_head):
+    """The fused KDN gain (Diagonal) and terms (Isotropic), at the launches they use for
+    T = 4096 (the Diagonal backward with dp, the most loads): no spill to local memory, which in
+    these bandwidth-bound kernels would add traffic."""
     from deltalab.ops.kdn import triton_gain
 
-    kernels = [
+    kernels = []
+    for kernel, which, n_pointers, flags in (
         (triton_gain._kdn_diag_gain_forward_kernel, "forward", 8, {}),
         (triton_gain._kdn_diag_gain_backward_kernel, "backward", 14, {"HAS_DP": True}),
-    ]
-    for kernel, which, n_pointers, flags in kernels:
+    ):
         block_t, block_k, warps = triton_gain.launch(key_dim, 4096, which)
         constants = {**flags, "G_HEAD": g_head, "BLOCK_T": block_t, "BLOCK_K": block_k}
+        kernels.append((kernel, n_pointers, constants, warps))
+    block_r, block_k, warps = triton_gain.iso_launch(key_dim)
+    iso = {"G_HEAD": g_head, "BLOCK_R": block_r, "BLOCK_K": block_k}
+    kernels += [
+        (triton_gain._kdn_iso_terms_forward_kernel, 4, iso, warps),
+        (triton_gain._kdn_iso_terms_backward_kernel, 6, iso, warps),
+    ]
+    for kernel, n_pointers, constants, warps in kernels:
         pointers = kernel.arg_names[:n_pointers]
         scalars = [a for a in kernel.arg_names[n_pointers:] if a not in constants]
         compiled = _compile_for_hopper(

@@ -121,7 +121,11 @@ def iso_gain(
     """Validated inputs in one dtype: k `[B, T, H, K]`, g `[B, T, H(, K)]`, q_noise, r
     `[B, T, H]`, p_prior `[B, H]`; `scan` a resolved Mobius backend. Returns beta, p and
     predictive, all `[B, T, H]`."""
-    decay2, norm2, evidence = iso_terms(k, g, r, info_scale)
+    terms = iso_terms
+    if scan == "triton" and k.dtype != torch.float64:
+        # The reductions over K by one kernel each way (triton_gain.py); float64 stays here.
+        from deltalab.ops.kdn.triton_gain import kdn_iso_terms as terms
+    decay2, norm2, evidence = terms(k, g, r, info_scale)
     p, p_bar = _variance_scan(decay2, q_noise, evidence, p_prior, scan)
     beta, predictive = iso_beta(p_bar, norm2, r)
     return Gains(beta, p, predictive)

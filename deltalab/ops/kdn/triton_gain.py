@@ -308,3 +308,130 @@ def kdn_diag_gain(
     of both kernels (tests, tuning)."""
     inputs = [x.contiguous() for x in (k, g, q_noise, r, p_prior)]
     return _KDNDiagGain.apply(*inputs, float(info_scale), block_t)
+
+
+# --- Isotropic KDN: the pre-scan terms -------------------------------------------------------
+#
+# Isotropic KDN scans one variance per head (`[B, T, H]`, triton.py's kernel); its only
+# `[B, T, H, K]` work is the terms' reductions over K, a = mean_K exp(2 g) and ||k||^2, and their
+# gradients (a separate exp, product, mean and sum each way in PyTorch). One kernel each way
+# reads k (and a per-channel g) and writes the two `[B, T, H]` terms, resp. dk and dg; the rest
+# (the evidence, the scan, beta) is `[B, T, H]`, K times smaller, and stays as it is. The
+# tokens are independent here, so a program takes a block of (token, head) rows with all their
+# channels, over the whole GPU. a = mean exp(2 g) is in [0, 1] (g = -inf adds 0); every term is
+# a sum of non-negative numbers, and the gradients are products (no cancellation).
+
+# (rows, warps) of a program: BLOCK_R (token, head) rows x BLOCK_K channels of about 4096
+# elements, 16 a thread.
+ISO_TILE, ISO_WARPS = 4096, 8
+
+
+@triton.jit
+def _kdn_iso_terms_forward_kernel(
+    K_,
+    G,
+    DECAY,
+    NORM2,
+    ROWS,
+    KD,
+    G_HEAD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ch = tl.arange(0, BLOCK_K)
+    row_ok = row < ROWS
+    ok = row_ok[:, None] & (ch < KD)[None, :]
+    at = row.to(tl.int64)[:, None] * KD + ch[None, :]
+    k = tl.load(K_ + at, mask=ok, other=0.0)
+    tl.store(NORM2 + row, tl.sum(k * k, axis=1), mask=row_ok)
+    if G_HEAD:
+        decay = tl.exp(2.0 * tl.load(G + row, mask=row_ok, other=0.0))
+    else:
+        g = tl.load(G + at, mask=ok, other=0.0)
+        decay = tl.sum(tl.where(ok, tl.exp(2.0 * g), 0.0), axis=1) / KD
+    tl.store(DECAY + row, decay, mask=row_ok)
+
+
+@triton.jit
+def _kdn_iso_terms_backward_kernel(
+    K_,
+    G,
+    DDECAY,
+    DNORM2,
+    DK,
+    DG,
+    ROWS,
+    KD,
+    G_HEAD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ch = tl.arange(0, BLOCK_K)
+    row_ok = row < ROWS
+    ok = row_ok[:, None] & (ch < KD)[None, :]
+    at = row.to(tl.int64)[:, None] * KD + ch[None, :]
+    k = tl.load(K_ + at, mask=ok, other=0.0)
+    d_norm2 = tl.load(DNORM2 + row, mask=row_ok, other=0.0)
+    tl.store(DK + at, (2.0 * k) * d_norm2[:, None], mask=ok)
+    d_decay = tl.load(DDECAY + row, mask=row_ok, other=0.0)
+    if G_HEAD:
+        g = tl.load(G + row, mask=row_ok, other=0.0)
+        tl.store(DG + row, 2.0 * tl.exp(2.0 * g) * d_decay, mask=row_ok)
+    else:
+        g = tl.load(G + at, mask=ok, other=0.0)
+        tl.store(DG + at, tl.exp(2.0 * g) * (2.0 * d_decay / KD)[:, None], mask=ok)
+
+
+def iso_launch(key_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_K, warps) of the isotropic terms' kernels."""
+    block_k = triton.next_power_of_2(key_dim)
+    return max(1, ISO_TILE // block_k), block_k, ISO_WARPS
+
+
+class _KDNIsoTerms(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, k, g):
+        # k: contiguous [B, T, H, K]; g: contiguous [B, T, H, K] or [B, T, H]; float32.
+        key_dim = k.shape[-1]
+        rows = k.numel() // key_dim
+        decay, norm2 = (k.new_empty(k.shape[:-1]) for _ in range(2))
+        block_r, block_k, warps = iso_launch(key_dim)
+        if rows:
+            _kdn_iso_terms_forward_kernel[(triton.cdiv(rows, block_r),)](
+                k, g, decay, norm2, rows, key_dim, G_HEAD=g.dim() < k.dim(),
+                BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps,
+            )  # fmt: skip
+        ctx.save_for_backward(k, g)
+        ctx.set_materialize_grads(False)
+        return decay, norm2
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_decay, d_norm2):
+        k, g = ctx.saved_tensors
+        key_dim = k.shape[-1]
+        rows = k.numel() // key_dim
+        # Either may be unused ([B, T, H]: a zero fill is K times smaller than the outputs).
+        d_decay, d_norm2 = (
+            k.new_zeros(k.shape[:-1]) if d is None else d.contiguous() for d in (d_decay, d_norm2)
+        )
+        dk, dg = torch.empty_like(k), torch.empty_like(g)
+        block_r, block_k, warps = iso_launch(key_dim)
+        if rows:
+            _kdn_iso_terms_backward_kernel[(triton.cdiv(rows, block_r),)](
+                k, g, d_decay, d_norm2, dk, dg, rows, key_dim, G_HEAD=g.dim() < k.dim(),
+                BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps,
+            )  # fmt: skip
+        return dk, dg
+
+
+def kdn_iso_terms(
+    k: torch.Tensor, g: torch.Tensor, r: torch.Tensor, info_scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`gains.iso_terms` with its reductions over K by the kernels above: (a, ||k||^2, the
+    evidence s ||k||^2 / (K r)), all `[B, T, H]`; k `[B, T, H, K]`, g `[B, T, H(, K)]`, r
+    `[B, T, H]`, float32, validated."""
+    decay, norm2 = _KDNIsoTerms.apply(k.contiguous(), g.contiguous())
+    return decay, norm2, info_scale * norm2 / (k.shape[-1] * r)
