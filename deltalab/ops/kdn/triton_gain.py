@@ -1,5 +1,6 @@
-"""Diagonal KDN's gain in Triton: k, g, q_noise, r, p_prior -> gain, p, predictive, one kernel each
-way (docs/MATH.md sec. 3; gains.py has the formulas):
+"""KDN's gains in Triton around the variance scan: Diagonal KDN's whole gain, k, g, q_noise, r,
+p_prior -> gain, p, predictive, one kernel each way (docs/MATH.md sec. 3; gains.py has the
+formulas), and Isotropic KDN's terms (at the end of this file). Diagonal:
 
     a_t = exp(2 g_t),   c_t = s k_t^2 / r_t                       (the pre-scan terms)
     p_bar_t = a_t p_{t-1} + q_t,   p_t = 1 / (c_t + 1 / p_bar_t)   (the variance scan)
