@@ -9,9 +9,9 @@ formulas), and Isotropic KDN's terms (at the end of this file). Diagonal:
 The PyTorch path runs these as separate ops, each a float32 `[B, T, H, K]` round trip through
 memory (exp(2g), the evidence, p_bar, w, their gradients and gradient sums); here a, c, p_bar and w
 live in registers only. Forward traffic: reads k, g, q_noise (and r, per head), writes gain, p and
-predictive. Backward: reads k, g, q_noise, p, dgain (and dp where p is used, as it is by the
-public `kdn_gain_diag`), writes dk, dg, dq_noise, dr (per head) and dp_prior; a, c, p_bar, w and
-the gain are recomputed, not saved.
+predictive. Backward: reads k, g, q_noise, p, dgain (and dp, when the loss reaches p), writes
+dk, dg, dq_noise, dr (per head) and dp_prior; a, c, p_bar, w and the gain are recomputed, not
+saved.
 
 Layout. k, q_noise, gain, p (and per-channel g) are contiguous `[B, T, H, K]`; r, predictive (and
 per-head g) `[B, T, H]`. A program owns one head of one sequence, all K channels (BLOCK_K, a power
@@ -271,7 +271,8 @@ class _KDNDiagGain(torch.autograd.Function):
             )  # fmt: skip
         ctx.save_for_backward(k, g, q_noise, r, p_prior, p)
         ctx.scale, ctx.block_t = scale, block_t
-        # A p nobody uses (the mixers read only its last step) comes back as None: no zeros.
+        # An output the loss does not reach comes back as None, not as zeros: p in training (the
+        # layers keep only its last step, as their state's precision).
         ctx.set_materialize_grads(False)
         return gain, p, predictive
 
@@ -284,10 +285,11 @@ class _KDNDiagGain(torch.autograd.Function):
         d_gain = torch.zeros_like(k) if d_gain is None else d_gain.contiguous()
         d_pred = r.new_zeros(r.shape) if d_pred is None else d_pred.contiguous()
         grads = [torch.empty_like(x) for x in (k, g, q_noise, r, p_prior)]
+        # Without dp, DP is any float32 pointer: HAS_DP=False never reads it.
+        d_p = None if d_p is None else d_p.contiguous()
         if k.numel():
             _kdn_diag_gain_backward_kernel[(batch * heads,)](
-                k, g, q_noise, r, p_prior, p, d_gain, d_gain if d_p is None else d_p.contiguous(),
-                d_pred, *grads, length, heads, key_dim, ctx.scale, G_HEAD=g.dim() == 3,
+                k, g, q_noise, r, p_prior, p, d_gain, d_gain if d_p is None else d_p, d_pred, *grads, length, heads, key_dim, ctx.scale, G_HEAD=g.dim() == 3,
                 HAS_DP=d_p is not None, BLOCK_T=ctx.block_t or tile_t, BLOCK_K=block_k,
                 num_warps=warps,
             )  # fmt: skip
