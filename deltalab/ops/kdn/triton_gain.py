@@ -285,12 +285,13 @@ class _KDNDiagGain(torch.autograd.Function):
         d_gain = torch.zeros_like(k) if d_gain is None else d_gain.contiguous()
         d_pred = r.new_zeros(r.shape) if d_pred is None else d_pred.contiguous()
         grads = [torch.empty_like(x) for x in (k, g, q_noise, r, p_prior)]
-        # Without dp, DP is any float32 pointer: HAS_DP=False never reads it.
-        d_p = None if d_p is None else d_p.contiguous()
+        # Without dp, HAS_DP=False never reads DP: dgain stands in for the pointer.
+        has_dp = d_p is not None
+        d_p = d_p.contiguous() if has_dp else d_gain
         if k.numel():
             _kdn_diag_gain_backward_kernel[(batch * heads,)](
-                k, g, q_noise, r, p_prior, p, d_gain, d_gain if d_p is None else d_p, d_pred, *grads, length, heads, key_dim, ctx.scale, G_HEAD=g.dim() == 3,
-                HAS_DP=d_p is not None, BLOCK_T=ctx.block_t or tile_t, BLOCK_K=block_k,
+                k, g, q_noise, r, p_prior, p, d_gain, d_p, d_pred, *grads, length, heads, key_dim, ctx.scale, G_HEAD=g.dim() == 3,
+                HAS_DP=has_dp, BLOCK_T=ctx.block_t or tile_t, BLOCK_K=block_k,
                 num_warps=warps,
             )  # fmt: skip
         return (*grads, None, None)
