@@ -290,9 +290,9 @@ class _KDNDiagGain(torch.autograd.Function):
         d_p = d_p.contiguous() if has_dp else d_gain
         if k.numel():
             _kdn_diag_gain_backward_kernel[(batch * heads,)](
-                k, g, q_noise, r, p_prior, p, d_gain, d_p, d_pred, *grads, length, heads, key_dim, ctx.scale, G_HEAD=g.dim() == 3,
-                HAS_DP=has_dp, BLOCK_T=ctx.block_t or tile_t, BLOCK_K=block_k,
-                num_warps=warps,
+                k, g, q_noise, r, p_prior, p, d_gain, d_p, d_pred, *grads, length, heads,
+                key_dim, ctx.scale, G_HEAD=g.dim() == 3, HAS_DP=has_dp,
+                BLOCK_T=ctx.block_t or tile_t, BLOCK_K=block_k, num_warps=warps,
             )  # fmt: skip
         return (*grads, None, None)
 
