@@ -176,3 +176,37 @@ def test_norm_kernels_compile_for_hopper_without_spills(dim, dtype, gated):
         assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
         stack = _stack_bytes(compiled)
         assert stack in (None, 0), f"{name} N={dim} {dtype}: {stack} bytes spilled per thread"
+
+
+@pytest.mark.parametrize("key_dim", [64, 128, 256])
+@pytest.mark.parametrize("g_head", [False, True], ids=["channel_decay", "head_decay"])
+def test_kdn_gain_kernels_compile_for_hopper_without_spills(key_dim, g_head):
+    """The fused KDN gain (Diagonal) and terms (Isotropic), at the launches they use for
+    T = 4096 (the Diagonal backward with dp, the most loads): no spill to local memory, which in
+    these bandwidth-bound kernels would add traffic."""
+    from deltalab.ops.kdn import triton_gain
+
+    kernels = []
+    for kernel, which, n_pointers, flags in (
+        (triton_gain._kdn_diag_gain_forward_kernel, "forward", 8, {}),
+        (triton_gain._kdn_diag_gain_backward_kernel, "backward", 14, {"HAS_DP": True}),
+    ):
+        block_t, block_k, warps = triton_gain.launch(key_dim, 4096, which)
+        constants = {**flags, "G_HEAD": g_head, "BLOCK_T": block_t, "BLOCK_K": block_k}
+        kernels.append((kernel, n_pointers, constants, warps))
+    block_r, block_k, warps = triton_gain.iso_launch(key_dim)
+    iso = {"G_HEAD": g_head, "BLOCK_R": block_r, "BLOCK_K": block_k}
+    kernels += [
+        (triton_gain._kdn_iso_terms_forward_kernel, 4, iso, warps),
+        (triton_gain._kdn_iso_terms_backward_kernel, 6, iso, warps),
+    ]
+    for kernel, n_pointers, constants, warps in kernels:
+        pointers = kernel.arg_names[:n_pointers]
+        scalars = [a for a in kernel.arg_names[n_pointers:] if a not in constants]
+        compiled = _compile_for_hopper(
+            kernel, pointers, scalars, constants, {"num_warps": warps}, aligned=pointers
+        )
+        name = kernel.fn.__name__
+        assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, name
+        stack = _stack_bytes(compiled)
+        assert stack in (None, 0), f"{name} K={key_dim}: {stack} bytes spilled per thread"

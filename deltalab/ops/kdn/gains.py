@@ -121,7 +121,11 @@ def iso_gain(
     """Validated inputs in one dtype: k `[B, T, H, K]`, g `[B, T, H(, K)]`, q_noise, r
     `[B, T, H]`, p_prior `[B, H]`; `scan` a resolved Mobius backend. Returns beta, p and
     predictive, all `[B, T, H]`."""
-    decay2, norm2, evidence = iso_terms(k, g, r, info_scale)
+    terms = iso_terms
+    if scan == "triton" and k.dtype != torch.float64:
+        # The reductions over K by one kernel each way (triton_gain.py); float64 stays here.
+        from deltalab.ops.kdn.triton_gain import kdn_iso_terms as terms
+    decay2, norm2, evidence = terms(k, g, r, info_scale)
     p, p_bar = _variance_scan(decay2, q_noise, evidence, p_prior, scan)
     beta, predictive = iso_beta(p_bar, norm2, r)
     return Gains(beta, p, predictive)
@@ -139,6 +143,12 @@ def diag_gain(
     """Validated inputs in one dtype: k, q_noise `[B, T, H, K]`, g `[B, T, H(, K)]`, r
     `[B, T, H]`, p_prior `[B, H, K]`; `scan` a resolved Mobius backend. Returns gain and p
     `[B, T, H, K]`, predictive `[B, T, H]`."""
+    if scan == "triton" and k.dtype != torch.float64:
+        # One kernel each way computes the terms, the scan and the gain in registers
+        # (triton_gain.py); float64 stays on the ops below, as the kernels compute in float32.
+        from deltalab.ops.kdn.triton_gain import kdn_diag_gain
+
+        return Gains(*kdn_diag_gain(k, g, q_noise, r, p_prior, info_scale))
     decay2, r, evidence = diag_terms(k, g, r, info_scale)
     p, p_bar = _variance_scan(decay2, q_noise, evidence, p_prior, scan)
     gain, predictive = diag_gain_from(p_bar, k, r)

@@ -1,0 +1,441 @@
+"""KDN's gains in Triton around the variance scan: Diagonal KDN's whole gain, k, g, q_noise, r,
+p_prior -> gain, p, predictive, one kernel each way (docs/MATH.md sec. 3; gains.py has the
+formulas), and Isotropic KDN's terms (at the end of this file). Diagonal:
+
+    a_t = exp(2 g_t),   c_t = s k_t^2 / r_t                       (the pre-scan terms)
+    p_bar_t = a_t p_{t-1} + q_t,   p_t = 1 / (c_t + 1 / p_bar_t)   (the variance scan)
+    w_t = p_bar_t k_t,   predictive_t = sum_K w_t k_t,   gain_t = w_t / (predictive_t + r_t)
+
+The PyTorch path runs these as separate ops, each a float32 `[B, T, H, K]` round trip through
+memory (exp(2g), the evidence, p_bar, w, their gradients and gradient sums); here a, c, p_bar and w
+live in registers only. Forward traffic: reads k, g, q_noise (and r, per head), writes gain, p and
+predictive. Backward: reads k, g, q_noise, p, dgain (and dp, when the loss reaches p), writes
+dk, dg, dq_noise, dr (per head) and dp_prior; a, c, p_bar, w and the gain are recomputed, not
+saved.
+
+Layout. k, q_noise, gain, p (and per-channel g) are contiguous `[B, T, H, K]`; r, predictive (and
+per-head g) `[B, T, H]`. A program owns one head of one sequence, all K channels (BLOCK_K, a power
+of 2 >= K, the rest masked as identity maps), since the predictive sums over K per token; it walks
+T in tiles of BLOCK_T tokens, as `_kdn_forward_kernel` (triton.py) walks its lanes, and reduces
+over K inside the tile, so r's gradient (and a per-head g's) needs no atomics and no partial sums.
+B H programs: 32 at the 340M preset (B = 4, H = 8), fewer than an H200's SMs; each then streams
+its head at a single SM's bandwidth (a whole KDN layer's gain is ~0.3 GB forward, ~0.5 GB
+backward). To be tuned on the GPU (LAUNCH).
+
+Forward. As in triton.py: the scan over the maps of the steps *before* each row (the identity on
+row 0) gives p_{t-1} from the carried p; a and c of the step before are recomputed from the
+shifted rows of g, k and r (mostly cache hits), the maps normalized by the sum of their entries
+(mobius/triton.py: entries in [0, 1], no overflow whatever the evidence). p_t = 1 / (c + 1 / p_bar)
+has no cancellation and is right at both ends (p_bar = 0 gives 0; c = 0 gives p_bar). The
+predictive sums non-negative terms; the gain divides by predictive + r >= r > 0, so r = 1e30 (no
+evidence) gives gain ~ 0 and c ~ 0, and g = -inf gives a = 0 (a reset: p_bar = q) without NaN.
+
+Backward. The gain's adjoint at token t (den = predictive + r):
+
+    dden = -sum_K(dgain gain) / den          (not dgain w / den^2: den^2 overflows at r = 1e30)
+    dpred = dpredictive + dden,   dw = dgain / den + dpred k
+    dp_bar (direct) = dw k,   dk = dw p_bar + dpred w,   dr = dden
+
+Then the scan's adjoint in pi_t = dL/dp_bar_t and nu_t = dL/dp_t (totals), s_t = dp_t / dp_bar_t
+= 1 / (c_t p_bar_t + 1)^2:
+
+    pi_t = [dp_bar_t + s_t dp_t] + s_t a_{t+1} pi_{t+1},    nu_t = dp_t + a_{t+1} pi_{t+1}
+
+triton.py scans nu, whose step needs dp_bar_{t+1}: here that would be the gain's adjoint (two sums
+over K) of the next row too. Scanned in pi, a row needs only its own terms and a_{t+1} (one shifted
+load of g); nu_t is the same affine map's second output, so the scan's elements are the maps
+(pi, nu) <- (e + x pi', f + y pi') of pi' = pi_{t+1}, composed by `_pi_nu_then`. x = s a <= 1 and
+y = a <= 1: as in triton.py, a positive combination whose products only shrink (their underflow
+to 0 is the true limit), no cancellation of its own. From pi and nu:
+
+    da_t = pi_t p_{t-1},   dq_t = pi_t,   dc_t = -nu_t p_t^2,   dp_prior = a_1 pi_1,
+    dg = 2 a da,   dk += (dc / r) 2 s k,   dr += -dc c / r = (nu p_t)(p_t c) / r
+
+ordered so nothing overflows where the result does not: p_t c = c / (c + 1 / p_bar) is in
+[0, 1], and dc / r <= nu r / (s k^2)^2 (p_t <= 1 / c) before it meets 2 s k, which overflows
+alone at tiny r (the PyTorch path divides by r^2, which overflows first at r = 1e30).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltalab.ops.mobius.triton import _compose, _normalize
+
+# (elements of a tile, most tokens in it, warps) per kernel: a tile is BLOCK_T tokens x BLOCK_K
+# channels. One program per head leaves most SMs to one program (32 at 340M), so the tiles are
+# as large as compile without spills for sm_90 at K = 64..256 (ptxas, no GPU needed; 8 warps):
+# the forward at 2048 elements takes 128 registers at K = 128, 112 at K = 256, and spilled 16
+# bytes at K = 64 (32 tokens), hence at most 16 tokens; the backward at 2048 takes 186-254
+# (at 1024 elements and 8 warps ptxas capped it at 128 and spilled). To be tuned on the GPU.
+LAUNCH = {"forward": (2048, 16, 8), "backward": (2048, 32, 8)}
+
+
+@triton.jit
+def _pi_nu_then(x1, y1, e1, f1, x2, y2, e2, f2):
+    """The adjoint step 2 after step 1 (associative): (pi, nu) <- (e + x pi', f + y pi')."""
+    return x2 * x1, y2 * x1, e2 + x2 * e1, f2 + y2 * e1
+
+
+@triton.jit
+def _terms(K_, G, NOISE, R, at, head_at, ok, row_ok, scale, G_HEAD: tl.constexpr):
+    """a = exp(2 g), q, c = s k^2 / r and k at the [BLOCK_T, BLOCK_K] offsets `at`, and r
+    [BLOCK_T] (with a per-head g) at `head_at`; masked elements are the identity map (a = 1,
+    q = c = 0) with k = 0 and r = 1."""
+    k = tl.load(K_ + at, mask=ok, other=0.0)
+    q = tl.load(NOISE + at, mask=ok, other=0.0)
+    r = tl.load(R + head_at, mask=row_ok, other=1.0)
+    if G_HEAD:
+        g = tl.broadcast_to(tl.load(G + head_at, mask=row_ok, other=0.0)[:, None], k.shape)
+    else:
+        g = tl.load(G + at, mask=ok, other=0.0)
+    return tl.exp(2.0 * g), q, scale * k * k / r[:, None], k, r
+
+
+@triton.jit
+def _kdn_diag_gain_forward_kernel(
+    K_,
+    G,
+    NOISE,
+    R,
+    P0,
+    GAIN,
+    P,
+    PRED,
+    T,
+    H,
+    KD,
+    scale,
+    G_HEAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)  # (sequence n, head h) = (pid // H, pid % H)
+    ch = tl.arange(0, BLOCK_K)
+    ch_ok = ch < KD
+    rows = tl.arange(0, BLOCK_T)
+    stride = H * KD  # one token
+    base = (pid // H).to(tl.int64) * T * stride + (pid % H) * KD
+    head_base = (pid // H).to(tl.int64) * T * H + pid % H
+    p = tl.load(P0 + pid * KD + ch, mask=ch_ok, other=1.0)
+    for start in range(0, T, BLOCK_T):
+        t = start + rows
+        row_ok = t < T
+        ok = row_ok[:, None] & ch_ok[None, :]
+        at = base + t.to(tl.int64)[:, None] * stride + ch[None, :]
+        head_at = head_base + t.to(tl.int64) * H
+        # The map of step t - 1 on row t (the identity on row 0, whose p_{t-1} is the carry).
+        before = row_ok & (rows > 0)
+        a, q, c, _, _ = _terms(K_, G, NOISE, R, at - stride, head_at - H,
+                               before[:, None] & ch_ok[None, :], before, scale, G_HEAD)  # fmt: skip
+        ma, mb, mc, md = _normalize(a, q, c * a, c * q + 1.0)
+        ma, mb, mc, md = tl.associative_scan((ma, mb, mc, md), 0, _compose)
+        size = tl.maximum(p, 1.0)
+        v0 = (p / size)[None, :]
+        v1 = (1.0 / size)[None, :]
+        p_prev = (ma * v0 + mb * v1) / (mc * v0 + md * v1)
+        a, q, c, k, r = _terms(K_, G, NOISE, R, at, head_at, ok, row_ok, scale, G_HEAD)
+        p_bar = a * p_prev + q
+        p_t = 1.0 / (c + 1.0 / p_bar)
+        weighted = p_bar * k
+        predictive = tl.sum(weighted * k, axis=1)
+        tl.store(GAIN + at, weighted / (predictive + r)[:, None], mask=ok)
+        tl.store(P + at, p_t, mask=ok)
+        tl.store(PRED + head_at, predictive, mask=row_ok)
+        p = tl.sum(tl.where(rows[:, None] == BLOCK_T - 1, p_t, 0.0), axis=0)
+
+
+@triton.jit
+def _kdn_diag_gain_backward_kernel(
+    K_,
+    G,
+    NOISE,
+    R,
+    P0,
+    P,
+    DGAIN,
+    DP,
+    DPRED,
+    DK,
+    DG,
+    DNOISE,
+    DR,
+    DP0,
+    T,
+    H,
+    KD,
+    scale,
+    G_HEAD: tl.constexpr,
+    HAS_DP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    ch = tl.arange(0, BLOCK_K)
+    ch_ok = ch < KD
+    rows = tl.arange(0, BLOCK_T)
+    stride = H * KD
+    base = (pid // H).to(tl.int64) * T * stride + (pid % H) * KD
+    head_base = (pid // H).to(tl.int64) * T * H + pid % H
+    p0 = tl.load(P0 + pid * KD + ch, mask=ch_ok, other=0.0)
+    pi_after = tl.zeros([BLOCK_K], dtype=tl.float32)  # pi at the first step after the tile
+    last_start = (T - 1) // BLOCK_T * BLOCK_T
+    for i in range(0, T, BLOCK_T):
+        # Tiles from the last to the first; row 0 is the tile's last step.
+        t = (last_start - i) + (BLOCK_T - 1) - rows
+        row_ok = t < T
+        ok = row_ok[:, None] & ch_ok[None, :]
+        at = base + t.to(tl.int64)[:, None] * stride + ch[None, :]
+        head_at = head_base + t.to(tl.int64) * H
+        has_prev = ok & (t > 0)[:, None]
+        p_prev = tl.load(P + at - stride, mask=has_prev, other=0.0)
+        p_prev = tl.where(has_prev, p_prev, p0[None, :])
+        a, q, c, k, r = _terms(K_, G, NOISE, R, at, head_at, ok, row_ok, scale, G_HEAD)
+        # a_{t+1} (0 past the end: no step follows, no multiplier).
+        after = (t + 1 < T)[:, None] & ch_ok[None, :]
+        if G_HEAD:
+            g_next = tl.load(G + head_at + H, mask=t + 1 < T, other=0.0)
+            g_next = tl.broadcast_to(g_next[:, None], k.shape)
+        else:
+            g_next = tl.load(G + at + stride, mask=after, other=0.0)
+        a_next = tl.where(after, tl.exp(2.0 * g_next), 0.0)
+        # The gain's adjoint, from the recomputed p_bar, w and den.
+        p_bar = a * p_prev + q
+        weighted = p_bar * k
+        den = tl.sum(weighted * k, axis=1) + r
+        d_gain = tl.load(DGAIN + at, mask=ok, other=0.0)
+        d_den = -tl.sum(d_gain * (weighted / den[:, None]), axis=1) / den
+        d_pred = (tl.load(DPRED + head_at, mask=row_ok, other=0.0) + d_den)[:, None]
+        d_weighted = d_gain / den[:, None] + d_pred * k
+        d_k = d_weighted * p_bar + d_pred * weighted
+        # The scan's adjoint: the maps (pi, nu) <- (e + x pi', f + y pi'), pi' = pi_{t+1}.
+        shrink = 1.0 / (c * p_bar + 1.0)
+        slope = shrink * shrink
+        if HAS_DP:
+            d_p = tl.load(DP + at, mask=ok, other=0.0)
+        else:
+            d_p = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+        x, y, e, f = tl.associative_scan(
+            (slope * a_next, a_next, d_weighted * k + slope * d_p, d_p), 0, _pi_nu_then
+        )
+        pi = e + x * pi_after[None, :]
+        nu = f + y * pi_after[None, :]
+        p_t = 1.0 / (c + 1.0 / p_bar)
+        nu_p = nu * p_t
+        d_c = -nu_p * p_t
+        d_g = 2.0 * a * (pi * p_prev)
+        tl.store(DK + at, d_k + (d_c / r[:, None]) * (2.0 * scale * k), mask=ok)
+        tl.store(DNOISE + at, pi, mask=ok)
+        if G_HEAD:
+            tl.store(DG + head_at, tl.sum(tl.where(ok, d_g, 0.0), axis=1), mask=row_ok)
+        else:
+            tl.store(DG + at, d_g, mask=ok)
+        d_r = d_den + tl.sum(tl.where(ok, nu_p * (p_t * c), 0.0), axis=1) / r
+        tl.store(DR + head_at, d_r, mask=row_ok)
+        pi_after = tl.sum(tl.where(rows[:, None] == BLOCK_T - 1, pi, 0.0), axis=0)
+    # pi_after is pi_1 (the first step) now: dp_prior = a_1 pi_1.
+    if G_HEAD:
+        g0 = tl.load(G + head_base + 0 * ch, mask=ch_ok, other=0.0)
+    else:
+        g0 = tl.load(G + base + ch, mask=ch_ok, other=0.0)
+    tl.store(DP0 + pid * KD + ch, tl.exp(2.0 * g0) * pi_after, mask=ch_ok)
+
+
+def launch(key_dim: int, length: int, kernel: str) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_K, warps) of `kernel` ("forward" or "backward"): every channel of a head,
+    and as many tokens as fill its tile (at least 2, at most its row limit and T rounded up to
+    a power of 2)."""
+    tile, rows, warps = LAUNCH[kernel]
+    block_k = triton.next_power_of_2(key_dim)
+    block_t = max(2, min(tile // block_k, rows, triton.next_power_of_2(length)))
+    return block_t, block_k, warps
+
+
+class _KDNDiagGain(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, k, g, q_noise, r, p_prior, scale, block_t):
+        # k, q_noise: contiguous [B, T, H, K]; g: [B, T, H, K] or [B, T, H]; r: [B, T, H];
+        # p_prior: [B, H, K]; all float32, validated.
+        batch, length, heads, key_dim = k.shape
+        tile_t, block_k, warps = launch(key_dim, length, "forward")
+        # Every element is written by the kernel: no fill pass.
+        gain, p = torch.empty_like(k), torch.empty_like(k)
+        predictive = k.new_empty(batch, length, heads)
+        if k.numel():
+            _kdn_diag_gain_forward_kernel[(batch * heads,)](
+                k, g, q_noise, r, p_prior, gain, p, predictive, length, heads, key_dim, scale,
+                G_HEAD=g.dim() == 3, BLOCK_T=block_t or tile_t, BLOCK_K=block_k,
+                num_warps=warps,
+            )  # fmt: skip
+        ctx.save_for_backward(k, g, q_noise, r, p_prior, p)
+        ctx.scale, ctx.block_t = scale, block_t
+        # An output the loss does not reach comes back as None, not as zeros: p in training (the
+        # layers keep only its last step, as their state's precision).
+        ctx.set_materialize_grads(False)
+        return gain, p, predictive
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_gain, d_p, d_pred):
+        k, g, q_noise, r, p_prior, p = ctx.saved_tensors
+        batch, length, heads, key_dim = k.shape
+        tile_t, block_k, warps = launch(key_dim, length, "backward")
+        d_gain = torch.zeros_like(k) if d_gain is None else d_gain.contiguous()
+        d_pred = r.new_zeros(r.shape) if d_pred is None else d_pred.contiguous()
+        grads = [torch.empty_like(x) for x in (k, g, q_noise, r, p_prior)]
+        # Without dp, HAS_DP=False never reads DP: dgain stands in for the pointer.
+        has_dp = d_p is not None
+        d_p = d_p.contiguous() if has_dp else d_gain
+        if k.numel():
+            _kdn_diag_gain_backward_kernel[(batch * heads,)](
+                k, g, q_noise, r, p_prior, p, d_gain, d_p, d_pred, *grads, length, heads,
+                key_dim, ctx.scale, G_HEAD=g.dim() == 3, HAS_DP=has_dp,
+                BLOCK_T=ctx.block_t or tile_t, BLOCK_K=block_k, num_warps=warps,
+            )  # fmt: skip
+        return (*grads, None, None)
+
+
+def kdn_diag_gain(
+    k: torch.Tensor,
+    g: torch.Tensor,
+    q_noise: torch.Tensor,
+    r: torch.Tensor,
+    p_prior: torch.Tensor,
+    info_scale: float,
+    block_t: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gain `[B, T, H, K]`, p `[B, T, H, K]`, predictive `[B, T, H]`) of Diagonal KDN, as
+    `gains.diag_gain`: k, q_noise `[B, T, H, K]`, g `[B, T, H(, K)]`, r `[B, T, H]`, p_prior
+    `[B, H, K]`, float32, validated. `block_t` (a power of 2 >= 2) overrides the tokens per tile
+    of both kernels (tests, tuning)."""
+    inputs = [x.contiguous() for x in (k, g, q_noise, r, p_prior)]
+    return _KDNDiagGain.apply(*inputs, float(info_scale), block_t)
+
+
+# --- Isotropic KDN: the pre-scan terms -------------------------------------------------------
+#
+# Isotropic KDN scans one variance per head (`[B, T, H]`, triton.py's kernel); its only
+# `[B, T, H, K]` work is the terms' reductions over K, a = mean_K exp(2 g) and ||k||^2, and their
+# gradients (a separate exp, product, mean and sum each way in PyTorch). One kernel each way
+# reads k (and a per-channel g) and writes the two `[B, T, H]` terms, resp. dk and dg; the rest
+# (the evidence, the scan, beta) is `[B, T, H]`, K times smaller, and stays as it is. The
+# tokens are independent here, so a program takes a block of (token, head) rows with all their
+# channels, over the whole GPU. a = mean exp(2 g) is in [0, 1] (g = -inf adds 0); every term is
+# a sum of non-negative numbers, and the gradients are products (no cancellation).
+
+# (rows, warps) of a program: BLOCK_R (token, head) rows x BLOCK_K channels of about 4096
+# elements, 16 a thread.
+ISO_TILE, ISO_WARPS = 4096, 8
+
+
+@triton.jit
+def _kdn_iso_terms_forward_kernel(
+    K_,
+    G,
+    DECAY,
+    NORM2,
+    ROWS,
+    KD,
+    G_HEAD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ch = tl.arange(0, BLOCK_K)
+    row_ok = row < ROWS
+    ok = row_ok[:, None] & (ch < KD)[None, :]
+    at = row.to(tl.int64)[:, None] * KD + ch[None, :]
+    k = tl.load(K_ + at, mask=ok, other=0.0)
+    tl.store(NORM2 + row, tl.sum(k * k, axis=1), mask=row_ok)
+    if G_HEAD:
+        decay = tl.exp(2.0 * tl.load(G + row, mask=row_ok, other=0.0))
+    else:
+        g = tl.load(G + at, mask=ok, other=0.0)
+        decay = tl.sum(tl.where(ok, tl.exp(2.0 * g), 0.0), axis=1) / KD
+    tl.store(DECAY + row, decay, mask=row_ok)
+
+
+@triton.jit
+def _kdn_iso_terms_backward_kernel(
+    K_,
+    G,
+    DDECAY,
+    DNORM2,
+    DK,
+    DG,
+    ROWS,
+    KD,
+    G_HEAD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ch = tl.arange(0, BLOCK_K)
+    row_ok = row < ROWS
+    ok = row_ok[:, None] & (ch < KD)[None, :]
+    at = row.to(tl.int64)[:, None] * KD + ch[None, :]
+    k = tl.load(K_ + at, mask=ok, other=0.0)
+    d_norm2 = tl.load(DNORM2 + row, mask=row_ok, other=0.0)
+    tl.store(DK + at, (2.0 * k) * d_norm2[:, None], mask=ok)
+    d_decay = tl.load(DDECAY + row, mask=row_ok, other=0.0)
+    if G_HEAD:
+        g = tl.load(G + row, mask=row_ok, other=0.0)
+        tl.store(DG + row, 2.0 * tl.exp(2.0 * g) * d_decay, mask=row_ok)
+    else:
+        g = tl.load(G + at, mask=ok, other=0.0)
+        tl.store(DG + at, tl.exp(2.0 * g) * (2.0 * d_decay / KD)[:, None], mask=ok)
+
+
+def iso_launch(key_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_K, warps) of the isotropic terms' kernels."""
+    block_k = triton.next_power_of_2(key_dim)
+    return max(1, ISO_TILE // block_k), block_k, ISO_WARPS
+
+
+class _KDNIsoTerms(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, k, g):
+        # k: contiguous [B, T, H, K]; g: contiguous [B, T, H, K] or [B, T, H]; float32.
+        key_dim = k.shape[-1]
+        rows = k.numel() // key_dim
+        decay, norm2 = (k.new_empty(k.shape[:-1]) for _ in range(2))
+        block_r, block_k, warps = iso_launch(key_dim)
+        if rows:
+            _kdn_iso_terms_forward_kernel[(triton.cdiv(rows, block_r),)](
+                k, g, decay, norm2, rows, key_dim, G_HEAD=g.dim() < k.dim(),
+                BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps,
+            )  # fmt: skip
+        ctx.save_for_backward(k, g)
+        ctx.set_materialize_grads(False)
+        return decay, norm2
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_decay, d_norm2):
+        k, g = ctx.saved_tensors
+        key_dim = k.shape[-1]
+        rows = k.numel() // key_dim
+        # Either may be unused ([B, T, H]: a zero fill is K times smaller than the outputs).
+        d_decay, d_norm2 = (
+            k.new_zeros(k.shape[:-1]) if d is None else d.contiguous() for d in (d_decay, d_norm2)
+        )
+        dk, dg = torch.empty_like(k), torch.empty_like(g)
+        block_r, block_k, warps = iso_launch(key_dim)
+        if rows:
+            _kdn_iso_terms_backward_kernel[(triton.cdiv(rows, block_r),)](
+                k, g, d_decay, d_norm2, dk, dg, rows, key_dim, G_HEAD=g.dim() < k.dim(),
+                BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps,
+            )  # fmt: skip
+        return dk, dg
+
+
+def kdn_iso_terms(
+    k: torch.Tensor, g: torch.Tensor, r: torch.Tensor, info_scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`gains.iso_terms` with its reductions over K by the kernels above: (a, ||k||^2, the
+    evidence s ||k||^2 / (K r)), all `[B, T, H]`; k `[B, T, H, K]`, g `[B, T, H(, K)]`, r
+    `[B, T, H]`, float32, validated."""
+    decay, norm2 = _KDNIsoTerms.apply(k.contiguous(), g.contiguous())
+    return decay, norm2, info_scale * norm2 / (k.shape[-1] * r)

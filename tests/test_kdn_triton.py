@@ -1,0 +1,354 @@
+"""Diagonal KDN's fused gain (deltalab/ops/kdn/triton_gain.py) against the float64 definition (the
+step loop of the variance scan) and the PyTorch path (the terms, the parallel scan and the gain as
+separate ops), and where the layers and the gain functions take it.
+
+The kernels run on a CUDA GPU, or on CPU tensors under Triton's interpreter:
+
+    TRITON_INTERPRET=1 python -m pytest tests/test_kdn_triton.py
+
+(README's test command runs this file a second time with it set); skipped otherwise, except the
+checks of where the fused path is taken. Shapes are tiny: the interpreter runs every operation
+of a kernel in Python.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kdn import kdn_inputs
+
+from deltalab.analysis import gate_sensitivity
+from deltalab.layers import DiagonalKDN, IsotropicKDN
+from deltalab.models import CausalLM, build_config
+from deltalab.ops import kdn_gain_diag, kdn_gain_iso
+from deltalab.ops._triton import HAS_TRITON, INTERPRET, triton_unavailable_reason
+from deltalab.ops.kdn.gains import diag_gain
+from deltalab.testing import TOLERANCE, assert_close, relative_error
+
+CUDA = torch.cuda.is_available() and not INTERPRET
+DEVICE = "cuda" if CUDA else "cpu"
+NO_TRITON = triton_unavailable_reason(torch.device(DEVICE))
+needs_triton = pytest.mark.skipif(NO_TRITON is not None, reason=str(NO_TRITON))
+F32, F64 = torch.float32, torch.float64
+NAMES = ("k", "g", "q_noise", "r", "p_prior")
+OUTPUTS = ("gain", "p", "predictive")
+
+
+def spy_fused(monkeypatch) -> list[tuple[int, ...]]:
+    """k's shape at every call of the fused gain (gains.diag_gain imports it at each call)."""
+    calls: list[tuple[int, ...]] = []
+    if not HAS_TRITON:
+        return calls
+    from deltalab.ops.kdn import triton_gain
+
+    original = triton_gain.kdn_diag_gain
+
+    def spy(k, *args, **kwargs):
+        calls.append(tuple(k.shape))
+        return original(k, *args, **kwargs)
+
+    monkeypatch.setattr(triton_gain, "kdn_diag_gain", spy)
+    return calls
+
+
+def gain_inputs(seed, shape, *, channel_decay=True, extremes=True):
+    """k, g, q_noise, r, p_prior (float64) for diag_gain; with `extremes`, resets (g = -inf,
+    one token of every channel, one of a single channel), r = 1e30 (no evidence) and r = 1e-6."""
+    batch, length, heads, key_dim = shape
+    gen = torch.Generator().manual_seed(seed)
+    args = kdn_inputs(gen, (*shape, 1), variant="diag", channel_decay=channel_decay)
+    p_prior = 0.5 + torch.rand(batch, heads, key_dim, generator=gen, dtype=F64)
+    k, g, q_noise, r = (args[n].clone() for n in ("k", "g", "q_noise", "r"))
+    if extremes:
+        g[0, 2] = -torch.inf
+        if channel_decay:
+            g[-1, length - 3, -1, key_dim // 2] = -torch.inf
+        r[0, 4, 0] = 1e30
+        r[-1, 1, -1] = 1e-6
+        q_noise[0, 2, 0] = 0.0  # a reset to a zero variance: p_bar = 0 there
+    return [k, g, q_noise, r, p_prior]
+
+
+def run(fn, inputs, dtype, weights, info_scale):
+    """Outputs and the gradients of sum(weights * outputs) (an output without a weight is
+    unused, so its gradient reaches the kernel as None)."""
+    leaves = [x.to(DEVICE, dtype).requires_grad_() for x in inputs]
+    outputs = fn(*leaves, info_scale)
+    loss = sum((o * w.to(o)).sum() for o, w in zip(outputs, weights, strict=True) if w is not None)
+    grads = torch.autograd.grad(loss, leaves)
+    return [x.detach().cpu().double() for x in (*outputs, *grads)]
+
+
+def assert_matches_definition_and_pytorch(inputs, weights, block_t):
+    from deltalab.ops.kdn.triton_gain import kdn_diag_gain
+
+    info_scale = float(inputs[0].shape[-1])
+    fused = run(lambda *x: kdn_diag_gain(*x, block_t=block_t), inputs, F32, weights, info_scale)
+    definition = run(lambda *x: diag_gain(*x, "sequential"), inputs, F64, weights, info_scale)
+    pytorch = run(lambda *x: diag_gain(*x, "parallel"), inputs, F32, weights, info_scale)
+    labels = [*OUTPUTS, *(f"d/d{n}" for n in NAMES)]
+    for label, x, x64, x32 in zip(labels, fused, definition, pytorch, strict=True):
+        assert_close(x, x64, TOLERANCE[F32], f"{label} against float64")
+        # Up to the PyTorch path's own float32 error: at r = 1e-6 its dr is off by ~4e-4 (the
+        # fused kernel's by ~1e-7), elsewhere both are within a few 1e-7 of float64.
+        tol = TOLERANCE[F32] + relative_error(x32, x64)
+        assert_close(x, x32, tol, f"{label} against the PyTorch path")
+
+
+def weights_for(inputs, seed, used=OUTPUTS):
+    gen = torch.Generator().manual_seed(seed)
+    k = inputs[0]
+    shapes = {"gain": k.shape, "p": k.shape, "predictive": k.shape[:-1]}
+    return [
+        torch.randn(shapes[o], generator=gen, dtype=F64) if o in used else None for o in OUTPUTS
+    ]
+
+
+@needs_triton
+@pytest.mark.parametrize("channel_decay", [True, False], ids=["channel_decay", "head_decay"])
+@pytest.mark.parametrize(
+    ("shape", "block_t"),
+    [((2, 13, 2, 5), 4), ((1, 7, 3, 8), 2), ((2, 11, 1, 3), None)],
+    ids=["odd_K-3_tiles_and_a_part", "K_power_of_2-tiles_of_2", "default_tile"],
+)
+def test_fused_gain_and_all_gradients_match_float64_definition_and_pytorch_path(
+    shape, block_t, channel_decay
+):
+    inputs = gain_inputs(1, shape, channel_decay=channel_decay)
+    weights = weights_for(inputs, 2)
+    assert_matches_definition_and_pytorch(inputs, weights, block_t)
+
+
+@needs_triton
+@pytest.mark.parametrize("used", [("gain",), ("p", "predictive")], ids=["gain_only", "no_gain"])
+def test_fused_gain_gradients_are_right_when_outputs_go_unused(used):
+    """An unused output's gradient comes to the backward as None (p in the mixers, which read
+    only its last step, also dgain): the kernel takes it as zero."""
+    inputs = gain_inputs(3, (2, 9, 2, 6))
+    weights = weights_for(inputs, 4, used)
+    assert_matches_definition_and_pytorch(inputs, weights, 4)
+
+
+@needs_triton
+def test_fused_gain_stays_finite_at_extreme_noise_and_resets():
+    """r from 1e-6 to 1e30 (no evidence), q_noise from 0 to 10, decays down to g = -inf (a
+    reset), long enough (40 tokens, tiles of 4) for the carry to cross many tiles."""
+    gen = torch.Generator().manual_seed(5)
+    inputs = gain_inputs(5, (1, 40, 2, 7))
+    inputs[3] = 10 ** (36 * torch.rand(1, 40, 2, generator=gen, dtype=F64) - 6)
+    inputs[2] = 10 * torch.rand(1, 40, 2, 7, generator=gen, dtype=F64) ** 4
+    inputs[1] = torch.where(torch.rand(1, 40, 2, 7, generator=gen) < 0.1, -torch.inf, inputs[1])
+    weights = weights_for(inputs, 6)
+    assert_matches_definition_and_pytorch(inputs, weights, 4)
+
+
+@needs_triton
+def test_kdn_gain_diag_streams_its_final_precision_through_the_fused_path(monkeypatch):
+    """Two calls carrying the final precision (initial_precision) give the gains, p and the
+    final precision of one call, and the gradients of both pieces, on the fused path."""
+    calls = spy_fused(monkeypatch)
+    inputs = gain_inputs(7, (2, 12, 2, 5))
+    k, g, q_noise, r, _ = (x.to(DEVICE, F32) for x in inputs)
+    p0 = torch.rand(2, 5, generator=torch.Generator().manual_seed(8), dtype=F64) + 0.5
+    p0 = p0.to(DEVICE, F32)
+    leaves = [x.clone().requires_grad_() for x in (k, g, q_noise, r)]
+    gain, p, final = kdn_gain_diag(*leaves, p0, backend="triton")
+    whole = [gain, p, final, *torch.autograd.grad(gain.sum() + p.sum() + final.sum(), leaves)]
+    leaves = [x.clone().requires_grad_() for x in (k, g, q_noise, r)]
+    first, second = ([x[:, :5] for x in leaves], [x[:, 5:] for x in leaves])
+    gain_1, p_1, precision = kdn_gain_diag(*first, p0, backend="triton")
+    gain_2, p_2, final = kdn_gain_diag(*second, p0, initial_precision=precision, backend="triton")
+    gain, p = torch.cat([gain_1, gain_2], 1), torch.cat([p_1, p_2], 1)
+    pieces = [gain, p, final, *torch.autograd.grad(gain.sum() + p.sum() + final.sum(), leaves)]
+    labels = ["gain", "p", "final precision", *(f"d/d{n}" for n in NAMES[:4])]
+    for label, x, ref in zip(labels, pieces, whole, strict=True):
+        assert_close(x, ref, TOLERANCE[F32], label)
+    assert calls == [(2, 12, 2, 5), (2, 5, 2, 5), (2, 7, 2, 5)]
+
+
+@pytest.mark.parametrize(
+    ("backend", "dtype", "fused"),
+    [
+        pytest.param("triton", F32, True, marks=needs_triton),
+        pytest.param("triton", F64, False, marks=needs_triton),
+        ("auto", F32, CUDA),
+        ("parallel", F32, False),
+        ("sequential", F32, False),
+    ],
+)
+def test_kdn_gain_diag_takes_the_fused_gain_exactly_on_the_triton_scan_in_float32(
+    monkeypatch, backend, dtype, fused
+):
+    """Where the variance scan ran on Triton: "triton", and "auto" on CUDA; float64 keeps the
+    PyTorch ops around the (float64) Triton scan."""
+    calls = spy_fused(monkeypatch)
+    k, g, q_noise, r, _ = (
+        x.to(DEVICE, dtype) for x in gain_inputs(9, (1, 3, 2, 4), extremes=False)
+    )
+    kdn_gain_diag(k, g, q_noise, r, torch.ones(2, device=DEVICE, dtype=dtype), backend=backend)
+    assert calls == ([(1, 3, 2, 4)] if fused else [])
+
+
+LAYER = dict(hidden_size=32, num_heads=2, head_dim=16, value_dim=8, conv_size=4, chunk_size=16)
+
+
+@needs_triton
+def test_diagonal_kdn_layer_on_triton_matches_chunk_with_parameter_gradients(monkeypatch):
+    """The same parameters on both backends: outputs and every parameter's gradient to 1e-5,
+    the Triton layer's gains on the fused kernels (20 tokens, two tiles of 16)."""
+    calls = spy_fused(monkeypatch)
+    layers = {}
+    for backend in ("chunk", "triton"):
+        torch.manual_seed(0)
+        layers[backend] = DiagonalKDN(**LAYER, backend=backend).to(DEVICE)
+    layers["triton"].load_state_dict(layers["chunk"].state_dict(), strict=True)
+    x = torch.randn(2, 20, LAYER["hidden_size"], device=DEVICE)
+    dy = torch.randn(2, 20, LAYER["hidden_size"], device=DEVICE)
+    results = {}
+    for backend, layer in layers.items():
+        y, _ = layer(x)
+        (y * dy).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in layer.parameters()])
+        results[backend] = (y.detach(), grads)
+    assert calls == [(2, 20, 2, 16)]
+    assert_close(results["triton"][0], results["chunk"][0], 1e-5, "y")
+    assert_close(results["triton"][1], results["chunk"][1], 1e-5, "parameter gradients")
+
+
+@needs_triton
+@pytest.mark.parametrize("mixer", ["kdn_diag", "kdn_iso"])
+def test_gate_sensitivity_on_a_triton_kdn_model_never_reaches_the_fused_kernels(monkeypatch, mixer):
+    """Forward-mode AD cannot go through the fused gain or terms (their Functions define no
+    jvp): gate sensitivity runs the layers on the chunk path, and its numbers agree with a chunk
+    model's."""
+    torch.manual_seed(0)
+    sizes = dict(num_layers=1, hidden_size=32, head_dim=16, chunk_size=16)
+    models = {
+        backend: CausalLM(build_config("tiny", mixer=mixer, backend=backend, **sizes)).eval()
+        for backend in ("triton", "chunk")
+    }
+    models["chunk"].load_state_dict(models["triton"].state_dict(), strict=True)
+    batch = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(10))
+    calls = (spy_fused if mixer == "kdn_diag" else spy_iso_terms)(monkeypatch)
+    reports = {}
+    for backend, model in models.items():
+        with torch.no_grad():
+            reports[backend] = gate_sensitivity(
+                model.to(DEVICE), batch.to(DEVICE), probes=1,
+                loss_fn=lambda m, b: m(input_ids=b, labels=b).loss,
+            )  # fmt: skip
+    assert calls == []
+    for layer, gates in reports["chunk"].state.items():
+        assert reports["triton"].state[layer] == pytest.approx(gates, rel=1e-4)
+        assert reports["triton"].loss[layer] == pytest.approx(
+            reports["chunk"].loss[layer], rel=1e-4
+        )
+    # The layers keep their backend, and take the fused kernels again afterwards.
+    with torch.no_grad():
+        models["triton"](input_ids=batch.to(DEVICE))
+    assert len(calls) == 1
+
+
+# --- Isotropic KDN: the terms' reductions over K on the kernels of triton_gain.py ----------------
+
+
+def spy_iso_terms(monkeypatch) -> list[tuple[int, ...]]:
+    """k's shape at every call of the fused isotropic terms."""
+    calls: list[tuple[int, ...]] = []
+    if not HAS_TRITON:
+        return calls
+    from deltalab.ops.kdn import triton_gain
+
+    original = triton_gain.kdn_iso_terms
+
+    def spy(k, *args):
+        calls.append(tuple(k.shape))
+        return original(k, *args)
+
+    monkeypatch.setattr(triton_gain, "kdn_iso_terms", spy)
+    return calls
+
+
+def iso_inputs(seed, shape, channel_decay):
+    """k, g, q_noise, r, p0 (float64) for kdn_gain_iso, with a reset (g = -inf) on one token
+    and in one channel, r = 1e30 and r = 1e-6."""
+    batch, length, heads, key_dim = shape
+    gen = torch.Generator().manual_seed(seed)
+    args = kdn_inputs(gen, (*shape, 1), variant="iso", channel_decay=channel_decay)
+    k, g, q_noise, r = (args[n].clone() for n in ("k", "g", "q_noise", "r"))
+    g[0, 1] = -torch.inf
+    if channel_decay:
+        g[-1, length - 2, -1, key_dim - 1] = -torch.inf
+    r[0, 2, 0], r[-1, 3, -1] = 1e30, 1e-6
+    p0 = 0.5 + torch.rand(batch, heads, generator=gen, dtype=F64)
+    return [k, g, q_noise, r, p0]
+
+
+@needs_triton
+@pytest.mark.parametrize("channel_decay", [True, False], ids=["channel_decay", "head_decay"])
+@pytest.mark.parametrize("shape", [(2, 9, 2, 5), (1, 6, 3, 16)], ids=["odd_K", "K_16"])
+def test_iso_gain_on_fused_terms_matches_float64_definition_and_pytorch_path(
+    monkeypatch, shape, channel_decay
+):
+    """beta, p, predictive, the final precision and the gradients of k, g, q_noise, r, p0."""
+    calls = spy_iso_terms(monkeypatch)
+    inputs = iso_inputs(11, shape, channel_decay)
+    gen = torch.Generator().manual_seed(12)
+    weights = [torch.randn(shape[:3], generator=gen, dtype=F64) for _ in range(3)]
+    results = {}
+    for name, backend, dtype in (
+        ("fused", "triton", F32),
+        ("definition", "sequential", F64),
+        ("pytorch", "parallel", F32),
+    ):
+        leaves = [x.to(DEVICE, dtype).requires_grad_() for x in inputs]
+        beta, p, final, predictive = kdn_gain_iso(*leaves, backend=backend, output_predictive=True)
+        outputs = (beta, p, predictive)
+        loss = sum((o * w.to(o)).sum() for o, w in zip(outputs, weights, strict=True))
+        grads = torch.autograd.grad(loss + final.sum(), leaves)
+        results[name] = [x.detach().cpu().double() for x in (*outputs, final, *grads)]
+    assert calls == [shape]
+    labels = ["beta", "p", "predictive", "final precision", *(f"d/d{n}" for n in NAMES)]
+    for label, x, x64, x32 in zip(labels, *results.values(), strict=True):
+        assert_close(x, x64, TOLERANCE[F32], f"{label} against float64")
+        tol = TOLERANCE[F32] + relative_error(x32, x64)
+        assert_close(x, x32, tol, f"{label} against the PyTorch path")
+
+
+@pytest.mark.parametrize(
+    ("backend", "dtype", "fused"),
+    [
+        pytest.param("triton", F32, True, marks=needs_triton),
+        pytest.param("triton", F64, False, marks=needs_triton),
+        ("auto", F32, CUDA),
+        ("parallel", F32, False),
+    ],
+)
+def test_kdn_gain_iso_takes_the_fused_terms_exactly_on_the_triton_scan_in_float32(
+    monkeypatch, backend, dtype, fused
+):
+    calls = spy_iso_terms(monkeypatch)
+    k, g, q_noise, r, _ = (x.to(DEVICE, dtype) for x in iso_inputs(13, (1, 4, 2, 3), True))
+    kdn_gain_iso(k, g, q_noise, r, torch.ones(2, device=DEVICE, dtype=dtype), backend=backend)
+    assert calls == ([(1, 4, 2, 3)] if fused else [])
+
+
+@needs_triton
+def test_isotropic_kdn_layer_on_triton_matches_chunk_with_parameter_gradients(monkeypatch):
+    calls = spy_iso_terms(monkeypatch)
+    layers = {}
+    for backend in ("chunk", "triton"):
+        torch.manual_seed(0)
+        layers[backend] = IsotropicKDN(**LAYER, backend=backend).to(DEVICE)
+    layers["triton"].load_state_dict(layers["chunk"].state_dict(), strict=True)
+    x = torch.randn(2, 20, LAYER["hidden_size"], device=DEVICE)
+    dy = torch.randn(2, 20, LAYER["hidden_size"], device=DEVICE)
+    results = {}
+    for backend, layer in layers.items():
+        y, _ = layer(x)
+        (y * dy).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in layer.parameters()])
+        results[backend] = (y.detach(), grads)
+    assert calls == [(2, 20, 2, 16)]
+    assert_close(results["triton"][0], results["chunk"][0], 1e-5, "y")
+    assert_close(results["triton"][1], results["chunk"][1], 1e-5, "parameter gradients")
