@@ -180,12 +180,12 @@ def test_norm_kernels_compile_for_hopper_without_spills(dim, dtype, gated):
 
 @pytest.mark.parametrize(
     ("width", "dtype"),
-    [(2752, "bf16"), (2752, "fp32"), (37, "fp32")],
-    ids=["340M-bf16", "340M", "odd"],
+    [(2400, "bf16"), (3232, "bf16"), (3232, "fp32"), (37, "fp32")],
+    ids=["340M-gdn2-bf16", "340M-transformer-bf16", "340M-fp32", "odd"],
 )
 def test_swiglu_kernels_compile_for_hopper_without_spills(width, dtype):
-    """At the launches `swiglu` uses for the 340M FFN (F = 2752, bfloat16 under autocast) and a
-    narrow odd F: no spill to local memory."""
+    """At the launches `swiglu` uses for the 340M FFNs (F = 2400 GDN-2, 3232 Transformer;
+    bfloat16 under autocast) and a narrow odd F: no spill to local memory."""
     from deltalab.ops.swiglu import triton as swiglu
 
     activations = {name: f"*{dtype}" for name in ("GU", "H", "DH", "DGU")}
