@@ -103,6 +103,24 @@ def test_an_rms_norm_on_triton_is_one_glue_kernel_each_way():
     assert kernels[0].bytes == 4 * (2 * rows * dim + dim + rows)
 
 
+def test_a_swiglu_on_triton_is_one_glue_kernel_each_way():
+    """The FFN's gating: the forward kernel reads gate_up and writes h, the backward reads
+    gate_up and dh and writes d(gate_up); no recomputed forward, no cat."""
+    from deltalab.models.lm import SwiGLU
+
+    rows, width = 15, 12
+    model = nn.Sequential(nn.Identity(), SwiGLU(8, width))
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    with traffic.recording(model) as recorder:
+        model(x).sum().backward()
+    ops = [o for o in recorder.ops if o.module == "SwiGLU" and o.bytes]
+    assert [(o.phase, o.op) for o in ops] == [
+        ("forward", "triton:_swiglu_fwd"), ("backward", "triton:_swiglu_bwd"),
+    ]  # fmt: skip
+    assert all(o.category == traffic.GLUE for o in ops)
+    assert [o.bytes for o in ops] == [4 * 3 * rows * width, 4 * 5 * rows * width]
+
+
 def test_bytes_count_broadcasts_once_and_in_place_destinations_once():
     model = nn.Identity()
     a, b = torch.zeros(8, 4), torch.ones(4)
