@@ -1,5 +1,5 @@
 """Where a training step's GPU time goes, per mixer: the delta-rule kernels, the matrix products,
-attention, normalization, the optimizer, and the elementwise ops between them.
+attention, normalization and SwiGLU, the optimizer, and the elementwise ops between them.
 
     python benchmarks/profile_train.py --device cuda --preset 340M --seq-len 4096 --batch 4 \\
         --mixers gdn2 muir transformer --out prof_train.json      # H200, bf16 autocast
@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+# The category of the norms' and SwiGLU's kernels (benchmarks/traffic.py counts them as glue).
+NORMS_SWIGLU = "normalization, SwiGLU"
 # (category, name prefixes, name substrings) of the lowercased kernel or op name; the first
 # match wins. The project's Triton kernels are named by their functions, so a prefix finds them
 # (a substring would also catch e.g. aten::linalg_solve_triangular on CPU).
@@ -65,7 +67,8 @@ CATEGORIES = (
         ),
     ),
     ("convolution", ("_short_conv_",), ("conv",)),
-    ("normalization", (), ("norm",)),
+    # The norms' kernels and the FFN's SwiGLU gating: elementwise work around the mixers.
+    (NORMS_SWIGLU, (), ("norm", "swiglu")),
     ("optimizer", (), ("adam", "multi_tensor", "foreach")),
 )
 OTHER = "elementwise, reductions, copies"

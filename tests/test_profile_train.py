@@ -38,15 +38,16 @@ def test_kernel_names_fall_in_their_categories(name, expected):
 
 def test_every_launched_triton_kernel_of_the_project_falls_in_its_category():
     """A kernel added later without a matching prefix would be counted as elementwise work: the
-    short convolution's kernels are convolution, the norms' normalization, every other one a
-    delta-rule or KDN kernel."""
+    short convolution's kernels are convolution, the norms' and SwiGLU's "normalization,
+    SwiGLU", every other one a delta-rule or KDN kernel."""
     expected = {}
     for path in (_ROOT / "deltalab" / "ops").rglob("*.py"):
         text = path.read_text()
         launched = set(re.findall(r"\b(_[a-z0-9_]+)\[", text))
         jitted = set(re.findall(r"@triton\.jit\ndef (_[a-z0-9_]+)\(", text))
         label = "convolution" if "short_conv" in path.parts else DELTA
-        label = "normalization" if "norms" in path.parts else label
+        glue_side = "norms" in path.parts or "swiglu" in path.parts
+        label = profile_train.NORMS_SWIGLU if glue_side else label
         expected.update(dict.fromkeys(launched & jitted, label))
     assert len(expected) >= 12 and "convolution" in expected.values()
     assert {k: profile_train.category(k) for k in expected} == expected

@@ -45,9 +45,11 @@ def test_matrix_products_and_kernels_are_not_glue(gdn2_ops):
     products = [o for o in gdn2_ops if o.op in ("mm", "addmm", "bmm")]
     assert products and all(o.category == traffic.MATMUL for o in products)
     glue = [o for o in gdn2_ops if o.category == traffic.GLUE]
-    # Kernels in glue: only the norms' (deltalab.ops.norms), which replace glue ops.
+    # Kernels in glue: only the norms' and SwiGLU's, which replace glue ops.
     kernels_in_glue = {o.op for o in glue if o.op.startswith("triton:")}
-    assert kernels_in_glue <= {"triton:_norm_fwd", "triton:_norm_bwd"}
+    assert kernels_in_glue <= {
+        "triton:_norm_fwd", "triton:_norm_bwd", "triton:_swiglu_fwd", "triton:_swiglu_bwd",
+    }  # fmt: skip
     assert not any(o.op in traffic.MATMUL_OPS for o in glue)
     # The delta rule ran as the Triton kernels (stubs), both ways, not the PyTorch chunk path.
     kernels = {o.op for o in gdn2_ops if o.category == traffic.DELTA}
@@ -99,6 +101,24 @@ def test_an_rms_norm_on_triton_is_one_glue_kernel_each_way():
     assert all(o.category == traffic.GLUE for o in kernels)
     # The forward reads x and the weight, writes y and 1/rms per row: no float32 intermediates.
     assert kernels[0].bytes == 4 * (2 * rows * dim + dim + rows)
+
+
+def test_a_swiglu_on_triton_is_one_glue_kernel_each_way():
+    """The FFN's gating: the forward kernel reads gate_up and writes h, the backward reads
+    gate_up and dh and writes d(gate_up); no recomputed forward, no cat."""
+    from deltalab.models.lm import SwiGLU
+
+    rows, width = 15, 12
+    model = nn.Sequential(nn.Identity(), SwiGLU(8, width))
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    with traffic.recording(model) as recorder:
+        model(x).sum().backward()
+    ops = [o for o in recorder.ops if o.module == "SwiGLU" and o.bytes]
+    assert [(o.phase, o.op) for o in ops] == [
+        ("forward", "triton:_swiglu_fwd"), ("backward", "triton:_swiglu_bwd"),
+    ]  # fmt: skip
+    assert all(o.category == traffic.GLUE for o in ops)
+    assert [o.bytes for o in ops] == [4 * 3 * rows * width, 4 * 5 * rows * width]
 
 
 def test_bytes_count_broadcasts_once_and_in_place_destinations_once():

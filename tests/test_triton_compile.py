@@ -210,3 +210,29 @@ def test_kdn_gain_kernels_compile_for_hopper_without_spills(key_dim, g_head):
         assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, name
         stack = _stack_bytes(compiled)
         assert stack in (None, 0), f"{name} K={key_dim}: {stack} bytes spilled per thread"
+
+
+@pytest.mark.parametrize(
+    ("width", "dtype"),
+    [(2400, "bf16"), (3232, "bf16"), (3232, "fp32"), (37, "fp32")],
+    ids=["340M-gdn2-bf16", "340M-transformer-bf16", "340M-fp32", "odd"],
+)
+def test_swiglu_kernels_compile_for_hopper_without_spills(width, dtype):
+    """At the launches `swiglu` uses for the 340M FFNs (F = 2400 GDN-2, 3232 Transformer;
+    bfloat16 under autocast) and a narrow odd F: no spill to local memory."""
+    from deltalab.ops.swiglu import triton as swiglu
+
+    activations = {name: f"*{dtype}" for name in ("GU", "H", "DH", "DGU")}
+    kernels = [(swiglu._swiglu_fwd, "forward", 2), (swiglu._swiglu_bwd, "backward", 3)]
+    for kernel, name, n_pointers in kernels:
+        block_m, block_f, warps = swiglu.launch(1 << 14, width, name)
+        constants = {"BM": block_m, "BF": block_f}
+        pointers = kernel.arg_names[:n_pointers]
+        scalars = [a for a in kernel.arg_names[n_pointers:] if a not in constants]
+        types = {p: activations[p] for p in pointers}
+        compiled = _compile_for_hopper(
+            kernel, pointers, scalars, constants, {"num_warps": warps}, types, aligned=pointers
+        )
+        assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, name
+        stack = _stack_bytes(compiled)
+        assert stack in (None, 0), f"{name} F={width} {dtype}: {stack} bytes spilled per thread"

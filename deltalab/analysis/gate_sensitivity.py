@@ -44,6 +44,7 @@ from deltalab.layers.common import DeltaMixer, RMSNorm, require_positive_int
 from deltalab.layers.kdn import KalmanMixer
 from deltalab.layers.kdn_muir import KDNMuirRanks
 from deltalab.layers.muir import FusedGateMixer, GateRanks, MuirRanks
+from deltalab.models.lm import SwiGLU
 from deltalab.ops.parametrize import DeltaRuleInputs
 
 __all__ = [
@@ -334,18 +335,18 @@ def _forward_mode_paths(model: nn.Module) -> Iterator[None]:
     parallel variance scan, and the conv1d path of their short convolutions, which follow the
     layer's backend: `short_conv_backend`) while the probes run, and get their backend back
     afterwards, also after an error. The numbers agree up to rounding: both paths compute one
-    function. Their norms follow their backend too; the blocks' RMSNorms, which take the
-    model's backend, run the torch path alongside (the Triton norms define a jvp, but a model
-    built for "triton" on a machine without it is probed too)."""
+    function. Their norms follow their backend too; the blocks' RMSNorms and the FFNs' SwiGLU
+    gating, which take the model's backend, run the torch path alongside (the Triton norms and
+    SwiGLU define a jvp, but a model built for "triton" on a machine without it is probed too)."""
     switched = [
         (layer, layer.backend, "chunk")
         for layer in model.modules()
         if isinstance(layer, DeltaMixer) and layer.backend not in ("chunk", "naive")
     ]
     switched += [
-        (norm, norm.backend, "torch")
-        for norm in model.modules()
-        if isinstance(norm, RMSNorm) and norm.backend not in ("torch", "naive")
+        (module, module.backend, "torch")
+        for module in model.modules()
+        if isinstance(module, RMSNorm | SwiGLU) and module.backend not in ("torch", "naive")
     ]
     for layer, _, path in switched:
         layer.backend = path

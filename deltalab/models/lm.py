@@ -19,31 +19,32 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from deltalab.layers.common import RMSNorm, recomputed
+from deltalab.layers.common import RMSNorm
 from deltalab.models.cache import RecurrentCache
 from deltalab.models.config import DeltaLabConfig
 from deltalab.models.mixers import build_mixer
 from deltalab.ops.norms import layer_backend
+from deltalab.ops.swiglu import swiglu
 
 __all__ = ["Block", "CausalLM", "DeltaLabModel", "SwiGLU"]
 
 
 class SwiGLU(nn.Module):
-    """`x [..., D] -> down(silu(gate(x)) * up(x)) [..., D]`, hidden width `width`."""
+    """`x [..., D] -> down(silu(gate(x)) * up(x)) [..., D]`, hidden width `width`.
 
-    def __init__(self, hidden_size: int, width: int) -> None:
+    The gating runs on `backend` (`deltalab.ops.swiglu`; the blocks pass the config's through
+    `layer_backend`, as to their norms): "torch" keeps the projection for backward, not
+    silu(gate) (activation checkpointing), "triton" one kernel each way, "auto" Triton on CUDA.
+    """
+
+    def __init__(self, hidden_size: int, width: int, backend: str = "auto") -> None:
         super().__init__()
         self.gate_up = nn.Linear(hidden_size, 2 * width, bias=False)
         self.down = nn.Linear(width, hidden_size, bias=False)
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Keeps the projection for backward, not silu(gate) (`recomputed`).
-        return self.down(recomputed(_swiglu, self.gate_up(x)))
-
-
-def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+        return self.down(swiglu(self.gate_up(x), backend=self.backend))
 
 
 class Block(nn.Module):
@@ -52,12 +53,13 @@ class Block(nn.Module):
     def __init__(self, config: DeltaLabConfig, kind: str) -> None:
         super().__init__()
         self.kind = kind
-        # The norms run on the config's backend: Triton on CUDA under "auto", as the mixers.
+        # The norms and the FFN's gating run on the config's backend: Triton on CUDA under
+        # "auto", as the mixers.
         norm_backend = layer_backend(config.backend)
         self.mixer_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, backend=norm_backend)
         self.mixer = build_mixer(config, kind)
         self.ffn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, backend=norm_backend)
-        self.ffn = SwiGLU(config.hidden_size, config.ffn_width)
+        self.ffn = SwiGLU(config.hidden_size, config.ffn_width, backend=norm_backend)
 
     def forward(
         self, x: torch.Tensor, state: Any = None, mask: torch.Tensor | None = None

@@ -1,0 +1,147 @@
+"""Times SwiGLU's Triton kernels against the FFN's torch path (deltalab.ops.swiglu).
+
+    python benchmarks/bench_swiglu.py --out swiglu.json                          # GPU
+    TRITON_INTERPRET=1 python benchmarks/bench_swiglu.py --tiny --out /tmp/tiny.json
+
+Cases, at the 340M training step's shape (B=4, T=4096) in the dtype that step gives the gating
+under bf16 autocast: gate_up `[4 * 4096, 2F]` bfloat16 (the fused projection's output), F the
+340M preset's FFN width from the config of each mixer (GDN-2: 2400, Transformer: 3232).
+(`--tiny`: small shapes on CPU under the interpreter, float32, to prove the script runs.)
+
+Per case and backend ("torch": the FFN's old path, the formula under activation checkpointing,
+so its forward runs again in the backward; "triton"), median ms of the forward (no autograd) and
+of forward + backward (d(gate_up) by `torch.autograd.grad` with a random dh), by
+`triton.testing.do_bench` on the GPU; then torch / triton, each backend's error against the
+float64 formula ("naive") on the same inputs (normwise relative error of h and of d(gate_up)),
+and the bytes each kernel must move (forward: read gate_up, write h; backward: read gate_up and
+dh, write d(gate_up)) as GB/s at the measured times. The JSON written to --out holds every
+number printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from deltalab.benchmarking import format_table, run_environment
+from deltalab.models import build_config
+from deltalab.ops.swiglu import swiglu
+from deltalab.testing import relative_error
+
+MIXERS = ("gdn2", "transformer")
+ROWS = 4 * 4096
+TINY = (37, 20)  # rows, F
+BACKENDS = ("torch", "triton")
+
+
+def median_ms(fn, device: str, repeats: int) -> float:
+    """Median ms of fn(): triton.testing.do_bench on CUDA, wall time on CPU (the interpreter)."""
+    if device == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def outputs(backend: str, gate_up: torch.Tensor, dh: torch.Tensor) -> list[torch.Tensor]:
+    """h and d(gate_up)."""
+    leaf = gate_up.detach().requires_grad_()
+    h = swiglu(leaf, backend=backend)
+    (grad,) = torch.autograd.grad(h, leaf, dh.to(h.dtype))
+    return [h, grad]
+
+
+def bench_case(mixer: str, rows: int, width: int, dtype, device: str, repeats: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(rows, 2 * width, generator=gen).to(device, dtype)
+    dh = torch.randn(rows, width, generator=gen).to(device, dtype)
+    result = {"case": mixer, "shape": [rows, 2 * width], "dtype": str(dtype).removeprefix("torch.")}
+    reference = outputs("naive", gate_up.double(), dh.double())
+    size = gate_up.element_size()
+    moved = {"forward_ms": 3 * rows * width * size, "train_ms": 8 * rows * width * size}
+    result["kernel_bytes"] = {"forward": moved["forward_ms"], "train": moved["train_ms"]}
+    for backend in BACKENDS:
+
+        def forward(backend=backend) -> None:
+            with torch.no_grad():
+                swiglu(gate_up, backend=backend)
+
+        def train(backend=backend) -> None:
+            outputs(backend, gate_up, dh)
+
+        got = outputs(backend, gate_up, dh)
+        times = {
+            "forward_ms": median_ms(forward, device, repeats),
+            "train_ms": median_ms(train, device, repeats),
+        }
+        result[backend] = {
+            **times,
+            "gb_per_s": {k[:-3]: moved[k] / times[k] / 1e6 for k in times},
+            "errors": {
+                n: relative_error(a, e)
+                for n, a, e in zip(("h", "d_gate_up"), got, reference, strict=True)
+            },
+        }
+    for phase in ("forward_ms", "train_ms"):
+        result[f"speedup_{phase[:-3]}"] = result["torch"][phase] / result["triton"][phase]
+    return result
+
+
+def print_case(result: dict) -> None:
+    print(f"\n{result['case']}: gate_up {result['shape']} {result['dtype']}")
+    rows = [
+        [
+            backend, result[backend]["forward_ms"], result[backend]["train_ms"],
+            result[backend]["gb_per_s"]["forward"], result[backend]["gb_per_s"]["train"],
+            result[backend]["errors"]["h"], result[backend]["errors"]["d_gate_up"],
+        ]
+        for backend in BACKENDS
+    ]  # fmt: skip
+    headers = ["backend", "fwd ms", "fwd+bwd ms", "fwd GB/s*", "fwd+bwd GB/s*", "err h",
+               "err d(gate_up)"]  # fmt: skip
+    print(format_table(headers, rows))
+    print(f"torch / triton: forward {result['speedup_forward']:.2f}x, "
+          f"forward+backward {result['speedup_train']:.2f}x  "
+          "(* the fused kernels' bytes over each backend's time)")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--out", required=True, help="path of the JSON file to write")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (interpreter smoke run)")
+    parser.add_argument("--mixers", nargs="+", default=list(MIXERS), choices=list(MIXERS))
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs (CPU only)")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    repeats = args.repeats or (1 if args.tiny else 10)
+    header = run_environment(device)
+    print(" ".join(f"{k}={v}" for k, v in header.items()))
+    results = []
+    for mixer in args.mixers:
+        if args.tiny:
+            # bfloat16 under the interpreter is not supported (numpy has none): float32 there.
+            (rows, width), dtype = TINY, torch.float32
+        else:
+            rows, width, dtype = ROWS, build_config("340M", mixer=mixer).ffn_width, torch.bfloat16
+        results.append(bench_case(mixer, rows, width, dtype, device, repeats))
+        print_case(results[-1])
+        # Written after every case: a run stopped by its time limit keeps what it measured.
+        with open(args.out, "w") as f:
+            json.dump({**header, "cases": results}, f, indent=1)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

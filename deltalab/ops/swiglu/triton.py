@@ -1,0 +1,152 @@
+"""Triton SwiGLU, forward and backward, one elementwise kernel each way.
+
+    gate, up = gate_up[..., :F], gate_up[..., F:]
+    s = sigmoid(gate),   h = gate s up
+    d gate = dh up s (1 + gate (1 - s)),   d up = dh gate s
+
+Layout. gate_up (and dh) are taken as rows `[M, 2F]` (`[M, F]`), each row's elements contiguous
+with a row stride (a view when the caller's tensor allows it, else a copy). A program owns a
+tile of BM rows x BF columns of h: it reads those columns of the gate and, F elements further
+on, of up. The columns are split in blocks of at most BLOCK_COLUMNS (F = 2400 in the 340M GDN-2
+model: 10 blocks of 256 cover it with 6% masked, where a power-of-2 row would mask 41%; 3232 in
+the Transformer: 3%), the rows in blocks of BM so that a tile holds BLOCK_ELEMENTS elements.
+
+Traffic. Forward: one read of gate_up, one write of h in gate_up's dtype; only gate_up is saved
+for the backward (as the torch path's activation checkpointing keeps it). Backward: one read of
+gate_up and of dh, one write of d(gate_up) `[M, 2F]`: both halves stored in place, no
+concatenation, and no second forward. Everything in between is float32 registers.
+
+Precision: README.md in this folder.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltalab.ops.swiglu.reference import swiglu_naive
+
+# Elements (BM rows x BF columns) a program holds in its tile, and the elements a thread holds
+# (which sets the warps, at most MAX_WARPS), per kernel; the widest column block. First guesses
+# for a bandwidth-bound elementwise kernel, to be tuned on the GPU (benchmarks/bench_swiglu.py).
+BLOCK_ELEMENTS = {"forward": 4096, "backward": 2048}
+PER_THREAD = {"forward": 16, "backward": 8}
+BLOCK_COLUMNS = 256
+MAX_WARPS = 16
+
+
+@triton.jit
+def _swiglu_fwd(GU, H, M, F, stride_gu, BM: tl.constexpr, BF: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BF + tl.arange(0, BF)
+    mask = (rows < M)[:, None] & (cols < F)[None, :]
+    rows64 = rows.to(tl.int64)
+    at = rows64[:, None] * stride_gu + cols[None, :]
+    g = tl.load(GU + at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(GU + at + F, mask=mask, other=0.0).to(tl.float32)
+    # sigmoid(g) = 1 / (1 + exp(-g)) is 0 once exp overflows (g < -88): h = g * 0 * u, finite.
+    h = g * tl.sigmoid(g) * u
+    tl.store(H + rows64[:, None] * F + cols[None, :], h.to(H.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd(GU, DH, DGU, M, F, stride_gu, stride_dh, BM: tl.constexpr, BF: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BF + tl.arange(0, BF)
+    mask = (rows < M)[:, None] & (cols < F)[None, :]
+    rows64 = rows.to(tl.int64)
+    at = rows64[:, None] * stride_gu + cols[None, :]
+    g = tl.load(GU + at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(GU + at + F, mask=mask, other=0.0).to(tl.float32)
+    dh = tl.load(DH + rows64[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0)
+    dh = dh.to(tl.float32)
+    s = tl.sigmoid(g)
+    # silu'(g) = s (1 + g (1 - s)): 0 where s is 0 (g < -88), s where 1 - s is 0; no inf * 0.
+    dg = dh * u * (s * (1.0 + g * (1.0 - s)))
+    du = dh * (g * s)
+    out = rows64[:, None] * (2 * F) + cols[None, :]
+    tl.store(DGU + out, dg.to(DGU.dtype.element_ty), mask=mask)
+    tl.store(DGU + out + F, du.to(DGU.dtype.element_ty), mask=mask)
+
+
+def launch(rows: int, width: int, kernel: str) -> tuple[int, int, int]:
+    """(BM rows, BF columns, warps) of a `kernel` ("forward" or "backward") program for M rows
+    of h's F = width columns: BF the power of 2 covering F, at most BLOCK_COLUMNS; BM =
+    BLOCK_ELEMENTS / BF rows (at least 1, at most the rows' power of 2); warps for PER_THREAD
+    elements a thread (1 to MAX_WARPS)."""
+    block_f = min(BLOCK_COLUMNS, triton.next_power_of_2(width))
+    tile = BLOCK_ELEMENTS[kernel]
+    block_m = max(1, min(tile // block_f, triton.next_power_of_2(max(rows, 1))))
+    warps = max(1, min(MAX_WARPS, block_m * block_f // (32 * PER_THREAD[kernel])))
+    return block_m, block_f, warps
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t `[..., N]` as `[M, N]` with unit column stride and rows apart: a view when t allows
+    one, else a copy."""
+    t2 = t.reshape(-1, t.shape[-1])
+    rows, dim = t2.shape
+    unit = t2.stride(1) == 1 or dim == 1
+    apart = rows == 1 or t2.stride(0) >= dim
+    return t2 if unit and apart else t2.contiguous()
+
+
+def _row_stride(t: torch.Tensor) -> int:
+    return t.stride(0) if t.shape[0] > 1 else t.shape[1]
+
+
+def _grid(rows: int, width: int, block_m: int, block_f: int) -> tuple[int, int]:
+    return triton.cdiv(rows, block_m), triton.cdiv(width, block_f)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """The kernels on rows gate_up `[M, 2F]` -> h `[M, F]` in gate_up's dtype. Saves gate_up
+    only; the jvp is computed with torch ops from it."""
+
+    @staticmethod
+    def forward(ctx, gate_up):
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        block_m, block_f, warps = launch(rows, width, "forward")
+        h = torch.empty(rows, width, dtype=gate_up.dtype, device=gate_up.device)
+        _swiglu_fwd[_grid(rows, width, block_m, block_f)](
+            gate_up, h, rows, width, _row_stride(gate_up), BM=block_m, BF=block_f,
+            num_warps=warps,
+        )  # fmt: skip
+        ctx.save_for_backward(gate_up)
+        ctx.save_for_forward(gate_up)
+        return h
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dh):
+        (gate_up,) = ctx.saved_tensors
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        block_m, block_f, warps = launch(rows, width, "backward")
+        dh = _rows(dh)
+        d_gate_up = torch.empty(rows, 2 * width, dtype=gate_up.dtype, device=gate_up.device)
+        _swiglu_bwd[_grid(rows, width, block_m, block_f)](
+            gate_up, dh, d_gate_up, rows, width, _row_stride(gate_up), _row_stride(dh),
+            BM=block_m, BF=block_f, num_warps=warps,
+        )  # fmt: skip
+        return d_gate_up
+
+    @staticmethod
+    def jvp(ctx, t_gate_up):
+        """Forward-mode derivative, in float32 torch ops from the saved gate_up:
+        t_h = t_gate up silu'(gate) + t_up silu(gate)."""
+        (gate_up,) = ctx.saved_tensors
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        t_gate, t_up = t_gate_up.float().chunk(2, dim=-1)
+        s = torch.sigmoid(gate)
+        t_h = t_gate * up * (s * (1 + gate * (1 - s))) + t_up * (gate * s)
+        return t_h.to(gate_up.dtype)
+
+
+def swiglu_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up by the kernels, validated gate_up `[..., 2F]`; `[..., F]` in gate_up's
+    dtype, computed in float32."""
+    if gate_up.numel() == 0:
+        return swiglu_naive(gate_up)
+    h = _SwiGLU.apply(_rows(gate_up))
+    return h.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
