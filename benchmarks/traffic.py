@@ -198,8 +198,9 @@ def op_category(op: str, phase: str) -> str:
         kernel = profile_train.category(op[7:])
         if kernel == CONVOLUTION:
             return CONVOLUTION
-        # The norms' kernels (deltalab.ops.norms) replace glue ops: their bytes stay glue.
-        return GLUE if kernel == "normalization" else DELTA
+        # The norms' kernels (deltalab.ops.norms) and the log decay's (deltalab.ops.log_decay,
+        # elementwise) replace glue ops: their bytes stay glue.
+        return GLUE if kernel in ("normalization", profile_train.OTHER) else DELTA
     if op in MATMUL_OPS:
         return MATMUL
     if "scaled_dot_product" in op or "flash_attention" in op or "efficient_attention" in op:

@@ -23,6 +23,7 @@ DELTA = "delta-rule and KDN kernels"
     [
         ("_intra_bwd", DELTA),
         ("_mobius_forward_kernel", DELTA),
+        ("_log_decay_bwd", profile_train.OTHER),
         ("aten::linalg_solve_triangular", profile_train.OTHER),  # "_solve_" inside, not a prefix
         ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matrix products"),
         ("aten::mm", "matrix products"),
@@ -38,8 +39,8 @@ def test_kernel_names_fall_in_their_categories(name, expected):
 
 def test_every_launched_triton_kernel_of_the_project_falls_in_its_category():
     """A kernel added later without a matching prefix would be counted as elementwise work: the
-    short convolution's kernels are convolution, the norms' normalization, every other one a
-    delta-rule or KDN kernel."""
+    short convolution's kernels are convolution, the norms' normalization, the log decay's
+    elementwise (glue it replaces), every other one a delta-rule or KDN kernel."""
     expected = {}
     for path in (_ROOT / "deltalab" / "ops").rglob("*.py"):
         text = path.read_text()
@@ -47,6 +48,7 @@ def test_every_launched_triton_kernel_of_the_project_falls_in_its_category():
         jitted = set(re.findall(r"@triton\.jit\ndef (_[a-z0-9_]+)\(", text))
         label = "convolution" if "short_conv" in path.parts else DELTA
         label = "normalization" if "norms" in path.parts else label
+        label = profile_train.OTHER if "log_decay" in path.parts else label
         expected.update(dict.fromkeys(launched & jitted, label))
     assert len(expected) >= 12 and "convolution" in expected.values()
     assert {k: profile_train.category(k) for k in expected} == expected
