@@ -3,7 +3,7 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Writes each part's output and JSON under $OUT (or ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests time prof stability train decode kdn tune time_deep ptrain compile conv conv_tests norms norms_tests
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests time prof stability train decode kdn tune time_deep ptrain compile conv conv_tests norms norms_tests decay decay_tests
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
@@ -15,7 +15,9 @@
 # convolution: Triton kernels against the conv1d path, errors against float64, a launch sweep),
 # conv_tests 120 s (tests/test_short_conv.py compiled on the GPU, bf16 included), norms 90 s
 # (the block, gated and L2 norms: Triton kernels against the torch path, errors against
-# float64), norms_tests 120 s (tests/test_norms.py compiled on the GPU, bf16 included).
+# float64), norms_tests 120 s (tests/test_norms.py compiled on the GPU, bf16 included), decay
+# 60 s (the log decay: Triton kernels against the torch path, errors against float64),
+# decay_tests 90 s (tests/test_log_decay.py compiled on the GPU, bf16 included).
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -68,6 +70,9 @@ for p in "${parts[@]}"; do
     norms) part norms 90 python3 benchmarks/bench_norms.py --out "$OUT/norms.json" ;;
     norms_tests) part norms_tests 120 python3 -m pytest -q -x -p no:cacheprovider \
         tests/test_norms.py ;;
-    *) echo "unknown part: $p (tests time prof stability train decode kdn tune time_deep ptrain compile conv conv_tests norms norms_tests)"; exit 2 ;;
+    decay) part decay 60 python3 benchmarks/bench_log_decay.py --out "$OUT/decay.json" ;;
+    decay_tests) part decay_tests 90 python3 -m pytest -q -x -p no:cacheprovider \
+        tests/test_log_decay.py ;;
+    *) echo "unknown part: $p (tests time prof stability train decode kdn tune time_deep ptrain compile conv conv_tests norms norms_tests decay decay_tests)"; exit 2 ;;
     esac
 done
