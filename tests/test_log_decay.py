@@ -16,7 +16,14 @@ import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
-from deltalab.layers import DiagonalKDN, GatedDeltaNet, GatedDeltaNet2, KimiDeltaAttention, Muir
+from deltalab.layers import (
+    DiagonalKDN,
+    GatedDeltaNet,
+    GatedDeltaNet2,
+    KDNMuir,
+    KimiDeltaAttention,
+    Muir,
+)
 from deltalab.layers.common import DeltaMixer
 from deltalab.layers.decay import ChannelDecay, ScalarDecay
 from deltalab.ops import log_decay as op
@@ -226,8 +233,12 @@ def spy_log_decay(monkeypatch) -> list[str]:
 FRONTEND = dict(hidden_size=32, num_heads=2, head_dim=16, value_dim=8, conv_size=4, chunk_size=16)
 
 
-@pytest.mark.parametrize("mixer", [GatedDeltaNet, GatedDeltaNet2, Muir, DiagonalKDN])
-@pytest.mark.parametrize(("backend", "expected"), [("chunk", "torch"), ("naive", "torch")])
+@pytest.mark.parametrize(
+    "mixer", [GatedDeltaNet, KimiDeltaAttention, GatedDeltaNet2, Muir, DiagonalKDN, KDNMuir]
+)
+@pytest.mark.parametrize(
+    ("backend", "expected"), [("chunk", "torch"), ("naive", "torch"), ("auto", "auto")]
+)
 def test_mixers_pass_their_delta_rules_backend_to_the_decay(monkeypatch, mixer, backend, expected):
     calls = spy_log_decay(monkeypatch)
     torch.manual_seed(0)

@@ -3,6 +3,8 @@
     g = -exp(A_log) * softplus(proj(x) + dt_bias)  <= 0
 
 `A_log` is per head, `dt_bias` per head (scalar decay) or per head-channel (channel decay).
+The formula runs in `deltalab.ops.log_decay` (the torch path, or one Triton kernel each way); the
+modules take the backend at call time, their mixer's (`layer_backend(mixer.backend)`).
 Initialization follows Mamba2 / fla's Gated DeltaNet: `A ~ U(1, 16)`, and
 `dt ~ exp(U(log 1e-3, log 1e-1))` floored at 1e-4 with `dt_bias = softplus^-1(dt)`, so that
 `softplus(dt_bias)` is the sampled step size when the projection is zero.
