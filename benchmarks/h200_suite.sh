@@ -3,7 +3,7 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Writes each part's output and JSON under $OUT (or ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests time prof stability train decode kdn tune time_deep ptrain compile conv conv_tests norms norms_tests swiglu swiglu_tests
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests time prof stability train decode kdn tune time_deep ptrain compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
@@ -17,7 +17,9 @@
 # (the block, gated and L2 norms: Triton kernels against the torch path, errors against
 # float64), norms_tests 120 s (tests/test_norms.py compiled on the GPU, bf16 included), swiglu
 # 60 s (the FFN's SwiGLU gating at the 340M shapes: Triton kernels against the torch path, errors
-# against float64), swiglu_tests 90 s (tests/test_swiglu.py compiled on the GPU, bf16 included).
+# against float64), swiglu_tests 90 s (tests/test_swiglu.py compiled on the GPU, bf16 included), decay
+# 60 s (the log decay: Triton kernels against the torch path, errors against float64),
+# decay_tests 90 s (tests/test_log_decay.py compiled on the GPU, bf16 included).
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -73,6 +75,9 @@ for p in "${parts[@]}"; do
     swiglu) part swiglu 60 python3 benchmarks/bench_swiglu.py --out "$OUT/swiglu.json" ;;
     swiglu_tests) part swiglu_tests 90 python3 -m pytest -q -x -p no:cacheprovider \
         tests/test_swiglu.py ;;
-    *) echo "unknown part: $p (tests time prof stability train decode kdn tune time_deep ptrain compile conv conv_tests norms norms_tests swiglu swiglu_tests)"; exit 2 ;;
+    decay) part decay 60 python3 benchmarks/bench_log_decay.py --out "$OUT/decay.json" ;;
+    decay_tests) part decay_tests 90 python3 -m pytest -q -x -p no:cacheprovider \
+        tests/test_log_decay.py ;;
+    *) echo "unknown part: $p (tests time prof stability train decode kdn tune time_deep ptrain compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests)"; exit 2 ;;
     esac
 done

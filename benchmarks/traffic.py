@@ -198,9 +198,9 @@ def op_category(op: str, phase: str) -> str:
         kernel = profile_train.category(op[7:])
         if kernel == CONVOLUTION:
             return CONVOLUTION
-        # The norms' and SwiGLU's kernels (deltalab.ops.norms, deltalab.ops.swiglu) replace
-        # glue ops: their bytes stay glue.
-        return GLUE if kernel == profile_train.NORMS_SWIGLU else DELTA
+        # The norms', SwiGLU's and the log decay's kernels (deltalab.ops.norms, .swiglu,
+        # .log_decay) replace glue ops: their bytes stay glue.
+        return GLUE if kernel in (profile_train.NORMS_SWIGLU, profile_train.OTHER) else DELTA
     if op in MATMUL_OPS:
         return MATMUL
     if "scaled_dot_product" in op or "flash_attention" in op or "efficient_attention" in op:

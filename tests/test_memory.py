@@ -320,11 +320,11 @@ def test_recomputed_pieces_keep_less_and_give_the_same_gradients_bit_for_bit(nam
 
     kept, grad = run()
     monkeypatch.setattr(common, "recomputed", lambda f, *args: f(*args))
-    import deltalab.layers.decay as decay
+    import deltalab.ops.log_decay.reference as decay_reference
     import deltalab.ops.norms.reference as norms_reference
     import deltalab.ops.swiglu.reference as swiglu_reference
 
-    monkeypatch.setattr(decay, "recomputed", lambda f, *args: f(*args))
+    monkeypatch.setattr(decay_reference, "recomputed", lambda f, *args: f(*args))
     monkeypatch.setattr(norms_reference, "recomputed", lambda f, *args: f(*args))
     monkeypatch.setattr(swiglu_reference, "recomputed", lambda f, *args: f(*args))
     kept_plain, grad_plain = run()

@@ -23,6 +23,7 @@ DELTA = "delta-rule and KDN kernels"
     [
         ("_intra_bwd", DELTA),
         ("_mobius_forward_kernel", DELTA),
+        ("_log_decay_bwd", profile_train.OTHER),
         ("aten::linalg_solve_triangular", profile_train.OTHER),  # "_solve_" inside, not a prefix
         ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matrix products"),
         ("aten::mm", "matrix products"),
@@ -39,7 +40,8 @@ def test_kernel_names_fall_in_their_categories(name, expected):
 def test_every_launched_triton_kernel_of_the_project_falls_in_its_category():
     """A kernel added later without a matching prefix would be counted as elementwise work: the
     short convolution's kernels are convolution, the norms' and SwiGLU's "normalization,
-    SwiGLU", every other one a delta-rule or KDN kernel."""
+    SwiGLU", the log decay's elementwise (glue it replaces), every other one a delta-rule or
+    KDN kernel."""
     expected = {}
     for path in (_ROOT / "deltalab" / "ops").rglob("*.py"):
         text = path.read_text()
@@ -48,6 +50,7 @@ def test_every_launched_triton_kernel_of_the_project_falls_in_its_category():
         label = "convolution" if "short_conv" in path.parts else DELTA
         glue_side = "norms" in path.parts or "swiglu" in path.parts
         label = profile_train.NORMS_SWIGLU if glue_side else label
+        label = profile_train.OTHER if "log_decay" in path.parts else label
         expected.update(dict.fromkeys(launched & jitted, label))
     assert len(expected) >= 12 and "convolution" in expected.values()
     assert {k: profile_train.category(k) for k in expected} == expected

@@ -45,10 +45,13 @@ def test_matrix_products_and_kernels_are_not_glue(gdn2_ops):
     products = [o for o in gdn2_ops if o.op in ("mm", "addmm", "bmm")]
     assert products and all(o.category == traffic.MATMUL for o in products)
     glue = [o for o in gdn2_ops if o.category == traffic.GLUE]
-    # Kernels in glue: only the norms' and SwiGLU's, which replace glue ops.
+    # Kernels in glue: only the norms', SwiGLU's and the log decay's (deltalab.ops.norms,
+    # .swiglu, .log_decay), which replace glue ops; the decay ran as its kernels, both ways.
     kernels_in_glue = {o.op for o in glue if o.op.startswith("triton:")}
-    assert kernels_in_glue <= {
+    decay = {"triton:_log_decay_fwd", "triton:_log_decay_bwd"}
+    assert decay <= kernels_in_glue <= {
         "triton:_norm_fwd", "triton:_norm_bwd", "triton:_swiglu_fwd", "triton:_swiglu_bwd",
+        *decay,
     }  # fmt: skip
     assert not any(o.op in traffic.MATMUL_OPS for o in glue)
     # The delta rule ran as the Triton kernels (stubs), both ways, not the PyTorch chunk path.

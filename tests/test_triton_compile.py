@@ -236,3 +236,40 @@ def test_swiglu_kernels_compile_for_hopper_without_spills(width, dtype):
         assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, name
         stack = _stack_bytes(compiled)
         assert stack in (None, 0), f"{name} F={width} {dtype}: {stack} bytes spilled per thread"
+
+
+@pytest.mark.parametrize(
+    ("width", "dtype"),
+    [(1024, "bf16"), (8, "bf16"), (1024, "fp32"), (21, "fp32")],
+    ids=["channel-bf16", "scalar-bf16", "channel-fp32", "odd"],
+)
+def test_log_decay_kernels_compile_for_hopper_without_spills(width, dtype):
+    """At the launches the log decay uses for 340M shapes (raw [4, 4096, 8, 128] channel decay,
+    [4, 4096, 8] scalar decay, bfloat16 under autocast): no spill to local memory."""
+    from deltalab.ops.log_decay import triton as decay
+
+    activations = {"RAW": f"*{dtype}", "DRAW": f"*{dtype}"}
+    kernels = [
+        (decay._log_decay_fwd, "forward", 4, {}),
+        (
+            decay._log_decay_bwd,
+            "backward",
+            7,
+            {"WANT_DRAW": True, "WANT_DA": True, "WANT_DB": True},
+        ),
+    ]
+    for kernel, name, n_pointers, constants in kernels:
+        block_m, block_n, warps = decay.launch(4 * 4096, width, name)
+        constants = {**constants, "BM": block_m, "BN": block_n}
+        pointers = kernel.arg_names[:n_pointers]
+        scalars = [a for a in kernel.arg_names[n_pointers:] if a not in constants]
+        types = {p: activations.get(p, "*fp32") for p in pointers}
+        compiled = _compile_for_hopper(
+            kernel, pointers, scalars, constants, {"num_warps": warps}, types, aligned=pointers
+        )
+        assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
+        stack = _stack_bytes(compiled)
+        assert stack in (None, 0), f"{name} N={width} {dtype}: {stack} bytes spilled per thread"
+        if name == "forward":
+            # softplus's log is libdevice's accurate logf, not lg2.approx (log1p relies on it).
+            assert "lg2.approx" not in compiled.asm["ptx"]

@@ -3,6 +3,8 @@
     g = -exp(A_log) * softplus(proj(x) + dt_bias)  <= 0
 
 `A_log` is per head, `dt_bias` per head (scalar decay) or per head-channel (channel decay).
+The formula runs in `deltalab.ops.log_decay` (the torch path, or one Triton kernel each way); the
+modules take the backend at call time, their mixer's (`layer_backend(mixer.backend)`).
 Initialization follows Mamba2 / fla's Gated DeltaNet: `A ~ U(1, 16)`, and
 `dt ~ exp(U(log 1e-3, log 1e-1))` floored at 1e-4 with `dt_bias = softplus^-1(dt)`, so that
 `softplus(dt_bias)` is the sampled step size when the projection is zero.
@@ -13,10 +15,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from deltalab.layers.common import compute_dtype, no_weight_decay, recomputed, require_positive_int
+from deltalab.layers.common import no_weight_decay, require_positive_int
+from deltalab.ops import log_decay as _op
 
 __all__ = ["ChannelDecay", "ScalarDecay", "init_A_log", "init_dt_bias", "log_decay"]
 
@@ -39,18 +41,16 @@ def init_dt_bias(*shape: int) -> nn.Parameter:
     return no_weight_decay(nn.Parameter(dt + torch.log(-torch.expm1(-dt))))
 
 
-def log_decay(A_log: torch.Tensor, raw: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+def log_decay(
+    A_log: torch.Tensor, raw: torch.Tensor, dt_bias: torch.Tensor, *, backend: str = "auto"
+) -> torch.Tensor:
     """g = -exp(A_log) * softplus(raw + dt_bias) <= 0, in at least float32; A_log broadcast
     against raw (`[H]` for raw `[B, T, H]`, `[H, 1]` for `[B, T, H, K]`). Keeps only raw (in
-    its own dtype) and the parameters for backward, not the float32 intermediates
-    (`recomputed`)."""
-    return recomputed(_log_decay, A_log, raw, dt_bias)
+    its own dtype) and the parameters for backward, not the float32 intermediates.
 
-
-def _log_decay(A_log: torch.Tensor, raw: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
-    dtype = compute_dtype(raw)
-    rate = A_log.to(dtype).exp()
-    return -rate * F.softplus(raw.to(dtype) + dt_bias.to(dtype))
+    backend: `deltalab.ops.log_decay`'s ("auto": the Triton kernels on CUDA, else the torch
+    path, the formula under `recomputed`); a mixer passes its delta rule's (`layer_backend`)."""
+    return _op.log_decay(A_log, raw, dt_bias, backend=backend)
 
 
 class ScalarDecay(nn.Module):
@@ -64,8 +64,9 @@ class ScalarDecay(nn.Module):
         self.A_log = init_A_log(num_heads)
         self.dt_bias = init_dt_bias(num_heads)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return log_decay(self.A_log, self.a_proj(x), self.dt_bias)
+    def forward(self, x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+        """backend: `log_decay`'s; a mixer passes its delta rule's (`layer_backend`)."""
+        return log_decay(self.A_log, self.a_proj(x), self.dt_bias, backend=backend)
 
 
 class ChannelDecay(nn.Module):
@@ -87,6 +88,7 @@ class ChannelDecay(nn.Module):
         self.A_log = init_A_log(num_heads)
         self.dt_bias = init_dt_bias(num_heads, head_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+        """backend: `log_decay`'s; a mixer passes its delta rule's (`layer_backend`)."""
         raw = self.f_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
-        return log_decay(self.A_log.unsqueeze(-1), raw, self.dt_bias)
+        return log_decay(self.A_log.unsqueeze(-1), raw, self.dt_bias, backend=backend)

@@ -17,6 +17,7 @@ from torch import nn
 
 from deltalab.layers.common import DeltaMixer, FrontendKeywords, FrontendOptions
 from deltalab.layers.decay import ScalarDecay
+from deltalab.ops.log_decay import layer_backend
 from deltalab.ops.parametrize import DeltaRuleInputs, deltanet_inputs, gated_deltanet_inputs
 
 __all__ = ["DeltaNet", "GatedDeltaNet"]
@@ -65,7 +66,9 @@ class GatedDeltaNet(DeltaNet):
         self.decay = ScalarDecay(self.hidden_size, self.num_heads)
 
     def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"beta": torch.sigmoid(self.b_proj(x)), "g": self.decay(x)}
+        # The decay follows the delta rule's backend, as the norms (Triton or the torch path).
+        g = self.decay(x, backend=layer_backend(self.backend))
+        return {"beta": torch.sigmoid(self.b_proj(x)), "g": g}
 
     def inputs_from_gates(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]

@@ -17,6 +17,7 @@ from torch import nn
 
 from deltalab.layers.common import DeltaMixer, FrontendKeywords, FrontendOptions, frontend_options
 from deltalab.layers.decay import ChannelDecay
+from deltalab.ops.log_decay import layer_backend
 from deltalab.ops.parametrize import DeltaRuleInputs, gdn2_inputs
 
 __all__ = ["GDN2_RANK", "GatedDeltaNet2"]
@@ -58,7 +59,9 @@ class GatedDeltaNet2(DeltaMixer):
         heads = self.num_heads
         erase = torch.sigmoid(self.b_proj(x)).unflatten(-1, (heads, self.head_dim))
         write = torch.sigmoid(self.w_proj(x)).unflatten(-1, (heads, self.value_dim))
-        return {"erase": erase, "write": write, "g": self.decay(x)}
+        # The decay follows the delta rule's backend, as the norms (Triton or the torch path).
+        g = self.decay(x, backend=layer_backend(self.backend))
+        return {"erase": erase, "write": write, "g": g}
 
     def inputs_from_gates(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]

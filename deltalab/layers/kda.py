@@ -16,6 +16,7 @@ from torch import nn
 
 from deltalab.layers.common import DeltaMixer, FrontendKeywords, FrontendOptions, frontend_options
 from deltalab.layers.decay import ChannelDecay
+from deltalab.ops.log_decay import layer_backend
 from deltalab.ops.parametrize import DeltaRuleInputs, kda_inputs
 
 __all__ = ["KimiDeltaAttention"]
@@ -49,7 +50,9 @@ class KimiDeltaAttention(DeltaMixer):
         self.decay = ChannelDecay(self.hidden_size, heads, head_dim, rank)
 
     def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"beta": torch.sigmoid(self.b_proj(x)), "g": self.decay(x)}
+        # The decay follows the delta rule's backend, as the norms (Triton or the torch path).
+        g = self.decay(x, backend=layer_backend(self.backend))
+        return {"beta": torch.sigmoid(self.b_proj(x)), "g": g}
 
     def inputs_from_gates(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]

@@ -49,6 +49,7 @@ from deltalab.layers.decay import ChannelDecay
 from deltalab.ops import _checks
 from deltalab.ops.kdn import kdn_gain_diag, kdn_gain_iso, scan_backend
 from deltalab.ops.kdn.exact import exact_gain
+from deltalab.ops.log_decay import layer_backend
 from deltalab.ops.parametrize import DeltaRuleInputs
 
 __all__ = [
@@ -357,7 +358,8 @@ class KDNMixer(KalmanMixer):
     def kalman_gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x `[B, T, D]` -> (g `[B, T, H, K]` <= 0, q_noise `[B, T, H(, K)]` >= 0, r `[B, T, H]`
         >= r_min), in at least float32."""
-        g = self.decay(x)
+        # The decay follows the delta rule's backend, as the norms (Triton or the torch path).
+        g = self.decay(x, backend=layer_backend(self.backend))
         r = observation_noise(self.r_proj(x), self.r_min)
         return g, self.process(x, g), r
 

@@ -42,6 +42,7 @@ from deltalab.layers.common import (
 from deltalab.layers.decay import init_A_log, init_dt_bias, log_decay
 from deltalab.layers.gdn2 import GatedDeltaNet2
 from deltalab.ops._checks import require_choice
+from deltalab.ops.log_decay import layer_backend
 from deltalab.ops.parametrize import DeltaRuleInputs, gdn2_inputs
 
 __all__ = [
@@ -301,7 +302,9 @@ class FusedGateMixer(DeltaMixer):
     def decay_from(self, raw: dict[str, torch.Tensor]) -> torch.Tensor:
         """g `[B, T, H, K]` (at least float32) from the fused projection's output `raw`."""
         decay_raw = raw["decay"].unflatten(-1, (self.num_heads, self.head_dim))
-        return log_decay(self.A_log.unsqueeze(-1), decay_raw, self.dt_bias)
+        # The decay follows the delta rule's backend, as the norms (Triton or the torch path).
+        backend = layer_backend(self.backend)
+        return log_decay(self.A_log.unsqueeze(-1), decay_raw, self.dt_bias, backend=backend)
 
     def read_from(self, raw: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """The read gate rho `[B, T, H, K]` > 0 in x's dtype (a broadcast view unless
