@@ -45,7 +45,7 @@ part() {  # part NAME SECONDS COMMAND...: run, log to $OUT/NAME.txt, record rc a
 for p in "${parts[@]}"; do
     case $p in
     tests) part tests 240 python3 -m pytest -q -x -p no:cacheprovider \
-        tests/test_delta_rule_triton.py tests/test_cuda.py tests/test_layers_triton.py -k "not trains" ;;
+        tests/test_delta_rule_triton.py tests/test_cuda.py tests/test_layers_triton.py tests/test_kdn_triton.py -k "not trains" ;;
     time) part time 300 python3 benchmarks/bench_triton.py --parts time \
         --only kda_c64 gdn2_c64 gdn_c64 kdn_iso_c64 kdn_diag_c64 kda_c128 fla sdpa \
         --out "$OUT/time.json" ;;
