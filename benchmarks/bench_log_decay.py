@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
-from deltalab.benchmarking import format_table, run_environment
+from deltalab.benchmarking import (
+    add_speedups,
+    median_ms,
+    print_backend_case,
+    run_environment,
+)
 from deltalab.layers.decay import init_A_log, init_dt_bias
 from deltalab.ops.log_decay import log_decay
 from deltalab.testing import relative_error
@@ -42,21 +45,6 @@ CASES = {
 TINY_SHAPES = {"channel": (2, 9, 3, 24), "scalar": (2, 9, 3)}
 BACKENDS = ("torch", "triton")
 NAMES = ("g", "dA_log", "draw", "ddt_bias")
-
-
-def median_ms(fn, device: str, repeats: int) -> float:
-    """Median ms of fn(): triton.testing.do_bench on CUDA, wall time on CPU (the interpreter)."""
-    if device == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def make_inputs(shape, dtype: torch.dtype, device: str):
@@ -101,22 +89,13 @@ def bench_case(name: str, shape, dtype, device: str, repeats: int) -> dict:
                 n: relative_error(a, e) for n, a, e in zip(NAMES, got, reference, strict=True)
             },
         }
-    for phase in ("forward_ms", "train_ms"):
-        result[f"speedup_{phase[:-3]}"] = result["torch"][phase] / result["triton"][phase]
-    return result
+    return add_speedups(result)
 
 
 def print_case(result: dict) -> None:
-    print(f"\n{result['case']}: raw {result['shape']} {result['dtype']}")
-    rows = [
-        [backend, result[backend]["forward_ms"], result[backend]["train_ms"]]
-        + [result[backend]["errors"][n] for n in NAMES]
-        for backend in BACKENDS
-    ]
-    headers = ["backend", "fwd ms", "fwd+bwd ms"] + [f"err {n}" for n in NAMES]
-    print(format_table(headers, rows))
-    print(f"torch / triton: forward {result['speedup_forward']:.2f}x, "
-          f"forward+backward {result['speedup_train']:.2f}x")  # fmt: skip
+    print_backend_case(
+        f"{result['case']}: raw {result['shape']} {result['dtype']}", result, BACKENDS
+    )
 
 
 def main() -> None:

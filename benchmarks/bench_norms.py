@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
-from deltalab.benchmarking import format_table, run_environment
+from deltalab.benchmarking import (
+    add_speedups,
+    median_ms,
+    print_backend_case,
+    run_environment,
+)
 from deltalab.ops.norms import l2_normalize, rms_norm
 from deltalab.testing import relative_error
 
@@ -40,21 +43,6 @@ CASES = {
 }
 TINY_SHAPES = {"block": (37, 40), "gated": (2, 9, 2, 24), "l2": (2, 9, 2, 24)}
 BACKENDS = ("torch", "triton")
-
-
-def median_ms(fn, device: str, repeats: int) -> float:
-    """Median ms of fn(): triton.testing.do_bench on CUDA, wall time on CPU (the interpreter)."""
-    if device == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def make_inputs(shape, dtype: torch.dtype, device: str, gated: bool):
@@ -93,7 +81,12 @@ def bench_case(name: str, shape, dtype, activation, kind, device: str, repeats: 
     result = {"case": name, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
     wide = [None if t is None else t.double() for t in (x, weight, gate, dy)]
     reference = outputs(kind, "naive", *wide, activation)
-    names = ["y", "dx", "dweight", "dgate"] if kind == "rms" else ["y", "dx"]
+    # The outputs' names, in `outputs`' order: the block norm has no gate, L2 no weight either.
+    names = (
+        ["y", "dx"]
+        + (["dweight"] if kind == "rms" else [])
+        + (["dgate"] if gate is not None else [])
+    )
     for backend in BACKENDS:
 
         def forward(backend=backend) -> None:
@@ -111,23 +104,11 @@ def bench_case(name: str, shape, dtype, activation, kind, device: str, repeats: 
                 n: relative_error(a, e) for n, a, e in zip(names, got, reference, strict=True)
             },
         }
-    for phase in ("forward_ms", "train_ms"):
-        result[f"speedup_{phase[:-3]}"] = result["torch"][phase] / result["triton"][phase]
-    return result
+    return add_speedups(result)
 
 
 def print_case(result: dict) -> None:
-    print(f"\n{result['case']}: {result['shape']} {result['dtype']}")
-    names = list(result["torch"]["errors"])
-    rows = [
-        [backend, result[backend]["forward_ms"], result[backend]["train_ms"]]
-        + [result[backend]["errors"][n] for n in names]
-        for backend in BACKENDS
-    ]
-    headers = ["backend", "fwd ms", "fwd+bwd ms"] + [f"err {n}" for n in names]
-    print(format_table(headers, rows))
-    print(f"torch / triton: forward {result['speedup_forward']:.2f}x, "
-          f"forward+backward {result['speedup_train']:.2f}x")  # fmt: skip
+    print_backend_case(f"{result['case']}: {result['shape']} {result['dtype']}", result, BACKENDS)
 
 
 def main() -> None:

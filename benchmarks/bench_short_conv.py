@@ -26,12 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-import time
 
 import torch
 
-from deltalab.benchmarking import format_table, run_environment
+from deltalab.benchmarking import format_table, median_ms, run_environment
 from deltalab.ops.short_conv import short_conv
 from deltalab.testing import relative_error
 
@@ -44,21 +42,6 @@ PROGRAMS_SWEEP = [512, 1024, 2048, 4096]  # at the default launch
 TINY_FORWARD_SWEEP = [(8, 32, 1), (16, 64, 2)]
 TINY_BACKWARD_SWEEP = [(8, 32, 1)]
 TINY_PROGRAMS_SWEEP = [4]
-
-
-def median_ms(fn, device: str, repeats: int) -> float:
-    """Median ms of fn(): triton.testing.do_bench on CUDA, wall time on CPU (the interpreter)."""
-    if device == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def make_inputs(shape, width: int, device: str, dtype: torch.dtype):

@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
-from deltalab.benchmarking import format_table, run_environment
+from deltalab.benchmarking import add_speedups, format_table, median_ms, run_environment
 from deltalab.models import build_config
 from deltalab.ops.swiglu import swiglu
 from deltalab.testing import relative_error
@@ -36,21 +34,6 @@ MIXERS = ("gdn2", "transformer")
 ROWS = 4 * 4096
 TINY = (37, 20)  # rows, F
 BACKENDS = ("torch", "triton")
-
-
-def median_ms(fn, device: str, repeats: int) -> float:
-    """Median ms of fn(): triton.testing.do_bench on CUDA, wall time on CPU (the interpreter)."""
-    if device == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def outputs(backend: str, gate_up: torch.Tensor, dh: torch.Tensor) -> list[torch.Tensor]:
@@ -92,9 +75,7 @@ def bench_case(mixer: str, rows: int, width: int, dtype, device: str, repeats: i
                 for n, a, e in zip(("h", "d_gate_up"), got, reference, strict=True)
             },
         }
-    for phase in ("forward_ms", "train_ms"):
-        result[f"speedup_{phase[:-3]}"] = result["torch"][phase] / result["triton"][phase]
-    return result
+    return add_speedups(result)
 
 
 def print_case(result: dict) -> None:

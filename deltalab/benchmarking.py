@@ -30,6 +30,40 @@ def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) 
     return statistics.median(times)
 
 
+def median_ms(fn: Callable[[], object], device: str, repeats: int) -> float:
+    """Median ms of `fn()`: `triton.testing.do_bench` on CUDA (its own warm-up and repeats,
+    the L2 cache flushed between runs), else wall time after one warm-up over `repeats` runs (a
+    CPU run under the Triton interpreter)."""
+    if device == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return 1e3 * median_seconds(fn, repeats)
+
+
+def add_speedups(result: dict, slow: str = "torch", fast: str = "triton") -> dict:
+    """`result[slow]` and `result[fast]` hold "forward_ms" and "train_ms": adds their ratios,
+    slow / fast, as "speedup_forward" and "speedup_train"."""
+    for phase in ("forward", "train"):
+        result[f"speedup_{phase}"] = result[slow][f"{phase}_ms"] / result[fast][f"{phase}_ms"]
+    return result
+
+
+def print_backend_case(title: str, result: dict, backends: tuple[str, ...]) -> None:
+    """One case of a backend comparison: per backend its forward and forward+backward ms and
+    its errors (`result[backend]["errors"]`, name -> value), then `add_speedups`' ratios."""
+    print(f"\n{title}")
+    names = list(result[backends[0]]["errors"])
+    rows = [
+        [backend, result[backend]["forward_ms"], result[backend]["train_ms"]]
+        + [result[backend]["errors"][n] for n in names]
+        for backend in backends
+    ]
+    print(format_table(["backend", "fwd ms", "fwd+bwd ms"] + [f"err {n}" for n in names], rows))
+    print(f"{backends[0]} / {backends[-1]}: forward {result['speedup_forward']:.2f}x, "
+          f"forward+backward {result['speedup_train']:.2f}x")  # fmt: skip
+
+
 def forward_and_train_seconds(
     fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], repeats: int
 ) -> tuple[float, float]:

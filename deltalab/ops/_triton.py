@@ -43,3 +43,19 @@ def require_triton(name: str, device: torch.device) -> None:
 def triton_available(device: torch.device) -> bool:
     """True when `backend="auto"` should take a Triton kernel on `device` (compiled CUDA only)."""
     return device.type == "cuda" and triton_unavailable_reason(device) is None
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """t `[..., N]` as `[M, N]` rows for a row-wise kernel: unit column stride, and rows that do
+    not overlap (a gradient written in the same layout must not write one element twice). A
+    view when t allows one (e.g. a column slice of a wider projection), else a copy."""
+    t2 = t.reshape(-1, t.shape[-1])
+    rows, dim = t2.shape
+    unit = t2.stride(1) == 1 or dim == 1
+    apart = rows == 1 or t2.stride(0) >= dim
+    return t2 if unit and apart else t2.contiguous()
+
+
+def row_stride(t: torch.Tensor) -> int:
+    """The stride between the rows of `as_rows`' result (its width when there is one row)."""
+    return t.stride(0) if t.shape[0] > 1 else t.shape[1]

@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltalab.ops._triton import as_rows, row_stride
 from deltalab.ops.log_decay.reference import compute_dtype
-from deltalab.ops.norms.triton import _row_stride, _rows
 
 # torch's softplus threshold (beta = 1): above it softplus(x) = x.
 THRESHOLD = 20.0
@@ -158,7 +158,7 @@ class _LogDecay(torch.autograd.Function):
         g = torch.empty(rows, width, dtype=out_dtype, device=raw.device)
         grid = (triton.cdiv(rows, block_m), triton.cdiv(width, block_n))
         _log_decay_fwd[grid](
-            raw, a, b, g, rows, width, _row_stride(raw), BM=block_m, BN=block_n, num_warps=warps
+            raw, a, b, g, rows, width, row_stride(raw), BM=block_m, BN=block_n, num_warps=warps
         )
         ctx.out_dtype = out_dtype
         ctx.save_for_backward(a, raw, b)
@@ -172,7 +172,7 @@ class _LogDecay(torch.autograd.Function):
         rows, width = raw.shape
         block_m, block_n, warps = launch(rows, width, "backward")
         per_program, programs = _backward_grid(rows, block_m)
-        dg = _rows(dg)
+        dg = as_rows(dg)
         want_da, want_draw, want_db = ctx.needs_input_grad[:3]
         draw = torch.empty(rows, width, dtype=raw.dtype, device=raw.device) if want_draw else None
 
@@ -182,8 +182,8 @@ class _LogDecay(torch.autograd.Function):
 
         da_parts, db_parts = parts(want_da), parts(want_db)
         _log_decay_bwd[(programs, triton.cdiv(width, block_n))](
-            raw, a, b, dg, draw, da_parts, db_parts, rows, width, _row_stride(raw),
-            _row_stride(dg), per_program, BM=block_m, BN=block_n, WANT_DRAW=want_draw,
+            raw, a, b, dg, draw, da_parts, db_parts, rows, width, row_stride(raw),
+            row_stride(dg), per_program, BM=block_m, BN=block_n, WANT_DRAW=want_draw,
             WANT_DA=want_da, WANT_DB=want_db, num_warps=warps,
         )  # fmt: skip
         da = da_parts.sum(0).to(a.dtype) if want_da else None
@@ -211,5 +211,5 @@ def log_decay_triton(a: torch.Tensor, raw: torch.Tensor, b: torch.Tensor) -> tor
     raw's shape and `compute_dtype(raw)`, computed in float32. raw must hold an element (the
     dispatcher sends empty ones to the torch path)."""
     width = a.shape[0]
-    g = _LogDecay.apply(a, _rows(raw.reshape(-1, width)), b, compute_dtype(raw))
+    g = _LogDecay.apply(a, as_rows(raw.reshape(-1, width)), b, compute_dtype(raw))
     return g.view(raw.shape)

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltalab.ops._triton import as_rows, row_stride
 from deltalab.ops.norms.reference import compute_dtype, l2_normalize_naive, rms_norm_naive
 
 # Elements (BM rows x BN columns) a program holds in its tile, and the elements a thread holds
@@ -151,20 +152,6 @@ def launch(rows: int, dim: int, kernel: str) -> tuple[int, int, int]:
     return block_m, block_n, warps
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t `[..., N]` as `[M, N]` with unit column stride and rows apart (a gradient written in
-    its layout must not overlap): a view when t allows one, else a copy."""
-    t2 = t.reshape(-1, t.shape[-1])
-    rows, dim = t2.shape
-    unit = t2.stride(1) == 1 or dim == 1
-    apart = rows == 1 or t2.stride(0) >= dim
-    return t2 if unit and apart else t2.contiguous()
-
-
-def _row_stride(t: torch.Tensor) -> int:
-    return t.stride(0) if t.shape[0] > 1 else t.shape[1]
-
-
 class _Norm(torch.autograd.Function):
     """The kernels on rows `[M, N]`: x, the gate (or None) and the weight `[N]` (or None) as
     given; y `[M, N]` in `out_dtype`. Saves x and the gate in their own dtypes and 1/rms per
@@ -179,7 +166,7 @@ class _Norm(torch.autograd.Function):
         gate_act = GATES[activation if gate is not None else None]
         _norm_fwd[(triton.cdiv(rows, block_m),)](
             x, weight, gate, y, rstd, rows, dim,
-            _row_stride(x), 0 if gate is None else _row_stride(gate), eps,
+            row_stride(x), 0 if gate is None else row_stride(gate), eps,
             BM=block_m, BN=block_n, MEAN=mean, HAS_WEIGHT=weight is not None, GATE_ACT=gate_act,
             num_warps=warps,
         )  # fmt: skip
@@ -197,7 +184,7 @@ class _Norm(torch.autograd.Function):
         n_blocks = triton.cdiv(rows, block_m)
         per_program = triton.cdiv(n_blocks, min(n_blocks, BACKWARD_PROGRAMS))
         programs = triton.cdiv(n_blocks, per_program)
-        dy = _rows(dy)
+        dy = as_rows(dy)
         dx = torch.empty(rows, dim, dtype=x.dtype, device=x.device)
         want_dgate = gate is not None and ctx.needs_input_grad[2]
         dgate = torch.empty_like(gate) if want_dgate else None
@@ -206,8 +193,8 @@ class _Norm(torch.autograd.Function):
             torch.empty(programs, dim, dtype=torch.float32, device=x.device) if want_dw else None
         )
         _norm_bwd[(programs,)](
-            x, weight, gate, rstd, dy, dx, dgate, dw_parts, rows, dim, _row_stride(x),
-            0 if gate is None else _row_stride(gate), _row_stride(dy), per_program,
+            x, weight, gate, rstd, dy, dx, dgate, dw_parts, rows, dim, row_stride(x),
+            0 if gate is None else row_stride(gate), row_stride(dy), per_program,
             BM=block_m, BN=block_n, MEAN=ctx.mean, HAS_WEIGHT=weight is not None,
             GATE_ACT=ctx.gate_act, WANT_DGATE=want_dgate, WANT_DW=want_dw, num_warps=warps,
         )  # fmt: skip
@@ -256,9 +243,9 @@ def rms_norm_triton(
     out_dtype = compute_dtype(x) if out_dtype is None else out_dtype
     if x.numel() == 0:
         return rms_norm_naive(x, weight, eps, gate, activation).to(out_dtype)
-    x2 = _rows(x)
+    x2 = as_rows(x)
     # Contiguous (as the layers' gates are already): dgate is written in the same layout.
-    gate2 = None if gate is None else _rows(gate).contiguous()
+    gate2 = None if gate is None else as_rows(gate).contiguous()
     y = _Norm.apply(x2, weight, gate2, float(eps), True, activation, out_dtype)
     return y.view(x.shape)
 
@@ -268,5 +255,5 @@ def l2_normalize_triton(x: torch.Tensor, eps: float) -> torch.Tensor:
     dtype out."""
     if x.numel() == 0:
         return l2_normalize_naive(x, eps)
-    y = _Norm.apply(_rows(x), None, None, float(eps), False, None, x.dtype)
+    y = _Norm.apply(as_rows(x), None, None, float(eps), False, None, x.dtype)
     return y.view(x.shape)

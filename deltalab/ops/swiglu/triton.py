@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltalab.ops._triton import as_rows, row_stride
 from deltalab.ops.swiglu.reference import swiglu_naive
 
 # Elements (BM rows x BF columns) a program holds in its tile, and the elements a thread holds
@@ -82,20 +83,6 @@ def launch(rows: int, width: int, kernel: str) -> tuple[int, int, int]:
     return block_m, block_f, warps
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t `[..., N]` as `[M, N]` with unit column stride and rows apart: a view when t allows
-    one, else a copy."""
-    t2 = t.reshape(-1, t.shape[-1])
-    rows, dim = t2.shape
-    unit = t2.stride(1) == 1 or dim == 1
-    apart = rows == 1 or t2.stride(0) >= dim
-    return t2 if unit and apart else t2.contiguous()
-
-
-def _row_stride(t: torch.Tensor) -> int:
-    return t.stride(0) if t.shape[0] > 1 else t.shape[1]
-
-
 def _grid(rows: int, width: int, block_m: int, block_f: int) -> tuple[int, int]:
     return triton.cdiv(rows, block_m), triton.cdiv(width, block_f)
 
@@ -110,7 +97,7 @@ class _SwiGLU(torch.autograd.Function):
         block_m, block_f, warps = launch(rows, width, "forward")
         h = torch.empty(rows, width, dtype=gate_up.dtype, device=gate_up.device)
         _swiglu_fwd[_grid(rows, width, block_m, block_f)](
-            gate_up, h, rows, width, _row_stride(gate_up), BM=block_m, BF=block_f,
+            gate_up, h, rows, width, row_stride(gate_up), BM=block_m, BF=block_f,
             num_warps=warps,
         )  # fmt: skip
         ctx.save_for_backward(gate_up)
@@ -123,10 +110,10 @@ class _SwiGLU(torch.autograd.Function):
         (gate_up,) = ctx.saved_tensors
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
         block_m, block_f, warps = launch(rows, width, "backward")
-        dh = _rows(dh)
+        dh = as_rows(dh)
         d_gate_up = torch.empty(rows, 2 * width, dtype=gate_up.dtype, device=gate_up.device)
         _swiglu_bwd[_grid(rows, width, block_m, block_f)](
-            gate_up, dh, d_gate_up, rows, width, _row_stride(gate_up), _row_stride(dh),
+            gate_up, dh, d_gate_up, rows, width, row_stride(gate_up), row_stride(dh),
             BM=block_m, BF=block_f, num_warps=warps,
         )  # fmt: skip
         return d_gate_up
@@ -148,5 +135,5 @@ def swiglu_triton(gate_up: torch.Tensor) -> torch.Tensor:
     dtype, computed in float32."""
     if gate_up.numel() == 0:
         return swiglu_naive(gate_up)
-    h = _SwiGLU.apply(_rows(gate_up))
+    h = _SwiGLU.apply(as_rows(gate_up))
     return h.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)

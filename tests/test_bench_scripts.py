@@ -1,0 +1,53 @@
+"""The GPU benchmark scripts of the fused ops run end to end at their tiny shapes under the
+Triton interpreter, so a script that would crash on the GPU machine (where each minute is
+budgeted) fails here first; their float32 errors against float64 are those of a correct kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+# script -> the number of cases its tiny run measures (every one of them must be written).
+SCRIPTS = {"bench_norms.py": 3, "bench_swiglu.py": 2, "bench_log_decay.py": 2}
+
+
+def run_tiny(script: str, out: Path) -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, str(ROOT / "benchmarks" / script), "--tiny", "--out", str(out)]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_tiny_run_measures_every_case_with_float32_errors(script, tmp_path):
+    pytest.importorskip("triton")
+    report = run_tiny(script, tmp_path / "out.json")
+    assert len(report["cases"]) == SCRIPTS[script]
+    for case in report["cases"]:
+        for backend in ("torch", "triton"):
+            row = case[backend]
+            assert row["forward_ms"] > 0 and row["train_ms"] > 0
+            assert row["errors"], f"{script} {case['case']}: no errors measured"
+            for name, error in row["errors"].items():
+                assert math.isfinite(error) and error < 1e-5, (script, case["case"], name, error)
+        assert case["speedup_train"] == pytest.approx(
+            case["torch"]["train_ms"] / case["triton"]["train_ms"]
+        )
+
+
+def test_short_conv_tiny_run_measures_errors_and_the_launch_sweep(tmp_path):
+    pytest.importorskip("triton")
+    report = run_tiny("bench_short_conv.py", tmp_path / "out.json")
+    for shape in report["shapes"]:
+        assert set(shape["rows"]) == {"torch", "triton"}
+        for errors in shape["errors"].values():
+            assert all(math.isfinite(e) and e < 1e-5 for e in errors.values()), errors
