@@ -7,6 +7,7 @@ import contextlib
 import copy
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from deltalab.study.report import collect
 from deltalab.study.runner import SubprocessLauncher, run_state
 from deltalab.study.spec import parse_spec
 from deltalab.study.stats import NO_DIFFERENCE, paired_difference, summarize, t_quantile
+from deltalab.train.checkpoint import list_checkpoints
 
 MICRO = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "head_dim": 16}
 MQAR = {
@@ -261,6 +263,36 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_and_ends_as_an_uninterru
     expected = json.loads((reference.runs[0].directory / "metrics.json").read_text())
     assert [r["step"] for r in metrics["history"]["train"]] == [1, 2, 3, 4]
     assert metrics["final_eval_loss"] == expected["final_eval_loss"]
+
+
+def test_a_trained_run_whose_model_is_gone_trains_again_and_its_old_results_do_not_count(
+    tmp_path, corpus
+):
+    """Records that came back without the exported model and checkpoints (a device call cut
+    off during an evaluation): the run is "new", not "evaluate", which would fail for want of
+    a model; it trains from scratch, and the lost model's evaluation results are not kept."""
+    spec = micro_spec(tmp_path, corpus, grid={"mixers": ["gdn2"], "seeds": [0]})
+    assert execute(plan_of(spec), launcher=InProcess(), say=quiet) == 0
+    (run,) = plan_of(spec).runs
+    shutil.rmtree(run.directory / "model")
+    for checkpoint in list_checkpoints(run.directory):
+        shutil.rmtree(checkpoint, ignore_errors=True)
+        Path(checkpoint).unlink(missing_ok=True)
+    results = run.directory / run.evals[0].out / "results.json"
+    stale = json.loads(results.read_text())
+    stale["metrics"]["loss"] = -1.0  # a mark the new evaluation must not keep
+    results.write_text(json.dumps(stale))
+    # One evaluation missing: a trained run that the old rule would only evaluate.
+    spec["evals"].append({"task": "gate-sensitivity", "settings": {"batch_size": 1, "probes": 1}})
+    (run,) = plan_of(spec).runs
+    assert list_checkpoints(run.directory) == []
+    assert run_state(run) == "new"
+    again = InProcess()
+    assert execute(plan_of(spec), launcher=again, say=quiet) == 0
+    assert len(again.trains()) == 1 and "--resume" not in again.trains()[0]
+    assert len([c for c in again.calls if "eval" in c]) == 2
+    assert json.loads(results.read_text())["metrics"]["loss"] > 0
+    assert run_state(run) == "done" and (run.directory / "model").is_dir()
 
 
 def test_a_failed_run_is_recorded_and_the_study_goes_on(tmp_path, corpus):

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,6 +41,8 @@ __all__ = [
 ]
 
 RECORD_NAME = "study_run.json"
+# Where `deltalab train` exports a run's trained model (its evaluations load it from there).
+MODEL_DIR = "model"
 # Exit statuses of a child stopped by a signal: 128 + SIGINT / SIGTERM, or killed outright.
 STOPPED = {130, 143, -signal.SIGINT, -signal.SIGTERM, -signal.SIGKILL}
 # Environment a child must not inherit: a study under torchrun must not make its runs join the
@@ -154,7 +157,12 @@ def config_changes(run: PlannedRun) -> list[str]:
 
 def run_state(run: PlannedRun) -> str:
     """ "done", "diverged" (a recorded divergence), "evaluate" (trained; evaluations missing),
-    "resume" (checkpoints to continue from) or "new"."""
+    "resume" (checkpoints to continue from) or "new".
+
+    A run trained but not fully evaluated whose exported model is gone (its records came back
+    from a machine without the model, as device calls return them) cannot be evaluated: it is
+    "resume" from its checkpoints if they came along, else "new" (`run_one` then drops the
+    lost model's results)."""
     from deltalab.train.checkpoint import list_checkpoints
 
     record = _read_json(run.directory / RECORD_NAME) or {}
@@ -166,8 +174,16 @@ def run_state(run: PlannedRun) -> str:
             return "diverged"
         if all(eval_done(run.directory, step) for step in run.evals):
             return "done"
-        return "evaluate"
+        if (run.directory / MODEL_DIR).is_dir():
+            return "evaluate"
     return "resume" if list_checkpoints(run.directory) else "new"
+
+
+def _drop_lost_model_results(directory: Path) -> None:
+    """Before a run trains from scratch: the metrics and evaluation results of an earlier
+    training whose model is gone (`run_state`) would otherwise count for the new one."""
+    (directory / "metrics.json").unlink(missing_ok=True)
+    shutil.rmtree(directory / "eval", ignore_errors=True)
 
 
 def task_state(task: PlannedTask) -> str:
@@ -272,6 +288,8 @@ class StudyRunner:
             name=run.name, variant=run.variant.name, seed=run.seed, size=run.size, lr=run.lr
         )
         self._record(directory, **base, status="running", stage="train", error="")
+        if state == "new":
+            _drop_lost_model_results(directory)
         if state in ("new", "resume"):
             config_path = save_run_config(run.config, directory / "run.yaml")
             args = ["train", "--config", str(config_path)] + (
@@ -310,7 +328,7 @@ class StudyRunner:
             self._record(directory, stage=f"eval {step.task}")
             self.say(f"{run.name}: eval {step.task}")
             code = self._launch(
-                self._eval_args(step, directory, directory / "model", run.seed), worker, log
+                self._eval_args(step, directory, directory / MODEL_DIR, run.seed), worker, log
             )
             if self._stopped(code) and code != 0:
                 return self._interrupted(directory, run.name)
