@@ -22,15 +22,15 @@ inputs: normwise relative error of y and of each gradient. Inputs are random nor
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
 from deltalab.benchmarking import (
     add_speedups,
+    case_arguments,
     median_ms,
     print_backend_case,
-    run_environment,
+    run_cases,
 )
 from deltalab.ops.norms import l2_normalize, rms_norm
 from deltalab.testing import relative_error
@@ -115,27 +115,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--out", required=True, help="path of the JSON file to write")
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (interpreter smoke run)")
+    case_arguments(parser)
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs (CPU only)")
     args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
-    repeats = args.repeats or (1 if args.tiny else 10)
-    header = run_environment(device)
-    print(" ".join(f"{k}={v}" for k, v in header.items()))
-    results = []
-    for name in args.cases:
+
+    def measure(name: str, device: str, repeats: int) -> dict:
         shape, dtype, activation, kind = CASES[name]
         if args.tiny:
             # bfloat16 under the interpreter is not supported (numpy has none): float32 there.
             shape, dtype = TINY_SHAPES[name], torch.float32
-        results.append(bench_case(name, shape, dtype, activation, kind, device, repeats))
-        print_case(results[-1])
-        # Written after every case: a run stopped by its time limit keeps what it measured.
-        with open(args.out, "w") as f:
-            json.dump({**header, "cases": results}, f, indent=1)
-    print(f"\nwrote {args.out}")
+        return bench_case(name, shape, dtype, activation, kind, device, repeats)
+
+    run_cases(args, args.cases, measure, print_case)
 
 
 if __name__ == "__main__":

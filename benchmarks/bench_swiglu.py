@@ -21,11 +21,10 @@ number printed.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
-from deltalab.benchmarking import add_speedups, format_table, median_ms, run_environment
+from deltalab.benchmarking import add_speedups, case_arguments, format_table, median_ms, run_cases
 from deltalab.models import build_config
 from deltalab.ops.swiglu import swiglu
 from deltalab.testing import relative_error
@@ -100,28 +99,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--out", required=True, help="path of the JSON file to write")
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (interpreter smoke run)")
+    case_arguments(parser)
     parser.add_argument("--mixers", nargs="+", default=list(MIXERS), choices=list(MIXERS))
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs (CPU only)")
     args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
-    repeats = args.repeats or (1 if args.tiny else 10)
-    header = run_environment(device)
-    print(" ".join(f"{k}={v}" for k, v in header.items()))
-    results = []
-    for mixer in args.mixers:
+
+    def measure(mixer: str, device: str, repeats: int) -> dict:
         if args.tiny:
             # bfloat16 under the interpreter is not supported (numpy has none): float32 there.
             (rows, width), dtype = TINY, torch.float32
         else:
             rows, width, dtype = ROWS, build_config("340M", mixer=mixer).ffn_width, torch.bfloat16
-        results.append(bench_case(mixer, rows, width, dtype, device, repeats))
-        print_case(results[-1])
-        # Written after every case: a run stopped by its time limit keeps what it measured.
-        with open(args.out, "w") as f:
-            json.dump({**header, "cases": results}, f, indent=1)
-    print(f"\nwrote {args.out}")
+        return bench_case(mixer, rows, width, dtype, device, repeats)
+
+    run_cases(args, args.mixers, measure, print_case)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import json
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -110,3 +112,35 @@ def _format(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
     return str(value)
+
+
+def case_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options every backend-comparison script takes: --out (JSON), --tiny (the tiny
+    shapes, float32, on CPU: a run under the Triton interpreter) and --repeats (CPU only)."""
+    parser.add_argument("--out", required=True, help="path of the JSON file to write")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (interpreter smoke run)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs (CPU only)")
+    return parser
+
+
+def run_cases(
+    args: argparse.Namespace,
+    names: Sequence[str],
+    measure: Callable[[str, str, int], dict],
+    show: Callable[[dict], None],
+) -> list[dict]:
+    """`measure(name, device, repeats)` for each case name, then `show` it; the JSON at
+    `args.out` (`run_environment` and "cases") is written after every case, so a run stopped by
+    its time limit keeps what it measured. CUDA unless --tiny or none is there."""
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    repeats = args.repeats or (1 if args.tiny else 10)
+    header = run_environment(device)
+    print(" ".join(f"{k}={v}" for k, v in header.items()))
+    results: list[dict] = []
+    for name in names:
+        results.append(measure(name, device, repeats))
+        show(results[-1])
+        with open(args.out, "w") as f:
+            json.dump({**header, "cases": results}, f, indent=1)
+    print(f"\nwrote {args.out}")
+    return results
