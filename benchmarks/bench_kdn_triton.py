@@ -3,7 +3,7 @@
     python benchmarks/bench_kdn_triton.py --out kdn_triton.json          # GPU, float32
     TRITON_INTERPRET=1 python benchmarks/bench_kdn_triton.py --tiny --out /tmp/tiny.json
 
-Shapes: B=4 T=4096 H=16 K=V=128 and B=1 T=32768 H=16 K=V=128 (`--tiny`: B=1 T=20 H=2 K=V=2 on
+Shapes: B=4 T=4096 H=16 and H=8 (the 340M preset's heads) and B=1 T=32768 H=16, K=V=128 (`--tiny`: B=1 T=20 H=2 K=V=2 on
 CPU under the interpreter, to prove the script runs). Per shape, medians in ms of the forward
 and of forward+backward (and peak CUDA memory of forward+backward, MiB):
 
@@ -11,6 +11,8 @@ and of forward+backward (and peak CUDA memory of forward+backward, MiB):
   Triton kernel (a, q, c in; p and p_bar out), the generic Triton Mobius scan on the four map
   coefficients, and the PyTorch parallel scan;
 - `kdn_gain_diag` / `kdn_gain_iso` with the Triton scan and with the parallel scan;
+- the diagonal gain's two Triton routes: the one-kernel gain (one program per sequence and head)
+  and the separate ops around the Triton scan (`gains.fused_diag_gain` chooses between them);
 - `delta_rule` (the backend `kdn_*(backend="triton")` runs the memory on) and `kdn_diag` /
   `kdn_iso` with backend="triton", with their ratio to `delta_rule`;
 - a sweep of the fused scan's launch configurations (BLOCK_T, BLOCK_L) at both lane counts, to
@@ -32,11 +34,12 @@ import torch
 from deltalab.benchmarking import format_table, run_environment
 from deltalab.ops import delta_rule, kdn_diag, kdn_gain_diag, kdn_gain_iso, kdn_iso
 from deltalab.ops.delta_rule import BACKENDS as DELTA_RULE_BACKENDS
+from deltalab.ops.kdn.gains import diag_gain
 from deltalab.ops.kdn.triton import kdn_variance_scan
 from deltalab.ops.mobius import scan_along_time
 from deltalab.ops.mobius.triton import launch_config, mobius_scan_lanes
 
-SHAPES = [(4, 4096, 16, 128), (1, 32768, 16, 128)]
+SHAPES = [(4, 4096, 16, 128), (4, 4096, 8, 128), (1, 32768, 16, 128)]  # (B, T, H, K); H=8: 340M
 TINY_SHAPES = [(1, 20, 2, 2)]
 SWEEP = [(16, 32), (32, 32), (64, 32), (64, 16), (128, 16), (256, 4), (1024, 1), (512, 1)]
 TINY_SWEEP = [(16, 1), (16, 4)]
@@ -151,6 +154,16 @@ def bench_shape(shape, args, device: str, dtype: torch.dtype) -> dict:
         )
         rows[f"kdn_gain_iso ({backend} scan)"] = time_op(
             lambda *a, b=backend: kdn_gain_iso(*a, backend=b)[0], [*iso_gates, p0], r, device
+        )
+
+    # The diagonal gain's two Triton routes (gains.fused_diag_gain picks one by B H).
+    p_prior = p0[None, :, None].expand(batch, heads, dim).contiguous()
+    for label, fused in (("fused", True), ("separate ops", False)):
+        rows[f"diag_gain (triton, {label})"] = time_op(
+            lambda *a, f=fused: diag_gain(*a, float(dim), "triton", fused=f).gain,
+            [*gates, p_prior],
+            r,
+            device,
         )
 
     base = [x[n] for n in ("q", "k", "v", "g")]

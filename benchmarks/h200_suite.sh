@@ -1,13 +1,14 @@
 #!/bin/bash
 # Every GPU measurement of issue 10 in one device call, each part under its own time limit, so
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
-# only its own budget. Writes each part's output and JSON under $OUT (or ./gpu-out).
+# only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests time prof stability train decode kdn tune time_deep ptrain compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time prof stability train decode kdn tune time_deep ptrain compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
-# and they are installed first. Budget the call: tests 240 s, time 300 s,
+# and they are installed first. Budget the call: tests 240 s, kernel_tests 150 s (the layers on
+# Triton and the fused KDN gain, a subset of tests), time 300 s,
 # prof 90 s, stability 240 s, train 300 s, decode 200 s, kdn 120 s, tune 180 s, time_deep
 # 120 s (log decays down to -8 per token: stage 1 walks most diagonal sub-blocks, as on trained
 # gates; benchmarks/diagonal_forms.py), ptrain 180 s (a 340M training step's kernel time by
@@ -21,8 +22,11 @@
 # 60 s (the log decay: Triton kernels against the torch path, errors against float64),
 # decay_tests 90 s (tests/test_log_decay.py compiled on the GPU, bf16 included).
 set -u
-OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
+# The device returns at most 8 files: parts write under a work folder, and after every part the
+# whole of it is packed into $OUT/suite.tgz (so a call cut off still returns what finished).
+DEST=${OUT:-gpu-out}
+OUT=${SUITE_WORK:-/tmp/h200_suite}
+mkdir -p "$DEST" "$OUT"
 if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
@@ -40,12 +44,15 @@ part() {  # part NAME SECONDS COMMAND...: run, log to $OUT/NAME.txt, record rc a
     local start=$(date +%s)
     timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
     echo "$name rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/parts.txt"
+    tar -czf "$DEST/suite.tgz" -C "$OUT" .
 }
 
 for p in "${parts[@]}"; do
     case $p in
-    tests) part tests 240 python3 -m pytest -q -x -p no:cacheprovider \
+    tests) part tests 240 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
         tests/test_delta_rule_triton.py tests/test_cuda.py tests/test_layers_triton.py tests/test_kdn_triton.py -k "not trains" ;;
+    kernel_tests) part kernel_tests 150 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
+        tests/test_layers_triton.py tests/test_kdn_triton.py ;;
     time) part time 300 python3 benchmarks/bench_triton.py --parts time \
         --only kda_c64 gdn2_c64 gdn_c64 kdn_iso_c64 kdn_diag_c64 kda_c128 fla sdpa \
         --out "$OUT/time.json" ;;
@@ -67,17 +74,17 @@ for p in "${parts[@]}"; do
     compile) part compile 300 python3 benchmarks/bench_train.py --device cuda --preset 340M \
         --seq-len 4096 --batch 4 --steps 8 --mixers gdn2 muir transformer --compile ;;
     conv) part conv 90 python3 benchmarks/bench_short_conv.py --sweep --out "$OUT/conv.json" ;;
-    conv_tests) part conv_tests 120 python3 -m pytest -q -x -p no:cacheprovider \
+    conv_tests) part conv_tests 120 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
         tests/test_short_conv.py ;;
     norms) part norms 90 python3 benchmarks/bench_norms.py --out "$OUT/norms.json" ;;
-    norms_tests) part norms_tests 120 python3 -m pytest -q -x -p no:cacheprovider \
+    norms_tests) part norms_tests 120 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
         tests/test_norms.py ;;
     swiglu) part swiglu 60 python3 benchmarks/bench_swiglu.py --out "$OUT/swiglu.json" ;;
-    swiglu_tests) part swiglu_tests 90 python3 -m pytest -q -x -p no:cacheprovider \
+    swiglu_tests) part swiglu_tests 90 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
         tests/test_swiglu.py ;;
     decay) part decay 60 python3 benchmarks/bench_log_decay.py --out "$OUT/decay.json" ;;
-    decay_tests) part decay_tests 90 python3 -m pytest -q -x -p no:cacheprovider \
+    decay_tests) part decay_tests 90 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
         tests/test_log_decay.py ;;
-    *) echo "unknown part: $p (tests time prof stability train decode kdn tune time_deep ptrain compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests)"; exit 2 ;;
+    *) echo "unknown part: $p (tests kernel_tests time prof stability train decode kdn tune time_deep ptrain compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests)"; exit 2 ;;
     esac
 done

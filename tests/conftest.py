@@ -68,13 +68,18 @@ def poisoned_empty(monkeypatch):
     turns the comparison into a failure instead of passing on leftover memory."""
     empty, empty_like = torch.empty, torch.empty_like
 
-    def nan_empty(*args, **kwargs):
-        x = empty(*args, **kwargs)
-        return x.fill_(float("nan")) if x.dtype.is_floating_point else x
+    # Filled before requires_grad is set: an in-place fill of a leaf that requires grad is an
+    # error (torch.utils.checkpoint makes such a leaf with torch.empty on torch 2.11).
+    def poisoned(x: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+        if x.dtype.is_floating_point:
+            x.fill_(float("nan"))
+        return x.requires_grad_(requires_grad)
 
-    def nan_empty_like(*args, **kwargs):
-        x = empty_like(*args, **kwargs)
-        return x.fill_(float("nan")) if x.dtype.is_floating_point else x
+    def nan_empty(*args, requires_grad=False, **kwargs):
+        return poisoned(empty(*args, **kwargs), requires_grad)
+
+    def nan_empty_like(*args, requires_grad=False, **kwargs):
+        return poisoned(empty_like(*args, **kwargs), requires_grad)
 
     monkeypatch.setattr(torch, "empty", nan_empty)
     monkeypatch.setattr(torch, "empty_like", nan_empty_like)

@@ -131,6 +131,21 @@ def iso_gain(
     return Gains(beta, p, predictive)
 
 
+def fused_diag_gain(k: torch.Tensor) -> bool:
+    """Whether the one-kernel diagonal gain pays for keys `[B, T, H, K]`: it runs one program per
+    (sequence, head), each walking all T tokens, so it needs B H programs to fill the GPU; the
+    separate ops run the scan over B H K lanes and the rest elementwise."""
+    return k.shape[0] * k.shape[2] >= FUSED_GAIN_MIN_PROGRAMS
+
+
+# Below this many (sequence, head) programs the fused diagonal gain leaves SMs idle. Measured on
+# the H200 (bench_kdn_triton.py, float32, T=4096, K=128, forward / forward+backward ms): 32
+# programs (the 340M preset) fused 2.15 / 3.97, separate ops 1.04 / 2.84; 64 programs 2.24 /
+# 4.23 against 1.53 / 4.57 (the fused gain also holds half the memory); 16 programs at T=32768
+# 16.7 / 30.9 against 4.15 / 11.0.
+FUSED_GAIN_MIN_PROGRAMS = 64
+
+
 def diag_gain(
     k: torch.Tensor,
     g: torch.Tensor,
@@ -139,11 +154,15 @@ def diag_gain(
     p_prior: torch.Tensor,
     info_scale: float,
     scan: str,
+    fused: bool | None = None,
 ) -> Gains:
     """Validated inputs in one dtype: k, q_noise `[B, T, H, K]`, g `[B, T, H(, K)]`, r
     `[B, T, H]`, p_prior `[B, H, K]`; `scan` a resolved Mobius backend. Returns gain and p
-    `[B, T, H, K]`, predictive `[B, T, H]`."""
-    if scan == "triton" and k.dtype != torch.float64:
+    `[B, T, H, K]`, predictive `[B, T, H]`. `fused` (with the Triton scan): the one-kernel
+    gain (True) or the separate ops around the Triton scan (False); None: `fused_diag_gain`."""
+    if fused is None:
+        fused = fused_diag_gain(k)
+    if fused and scan == "triton" and k.dtype != torch.float64:
         # One kernel each way computes the terms, the scan and the gain in registers
         # (triton_gain.py); float64 stays on the ops below, as the kernels compute in float32.
         from deltalab.ops.kdn.triton_gain import kdn_diag_gain

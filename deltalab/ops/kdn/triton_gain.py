@@ -20,7 +20,9 @@ T in tiles of BLOCK_T tokens, as `_kdn_forward_kernel` (triton.py) walks its lan
 over K inside the tile, so r's gradient (and a per-head g's) needs no atomics and no partial sums.
 B H programs: 32 at the 340M preset (B = 4, H = 8), fewer than an H200's SMs; each then streams
 its head at a single SM's bandwidth (a whole KDN layer's gain is ~0.3 GB forward, ~0.5 GB
-backward). To be tuned on the GPU (LAUNCH).
+backward). Measured on the H200, that made the fused forward 2x slower than the separate ops at
+32 programs, so `gains.diag_gain` takes this kernel only from FUSED_GAIN_MIN_PROGRAMS (64) on.
+Splitting T across programs (a carry pass, as the delta rule's state pass) would lift that.
 
 Forward. As in triton.py: the scan over the maps of the steps *before* each row (the identity on
 row 0) gives p_{t-1} from the carried p; a and c of the step before are recomputed from the
