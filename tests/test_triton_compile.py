@@ -273,3 +273,34 @@ def test_log_decay_kernels_compile_for_hopper_without_spills(width, dtype):
         if name == "forward":
             # softplus's log is libdevice's accurate logf, not lg2.approx (log1p relies on it).
             assert "lg2.approx" not in compiled.asm["ptx"]
+
+
+@pytest.mark.parametrize(
+    ("heads", "dim", "dtype"),
+    [(8, 128, "bf16"), (8, 128, "fp32"), (3, 48, "fp32")],
+    ids=["340M-bf16", "340M-fp32", "odd"],
+)
+@pytest.mark.parametrize("inverse", [False, True], ids=["forward", "backward"])
+def test_rope_kernel_compiles_for_hopper_without_spills(heads, dim, dtype, inverse):
+    """At the launches `rope` uses for the 340M Transformer's queries and keys (x [4, 4096, 8,
+    128], bfloat16 under autocast) and an odd shape: no spill to local memory, and cos and sin
+    are libdevice's accurate ones (with their range reduction), not cos.approx / sin.approx."""
+    from deltalab.ops.rope import triton as rope
+
+    kernel = rope._rope_kernel
+    block_t, block_h, block_d, warps = rope.launch(4 * 4096, heads, dim // 2)
+    constants = {"INVERSE": inverse, "BT": block_t, "BH": block_h, "BD": block_d}
+    pointers = kernel.arg_names[:4]
+    scalars = [a for a in kernel.arg_names[4:] if a not in constants]
+    types = {"X": f"*{dtype}", "POS": "*i64", "Y": f"*{dtype}"}
+    compiled = _compile_for_hopper(
+        kernel, pointers, scalars, constants, {"num_warps": warps}, types, aligned=pointers
+    )
+    assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
+    ptx = compiled.asm["ptx"]
+    assert "cos.approx" not in ptx and "sin.approx" not in ptx
+    # __nv_cosf / __nv_sinf keep the table of their Payne-Hanek range reduction (|theta| >
+    # 105615) in local memory: 28 bytes, a 32-byte stack frame; anything beyond is a spill.
+    assert re.findall(r"__local_depot\d+\[(\d+)\]", ptx) == ["28"]
+    stack = _stack_bytes(compiled)
+    assert stack in (None, 32), f"K={dim} {dtype}: {stack - 32} bytes spilled per thread"

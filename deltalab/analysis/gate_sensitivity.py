@@ -40,6 +40,7 @@ from torch import nn
 
 from deltalab.analysis._plot import new_figure, save_figure
 from deltalab.benchmarking import format_table
+from deltalab.layers.attention import Attention
 from deltalab.layers.common import DeltaMixer, RMSNorm, require_positive_int
 from deltalab.layers.kdn import KalmanMixer
 from deltalab.layers.kdn_muir import KDNMuirRanks
@@ -335,9 +336,10 @@ def _forward_mode_paths(model: nn.Module) -> Iterator[None]:
     parallel variance scan, and the conv1d path of their short convolutions, which follow the
     layer's backend: `short_conv_backend`) while the probes run, and get their backend back
     afterwards, also after an error. The numbers agree up to rounding: both paths compute one
-    function. Their norms follow their backend too; the blocks' RMSNorms and the FFNs' SwiGLU
-    gating, which take the model's backend, run the torch path alongside (the Triton norms and
-    SwiGLU define a jvp, but a model built for "triton" on a machine without it is probed too)."""
+    function. Their norms follow their backend too; the blocks' RMSNorms, the FFNs' SwiGLU
+    gating and the attention blocks' RoPE (hybrid models), which take the model's backend, run
+    the torch path alongside (their Triton Functions define a jvp, but a model built for
+    "triton" on a machine without it is probed too)."""
     switched = [
         (layer, layer.backend, "chunk")
         for layer in model.modules()
@@ -346,7 +348,8 @@ def _forward_mode_paths(model: nn.Module) -> Iterator[None]:
     switched += [
         (module, module.backend, "torch")
         for module in model.modules()
-        if isinstance(module, RMSNorm | SwiGLU) and module.backend not in ("torch", "naive")
+        if isinstance(module, RMSNorm | SwiGLU | Attention)
+        and module.backend not in ("torch", "naive")
     ]
     for layer, _, path in switched:
         layer.backend = path

@@ -15,30 +15,14 @@ from deltalab.layers.common import (
     check_hidden,
     check_mask,
     check_state_batch,
-    compute_dtype,
     require_positive_int,
     shared_autocast_input,
 )
+from deltalab.ops._checks import require_choice
+from deltalab.ops.rope import BACKENDS as ROPE_BACKENDS
+from deltalab.ops.rope import ROPE_BASE, rope
 
-__all__ = ["ROPE_BASE", "Attention", "apply_rope", "sliding_window_mask"]
-
-# Rotary base of the original RoPE paper and Llama 1/2.
-ROPE_BASE = 10000.0
-
-
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, base: float = ROPE_BASE) -> torch.Tensor:
-    """Rotates channel pairs (i, i + K/2) of `x [B, T, H, K]` by `positions [T] * base^(-2i/K)`.
-
-    Angles are computed in at least float32 whatever x's dtype (bf16 angles drift at long
-    positions); the result has x's dtype.
-    """
-    dtype = compute_dtype(x)
-    half = x.shape[-1] // 2
-    inv_freq = base ** -(torch.arange(half, dtype=dtype, device=x.device) / half)
-    angles = positions.to(dtype)[:, None] * inv_freq  # [T, K/2]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]  # broadcast over heads
-    x1, x2 = x.to(dtype).chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+__all__ = ["ROPE_BASE", "Attention", "sliding_window_mask"]
 
 
 def sliding_window_mask(
@@ -64,6 +48,9 @@ class Attention(nn.Module):
         hidden_size: D. num_heads: H. head_dim: K (even, for RoPE). value_dim: V (defaults to K).
         window: keys attended per query, itself included; None for full causal attention.
         rope_base: base of the rotary frequencies.
+        backend: the rotary embedding's (`deltalab.ops.rope`): "auto" (Triton on CUDA), "torch",
+            "triton" or "naive"; the models pass their config's through `layer_backend`, as to
+            their norms and FFNs ("chunk" and "naive" -> "torch").
     """
 
     def __init__(
@@ -75,6 +62,7 @@ class Attention(nn.Module):
         value_dim: int | None = None,
         window: int | None = None,
         rope_base: float = ROPE_BASE,
+        backend: str = "auto",
     ) -> None:
         super().__init__()
         self.hidden_size = require_positive_int("hidden_size", hidden_size)
@@ -89,11 +77,16 @@ class Attention(nn.Module):
         if not rope_base > 1.0:
             raise ValueError(f"rope_base must be > 1, got {rope_base}")
         self.rope_base = float(rope_base)
+        self.backend = require_choice("backend", backend, ROPE_BACKENDS)
         key_width, value_width = num_heads * head_dim, num_heads * self.value_dim
         self.q_proj = nn.Linear(hidden_size, key_width, bias=False)
         self.k_proj = nn.Linear(hidden_size, key_width, bias=False)
         self.v_proj = nn.Linear(hidden_size, value_width, bias=False)
         self.o_proj = nn.Linear(value_width, hidden_size, bias=False)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """RoPE of queries or keys `[B, T, H, K]` at `positions [T]` on this layer's backend."""
+        return rope(x, positions, base=self.rope_base, backend=self.backend)
 
     def forward(
         self,
@@ -117,8 +110,8 @@ class Attention(nn.Module):
         key_shape = (self.num_heads, self.head_dim)
         # One autocast copy of x kept for the three projections, instead of one by each.
         x_in = shared_autocast_input(x)
-        q = apply_rope(self.q_proj(x_in()).unflatten(-1, key_shape), positions, self.rope_base)
-        k = apply_rope(self.k_proj(x_in()).unflatten(-1, key_shape), positions, self.rope_base)
+        q = self.rotate(self.q_proj(x_in()).unflatten(-1, key_shape), positions)
+        k = self.rotate(self.k_proj(x_in()).unflatten(-1, key_shape), positions)
         v = self.v_proj(x_in()).unflatten(-1, (self.num_heads, self.value_dim))
         key_mask = mask
         if state is not None:

@@ -37,7 +37,8 @@ class DeltaLabConfig(PreTrainedConfig):
         conv_size, chunk_size: short-convolution kernel and chunk length of recurrent mixers.
         backend: `delta_rule` backend of the recurrent mixers: "auto" (Triton on CUDA, else the
             PyTorch chunk path), "chunk", "triton" or "naive"; set it to compare backends on
-            one model.
+            one model. The blocks' norms, FFN gating and the attention blocks' RoPE follow it
+            (`deltalab.ops.norms.layer_backend`: "chunk" and "naive" take their torch paths).
         attention_layers: indices of the blocks that use softmax attention instead of `mixer`.
         attention_every: alternatively, every n-th block (indices n-1, 2n-1, ...) uses attention.
         attention_window: sliding window of the attention blocks (None: full causal attention).

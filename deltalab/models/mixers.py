@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from deltalab.layers.common import FRONTEND_FIELDS, FrontendOptions
+from deltalab.ops.norms import layer_backend
 
 if TYPE_CHECKING:
     # Only a type here: config.py takes its list of mixer kinds from MIXER_CLASSES.
@@ -84,6 +85,8 @@ def build_mixer(config: DeltaLabConfig, kind: str) -> nn.Module:
             value_dim=config.value_dim,
             window=config.attention_window,
             rope_base=config.rope_base,
+            # RoPE on the config's backend, as the blocks' norms and FFN (Triton under "auto").
+            backend=layer_backend(config.backend),
         )
     options, own = frontend_options(config)
     return mixer_class(kind)(options, **own)

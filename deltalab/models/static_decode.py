@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from deltalab.layers.attention import Attention, apply_rope, sliding_window_mask
+from deltalab.layers.attention import Attention, sliding_window_mask
 from deltalab.layers.common import AttentionState, RecurrentState
 from deltalab.models.cache import RecurrentCache
 from deltalab.models.lm import Block, CausalLM
@@ -86,8 +86,8 @@ def attention_step(
     """`Attention.forward` for one token `x [B, 1, D]` at `position [1]` (a device tensor), its
     key and value written into `kv`; attends over every slot, the unfilled ones masked."""
     key_shape = (layer.num_heads, layer.head_dim)
-    q = apply_rope(layer.q_proj(x).unflatten(-1, key_shape), position, layer.rope_base)
-    k = apply_rope(layer.k_proj(x).unflatten(-1, key_shape), position, layer.rope_base)
+    q = layer.rotate(layer.q_proj(x).unflatten(-1, key_shape), position)
+    k = layer.rotate(layer.k_proj(x).unflatten(-1, key_shape), position)
     v = layer.v_proj(x).unflatten(-1, (layer.num_heads, layer.value_dim))
     kv.key.index_copy_(1, position, k.to(kv.key.dtype))
     kv.value.index_copy_(1, position, v.to(kv.value.dtype))
