@@ -21,13 +21,11 @@ inputs: normwise relative error of y and of each gradient. Inputs are random nor
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from deltalab.benchmarking import (
     add_speedups,
-    case_arguments,
+    case_parser,
     median_ms,
     print_backend_case,
     run_cases,
@@ -112,12 +110,7 @@ def print_case(result: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    case_arguments(parser)
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    args = parser.parse_args()
+    args = case_parser(__doc__, "--cases", CASES).parse_args()
 
     def measure(name: str, device: str, repeats: int) -> dict:
         shape, dtype, activation, kind = CASES[name]

@@ -20,11 +20,15 @@ written to --out holds every number printed.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from deltalab.benchmarking import add_speedups, case_arguments, format_table, median_ms, run_cases
+from deltalab.benchmarking import (
+    add_speedups,
+    case_parser,
+    median_ms,
+    print_backend_case,
+    run_cases,
+)
 from deltalab.models import build_config
 from deltalab.ops.rope import rope
 from deltalab.testing import relative_error
@@ -77,29 +81,12 @@ def bench_case(name: str, shape: tuple[int, ...], dtype, device: str, repeats: i
 
 
 def print_case(result: dict) -> None:
-    print(f"\n{result['case']}: x {result['shape']} {result['dtype']}")
-    rows = [
-        [
-            backend, result[backend]["forward_ms"], result[backend]["train_ms"],
-            result[backend]["gb_per_s"]["forward"], result[backend]["gb_per_s"]["train"],
-            result[backend]["errors"]["y"], result[backend]["errors"]["dx"],
-        ]
-        for backend in BACKENDS
-    ]  # fmt: skip
-    headers = ["backend", "fwd ms", "fwd+bwd ms", "fwd GB/s*", "fwd+bwd GB/s*", "err y", "err dx"]
-    print(format_table(headers, rows))
-    print(f"torch / triton: forward {result['speedup_forward']:.2f}x, "
-          f"forward+backward {result['speedup_train']:.2f}x  "
-          "(* the kernel's bytes over each backend's time)")  # fmt: skip
+    title = f"{result['case']}: x {result['shape']} {result['dtype']}"
+    print_backend_case(title, result, BACKENDS, "the kernel's bytes over each backend's time")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    case_arguments(parser)
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    args = parser.parse_args()
+    args = case_parser(__doc__, "--cases", CASES).parse_args()
 
     def measure(name: str, device: str, repeats: int) -> dict:
         if args.tiny:

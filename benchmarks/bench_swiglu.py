@@ -20,11 +20,15 @@ number printed.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from deltalab.benchmarking import add_speedups, case_arguments, format_table, median_ms, run_cases
+from deltalab.benchmarking import (
+    add_speedups,
+    case_parser,
+    median_ms,
+    print_backend_case,
+    run_cases,
+)
 from deltalab.models import build_config
 from deltalab.ops.swiglu import swiglu
 from deltalab.testing import relative_error
@@ -78,30 +82,12 @@ def bench_case(mixer: str, rows: int, width: int, dtype, device: str, repeats: i
 
 
 def print_case(result: dict) -> None:
-    print(f"\n{result['case']}: gate_up {result['shape']} {result['dtype']}")
-    rows = [
-        [
-            backend, result[backend]["forward_ms"], result[backend]["train_ms"],
-            result[backend]["gb_per_s"]["forward"], result[backend]["gb_per_s"]["train"],
-            result[backend]["errors"]["h"], result[backend]["errors"]["d_gate_up"],
-        ]
-        for backend in BACKENDS
-    ]  # fmt: skip
-    headers = ["backend", "fwd ms", "fwd+bwd ms", "fwd GB/s*", "fwd+bwd GB/s*", "err h",
-               "err d(gate_up)"]  # fmt: skip
-    print(format_table(headers, rows))
-    print(f"torch / triton: forward {result['speedup_forward']:.2f}x, "
-          f"forward+backward {result['speedup_train']:.2f}x  "
-          "(* the fused kernels' bytes over each backend's time)")  # fmt: skip
+    title = f"{result['case']}: gate_up {result['shape']} {result['dtype']}"
+    print_backend_case(title, result, BACKENDS, "the fused kernels' bytes over each backend's time")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    case_arguments(parser)
-    parser.add_argument("--mixers", nargs="+", default=list(MIXERS), choices=list(MIXERS))
-    args = parser.parse_args()
+    args = case_parser(__doc__, "--mixers", MIXERS).parse_args()
 
     def measure(mixer: str, device: str, repeats: int) -> dict:
         if args.tiny:

@@ -51,19 +51,28 @@ def add_speedups(result: dict, slow: str = "torch", fast: str = "triton") -> dic
     return result
 
 
-def print_backend_case(title: str, result: dict, backends: tuple[str, ...]) -> None:
-    """One case of a backend comparison: per backend its forward and forward+backward ms and
-    its errors (`result[backend]["errors"]`, name -> value), then `add_speedups`' ratios."""
+def print_backend_case(
+    title: str, result: dict, backends: tuple[str, ...], bytes_note: str = ""
+) -> None:
+    """One case of a backend comparison: per backend its forward and forward+backward ms, its
+    achieved GB/s when the result has them (`result[backend]["gb_per_s"]`, "forward" and
+    "train": a kernel's bytes over each backend's time, what `bytes_note` says) and its errors
+    (`result[backend]["errors"]`, name -> value), then `add_speedups`' ratios."""
     print(f"\n{title}")
     names = list(result[backends[0]]["errors"])
+    rates = "gb_per_s" in result[backends[0]]
     rows = [
         [backend, result[backend]["forward_ms"], result[backend]["train_ms"]]
+        + ([result[backend]["gb_per_s"][k] for k in ("forward", "train")] if rates else [])
         + [result[backend]["errors"][n] for n in names]
         for backend in backends
     ]
-    print(format_table(["backend", "fwd ms", "fwd+bwd ms"] + [f"err {n}" for n in names], rows))
+    headers = ["backend", "fwd ms", "fwd+bwd ms"]
+    headers += ["fwd GB/s*", "fwd+bwd GB/s*"] if rates else []
+    print(format_table(headers + [f"err {n}" for n in names], rows))
+    note = f"  (* {bytes_note})" if rates and bytes_note else ""
     print(f"{backends[0]} / {backends[-1]}: forward {result['speedup_forward']:.2f}x, "
-          f"forward+backward {result['speedup_train']:.2f}x")  # fmt: skip
+          f"forward+backward {result['speedup_train']:.2f}x{note}")  # fmt: skip
 
 
 def forward_and_train_seconds(
@@ -114,12 +123,17 @@ def _format(value: object) -> str:
     return str(value)
 
 
-def case_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The options every backend-comparison script takes: --out (JSON), --tiny (the tiny
-    shapes, float32, on CPU: a run under the Triton interpreter) and --repeats (CPU only)."""
+def case_parser(description: str, option: str, cases: Sequence[str]) -> argparse.ArgumentParser:
+    """The command line of a backend-comparison script: --out (JSON), --tiny (the tiny shapes,
+    float32, on CPU: a run under the Triton interpreter), --repeats (CPU only) and `option`
+    (e.g. "--cases") choosing among `cases`, all by default."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--out", required=True, help="path of the JSON file to write")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (interpreter smoke run)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs (CPU only)")
+    parser.add_argument(option, nargs="+", default=list(cases), choices=list(cases))
     return parser
 
 

@@ -28,3 +28,13 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what:
     error = relative_error(actual, expected)
     label = f"{what}: " if what else ""
     assert error <= tol, f"{label}relative error {error:.3e} exceeds {tol:.1e}"
+
+
+def forward_tangent(fn, primals: list[torch.Tensor], tangents: list[torch.Tensor]) -> torch.Tensor:
+    """The forward-mode derivative (jvp) of `fn(*primals)` along `tangents`: the tangent of its
+    one tensor output (what gate-sensitivity probes push through an op)."""
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        duals = [fwAD.make_dual(p, t) for p, t in zip(primals, tangents, strict=True)]
+        return fwAD.unpack_dual(fn(*duals)).tangent

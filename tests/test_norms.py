@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.autograd.forward_ad as fwAD
 
 from deltalab.layers import common
 from deltalab.ops import norms
 from deltalab.ops._triton import INTERPRET, triton_unavailable_reason
 from deltalab.ops.norms import l2_normalize, layer_backend, resolve_backend, rms_norm
 from deltalab.ops.norms.reference import l2_normalize_naive
-from deltalab.testing import TOLERANCE, assert_close
+from deltalab.testing import TOLERANCE, assert_close, forward_tangent
 
 F64 = torch.float64
 CUDA = torch.cuda.is_available() and not INTERPRET
@@ -192,12 +191,6 @@ def test_triton_gate_saturates_without_nan(generator, activation):
     assert_all_close(actual, expected, F32_TOL, activation)
 
 
-def _jvp(fn, primals, tangents):
-    with fwAD.dual_level():
-        duals = [fwAD.make_dual(p, t) for p, t in zip(primals, tangents, strict=True)]
-        return fwAD.unpack_dual(fn(*duals)).tangent
-
-
 @needs_triton
 @pytest.mark.parametrize(("gated", "activation"), GATED, ids=GATED_IDS)
 def test_triton_forward_mode_derivative_matches_the_torch_path(generator, gated, activation):
@@ -213,11 +206,11 @@ def test_triton_forward_mode_derivative_matches_the_torch_path(generator, gated,
         def fn(*args):
             return rms_norm(*args[:2], 1e-5, *args[2:3] or [None], activation, backend=backend)
 
-        return _jvp(fn, ps, ts).cpu().double()
+        return forward_tangent(fn, ps, ts).cpu().double()
 
     assert_close(run("triton", torch.float32), run("torch", F64), F32_TOL, "rms jvp")
     l2 = [
-        _jvp(lambda t, b=b, d=d: l2_normalize(t, backend=b), [x.to(DEVICE, d)],
+        forward_tangent(lambda t, b=b, d=d: l2_normalize(t, backend=b), [x.to(DEVICE, d)],
              [tangents[0].to(DEVICE, d)]).cpu().double()
         for b, d in (("triton", torch.float32), ("torch", F64))
     ]  # fmt: skip

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.autograd.forward_ad as fwAD
 
 from deltalab.ops._triton import INTERPRET, triton_unavailable_reason
 from deltalab.ops.rope import ROPE_BASE, resolve_backend, rope
-from deltalab.testing import TOLERANCE, assert_close, relative_error
+from deltalab.testing import TOLERANCE, assert_close, forward_tangent, relative_error
 
 F64 = torch.float64
 F32 = torch.float32
@@ -181,11 +180,6 @@ def test_triton_writes_xs_dtype_computed_in_float32(generator, dtype):
     assert grad.dtype == dtype
 
 
-def _jvp(fn, primal, tangent):
-    with fwAD.dual_level():
-        return fwAD.unpack_dual(fn(fwAD.make_dual(primal, tangent))).tangent
-
-
 @needs_triton
 def test_triton_forward_mode_derivative_matches_the_torch_path(generator):
     x, tangent = draw(generator, 2, 3, 2, 10), draw(generator, 2, 3, 2, 10)
@@ -193,7 +187,9 @@ def test_triton_forward_mode_derivative_matches_the_torch_path(generator):
 
     def run(backend, dtype):
         fn = lambda t: rope(t, positions, backend=backend)  # noqa: E731
-        return _jvp(fn, x.to(DEVICE, dtype), tangent.to(DEVICE, dtype)).cpu().double()
+        return (
+            forward_tangent(fn, [x.to(DEVICE, dtype)], [tangent.to(DEVICE, dtype)]).cpu().double()
+        )
 
     assert_close(run("triton", F32), run("torch", F64), F32_TOL, "jvp")
 

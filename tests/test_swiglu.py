@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 from deltalab.ops._recompute import recomputed
 from deltalab.ops._triton import INTERPRET, triton_unavailable_reason
 from deltalab.ops.swiglu import resolve_backend, swiglu
-from deltalab.testing import TOLERANCE, assert_close, relative_error
+from deltalab.testing import TOLERANCE, assert_close, forward_tangent, relative_error
 
 F64 = torch.float64
 CUDA = torch.cuda.is_available() and not INTERPRET
@@ -145,18 +144,17 @@ def test_triton_writes_gate_ups_dtype_computed_in_float32(generator, dtype):
     assert grad.dtype == dtype
 
 
-def _jvp(fn, primal, tangent):
-    with fwAD.dual_level():
-        return fwAD.unpack_dual(fn(fwAD.make_dual(primal, tangent))).tangent
-
-
 @needs_triton
 def test_triton_forward_mode_derivative_matches_the_torch_path(generator):
     gate_up, tangent = draw(generator, 2, 3, 2 * 20), draw(generator, 2, 3, 2 * 20)
 
     def run(backend, dtype):
         fn = lambda t: swiglu(t, backend=backend)  # noqa: E731
-        return _jvp(fn, gate_up.to(DEVICE, dtype), tangent.to(DEVICE, dtype)).cpu().double()
+        return (
+            forward_tangent(fn, [gate_up.to(DEVICE, dtype)], [tangent.to(DEVICE, dtype)])
+            .cpu()
+            .double()
+        )
 
     assert_close(run("triton", torch.float32), run("torch", F64), F32_TOL, "jvp")
 
