@@ -16,7 +16,12 @@ import pytest
 
 ROOT = Path(__file__).parents[1]
 # script -> the number of cases its tiny run measures (every one of them must be written).
-SCRIPTS = {"bench_norms.py": 3, "bench_swiglu.py": 2, "bench_log_decay.py": 2}
+SCRIPTS = {
+    "bench_norms.py": 3,
+    "bench_swiglu.py": 2,
+    "bench_log_decay.py": 2,
+    "bench_read_gate.py": 2,
+}
 
 
 def run_tiny(script: str, out: Path) -> dict:
