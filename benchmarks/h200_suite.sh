@@ -3,7 +3,7 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time prof stability train decode kdn tune tune340 tune32k time_deep ptrain compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time prof stability train decode kdn tune tune340 tune32k time_deep ptrain compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
@@ -24,7 +24,9 @@
 # 60 s (the log decay: Triton kernels against the torch path, errors against float64),
 # decay_tests 90 s (tests/test_log_decay.py compiled on the GPU, bf16 included), rope 60 s (the
 # Transformer's RoPE at the 340M shapes: the Triton kernel against the torch path, errors against
-# float64), rope_tests 90 s (tests/test_rope.py compiled on the GPU, bf16 included).
+# float64), rope_tests 90 s (tests/test_rope.py compiled on the GPU, bf16 included), read_gate 60 s
+# (Muir's read gate fused with the query: Triton kernels against the torch path, errors against
+# float64), read_gate_tests 90 s (tests/test_read_gate.py compiled on the GPU, bf16 included).
 set -u
 # The device returns at most 8 files: parts write under a work folder, and after every part the
 # whole of it is packed into $OUT/suite.tgz (so a call cut off still returns what finished).
@@ -96,6 +98,10 @@ for p in "${parts[@]}"; do
     rope) part rope 60 python3 benchmarks/bench_rope.py --out "$OUT/rope.json" ;;
     rope_tests) part rope_tests 90 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
         tests/test_rope.py ;;
+    read_gate) part read_gate 60 python3 benchmarks/bench_read_gate.py \
+        --out "$OUT/read_gate.json" ;;
+    read_gate_tests) part read_gate_tests 90 python3 -m pytest -q --maxfail=3 \
+        -p no:cacheprovider tests/test_read_gate.py ;;
     *) echo "unknown part: $p (the parts are listed at the top of $0)"; exit 2 ;;
     esac
 done

@@ -198,8 +198,8 @@ def op_category(op: str, phase: str) -> str:
         kernel = profile_train.category(op[7:])
         if kernel == CONVOLUTION:
             return CONVOLUTION
-        # The norms', SwiGLU's and the log decay's kernels (deltalab.ops.norms, .swiglu,
-        # .log_decay) replace glue ops: their bytes stay glue.
+        # The norms', SwiGLU's, the log decay's and the read gate's kernels (deltalab.ops.norms,
+        # .swiglu, .log_decay, .read_gate) replace glue ops: their bytes stay glue.
         return GLUE if kernel in (profile_train.NORMS_SWIGLU, profile_train.OTHER) else DELTA
     if op in MATMUL_OPS:
         return MATMUL

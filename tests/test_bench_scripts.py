@@ -20,6 +20,7 @@ SCRIPTS = {
     "bench_norms.py": 3,
     "bench_swiglu.py": 2,
     "bench_log_decay.py": 2,
+    "bench_read_gate.py": 2,
     "bench_rope.py": 2,
 }
 

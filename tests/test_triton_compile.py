@@ -276,6 +276,40 @@ def test_log_decay_kernels_compile_for_hopper_without_spills(width, dtype):
 
 
 @pytest.mark.parametrize(
+    ("width", "dtype", "has_raw"),
+    [(1024, "bf16", True), (1024, "bf16", False), (1024, "fp32", True), (21, "fp32", True)],
+    ids=["dynamic-bf16", "static-bf16", "dynamic-fp32", "odd"],
+)
+def test_read_gate_kernels_compile_for_hopper_without_spills(width, dtype, has_raw):
+    """At the launches Muir's read gate uses for 340M shapes (q and raw [4, 4096, 8, 128],
+    bfloat16 under autocast; "dynamic" and "static"): no spill to local memory."""
+    from deltalab.ops.read_gate import triton as read
+
+    activations = {p: f"*{dtype}" for p in ("Q", "RAW", "OUT", "DOUT", "DQ", "DRAW")}
+    kernels = [
+        (read._read_gate_fwd, "forward", 5, {"HAS_RAW": has_raw}),
+        (
+            read._read_gate_bwd,
+            "backward",
+            8,
+            {"HAS_RAW": has_raw, "WANT_DQ": True, "WANT_DRAW": has_raw, "WANT_DR": True},
+        ),
+    ]
+    for kernel, name, n_pointers, constants in kernels:
+        block_m, block_n, warps = read.launch(4 * 4096, width, name)
+        constants = {**constants, "BM": block_m, "BN": block_n}
+        pointers = kernel.arg_names[:n_pointers]
+        scalars = [a for a in kernel.arg_names[n_pointers:] if a not in constants]
+        types = {p: activations.get(p, "*fp32") for p in pointers}
+        compiled = _compile_for_hopper(
+            kernel, pointers, scalars, constants, {"num_warps": warps}, types, aligned=pointers
+        )
+        assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
+        stack = _stack_bytes(compiled)
+        assert stack in (None, 0), f"{name} N={width} {dtype}: {stack} bytes spilled per thread"
+
+
+@pytest.mark.parametrize(
     ("heads", "dim", "dtype"),
     [(8, 128, "bf16"), (8, 128, "fp32"), (3, 48, "fp32")],
     ids=["340M-bf16", "340M-fp32", "odd"],

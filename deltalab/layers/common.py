@@ -586,11 +586,18 @@ class DeltaMixer(nn.Module, abc.ABC):
             gates = hook(gates)
         return gates
 
+    def reported_gates(self, gates: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The gates a forward reports (`return_gates=True`) from those it passed to
+        `inputs_from_gates`: the same, unless a mixer fuses a gate into its use (Muir's read
+        gate: `FusedGateMixer.hooked_gates`)."""
+        return gates
+
     def primitive_inputs(
         self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[DeltaRuleInputs, dict[str, torch.Tensor]]:
         """x `[B, T, D]`, unit-norm q, k `[B, T, H, K]`, v `[B, T, H, V]` -> the primitive's
-        `(q, a, b, u, g)` and the gates by name."""
+        `(q, a, b, u, g)` and the gates by name (as passed to `inputs_from_gates`; a forward
+        reports them through `reported_gates`)."""
         gates = self.hooked_gates(x)
         return self.inputs_from_gates(q, k, v, gates), gates
 
@@ -618,7 +625,8 @@ class DeltaMixer(nn.Module, abc.ABC):
         o, memory = run_delta_rule(
             inputs, memory, chunk_size=self.chunk_size, backend=self.backend, in_place=in_place
         )
-        return o, RecurrentState(memory, *conv, gates if return_gates else None)
+        reported = self.reported_gates(gates) if return_gates else None
+        return o, RecurrentState(memory, *conv, reported)
 
     def forward(
         self,

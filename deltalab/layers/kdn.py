@@ -256,7 +256,7 @@ class KalmanMixer(DeltaMixer):
         """The primitive's `(q, gain, k, v, g)` and all gates (with the uncertainty trace) for
         a sequence that starts with these tokens (zero memory, prior p_0)."""
         inputs, _, gates = self._filtered(x, q, k, v, None, trace=True)
-        return inputs, gates
+        return inputs, self.reported_gates(gates)
 
     def recurrence(
         self,
@@ -281,7 +281,10 @@ class KalmanMixer(DeltaMixer):
             inputs, memory, chunk_size=self.chunk_size, backend=self.backend, in_place=in_place
         )
         new_state = KDNState(
-            memory, *conv, gates if return_gates else None, uncertainty=uncertainty
+            memory,
+            *conv,
+            self.reported_gates(gates) if return_gates else None,
+            uncertainty=uncertainty,
         )
         return o, new_state
 

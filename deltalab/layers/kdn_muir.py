@@ -45,7 +45,7 @@ from deltalab.layers.kdn import (
     ScanFilter,
     observation_noise,
 )
-from deltalab.layers.muir import READ_GATES, FusedGateMixer, GateRanks, read_query
+from deltalab.layers.muir import READ_GATES, FusedGateMixer, GateRanks
 from deltalab.ops import _checks
 
 __all__ = ["KDN_MUIR_RANK_DIVISORS", "KDNMuir", "KDNMuirRanks"]
@@ -129,18 +129,19 @@ class KDNMuir(ScanFilter, FusedGateMixer):
         scale = float(head_dim) if info_scale is None else info_scale
         self.info_scale = _checks.require_positive_number("info_scale", scale)
 
-    def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def gates(self, x: torch.Tensor, *, fused_read: bool = False) -> dict[str, torch.Tensor]:
         """x `[B, T, D]` -> the noise model g, q_noise, r (at least float32) and the read gate
-        (x's dtype), all from one pass of the fused projection."""
+        (x's dtype), all from one pass of the fused projection; with `fused_read` the read
+        gate's pre-activation in place of rho (`FusedGateMixer.read_gates`)."""
         raw = self.gate_proj(x)
         process = raw["process"].to(compute_dtype(x)).unflatten(-1, (self.num_heads, -1))
-        return {
+        gates = {
             "g": self.decay_from(raw),
             "q_noise": F.softplus(process),
             "r": observation_noise(raw["observation"], self.r_min),
-            "read": self.read_from(raw, x),
         }
+        return gates | self.read_gates(raw, x, fused_read)
 
     def read_query(self, q: torch.Tensor, gates: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Muir's matched-filter read: rho * q, in q's dtype (`muir.read_query`)."""
-        return read_query(gates["read"], q)
+        """Muir's matched-filter read: rho * q, in q's dtype (`FusedGateMixer.matched_read`)."""
+        return self.matched_read(q, gates)

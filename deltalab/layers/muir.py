@@ -41,6 +41,7 @@ from deltalab.layers.common import (
 )
 from deltalab.layers.decay import init_A_log, init_dt_bias, log_decay
 from deltalab.layers.gdn2 import GatedDeltaNet2
+from deltalab.ops import read_gate
 from deltalab.ops._checks import require_choice
 from deltalab.ops.log_decay import layer_backend
 from deltalab.ops.parametrize import DeltaRuleInputs, gdn2_inputs
@@ -71,6 +72,9 @@ DEFAULT_RANK_DIVISORS = {"decay": 1, "erase": 8, "write": 2, "read": 4, "outgate
 READ_WEIGHT_FLOOR = 1e-4
 # SwiGLU feed-forward: gate, up and down matrices of hidden x width each.
 SWIGLU_MATRICES = 3
+# The gates' entry that stands for the read gate where it is fused with the query
+# (`FusedGateMixer.hooked_gates`): its pre-activation `[B, T, H, K]` ("dynamic" only).
+FUSED_READ = "read_raw"
 
 
 @dataclass(frozen=True)
@@ -320,6 +324,59 @@ class FusedGateMixer(DeltaMixer):
             read = read * (2.0 * modulation)
         return read.to(x.dtype).expand(shape)
 
+    def read_fuses(self, x: torch.Tensor) -> bool:
+        """Whether a forward on x without gate hooks multiplies the read gate into the query in
+        one op (`deltalab.ops.read_gate` on its Triton path) instead of building rho: a read
+        gate to apply, x float32 (rho in x's dtype is then the op's float32 rho: the same
+        numbers up to float32 rounding), and the op's backend for the delta rule's resolving to
+        "triton"."""
+        if self.read_gate == "none" or x.dtype != torch.float32:
+            return False
+        return read_gate.resolve_backend(layer_backend(self.backend), x) == "triton"
+
+    def read_gates(
+        self, raw: dict[str, torch.Tensor], x: torch.Tensor, fused: bool
+    ) -> dict[str, torch.Tensor]:
+        """The read gate's entries of `gates(x)`: {"read": rho} (`read_from`), or with `fused`
+        only what the fused op reads besides the parameter read_log: {FUSED_READ: the
+        pre-activation `[B, T, H, K]`} ("dynamic"), nothing ("static")."""
+        if not fused:
+            return {"read": self.read_from(raw, x)}
+        if self.read_gate != "dynamic":
+            return {}
+        return {FUSED_READ: raw["read"].unflatten(-1, (self.num_heads, self.head_dim))}
+
+    def hooked_gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """As `DeltaMixer.hooked_gates`; but where nothing can see rho (no gate hooks, and
+        `read_fuses(x)`), the gates hold the read gate's pre-activation instead of rho and
+        `matched_read` fuses rho into the query (traffic: the float32 rho `[B, T, H, K]` and
+        its gradient never reach memory). A hook (gate sensitivity's `perturb_gate`, which
+        perturbs rho) always gets rho, and so do `gates(x)` and the gates a forward reports
+        (`reported_gates`)."""
+        if self._gate_hooks or not self.read_fuses(x):
+            return super().hooked_gates(x)
+        return self.gates(x, fused_read=True)
+
+    def matched_read(self, q: torch.Tensor, gates: dict[str, torch.Tensor]) -> torch.Tensor:
+        """rho * q in q's dtype: `read_query(gates["read"], q)` when the gates hold rho, else
+        the fused op (`deltalab.ops.read_gate.read_query`) on the delta rule's backend."""
+        if "read" in gates:
+            return read_query(gates["read"], q)
+        backend = layer_backend(self.backend)
+        return read_gate.read_query(q, self.read_log, gates.get(FUSED_READ), backend=backend)
+
+    def reported_gates(self, gates: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The gates with rho in place of the fused read gate's pre-activation: what
+        `return_gates=True` reports whichever path the forward took."""
+        if "read" in gates:
+            return gates
+        reported = {name: value for name, value in gates.items() if name != FUSED_READ}
+        shape = gates["g"].shape
+        rho = self.read_log.float().exp()
+        if FUSED_READ in gates:
+            rho = rho * (2.0 * torch.sigmoid(gates[FUSED_READ].float()))
+        return reported | {"read": rho.expand(shape)}
+
 
 class Muir(FusedGateMixer):
     """Muir: GDN-2 whose gates come from one fused low-rank projection, plus a read gate.
@@ -356,25 +413,22 @@ class Muir(FusedGateMixer):
         biased = frozenset(name for name in own if getattr(ranks, name) is not None)
         self._init_fused_gates(ranks, read_gate, own, biased)
 
-    def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """x `[B, T, D]` -> erase, write, g, read (shapes in the class docstring)."""
+    def gates(self, x: torch.Tensor, *, fused_read: bool = False) -> dict[str, torch.Tensor]:
+        """x `[B, T, D]` -> erase, write, g, read (shapes in the class docstring); with
+        `fused_read` the read gate's pre-activation in place of rho (`read_gates`)."""
         heads, key_dim, value_dim = self.num_heads, self.head_dim, self.value_dim
         raw = self.gate_proj(x)
         erase = torch.sigmoid(raw["erase"]).unflatten(-1, (heads, key_dim))
         write = torch.sigmoid(raw["write"]).unflatten(-1, (heads, value_dim))
-        return {
-            "erase": erase,
-            "write": write,
-            "g": self.decay_from(raw),
-            "read": self.read_from(raw, x),
-        }
+        gates = {"erase": erase, "write": write, "g": self.decay_from(raw)}
+        return gates | self.read_gates(raw, x, fused_read)
 
     def inputs_from_gates(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]
     ) -> DeltaRuleInputs:
         """The primitive's inputs from the gates: GDN-2's, with the query read as rho * q."""
         inputs = gdn2_inputs(q, k, v, gates["erase"], gates["write"], gates["g"])
-        return inputs._replace(q=read_query(gates["read"], q))
+        return inputs._replace(q=self.matched_read(q, gates))
 
     # The name `gates` had before every mixer had one; kept for callers of the old name.
     gate_values = gates

@@ -59,3 +59,19 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
 def row_stride(t: torch.Tensor) -> int:
     """The stride between the rows of `as_rows`' result (its width when there is one row)."""
     return t.stride(0) if t.shape[0] > 1 else t.shape[1]
+
+
+def elementwise_backend(backend: str, x: torch.Tensor, backends: tuple[str, ...]) -> str:
+    """The backend an elementwise op (`backends`: "auto", "naive", "torch", "triton") runs on
+    for its input x: "auto" is "triton" on CUDA (compiled) for inputs other than float64, else
+    "torch" (the kernels compute in float32: float64 references and gradient checks stay in
+    PyTorch); "triton" must be able to run on x's device."""
+    from deltalab.ops._checks import require_choice
+
+    require_choice("backend", backend, backends)
+    if backend == "auto":
+        fits = x.dtype != torch.float64
+        return "triton" if fits and triton_available(x.device) else "torch"
+    if backend == "triton":
+        require_triton("backend", x.device)
+    return backend

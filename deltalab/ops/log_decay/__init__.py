@@ -22,8 +22,8 @@ import math
 
 import torch
 
-from deltalab.ops._checks import require_choice, require_float, require_same_device
-from deltalab.ops._triton import require_triton, triton_available
+from deltalab.ops._checks import require_float, require_same_device
+from deltalab.ops._triton import elementwise_backend
 from deltalab.ops.log_decay.reference import compute_dtype, log_decay_naive, log_decay_torch
 from deltalab.ops.norms import layer_backend
 
@@ -33,16 +33,9 @@ BACKENDS = ("auto", "naive", "torch", "triton")
 
 
 def resolve_backend(backend: str, raw: torch.Tensor) -> str:
-    """The backend that runs for raw: "auto" is "triton" on CUDA (compiled) for float32 or
-    narrower raw, else "torch" (the kernels compute in float32: float64 references and gradient
-    checks stay in PyTorch)."""
-    require_choice("backend", backend, BACKENDS)
-    if backend == "auto":
-        fits = raw.dtype != torch.float64
-        return "triton" if fits and triton_available(raw.device) else "torch"
-    if backend == "triton":
-        require_triton("backend", raw.device)
-    return backend
+    """The backend that runs for raw: "auto" is "triton" on CUDA (compiled) for inputs other
+    than float64, else "torch" (`elementwise_backend`)."""
+    return elementwise_backend(backend, raw, BACKENDS)
 
 
 def _parameter_shape(A_log: torch.Tensor, raw: torch.Tensor, dt_bias: torch.Tensor):

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from deltalab.ops._checks import require_choice, require_float, require_rank, require_tensor
-from deltalab.ops._triton import require_triton, triton_available
+from deltalab.ops._checks import require_float, require_rank, require_tensor
+from deltalab.ops._triton import elementwise_backend
 from deltalab.ops.rope.reference import (
     compute_dtype,
     inverse_frequencies,
@@ -47,16 +47,9 @@ ROPE_BASE = 10000.0
 
 
 def resolve_backend(backend: str, x: torch.Tensor) -> str:
-    """The backend that runs for x: "auto" is "triton" on CUDA (compiled) for inputs other than
-    float64, else "torch" (the kernel computes in float32: float64 references and gradient
-    checks stay in PyTorch)."""
-    require_choice("backend", backend, BACKENDS)
-    if backend == "auto":
-        fits = x.dtype != torch.float64
-        return "triton" if fits and triton_available(x.device) else "torch"
-    if backend == "triton":
-        require_triton("backend", x.device)
-    return backend
+    """The backend that runs for x: "auto" is "triton" on CUDA (compiled) for inputs other
+    than float64, else "torch" (`elementwise_backend`)."""
+    return elementwise_backend(backend, x, BACKENDS)
 
 
 def _require_positions(positions: object, x: torch.Tensor) -> torch.Tensor:

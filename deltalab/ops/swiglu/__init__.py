@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from deltalab.ops._checks import require_choice, require_float
-from deltalab.ops._triton import require_triton, triton_available
+from deltalab.ops._checks import require_float
+from deltalab.ops._triton import elementwise_backend
 from deltalab.ops.swiglu.reference import swiglu_formula, swiglu_naive, swiglu_torch
 
 __all__ = [
@@ -38,16 +38,9 @@ BACKENDS = ("auto", "naive", "torch", "triton")
 
 
 def resolve_backend(backend: str, gate_up: torch.Tensor) -> str:
-    """The backend that runs for gate_up: "auto" is "triton" on CUDA (compiled) for inputs
-    other than float64, else "torch" (the kernels compute in float32: float64 references and
-    gradient checks stay in PyTorch)."""
-    require_choice("backend", backend, BACKENDS)
-    if backend == "auto":
-        fits = gate_up.dtype != torch.float64
-        return "triton" if fits and triton_available(gate_up.device) else "torch"
-    if backend == "triton":
-        require_triton("backend", gate_up.device)
-    return backend
+    """The backend that runs for gate_up: "auto" is "triton" on CUDA (compiled) for inputs other
+    than float64, else "torch" (`elementwise_backend`)."""
+    return elementwise_backend(backend, gate_up, BACKENDS)
 
 
 def swiglu(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:

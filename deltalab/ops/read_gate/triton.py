@@ -1,0 +1,248 @@
+"""Triton matched-filter read, forward and backward, one kernel each way.
+
+    s = sigmoid(raw),  rho = exp(r) 2 s  (rho = exp(r) without raw),  out = q rho     (r = read_log)
+    dq = dout rho,  d raw = dout q rho (1 - s),  d r = sum over rows of dout q rho
+
+Layout. q, raw and dout as `[M, N]` rows, N = the span of read_log over q's trailing dims (H K
+for Muir's `[H, K]` vector), each row N contiguous elements with a row stride (a view when the
+caller's tensor allows it: a query split from a wider projection). r arrives expanded to `[N]`
+in float32, with its exp computed once by torch (`[N]`: the very numbers the layers' path
+multiplies by). A program owns BM rows x BN columns; the grid is row blocks x column blocks.
+
+Traffic. Forward: one read of q and raw in their dtypes (bfloat16 under autocast), one write of
+the product in q's dtype; the float32 rho never reaches memory. Backward: one read of q, raw
+and dout, one write of dq and d raw, and the `[programs, N]` partial sums of d r. Nothing is
+saved but q, raw and read_log; sigmoid and rho are recomputed in the backward.
+
+Deterministic d read_log (no atomics), as the log decay's parameters: a backward program walks a
+contiguous run of row blocks of its column block, sums dout q rho over them in float32
+registers `[BN]`, and writes them once to a `[programs, N]` buffer that torch sums.
+
+Numerics (float32 whatever the inputs' dtypes; the product rounded once to q's dtype). With
+e = exp(-|raw|) in (0, 1] nothing overflows: s = 1 / (1 + e) for raw >= 0 and e / (1 + e)
+below, 1 - s the other one (no cancellation: torch's sigmoid backward takes (1 - s) s, which
+loses the digits of 1 - s for large raw). read_log can be anything, so rho is taken in two
+forms:
+- direct, exp(r) * (2 s), the layers' operations in their order, where r <= 80 and raw >= -80:
+  there exp(r) <= 5.5e34 and s >= 1.8e-35 are finite, normal floats and so is their product;
+- in the log domain, exp(r + log 2 + min(raw, 0) - log(1 + e)), elsewhere: exp(r) alone would
+  overflow (r > 88.7) or s lose its digits to subnormals (raw < -87) where rho itself is an
+  ordinary number (r = 100, raw = -100 gives rho = 2.0). log(1 + e) enters an exponent, so its
+  absolute error (~1e-7, e <= 1) is rho's relative error: no log1p needed.
+So rho is finite wherever the exact rho is (it overflows only past ~3.4e38), and the product
+and the gradients overflow only where they do themselves (or rho times q does). Without raw,
+rho = exp(r) as torch computed it (inf beyond r = 88.7, as the layers' path).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltalab.ops._triton import as_rows, row_stride
+
+# Where rho leaves the direct form for the log domain (module docstring): exp(80) and
+# exp(-80) are normal float32 numbers with room to spare. (constexpr: the compiled kernels may
+# read globals only so; the interpreter reads any.)
+DIRECT_LIMIT = tl.constexpr(80.0)
+LOG2 = tl.constexpr(0.6931471805599453)
+# Elements (BM rows x BN columns) a program holds, BN at most MAX_BLOCK_N, and the elements a
+# thread holds (which sets the warps, at most MAX_WARPS). First guesses, as the log decay's
+# (the backward holds q, raw and dout per element); to be tuned on the GPU
+# (benchmarks/bench_read_gate.py).
+BLOCK_ELEMENTS = {"forward": 4096, "backward": 2048}
+MAX_BLOCK_N = 1024
+PER_THREAD = {"forward": 16, "backward": 16}
+MAX_WARPS = 8
+# Row blocks of a column block are spread over at most this many backward programs (each keeps
+# one float32 row `[BN]`): the partial sums are then at most 1024 x N x 4 bytes.
+BACKWARD_PROGRAMS = 1024
+
+
+@triton.jit
+def _rho(x, r, rate, HAS_RAW: tl.constexpr):
+    """rho and 1 - s (float32 tiles) from raw x `[BM, BN]`, r and rate = exp(r) `[BN]` (module
+    docstring: direct form where it is exact, the log domain where exp(r) or s would not be)."""
+    if HAS_RAW:
+        e = tl.exp(-tl.abs(x))
+        inv = 1.0 / (1.0 + e)
+        above = x >= 0.0
+        s = tl.where(above, inv, e * inv)
+        s_c = tl.where(above, e * inv, inv)
+        direct = rate[None, :] * (2.0 * s)
+        log_rho = r[None, :] + LOG2 + tl.minimum(x, 0.0) - tl.log(1.0 + e)
+        far = (r[None, :] > DIRECT_LIMIT) | (x < -DIRECT_LIMIT)
+        # exp only where taken (elsewhere log_rho may exceed 88.7 without meaning anything).
+        rho = tl.where(far, tl.exp(tl.where(far, log_rho, 0.0)), direct)
+    else:
+        rho = rate[None, :] + tl.zeros_like(x)
+        s_c = tl.zeros_like(x)
+    return rho, s_c
+
+
+@triton.jit
+def _read_gate_fwd(Q, RAW, R, RATE, OUT, M, N, stride_q, stride_raw,
+                   BM: tl.constexpr, BN: tl.constexpr, HAS_RAW: tl.constexpr):  # fmt: skip
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    col_ok = cols < N
+    mask = (rows < M)[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)
+    q = tl.load(Q + rows64[:, None] * stride_q + cols[None, :], mask=mask, other=0.0)
+    r = tl.load(R + cols, mask=col_ok, other=0.0)
+    rate = tl.load(RATE + cols, mask=col_ok, other=0.0)
+    if HAS_RAW:
+        x = tl.load(RAW + rows64[:, None] * stride_raw + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+    else:
+        x = tl.zeros([BM, BN], dtype=tl.float32)
+    rho, _ = _rho(x, r, rate, HAS_RAW)
+    out = rho * q.to(tl.float32)
+    tl.store(OUT + rows64[:, None] * N + cols[None, :], out.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _read_gate_bwd(Q, RAW, R, RATE, DOUT, DQ, DRAW, DR, M, N, stride_q, stride_raw,
+                   stride_dout, BLOCKS, BM: tl.constexpr, BN: tl.constexpr,
+                   HAS_RAW: tl.constexpr, WANT_DQ: tl.constexpr, WANT_DRAW: tl.constexpr,
+                   WANT_DR: tl.constexpr):  # fmt: skip
+    # Program (pid, column block): row blocks pid * BLOCKS .. pid * BLOCKS + BLOCKS - 1 (past M:
+    # masked off).
+    pid = tl.program_id(0)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    col_ok = cols < N
+    r = tl.load(R + cols, mask=col_ok, other=0.0)
+    rate = tl.load(RATE + cols, mask=col_ok, other=0.0)
+    dr = tl.zeros([BN], dtype=tl.float32)
+    for i in range(BLOCKS):
+        rows = (pid * BLOCKS + i) * BM + tl.arange(0, BM)
+        mask = (rows < M)[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)
+        q = tl.load(Q + rows64[:, None] * stride_q + cols[None, :], mask=mask, other=0.0)
+        dout = tl.load(DOUT + rows64[:, None] * stride_dout + cols[None, :], mask=mask, other=0.0)
+        dout = dout.to(tl.float32)
+        if HAS_RAW:
+            x = tl.load(RAW + rows64[:, None] * stride_raw + cols[None, :], mask=mask, other=0.0)
+            x = x.to(tl.float32)
+        else:
+            x = tl.zeros([BM, BN], dtype=tl.float32)
+        rho, s_c = _rho(x, r, rate, HAS_RAW)
+        at = rows64[:, None] * N + cols[None, :]
+        if WANT_DQ:
+            tl.store(DQ + at, (dout * rho).to(DQ.dtype.element_ty), mask=mask)
+        # Masked elements load q = dout = 0: they add nothing to the sums (and rho, finite
+        # there for r <= 88.7, is not multiplied by an inf).
+        g_rho = tl.where(mask, dout * q.to(tl.float32) * rho, 0.0)
+        if HAS_RAW:
+            if WANT_DRAW:
+                tl.store(DRAW + at, (g_rho * s_c).to(DRAW.dtype.element_ty), mask=mask)
+        if WANT_DR:
+            dr += tl.sum(g_rho, axis=0)
+    if WANT_DR:
+        tl.store(DR + pid.to(tl.int64) * N + cols, dr, mask=col_ok)
+
+
+def launch(rows: int, width: int, kernel: str) -> tuple[int, int, int]:
+    """(BM rows, BN columns, warps) of a `kernel` ("forward" or "backward") program for M rows
+    of N = width: BN the power of 2 covering N (at most MAX_BLOCK_N), BM = BLOCK_ELEMENTS / BN
+    rows (at least 1, at most the rows' power of 2), warps for PER_THREAD elements a thread."""
+    block_n = min(MAX_BLOCK_N, triton.next_power_of_2(width))
+    block_m = max(1, min(BLOCK_ELEMENTS[kernel] // block_n, triton.next_power_of_2(max(rows, 1))))
+    warps = max(1, min(MAX_WARPS, block_m * block_n // (32 * PER_THREAD[kernel])))
+    return block_m, block_n, warps
+
+
+def _backward_grid(rows: int, block_m: int) -> tuple[int, int]:
+    """(row blocks per backward program, programs along the rows)."""
+    n_blocks = triton.cdiv(rows, block_m)
+    per_program = triton.cdiv(n_blocks, min(n_blocks, BACKWARD_PROGRAMS))
+    return per_program, triton.cdiv(n_blocks, per_program)
+
+
+def _jvp_terms(q: torch.Tensor, r: torch.Tensor, raw: torch.Tensor | None):
+    """q rho (= d out / d r) and q rho (1 - s) (= d out / d raw) in float32 torch ops, and rho
+    (= d out / d q), for the jvp."""
+    rho = r.float().exp()
+    s_c = None
+    if raw is not None:
+        s = torch.sigmoid(raw.float())
+        rho, s_c = rho * (2.0 * s), torch.sigmoid(-raw.float())
+    q_rho = q.float() * rho
+    return rho, q_rho, None if s_c is None else q_rho * s_c
+
+
+class _ReadGate(torch.autograd.Function):
+    """The kernels on q `[M, N]`, r `[N]` (read_log expanded and flattened), raw `[M, N]` or
+    None (unit column strides); the product `[M, N]` in q's dtype. Saves q, raw (their dtypes)
+    and r; the jvp is computed with torch ops from those (gate-sensitivity probes switch the
+    layers to the torch path anyway)."""
+
+    @staticmethod
+    def forward(ctx, q, r, raw):
+        rows, width = q.shape
+        r32 = r.float().contiguous()
+        rate = r32.exp()
+        block_m, block_n, warps = launch(rows, width, "forward")
+        out = torch.empty(rows, width, dtype=q.dtype, device=q.device)
+        grid = (triton.cdiv(rows, block_m), triton.cdiv(width, block_n))
+        has_raw = raw is not None
+        _read_gate_fwd[grid](
+            q, raw if has_raw else q, r32, rate, out, rows, width, row_stride(q),
+            row_stride(raw) if has_raw else 0, BM=block_m, BN=block_n, HAS_RAW=has_raw,
+            num_warps=warps,
+        )  # fmt: skip
+        ctx.save_for_backward(q, r, raw)
+        ctx.save_for_forward(q, r, raw)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, r, raw = ctx.saved_tensors
+        rows, width = q.shape
+        r32 = r.float().contiguous()
+        rate = r32.exp()
+        block_m, block_n, warps = launch(rows, width, "backward")
+        per_program, programs = _backward_grid(rows, block_m)
+        dout = as_rows(dout)
+        has_raw = raw is not None
+        want_dq, want_dr, want_draw = ctx.needs_input_grad[:3]
+        want_draw = want_draw and has_raw
+        dq = torch.empty(rows, width, dtype=q.dtype, device=q.device) if want_dq else None
+        draw = torch.empty(rows, width, dtype=raw.dtype, device=q.device) if want_draw else None
+        f32 = torch.float32
+        dr_parts = torch.empty(programs, width, dtype=f32, device=q.device) if want_dr else None
+        _read_gate_bwd[(programs, triton.cdiv(width, block_n))](
+            q, raw if has_raw else q, r32, rate, dout, dq, draw, dr_parts, rows, width,
+            row_stride(q), row_stride(raw) if has_raw else 0, row_stride(dout), per_program,
+            BM=block_m, BN=block_n, HAS_RAW=has_raw, WANT_DQ=want_dq, WANT_DRAW=want_draw,
+            WANT_DR=want_dr, num_warps=warps,
+        )  # fmt: skip
+        dr = dr_parts.sum(0).to(r.dtype) if want_dr else None
+        return dq, dr, draw
+
+    @staticmethod
+    def jvp(ctx, tq, tr, traw):
+        """Forward-mode derivative: t_out = rho tq + q rho tr + q rho (1 - s) traw."""
+        q, r, raw = ctx.saved_tensors
+        rho, q_rho, q_rho_sc = _jvp_terms(q, r, raw)
+        t_out = torch.zeros_like(q_rho)
+        if tq is not None:
+            t_out = t_out + rho * tq.float()
+        if tr is not None:
+            t_out = t_out + q_rho * tr.float()
+        if traw is not None and raw is not None:
+            t_out = t_out + q_rho_sc * traw.float()
+        return t_out.to(q.dtype)
+
+
+def read_query_triton(q: torch.Tensor, r: torch.Tensor, raw: torch.Tensor | None) -> torch.Tensor:
+    """q * exp(r) (* 2 sigmoid(raw)) by the kernels, validated inputs: r `[N]` (read_log
+    expanded to q's trailing dims and flattened), q and raw `[..., trailing dims]`; the result
+    in q's shape and dtype, computed in float32. q must hold an element (the dispatcher sends
+    empty ones to the torch path)."""
+    width = r.shape[0]
+    rows_raw = None if raw is None else as_rows(raw.reshape(-1, width))
+    out = _ReadGate.apply(as_rows(q.reshape(-1, width)), r, rows_raw)
+    return out.view(q.shape)

@@ -1,0 +1,410 @@
+"""read_gate: the torch path is the layers' old read, the Triton kernels (forward, backward and
+the forward-mode jvp) match the float64 formula, and Muir and KDN-Muir fuse their read gate into
+the query where nothing can see rho, with the same outputs, gradients, reports and gate hooks.
+
+The Triton tests run on a CUDA GPU, or on CPU tensors under Triton's interpreter:
+
+    TRITON_INTERPRET=1 python -m pytest tests/test_read_gate.py
+
+(README's test command runs this file a second time with it set); skipped otherwise. Shapes are
+tiny: the interpreter runs every operation of a kernel in Python.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch import nn
+
+from deltalab.analysis.gate_sensitivity import gate_sensitivity, perturb_gate
+from deltalab.layers import KDNMuir, Muir
+from deltalab.layers.muir import FUSED_READ
+from deltalab.ops import read_gate as op
+from deltalab.ops._triton import INTERPRET, triton_unavailable_reason
+from deltalab.ops.read_gate import layer_backend, read_query, resolve_backend
+from deltalab.testing import assert_close
+
+F64 = torch.float64
+CUDA = torch.cuda.is_available() and not INTERPRET
+DEVICE = "cuda" if CUDA else "cpu"
+NO_TRITON = triton_unavailable_reason(torch.device(DEVICE))
+needs_triton = pytest.mark.skipif(NO_TRITON is not None, reason=str(NO_TRITON))
+# float32 kernels against the float64 formula: a few float32 ulps, and sums over rows.
+F32_TOL = 1e-5
+NAMES = ("out", "dq", "dread_log", "draw")
+# (q shape, read_log shape): Muir's [H, K] vector, a vector per head [H, 1], one shared [K],
+# odd sizes and other leading dims.
+LAYOUTS = {
+    "heads": ((2, 5, 3, 7), (3, 7)),
+    "per-head": ((2, 5, 3, 7), (3, 1)),
+    "shared": ((11, 3, 5), (5,)),
+    "lead": ((2, 1, 3, 2, 5), (2, 5)),
+}
+
+
+def read_inputs(generator, layout, dynamic=True, scale=3.0):
+    """q, read_log, raw (None unless dynamic), dout: float64; read_log around the matched
+    filter's logs (log of weights ~ 1), raw 3 x random normal."""
+    q_shape, r_shape = LAYOUTS[layout]
+
+    def draw(*s):
+        return torch.randn(*s, generator=generator, dtype=F64)
+
+    raw = scale * draw(*q_shape) if dynamic else None
+    return draw(*q_shape), draw(*r_shape), raw, draw(*q_shape)
+
+
+def with_grads(inputs, backend, dtype, device=DEVICE):
+    """The product and the gradients of q, read_log (and raw) of sum(out * dout), as float64
+    CPU tensors."""
+    q, read_log, raw, dout = inputs
+    leaves = [
+        t.detach().to(device, dtype).requires_grad_() for t in (q, read_log, raw) if t is not None
+    ]
+    out = read_query(*leaves, backend=backend)
+    grads = torch.autograd.grad((out * dout.to(device, out.dtype)).sum(), leaves)
+    return [t.detach().cpu().to(F64) for t in (out, *grads)]
+
+
+def assert_all_close(actual, expected, tol, what=""):
+    assert len(actual) == len(expected)
+    for name, a, e in zip(NAMES, actual, expected, strict=False):
+        assert_close(a, e, tol, f"{what} {name}")
+
+
+def old_layers_read(read_log, raw, q):
+    """`FusedGateMixer.read_from` (x float32) then `muir.read_query` before the op existed,
+    verbatim (raw `[..., H, K]` already unflattened)."""
+    dtype = torch.float32
+    read = read_log.to(dtype).exp()
+    if raw is not None:
+        modulation = torch.sigmoid(raw.to(dtype))
+        read = read * (2.0 * modulation)
+    read = read.to(torch.float32).expand(q.shape)
+    return (read * q).to(q.dtype)
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+def test_torch_path_is_the_layers_read_bit_for_bit(generator, dynamic):
+    inputs = read_inputs(generator, "heads", dynamic)
+    ours = with_grads(inputs, "torch", torch.float32, "cpu")
+    q, read_log, raw, dout = (None if t is None else t.float().requires_grad_() for t in inputs)
+    out = old_layers_read(read_log, raw, q)
+    leaves = [t for t in (q, read_log, raw) if t is not None]
+    grads = torch.autograd.grad((out * dout).sum(), leaves)
+    for a, b in zip(ours, (out, *grads), strict=True):
+        assert torch.equal(a, b.detach().to(F64))
+
+
+def test_torch_path_keeps_q_dtype_with_rho_in_float32(generator):
+    """bfloat16 q (autocast), float32 read_log, bfloat16 raw: the product is bfloat16, computed
+    from the float32 rho and rounded once."""
+    q, read_log, raw, _ = read_inputs(generator, "heads")
+    q16, raw16 = q.bfloat16(), raw.bfloat16()
+    out = read_query(q16, read_log.float(), raw16, backend="torch")
+    rho = read_log.float().exp() * 2.0 * torch.sigmoid(raw16.float())
+    assert out.dtype == torch.bfloat16 and torch.equal(out, (q16.float() * rho).bfloat16())
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_naive_formula_and_torch_path_agree_in_float64(generator, layout, dynamic):
+    inputs = read_inputs(generator, layout, dynamic)
+    expected = with_grads(inputs, "naive", F64, "cpu")
+    assert_all_close(with_grads(inputs, "torch", F64, "cpu"), expected, 1e-12)
+
+
+@needs_triton
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_triton_matches_naive_float64_and_the_torch_path_with_gradients(
+    generator, poisoned_empty, layout, dynamic
+):
+    inputs = read_inputs(generator, layout, dynamic)
+    expected = with_grads(inputs, "naive", F64, "cpu")
+    actual = with_grads(inputs, "triton", torch.float32)
+    assert len(actual) == (4 if dynamic else 3)
+    assert_all_close(actual, expected, F32_TOL, layout)
+    assert_all_close(actual, with_grads(inputs, "torch", torch.float32, "cpu"), F32_TOL, layout)
+
+
+@needs_triton
+def test_triton_is_finite_where_rho_is_for_any_read_log(generator):
+    """read_log of 90-100 (exp(read_log) overflows float32) with raw near -read_log (rho ~ 2),
+    and moderate read_log with raw of +-50 and +-1e4 (sigmoid saturates, exp(-|raw|)
+    underflows): every output and gradient finite and, element by element, the float64
+    formula's to float32 rounding."""
+    q, _, _, dout = read_inputs(generator, "heads")
+    read_log = torch.tensor([100.0, 95.0, 90.0, 3.0, -3.0, 0.5, -0.5], dtype=F64).repeat(3, 1)
+    far = (read_log > 50).expand(q.shape)
+    sizes = torch.tensor([50.0, 1e4], dtype=F64)[torch.randint(0, 2, q.shape, generator=generator)]
+    signs = torch.where(torch.rand(q.shape, generator=generator) < 0.5, -1.0, 1.0).to(F64)
+    near = -read_log + torch.randn(q.shape, generator=generator, dtype=F64)
+    raw = torch.where(far, near, signs * sizes)
+    inputs = (q, read_log, raw, dout)
+    actual = with_grads(inputs, "triton", torch.float32)
+    expected = with_grads(inputs, "naive", F64, "cpu")
+    # torch's sigmoid backward, (1 - s) s, is 0 in float64 too once s rounds to 1 (raw = 50):
+    # the exact d raw = dout q rho sigmoid(-raw), which the kernel computes.
+    rho = read_log.exp() * 2.0 * torch.sigmoid(raw)
+    expected[3] = dout * q * rho * torch.sigmoid(-raw)
+    for name, a, e in zip(NAMES, actual, expected, strict=True):
+        assert torch.isfinite(a).all(), name
+        if name == "dread_log":
+            # A sum over rows of terms of both signs: compared as a whole.
+            assert_close(a, e, F32_TOL, name)
+        else:
+            assert torch.allclose(a, e, rtol=F32_TOL, atol=0.0), name
+    # rho ~ 2 where read_log is 90-100: the product is of q's size, not 0 or inf.
+    assert (actual[0][far].abs() > 0).any()
+
+
+@needs_triton
+def test_triton_read_log_gradient_sums_over_many_programs(generator, poisoned_empty, monkeypatch):
+    """More row blocks than backward programs, programs whose last blocks run past the rows and
+    several column blocks: each program's partial sums are added once."""
+    from deltalab.ops.read_gate import triton as kernels
+
+    monkeypatch.setattr(kernels, "BLOCK_ELEMENTS", {"forward": 16, "backward": 16})
+    monkeypatch.setattr(kernels, "MAX_BLOCK_N", 8)
+    monkeypatch.setattr(kernels, "BACKWARD_PROGRAMS", 3)
+    inputs = read_inputs(generator, "heads")  # N = 21: three column blocks of 8
+    assert_all_close(
+        with_grads(inputs, "triton", torch.float32),
+        with_grads(inputs, "naive", F64, "cpu"),
+        F32_TOL,
+    )
+
+
+@needs_triton
+def test_triton_reads_a_query_split_from_a_wider_projection(generator, poisoned_empty):
+    """q and raw as column slices of wider projections (views with a row stride, as a split of
+    a fused projection gives them): read in place, gradients written into their columns only."""
+    _, read_log, _, dout = read_inputs(generator, "heads")
+    fused_q = torch.randn(2, 5, 40, generator=generator, dtype=F64)
+    fused_raw = 3 * torch.randn(2, 5, 30, generator=generator, dtype=F64)
+    cols_q, cols_raw = slice(7, 28), slice(9, 30)
+
+    def pieces(q_leaf, raw_leaf):
+        return q_leaf[..., cols_q].unflatten(-1, (3, 7)), raw_leaf[..., cols_raw].unflatten(
+            -1, (3, 7)
+        )
+
+    q, raw = pieces(fused_q, fused_raw)
+    assert not q.is_contiguous()
+    expected = with_grads((q, read_log, raw, dout), "naive", F64, "cpu")
+    leaves = [t.float().to(DEVICE).requires_grad_() for t in (fused_q, read_log, fused_raw)]
+    out = read_query(
+        pieces(leaves[0], leaves[2])[0],
+        leaves[1],
+        pieces(leaves[0], leaves[2])[1],
+        backend="triton",
+    )
+    dq, dr, draw = torch.autograd.grad((out * dout.to(DEVICE, out.dtype)).sum(), leaves)
+    assert_close(out.cpu().double(), expected[0], F32_TOL, "out")
+    assert_close(dq[..., cols_q].cpu().double().unflatten(-1, (3, 7)), expected[1], F32_TOL, "dq")
+    assert_close(dr.cpu().double(), expected[2], F32_TOL, "dread_log")
+    assert_close(
+        draw[..., cols_raw].cpu().double().unflatten(-1, (3, 7)), expected[3], F32_TOL, "draw"
+    )
+    assert (dq[..., :7] == 0).all() and (dq[..., 28:] == 0).all() and (draw[..., :9] == 0).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+def test_triton_forward_mode_derivative_matches_the_torch_path(generator, dynamic):
+    inputs = read_inputs(generator, "heads", dynamic)
+    primals = [t for t in inputs[:3] if t is not None]
+    tangents = [torch.randn(t.shape, generator=generator, dtype=F64) for t in primals]
+    results = {}
+    for backend, device in (("torch", "cpu"), ("triton", DEVICE)):
+        with fwAD.dual_level():
+            duals = [
+                fwAD.make_dual(p.float().to(device), t.float().to(device))
+                for p, t in zip(primals, tangents, strict=True)
+            ]
+            out = read_query(*duals, backend=backend)
+            results[backend] = fwAD.unpack_dual(out).tangent.cpu().double()
+    assert_close(results["triton"], results["torch"], F32_TOL, "tangent")
+
+
+def test_backends_follow_the_delta_rule_and_auto_takes_triton_only_on_cuda():
+    assert [layer_backend(b) for b in ("auto", "triton", "chunk", "naive")] == [
+        "auto", "triton", "torch", "torch"
+    ]  # fmt: skip
+    assert resolve_backend("auto", torch.zeros(2, dtype=F64)) == "torch"
+    assert resolve_backend("auto", torch.zeros(2)) == "torch"
+
+
+@pytest.mark.parametrize(
+    ("shapes", "message"),
+    [
+        (((2, 5, 3, 7), (3, 6), None), "read_log must broadcast against q"),
+        (((3, 7), (2, 3, 7), None), "read_log must broadcast against q"),
+        (((2, 5, 3, 7), (3, 7), (2, 5, 21)), "raw must have q's shape"),
+    ],
+)
+def test_bad_shapes_are_refused_naming_the_argument(shapes, message):
+    q, read_log, raw = (None if s is None else torch.zeros(s) for s in shapes)
+    with pytest.raises(ValueError, match=message):
+        read_query(q, read_log, raw, backend="torch")
+
+
+def test_bad_types_and_an_unknown_backend_are_refused_naming_the_argument():
+    with pytest.raises(TypeError, match="q must be a floating-point tensor"):
+        read_query(torch.zeros(2, 3, dtype=torch.long), torch.zeros(3))
+    with pytest.raises(TypeError, match=r"raw must be a torch\.Tensor"):
+        read_query(torch.zeros(2, 3), torch.zeros(3), [0.0])
+    with pytest.raises(ValueError, match="backend must be one of"):
+        read_query(torch.zeros(2, 3), torch.zeros(3), backend="chunk")
+
+
+@pytest.mark.skipif(NO_TRITON is None, reason="Triton runs here")
+def test_triton_backend_says_why_it_cannot_run():
+    with pytest.raises(RuntimeError, match='backend="triton" cannot run here'):
+        read_query(torch.zeros(2, 3), torch.zeros(3), backend="triton")
+
+
+FRONTEND = dict(hidden_size=32, num_heads=2, head_dim=16, value_dim=8, conv_size=4, chunk_size=16)
+
+
+def spy_read_query(monkeypatch) -> list[str]:
+    """The backend of every call the layers make to the fused op."""
+    calls: list[str] = []
+    original = op.read_query
+
+    def spy(*args, backend):
+        calls.append(backend)
+        return original(*args, backend=backend)
+
+    monkeypatch.setattr(op, "read_query", spy)
+    return calls
+
+
+def build(mixer, backend, read_gate="dynamic"):
+    torch.manual_seed(0)
+    layer = mixer(**FRONTEND, backend=backend, read_gate=read_gate).to(DEVICE)
+    if read_gate == "dynamic":
+        with torch.no_grad():
+            # Away from the zero init, so that rho depends on the token.
+            nn.init.normal_(layer.gate_proj.projection("read").weight, std=0.5)
+    return layer
+
+
+@pytest.mark.parametrize("mixer", [Muir, KDNMuir], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("backend", ["chunk", "naive", "auto"])
+def test_pytorch_and_cpu_layers_keep_rho_among_their_gates(monkeypatch, mixer, backend):
+    """The PyTorch paths (and "auto" on CPU) build rho as before and never call the op."""
+    calls = spy_read_query(monkeypatch)
+    layer = build(mixer, backend).cpu()
+    _, state = layer(torch.randn(1, 5, 32), return_gates=True)
+    assert calls == [] and "read" in state.gates and FUSED_READ not in state.gates
+
+
+@needs_triton
+@pytest.mark.parametrize("read_gate", ["dynamic", "static"])
+@pytest.mark.parametrize("mixer", [Muir, KDNMuir], ids=lambda c: c.__name__)
+def test_triton_layer_fuses_its_read_and_matches_the_chunk_layer(monkeypatch, mixer, read_gate):
+    """The same parameters on both backends: the Triton layer calls the fused op (and the chunk
+    layer does not), with the chunk layer's outputs, every parameter's gradient (read_log and
+    the read gate's projection among them) and reported gates, rho included."""
+    chunk, triton = build(mixer, "chunk", read_gate), build(mixer, "triton", read_gate)
+    triton.load_state_dict(chunk.state_dict(), strict=True)
+    x = torch.randn(2, 9, 32, device=DEVICE)
+    dy = torch.randn(2, 9, 32, device=DEVICE)
+    calls = spy_read_query(monkeypatch)
+    results = {}
+    for name, layer in (("chunk", chunk), ("triton", triton)):
+        y, state = layer(x, return_gates=True)
+        (y * dy).sum().backward()
+        results[name] = (y.detach(), {n: p.grad for n, p in layer.named_parameters()}, state.gates)
+    assert calls == ["triton"]
+    (y_t, grads_t, gates_t), (y_c, grads_c, gates_c) = results["triton"], results["chunk"]
+    assert_close(y_t, y_c, 1e-5, "y")
+
+    def flat(grads):
+        return torch.cat([grads[name].flatten() for name in grads_c])
+
+    assert all(grads_c[n] is not None for n in grads_c)
+    assert_close(flat(grads_t), flat(grads_c), 1e-5, "parameter gradients")
+    assert_close(grads_t["read_log"], grads_c["read_log"], 1e-5, "dread_log")
+    assert gates_t.keys() == gates_c.keys() and FUSED_READ not in gates_t
+    assert gates_t["read"].dtype == gates_c["read"].dtype == torch.float32
+    assert_close(gates_t["read"], gates_c["read"], 1e-6, "reported rho")
+
+
+@needs_triton
+@pytest.mark.parametrize("mixer", [Muir, KDNMuir], ids=lambda c: c.__name__)
+def test_a_gate_hook_on_a_triton_layer_sees_and_moves_rho(monkeypatch, mixer):
+    """With a hook registered the layer builds rho (no fused op): a hook sees the read gate by
+    its name and moves the same quantity as on the chunk path."""
+    chunk, triton = build(mixer, "chunk"), build(mixer, "triton")
+    triton.load_state_dict(chunk.state_dict(), strict=True)
+    x = torch.randn(2, 6, 32, device=DEVICE)
+    calls = spy_read_query(monkeypatch)
+    outputs = {}
+    with torch.no_grad():
+        for name, layer in (("chunk", chunk), ("triton", triton)):
+            with perturb_gate(layer, "read", lambda rho: 0.5 * rho):
+                y, state = layer(x, return_gates=True)
+            outputs[name] = (y, state.gates["read"])
+            plain, _ = layer(x)
+            assert (plain - y).abs().max() > 1e-4, "the hook must move the output"
+    assert calls == ["triton"]  # the unhooked triton forward only
+    assert_close(outputs["triton"][0], outputs["chunk"][0], 1e-5, "perturbed y")
+    assert_close(outputs["triton"][1], outputs["chunk"][1], 1e-6, "perturbed rho")
+
+
+@needs_triton
+def test_gate_sensitivity_of_a_triton_muir_model_equals_the_chunk_models(monkeypatch):
+    """The probes run the layers on the chunk path: rho is a gate there, the fused op is not
+    called, and the report (the read gate's included) is the all-PyTorch model's."""
+    from deltalab.models import CausalLM, DeltaLabConfig
+
+    ids = torch.randint(0, 50, (1, 9), generator=torch.Generator().manual_seed(0))
+
+    def report(backend):
+        config = DeltaLabConfig(
+            mixer="muir", hidden_size=32, num_layers=1, num_heads=2, head_dim=16, vocab_size=50,
+            chunk_size=16, backend=backend,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        model = CausalLM(config).to(DEVICE).eval()
+        loss = lambda m, b: m(input_ids=b, labels=b).loss  # noqa: E731
+        return gate_sensitivity(model, ids.to(DEVICE), probes=1, seed=0, loss_fn=loss)
+
+    calls = spy_read_query(monkeypatch)
+    ours, theirs = report("triton"), report("chunk")
+    assert calls == []
+    for table in ("state", "loss"):
+        a, b = getattr(ours, table), getattr(theirs, table)
+        assert a.keys() == b.keys()
+        for layer, gates in b.items():
+            assert gates.keys() == a[layer].keys() and "read" in gates
+            for gate, value in gates.items():
+                assert a[layer][gate] == pytest.approx(value, rel=1e-6), (table, layer, gate)
+
+
+@pytest.mark.skipif(not CUDA or NO_TRITON is not None, reason="bfloat16 kernels: CUDA only")
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+def test_triton_bfloat16_query_is_the_torch_paths_to_rounding(generator, dynamic):
+    """bfloat16 q and raw (autocast), float32 read_log: the product and dq bfloat16, draw
+    bfloat16, dread_log float32; within a bfloat16 rounding of the torch path (one rounding of
+    the same float32 numbers) and as close to float64 as it."""
+    q, read_log, raw, dout = read_inputs(generator, "heads", dynamic)
+    q, raw, dout = (None if t is None else t.bfloat16().double() for t in (q, raw, dout))
+    expected = with_grads((q, read_log, raw, dout), "naive", F64, "cpu")
+    got = {}
+    for backend in ("torch", "triton"):
+        leaves = [q.bfloat16().cuda(), read_log.float().cuda()]
+        leaves += [] if raw is None else [raw.bfloat16().cuda()]
+        leaves = [t.requires_grad_() for t in leaves]
+        out = read_query(*leaves, backend=backend)
+        assert out.dtype == torch.bfloat16
+        grads = torch.autograd.grad((out * dout.cuda().bfloat16()).sum(), leaves)
+        assert [g.dtype for g in grads] == [t.dtype for t in leaves]
+        got[backend] = [t.detach().cpu().double() for t in (out, *grads)]
+        assert_close(got[backend][0], expected[0], 1e-2, f"{backend} out")
+        assert_close(got[backend][2], expected[2], 1e-4, f"{backend} dread_log")
+    assert_all_close(got["triton"], got["torch"], 1e-2, "triton vs torch")
