@@ -40,7 +40,7 @@ def test_kernel_names_fall_in_their_categories(name, expected):
 def test_every_launched_triton_kernel_of_the_project_falls_in_its_category():
     """A kernel added later without a matching prefix would be counted as elementwise work: the
     short convolution's kernels are convolution, the norms' and SwiGLU's "normalization,
-    SwiGLU", the log decay's and the read gate's elementwise (glue they replace), every other
+    SwiGLU", the log decay's, the read gate's and RoPE's elementwise (glue they replace), every other
     one a delta-rule or KDN kernel."""
     expected = {}
     for path in (_ROOT / "deltalab" / "ops").rglob("*.py"):
@@ -50,7 +50,7 @@ def test_every_launched_triton_kernel_of_the_project_falls_in_its_category():
         label = "convolution" if "short_conv" in path.parts else DELTA
         glue_side = "norms" in path.parts or "swiglu" in path.parts
         label = profile_train.NORMS_SWIGLU if glue_side else label
-        elementwise = "log_decay" in path.parts or "read_gate" in path.parts
+        elementwise = {"log_decay", "read_gate", "rope"} & set(path.parts)
         label = profile_train.OTHER if elementwise else label
         expected.update(dict.fromkeys(launched & jitted, label))
     assert len(expected) >= 12 and "convolution" in expected.values()
