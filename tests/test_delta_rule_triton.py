@@ -416,6 +416,13 @@ def test_triton_with_tiny_head_dims_matches_the_loop(generator, poisoned_empty):
     _compare(inputs, state, 16)
 
 
+def test_triton_one_head_and_one_chunk_matches_the_loop(generator, poisoned_empty):
+    # One chunk of one head: token-major inputs that stage 1 once took for chunked ones.
+    inputs = random_delta_inputs(generator, 1, 20, 1, 16, 8, channel_decay=True)
+    state = torch.randn(1, 1, 16, 8, generator=generator, dtype=torch.float64)
+    _compare(inputs, state, 32)
+
+
 def test_triton_refuses_head_dims_past_its_tiles_naming_k(generator):
     inputs = random_delta_inputs(generator, 1, 2, 1, 257, 4, channel_decay=False)
     with pytest.raises(ValueError, match="K <= 256, got K = 257"):
