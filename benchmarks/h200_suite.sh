@@ -3,14 +3,17 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time prof stability train decode kdn tune tune340 time_deep ptrain compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time prof stability train decode kdn tune tune340 split split_tests split_ptrain time_deep ptrain compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
 # and they are installed first. Budget the call: tests 240 s, kernel_tests 150 s (the layers on
 # Triton and the fused KDN gain, a subset of tests), time 300 s,
 # prof 90 s, stability 240 s, train 300 s, decode 200 s, kdn 120 s, tune 180 s, tune340 180 s (the same at the 340M
-# preset's heads, H=8: the state pass's BLOCK_V was tuned at H=16), time_deep
+# preset's heads, H=8: the state pass's BLOCK_V was tuned at H=16), split 240 s (the fused and
+# the split state pass timed side by side at the 340M heads, chunk.STATE_PASS), split_tests
+# 120 s (the state-pass tests compiled on the GPU), split_ptrain 180 s (ptrain's gdn2 step with
+# STATE_PASS = "split": compare with ptrain's gdn2), time_deep
 # 120 s (log decays down to -8 per token: stage 1 walks most diagonal sub-blocks, as on trained
 # gates; benchmarks/diagonal_forms.py), ptrain 180 s (a 340M training step's kernel time by
 # category), compile 300 s (340M training throughput with torch.compile), conv 90 s (the short
@@ -72,6 +75,16 @@ for p in "${parts[@]}"; do
     tune) part tune 180 python3 benchmarks/tune_triton.py --out "$OUT/tune.json" ;;
     tune340) part tune340 180 python3 benchmarks/tune_triton.py --shape 4x4096x8x128 \
         --out "$OUT/tune340.json" ;;
+    split) part split 240 python3 benchmarks/tune_triton.py --shape 4x4096x8x128 \
+        --stages state_pass state_pass_split --out "$OUT/split.json" ;;
+    split_tests) part split_tests 120 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
+        tests/test_delta_rule_triton.py -k "split or state_pass or every_gradient or chunk_128" ;;
+    split_ptrain) part split_ptrain 180 python3 -c "import runpy, sys
+from deltalab.ops.delta_rule.triton import chunk as state_pass
+state_pass.STATE_PASS = 'split'
+sys.argv = ['profile_train.py', *sys.argv[1:]]
+runpy.run_path('benchmarks/profile_train.py', run_name='__main__')" --device cuda \
+        --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 --out "$OUT/split_ptrain.json" ;;
     ptrain) part ptrain 180 python3 benchmarks/profile_train.py --device cuda --preset 340M \
         --seq-len 4096 --batch 4 --mixers gdn2 muir kdn_diag transformer --out "$OUT/ptrain.json" ;;
     compile) part compile 300 python3 benchmarks/bench_train.py --device cuda --preset 340M \
@@ -88,6 +101,6 @@ for p in "${parts[@]}"; do
     decay) part decay 60 python3 benchmarks/bench_log_decay.py --out "$OUT/decay.json" ;;
     decay_tests) part decay_tests 90 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
         tests/test_log_decay.py ;;
-    *) echo "unknown part: $p (tests kernel_tests time prof stability train decode kdn tune tune340 time_deep ptrain compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests)"; exit 2 ;;
+    *) echo "unknown part: $p (tests kernel_tests time prof stability train decode kdn tune tune340 split split_tests split_ptrain time_deep ptrain compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests)"; exit 2 ;;
     esac
 done
