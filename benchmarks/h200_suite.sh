@@ -3,7 +3,7 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time prof stability train decode kdn tune tune340 tune32k time_deep ptrain compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time prof stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
@@ -11,7 +11,10 @@
 # Triton and the fused KDN gain, a subset of tests), time 300 s,
 # prof 90 s, stability 240 s, train 300 s, decode 200 s, kdn 120 s, tune 180 s, tune340 180 s (the same at the 340M
 # preset's heads, H=8: the state pass's BLOCK_V was tuned at H=16), tune32k 120 s (the state
-# pass at B=1 T=32768: 32 programs with BLOCK_V 64), time_deep
+# pass at B=1 T=32768: 32 programs with BLOCK_V 64), split 240 s (the fused and the split
+# state pass timed side by side at the 340M heads, chunk.STATE_PASS), split_tests 120 s (the
+# state-pass tests compiled on the GPU), split_ptrain 180 s (ptrain's gdn2 step with the split
+# state pass: compare with ptrain's gdn2), time_deep
 # 120 s (log decays down to -8 per token: stage 1 walks most diagonal sub-blocks, as on trained
 # gates; benchmarks/diagonal_forms.py), ptrain 180 s (a 340M training step's kernel time by
 # category), compile 300 s (340M training throughput with torch.compile), conv 90 s (the short
@@ -79,6 +82,13 @@ for p in "${parts[@]}"; do
         --out "$OUT/tune340.json" ;;
     tune32k) part tune32k 120 python3 benchmarks/tune_triton.py --shape 1x32768x16x128 \
         --stages state_pass --out "$OUT/tune32k.json" ;;
+    split) part split 240 python3 benchmarks/tune_triton.py --shape 4x4096x8x128 \
+        --stages state_pass state_pass_split --out "$OUT/split.json" ;;
+    split_tests) part split_tests 120 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
+        tests/test_delta_rule_triton.py -k "split or state_pass or every_gradient or chunk_128" ;;
+    split_ptrain) part split_ptrain 180 python3 benchmarks/profile_train.py --state-pass split \
+        --device cuda --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 \
+        --out "$OUT/split_ptrain.json" ;;
     ptrain) part ptrain 180 python3 benchmarks/profile_train.py --device cuda --preset 340M \
         --seq-len 4096 --batch 4 --mixers gdn2 muir kdn_diag transformer --out "$OUT/ptrain.json" ;;
     compile) part compile 300 python3 benchmarks/bench_train.py --device cuda --preset 340M \

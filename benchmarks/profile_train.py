@@ -195,8 +195,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument(
+        "--state-pass",
+        choices=["fused", "split"],
+        default=None,
+        help="the Triton delta rule's state pass (triton/chunk.py STATE_PASSES; default: its "
+        "STATE_PASS)",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.state_pass is not None:
+        from deltalab.ops.delta_rule.triton import chunk
+
+        chunk.STATE_PASS = args.state_pass
     report = {}
     for mixer in args.mixers:
         result = report[mixer] = profile_mixer(args, mixer)

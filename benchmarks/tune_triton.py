@@ -2,6 +2,7 @@
 
     python benchmarks/tune_triton.py --out tune.json
     TRITON_INTERPRET=1 python benchmarks/tune_triton.py --device cpu --shape 1x64x1x16 --stages intra
+    python benchmarks/tune_triton.py --shape 4x4096x8x128 --stages state_pass state_pass_split
 
 For each stage kernel (stage 1 forward/backward, the decay factors, the solve and dL, the state
 pass forward/backward, the operator gradients) and each candidate setting (tile sizes, warps),
@@ -30,6 +31,8 @@ from deltalab.ops.delta_rule.triton import solve as solve_module
 from deltalab.ops.delta_rule.triton.chunk import (
     _operators_triton,
     operator_grads_triton,
+    state_pass_split_triton,
+    state_pass_split_triton_backward,
     state_pass_triton,
     state_pass_triton_backward,
 )
@@ -132,6 +135,18 @@ def main() -> None:
                              (2, 64, 32), (2, 32, 16)]],
             lambda: state_pass_triton(ops, state, precision),
             lambda: state_pass_triton_backward(ops, d_out, state, precision),
+        ),
+        # The split pass (the walk, then the outputs; the dO products, then the adjoint walk),
+        # to time against state_pass's first (default) row: the walk's pipeline stages, its
+        # value block and warps (BLOCK_V, NUM_WARPS as the fused walk's), the parallel kernels'.
+        "state_pass_split": (
+            state_module,
+            [dict(SPLIT_NUM_STAGES=s, BLOCK_V=v, NUM_WARPS=w, SPLIT_BLOCK_V=sv, SPLIT_NUM_WARPS=sw)
+             for s, v, w, sv, sw in [(1, 64, 8, 64, 8), (2, 64, 8, 64, 8), (1, 32, 4, 64, 8),
+                                     (2, 32, 4, 64, 8), (1, 64, 4, 64, 8), (2, 64, 4, 64, 8),
+                                     (1, 64, 8, 32, 4), (1, 64, 8, 128, 8)]],
+            lambda: state_pass_split_triton(ops, state, precision),
+            lambda: state_pass_split_triton_backward(ops, d_out, state, precision),
         ),
         "operator_grads": (
             state_module,

@@ -335,6 +335,103 @@ def test_triton_state_pass_matches_its_pytorch_twin(generator):
         assert_close(x, ref, F32, label)
 
 
+def _state_pass_walk_with_adjoint(ops, state, d_o, d_final):
+    """The state pass and its adjoint in float64 by autograd over the chunk loop: (outputs,
+    residuals, chunk-start states, final state) and (dN, dS after each chunk, d initial state),
+    the adjoints being the gradients of <O, d_o> + <final, d_final> at each N_i and S_{i+1}."""
+    initial = state.clone().requires_grad_()
+    s, outputs, residuals, states, after = initial, [], [], [], []
+    for i in range(ops.read.shape[2]):
+        states.append(s)
+        n = ops.target[:, :, i] - ops.erase[:, :, i] @ s
+        n.retain_grad()
+        residuals.append(n)
+        outputs.append(ops.read[:, :, i] @ s + ops.attend[:, :, i] @ n)
+        s = ops.decay[:, :, i, :, None] * s + ops.write[:, :, i].transpose(-1, -2) @ n
+        s.retain_grad()
+        after.append(s)
+    out = torch.stack(outputs, dim=2)
+    ((out * d_o).sum() + (s * d_final).sum()).backward()
+    forward = [out, *(torch.stack(x, dim=2) for x in (residuals, states)), s]
+    backward = [torch.stack([x.grad for x in residuals], dim=2),
+                torch.stack([x.grad for x in after], dim=2), initial.grad]  # fmt: skip
+    return [x.detach() for x in forward], backward
+
+
+@pytest.mark.parametrize(
+    ("length", "chunk_size", "block_c"),
+    [(50, 32, 16), (130, 128, 64)],
+    ids=["chunk32-two-row-blocks", "chunk128"],
+)
+def test_triton_split_state_pass_matches_the_fused_pass_and_the_pytorch_walk(
+    generator, poisoned_empty, monkeypatch, length, chunk_size, block_c
+):
+    """The split state pass (walk, then outputs; dO products, then the adjoint walk) against the
+    fused kernels and the float64 walk differentiated by autograd: outputs written token-major
+    (every token of a partial last chunk; dO read from there too), residuals, chunk-start
+    states, final state, dN, dS after each chunk and d initial state. K = 20 and V = 12 need
+    masking; row blocks of 16 (chunk 32) or 64 (chunk 128) make two per chunk."""
+    from deltalab.ops.delta_rule.chunk import (
+        ChunkOperators,
+        chunk_operators,
+        from_chunks,
+        to_chunks,
+    )
+    from deltalab.ops.delta_rule.triton import chunk as state_module
+    from deltalab.ops.delta_rule.triton.intra import Tokens
+
+    monkeypatch.setattr(state_module, "BLOCK_C", block_c)
+    batch, heads, key_dim, value_dim = 1, 2, 20, 12
+    inputs = random_delta_inputs(
+        generator, batch, length, heads, key_dim, value_dim, channel_decay=True
+    )
+    ops = chunk_operators(*(to_chunks(x, chunk_size) for x in inputs))
+    state = torch.randn(batch, heads, key_dim, value_dim, generator=generator, dtype=torch.float64)
+    d_o = torch.randn(batch, length, heads, value_dim, generator=generator, dtype=torch.float64)
+    d_final = torch.randn_like(state)
+    forward, backward = _state_pass_walk_with_adjoint(ops, state, to_chunks(d_o, chunk_size),
+                                                      d_final)  # fmt: skip
+    forward[0] = from_chunks(forward[0], chunk_size, length)
+
+    def f32(x):
+        return x.to(DEVICE, torch.float32).contiguous()
+
+    ops32 = ChunkOperators(*(f32(x) for x in ops))
+    tokens = Tokens(ops.read.shape[2], heads, length, chunk_size)
+    got = {}
+    for name in ("fused", "split"):
+        state_pass, state_pass_backward = state_module.STATE_PASSES[name]
+        out = torch.empty(batch, length, heads, value_dim, device=DEVICE)
+        got[name] = [
+            *state_pass(ops32, f32(state), out=out, tokens=tokens),
+            *state_pass_backward(ops32, f32(d_o), f32(d_final), tokens=tokens),
+        ]
+    labels = ["outputs", "residuals", "chunk-start states", "final state", "dN",
+              "dS after each chunk", "d initial state"]  # fmt: skip
+    for label, split, fused, ref in zip(labels, got["split"], got["fused"], forward + backward,
+                                        strict=True):  # fmt: skip
+        assert_close(split, ref, F32, f"{label} (split against the float64 walk)")
+        assert_close(split, fused, 1e-6, f"{label} (split against fused)")
+
+
+def test_triton_split_state_pass_matches_float64_loop_with_every_gradient(
+    generator, poisoned_empty, monkeypatch
+):
+    """delta_rule(backend="triton") with STATE_PASS = "split" (the fused pass made to fail if
+    called): output, final state and every gradient against the float64 token loop, over a
+    partial last chunk."""
+    from deltalab.ops.delta_rule.triton import chunk as state_module
+
+    def fused(*args, **kwargs):
+        raise AssertionError("the fused state pass ran")
+
+    monkeypatch.setattr(state_module, "STATE_PASS", "split")
+    monkeypatch.setitem(state_module.STATE_PASSES, "fused", (fused, fused))
+    inputs = random_delta_inputs(generator, 2, 37, 2, 16, 8, channel_decay=True)
+    state = torch.randn(2, 2, 16, 8, generator=generator, dtype=torch.float64)
+    _compare(inputs, state, 16)
+
+
 def test_triton_operator_gradients_match_their_pytorch_twin(generator, poisoned_empty):
     """The operator-gradient kernel against `_operator_grads` (batched matmuls in float64), with
     dO token-major over a length that is not a multiple of the chunk (its padding rows read as
@@ -414,6 +511,13 @@ def test_triton_with_tiny_head_dims_matches_the_loop(generator, poisoned_empty):
     inputs = random_delta_inputs(generator, 1, 20, 1, 3, 2, channel_decay=True)
     state = torch.randn(1, 1, 3, 2, generator=generator, dtype=torch.float64)
     _compare(inputs, state, 16)
+
+
+def test_triton_one_head_and_one_chunk_matches_the_loop(generator, poisoned_empty):
+    # One chunk of one head: token-major inputs that stage 1 once took for chunked ones.
+    inputs = random_delta_inputs(generator, 1, 20, 1, 16, 8, channel_decay=True)
+    state = torch.randn(1, 1, 16, 8, generator=generator, dtype=torch.float64)
+    _compare(inputs, state, 32)
 
 
 def test_triton_refuses_head_dims_past_its_tiles_naming_k(generator):

@@ -109,11 +109,36 @@ def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chu
              {"num_warps": state_pass.NUM_WARPS, "num_stages": 1})
             for from_output in (True, False)
         ]  # fmt: skip
+        kernels += _split_state_pass_kernels(state_pass, key_dim, chunk, precision)
         for kernel, n_pointers, constants, kernel_options in kernels:
             pointers = kernel.arg_names[:n_pointers]
             scalars = [a for a in kernel.arg_names[n_pointers:] if a not in constants]
             compiled = _compile_for_hopper(kernel, pointers, scalars, constants, kernel_options)
             assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, kernel.fn.__name__
+
+
+def _split_state_pass_kernels(state_pass, key_dim, chunk, precision):
+    """The split state pass's kernels at its launches, its walks with every pipeline depth the
+    tuner offers (SPLIT_NUM_STAGES 1 and 2; K > 128 keeps 1): (kernel, pointers, constants,
+    options) as the test above takes them."""
+    kernels = []
+    for stages in (1, 2):
+        before, state_pass.SPLIT_NUM_STAGES = state_pass.SPLIT_NUM_STAGES, stages
+        try:
+            walk, parallel = state_pass._split_launch(key_dim, chunk, key_dim, precision)
+        finally:
+            state_pass.SPLIT_NUM_STAGES = before
+        walk_options = {k: walk.pop(k) for k in ("num_warps", "num_stages")}
+        kernels += [
+            (state_pass._state_pass_split_fwd, 8, {**walk, "HAS_INITIAL": True}, walk_options),
+            (state_pass._state_pass_split_bwd, 7, {**walk, "HAS_D_FINAL": True}, walk_options),
+        ]
+    options = {k: parallel.pop(k) for k in ("num_warps", "num_stages")}
+    kernels += [
+        (state_pass._state_pass_split_out, 5, parallel, options),
+        (state_pass._state_pass_split_dout, 6, parallel, options),
+    ]
+    return kernels
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,12 @@ parallel over all chunks (`operator_grads_triton`; its PyTorch twin `_operator_g
     d read_i = dO_i S_i^T    d attend_i = dO_i N_i^T    d erase_i = -dN_i S_i^T
     d write_i = N_i dS_{i+1}^T    d decay_i = sum_v dS_{i+1} * S_i    d target_i = dN_i
 
+Two forms of the pass, chosen by `STATE_PASS` (read by `_DeltaRuleTriton`): "fused" (above, the
+default) and "split" (`state_pass_split_triton`, `state_pass_split_triton_backward`), whose walks
+keep only the products that depend on S or dS (N and S' forward, dN and dS backward) and leave
+the outputs, attend^T dO and read^T dO to kernels parallel over chunks; the comment above
+`_state_pass_split_fwd` says why that is exact and what it costs in memory traffic.
+
 Precision: S and every accumulator are float32. With float32 operators the products run in
 IEEE float32 (TF32 would cost ~1e-3 relative error); no exponential is taken here, the decays
 arrive as factors <= 1 from the stable stage 1.
@@ -173,6 +179,194 @@ def _state_pass_bwd(
     tl.store(d_initial + bh * K * V + kv, ds, mask=mkv)
 
 
+# --- The split state pass: the sequential walk reduced to what depends on the state -------------
+#
+# The fused kernels above compute, inside the walk over chunks, products that do not depend on
+# the walk: the outputs O_i need S_i and N_i, but nothing later needs O_i; in the adjoint,
+# attend_i^T dO_i and read_i^T dO_i depend on dO only. The split moves them out of the loop:
+#
+#   forward   (1) sequential: N_i = target_i - erase_i S_i, S_{i+1} = decay_i S_i + write_i^T N_i,
+#                 storing S_i and N_i (as the fused kernel does: backward saves them anyway);
+#             (2) parallel over (chunk, row block, value block): O_i = read_i S_i + attend_i N_i
+#                 from the stored S_i and N_i.
+#   backward  (1) parallel over (chunk, value block): P_i = attend_i^T dO_i [C, V] and
+#                 Q_i = read_i^T dO_i [K, V];
+#             (2) sequential: dN_i = P_i + write_i dS_{i+1}, dS_i = Q_i + decay_i dS_{i+1}
+#                 - erase_i^T dN_i.
+#
+# Exact: the same sums in another order. O_i is a function of (S_i, N_i) only, and S_i, N_i are
+# stored in float32, the precision the fused kernel keeps them in registers: the outputs are the
+# same products of the same float32 values (up to the order of the additions). Likewise P_i and
+# Q_i are the terms of dN_i and dS_i that do not involve dS_{i+1}, formed in float32 and added
+# in float32.
+#
+# Per row block of a step of the walk, the forward keeps 2 products (erase S, write^T N) of the
+# fused 4 (and the fused kernel's attend N of earlier row blocks) and loads erase, target, write
+# and decay, not read, attend nor earlier residuals back; the backward keeps 2 (write dS,
+# erase^T dN) of the fused 3 plus the row blocks of attend^T dO, and loads write, erase, decay,
+# P and Q in place of read, attend, write, erase, decay and (C/BC) (C/BC + 3) / 2 row blocks of
+# dO per chunk (every one a strided token-major load).
+#
+# Extra memory traffic: the forward writes S_i and N_i either way; the output kernel reads them
+# back (n K V + n C V floats per (sequence, head): at B=4 H=8 T=4096 K=V=128 chunk 64, 128 + 64
+# MiB per layer) and re-reads read and attend, which the fused kernel read once. The backward
+# writes P and Q once and reads them back once (the same 64 + 128 MiB, twice).
+#
+# Extra memory: none. P_i is written into dN's buffer (d_residual) and Q_i into the slot where
+# the walk stores dS_i (d_next of the chunk before, or d_initial for the first chunk); the walk
+# reads each before it overwrites it with dN_i / dS_i. A separate Q would be one [K, V] float32
+# per chunk, as large as the saved chunk-start states (128 MiB per layer at the shape above, on
+# top of a backward peak that already holds states, residuals, the recomputed operators, dN and
+# dS'). Reading and then overwriting the same addresses in one program is safe without a
+# barrier: the value stored at each element is computed from the value loaded there (dN = P +
+# ..., dS = Q + ...), so whichever thread stores an element has already received what was
+# loaded from it.
+
+# Pipeline stages of the split walks' chunk loop (forward and backward), at K <= 128 (K = 256
+# takes 1). The fused walks need 1 (2 overflowed shared memory); the split walks hold fewer tiles
+# per step, and 2 stages would overlap the next chunk's loads with this one's products: a setting
+# for the GPU to decide (benchmarks/tune_triton.py, stage state_pass_split). Compiled for sm_90
+# (tests/test_triton_compile.py's way, TF32, 8 warps, BV = 64): forward / backward walk
+# 80 / 80 KiB of shared memory with 1 stage, 208 / 192 KiB with 2 (the SM has 227), 288 / 256
+# with 3; at K = 256, chunk 128 (BV = 32) 104 / 104 KiB with 1, 312 / 304 with 2 (too many).
+SPLIT_NUM_STAGES = 1
+# Value columns and warps per program of the split pass's parallel kernels (outputs forward,
+# P and Q backward): B * H * n * V / BV programs (times the row blocks forward), no registers
+# carried across chunks. Compiled for sm_90 at K = 128 and 256: 8 warps of 64 columns spill no
+# registers; 4 warps of 64 columns spilled 176 bytes a thread in the backward's Q [K, BV].
+SPLIT_BLOCK_V = 64
+SPLIT_NUM_WARPS = 8
+
+
+@triton.jit
+def _state_pass_split_fwd(
+    erase, target, write, decay, initial, residual, states, final,
+    n_chunks,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BC: tl.constexpr, HAS_INITIAL: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The split forward's walk: residuals and chunk-start states (chunked float32, n_chunks
+    per (sequence, head)) and the final state; no outputs."""
+    bh = tl.program_id(1).to(tl.int64)
+    rk, _, _, mk, mv, kv, mkv, ck, cv, _ = _offsets(K, V, C, BK, BV, BC)
+    if HAS_INITIAL:
+        s = tl.load(initial + bh * K * V + kv, mask=mkv, other=0.0).to(tl.float32)
+    else:
+        s = tl.zeros([BK, BV], dtype=tl.float32)
+    for i in range(n_chunks):
+        chunk = bh * n_chunks + i
+        tl.store(states + chunk * K * V + kv, s, mask=mkv)
+        d = tl.load(decay + chunk * K + rk, mask=mk, other=0.0)
+        s_next = d[:, None] * s
+        for rb in range(C // BC):
+            rows = chunk * C + rb * BC
+            e = tl.load(erase + rows * K + ck, mask=mk[None, :], other=0.0)
+            t = tl.load(target + rows * V + cv, mask=mv[None, :], other=0.0)
+            n = t - tl.dot(e, s, input_precision=PRECISION)
+            tl.store(residual + rows * V + cv, n, mask=mv[None, :])
+            w = tl.load(write + rows * K + ck, mask=mk[None, :], other=0.0)
+            s_next += tl.dot(tl.trans(w), n, input_precision=PRECISION)
+        s = s_next
+    tl.store(final + bh * K * V + kv, s, mask=mkv)
+
+
+@triton.jit
+def _state_pass_split_out(
+    read, attend, residual, states, out,
+    TN, H, T, CS,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BC: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The split forward's outputs, one program per (value block, chunk, row block):
+    O = read S + attend N over the stored S and N. out token-major as in `_state_pass_fwd`."""
+    chunk = tl.program_id(1).to(tl.int64)
+    rb = tl.program_id(2)
+    _, rv, rc, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
+    out_offset, valid = _token_offset(chunk, TN, H, T, CS, V)
+    rows = chunk * C + rb * BC
+    s = tl.load(states + chunk * K * V + kv, mask=mkv, other=0.0)
+    r = tl.load(read + rows * K + ck, mask=mk[None, :], other=0.0)
+    o = tl.dot(r, s, input_precision=PRECISION)
+    # attend is lower triangular in blocks: column blocks cb <= rb.
+    for cb in range(rb + 1):
+        m = tl.load(attend + rows * C + cb * BC + cc)
+        n = tl.load(residual + (chunk * C + cb * BC) * V + cv, mask=mv[None, :], other=0.0)
+        o += tl.dot(m, n, input_precision=PRECISION)
+    tokens = out_offset + (rb * BC + rc)[:, None] * (H * V) + rv[None, :]
+    present = ((rb * BC + rc) < valid)[:, None] & mv[None, :]
+    tl.store(out + tokens, o.to(out.dtype.element_ty), mask=present)
+
+
+@triton.jit
+def _state_pass_split_dout(
+    read, attend, d_out, d_residual, d_next, d_initial,
+    n_chunks, TN, H, T, CS,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BC: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The split backward's parallel part, one program per (value block, chunk): P = attend^T dO
+    into d_residual, Q = read^T dO into the slot the walk will store dS_i in (d_next of the
+    chunk before; d_initial for a sequence's first chunk). d_out as in `_state_pass_bwd`."""
+    chunk = tl.program_id(1).to(tl.int64)
+    _, rv, rc, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
+    out_offset, valid = _token_offset(chunk, TN, H, T, CS, V)
+    q = tl.zeros([BK, BV], dtype=tl.float32)
+    for cb in range(C // BC):
+        cols = chunk * C + cb * BC
+        p = tl.zeros([BC, BV], dtype=tl.float32)
+        for rb in range(cb, C // BC):
+            m = tl.load(attend + (chunk * C + rb * BC) * C + cb * BC + cc)
+            do = _load_rows(d_out + out_offset, rb * BC + rc, H * V, rv, 1, valid, mv)
+            p += tl.dot(tl.trans(m), do, input_precision=PRECISION)
+        tl.store(d_residual + cols * V + cv, p, mask=mv[None, :])
+        r = tl.load(read + cols * K + ck, mask=mk[None, :], other=0.0)
+        do = _load_rows(d_out + out_offset, cb * BC + rc, H * V, rv, 1, valid, mv)
+        q += tl.dot(tl.trans(r), do, input_precision=PRECISION)
+    i = chunk % n_chunks
+    if i == 0:
+        tl.store(d_initial + (chunk // n_chunks) * K * V + kv, q, mask=mkv)
+    else:
+        tl.store(d_next + (chunk - 1) * K * V + kv, q, mask=mkv)
+
+
+@triton.jit
+def _state_pass_split_bwd(
+    erase, write, decay, d_final, d_residual, d_next, d_initial,
+    n_chunks,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BC: tl.constexpr, HAS_D_FINAL: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The split backward's walk, in place: d_residual holds P and turns into dN; the slot of dS_i
+    (d_next of chunk i - 1, or d_initial) holds Q_i and turns into dS_i; d_next of the last chunk
+    is dS_n = d_final (or 0)."""
+    bh = tl.program_id(1).to(tl.int64)
+    rk, _, _, mk, mv, kv, mkv, ck, cv, _ = _offsets(K, V, C, BK, BV, BC)
+    if HAS_D_FINAL:
+        ds = tl.load(d_final + bh * K * V + kv, mask=mkv, other=0.0).to(tl.float32)
+    else:
+        ds = tl.zeros([BK, BV], dtype=tl.float32)
+    tl.store(d_next + (bh * n_chunks + n_chunks - 1) * K * V + kv, ds, mask=mkv)
+    for j in range(n_chunks):
+        i = n_chunks - 1 - j
+        chunk = bh * n_chunks + i
+        if i == 0:
+            slot = d_initial + bh * K * V + kv
+        else:
+            slot = d_next + (chunk - 1) * K * V + kv
+        d = tl.load(decay + chunk * K + rk, mask=mk, other=0.0)
+        ds_before = tl.load(slot, mask=mkv, other=0.0) + d[:, None] * ds
+        for cb in range(C // BC):
+            cols = chunk * C + cb * BC
+            w = tl.load(write + cols * K + ck, mask=mk[None, :], other=0.0)
+            p = tl.load(d_residual + cols * V + cv, mask=mv[None, :], other=0.0)
+            dn = p + tl.dot(w, ds, input_precision=PRECISION)
+            tl.store(d_residual + cols * V + cv, dn, mask=mv[None, :])
+            e = tl.load(erase + cols * K + ck, mask=mk[None, :], other=0.0)
+            ds_before -= tl.dot(tl.trans(e), dn, input_precision=PRECISION)
+        ds = ds_before
+        tl.store(slot, ds, mask=mkv)
+
+
 @triton.jit
 def _operator_grads_kernel(
     d_out, states, residual, d_residual, d_next, d_read, d_attend, d_erase, d_write, d_decay,
@@ -294,6 +488,76 @@ def state_pass_triton_backward(
     return d_residual, d_next, d_initial
 
 
+def _split_launch(value_dim: int, size: int, key_dim: int, precision: str):
+    """The split pass's launch constants: (walk's, parallel kernels'), each with its options."""
+    _, walk = _launch(value_dim, 1, size, key_dim, precision)
+    walk["num_stages"] = SPLIT_NUM_STAGES if key_dim <= 128 else 1
+    parallel = {**walk, "BV": min(SPLIT_BLOCK_V, key_block(value_dim)),
+                "num_warps": SPLIT_NUM_WARPS, "num_stages": 1}  # fmt: skip
+    return walk, parallel
+
+
+def state_pass_split_triton(ops, initial_state: torch.Tensor | None, precision: str = "ieee",
+                            out: torch.Tensor | None = None, tokens: Tokens | None = None):  # fmt: skip
+    """`state_pass_triton` split in two kernels (the walk, then the outputs in parallel over
+    chunks; see above `_state_pass_split_fwd`): the same arguments and returns."""
+    batch, heads, n_chunks, size, key_dim = ops.read.shape
+    value_dim = ops.target.shape[-1]
+    device = ops.read.device
+    residual = torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
+    if out is None:
+        out, tokens = torch.empty_like(residual), Tokens.of_chunks(residual)
+    states = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
+    final = torch.empty(batch, heads, key_dim, value_dim, device=device)
+    walk, parallel = _split_launch(value_dim, size, key_dim, precision)
+    _state_pass_split_fwd[(triton.cdiv(value_dim, walk["BV"]), batch * heads)](
+        ops.erase, ops.target, ops.write, ops.decay,
+        initial_state if initial_state is not None else final, residual, states, final,
+        n_chunks, HAS_INITIAL=initial_state is not None, **walk,
+    )  # fmt: skip
+    blocks = (triton.cdiv(value_dim, parallel["BV"]), batch * heads * n_chunks)
+    _state_pass_split_out[(*blocks, size // parallel["BC"])](
+        ops.read, ops.attend, residual, states, out, *tokens.args(), **parallel
+    )
+    return out, residual, states, final
+
+
+def state_pass_split_triton_backward(
+    ops, d_out: torch.Tensor, d_final: torch.Tensor | None, precision: str = "ieee",
+    tokens: Tokens | None = None,
+):  # fmt: skip
+    """`state_pass_triton_backward` split in two kernels (attend^T dO and read^T dO in parallel
+    over chunks, then the walk; see above `_state_pass_split_fwd`): the same arguments and
+    returns, and no memory beyond them."""
+    batch, heads, n_chunks, size, key_dim = ops.read.shape
+    value_dim = d_out.shape[-1]
+    tokens = Tokens.of_chunks(d_out) if tokens is None else tokens
+    device = d_out.device
+    d_residual = torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
+    d_next = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
+    d_initial = torch.empty(batch, heads, key_dim, value_dim, device=device)
+    walk, parallel = _split_launch(value_dim, size, key_dim, precision)
+    _state_pass_split_dout[(triton.cdiv(value_dim, parallel["BV"]), batch * heads * n_chunks)](
+        ops.read, ops.attend, d_out, d_residual, d_next, d_initial, n_chunks, *tokens.args(),
+        **parallel,
+    )  # fmt: skip
+    _state_pass_split_bwd[(triton.cdiv(value_dim, walk["BV"]), batch * heads)](
+        ops.erase, ops.write, ops.decay, d_final if d_final is not None else d_initial,
+        d_residual, d_next, d_initial, n_chunks, HAS_D_FINAL=d_final is not None, **walk,
+    )  # fmt: skip
+    return d_residual, d_next, d_initial
+
+
+# The state pass `_DeltaRuleTriton` runs: "fused" (stages 3-4 in one walk, `state_pass_triton`)
+# or "split" (the walk reduced to the state recurrence, `state_pass_split_triton`). Read at each
+# forward; its backward takes the same form. Fused until the GPU times the split faster.
+STATE_PASS = "fused"
+STATE_PASSES = {
+    "fused": (state_pass_triton, state_pass_triton_backward),
+    "split": (state_pass_split_triton, state_pass_split_triton_backward),
+}
+
+
 def operator_grads_triton(states, residuals, d_out, d_residual, d_next, precision: str = "ieee",
                           tokens: Tokens | None = None) -> ChunkOperators:  # fmt: skip
     """`_operator_grads` in Triton (erase and target as in the twin; d_out token-major as
@@ -364,7 +628,8 @@ class _DeltaRuleTriton(torch.autograd.Function):
         tokens = Tokens(-(-length // chunk_size), heads, length, chunk_size)
         ops, _ = _operators_triton(q, a, b, u, g, precision, tokens, scale)
         out = q.new_empty(u.shape)
-        _, residuals, states, final = state_pass_triton(
+        state_pass, ctx.state_pass_backward = STATE_PASSES[STATE_PASS]
+        _, residuals, states, final = state_pass(
             ops, initial_state.contiguous(), precision, out=out, tokens=tokens
         )
         ctx.save_for_backward(q, a, b, u, g, states, residuals)
@@ -379,7 +644,7 @@ class _DeltaRuleTriton(torch.autograd.Function):
         # The output's gradient is read token-major where it lies, like the inputs.
         d_out = torch.zeros_like(u) if d_o is None else d_o.contiguous()
         d_final = None if d_final is None else d_final.contiguous()
-        d_residual, d_next, d_initial = state_pass_triton_backward(
+        d_residual, d_next, d_initial = ctx.state_pass_backward(
             ops, d_out, d_final, precision, tokens
         )
         grads = operator_grads_triton(

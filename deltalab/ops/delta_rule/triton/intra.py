@@ -386,7 +386,8 @@ def intra_triton(q, a, b, g, precision: str = "ieee", tokens: Tokens | None = No
     ([B, T, H, K] or [B, T, H]) as `tokens` maps them into chunks of C = the padded chunk size,
     q times `scale`; or, with tokens=None, of chunked inputs [..., C, K] (g per channel),
     returned as [..., C, C]. `factor_bound`: see DIAGONAL_FACTOR_BOUND."""
-    tokens = Tokens.of_chunks(q) if tokens is None else tokens
+    chunked = tokens is None
+    tokens = Tokens.of_chunks(q) if chunked else tokens
     size = padded_chunk_size(tokens.chunk_size)
     key_dim = q.shape[-1]
     chunks = tokens.programs(q)
@@ -397,7 +398,9 @@ def intra_triton(q, a, b, g, precision: str = "ieee", tokens: Tokens | None = No
         BK=key_block(key_dim), BT=SUB_BLOCK, G_HEAD=_g_head(q, g), PRECISION=precision,
         BOUND=factor_bound, **INTRA_LAUNCH,
     )  # fmt: skip
-    if tokens.chunks == 1 and tokens.heads == 1:  # chunked inputs: their own leading shape
+    # Chunked inputs: their own leading shape. (Not told by one chunk of one head: token-major
+    # inputs of one head and T <= C are that too, and were reshaped as chunks.)
+    if chunked:
         lead = q.shape[:-2]
         return lower.view(*lead, size, size), attend.view(*lead, size, size)
     return lower, attend
