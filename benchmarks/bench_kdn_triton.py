@@ -11,10 +11,14 @@ and of forward+backward (and peak CUDA memory of forward+backward, MiB):
   Triton kernel (a, q, c in; p and p_bar out), the generic Triton Mobius scan on the four map
   coefficients, and the PyTorch parallel scan;
 - `kdn_gain_diag` / `kdn_gain_iso` with the Triton scan and with the parallel scan;
-- the diagonal gain's two Triton routes: the one-kernel gain (one program per sequence and head)
-  and the separate ops around the Triton scan (`gains.fused_diag_gain` chooses between them);
+- the diagonal gain's three Triton routes: the one-kernel gain with one program per sequence and
+  head ("fused"), the same split over T in chunks ("fused, split over T": B H T / chunk
+  programs and the carry passes; `triton_gain.split_gain` chooses between the two) and the
+  separate ops around the Triton scan (`gains.fused_diag_gain` chooses them or the fused gain);
 - `delta_rule` (the backend `kdn_*(backend="triton")` runs the memory on) and `kdn_diag` /
   `kdn_iso` with backend="triton", with their ratio to `delta_rule`;
+- a sweep of the split diagonal gain's chunk (tokens per program), to tune
+  `triton_gain.chunk_tokens` (the default is marked);
 - a sweep of the fused scan's launch configurations (BLOCK_T, BLOCK_L) at both lane counts, to
   tune `deltalab.ops.mobius.triton.launch_config` (the default is marked).
 
@@ -36,6 +40,7 @@ from deltalab.ops import delta_rule, kdn_diag, kdn_gain_diag, kdn_gain_iso, kdn_
 from deltalab.ops.delta_rule import BACKENDS as DELTA_RULE_BACKENDS
 from deltalab.ops.kdn.gains import diag_gain
 from deltalab.ops.kdn.triton import kdn_variance_scan
+from deltalab.ops.kdn.triton_gain import chunk_tokens, kdn_diag_gain, launch
 from deltalab.ops.mobius import scan_along_time
 from deltalab.ops.mobius.triton import launch_config, mobius_scan_lanes
 
@@ -43,6 +48,9 @@ SHAPES = [(4, 4096, 16, 128), (4, 4096, 8, 128), (1, 32768, 16, 128)]  # (B, T, 
 TINY_SHAPES = [(1, 20, 2, 2)]
 SWEEP = [(16, 32), (32, 32), (64, 32), (64, 16), (128, 16), (256, 4), (1024, 1), (512, 1)]
 TINY_SWEEP = [(16, 1), (16, 4)]
+# Tokens per program of the diagonal gain split over T (triton_gain.chunk_tokens's default marked).
+SPLIT_CHUNKS = [64, 128, 256, 512, 1024]
+TINY_SPLIT_CHUNKS = [4, 8]
 # What kdn_*(backend="triton") hands delta_rule: "triton" once delta_rule has it, else "chunk".
 MEMORY_BACKEND = "triton" if "triton" in DELTA_RULE_BACKENDS else "chunk"
 
@@ -156,15 +164,25 @@ def bench_shape(shape, args, device: str, dtype: torch.dtype) -> dict:
             lambda *a, b=backend: kdn_gain_iso(*a, backend=b)[0], [*iso_gates, p0], r, device
         )
 
-    # The diagonal gain's two Triton routes (gains.fused_diag_gain picks one by B H).
+    # The diagonal gain's three Triton routes: the one-kernel gain with one program per
+    # (sequence, head) and split over T (triton_gain.split_gain picks one by B H), and the
+    # separate ops (gains.fused_diag_gain picks those or the one-kernel gain by B H).
+    # (--tiny: chunks of 8 tokens, so its T = 20 is split too; else triton_gain.chunk_tokens.)
     p_prior = p0[None, :, None].expand(batch, heads, dim).contiguous()
-    for label, fused in (("fused", True), ("separate ops", False)):
+    chunk = 8 if args.tiny else None
+    for label, split in (("fused", False), ("fused, split over T", True)):
         rows[f"diag_gain (triton, {label})"] = time_op(
-            lambda *a, f=fused: diag_gain(*a, float(dim), "triton", fused=f).gain,
+            lambda *a, s=split: kdn_diag_gain(*a, float(dim), split=s, chunk=chunk)[0],
             [*gates, p_prior],
             r,
             device,
         )
+    rows["diag_gain (triton, separate ops)"] = time_op(
+        lambda *a: diag_gain(*a, float(dim), "triton", fused=False).gain,
+        [*gates, p_prior],
+        r,
+        device,
+    )
 
     base = [x[n] for n in ("q", "k", "v", "g")]
     rows[f"delta_rule ({MEMORY_BACKEND})"] = time_op(
@@ -192,6 +210,17 @@ def bench_shape(shape, args, device: str, dtype: torch.dtype) -> dict:
         rows[name]["fwd_ratio"] = rows[name]["fwd_ms"] / reference["fwd_ms"]
         rows[name]["fwd_bwd_ratio"] = rows[name]["fwd_bwd_ms"] / reference["fwd_bwd_ms"]
 
+    split_sweep = []
+    default_chunk = chunk_tokens(batch * heads, length, launch(dim, length, "forward")[0])
+    for chunk in TINY_SPLIT_CHUNKS if args.tiny else SPLIT_CHUNKS:
+        timing = time_op(
+            lambda *a, c=chunk: kdn_diag_gain(*a, float(dim), split=True, chunk=c)[0],
+            [*gates, p_prior],
+            r,
+            device,
+        )
+        split_sweep.append({"chunk": chunk, "default": chunk == default_chunk, **timing})
+
     sweep = []
     for variant, diagonal in (("diag", True), ("iso", False)):
         maps = variance_maps(x, diagonal)
@@ -209,7 +238,15 @@ def bench_shape(shape, args, device: str, dtype: torch.dtype) -> dict:
                     **timing,
                 }
             )
-    return {"B": batch, "T": length, "H": heads, "K": dim, "rows": rows, "sweep": sweep}
+    return {
+        "B": batch,
+        "T": length,
+        "H": heads,
+        "K": dim,
+        "rows": rows,
+        "sweep": sweep,
+        "split_sweep": split_sweep,
+    }
 
 
 def print_shape(result: dict) -> None:
@@ -238,6 +275,12 @@ def print_shape(result: dict) -> None:
             s["fwd_bwd_ms"],
         ]
         for s in result["sweep"]
+    ]
+    print(format_table(headers, table))
+    headers = ["diag_gain split over T: chunk", "fwd ms", "fwd+bwd ms"]
+    table = [
+        [f"{s['chunk']}" + (" (default)" if s["default"] else ""), s["fwd_ms"], s["fwd_bwd_ms"]]
+        for s in result["split_sweep"]
     ]
     print(format_table(headers, table))
 

@@ -9,7 +9,7 @@
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
 # and they are installed first. Budget the call: tests 240 s, kernel_tests 150 s (the layers on
 # Triton and the fused KDN gain, a subset of tests), time 300 s,
-# prof 90 s, stability 240 s, train 300 s, decode 200 s, kdn 120 s, tune 180 s, tune340 180 s (the same at the 340M
+# prof 90 s, stability 240 s, train 300 s, decode 200 s, kdn 180 s (with the split diagonal gain and its chunk sweep), tune 180 s, tune340 180 s (the same at the 340M
 # preset's heads, H=8: the state pass's BLOCK_V was tuned at H=16), tune32k 120 s (the state
 # pass at B=1 T=32768: 32 programs with BLOCK_V 64), split 240 s (the fused and the split
 # state pass timed side by side at the 340M heads, chunk.STATE_PASS), split_tests 120 s (the
@@ -76,7 +76,7 @@ for p in "${parts[@]}"; do
         python3 benchmarks/bench_train.py --device cuda --preset 340M --seq-len 16384 --batch 1 \
         --steps 8 --mixers gdn2 muir transformer" ;;
     decode) part decode 200 python3 benchmarks/bench_decode_gpu.py --out "$OUT/decode.json" ;;
-    kdn) part kdn 120 python3 benchmarks/bench_kdn_triton.py --out "$OUT/kdn.json" ;;
+    kdn) part kdn 180 python3 benchmarks/bench_kdn_triton.py --out "$OUT/kdn.json" ;;
     tune) part tune 180 python3 benchmarks/tune_triton.py --out "$OUT/tune.json" ;;
     tune340) part tune340 180 python3 benchmarks/tune_triton.py --shape 4x4096x8x128 \
         --out "$OUT/tune340.json" ;;

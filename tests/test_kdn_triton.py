@@ -35,9 +35,10 @@ NAMES = ("k", "g", "q_noise", "r", "p_prior")
 OUTPUTS = ("gain", "p", "predictive")
 
 
-def spy_fused(monkeypatch) -> list[tuple[int, ...]]:
+def spy_fused(monkeypatch, **options) -> list[tuple[int, ...]]:
     """k's shape at every call of the fused gain (gains.diag_gain imports it at each call), which
-    is taken at every size (the tests' shapes have fewer programs than FUSED_GAIN_MIN_PROGRAMS)."""
+    is taken at every size (the tests' shapes have fewer programs than FUSED_GAIN_MIN_PROGRAMS);
+    `options` (split, chunk, block_t) are passed to every call."""
     calls: list[tuple[int, ...]] = []
     monkeypatch.setattr(gains, "FUSED_GAIN_MIN_PROGRAMS", 0)
     if not HAS_TRITON:
@@ -48,7 +49,7 @@ def spy_fused(monkeypatch) -> list[tuple[int, ...]]:
 
     def spy(k, *args, **kwargs):
         calls.append(tuple(k.shape))
-        return original(k, *args, **kwargs)
+        return original(k, *args, **kwargs, **options)
 
     monkeypatch.setattr(triton_gain, "kdn_diag_gain", spy)
     return calls
@@ -82,14 +83,27 @@ def run(fn, inputs, dtype, weights, info_scale):
     return [x.detach().cpu().double() for x in (*outputs, *grads)]
 
 
-def assert_matches_definition_and_pytorch(inputs, weights, block_t):
+def assert_matches_definition_and_pytorch(inputs, weights, block_t, chunk=None):
+    """The fused gain, with one program per (sequence, head) (`chunk` None) or T split into
+    chunks of `chunk` tokens, against the float64 definition and the PyTorch path; the split
+    also against the one-program kernel."""
     from deltalab.ops.kdn.triton_gain import kdn_diag_gain
 
     info_scale = float(inputs[0].shape[-1])
-    fused = run(lambda *x: kdn_diag_gain(*x, block_t=block_t), inputs, F32, weights, info_scale)
+    split = {"split": chunk is not None, "chunk": chunk}
+    fused = run(
+        lambda *x: kdn_diag_gain(*x, block_t=block_t, **split), inputs, F32, weights, info_scale
+    )
     definition = run(lambda *x: diag_gain(*x, "sequential"), inputs, F64, weights, info_scale)
     pytorch = run(lambda *x: diag_gain(*x, "parallel"), inputs, F32, weights, info_scale)
     labels = [*OUTPUTS, *(f"d/d{n}" for n in NAMES)]
+    if chunk is not None:
+        whole = run(
+            lambda *x: kdn_diag_gain(*x, block_t=block_t, split=False), inputs, F32, weights,
+            info_scale,
+        )  # fmt: skip
+        for label, x, x1 in zip(labels, fused, whole, strict=True):
+            assert_close(x, x1, TOLERANCE[F32], f"{label} against the one-program kernel")
     for label, x, x64, x32 in zip(labels, fused, definition, pytorch, strict=True):
         assert_close(x, x64, TOLERANCE[F32], f"{label} against float64")
         # Up to the PyTorch path's own float32 error: at r = 1e-6 its dr is off by ~4e-4 on the
@@ -126,33 +140,116 @@ def test_fused_gain_and_all_gradients_match_float64_definition_and_pytorch_path(
 
 
 @needs_triton
-@pytest.mark.parametrize("used", [("gain",), ("p", "predictive")], ids=["gain_only", "no_gain"])
-def test_fused_gain_gradients_are_right_when_outputs_go_unused(used):
-    """An unused output's gradient comes to the backward as None (p in the mixers, which read
-    only its last step, also dgain): the kernel takes it as zero."""
-    inputs = gain_inputs(3, (2, 9, 2, 6))
-    weights = weights_for(inputs, 4, used)
-    assert_matches_definition_and_pytorch(inputs, weights, 4)
+@pytest.mark.parametrize("channel_decay", [True, False], ids=["channel_decay", "head_decay"])
+@pytest.mark.parametrize(
+    ("shape", "block_t", "chunk"),
+    [((2, 13, 2, 5), 4, 4), ((1, 13, 3, 8), 2, 8), ((2, 11, 1, 3), None, 4)],
+    ids=["4_chunks_of_a_tile_and_a_part", "2_chunks_of_4_tiles_and_a_part", "default_tile"],
+)
+def test_split_gain_and_all_gradients_match_float64_definition_pytorch_and_one_program_kernel(
+    shape, block_t, chunk, channel_decay
+):
+    """T split into chunks (a program each, with the carry passes between them), the last one
+    partial: the outputs and the gradients of k, g, q_noise, r and p_prior, against the float64
+    definition, the PyTorch path and the one-program kernel."""
+    inputs = gain_inputs(1, shape, channel_decay=channel_decay)
+    weights = weights_for(inputs, 2)
+    assert_matches_definition_and_pytorch(inputs, weights, block_t, chunk)
 
 
 @needs_triton
-def test_fused_gain_stays_finite_at_extreme_noise_and_resets():
+@pytest.mark.parametrize("chunk", [None, 4], ids=["one_program", "split_chunks_of_4"])
+def test_fused_gain_writes_every_output_and_gradient_element(poisoned_empty, chunk):
+    """torch.empty is NaN-filled: the kernels write every element of the outputs, the
+    gradients and (split) the chunk maps and carries they read back."""
+    inputs = gain_inputs(13, (2, 10, 2, 3))
+    weights = weights_for(inputs, 14)
+    assert_matches_definition_and_pytorch(inputs, weights, 2, chunk)
+
+
+@needs_triton
+@pytest.mark.parametrize(("batch", "split"), [(1, True), (2, False)], ids=["2_heads", "4_heads"])
+def test_kdn_diag_gain_splits_t_below_split_gain_below_programs(monkeypatch, batch, split):
+    """By default T is split below SPLIT_GAIN_BELOW_PROGRAMS (sequence, head) pairs (here 4)
+    into chunks of chunk_tokens (here 4: SPLIT_GAIN_MIN_CHUNK); the forward kernel's grid
+    shows which, and both give the float64 definition."""
+    from deltalab.ops.kdn import triton_gain
+
+    monkeypatch.setattr(triton_gain, "SPLIT_GAIN_BELOW_PROGRAMS", 4)
+    monkeypatch.setattr(triton_gain, "SPLIT_GAIN_MIN_CHUNK", 4)
+    grids = []
+    kernel = triton_gain._kdn_diag_gain_forward_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(triton_gain, "_kdn_diag_gain_forward_kernel", Spy())
+    inputs = gain_inputs(15, (batch, 9, 2, 3))
+    weights = weights_for(inputs, 16)
+    fused = run(lambda *x: triton_gain.kdn_diag_gain(*x, block_t=2), inputs, F32, weights, 3.0)
+    definition = run(lambda *x: diag_gain(*x, "sequential"), inputs, F64, weights, 3.0)
+    assert grids == [(2 * batch, 3 if split else 1)]
+    labels = [*OUTPUTS, *(f"d/d{n}" for n in NAMES)]
+    for label, x, x64 in zip(labels, fused, definition, strict=True):
+        assert_close(x, x64, TOLERANCE[F32], f"{label} against float64")
+
+
+@needs_triton
+def test_split_chunks_are_powers_of_2_filling_about_split_gain_programs():
+    """At the benchmark's shapes (tiles of 16 tokens at K = 128): 128 tokens for the 340M
+    preset (B H = 32, T = 4096: 1024 programs), 512 at B H = 16, T = 32768; never below
+    SPLIT_GAIN_MIN_CHUNK or a tile."""
+    from deltalab.ops.kdn.triton_gain import SPLIT_GAIN_MIN_CHUNK, chunk_tokens, launch
+
+    assert launch(128, 4096, "forward")[0] == launch(128, 4096, "backward")[0] == 16
+    assert chunk_tokens(32, 4096, 16) == 128
+    assert chunk_tokens(16, 32768, 16) == 512
+    assert chunk_tokens(1, 100, 16) == SPLIT_GAIN_MIN_CHUNK
+    assert chunk_tokens(1, 100, 128) == 128
+
+
+SPLITS = pytest.mark.parametrize("chunk", [None, 4], ids=["one_program", "split_chunks_of_4"])
+
+
+@needs_triton
+@SPLITS
+@pytest.mark.parametrize("used", [("gain",), ("p", "predictive")], ids=["gain_only", "no_gain"])
+def test_fused_gain_gradients_are_right_when_outputs_go_unused(used, chunk):
+    """An unused output's gradient comes to the backward as None (p in the mixers, which read
+    only its last step, also dgain): the kernels (the split's chunk adjoints too) take it as
+    zero."""
+    inputs = gain_inputs(3, (2, 9, 2, 6))
+    weights = weights_for(inputs, 4, used)
+    assert_matches_definition_and_pytorch(inputs, weights, 2 if chunk else 4, chunk)
+
+
+@needs_triton
+@pytest.mark.parametrize("chunk", [None, 8], ids=["one_program", "split_chunks_of_8"])
+def test_fused_gain_stays_finite_at_extreme_noise_and_resets(chunk):
     """r from 1e-6 to 1e30 (no evidence), q_noise from 0 to 10, decays down to g = -inf (a
-    reset), long enough (40 tokens, tiles of 4) for the carry to cross many tiles."""
+    reset), long enough (40 tokens, tiles of 4) for the carry to cross many tiles (and, split,
+    five chunks of two tiles: resets and r = 1e30 inside the composed chunk maps)."""
     gen = torch.Generator().manual_seed(5)
     inputs = gain_inputs(5, (1, 40, 2, 7))
     inputs[3] = 10 ** (36 * torch.rand(1, 40, 2, generator=gen, dtype=F64) - 6)
     inputs[2] = 10 * torch.rand(1, 40, 2, 7, generator=gen, dtype=F64) ** 4
     inputs[1] = torch.where(torch.rand(1, 40, 2, 7, generator=gen) < 0.1, -torch.inf, inputs[1])
     weights = weights_for(inputs, 6)
-    assert_matches_definition_and_pytorch(inputs, weights, 4)
+    assert_matches_definition_and_pytorch(inputs, weights, 4, chunk)
 
 
 @needs_triton
-def test_kdn_gain_diag_streams_its_final_precision_through_the_fused_path(monkeypatch):
+@pytest.mark.parametrize(
+    "options", [{"split": False}, {"split": True, "chunk": 4, "block_t": 2}],
+    ids=["one_program", "split_chunks_of_4"],
+)  # fmt: skip
+def test_kdn_gain_diag_streams_its_final_precision_through_the_fused_path(monkeypatch, options):
     """Two calls carrying the final precision (initial_precision) give the gains, p and the
-    final precision of one call, and the gradients of both pieces, on the fused path."""
-    calls = spy_fused(monkeypatch)
+    final precision of one call, and the gradients of both pieces, on the fused path (split:
+    12 = 3 chunks, 5 = 2 chunks with a partial one, 7 = 2)."""
+    calls = spy_fused(monkeypatch, **options)
     inputs = gain_inputs(7, (2, 12, 2, 5))
     k, g, q_noise, r, _ = (x.to(DEVICE, F32) for x in inputs)
     p0 = torch.rand(2, 5, generator=torch.Generator().manual_seed(8), dtype=F64) + 0.5

@@ -207,18 +207,26 @@ def test_norm_kernels_compile_for_hopper_without_spills(dim, dtype, gated):
 @pytest.mark.parametrize("g_head", [False, True], ids=["channel_decay", "head_decay"])
 def test_kdn_gain_kernels_compile_for_hopper_without_spills(key_dim, g_head):
     """The fused KDN gain (Diagonal) and terms (Isotropic), at the launches they use for
-    T = 4096 (the Diagonal backward with dp, the most loads): no spill to local memory, which in
-    these bandwidth-bound kernels would add traffic."""
+    T = 4096 (the Diagonal backward with dp, the most loads), and the Diagonal gain's split
+    over T (the chunk maps and adjoints at the kernels' tiles, the carry passes): no spill to
+    local memory, which in these bandwidth-bound kernels would add traffic."""
     from deltalab.ops.kdn import triton_gain
 
     kernels = []
     for kernel, which, n_pointers, flags in (
         (triton_gain._kdn_diag_gain_forward_kernel, "forward", 8, {}),
-        (triton_gain._kdn_diag_gain_backward_kernel, "backward", 14, {"HAS_DP": True}),
+        (triton_gain._kdn_diag_gain_backward_kernel, "backward", 15, {"HAS_DP": True}),
+        (triton_gain._kdn_diag_gain_chunk_maps_kernel, "forward", 5, {}),
+        (triton_gain._kdn_diag_gain_chunk_adjoints_kernel, "backward", 10, {"HAS_DP": True}),
     ):
         block_t, block_k, warps = triton_gain.launch(key_dim, 4096, which)
         constants = {**flags, "G_HEAD": g_head, "BLOCK_T": block_t, "BLOCK_K": block_k}
         kernels.append((kernel, n_pointers, constants, warps))
+    carry = {"BLOCK_K": block_k}
+    kernels += [
+        (triton_gain._kdn_diag_gain_chunk_starts_kernel, 3, carry, triton_gain.CARRY_WARPS),
+        (triton_gain._kdn_diag_gain_chunk_ends_kernel, 2, carry, triton_gain.CARRY_WARPS),
+    ]
     block_r, block_k, warps = triton_gain.iso_launch(key_dim)
     iso = {"G_HEAD": g_head, "BLOCK_R": block_r, "BLOCK_K": block_k}
     kernels += [

@@ -142,7 +142,10 @@ def fused_diag_gain(k: torch.Tensor) -> bool:
 # the H200 (bench_kdn_triton.py, float32, T=4096, K=128, forward / forward+backward ms): 32
 # programs (the 340M preset) fused 2.15 / 3.97, separate ops 1.04 / 2.84; 64 programs 2.24 /
 # 4.23 against 1.53 / 4.57 (the fused gain also holds half the memory); 16 programs at T=32768
-# 16.7 / 30.9 against 4.15 / 11.0.
+# 16.7 / 30.9 against 4.15 / 11.0. Those are the one-program kernel's; triton_gain.py now splits T
+# below SPLIT_GAIN_BELOW_PROGRAMS pairs (B H T / chunk programs), not yet timed: if the split
+# beats the separate ops at 32 programs on the GPU, this goes to 0 (bench_kdn_triton.py's
+# "diag_gain (triton, fused, split over T)" row against "(triton, separate ops)").
 FUSED_GAIN_MIN_PROGRAMS = 64
 
 

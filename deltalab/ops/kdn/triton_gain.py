@@ -22,7 +22,12 @@ B H programs: 32 at the 340M preset (B = 4, H = 8), fewer than an H200's SMs; ea
 its head at a single SM's bandwidth (a whole KDN layer's gain is ~0.3 GB forward, ~0.5 GB
 backward). Measured on the H200, that made the fused forward 2x slower than the separate ops at
 32 programs, so `gains.diag_gain` takes this kernel only from FUSED_GAIN_MIN_PROGRAMS (64) on.
-Splitting T across programs (a carry pass, as the delta rule's state pass) would lift that.
+Split over T, the same kernels run on a grid of (B H, chunks), a chunk of T (a multiple of
+BLOCK_T) per program, each from its chunk's boundary value, which two small passes give: the
+chunk's composed maps (one per channel), then a carry across the chunks per head (the section
+"Split over T" below); `kdn_diag_gain` splits below SPLIT_GAIN_BELOW_PROGRAMS pairs. Every
+gradient but dp_prior is per token (dr, and a per-head dg, reduce over K only, inside a tile),
+so the split needs no partial sums; dp_prior comes from the first chunk's program.
 
 Forward. As in triton.py: the scan over the maps of the steps *before* each row (the identity on
 row 0) gives p_{t-1} from the carried p; a and c of the step before are recomputed from the
@@ -64,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltalab.ops.mobius.triton import _compose, _normalize
+from deltalab.ops.mobius.triton import _compose, _normalize, _then_affine
 
 # (elements of a tile, most tokens in it, warps) per kernel: a tile is BLOCK_T tokens x BLOCK_K
 # channels. One program per head leaves most SMs to one program (32 at 340M), so the tiles are
@@ -102,7 +107,7 @@ def _kdn_diag_gain_forward_kernel(
     G,
     NOISE,
     R,
-    P0,
+    P_START,
     GAIN,
     P,
     PRED,
@@ -110,20 +115,26 @@ def _kdn_diag_gain_forward_kernel(
     H,
     KD,
     scale,
+    CHUNK,
     G_HEAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)  # (sequence n, head h) = (pid // H, pid % H)
+    # Program (pid, part): head pid % H of sequence pid // H, tokens [part CHUNK, (part + 1)
+    # CHUNK) in tiles of BLOCK_T, from p at the chunk's start, P_START[pid, part] (p_prior
+    # itself with one chunk, CHUNK >= T: the one-program kernel).
+    pid = tl.program_id(0)
+    part = tl.program_id(1)
     ch = tl.arange(0, BLOCK_K)
     ch_ok = ch < KD
     rows = tl.arange(0, BLOCK_T)
     stride = H * KD  # one token
     base = (pid // H).to(tl.int64) * T * stride + (pid % H) * KD
     head_base = (pid // H).to(tl.int64) * T * H + pid % H
-    p = tl.load(P0 + pid * KD + ch, mask=ch_ok, other=1.0)
-    for start in range(0, T, BLOCK_T):
-        t = start + rows
+    start_at = (pid.to(tl.int64) * tl.num_programs(1) + part) * KD
+    p = tl.load(P_START + start_at + ch, mask=ch_ok, other=1.0)
+    for start in range(0, CHUNK, BLOCK_T):
+        t = part * CHUNK + start + rows
         row_ok = t < T
         ok = row_ok[:, None] & ch_ok[None, :]
         at = base + t.to(tl.int64)[:, None] * stride + ch[None, :]
@@ -150,6 +161,51 @@ def _kdn_diag_gain_forward_kernel(
 
 
 @triton.jit
+def _adjoint_rows(
+    K_, G, NOISE, R, P, DGAIN, DP, DPRED, p0, t, ch, ch_ok, base, head_base, T, H, KD, scale,
+    G_HEAD: tl.constexpr, HAS_DP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The backward's per-row terms at tokens t `[BLOCK_T]`: the gain's adjoint (from the
+    recomputed p_bar, w and den) and the scan's adjoint maps (pi, nu) <- (e + x pi', f + y pi')
+    of pi' = pi_{t+1}; the rows past T are zero maps (x = y = e = f = 0)."""
+    stride = H * KD
+    row_ok = t < T
+    ok = row_ok[:, None] & ch_ok[None, :]
+    at = base + t.to(tl.int64)[:, None] * stride + ch[None, :]
+    head_at = head_base + t.to(tl.int64) * H
+    has_prev = ok & (t > 0)[:, None]
+    p_prev = tl.load(P + at - stride, mask=has_prev, other=0.0)
+    p_prev = tl.where(has_prev, p_prev, p0[None, :])
+    a, q, c, k, r = _terms(K_, G, NOISE, R, at, head_at, ok, row_ok, scale, G_HEAD)
+    # a_{t+1} (0 past the end: no step follows, no multiplier).
+    after = (t + 1 < T)[:, None] & ch_ok[None, :]
+    if G_HEAD:
+        g_next = tl.load(G + head_at + H, mask=t + 1 < T, other=0.0)
+        g_next = tl.broadcast_to(g_next[:, None], k.shape)
+    else:
+        g_next = tl.load(G + at + stride, mask=after, other=0.0)
+    a_next = tl.where(after, tl.exp(2.0 * g_next), 0.0)
+    # The gain's adjoint, from the recomputed p_bar, w and den.
+    p_bar = a * p_prev + q
+    weighted = p_bar * k
+    den = tl.sum(weighted * k, axis=1) + r
+    d_gain = tl.load(DGAIN + at, mask=ok, other=0.0)
+    d_den = -tl.sum(d_gain * (weighted / den[:, None]), axis=1) / den
+    d_pred = (tl.load(DPRED + head_at, mask=row_ok, other=0.0) + d_den)[:, None]
+    d_weighted = d_gain / den[:, None] + d_pred * k
+    d_k = d_weighted * p_bar + d_pred * weighted
+    # The scan's adjoint: the maps (pi, nu) <- (e + x pi', f + y pi'), pi' = pi_{t+1}.
+    shrink = 1.0 / (c * p_bar + 1.0)
+    slope = shrink * shrink
+    if HAS_DP:
+        d_p = tl.load(DP + at, mask=ok, other=0.0)
+    else:
+        d_p = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    x, e = slope * a_next, d_weighted * k + slope * d_p
+    return ok, row_ok, at, head_at, a, c, k, r, p_prev, p_bar, d_den, d_k, x, a_next, e, d_p
+
+
+@triton.jit
 def _kdn_diag_gain_backward_kernel(
     K_,
     G,
@@ -160,6 +216,7 @@ def _kdn_diag_gain_backward_kernel(
     DGAIN,
     DP,
     DPRED,
+    PI_END,
     DK,
     DG,
     DNOISE,
@@ -169,59 +226,34 @@ def _kdn_diag_gain_backward_kernel(
     H,
     KD,
     scale,
+    CHUNK,
     G_HEAD: tl.constexpr,
     HAS_DP: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    # Program (pid, part): tokens [part CHUNK, (part + 1) CHUNK) of head pid, from pi at the
+    # first step after the chunk, PI_END[pid, part] (zeros with one chunk, CHUNK >= T).
     pid = tl.program_id(0)
+    part = tl.program_id(1)
     ch = tl.arange(0, BLOCK_K)
     ch_ok = ch < KD
     rows = tl.arange(0, BLOCK_T)
-    stride = H * KD
-    base = (pid // H).to(tl.int64) * T * stride + (pid % H) * KD
+    base = (pid // H).to(tl.int64) * T * (H * KD) + (pid % H) * KD
     head_base = (pid // H).to(tl.int64) * T * H + pid % H
     p0 = tl.load(P0 + pid * KD + ch, mask=ch_ok, other=0.0)
-    pi_after = tl.zeros([BLOCK_K], dtype=tl.float32)  # pi at the first step after the tile
-    last_start = (T - 1) // BLOCK_T * BLOCK_T
-    for i in range(0, T, BLOCK_T):
-        # Tiles from the last to the first; row 0 is the tile's last step.
-        t = (last_start - i) + (BLOCK_T - 1) - rows
-        row_ok = t < T
-        ok = row_ok[:, None] & ch_ok[None, :]
-        at = base + t.to(tl.int64)[:, None] * stride + ch[None, :]
-        head_at = head_base + t.to(tl.int64) * H
-        has_prev = ok & (t > 0)[:, None]
-        p_prev = tl.load(P + at - stride, mask=has_prev, other=0.0)
-        p_prev = tl.where(has_prev, p_prev, p0[None, :])
-        a, q, c, k, r = _terms(K_, G, NOISE, R, at, head_at, ok, row_ok, scale, G_HEAD)
-        # a_{t+1} (0 past the end: no step follows, no multiplier).
-        after = (t + 1 < T)[:, None] & ch_ok[None, :]
-        if G_HEAD:
-            g_next = tl.load(G + head_at + H, mask=t + 1 < T, other=0.0)
-            g_next = tl.broadcast_to(g_next[:, None], k.shape)
-        else:
-            g_next = tl.load(G + at + stride, mask=after, other=0.0)
-        a_next = tl.where(after, tl.exp(2.0 * g_next), 0.0)
-        # The gain's adjoint, from the recomputed p_bar, w and den.
-        p_bar = a * p_prev + q
-        weighted = p_bar * k
-        den = tl.sum(weighted * k, axis=1) + r
-        d_gain = tl.load(DGAIN + at, mask=ok, other=0.0)
-        d_den = -tl.sum(d_gain * (weighted / den[:, None]), axis=1) / den
-        d_pred = (tl.load(DPRED + head_at, mask=row_ok, other=0.0) + d_den)[:, None]
-        d_weighted = d_gain / den[:, None] + d_pred * k
-        d_k = d_weighted * p_bar + d_pred * weighted
-        # The scan's adjoint: the maps (pi, nu) <- (e + x pi', f + y pi'), pi' = pi_{t+1}.
-        shrink = 1.0 / (c * p_bar + 1.0)
-        slope = shrink * shrink
-        if HAS_DP:
-            d_p = tl.load(DP + at, mask=ok, other=0.0)
-        else:
-            d_p = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-        x, y, e, f = tl.associative_scan(
-            (slope * a_next, a_next, d_weighted * k + slope * d_p, d_p), 0, _pi_nu_then
-        )
+    end_at = (pid.to(tl.int64) * tl.num_programs(1) + part) * KD
+    pi_after = tl.load(PI_END + end_at + ch, mask=ch_ok, other=0.0)
+    for i in range(0, CHUNK, BLOCK_T):
+        # Tiles from the chunk's last to its first; row 0 is the tile's last step.
+        t = part * CHUNK + (CHUNK - BLOCK_T - i) + (BLOCK_T - 1) - rows
+        ok, row_ok, at, head_at, a, c, k, r, p_prev, p_bar, d_den, d_k, x, y, e, f = (
+            _adjoint_rows(
+                K_, G, NOISE, R, P, DGAIN, DP, DPRED, p0, t, ch, ch_ok, base, head_base, T, H,
+                KD, scale, G_HEAD, HAS_DP, BLOCK_T, BLOCK_K,
+            )
+        )  # fmt: skip
+        x, y, e, f = tl.associative_scan((x, y, e, f), 0, _pi_nu_then)
         pi = e + x * pi_after[None, :]
         nu = f + y * pi_after[None, :]
         p_t = 1.0 / (c + 1.0 / p_bar)
@@ -237,12 +269,183 @@ def _kdn_diag_gain_backward_kernel(
         d_r = d_den + tl.sum(tl.where(ok, nu_p * (p_t * c), 0.0), axis=1) / r
         tl.store(DR + head_at, d_r, mask=row_ok)
         pi_after = tl.sum(tl.where(rows[:, None] == BLOCK_T - 1, pi, 0.0), axis=0)
-    # pi_after is pi_1 (the first step) now: dp_prior = a_1 pi_1.
+    # In the first chunk pi_after is pi_1 (the first step) now: dp_prior = a_1 pi_1.
     if G_HEAD:
         g0 = tl.load(G + head_base + 0 * ch, mask=ch_ok, other=0.0)
     else:
         g0 = tl.load(G + base + ch, mask=ch_ok, other=0.0)
-    tl.store(DP0 + pid * KD + ch, tl.exp(2.0 * g0) * pi_after, mask=ch_ok)
+    first = ch_ok & (part + 0 * ch == 0)  # a vector mask (the interpreter refuses a scalar's)
+    tl.store(DP0 + pid * KD + ch, tl.exp(2.0 * g0) * pi_after, mask=first)
+
+
+# --- Split over T: the chunks' composed maps and the carries across chunks ---------------------
+#
+# With the kernels above on a grid of (B H, chunks), each chunk of CHUNK tokens (a multiple of
+# BLOCK_T) needs the scan's value at its boundary: p at its first step forward, pi after its
+# last step backward. Two small passes give them. (1) A program per (head, chunk) composes its
+# chunk's maps per channel, tile by tile (the tile's prefix scan, as the kernels above run it,
+# then the running product times its last row), and writes the composed map: forward the
+# normalized Mobius matrix (A, B, C, D) `[B H, chunks, 4, K]`, backward the pi part (X, E)
+# `[B H, chunks, 2, K]` of the adjoint's affine maps (nu does not cross tiles or chunks). (2) A
+# program per head walks its chunks in order (forward) or in reverse (backward), applying
+# each composed map to the carried scalar: nchunks sequential steps of K channels. Then the
+# kernels above rescan each chunk from its carry, as one program per head would have.
+#
+# Precision across chunks. Forward, the composed map is a product of the chunk's normalized
+# non-negative matrices, renormalized after every product (mobius/triton.py's `_compose`): its
+# entries stay in [0, 1] and sum to 1 whatever the evidence, and with nothing to cancel each
+# entry keeps a relative error of ~4 eps per product on its path (log2 BLOCK_T within a tile,
+# then one per tile of the chunk). It is applied to the carried p as (p / s, 1 / s),
+# s = max(p, 1), as inside the kernels, so no p overflows it; and since the map's
+# |d log f / d log p| <= 1 (det = prod a >= 0), a relative error of the carry is passed on
+# unchanged at worst (shrunk by decay and evidence): the carries' errors add over the chunks,
+# as the tiles' errors do in the one-program kernel. A reset (g = -inf, a = 0) makes A = C = 0:
+# the composed map is then constant (B / D), as the carry ignores p, exactly. Backward, X is a
+# product of x = s a <= 1 (only shrinks; its underflow to 0 is the true limit) and E a
+# positive combination of the rows' e (their own signs, as in the float64 reference): no
+# cancellation beyond the reference's, no overflow, the same arithmetic as inside a tile.
+
+
+@triton.jit
+def _kdn_diag_gain_chunk_maps_kernel(
+    K_,
+    G,
+    NOISE,
+    R,
+    MAPS,
+    T,
+    H,
+    KD,
+    scale,
+    CHUNK,
+    G_HEAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """MAPS[pid, part] = the normalized product of the maps of chunk `part`'s steps."""
+    pid = tl.program_id(0)
+    part = tl.program_id(1)
+    ch = tl.arange(0, BLOCK_K)
+    ch_ok = ch < KD
+    rows = tl.arange(0, BLOCK_T)
+    stride = H * KD
+    base = (pid // H).to(tl.int64) * T * stride + (pid % H) * KD
+    head_base = (pid // H).to(tl.int64) * T * H + pid % H
+    last = rows[:, None] == BLOCK_T - 1
+    # The identity; steps past T load the identity too (a = 1, q = c = 0).
+    ma = tl.full([BLOCK_K], 1.0, tl.float32)
+    mb = tl.zeros([BLOCK_K], dtype=tl.float32)
+    mc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    md = tl.full([BLOCK_K], 1.0, tl.float32)
+    for start in range(0, CHUNK, BLOCK_T):
+        t = part * CHUNK + start + rows
+        row_ok = t < T
+        ok = row_ok[:, None] & ch_ok[None, :]
+        at = base + t.to(tl.int64)[:, None] * stride + ch[None, :]
+        head_at = head_base + t.to(tl.int64) * H
+        a, q, c, _, _ = _terms(K_, G, NOISE, R, at, head_at, ok, row_ok, scale, G_HEAD)
+        ta, tb, tc, td = _normalize(a, q, c * a, c * q + 1.0)
+        ta, tb, tc, td = tl.associative_scan((ta, tb, tc, td), 0, _compose)
+        ma, mb, mc, md = _compose(
+            ma, mb, mc, md,
+            tl.sum(tl.where(last, ta, 0.0), axis=0), tl.sum(tl.where(last, tb, 0.0), axis=0),
+            tl.sum(tl.where(last, tc, 0.0), axis=0), tl.sum(tl.where(last, td, 0.0), axis=0),
+        )  # fmt: skip
+    at = (pid.to(tl.int64) * tl.num_programs(1) + part) * 4 * KD + ch
+    tl.store(MAPS + at, ma, mask=ch_ok)
+    tl.store(MAPS + at + KD, mb, mask=ch_ok)
+    tl.store(MAPS + at + 2 * KD, mc, mask=ch_ok)
+    tl.store(MAPS + at + 3 * KD, md, mask=ch_ok)
+
+
+@triton.jit
+def _kdn_diag_gain_chunk_starts_kernel(
+    MAPS, P0, P_START, PARTS, KD, BLOCK_K: tl.constexpr
+):  # fmt: skip
+    """P_START[pid, part] = p before chunk `part`: p_prior, then each chunk's map applied."""
+    pid = tl.program_id(0)
+    ch = tl.arange(0, BLOCK_K)
+    ch_ok = ch < KD
+    p = tl.load(P0 + pid * KD + ch, mask=ch_ok, other=1.0)
+    for part in range(0, PARTS):
+        row = pid.to(tl.int64) * PARTS + part
+        tl.store(P_START + row * KD + ch, p, mask=ch_ok)
+        at = row * 4 * KD + ch
+        ma = tl.load(MAPS + at, mask=ch_ok, other=1.0)
+        mb = tl.load(MAPS + at + KD, mask=ch_ok, other=0.0)
+        mc = tl.load(MAPS + at + 2 * KD, mask=ch_ok, other=0.0)
+        md = tl.load(MAPS + at + 3 * KD, mask=ch_ok, other=1.0)
+        size = tl.maximum(p, 1.0)
+        v0 = p / size
+        v1 = 1.0 / size
+        p = (ma * v0 + mb * v1) / (mc * v0 + md * v1)
+
+
+@triton.jit
+def _kdn_diag_gain_chunk_adjoints_kernel(
+    K_,
+    G,
+    NOISE,
+    R,
+    P0,
+    P,
+    DGAIN,
+    DP,
+    DPRED,
+    MAPS,
+    T,
+    H,
+    KD,
+    scale,
+    CHUNK,
+    G_HEAD: tl.constexpr,
+    HAS_DP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """MAPS[pid, part] = (X, E): pi at chunk `part`'s first step is E + X pi', pi' = pi after
+    its last step."""
+    pid = tl.program_id(0)
+    part = tl.program_id(1)
+    ch = tl.arange(0, BLOCK_K)
+    ch_ok = ch < KD
+    rows = tl.arange(0, BLOCK_T)
+    base = (pid // H).to(tl.int64) * T * (H * KD) + (pid % H) * KD
+    head_base = (pid // H).to(tl.int64) * T * H + pid % H
+    p0 = tl.load(P0 + pid * KD + ch, mask=ch_ok, other=0.0)
+    last = rows[:, None] == BLOCK_T - 1
+    slope = tl.full([BLOCK_K], 1.0, tl.float32)  # the identity pi -> 0 + 1 pi
+    total = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for i in range(0, CHUNK, BLOCK_T):
+        t = part * CHUNK + (CHUNK - BLOCK_T - i) + (BLOCK_T - 1) - rows
+        _, _, _, _, _, _, _, _, _, _, _, _, x, _, e, _ = _adjoint_rows(
+            K_, G, NOISE, R, P, DGAIN, DP, DPRED, p0, t, ch, ch_ok, base, head_base, T, H, KD,
+            scale, G_HEAD, HAS_DP, BLOCK_T, BLOCK_K,
+        )  # fmt: skip
+        x, e = tl.associative_scan((x, e), 0, _then_affine)
+        # This tile (earlier in time) after the running map of the later tiles.
+        slope, total = _then_affine(
+            slope, total, tl.sum(tl.where(last, x, 0.0), axis=0),
+            tl.sum(tl.where(last, e, 0.0), axis=0),
+        )  # fmt: skip
+    at = (pid.to(tl.int64) * tl.num_programs(1) + part) * 2 * KD + ch
+    tl.store(MAPS + at, slope, mask=ch_ok)
+    tl.store(MAPS + at + KD, total, mask=ch_ok)
+
+
+@triton.jit
+def _kdn_diag_gain_chunk_ends_kernel(MAPS, PI_END, PARTS, KD, BLOCK_K: tl.constexpr):
+    """PI_END[pid, part] = pi after chunk `part`: 0 after the last, then back chunk by chunk."""
+    pid = tl.program_id(0)
+    ch = tl.arange(0, BLOCK_K)
+    ch_ok = ch < KD
+    pi = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for i in range(0, PARTS):
+        row = pid.to(tl.int64) * PARTS + (PARTS - 1 - i)
+        tl.store(PI_END + row * KD + ch, pi, mask=ch_ok)
+        slope = tl.load(MAPS + row * 2 * KD + ch, mask=ch_ok, other=0.0)
+        total = tl.load(MAPS + row * 2 * KD + KD + ch, mask=ch_ok, other=0.0)
+        pi = total + slope * pi
 
 
 def launch(key_dim: int, length: int, kernel: str) -> tuple[int, int, int]:
@@ -255,24 +458,84 @@ def launch(key_dim: int, length: int, kernel: str) -> tuple[int, int, int]:
     return block_t, block_k, warps
 
 
+# Splitting T. The split kernels re-read a chunk's inputs once more each way (for the chunk's
+# composed map: forward k, g, q_noise, r; backward those, p, dgain, dp) and add two tiny passes,
+# ~1.6x the one-program kernel's traffic forward (8 [B, T, H, K] tensors for its 5) and ~1.7x
+# backward (15 for 9, with dp), for B H chunks programs instead of B H. Measured on the H200 before the split (bench_kdn_triton.py, float32, T=4096, K=128,
+# forward / forward+backward ms): the one-program kernel at 32 (sequence, head) programs (the
+# 340M preset) 2.15 / 3.97 against 1.04 / 2.84 for the separate ops around the Triton scan, at
+# 64 programs 2.24 / 4.23 against 1.53 / 4.57, at 16 programs and T=32768 16.7 / 30.9 against
+# 4.15 / 11.0; the memory floor at 340M is ~0.2 / ~0.6 ms. One program per head streams at one
+# SM's bandwidth, so `kdn_diag_gain` splits T below SPLIT_GAIN_BELOW_PROGRAMS (two per SM of an
+# H200's 132) and keeps one program per head from there, where the split's extra traffic would
+# cost more than its parallelism gains. Not yet measured: bench_kdn_triton.py times both
+# (`split=True` / `split=False`) beside the separate ops, to set this and
+# gains.FUSED_GAIN_MIN_PROGRAMS.
+SPLIT_GAIN_BELOW_PROGRAMS = 264
+# The split's chunk (tokens per program): a power of 2 giving about SPLIT_GAIN_PROGRAMS programs
+# (~8 per SM), at least SPLIT_GAIN_MIN_CHUNK tokens (the carry pass walks T / chunk steps) and a
+# tile: 128 tokens at the 340M preset's T = 4096 (1024 programs), 512 at B=1 H=16 T=32768.
+SPLIT_GAIN_PROGRAMS = 1024
+SPLIT_GAIN_MIN_CHUNK = 64
+# Warps of the carry passes' programs (one head, all K channels, T / chunk sequential steps).
+CARRY_WARPS = 4
+
+
+def split_gain(batch_heads: int) -> bool:
+    """Whether `kdn_diag_gain` splits T for B H (sequence, head) pairs by default."""
+    return batch_heads < SPLIT_GAIN_BELOW_PROGRAMS
+
+
+def chunk_tokens(batch_heads: int, length: int, block_t: int) -> int:
+    """The split's default tokens per program (a power of 2 and a multiple of block_t)."""
+    want = triton.next_power_of_2(triton.cdiv(batch_heads * length, SPLIT_GAIN_PROGRAMS))
+    return max(want, SPLIT_GAIN_MIN_CHUNK, block_t)
+
+
+def _chunks(
+    batch_heads: int, length: int, block_t: int, split: bool, chunk: int | None
+) -> tuple[int, int, int]:
+    """(BLOCK_T, CHUNK, chunks) of one direction: one chunk of T (rounded up to the tile) without
+    the split, or when T fits a chunk."""
+    if split:
+        chunk = chunk or chunk_tokens(batch_heads, length, block_t)
+        block_t = min(block_t, chunk)  # powers of 2: the chunk is a multiple of the tile
+        if chunk < length:
+            return block_t, chunk, triton.cdiv(length, chunk)
+    return block_t, triton.cdiv(length, block_t) * block_t, 1
+
+
 class _KDNDiagGain(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, k, g, q_noise, r, p_prior, scale, block_t):
+    def forward(ctx, k, g, q_noise, r, p_prior, scale, block_t, split, chunk):
         # k, q_noise: contiguous [B, T, H, K]; g: [B, T, H, K] or [B, T, H]; r: [B, T, H];
         # p_prior: [B, H, K]; all float32, validated.
         batch, length, heads, key_dim = k.shape
         tile_t, block_k, warps = launch(key_dim, length, "forward")
+        bh = batch * heads
+        tile_t, chunk_t, parts = _chunks(bh, length, block_t or tile_t, split, chunk)
+        g_head = g.dim() == 3
         # Every element is written by the kernel: no fill pass.
         gain, p = torch.empty_like(k), torch.empty_like(k)
         predictive = k.new_empty(batch, length, heads)
+        starts = p_prior  # p at each chunk's start, [B H, chunks, K]
+        if k.numel() and parts > 1:
+            maps = k.new_empty(bh, parts, 4, key_dim)
+            _kdn_diag_gain_chunk_maps_kernel[(bh, parts)](
+                k, g, q_noise, r, maps, length, heads, key_dim, scale, chunk_t, G_HEAD=g_head,
+                BLOCK_T=tile_t, BLOCK_K=block_k, num_warps=warps,
+            )  # fmt: skip
+            starts = k.new_empty(bh, parts, key_dim)
+            _kdn_diag_gain_chunk_starts_kernel[(bh,)](
+                maps, p_prior, starts, parts, key_dim, BLOCK_K=block_k, num_warps=CARRY_WARPS
+            )
         if k.numel():
-            _kdn_diag_gain_forward_kernel[(batch * heads,)](
-                k, g, q_noise, r, p_prior, gain, p, predictive, length, heads, key_dim, scale,
-                G_HEAD=g.dim() == 3, BLOCK_T=block_t or tile_t, BLOCK_K=block_k,
-                num_warps=warps,
+            _kdn_diag_gain_forward_kernel[(bh, parts)](
+                k, g, q_noise, r, starts, gain, p, predictive, length, heads, key_dim, scale,
+                chunk_t, G_HEAD=g_head, BLOCK_T=tile_t, BLOCK_K=block_k, num_warps=warps,
             )  # fmt: skip
         ctx.save_for_backward(k, g, q_noise, r, p_prior, p)
-        ctx.scale, ctx.block_t = scale, block_t
+        ctx.scale, ctx.block_t, ctx.split, ctx.chunk = scale, block_t, split, chunk
         # An output the loss does not reach comes back as None, not as zeros: p in training (the
         # layers keep only its last step, as their state's precision).
         ctx.set_materialize_grads(False)
@@ -284,19 +547,37 @@ class _KDNDiagGain(torch.autograd.Function):
         k, g, q_noise, r, p_prior, p = ctx.saved_tensors
         batch, length, heads, key_dim = k.shape
         tile_t, block_k, warps = launch(key_dim, length, "backward")
+        bh = batch * heads
+        tile_t, chunk_t, parts = _chunks(bh, length, ctx.block_t or tile_t, ctx.split, ctx.chunk)
+        g_head = g.dim() == 3
         d_gain = torch.zeros_like(k) if d_gain is None else d_gain.contiguous()
         d_pred = r.new_zeros(r.shape) if d_pred is None else d_pred.contiguous()
         grads = [torch.empty_like(x) for x in (k, g, q_noise, r, p_prior)]
         # Without dp, HAS_DP=False never reads DP: dgain stands in for the pointer.
         has_dp = d_p is not None
         d_p = d_p.contiguous() if has_dp else d_gain
-        if k.numel():
-            _kdn_diag_gain_backward_kernel[(batch * heads,)](
-                k, g, q_noise, r, p_prior, p, d_gain, d_p, d_pred, *grads, length, heads,
-                key_dim, ctx.scale, G_HEAD=g.dim() == 3, HAS_DP=has_dp,
-                BLOCK_T=ctx.block_t or tile_t, BLOCK_K=block_k, num_warps=warps,
+        if not k.numel():
+            return (*grads, None, None, None, None)
+        # pi after each chunk's last step, [B H, chunks, K] (0 after the last chunk).
+        if parts > 1:
+            maps = k.new_empty(bh, parts, 2, key_dim)
+            _kdn_diag_gain_chunk_adjoints_kernel[(bh, parts)](
+                k, g, q_noise, r, p_prior, p, d_gain, d_p, d_pred, maps, length, heads,
+                key_dim, ctx.scale, chunk_t, G_HEAD=g_head, HAS_DP=has_dp, BLOCK_T=tile_t,
+                BLOCK_K=block_k, num_warps=warps,
             )  # fmt: skip
-        return (*grads, None, None)
+            ends = k.new_empty(bh, parts, key_dim)
+            _kdn_diag_gain_chunk_ends_kernel[(bh,)](
+                maps, ends, parts, key_dim, BLOCK_K=block_k, num_warps=CARRY_WARPS
+            )
+        else:
+            ends = k.new_zeros(bh, 1, key_dim)
+        _kdn_diag_gain_backward_kernel[(bh, parts)](
+            k, g, q_noise, r, p_prior, p, d_gain, d_p, d_pred, ends, *grads, length, heads,
+            key_dim, ctx.scale, chunk_t, G_HEAD=g_head, HAS_DP=has_dp, BLOCK_T=tile_t,
+            BLOCK_K=block_k, num_warps=warps,
+        )  # fmt: skip
+        return (*grads, None, None, None, None)
 
 
 def kdn_diag_gain(
@@ -307,13 +588,21 @@ def kdn_diag_gain(
     p_prior: torch.Tensor,
     info_scale: float,
     block_t: int | None = None,
+    split: bool | None = None,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(gain `[B, T, H, K]`, p `[B, T, H, K]`, predictive `[B, T, H]`) of Diagonal KDN, as
     `gains.diag_gain`: k, q_noise `[B, T, H, K]`, g `[B, T, H(, K)]`, r `[B, T, H]`, p_prior
     `[B, H, K]`, float32, validated. `block_t` (a power of 2 >= 2) overrides the tokens per tile
-    of both kernels (tests, tuning)."""
+    of both kernels (tests, tuning). `split`: T split into chunks of `chunk` tokens (a power of
+    2 >= 2; default `chunk_tokens`), one program each, with the carry passes (True), or one
+    program per (sequence, head) walking all T (False); None: `split_gain(B H)`."""
+    if split is None:
+        split = split_gain(k.shape[0] * k.shape[2])
+    if chunk is not None and (chunk < 2 or chunk & (chunk - 1)):
+        raise ValueError(f"chunk must be a power of 2 >= 2, got {chunk}")
     inputs = [x.contiguous() for x in (k, g, q_noise, r, p_prior)]
-    return _KDNDiagGain.apply(*inputs, float(info_scale), block_t)
+    return _KDNDiagGain.apply(*inputs, float(info_scale), block_t, bool(split), chunk)
 
 
 # --- Isotropic KDN: the pre-scan terms -------------------------------------------------------
