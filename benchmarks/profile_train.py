@@ -129,11 +129,16 @@ def training_step(
     """The model, its AdamW and one training step: forward and loss on random token ids
     `[batch, seq_len]` under bf16 autocast, backward, AdamW, gradients set to None.
 
+    The loss is `deltalab train`'s (`deltalab.train.loop._loss`): windows of seq_len + 1 random
+    ids, the model reading the first seq_len and predicting the next token at each of them,
+    the LM head and the cross-entropy in chunks inside the forward (no `[B, T, vocab]` logits).
+
     autocast: None autocasts on CUDA only (as `deltalab train`); benchmarks/traffic.py asks for
     it on CPU, where it gives CPU autocast the CUDA op lists. Tensors are made on `device` (or
     by whatever tensor mode is active, e.g. fake tensors).
     """
     from deltalab.models import CausalLM, build_config
+    from deltalab.train import loop
 
     torch.manual_seed(0)
     overrides = {} if num_layers is None else {"num_layers": num_layers}
@@ -143,12 +148,13 @@ def training_step(
         model = model.to(device)
     forward = torch.compile(model) if compile else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, model.config.vocab_size, (batch, seq_len), device=device)
+    window = torch.randint(0, model.config.vocab_size, (batch, seq_len + 1), device=device)
     enabled = device == "cuda" if autocast is None else autocast
 
     def step() -> None:
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=enabled):
-            loss = forward(input_ids=ids, labels=ids).loss
+        loss = loop._loss(
+            forward, window, torch.autocast(device, dtype=torch.bfloat16, enabled=enabled)
+        )
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -23,6 +23,7 @@ from deltalab.layers.common import RMSNorm
 from deltalab.models.cache import RecurrentCache
 from deltalab.models.config import DeltaLabConfig
 from deltalab.models.mixers import build_mixer
+from deltalab.ops.lm_loss import linear_cross_entropy
 from deltalab.ops.norms import layer_backend
 from deltalab.ops.swiglu import swiglu
 
@@ -221,12 +222,27 @@ class CausalLM(DeltaLabPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int = 0,
+        *,
+        shift_labels: torch.LongTensor | None = None,
+        return_logits: bool = True,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
         """input_ids `[B, T]` -> logits `[B, T, vocab]` (float32), loss when labels are given.
 
         labels `[B, T]` are shifted inside (position t predicts labels[t + 1]); -100 is ignored.
+        shift_labels `[B, T]` instead: the targets already aligned with the positions (position
+        t predicts shift_labels[t]), as transformers' loss functions take them; the trainer
+        passes window[:, 1:] for input_ids window[:, :-1], so every position has a target.
+
+        return_logits=False (with labels or shift_labels) asks for the loss only: logits is None
+        and the loss comes from `deltalab.ops.lm_loss.linear_cross_entropy`, the LM head and the
+        cross-entropy in chunks of tokens, so that no `[B, T, vocab]` tensor is made (the
+        training path). The loss equals the default path's to rounding.
         """
+        if labels is not None and shift_labels is not None:
+            raise ValueError("give labels or shift_labels, not both")
+        if not return_logits and labels is None and shift_labels is None:
+            raise ValueError("return_logits=False needs labels or shift_labels: nothing to return")
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -237,13 +253,24 @@ class CausalLM(DeltaLabPreTrainedModel, GenerationMixin):
         hidden = out.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        logits = self.lm_head(hidden).float()
-        loss = None
+        targets = shift_labels
         if labels is not None:
             # Token t predicts label t + 1: the labels shift left and the last position is
             # ignored, rather than slicing the logits, whose float32 slice would be copied by
             # flatten and copied again by its backward (a full [B, T, vocab] each way).
             targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+        if targets is not None and logits_to_keep:
+            targets = targets[:, -logits_to_keep:]
+        if not return_logits:
+            loss = linear_cross_entropy(
+                hidden.flatten(0, 1), self.lm_head.weight, targets.flatten(), ignore_index=-100
+            )
+            return CausalLMOutputWithPast(
+                loss=loss, logits=None, past_key_values=out.past_key_values
+            )
+        logits = self.lm_head(hidden).float()
+        loss = None
+        if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
 

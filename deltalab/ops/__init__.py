@@ -10,6 +10,7 @@ from deltalab.ops.kdn import (
     kdn_iso,
     kdn_iso_step,
 )
+from deltalab.ops.lm_loss import linear_cross_entropy
 from deltalab.ops.mobius import mobius_scan
 from deltalab.ops.short_conv import short_conv
 
@@ -23,6 +24,7 @@ __all__ = [
     "kdn_gain_iso",
     "kdn_iso",
     "kdn_iso_step",
+    "linear_cross_entropy",
     "mobius_scan",
     "short_conv",
 ]

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -148,10 +147,15 @@ def _autocast(config: RunConfig, ctx: Distributed):
 
 
 def _loss(model, window: torch.Tensor, autocast) -> torch.Tensor:
-    """Mean next-token cross-entropy of windows `[B, T + 1]`."""
+    """Mean next-token cross-entropy of windows `[B, T + 1]`: the model reads window[:, :-1]
+    and each of its T positions predicts the next token, window[:, 1:] (passed as shift_labels:
+    CausalLM's labels would shift inside and leave the last position without a target).
+
+    The loss is computed inside the model's forward (return_logits=False: the LM head and the
+    cross-entropy in chunks, no `[B, T, vocab]` logits), so DDP sees one forward and FSDP2 has
+    the root's parameters, the LM head's among them, unsharded around it."""
     with autocast:
-        logits = model(input_ids=window[:, :-1]).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), window[:, 1:].flatten())
+        return model(input_ids=window[:, :-1], shift_labels=window[:, 1:], return_logits=False).loss
 
 
 @torch.no_grad()
