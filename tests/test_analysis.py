@@ -556,15 +556,114 @@ def test_probes_replay_the_layers_before_the_probed_one(generator, monkeypatch):
                 return gates
 
             layer.register_gate_hook(count)
-    replayed = gate_sensitivity(model, batch, probes=2, seed=3)
+    replayed = gate_sensitivity(model, batch, probes=2, seed=3, per_pass=1)
     gates = len(replayed.gates)  # erase, write, g in every layer
     assert gates == 3
     assert computed == {f"layers.{i}": 1 + (i + 1) * gates * 2 for i in range(3)}
     assert not any("forward" in vars(layer) for layer in model.layers)
 
     monkeypatch.setattr(module, "_replaying", lambda calls: contextlib.nullcontext())
-    full = gate_sensitivity(model, batch, probes=2, seed=3)
+    full = gate_sensitivity(model, batch, probes=2, seed=3, per_pass=1)
     assert computed["layers.0"] == 2 + (1 + 3) * gates * 2  # the full run computes every layer
     for kind in ("state", "loss"):
         for layer, values in getattr(full, kind).items():
             assert getattr(replayed, kind)[layer] == pytest.approx(values, rel=1e-12)
+
+
+@torch.no_grad()
+def test_batched_probes_compute_each_layer_once_per_pass_and_replay_the_earlier_ones(generator):
+    """With per_pass directions in one pass, a layer computes once for the recording and once
+    per pass of itself and of every later-probed layer: by default (per_pass = probes) one pass
+    per gate, with per_pass = gates * probes one pass per layer."""
+    model = Stack(seeded(GatedDeltaNet2, 0), seeded(GatedDeltaNet2, 1), seeded(GatedDeltaNet2, 2))
+    batch = make_batch(generator)
+    computed = {}
+    for name, layer in model.named_modules():
+        if isinstance(layer, DeltaMixer):
+            computed[name] = 0
+
+            def count(gates, name=name):
+                computed[name] += 1
+                return gates
+
+            layer.register_gate_hook(count)
+    gates, probes = 3, 2  # erase, write, g in every layer
+    gate_sensitivity(model, batch, probes=probes, seed=3)
+    assert computed == {f"layers.{i}": 1 + (i + 1) * gates for i in range(3)}
+    computed.update(dict.fromkeys(computed, 0))
+    gate_sensitivity(model, batch, probes=probes, seed=3, per_pass=gates * probes)
+    assert computed == {f"layers.{i}": 1 + (i + 1) for i in range(3)}
+    assert not any("forward" in vars(layer) for layer in model.layers)
+
+
+def assert_same_reports(got, expected, rel):
+    assert got.layers == expected.layers and got.gates == expected.gates
+    for kind in ("state", "loss"):
+        for layer, values in getattr(expected, kind).items():
+            assert list(getattr(got, kind)[layer]) == list(values)
+            assert getattr(got, kind)[layer] == pytest.approx(values, rel=rel, abs=0)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mixer", ["muir", "gdn2", "kdn_diag"])
+def test_batched_probes_give_the_numbers_of_one_pass_per_direction_float32(mixer, generator):
+    """Batching directions into one forward pass (per_pass > 1: torch.func.jvp under vmap, the
+    primal once) reports what one forward_ad pass per direction reports, with the same random
+    directions, up to float32 rounding: fresh random language models, per_pass dividing the
+    probes, straddling gates, or taking every direction of a layer at once."""
+    with torch.random.fork_rng():
+        torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=generator)))
+        config = build_config(
+            "tiny", mixer=mixer, hidden_size=32, num_layers=2, num_heads=2, head_dim=16,
+            chunk_size=16,
+        )  # fmt: skip
+        model = CausalLM(config).eval()
+    batch = torch.randint(0, config.vocab_size, (2, 41), generator=generator)
+
+    def report(per_pass):
+        return gate_sensitivity(
+            model, batch, loss_fn=lambda m, b: m(input_ids=b, labels=b).loss, probes=3, seed=7,
+            per_pass=per_pass,
+        )  # fmt: skip
+
+    one = report(1)
+    for per_pass in (None, 2, 100):
+        assert_same_reports(report(per_pass), one, rel=1e-5)
+
+
+@torch.no_grad()
+def test_batched_probes_give_the_numbers_of_one_pass_per_direction_float64(generator):
+    """The same in float64, to 1e-12, with a direction function that reads the gate values
+    (the recording pass hands it the values the probes see) and a read gate that never moves
+    the memory (0 in both)."""
+    model, batch = gdn2_muir_stack(), make_batch(generator, length=23)
+
+    def along_the_gate(layer, gate, value):
+        return value / value.flatten(2).norm(dim=-1)[(..., *[None] * (value.dim() - 2))]
+
+    for direction in (None, along_the_gate):
+        one = gate_sensitivity(model, batch, probes=2, seed=4, direction=direction, per_pass=1)
+        for per_pass in (None, 3, 7):
+            batched = gate_sensitivity(
+                model, batch, probes=2, seed=4, direction=direction, per_pass=per_pass
+            )
+            assert_same_reports(batched, one, rel=1e-12)
+        assert one.state["layers.1"]["read"] == batched.state["layers.1"]["read"] == 0
+
+
+@torch.no_grad()
+def test_batched_probes_fall_back_to_one_pass_per_direction_where_vmap_fails(generator):
+    """A loss that vmap cannot go through (here a random op, which vmap refuses) gets a warning and one forward_ad pass per direction, with the same directions: the report of
+    per_pass=1."""
+    model, batch = gdn2_muir_stack(), make_batch(generator, length=11)
+
+    def loss_fn(model, batch):
+        loss = model(batch)
+        return loss + 0 * torch.rand((), dtype=loss.dtype)
+
+    one = gate_sensitivity(model, batch, loss_fn=loss_fn, probes=2, seed=2, per_pass=1)
+    with pytest.warns(RuntimeWarning, match="batched probes failed"):
+        batched = gate_sensitivity(model, batch, loss_fn=loss_fn, probes=2, seed=2)
+    assert batched == one
+    assert not any("forward" in vars(layer) for layer in model.layers)
+    assert not any(layer._gate_hooks for layer in model.layers)

@@ -93,6 +93,22 @@ def test_same_seed_gives_the_same_numbers_and_another_seed_others(tmp_path):
     assert "init" not in first and first["init_seed"] is None
 
 
+def test_per_pass_batches_the_probes_and_reports_the_same_numbers(tmp_path):
+    """per_pass only groups the probes' derivatives into forward passes: one pass per direction
+    (1), the default (one gate's probes a pass) and every direction of a layer at once agree up
+    to float32 rounding; 0 is refused."""
+    checkpoint = save_micro(tmp_path / "muir", "muir")
+    one = run(tmp_path, checkpoint, seed=3, at_init=False, per_pass=1).metrics["trained"]
+    for per_pass in (None, 8):
+        batched = run(tmp_path, checkpoint, seed=3, at_init=False, per_pass=per_pass).metrics
+        for name, layer in one["layers"].items():
+            for kind in ("state", "loss"):
+                got = batched["trained"]["layers"][name][kind]
+                assert got == pytest.approx(layer[kind], rel=1e-5, abs=0)
+    with pytest.raises(ValueError, match="per_pass"):
+        settings(tmp_path, per_pass=0)
+
+
 def test_init_is_the_runs_own_initialization(tmp_path):
     """A checkpoint beside a run config with train.seed = 5 is compared with the weights
     `deltalab train` draws for seed 5: a checkpoint that is exactly that initialization gives the

@@ -28,9 +28,11 @@ import contextlib
 import itertools
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from fractions import Fraction
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -221,12 +223,24 @@ def _scalar_loss(loss_fn: LossFn, model: nn.Module, batch: Any) -> torch.Tensor:
 
 
 def _gate_names(
-    model: nn.Module, batch: Any, loss_fn: LossFn, layers: list[tuple[str, DeltaMixer]]
-) -> tuple[dict[str, list[str]], list[tuple[DeltaMixer, Any]] | None]:
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    layers: list[tuple[str, DeltaMixer]],
+    keep_values: bool = False,
+) -> tuple[
+    dict[str, list[str]],
+    list[tuple[DeltaMixer, Any]] | None,
+    dict[str, dict[str, torch.Tensor]],
+]:
     """Runs the model once and records each layer's gate names (layers never called: none),
-    and every delta-rule layer's output in call order for `_replaying` (None when a layer is
-    called more than once per loss: then no output stands for all of its calls)."""
+    every delta-rule layer's output in call order for `_replaying` (None when a layer is
+    called more than once per loss: then no output stands for all of its calls), and each
+    layer's gates as its first call computed them: the values themselves with `keep_values`
+    (a `direction` function may read them), else zero-stride stand-ins of their shape, dtype
+    and device, which is all `unit_directions` reads."""
     names: dict[str, list[str]] = {name: [] for name, _ in layers}
+    values: dict[str, dict[str, torch.Tensor]] = {name: {} for name, _ in layers}
     calls: list[tuple[DeltaMixer, Any]] = []
 
     def record(module: nn.Module, args: Any, output: Any) -> None:
@@ -234,14 +248,14 @@ def _gate_names(
 
     with contextlib.ExitStack() as stack:
         for name, layer in layers:
-            stack.enter_context(_recording(layer, names[name]))
+            stack.enter_context(_recording(layer, names[name], values[name], keep_values))
         for module in model.modules():
             if isinstance(module, DeltaMixer):
                 stack.callback(module.register_forward_hook(record).remove)
         with torch.no_grad():
             _scalar_loss(loss_fn, model, batch)
     once = len({id(layer) for layer, _ in calls}) == len(calls)
-    return names, calls if once else None
+    return names, calls if once else None, values
 
 
 @contextlib.contextmanager
@@ -269,12 +283,23 @@ def _replaying(calls: Sequence[tuple[DeltaMixer, Any]]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _recording(layer: DeltaMixer, names: list[str]) -> Iterator[None]:
+def _recording(
+    layer: DeltaMixer,
+    names: list[str],
+    values: dict[str, torch.Tensor] | None = None,
+    keep_values: bool = False,
+) -> Iterator[None]:
     """Appends the names of the gates `layer` computes to `names`, changing nothing else (for a
-    KDN layer: its noise model, the gates `perturb_gate` can move)."""
+    KDN layer: its noise model, the gates `perturb_gate` can move); with `values`, also keeps
+    each gate of the first call there (see `_gate_names`)."""
 
     def recorded(gates: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         names.extend(g for g in gates if g not in names)
+        if values is not None:
+            for g, value in gates.items():
+                if g not in values:
+                    stand_in = torch.zeros((), dtype=value.dtype, device=value.device)
+                    values[g] = value if keep_values else stand_in.expand(value.shape)
         return gates
 
     handle = layer.register_gate_hook(recorded)
@@ -282,6 +307,16 @@ def _recording(layer: DeltaMixer, names: list[str]) -> Iterator[None]:
         yield
     finally:
         handle.remove()
+
+
+def _checked(d: torch.Tensor, gate: str, value: torch.Tensor) -> torch.Tensor:
+    """The direction d for `gate`, refused unless it has the gate value's shape."""
+    if d.shape != value.shape:
+        raise ValueError(
+            f"direction for gate {gate!r} must have shape {tuple(value.shape)}, "
+            f"got {tuple(d.shape)}"
+        )
+    return d
 
 
 def _probe(
@@ -297,12 +332,7 @@ def _probe(
 
     def delta(value: torch.Tensor) -> torch.Tensor:
         nonlocal tokens
-        d = direction(value)
-        if d.shape != value.shape:
-            raise ValueError(
-                f"direction for gate {gate!r} must have shape {tuple(value.shape)}, "
-                f"got {tuple(d.shape)}"
-            )
+        d = _checked(direction(value), gate, value)
         tokens += value.shape[0] * value.shape[1]
         # A dual number: primal 0, tangent d; the model carries d/d eps along exactly.
         return fwAD.make_dual(torch.zeros_like(value), d.to(value.dtype))
@@ -323,6 +353,105 @@ def _probe(
     state_sq = 0.0 if memory_tangent is None else memory_tangent.double().square().sum().item()
     loss_sq = 0.0 if loss_tangent is None else loss_tangent.double().square().item()
     return state_sq / tokens, loss_sq / tokens
+
+
+@contextlib.contextmanager
+def _formula_norms() -> Iterator[None]:
+    """Inside the block the norms' torch path (`deltalab.layers.common.rms_norm`) is the formula
+    (`rms_norm_reference`), left to autograd. torch.func's transforms (`_batched_probes`) go
+    only through autograd Functions written with `setup_context`, which the torch path's
+    `_RMSNormFunction` is not; the formula computes the same output bit for bit (its tangent
+    through torch's own derivatives: the same up to rounding). Restored on exit."""
+    from deltalab.layers import common
+
+    original = common.rms_norm
+    common.rms_norm = common.rms_norm_reference
+    try:
+        yield
+    finally:
+        common.rms_norm = original
+
+
+def _batched_probes(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    layer: DeltaMixer,
+    jobs: Sequence[tuple[str, torch.Tensor]],
+    tokens: int,
+) -> list[tuple[float, float]]:
+    """What `_probe` gives for each (gate, direction) of `jobs`, all from one forward pass.
+
+    The directions are the tangents of one batched forward-mode derivative (`torch.func.jvp`
+    under `torch.func.vmap`): the model's primal is computed once, and every op carries all the
+    tangents at once, where `_probe` computes the primal once per direction. Each direction
+    perturbs its own gate only (the tangent of the pass's other gates is 0 for it), so each
+    tangent is that of its `_probe` pass, up to rounding. Needs the layer called once per loss
+    and a model that vmap goes through (torch ops and autograd Functions with `setup_context`:
+    the norms run their formula, `_formula_norms`)."""
+    chosen = list(dict.fromkeys(gate for gate, _ in jobs))
+    primals = tuple(torch.zeros_like(next(d for g, d in jobs if g == gate)) for gate in chosen)
+    tangents = tuple(
+        torch.stack([d if g == gate else zero for g, d in jobs])
+        for gate, zero in zip(chosen, primals, strict=True)
+    )
+
+    def run(*eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seen: dict[str, torch.Tensor] = {}
+
+        def capture(module: nn.Module, args: Any, output: tuple[torch.Tensor, Any]) -> None:
+            seen["memory"] = output[1].memory
+
+        with contextlib.ExitStack() as stack:
+            stack.callback(layer.register_forward_hook(capture).remove)
+            for gate, delta in zip(chosen, eps, strict=True):
+                stack.enter_context(perturb_gate(layer, gate, lambda value, d=delta: d))
+            loss = _scalar_loss(loss_fn, model, batch)
+        return loss, seen["memory"]
+
+    def tangent_of(*directions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.func.jvp(run, primals, directions)[1]
+
+    with torch.no_grad(), _formula_norms():
+        loss_tangents, memory_tangents = torch.func.vmap(tangent_of)(*tangents)
+    return [
+        (
+            memory_tangents[i].double().square().sum().item() / tokens,
+            loss_tangents[i].double().square().item() / tokens,
+        )
+        for i in range(len(jobs))
+    ]
+
+
+def _measure_batched(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    layer: DeltaMixer,
+    jobs: Sequence[tuple[str, torch.Tensor]],
+    tokens: int,
+    per_pass: int,
+) -> list[tuple[float, float]]:
+    """`_batched_probes` over `jobs`, `per_pass` at a time; where vmap cannot go through the
+    model or the loss (an op without a batching rule, `.item()` of a tangent-carrying tensor,
+    random ops), a warning and one `_probe` pass per direction, with the same directions."""
+    try:
+        return [
+            result
+            for start in range(0, len(jobs), per_pass)
+            for result in _batched_probes(
+                model, batch, loss_fn, layer, jobs[start : start + per_pass], tokens
+            )
+        ]
+    except (RuntimeError, NotImplementedError) as error:
+        warnings.warn(
+            f"gate_sensitivity: batched probes failed ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}); running one pass per "
+            "direction (per_pass=1)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return [_probe(model, batch, loss_fn, layer, gate, lambda value, d=d: d) for gate, d in jobs]
 
 
 @contextlib.contextmanager
@@ -370,6 +499,7 @@ def gate_sensitivity(
     direction: Direction | None = None,
     gates: Sequence[str] | None = None,
     layers: Sequence[str] | None = None,
+    per_pass: int | None = None,
 ) -> SensitivityReport:
     """Sensitivity of each delta-rule layer's final memory and of the loss to each of its gates.
 
@@ -385,6 +515,13 @@ def gate_sensitivity(
         layers: only these layers, by module name (default: every `DeltaMixer`). A layer whose
             gates cannot be perturbed (no `inputs_from_gates`, not a baseline, not a KDN layer)
             is an error. A KDN layer reports its noise model's gates g, q_noise and r.
+        per_pass: directions whose derivatives one forward pass computes (default: `probes`,
+            the probes of one gate). Above 1 the passes are batched forward-mode derivatives
+            (`torch.func.jvp` under `vmap`, `_batched_probes`): the primal once per pass, not
+            once per direction; the numbers are those of one pass per direction up to rounding,
+            with the same directions. Memory grows with it (each op holds `per_pass` tangents).
+            1 runs one `torch.autograd.forward_ad` pass per direction, as does a model whose
+            layer is called more than once per loss.
 
     Returns a `SensitivityReport`: the numbers of the module docstring per layer and gate. A
     layer called more than once per loss is perturbed in every call; its memory is the last
@@ -394,12 +531,15 @@ def gate_sensitivity(
     """
     loss_fn = _default_loss if loss_fn is None else loss_fn
     probes = require_positive_int("probes", probes)
+    per_pass = probes if per_pass is None else require_positive_int("per_pass", per_pass)
     chosen_layers = _delta_layers(model, layers)
     generator = torch.Generator().manual_seed(seed)
     state: dict[str, dict[str, float]] = {}
     loss: dict[str, dict[str, float]] = {}
     with _forward_mode_paths(model):
-        names, calls = _gate_names(model, batch, loss_fn, chosen_layers)
+        names, calls, values = _gate_names(
+            model, batch, loss_fn, chosen_layers, keep_values=direction is not None
+        )
         position = {id(layer): i for i, (layer, _) in enumerate(calls or [])}
         for layer_name, layer in chosen_layers:
             # The layers called before this one, replayed (all of them computed if calls is None).
@@ -407,18 +547,41 @@ def gate_sensitivity(
             chosen = [g for g in names[layer_name] if gates is None or g in gates]
             if not chosen:
                 continue
-            state[layer_name], loss[layer_name] = {}, {}
-            for gate in chosen:
 
-                def draw(value: torch.Tensor, layer_name=layer_name, gate=gate) -> torch.Tensor:
-                    if direction is None:
-                        return unit_directions(value, generator)
-                    return direction(layer_name, gate, value)
+            def draw(value: torch.Tensor, layer_name=layer_name, gate=None) -> torch.Tensor:
+                if direction is None:
+                    return unit_directions(value, generator)
+                return direction(layer_name, gate, value)
 
+            if per_pass > 1 and calls is not None:
+                # Every direction of the layer, drawn in the order the passes below would draw
+                # them one by one (gate by gate, probe by probe), then batched `per_pass` at a
+                # time.
+                jobs = []
+                for gate in chosen:
+                    value = values[layer_name][gate]
+                    for _ in range(probes):
+                        d = _checked(draw(value, gate=gate), gate, value)
+                        jobs.append((gate, d.to(value.dtype)))
+                value = values[layer_name][chosen[0]]
+                tokens = value.shape[0] * value.shape[1]
                 with _replaying(before):
-                    results = [
-                        _probe(model, batch, loss_fn, layer, gate, draw) for _ in range(probes)
-                    ]
+                    measured = _measure_batched(
+                        model, batch, loss_fn, layer, jobs, tokens, per_pass
+                    )
+                per_gate = {
+                    gate: measured[i * probes : (i + 1) * probes] for i, gate in enumerate(chosen)
+                }
+            else:
+                per_gate = {}
+                for gate in chosen:
+                    with _replaying(before):
+                        per_gate[gate] = [
+                            _probe(model, batch, loss_fn, layer, gate, partial(draw, gate=gate))
+                            for _ in range(probes)
+                        ]
+            state[layer_name], loss[layer_name] = {}, {}
+            for gate, results in per_gate.items():
                 state[layer_name][gate] = math.sqrt(sum(r[0] for r in results) / probes)
                 loss[layer_name][gate] = math.sqrt(sum(r[1] for r in results) / probes)
     return SensitivityReport(state=state, loss=loss, probes=probes)

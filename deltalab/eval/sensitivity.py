@@ -46,17 +46,24 @@ class GateSensitivitySettings(TextSource):
     probes: random unit directions per gate (the estimate's error falls as 1/sqrt(probes)).
     at_init: also measure the model at initialization: the run's own initial weights (its
         train.seed, from config.yaml beside the checkpoint), else drawn with --seed.
+    per_pass: directions one forward pass carries (null: `probes`, one gate's probes a pass;
+        more saves passes and costs memory; the numbers agree up to rounding:
+        `deltalab.analysis.gate_sensitivity`'s `per_pass`).
     """
 
     seq_len: int | None = None
     batch_size: int = 4
     probes: int = 4
     at_init: bool = True
+    per_pass: int | None = None
 
     def __post_init__(self) -> None:
         require(self.seq_len is None or self.seq_len > 0, "seq_len", "a positive int", self.seq_len)
         require(self.batch_size > 0, "batch_size", "a positive int", self.batch_size)
         require(self.probes > 0, "probes", "a positive int", self.probes)
+        require(
+            self.per_pass is None or self.per_pass > 0, "per_pass", "a positive int", self.per_pass
+        )
 
 
 def erase_write_ratio(per_gate: dict[str, float]) -> float | None:
@@ -121,7 +128,14 @@ def _measure(model: Any, batch: torch.Tensor, settings: GateSensitivitySettings,
     def loss_fn(model: Any, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids, labels=ids).loss
 
-    report = gate_sensitivity(model, batch, loss_fn=loss_fn, probes=settings.probes, seed=seed)
+    report = gate_sensitivity(
+        model,
+        batch,
+        loss_fn=loss_fn,
+        probes=settings.probes,
+        seed=seed,
+        per_pass=settings.per_pass,
+    )
     modules = dict(model.named_modules())
     layers: dict[str, Any] = {}
     for name in report.layers:
