@@ -75,3 +75,29 @@ def elementwise_backend(backend: str, x: torch.Tensor, backends: tuple[str, ...]
     if backend == "triton":
         require_triton("backend", x.device)
     return backend
+
+
+def _power_of_2_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def row_tiles(
+    rows: int, width: int, elements: int, max_columns: int, per_thread: int, max_warps: int
+) -> tuple[int, int, int]:
+    """(BM rows, BN columns, warps) of a program of a row-wise kernel over M = `rows` rows of
+    N = `width` columns: BN the power of 2 covering N (at most `max_columns`), BM = `elements`
+    / BN rows (at least 1, at most the rows' power of 2), warps for `per_thread` elements a
+    thread (1 to `max_warps`). The elementwise ops' kernels (norms, SwiGLU, log decay, read
+    gate) all tile this way, each with its own sizes."""
+    block_n = min(max_columns, _power_of_2_at_least(width))
+    block_m = max(1, min(elements // block_n, _power_of_2_at_least(max(rows, 1))))
+    warps = max(1, min(max_warps, block_m * block_n // (32 * per_thread)))
+    return block_m, block_n, warps
+
+
+def spread_row_blocks(rows: int, block_m: int, max_programs: int) -> tuple[int, int]:
+    """(row blocks per program, programs) when the ceil(rows / block_m) row blocks of a backward
+    with per-program partial sums are spread over at most `max_programs` programs."""
+    n_blocks = -(-rows // block_m)
+    per_program = -(-n_blocks // min(n_blocks, max_programs))
+    return per_program, -(-n_blocks // per_program)

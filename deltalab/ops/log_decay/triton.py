@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltalab.ops._triton import as_rows, row_stride
+from deltalab.ops._triton import as_rows, row_stride, row_tiles, spread_row_blocks
 from deltalab.ops.log_decay.reference import compute_dtype
 
 # torch's softplus threshold (beta = 1): above it softplus(x) = x.
@@ -124,19 +124,14 @@ def _log_decay_bwd(RAW, A, B, DG, DRAW, DA, DB, M, N, stride_raw, stride_dg, BLO
 
 def launch(rows: int, width: int, kernel: str) -> tuple[int, int, int]:
     """(BM rows, BN columns, warps) of a `kernel` ("forward" or "backward") program for M rows
-    of N = width: BN the power of 2 covering N (at most MAX_BLOCK_N), BM = BLOCK_ELEMENTS / BN
-    rows (at least 1, at most the rows' power of 2), warps for PER_THREAD elements a thread."""
-    block_n = min(MAX_BLOCK_N, triton.next_power_of_2(width))
-    block_m = max(1, min(BLOCK_ELEMENTS[kernel] // block_n, triton.next_power_of_2(max(rows, 1))))
-    warps = max(1, min(MAX_WARPS, block_m * block_n // (32 * PER_THREAD[kernel])))
-    return block_m, block_n, warps
+    of N = width (`row_tiles` with this module's sizes)."""
+    elements, per_thread = BLOCK_ELEMENTS[kernel], PER_THREAD[kernel]
+    return row_tiles(rows, width, elements, MAX_BLOCK_N, per_thread, MAX_WARPS)
 
 
 def _backward_grid(rows: int, block_m: int) -> tuple[int, int]:
     """(row blocks per backward program, programs along the rows)."""
-    n_blocks = triton.cdiv(rows, block_m)
-    per_program = triton.cdiv(n_blocks, min(n_blocks, BACKWARD_PROGRAMS))
-    return per_program, triton.cdiv(n_blocks, per_program)
+    return spread_row_blocks(rows, block_m, BACKWARD_PROGRAMS)
 
 
 def _jvp_terms(raw: torch.Tensor, a: torch.Tensor, b: torch.Tensor):

@@ -35,7 +35,12 @@ import torch
 import triton
 import triton.language as tl
 
-from deltalab.ops._triton import as_rows, row_stride
+from deltalab.ops._triton import (
+    as_rows,
+    row_stride,
+    row_tiles,
+    spread_row_blocks,
+)
 from deltalab.ops.norms.reference import compute_dtype, l2_normalize_naive, rms_norm_naive
 
 # Elements (BM rows x BN columns) a program holds in its tile, and the elements a thread holds
@@ -143,13 +148,9 @@ def _norm_bwd(X, WEIGHT, GATE, RSTD, DY, DX, DGATE, DW, M, N, stride_x, stride_g
 
 def launch(rows: int, dim: int, kernel: str) -> tuple[int, int, int]:
     """(BM rows, BN columns, warps) of a `kernel` ("forward" or "backward") program for M rows
-    of N = dim: BN the power of 2 covering N, BM = BLOCK_ELEMENTS / BN rows (at least 1, at most
-    the rows' power of 2), warps for PER_THREAD elements a thread (1 to MAX_WARPS)."""
-    block_n = triton.next_power_of_2(dim)
-    tile = BLOCK_ELEMENTS[kernel]
-    block_m = max(1, min(tile // block_n, triton.next_power_of_2(max(rows, 1))))
-    warps = max(1, min(MAX_WARPS, block_m * block_n // (32 * PER_THREAD[kernel])))
-    return block_m, block_n, warps
+    of N = dim (`row_tiles` with this module's sizes; BN covers the whole row)."""
+    elements, per_thread = BLOCK_ELEMENTS[kernel], PER_THREAD[kernel]
+    return row_tiles(rows, dim, elements, triton.next_power_of_2(dim), per_thread, MAX_WARPS)
 
 
 class _Norm(torch.autograd.Function):
@@ -181,9 +182,7 @@ class _Norm(torch.autograd.Function):
         x, weight, gate, rstd = ctx.saved_tensors
         rows, dim = x.shape
         block_m, block_n, warps = launch(rows, dim, "backward")
-        n_blocks = triton.cdiv(rows, block_m)
-        per_program = triton.cdiv(n_blocks, min(n_blocks, BACKWARD_PROGRAMS))
-        programs = triton.cdiv(n_blocks, per_program)
+        per_program, programs = spread_row_blocks(rows, block_m, BACKWARD_PROGRAMS)
         dy = as_rows(dy)
         dx = torch.empty(rows, dim, dtype=x.dtype, device=x.device)
         want_dgate = gate is not None and ctx.needs_input_grad[2]

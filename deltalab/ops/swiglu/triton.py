@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltalab.ops._triton import as_rows, row_stride
+from deltalab.ops._triton import as_rows, row_stride, row_tiles
 from deltalab.ops.swiglu.reference import swiglu_naive
 
 # Elements (BM rows x BF columns) a program holds in its tile, and the elements a thread holds
@@ -73,14 +73,9 @@ def _swiglu_bwd(GU, DH, DGU, M, F, stride_gu, stride_dh, BM: tl.constexpr, BF: t
 
 def launch(rows: int, width: int, kernel: str) -> tuple[int, int, int]:
     """(BM rows, BF columns, warps) of a `kernel` ("forward" or "backward") program for M rows
-    of h's F = width columns: BF the power of 2 covering F, at most BLOCK_COLUMNS; BM =
-    BLOCK_ELEMENTS / BF rows (at least 1, at most the rows' power of 2); warps for PER_THREAD
-    elements a thread (1 to MAX_WARPS)."""
-    block_f = min(BLOCK_COLUMNS, triton.next_power_of_2(width))
-    tile = BLOCK_ELEMENTS[kernel]
-    block_m = max(1, min(tile // block_f, triton.next_power_of_2(max(rows, 1))))
-    warps = max(1, min(MAX_WARPS, block_m * block_f // (32 * PER_THREAD[kernel])))
-    return block_m, block_f, warps
+    of h's F = width columns (`row_tiles` with this module's sizes, BF at most BLOCK_COLUMNS)."""
+    elements, per_thread = BLOCK_ELEMENTS[kernel], PER_THREAD[kernel]
+    return row_tiles(rows, width, elements, BLOCK_COLUMNS, per_thread, MAX_WARPS)
 
 
 def _grid(rows: int, width: int, block_m: int, block_f: int) -> tuple[int, int]:
