@@ -27,13 +27,12 @@ import torch
 from deltalab.benchmarking import (
     add_speedups,
     case_parser,
-    median_ms,
     print_backend_case,
     run_cases,
+    time_backends,
 )
 from deltalab.layers.decay import init_A_log, init_dt_bias
 from deltalab.ops.log_decay import log_decay
-from deltalab.testing import relative_error
 
 # name -> raw shape (the parameters span its last dims: [H] or [H, K]), raw dtype on the GPU
 CASES = {
@@ -70,23 +69,15 @@ def bench_case(name: str, shape, dtype, device: str, repeats: int) -> dict:
     a_log, raw, dt_bias, dg = make_inputs(shape, dtype, device)
     result = {"case": name, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
     reference = outputs("naive", *(t.double() for t in (a_log, raw, dt_bias, dg)))
-    for backend in BACKENDS:
-
-        def forward(backend=backend) -> None:
-            with torch.no_grad():
-                log_decay(a_log, raw, dt_bias, backend=backend)
-
-        def train(backend=backend) -> None:
-            outputs(backend, a_log, raw, dt_bias, dg)
-
-        got = outputs(backend, a_log, raw, dt_bias, dg)
-        result[backend] = {
-            "forward_ms": median_ms(forward, device, repeats),
-            "train_ms": median_ms(train, device, repeats),
-            "errors": {
-                n: relative_error(a, e) for n, a, e in zip(NAMES, got, reference, strict=True)
-            },
-        }
+    result |= time_backends(
+        BACKENDS,
+        lambda backend: log_decay(a_log, raw, dt_bias, backend=backend),
+        lambda backend: outputs(backend, a_log, raw, dt_bias, dg),
+        reference,
+        NAMES,
+        device,
+        repeats,
+    )
     return add_speedups(result)
 
 

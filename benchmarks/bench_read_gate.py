@@ -28,12 +28,11 @@ import torch
 from deltalab.benchmarking import (
     add_speedups,
     case_parser,
-    median_ms,
     print_backend_case,
     run_cases,
+    time_backends,
 )
 from deltalab.ops.read_gate import read_query
-from deltalab.testing import relative_error
 
 # name -> (q shape, whether raw is given), q and raw dtype on the GPU
 CASES = {
@@ -69,23 +68,15 @@ def bench_case(name: str, shape, dynamic: bool, dtype, device: str, repeats: int
     names = ("out", "dq", "dread_log", "draw")[: 4 if dynamic else 3]
     wide = [None if t is None else t.double() for t in (q, read_log, raw, dout)]
     reference = outputs("naive", *wide)
-    for backend in BACKENDS:
-
-        def forward(backend=backend) -> None:
-            with torch.no_grad():
-                read_query(q, read_log, raw, backend=backend)
-
-        def train(backend=backend) -> None:
-            outputs(backend, q, read_log, raw, dout)
-
-        got = outputs(backend, q, read_log, raw, dout)
-        result[backend] = {
-            "forward_ms": median_ms(forward, device, repeats),
-            "train_ms": median_ms(train, device, repeats),
-            "errors": {
-                n: relative_error(a, e) for n, a, e in zip(names, got, reference, strict=True)
-            },
-        }
+    result |= time_backends(
+        BACKENDS,
+        lambda backend: read_query(q, read_log, raw, backend=backend),
+        lambda backend: outputs(backend, q, read_log, raw, dout),
+        reference,
+        names,
+        device,
+        repeats,
+    )
     return add_speedups(result)
 
 

@@ -51,6 +51,38 @@ def add_speedups(result: dict, slow: str = "torch", fast: str = "triton") -> dic
     return result
 
 
+def time_backends(
+    backends: Sequence[str],
+    forward: Callable[[str], object],
+    with_grads: Callable[[str], list[torch.Tensor]],
+    reference: list[torch.Tensor],
+    names: Sequence[str],
+    device: str,
+    repeats: int,
+) -> dict:
+    """Per backend: the median ms of `forward(backend)` without autograd and of
+    `with_grads(backend)` (the outputs and their gradients), and the relative error of each of
+    with_grads' tensors against `reference` (float64), by `names`."""
+    from deltalab.testing import relative_error
+
+    result = {}
+    for backend in backends:
+
+        def run_forward(backend=backend) -> None:
+            with torch.no_grad():
+                forward(backend)
+
+        got = with_grads(backend)
+        result[backend] = {
+            "forward_ms": median_ms(run_forward, device, repeats),
+            "train_ms": median_ms(lambda backend=backend: with_grads(backend), device, repeats),
+            "errors": {
+                n: relative_error(a, e) for n, a, e in zip(names, got, reference, strict=True)
+            },
+        }
+    return result
+
+
 def print_backend_case(
     title: str, result: dict, backends: tuple[str, ...], bytes_note: str = ""
 ) -> None:
