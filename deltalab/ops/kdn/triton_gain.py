@@ -102,6 +102,20 @@ def _terms(K_, G, NOISE, R, at, head_at, ok, row_ok, scale, G_HEAD: tl.constexpr
 
 
 @triton.jit
+def _chunk_program(T, H, KD, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Where a program of the gain's (B H, chunks) grid works: (pid, part, the channels and
+    their mask, the rows of a tile, the offset of its head's first token in the [B, T, H, K]
+    tensors and in the per-head [B, T, H] ones)."""
+    pid = tl.program_id(0)
+    part = tl.program_id(1)
+    ch = tl.arange(0, BLOCK_K)
+    rows = tl.arange(0, BLOCK_T)
+    base = (pid // H).to(tl.int64) * T * (H * KD) + (pid % H) * KD
+    head_base = (pid // H).to(tl.int64) * T * H + pid % H
+    return pid, part, ch, ch < KD, rows, base, head_base
+
+
+@triton.jit
 def _kdn_diag_gain_forward_kernel(
     K_,
     G,
@@ -123,14 +137,8 @@ def _kdn_diag_gain_forward_kernel(
     # Program (pid, part): head pid % H of sequence pid // H, tokens [part CHUNK, (part + 1)
     # CHUNK) in tiles of BLOCK_T, from p at the chunk's start, P_START[pid, part] (p_prior
     # itself with one chunk, CHUNK >= T: the one-program kernel).
-    pid = tl.program_id(0)
-    part = tl.program_id(1)
-    ch = tl.arange(0, BLOCK_K)
-    ch_ok = ch < KD
-    rows = tl.arange(0, BLOCK_T)
+    pid, part, ch, ch_ok, rows, base, head_base = _chunk_program(T, H, KD, BLOCK_T, BLOCK_K)
     stride = H * KD  # one token
-    base = (pid // H).to(tl.int64) * T * stride + (pid % H) * KD
-    head_base = (pid // H).to(tl.int64) * T * H + pid % H
     start_at = (pid.to(tl.int64) * tl.num_programs(1) + part) * KD
     p = tl.load(P_START + start_at + ch, mask=ch_ok, other=1.0)
     for start in range(0, CHUNK, BLOCK_T):
@@ -234,13 +242,7 @@ def _kdn_diag_gain_backward_kernel(
 ):
     # Program (pid, part): tokens [part CHUNK, (part + 1) CHUNK) of head pid, from pi at the
     # first step after the chunk, PI_END[pid, part] (zeros with one chunk, CHUNK >= T).
-    pid = tl.program_id(0)
-    part = tl.program_id(1)
-    ch = tl.arange(0, BLOCK_K)
-    ch_ok = ch < KD
-    rows = tl.arange(0, BLOCK_T)
-    base = (pid // H).to(tl.int64) * T * (H * KD) + (pid % H) * KD
-    head_base = (pid // H).to(tl.int64) * T * H + pid % H
+    pid, part, ch, ch_ok, rows, base, head_base = _chunk_program(T, H, KD, BLOCK_T, BLOCK_K)
     p0 = tl.load(P0 + pid * KD + ch, mask=ch_ok, other=0.0)
     end_at = (pid.to(tl.int64) * tl.num_programs(1) + part) * KD
     pi_after = tl.load(PI_END + end_at + ch, mask=ch_ok, other=0.0)
@@ -323,14 +325,8 @@ def _kdn_diag_gain_chunk_maps_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """MAPS[pid, part] = the normalized product of the maps of chunk `part`'s steps."""
-    pid = tl.program_id(0)
-    part = tl.program_id(1)
-    ch = tl.arange(0, BLOCK_K)
-    ch_ok = ch < KD
-    rows = tl.arange(0, BLOCK_T)
-    stride = H * KD
-    base = (pid // H).to(tl.int64) * T * stride + (pid % H) * KD
-    head_base = (pid // H).to(tl.int64) * T * H + pid % H
+    pid, part, ch, ch_ok, rows, base, head_base = _chunk_program(T, H, KD, BLOCK_T, BLOCK_K)
+    stride = H * KD  # one token
     last = rows[:, None] == BLOCK_T - 1
     # The identity; steps past T load the identity too (a = 1, q = c = 0).
     ma = tl.full([BLOCK_K], 1.0, tl.float32)
@@ -405,13 +401,7 @@ def _kdn_diag_gain_chunk_adjoints_kernel(
 ):
     """MAPS[pid, part] = (X, E): pi at chunk `part`'s first step is E + X pi', pi' = pi after
     its last step."""
-    pid = tl.program_id(0)
-    part = tl.program_id(1)
-    ch = tl.arange(0, BLOCK_K)
-    ch_ok = ch < KD
-    rows = tl.arange(0, BLOCK_T)
-    base = (pid // H).to(tl.int64) * T * (H * KD) + (pid % H) * KD
-    head_base = (pid // H).to(tl.int64) * T * H + pid % H
+    pid, part, ch, ch_ok, rows, base, head_base = _chunk_program(T, H, KD, BLOCK_T, BLOCK_K)
     p0 = tl.load(P0 + pid * KD + ch, mask=ch_ok, other=0.0)
     last = rows[:, None] == BLOCK_T - 1
     slope = tl.full([BLOCK_K], 1.0, tl.float32)  # the identity pi -> 0 + 1 pi
