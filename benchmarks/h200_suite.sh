@@ -3,7 +3,7 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time prof stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time prof stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
@@ -14,7 +14,10 @@
 # pass at B=1 T=32768: 32 programs with BLOCK_V 64), split 240 s (the fused and the split
 # state pass timed side by side at the 340M heads, chunk.STATE_PASS), split_tests 120 s (the
 # state-pass tests compiled on the GPU), split_ptrain 180 s (ptrain's gdn2 step with the split
-# state pass: compare with ptrain's gdn2), time_deep
+# state pass: compare with ptrain's gdn2), ptrain16k 150 s, split_ptrain16k 90 s and
+# split16k 150 s (the same three at B=1 T=16384: a quarter of the programs, walks four times as
+# long), ptrain_gdn2 120 s (ptrain's gdn2 at 4K and 16K alone), train32k 150 s (train at B=1
+# T=32768: Muir, GDN-2, the Transformer), time_deep
 # 120 s (log decays down to -8 per token: stage 1 walks most diagonal sub-blocks, as on trained
 # gates; benchmarks/diagonal_forms.py), ptrain 180 s (a 340M training step's kernel time by
 # category), compile 300 s (340M training throughput with torch.compile), conv 90 s (the short
@@ -91,6 +94,19 @@ for p in "${parts[@]}"; do
         --out "$OUT/split_ptrain.json" ;;
     ptrain) part ptrain 180 python3 benchmarks/profile_train.py --device cuda --preset 340M \
         --seq-len 4096 --batch 4 --mixers gdn2 muir kdn_diag transformer --out "$OUT/ptrain.json" ;;
+    ptrain16k) part ptrain16k 150 python3 benchmarks/profile_train.py --device cuda --preset 340M \
+        --seq-len 16384 --batch 1 --mixers gdn2 muir transformer --out "$OUT/ptrain16k.json" ;;
+    split_ptrain16k) part split_ptrain16k 90 python3 benchmarks/profile_train.py --state-pass split \
+        --device cuda --preset 340M --seq-len 16384 --batch 1 --mixers gdn2 \
+        --out "$OUT/split_ptrain16k.json" ;;
+    split16k) part split16k 150 python3 benchmarks/tune_triton.py --shape 1x16384x8x128 \
+        --stages state_pass state_pass_split --out "$OUT/split16k.json" ;;
+    ptrain_gdn2) part ptrain_gdn2 120 bash -c "python3 benchmarks/profile_train.py --device cuda \
+        --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 --out $OUT/ptrain_gdn2_4k.json && \
+        python3 benchmarks/profile_train.py --device cuda --preset 340M --seq-len 16384 --batch 1 \
+        --mixers gdn2 --out $OUT/ptrain_gdn2_16k.json" ;;
+    train32k) part train32k 150 python3 benchmarks/bench_train.py --device cuda --preset 340M \
+        --seq-len 32768 --batch 1 --steps 6 --mixers muir gdn2 transformer ;;
     compile) part compile 300 python3 benchmarks/bench_train.py --device cuda --preset 340M \
         --seq-len 4096 --batch 4 --steps 8 --mixers gdn2 muir transformer --compile ;;
     conv) part conv 90 python3 benchmarks/bench_short_conv.py --sweep --out "$OUT/conv.json" ;;

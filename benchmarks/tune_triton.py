@@ -137,14 +137,15 @@ def main() -> None:
             lambda: state_pass_triton_backward(ops, d_out, state, precision),
         ),
         # The split pass (the walk, then the outputs; the dO products, then the adjoint walk),
-        # to time against state_pass's first (default) row: the walk's pipeline stages, its
-        # value block and warps (BLOCK_V, NUM_WARPS as the fused walk's), the parallel kernels'.
+        # to time against state_pass's first (default) row: the walk's pipeline stages, value
+        # block and warps, the parallel kernels' value block and warps. First row: the defaults.
         "state_pass_split": (
             state_module,
-            [dict(SPLIT_NUM_STAGES=s, BLOCK_V=v, NUM_WARPS=w, SPLIT_BLOCK_V=sv, SPLIT_NUM_WARPS=sw)
-             for s, v, w, sv, sw in [(1, 64, 8, 64, 8), (2, 64, 8, 64, 8), (1, 32, 4, 64, 8),
-                                     (2, 32, 4, 64, 8), (1, 64, 4, 64, 8), (2, 64, 4, 64, 8),
-                                     (1, 64, 8, 32, 4), (1, 64, 8, 128, 8)]],
+            [dict(SPLIT_NUM_STAGES=s, SPLIT_WALK_BLOCK_V=v, SPLIT_WALK_NUM_WARPS=w,
+                  SPLIT_BLOCK_V=sv, SPLIT_NUM_WARPS=sw)
+             for s, v, w, sv, sw in [(2, 16, 2, 64, 8), (2, 32, 4, 64, 8), (1, 64, 8, 64, 8),
+                                     (2, 16, 4, 64, 8), (2, 16, 1, 64, 8), (3, 16, 2, 64, 8),
+                                     (2, 16, 2, 32, 4), (2, 16, 2, 128, 8)]],
             lambda: state_pass_split_triton(ops, state, precision),
             lambda: state_pass_split_triton_backward(ops, d_out, state, precision),
         ),

@@ -414,22 +414,33 @@ def test_triton_split_state_pass_matches_the_fused_pass_and_the_pytorch_walk(
         assert_close(split, fused, 1e-6, f"{label} (split against fused)")
 
 
-def test_triton_split_state_pass_matches_float64_loop_with_every_gradient(
-    generator, poisoned_empty, monkeypatch
+@pytest.mark.parametrize(("chosen", "other"), [("split", "fused"), ("fused", "split")])
+def test_triton_each_state_pass_matches_float64_loop_with_every_gradient(
+    generator, poisoned_empty, monkeypatch, chosen, other
 ):
-    """delta_rule(backend="triton") with STATE_PASS = "split" (the fused pass made to fail if
+    """delta_rule(backend="triton") with STATE_PASS set to each form (the other made to fail if
     called): output, final state and every gradient against the float64 token loop, over a
     partial last chunk."""
     from deltalab.ops.delta_rule.triton import chunk as state_module
 
-    def fused(*args, **kwargs):
-        raise AssertionError("the fused state pass ran")
+    def fail(*args, **kwargs):
+        raise AssertionError(f"the {other} state pass ran")
 
-    monkeypatch.setattr(state_module, "STATE_PASS", "split")
-    monkeypatch.setitem(state_module.STATE_PASSES, "fused", (fused, fused))
+    monkeypatch.setattr(state_module, "STATE_PASS", chosen)
+    monkeypatch.setitem(state_module.STATE_PASSES, other, (fail, fail))
     inputs = random_delta_inputs(generator, 2, 37, 2, 16, 8, channel_decay=True)
     state = torch.randn(2, 2, 16, 8, generator=generator, dtype=torch.float64)
     _compare(inputs, state, 16)
+
+
+def test_unknown_state_pass_is_an_error_naming_the_setting(generator, monkeypatch):
+    from deltalab.ops.delta_rule.triton import chunk as state_module
+
+    monkeypatch.setattr(state_module, "STATE_PASS", "fast")
+    inputs = random_delta_inputs(generator, 1, 8, 1, 16, 8, channel_decay=True)
+    state = torch.randn(1, 1, 16, 8, generator=generator, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"STATE_PASS must be one of .*'fast'"):
+        _compare(inputs, state, 16)
 
 
 def test_triton_operator_gradients_match_their_pytorch_twin(generator, poisoned_empty):

@@ -21,8 +21,8 @@ parallel over all chunks (`operator_grads_triton`; its PyTorch twin `_operator_g
     d read_i = dO_i S_i^T    d attend_i = dO_i N_i^T    d erase_i = -dN_i S_i^T
     d write_i = N_i dS_{i+1}^T    d decay_i = sum_v dS_{i+1} * S_i    d target_i = dN_i
 
-Two forms of the pass, chosen by `STATE_PASS` (read by `_DeltaRuleTriton`): "fused" (above, the
-default) and "split" (`state_pass_split_triton`, `state_pass_split_triton_backward`), whose walks
+Two forms of the pass, chosen by `STATE_PASS` (read by `_DeltaRuleTriton`): "fused" (above) and
+"split", the default (`state_pass_split_triton`, `state_pass_split_triton_backward`), whose walks
 keep only the products that depend on S or dS (N and S' forward, dN and dS backward) and leave
 the outputs, attend^T dO and read^T dO to kernels parallel over chunks; the comment above
 `_state_pass_split_fwd` says why that is exact and what it costs in memory traffic.
@@ -224,12 +224,25 @@ def _state_pass_bwd(
 
 # Pipeline stages of the split walks' chunk loop (forward and backward), at K <= 128 (K = 256
 # takes 1). The fused walks need 1 (2 overflowed shared memory); the split walks hold fewer tiles
-# per step, and 2 stages would overlap the next chunk's loads with this one's products: a setting
-# for the GPU to decide (benchmarks/tune_triton.py, stage state_pass_split). Compiled for sm_90
-# (tests/test_triton_compile.py's way, TF32, 8 warps, BV = 64): forward / backward walk
+# per step, and 2 stages overlap the next chunk's loads with this one's products. Compiled for
+# sm_90 (tests/test_triton_compile.py's way, TF32, 8 warps, BV = 64): forward / backward walk
 # 80 / 80 KiB of shared memory with 1 stage, 208 / 192 KiB with 2 (the SM has 227), 288 / 256
 # with 3; at K = 256, chunk 128 (BV = 32) 104 / 104 KiB with 1, 312 / 304 with 2 (too many).
-SPLIT_NUM_STAGES = 1
+SPLIT_NUM_STAGES = 2
+# Value columns and warps per program of the split walks. The walk is latency-bound (one chunk
+# after another, a few small products each), so more programs of fewer columns win. Measured on
+# the H200 at the 340M preset's heads, H=8 K=V=128 chunk 64, bf16 inputs (benchmarks/
+# tune_triton.py --stages state_pass_split, docs/RESULTS.md), forward / backward ms per layer:
+#
+#   walk setting (2 stages unless said)   B=4 T=4096     B=1 T=16384
+#   BV 16, 2 warps                         0.46 / 0.59    1.00 / 1.38
+#   BV 32, 4 warps                         0.49 / 0.56    1.40 / 1.56
+#   BV 64, 8 warps, 1 stage                0.66 / 0.76    2.06 / 2.33
+#   fused pass, its default (BV 64)        0.72 / 0.84    2.72 / 3.23
+#
+# (3 stages at BV 32 ran out of shared memory: 240 of 227 KiB.) K = 256 keeps BLOCK_V_WIDE_K.
+SPLIT_WALK_BLOCK_V = 16
+SPLIT_WALK_NUM_WARPS = 2
 # Value columns and warps per program of the split pass's parallel kernels (outputs forward,
 # P and Q backward): B * H * n * V / BV programs (times the row blocks forward), no registers
 # carried across chunks. Compiled for sm_90 at K = 128 and 256: 8 warps of 64 columns spill no
@@ -491,7 +504,9 @@ def state_pass_triton_backward(
 def _split_launch(value_dim: int, size: int, key_dim: int, precision: str):
     """The split pass's launch constants: (walk's, parallel kernels'), each with its options."""
     _, walk = _launch(value_dim, 1, size, key_dim, precision)
-    walk["num_stages"] = SPLIT_NUM_STAGES if key_dim <= 128 else 1
+    if key_dim <= 128:
+        walk.update(BV=SPLIT_WALK_BLOCK_V, num_warps=SPLIT_WALK_NUM_WARPS,
+                    num_stages=SPLIT_NUM_STAGES)  # fmt: skip
     parallel = {**walk, "BV": min(SPLIT_BLOCK_V, key_block(value_dim)),
                 "num_warps": SPLIT_NUM_WARPS, "num_stages": 1}  # fmt: skip
     return walk, parallel
@@ -550,8 +565,12 @@ def state_pass_split_triton_backward(
 
 # The state pass `_DeltaRuleTriton` runs: "fused" (stages 3-4 in one walk, `state_pass_triton`)
 # or "split" (the walk reduced to the state recurrence, `state_pass_split_triton`). Read at each
-# forward; its backward takes the same form. Fused until the GPU times the split faster.
-STATE_PASS = "fused"
+# forward; its backward takes the same form. Split: measured on the H200 in a 340M GDN-2 training
+# step (benchmarks/profile_train.py, 24 layers, docs/RESULTS.md), the fused walks took 37.4 ms of
+# kernel time at B=4 T=4096 and 145 ms at B=1 T=16384 (a quarter of the programs walking four
+# times as many chunks); the split walks (BV 32, 4 warps) 16.8 ms and 62.3 ms, and the whole step
+# went from 244.7 to 230.7 ms at 4K and from 348.3 to 274.2 ms at 16K.
+STATE_PASS = "split"
 STATE_PASSES = {
     "fused": (state_pass_triton, state_pass_triton_backward),
     "split": (state_pass_split_triton, state_pass_split_triton_backward),
@@ -623,12 +642,14 @@ class _DeltaRuleTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, a, b, u, g, initial_state, chunk_size, scale, precision):
         ctx.set_materialize_grads(False)
+        if STATE_PASS not in STATE_PASSES:
+            raise ValueError(f"STATE_PASS must be one of {sorted(STATE_PASSES)}, got {STATE_PASS!r}")
+        state_pass, ctx.state_pass_backward = STATE_PASSES[STATE_PASS]
         q, a, b, u, g = (x.contiguous() for x in (q, a, b, u, g))
         length, heads = q.shape[1], q.shape[2]
         tokens = Tokens(-(-length // chunk_size), heads, length, chunk_size)
         ops, _ = _operators_triton(q, a, b, u, g, precision, tokens, scale)
         out = q.new_empty(u.shape)
-        state_pass, ctx.state_pass_backward = STATE_PASSES[STATE_PASS]
         _, residuals, states, final = state_pass(
             ops, initial_state.contiguous(), precision, out=out, tokens=tokens
         )
