@@ -643,7 +643,9 @@ class _DeltaRuleTriton(torch.autograd.Function):
     def forward(ctx, q, a, b, u, g, initial_state, chunk_size, scale, precision):
         ctx.set_materialize_grads(False)
         if STATE_PASS not in STATE_PASSES:
-            raise ValueError(f"STATE_PASS must be one of {sorted(STATE_PASSES)}, got {STATE_PASS!r}")
+            raise ValueError(
+                f"STATE_PASS must be one of {sorted(STATE_PASSES)}, got {STATE_PASS!r}"
+            )
         state_pass, ctx.state_pass_backward = STATE_PASSES[STATE_PASS]
         q, a, b, u, g = (x.contiguous() for x in (q, a, b, u, g))
         length, heads = q.shape[1], q.shape[2]
