@@ -159,6 +159,14 @@ def test_unknown_mixer_and_preset_and_field_are_named():
         build_config("tiny", attention_layers=[1, 7])
 
 
+@pytest.mark.parametrize("base", [0.5, 1.0])
+def test_rope_base_the_attention_layer_refuses_is_refused_by_the_config(base):
+    """The config checks rope_base as the Attention layer does (> 1), so a bad base fails when
+    the config is made, not when a hybrid model is built from it."""
+    with pytest.raises(ValueError, match=r"rope_base must be > 1"):
+        build_config("tiny", rope_base=base)
+
+
 def test_input_ids_outside_the_vocabulary_are_refused():
     model = tiny_model("gdn")
     with pytest.raises(

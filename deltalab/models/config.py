@@ -111,8 +111,10 @@ class DeltaLabConfig(PreTrainedConfig):
         if attention_window is not None:
             require_positive_int("attention_window", attention_window)
         self.attention_window = attention_window
-        if not rope_base > 0:
-            raise ValueError(f"rope_base must be > 0, got {rope_base}")
+        if not rope_base > 1.0:
+            raise ValueError(
+                f"rope_base must be > 1 (base^(-i/(K/2)) must fall with i), got {rope_base}"
+            )
         self.rope_base = float(rope_base)
         if mixer_options is not None and not isinstance(mixer_options, dict):
             raise TypeError(f"mixer_options must be a dict, got {type(mixer_options).__name__}")
