@@ -163,3 +163,33 @@ def test_frontend_keywords_type_the_same_fields_as_the_options():
     # a field added to one and not the other would make plain keywords and options diverge.
     assert tuple(get_type_hints(FrontendKeywords)) == FRONTEND_FIELDS
     assert get_type_hints(FrontendKeywords) == get_type_hints(FrontendOptions)
+
+
+@pytest.mark.parametrize(
+    ("layer_backend", "expected"),
+    [("naive", "naive"), ("chunk", "naive"), ("triton", "triton"), ("auto", "auto")],
+)
+def test_a_decoding_step_runs_on_the_step_backend_of_the_layer_backend(
+    layer_backend, expected, generator, monkeypatch
+):
+    """One token continuing a state takes `delta_rule_step` with the layer's backend mapped to
+    the step's (the PyTorch paths to the token loop), not "auto" whatever the layer runs on."""
+    from deltalab.layers import common
+    from deltalab.ops.parametrize import DeltaRuleInputs
+
+    seen, original = [], common.delta_rule_step
+
+    def step(*args, backend, in_place):
+        seen.append(backend)
+        return original(*args, backend="naive", in_place=in_place)
+
+    monkeypatch.setattr(common, "delta_rule_step", step)
+    q, a, b = (torch.randn(2, 1, 3, 4, generator=generator) for _ in range(3))
+    u = torch.randn(2, 1, 3, 5, generator=generator)
+    g = -torch.rand(2, 1, 3, generator=generator)
+    memory = torch.randn(2, 3, 4, 5, generator=generator)
+    o, new = common.run_delta_rule(
+        DeltaRuleInputs(q, a, b, u, g), memory, chunk_size=16, backend=layer_backend
+    )
+    assert seen == [expected]
+    assert o.shape == (2, 1, 3, 5) and new.shape == memory.shape

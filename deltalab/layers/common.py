@@ -79,6 +79,7 @@ __all__ = [
     "run_delta_rule",
     "shared_autocast_input",
     "short_conv_backend",
+    "step_backend",
     "zero_at_padding",
 ]
 
@@ -453,6 +454,15 @@ class AttentionState:
     key_mask: torch.Tensor | None = None
 
 
+def step_backend(backend: str) -> str:
+    """`delta_rule_step`'s backend in a layer whose whole sequences run on `backend`: "auto"
+    and "triton" as they are, the token loop ("naive") for the PyTorch paths ("chunk",
+    "naive"). So a model switched to a PyTorch backend (to compare backends, or for gate
+    sensitivity's forward-mode probes) decodes in PyTorch too."""
+    require_choice("backend", backend, BACKENDS)
+    return backend if backend in ("auto", "triton") else "naive"
+
+
 def run_delta_rule(
     inputs: DeltaRuleInputs,
     memory: torch.Tensor | None,
@@ -469,7 +479,9 @@ def run_delta_rule(
     `in_place` it overwrites `memory` (see `RecurrentState.in_place`).
     """
     if memory is not None and inputs.q.shape[1] == 1:
-        o, memory = delta_rule_step(*(x[:, 0] for x in inputs), memory, in_place=in_place)
+        o, memory = delta_rule_step(
+            *(x[:, 0] for x in inputs), memory, backend=step_backend(backend), in_place=in_place
+        )
         return o.unsqueeze(1), memory
     o, final = delta_rule(
         *inputs,
