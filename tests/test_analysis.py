@@ -149,6 +149,61 @@ def test_sensitivity_matches_finite_differences_float64(generator):
     assert report.loss["layers.1"]["read"] > 0.0
 
 
+class _LossOf(nn.Module):
+    """A language model's loss on ids as its own labels: model(batch) -> loss."""
+
+    def __init__(self, lm: CausalLM) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, labels=ids).loss
+
+
+@torch.no_grad()
+def test_sensitivity_through_a_later_attention_block_matches_finite_differences_float64(
+    generator,
+):
+    """A hybrid model (a GDN-2 block, then softmax attention): the probes' tangents cross the
+    attention block, whose fused SDPA kernels define no forward-mode derivative; the reported
+    loss sensitivity equals the finite difference, batched or not, and the model's attention
+    runs its usual kernels again afterwards."""
+    with torch.random.fork_rng():
+        torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=generator)))
+        config = build_config(
+            "tiny", mixer="gdn2", hidden_size=32, num_layers=2, num_heads=2, head_dim=16,
+            chunk_size=16, attention_layers=[1],
+        )  # fmt: skip
+        model = _LossOf(CausalLM(config).double().eval())
+    batch = torch.randint(0, config.vocab_size, (2, 21), generator=generator)
+    tokens, name = batch.numel(), "lm.model.blocks.0.mixer"
+    directions = {}
+
+    def direction(layer, gate, value):
+        if (layer, gate) not in directions:
+            directions[layer, gate] = unit_directions(value, generator)
+        return directions[layer, gate]
+
+    def report(per_pass):
+        return gate_sensitivity(
+            model, batch, probes=1, direction=direction, gates=["erase", "write"],
+            per_pass=per_pass,
+        )  # fmt: skip
+
+    reports = [report(1), report(None)]
+    layer = model.get_submodule(name)
+    for gate in ("erase", "write"):
+        d = directions[name, gate]
+        loss_plus, _ = run_perturbed_by_hand(model, batch, layer, gate, FD_EPS * d)
+        loss_minus, _ = run_perturbed_by_hand(model, batch, layer, gate, -FD_EPS * d)
+        loss_fd = abs((loss_plus - loss_minus).item()) / (2 * FD_EPS) / math.sqrt(tokens)
+        for report in reports:
+            assert report.loss[name][gate] == pytest.approx(loss_fd, rel=FD_TOL), gate
+    assert (
+        torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    )
+
+
 KALMAN_GATES = ("g", "q_noise", "r")
 
 

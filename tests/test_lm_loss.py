@@ -179,6 +179,21 @@ def test_loss_only_forward_equals_the_logits_path_with_labels(generator, tied):
     assert ("lm_head.weight" in names) == (not tied)
 
 
+def test_a_float64_model_keeps_float64_logits_and_both_loss_paths_agree_to_its_rounding(
+    generator,
+):
+    """The logits path widens bf16 logits to float32 but never narrows float64 ones, so a
+    float64 model (gradient checks, finite differences) gets float64 logits and a loss that
+    equals the chunked path's to float64 rounding."""
+    model = _tiny().double()
+    ids = torch.randint(0, TINY["vocab_size"], (2, 21), generator=generator)
+    out = model(input_ids=ids, labels=ids)
+    assert out.logits.dtype == out.loss.dtype == torch.float64
+    chunked = model(input_ids=ids, labels=ids, return_logits=False).loss
+    assert chunked.dtype == torch.float64
+    torch.testing.assert_close(out.loss, chunked, rtol=1e-12, atol=0)
+
+
 def test_loss_only_forward_under_autocast_equals_the_logits_path_to_bf16(generator):
     model = _tiny()
     ids = torch.randint(0, TINY["vocab_size"], (2, 33), generator=generator)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from deltalab.analysis._plot import new_figure, save_figure
 from deltalab.benchmarking import format_table
@@ -468,7 +469,9 @@ def _forward_mode_paths(model: nn.Module) -> Iterator[None]:
     function. Their norms follow their backend too; the blocks' RMSNorms, the FFNs' SwiGLU
     gating and the attention blocks' RoPE (hybrid models), which take the model's backend, run
     the torch path alongside (their Triton Functions define a jvp, but a model built for
-    "triton" on a machine without it is probed too)."""
+    "triton" on a machine without it is probed too). Softmax attention runs SDPA's math
+    backend (matrix products and a softmax: forward-mode AD goes through them; the fused flash
+    and memory-efficient kernels define no jvp, on CPU as on CUDA)."""
     switched = [
         (layer, layer.backend, "chunk")
         for layer in model.modules()
@@ -483,7 +486,8 @@ def _forward_mode_paths(model: nn.Module) -> Iterator[None]:
     for layer, _, path in switched:
         layer.backend = path
     try:
-        yield
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
     finally:
         for layer, backend, _ in switched:
             layer.backend = backend

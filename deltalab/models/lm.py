@@ -227,7 +227,8 @@ class CausalLM(DeltaLabPreTrainedModel, GenerationMixin):
         return_logits: bool = True,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
-        """input_ids `[B, T]` -> logits `[B, T, vocab]` (float32), loss when labels are given.
+        """input_ids `[B, T]` -> logits `[B, T, vocab]` (float32, or float64 in a float64 model),
+        loss when labels are given.
 
         labels `[B, T]` are shifted inside (position t predicts labels[t + 1]); -100 is ignored.
         shift_labels `[B, T]` instead: the targets already aligned with the positions (position
@@ -268,7 +269,9 @@ class CausalLM(DeltaLabPreTrainedModel, GenerationMixin):
             return CausalLMOutputWithPast(
                 loss=loss, logits=None, past_key_values=out.past_key_values
             )
-        logits = self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        # At least float32 (bf16 logits under autocast are widened); a float64 model keeps them.
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
