@@ -72,7 +72,7 @@ def assert_scan_matches(maps, x0, tol, config=None, what="", reference="sequenti
 
 
 @pytest.mark.parametrize("length", [1, 7, 100, 257, 1000])
-def test_matches_sequential_float64_with_gradients(length):
+def test_matches_sequential_float64_with_gradients(length, poisoned_empty):
     gen = torch.Generator().manual_seed(length)
     lanes = 2 if length > 300 else 3
     maps = random_maps((lanes, length), gen)
@@ -85,7 +85,7 @@ def test_matches_sequential_float64_with_gradients(length):
     [((16, 4), 45), ((16, 2), 16), ((32, 1), 33)],
     ids=["7-lanes-3-tiles", "one-full-tile", "tile-plus-one"],
 )
-def test_tiles_and_lane_blocks_carry_correctly(config, length):
+def test_tiles_and_lane_blocks_carry_correctly(config, length, poisoned_empty):
     """Several tiles per lane (the carried x and adjoint), partial tiles and lane blocks with
     masked lanes, on the `[N, T, R]` layout the KDN ops use (lanes strided by R, T on axis 1)."""
     gen = torch.Generator().manual_seed(7 * length)
@@ -188,7 +188,7 @@ def assert_kdn_variance_scan_matches(gates, p0, tol, config, reference=kdn_varia
 
 
 @pytest.mark.parametrize("config", [(16, 4), (32, 1), (16, 8)])
-def test_kdn_variance_scan_tiles_and_lane_blocks(config):
+def test_kdn_variance_scan_tiles_and_lane_blocks(config, poisoned_empty):
     """KDN's fused scan (p and p_bar from a, q, c) over several tiles and masked lane blocks."""
     gen = torch.Generator().manual_seed(config[0] + config[1])
     shape = (2, 45, 3)  # [N, T, R]: 6 lanes, strided by 3

@@ -27,8 +27,6 @@ the true limit: no influence across a stretch of strong decay or evidence).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -155,9 +153,10 @@ class _KDNVarianceScan(torch.autograd.Function):
         n, length, inner = decay2.shape
         lanes = n * inner
         block_t, block_l = config or launch_config(lanes, length)
-        # NaN-filled, so an element the kernel fails to write cannot pass a test.
-        p = torch.full_like(decay2, math.nan)
-        p_bar = torch.full_like(decay2, math.nan)
+        # Uninitialized: the kernel writes every element (the tests NaN-fill torch.empty*, the
+        # poisoned_empty fixture, so an element left unwritten fails them).
+        p = torch.empty_like(decay2)
+        p_bar = torch.empty_like(decay2)
         _kdn_forward_kernel[(triton.cdiv(lanes, block_l),)](
             decay2,
             noise,
@@ -185,8 +184,8 @@ class _KDNVarianceScan(torch.autograd.Function):
         upstream = [
             torch.zeros_like(p) if g is None else g.contiguous() for g in (grad_p, grad_p_bar)
         ]
-        grads = [torch.full_like(decay2, math.nan) for _ in range(3)]
-        grad_p0 = torch.full_like(p_prior, math.nan)
+        grads = [torch.empty_like(decay2) for _ in range(3)]
+        grad_p0 = torch.empty_like(p_prior)
         _kdn_backward_kernel[(triton.cdiv(lanes, block_l),)](
             decay2,
             noise,

@@ -224,8 +224,9 @@ class _MobiusScan(torch.autograd.Function):
         n, length, inner = A.shape
         lanes = n * inner
         block_t, block_l = config or launch_config(lanes, length)
-        # NaN-filled, so an element the kernel fails to write cannot pass a test.
-        x = torch.full_like(A, math.nan)
+        # Uninitialized: the kernel writes every element (the tests NaN-fill torch.empty*, the
+        # poisoned_empty fixture, so an element left unwritten fails them).
+        x = torch.empty_like(A)
         grid = (triton.cdiv(lanes, block_l),)
         _mobius_forward_kernel[grid](
             A, B, C, D, x0, x, length, inner, lanes, BLOCK_T=block_t, BLOCK_L=block_l
@@ -241,8 +242,8 @@ class _MobiusScan(torch.autograd.Function):
         n, length, inner = A.shape
         lanes = n * inner
         block_t, block_l = ctx.config or launch_config(lanes, length, tile=1024)
-        grads = [torch.full_like(A, math.nan) for _ in range(4)]
-        grad_x0 = torch.full_like(x0, math.nan)
+        grads = [torch.empty_like(A) for _ in range(4)]
+        grad_x0 = torch.empty_like(x0)
         grid = (triton.cdiv(lanes, block_l),)
         _mobius_backward_kernel[grid](
             A,
