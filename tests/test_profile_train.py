@@ -64,5 +64,7 @@ def test_a_cpu_step_splits_into_categories_that_add_up():
     assert report["total_ms"] > 0
     assert sum(report["categories"].values()) == pytest.approx(report["total_ms"])
     assert report["categories"]["matrix products"] > 0
+    # Every kernel is kept, slowest first, and they add up to the total as the categories do.
     times = [k["ms"] for k in report["kernels"]]
-    assert len(times) == 5 and times == sorted(times, reverse=True)
+    assert len(times) > 5 and times == sorted(times, reverse=True)
+    assert sum(times) == pytest.approx(report["total_ms"])
