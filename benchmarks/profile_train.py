@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -209,12 +210,24 @@ def main() -> None:
         help="the Triton delta rule's state pass (triton/chunk.py STATE_PASSES; default: its "
         "STATE_PASS)",
     )
+    parser.add_argument(
+        "--kdn-gain",
+        choices=["auto", "fused", "separate"],
+        default="auto",
+        help="Diagonal KDN's gain on the Triton scan: 'fused' the gain kernel at any number of "
+        "programs (split over T below triton_gain.SPLIT_GAIN_BELOW_PROGRAMS), 'separate' the "
+        "ops around the scan, 'auto' gains.FUSED_GAIN_MIN_PROGRAMS decides",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.state_pass is not None:
         from deltalab.ops.delta_rule.triton import chunk
 
         chunk.STATE_PASS = args.state_pass
+    if args.kdn_gain != "auto":
+        from deltalab.ops.kdn import gains
+
+        gains.FUSED_GAIN_MIN_PROGRAMS = 0 if args.kdn_gain == "fused" else math.inf
     report = {}
     for mixer in args.mixers:
         result = report[mixer] = profile_mixer(args, mixer)
