@@ -237,20 +237,23 @@ def op_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[int, int, 
     return read, sum(accessed_bytes(t) for t in mutated), inputs, mutated
 
 
-# The value checks: a host read is charged to the function that called the check.
+# The value checks: a host read is charged to the function that called the check, or, for
+# the checks queued in a `one_host_read` block (a training forward's), to the block's one read.
 CHECKS = os.path.join(PACKAGE, "ops", "_checks.py")
 
 
 def deltalab_frame() -> tuple[str, bool]:
     """The innermost deltalab function on the Python stack as `file:qualname` (path inside the
-    package; the checks of `ops/_checks.py` are skipped for their caller), and whether a
+    package; the checks of `ops/_checks.py` are skipped for their caller, but for the read at
+    the end of a `one_host_read` block), and whether a
     checkpoint recompute is under way above it."""
     frame = sys._getframe(2)
     found = ""
     recompute = False
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not found and filename.startswith(PACKAGE) and filename not in (HERE, CHECKS):
+        charged = filename not in (HERE, CHECKS) or frame.f_code.co_name == "one_host_read"
+        if not found and filename.startswith(PACKAGE) and charged:
             found = f"{os.path.relpath(filename, PACKAGE)}:{frame.f_code.co_qualname}"
         if filename.endswith(os.path.join("torch", "utils", "checkpoint.py")):
             recompute = recompute or frame.f_code.co_name in ("unpack_hook", "recompute_fn")

@@ -54,9 +54,15 @@ def test_matrix_products_and_kernels_are_not_glue(gdn2_ops):
         *decay,
     }  # fmt: skip
     assert not any(o.op in traffic.MATMUL_OPS for o in glue)
-    # The delta rule ran as the Triton kernels (stubs), both ways, not the PyTorch chunk path.
+    # The delta rule ran as the Triton kernels (stubs), both ways, not the PyTorch chunk path:
+    # the state pass `STATE_PASS` names, its walks and its parallel kernels.
+    from deltalab.ops.delta_rule.triton.chunk import STATE_PASS
+
     kernels = {o.op for o in gdn2_ops if o.category == traffic.DELTA}
-    assert "triton:_state_pass_fwd" in kernels and "triton:_state_pass_bwd" in kernels
+    passes = {"split": {"_state_pass_split_fwd", "_state_pass_split_out",
+                        "_state_pass_split_dout", "_state_pass_split_bwd"},
+              "fused": {"_state_pass_fwd", "_state_pass_bwd"}}  # fmt: skip
+    assert {f"triton:{k}" for k in passes[STATE_PASS]} <= kernels
     assert not any("delta_rule/chunk.py" in o.function for o in gdn2_ops)
 
 
@@ -158,7 +164,9 @@ def test_cpu_autocast_gets_cuda_lists_only_while_measuring():
 
 def test_value_checks_are_counted_as_host_reads_of_no_bytes(gdn2_ops):
     """Every value read back to the host (a check's answer) is one op of the host-read
-    category, moving no bytes; the delta rule's check of g <= 0 is among them."""
+    category, moving no bytes. A step reads twice, as the trainer's: the token ids (before the
+    embedding) and, once at the forward's end, every layer's queued checks (the delta rule's
+    g <= 0 among them: none is read on its own)."""
     reads = [o for o in gdn2_ops if o.category == traffic.HOST_READ]
     assert reads and all(o.op == "_local_scalar_dense" for o in reads)
     assert all(o.phase != "optimizer" for o in reads)  # AdamW's step counts stay on the host
@@ -168,5 +176,5 @@ def test_value_checks_are_counted_as_host_reads_of_no_bytes(gdn2_ops):
     )
     summary = traffic.summarize(gdn2_ops, top=50, bandwidth=3e12)
     assert summary["categories"][traffic.HOST_READ]["calls"] == len(reads)
-    functions = {r["key"][0] for r in summary["host_reads_by_function"]}
-    assert any("delta_rule" in f for f in functions), functions
+    functions = {r["key"][0]: r["calls"] for r in summary["host_reads_by_function"]}
+    assert functions == {"models/lm.py:check_token_ids": 1, "ops/_checks.py:one_host_read": 1}

@@ -473,3 +473,41 @@ def test_a_data_error_on_rank_0_stops_every_rank(tmp_path, corpus):
         "DataError",
         "rank 0 could not prepare the training data; see its error",
     )
+
+
+@pytest.mark.parametrize(
+    ("checkpointing", "mixer"), [(False, "gdn"), (False, "kdn_diag"), (True, "gdn")]
+)
+def test_a_training_forwards_value_checks_read_back_once_unless_checkpointing(
+    tmp_path, corpus, monkeypatch, checkpointing, mixer
+):
+    """Inside a training step's forward every value check is queued (read back together at
+    its end, one host read instead of one per layer); with activation checkpointing, which a
+    queued check's reference to its input would undercut, each reads back at once."""
+    import deltalab.train.loop as loop
+    from deltalab.ops import _checks
+
+    counts = {True: 0, False: 0}  # read at once -> how many
+    in_training = {True: 0, False: 0}
+    read_now, loss_of = _checks._read_now, loop._loss
+
+    def counting(passed, check):
+        now = read_now(passed, check)
+        counts[now] += 1
+        return now
+
+    def loss(model, window, autocast):
+        before = dict(counts)
+        out = loss_of(model, window, autocast)
+        if model.training:
+            for now in counts:
+                in_training[now] += counts[now] - before[now]
+        return out
+
+    monkeypatch.setattr(_checks, "_read_now", counting)
+    monkeypatch.setattr(loop, "_loss", loss)
+    train(run_config(tmp_path, corpus, f"model.mixer={mixer}",
+                     f"train.activation_checkpointing={str(checkpointing).lower()}"))  # fmt: skip
+    # Without checkpointing none is read at once, with it every one.
+    assert in_training[checkpointing] > 0
+    assert in_training[not checkpointing] == 0

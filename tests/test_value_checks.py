@@ -56,6 +56,26 @@ def test_checks_in_a_block_read_back_once_instead_of_once_each(generator):
     assert together.count == 1
 
 
+def test_a_block_inside_a_block_reads_back_with_the_enclosing_one(generator):
+    """A nested block queues into the enclosing one: one read at the outer end, and a failing
+    check inside the inner block raises there, as it would alone."""
+    inputs = valid_inputs(generator)
+    with HostReads() as nested:
+        with one_host_read():
+            with one_host_read():
+                run_checks(**inputs)
+            run_checks(**inputs)
+            assert nested.count == 0
+    assert nested.count == 1
+    broken = {**inputs, "r": -inputs["r"]}
+    with pytest.raises(ValueError, match="r must be > 0") as raised:
+        with one_host_read():
+            with one_host_read():
+                run_checks(**broken)
+            reached = True  # the inner block's end reads nothing: the work goes on
+    assert reached and "r must be > 0" in str(raised.value)
+
+
 BREAKS = [
     ("g", lambda x: x.index_fill(0, torch.tensor([1]), 0.5), ValueError, "g must be <= 0"),
     ("q_noise", lambda x: -x, ValueError, "q_noise must be >= 0"),

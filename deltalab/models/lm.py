@@ -158,7 +158,9 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
         raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must have shape [B, T], got {tuple(input_ids.shape)}")
-    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
+    # Read back at once, not inside a `one_host_read` block: an id outside the table would
+    # fault the embedding's lookup on a GPU. One read for valid ids; the range only on failure.
+    if input_ids.numel() and bool(((input_ids < 0) | (input_ids >= vocab_size)).any()):
         raise ValueError(
             f"input_ids must lie in [0, {vocab_size - 1}] (vocab_size {vocab_size}), got values "
             f"in [{int(input_ids.min())}, {int(input_ids.max())}]"

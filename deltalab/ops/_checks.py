@@ -99,7 +99,13 @@ def one_host_read() -> Iterator[None]:
     on leaving, the answers are stacked and read back in one go (one read per device). Only if
     one failed are the checks run again in order, so the error is the one the first failing
     check raises, word for word. Wrap a block of checks that precedes the work they guard.
+
+    Blocks nest: inside an enclosing block (the training loop wraps each forward) a block adds
+    its checks to the enclosing one's, which reads them all at its own end.
     """
+    if _QUEUED.get() is not None:
+        yield
+        return
     queued: list[tuple[torch.Tensor, Callable[[], None]]] = []
     token = _QUEUED.set(queued)
     try:

@@ -47,7 +47,7 @@ from deltalab.errors import (
 )
 from deltalab.models import CausalLM, DeltaLabConfig, build_config
 from deltalab.models.mixers import mixer_option_names
-from deltalab.ops._checks import NonFiniteError
+from deltalab.ops._checks import NonFiniteError, one_host_read
 from deltalab.ops._triton import triton_unavailable_reason
 from deltalab.train.checkpoint import (
     CheckpointWarning,
@@ -475,6 +475,20 @@ def _announce(
         )
 
 
+def _forward_checks(config: RunConfig):
+    """The context of a training forward's value checks (each op's refusal of bad gates, e.g.
+    a log decay > 0): their answers read back once, at the end of the forward
+    (`one_host_read`), not once per layer. Each read makes the host wait for every queued
+    kernel, after which the GPU waits for the host: a 340M GDN-2 step read 24 times, Diagonal
+    KDN 48 (benchmarks/traffic.py). A failing check raises the error it raises alone, after
+    the forward and before the backward, and the step fails as it did. With activation
+    checkpointing the checks stay immediate: a queued check keeps its input alive to the end
+    of the forward (to run again should it fail), which checkpointing would otherwise free."""
+    if config.train.activation_checkpointing:
+        return contextlib.nullcontext()
+    return one_host_read()
+
+
 def _accumulate(state: TrainState, model, forward, stream, autocast) -> tuple[float, str | None]:
     """One step's forward and backward passes over `train.grad_accum` micro-batches: (the
     mean loss over ranks, NaN if any part failed; why the step failed, or None)."""
@@ -494,7 +508,8 @@ def _accumulate(state: TrainState, model, forward, stream, autocast) -> tuple[fl
         )
         try:
             with sync:
-                loss = _loss(forward, window, autocast) / accum
+                with _forward_checks(config):
+                    loss = _loss(forward, window, autocast) / accum
                 loss.backward()
         except NonFiniteError as error:
             # An op refused the non-finite values the model produced (a NaN gate): the same
