@@ -103,16 +103,16 @@ for p in "${parts[@]}"; do
     split16k) part split16k 150 python3 benchmarks/tune_triton.py --shape 1x16384x8x128 \
         --stages state_pass state_pass_split --out "$OUT/split16k.json" ;;
     ptrain_gdn2) part ptrain_gdn2 120 bash -c "python3 benchmarks/profile_train.py --device cuda \
-        --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 --out $OUT/ptrain_gdn2_4k.json && \
+        --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 --out \"$OUT/ptrain_gdn2_4k.json\" && \
         python3 benchmarks/profile_train.py --device cuda --preset 340M --seq-len 16384 --batch 1 \
-        --mixers gdn2 --out $OUT/ptrain_gdn2_16k.json" ;;
+        --mixers gdn2 --out \"$OUT/ptrain_gdn2_16k.json\"" ;;
     train32k) part train32k 150 python3 benchmarks/bench_train.py --device cuda --preset 340M \
         --seq-len 32768 --batch 1 --steps 6 --mixers muir gdn2 transformer ;;
     kdn_ptrain) part kdn_ptrain 150 bash -c "python3 benchmarks/profile_train.py --device cuda \
         --preset 340M --seq-len 4096 --batch 4 --mixers kdn_diag --kdn-gain fused \
-        --out $OUT/kdn_ptrain_fused.json && python3 benchmarks/profile_train.py --device cuda \
+        --out \"$OUT/kdn_ptrain_fused.json\" && python3 benchmarks/profile_train.py --device cuda \
         --preset 340M --seq-len 4096 --batch 4 --mixers kdn_diag --kdn-gain separate \
-        --out $OUT/kdn_ptrain_separate.json" ;;
+        --out \"$OUT/kdn_ptrain_separate.json\"" ;;
     compile) part compile 300 python3 benchmarks/bench_train.py --device cuda --preset 340M \
         --seq-len 4096 --batch 4 --steps 8 --mixers gdn2 muir transformer --compile ;;
     conv) part conv 90 python3 benchmarks/bench_short_conv.py --sweep --out "$OUT/conv.json" ;;
