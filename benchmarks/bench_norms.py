@@ -26,7 +26,7 @@ import torch
 from deltalab.benchmarking import (
     add_speedups,
     case_parser,
-    median_ms,
+    phase_times,
     print_backend_case,
     run_cases,
 )
@@ -96,8 +96,7 @@ def bench_case(name: str, shape, dtype, activation, kind, device: str, repeats: 
 
         got = outputs(kind, backend, x, weight, gate, dy, activation)
         result[backend] = {
-            "forward_ms": median_ms(forward, device, repeats),
-            "train_ms": median_ms(train, device, repeats),
+            **phase_times(forward, train, device, repeats),
             "errors": {
                 n: relative_error(a, e) for n, a, e in zip(names, got, reference, strict=True)
             },

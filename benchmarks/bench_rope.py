@@ -25,7 +25,7 @@ import torch
 from deltalab.benchmarking import (
     add_speedups,
     case_parser,
-    median_ms,
+    phase_times,
     print_backend_case,
     run_cases,
 )
@@ -66,13 +66,10 @@ def bench_case(name: str, shape: tuple[int, ...], dtype, device: str, repeats: i
             outputs(backend, x, positions, dy)
 
         got = outputs(backend, x, positions, dy)
-        times = {
-            "forward_ms": median_ms(forward, device, repeats),
-            "train_ms": median_ms(train, device, repeats),
-        }
+        times = phase_times(forward, train, device, repeats)
         result[backend] = {
             **times,
-            "gb_per_s": {k[:-3]: moved[k] / times[k] / 1e6 for k in times},
+            "gb_per_s": {k[:-3]: moved[k] / times[k] / 1e6 for k in moved},
             "errors": {
                 n: relative_error(a, e) for n, a, e in zip(("y", "dx"), got, reference, strict=True)
             },

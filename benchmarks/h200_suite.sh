@@ -23,15 +23,15 @@
 # gates; benchmarks/diagonal_forms.py), ptrain 180 s (a 340M training step's kernel time by
 # category), compile 300 s (340M training throughput with torch.compile), conv 90 s (the short
 # convolution: Triton kernels against the conv1d path, errors against float64, a launch sweep),
-# conv_tests 120 s (tests/test_short_conv.py compiled on the GPU, bf16 included), norms 90 s
+# conv_tests 120 s (tests/test_short_conv.py compiled on the GPU, bf16 included), norms 150 s
 # (the block, gated and L2 norms: Triton kernels against the torch path, errors against
 # float64), norms_tests 120 s (tests/test_norms.py compiled on the GPU, bf16 included), swiglu
-# 60 s (the FFN's SwiGLU gating at the 340M shapes: Triton kernels against the torch path, errors
+# 120 s (the FFN's SwiGLU gating at the 340M shapes: Triton kernels against the torch path, errors
 # against float64), swiglu_tests 90 s (tests/test_swiglu.py compiled on the GPU, bf16 included), decay
-# 60 s (the log decay: Triton kernels against the torch path, errors against float64),
-# decay_tests 90 s (tests/test_log_decay.py compiled on the GPU, bf16 included), rope 60 s (the
+# 120 s (the log decay: Triton kernels against the torch path, errors against float64),
+# decay_tests 90 s (tests/test_log_decay.py compiled on the GPU, bf16 included), rope 120 s (the
 # Transformer's RoPE at the 340M shapes: the Triton kernel against the torch path, errors against
-# float64), rope_tests 90 s (tests/test_rope.py compiled on the GPU, bf16 included), read_gate 60 s
+# float64), rope_tests 90 s (tests/test_rope.py compiled on the GPU, bf16 included), read_gate 120 s
 # (Muir's read gate fused with the query: Triton kernels against the torch path, errors against
 # float64), read_gate_tests 90 s (tests/test_read_gate.py compiled on the GPU, bf16 included).
 set -u
@@ -118,19 +118,19 @@ for p in "${parts[@]}"; do
     conv) part conv 90 python3 benchmarks/bench_short_conv.py --sweep --out "$OUT/conv.json" ;;
     conv_tests) part conv_tests 120 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
         tests/test_short_conv.py ;;
-    norms) part norms 90 python3 benchmarks/bench_norms.py --out "$OUT/norms.json" ;;
+    norms) part norms 150 python3 benchmarks/bench_norms.py --out "$OUT/norms.json" ;;
     norms_tests) part norms_tests 120 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
         tests/test_norms.py ;;
-    swiglu) part swiglu 60 python3 benchmarks/bench_swiglu.py --out "$OUT/swiglu.json" ;;
+    swiglu) part swiglu 120 python3 benchmarks/bench_swiglu.py --out "$OUT/swiglu.json" ;;
     swiglu_tests) part swiglu_tests 90 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
         tests/test_swiglu.py ;;
-    decay) part decay 60 python3 benchmarks/bench_log_decay.py --out "$OUT/decay.json" ;;
+    decay) part decay 120 python3 benchmarks/bench_log_decay.py --out "$OUT/decay.json" ;;
     decay_tests) part decay_tests 90 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
         tests/test_log_decay.py ;;
-    rope) part rope 60 python3 benchmarks/bench_rope.py --out "$OUT/rope.json" ;;
+    rope) part rope 120 python3 benchmarks/bench_rope.py --out "$OUT/rope.json" ;;
     rope_tests) part rope_tests 90 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
         tests/test_rope.py ;;
-    read_gate) part read_gate 60 python3 benchmarks/bench_read_gate.py \
+    read_gate) part read_gate 120 python3 benchmarks/bench_read_gate.py \
         --out "$OUT/read_gate.json" ;;
     read_gate_tests) part read_gate_tests 90 python3 -m pytest -q --maxfail=3 \
         -p no:cacheprovider tests/test_read_gate.py ;;

@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from deltalab.benchmarking import kernel_times
+
 # The category of the norms' and SwiGLU's kernels (benchmarks/traffic.py counts them as glue).
 NORMS_SWIGLU = "normalization, SwiGLU"
 # (category, name prefixes, name substrings) of the lowercased kernel or op name; the first
@@ -82,25 +84,6 @@ def category(name: str) -> str:
         if lowered.startswith(prefixes) or any(p in lowered for p in substrings):
             return label
     return OTHER
-
-
-def kernel_times(prof: torch.profiler.profile, steps: int, device: str) -> dict[str, float]:
-    """Milliseconds per step of each kernel (CUDA: device time of the kernels themselves, not
-    of the ops that launched them, which would count them twice; CPU: each aten op's own
-    time)."""
-    times: dict[str, float] = defaultdict(float)
-    for e in prof.key_averages():
-        if device == "cuda":
-            if e.device_type != torch.autograd.DeviceType.CUDA:
-                continue
-            us = getattr(e, "self_device_time_total", None) or e.device_time_total
-        else:
-            if not e.key.startswith("aten::"):
-                continue
-            us = e.self_cpu_time_total
-        if us > 0:
-            times[e.key] += us / steps / 1e3
-    return dict(times)
 
 
 def summarize(times: dict[str, float]) -> dict:

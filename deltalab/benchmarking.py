@@ -8,6 +8,7 @@ import json
 import platform
 import statistics
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -43,11 +44,85 @@ def median_ms(fn: Callable[[], object], device: str, repeats: int) -> float:
     return 1e3 * median_seconds(fn, repeats)
 
 
+def kernel_times(prof: torch.profiler.profile, calls: int, device: str) -> dict[str, float]:
+    """Milliseconds per call of each kernel a profile saw over `calls` calls (CUDA: the device
+    time of the kernels themselves, not of the ops that launched them, which would count them
+    twice; CPU: each aten op's own time)."""
+    times: dict[str, float] = defaultdict(float)
+    for e in prof.key_averages():
+        if device == "cuda":
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = getattr(e, "self_device_time_total", None) or e.device_time_total
+        else:
+            if not e.key.startswith("aten::"):
+                continue
+            us = e.self_cpu_time_total
+        if us > 0:
+            times[e.key] += us / calls / 1e3
+    return dict(times)
+
+
+# Bytes zeroed between timed calls on CUDA, as `triton.testing.do_bench` does: more than an
+# H200's 50 MiB of L2, so that no call reads what the previous one left in the cache.
+L2_FLUSH_BYTES = 256 * 2**20
+
+
+def kernel_ms(fn: Callable[[], object], device: str, repeats: int) -> float:
+    """The kernels' own time in one `fn()` call, averaged over `repeats` calls after one
+    warm-up (torch.profiler). A wall-clock timer of short kernels (`median_ms`) also counts the
+    host's time between launches whenever the host is the slower side (autograd, wrappers,
+    Triton's launcher); this does not. On CUDA the L2 cache is flushed before each call and the
+    flushes' own kernel time is taken out (profiled alone, the same number of times). Elsewhere
+    it is the aten ops' own CPU time (a Triton kernel under the interpreter is not an aten op
+    and is not counted: compare backends with it on CUDA only)."""
+    fn()
+    _synchronize()
+    if device != "cuda":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(repeats):
+                fn()
+        return sum(kernel_times(prof, repeats, device).values())
+    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+
+    def profiled(call: Callable[[], object]) -> float:
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(repeats):
+                flush.zero_()
+                call()
+            torch.cuda.synchronize()
+        return sum(kernel_times(prof, repeats, device).values())
+
+    return max(0.0, profiled(fn) - profiled(lambda: None))
+
+
+def phase_times(
+    forward: Callable[[], object], train: Callable[[], object], device: str, repeats: int
+) -> dict[str, float]:
+    """ "forward_ms" and "train_ms" (`median_ms`: wall clock) of a forward and of a forward and
+    backward; on CUDA also "forward_kernel_ms" and "train_kernel_ms" (`kernel_ms`: the kernels
+    alone), so that small kernels are compared without the host's share."""
+    times = {
+        "forward_ms": median_ms(forward, device, repeats),
+        "train_ms": median_ms(train, device, repeats),
+    }
+    if device == "cuda":
+        times["forward_kernel_ms"] = kernel_ms(forward, device, repeats)
+        times["train_kernel_ms"] = kernel_ms(train, device, repeats)
+    return times
+
+
 def add_speedups(result: dict, slow: str = "torch", fast: str = "triton") -> dict:
-    """`result[slow]` and `result[fast]` hold "forward_ms" and "train_ms": adds their ratios,
-    slow / fast, as "speedup_forward" and "speedup_train"."""
+    """`result[slow]` and `result[fast]` hold "forward_ms" and "train_ms" (and, from
+    `phase_times` on CUDA, "forward_kernel_ms" and "train_kernel_ms"): adds their ratios, slow
+    / fast, as "speedup_forward" and "speedup_train" (and "speedup_forward_kernel",
+    "speedup_train_kernel")."""
     for phase in ("forward", "train"):
         result[f"speedup_{phase}"] = result[slow][f"{phase}_ms"] / result[fast][f"{phase}_ms"]
+        key = f"{phase}_kernel_ms"
+        if key in result[slow] and key in result[fast] and result[fast][key] > 0:
+            result[f"speedup_{phase}_kernel"] = result[slow][key] / result[fast][key]
     return result
 
 
@@ -61,8 +136,9 @@ def time_backends(
     repeats: int,
 ) -> dict:
     """Per backend: the median ms of `forward(backend)` without autograd and of
-    `with_grads(backend)` (the outputs and their gradients), and the relative error of each of
-    with_grads' tensors against `reference` (float64), by `names`."""
+    `with_grads(backend)` (the outputs and their gradients; `phase_times`, with the kernels'
+    own time on CUDA), and the relative error of each of with_grads' tensors against
+    `reference` (float64), by `names`."""
     from deltalab.testing import relative_error
 
     result = {}
@@ -74,8 +150,9 @@ def time_backends(
 
         got = with_grads(backend)
         result[backend] = {
-            "forward_ms": median_ms(run_forward, device, repeats),
-            "train_ms": median_ms(lambda backend=backend: with_grads(backend), device, repeats),
+            **phase_times(
+                run_forward, lambda backend=backend: with_grads(backend), device, repeats
+            ),
             "errors": {
                 n: relative_error(a, e) for n, a, e in zip(names, got, reference, strict=True)
             },
@@ -86,25 +163,33 @@ def time_backends(
 def print_backend_case(
     title: str, result: dict, backends: tuple[str, ...], bytes_note: str = ""
 ) -> None:
-    """One case of a backend comparison: per backend its forward and forward+backward ms, its
+    """One case of a backend comparison: per backend its forward and forward+backward ms (and
+    the kernels' own ms when the result has them, `phase_times` on CUDA), its
     achieved GB/s when the result has them (`result[backend]["gb_per_s"]`, "forward" and
     "train": a kernel's bytes over each backend's time, what `bytes_note` says) and its errors
     (`result[backend]["errors"]`, name -> value), then `add_speedups`' ratios."""
     print(f"\n{title}")
     names = list(result[backends[0]]["errors"])
     rates = "gb_per_s" in result[backends[0]]
+    kernels = all("forward_kernel_ms" in result[b] for b in backends)
+    kernel_keys = ("forward_kernel_ms", "train_kernel_ms") if kernels else ()
     rows = [
         [backend, result[backend]["forward_ms"], result[backend]["train_ms"]]
+        + [result[backend][k] for k in kernel_keys]
         + ([result[backend]["gb_per_s"][k] for k in ("forward", "train")] if rates else [])
         + [result[backend]["errors"][n] for n in names]
         for backend in backends
     ]
     headers = ["backend", "fwd ms", "fwd+bwd ms"]
+    headers += ["fwd kernels ms", "fwd+bwd kernels ms"] if kernels else []
     headers += ["fwd GB/s*", "fwd+bwd GB/s*"] if rates else []
     print(format_table(headers + [f"err {n}" for n in names], rows))
     note = f"  (* {bytes_note})" if rates and bytes_note else ""
     print(f"{backends[0]} / {backends[-1]}: forward {result['speedup_forward']:.2f}x, "
           f"forward+backward {result['speedup_train']:.2f}x{note}")  # fmt: skip
+    if "speedup_forward_kernel" in result and "speedup_train_kernel" in result:
+        print(f"  kernels alone: forward {result['speedup_forward_kernel']:.2f}x, "
+              f"forward+backward {result['speedup_train_kernel']:.2f}x")  # fmt: skip
 
 
 def forward_and_train_seconds(
