@@ -61,6 +61,27 @@ def _stack_bytes(compiled) -> int | None:
     return int(re.search(r"STACK:(\d+)", usage).group(1))
 
 
+def _assert_compiles_without_spills(
+    kernel, n_pointers, constants, warps, activations=None, *, aligned_scalars=False, what=""
+):
+    """Compiles `kernel` for sm_90 with its first `n_pointers` arguments as pointers ("*fp32"
+    unless `activations` names another type), `constants` as constexprs and the rest as
+    scalars; asserts it fits the SM's shared memory and spills nothing to local memory.
+    Pointers are declared 16-byte aligned (and the scalars multiples of 16 with
+    `aligned_scalars`), as the launcher declares them. Returns the compiled kernel."""
+    pointers = kernel.arg_names[:n_pointers]
+    scalars = [a for a in kernel.arg_names[n_pointers:] if a not in constants]
+    types = {p: (activations or {}).get(p, "*fp32") for p in pointers}
+    aligned = [*pointers, *scalars] if aligned_scalars else pointers
+    compiled = _compile_for_hopper(
+        kernel, pointers, scalars, constants, {"num_warps": warps}, types, aligned=aligned
+    )
+    assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, what
+    stack = _stack_bytes(compiled)
+    assert stack in (None, 0), f"{what}: {stack} bytes spilled per thread"
+    return compiled
+
+
 @pytest.mark.parametrize(("key_dim", "chunk"), [(3, 256), (128, 64), (256, 128)])
 def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chunk):
     from deltalab.ops.delta_rule.triton import chunk as state_pass
@@ -159,17 +180,11 @@ def test_short_conv_kernels_compile_for_hopper_without_spills(width, dtype):
     for kernel, name, n_pointers, constants in kernels:
         block_t, block_c, warps = short_conv.launch(2048, width, name)
         constants = {**constants, "W": width, "BT": block_t, "BC": block_c}
-        pointers = kernel.arg_names[:n_pointers]
-        scalars = [a for a in kernel.arg_names[n_pointers:] if a not in constants]
-        types = {p: activations.get(p, "*fp32") for p in pointers}
         # Every size a multiple of 16 (T, C = 2048, the block counts), as at the benchmark's.
-        compiled = _compile_for_hopper(
-            kernel, pointers, scalars, constants, {"num_warps": warps}, types,
-            aligned=[*pointers, *scalars],
+        _assert_compiles_without_spills(
+            kernel, n_pointers, constants, warps, activations, aligned_scalars=True,
+            what=f"{name} W={width} {dtype}",
         )  # fmt: skip
-        assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, name
-        stack = _stack_bytes(compiled)
-        assert stack in (None, 0), f"{name} W={width} {dtype}: {stack} bytes spilled per thread"
 
 
 @pytest.mark.parametrize(
@@ -192,15 +207,9 @@ def test_norm_kernels_compile_for_hopper_without_spills(dim, dtype, gated):
     for kernel, name, n_pointers, constants in kernels:
         block_m, block_n, warps = norms.launch(1 << 16, dim, name)
         constants = {**constants, "BM": block_m, "BN": block_n}
-        pointers = kernel.arg_names[:n_pointers]
-        scalars = [a for a in kernel.arg_names[n_pointers:] if a not in constants]
-        types = {p: activations.get(p, "*fp32") for p in pointers}
-        compiled = _compile_for_hopper(
-            kernel, pointers, scalars, constants, {"num_warps": warps}, types, aligned=pointers
+        _assert_compiles_without_spills(
+            kernel, n_pointers, constants, warps, activations, what=f"{name} N={dim} {dtype}"
         )
-        assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
-        stack = _stack_bytes(compiled)
-        assert stack in (None, 0), f"{name} N={dim} {dtype}: {stack} bytes spilled per thread"
 
 
 @pytest.mark.parametrize("key_dim", [64, 128, 256])
@@ -234,15 +243,9 @@ def test_kdn_gain_kernels_compile_for_hopper_without_spills(key_dim, g_head):
         (triton_gain._kdn_iso_terms_backward_kernel, 6, iso, warps),
     ]
     for kernel, n_pointers, constants, warps in kernels:
-        pointers = kernel.arg_names[:n_pointers]
-        scalars = [a for a in kernel.arg_names[n_pointers:] if a not in constants]
-        compiled = _compile_for_hopper(
-            kernel, pointers, scalars, constants, {"num_warps": warps}, aligned=pointers
+        _assert_compiles_without_spills(
+            kernel, n_pointers, constants, warps, what=f"{kernel.fn.__name__} K={key_dim}"
         )
-        name = kernel.fn.__name__
-        assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, name
-        stack = _stack_bytes(compiled)
-        assert stack in (None, 0), f"{name} K={key_dim}: {stack} bytes spilled per thread"
 
 
 @pytest.mark.parametrize(
@@ -260,15 +263,9 @@ def test_swiglu_kernels_compile_for_hopper_without_spills(width, dtype):
     for kernel, name, n_pointers in kernels:
         block_m, block_f, warps = swiglu.launch(1 << 14, width, name)
         constants = {"BM": block_m, "BF": block_f}
-        pointers = kernel.arg_names[:n_pointers]
-        scalars = [a for a in kernel.arg_names[n_pointers:] if a not in constants]
-        types = {p: activations[p] for p in pointers}
-        compiled = _compile_for_hopper(
-            kernel, pointers, scalars, constants, {"num_warps": warps}, types, aligned=pointers
+        _assert_compiles_without_spills(
+            kernel, n_pointers, constants, warps, activations, what=f"{name} F={width} {dtype}"
         )
-        assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, name
-        stack = _stack_bytes(compiled)
-        assert stack in (None, 0), f"{name} F={width} {dtype}: {stack} bytes spilled per thread"
 
 
 @pytest.mark.parametrize(
@@ -294,15 +291,9 @@ def test_log_decay_kernels_compile_for_hopper_without_spills(width, dtype):
     for kernel, name, n_pointers, constants in kernels:
         block_m, block_n, warps = decay.launch(4 * 4096, width, name)
         constants = {**constants, "BM": block_m, "BN": block_n}
-        pointers = kernel.arg_names[:n_pointers]
-        scalars = [a for a in kernel.arg_names[n_pointers:] if a not in constants]
-        types = {p: activations.get(p, "*fp32") for p in pointers}
-        compiled = _compile_for_hopper(
-            kernel, pointers, scalars, constants, {"num_warps": warps}, types, aligned=pointers
+        compiled = _assert_compiles_without_spills(
+            kernel, n_pointers, constants, warps, activations, what=f"{name} N={width} {dtype}"
         )
-        assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
-        stack = _stack_bytes(compiled)
-        assert stack in (None, 0), f"{name} N={width} {dtype}: {stack} bytes spilled per thread"
         if name == "forward":
             # softplus's log is libdevice's accurate logf, not lg2.approx (log1p relies on it).
             assert "lg2.approx" not in compiled.asm["ptx"]
@@ -331,15 +322,9 @@ def test_read_gate_kernels_compile_for_hopper_without_spills(width, dtype, has_r
     for kernel, name, n_pointers, constants in kernels:
         block_m, block_n, warps = read.launch(4 * 4096, width, name)
         constants = {**constants, "BM": block_m, "BN": block_n}
-        pointers = kernel.arg_names[:n_pointers]
-        scalars = [a for a in kernel.arg_names[n_pointers:] if a not in constants]
-        types = {p: activations.get(p, "*fp32") for p in pointers}
-        compiled = _compile_for_hopper(
-            kernel, pointers, scalars, constants, {"num_warps": warps}, types, aligned=pointers
+        _assert_compiles_without_spills(
+            kernel, n_pointers, constants, warps, activations, what=f"{name} N={width} {dtype}"
         )
-        assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
-        stack = _stack_bytes(compiled)
-        assert stack in (None, 0), f"{name} N={width} {dtype}: {stack} bytes spilled per thread"
 
 
 @pytest.mark.parametrize(
