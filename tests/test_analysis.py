@@ -84,6 +84,36 @@ def make_batch(generator: torch.Generator, batch: int = 2, length: int = 19):
     return draw(), draw()
 
 
+def remembered_directions(generator):
+    """(directions, direction): a `direction` argument of `gate_sensitivity` drawing one random
+    unit direction per (layer, gate) on first use and keeping it in `directions`, so that a
+    test can perturb the same gates by hand along the same directions."""
+    directions = {}
+
+    def direction(layer, gate, value):
+        if (layer, gate) not in directions:
+            directions[layer, gate] = unit_directions(value, generator)
+        return directions[layer, gate]
+
+    return directions, direction
+
+
+def count_gate_computations(model) -> dict[str, int]:
+    """layer name -> how many times each `DeltaMixer` of `model` has computed its gates since
+    (a gate hook counting every call), updated in place."""
+    computed = {}
+    for name, layer in model.named_modules():
+        if isinstance(layer, DeltaMixer):
+            computed[name] = 0
+
+            def count(gates, name=name):
+                computed[name] += 1
+                return gates
+
+            layer.register_gate_hook(count)
+    return computed
+
+
 # How each gate enters the primitive: inputs -> inputs with the gate moved by delta.
 BY_HAND = {
     "erase": lambda i, q, k, v, d: i._replace(b=i.b + d * k),
@@ -121,12 +151,7 @@ def test_sensitivity_matches_finite_differences_float64(generator):
     model = gdn2_muir_stack()
     batch = make_batch(generator)
     tokens = batch[0].shape[0] * batch[0].shape[1]
-    directions = {}
-
-    def direction(layer, gate, value):
-        if (layer, gate) not in directions:
-            directions[layer, gate] = unit_directions(value, generator)
-        return directions[layer, gate]
+    directions, direction = remembered_directions(generator)
 
     report = gate_sensitivity(model, batch, probes=1, direction=direction)
     assert sorted(directions) == sorted(GATES)
@@ -177,12 +202,7 @@ def test_sensitivity_through_a_later_attention_block_matches_finite_differences_
         model = _LossOf(CausalLM(config).double().eval())
     batch = torch.randint(0, config.vocab_size, (2, 21), generator=generator)
     tokens, name = batch.numel(), "lm.model.blocks.0.mixer"
-    directions = {}
-
-    def direction(layer, gate, value):
-        if (layer, gate) not in directions:
-            directions[layer, gate] = unit_directions(value, generator)
-        return directions[layer, gate]
+    directions, direction = remembered_directions(generator)
 
     def report(per_pass):
         return gate_sensitivity(
@@ -239,12 +259,7 @@ def test_kdn_sensitivity_matches_finite_differences_float64(generator):
         # Every point of the central difference stays a valid noise model (|d| <= 1 per token).
         _, q_noise, r = layer.kalman_gates(batch[0])
         assert q_noise.min() > 10 * FD_EPS and (r - layer.r_min).min() > 10 * FD_EPS
-    directions = {}
-
-    def direction(layer, gate, value):
-        if (layer, gate) not in directions:
-            directions[layer, gate] = unit_directions(value, generator)
-        return directions[layer, gate]
+    directions, direction = remembered_directions(generator)
 
     report = gate_sensitivity(model, batch, probes=1, direction=direction)
     expected = [(f"layers.{i}", g) for i in range(2) for g in KALMAN_GATES]
@@ -601,16 +616,7 @@ def test_probes_replay_the_layers_before_the_probed_one(generator, monkeypatch):
     module = importlib.import_module("deltalab.analysis.gate_sensitivity")
     model = Stack(seeded(GatedDeltaNet2, 0), seeded(GatedDeltaNet2, 1), seeded(GatedDeltaNet2, 2))
     batch = make_batch(generator)
-    computed = {}
-    for name, layer in model.named_modules():
-        if isinstance(layer, DeltaMixer):
-            computed[name] = 0
-
-            def count(gates, name=name):
-                computed[name] += 1
-                return gates
-
-            layer.register_gate_hook(count)
+    computed = count_gate_computations(model)
     replayed = gate_sensitivity(model, batch, probes=2, seed=3, per_pass=1)
     gates = len(replayed.gates)  # erase, write, g in every layer
     assert gates == 3
@@ -632,16 +638,7 @@ def test_batched_probes_compute_each_layer_once_per_pass_and_replay_the_earlier_
     per gate, with per_pass = gates * probes one pass per layer."""
     model = Stack(seeded(GatedDeltaNet2, 0), seeded(GatedDeltaNet2, 1), seeded(GatedDeltaNet2, 2))
     batch = make_batch(generator)
-    computed = {}
-    for name, layer in model.named_modules():
-        if isinstance(layer, DeltaMixer):
-            computed[name] = 0
-
-            def count(gates, name=name):
-                computed[name] += 1
-                return gates
-
-            layer.register_gate_hook(count)
+    computed = count_gate_computations(model)
     gates, probes = 3, 2  # erase, write, g in every layer
     gate_sensitivity(model, batch, probes=probes, seed=3)
     assert computed == {f"layers.{i}": 1 + (i + 1) * gates for i in range(3)}
