@@ -475,7 +475,7 @@ def _announce(
         )
 
 
-def _forward_checks(config: RunConfig):
+def _forward_checks(checkpointing: bool):
     """The context of a training forward's value checks (each op's refusal of bad gates, e.g.
     a log decay > 0): their answers read back once, at the end of the forward
     (`one_host_read`), not once per layer. Each read makes the host wait for every queued
@@ -484,9 +484,7 @@ def _forward_checks(config: RunConfig):
     the forward and before the backward, and the step fails as it did. With activation
     checkpointing the checks stay immediate: a queued check keeps its input alive to the end
     of the forward (to run again should it fail), which checkpointing would otherwise free."""
-    if config.train.activation_checkpointing:
-        return contextlib.nullcontext()
-    return one_host_read()
+    return contextlib.nullcontext() if checkpointing else one_host_read()
 
 
 def _accumulate(state: TrainState, model, forward, stream, autocast) -> tuple[float, str | None]:
@@ -508,7 +506,7 @@ def _accumulate(state: TrainState, model, forward, stream, autocast) -> tuple[fl
         )
         try:
             with sync:
-                with _forward_checks(config):
+                with _forward_checks(config.train.activation_checkpointing):
                     loss = _loss(forward, window, autocast) / accum
                 loss.backward()
         except NonFiniteError as error:
