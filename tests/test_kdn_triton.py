@@ -37,7 +37,7 @@ OUTPUTS = ("gain", "p", "predictive")
 
 def spy_fused(monkeypatch, **options) -> list[tuple[int, ...]]:
     """k's shape at every call of the fused gain (gains.diag_gain imports it at each call), which
-    is taken at every size (the tests' shapes have fewer programs than FUSED_GAIN_MIN_PROGRAMS);
+    is taken at every size (also where a test's shape has fewer programs than a raised FUSED_GAIN_MIN_PROGRAMS);
     `options` (split, chunk, block_t) are passed to every call."""
     calls: list[tuple[int, ...]] = []
     monkeypatch.setattr(gains, "FUSED_GAIN_MIN_PROGRAMS", 0)
@@ -298,8 +298,9 @@ def test_diag_gain_takes_the_fused_kernel_from_enough_programs_and_both_routes_a
     monkeypatch, batch, heads
 ):
     """One program per (sequence, head) walks all T tokens: the fused gain is taken from
-    FUSED_GAIN_MIN_PROGRAMS of them (measured on the H200: 64), the separate ops around the
-    Triton scan below. Both routes give the float64 definition's gains and gradients."""
+    FUSED_GAIN_MIN_PROGRAMS of them (64 here, to take both routes; 0 by default since the split
+    over T, from a training-step measurement on the H200), the separate ops around the Triton
+    scan below. Both routes give the float64 definition's gains and gradients."""
     calls = spy_fused(monkeypatch)
     monkeypatch.setattr(gains, "FUSED_GAIN_MIN_PROGRAMS", 64)
     inputs = gain_inputs(11, (batch, 5, heads, 3))

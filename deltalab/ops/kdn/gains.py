@@ -138,15 +138,16 @@ def fused_diag_gain(k: torch.Tensor) -> bool:
     return k.shape[0] * k.shape[2] >= FUSED_GAIN_MIN_PROGRAMS
 
 
-# Below this many (sequence, head) programs the fused diagonal gain leaves SMs idle. Measured on
-# the H200 (bench_kdn_triton.py, float32, T=4096, K=128, forward / forward+backward ms): 32
-# programs (the 340M preset) fused 2.15 / 3.97, separate ops 1.04 / 2.84; 64 programs 2.24 /
-# 4.23 against 1.53 / 4.57 (the fused gain also holds half the memory); 16 programs at T=32768
-# 16.7 / 30.9 against 4.15 / 11.0. Those are the one-program kernel's; triton_gain.py now splits T
-# below SPLIT_GAIN_BELOW_PROGRAMS pairs (B H T / chunk programs), not yet timed: if the split
-# beats the separate ops at 32 programs on the GPU, this goes to 0 (bench_kdn_triton.py's
-# "diag_gain (triton, fused, split over T)" row against "(triton, separate ops)").
-FUSED_GAIN_MIN_PROGRAMS = 64
+# Below this many (sequence, head) programs the fused diagonal gain would leave SMs idle if it ran
+# one program per head. Measured on the H200 (bench_kdn_triton.py, float32, T=4096, K=128,
+# forward / forward+backward ms), the one-program kernel: 32 programs (the 340M preset) fused
+# 2.15 / 3.97, separate ops 1.04 / 2.84; 64 programs 2.24 / 4.23 against 1.53 / 4.57; 16 programs
+# at T=32768 16.7 / 30.9 against 4.15 / 11.0. Since triton_gain.py splits T below
+# SPLIT_GAIN_BELOW_PROGRAMS pairs, the fused kernel wins at 32 programs too: a Diagonal KDN 340M
+# training step (B=4, T=4096, bf16; `h200_suite.sh kdn_ptrain`, 2026-12-01) takes 280.6 ms of
+# kernel time with the fused gain split over T against 307.9 ms with the separate ops. So the
+# fused gain is taken at every size; the knob stays for the benchmark's `--kdn-gain` comparison.
+FUSED_GAIN_MIN_PROGRAMS = 0
 
 
 def diag_gain(

@@ -21,8 +21,7 @@ over K inside the tile, so r's gradient (and a per-head g's) needs no atomics an
 B H programs: 32 at the 340M preset (B = 4, H = 8), fewer than an H200's SMs; each then streams
 its head at a single SM's bandwidth (a whole KDN layer's gain is ~0.3 GB forward, ~0.5 GB
 backward). Measured on the H200, that made the fused forward 2x slower than the separate ops at
-32 programs, so `gains.diag_gain` takes this kernel only from FUSED_GAIN_MIN_PROGRAMS (64) on.
-Split over T, the same kernels run on a grid of (B H, chunks), a chunk of T (a multiple of
+32 programs without the split below. Split over T, the same kernels run on a grid of (B H, chunks), a chunk of T (a multiple of
 BLOCK_T) per program, each from its chunk's boundary value, which two small passes give: the
 chunk's composed maps (one per channel), then a carry across the chunks per head (the section
 "Split over T" below); `kdn_diag_gain` splits below SPLIT_GAIN_BELOW_PROGRAMS pairs. Every
@@ -459,8 +458,8 @@ def launch(key_dim: int, length: int, kernel: str) -> tuple[int, int, int]:
 # SM's bandwidth, so `kdn_diag_gain` splits T below SPLIT_GAIN_BELOW_PROGRAMS (two per SM of an
 # H200's 132) and keeps one program per head from there, where the split's extra traffic would
 # cost more than its parallelism gains. Not yet measured: bench_kdn_triton.py times both
-# (`split=True` / `split=False`) beside the separate ops, to set this and
-# gains.FUSED_GAIN_MIN_PROGRAMS.
+# (`split=True` / `split=False`) beside the separate ops, to set this. In a whole training
+# step the split fused gain beats the separate ops at 32 programs (gains.FUSED_GAIN_MIN_PROGRAMS).
 SPLIT_GAIN_BELOW_PROGRAMS = 264
 # The split's chunk (tokens per program): a power of 2 giving about SPLIT_GAIN_PROGRAMS programs
 # (~8 per SM), at least SPLIT_GAIN_MIN_CHUNK tokens (the carry pass walks T / chunk steps) and a
