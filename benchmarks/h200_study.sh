@@ -7,20 +7,34 @@
 #
 #   LIMIT=540 bash benchmarks/h200_study.sh [deltalab study args, e.g. --only 'kdn_*']
 #
-# Finished runs come from docs/study/gpu/records (the raw records kept in the repository) and
-# from a carried gpu_jobs/study_gpu/ (an earlier call's $OUT/study_gpu.tgz unpacked there), the
-# later winning. A run cut off by LIMIT is lost (its checkpoint cannot come back), so select with
-# --only what finishes inside it. On the H200 (2026-12-01, docs/RESULTS.md), 8 at a time: a GDN-2
-# run ~480 s with its evaluations, a Muir run over 535 s, a Transformer run ~130 s; Diagonal KDN
-# trains at half the speed. The gate-sensitivity replay (fifth session) is not in those times.
+# Finished runs come from a carried gpu_jobs/study_gpu/ (an earlier call's $OUT/study_gpu.tgz
+# unpacked there) and from docs/study/gpu/records and tasks (the raw records kept in the
+# repository), the carried ones first. A run's directory is restored only where the machine has
+# none: a machine still warm from the previous call (the next call made within its idle release,
+# ~30 s) keeps that call's runs, with the checkpoints and models that cannot come back, and those
+# are newer than anything carried. (Copying over them once put an earlier training's metrics
+# beside a later training's evaluations: 2026-12-01, docs/STUDY.md.) On a warm machine a run cut
+# off by LIMIT resumes from its checkpoint; on a fresh one it starts over, so select with --only
+# what finishes inside the limit. On the H200 (2026-12-01, docs/STUDY.md), 8 at a time: a GDN-2
+# or Muir run ~330-480 s with its evaluations, a Diagonal KDN run ~360 s, a Transformer ~130 s;
+# an MQAR job 65-115 s.
 set -u
 LIMIT=${LIMIT:-540}
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT" runs/study/gpu
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-mkdir -p runs/study/gpu/runs
-[ -d docs/study/gpu/records ] && cp -r docs/study/gpu/records/. runs/study/gpu/runs/
-[ -d gpu_jobs/study_gpu/runs ] && cp -r gpu_jobs/study_gpu/runs/. runs/study/gpu/runs/
+restore() {  # restore SOURCE_DIR TARGET_DIR: each entry of SOURCE_DIR the target lacks
+    [ -d "$1" ] || return 0
+    mkdir -p "$2"
+    for entry in "$1"/*; do
+        [ -e "$entry" ] && [ ! -e "$2/$(basename "$entry")" ] && cp -r "$entry" "$2/"
+    done
+    return 0
+}
+restore gpu_jobs/study_gpu/runs runs/study/gpu/runs
+restore gpu_jobs/study_gpu/tasks runs/study/gpu/tasks
+restore docs/study/gpu/records runs/study/gpu/runs
+restore docs/study/gpu/tasks runs/study/gpu/tasks
 (while true; do
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader >> "$OUT/smi.txt"
     sleep 10
