@@ -464,3 +464,62 @@ def test_only_runs_the_matching_runs_and_reports_the_others_pending(tmp_path, co
     assert report["counts"] == {
         "completed": 1, "diverged": 0, "failed": 0, "interrupted": 0, "pending": 3,
     }  # fmt: skip
+
+
+class FakeGates(FakeTrain):
+    """FakeTrain whose gate-sensitivity evaluations write chosen per-layer numbers: GDN-2's one
+    layer has erase/write ratios of the final memory `trained[seed]` after training and 0.25 at
+    initialization, none for the loss, and ranks allocated by the memory's sensitivity."""
+
+    trained = (0.5, 0.7, 1.5)
+
+    def __call__(self, args, env, log):
+        code = super().__call__(args, env, log)
+        if "train" in args or "gate-sensitivity" not in args:
+            return code
+        out = Path(args[args.index("--out") + 1])
+        seed = int(args[args.index("--seed") + 1])
+        ranks = {
+            "source": "GDN-2 layer", "budget": 10, "reference": {"erase": 2, "write": 8},
+            "allocated": {"erase": 2 + seed, "write": 8 - seed},
+        }  # fmt: skip
+
+        def layer(ratio, with_ranks):
+            return {"model.blocks.0.mixer": {
+                "erase_write": {"state": ratio, "loss": None},
+                "ranks": {"state": ranks if with_ranks else None, "loss": None},
+            }}  # fmt: skip
+
+        results = json.loads((out / "results.json").read_text())
+        results["metrics"] = {
+            "trained": {"layers": layer(self.trained[seed], True)},
+            "init": {"layers": layer(0.25, False)},
+        }
+        (out / "results.json").write_text(json.dumps(results))
+        return code
+
+
+def test_the_report_gives_erase_write_ratios_per_layer_and_the_allocated_ranks(tmp_path, corpus):
+    spec = micro_spec(tmp_path, corpus)
+    spec["grid"]["seeds"] = [0, 1, 2]
+    spec["evals"].append(
+        {"task": "gate-sensitivity", "settings": {"probes": 1}, "skip": ["transformer"]}
+    )
+    plan = plan_of(spec)
+    assert execute(plan, launcher=FakeGates({r.name: 1.0 for r in plan.runs}), say=quiet) == 0
+    (group,) = collect(plan)["gate_sensitivity"]
+    assert list(group["variants"]) == ["gdn2"]
+    gdn2 = group["variants"]["gdn2"]
+    assert gdn2["layers"]["model.blocks.0.mixer"]["trained_state"] == {0: 0.5, 1: 0.7, 2: 1.5}
+    assert gdn2["ranks"]["state"]["allocated"] == [
+        {"erase": 2, "write": 8},
+        {"erase": 3, "write": 7},
+        {"erase": 4, "write": 6},
+    ]
+    assert "loss" not in gdn2["ranks"]
+    markdown = (tmp_path / "study" / "study.md").read_text()
+    # Mean 0.9, sd sqrt((0.4^2 + 0.2^2 + 0.6^2) / 2); two of three seeds below 1; no loss ratios.
+    sd = math.sqrt((0.4**2 + 0.2**2 + 0.6**2) / 2)
+    assert f"| model.blocks.0.mixer | 0.25 ± 0 | 0.9 ± {sd:.4g} | 2/3 | – | – | 0/0 |" in markdown
+    assert "| by the final memory's sensitivity | 3 ± 1 (2) | 7 ± 1 (8) |" in markdown
+    assert "the GDN-2 layer's" in markdown

@@ -29,6 +29,9 @@ INVOCATIONS_NAME = "invocations.json"
 HELD_OUT = "held_out_loss"
 # Measured but not compared: how fast a run was says nothing of the model's quality.
 NOT_PAIRED = ("tokens_per_s",)
+GATE_TASK = "gate-sensitivity"
+# The two quantities the gate-sensitivity analysis measures a gate's effect on.
+SENSITIVITY_OF = {"state": "final memory", "loss": "loss"}
 
 
 def _numbers(summary: dict[str, Any], prefix: str, strip: str = "") -> dict[str, float]:
@@ -148,6 +151,69 @@ def _statistics(
     return out
 
 
+def _gate_results(run: PlannedRun) -> dict[str, Any] | None:
+    """The metrics of the run's gate-sensitivity evaluation, if it has one and it finished."""
+    for step in run.evals:
+        if step.task == GATE_TASK:
+            results = _read_json(run.directory / step.out / "results.json")
+            if results is not None:
+                return results.get("metrics")
+    return None
+
+
+def _gate_sensitivity(plan: StudyPlan, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (size, lr) group and variant, the gate-sensitivity analysis layer by layer: the
+    erase/write ratios (of the final memory's and of the loss's sensitivity) at initialization
+    and after training, one value per seed, and the ranks `allocate_ranks` gives the trained
+    model's gates beside the layer's own. Only layers with both an erase and a write gate (the
+    ratio's layers) and runs that completed count."""
+    completed = {e["name"] for e in runs if e["status"] == "completed"}
+    groups = []
+    for size in plan.sizes:
+        for lr in plan.lrs:
+            variants: dict[str, Any] = {}
+            for run in plan.runs:
+                if run.size != size or run.lr != lr or run.name not in completed:
+                    continue
+                metrics = _gate_results(run)
+                if not metrics:
+                    continue
+                variant = variants.setdefault(
+                    run.variant.name, {"seeds": [], "layers": {}, "ranks": {}}
+                )
+                variant["seeds"].append(run.seed)
+                for phase in ("init", "trained"):
+                    layers = (metrics.get(phase) or {}).get("layers") or {}
+                    for name, layer in layers.items():
+                        ratio = {
+                            of: value
+                            for of, value in (layer.get("erase_write") or {}).items()
+                            if value is not None
+                        }
+                        if ratio:
+                            slot = variant["layers"].setdefault(name, {})
+                            for of, value in ratio.items():
+                                slot.setdefault(f"{phase}_{of}", {})[run.seed] = value
+                        if phase != "trained":
+                            continue
+                        for of, allocation in (layer.get("ranks") or {}).items():
+                            if not allocation:  # no budget to allocate (not a low-rank layer)
+                                continue
+                            ranks = variant["ranks"].setdefault(
+                                of,
+                                {
+                                    "reference": allocation["reference"],
+                                    "source": allocation.get("source", ""),
+                                    "allocated": [],
+                                },
+                            )
+                            ranks["allocated"].append(allocation["allocated"])
+            variants = {n: v for n, v in variants.items() if v["layers"] or v["ranks"]}
+            if variants:
+                groups.append({"size": size, "lr": lr, "variants": variants})
+    return groups
+
+
 def _metric_names(entries: list[dict[str, Any]]) -> list[str]:
     names: list[str] = []
     for entry in entries:
@@ -190,6 +256,7 @@ def collect(plan: StudyPlan) -> dict[str, Any]:
     spec = plan.spec
     first = plan.runs[0].config
     invocations = _read_json(spec.out_dir / INVOCATIONS_NAME) or {"invocations": []}
+    gates = _gate_sensitivity(plan, runs)
     return {
         "spec": str(spec.path) if spec.path else None,
         "out_dir": str(spec.out_dir),
@@ -219,6 +286,7 @@ def collect(plan: StudyPlan) -> dict[str, Any]:
         "invocations": invocations["invocations"],
         "groups": groups,
         "task_groups": task_groups,
+        "gate_sensitivity": gates,
         "runs": runs,
         "tasks": tasks,
     }
@@ -295,6 +363,87 @@ def _paired_tables(plan: StudyPlan, group: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _mean_sd(values: Iterable[float | None]) -> str:
+    summary = summarize([v for v in values if v is not None])
+    if summary.n == 0:
+        return "–"
+    return _number(summary.mean) + ("" if summary.n < 2 else f" ± {_number(summary.sd)}")
+
+
+def _gate_lines(group: dict[str, Any]) -> list[str]:
+    """The markdown of `_gate_sensitivity`'s group: per variant, a row per layer, then the
+    ranks."""
+    lines = [
+        "",
+        f"## Gate sensitivity: {_group_label(group['size'], group['lr'])}",
+        "",
+        "Erase/write: the erase gate's sensitivity over the write gate's, of the final memory and "
+        "of the loss, per layer, mean ± sd over seeds at initialization and after training; "
+        '"erase < write" counts the seeds where the trained ratio is below 1.',
+    ]
+    for variant, found in group["variants"].items():
+        rows = []
+        for layer, slot in found["layers"].items():
+            row = [layer]
+            for of in SENSITIVITY_OF:
+                trained = [v for v in slot.get(f"trained_{of}", {}).values() if v is not None]
+                below = sum(1 for v in trained if v < 1)
+                row += [
+                    _mean_sd(slot.get(f"init_{of}", {}).values()),
+                    _mean_sd(trained),
+                    f"{below}/{len(trained)}",
+                ]
+            rows.append(row)
+        if len(rows) > 1:
+            row = ["every layer"]
+            for of in SENSITIVITY_OF:
+                trained = [
+                    v
+                    for slot in found["layers"].values()
+                    for v in slot.get(f"trained_{of}", {}).values()
+                    if v is not None
+                ]
+                init = [
+                    v
+                    for slot in found["layers"].values()
+                    for v in slot.get(f"init_{of}", {}).values()
+                ]
+                row += [
+                    _mean_sd(init),
+                    _mean_sd(trained),
+                    f"{sum(1 for v in trained if v < 1)}/{len(trained)}",
+                ]
+            rows.append(row)
+        header = ["layer"]
+        for of in SENSITIVITY_OF.values():
+            header += [f"{of}: init", f"{of}: trained", "erase < write"]
+        lines += ["", f"**{variant}** (seeds {sorted(found['seeds'])}):"]
+        if rows:
+            lines += ["", *_table(header, rows)]
+        if found["ranks"]:
+            gates = list(next(iter(found["ranks"].values()))["reference"])
+            rank_rows = []
+            for of, ranks in found["ranks"].items():
+                allocated = ranks["allocated"]
+                rank_rows.append(
+                    [f"by the {SENSITIVITY_OF.get(of, of)}'s sensitivity"]
+                    + [
+                        f"{_mean_sd(a.get(g) for a in allocated)} ({ranks['reference'][g]})"
+                        for g in gates
+                    ]
+                )
+            source = next(iter(found["ranks"].values()))["source"]
+            lines += [
+                "",
+                f"Ranks `allocate_ranks` gives the trained {variant}'s gates within the "
+                f"reference's budget, mean ± sd over layers and seeds (in parentheses the "
+                f"reference: the {source}'s):",
+                "",
+            ]
+            lines += _table(["allocated", *gates], rank_rows)
+    return lines
+
+
 def _markdown(plan: StudyPlan, data: dict[str, Any], figures: list[str]) -> str:
     spec = plan.spec
     budget = data["budget"]
@@ -358,6 +507,8 @@ def _markdown(plan: StudyPlan, data: dict[str, Any], figures: list[str]) -> str:
         lines += _mean_table(plan, group, None)
         lines += ["", f"Paired differences against {spec.baseline} at the same seed:"]
         lines += _paired_tables(plan, group)
+    for group in data["gate_sensitivity"]:
+        lines += _gate_lines(group)
     incomplete = [e for e in data["runs"] + data["tasks"] if e["status"] != "completed"]
     lines += ["", "## Runs that did not complete", ""]
     if incomplete:
