@@ -523,3 +523,32 @@ def test_the_report_gives_erase_write_ratios_per_layer_and_the_allocated_ranks(t
     assert f"| model.blocks.0.mixer | 0.25 ± 0 | 0.9 ± {sd:.4g} | 2/3 | – | – | 0/0 |" in markdown
     assert "| by the final memory's sensitivity | 3 ± 1 (2) | 7 ± 1 (8) |" in markdown
     assert "the GDN-2 layer's" in markdown
+
+
+def test_aggregate_only_pairs_against_another_baseline_beside_the_studys_own_report(
+    tmp_path, corpus, capsys
+):
+    spec = micro_spec(tmp_path, corpus)
+    plan = plan_of(spec)
+    losses = {
+        run.name: 1.0 + 0.1 * run.seed + (0.3 if run.variant.name == "gdn2" else 0)
+        for run in plan.runs
+    }
+    assert execute(plan, launcher=FakeTrain(losses), say=quiet) == 0
+    own = (tmp_path / "study" / "study.md").read_text()
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["study", str(path), "--aggregate-only", "--baseline", "transformer"]) == 0
+    assert (tmp_path / "study" / "study.md").read_text() == own
+    assert (
+        json.loads((tmp_path / "study" / "study_vs_transformer.json").read_text())["baseline"]
+        == "transformer"
+    )
+    markdown = (tmp_path / "study" / "study_vs_transformer.md").read_text()
+    assert "| gdn2 | 2 | +0.3 | [+0.3, +0.3] | higher |" in markdown
+    assert main(["study", str(path), "--baseline", "transformer"]) == 2
+    assert "--baseline goes with --aggregate-only" in capsys.readouterr().err
+    assert main(["study", str(path), "--aggregate-only", "--baseline", "gdn"]) == 2
+    assert "--baseline 'gdn' is not a grid.mixers name (did you mean 'gdn2'?)" in (
+        capsys.readouterr().err
+    )

@@ -48,6 +48,14 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument("--out", default=None, help="study directory (instead of the spec's)")
     parser.add_argument(
+        "--baseline",
+        default=None,
+        metavar="VARIANT",
+        help="with --aggregate-only: pair the differences against this variant instead of the "
+        "spec's baseline, into study_vs_VARIANT.md and .json beside the study's own report (the "
+        "parameter matching stays the spec's)",
+    )
+    parser.add_argument(
         "--only",
         action="append",
         metavar="GLOB",
@@ -220,12 +228,28 @@ def run_study(args: argparse.Namespace) -> int:
         from deltalab.errors import ConfigError
 
         raise ConfigError("--dry-run and --aggregate-only exclude each other")
+    stem = "study"
+    if args.baseline is not None:
+        from deltalab.errors import ConfigError
+        from deltalab.models.config import closest
+
+        if not args.aggregate_only:
+            raise ConfigError("--baseline goes with --aggregate-only (a report of finished runs)")
+        names = [v.name for v in spec.variants]
+        if args.baseline not in names:
+            raise ConfigError(
+                f"--baseline {args.baseline!r} is not a grid.mixers name"
+                f"{closest(args.baseline, names)}; they are {names}"
+            )
+        # params.match was resolved when the spec was read: the plan's runs stay the same.
+        spec = dataclasses.replace(spec, baseline=args.baseline)
+        stem = f"study_vs_{args.baseline}"
     plan = make_plan(spec)
     print(format_plan(plan), flush=True)
     if args.dry_run:
         return 0
     if args.aggregate_only:
-        written = write_report(plan)
+        written = write_report(plan, stem=stem)
         print(f"report: {written['markdown']}")
         return 0
     if args.only:

@@ -725,9 +725,10 @@ def _scaling_figure(plan: StudyPlan, data: dict[str, Any], path: Path) -> Path |
     return save_figure(figure, path)
 
 
-def write_report(plan: StudyPlan) -> dict[str, Path]:
-    """Writes study.json, study.md and the figures into the study directory; returns their
-    paths by name."""
+def write_report(plan: StudyPlan, stem: str = "study") -> dict[str, Path]:
+    """Writes STEM.json, STEM.md and the figures into the study directory; returns their
+    paths by name. (`deltalab study --aggregate-only --baseline V` writes study_vs_V, the
+    differences paired against V.)"""
     out = plan.spec.out_dir
     data = collect(plan)
     written: dict[str, Path] = {}
@@ -747,9 +748,9 @@ def write_report(plan: StudyPlan) -> dict[str, Path]:
         written["perplexity_vs_params"] = scaling
         figures.append(scaling.name)
     data["figures"] = figures
-    _write_json(out / "study.json", data)
-    written["json"] = out / "study.json"
-    markdown = out / "study.md"
+    _write_json(out / f"{stem}.json", data)
+    written["json"] = out / f"{stem}.json"
+    markdown = out / f"{stem}.md"
     temporary = markdown.with_name(f".{markdown.name}.{os.getpid()}.tmp")
     temporary.write_text(_markdown(plan, data, figures), encoding="utf-8")
     os.replace(temporary, markdown)
