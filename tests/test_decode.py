@@ -39,6 +39,25 @@ def test_static_greedy_decoding_gives_the_tokens_of_generate(generator, mixer):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
+def test_static_decoding_chooses_from_logits_widened_to_float32_never_narrowed(
+    generator, monkeypatch, dtype
+):
+    """A float64 model's tokens are chosen from float64 logits, as `generate` keeps them; a
+    bf16 model's from float32 ones."""
+    seen = []
+    choose = StaticDecoder._choose
+
+    def spy(self, logits):
+        seen.append(logits.dtype)
+        return choose(self, logits)
+
+    monkeypatch.setattr(StaticDecoder, "_choose", spy)
+    model = tiny_model("gdn2").to(dtype)
+    static_generate(model, token_ids(generator, 2, 5), max_new_tokens=3, cuda_graph=False)
+    assert seen == [torch.promote_types(dtype, torch.float32)] * 3
+
+
 @pytest.mark.parametrize(
     ("mixer", "overrides"),
     [

@@ -54,6 +54,11 @@ class StaticKV:
     filled: torch.Tensor
 
 
+def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
+    """Logits widened to float32 for sampling, never narrowed (float64 stays float64)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 def _tensor_fields(state: RecurrentState) -> dict[str, torch.Tensor]:
     """The state's tensors by field name (the gates trace excluded)."""
     return {
@@ -210,7 +215,7 @@ class StaticDecoder:
     def start(self, logits: torch.Tensor) -> None:
         """Chooses the first new token from the prompt's last logits `[B, vocab]`."""
         self._reserve()
-        self._choose(logits.float())
+        self._choose(_at_least_float32(logits))
 
     @torch.no_grad()
     def step(self) -> None:
@@ -243,7 +248,8 @@ class StaticDecoder:
         self.produced += 1
 
     def _choose(self, logits: torch.Tensor) -> None:
-        """Next tokens from float32 logits `[B, vocab]`, written to `token` and `history`."""
+        """Next tokens from logits `[B, vocab]` in at least float32 (a float64 model's stay
+        float64, as `generate` keeps them), written to `token` and `history`."""
         if self.temperature == 0:
             chosen = logits.argmax(dim=-1)
         else:
@@ -277,7 +283,7 @@ class StaticDecoder:
                     buffer = getattr(state, name)
                     if tensor is not buffer:
                         buffer.copy_(tensor)
-        logits = self.model.lm_head(core.norm(x))[:, -1].float()
+        logits = _at_least_float32(self.model.lm_head(core.norm(x))[:, -1])
         self.position += 1
         self._choose(logits)
 
