@@ -29,9 +29,11 @@ from deltalab.layers import (
 from deltalab.layers.common import (
     GatedRMSNorm,
     RMSNorm,
+    project,
     rms_norm,
     rms_norm_reference,
     shared_autocast_input,
+    sharing_autocast_input,
 )
 
 DELTA_MIXERS = (
@@ -119,11 +121,34 @@ def unshared(active: bool = True):
 
 
 @pytest.mark.parametrize("cls", (*DELTA_MIXERS, Attention), ids=lambda cls: cls.__name__)
-def test_frontend_projections_share_one_saved_autocast_copy_of_the_input(cls):
-    # q, k, v and the output gate (attention: q, k, v) keep one copy between them instead of
-    # one each; a gate projection that takes x (GDN-2's erase and write...) still casts it anew.
-    shared_by = 3 if cls is Attention else 4
-    assert saved_copies(cls, share=True) == saved_copies(cls, share=False) - (shared_by - 1)
+def test_every_projection_of_the_input_shares_one_saved_autocast_copy(cls):
+    # q, k, v, the output gate and the gates' projections of x (erase and write, the decays,
+    # the noise models, Muir's fused gates) keep one bf16 copy of x between them, where each
+    # would keep its own.
+    assert saved_copies(cls, share=True) == 1
+    assert saved_copies(cls, share=False) >= (3 if cls is Attention else 4)
+
+
+def test_project_hands_out_the_shared_copy_only_for_the_shared_input():
+    x, other = torch.randn(3, 4), torch.randn(3, 4)
+    seen = []
+
+    def proj(t):
+        seen.append(t)
+        return t
+
+    assert project(proj, x) is x  # no block: x itself
+    with torch.autocast("cpu", dtype=torch.bfloat16), sharing_autocast_input(x) as x_in:
+        shared = project(proj, x)
+        assert torch.equal(shared, x.bfloat16())
+        assert shared.untyped_storage().data_ptr() == x_in().untyped_storage().data_ptr()
+        assert project(proj, other) is other  # another tensor, even an equal one: as it is
+        assert project(proj, x.clone()) is not shared
+        with sharing_autocast_input(other):
+            assert torch.equal(project(proj, other), other.bfloat16())
+            assert project(proj, x).dtype == torch.float32  # the inner block shares other only
+        assert project(proj, x).untyped_storage().data_ptr() == shared.untyped_storage().data_ptr()
+    assert project(proj, x) is x
 
 
 # The mixers whose k reaches the delta rule through `deltalab.ops.parametrize`.

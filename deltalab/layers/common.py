@@ -16,11 +16,13 @@ A mixer only adds its gates and its `deltalab.ops.parametrize` call.
 from __future__ import annotations
 
 import abc
+import contextlib
+import contextvars
 import dataclasses
 import inspect
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import ClassVar, TypedDict, Unpack, cast
 
@@ -74,10 +76,12 @@ __all__ = [
     "identity_at_padding",
     "l2_normalize",
     "no_weight_decay",
+    "project",
     "recomputed",
     "require_positive_int",
     "run_delta_rule",
     "shared_autocast_input",
+    "sharing_autocast_input",
     "short_conv_backend",
     "step_backend",
     "zero_at_padding",
@@ -264,6 +268,36 @@ def shared_autocast_input(x: torch.Tensor) -> Callable[[], torch.Tensor]:
     if cast.dtype == x.dtype:
         return lambda: x
     return lambda: _SharedCast.apply(x, cast)
+
+
+# The input a layer's forward is sharing one autocast copy of, and the function that hands it out
+# (`sharing_autocast_input`); None outside such a forward.
+_SHARED_INPUT: contextvars.ContextVar[tuple[torch.Tensor, Callable[[], torch.Tensor]] | None] = (
+    contextvars.ContextVar("deltalab_shared_autocast_input", default=None)
+)
+
+
+@contextlib.contextmanager
+def sharing_autocast_input(x: torch.Tensor) -> Iterator[Callable[[], torch.Tensor]]:
+    """`shared_autocast_input(x)`, whose copy `project(proj, x)` also hands to the projections
+    of x made inside the block: the gates' projections, computed by methods that take x itself
+    (and read its dtype), keep no copy of their own. Nested blocks share their own input."""
+    x_in = shared_autocast_input(x)
+    token = _SHARED_INPUT.set((x, x_in))
+    try:
+        yield x_in
+    finally:
+        _SHARED_INPUT.reset(token)
+
+
+def project(proj: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """proj(x), given the autocast copy of x that the enclosing `sharing_autocast_input(x)`
+    shares when there is one (the same tensor x, not an equal one), else x itself: the same
+    numbers either way, since autocast would cast x for proj's matrix product all the same."""
+    shared = _SHARED_INPUT.get()
+    if shared is not None and shared[0] is x:
+        return proj(shared[1]())
+    return proj(x)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = L2_EPS, *, backend: str = "auto") -> torch.Tensor:
@@ -657,28 +691,29 @@ class DeltaMixer(nn.Module, abc.ABC):
             check_state_batch("state.memory", state.memory, x, "[B, H, K, V]")
         mask = check_mask(mask, x)
         heads = self.num_heads
-        # One autocast copy of x kept for the projections, instead of one by each.
-        x_in = shared_autocast_input(x)
+        # One autocast copy of x kept for the projections, the gates' included, instead of one
+        # by each.
+        with sharing_autocast_input(x) as x_in:
 
-        def projected(proj: nn.Module) -> torch.Tensor:
-            # Padding enters the short convolutions as zeros, like the zero cache before a prompt.
-            y = proj(x_in())
-            return y if mask is None else y * mask.unsqueeze(-1).to(y.dtype)
+            def projected(proj: nn.Module) -> torch.Tensor:
+                # Padding enters the short convolutions as zeros, like the zero cache before a prompt.
+                y = proj(x_in())
+                return y if mask is None else y * mask.unsqueeze(-1).to(y.dtype)
 
-        # The short convolutions and the norms follow the delta rule's backend (read here, on
-        # every call, so a layer switched to another backend, as gate sensitivity does, takes
-        # them along): Triton where it runs, PyTorch with "chunk" or "naive".
-        conv_backend = short_conv_backend(self.backend, x.dtype)
-        norm_backend = layer_backend(self.backend)
-        caches = (None,) * 3 if state is None else (state.conv_q, state.conv_k, state.conv_v)
-        q, conv_q = self.q_conv(projected(self.q_proj), caches[0], backend=conv_backend)
-        k, conv_k = self.k_conv(projected(self.k_proj), caches[1], backend=conv_backend)
-        v, conv_v = self.v_conv(projected(self.v_proj), caches[2], backend=conv_backend)
-        q = l2_normalize(q.unflatten(-1, (heads, self.head_dim)), backend=norm_backend)
-        k = l2_normalize(k.unflatten(-1, (heads, self.head_dim)), backend=norm_backend)
-        v = v.unflatten(-1, (heads, self.value_dim))
-        conv = (conv_q, conv_k, conv_v)
-        o, new_state = self.recurrence(x, q, k, v, state, conv, return_gates, mask)
-        gate = self.g_proj(x_in()).unflatten(-1, (heads, self.value_dim))
-        y = self.o_proj(self.o_norm(o, gate, backend=norm_backend).flatten(-2))
-        return y, new_state
+            # The short convolutions and the norms follow the delta rule's backend (read here, on
+            # every call, so a layer switched to another backend, as gate sensitivity does, takes
+            # them along): Triton where it runs, PyTorch with "chunk" or "naive".
+            conv_backend = short_conv_backend(self.backend, x.dtype)
+            norm_backend = layer_backend(self.backend)
+            caches = (None,) * 3 if state is None else (state.conv_q, state.conv_k, state.conv_v)
+            q, conv_q = self.q_conv(projected(self.q_proj), caches[0], backend=conv_backend)
+            k, conv_k = self.k_conv(projected(self.k_proj), caches[1], backend=conv_backend)
+            v, conv_v = self.v_conv(projected(self.v_proj), caches[2], backend=conv_backend)
+            q = l2_normalize(q.unflatten(-1, (heads, self.head_dim)), backend=norm_backend)
+            k = l2_normalize(k.unflatten(-1, (heads, self.head_dim)), backend=norm_backend)
+            v = v.unflatten(-1, (heads, self.value_dim))
+            conv = (conv_q, conv_k, conv_v)
+            o, new_state = self.recurrence(x, q, k, v, state, conv, return_gates, mask)
+            gate = self.g_proj(x_in()).unflatten(-1, (heads, self.value_dim))
+            y = self.o_proj(self.o_norm(o, gate, backend=norm_backend).flatten(-2))
+            return y, new_state

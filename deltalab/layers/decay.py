@@ -17,7 +17,7 @@ import math
 import torch
 from torch import nn
 
-from deltalab.layers.common import no_weight_decay, require_positive_int
+from deltalab.layers.common import no_weight_decay, project, require_positive_int
 from deltalab.ops import log_decay as _op
 
 __all__ = ["ChannelDecay", "ScalarDecay", "init_A_log", "init_dt_bias", "log_decay"]
@@ -66,7 +66,7 @@ class ScalarDecay(nn.Module):
 
     def forward(self, x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
         """backend: `log_decay`'s; a mixer passes its delta rule's (`layer_backend`)."""
-        return log_decay(self.A_log, self.a_proj(x), self.dt_bias, backend=backend)
+        return log_decay(self.A_log, project(self.a_proj, x), self.dt_bias, backend=backend)
 
 
 class ChannelDecay(nn.Module):
@@ -90,5 +90,5 @@ class ChannelDecay(nn.Module):
 
     def forward(self, x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
         """backend: `log_decay`'s; a mixer passes its delta rule's (`layer_backend`)."""
-        raw = self.f_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
+        raw = project(self.f_proj, x).unflatten(-1, (self.num_heads, self.head_dim))
         return log_decay(self.A_log.unsqueeze(-1), raw, self.dt_bias, backend=backend)

@@ -15,7 +15,7 @@ from typing import Unpack
 import torch
 from torch import nn
 
-from deltalab.layers.common import DeltaMixer, FrontendKeywords, FrontendOptions
+from deltalab.layers.common import DeltaMixer, FrontendKeywords, FrontendOptions, project
 from deltalab.layers.decay import ScalarDecay
 from deltalab.ops.log_decay import layer_backend
 from deltalab.ops.parametrize import DeltaRuleInputs, deltanet_inputs, gated_deltanet_inputs
@@ -41,7 +41,7 @@ class DeltaNet(DeltaMixer):
         self.b_proj = nn.Linear(self.hidden_size, self.num_heads, bias=False)
 
     def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"beta": torch.sigmoid(self.b_proj(x))}
+        return {"beta": torch.sigmoid(project(self.b_proj, x))}
 
     def inputs_from_gates(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]
@@ -68,7 +68,7 @@ class GatedDeltaNet(DeltaNet):
     def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         # The decay follows the delta rule's backend, as the norms (Triton or the torch path).
         g = self.decay(x, backend=layer_backend(self.backend))
-        return {"beta": torch.sigmoid(self.b_proj(x)), "g": g}
+        return {"beta": torch.sigmoid(project(self.b_proj, x)), "g": g}
 
     def inputs_from_gates(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]

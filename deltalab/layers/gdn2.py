@@ -15,7 +15,13 @@ from typing import Unpack
 import torch
 from torch import nn
 
-from deltalab.layers.common import DeltaMixer, FrontendKeywords, FrontendOptions, frontend_options
+from deltalab.layers.common import (
+    DeltaMixer,
+    FrontendKeywords,
+    FrontendOptions,
+    frontend_options,
+    project,
+)
 from deltalab.layers.decay import ChannelDecay
 from deltalab.ops.log_decay import layer_backend
 from deltalab.ops.parametrize import DeltaRuleInputs, gdn2_inputs
@@ -57,8 +63,8 @@ class GatedDeltaNet2(DeltaMixer):
 
     def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         heads = self.num_heads
-        erase = torch.sigmoid(self.b_proj(x)).unflatten(-1, (heads, self.head_dim))
-        write = torch.sigmoid(self.w_proj(x)).unflatten(-1, (heads, self.value_dim))
+        erase = torch.sigmoid(project(self.b_proj, x)).unflatten(-1, (heads, self.head_dim))
+        write = torch.sigmoid(project(self.w_proj, x)).unflatten(-1, (heads, self.value_dim))
         # The decay follows the delta rule's backend, as the norms (Triton or the torch path).
         g = self.decay(x, backend=layer_backend(self.backend))
         return {"erase": erase, "write": write, "g": g}

@@ -14,7 +14,13 @@ from typing import Unpack
 import torch
 from torch import nn
 
-from deltalab.layers.common import DeltaMixer, FrontendKeywords, FrontendOptions, frontend_options
+from deltalab.layers.common import (
+    DeltaMixer,
+    FrontendKeywords,
+    FrontendOptions,
+    frontend_options,
+    project,
+)
 from deltalab.layers.decay import ChannelDecay
 from deltalab.ops.log_decay import layer_backend
 from deltalab.ops.parametrize import DeltaRuleInputs, kda_inputs
@@ -52,7 +58,7 @@ class KimiDeltaAttention(DeltaMixer):
     def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         # The decay follows the delta rule's backend, as the norms (Triton or the torch path).
         g = self.decay(x, backend=layer_backend(self.backend))
-        return {"beta": torch.sigmoid(self.b_proj(x)), "g": g}
+        return {"beta": torch.sigmoid(project(self.b_proj, x)), "g": g}
 
     def inputs_from_gates(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]

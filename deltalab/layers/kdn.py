@@ -41,6 +41,7 @@ from deltalab.layers.common import (
     frontend_options,
     identity_at_padding,
     no_weight_decay,
+    project,
     require_positive_int,
     run_delta_rule,
     zero_at_padding,
@@ -122,7 +123,7 @@ class FreeProcessNoise(nn.Module):
 
     def forward(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """x `[B, T, D]`, g (unused) -> q `[B, T, H, K]` (channel) or `[B, T, H]`, >= 0."""
-        raw = self.proj(x).to(compute_dtype(x))
+        raw = project(self.proj, x).to(compute_dtype(x))
         if self.channel:
             raw = raw.unflatten(-1, (self.num_heads, self.head_dim))
         return F.softplus(raw)
@@ -363,7 +364,7 @@ class KDNMixer(KalmanMixer):
         >= r_min), in at least float32."""
         # The decay follows the delta rule's backend, as the norms (Triton or the torch path).
         g = self.decay(x, backend=layer_backend(self.backend))
-        r = observation_noise(self.r_proj(x), self.r_min)
+        r = observation_noise(project(self.r_proj, x), self.r_min)
         return g, self.process(x, g), r
 
     def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:

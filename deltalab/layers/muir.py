@@ -37,6 +37,7 @@ from deltalab.layers.common import (
     compute_dtype,
     frontend_options,
     no_weight_decay,
+    project,
     require_positive_int,
 )
 from deltalab.layers.decay import init_A_log, init_dt_bias, log_decay
@@ -417,7 +418,7 @@ class Muir(FusedGateMixer):
         """x `[B, T, D]` -> erase, write, g, read (shapes in the class docstring); with
         `fused_read` the read gate's pre-activation in place of rho (`read_gates`)."""
         heads, key_dim, value_dim = self.num_heads, self.head_dim, self.value_dim
-        raw = self.gate_proj(x)
+        raw = project(self.gate_proj, x)
         erase = torch.sigmoid(raw["erase"]).unflatten(-1, (heads, key_dim))
         write = torch.sigmoid(raw["write"]).unflatten(-1, (heads, value_dim))
         gates = {"erase": erase, "write": write, "g": self.decay_from(raw)}
