@@ -33,7 +33,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--cache-dir", default="runs/token-cache")
     parser.add_argument("--compile", action="store_true", help="train.compile=true")
+    parser.add_argument(
+        "--recompute-states",
+        action="store_true",
+        help="the Triton delta rule's backward walks the chunk-start states and residuals again "
+        "instead of keeping them (triton/chunk.py RECOMPUTE_STATES)",
+    )
     args = parser.parse_args()
+    if args.recompute_states:
+        from deltalab.ops.delta_rule.triton import chunk
+
+        chunk.RECOMPUTE_STATES = True
     rows = []
     for mixer in args.mixers:
         with tempfile.TemporaryDirectory() as out:

@@ -19,7 +19,8 @@ The delta-rule primitive is charged as the CUDA Triton kernel (`_DeltaRuleTriton
 as the CPU "chunk" backend: nothing saved inside `delta_rule` is recorded; instead its inputs
 q, a, b, u, g are charged (once per storage, so shared with the layer's saves; a non-contiguous
 input as the copy its `.contiguous()` makes), plus the chunk-start states `[B, H, n, K, V]` and
-the residuals `[B, H, n, C, V]`, float32. Softmax attention is charged as a flash kernel saves:
+the residuals `[B, H, n, C, V]`, float32 (with `--recompute-states`, the initial state
+`[B, H, K, V]` instead, as the kernel keeps with RECOMPUTE_STATES). Softmax attention is charged as a flash kernel saves:
 its q, k, v, output and the float32 log-sum-exp `[B, H, T]`.
 
 Not seen: the backward's transient memory (gradients in flight, the kernels' workspaces), and
@@ -148,8 +149,9 @@ class Audit:
             self.quiet -= 1
 
     @contextlib.contextmanager
-    def patched(self, chunk_size: int):
-        """delta_rule and SDPA charged as their CUDA kernels save; the blocks named."""
+    def patched(self, chunk_size: int, recompute_states: bool = False):
+        """delta_rule and SDPA charged as their CUDA kernels save (with `recompute_states`, as
+        the kernel saves with RECOMPUTE_STATES); the blocks named."""
         real_delta_rule = common.delta_rule
         real_sdpa = F.scaled_dot_product_attention
 
@@ -158,10 +160,15 @@ class Audit:
             self.charge_inputs(kernel, "qabug", (q, a, b, u, g), copies=True)
             batch, length, heads, key_dim = q.shape
             value_dim, chunks = u.shape[-1], -(-length // chunk_size)
-            shape = (batch, heads, chunks, key_dim, value_dim)
-            self.add_new(shape, torch.float32, f"{kernel} chunk-start states")
-            shape = (batch, heads, chunks, padded_chunk_size(chunk_size), value_dim)
-            self.add_new(shape, torch.float32, f"{kernel} residuals")
+            if recompute_states:
+                # The backward walks them again from the initial state, which it keeps.
+                shape = (batch, heads, key_dim, value_dim)
+                self.add_new(shape, torch.float32, f"{kernel} initial state")
+            else:
+                shape = (batch, heads, chunks, key_dim, value_dim)
+                self.add_new(shape, torch.float32, f"{kernel} chunk-start states")
+                shape = (batch, heads, chunks, padded_chunk_size(chunk_size), value_dim)
+                self.add_new(shape, torch.float32, f"{kernel} residuals")
             with self.quieted():
                 return real_delta_rule(q, a, b, u, g, **kwargs)
 
@@ -220,7 +227,14 @@ class _Functional:
         return getattr(F, name)
 
 
-def run(preset: str, mixer: str, length: int, layers: int, batch: int = 1) -> list[Saved]:
+def run(
+    preset: str,
+    mixer: str,
+    length: int,
+    layers: int,
+    batch: int = 1,
+    recompute_states: bool = False,
+) -> list[Saved]:
     """The storages the loss's graph saves, in the order first saved."""
     torch.manual_seed(0)
     config = build_config(preset, mixer=mixer, num_layers=layers, backend="chunk")
@@ -236,7 +250,7 @@ def run(preset: str, mixer: str, length: int, layers: int, batch: int = 1) -> li
     ids = torch.randint(0, config.vocab_size, (batch, length))
     audit = Audit(model)
     with (
-        audit.patched(config.chunk_size),
+        audit.patched(config.chunk_size, recompute_states),
         torch.autograd.graph.saved_tensors_hooks(audit.pack, audit.unpack),
         torch.autocast("cpu", dtype=torch.bfloat16),
     ):
@@ -306,11 +320,18 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=256, help="the shorter of the two lengths")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--top", type=int, default=100, help="rows of each table")
+    parser.add_argument(
+        "--recompute-states",
+        action="store_true",
+        help="charge the Triton delta rule as it saves with RECOMPUTE_STATES (the initial state "
+        "instead of the chunk-start states and residuals)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     for mixer in args.mixers:
-        short = run(args.preset, mixer, args.length, args.layers)
-        long = run(args.preset, mixer, 2 * args.length, args.layers)
+        measure = dict(layers=args.layers, recompute_states=args.recompute_states)
+        short = run(args.preset, mixer, args.length, **measure)
+        long = run(args.preset, mixer, 2 * args.length, **measure)
         rows = per_token(short, long, args.length)
         report(mixer, rows, f"block{args.layers - 1}", args.top)
 

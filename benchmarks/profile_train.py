@@ -202,12 +202,19 @@ def main() -> None:
         "programs (split over T below triton_gain.SPLIT_GAIN_BELOW_PROGRAMS), 'separate' the "
         "ops around the scan, 'auto' gains.FUSED_GAIN_MIN_PROGRAMS decides",
     )
+    parser.add_argument(
+        "--recompute-states",
+        action="store_true",
+        help="the Triton delta rule's backward walks the chunk-start states and residuals again "
+        "instead of keeping them (triton/chunk.py RECOMPUTE_STATES)",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    if args.state_pass is not None:
+    if args.state_pass is not None or args.recompute_states:
         from deltalab.ops.delta_rule.triton import chunk
 
-        chunk.STATE_PASS = args.state_pass
+        chunk.STATE_PASS = args.state_pass or chunk.STATE_PASS
+        chunk.RECOMPUTE_STATES = chunk.RECOMPUTE_STATES or args.recompute_states
     if args.kdn_gain != "auto":
         from deltalab.ops.kdn import gains
 

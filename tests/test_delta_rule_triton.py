@@ -400,12 +400,16 @@ def test_triton_split_state_pass_matches_the_fused_pass_and_the_pytorch_walk(
     tokens = Tokens(ops.read.shape[2], heads, length, chunk_size)
     got = {}
     for name in ("fused", "split"):
-        state_pass, state_pass_backward = state_module.STATE_PASSES[name]
+        state_pass, state_pass_backward, walk = state_module.STATE_PASSES[name]
         out = torch.empty(batch, length, heads, value_dim, device=DEVICE)
         got[name] = [
             *state_pass(ops32, f32(state), out=out, tokens=tokens),
             *state_pass_backward(ops32, f32(d_o), f32(d_final), tokens=tokens),
         ]
+        # The walk a backward repeats (RECOMPUTE_STATES) gives the forward's values exactly.
+        for label, again, first in zip(("residuals", "chunk-start states", "final state"),
+                                       walk(ops32, f32(state)), got[name][1:4], strict=True):  # fmt: skip
+            assert torch.equal(again, first), f"{label} walked again ({name})"
     labels = ["outputs", "residuals", "chunk-start states", "final state", "dN",
               "dS after each chunk", "d initial state"]  # fmt: skip
     for label, split, fused, ref in zip(labels, got["split"], got["fused"], forward + backward,
@@ -427,10 +431,46 @@ def test_triton_each_state_pass_matches_float64_loop_with_every_gradient(
         raise AssertionError(f"the {other} state pass ran")
 
     monkeypatch.setattr(state_module, "STATE_PASS", chosen)
-    monkeypatch.setitem(state_module.STATE_PASSES, other, (fail, fail))
+    monkeypatch.setitem(state_module.STATE_PASSES, other, (fail, fail, fail))
     inputs = random_delta_inputs(generator, 2, 37, 2, 16, 8, channel_decay=True)
     state = torch.randn(2, 2, 16, 8, generator=generator, dtype=torch.float64)
     _compare(inputs, state, 16)
+
+
+@pytest.mark.parametrize("state_pass", ["split", "fused"])
+def test_triton_backward_walking_the_states_again_keeps_less_and_gives_the_same_gradients(
+    generator, monkeypatch, state_pass
+):
+    """With RECOMPUTE_STATES the forward keeps the initial state instead of the chunk-start
+    states and the residuals (float32 [B, H, n, K, V] and [B, H, n, C, V]), and the backward's
+    second walk gives every gradient bit for bit."""
+    from deltalab.ops.delta_rule.triton import chunk as state_module
+
+    monkeypatch.setattr(state_module, "STATE_PASS", state_pass)
+    batch, length, heads, key_dim, value_dim, chunk = 2, 37, 2, 16, 8, 16
+    inputs = random_delta_inputs(generator, batch, length, heads, key_dim, value_dim,
+                                 channel_decay=True)  # fmt: skip
+    state = torch.randn(batch, heads, key_dim, value_dim, generator=generator, dtype=torch.float64)
+    results, kept = {}, {}
+    for recompute in (False, True):
+        monkeypatch.setattr(state_module, "RECOMPUTE_STATES", recompute)
+        saved: list[torch.Tensor] = []
+
+        def pack(t, saved=saved):
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            results[recompute] = _run(inputs, state, "triton", torch.float32, DEVICE,
+                                      chunk_size=chunk)  # fmt: skip
+        kept[recompute] = sum(t.numel() * t.element_size() for t in saved)
+    labels = ["o", "final state", "dq", "da", "db", "du", "dg", "d initial state"]
+    for label, again, first in zip(labels, results[True], results[False], strict=True):
+        assert torch.equal(again, first), label
+    chunks = -(-length // chunk)
+    walked = batch * heads * chunks * (key_dim + chunk) * value_dim * 4
+    initial = batch * heads * key_dim * value_dim * 4
+    assert kept[False] - kept[True] == walked - initial
 
 
 def test_unknown_state_pass_is_an_error_naming_the_setting(generator, monkeypatch):

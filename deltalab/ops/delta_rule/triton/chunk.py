@@ -512,24 +512,42 @@ def _split_launch(value_dim: int, size: int, key_dim: int, precision: str):
     return walk, parallel
 
 
+def state_walk_split_triton(ops, initial_state: torch.Tensor | None, precision: str = "ieee"):
+    """The split state pass's walk alone (`_state_pass_split_fwd`): (residuals [B, H, n, C, V],
+    chunk-start states [B, H, n, K, V], final state [B, H, K, V]), float32, without the outputs.
+    What the backward recomputes when it does not keep them (`RECOMPUTE_STATES`)."""
+    batch, heads, n_chunks, size, key_dim = ops.read.shape
+    value_dim = ops.target.shape[-1]
+    device = ops.read.device
+    residual = torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
+    states = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
+    final = torch.empty(batch, heads, key_dim, value_dim, device=device)
+    walk, _ = _split_launch(value_dim, size, key_dim, precision)
+    _state_pass_split_fwd[(triton.cdiv(value_dim, walk["BV"]), batch * heads)](
+        ops.erase, ops.target, ops.write, ops.decay,
+        initial_state if initial_state is not None else final, residual, states, final,
+        n_chunks, HAS_INITIAL=initial_state is not None, **walk,
+    )  # fmt: skip
+    return residual, states, final
+
+
+def state_walk_fused_triton(ops, initial_state: torch.Tensor | None, precision: str = "ieee"):
+    """The fused state pass's residuals, chunk-start states and final state (its one kernel
+    also forms the outputs, into a scratch tensor dropped here)."""
+    _, residual, states, final = state_pass_triton(ops, initial_state, precision)
+    return residual, states, final
+
+
 def state_pass_split_triton(ops, initial_state: torch.Tensor | None, precision: str = "ieee",
                             out: torch.Tensor | None = None, tokens: Tokens | None = None):  # fmt: skip
     """`state_pass_triton` split in two kernels (the walk, then the outputs in parallel over
     chunks; see above `_state_pass_split_fwd`): the same arguments and returns."""
     batch, heads, n_chunks, size, key_dim = ops.read.shape
     value_dim = ops.target.shape[-1]
-    device = ops.read.device
-    residual = torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
+    residual, states, final = state_walk_split_triton(ops, initial_state, precision)
     if out is None:
         out, tokens = torch.empty_like(residual), Tokens.of_chunks(residual)
-    states = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
-    final = torch.empty(batch, heads, key_dim, value_dim, device=device)
-    walk, parallel = _split_launch(value_dim, size, key_dim, precision)
-    _state_pass_split_fwd[(triton.cdiv(value_dim, walk["BV"]), batch * heads)](
-        ops.erase, ops.target, ops.write, ops.decay,
-        initial_state if initial_state is not None else final, residual, states, final,
-        n_chunks, HAS_INITIAL=initial_state is not None, **walk,
-    )  # fmt: skip
+    _, parallel = _split_launch(value_dim, size, key_dim, precision)
     blocks = (triton.cdiv(value_dim, parallel["BV"]), batch * heads * n_chunks)
     _state_pass_split_out[(*blocks, size // parallel["BC"])](
         ops.read, ops.attend, residual, states, out, *tokens.args(), **parallel
@@ -571,10 +589,22 @@ def state_pass_split_triton_backward(
 # times as many chunks); the split walks (BV 32, 4 warps) 16.8 ms and 62.3 ms, and the whole step
 # went from 244.7 to 230.7 ms at 4K and from 348.3 to 274.2 ms at 16K.
 STATE_PASS = "split"
+# Per state pass: its forward, its backward, and the walk that gives the residuals and the
+# chunk-start states again (`RECOMPUTE_STATES`).
 STATE_PASSES = {
-    "fused": (state_pass_triton, state_pass_triton_backward),
-    "split": (state_pass_split_triton, state_pass_split_triton_backward),
+    "fused": (state_pass_triton, state_pass_triton_backward, state_walk_fused_triton),
+    "split": (state_pass_split_triton, state_pass_split_triton_backward, state_walk_split_triton),
 }
+# Whether the backward walks the chunks again for the chunk-start states [B, H, n, K, V] and the
+# residuals [B, H, n, C, V] instead of keeping them from the forward. Both are float32: at
+# K = V = 128 and chunks of 64 they are 12 KB per token, head set and layer, which is 16% of what
+# a GDN-2 block keeps for its backward under bf16 autocast (benchmarks/memory_audit.py, 76,392
+# bytes per token and block at the 340M preset) and the largest item of it. Recomputing costs
+# one walk of the forward per layer and step (the split walk: 0.46 ms a layer at B=4 T=4096,
+# ~1 ms at B=1 T=16384, H=8, measured on the H200). The walk is deterministic, so the gradients
+# are the same bit for bit. Off until a training step's time and peak memory are measured both
+# ways on the GPU (`h200_suite.sh recompute_ptrain recompute_train`).
+RECOMPUTE_STATES = False
 
 
 def operator_grads_triton(states, residuals, d_out, d_residual, d_next, precision: str = "ieee",
@@ -636,7 +666,8 @@ class _DeltaRuleTriton(torch.autograd.Function):
     storing the per-chunk operators, and walks the stages back by hand (no PyTorch graph through
     them).
 
-    Saved for backward: the inputs themselves, the chunk-start states and the residuals.
+    Saved for backward: the inputs themselves, and the chunk-start states and the residuals
+    (or, with `RECOMPUTE_STATES`, the initial state, from which the backward walks them again).
     """
 
     @staticmethod
@@ -646,24 +677,34 @@ class _DeltaRuleTriton(torch.autograd.Function):
             raise ValueError(
                 f"STATE_PASS must be one of {sorted(STATE_PASSES)}, got {STATE_PASS!r}"
             )
-        state_pass, ctx.state_pass_backward = STATE_PASSES[STATE_PASS]
+        state_pass, ctx.state_pass_backward, ctx.walk = STATE_PASSES[STATE_PASS]
         q, a, b, u, g = (x.contiguous() for x in (q, a, b, u, g))
+        initial_state = initial_state.contiguous()
         length, heads = q.shape[1], q.shape[2]
         tokens = Tokens(-(-length // chunk_size), heads, length, chunk_size)
         ops, _ = _operators_triton(q, a, b, u, g, precision, tokens, scale)
         out = q.new_empty(u.shape)
         _, residuals, states, final = state_pass(
-            ops, initial_state.contiguous(), precision, out=out, tokens=tokens
+            ops, initial_state, precision, out=out, tokens=tokens
         )
-        ctx.save_for_backward(q, a, b, u, g, states, residuals)
+        ctx.recompute_states = RECOMPUTE_STATES
+        if RECOMPUTE_STATES:
+            del residuals, states  # walked again in the backward, from the initial state
+            ctx.save_for_backward(q, a, b, u, g, initial_state)
+        else:
+            ctx.save_for_backward(q, a, b, u, g, states, residuals)
         ctx.precision, ctx.tokens, ctx.scale = precision, tokens, scale
         return out, final
 
     @staticmethod
     def backward(ctx, d_o, d_final):
-        q, a, b, u, g, states, residuals = ctx.saved_tensors
         precision, tokens, scale = ctx.precision, ctx.tokens, ctx.scale
+        q, a, b, u, g, *kept = ctx.saved_tensors
         ops, lower = _operators_triton(q, a, b, u, g, precision, tokens, scale)
+        if ctx.recompute_states:
+            residuals, states, _ = ctx.walk(ops, kept[0], precision)
+        else:
+            states, residuals = kept
         # The output's gradient is read token-major where it lies, like the inputs.
         d_out = torch.zeros_like(u) if d_o is None else d_o.contiguous()
         d_final = None if d_final is None else d_final.contiguous()
