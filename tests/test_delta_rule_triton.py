@@ -407,8 +407,9 @@ def test_triton_split_state_pass_matches_the_fused_pass_and_the_pytorch_walk(
             *state_pass_backward(ops32, f32(d_o), f32(d_final), tokens=tokens),
         ]
         # The walk a backward repeats (RECOMPUTE_STATES) gives the forward's values exactly.
+        walked = walk(ops32, f32(state))
         for label, again, first in zip(("residuals", "chunk-start states", "final state"),
-                                       walk(ops32, f32(state)), got[name][1:4], strict=True):  # fmt: skip
+                                       walked, got[name][1:4], strict=True):  # fmt: skip
             assert torch.equal(again, first), f"{label} walked again ({name})"
     labels = ["outputs", "residuals", "chunk-start states", "final state", "dN",
               "dS after each chunk", "d initial state"]  # fmt: skip

@@ -37,7 +37,7 @@ OUTPUTS = ("gain", "p", "predictive")
 
 def spy_fused(monkeypatch, **options) -> list[tuple[int, ...]]:
     """k's shape at every call of the fused gain (gains.diag_gain imports it at each call), which
-    is taken at every size (also where a test's shape has fewer programs than a raised FUSED_GAIN_MIN_PROGRAMS);
+    is taken at every size (also where a test raises FUSED_GAIN_MIN_PROGRAMS above its programs);
     `options` (split, chunk, block_t) are passed to every call."""
     calls: list[tuple[int, ...]] = []
     monkeypatch.setattr(gains, "FUSED_GAIN_MIN_PROGRAMS", 0)
@@ -482,3 +482,24 @@ def test_isotropic_kdn_layer_on_triton_matches_chunk_with_parameter_gradients(mo
     assert calls == [(2, 20, 2, 16)]
     assert_close(results["triton"][0], results["chunk"][0], 1e-5, "y")
     assert_close(results["triton"][1], results["chunk"][1], 1e-5, "parameter gradients")
+
+
+@needs_triton
+def test_diag_gain_takes_the_fused_kernel_at_every_size_by_default(monkeypatch):
+    """FUSED_GAIN_MIN_PROGRAMS as shipped: the fused gain (split over T where the pairs are few)
+    even for a single (sequence, head) pair, as a 340M training step measured faster on the
+    H200 than the separate ops."""
+    from deltalab.ops.kdn import triton_gain
+
+    assert gains.FUSED_GAIN_MIN_PROGRAMS == 0
+    calls = []
+    fused = triton_gain.kdn_diag_gain
+
+    def spy(k, *args, **kwargs):
+        calls.append(tuple(k.shape))
+        return fused(k, *args, **kwargs)
+
+    monkeypatch.setattr(triton_gain, "kdn_diag_gain", spy)
+    inputs = gain_inputs(11, (1, 5, 1, 3), extremes=False)
+    diag_gain(*(x.to(DEVICE, F32) for x in inputs), 3.0, "triton")
+    assert calls == [(1, 5, 1, 3)]

@@ -355,3 +355,13 @@ def test_recomputed_pieces_keep_less_and_give_the_same_gradients_bit_for_bit(nam
     kept_plain, grad_plain = run()
     assert kept < kept_plain
     assert torch.equal(grad, grad_plain)
+
+
+def test_sharing_the_autocast_copy_breaks_no_compiled_graph():
+    # Dynamo does not trace ContextVar operations: under torch.compile, `sharing_autocast_input`
+    # and `project` leave them out, so no graph break comes from them.
+    layer = build(GatedDeltaNet2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        explained = torch._dynamo.explain(lambda x: layer(x)[0])(hidden())
+    frames = {frame.name for reason in explained.break_reasons for frame in reason.user_stack or []}
+    assert not frames & {"project", "sharing_autocast_input"}, frames

@@ -517,7 +517,9 @@ def test_the_report_gives_erase_write_ratios_per_layer_and_the_allocated_ranks(t
     (group,) = collect(plan)["gate_sensitivity"]
     assert list(group["variants"]) == ["gdn2"]
     gdn2 = group["variants"]["gdn2"]
-    assert gdn2["layers"]["model.blocks.0.mixer"]["trained_state"] == {0: 0.5, 1: 0.7, 2: 1.5}
+    assert gdn2["layers"]["model.blocks.0.mixer"]["trained_state"] == {"0": 0.5, "1": 0.7, "2": 1.5}
+    written = json.loads((tmp_path / "study" / "study.json").read_text())
+    assert written["gate_sensitivity"] == json.loads(json.dumps(collect(plan)["gate_sensitivity"]))
     assert gdn2["ranks"]["state"]["allocated"] == [
         {"erase": 2, "write": 8},
         {"erase": 3, "write": 7},
@@ -527,7 +529,8 @@ def test_the_report_gives_erase_write_ratios_per_layer_and_the_allocated_ranks(t
     markdown = (tmp_path / "study" / "study.md").read_text()
     # Mean 0.9, sd sqrt((0.4^2 + 0.2^2 + 0.6^2) / 2); two of three seeds below 1; no loss ratios.
     sd = math.sqrt((0.4**2 + 0.2**2 + 0.6**2) / 2)
-    assert f"| model.blocks.0.mixer | 0.25 ± 0 | 0.9 ± {sd:.4g} | 2/3 | – | – | 0/0 |" in markdown
+    row = f"| model.blocks.0.mixer | 0.25 ± 0 | 0.9 ± {sd:.4g} | 2/3 | – | – | 0/0 |"
+    assert row in markdown
     assert "| by the final memory's sensitivity | 3 ± 1 (2) | 7 ± 1 (8) |" in markdown
     assert "the GDN-2 layer's" in markdown
 

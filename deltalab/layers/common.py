@@ -283,6 +283,11 @@ def sharing_autocast_input(x: torch.Tensor) -> Iterator[Callable[[], torch.Tenso
     of x made inside the block: the gates' projections, computed by methods that take x itself
     (and read its dtype), keep no copy of their own. Nested blocks share their own input."""
     x_in = shared_autocast_input(x)
+    if torch.compiler.is_compiling():
+        # Dynamo does not trace ContextVar operations (each would break the graph); the compiled
+        # graph has the gates' casts of x in one graph, where the compiler can merge them.
+        yield x_in
+        return
     token = _SHARED_INPUT.set((x, x_in))
     try:
         yield x_in
@@ -294,6 +299,8 @@ def project(proj: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
     """proj(x), given the autocast copy of x that the enclosing `sharing_autocast_input(x)`
     shares when there is one (the same tensor x, not an equal one), else x itself: the same
     numbers either way, since autocast would cast x for proj's matrix product all the same."""
+    if torch.compiler.is_compiling():
+        return proj(x)
     shared = _SHARED_INPUT.get()
     if shared is not None and shared[0] is x:
         return proj(shared[1]())
@@ -696,7 +703,8 @@ class DeltaMixer(nn.Module, abc.ABC):
         with sharing_autocast_input(x) as x_in:
 
             def projected(proj: nn.Module) -> torch.Tensor:
-                # Padding enters the short convolutions as zeros, like the zero cache before a prompt.
+                # Padding enters the short convolutions as zeros, as the zero cache does before a
+                # prompt.
                 y = proj(x_in())
                 return y if mask is None else y * mask.unsqueeze(-1).to(y.dtype)
 

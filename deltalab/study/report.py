@@ -193,7 +193,8 @@ def _gate_sensitivity(plan: StudyPlan, runs: list[dict[str, Any]]) -> list[dict[
                         if ratio:
                             slot = variant["layers"].setdefault(name, {})
                             for of, value in ratio.items():
-                                slot.setdefault(f"{phase}_{of}", {})[run.seed] = value
+                                # Keyed by the seed as a string, as study.json writes it.
+                                slot.setdefault(f"{phase}_{of}", {})[str(run.seed)] = value
                         if phase != "trained":
                             continue
                         for of, allocation in (layer.get("ranks") or {}).items():
@@ -363,6 +364,10 @@ def _paired_tables(plan: StudyPlan, group: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _finite(values: Iterable[float | None]) -> list[float]:
+    return [v for v in values if v is not None and math.isfinite(v)]
+
+
 def _mean_sd(values: Iterable[float | None]) -> str:
     summary = summarize([v for v in values if v is not None])
     if summary.n == 0:
@@ -373,20 +378,21 @@ def _mean_sd(values: Iterable[float | None]) -> str:
 def _gate_lines(group: dict[str, Any]) -> list[str]:
     """The markdown of `_gate_sensitivity`'s group: per variant, a row per layer, then the
     ranks."""
-    lines = [
-        "",
-        f"## Gate sensitivity: {_group_label(group['size'], group['lr'])}",
-        "",
-        "Erase/write: the erase gate's sensitivity over the write gate's, of the final memory and "
-        "of the loss, per layer, mean ± sd over seeds at initialization and after training; "
-        '"erase < write" counts the seeds where the trained ratio is below 1.',
-    ]
+    lines = ["", f"## Gate sensitivity: {_group_label(group['size'], group['lr'])}"]
+    if any(found["layers"] for found in group["variants"].values()):
+        lines += [
+            "",
+            "Erase/write: the erase gate's sensitivity over the write gate's, of the final memory "
+            "and of the loss, per layer, mean ± sd over seeds at initialization and after "
+            'training; "erase < write" counts the seeds (on the "every layer" row, the '
+            "layer-seeds) where the trained ratio is below 1.",
+        ]
     for variant, found in group["variants"].items():
         rows = []
         for layer, slot in found["layers"].items():
             row = [layer]
             for of in SENSITIVITY_OF:
-                trained = [v for v in slot.get(f"trained_{of}", {}).values() if v is not None]
+                trained = _finite(slot.get(f"trained_{of}", {}).values())
                 below = sum(1 for v in trained if v < 1)
                 row += [
                     _mean_sd(slot.get(f"init_{of}", {}).values()),
@@ -397,12 +403,11 @@ def _gate_lines(group: dict[str, Any]) -> list[str]:
         if len(rows) > 1:
             row = ["every layer"]
             for of in SENSITIVITY_OF:
-                trained = [
+                trained = _finite(
                     v
                     for slot in found["layers"].values()
                     for v in slot.get(f"trained_{of}", {}).values()
-                    if v is not None
-                ]
+                )
                 init = [
                     v
                     for slot in found["layers"].values()
@@ -416,7 +421,7 @@ def _gate_lines(group: dict[str, Any]) -> list[str]:
             rows.append(row)
         header = ["layer"]
         for of in SENSITIVITY_OF.values():
-            header += [f"{of}: init", f"{of}: trained", "erase < write"]
+            header += [f"{of}: init", f"{of}: trained", f"{of}: erase < write"]
         lines += ["", f"**{variant}** (seeds {sorted(found['seeds'])}):"]
         if rows:
             lines += ["", *_table(header, rows)]

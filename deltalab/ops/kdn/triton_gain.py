@@ -21,9 +21,10 @@ over K inside the tile, so r's gradient (and a per-head g's) needs no atomics an
 B H programs: 32 at the 340M preset (B = 4, H = 8), fewer than an H200's SMs; each then streams
 its head at a single SM's bandwidth (a whole KDN layer's gain is ~0.3 GB forward, ~0.5 GB
 backward). Measured on the H200, that made the fused forward 2x slower than the separate ops at
-32 programs without the split below. Split over T, the same kernels run on a grid of (B H, chunks), a chunk of T (a multiple of
-BLOCK_T) per program, each from its chunk's boundary value, which two small passes give: the
-chunk's composed maps (one per channel), then a carry across the chunks per head (the section
+32 programs without the split below. Split over T, the same kernels run on a grid of (B H,
+chunks), a chunk of T (a multiple of BLOCK_T) per program, each from its chunk's boundary value,
+which two small passes give: the chunk's composed maps (one per channel), then a carry across
+the chunks per head (the section
 "Split over T" below); `kdn_diag_gain` splits below SPLIT_GAIN_BELOW_PROGRAMS pairs. Every
 gradient but dp_prior is per token (dr, and a per-head dg, reduce over K only, inside a tile),
 so the split needs no partial sums; dp_prior comes from the first chunk's program.
