@@ -596,10 +596,10 @@ STATE_PASSES = {
     "split": (state_pass_split_triton, state_pass_split_triton_backward, state_walk_split_triton),
 }
 # Whether the backward walks the chunks again for the chunk-start states [B, H, n, K, V] and the
-# residuals [B, H, n, C, V] instead of keeping them from the forward. Both are float32: at
-# K = V = 128 and chunks of 64 they are 12 KB per token, head set and layer, which is 16% of what
-# a GDN-2 block keeps for its backward under bf16 autocast (benchmarks/memory_audit.py, 76,392
-# bytes per token and block at the 340M preset) and the largest item of it. Recomputing costs
+# residuals [B, H, n, C, V] instead of keeping them from the forward. Both are float32: with 8
+# heads of K = V = 128 and chunks of 64 (the 340M preset) they are 12 KB per token and layer,
+# 16% of what a GDN-2 block keeps for its backward under bf16 autocast (benchmarks/
+# memory_audit.py: 76,392 bytes per token and block) and the largest item of it. Recomputing costs
 # one walk of the forward per layer and step (the split walk: 0.46 ms a layer at B=4 T=4096,
 # ~1 ms at B=1 T=16384, H=8, measured on the H200). The walk is deterministic, so the gradients
 # are the same bit for bit. Off until a training step's time and peak memory are measured both
