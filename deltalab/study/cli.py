@@ -217,6 +217,7 @@ def execute(
 
 
 def run_study(args: argparse.Namespace) -> int:
+    from deltalab.errors import ConfigError
     from deltalab.study.plan import make_plan
     from deltalab.study.report import write_report
     from deltalab.study.spec import load_spec
@@ -225,12 +226,9 @@ def run_study(args: argparse.Namespace) -> int:
     if args.out is not None:
         spec = dataclasses.replace(spec, out_dir=Path(args.out).resolve())
     if args.dry_run and args.aggregate_only:
-        from deltalab.errors import ConfigError
-
         raise ConfigError("--dry-run and --aggregate-only exclude each other")
     stem = "study"
     if args.baseline is not None:
-        from deltalab.errors import ConfigError
         from deltalab.models.config import closest
 
         if not args.aggregate_only:

@@ -369,10 +369,24 @@ def _finite(values: Iterable[float | None]) -> list[float]:
 
 
 def _mean_sd(values: Iterable[float | None]) -> str:
-    summary = summarize([v for v in values if v is not None])
+    summary = summarize(_finite(values))
     if summary.n == 0:
         return "–"
     return _number(summary.mean) + ("" if summary.n < 2 else f" ± {_number(summary.sd)}")
+
+
+def _ratio_cells(slots: Iterable[dict[str, Any]]) -> list[str]:
+    """The cells of one row of `_gate_lines` from the layer slots it pools (one layer's, or every
+    layer's): per quantity, the mean ± sd at initialization and after training, and how many
+    trained ratios are below 1."""
+    slots = list(slots)
+    cells = []
+    for of in SENSITIVITY_OF:
+        init = [v for slot in slots for v in slot.get(f"init_{of}", {}).values()]
+        trained = _finite(v for slot in slots for v in slot.get(f"trained_{of}", {}).values())
+        below = sum(1 for v in trained if v < 1)
+        cells += [_mean_sd(init), _mean_sd(trained), f"{below}/{len(trained)}"]
+    return cells
 
 
 def _gate_lines(group: dict[str, Any]) -> list[str]:
@@ -388,37 +402,10 @@ def _gate_lines(group: dict[str, Any]) -> list[str]:
             "layer-seeds) where the trained ratio is below 1.",
         ]
     for variant, found in group["variants"].items():
-        rows = []
-        for layer, slot in found["layers"].items():
-            row = [layer]
-            for of in SENSITIVITY_OF:
-                trained = _finite(slot.get(f"trained_{of}", {}).values())
-                below = sum(1 for v in trained if v < 1)
-                row += [
-                    _mean_sd(slot.get(f"init_{of}", {}).values()),
-                    _mean_sd(trained),
-                    f"{below}/{len(trained)}",
-                ]
-            rows.append(row)
+        layers = found["layers"]
+        rows = [[layer, *_ratio_cells([slot])] for layer, slot in layers.items()]
         if len(rows) > 1:
-            row = ["every layer"]
-            for of in SENSITIVITY_OF:
-                trained = _finite(
-                    v
-                    for slot in found["layers"].values()
-                    for v in slot.get(f"trained_{of}", {}).values()
-                )
-                init = [
-                    v
-                    for slot in found["layers"].values()
-                    for v in slot.get(f"init_{of}", {}).values()
-                ]
-                row += [
-                    _mean_sd(init),
-                    _mean_sd(trained),
-                    f"{sum(1 for v in trained if v < 1)}/{len(trained)}",
-                ]
-            rows.append(row)
+            rows.append(["every layer", *_ratio_cells(layers.values())])
         header = ["layer"]
         for of in SENSITIVITY_OF.values():
             header += [f"{of}: init", f"{of}: trained", f"{of}: erase < write"]
