@@ -20,8 +20,8 @@ as the CPU "chunk" backend: nothing saved inside `delta_rule` is recorded; inste
 q, a, b, u, g are charged (once per storage, so shared with the layer's saves; a non-contiguous
 input as the copy its `.contiguous()` makes), plus the chunk-start states `[B, H, n, K, V]` and
 the residuals `[B, H, n, C, V]`, float32 (with `--recompute-states`, the initial state
-`[B, H, K, V]` instead, as the kernel keeps with RECOMPUTE_STATES). Softmax attention is charged as a flash kernel saves:
-its q, k, v, output and the float32 log-sum-exp `[B, H, T]`.
+`[B, H, K, V]` instead, as the kernel keeps with RECOMPUTE_STATES). Softmax attention is charged
+as a flash kernel saves: its q, k, v, output and the float32 log-sum-exp `[B, H, T]`.
 
 Not seen: the backward's transient memory (gradients in flight, the kernels' workspaces), and
 weights, gradients and optimizer state (which do not grow with the tokens).

@@ -19,7 +19,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from deltalab.layers.common import RMSNorm
+from deltalab.layers.common import RMSNorm, compute_dtype
 from deltalab.models.cache import RecurrentCache
 from deltalab.models.config import DeltaLabConfig
 from deltalab.models.mixers import build_mixer
@@ -273,7 +273,7 @@ class CausalLM(DeltaLabPreTrainedModel, GenerationMixin):
             )
         logits = self.lm_head(hidden)
         # At least float32 (bf16 logits under autocast are widened); a float64 model keeps them.
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        logits = logits.to(compute_dtype(logits))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from deltalab.layers.attention import Attention, sliding_window_mask
-from deltalab.layers.common import AttentionState, RecurrentState
+from deltalab.layers.common import AttentionState, RecurrentState, compute_dtype
 from deltalab.models.cache import RecurrentCache
 from deltalab.models.lm import Block, CausalLM
 
@@ -52,11 +52,6 @@ class StaticKV:
     key: torch.Tensor
     value: torch.Tensor
     filled: torch.Tensor
-
-
-def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
-    """Logits widened to float32 for sampling, never narrowed (float64 stays float64)."""
-    return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 def _tensor_fields(state: RecurrentState) -> dict[str, torch.Tensor]:
@@ -215,7 +210,7 @@ class StaticDecoder:
     def start(self, logits: torch.Tensor) -> None:
         """Chooses the first new token from the prompt's last logits `[B, vocab]`."""
         self._reserve()
-        self._choose(_at_least_float32(logits))
+        self._choose(logits.to(compute_dtype(logits)))
 
     @torch.no_grad()
     def step(self) -> None:
@@ -283,7 +278,8 @@ class StaticDecoder:
                     buffer = getattr(state, name)
                     if tensor is not buffer:
                         buffer.copy_(tensor)
-        logits = _at_least_float32(self.model.lm_head(core.norm(x))[:, -1])
+        logits = self.model.lm_head(core.norm(x))[:, -1]
+        logits = logits.to(compute_dtype(logits))
         self.position += 1
         self._choose(logits)
 
