@@ -16,7 +16,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from deltalab.benchmarking import format_table
+from deltalab.benchmarking import add_delta_rule_options, apply_delta_rule_options, format_table
 from deltalab.models import MIXER_KINDS
 from deltalab.train import load_run_config, train
 
@@ -33,17 +33,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--cache-dir", default="runs/token-cache")
     parser.add_argument("--compile", action="store_true", help="train.compile=true")
-    parser.add_argument(
-        "--recompute-states",
-        action="store_true",
-        help="the Triton delta rule's backward walks the chunk-start states and residuals again "
-        "instead of keeping them (triton/chunk.py RECOMPUTE_STATES)",
-    )
+    add_delta_rule_options(parser)
     args = parser.parse_args()
-    if args.recompute_states:
-        from deltalab.ops.delta_rule.triton import chunk
-
-        chunk.RECOMPUTE_STATES = True
+    apply_delta_rule_options(args)
     rows = []
     for mixer in args.mixers:
         with tempfile.TemporaryDirectory() as out:

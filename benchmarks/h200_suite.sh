@@ -3,11 +3,13 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time prof stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain recompute_ptrain recompute_train compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
-# and they are installed first. Budget the call: tests 240 s (the delta rule's kernels and
+# and they are installed first. Budget the call: time_fla 300 s (the time part at the 4K shape
+# alone, fla's autotuning for one shape inside it), prof_ours 60 s (prof without fla's autotuning),
+# tune_stage12 120 s (stage 1's and the solve's launches at the 340M heads), tests 240 s (the delta rule's kernels and
 # tests/test_cuda.py: on 2026-12-01 both passed inside the limit, and 21 tests of the layers'
 # file after them), kernel_tests 150 s (the layers
 # on Triton and the fused KDN gain; with tests, every Triton test file but the small ops'), time 300 s,
@@ -19,9 +21,9 @@
 # state pass: compare with ptrain's gdn2), ptrain16k 150 s, split_ptrain16k 90 s and
 # split16k 150 s (the same three at B=1 T=16384: a quarter of the programs, walks four times as
 # long), ptrain_gdn2 120 s (ptrain's gdn2 at 4K and 16K alone), train32k 150 s (train at B=1
-# T=32768: Muir, GDN-2, the Transformer), recompute_ptrain 120 s and recompute_train 240 s (ptrain_gdn2's profiles and
-# train's tokens/s and peak memory with the Triton delta rule's backward walking the states again,
-# triton/chunk.py RECOMPUTE_STATES: compare with ptrain_gdn2 and train), kdn_ptrain 150 s
+# T=32768: Muir, GDN-2, the Transformer), keep_ptrain 120 s and keep_train 240 s (ptrain_gdn2's profiles and
+# train's tokens/s and peak memory with the Triton delta rule keeping its chunk-start states for
+# the backward, triton/chunk.py RECOMPUTE_STATES off: compare with ptrain_gdn2 and train), kdn_ptrain 150 s
 # (Diagonal KDN's 340M step with the
 # fused gain, split over T, and with the separate ops: gains.FUSED_GAIN_MIN_PROGRAMS), time_deep
 # 120 s (log decays down to -8 per token: stage 1 walks most diagonal sub-blocks, as on trained
@@ -76,6 +78,13 @@ for p in "${parts[@]}"; do
         --out "$OUT/time.json" ;;
     time_deep) part time_deep 120 python3 benchmarks/bench_triton.py --parts time --gmax 8 \
         --shapes 4x4096x16x128 --only kda_c64 gdn2_c64 kdn_diag_c64 --out "$OUT/time_deep.json" ;;
+    time_fla) part time_fla 300 python3 benchmarks/bench_triton.py --parts time \
+        --shapes 4x4096x16x128 --only kda_c64 gdn2_c64 kdn_iso_c64 kdn_diag_c64 fla_kda fla_gdn2 \
+        sdpa --out "$OUT/time_fla.json" ;;
+    prof_ours) part prof_ours 60 python3 benchmarks/profile_triton.py --forms kda_c64 gdn2_c64 \
+        --out "$OUT/prof_ours.json" ;;
+    tune_stage12) part tune_stage12 120 python3 benchmarks/tune_triton.py --shape 4x4096x8x128 \
+        --stages intra solve --out "$OUT/tune_stage12.json" ;;
     prof) part prof 90 python3 benchmarks/profile_triton.py --forms kda_c64 fla_kda \
         --out "$OUT/prof.json" ;;
     stability) part stability 240 python3 benchmarks/bench_triton.py --parts stability \
@@ -118,14 +127,14 @@ for p in "${parts[@]}"; do
         --out \"$OUT/kdn_ptrain_fused.json\" && python3 benchmarks/profile_train.py --device cuda \
         --preset 340M --seq-len 4096 --batch 4 --mixers kdn_diag --kdn-gain separate \
         --out \"$OUT/kdn_ptrain_separate.json\"" ;;
-    recompute_ptrain) part recompute_ptrain 120 bash -c "python3 benchmarks/profile_train.py \
-        --recompute-states --device cuda --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 \
-        --out \"$OUT/recompute_ptrain_4k.json\" && python3 benchmarks/profile_train.py \
-        --recompute-states --device cuda --preset 340M --seq-len 16384 --batch 1 --mixers gdn2 \
-        --out \"$OUT/recompute_ptrain_16k.json\"" ;;
-    recompute_train) part recompute_train 240 bash -c "python3 benchmarks/bench_train.py \
-        --recompute-states --device cuda --preset 340M --seq-len 4096 --batch 4 --steps 8 \
-        --mixers gdn2 kdn_diag && python3 benchmarks/bench_train.py --recompute-states \
+    keep_ptrain) part keep_ptrain 120 bash -c "python3 benchmarks/profile_train.py \
+        --keep-states --device cuda --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 \
+        --out \"$OUT/keep_ptrain_4k.json\" && python3 benchmarks/profile_train.py \
+        --keep-states --device cuda --preset 340M --seq-len 16384 --batch 1 --mixers gdn2 \
+        --out \"$OUT/keep_ptrain_16k.json\"" ;;
+    keep_train) part keep_train 240 bash -c "python3 benchmarks/bench_train.py \
+        --keep-states --device cuda --preset 340M --seq-len 4096 --batch 4 --steps 8 \
+        --mixers gdn2 kdn_diag && python3 benchmarks/bench_train.py --keep-states \
         --device cuda --preset 340M --seq-len 16384 --batch 1 --steps 8 --mixers gdn2 muir" ;;
     compile) part compile 300 python3 benchmarks/bench_train.py --device cuda --preset 340M \
         --seq-len 4096 --batch 4 --steps 8 --mixers gdn2 muir transformer --compile ;;

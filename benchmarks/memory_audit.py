@@ -19,8 +19,8 @@ The delta-rule primitive is charged as the CUDA Triton kernel (`_DeltaRuleTriton
 as the CPU "chunk" backend: nothing saved inside `delta_rule` is recorded; instead its inputs
 q, a, b, u, g are charged (once per storage, so shared with the layer's saves; a non-contiguous
 input as the copy its `.contiguous()` makes), plus the chunk-start states `[B, H, n, K, V]` and
-the residuals `[B, H, n, C, V]`, float32 (with `--recompute-states`, the initial state
-`[B, H, K, V]` instead, as the kernel keeps with RECOMPUTE_STATES). Softmax attention is charged
+the residuals `[B, H, n, C, V]`, float32, with `--keep-states`; by default the initial state
+`[B, H, K, V]` instead, as the kernel keeps with RECOMPUTE_STATES, its default). Softmax attention is charged
 as a flash kernel saves: its q, k, v, output and the float32 log-sum-exp `[B, H, T]`.
 
 Not seen: the backward's transient memory (gradients in flight, the kernels' workspaces), and
@@ -149,7 +149,7 @@ class Audit:
             self.quiet -= 1
 
     @contextlib.contextmanager
-    def patched(self, chunk_size: int, recompute_states: bool = False):
+    def patched(self, chunk_size: int, recompute_states: bool = True):
         """delta_rule and SDPA charged as their CUDA kernels save (with `recompute_states`, as
         the kernel saves with RECOMPUTE_STATES); the blocks named."""
         real_delta_rule = common.delta_rule
@@ -233,7 +233,7 @@ def run(
     length: int,
     layers: int,
     batch: int = 1,
-    recompute_states: bool = False,
+    recompute_states: bool = True,
 ) -> list[Saved]:
     """The storages the loss's graph saves, in the order first saved."""
     torch.manual_seed(0)
@@ -321,15 +321,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--top", type=int, default=100, help="rows of each table")
     parser.add_argument(
-        "--recompute-states",
+        "--keep-states",
         action="store_true",
-        help="charge the Triton delta rule as it saves with RECOMPUTE_STATES (the initial state "
-        "instead of the chunk-start states and residuals)",
+        help="charge the Triton delta rule as it saves with RECOMPUTE_STATES off (the chunk-start "
+        "states and residuals instead of the initial state)",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
     for mixer in args.mixers:
-        measure = dict(layers=args.layers, recompute_states=args.recompute_states)
+        measure = dict(layers=args.layers, recompute_states=not args.keep_states)
         short = run(args.preset, mixer, args.length, **measure)
         long = run(args.preset, mixer, 2 * args.length, **measure)
         rows = per_token(short, long, args.length)

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from deltalab.benchmarking import kernel_times
+from deltalab.benchmarking import add_delta_rule_options, apply_delta_rule_options, kernel_times
 
 # The category of the norms' and SwiGLU's kernels (benchmarks/traffic.py counts them as glue).
 NORMS_SWIGLU = "normalization, SwiGLU"
@@ -187,13 +187,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--compile", action="store_true")
-    parser.add_argument(
-        "--state-pass",
-        choices=["fused", "split"],
-        default=None,
-        help="the Triton delta rule's state pass (triton/chunk.py STATE_PASSES; default: its "
-        "STATE_PASS)",
-    )
+    add_delta_rule_options(parser)
     parser.add_argument(
         "--kdn-gain",
         choices=["auto", "fused", "separate"],
@@ -202,19 +196,9 @@ def main() -> None:
         "programs (split over T below triton_gain.SPLIT_GAIN_BELOW_PROGRAMS), 'separate' the "
         "ops around the scan, 'auto' gains.FUSED_GAIN_MIN_PROGRAMS decides",
     )
-    parser.add_argument(
-        "--recompute-states",
-        action="store_true",
-        help="the Triton delta rule's backward walks the chunk-start states and residuals again "
-        "instead of keeping them (triton/chunk.py RECOMPUTE_STATES)",
-    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    if args.state_pass is not None or args.recompute_states:
-        from deltalab.ops.delta_rule.triton import chunk
-
-        chunk.STATE_PASS = args.state_pass or chunk.STATE_PASS
-        chunk.RECOMPUTE_STATES = chunk.RECOMPUTE_STATES or args.recompute_states
+    apply_delta_rule_options(args)
     if args.kdn_gain != "auto":
         from deltalab.ops.kdn import gains
 

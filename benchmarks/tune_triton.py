@@ -70,7 +70,10 @@ def flatten(result):
 
 
 def max_diff(xs, ys):
-    return max(float((x - y).abs().max()) for x, y in zip(xs, ys, strict=True))
+    """The largest difference between two settings' outputs, relative to each output's largest
+    element (the factors' adjoint has elements near 1e3, where float32 rounding alone is 1e-4)."""
+    return max(float((x - y).abs().max() / y.abs().max().clamp_min(1e-30))
+               for x, y in zip(xs, ys, strict=True))  # fmt: skip
 
 
 def main() -> None:
@@ -104,8 +107,8 @@ def main() -> None:
     cases = {
         "intra": (
             intra_module,
-            [dict(INTRA_BLOCK_KD=k, INTRA_LAUNCH=launch)
-             for k in (128, 64, 32) for launch in warps(2, 1, 4)],
+            [dict(INTRA_BLOCK_KD=k, INTRA_FWD_LAUNCH=launch, INTRA_BWD_LAUNCH=launch)
+             for k in (64, 128, 32) for launch in warps(1, 2, 4)],
             lambda: intra_module.intra_triton(q, a, b, g, precision, tokens),
             lambda: intra_module.intra_triton_backward(
                 q, a, b, g, d_lower, d_attend, precision, tokens
@@ -127,6 +130,8 @@ def main() -> None:
                 solve_module.solve_triton_backward(lower, d_out, precision),
                 solve_module.lower_grad_triton(d_out, ops.target, d_out, ops.target, precision),
             ],
+            # dL's blocks above the diagonal are never written (nothing reads them).
+            lambda outputs: [*outputs[:-1], torch.tril(outputs[-1], -1)],
         ),
         "state_pass": (
             state_module,
@@ -164,12 +169,13 @@ def main() -> None:
             parser.error(f"--stages: unknown {sorted(unknown)}; known: {sorted(cases)}")
         cases = {k: v for k, v in cases.items() if k in args.stages}
     rows = []
-    for stage, (module, settings, forward, backward) in cases.items():
+    for stage, (module, settings, forward, backward, *written) in cases.items():
         reference = None
         for setting in settings:
             with patched(module, **setting):
                 try:
                     outputs = flatten(forward()) + (flatten(backward()) if backward else [])
+                    outputs = written[0](outputs) if written else outputs
                     reference = reference or outputs
                     row = {"stage": stage, "setting": str(setting),
                            "fwd_ms": measure(forward, device),

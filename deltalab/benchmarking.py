@@ -275,3 +275,30 @@ def run_cases(
             json.dump({**header, "cases": results}, f, indent=1)
     print(f"\nwrote {args.out}")
     return results
+
+
+def add_delta_rule_options(parser: argparse.ArgumentParser) -> None:
+    """The Triton delta rule's switches a training benchmark can set (`apply_delta_rule_options`):
+    its state pass and whether its backward keeps the chunk-start states."""
+    parser.add_argument(
+        "--state-pass",
+        choices=["auto", "fused", "split"],
+        default=None,
+        help="the Triton delta rule's state pass (triton/chunk.py STATE_PASS; default: its own)",
+    )
+    parser.add_argument(
+        "--keep-states",
+        action="store_true",
+        help="the Triton delta rule keeps its chunk-start states and residuals for the backward "
+        "instead of walking them again (triton/chunk.py RECOMPUTE_STATES off)",
+    )
+
+
+def apply_delta_rule_options(args: argparse.Namespace) -> None:
+    """Sets what `add_delta_rule_options` parsed (imports Triton only when something is set)."""
+    if args.state_pass is None and not args.keep_states:
+        return
+    from deltalab.ops.delta_rule.triton import chunk
+
+    chunk.STATE_PASS = args.state_pass or chunk.STATE_PASS
+    chunk.RECOMPUTE_STATES = chunk.RECOMPUTE_STATES and not args.keep_states

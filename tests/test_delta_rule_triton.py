@@ -474,6 +474,29 @@ def test_triton_backward_walking_the_states_again_keeps_less_and_gives_the_same_
     assert kept[False] - kept[True] == walked - initial
 
 
+@pytest.mark.parametrize(
+    ("min_programs", "chosen", "other"), [(4, "fused", "split"), (5, "split", "fused")]
+)
+def test_auto_state_pass_takes_the_fused_pass_from_its_program_threshold(
+    generator, monkeypatch, min_programs, chosen, other
+):
+    """STATE_PASS = "auto" runs the fused pass when its walks would launch at least
+    FUSED_PASS_MIN_PROGRAMS programs (here B * H * ceil(V / BLOCK_V) = 2 * 2 * 1 = 4) and the
+    split pass below that (the other made to fail if called), and the result is still exact."""
+    from deltalab.ops.delta_rule.triton import chunk as state_module
+
+    def fail(*args, **kwargs):
+        raise AssertionError(f"the {other} state pass ran")
+
+    monkeypatch.setattr(state_module, "STATE_PASS", "auto")
+    monkeypatch.setattr(state_module, "FUSED_PASS_MIN_PROGRAMS", min_programs)
+    monkeypatch.setitem(state_module.STATE_PASSES, other, (fail, fail, fail))
+    assert state_module.chosen_state_pass(2, 2, 16, 8) == chosen
+    inputs = random_delta_inputs(generator, 2, 21, 2, 16, 8, channel_decay=True)
+    state = torch.randn(2, 2, 16, 8, generator=generator, dtype=torch.float64)
+    _compare(inputs, state, 16)
+
+
 def test_unknown_state_pass_is_an_error_naming_the_setting(generator, monkeypatch):
     from deltalab.ops.delta_rule.triton import chunk as state_module
 

@@ -55,14 +55,18 @@ def test_matrix_products_and_kernels_are_not_glue(gdn2_ops):
     }  # fmt: skip
     assert not any(o.op in traffic.MATMUL_OPS for o in glue)
     # The delta rule ran as the Triton kernels (stubs), both ways, not the PyTorch chunk path:
-    # the state pass `STATE_PASS` names, its walks and its parallel kernels.
-    from deltalab.ops.delta_rule.triton.chunk import STATE_PASS
+    # the state pass chosen for the tiny model's shape (B=2, H=2, K=V=64), its walks and its
+    # parallel kernels, and not the other.
+    from deltalab.ops.delta_rule.triton.chunk import chosen_state_pass
 
     kernels = {o.op for o in gdn2_ops if o.category == traffic.DELTA}
     passes = {"split": {"_state_pass_split_fwd", "_state_pass_split_out",
                         "_state_pass_split_dout", "_state_pass_split_bwd"},
               "fused": {"_state_pass_fwd", "_state_pass_bwd"}}  # fmt: skip
-    assert {f"triton:{k}" for k in passes[STATE_PASS]} <= kernels
+    chosen = chosen_state_pass(2, 2, 64, 64)
+    assert {f"triton:{k}" for k in passes[chosen]} <= kernels
+    (other,) = set(passes) - {chosen}
+    assert not {f"triton:{k}" for k in passes[other]} & kernels
     assert not any("delta_rule/chunk.py" in o.function for o in gdn2_ops)
 
 

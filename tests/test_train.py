@@ -429,6 +429,23 @@ def test_no_decay_marks_survive_parameter_replacement_as_fsdp_does():
     assert all(p.dim() >= 2 for p in decay["params"])
 
 
+def test_adamw_is_fused_only_when_every_parameter_is_a_plain_cuda_tensor():
+    from types import SimpleNamespace
+
+    from deltalab.models import CausalLM, build_config
+    from deltalab.train.config import OptimSection
+    from deltalab.train.optim import build_optimizer, fused_adamw_applies
+
+    cuda = SimpleNamespace(device=torch.device("cuda", 0))
+    cpu = torch.zeros(2)
+    assert fused_adamw_applies([cuda, cuda])
+    assert not fused_adamw_applies([cuda, cpu])
+    assert not fused_adamw_applies([])
+    # On CPU the optimizer keeps torch's default step, so CPU results do not move.
+    model = CausalLM(build_config("tiny", mixer="gdn2", num_layers=1))
+    assert build_optimizer(model, OptimSection(lr=1e-3)).defaults["fused"] is None
+
+
 def test_a_run_with_a_local_tokenizer_exports_it_for_generate(tmp_path, corpus, capsys):
     tokenizers = pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")

@@ -90,7 +90,8 @@ def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chu
         BLOCK_KD,
         DIAGONAL_FACTOR_BOUND,
         INTRA_BLOCK_KD,
-        INTRA_LAUNCH,
+        INTRA_BWD_LAUNCH,
+        INTRA_FWD_LAUNCH,
         SUB_BLOCK,
         key_block,
     )
@@ -113,12 +114,12 @@ def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chu
         kernels = [
             (state_pass._state_pass_fwd, 11, {**launch, "HAS_INITIAL": True}, options),
             (state_pass._state_pass_bwd, 10, {**launch, "HAS_D_FINAL": True}, options),
-            (intra._intra_fwd, 6, {**stage_1, "BK": block_k}, INTRA_LAUNCH),
-            (intra._intra_bwd, 9, {**stage_1, "BKD": intra_kd}, INTRA_LAUNCH),
-            (solve._solve_fwd, 3, columns, intra.LAUNCH),
-            (solve._solve_bwd, 4, {**columns, "TOKENS": True}, intra.LAUNCH),
+            (intra._intra_fwd, 6, {**stage_1, "BK": block_k}, INTRA_FWD_LAUNCH),
+            (intra._intra_bwd, 9, {**stage_1, "BKD": intra_kd}, INTRA_BWD_LAUNCH),
+            (solve._solve_fwd, 3, columns, solve.LAUNCH),
+            (solve._solve_bwd, 4, {**columns, "TOKENS": True}, solve.LAUNCH),
             (solve._lower_grad, 5, {**shape, "V": key_dim, "BK": block_n, "BV": block_n},
-             intra.LAUNCH),
+             solve.LAUNCH),
             (factors._factors_fwd, 8, per_chunk, intra.LAUNCH),
             (factors._factors_bwd, 15, per_chunk, intra.LAUNCH),
         ]  # fmt: skip

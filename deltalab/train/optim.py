@@ -11,6 +11,7 @@ from torch import nn
 __all__ = [
     "build_optimizer",
     "build_scheduler",
+    "fused_adamw_applies",
     "lr_multiplier",
     "no_decay_names",
     "parameter_groups",
@@ -45,13 +46,31 @@ def parameter_groups(
     ]
 
 
+def fused_adamw_applies(params: list[torch.Tensor]) -> bool:
+    """Whether AdamW takes its fused kernel: every parameter a plain CUDA tensor (not a DTensor
+    of FSDP2, which keeps the default multi-tensor step). The fused step reads and writes each
+    parameter, gradient and moment once per step; the default runs a chain of multi-tensor
+    kernels over them. CPU training keeps the default, so its results do not move."""
+    if not params or not all(p.device.type == "cuda" for p in params):
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a build without torch.distributed
+        return True
+    return not any(isinstance(p, DTensor) for p in params)
+
+
 def build_optimizer(model: nn.Module, optim, exempt: set[str] | None = None) -> torch.optim.AdamW:
-    """AdamW over `parameter_groups`; `optim` is the run config's OptimSection."""
+    """AdamW over `parameter_groups`; `optim` is the run config's OptimSection. Fused on CUDA
+    (`fused_adamw_applies`)."""
+    groups = parameter_groups(model, optim.weight_decay, exempt)
+    fused = fused_adamw_applies([p for group in groups for p in group["params"]])
     return torch.optim.AdamW(
-        parameter_groups(model, optim.weight_decay, exempt),
+        groups,
         lr=optim.lr,
         betas=tuple(optim.betas),
         eps=optim.eps,
+        fused=fused or None,
     )
 
 

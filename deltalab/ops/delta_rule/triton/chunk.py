@@ -21,8 +21,9 @@ parallel over all chunks (`operator_grads_triton`; its PyTorch twin `_operator_g
     d read_i = dO_i S_i^T    d attend_i = dO_i N_i^T    d erase_i = -dN_i S_i^T
     d write_i = N_i dS_{i+1}^T    d decay_i = sum_v dS_{i+1} * S_i    d target_i = dN_i
 
-Two forms of the pass, chosen by `STATE_PASS` (read by `_DeltaRuleTriton`): "fused" (above) and
-"split", the default (`state_pass_split_triton`, `state_pass_split_triton_backward`), whose walks
+Two forms of the pass, chosen by `STATE_PASS` (read by `_DeltaRuleTriton`; by default the one
+that is faster at the launch's size, `chosen_state_pass`): "fused" (above) and "split"
+(`state_pass_split_triton`, `state_pass_split_triton_backward`), whose walks
 keep only the products that depend on S or dS (N and S' forward, dN and dS backward) and leave
 the outputs, attend^T dO and read^T dO to kernels parallel over chunks; the comment above
 `_state_pass_split_fwd` says why that is exact and what it costs in memory traffic.
@@ -581,30 +582,50 @@ def state_pass_split_triton_backward(
     return d_residual, d_next, d_initial
 
 
-# The state pass `_DeltaRuleTriton` runs: "fused" (stages 3-4 in one walk, `state_pass_triton`)
-# or "split" (the walk reduced to the state recurrence, `state_pass_split_triton`). Read at each
-# forward; its backward takes the same form. Split: measured on the H200 in a 340M GDN-2 training
-# step (benchmarks/profile_train.py, 24 layers, docs/RESULTS.md), the fused walks took 37.4 ms of
-# kernel time at B=4 T=4096 and 145 ms at B=1 T=16384 (a quarter of the programs walking four
-# times as many chunks); the split walks (BV 32, 4 warps) 16.8 ms and 62.3 ms, and the whole step
-# went from 244.7 to 230.7 ms at 4K and from 348.3 to 274.2 ms at 16K.
-STATE_PASS = "split"
+# The state pass `_DeltaRuleTriton` runs: "fused" (stages 3-4 in one walk, `state_pass_triton`),
+# "split" (the walk reduced to the state recurrence, `state_pass_split_triton`), or "auto", the
+# default: the fused pass when its walks fill the GPU (at least FUSED_PASS_MIN_PROGRAMS programs,
+# B * H * V / BLOCK_V), the split pass otherwise. Read at each forward; its backward takes the same
+# form. Measured on the H200 (`tune_triton.py`, per layer, forward / backward ms; docs/RESULTS.md):
+#   B=4 T=4096 H=16 (128 fused programs): fused 0.78 / 0.86, split 0.91 / 1.25;
+#   B=4 T=4096 H=8 (64): fused 0.72 / 0.84, split 0.46 / 0.59;
+#   B=1 T=16384 H=8 (16): fused 2.72 / 3.23, split 1.00 / 1.38.
+# The split walk has 4x the programs of the fused one (16 value columns, not 64) and leaves the
+# outputs to kernels parallel over chunks: it wins while the fused walks leave SMs idle (132 on
+# the H200), and loses by its extra kernels and traffic once they do not.
+STATE_PASS = "auto"
+FUSED_PASS_MIN_PROGRAMS = 96
 # Per state pass: its forward, its backward, and the walk that gives the residuals and the
 # chunk-start states again (`RECOMPUTE_STATES`).
 STATE_PASSES = {
     "fused": (state_pass_triton, state_pass_triton_backward, state_walk_fused_triton),
     "split": (state_pass_split_triton, state_pass_split_triton_backward, state_walk_split_triton),
 }
+
+
+def chosen_state_pass(batch: int, heads: int, key_dim: int, value_dim: int) -> str:
+    """The state pass `STATE_PASS` names for inputs of this shape (see above)."""
+    if STATE_PASS != "auto":
+        if STATE_PASS not in STATE_PASSES:
+            raise ValueError(
+                f"STATE_PASS must be one of {[*sorted(STATE_PASSES), 'auto']}, got {STATE_PASS!r}"
+            )
+        return STATE_PASS
+    (blocks, programs), _ = _launch(value_dim, batch * heads, 1, key_dim, "ieee")
+    return "fused" if blocks * programs >= FUSED_PASS_MIN_PROGRAMS else "split"
+
+
 # Whether the backward walks the chunks again for the chunk-start states [B, H, n, K, V] and the
-# residuals [B, H, n, C, V] instead of keeping them from the forward. Both are float32: with 8
-# heads of K = V = 128 and chunks of 64 (the 340M preset) they are 12 KB per token and layer,
-# 16% of what a GDN-2 block keeps for its backward under bf16 autocast (benchmarks/
-# memory_audit.py: 76,392 bytes per token and block) and the largest item of it. Recomputing costs
-# one walk of the forward per layer and step (the split walk: 0.46 ms a layer at B=4 T=4096,
-# ~1 ms at B=1 T=16384, H=8, measured on the H200). The walk is deterministic, so the gradients
-# are the same bit for bit. Off until a training step's time and peak memory are measured both
-# ways on the GPU (`h200_suite.sh recompute_ptrain recompute_train`).
-RECOMPUTE_STATES = False
+# residuals [B, H, n, C, V] instead of keeping them from the forward (on by default, as the
+# issue asks: the backward recomputes what is cheap instead of storing per-chunk tensors). Both
+# are float32: with 8 heads of K = V = 128 and chunks of 64 (the 340M preset) they are 12 KB per
+# token and layer, the largest item of what a GDN-2 block keeps for its backward. Measured on the
+# H200 in a 340M GDN-2 training step (bf16, 24 layers, split pass; docs/RESULTS.md, 2026-12-01):
+# peak memory 33.0 -> 28.8 GiB at B=4 T=4096 and 33.1 -> 28.7 at B=1 T=16384 (Muir 35.9 -> 31.6,
+# Diagonal KDN 38.9 -> 34.7 at 4K); kernel time per step 232.2 -> 238.8 ms (+2.9%) at 4K and
+# 261.6 -> 288.4 (+10%, the walk of 16 programs) at 16K. The walk is deterministic, so the
+# gradients are the same bit for bit.
+RECOMPUTE_STATES = True
 
 
 def operator_grads_triton(states, residuals, d_out, d_residual, d_next, precision: str = "ieee",
@@ -673,14 +694,11 @@ class _DeltaRuleTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, a, b, u, g, initial_state, chunk_size, scale, precision):
         ctx.set_materialize_grads(False)
-        if STATE_PASS not in STATE_PASSES:
-            raise ValueError(
-                f"STATE_PASS must be one of {sorted(STATE_PASSES)}, got {STATE_PASS!r}"
-            )
-        state_pass, ctx.state_pass_backward, ctx.walk = STATE_PASSES[STATE_PASS]
+        batch, length, heads, key_dim = q.shape
+        chosen = chosen_state_pass(batch, heads, key_dim, u.shape[-1])
+        state_pass, ctx.state_pass_backward, ctx.walk = STATE_PASSES[chosen]
         q, a, b, u, g = (x.contiguous() for x in (q, a, b, u, g))
         initial_state = initial_state.contiguous()
-        length, heads = q.shape[1], q.shape[2]
         tokens = Tokens(-(-length // chunk_size), heads, length, chunk_size)
         ops, _ = _operators_triton(q, a, b, u, g, precision, tokens, scale)
         out = q.new_empty(u.shape)
