@@ -55,6 +55,36 @@ def run_in_pieces(mixer, x: torch.Tensor, pieces: list[int], state=None):
     return torch.cat(outputs, dim=1), state
 
 
+def built_and_default_adamw_steps(model, generator: torch.Generator, steps: int = 3):
+    """`build_optimizer`'s AdamW on `model` and torch's default AdamW (same groups and settings)
+    on a copy, stepped with the same drawn gradients: (the built optimizer, [(name, its
+    parameter, the copy's)]). Gradients are drawn, not taken from a backward: the GPU's is not
+    bit-reproducible, and Adam's first steps turn the sign flip of a near-zero gradient into a
+    whole learning-rate step."""
+    import copy
+
+    from deltalab.train.config import OptimSection
+    from deltalab.train.optim import build_optimizer, no_decay_names, parameter_groups
+
+    # The copy's groups by the original's names: deepcopy drops the parameters' no-decay marks.
+    twin, exempt = copy.deepcopy(model), no_decay_names(model)
+    settings = OptimSection(lr=1e-3)
+    built = build_optimizer(model, settings)
+    default = torch.optim.AdamW(
+        parameter_groups(twin, settings.weight_decay, exempt), lr=settings.lr,
+        betas=tuple(settings.betas), eps=settings.eps,
+    )  # fmt: skip
+    pairs = list(zip(model.parameters(), twin.parameters(), strict=True))
+    for _ in range(steps):
+        for p, q in pairs:
+            grad = torch.randn(p.shape, generator=generator, dtype=p.dtype).to(p.device)
+            p.grad, q.grad = grad, grad.clone()
+        built.step()
+        default.step()
+    names = [name for name, _ in model.named_parameters()]
+    return built, [(name, p, q) for name, (p, q) in zip(names, pairs, strict=True)]
+
+
 @pytest.fixture
 def generator(request) -> torch.Generator:
     """A generator seeded from the test's name: fresh inputs per test, reproducible per test."""

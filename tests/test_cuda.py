@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_delta_inputs
+from conftest import built_and_default_adamw_steps, random_delta_inputs
 
 from deltalab.models import CausalLM, build_config
 from deltalab.models.static_decode import StaticDecoder, static_generate
@@ -207,29 +207,10 @@ def test_cuda_generate_command_gives_the_tokens_of_generate(tmp_path):
 
 
 def test_cuda_fused_adamw_steps_as_the_default_step(generator):
-    """On CUDA `build_optimizer` takes AdamW's fused kernel, and a few steps of it move the
-    parameters as torch's default (multi-tensor) step does."""
-    import copy
-
-    from deltalab.train.config import OptimSection
-    from deltalab.train.optim import build_optimizer, parameter_groups
-
-    torch.manual_seed(0)
+    """On CUDA `build_optimizer` takes AdamW's fused kernel, and its steps move the parameters
+    as torch's default (multi-tensor) step does, given the same gradients."""
     model = CausalLM(build_config("tiny", mixer="gdn2", num_layers=1)).cuda()
-    twin = copy.deepcopy(model)
-    settings = OptimSection(lr=1e-3)
-    fused = build_optimizer(model, settings)
-    assert fused.defaults["fused"] is True
-    default = torch.optim.AdamW(
-        parameter_groups(twin, settings.weight_decay), lr=settings.lr,
-        betas=tuple(settings.betas), eps=settings.eps,
-    )  # fmt: skip
-    assert not default.defaults["fused"]
-    ids = torch.randint(0, 256, (2, 32), generator=generator).cuda()
-    for _ in range(3):
-        for net, optimizer in ((model, fused), (twin, default)):
-            optimizer.zero_grad()
-            net(input_ids=ids, labels=ids).loss.backward()
-            optimizer.step()
-    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+    built, params = built_and_default_adamw_steps(model, generator)
+    assert built.defaults["fused"] is True
+    for name, p, q in params:
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)

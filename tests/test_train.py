@@ -446,6 +446,23 @@ def test_adamw_is_fused_only_when_every_parameter_is_a_plain_cuda_tensor():
     assert build_optimizer(model, OptimSection(lr=1e-3)).defaults["fused"] is None
 
 
+def test_fused_adamw_as_built_steps_as_the_default_step(generator, monkeypatch):
+    """The fused AdamW `build_optimizer` takes on CUDA, forced here on CPU (torch has the fused
+    step there too): its groups and settings move the parameters as the default step does
+    (test_cuda.py runs the same on the GPU)."""
+    from conftest import built_and_default_adamw_steps
+
+    from deltalab.models import CausalLM, build_config
+    from deltalab.train import optim
+
+    monkeypatch.setattr(optim, "fused_adamw_applies", lambda params: True)
+    model = CausalLM(build_config("tiny", mixer="gdn2", num_layers=1))
+    built, params = built_and_default_adamw_steps(model, generator)
+    assert built.defaults["fused"] is True
+    for name, p, q in params:
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_a_run_with_a_local_tokenizer_exports_it_for_generate(tmp_path, corpus, capsys):
     tokenizers = pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")

@@ -113,6 +113,8 @@ def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chu
         intra_kd = min(INTRA_BLOCK_KD, block_k)
         kernels = [
             (state_pass._state_pass_fwd, 11, {**launch, "HAS_INITIAL": True}, options),
+            (state_pass._state_pass_fwd, 11, {**launch, "HAS_INITIAL": True, "WRITE_OUT": False},
+             options),
             (state_pass._state_pass_bwd, 10, {**launch, "HAS_D_FINAL": True}, options),
             (intra._intra_fwd, 6, {**stage_1, "BK": block_k}, INTRA_FWD_LAUNCH),
             (intra._intra_bwd, 9, {**stage_1, "BKD": intra_kd}, INTRA_BWD_LAUNCH),

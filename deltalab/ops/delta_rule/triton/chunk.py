@@ -97,9 +97,12 @@ def _state_pass_fwd(
     n_chunks, TN, H, T, CS,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BC: tl.constexpr, HAS_INITIAL: tl.constexpr, PRECISION: tl.constexpr,
+    WRITE_OUT: tl.constexpr = True,
 ):  # fmt: skip
     """out: token-major [B, T, H, V] as `intra.Tokens` (TN, H, T, CS) maps it, written in its
-    own dtype; everything else chunked float32, n_chunks per (sequence, head)."""
+    own dtype; everything else chunked float32, n_chunks per (sequence, head). WRITE_OUT=False:
+    the walk alone (residuals, states, final state; `out`, read and attend are not touched),
+    with the same operations on N and S as the full pass, so the same values."""
     bh = tl.program_id(1).to(tl.int64)
     rk, rv, rc, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
     if HAS_INITIAL:
@@ -120,18 +123,21 @@ def _state_pass_fwd(
             t = tl.load(target + rows * V + cv, mask=mv[None, :], other=0.0)
             n = t - tl.dot(e, s, input_precision=PRECISION)
             tl.store(residual + rows * V + cv, n, mask=mv[None, :])
-            r = tl.load(read + rows * K + ck, mask=mk[None, :], other=0.0)
-            m = tl.load(attend + rows * C + rb * BC + cc)
-            o = tl.dot(r, s, input_precision=PRECISION) + tl.dot(m, n, input_precision=PRECISION)
-            if rb > 0:
-                tl.debug_barrier()
-            for cb in range(rb):
-                m = tl.load(attend + rows * C + cb * BC + cc)
-                n_before = tl.load(residual + (chunk * C + cb * BC) * V + cv, mask=mv[None, :])
-                o += tl.dot(m, n_before, input_precision=PRECISION)
-            tokens = out_offset + (rb * BC + rc)[:, None] * (H * V) + rv[None, :]
-            present = ((rb * BC + rc) < valid)[:, None] & mv[None, :]
-            tl.store(out + tokens, o.to(out.dtype.element_ty), mask=present)
+            if WRITE_OUT:
+                r = tl.load(read + rows * K + ck, mask=mk[None, :], other=0.0)
+                m = tl.load(attend + rows * C + rb * BC + cc)
+                o = (tl.dot(r, s, input_precision=PRECISION)
+                     + tl.dot(m, n, input_precision=PRECISION))  # fmt: skip
+                if rb > 0:
+                    tl.debug_barrier()
+                for cb in range(rb):
+                    m = tl.load(attend + rows * C + cb * BC + cc)
+                    n_before = tl.load(residual + (chunk * C + cb * BC) * V + cv,
+                                       mask=mv[None, :])  # fmt: skip
+                    o += tl.dot(m, n_before, input_precision=PRECISION)
+                tokens = out_offset + (rb * BC + rc)[:, None] * (H * V) + rv[None, :]
+                present = ((rb * BC + rc) < valid)[:, None] & mv[None, :]
+                tl.store(out + tokens, o.to(out.dtype.element_ty), mask=present)
             w = tl.load(write + rows * K + ck, mask=mk[None, :], other=0.0)
             s_next += tl.dot(tl.trans(w), n, input_precision=PRECISION)
         s = s_next
@@ -453,28 +459,31 @@ def _launch(value_dim: int, programs: int, size: int, key_dim: int, precision: s
 
 
 def state_pass_triton(ops, initial_state: torch.Tensor | None, precision: str = "ieee",
-                      out: torch.Tensor | None = None, tokens: Tokens | None = None):  # fmt: skip
+                      out: torch.Tensor | None = None, tokens: Tokens | None = None,
+                      write_out: bool = True):  # fmt: skip
     """Stages 3-4 of `chunk.py` in one kernel: (outputs, residuals [B, H, n, C, V], chunk-start
     states [B, H, n, K, V], final state [B, H, K, V]).
 
     `ops`: a `ChunkOperators` of contiguous float32 tensors [B, H, n, C, *]; initial_state:
     [B, H, K, V] or None; precision: "ieee" (float32 products) or "tf32". The outputs go to
     `out`, token-major [B, T, H, V] as `tokens` maps it, in its dtype; without it, to a new
-    chunked float32 [B, H, n, C, V].
+    chunked float32 [B, H, n, C, V]. write_out=False: no outputs (returned as None).
     """
     batch, heads, n_chunks, size, key_dim = ops.read.shape
     value_dim = ops.target.shape[-1]
     device = ops.read.device
     residual = torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
-    if out is None:
+    if not write_out:  # the kernel reads neither `out` nor `tokens`
+        out, tokens = None, Tokens.of_chunks(residual)
+    elif out is None:
         out, tokens = torch.empty_like(residual), Tokens.of_chunks(residual)
     states = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
     final = torch.empty(batch, heads, key_dim, value_dim, device=device)
     grid, consts = _launch(value_dim, batch * heads, size, key_dim, precision)
     _state_pass_fwd[grid](
         *ops, initial_state if initial_state is not None else final,
-        out, residual, states, final, n_chunks, *tokens.args(),
-        HAS_INITIAL=initial_state is not None, **consts,
+        residual if out is None else out, residual, states, final, n_chunks, *tokens.args(),
+        HAS_INITIAL=initial_state is not None, WRITE_OUT=write_out, **consts,
     )  # fmt: skip
     return out, residual, states, final
 
@@ -533,9 +542,9 @@ def state_walk_split_triton(ops, initial_state: torch.Tensor | None, precision: 
 
 
 def state_walk_fused_triton(ops, initial_state: torch.Tensor | None, precision: str = "ieee"):
-    """The fused state pass's residuals, chunk-start states and final state (its one kernel
-    also forms the outputs, into a scratch tensor dropped here)."""
-    _, residual, states, final = state_pass_triton(ops, initial_state, precision)
+    """The fused state pass's walk alone (`_state_pass_fwd` with WRITE_OUT=False): residuals,
+    chunk-start states and final state, the values the full pass gives."""
+    _, residual, states, final = state_pass_triton(ops, initial_state, precision, write_out=False)
     return residual, states, final
 
 
