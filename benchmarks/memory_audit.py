@@ -19,8 +19,9 @@ The delta-rule primitive is charged as the CUDA Triton kernel (`_DeltaRuleTriton
 as the CPU "chunk" backend: nothing saved inside `delta_rule` is recorded; instead its inputs
 q, a, b, u, g are charged (once per storage, so shared with the layer's saves; a non-contiguous
 input as the copy its `.contiguous()` makes), plus the chunk-start states `[B, H, n, K, V]` and
-the residuals `[B, H, n, C, V]`, float32, with `--keep-states`; by default the initial state
-`[B, H, K, V]` instead, as the kernel keeps with RECOMPUTE_STATES, its default). Softmax attention is charged
+the residuals `[B, H, n, C, V]`, float32, with `--keep-states`; by default the chunk-start
+states of every CHECKPOINT_EVERY-th chunk instead, as the kernel keeps with RECOMPUTE_STATES, its
+default). Softmax attention is charged
 as a flash kernel saves: its q, k, v, output and the float32 log-sum-exp `[B, H, T]`.
 
 Not seen: the backward's transient memory (gradients in flight, the kernels' workspaces), and
@@ -161,9 +162,12 @@ class Audit:
             batch, length, heads, key_dim = q.shape
             value_dim, chunks = u.shape[-1], -(-length // chunk_size)
             if recompute_states:
-                # The backward walks them again from the initial state, which it keeps.
-                shape = (batch, heads, key_dim, value_dim)
-                self.add_new(shape, torch.float32, f"{kernel} initial state")
+                # The backward walks them again from every CHECKPOINT_EVERY-th, which it keeps.
+                from deltalab.ops.delta_rule.triton.chunk import CHECKPOINT_EVERY
+
+                kept = -(-chunks // CHECKPOINT_EVERY)
+                shape = (batch, heads, kept, key_dim, value_dim)
+                self.add_new(shape, torch.float32, f"{kernel} checkpointed chunk-start states")
             else:
                 shape = (batch, heads, chunks, key_dim, value_dim)
                 self.add_new(shape, torch.float32, f"{kernel} chunk-start states")
@@ -323,8 +327,8 @@ def main() -> None:
     parser.add_argument(
         "--keep-states",
         action="store_true",
-        help="charge the Triton delta rule as it saves with RECOMPUTE_STATES off (the chunk-start "
-        "states and residuals instead of the initial state)",
+        help="charge the Triton delta rule as it saves with RECOMPUTE_STATES off (all chunk-start "
+        "states and the residuals instead of every CHECKPOINT_EVERY-th state)",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)

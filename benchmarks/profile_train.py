@@ -111,8 +111,9 @@ def training_step(
     compile: bool = False,
     autocast: bool | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
-    """The model, its AdamW and one training step: forward and loss on random token ids
-    `[batch, seq_len]` under bf16 autocast, backward, AdamW, gradients set to None.
+    """The model, its AdamW (`deltalab train`'s) and one training step: forward and loss on
+    random token ids `[batch, seq_len]` under bf16 autocast, backward, AdamW, gradients set to
+    None.
 
     The loss is `deltalab train`'s (`deltalab.train.loop._loss`): windows of seq_len + 1 random
     ids, the model reading the first seq_len and predicting the next token at each of them,
@@ -124,6 +125,8 @@ def training_step(
     """
     from deltalab.models import CausalLM, build_config
     from deltalab.train import loop
+    from deltalab.train.config import OptimSection
+    from deltalab.train.optim import build_optimizer
 
     torch.manual_seed(0)
     overrides = {} if num_layers is None else {"num_layers": num_layers}
@@ -132,7 +135,8 @@ def training_step(
         # Built on CPU; not moved there again (fake tensors cannot be swapped in place).
         model = model.to(device)
     forward = torch.compile(model) if compile else model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # The trainer's own AdamW (fused on CUDA), with its groups.
+    optimizer = build_optimizer(model, OptimSection(lr=1e-4))
     window = torch.randint(0, model.config.vocab_size, (batch, seq_len + 1), device=device)
     enabled = device == "cuda" if autocast is None else autocast
 

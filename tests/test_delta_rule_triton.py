@@ -406,11 +406,15 @@ def test_triton_split_state_pass_matches_the_fused_pass_and_the_pytorch_walk(
             *state_pass(ops32, f32(state), out=out, tokens=tokens),
             *state_pass_backward(ops32, f32(d_o), f32(d_final), tokens=tokens),
         ]
-        # The walk a backward repeats (RECOMPUTE_STATES) gives the forward's values exactly.
-        walked = walk(ops32, f32(state))
-        for label, again, first in zip(("residuals", "chunk-start states", "final state"),
-                                       walked, got[name][1:4], strict=True):  # fmt: skip
-            assert torch.equal(again, first), f"{label} walked again ({name})"
+        # The walk a backward repeats (RECOMPUTE_STATES) gives the forward's values exactly,
+        # from the initial state alone (one segment) or from every chunk's start state (as
+        # many segments as chunks, walked at once).
+        states = got[name][2]
+        for every in (1, states.shape[2]):
+            walked = walk(ops32, states[:, :, ::every].contiguous(), every)
+            for label, again, first in zip(("residuals", "chunk-start states"), walked,
+                                           got[name][1:3], strict=True):  # fmt: skip
+                assert torch.equal(again, first), f"{label} walked again ({name}, {every})"
     labels = ["outputs", "residuals", "chunk-start states", "final state", "dN",
               "dS after each chunk", "d initial state"]  # fmt: skip
     for label, split, fused, ref in zip(labels, got["split"], got["fused"], forward + backward,
@@ -438,16 +442,19 @@ def test_triton_each_state_pass_matches_float64_loop_with_every_gradient(
     _compare(inputs, state, 16)
 
 
+@pytest.mark.parametrize("every", [2, 8], ids=["segments-of-2-and-1", "one-segment"])
 @pytest.mark.parametrize("state_pass", ["split", "fused"])
 def test_triton_backward_walking_the_states_again_keeps_less_and_gives_the_same_gradients(
-    generator, monkeypatch, state_pass
+    generator, monkeypatch, state_pass, every
 ):
-    """With RECOMPUTE_STATES the forward keeps the initial state instead of the chunk-start
-    states and the residuals (float32 [B, H, n, K, V] and [B, H, n, C, V]), and the backward's
-    second walk gives every gradient bit for bit."""
+    """With RECOMPUTE_STATES the forward keeps the chunk-start states of every `every`-th chunk
+    instead of all of them and the residuals (float32 [B, H, n, K, V] and [B, H, n, C, V]), and
+    the backward's second walk (3 chunks: segments of 2 and 1 walked at once, or one segment)
+    gives every gradient bit for bit."""
     from deltalab.ops.delta_rule.triton import chunk as state_module
 
     monkeypatch.setattr(state_module, "STATE_PASS", state_pass)
+    monkeypatch.setattr(state_module, "CHECKPOINT_EVERY", every)
     batch, length, heads, key_dim, value_dim, chunk = 2, 37, 2, 16, 8, 16
     inputs = random_delta_inputs(generator, batch, length, heads, key_dim, value_dim,
                                  channel_decay=True)  # fmt: skip
@@ -470,8 +477,8 @@ def test_triton_backward_walking_the_states_again_keeps_less_and_gives_the_same_
         assert torch.equal(again, first), label
     chunks = -(-length // chunk)
     walked = batch * heads * chunks * (key_dim + chunk) * value_dim * 4
-    initial = batch * heads * key_dim * value_dim * 4
-    assert kept[False] - kept[True] == walked - initial
+    checkpoints = batch * heads * -(-chunks // every) * key_dim * value_dim * 4
+    assert kept[False] - kept[True] == walked - checkpoints
 
 
 @pytest.mark.parametrize(

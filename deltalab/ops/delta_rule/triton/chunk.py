@@ -94,22 +94,27 @@ def _offsets(K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr
 @triton.jit
 def _state_pass_fwd(
     read, attend, erase, target, write, decay, initial, out, residual, states, final,
-    n_chunks, TN, H, T, CS,
+    n_chunks, seg_len, n_seg, TN, H, T, CS,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BC: tl.constexpr, HAS_INITIAL: tl.constexpr, PRECISION: tl.constexpr,
     WRITE_OUT: tl.constexpr = True,
 ):  # fmt: skip
     """out: token-major [B, T, H, V] as `intra.Tokens` (TN, H, T, CS) maps it, written in its
-    own dtype; everything else chunked float32, n_chunks per (sequence, head). WRITE_OUT=False:
-    the walk alone (residuals, states, final state; `out`, read and attend are not touched),
-    with the same operations on N and S as the full pass, so the same values."""
-    bh = tl.program_id(1).to(tl.int64)
+    own dtype; everything else chunked float32, n_chunks per (sequence, head). One program per
+    value block and (sequence, head, segment of seg_len chunks; n_seg of them), starting from
+    `initial` [B * H * n_seg, K, V] and ending in `final` of the same shape (the whole pass: one
+    segment). WRITE_OUT=False: the walk alone (residuals, states, final state; `out`, read and
+    attend are not touched), with the same operations on N and S as the full pass, so the same
+    values."""
+    walk = tl.program_id(1).to(tl.int64)
+    bh = walk // n_seg
+    start = (walk % n_seg) * seg_len
     rk, rv, rc, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
     if HAS_INITIAL:
-        s = tl.load(initial + bh * K * V + kv, mask=mkv, other=0.0).to(tl.float32)
+        s = tl.load(initial + walk * K * V + kv, mask=mkv, other=0.0).to(tl.float32)
     else:
         s = tl.zeros([BK, BV], dtype=tl.float32)
-    for i in range(n_chunks):
+    for i in range(start, tl.minimum(start + seg_len, n_chunks)):
         chunk = bh * n_chunks + i
         out_offset, valid = _token_offset(chunk, TN, H, T, CS, V)
         tl.store(states + chunk * K * V + kv, s, mask=mkv)
@@ -141,7 +146,7 @@ def _state_pass_fwd(
             w = tl.load(write + rows * K + ck, mask=mk[None, :], other=0.0)
             s_next += tl.dot(tl.trans(w), n, input_precision=PRECISION)
         s = s_next
-    tl.store(final + bh * K * V + kv, s, mask=mkv)
+    tl.store(final + walk * K * V + kv, s, mask=mkv)
 
 
 @triton.jit
@@ -261,19 +266,21 @@ SPLIT_NUM_WARPS = 8
 @triton.jit
 def _state_pass_split_fwd(
     erase, target, write, decay, initial, residual, states, final,
-    n_chunks,
+    n_chunks, seg_len, n_seg,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BC: tl.constexpr, HAS_INITIAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """The split forward's walk: residuals and chunk-start states (chunked float32, n_chunks
-    per (sequence, head)) and the final state; no outputs."""
-    bh = tl.program_id(1).to(tl.int64)
+    per (sequence, head)) and the final state; no outputs. Segments as `_state_pass_fwd`'s."""
+    walk = tl.program_id(1).to(tl.int64)
+    bh = walk // n_seg
+    start = (walk % n_seg) * seg_len
     rk, _, _, mk, mv, kv, mkv, ck, cv, _ = _offsets(K, V, C, BK, BV, BC)
     if HAS_INITIAL:
-        s = tl.load(initial + bh * K * V + kv, mask=mkv, other=0.0).to(tl.float32)
+        s = tl.load(initial + walk * K * V + kv, mask=mkv, other=0.0).to(tl.float32)
     else:
         s = tl.zeros([BK, BV], dtype=tl.float32)
-    for i in range(n_chunks):
+    for i in range(start, tl.minimum(start + seg_len, n_chunks)):
         chunk = bh * n_chunks + i
         tl.store(states + chunk * K * V + kv, s, mask=mkv)
         d = tl.load(decay + chunk * K + rk, mask=mk, other=0.0)
@@ -287,7 +294,7 @@ def _state_pass_split_fwd(
             w = tl.load(write + rows * K + ck, mask=mk[None, :], other=0.0)
             s_next += tl.dot(tl.trans(w), n, input_precision=PRECISION)
         s = s_next
-    tl.store(final + bh * K * V + kv, s, mask=mkv)
+    tl.store(final + walk * K * V + kv, s, mask=mkv)
 
 
 @triton.jit
@@ -469,8 +476,20 @@ def state_pass_triton(ops, initial_state: torch.Tensor | None, precision: str = 
     `out`, token-major [B, T, H, V] as `tokens` maps it, in its dtype; without it, to a new
     chunked float32 [B, H, n, C, V]. write_out=False: no outputs (returned as None).
     """
+    start = None if initial_state is None else initial_state[:, :, None]
+    out, residual, states, ends = _walk_fused(ops, start, ops.read.shape[2], precision, out,
+                                              tokens, write_out)  # fmt: skip
+    return out, residual, states, ends[:, :, 0]
+
+
+def _walk_fused(ops, starts, every: int, precision: str, out=None, tokens=None,
+                write_out: bool = True):  # fmt: skip
+    """`_state_pass_fwd` over segments of `every` chunks, all at once, each from its start state
+    in `starts` [B, H, n_seg, K, V] float32 (None: one segment, from zero): (outputs or None,
+    residuals, chunk-start states, each segment's end state [B, H, n_seg, K, V])."""
     batch, heads, n_chunks, size, key_dim = ops.read.shape
     value_dim = ops.target.shape[-1]
+    n_seg = 1 if starts is None else starts.shape[2]
     device = ops.read.device
     residual = torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
     if not write_out:  # the kernel reads neither `out` nor `tokens`
@@ -478,14 +497,14 @@ def state_pass_triton(ops, initial_state: torch.Tensor | None, precision: str = 
     elif out is None:
         out, tokens = torch.empty_like(residual), Tokens.of_chunks(residual)
     states = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
-    final = torch.empty(batch, heads, key_dim, value_dim, device=device)
-    grid, consts = _launch(value_dim, batch * heads, size, key_dim, precision)
+    ends = torch.empty(batch, heads, n_seg, key_dim, value_dim, device=device)
+    grid, consts = _launch(value_dim, batch * heads * n_seg, size, key_dim, precision)
     _state_pass_fwd[grid](
-        *ops, initial_state if initial_state is not None else final,
-        residual if out is None else out, residual, states, final, n_chunks, *tokens.args(),
-        HAS_INITIAL=initial_state is not None, WRITE_OUT=write_out, **consts,
+        *ops, starts if starts is not None else ends, residual if out is None else out,
+        residual, states, ends, n_chunks, every, n_seg, *tokens.args(),
+        HAS_INITIAL=starts is not None, WRITE_OUT=write_out, **consts,
     )  # fmt: skip
-    return out, residual, states, final
+    return out, residual, states, ends
 
 
 def state_pass_triton_backward(
@@ -522,30 +541,39 @@ def _split_launch(value_dim: int, size: int, key_dim: int, precision: str):
     return walk, parallel
 
 
-def state_walk_split_triton(ops, initial_state: torch.Tensor | None, precision: str = "ieee"):
-    """The split state pass's walk alone (`_state_pass_split_fwd`): (residuals [B, H, n, C, V],
-    chunk-start states [B, H, n, K, V], final state [B, H, K, V]), float32, without the outputs.
-    What the backward recomputes when it does not keep them (`RECOMPUTE_STATES`)."""
+def _walk_split(ops, starts, every: int, precision: str):
+    """`_state_pass_split_fwd` over segments of `every` chunks, as `_walk_fused` (no outputs):
+    (residuals, chunk-start states, each segment's end state)."""
     batch, heads, n_chunks, size, key_dim = ops.read.shape
     value_dim = ops.target.shape[-1]
+    n_seg = 1 if starts is None else starts.shape[2]
     device = ops.read.device
     residual = torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
     states = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
-    final = torch.empty(batch, heads, key_dim, value_dim, device=device)
+    ends = torch.empty(batch, heads, n_seg, key_dim, value_dim, device=device)
     walk, _ = _split_launch(value_dim, size, key_dim, precision)
-    _state_pass_split_fwd[(triton.cdiv(value_dim, walk["BV"]), batch * heads)](
-        ops.erase, ops.target, ops.write, ops.decay,
-        initial_state if initial_state is not None else final, residual, states, final,
-        n_chunks, HAS_INITIAL=initial_state is not None, **walk,
+    _state_pass_split_fwd[(triton.cdiv(value_dim, walk["BV"]), batch * heads * n_seg)](
+        ops.erase, ops.target, ops.write, ops.decay, starts if starts is not None else ends,
+        residual, states, ends, n_chunks, every, n_seg, HAS_INITIAL=starts is not None, **walk,
     )  # fmt: skip
-    return residual, states, final
+    return residual, states, ends
 
 
-def state_walk_fused_triton(ops, initial_state: torch.Tensor | None, precision: str = "ieee"):
-    """The fused state pass's walk alone (`_state_pass_fwd` with WRITE_OUT=False): residuals,
-    chunk-start states and final state, the values the full pass gives."""
-    _, residual, states, final = state_pass_triton(ops, initial_state, precision, write_out=False)
-    return residual, states, final
+def state_walk_split_triton(ops, starts: torch.Tensor, every: int, precision: str = "ieee"):
+    """What the backward recomputes when it does not keep the split pass's states and residuals
+    (`RECOMPUTE_STATES`): (residuals [B, H, n, C, V], chunk-start states [B, H, n, K, V]) from
+    `starts` [B, H, ceil(n / every), K, V], the chunk-start states of chunks 0, every, 2 every,
+    ... The segments between them are walked at once, one program each (per value block),
+    with the forward walk's operations: the same values, bit for bit."""
+    residual, states, _ = _walk_split(ops, starts, every, precision)
+    return residual, states
+
+
+def state_walk_fused_triton(ops, starts: torch.Tensor, every: int, precision: str = "ieee"):
+    """`state_walk_split_triton` for the fused pass (`_state_pass_fwd` with WRITE_OUT=False):
+    the values its forward gave."""
+    _, residual, states, _ = _walk_fused(ops, starts, every, precision, write_out=False)
+    return residual, states
 
 
 def state_pass_split_triton(ops, initial_state: torch.Tensor | None, precision: str = "ieee",
@@ -554,7 +582,9 @@ def state_pass_split_triton(ops, initial_state: torch.Tensor | None, precision: 
     chunks; see above `_state_pass_split_fwd`): the same arguments and returns."""
     batch, heads, n_chunks, size, key_dim = ops.read.shape
     value_dim = ops.target.shape[-1]
-    residual, states, final = state_walk_split_triton(ops, initial_state, precision)
+    start = None if initial_state is None else initial_state[:, :, None]
+    residual, states, ends = _walk_split(ops, start, n_chunks, precision)
+    final = ends[:, :, 0]
     if out is None:
         out, tokens = torch.empty_like(residual), Tokens.of_chunks(residual)
     _, parallel = _split_launch(value_dim, size, key_dim, precision)
@@ -633,8 +663,17 @@ def chosen_state_pass(batch: int, heads: int, key_dim: int, value_dim: int) -> s
 # peak memory 33.0 -> 28.8 GiB at B=4 T=4096 and 33.1 -> 28.7 at B=1 T=16384 (Muir 35.9 -> 31.6,
 # Diagonal KDN 38.9 -> 34.7 at 4K); kernel time per step 232.2 -> 238.8 ms (+2.9%) at 4K and
 # 261.6 -> 288.4 (+10%, the walk of 16 programs) at 16K. The walk is deterministic, so the
-# gradients are the same bit for bit.
+# gradients are the same bit for bit. (Those figures are for the walk from the initial state;
+# the backward now walks from checkpoints, below.)
 RECOMPUTE_STATES = True
+# With RECOMPUTE_STATES the forward keeps the chunk-start states of chunks 0, 8, 16, ... (1/8 of
+# them: 1 KB per token and layer at the 340M preset, against 12 KB for all of them and the
+# residuals), and the backward walks the segments between them all at once: B * H * n / 8
+# walks of 8 chunks instead of B * H walks of n. A walk is latency-bound (one chunk after the
+# other), so the 340M preset's recomputation at B=1 T=16384 (16 walks of 256 chunks with the
+# fused pass's value blocks; 64 with the split pass's) becomes 32 times as many walks, each 32
+# times shorter, and fills the GPU.
+CHECKPOINT_EVERY = 8
 
 
 def operator_grads_triton(states, residuals, d_out, d_residual, d_next, precision: str = "ieee",
@@ -696,8 +735,9 @@ class _DeltaRuleTriton(torch.autograd.Function):
     storing the per-chunk operators, and walks the stages back by hand (no PyTorch graph through
     them).
 
-    Saved for backward: the inputs themselves, and the chunk-start states and the residuals
-    (or, with `RECOMPUTE_STATES`, the initial state, from which the backward walks them again).
+    Saved for backward: the inputs themselves, and (with `RECOMPUTE_STATES`, the default) the
+    chunk-start states of every CHECKPOINT_EVERY-th chunk, from which the backward walks the
+    others and the residuals again; without it, all chunk-start states and the residuals.
     """
 
     @staticmethod
@@ -714,10 +754,12 @@ class _DeltaRuleTriton(torch.autograd.Function):
         _, residuals, states, final = state_pass(
             ops, initial_state, precision, out=out, tokens=tokens
         )
-        ctx.recompute_states = RECOMPUTE_STATES
+        ctx.recompute_states, ctx.every = RECOMPUTE_STATES, CHECKPOINT_EVERY
         if RECOMPUTE_STATES:
-            del residuals, states  # walked again in the backward, from the initial state
-            ctx.save_for_backward(q, a, b, u, g, initial_state)
+            # The backward walks the segments between these again, all at once.
+            checkpoints = states[:, :, ::CHECKPOINT_EVERY].contiguous()
+            del residuals, states
+            ctx.save_for_backward(q, a, b, u, g, checkpoints)
         else:
             ctx.save_for_backward(q, a, b, u, g, states, residuals)
         ctx.precision, ctx.tokens, ctx.scale = precision, tokens, scale
@@ -729,7 +771,7 @@ class _DeltaRuleTriton(torch.autograd.Function):
         q, a, b, u, g, *kept = ctx.saved_tensors
         ops, lower = _operators_triton(q, a, b, u, g, precision, tokens, scale)
         if ctx.recompute_states:
-            residuals, states, _ = ctx.walk(ops, kept[0], precision)
+            residuals, states = ctx.walk(ops, kept[0], ctx.every, precision)
         else:
             states, residuals = kept
         # The output's gradient is read token-major where it lies, like the inputs.
