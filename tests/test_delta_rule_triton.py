@@ -504,6 +504,21 @@ def test_auto_state_pass_takes_the_fused_pass_from_its_program_threshold(
     _compare(inputs, state, 16)
 
 
+def test_checkpoint_segments_stay_within_the_launch_grid(monkeypatch):
+    """The backward's second walk launches B * H * ceil(n / every) programs on the grid's second
+    dimension: `checkpoint_every` keeps CHECKPOINT_EVERY while they fit and lengthens the
+    segments where they would not."""
+    from deltalab.ops.delta_rule.triton import chunk as state_module
+
+    monkeypatch.setattr(state_module, "CHECKPOINT_EVERY", 8)
+    assert state_module.checkpoint_every((4, 16, 64, 128, 128)) == 8
+    for batch, heads, n_chunks in [(64, 32, 512), (8, 16, 65536), (70000, 1, 3)]:
+        every = state_module.checkpoint_every((batch, heads, n_chunks, 128, 128))
+        assert every >= 8
+        assert batch * heads * -(-n_chunks // every) <= max(state_module.MAX_GRID_Y,
+                                                            batch * heads)  # fmt: skip
+
+
 def test_unknown_state_pass_is_an_error_naming_the_setting(generator, monkeypatch):
     from deltalab.ops.delta_rule.triton import chunk as state_module
 

@@ -674,6 +674,17 @@ RECOMPUTE_STATES = True
 # fused pass's value blocks; 64 with the split pass's) becomes 32 times as many walks, each 32
 # times shorter, and fills the GPU.
 CHECKPOINT_EVERY = 8
+# The most programs a launch grid's second dimension takes (CUDA's limit on gridDim.y).
+MAX_GRID_Y = 65535
+
+
+def checkpoint_every(states_shape) -> int:
+    """Chunks per segment of the backward's second walk for chunk-start states of this shape
+    [B, H, n, K, V]: CHECKPOINT_EVERY, or more where B * H * (its segments) would pass the
+    launch grid's MAX_GRID_Y (one program per sequence, head and segment)."""
+    batch, heads, n_chunks = states_shape[:3]
+    most_segments = max(1, MAX_GRID_Y // (batch * heads))
+    return max(CHECKPOINT_EVERY, -(-n_chunks // most_segments))
 
 
 def operator_grads_triton(states, residuals, d_out, d_residual, d_next, precision: str = "ieee",
@@ -754,10 +765,10 @@ class _DeltaRuleTriton(torch.autograd.Function):
         _, residuals, states, final = state_pass(
             ops, initial_state, precision, out=out, tokens=tokens
         )
-        ctx.recompute_states, ctx.every = RECOMPUTE_STATES, CHECKPOINT_EVERY
+        ctx.recompute_states, ctx.every = RECOMPUTE_STATES, checkpoint_every(states.shape)
         if RECOMPUTE_STATES:
             # The backward walks the segments between these again, all at once.
-            checkpoints = states[:, :, ::CHECKPOINT_EVERY].contiguous()
+            checkpoints = states[:, :, :: ctx.every].contiguous()
             del residuals, states
             ctx.save_for_backward(q, a, b, u, g, checkpoints)
         else:
