@@ -504,19 +504,41 @@ def test_auto_state_pass_takes_the_fused_pass_from_its_program_threshold(
     _compare(inputs, state, 16)
 
 
-def test_checkpoint_segments_stay_within_the_launch_grid(monkeypatch):
-    """The backward's second walk launches B * H * ceil(n / every) programs on the grid's second
-    dimension: `checkpoint_every` keeps CHECKPOINT_EVERY while they fit and lengthens the
-    segments where they would not."""
+@pytest.mark.parametrize("state_pass", ["split", "fused"])
+def test_state_pass_grids_count_chunks_and_walks_on_their_first_axis(
+    generator, monkeypatch, state_pass
+):
+    """Every state-pass kernel's launch grid puts the walks or chunks on its first axis (CUDA
+    bounds that one by 2^31 - 1, the others by 65535, which B * H * chunks passes at B * H = 32,
+    T = 128K, chunks of 64): the other axes of every launch, forward and backward, stay as small
+    as a chunk's row blocks, whatever the number of chunks."""
     from deltalab.ops.delta_rule.triton import chunk as state_module
 
-    monkeypatch.setattr(state_module, "CHECKPOINT_EVERY", 8)
-    assert state_module.checkpoint_every((4, 16, 64, 128, 128)) == 8
-    for batch, heads, n_chunks in [(64, 32, 512), (8, 16, 65536), (70000, 1, 3)]:
-        every = state_module.checkpoint_every((batch, heads, n_chunks, 128, 128))
-        assert every >= 8
-        assert batch * heads * -(-n_chunks // every) <= max(state_module.MAX_GRID_Y,
-                                                            batch * heads)  # fmt: skip
+    grids = []
+
+    class Recorded:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            grids.append((self.kernel.fn.__name__, tuple(grid)))
+            return self.kernel[grid]
+
+    for name in ("_state_pass_fwd", "_state_pass_bwd", "_state_pass_split_fwd",
+                 "_state_pass_split_out", "_state_pass_split_dout", "_state_pass_split_bwd"):  # fmt: skip
+        monkeypatch.setattr(state_module, name, Recorded(getattr(state_module, name)))
+    monkeypatch.setattr(state_module, "STATE_PASS", state_pass)
+    monkeypatch.setattr(state_module, "CHECKPOINT_EVERY", 2)
+    inputs = random_delta_inputs(generator, 2, 70, 2, 16, 8, channel_decay=True)
+    state = torch.randn(2, 2, 16, 8, generator=generator, dtype=torch.float64)
+    _compare(inputs, state, 16)  # 5 chunks: 3 segments in the backward's walk
+    assert {name for name, _ in grids} >= (
+        {"_state_pass_fwd", "_state_pass_bwd"} if state_pass == "fused"
+        else {"_state_pass_split_fwd", "_state_pass_split_out", "_state_pass_split_dout",
+              "_state_pass_split_bwd"}
+    )  # fmt: skip
+    for name, grid in grids:  # (the split outputs' row blocks: one per chunk of 16)
+        assert all(size == 1 for size in grid[1:]), f"{name}: grid {grid}"
 
 
 def test_unknown_state_pass_is_an_error_naming_the_setting(generator, monkeypatch):

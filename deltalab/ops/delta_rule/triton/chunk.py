@@ -76,10 +76,19 @@ OPERATOR_BLOCK_V = 32
 @triton.jit
 def _offsets(K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
              BV: tl.constexpr, BC: tl.constexpr):  # fmt: skip
-    """Offsets and masks of one program's tiles: S [BK, BV], rows of a chunk [BC, BK] and
-    [BC, BV], and a [BC, BC] block of `attend` (row stride C)."""
+    """The program's index (of its walk or chunk) and the offsets and masks of its tiles: S
+    [BK, BV], rows of a chunk [BC, BK] and [BC, BV], and a [BC, BC] block of `attend` (row
+    stride C).
+
+    Axis 0 of the launch grid counts (index, value block), the value block fastest: the programs
+    of one chunk's value blocks run side by side (sharing its operators' loads in L2), and the
+    count is bounded by 2^31 - 1, not by the 65535 of a grid's second axis (B * H * chunks
+    passes that at B * H = 32, T = 128K, chunks of 64)."""
+    blocks = tl.cdiv(V, BV)
+    program = tl.program_id(0)
+    index = (program // blocks).to(tl.int64)
     rk = tl.arange(0, BK)
-    rv = tl.program_id(0) * BV + tl.arange(0, BV)
+    rv = (program % blocks) * BV + tl.arange(0, BV)
     rc = tl.arange(0, BC)
     mk = rk < K
     mv = rv < V
@@ -88,7 +97,7 @@ def _offsets(K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr
     ck = rc[:, None] * K + rk[None, :]
     cv = rc[:, None] * V + rv[None, :]
     cc = rc[:, None] * C + rc[None, :]
-    return rk, rv, rc, mk, mv, kv, mkv, ck, cv, cc
+    return index, rk, rv, rc, mk, mv, kv, mkv, ck, cv, cc
 
 
 @triton.jit
@@ -106,10 +115,9 @@ def _state_pass_fwd(
     segment). WRITE_OUT=False: the walk alone (residuals, states, final state; `out`, read and
     attend are not touched), with the same operations on N and S as the full pass, so the same
     values."""
-    walk = tl.program_id(1).to(tl.int64)
+    walk, rk, rv, rc, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
     bh = walk // n_seg
     start = (walk % n_seg) * seg_len
-    rk, rv, rc, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
     if HAS_INITIAL:
         s = tl.load(initial + walk * K * V + kv, mask=mkv, other=0.0).to(tl.float32)
     else:
@@ -158,8 +166,7 @@ def _state_pass_bwd(
 ):  # fmt: skip
     """d_out: token-major [B, T, H, V] as `intra.Tokens` (TN, H, T, CS) maps it, any float
     dtype; everything else chunked float32."""
-    bh = tl.program_id(1).to(tl.int64)
-    rk, rv, rc, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
+    bh, rk, rv, rc, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
     if HAS_D_FINAL:
         ds = tl.load(d_final + bh * K * V + kv, mask=mkv, other=0.0).to(tl.float32)
     else:
@@ -272,10 +279,9 @@ def _state_pass_split_fwd(
 ):  # fmt: skip
     """The split forward's walk: residuals and chunk-start states (chunked float32, n_chunks
     per (sequence, head)) and the final state; no outputs. Segments as `_state_pass_fwd`'s."""
-    walk = tl.program_id(1).to(tl.int64)
+    walk, rk, _, _, mk, mv, kv, mkv, ck, cv, _ = _offsets(K, V, C, BK, BV, BC)
     bh = walk // n_seg
     start = (walk % n_seg) * seg_len
-    rk, _, _, mk, mv, kv, mkv, ck, cv, _ = _offsets(K, V, C, BK, BV, BC)
     if HAS_INITIAL:
         s = tl.load(initial + walk * K * V + kv, mask=mkv, other=0.0).to(tl.float32)
     else:
@@ -304,11 +310,10 @@ def _state_pass_split_out(
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BC: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """The split forward's outputs, one program per (value block, chunk, row block):
+    """The split forward's outputs, one program per (chunk and value block, row block):
     O = read S + attend N over the stored S and N. out token-major as in `_state_pass_fwd`."""
-    chunk = tl.program_id(1).to(tl.int64)
-    rb = tl.program_id(2)
-    _, rv, rc, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
+    chunk, _, rv, rc, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
+    rb = tl.program_id(1)
     out_offset, valid = _token_offset(chunk, TN, H, T, CS, V)
     rows = chunk * C + rb * BC
     s = tl.load(states + chunk * K * V + kv, mask=mkv, other=0.0)
@@ -331,11 +336,10 @@ def _state_pass_split_dout(
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BC: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """The split backward's parallel part, one program per (value block, chunk): P = attend^T dO
+    """The split backward's parallel part, one program per (chunk, value block): P = attend^T dO
     into d_residual, Q = read^T dO into the slot the walk will store dS_i in (d_next of the
     chunk before; d_initial for a sequence's first chunk). d_out as in `_state_pass_bwd`."""
-    chunk = tl.program_id(1).to(tl.int64)
-    _, rv, rc, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
+    chunk, _, rv, rc, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
     out_offset, valid = _token_offset(chunk, TN, H, T, CS, V)
     q = tl.zeros([BK, BV], dtype=tl.float32)
     for cb in range(C // BC):
@@ -366,8 +370,7 @@ def _state_pass_split_bwd(
     """The split backward's walk, in place: d_residual holds P and turns into dN; the slot of dS_i
     (d_next of chunk i - 1, or d_initial) holds Q_i and turns into dS_i; d_next of the last chunk
     is dS_n = d_final (or 0)."""
-    bh = tl.program_id(1).to(tl.int64)
-    rk, _, _, mk, mv, kv, mkv, ck, cv, _ = _offsets(K, V, C, BK, BV, BC)
+    bh, rk, _, _, mk, mv, kv, mkv, ck, cv, _ = _offsets(K, V, C, BK, BV, BC)
     if HAS_D_FINAL:
         ds = tl.load(d_final + bh * K * V + kv, mask=mkv, other=0.0).to(tl.float32)
     else:
@@ -454,7 +457,7 @@ def _operator_grads_kernel(
 def _launch(value_dim: int, programs: int, size: int, key_dim: int, precision: str):
     """Grid and the shape constants shared by both kernels."""
     block_v = BLOCK_V if key_dim <= 128 else BLOCK_V_WIDE_K
-    grid = (triton.cdiv(value_dim, block_v), programs)
+    grid = (triton.cdiv(value_dim, block_v) * programs,)  # `_offsets` splits it
     consts = {
         "K": key_dim, "V": value_dim, "C": size, "BK": key_block(key_dim),
         "BV": block_v, "BC": min(size, BLOCK_C), "PRECISION": precision,
@@ -552,7 +555,7 @@ def _walk_split(ops, starts, every: int, precision: str):
     states = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
     ends = torch.empty(batch, heads, n_seg, key_dim, value_dim, device=device)
     walk, _ = _split_launch(value_dim, size, key_dim, precision)
-    _state_pass_split_fwd[(triton.cdiv(value_dim, walk["BV"]), batch * heads * n_seg)](
+    _state_pass_split_fwd[(triton.cdiv(value_dim, walk["BV"]) * batch * heads * n_seg,)](
         ops.erase, ops.target, ops.write, ops.decay, starts if starts is not None else ends,
         residual, states, ends, n_chunks, every, n_seg, HAS_INITIAL=starts is not None, **walk,
     )  # fmt: skip
@@ -588,8 +591,8 @@ def state_pass_split_triton(ops, initial_state: torch.Tensor | None, precision: 
     if out is None:
         out, tokens = torch.empty_like(residual), Tokens.of_chunks(residual)
     _, parallel = _split_launch(value_dim, size, key_dim, precision)
-    blocks = (triton.cdiv(value_dim, parallel["BV"]), batch * heads * n_chunks)
-    _state_pass_split_out[(*blocks, size // parallel["BC"])](
+    blocks = triton.cdiv(value_dim, parallel["BV"]) * batch * heads * n_chunks
+    _state_pass_split_out[(blocks, size // parallel["BC"])](
         ops.read, ops.attend, residual, states, out, *tokens.args(), **parallel
     )
     return out, residual, states, final
@@ -610,11 +613,11 @@ def state_pass_split_triton_backward(
     d_next = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
     d_initial = torch.empty(batch, heads, key_dim, value_dim, device=device)
     walk, parallel = _split_launch(value_dim, size, key_dim, precision)
-    _state_pass_split_dout[(triton.cdiv(value_dim, parallel["BV"]), batch * heads * n_chunks)](
+    _state_pass_split_dout[(triton.cdiv(value_dim, parallel["BV"]) * batch * heads * n_chunks,)](
         ops.read, ops.attend, d_out, d_residual, d_next, d_initial, n_chunks, *tokens.args(),
         **parallel,
     )  # fmt: skip
-    _state_pass_split_bwd[(triton.cdiv(value_dim, walk["BV"]), batch * heads)](
+    _state_pass_split_bwd[(triton.cdiv(value_dim, walk["BV"]) * batch * heads,)](
         ops.erase, ops.write, ops.decay, d_final if d_final is not None else d_initial,
         d_residual, d_next, d_initial, n_chunks, HAS_D_FINAL=d_final is not None, **walk,
     )  # fmt: skip
@@ -650,8 +653,8 @@ def chosen_state_pass(batch: int, heads: int, key_dim: int, value_dim: int) -> s
                 f"STATE_PASS must be one of {[*sorted(STATE_PASSES), 'auto']}, got {STATE_PASS!r}"
             )
         return STATE_PASS
-    (blocks, programs), _ = _launch(value_dim, batch * heads, 1, key_dim, "ieee")
-    return "fused" if blocks * programs >= FUSED_PASS_MIN_PROGRAMS else "split"
+    (programs,), _ = _launch(value_dim, batch * heads, 1, key_dim, "ieee")
+    return "fused" if programs >= FUSED_PASS_MIN_PROGRAMS else "split"
 
 
 # Whether the backward walks the chunks again for the chunk-start states [B, H, n, K, V] and the
@@ -674,17 +677,6 @@ RECOMPUTE_STATES = True
 # fused pass's value blocks; 64 with the split pass's) becomes 32 times as many walks, each 32
 # times shorter, and fills the GPU.
 CHECKPOINT_EVERY = 8
-# The most programs a launch grid's second dimension takes (CUDA's limit on gridDim.y).
-MAX_GRID_Y = 65535
-
-
-def checkpoint_every(states_shape) -> int:
-    """Chunks per segment of the backward's second walk for chunk-start states of this shape
-    [B, H, n, K, V]: CHECKPOINT_EVERY, or more where B * H * (its segments) would pass the
-    launch grid's MAX_GRID_Y (one program per sequence, head and segment)."""
-    batch, heads, n_chunks = states_shape[:3]
-    most_segments = max(1, MAX_GRID_Y // (batch * heads))
-    return max(CHECKPOINT_EVERY, -(-n_chunks // most_segments))
 
 
 def operator_grads_triton(states, residuals, d_out, d_residual, d_next, precision: str = "ieee",
@@ -765,7 +757,7 @@ class _DeltaRuleTriton(torch.autograd.Function):
         _, residuals, states, final = state_pass(
             ops, initial_state, precision, out=out, tokens=tokens
         )
-        ctx.recompute_states, ctx.every = RECOMPUTE_STATES, checkpoint_every(states.shape)
+        ctx.recompute_states, ctx.every = RECOMPUTE_STATES, CHECKPOINT_EVERY
         if RECOMPUTE_STATES:
             # The backward walks the segments between these again, all at once.
             checkpoints = states[:, :, :: ctx.every].contiguous()
