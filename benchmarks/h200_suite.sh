@@ -8,7 +8,7 @@
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
 # and they are installed first. Budget the call: time_fla 300 s (the time part at the 4K shape
-# alone, fla's autotuning for one shape inside it), prof_ours 60 s (prof without fla's autotuning),
+# alone; on 2026-12-01 fla's autotuning of chunk_gdn2 ran past it, after chunk_kda's row), prof_ours 60 s (prof without fla's autotuning),
 # tune_stage12 120 s (stage 1's and the solve's launches at the 340M heads), tests 240 s (the delta rule's kernels and
 # tests/test_cuda.py: on 2026-12-01 both passed inside the limit, and 21 tests of the layers'
 # file after them), kernel_tests 150 s (the layers

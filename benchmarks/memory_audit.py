@@ -38,14 +38,19 @@ import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+# The KDN gains run their Triton kernels here, on CPU tensors (see `run`): set before Triton loads.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import torch
 import torch.nn.functional as F
 
 import deltalab
 import deltalab.layers.attention as attention_module
 import deltalab.layers.common as common
+import deltalab.layers.kdn as kdn_layers
 from deltalab.models.lm import CausalLM
 from deltalab.models.presets import build_config
+from deltalab.ops._triton import triton_unavailable_reason
 from deltalab.ops.delta_rule.chunk import padded_chunk_size
 
 PACKAGE = os.path.dirname(os.path.abspath(deltalab.__file__))
@@ -253,7 +258,12 @@ def run(
                 param.normal_(std=0.02)
     ids = torch.randint(0, config.vocab_size, (batch, length))
     audit = Audit(model)
+    # The KDN layers' gains as on the GPU: their Triton kernels (under the interpreter), whose
+    # saves are recorded like any other. (The PyTorch parallel scan the "chunk" backend pairs
+    # with keeps log2(T) levels of intermediates: a different count of storages per length.)
+    kdn_scan = "parallel" if triton_unavailable_reason(torch.device("cpu")) else "triton"
     with (
+        _patched(kdn_layers, "scan_backend", lambda backend, device: kdn_scan),
         audit.patched(config.chunk_size, recompute_states),
         torch.autograd.graph.saved_tensors_hooks(audit.pack, audit.unpack),
         torch.autocast("cpu", dtype=torch.bfloat16),
@@ -263,6 +273,17 @@ def run(
     loss.backward()
     # Saves of graph branches that do not reach the loss (freed with their branch) are dropped.
     return [s for s in audit.saved.values() if s.kernel or s.savers]
+
+
+@contextlib.contextmanager
+def _patched(module, name: str, value):
+    """module.name = value inside the block."""
+    before = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, before)
 
 
 def per_token(short: list[Saved], long: list[Saved], tokens: int) -> list[tuple[Saved, float]]:
@@ -321,7 +342,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="340M")
     parser.add_argument("--mixers", nargs="+", default=["gdn2", "muir", "transformer"])
-    parser.add_argument("--length", type=int, default=256, help="the shorter of the two lengths")
+    parser.add_argument(
+        "--length",
+        type=int,
+        default=512,
+        help="the shorter of the two lengths (a multiple of 8 chunks of 64, so that the Triton "
+        "delta rule's checkpointed states, every CHECKPOINT_EVERY-th, grow with it)",
+    )
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--top", type=int, default=100, help="rows of each table")
     parser.add_argument(

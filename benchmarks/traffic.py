@@ -374,9 +374,10 @@ class _Dispatch(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
             # A value read back to the host: fake tensors have none. The answer that passes a
             # check (`all`: True, `any`: False); 1 is a valid token id and a step count that
-            # AdamW can divide by. Counted as a host read, except the optimizer's: AdamW keeps
-            # its step counts on the host when the parameters are on a GPU (not fused or
-            # capturable), so reading them waits for nothing.
+            # AdamW can divide by. Counted as a host read, except the optimizer's: on a CPU
+            # build (as here) AdamW takes its default step, which keeps the step counts on the
+            # host, so reading them waits for nothing. (On CUDA the trainer's AdamW is fused and
+            # keeps them on the GPU, read by its kernel, not by the host.)
             if self.recorder.recording and self.recorder.phase != "optimizer":
                 self.recorder.record("_local_scalar_dense", [args[0]], [], 0, 0)
             if args[0].dtype == torch.bool:

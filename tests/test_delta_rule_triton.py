@@ -442,15 +442,27 @@ def test_triton_each_state_pass_matches_float64_loop_with_every_gradient(
     _compare(inputs, state, 16)
 
 
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        pytest.param(
+            torch.bfloat16,
+            marks=pytest.mark.skipif(DEVICE != "cuda", reason="bfloat16 kernels: CUDA only"),
+        ),
+    ],
+    ids=["fp32", "bf16-tf32"],
+)
 @pytest.mark.parametrize("every", [2, 8], ids=["segments-of-2-and-1", "one-segment"])
 @pytest.mark.parametrize("state_pass", ["split", "fused"])
 def test_triton_backward_walking_the_states_again_keeps_less_and_gives_the_same_gradients(
-    generator, monkeypatch, state_pass, every
+    generator, monkeypatch, state_pass, every, dtype
 ):
     """With RECOMPUTE_STATES the forward keeps the chunk-start states of every `every`-th chunk
     instead of all of them and the residuals (float32 [B, H, n, K, V] and [B, H, n, C, V]), and
     the backward's second walk (3 chunks: segments of 2 and 1 walked at once, or one segment)
-    gives every gradient bit for bit."""
+    gives every gradient bit for bit (on the GPU also with bf16 inputs, whose products are TF32,
+    the precision of training)."""
     from deltalab.ops.delta_rule.triton import chunk as state_module
 
     monkeypatch.setattr(state_module, "STATE_PASS", state_pass)
@@ -469,7 +481,7 @@ def test_triton_backward_walking_the_states_again_keeps_less_and_gives_the_same_
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            results[recompute] = _run(inputs, state, "triton", torch.float32, DEVICE,
+            results[recompute] = _run(inputs, state, "triton", dtype, DEVICE,
                                       chunk_size=chunk)  # fmt: skip
         kept[recompute] = sum(t.numel() * t.element_size() for t in saved)
     labels = ["o", "final state", "dq", "da", "db", "du", "dg", "d initial state"]
@@ -539,6 +551,11 @@ def test_state_pass_grids_count_chunks_and_walks_on_their_first_axis(
     )  # fmt: skip
     for name, grid in grids:  # (the split outputs' row blocks: one per chunk of 16)
         assert all(size == 1 for size in grid[1:]), f"{name}: grid {grid}"
+    # Axis 0 counts every (chunk, value block) of the parallel kernels: B * H * 5 chunks, one
+    # value block of V = 8.
+    for name, grid in grids:
+        if name in ("_state_pass_split_out", "_state_pass_split_dout"):
+            assert grid[0] == 2 * 2 * 5, f"{name}: grid {grid}"
 
 
 def test_unknown_state_pass_is_an_error_naming_the_setting(generator, monkeypatch):

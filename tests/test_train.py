@@ -429,7 +429,7 @@ def test_no_decay_marks_survive_parameter_replacement_as_fsdp_does():
     assert all(p.dim() >= 2 for p in decay["params"])
 
 
-def test_adamw_is_fused_only_when_every_parameter_is_a_plain_cuda_tensor():
+def test_adamw_is_fused_only_when_every_parameter_is_a_plain_cuda_tensor(monkeypatch):
     from types import SimpleNamespace
 
     from deltalab.models import CausalLM, build_config
@@ -441,6 +441,15 @@ def test_adamw_is_fused_only_when_every_parameter_is_a_plain_cuda_tensor():
     assert fused_adamw_applies([cuda, cuda])
     assert not fused_adamw_applies([cuda, cpu])
     assert not fused_adamw_applies([])
+    # FSDP2's sharded parameters (DTensors) keep the default step.
+    import torch.distributed.tensor as dtensor
+
+    class Sharded:
+        device = torch.device("cuda", 0)
+
+    monkeypatch.setattr(dtensor, "DTensor", Sharded)
+    assert not fused_adamw_applies([cuda, Sharded()])
+    assert fused_adamw_applies([cuda, cuda])
     # On CPU the optimizer keeps torch's default step, so CPU results do not move.
     model = CausalLM(build_config("tiny", mixer="gdn2", num_layers=1))
     assert build_optimizer(model, OptimSection(lr=1e-3)).defaults["fused"] is None
@@ -461,6 +470,36 @@ def test_fused_adamw_as_built_steps_as_the_default_step(generator, monkeypatch):
     assert built.defaults["fused"] is True
     for name, p, q in params:
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_state_saved_by_the_default_step_resumes_on_the_fused_step(generator, monkeypatch):
+    """A checkpoint written by AdamW's default step (a CPU run, or one before AdamW was fused on
+    CUDA), loaded into the fused AdamW `build_optimizer` makes on CUDA (forced here on CPU):
+    the fused step stays, the moments come back, and it steps."""
+    from deltalab.models import CausalLM, build_config
+    from deltalab.train import optim
+    from deltalab.train.config import OptimSection
+
+    model = CausalLM(build_config("tiny", mixer="gdn2", num_layers=1))
+    default = optim.build_optimizer(model, OptimSection(lr=1e-3))
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=generator)
+    default.step()
+    saved = default.state_dict()
+    assert saved["param_groups"][0]["fused"] is None
+    monkeypatch.setattr(optim, "fused_adamw_applies", lambda params: True)
+    fused = optim.build_optimizer(model, OptimSection(lr=1e-3))
+    fused.load_state_dict(optim.with_step_implementation(saved, fused))
+    assert all(group["fused"] is True for group in fused.param_groups)
+    first = next(iter(model.parameters()))
+    torch.testing.assert_close(
+        fused.state[first]["exp_avg"], default.state[first]["exp_avg"], rtol=0, atol=0
+    )
+    fused.step()
+    # Without it the loaded groups would bring the default step back.
+    again = optim.build_optimizer(model, OptimSection(lr=1e-3))
+    again.load_state_dict(saved)
+    assert again.param_groups[0]["fused"] is None
 
 
 def test_a_run_with_a_local_tokenizer_exports_it_for_generate(tmp_path, corpus, capsys):

@@ -61,7 +61,12 @@ from deltalab.train.checkpoint import (
 )
 from deltalab.train.config import RunConfig, save_run_config
 from deltalab.train.distributed import Distributed, all_reduce_mean, setup_distributed, wrap_model
-from deltalab.train.optim import build_optimizer, build_scheduler, no_decay_names
+from deltalab.train.optim import (
+    build_optimizer,
+    build_scheduler,
+    no_decay_names,
+    with_step_implementation,
+)
 from deltalab.train.report import RunLogger, plot_loss_curve
 
 __all__ = ["TrainResult", "train"]
@@ -253,7 +258,10 @@ class TrainState:
             )
         set_model_state_dict(self.core, payload["model"], options=FULL_STATE)
         set_optimizer_state_dict(
-            self.core, self.optimizer, payload["optimizer"], options=FULL_STATE
+            self.core,
+            self.optimizer,
+            with_step_implementation(payload["optimizer"], self.optimizer),
+            options=FULL_STATE,
         )
         self.scheduler.load_state_dict(payload["scheduler"])
         self.sampler.load_state_dict(payload["sampler"])

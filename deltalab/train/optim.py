@@ -15,6 +15,7 @@ __all__ = [
     "lr_multiplier",
     "no_decay_names",
     "parameter_groups",
+    "with_step_implementation",
 ]
 
 
@@ -58,6 +59,19 @@ def fused_adamw_applies(params: list[torch.Tensor]) -> bool:
     except ImportError:  # a build without torch.distributed
         return True
     return not any(isinstance(p, DTensor) for p in params)
+
+
+def with_step_implementation(saved: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """`saved` (an optimizer state dict, as a checkpoint holds it) with the step implementation
+    of `optimizer` (`fused`, `foreach`) in its groups: loading a state restores its groups'
+    settings, and a checkpoint written on another machine or before AdamW was fused here would
+    otherwise bring its own. (Loading also places the step counts where that implementation
+    keeps them: on the parameters' device for the fused step.)"""
+    groups = [
+        {**group, **{k: built[k] for k in ("fused", "foreach") if k in built}}
+        for group, built in zip(saved["param_groups"], optimizer.param_groups, strict=True)
+    ]
+    return {**saved, "param_groups": groups}
 
 
 def build_optimizer(model: nn.Module, optim, exempt: set[str] | None = None) -> torch.optim.AdamW:

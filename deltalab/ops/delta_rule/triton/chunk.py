@@ -626,8 +626,9 @@ def state_pass_split_triton_backward(
 
 # The state pass `_DeltaRuleTriton` runs: "fused" (stages 3-4 in one walk, `state_pass_triton`),
 # "split" (the walk reduced to the state recurrence, `state_pass_split_triton`), or "auto", the
-# default: the fused pass when its walks fill the GPU (at least FUSED_PASS_MIN_PROGRAMS programs,
-# B * H * V / BLOCK_V), the split pass otherwise. Read at each forward; its backward takes the same
+# default: the fused pass from FUSED_PASS_MIN_PROGRAMS programs (B * H * V / BLOCK_V), the split
+# pass below (96: a threshold between the two measured points, 64 and 128 programs, not itself
+# measured). Read at each forward; its backward takes the same
 # form. Measured on the H200 (`tune_triton.py`, per layer, forward / backward ms; docs/RESULTS.md):
 #   B=4 T=4096 H=16 (128 fused programs): fused 0.78 / 0.86, split 0.91 / 1.25;
 #   B=4 T=4096 H=8 (64): fused 0.72 / 0.84, split 0.46 / 0.59;
@@ -663,11 +664,13 @@ def chosen_state_pass(batch: int, heads: int, key_dim: int, value_dim: int) -> s
 # are float32: with 8 heads of K = V = 128 and chunks of 64 (the 340M preset) they are 12 KB per
 # token and layer, the largest item of what a GDN-2 block keeps for its backward. Measured on the
 # H200 in a 340M GDN-2 training step (bf16, 24 layers, split pass; docs/RESULTS.md, 2026-12-01):
-# peak memory 33.0 -> 28.8 GiB at B=4 T=4096 and 33.1 -> 28.7 at B=1 T=16384 (Muir 35.9 -> 31.6,
-# Diagonal KDN 38.9 -> 34.7 at 4K); kernel time per step 232.2 -> 238.8 ms (+2.9%) at 4K and
-# 261.6 -> 288.4 (+10%, the walk of 16 programs) at 16K. The walk is deterministic, so the
-# gradients are the same bit for bit. (Those figures are for the walk from the initial state;
-# the backward now walks from checkpoints, below.)
+# peak memory 33.0 -> 28.8 GiB at B=4 T=4096 and 33.1 -> 28.7 at B=1 T=16384 (Muir 35.9 -> 31.6
+# at 16K, Diagonal KDN 38.9 -> 34.7 at 4K); kernel time per step 232.2 -> 238.8 ms (+2.8%) at 4K
+# and 261.6 -> 288.4 (+10%: 64 walks of 256 chunks, as in the forward) at 16K. Those figures are
+# for the walk from the initial state; the backward now walks from checkpoints (below), not yet
+# timed. Under the interpreter the walk gives the forward's values bit for bit (both passes,
+# tests/test_delta_rule_triton.py); compiled, it is the same kernel (the fused pass: with
+# WRITE_OUT=False), to be confirmed on the GPU.
 RECOMPUTE_STATES = True
 # With RECOMPUTE_STATES the forward keeps the chunk-start states of chunks 0, 8, 16, ... (1/8 of
 # them: 1 KB per token and layer at the 340M preset, against 12 KB for all of them and the
@@ -757,6 +760,8 @@ class _DeltaRuleTriton(torch.autograd.Function):
         _, residuals, states, final = state_pass(
             ops, initial_state, precision, out=out, tokens=tokens
         )
+        if not (isinstance(CHECKPOINT_EVERY, int) and CHECKPOINT_EVERY >= 1):
+            raise ValueError(f"CHECKPOINT_EVERY must be an int >= 1, got {CHECKPOINT_EVERY!r}")
         ctx.recompute_states, ctx.every = RECOMPUTE_STATES, CHECKPOINT_EVERY
         if RECOMPUTE_STATES:
             # The backward walks the segments between these again, all at once.
