@@ -37,6 +37,7 @@ import os
 import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
+from unittest import mock
 
 # The KDN gains run their Triton kernels here, on CPU tensors (see `run`): set before Triton loads.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -263,7 +264,7 @@ def run(
     # with keeps log2(T) levels of intermediates: a different count of storages per length.)
     kdn_scan = "parallel" if triton_unavailable_reason(torch.device("cpu")) else "triton"
     with (
-        _patched(kdn_layers, "scan_backend", lambda backend, device: kdn_scan),
+        mock.patch.object(kdn_layers, "scan_backend", lambda backend, device: kdn_scan),
         audit.patched(config.chunk_size, recompute_states),
         torch.autograd.graph.saved_tensors_hooks(audit.pack, audit.unpack),
         torch.autocast("cpu", dtype=torch.bfloat16),
@@ -273,17 +274,6 @@ def run(
     loss.backward()
     # Saves of graph branches that do not reach the loss (freed with their branch) are dropped.
     return [s for s in audit.saved.values() if s.kernel or s.savers]
-
-
-@contextlib.contextmanager
-def _patched(module, name: str, value):
-    """module.name = value inside the block."""
-    before = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, before)
 
 
 def per_token(short: list[Saved], long: list[Saved], tokens: int) -> list[tuple[Saved, float]]:

@@ -107,7 +107,7 @@ def main() -> None:
     cases = {
         "intra": (
             intra_module,
-            [dict(INTRA_BLOCK_KD=k, INTRA_FWD_LAUNCH=launch, INTRA_BWD_LAUNCH=launch)
+            [dict(INTRA_BLOCK_KD=k, INTRA_LAUNCH=launch)
              for k in (64, 128, 32) for launch in warps(1, 2, 4)],
             lambda: intra_module.intra_triton(q, a, b, g, precision, tokens),
             lambda: intra_module.intra_triton_backward(

@@ -77,14 +77,13 @@ BLOCK_KD = 32
 DIAGONAL_FACTOR_BOUND = 80.0
 # One pipeline stage: the loops are short and their tiles change every iteration.
 LAUNCH = {"num_warps": 4, "num_stages": 1}
-# Stage 1's own launches: one warp each, and the adjoint with 64 channels per program (the
+# Stage 1's own launch: one warp, and the adjoint with 64 channels per program (the
 # sub-block tiles are 16 rows: more warps only split them thinner). Measured on the H200
 # (`tune_triton.py`, B=4 T=4096 H=16 K=128, chunk 64, mild decays, 2026-12-01): forward 0.357 ms
 # with 1 warp against 0.487 with 2 and 0.773 with 4 (whatever the channel block); adjoint 0.850
 # ms at 64 channels with 1 warp against 0.944 at 128 with 2 (the setting before), 1.175 at 64 with
 # 2 and 1.856 at 128 with 1.
-INTRA_FWD_LAUNCH = {"num_warps": 1, "num_stages": 1}
-INTRA_BWD_LAUNCH = {"num_warps": 1, "num_stages": 1}
+INTRA_LAUNCH = {"num_warps": 1, "num_stages": 1}
 INTRA_BLOCK_KD = 64
 
 
@@ -398,7 +397,7 @@ def intra_triton(q, a, b, g, precision: str = "ieee", tokens: Tokens | None = No
     _intra_fwd[(chunks, size // SUB_BLOCK)](
         q, a, b, g, lower, attend, *tokens.args(), scale, K=key_dim, C=size,
         BK=key_block(key_dim), BT=SUB_BLOCK, G_HEAD=_g_head(q, g), PRECISION=precision,
-        BOUND=factor_bound, **INTRA_FWD_LAUNCH,
+        BOUND=factor_bound, **INTRA_LAUNCH,
     )  # fmt: skip
     # Chunked inputs: their own leading shape. (Not told by one chunk of one head: token-major
     # inputs of one head and T <= C are that too, and were reshaped as chunks.)
@@ -423,7 +422,7 @@ def intra_triton_backward(q, a, b, g, d_lower, d_attend, precision: str = "ieee"
     _intra_bwd[(chunks, triton.cdiv(key_dim, block_kd), size // SUB_BLOCK)](
         q, a, b, g, d_lower, d_attend, dq, da, db, *tokens.args(), scale, K=key_dim, C=size,
         BKD=block_kd, BT=SUB_BLOCK, G_HEAD=_g_head(q, g), PRECISION=precision,
-        BOUND=factor_bound, **INTRA_BWD_LAUNCH,
+        BOUND=factor_bound, **INTRA_LAUNCH,
     )  # fmt: skip
     return dq, da, db
 
