@@ -3,7 +3,7 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
@@ -23,7 +23,9 @@
 # long), ptrain_gdn2 120 s (ptrain's gdn2 at 4K and 16K alone), train32k 150 s (train at B=1
 # T=32768: Muir, GDN-2, the Transformer), keep_ptrain 120 s and keep_train 240 s (ptrain_gdn2's profiles and
 # train's tokens/s and peak memory with the Triton delta rule keeping its chunk-start states for
-# the backward, triton/chunk.py RECOMPUTE_STATES off: compare with ptrain_gdn2 and train), kdn_ptrain 150 s
+# the backward, triton/chunk.py RECOMPUTE_STATES off: compare with ptrain_gdn2 and train), sep_ptrain 80 s
+# (ptrain_gdn2's 4K profile with each projection of a layer input differentiated alone,
+# projections.PROJECT_TOGETHER off: compare with ptrain_gdn2), kdn_ptrain 150 s
 # (Diagonal KDN's 340M step with the
 # fused gain, split over T, and with the separate ops: gains.FUSED_GAIN_MIN_PROGRAMS), time_deep
 # 120 s (log decays down to -8 per token: stage 1 walks most diagonal sub-blocks, as on trained
@@ -132,6 +134,9 @@ for p in "${parts[@]}"; do
         --out \"$OUT/keep_ptrain_4k.json\" && python3 benchmarks/profile_train.py \
         --keep-states --device cuda --preset 340M --seq-len 16384 --batch 1 --mixers gdn2 \
         --out \"$OUT/keep_ptrain_16k.json\"" ;;
+    sep_ptrain) part sep_ptrain 80 python3 benchmarks/profile_train.py --project-separately \
+        --device cuda --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 \
+        --out "$OUT/sep_ptrain_4k.json" ;;
     keep_train) part keep_train 240 bash -c "python3 benchmarks/bench_train.py \
         --keep-states --device cuda --preset 340M --seq-len 4096 --batch 4 --steps 8 \
         --mixers gdn2 kdn_diag && python3 benchmarks/bench_train.py --keep-states \

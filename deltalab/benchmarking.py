@@ -279,7 +279,8 @@ def run_cases(
 
 def add_delta_rule_options(parser: argparse.ArgumentParser) -> None:
     """The Triton delta rule's switches a training benchmark can set (`apply_delta_rule_options`):
-    its state pass and whether its backward keeps the chunk-start states."""
+    its state pass and whether its backward keeps the chunk-start states; and whether the layers
+    project their input together (`deltalab.layers.projections.PROJECT_TOGETHER`)."""
     parser.add_argument(
         "--state-pass",
         choices=["auto", "fused", "split"],
@@ -292,10 +293,19 @@ def add_delta_rule_options(parser: argparse.ArgumentParser) -> None:
         help="the Triton delta rule keeps its chunk-start states and residuals for the backward "
         "instead of walking them again (triton/chunk.py RECOMPUTE_STATES off)",
     )
+    parser.add_argument(
+        "--project-separately",
+        action="store_true",
+        help="each projection of a layer's input with its own gradient product and sum, as "
+        "autograd makes them (deltalab.layers.projections.PROJECT_TOGETHER off)",
+    )
 
 
 def apply_delta_rule_options(args: argparse.Namespace) -> None:
     """Sets what `add_delta_rule_options` parsed (imports Triton only when something is set)."""
+    from deltalab.layers import projections
+
+    projections.PROJECT_TOGETHER = not args.project_separately
     if args.state_pass is None and not args.keep_states:
         return
     from deltalab.ops.delta_rule.triton import chunk

@@ -8,12 +8,14 @@ values (their adjoints recompute them)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 from unittest import mock
 
 import pytest
 import torch
 
 import deltalab.layers.common as common
+import deltalab.layers.projections as projections
 from deltalab.layers import (
     Attention,
     DeltaNet,
@@ -92,7 +94,7 @@ def saved_copies(cls, share: bool) -> int:
     layer = build(cls)
     _, x = non_leaf(hidden())
     copy = x.detach().bfloat16().flatten(0, 1)
-    with unshared(not share):
+    with unshared(not share), separately(not share):
         saved = saved_tensors(layer, x)
     return len(
         {
@@ -115,8 +117,15 @@ def unshared(active: bool = True):
     """The layers with `separate` in place of `shared_autocast_input` (when active)."""
     with contextlib.ExitStack() as stack:
         if active:
-            for module in ("deltalab.layers.common", "deltalab.layers.attention"):
-                stack.enter_context(mock.patch(f"{module}.shared_autocast_input", separate))
+            stack.enter_context(mock.patch.object(common, "shared_autocast_input", separate))
+        yield
+
+
+@contextlib.contextmanager
+def separately(active: bool = True):
+    """The layers' projections of x made one by one, each with its own gradient product (as
+    before `project_together`; the benchmarks' --project-separately), when active."""
+    with mock.patch.object(projections, "PROJECT_TOGETHER", not active):
         yield
 
 
@@ -365,3 +374,117 @@ def test_sharing_the_autocast_copy_breaks_no_compiled_graph():
         explained = torch._dynamo.explain(lambda x: layer(x)[0])(hidden())
     frames = {frame.name for reason in explained.break_reasons for frame in reason.user_stack or []}
     assert not frames & {"project", "sharing_autocast_input"}, frames
+
+
+@pytest.mark.parametrize("cls", (*DELTA_MIXERS, Attention), ids=lambda cls: cls.__name__)
+def test_every_projection_of_the_input_comes_from_the_layers_shared_products(cls):
+    # A projection of x that a mixer does not declare (`gate_projections`) still works, as a
+    # module call on x with a gradient product and sum of its own: none may be left.
+    layer, (_, x) = build(cls), non_leaf(hidden())
+    calls, together = [], []
+
+    def record(module, inputs):
+        # A projection run as a module on x itself (modules that take x and project it through
+        # `project`, the decays and noise models, are not projections).
+        if isinstance(module, (torch.nn.Linear, torch.nn.Sequential)) and inputs[0] is x:
+            calls.append(module)
+
+    real = common.project_together
+
+    def spy(x_in, linears):
+        together.append(len(linears))
+        return real(x_in, linears)
+
+    handles = [m.register_forward_pre_hook(record) for m in layer.modules()]
+    try:
+        with mock.patch.object(common, "project_together", spy):
+            layer(x)[0].sum().backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls == []
+    (count,) = together  # one shared block per forward
+    assert count == 3 if cls is Attention else count >= 5  # q, k, v, output gate, a gate
+
+
+@pytest.mark.parametrize("cls", (*DELTA_MIXERS, Attention), ids=lambda cls: cls.__name__)
+def test_projecting_together_changes_no_output_and_every_gradient_by_rounding_only(cls):
+    # float64: one product for the input gradient is the sum of the separate ones.
+    def run(together: bool):
+        layer = build(cls).double()
+        leaf, x = non_leaf(hidden().double())
+        with separately(not together):
+            y, _ = layer(x)
+        y.square().sum().backward()
+        return [y, leaf.grad, *(p.grad for p in layer.parameters())]
+
+    for fused, apart in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(fused, apart, rtol=1e-12, atol=1e-12)
+
+
+def linears_and_input(bias_of=(False, True, False), dtype=torch.float32):
+    generator = torch.Generator().manual_seed(2)
+    linears = [
+        torch.nn.Linear(24, width, bias=bias)
+        for width, bias in zip((16, 8, 40), bias_of, strict=True)
+    ]
+    for lin in linears:
+        lin.to(dtype)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=generator))
+            if lin.bias is not None:
+                lin.bias.copy_(torch.randn(lin.bias.shape, generator=generator))
+    x = torch.randn(3, 5, 24, generator=generator, dtype=dtype, requires_grad=True)
+    upstream = [torch.randn(3, 5, lin.out_features, generator=generator) for lin in linears]
+    return linears, x, upstream
+
+
+def project_grads(linears, x, upstream, together: bool, autocast: bool = False, used=(0, 1, 2)):
+    for p in [x, *(p for lin in linears for p in lin.parameters())]:
+        p.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        if together:
+            outputs = common.project_together(x, linears)
+        else:
+            outputs = {lin: lin(x) for lin in linears}
+    loss = sum((outputs[linears[i]].double() * upstream[i]).sum() for i in used)
+    loss.backward()
+    outs = [outputs[lin] for lin in linears]
+    return outs, [x.grad, *(p.grad for lin in linears for p in lin.parameters())]
+
+
+@pytest.mark.parametrize("used", [(0, 1, 2), (0, 2)], ids=["all", "one unused"])
+def test_project_together_is_each_linear_with_their_gradients_summed(used):
+    linears, x, upstream = linears_and_input(dtype=torch.float64)
+    outs, grads = project_grads(linears, x, upstream, True, used=used)
+    ref_outs, ref_grads = project_grads(linears, x, upstream, False, used=used)
+    for out, ref in zip(outs, ref_outs, strict=True):
+        assert torch.equal(out, ref)  # the forward is each map's own product
+    for grad, ref in zip(grads, ref_grads, strict=True):
+        if ref is None:  # the unused output's weight and bias
+            assert grad is None or not grad.any()
+        else:
+            torch.testing.assert_close(grad, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_project_together_under_autocast_rounds_the_input_gradient_no_worse():
+    # bf16: autograd rounds each dx_i to bf16 before adding them in float32; one product
+    # rounds their sum once. Against float64, the error of x's gradient is no larger, and the
+    # weights' gradients (one product each way) are the same to bf16 rounding.
+    linears, x, upstream = linears_and_input()
+    exact_linears = [copy.deepcopy(lin).double() for lin in linears]
+    exact_x = x.detach().double().requires_grad_()
+    exact = project_grads(exact_linears, exact_x, upstream, False)[1]
+    outs, fused = project_grads(linears, x, upstream, True, autocast=True)
+    ref_outs, apart = project_grads(linears, x, upstream, False, autocast=True)
+    assert all(o.dtype == torch.bfloat16 for o in outs)
+    for out, ref in zip(outs, ref_outs, strict=True):
+        assert torch.equal(out, ref)
+    assert fused[0].dtype == torch.float32 and fused[1].dtype == torch.float32
+    error = (fused[0].double() - exact[0]).abs().max()
+    error_apart = (apart[0].double() - exact[0]).abs().max()
+    assert error <= error_apart * 1.01 + 1e-6, (error, error_apart)
+    for grad, ref, truth in zip(fused[1:], apart[1:], exact[1:], strict=True):
+        scale = truth.abs().max()
+        assert (grad.double() - truth).abs().max() <= 2**-7 * scale
+        assert (ref.double() - truth).abs().max() <= 2**-7 * scale

@@ -15,8 +15,9 @@ from deltalab.layers.common import (
     check_hidden,
     check_mask,
     check_state_batch,
+    project,
     require_positive_int,
-    shared_autocast_input,
+    sharing_autocast_input,
 )
 from deltalab.ops._checks import require_choice
 from deltalab.ops.rope import BACKENDS as ROPE_BACKENDS
@@ -108,11 +109,12 @@ class Attention(nn.Module):
         offset = 0 if state is None else state.offset
         positions = torch.arange(offset, offset + length, device=x.device)
         key_shape = (self.num_heads, self.head_dim)
-        # One autocast copy of x kept for the three projections, instead of one by each.
-        x_in = shared_autocast_input(x)
-        q = self.rotate(self.q_proj(x_in()).unflatten(-1, key_shape), positions)
-        k = self.rotate(self.k_proj(x_in()).unflatten(-1, key_shape), positions)
-        v = self.v_proj(x_in()).unflatten(-1, (self.num_heads, self.value_dim))
+        # One autocast copy of x kept for the three projections, instead of one by each, and one
+        # matrix product for their input gradient (`deltalab.layers.projections`).
+        with sharing_autocast_input(x, (self.q_proj, self.k_proj, self.v_proj)):
+            q = self.rotate(project(self.q_proj, x).unflatten(-1, key_shape), positions)
+            k = self.rotate(project(self.k_proj, x).unflatten(-1, key_shape), positions)
+            v = project(self.v_proj, x).unflatten(-1, (self.num_heads, self.value_dim))
         key_mask = mask
         if state is not None:
             k = torch.cat([state.key.to(k.dtype), k], dim=1)

@@ -22,7 +22,7 @@ import dataclasses
 import inspect
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, TypedDict, Unpack, cast
 
@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from deltalab.layers import projections as projections_module
+from deltalab.layers.projections import input_linears, project_together
 from deltalab.ops import norms
 from deltalab.ops._checks import (
     closest,
@@ -270,25 +272,63 @@ def shared_autocast_input(x: torch.Tensor) -> Callable[[], torch.Tensor]:
     return lambda: _SharedCast.apply(x, cast)
 
 
-# The input a layer's forward is sharing one autocast copy of, and the function that hands it out
-# (`sharing_autocast_input`); None outside such a forward.
-_SHARED_INPUT: contextvars.ContextVar[tuple[torch.Tensor, Callable[[], torch.Tensor]] | None] = (
-    contextvars.ContextVar("deltalab_shared_autocast_input", default=None)
+class _SharedInput:
+    """What `sharing_autocast_input(x, projections)` shares while its block runs: x, the
+    function that hands out its autocast copy, and the outputs of the declared projections
+    (`project_together`), each handed out by `project`."""
+
+    def __init__(
+        self,
+        x: torch.Tensor,
+        x_in: Callable[[], torch.Tensor],
+        projections: Sequence[nn.Module],
+    ) -> None:
+        self.x, self.x_in = x, x_in
+        linears = [lin for proj in projections for lin in input_linears(proj)]
+        together = linears and projections_module.PROJECT_TOGETHER
+        # Apart (PROJECT_TOGETHER off), each projection takes the copy through a node of its own
+        # (`apply`), so that its gradient reaches x in x's dtype, as autocast's casts would.
+        self.outputs = project_together(x_in(), linears) if together else {}
+
+    def apply(self, proj: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """proj(x): a declared linear map's output, a low-rank projection's second factor
+        applied to its first's, or (not declared) proj of the autocast copy."""
+        if isinstance(proj, nn.Linear) and proj in self.outputs:
+            return self.outputs[proj]
+        if isinstance(proj, nn.Sequential) and len(proj) and proj[0] in self.outputs:
+            y = self.outputs[proj[0]]
+            for module in list(proj)[1:]:
+                y = module(y)
+            return y
+        return proj(self.x_in())
+
+
+# The input a layer's forward is sharing (`sharing_autocast_input`); None outside such a forward.
+_SHARED_INPUT: contextvars.ContextVar[_SharedInput | None] = contextvars.ContextVar(
+    "deltalab_shared_autocast_input", default=None
 )
 
 
 @contextlib.contextmanager
-def sharing_autocast_input(x: torch.Tensor) -> Iterator[Callable[[], torch.Tensor]]:
+def sharing_autocast_input(
+    x: torch.Tensor, projections: Sequence[nn.Module] = ()
+) -> Iterator[Callable[[], torch.Tensor]]:
     """`shared_autocast_input(x)`, whose copy `project(proj, x)` also hands to the projections
     of x made inside the block: the gates' projections, computed by methods that take x itself
-    (and read its dtype), keep no copy of their own. Nested blocks share their own input."""
+    (and read its dtype), keep no copy of their own. Nested blocks share their own input.
+
+    projections: the layer's projections of x (`nn.Linear`, low-rank `nn.Sequential`, or a
+    module with `input_linears()`), computed here by `project_together`, so that their input
+    gradient is one matrix product (`deltalab.layers.projections`); `project` hands each its
+    output. A projection left out still works, with a product of its own.
+    """
     x_in = shared_autocast_input(x)
     if torch.compiler.is_compiling():
         # Dynamo does not trace ContextVar operations (each would break the graph); the compiled
         # graph has the gates' casts of x in one graph, where the compiler can merge them.
         yield x_in
         return
-    token = _SHARED_INPUT.set((x, x_in))
+    token = _SHARED_INPUT.set(_SharedInput(x, x_in, projections))
     try:
         yield x_in
     finally:
@@ -296,14 +336,16 @@ def sharing_autocast_input(x: torch.Tensor) -> Iterator[Callable[[], torch.Tenso
 
 
 def project(proj: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """proj(x), given the autocast copy of x that the enclosing `sharing_autocast_input(x)`
-    shares when there is one (the same tensor x, not an equal one), else x itself: the same
-    numbers either way, since autocast would cast x for proj's matrix product all the same."""
+    """proj(x), inside `sharing_autocast_input(x, ...)` (the same tensor x, not an equal one)
+    from what that block shares: the output it computed for a declared projection, else proj
+    of its autocast copy of x; outside such a block proj(x). The same numbers either way, up to
+    the order of a matrix product's sums: autocast would cast x for proj's product all the
+    same."""
     if torch.compiler.is_compiling():
         return proj(x)
     shared = _SHARED_INPUT.get()
-    if shared is not None and shared[0] is x:
-        return proj(shared[1]())
+    if shared is not None and shared.x is x:
+        return shared.apply(proj)
     return proj(x)
 
 
@@ -611,6 +653,18 @@ class DeltaMixer(nn.Module, abc.ABC):
         # An OrderedDict, as nn.Module's own hooks: RemovableHandle holds a weak reference to it.
         self._gate_hooks: OrderedDict[int, GateHook] = OrderedDict()
 
+    def projections_of_x(self) -> tuple[nn.Module, ...]:
+        """Every projection of the input x this mixer makes: q, k, v, the output gate's, then
+        `gate_projections()`. They are computed together (`sharing_autocast_input`): one
+        matrix product for x's gradient instead of a product, a cast and a sum per projection."""
+        return (self.q_proj, self.k_proj, self.v_proj, self.g_proj, *self.gate_projections())
+
+    def gate_projections(self) -> tuple[nn.Module, ...]:
+        """The projections of x that `gates(x)` makes through `project` (none here). One left
+        out is still correct, with a product and a gradient sum of its own; the tests check that
+        every mixer lists all of its own."""
+        return ()
+
     # Not abstract: a subclass written before `gates` existed overrides `primitive_inputs`
     # instead, and keeps working (without gate hooks).
     def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -699,13 +753,13 @@ class DeltaMixer(nn.Module, abc.ABC):
         mask = check_mask(mask, x)
         heads = self.num_heads
         # One autocast copy of x kept for the projections, the gates' included, instead of one
-        # by each.
-        with sharing_autocast_input(x) as x_in:
+        # by each, and one matrix product for their input gradient (`projections_of_x`).
+        with sharing_autocast_input(x, self.projections_of_x()):
 
             def projected(proj: nn.Module) -> torch.Tensor:
                 # Padding enters the short convolutions as zeros, as the zero cache does before a
                 # prompt.
-                y = proj(x_in())
+                y = project(proj, x)
                 return y if mask is None else y * mask.unsqueeze(-1).to(y.dtype)
 
             # The short convolutions and the norms follow the delta rule's backend (read here, on
@@ -722,6 +776,6 @@ class DeltaMixer(nn.Module, abc.ABC):
             v = v.unflatten(-1, (heads, self.value_dim))
             conv = (conv_q, conv_k, conv_v)
             o, new_state = self.recurrence(x, q, k, v, state, conv, return_gates, mask)
-            gate = self.g_proj(x_in()).unflatten(-1, (heads, self.value_dim))
+            gate = project(self.g_proj, x).unflatten(-1, (heads, self.value_dim))
             y = self.o_proj(self.o_norm(o, gate, backend=norm_backend).flatten(-2))
             return y, new_state

@@ -40,6 +40,9 @@ class DeltaNet(DeltaMixer):
         super().__init__(options, gate_rank=gate_rank, **frontend)
         self.b_proj = nn.Linear(self.hidden_size, self.num_heads, bias=False)
 
+    def gate_projections(self) -> tuple[nn.Module, ...]:
+        return (self.b_proj,)
+
     def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"beta": torch.sigmoid(project(self.b_proj, x))}
 
@@ -64,6 +67,9 @@ class GatedDeltaNet(DeltaNet):
     ) -> None:
         super().__init__(options, gate_rank=gate_rank, **frontend)
         self.decay = ScalarDecay(self.hidden_size, self.num_heads)
+
+    def gate_projections(self) -> tuple[nn.Module, ...]:
+        return (self.b_proj, self.decay.a_proj)
 
     def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         # The decay follows the delta rule's backend, as the norms (Triton or the torch path).

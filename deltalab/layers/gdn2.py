@@ -61,6 +61,9 @@ class GatedDeltaNet2(DeltaMixer):
         rank = default_rank if decay_rank is None else decay_rank
         self.decay = ChannelDecay(hidden_size, heads, head_dim, rank)
 
+    def gate_projections(self) -> tuple[nn.Module, ...]:
+        return (self.b_proj, self.w_proj, self.decay.f_proj)
+
     def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         heads = self.num_heads
         erase = torch.sigmoid(project(self.b_proj, x)).unflatten(-1, (heads, self.head_dim))

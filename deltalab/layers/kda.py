@@ -55,6 +55,9 @@ class KimiDeltaAttention(DeltaMixer):
         rank = head_dim if decay_rank is None else decay_rank
         self.decay = ChannelDecay(self.hidden_size, heads, head_dim, rank)
 
+    def gate_projections(self) -> tuple[nn.Module, ...]:
+        return (self.b_proj, self.decay.f_proj)
+
     def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         # The decay follows the delta rule's backend, as the norms (Triton or the torch path).
         g = self.decay(x, backend=layer_backend(self.backend))

@@ -359,6 +359,10 @@ class KDNMixer(KalmanMixer):
             scale = float(head_dim) if info_scale is None else info_scale
             self.info_scale = _checks.require_positive_number("info_scale", scale)
 
+    def gate_projections(self) -> tuple[nn.Module, ...]:
+        free = isinstance(self.process, FreeProcessNoise)
+        return (self.decay.f_proj, self.r_proj, *((self.process.proj,) if free else ()))
+
     def kalman_gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x `[B, T, D]` -> (g `[B, T, H, K]` <= 0, q_noise `[B, T, H(, K)]` >= 0, r `[B, T, H]`
         >= r_min), in at least float32."""

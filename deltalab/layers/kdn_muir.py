@@ -37,7 +37,6 @@ from deltalab.layers.common import (
     FrontendOptions,
     compute_dtype,
     frontend_options,
-    project,
 )
 from deltalab.layers.kdn import (
     Q_BIAS_INIT,
@@ -134,7 +133,7 @@ class KDNMuir(ScanFilter, FusedGateMixer):
         """x `[B, T, D]` -> the noise model g, q_noise, r (at least float32) and the read gate
         (x's dtype), all from one pass of the fused projection; with `fused_read` the read
         gate's pre-activation in place of rho (`FusedGateMixer.read_gates`)."""
-        raw = project(self.gate_proj, x)
+        raw = self.gate_proj(x)
         process = raw["process"].to(compute_dtype(x)).unflatten(-1, (self.num_heads, -1))
         gates = {
             "g": self.decay_from(raw),

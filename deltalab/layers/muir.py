@@ -215,14 +215,21 @@ class FusedGateProjection(nn.Module):
         """The last linear map of gate `name` (its up-projection, or its full-rank map)."""
         return self.up[name] if name in self.up else self.full[name]
 
+    def input_linears(self) -> list[nn.Linear]:
+        """The maps that take x: the shared down-projection and the full-rank maps (a mixer
+        lists this module among its projections of x, `DeltaMixer.gate_projections`)."""
+        return [*([self.down] if self.down is not None else []), *self.full.values()]
+
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        # Through `project`: inside the mixer's forward the maps of x come from its shared
+        # products (`sharing_autocast_input`).
         raw: dict[str, torch.Tensor] = {}
         if self.down is not None:
-            pieces = self.down(x).split(self.split_sizes, dim=-1)
+            pieces = project(self.down, x).split(self.split_sizes, dim=-1)
             for name, z in zip(self.up.keys(), pieces, strict=True):
                 raw[name] = self.up[name](z)
         for name, proj in self.full.items():
-            raw[name] = proj(x)
+            raw[name] = project(proj, x)
         return raw
 
 
@@ -260,6 +267,9 @@ class FusedGateMixer(DeltaMixer):
     default_gate_activation = "sigmoid"
     ranks: GateRanks
     read_gate: str
+
+    def gate_projections(self) -> tuple[nn.Module, ...]:
+        return (self.gate_proj,)
 
     def _init_fused_gates(
         self, ranks: GateRanks, read_gate: str, widths: dict[str, int], biased: frozenset[str]
@@ -418,7 +428,7 @@ class Muir(FusedGateMixer):
         """x `[B, T, D]` -> erase, write, g, read (shapes in the class docstring); with
         `fused_read` the read gate's pre-activation in place of rho (`read_gates`)."""
         heads, key_dim, value_dim = self.num_heads, self.head_dim, self.value_dim
-        raw = project(self.gate_proj, x)
+        raw = self.gate_proj(x)
         erase = torch.sigmoid(raw["erase"]).unflatten(-1, (heads, key_dim))
         write = torch.sigmoid(raw["write"]).unflatten(-1, (heads, value_dim))
         gates = {"erase": erase, "write": write, "g": self.decay_from(raw)}

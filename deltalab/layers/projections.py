@@ -1,0 +1,130 @@
+"""The projections of one input, with one matrix product for their input gradient.
+
+A delta-rule mixer multiplies its input x `[B, T, D]` by up to eight weights: q, k, v, the
+output gate's first factor, and its gates' (erase, write, beta, the decay's first factor, the
+Kalman noises...). Autograd gives each product its own input gradient, dx_i = dy_i W_i, and adds
+them up: under bf16 autocast each dx_i is a bf16 matrix product, cast to float32 (x is the
+float32 norm output) and summed there. For a GDN-2 layer of the 340M preset at 4K tokens that
+is seven products, seven casts and six float32 sums of `[B T, D]`, about 2 GB of memory traffic
+per layer and step, against half a GB for what is done here:
+
+    dx = [dy_1, ..., dy_n] [W_1; ...; W_n]      one product over the concatenated outputs
+    [dW_1; ...; dW_n] = [dy_1, ..., dy_n]^T x   one product for every weight gradient
+
+The price is one copy, the concatenation of the output gradients (the projections' outputs
+stay separate tensors: the forward is n products as before, so nothing a later op keeps for its
+backward pins a shared buffer). The products sum over all n W_i in one float32 accumulator and
+round dx once, where autograd rounds each dx_i to bf16 before summing: the same or better.
+
+`project_together` is the op; `deltalab.layers.common.sharing_autocast_input` applies it to a
+layer's declared projections, and `project` hands each one its output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["PROJECT_TOGETHER", "input_linears", "project_together"]
+
+# Off: the layers call each projection of x alone (`sharing_autocast_input`), each with its own
+# input gradient product, cast and float32 sum, for benchmarks to compare with.
+PROJECT_TOGETHER = True
+
+
+def input_linears(module: nn.Module) -> list[nn.Linear]:
+    """The linear maps of a projection module that take its input: the module itself (an
+    `nn.Linear`), the first map of an `nn.Sequential` (a low-rank projection), or what a module
+    lists with an `input_linears()` method of its own (Muir's fused gate projection)."""
+    if isinstance(module, nn.Linear):
+        return [module]
+    if isinstance(module, nn.Sequential) and len(module) and isinstance(module[0], nn.Linear):
+        return [module[0]]
+    own = getattr(module, "input_linears", None)
+    if callable(own):
+        return list(own())
+    raise TypeError(
+        f"a projection of x must be an nn.Linear, an nn.Sequential starting with one, or define "
+        f"input_linears(); got {type(module).__name__}"
+    )
+
+
+class _ProjectTogether(torch.autograd.Function):
+    """(x, n, W_1..W_n, b_1..b_n) -> (x W_1^T + b_1, ..., x W_n^T + b_n); a missing bias is
+    None. The backward makes one product for dx and one for all the dW (module docstring)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, count: int, *params: torch.Tensor | None) -> tuple:
+        weights, biases = params[:count], params[count:]
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        x, count, *params = inputs
+        ctx.count = count
+        ctx.has_bias = [b is not None for b in params[count:]]
+        ctx.save_for_backward(x, *params[:count])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple:
+        x, *weights = ctx.saved_tensors
+        rows = x.shape[:-1].numel()
+        widths = [w.shape[0] for w in weights]
+        # An output no loss reached (a gate a hook replaced) has no gradient: zeros in its
+        # columns, so the others keep one product.
+        dy = torch.cat(
+            [
+                (g if g is not None else x.new_zeros(*x.shape[:-1], width)).reshape(rows, width)
+                for g, width in zip(grads, widths, strict=True)
+            ],
+            dim=-1,
+        )
+        needs = ctx.needs_input_grad
+        dx = None
+        if needs[0]:
+            dx = (dy @ torch.cat(weights)).reshape(x.shape)
+        dweights: list[torch.Tensor | None] = [None] * ctx.count
+        if any(needs[2 : 2 + ctx.count]):
+            dweights = list((dy.t() @ x.reshape(rows, -1)).split(widths))
+        dbiases: list[torch.Tensor | None] = []
+        for i, has in enumerate(ctx.has_bias):
+            wanted = has and needs[2 + ctx.count + i]
+            dbiases.append(dy[:, sum(widths[:i]) : sum(widths[: i + 1])].sum(0) if wanted else None)
+        return (dx, None, *dweights, *dbiases)
+
+
+def project_together(
+    x: torch.Tensor, linears: Sequence[nn.Linear]
+) -> dict[nn.Linear, torch.Tensor]:
+    """{linear: linear(x)} for every linear map of x `[..., D]`, with one matrix product for the
+    gradient of x and one for the weights' (module docstring). The forward is each map's own
+    product, with the same numbers as calling them one by one.
+
+    Under autocast, x (usually already the autocast copy of the layer input,
+    `shared_autocast_input`) and the weights are cast to the autocast dtype here, as autocast
+    would cast them for `F.linear`; the gradients return through those casts in the inputs'
+    dtypes. Without gradients (inference, the forward-mode passes of gate sensitivity) it is
+    each map called alone.
+    """
+    linears = list(dict.fromkeys(linears))
+    if not linears:
+        return {}
+    weights = [lin.weight for lin in linears]
+    biases = [lin.bias for lin in linears]
+    wanted = x.requires_grad or any(p.requires_grad for p in (*weights, *biases) if p is not None)
+    if not (torch.is_grad_enabled() and wanted):
+        return {lin: lin(x) for lin in linears}
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.is_floating_point() and x.dtype != torch.float64:
+        # Autocast's policy for F.linear (float64 is left alone), made explicit: the Function
+        # computes in one dtype, forward and backward.
+        dtype = torch.get_autocast_dtype(device)
+        x = x.to(dtype)
+        weights = [w.to(dtype) for w in weights]
+        biases = [b if b is None else b.to(dtype) for b in biases]
+    outputs = _ProjectTogether.apply(x, len(linears), *weights, *biases)
+    return dict(zip(linears, outputs, strict=True))
