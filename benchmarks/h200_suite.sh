@@ -3,7 +3,7 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
@@ -25,7 +25,9 @@
 # train's tokens/s and peak memory with the Triton delta rule keeping its chunk-start states for
 # the backward, triton/chunk.py RECOMPUTE_STATES off: compare with ptrain_gdn2 and train), sep_ptrain 80 s
 # (ptrain_gdn2's 4K profile with each projection of a layer input differentiated alone,
-# projections.PROJECT_TOGETHER off: compare with ptrain_gdn2), kdn_ptrain 150 s
+# projections.PROJECT_TOGETHER off: compare with ptrain_gdn2), checks_ptrain 200 s (GDN-2's
+# 4K step, kernel and wall time, with the value checks read after the backward, the trainer's
+# way, and after the forward, then the Transformer's), kdn_ptrain 150 s
 # (Diagonal KDN's 340M step with the
 # fused gain, split over T, and with the separate ops: gains.FUSED_GAIN_MIN_PROGRAMS), time_deep
 # 120 s (log decays down to -8 per token: stage 1 walks most diagonal sub-blocks, as on trained
@@ -137,6 +139,13 @@ for p in "${parts[@]}"; do
         --out \"$OUT/keep_ptrain_4k.json\" && python3 benchmarks/profile_train.py \
         --keep-states --device cuda --preset 340M --seq-len 16384 --batch 1 --mixers gdn2 \
         --out \"$OUT/keep_ptrain_16k.json\"" ;;
+    checks_ptrain) part checks_ptrain 200 bash -c "python3 benchmarks/profile_train.py \
+        --device cuda --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 --warmup 2 \
+        --steps 3 --out \"$OUT/checks_after_backward.json\" && python3 benchmarks/profile_train.py \
+        --checks-after-forward --device cuda --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 \
+        --warmup 2 --steps 3 --out \"$OUT/checks_after_forward.json\" && python3 \
+        benchmarks/profile_train.py --device cuda --preset 340M --seq-len 4096 --batch 4 \
+        --mixers transformer --warmup 2 --steps 3 --out \"$OUT/checks_transformer.json\"" ;;
     sep_ptrain) part sep_ptrain 80 python3 benchmarks/profile_train.py --project-separately \
         --device cuda --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 \
         --out "$OUT/sep_ptrain_4k.json" ;;

@@ -20,8 +20,11 @@ delta-rule kernels alone take a fraction of the step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import statistics
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -110,6 +113,7 @@ def training_step(
     num_layers: int | None = None,
     compile: bool = False,
     autocast: bool | None = None,
+    checks_after_forward: bool = False,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
     """The model, its AdamW (`deltalab train`'s) and one training step: forward and loss on
     random token ids `[batch, seq_len]` under bf16 autocast, backward, AdamW, gradients set to
@@ -121,7 +125,9 @@ def training_step(
 
     autocast: None autocasts on CUDA only (as `deltalab train`); benchmarks/traffic.py asks for
     it on CPU, where it gives CPU autocast the CUDA op lists. Tensors are made on `device` (or
-    by whatever tensor mode is active, e.g. fake tensors).
+    by whatever tensor mode is active, e.g. fake tensors). The forward's value checks read back
+    once, after the backward, as the trainer's (`loop._step_checks`); checks_after_forward
+    reads them between the forward and the backward instead (the trainer before 2026-12-02).
     """
     from deltalab.models import CausalLM, build_config
     from deltalab.train import loop
@@ -141,15 +147,33 @@ def training_step(
     enabled = device == "cuda" if autocast is None else autocast
 
     def step() -> None:
-        with loop._forward_checks(False):  # the forward's value checks, as the trainer's
+        with contextlib.ExitStack() as checks:
+            checks.enter_context(loop._step_checks(False))  # the trainer's value checks
             loss = loop._loss(
                 forward, window, torch.autocast(device, dtype=torch.bfloat16, enabled=enabled)
             )
-        loss.backward()
+            if checks_after_forward:
+                checks.close()  # reads them back now
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     return model, optimizer, step
+
+
+def wall_ms(step: Callable[[], None], steps: int, device: str) -> float:
+    """Median milliseconds of one step, host and device: each timed from an idle device to an
+    idle device, as the trainer's steps run between its reads of the loss."""
+    times = []
+    for _ in range(steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - began) * 1e3)
+    return statistics.median(times)
 
 
 def profile_mixer(args: argparse.Namespace, mixer: str) -> dict:
@@ -162,6 +186,7 @@ def profile_mixer(args: argparse.Namespace, mixer: str) -> dict:
         device,
         num_layers=args.num_layers,
         compile=args.compile,
+        checks_after_forward=args.checks_after_forward,
     )
     for _ in range(args.warmup):
         step()
@@ -174,7 +199,12 @@ def profile_mixer(args: argparse.Namespace, mixer: str) -> dict:
             step()
         if device == "cuda":
             torch.cuda.synchronize()
-    return summarize(kernel_times(prof, args.steps, device))
+    # The wall time per step next to the kernel time: the difference is the time the device
+    # waits for the host (launches after a read-back, Python between kernels).
+    return {
+        **summarize(kernel_times(prof, args.steps, device)),
+        "wall_ms": wall_ms(step, args.steps, device),
+    }
 
 
 def main() -> None:
@@ -191,6 +221,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument(
+        "--checks-after-forward",
+        action="store_true",
+        help="read the forward's value checks back between the forward and the backward (the "
+        "trainer before 2026-12-02) instead of after the backward",
+    )
     add_delta_rule_options(parser)
     parser.add_argument(
         "--kdn-gain",
@@ -210,7 +246,10 @@ def main() -> None:
     report = {}
     for mixer in args.mixers:
         result = report[mixer] = profile_mixer(args, mixer)
-        print(f"\n{mixer}: {result['total_ms']:.1f} ms of kernel time per step")
+        print(
+            f"\n{mixer}: {result['total_ms']:.1f} ms of kernel time per step, "
+            f"{result['wall_ms']:.1f} ms of wall time"
+        )
         for label, ms in result["categories"].items():
             print(f"  {label:<32} {ms:9.2f} ms  {ms / result['total_ms']:6.1%}")
         for k in result["kernels"][: args.top]:
