@@ -113,7 +113,7 @@ def training_step(
     num_layers: int | None = None,
     compile: bool = False,
     autocast: bool | None = None,
-    checks_after_forward: bool = False,
+    checks_after_backward: bool = False,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
     """The model, its AdamW (`deltalab train`'s) and one training step: forward and loss on
     random token ids `[batch, seq_len]` under bf16 autocast, backward, AdamW, gradients set to
@@ -126,8 +126,9 @@ def training_step(
     autocast: None autocasts on CUDA only (as `deltalab train`); benchmarks/traffic.py asks for
     it on CPU, where it gives CPU autocast the CUDA op lists. Tensors are made on `device` (or
     by whatever tensor mode is active, e.g. fake tensors). The forward's value checks read back
-    once, after the backward, as the trainer's (`loop._step_checks`); checks_after_forward
-    reads them between the forward and the backward instead (the trainer before 2026-12-02).
+    once, at the forward's end, as the trainer's (`loop._forward_checks`); checks_after_backward
+    reads them after the backward instead (an experiment: on 2026-12-02, 3 steps each, a 340M
+    GDN-2 step at 4K took 315.8 ms of wall time that way against 286.0; docs/RESULTS.md).
     """
     from deltalab.models import CausalLM, build_config
     from deltalab.train import loop
@@ -148,12 +149,12 @@ def training_step(
 
     def step() -> None:
         with contextlib.ExitStack() as checks:
-            checks.enter_context(loop._step_checks(False))  # the trainer's value checks
+            checks.enter_context(loop._forward_checks(False))  # the trainer's value checks
             loss = loop._loss(
                 forward, window, torch.autocast(device, dtype=torch.bfloat16, enabled=enabled)
             )
-            if checks_after_forward:
-                checks.close()  # reads them back now
+            if not checks_after_backward:
+                checks.close()  # reads them back now, as the trainer
             loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -186,7 +187,7 @@ def profile_mixer(args: argparse.Namespace, mixer: str) -> dict:
         device,
         num_layers=args.num_layers,
         compile=args.compile,
-        checks_after_forward=args.checks_after_forward,
+        checks_after_backward=args.checks_after_backward,
     )
     for _ in range(args.warmup):
         step()
@@ -222,10 +223,10 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument(
-        "--checks-after-forward",
+        "--checks-after-backward",
         action="store_true",
-        help="read the forward's value checks back between the forward and the backward (the "
-        "trainer before 2026-12-02) instead of after the backward",
+        help="read the forward's value checks back after the backward instead of between the "
+        "forward and the backward, as the trainer does (an experiment)",
     )
     add_delta_rule_options(parser)
     parser.add_argument(

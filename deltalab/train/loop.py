@@ -483,21 +483,15 @@ def _announce(
         )
 
 
-def _step_checks(checkpointing: bool):
-    """The context of a training micro-step's forward and backward, for the forward's value
-    checks (each op's refusal of bad gates, e.g. a log decay > 0): their answers read back
-    once, after the backward (`one_host_read`), not once per layer. Each read makes the host
-    wait for every queued kernel, after which the GPU waits for the host: a 340M GDN-2 step read
-    24 times, Diagonal KDN 48 (benchmarks/traffic.py). Read after the backward, the wait falls
-    where the step waits anyway (for its loss), not between the forward and the backward,
-    whose first kernels would otherwise start only as the host queues them.
-
-    A failing check raises the error it raises alone, and the step fails as it did (the
-    backward ran on the values the check refused; the step's gradients are dropped). Its input
-    stays referenced to the end of the backward (to run the check again should it fail): the
-    checked inputs are the kernels' (the delta rule's g), which the backward keeps anyway, so
-    the peak, at the start of the backward, is unchanged. With activation checkpointing the
-    checks stay immediate: the references would keep what checkpointing frees."""
+def _forward_checks(checkpointing: bool):
+    """The context of a training forward's value checks (each op's refusal of bad gates, e.g.
+    a log decay > 0): their answers read back once, at the end of the forward
+    (`one_host_read`), not once per layer. Each read makes the host wait for every queued
+    kernel, after which the GPU waits for the host: a 340M GDN-2 step read 24 times, Diagonal
+    KDN 48 (benchmarks/traffic.py). A failing check raises the error it raises alone, after
+    the forward and before the backward, and the step fails as it did. With activation
+    checkpointing the checks stay immediate: a queued check keeps its input alive to the end
+    of the forward (to run again should it fail), which checkpointing would otherwise free."""
     return contextlib.nullcontext() if checkpointing else one_host_read()
 
 
@@ -520,9 +514,9 @@ def _accumulate(state: TrainState, model, forward, stream, autocast) -> tuple[fl
         )
         try:
             with sync:
-                with _step_checks(config.train.activation_checkpointing):
+                with _forward_checks(config.train.activation_checkpointing):
                     loss = _loss(forward, window, autocast) / accum
-                    loss.backward()
+                loss.backward()
         except NonFiniteError as error:
             # An op refused the non-finite values the model produced (a NaN gate): the same
             # event as a non-finite loss, under the same policy.
