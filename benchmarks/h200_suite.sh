@@ -3,12 +3,13 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
 # and they are installed first. Budget the call: time_fla 300 s (the time part at the 4K shape
-# alone; on 2026-12-01 fla's autotuning of chunk_gdn2 ran past it, after chunk_kda's row), time_fla_kda 260 s (the same without fla's chunk_gdn2), prof_ours 60 s (prof without fla's autotuning),
+# alone; on 2026-12-01 fla's autotuning of chunk_gdn2 ran past it, after chunk_kda's row), time_fla_kda 260 s (the same without fla's chunk_gdn2), time_fla_gdn2 420 s (the GDN-2 form
+# against fla's chunk_gdn2 alone, with room for its autotuning), prof_ours 60 s (prof without fla's autotuning),
 # tune_stage12 120 s (stage 1's and the solve's launches at the 340M heads), tests 240 s (the delta rule's kernels and
 # tests/test_cuda.py: on 2026-12-01 both passed inside the limit, and 21 tests of the layers'
 # file after them), kernel_tests 150 s (the layers
@@ -85,6 +86,8 @@ for p in "${parts[@]}"; do
     time_fla) part time_fla 300 python3 benchmarks/bench_triton.py --parts time \
         --shapes 4x4096x16x128 --only kda_c64 gdn2_c64 kdn_iso_c64 kdn_diag_c64 fla_kda fla_gdn2 \
         sdpa --out "$OUT/time_fla.json" ;;
+    time_fla_gdn2) part time_fla_gdn2 420 python3 benchmarks/bench_triton.py --parts time \
+        --shapes 4x4096x16x128 --only gdn2_c64 fla_gdn2 --out "$OUT/time_fla_gdn2.json" ;;
     time_fla_kda) part time_fla_kda 260 python3 benchmarks/bench_triton.py --parts time \
         --shapes 4x4096x16x128 --only kda_c64 gdn2_c64 kdn_iso_c64 kdn_diag_c64 fla_kda sdpa \
         --out "$OUT/time_fla_kda.json" ;;

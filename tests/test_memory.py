@@ -315,7 +315,7 @@ def test_a_model_trained_through_the_norm_adjoints_gets_the_formulas_gradients(m
 
 
 def _pieces():
-    from deltalab.layers.common import ShortConvolution, l2_normalize
+    from deltalab.layers.common import ShortConvolution
     from deltalab.layers.decay import log_decay
     from deltalab.models.lm import SwiGLU
 
@@ -323,14 +323,13 @@ def _pieces():
     conv, swiglu = ShortConvolution(8, 4), SwiGLU(8, 12)
     a_log, dt_bias = torch.randn(2, 1), torch.randn(2, 4)
     return {
-        "l2_normalize": (lambda x: l2_normalize(x), (2, 9, 8)),
         "log_decay": (lambda x: log_decay(a_log, x.unflatten(-1, (2, 4)), dt_bias), (2, 9, 8)),
         "short_convolution": (lambda x: conv(x)[0], (2, 9, 8)),
         "swiglu": (swiglu, (2, 9, 8)),
     }
 
 
-@pytest.mark.parametrize("name", ["l2_normalize", "log_decay", "short_convolution", "swiglu"])
+@pytest.mark.parametrize("name", ["log_decay", "short_convolution", "swiglu"])
 def test_recomputed_pieces_keep_less_and_give_the_same_gradients_bit_for_bit(name, monkeypatch):
     """Under bf16 autocast on a bf16 input (a projection's output), as training runs: each
     piece keeps fewer bytes for backward with its intermediates recomputed than without, and
@@ -355,11 +354,9 @@ def test_recomputed_pieces_keep_less_and_give_the_same_gradients_bit_for_bit(nam
     kept, grad = run()
     monkeypatch.setattr(common, "recomputed", lambda f, *args: f(*args))
     import deltalab.ops.log_decay.reference as decay_reference
-    import deltalab.ops.norms.reference as norms_reference
     import deltalab.ops.swiglu.reference as swiglu_reference
 
     monkeypatch.setattr(decay_reference, "recomputed", lambda f, *args: f(*args))
-    monkeypatch.setattr(norms_reference, "recomputed", lambda f, *args: f(*args))
     monkeypatch.setattr(swiglu_reference, "recomputed", lambda f, *args: f(*args))
     kept_plain, grad_plain = run()
     assert kept < kept_plain
@@ -395,13 +392,13 @@ def test_every_projection_of_the_input_comes_from_the_layers_shared_products(cls
         together.append(len(linears))
         return real(x_in, linears)
 
-    handles = [m.register_forward_pre_hook(record) for m in layer.modules()]
+    # A module-wide hook: a hook on a projection itself would make it unfusable (`fusable`).
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(record)
     try:
         with mock.patch.object(common, "project_together", spy):
             layer(x)[0].sum().backward()
     finally:
-        for handle in handles:
-            handle.remove()
+        handle.remove()
     assert calls == []
     (count,) = together  # one shared block per forward
     assert count == 3 if cls is Attention else count >= 5  # q, k, v, output gate, a gate
@@ -464,8 +461,8 @@ def test_project_together_is_each_linear_with_their_gradients_summed(used):
     for out, ref in zip(outs, ref_outs, strict=True):
         assert torch.equal(out, ref)  # the forward is each map's own product
     for grad, ref in zip(grads, ref_grads, strict=True):
-        if ref is None:  # the unused output's weight and bias
-            assert grad is None or not grad.any()
+        if ref is None:  # the unused output's weight (and bias): none, as autograd gives it
+            assert grad is None
         else:
             torch.testing.assert_close(grad, ref, rtol=1e-12, atol=1e-12)
 
@@ -493,3 +490,58 @@ def test_project_together_under_autocast_rounds_the_gradients_as_much_as_apart()
         scale = truth.abs().max()
         assert (grad.double() - truth).abs().max() <= 2**-7 * scale
         assert (ref.double() - truth).abs().max() <= 2**-7 * scale
+
+
+def test_a_projection_whose_gate_a_hook_replaced_gets_no_gradient_as_apart():
+    # None, not zeros: AdamW's weight decay and DDP treat a zero gradient as a gradient.
+    def grads(together: bool):
+        layer, (_, x) = build(GatedDeltaNet2), non_leaf(hidden())
+        layer.register_gate_hook(
+            lambda gates: {**gates, "erase": torch.full_like(gates["erase"], 0.5)}
+        )
+        with separately(not together):
+            layer(x)[0].sum().backward()
+        return layer.b_proj.weight.grad, layer.w_proj.weight.grad
+
+    (erase, write), (erase_apart, write_apart) = grads(True), grads(False)
+    assert erase is None and erase_apart is None
+    torch.testing.assert_close(write, write_apart)
+
+
+def test_hooked_or_subclassed_projections_are_called_as_modules():
+    # A hook (pruning's mask is one) or a forward of its own runs only if the module is called.
+    from torch.nn.utils import prune
+
+    class Doubled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    layer, (_, x) = build(GatedDeltaNet2), non_leaf(hidden())
+    seen = []
+    layer.q_proj.register_forward_pre_hook(lambda module, inputs: seen.append(module))
+    prune.random_unstructured(layer.k_proj, name="weight", amount=0.5)
+    doubled = Doubled(SIZES["hidden_size"], layer.w_proj.out_features, bias=False)
+    with torch.no_grad():
+        doubled.weight.copy_(layer.w_proj.weight)
+    layer.w_proj = doubled
+    for _ in range(2):  # pruning's reparametrization recomputes the weight each forward
+        layer(x)[0].sum().backward(retain_graph=True)
+    assert seen == [layer.q_proj, layer.q_proj]
+    assert layer.k_proj.weight_orig.grad is not None and layer.w_proj.weight.grad is not None
+    assert not projections.fusable(layer.q_proj) and not projections.fusable(doubled)
+    assert projections.fusable(layer.v_proj)
+
+
+def test_projecting_together_has_the_forward_mode_derivative_of_the_maps_apart():
+    # With gradients on as well: forward-mode AD through the Function's jvp.
+    import torch.autograd.forward_ad as fwAD
+
+    def tangent(together: bool):
+        layer = build(GatedDeltaNet2).double()
+        x = hidden().double().requires_grad_()
+        t = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+        with separately(not together), fwAD.dual_level():
+            y, _ = layer(fwAD.make_dual(x, t))
+            return fwAD.unpack_dual(y).tangent
+
+    torch.testing.assert_close(tangent(True), tangent(False), rtol=1e-12, atol=1e-12)

@@ -80,14 +80,42 @@ def test_torch_path_is_the_layers_rms_norm_bit_for_bit(generator, gated, activat
         assert torch.equal(a, b.double())
 
 
-def test_torch_path_is_the_layers_l2_normalize_bit_for_bit(generator):
+def test_torch_l2_path_computes_the_formulas_output_bit_for_bit_and_its_gradient(generator):
     inputs = norm_inputs(generator, (2, 5, 16))
     x, dy = inputs[0].float().requires_grad_(), inputs[3].float()
-    # The layers' old `l2_normalize`: the formula under `recomputed`.
-    y = common.recomputed(l2_normalize_naive, x, 1e-6)
+    y = l2_normalize_naive(x, 1e-6)
     (grad,) = torch.autograd.grad((y * dy).sum(), x)
     ours = l2_with_grads(inputs, "torch", torch.float32, "cpu")
-    assert torch.equal(ours[0], y.double()) and torch.equal(ours[1], grad.double())
+    assert torch.equal(ours[0], y.double())
+    # The adjoint from the output, r (dy - y (y . dy)), not autograd's path through the formula.
+    assert_close(ours[1], grad.double(), 1e-6, "dx")
+    exact = l2_with_grads(inputs, "torch", F64, "cpu")
+    assert_all_close(exact, l2_with_grads(inputs, "naive", F64, "cpu"), TOLERANCE[F64])
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_l2_normalize_keeps_its_output_and_one_number_per_row_not_its_input(backend):
+    # The layers' q and k: the delta rule keeps the normalized ones anyway; the input (the
+    # short convolution's output) would be kept by the norm alone. bfloat16 as trained, but
+    # float32 under the Triton interpreter (which computes bfloat16 wrongly).
+    device = DEVICE if backend == "triton" else "cpu"
+    dtype = torch.float32 if backend == "triton" and device == "cpu" else torch.bfloat16
+    x = torch.randn(2, 5, 3, 16, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    x.requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = l2_normalize(x * 1.0, backend=backend)
+    storages = {t.untyped_storage().data_ptr(): t for t in saved}
+    assert y.untyped_storage().data_ptr() in storages
+    others = [t for p, t in storages.items() if p != y.untyped_storage().data_ptr()]
+    assert [t.numel() for t in others] == [2 * 5 * 3]  # 1/norm per row
+    assert others[0].dtype == torch.float32
+    # With its gradient from y: the formula's within bf16 rounding.
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(device)
+    (grad,) = torch.autograd.grad((y.float() * dy).sum(), x)
+    xd = x.detach().double().requires_grad_()
+    (exact,) = torch.autograd.grad((l2_normalize_naive(xd, 1e-6) * dy.double()).sum(), xd)
+    assert (grad.double() - exact).norm() <= 2**-7 * exact.norm()
 
 
 @pytest.mark.parametrize(("gated", "activation"), GATED, ids=GATED_IDS)
@@ -344,3 +372,24 @@ def test_gate_sensitivity_probes_run_every_norm_on_the_torch_path_and_restore_th
         for layer, gates in theirs.items():
             for gate, value in gates.items():
                 assert ours[layer][gate] == pytest.approx(value, rel=1e-6), (table, layer, gate)
+
+
+def test_torch_l2_path_has_the_formulas_derivatives_of_every_order():
+    # Its backward and jvp are torch ops on its differentiable outputs (y and 1/norm): second
+    # derivatives, forward-mode and reverse-through-forward all follow the formula.
+    x = torch.randn(3, 4, 6, dtype=F64, generator=torch.Generator().manual_seed(3))
+    x.requires_grad_()
+
+    def ours(t):
+        return l2_normalize(t, backend="torch")
+
+    assert torch.autograd.gradcheck(ours, (x,), check_forward_ad=True)
+    assert torch.autograd.gradgradcheck(ours, (x,))
+    tangent = torch.randn(x.shape, dtype=F64, generator=torch.Generator().manual_seed(4))
+
+    def reverse_of_tangent(fn):
+        (grad,) = torch.autograd.grad(forward_tangent(fn, (x,), (tangent,)).square().sum(), x)
+        return grad
+
+    naive = reverse_of_tangent(lambda t: l2_normalize_naive(t, 1e-6))
+    assert_close(reverse_of_tangent(ours), naive, 1e-12, "reverse of the tangent")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import re
 from pathlib import Path
 
 import pytest
+import torch
 
 _ROOT = Path(__file__).parents[1]
 _SPEC = importlib.util.spec_from_file_location(
@@ -59,12 +61,43 @@ def test_every_launched_triton_kernel_of_the_project_falls_in_its_category():
 
 def test_a_cpu_step_splits_into_categories_that_add_up():
     args = argparse.Namespace(preset="tiny", num_layers=2, device="cpu", seq_len=32, batch=2,
-                              warmup=1, steps=1, top=5, compile=False)  # fmt: skip
+                              warmup=1, steps=1, top=5, compile=False,
+                              checks_after_backward=False)  # fmt: skip
     report = profile_train.profile_mixer(args, "gdn2")
     assert report["total_ms"] > 0
+    # The wall time of a step holds its kernels' (on CPU, the ops' own times) and more.
+    assert report["wall_ms"] > 0
     assert sum(report["categories"].values()) == pytest.approx(report["total_ms"])
     assert report["categories"]["matrix products"] > 0
     # Every kernel is kept, slowest first, and they add up to the total as the categories do.
     times = [k["ms"] for k in report["kernels"]]
     assert len(times) > 5 and times == sorted(times, reverse=True)
     assert sum(times) == pytest.approx(report["total_ms"])
+
+
+@pytest.mark.parametrize("after_backward", [False, True], ids=["trainer", "after-backward"])
+def test_a_step_reads_its_queued_value_checks_where_asked(monkeypatch, after_backward):
+    """The step reads the forward's checks back as the trainer does, at the forward's end, or
+    after the backward with --checks-after-backward (the experiment)."""
+    import deltalab.train.loop as loop
+
+    events = []
+    real_checks, real_backward = loop._forward_checks, torch.Tensor.backward
+
+    @contextlib.contextmanager
+    def checks(checkpointing):
+        with real_checks(checkpointing):
+            yield
+        events.append("read")
+
+    def backward(self, *args, **kwargs):
+        events.append("backward")
+        return real_backward(self, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "_forward_checks", checks)
+    monkeypatch.setattr(torch.Tensor, "backward", backward)
+    _, _, step = profile_train.training_step(
+        "gdn", "tiny", 2, 16, num_layers=1, checks_after_backward=after_backward
+    )
+    step()
+    assert events == (["backward", "read"] if after_backward else ["read", "backward"])

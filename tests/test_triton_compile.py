@@ -204,7 +204,12 @@ def test_norm_kernels_compile_for_hopper_without_spills(dim, dtype, gated):
     activations = {name: f"*{dtype}" for name in ("X", "GATE", "Y", "DY", "DX", "DGATE")}
     kernels = [
         (norms._norm_fwd, "forward", 5, gate),
-        (norms._norm_bwd, "backward", 8, {**gate, "WANT_DGATE": gated, "WANT_DW": True}),
+        (
+            norms._norm_bwd,
+            "backward",
+            8,
+            {**gate, "WANT_DGATE": gated, "WANT_DW": True, "XHAT_GIVEN": False},
+        ),
     ]
     for kernel, name, n_pointers, constants in kernels:
         block_m, block_n, warps = norms.launch(1 << 16, dim, name)

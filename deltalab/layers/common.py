@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from deltalab.layers import projections as projections_module
-from deltalab.layers.projections import input_linears, project_together
+from deltalab.layers.projections import fusable, input_linears, project_together
 from deltalab.ops import norms
 from deltalab.ops._checks import (
     closest,
@@ -284,7 +284,9 @@ class _SharedInput:
         projections: Sequence[nn.Module],
     ) -> None:
         self.x, self.x_in = x, x_in
-        linears = [lin for proj in projections for lin in input_linears(proj)]
+        # A map `project_together` cannot compute from its weight (`fusable`) is left to
+        # `apply`, which calls it as a module.
+        linears = [lin for proj in projections for lin in input_linears(proj) if fusable(lin)]
         together = linears and projections_module.PROJECT_TOGETHER
         # Apart (PROJECT_TOGETHER off), each projection takes the copy through a node of its own
         # (`apply`), so that its gradient reaches x in x's dtype, as autocast's casts would.
@@ -351,7 +353,7 @@ def project(proj: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
 
 def l2_normalize(x: torch.Tensor, eps: float = L2_EPS, *, backend: str = "auto") -> torch.Tensor:
     """x / sqrt(||x||^2 + eps) over the last dim, computed in at least float32; x's dtype out
-    (`deltalab.ops.norms.l2_normalize`: "torch" keeps only x for backward, `recomputed`)."""
+    (`deltalab.ops.norms.l2_normalize`: keeps its output and 1/norm per row for backward)."""
     return norms.l2_normalize(x, eps, backend=backend)
 
 

@@ -11,9 +11,10 @@ per layer and step, against half a GB for what is done here:
     dx = [dy_1, ..., dy_n] [W_1; ...; W_n]      one product over the concatenated outputs
     [dW_1; ...; dW_n] = [dy_1, ..., dy_n]^T x   one product for every weight gradient
 
-The price is one copy, the concatenation of the output gradients (the projections' outputs
-stay separate tensors: the forward is n products as before, so nothing a later op keeps for its
-backward pins a shared buffer). Precision: the product sums over all n W_i in one float32
+The price is one copy, the concatenation of the output gradients, transient in the backward
+(which also waits for every output's gradient before it runs, as any node with several outputs
+does). The projections' outputs stay separate tensors: the forward is n products as before, so
+nothing a later op keeps for its backward pins a shared buffer. Precision: the product sums over all n W_i in one float32
 accumulator and rounds dx once, where autograd rounds each dx_i to bf16 and sums in float32;
 against float64 the two errors are of the same size (within a few percent in the tests: the bf16
 copy of x dominates both).
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PROJECT_TOGETHER", "input_linears", "project_together"]
+__all__ = ["PROJECT_TOGETHER", "fusable", "input_linears", "project_together"]
 
 # Off: the layers call each projection of x alone (`sharing_autocast_input`), each with its own
 # input gradient product, cast and float32 sum, for benchmarks to compare with.
@@ -54,9 +55,30 @@ def input_linears(module: nn.Module) -> list[nn.Linear]:
     )
 
 
+def fusable(linear: nn.Module) -> bool:
+    """Whether `project_together` may compute this map from its weight and bias: a plain
+    `nn.Linear` (not a subclass with a forward of its own: quantized, LoRA-style, parametrized)
+    with no hook of its own (forward, forward pre-, backward: pruning's mask is a pre-hook),
+    which only calling the module would run. Any other map is called as a module, with its own
+    gradient product. Module-wide hooks (`nn.modules.module.register_module_forward_hook`) see
+    no call of a fused map."""
+    return type(linear) is nn.Linear and not (
+        linear._forward_hooks
+        or linear._forward_pre_hooks
+        or linear._backward_hooks
+        or linear._backward_pre_hooks
+    )
+
+
+def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
 class _ProjectTogether(torch.autograd.Function):
     """(x, n, W_1..W_n, b_1..b_n) -> (x W_1^T + b_1, ..., x W_n^T + b_n); a missing bias is
     None. The backward makes one product for dx and one for all the dW (module docstring)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(x: torch.Tensor, count: int, *params: torch.Tensor | None) -> tuple:
@@ -68,35 +90,55 @@ class _ProjectTogether(torch.autograd.Function):
         x, count, *params = inputs
         ctx.count = count
         ctx.has_bias = [b is not None for b in params[count:]]
+        # An output without a gradient reaches backward as None, not as zeros (see backward).
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, *params[:count])
+        ctx.save_for_forward(x, *params[:count])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads: torch.Tensor | None) -> tuple:
         x, *weights = ctx.saved_tensors
-        rows = x.shape[:-1].numel()
-        widths = [w.shape[0] for w in weights]
-        # An output no loss reached (a gate a hook replaced) has no gradient: zeros in its
-        # columns, so the others keep one product.
-        dy = torch.cat(
-            [
-                (g if g is not None else x.new_zeros(*x.shape[:-1], width)).reshape(rows, width)
-                for g, width in zip(grads, widths, strict=True)
-            ],
-            dim=-1,
-        )
-        needs = ctx.needs_input_grad
+        rows, count, needs = x.shape[:-1].numel(), ctx.count, ctx.needs_input_grad
+        dweights: list[torch.Tensor | None] = [None] * count
+        dbiases: list[torch.Tensor | None] = [None] * count
+        # An output no loss reached (a gate a hook replaced) has no gradient: left out of the
+        # products, and its weight and bias get none (as autograd gives a map alone).
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if not present:
+            return (None, None, *dweights, *dbiases)
+        widths = [weights[i].shape[0] for i in present]
+        dy = _cat([grads[i].reshape(rows, w) for i, w in zip(present, widths, strict=True)], -1)
         dx = None
         if needs[0]:
-            dx = (dy @ torch.cat(weights)).reshape(x.shape)
-        dweights: list[torch.Tensor | None] = [None] * ctx.count
-        if any(needs[2 : 2 + ctx.count]):
-            dweights = list((dy.t() @ x.reshape(rows, -1)).split(widths))
-        dbiases: list[torch.Tensor | None] = []
-        for i, has in enumerate(ctx.has_bias):
-            wanted = has and needs[2 + ctx.count + i]
-            dbiases.append(dy[:, sum(widths[:i]) : sum(widths[: i + 1])].sum(0) if wanted else None)
+            dx = (dy @ _cat([weights[i] for i in present], 0)).reshape(x.shape)
+        if any(needs[2 + i] for i in present):
+            products = (dy.t() @ x.reshape(rows, -1)).split(widths)
+            for i, dw in zip(present, products, strict=True):
+                dweights[i] = dw if needs[2 + i] else None
+        start = 0
+        for i, width in zip(present, widths, strict=True):
+            if ctx.has_bias[i] and needs[2 + count + i]:
+                dbiases[i] = dy[:, start : start + width].sum(0)
+            start += width
         return (dx, None, *dweights, *dbiases)
+
+    @staticmethod
+    def jvp(ctx, tx: torch.Tensor | None, _count, *tparams: torch.Tensor | None) -> tuple:
+        """Forward-mode derivative: tx W_i^T + x tW_i^T + tb_i (each map is linear)."""
+        x, *weights = ctx.saved_tensors
+        tweights, tbiases = tparams[: ctx.count], tparams[ctx.count :]
+        tangents = []
+        for w, tw, tb in zip(weights, tweights, tbiases, strict=True):
+            t = torch.zeros(*x.shape[:-1], w.shape[0], dtype=x.dtype, device=x.device)
+            if tx is not None:
+                t = t + F.linear(tx, w)
+            if tw is not None:
+                t = t + F.linear(x, tw)
+            if tb is not None:
+                t = t + tb
+            tangents.append(t)
+        return tuple(tangents)
 
 
 def project_together(
@@ -113,6 +155,11 @@ def project_together(
     each map called alone.
     """
     linears = list(dict.fromkeys(linears))
+    if not all(fusable(lin) for lin in linears):
+        # Those that are not are called as modules (the shared input's `apply` does so before
+        # this, each through a cast node of its own).
+        fused = project_together(x, [lin for lin in linears if fusable(lin)])
+        return {lin: fused[lin] if lin in fused else lin(x) for lin in linears}
     if not linears:
         return {}
     weights = [lin.weight for lin in linears]

@@ -5,8 +5,9 @@
     l2_normalize(x, eps=1e-6, *, backend="auto") = x / sqrt(sum(x^2) + eps)
 
 Backends: "naive" (the formula left to autograd, in at least float32: float64 when given
-float64), "torch" (the layers' path before this op existed, bit for bit: `_RMSNormFunction`'s
-hand-written backward; the L2 formula under activation checkpointing), "triton" (one kernel each
+float64), "torch" (`_RMSNormFunction`, the layers' RMS norm before this op existed, bit for
+bit, with its hand-written backward; `_L2NormFunction`, the L2 formula's forward keeping its
+output for a hand-written backward), "triton" (one kernel each
 way for both norms: CUDA, or CPU under TRITON_INTERPRET=1; rows up to MAX_TRITON_DIM). "auto"
 picks "triton" on CUDA for float32 and narrower inputs, else "torch". README.md in this folder
 has the math and the precision.
@@ -129,8 +130,9 @@ def rms_norm(
 
 def l2_normalize(x: torch.Tensor, eps: float = L2_EPS, *, backend: str = "auto") -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim of x `[..., N]`, computed in at least float32
-    ("triton": float32); x's dtype out. "torch" keeps only x for backward and computes the
-    forward again there (activation checkpointing); "triton" keeps x and 4 bytes per row."""
+    ("triton": float32); x's dtype out. Both "torch" and "triton" keep the output y (the
+    delta rule keeps the normalized q and k anyway) and 4 bytes per row for backward, not x
+    (`reference._L2NormFunction`)."""
     x = _require_input(x)
     backend = resolve_backend(backend, x)
     if backend == "triton":

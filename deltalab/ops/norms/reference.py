@@ -4,18 +4,16 @@
     l2_normalize(x, eps)       = x / sqrt(sum(x^2) + eps)
 
 over the last dim, computed in at least float32 (`compute_dtype`). "naive" is the formula left
-to autograd (float64 when given float64); "torch" is what `deltalab.layers.common` ran before
-this op existed, operation for operation: `_RMSNormFunction` (a hand-written backward that keeps
-x, the gate and one 1/rms per row) and the L2 formula under `recomputed` (activation
-checkpointing), so the layers switch to these functions without a change in a bit.
+to autograd (float64 when given float64); "torch" keeps less for backward: `_RMSNormFunction`
+(what `deltalab.layers.common` ran before this op existed, operation for operation: a
+hand-written backward that keeps x, the gate and one 1/rms per row) and `_L2NormFunction` (the
+L2 formula's forward, operation for operation, keeping its output and 1/norm per row).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from deltalab.ops._recompute import recomputed
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -137,7 +135,68 @@ def l2_normalize_naive(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (y * torch.rsqrt(y.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def l2_adjoint(
+    y: torch.Tensor, rnorm: torch.Tensor, dy: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The L2 normalization's adjoint from its output y = x r (r = rnorm, one per row): with
+    y the unit row, d(x r)/dx applied to dy is r (dy - y (y . dy)). Computed in r's dtype and
+    returned in `dtype`; it is also the tangent of a tangent dy (the map is symmetric)."""
+    yf, dyf = y.to(rnorm.dtype), dy.to(rnorm.dtype)
+    return (rnorm * (dyf - yf * (yf * dyf).sum(-1, keepdim=True))).to(dtype)
+
+
+class _L2NormFunction(torch.autograd.Function):
+    """`l2_normalize_naive` (the same operations, so the same output) keeping its output y, in
+    x's dtype, and one 1/norm per row for the backward, not x.
+
+    Why the output: the layers normalize q and k, and the delta rule keeps the normalized q and
+    k (the same tensors) anyway, while x (the short convolution's output) is kept by nothing
+    else: keeping x cost 2 bytes per channel of q and of k, 4 KB per token and block of a 340M
+    GDN-2 (benchmarks/memory_audit.py). The backward reads y where it would recompute x r from
+    x: from a bfloat16 y the adjoint carries bfloat16's rounding of y (relative 2^-9), the
+    size of the rounding of its own bfloat16 result.
+
+    Written with `setup_context` and a generated vmap rule, so that torch.func's transforms go
+    through it (gate sensitivity's batched probes vmap over forward-mode derivatives). Both
+    outputs are differentiable (r = (|x|^2 + eps)^-1/2, dr/dx = -r^2 y), and the backward and
+    the jvp are torch ops on them, so derivatives of any order follow.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        xf = x.to(compute_dtype(x))
+        rnorm = torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)
+        # Contiguous whatever x's layout (the conv1d path's output is a transposed view), as
+        # the kernel writes it: the delta rule then keeps this y, not a contiguous copy of it.
+        return (xf * rnorm).to(x.dtype).contiguous(), rnorm
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        y, rnorm = output
+        ctx.x_dtype = inputs[0].dtype
+        ctx.save_for_backward(y, rnorm)
+        ctx.save_for_forward(y, rnorm)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor | None, drnorm: torch.Tensor | None):
+        y, rnorm = ctx.saved_tensors
+        dx = None if dy is None else l2_adjoint(y, rnorm, dy, rnorm.dtype)
+        if drnorm is not None:  # a caller of the Function itself (the layers use y alone)
+            dr = -(rnorm * rnorm) * y.to(rnorm.dtype) * drnorm
+            dx = dr if dx is None else dx + dr
+        return (None if dx is None else dx.to(ctx.x_dtype)), None
+
+    @staticmethod
+    def jvp(ctx, tx: torch.Tensor, _eps) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward-mode derivative (gate-sensitivity probes run through the norms with it)."""
+        y, rnorm = ctx.saved_tensors
+        t_rnorm = -(rnorm * rnorm) * (y.to(rnorm.dtype) * tx.to(rnorm.dtype)).sum(-1, keepdim=True)
+        return l2_adjoint(y, rnorm, tx, ctx.x_dtype), t_rnorm
+
+
 def l2_normalize_torch(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """The formula keeping only x for backward (`recomputed`), not its float32 copies: its
-    forward runs again in the backward."""
-    return recomputed(l2_normalize_naive, x, eps)
+    """The formula keeping its output and 1/norm per row for backward (`_L2NormFunction`), not
+    x or its float32 copies."""
+    return _L2NormFunction.apply(x, eps)[0]

@@ -20,7 +20,8 @@ Backward. With dz = dy act(gate) (dz = dy without a gate) and dn = dz w:
     dw    = sum over rows of dz xhat
 
 xhat and act(gate) are recomputed from x, the gate and r: the backward reads x, the gate, dy and
-r and writes dx and dgate, nothing else of size `[M, N]`. dw is reduced over rows without
+r and writes dx and dgate, nothing else of size `[M, N]`. The L2 normalization keeps its output
+y = xhat instead of x (XHAT_GIVEN; `reference._L2NormFunction` says why) and reads it as xhat. dw is reduced over rows without
 atomics, so it is deterministic: a program walks a contiguous run of row blocks, sums dz xhat
 over them in one float32 row of registers, and writes it once to a partial-sum buffer
 `[programs, N]` that torch sums. The programs are at most BACKWARD_PROGRAMS, so the buffer stays
@@ -106,7 +107,7 @@ def _norm_fwd(X, WEIGHT, GATE, Y, RSTD, M, N, stride_x, stride_g, eps,
 def _norm_bwd(X, WEIGHT, GATE, RSTD, DY, DX, DGATE, DW, M, N, stride_x, stride_g, stride_dy,
               BLOCKS, BM: tl.constexpr, BN: tl.constexpr, MEAN: tl.constexpr,
               HAS_WEIGHT: tl.constexpr, GATE_ACT: tl.constexpr, WANT_DGATE: tl.constexpr,
-              WANT_DW: tl.constexpr):  # fmt: skip
+              WANT_DW: tl.constexpr, XHAT_GIVEN: tl.constexpr):  # fmt: skip
     # Program pid: row blocks pid * BLOCKS .. pid * BLOCKS + BLOCKS - 1 (past M: masked off).
     pid = tl.program_id(0)
     cols = tl.arange(0, BN)
@@ -123,7 +124,10 @@ def _norm_bwd(X, WEIGHT, GATE, RSTD, DY, DX, DGATE, DW, M, N, stride_x, stride_g
         rows64 = rows.to(tl.int64)
         x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-        xhat = x.to(tl.float32) * rstd[:, None]
+        if XHAT_GIVEN:  # X holds the forward's output x r (the L2 normalization)
+            xhat = x.to(tl.float32)
+        else:
+            xhat = x.to(tl.float32) * rstd[:, None]
         dz = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
         dz = dz.to(tl.float32)
         if GATE_ACT != 0:
@@ -156,10 +160,11 @@ def launch(rows: int, dim: int, kernel: str) -> tuple[int, int, int]:
 class _Norm(torch.autograd.Function):
     """The kernels on rows `[M, N]`: x, the gate (or None) and the weight `[N]` (or None) as
     given; y `[M, N]` in `out_dtype`. Saves x and the gate in their own dtypes and 1/rms per
-    row (float32); the jvp is computed with torch ops from those."""
+    row (float32), or with `keep_output` (no weight, no gate: the L2 normalization) y in place
+    of x; the jvp is computed with torch ops from those."""
 
     @staticmethod
-    def forward(ctx, x, weight, gate, eps: float, mean: bool, activation, out_dtype):
+    def forward(ctx, x, weight, gate, eps: float, mean: bool, activation, out_dtype, keep_output):
         rows, dim = x.shape
         block_m, block_n, warps = launch(rows, dim, "forward")
         y = torch.empty(rows, dim, dtype=out_dtype, device=x.device)
@@ -172,19 +177,21 @@ class _Norm(torch.autograd.Function):
             num_warps=warps,
         )  # fmt: skip
         ctx.mean, ctx.gate_act, ctx.out_dtype = mean, gate_act, out_dtype
-        ctx.save_for_backward(x, weight, gate, rstd)
-        ctx.save_for_forward(x, weight, gate, rstd)
+        ctx.keep_output, ctx.x_dtype = keep_output, x.dtype
+        kept = y if keep_output else x
+        ctx.save_for_backward(kept, weight, gate, rstd)
+        ctx.save_for_forward(kept, weight, gate, rstd)
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        x, weight, gate, rstd = ctx.saved_tensors
+        x, weight, gate, rstd = ctx.saved_tensors  # x: y with keep_output
         rows, dim = x.shape
         block_m, block_n, warps = launch(rows, dim, "backward")
         per_program, programs = spread_row_blocks(rows, block_m, BACKWARD_PROGRAMS)
         dy = as_rows(dy)
-        dx = torch.empty(rows, dim, dtype=x.dtype, device=x.device)
+        dx = torch.empty(rows, dim, dtype=ctx.x_dtype, device=x.device)
         want_dgate = gate is not None and ctx.needs_input_grad[2]
         dgate = torch.empty_like(gate) if want_dgate else None
         want_dw = weight is not None and ctx.needs_input_grad[1]
@@ -195,10 +202,11 @@ class _Norm(torch.autograd.Function):
             x, weight, gate, rstd, dy, dx, dgate, dw_parts, rows, dim, row_stride(x),
             0 if gate is None else row_stride(gate), row_stride(dy), per_program,
             BM=block_m, BN=block_n, MEAN=ctx.mean, HAS_WEIGHT=weight is not None,
-            GATE_ACT=ctx.gate_act, WANT_DGATE=want_dgate, WANT_DW=want_dw, num_warps=warps,
+            GATE_ACT=ctx.gate_act, WANT_DGATE=want_dgate, WANT_DW=want_dw,
+            XHAT_GIVEN=ctx.keep_output, num_warps=warps,
         )  # fmt: skip
         dw = dw_parts.sum(0).to(weight.dtype) if want_dw else None
-        return dx, dw, dgate, None, None, None, None
+        return dx, dw, dgate, None, None, None, None, None
 
     @staticmethod
     def jvp(ctx, tx, tw, tg, *_):
@@ -206,7 +214,7 @@ class _Norm(torch.autograd.Function):
         float32 torch ops from the saved tensors, as `_RMSNormFunction.jvp`."""
         x, weight, gate, rstd = ctx.saved_tensors
         r = rstd.unsqueeze(-1)
-        xhat = x.float() * r
+        xhat = x.float() if ctx.keep_output else x.float() * r
         w = 1.0 if weight is None else weight.float()
         t_out = torch.zeros_like(xhat)
         if tx is not None:
@@ -245,14 +253,14 @@ def rms_norm_triton(
     x2 = as_rows(x)
     # Contiguous (as the layers' gates are already): dgate is written in the same layout.
     gate2 = None if gate is None else as_rows(gate).contiguous()
-    y = _Norm.apply(x2, weight, gate2, float(eps), True, activation, out_dtype)
+    y = _Norm.apply(x2, weight, gate2, float(eps), True, activation, out_dtype, False)
     return y.view(x.shape)
 
 
 def l2_normalize_triton(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(||x||^2 + eps) over the last dim by the kernels, computed in float32; x's
-    dtype out."""
+    dtype out. Keeps y, not x, for the backward (`reference._L2NormFunction` says why)."""
     if x.numel() == 0:
         return l2_normalize_naive(x, eps)
-    y = _Norm.apply(as_rows(x), None, None, float(eps), False, None, x.dtype)
+    y = _Norm.apply(as_rows(x), None, None, float(eps), False, None, x.dtype, True)
     return y.view(x.shape)
