@@ -14,10 +14,15 @@ per layer and step, against half a GB for what is done here:
 The price is one copy, the concatenation of the output gradients, transient in the backward
 (which also waits for every output's gradient before it runs, as any node with several outputs
 does). The projections' outputs stay separate tensors: the forward is n products as before, so
-nothing a later op keeps for its backward pins a shared buffer. Precision: the product sums over all n W_i in one float32
-accumulator and rounds dx once, where autograd rounds each dx_i to bf16 and sums in float32;
-against float64 the two errors are of the same size (within a few percent in the tests: the bf16
-copy of x dominates both).
+nothing a later op keeps for its backward pins a shared buffer.
+
+Precision: the product sums over all n W_i in one float32 accumulator and rounds dx once, where
+autograd rounds each dx_i to bf16 and sums in float32; against float64 the two errors are of
+the same size (within a few percent in the tests: the bf16 copy of x dominates both).
+
+Only plain, hook-free `nn.Linear` maps are computed from their weights (`fusable`); any other
+is called as a module. An output no loss reaches gives its weight no gradient, as autograd
+would; forward-mode AD goes through the Function's jvp.
 
 `project_together` is the op; `deltalab.layers.common.sharing_autocast_input` applies it to a
 layer's declared projections, and `project` hands each one its output.
@@ -151,13 +156,13 @@ def project_together(
     Under autocast, x (usually already the autocast copy of the layer input,
     `shared_autocast_input`) and the weights are cast to the autocast dtype here, as autocast
     would cast them for `F.linear`; the gradients return through those casts in the inputs'
-    dtypes. Without gradients (inference, the forward-mode passes of gate sensitivity) it is
-    each map called alone.
+    dtypes. Without gradients (inference, gate sensitivity's forward-mode passes under no_grad)
+    it is each map called alone.
     """
     linears = list(dict.fromkeys(linears))
     if not all(fusable(lin) for lin in linears):
-        # Those that are not are called as modules (the shared input's `apply` does so before
-        # this, each through a cast node of its own).
+        # The others are called as modules, on this x. (A layer's shared input leaves them out
+        # before this and calls each on a cast node of its own: `_SharedInput.apply`.)
         fused = project_together(x, [lin for lin in linears if fusable(lin)])
         return {lin: fused[lin] if lin in fused else lin(x) for lin in linears}
     if not linears:

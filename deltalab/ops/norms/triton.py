@@ -21,11 +21,12 @@ Backward. With dz = dy act(gate) (dz = dy without a gate) and dn = dz w:
 
 xhat and act(gate) are recomputed from x, the gate and r: the backward reads x, the gate, dy and
 r and writes dx and dgate, nothing else of size `[M, N]`. The L2 normalization keeps its output
-y = xhat instead of x (XHAT_GIVEN; `reference._L2NormFunction` says why) and reads it as xhat. dw is reduced over rows without
-atomics, so it is deterministic: a program walks a contiguous run of row blocks, sums dz xhat
-over them in one float32 row of registers, and writes it once to a partial-sum buffer
-`[programs, N]` that torch sums. The programs are at most BACKWARD_PROGRAMS, so the buffer stays
-small against the rows.
+y = xhat instead of x (XHAT_GIVEN; `reference._L2NormFunction` says why) and reads it as xhat.
+
+dw is reduced over rows without atomics, so it is deterministic: a program walks a contiguous
+run of row blocks, sums dz xhat over them in one float32 row of registers, and writes it once to
+a partial-sum buffer `[programs, N]` that torch sums. The programs are at most
+BACKWARD_PROGRAMS, so the buffer stays small against the rows.
 
 Precision: README.md in this folder.
 """
