@@ -26,7 +26,7 @@
 # train's tokens/s and peak memory with the Triton delta rule keeping its chunk-start states for
 # the backward, triton/chunk.py RECOMPUTE_STATES off: compare with ptrain_gdn2 and train), sep_ptrain 80 s
 # (ptrain_gdn2's 4K profile with each projection of a layer input differentiated alone,
-# projections.PROJECT_TOGETHER off: compare with ptrain_gdn2), checks_ptrain 200 s (GDN-2's
+# projections.PROJECT_TOGETHER off: compare with ptrain_gdn2), checks_ptrain 240 s (GDN-2's
 # 4K step, kernel and wall time, with the value checks read after the backward, an experiment,
 # and after the forward, the trainer's way, then the Transformer's), kdn_ptrain 150 s
 # (Diagonal KDN's 340M step with the
@@ -142,13 +142,13 @@ for p in "${parts[@]}"; do
         --out \"$OUT/keep_ptrain_4k.json\" && python3 benchmarks/profile_train.py \
         --keep-states --device cuda --preset 340M --seq-len 16384 --batch 1 --mixers gdn2 \
         --out \"$OUT/keep_ptrain_16k.json\"" ;;
-    checks_ptrain) part checks_ptrain 200 bash -c "python3 benchmarks/profile_train.py \
+    checks_ptrain) part checks_ptrain 240 bash -c "python3 benchmarks/profile_train.py \
         --checks-after-backward --device cuda --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 \
-        --warmup 2 --steps 3 --out \"$OUT/checks_after_backward.json\" && python3 benchmarks/profile_train.py \
+        --warmup 2 --steps 5 --out \"$OUT/checks_after_backward.json\" && python3 benchmarks/profile_train.py \
         --device cuda --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 \
-        --warmup 2 --steps 3 --out \"$OUT/checks_after_forward.json\" && python3 \
+        --warmup 2 --steps 5 --out \"$OUT/checks_after_forward.json\" && python3 \
         benchmarks/profile_train.py --device cuda --preset 340M --seq-len 4096 --batch 4 \
-        --mixers transformer --warmup 2 --steps 3 --out \"$OUT/checks_transformer.json\"" ;;
+        --mixers transformer --warmup 2 --steps 5 --out \"$OUT/checks_transformer.json\"" ;;
     sep_ptrain) part sep_ptrain 80 python3 benchmarks/profile_train.py --project-separately \
         --device cuda --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 \
         --out "$OUT/sep_ptrain_4k.json" ;;
