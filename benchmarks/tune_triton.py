@@ -8,8 +8,9 @@ For each stage kernel (stage 1 forward/backward, the decay factors, the solve an
 pass forward/backward, the operator gradients) and each candidate setting (tile sizes, warps),
 the median ms on the issue's 4K shape (KDA form, bf16 inputs read in place, TF32 products) and
 the largest difference of its outputs from the first setting's, relative to each output's
-largest element, over the elements a kernel writes (the settings change tiling, not the math). The defaults in the kernels' modules are the fastest of these on the machine this
-ran on (docs/RESULTS.md). On CPU (under the interpreter) it only proves the settings run.
+largest element, over the elements a kernel writes (the settings change tiling, not the math).
+The defaults in the kernels' modules are the fastest of these on the machine this ran on
+(docs/RESULTS.md). On CPU (under the interpreter) it only proves the settings run.
 """
 
 from __future__ import annotations
