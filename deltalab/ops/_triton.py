@@ -18,6 +18,20 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def opaque_to_compiler(fn):
+    """fn, a function that launches Triton kernels, run as it is under `torch.compile`: Dynamo
+    stops its graph at the call and resumes after it, and the compiler fuses the PyTorch code
+    around the kernels (the glue between the norms, projections and the delta rule).
+
+    Why not trace into them: the launches take sizes as compile-time constants (tile sizes,
+    warps), which Dynamo sees as symbols once a shape is marked dynamic, and then fails on
+    them; under `TRITON_INTERPRET=1` it traces into the interpreter itself and fails there.
+    `deltalab train` with train.compile=true crashed on either before this (a 340M GDN-2 on the
+    H200, and tests/test_compile.py on CPU). The kernels are compiled by Triton already: the
+    graph break costs the kernel nothing, only a resume of the compiled code on the host."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
 def triton_unavailable_reason(device: torch.device) -> str | None:
     """None when a Triton kernel can run on `device`, else a sentence saying why not."""
     if not HAS_TRITON:

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltalab.ops._triton import opaque_to_compiler
 from deltalab.ops.mobius.triton import (
     _compose,
     _lane_offsets,
@@ -204,6 +205,7 @@ class _KDNVarianceScan(torch.autograd.Function):
         return (*grads, grad_p0, None)
 
 
+@opaque_to_compiler
 def kdn_variance_scan(
     decay2: torch.Tensor,
     q_noise: torch.Tensor,

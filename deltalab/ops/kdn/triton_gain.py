@@ -69,6 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltalab.ops._triton import opaque_to_compiler
 from deltalab.ops.mobius.triton import _compose, _normalize, _then_affine
 
 # (elements of a tile, most tokens in it, warps) per kernel: a tile is BLOCK_T tokens x BLOCK_K
@@ -570,6 +571,7 @@ class _KDNDiagGain(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
+@opaque_to_compiler
 def kdn_diag_gain(
     k: torch.Tensor,
     g: torch.Tensor,
@@ -712,6 +714,7 @@ class _KDNIsoTerms(torch.autograd.Function):
         return dk, dg
 
 
+@opaque_to_compiler
 def kdn_iso_terms(
     k: torch.Tensor, g: torch.Tensor, r: torch.Tensor, info_scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

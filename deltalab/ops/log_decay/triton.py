@@ -36,7 +36,13 @@ import torch
 import triton
 import triton.language as tl
 
-from deltalab.ops._triton import as_rows, row_stride, row_tiles, spread_row_blocks
+from deltalab.ops._triton import (
+    as_rows,
+    opaque_to_compiler,
+    row_stride,
+    row_tiles,
+    spread_row_blocks,
+)
 from deltalab.ops.log_decay.reference import compute_dtype
 
 # torch's softplus threshold (beta = 1): above it softplus(x) = x.
@@ -200,6 +206,7 @@ class _LogDecay(torch.autograd.Function):
         return t_out.to(ctx.out_dtype)
 
 
+@opaque_to_compiler
 def log_decay_triton(a: torch.Tensor, raw: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """-exp(a) softplus(raw + b) by the kernels, validated inputs: a, b `[N]` (the parameters
     expanded to raw's trailing dims and flattened), raw `[..., trailing dims]`; the result in

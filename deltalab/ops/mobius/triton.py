@@ -55,6 +55,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltalab.ops._triton import opaque_to_compiler
+
 
 @triton.jit
 def _normalize(a, b, c, d):
@@ -264,6 +266,7 @@ class _MobiusScan(torch.autograd.Function):
         return (*grads, grad_x0, None)
 
 
+@opaque_to_compiler
 def mobius_scan_lanes(
     A: torch.Tensor,
     B: torch.Tensor,
@@ -286,6 +289,7 @@ def mobius_scan_lanes(
     return _MobiusScan.apply(*maps, start, config).reshape(shape)
 
 
+@opaque_to_compiler
 def mobius_scan_triton(
     A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, x0: torch.Tensor
 ) -> torch.Tensor:

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from deltalab.ops._triton import (
     as_rows,
+    opaque_to_compiler,
     row_stride,
     row_tiles,
     spread_row_blocks,
@@ -237,6 +238,7 @@ class _Norm(torch.autograd.Function):
         return t_out.to(ctx.out_dtype)
 
 
+@opaque_to_compiler
 def rms_norm_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -258,6 +260,7 @@ def rms_norm_triton(
     return y.view(x.shape)
 
 
+@opaque_to_compiler
 def l2_normalize_triton(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(||x||^2 + eps) over the last dim by the kernels, computed in float32; x's
     dtype out. Keeps y, not x, for the backward (`reference._L2NormFunction` says why)."""

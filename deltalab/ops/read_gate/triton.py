@@ -40,7 +40,13 @@ import torch
 import triton
 import triton.language as tl
 
-from deltalab.ops._triton import as_rows, row_stride, row_tiles, spread_row_blocks
+from deltalab.ops._triton import (
+    as_rows,
+    opaque_to_compiler,
+    row_stride,
+    row_tiles,
+    spread_row_blocks,
+)
 
 # Where rho leaves the direct form for the log domain (module docstring): exp(80) and
 # exp(-80) are normal float32 numbers with room to spare. (constexpr: the compiled kernels may
@@ -232,6 +238,7 @@ class _ReadGate(torch.autograd.Function):
         return t_out.to(q.dtype)
 
 
+@opaque_to_compiler
 def read_query_triton(q: torch.Tensor, r: torch.Tensor, raw: torch.Tensor | None) -> torch.Tensor:
     """q * exp(r) (* 2 sigmoid(raw)) by the kernels, validated inputs: r `[N]` (read_log
     expanded to q's trailing dims and flattened), q and raw `[..., trailing dims]`; the result

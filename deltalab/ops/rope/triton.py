@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltalab.ops._triton import opaque_to_compiler
+
 # Pairs (BT tokens x BH heads x BD columns) a program holds, the widest column block, and the
 # pairs a thread holds (which sets the warps, at most MAX_WARPS). At the 340M Transformer (H = 8,
 # K = 128) a program is 4 tokens x 8 heads x 64 pairs at 4 warps. Compiled for sm_90 (ptxas, no
@@ -93,6 +95,7 @@ def launch(tokens: int, heads: int, half: int) -> tuple[int, int, int, int]:
     return block_t, block_h, block_d, warps
 
 
+@opaque_to_compiler
 def rotate(
     x: torch.Tensor, positions: torch.Tensor, freq: torch.Tensor, inverse: bool
 ) -> torch.Tensor:
@@ -141,6 +144,7 @@ class _Rope(torch.autograd.Function):
         return rotate(t_x, positions, freq, ctx.inverse)
 
 
+@opaque_to_compiler
 def rope_triton(x: torch.Tensor, positions: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
     """RoPE by the kernel, validated non-empty x `[B, T, H, K]` and positions `[T]`, freq the
     float32 inverse frequencies `[K/2]`; x's dtype out, computed in float32."""

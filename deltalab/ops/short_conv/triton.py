@@ -59,6 +59,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltalab.ops._triton import opaque_to_compiler
+
 # (BT tokens per chunk, BC channels per program, warps): BC / (32 warps) elements of a row per
 # thread; BT rows unrolled per chunk. Compiled for sm_90 in bfloat16 at W = 4 (ptxas, no GPU
 # needed): the forward at 8 elements a thread (one 16-byte load a row) takes 80 registers; the
@@ -280,6 +282,7 @@ class _ShortConv(torch.autograd.Function):
         return dx, dw_parts.sum(0), dcache, None, None
 
 
+@opaque_to_compiler
 def short_conv_triton(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltalab.ops._triton import as_rows, row_stride, row_tiles
+from deltalab.ops._triton import as_rows, opaque_to_compiler, row_stride, row_tiles
 from deltalab.ops.swiglu.reference import swiglu_naive
 
 # Elements (BM rows x BF columns) a program holds in its tile, and the elements a thread holds
@@ -125,6 +125,7 @@ class _SwiGLU(torch.autograd.Function):
         return t_h.to(gate_up.dtype)
 
 
+@opaque_to_compiler
 def swiglu_triton(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up by the kernels, validated gate_up `[..., 2F]`; `[..., F]` in gate_up's
     dtype, computed in float32."""

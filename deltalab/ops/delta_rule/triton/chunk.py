@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltalab.ops._triton import opaque_to_compiler
 from deltalab.ops._varlen import max_seqlen, pad_packed, unpad_packed
 from deltalab.ops.delta_rule.chunk import ChunkOperators
 from deltalab.ops.delta_rule.triton.factors import factors_triton, factors_triton_backward
@@ -818,6 +819,7 @@ class _DeltaRuleTriton(torch.autograd.Function):
         return (*grads, d_initial, None, None, None)
 
 
+@opaque_to_compiler
 def delta_rule_triton(
     q: torch.Tensor,
     a: torch.Tensor,

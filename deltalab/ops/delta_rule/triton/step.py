@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltalab.ops._triton import opaque_to_compiler
+
 __all__ = ["delta_rule_step_triton"]
 
 # Largest state tile (rows x columns) one program keeps in registers: 4096 float32 over 4 warps
@@ -85,6 +87,7 @@ def _blocks(rows: int, key_dim: int, value_dim: int) -> tuple[int, int]:
     return block_k, block_v
 
 
+@opaque_to_compiler
 def delta_rule_step_triton(
     q: torch.Tensor,
     a: torch.Tensor,
