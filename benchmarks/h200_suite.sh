@@ -3,7 +3,7 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
@@ -33,7 +33,8 @@
 # fused gain, split over T, and with the separate ops: gains.FUSED_GAIN_MIN_PROGRAMS), time_deep
 # 120 s (log decays down to -8 per token: stage 1 walks most diagonal sub-blocks, as on trained
 # gates; benchmarks/diagonal_forms.py), ptrain 180 s (a 340M training step's kernel time by
-# category), compile 300 s (340M training throughput with torch.compile), conv 90 s (the short
+# category), compile 300 s (340M training throughput with torch.compile), compile_ptrain 200 s
+# (ptrain's 4K step compiled, GDN-2 and the Transformer: kernel and wall time), conv 90 s (the short
 # convolution: Triton kernels against the conv1d path, errors against float64, a launch sweep),
 # conv_tests 120 s (tests/test_short_conv.py compiled on the GPU, bf16 included), norms 150 s
 # (the block, gated and L2 norms: Triton kernels against the torch path, errors against
@@ -158,6 +159,9 @@ for p in "${parts[@]}"; do
         --device cuda --preset 340M --seq-len 16384 --batch 1 --steps 8 --mixers gdn2 muir" ;;
     compile) part compile 300 python3 benchmarks/bench_train.py --device cuda --preset 340M \
         --seq-len 4096 --batch 4 --steps 8 --mixers gdn2 muir transformer --compile ;;
+    compile_ptrain) part compile_ptrain 200 bash -c "python3 benchmarks/profile_train.py --compile \
+        --device cuda --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 transformer \
+        --out \"$OUT/compile_ptrain.json\"" ;;
     conv) part conv 90 python3 benchmarks/bench_short_conv.py --sweep --out "$OUT/conv.json" ;;
     conv_tests) part conv_tests 120 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
         tests/test_short_conv.py ;;
