@@ -13,8 +13,6 @@ torch's own, tested there). The Triton tests run on a CUDA GPU or on CPU under t
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
@@ -90,44 +88,3 @@ def test_triton_launches_are_opaque_to_dynamo():
     )  # fmt: skip
     for fn in entry_points:
         assert getattr(fn, "_torchdynamo_disable", False), fn.__qualname__
-
-
-def test_auto_takes_the_elementwise_torch_paths_while_compiling(monkeypatch):
-    # Where Triton runs (faked here: this machine may have no GPU), "auto" takes the norms',
-    # short convolution's, SwiGLU's, log decay's, RoPE's and read gate's kernels eagerly and their
-    # torch paths while Dynamo traces, for the compiler to fuse; the delta rule keeps its kernel.
-    # The modules: the package also exports functions of the same names (`ops.delta_rule`).
-    _triton, delta_rule, log_decay, norms, read_gate, rope, short_conv, swiglu = (
-        importlib.import_module(f"deltalab.ops.{name}")
-        for name in ("_triton", "delta_rule", "log_decay", "norms", "read_gate", "rope",
-                     "short_conv", "swiglu")
-    )  # fmt: skip
-
-    monkeypatch.setattr(_triton, "triton_available", lambda device: True)
-    monkeypatch.setattr(delta_rule, "triton_available", lambda device: True)
-    x = torch.randn(4, 8)
-
-    def resolved() -> dict[str, str]:
-        return {
-            "norms": norms.resolve_backend("auto", x),
-            "short_conv": short_conv.resolve_backend("auto", x.device, 4),
-            "elementwise": _triton.elementwise_backend("auto", x, ("auto", "torch", "triton")),
-            "delta_rule": delta_rule._resolve_backend("auto", x.device, x.dtype, 8),
-        }
-
-    seen = {}
-
-    @torch.compile(backend="eager", fullgraph=True)
-    def traced(t):
-        seen.update(resolved())
-        return t + 1
-
-    traced(x)
-    assert resolved() == dict.fromkeys(
-        ("norms", "short_conv", "elementwise", "delta_rule"), "triton"
-    )
-    assert seen == {"norms": "torch", "short_conv": "torch", "elementwise": "torch",
-                    "delta_rule": "triton"}  # fmt: skip
-    # Every elementwise op resolves "auto" through `elementwise_backend` (or its own twin above).
-    for op in (log_decay, read_gate, rope, swiglu):
-        assert "elementwise_backend" in op.resolve_backend.__code__.co_names, op.__name__

@@ -59,17 +59,6 @@ def triton_available(device: torch.device) -> bool:
     return device.type == "cuda" and triton_unavailable_reason(device) is None
 
 
-def elementwise_triton_available(device: torch.device) -> bool:
-    """`triton_available` for the elementwise ops' "auto" (norms, short convolution, SwiGLU, log
-    decay, RoPE, read gate): False while `torch.compile` traces. There their torch path is what
-    the compiler fuses with the code around it into kernels of its own, where a Triton launch
-    would stop the graph (`opaque_to_compiler`): on the H200, a 340M Transformer compiled with
-    its RoPE, norms and SwiGLU as graph breaks trained at 107K tokens/s against 149K eager
-    (docs/RESULTS.md, 2026-12-02). The delta rule and the KDN scans keep their kernels: the
-    compiler has nothing to replace them with."""
-    return triton_available(device) and not torch.compiler.is_compiling()
-
-
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """t `[..., N]` as `[M, N]` rows for a row-wise kernel: unit column stride, and rows that do
     not overlap (a gradient written in the same layout must not write one element twice). A
@@ -88,16 +77,15 @@ def row_stride(t: torch.Tensor) -> int:
 
 def elementwise_backend(backend: str, x: torch.Tensor, backends: tuple[str, ...]) -> str:
     """The backend an elementwise op (`backends`: "auto", "naive", "torch", "triton") runs on
-    for its input x: "auto" is "triton" on CUDA (compiled) for inputs other than float64,
-    outside torch.compile's tracing (`elementwise_triton_available`), else "torch" (the kernels
-    compute in float32: float64 references and gradient checks stay in PyTorch); "triton" must
-    be able to run on x's device."""
+    for its input x: "auto" is "triton" on CUDA (compiled) for inputs other than float64, else
+    "torch" (the kernels compute in float32: float64 references and gradient checks stay in
+    PyTorch); "triton" must be able to run on x's device."""
     from deltalab.ops._checks import require_choice
 
     require_choice("backend", backend, backends)
     if backend == "auto":
         fits = x.dtype != torch.float64
-        return "triton" if fits and elementwise_triton_available(x.device) else "torch"
+        return "triton" if fits and triton_available(x.device) else "torch"
     if backend == "triton":
         require_triton("backend", x.device)
     return backend

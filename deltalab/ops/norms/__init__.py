@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from deltalab.ops._checks import require_choice, require_float, require_same_device, require_shape
-from deltalab.ops._triton import elementwise_triton_available, require_triton
+from deltalab.ops._triton import require_triton, triton_available
 from deltalab.ops.norms.reference import (
     compute_dtype,
     l2_normalize_naive,
@@ -60,14 +60,13 @@ def layer_backend(delta_rule_backend: str) -> str:
 
 def resolve_backend(backend: str, x: torch.Tensor) -> str:
     """The backend that runs for x `[..., N]`: "auto" is "triton" on CUDA (compiled) for
-    float32 or narrower x and N <= MAX_TRITON_DIM, outside torch.compile's tracing
-    (`elementwise_triton_available`), else "torch" (the kernels compute in float32:
+    float32 or narrower x and N <= MAX_TRITON_DIM, else "torch" (the kernels compute in float32:
     float64 references and gradient checks stay in PyTorch)."""
     require_choice("backend", backend, BACKENDS)
     dim = x.shape[-1] if x.dim() else 1
     if backend == "auto":
         fits = x.dtype != torch.float64 and dim <= MAX_TRITON_DIM
-        return "triton" if fits and elementwise_triton_available(x.device) else "torch"
+        return "triton" if fits and triton_available(x.device) else "torch"
     if backend == "triton":
         require_triton("backend", x.device)
         if dim > MAX_TRITON_DIM:

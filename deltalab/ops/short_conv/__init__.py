@@ -20,7 +20,7 @@ from deltalab.ops._checks import (
     require_same_device,
     require_shape,
 )
-from deltalab.ops._triton import elementwise_triton_available, require_triton
+from deltalab.ops._triton import require_triton, triton_available
 from deltalab.ops.short_conv.reference import conv_cache, short_conv_naive, short_conv_torch
 
 __all__ = [
@@ -41,10 +41,10 @@ MAX_TRITON_WIDTH = 8
 
 def resolve_backend(backend: str, device: torch.device, width: int) -> str:
     """The backend that runs: "auto" is "triton" where it compiles (CUDA) for a width it takes,
-    outside torch.compile's tracing (`elementwise_triton_available`), else "torch"."""
+    else "torch"."""
     if backend == "auto":
         fits = width <= MAX_TRITON_WIDTH
-        return "triton" if fits and elementwise_triton_available(device) else "torch"
+        return "triton" if fits and triton_available(device) else "torch"
     if backend == "triton":
         require_triton("backend", device)
         if width > MAX_TRITON_WIDTH:
