@@ -270,13 +270,16 @@ FRONTEND = dict(hidden_size=32, num_heads=2, head_dim=16, value_dim=8, conv_size
 
 
 def spy_read_query(monkeypatch) -> list[str]:
-    """The backend of every call the layers make to the fused op."""
+    """The backend of every call the layers make to the fused op for their read gate. Their
+    gate products call it too (`sigmoid_gate`, at a constant vector that needs no gradient):
+    those are not counted here (`spy_sigmoid_gate`)."""
     calls: list[str] = []
     original = op.read_query
 
-    def spy(*args, backend):
-        calls.append(backend)
-        return original(*args, backend=backend)
+    def spy(q, read_log, *args, backend):
+        if read_log.requires_grad:
+            calls.append(backend)
+        return original(q, read_log, *args, backend=backend)
 
     monkeypatch.setattr(op, "read_query", spy)
     return calls
@@ -408,3 +411,120 @@ def test_triton_bfloat16_query_is_the_torch_paths_to_rounding(generator, dynamic
         assert_close(got[backend][0], expected[0], 1e-2, f"{backend} out")
         assert_close(got[backend][2], expected[2], 1e-4, f"{backend} dread_log")
     assert_all_close(got["triton"], got["torch"], 1e-2, "triton vs torch")
+
+
+# --- GDN-2's and Muir's gate products: sigmoid_gate, the read at the constant vector 1/2 ---
+
+
+def test_log_half_is_exactly_one_half_after_exp():
+    # The op is then sigmoid(logits) * x to its own rounding, in float32 and in float64.
+    for dtype in (torch.float32, F64):
+        assert torch.tensor(op.LOG_HALF, dtype=dtype).exp().item() == 0.5
+
+
+@pytest.mark.parametrize("backend", ["naive", "torch", "triton"])
+def test_sigmoid_gate_is_x_times_the_sigmoid_with_its_gradients(backend):
+    if backend == "triton" and NO_TRITON is not None:
+        pytest.skip(NO_TRITON)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 5, 2, 9, generator=g, dtype=F64)
+    # Logits far into both tails, where 1 - s must keep its digits.
+    logits = 6.0 * torch.randn(3, 5, 2, 9, generator=g, dtype=F64)
+    logits[0, 0, 0, :3] = torch.tensor([-100.0, 100.0, -30.0], dtype=F64)
+    dout = torch.randn(3, 5, 2, 9, generator=g, dtype=F64)
+    s = torch.sigmoid(logits)
+    expected = (x * s, dout * s, dout * x * s * torch.sigmoid(-logits))
+    dtype = F64 if backend != "triton" else torch.float32
+    xd = x.to(DEVICE, dtype).requires_grad_()
+    ld = logits.to(DEVICE, dtype).requires_grad_()
+    out = op.sigmoid_gate(xd, ld, backend=backend)
+    out.backward(dout.to(DEVICE, dtype))
+    assert out.dtype == dtype
+    tol = 1e-12 if dtype == F64 else F32_TOL
+    for name, got, want in zip(("out", "dx", "dlogits"), (out, xd.grad, ld.grad), expected):
+        assert_close(got.detach().cpu().double(), want, tol, name)
+
+
+def spy_sigmoid_gate(monkeypatch) -> list[str]:
+    """The backend of every gate product the layers compute with `sigmoid_gate` (they call the
+    name that the parametrization imported)."""
+    from deltalab.ops import parametrize
+
+    calls: list[str] = []
+    original = parametrize.sigmoid_gate
+
+    def spy(x, logits, *, backend):
+        calls.append(backend)
+        return original(x, logits, backend=backend)
+
+    monkeypatch.setattr(parametrize, "sigmoid_gate", spy)
+    return calls
+
+
+def build_gated(mixer, backend):
+    from deltalab.layers import GatedDeltaNet2
+
+    torch.manual_seed(0)
+    if mixer is GatedDeltaNet2:
+        return mixer(**FRONTEND, backend=backend).to(DEVICE)
+    return build(mixer, backend)
+
+
+@needs_triton
+@pytest.mark.parametrize("mixer", ["GatedDeltaNet2", "Muir"])
+def test_triton_layer_fuses_its_gate_products_and_matches_the_chunk_layer(monkeypatch, mixer):
+    """Where nothing sees the erase and write gates, the Triton layer multiplies each sigmoid in
+    with `sigmoid_gate` (the chunk layer does not): the chunk layer's outputs, every parameter's
+    gradient, and the same reported gates (the sigmoids, not the logits)."""
+    import deltalab.layers as layers
+    from deltalab.layers.gdn2 import ERASE_LOGITS, WRITE_LOGITS
+
+    cls = getattr(layers, mixer)
+    chunk, triton = build_gated(cls, "chunk"), build_gated(cls, "triton")
+    triton.load_state_dict(chunk.state_dict(), strict=True)
+    x = torch.randn(2, 9, 32, device=DEVICE)
+    dy = torch.randn(2, 9, 32, device=DEVICE)
+    calls = spy_sigmoid_gate(monkeypatch)
+    results = {}
+    for name, layer in (("chunk", chunk), ("triton", triton)):
+        y, state = layer(x, return_gates=True)
+        (y * dy).sum().backward()
+        results[name] = (y.detach(), {n: p.grad for n, p in layer.named_parameters()}, state.gates)
+        assert calls == ([] if name == "chunk" else ["triton", "triton"]), name
+    (y_t, grads_t, gates_t), (y_c, grads_c, gates_c) = results["triton"], results["chunk"]
+    assert_close(y_t, y_c, 1e-5, "y")
+    for n, grad in grads_c.items():
+        assert grad is not None and grads_t[n] is not None, n
+        assert_close(grads_t[n], grad, 1e-5, f"d{n}")
+    assert gates_t.keys() == gates_c.keys()
+    assert ERASE_LOGITS not in gates_t and WRITE_LOGITS not in gates_t
+    for name in ("erase", "write"):
+        assert_close(gates_t[name], gates_c[name], 1e-6, name)
+
+
+@needs_triton
+@pytest.mark.parametrize("mixer", ["GatedDeltaNet2", "Muir"])
+def test_a_gate_hook_on_a_triton_layer_sees_the_erase_and_write_sigmoids(monkeypatch, mixer):
+    """With a hook registered the layer builds the sigmoids (no fused product), and a hook that
+    moves the erase gate moves the output as on the chunk path."""
+    import deltalab.layers as layers
+
+    cls = getattr(layers, mixer)
+    chunk, triton = build_gated(cls, "chunk"), build_gated(cls, "triton")
+    triton.load_state_dict(chunk.state_dict(), strict=True)
+    x = torch.randn(2, 6, 32, device=DEVICE)
+    calls = spy_sigmoid_gate(monkeypatch)
+    seen, outputs = {}, {}
+
+    def halve_erase(gates):
+        seen[len(seen)] = sorted(gates)
+        return gates | {"erase": 0.5 * gates["erase"]}
+
+    with torch.no_grad():
+        for name, layer in (("chunk", chunk), ("triton", triton)):
+            handle = layer.register_gate_hook(halve_erase)
+            outputs[name] = layer(x)[0]
+            handle.remove()
+    assert calls == []
+    assert all("erase" in names and "write" in names for names in seen.values())
+    assert_close(outputs["triton"], outputs["chunk"], 1e-5, "hooked y")

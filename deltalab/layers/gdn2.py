@@ -23,13 +23,50 @@ from deltalab.layers.common import (
     project,
 )
 from deltalab.layers.decay import ChannelDecay
+from deltalab.ops import read_gate
 from deltalab.ops.log_decay import layer_backend
-from deltalab.ops.parametrize import DeltaRuleInputs, gdn2_inputs
+from deltalab.ops.parametrize import DeltaRuleInputs, gdn2_inputs, gdn2_inputs_from_logits
 
-__all__ = ["GDN2_RANK", "GatedDeltaNet2"]
+__all__ = ["ERASE_LOGITS", "GDN2_RANK", "WRITE_LOGITS", "GatedDeltaNet2"]
 
 # Rank of the decay and output-gate projections in the GDN-2 paper's configurations.
 GDN2_RANK = 128
+# The gates' entries holding the erase and write logits, where the products are fused.
+ERASE_LOGITS, WRITE_LOGITS = "erase_logits", "write_logits"
+
+
+def products_fuse(backend: str, x: torch.Tensor) -> bool:
+    """Whether a layer on the delta-rule `backend` multiplies its erase and write gates in as
+    `sigmoid_gate` (their logits in the gates): where that op takes its Triton kernels. On the
+    torch path the two are the same torch ops either way, so the gates stay the sigmoids
+    (what gate sensitivity and `return_gates` report)."""
+    return read_gate.resolve_backend(layer_backend(backend), x) == "triton"
+
+
+def gates_from_logits(gates: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The gates with the erase and write sigmoids in place of their logits (as given when
+    they hold the sigmoids already)."""
+    if ERASE_LOGITS not in gates:
+        return gates
+    rest = {
+        name: value for name, value in gates.items() if name not in (ERASE_LOGITS, WRITE_LOGITS)
+    }
+    sigmoids = {
+        "erase": torch.sigmoid(gates[ERASE_LOGITS]),
+        "write": torch.sigmoid(gates[WRITE_LOGITS]),
+    }
+    return sigmoids | rest
+
+
+def gdn2_inputs_of(q, k, v, gates: dict[str, torch.Tensor], backend: str) -> DeltaRuleInputs:
+    """GDN-2's primitive inputs from gates holding the erase and write sigmoids or their logits
+    (`products_fuse`), the products on the delta rule's `backend` as the norms'."""
+    if ERASE_LOGITS in gates:
+        return gdn2_inputs_from_logits(
+            q, k, v, gates[ERASE_LOGITS], gates[WRITE_LOGITS], gates["g"],
+            backend=layer_backend(backend),
+        )  # fmt: skip
+    return gdn2_inputs(q, k, v, gates["erase"], gates["write"], gates["g"])
 
 
 class GatedDeltaNet2(DeltaMixer):
@@ -64,15 +101,32 @@ class GatedDeltaNet2(DeltaMixer):
     def gate_projections(self) -> tuple[nn.Module, ...]:
         return (self.b_proj, self.w_proj, self.decay.f_proj)
 
-    def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def gates(self, x: torch.Tensor, *, logits: bool = False) -> dict[str, torch.Tensor]:
+        """x `[B, T, D]` -> erase, write, g (class docstring); with `logits` the erase and write
+        gates' pre-activations in their place, as `ERASE_LOGITS` and `WRITE_LOGITS`."""
         heads = self.num_heads
-        erase = torch.sigmoid(project(self.b_proj, x)).unflatten(-1, (heads, self.head_dim))
-        write = torch.sigmoid(project(self.w_proj, x)).unflatten(-1, (heads, self.value_dim))
+        erase = project(self.b_proj, x).unflatten(-1, (heads, self.head_dim))
+        write = project(self.w_proj, x).unflatten(-1, (heads, self.value_dim))
         # The decay follows the delta rule's backend, as the norms (Triton or the torch path).
         g = self.decay(x, backend=layer_backend(self.backend))
-        return {"erase": erase, "write": write, "g": g}
+        if logits:
+            return {ERASE_LOGITS: erase, WRITE_LOGITS: write, "g": g}
+        return {"erase": torch.sigmoid(erase), "write": torch.sigmoid(write), "g": g}
+
+    def hooked_gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """As `DeltaMixer.hooked_gates`; but where nothing can see the erase and write gates
+        (no gate hooks) and the gate products run on Triton (`products_fuse`), the gates hold
+        their logits and `inputs_from_gates` multiplies each sigmoid in with one kernel
+        (`sigmoid_gate`). A hook always gets the gates, and so does `return_gates=True`
+        (`reported_gates`)."""
+        if self._gate_hooks or not products_fuse(self.backend, x):
+            return super().hooked_gates(x)
+        return self.gates(x, logits=True)
+
+    def reported_gates(self, gates: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return gates_from_logits(gates)
 
     def inputs_from_gates(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]
     ) -> DeltaRuleInputs:
-        return gdn2_inputs(q, k, v, gates["erase"], gates["write"], gates["g"])
+        return gdn2_inputs_of(q, k, v, gates, self.backend)

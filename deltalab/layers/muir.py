@@ -41,11 +41,18 @@ from deltalab.layers.common import (
     require_positive_int,
 )
 from deltalab.layers.decay import init_A_log, init_dt_bias, log_decay
-from deltalab.layers.gdn2 import GatedDeltaNet2
+from deltalab.layers.gdn2 import (
+    ERASE_LOGITS,
+    WRITE_LOGITS,
+    GatedDeltaNet2,
+    gates_from_logits,
+    gdn2_inputs_of,
+    products_fuse,
+)
 from deltalab.ops import read_gate
 from deltalab.ops._checks import require_choice
 from deltalab.ops.log_decay import layer_backend
-from deltalab.ops.parametrize import DeltaRuleInputs, gdn2_inputs
+from deltalab.ops.parametrize import DeltaRuleInputs
 
 __all__ = [
     "DEFAULT_RANK_DIVISORS",
@@ -424,21 +431,39 @@ class Muir(FusedGateMixer):
         biased = frozenset(name for name in own if getattr(ranks, name) is not None)
         self._init_fused_gates(ranks, read_gate, own, biased)
 
-    def gates(self, x: torch.Tensor, *, fused_read: bool = False) -> dict[str, torch.Tensor]:
+    def gates(
+        self, x: torch.Tensor, *, fused_read: bool = False, logits: bool = False
+    ) -> dict[str, torch.Tensor]:
         """x `[B, T, D]` -> erase, write, g, read (shapes in the class docstring); with
-        `fused_read` the read gate's pre-activation in place of rho (`read_gates`)."""
+        `fused_read` the read gate's pre-activation in place of rho (`read_gates`), with
+        `logits` the erase and write logits in place of their sigmoids (as GDN-2's)."""
         heads, key_dim, value_dim = self.num_heads, self.head_dim, self.value_dim
         raw = self.gate_proj(x)
-        erase = torch.sigmoid(raw["erase"]).unflatten(-1, (heads, key_dim))
-        write = torch.sigmoid(raw["write"]).unflatten(-1, (heads, value_dim))
-        gates = {"erase": erase, "write": write, "g": self.decay_from(raw)}
+        erase = raw["erase"].unflatten(-1, (heads, key_dim))
+        write = raw["write"].unflatten(-1, (heads, value_dim))
+        if logits:
+            gates = {ERASE_LOGITS: erase, WRITE_LOGITS: write}
+        else:
+            gates = {"erase": torch.sigmoid(erase), "write": torch.sigmoid(write)}
+        gates["g"] = self.decay_from(raw)
         return gates | self.read_gates(raw, x, fused_read)
+
+    def hooked_gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`FusedGateMixer.hooked_gates`, and where no hook sees the gates and the products run
+        on Triton (`products_fuse`), the erase and write logits in place of their sigmoids, as
+        GDN-2's (`GatedDeltaNet2.hooked_gates`)."""
+        if self._gate_hooks or not products_fuse(self.backend, x):
+            return super().hooked_gates(x)
+        return self.gates(x, fused_read=self.read_fuses(x), logits=True)
+
+    def reported_gates(self, gates: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return super().reported_gates(gates_from_logits(gates))
 
     def inputs_from_gates(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]
     ) -> DeltaRuleInputs:
         """The primitive's inputs from the gates: GDN-2's, with the query read as rho * q."""
-        inputs = gdn2_inputs(q, k, v, gates["erase"], gates["write"], gates["g"])
+        inputs = gdn2_inputs_of(q, k, v, gates, self.backend)
         return inputs._replace(q=self.matched_read(q, gates))
 
     # The name `gates` had before every mixer had one; kept for callers of the old name.

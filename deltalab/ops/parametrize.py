@@ -7,6 +7,10 @@
 | KDA      | beta * k | k          | v          | per channel [B,T,H,K] |
 | GDN-2    | k        | erase * k  | write * v  | per channel [B,T,H,K] |
 
+GDN-2's gates are sigmoids of projections; `gdn2_inputs_from_logits` takes the logits and
+multiplies each sigmoid in with one op (`deltalab.ops.read_gate.sigmoid_gate`), which neither
+stores the sigmoid nor its gradient.
+
 Shapes: q, k `[B, T, H, K]`, v `[B, T, H, V]`, beta `[B, T, H]`, erase `[B, T, H, K]`,
 write `[B, T, H, V]`. The same functions serve one-token decoding (`[B, H, *]`, beta `[B, H]`).
 
@@ -23,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from deltalab.ops._checks import require_float, require_shape
+from deltalab.ops.read_gate import sigmoid_gate
 
 
 class DeltaRuleInputs(NamedTuple):
@@ -71,10 +76,27 @@ def gdn2_inputs(q, k, v, erase, write, g) -> DeltaRuleInputs:
 
     erase `[B, T, H, K]` and write `[B, T, H, V]` in (0, 1); g `[B, T, H, K]`.
     """
-    for name, x in (("erase", erase), ("write", write), ("g", g)):
-        require_float(name, x)
-    require_shape("erase", erase, k.shape, "[B, T, H, K]", "to match k")
-    require_shape("write", write, v.shape, "[B, T, H, V]", "to match v")
-    require_shape("g", g, k.shape, "[B, T, H, K]", "(one log decay per key channel)")
+    _check_gdn2_gates(k, v, erase, write, g, ("erase", "write"))
     k = k.contiguous()  # one k for the gate product and the kernel (module docstring)
     return DeltaRuleInputs(q, k, erase * k, write * v, g)
+
+
+def gdn2_inputs_from_logits(
+    q, k, v, erase_logits, write_logits, g, *, backend: str = "auto"
+) -> DeltaRuleInputs:
+    """`gdn2_inputs` with erase = sigmoid(erase_logits) and write = sigmoid(write_logits), each
+    multiplied in by `sigmoid_gate` on `backend` (its "auto", "torch", "naive" or "triton"):
+    the same values up to the rounding of the product (the sigmoid in float32, one rounding to
+    k's and v's dtype). Logits of the gates' shapes, any float dtype."""
+    _check_gdn2_gates(k, v, erase_logits, write_logits, g, ("erase_logits", "write_logits"))
+    k = k.contiguous()  # one k for the gate product and the kernel (module docstring)
+    erased = sigmoid_gate(k, erase_logits, backend=backend)
+    return DeltaRuleInputs(q, k, erased, sigmoid_gate(v, write_logits, backend=backend), g)
+
+
+def _check_gdn2_gates(k, v, erase, write, g, names: tuple[str, str]) -> None:
+    for name, x in ((names[0], erase), (names[1], write), ("g", g)):
+        require_float(name, x)
+    require_shape(names[0], erase, k.shape, "[B, T, H, K]", "to match k")
+    require_shape(names[1], write, v.shape, "[B, T, H, V]", "to match v")
+    require_shape("g", g, k.shape, "[B, T, H, K]", "(one log decay per key channel)")

@@ -3,6 +3,8 @@
     read_query(q, read_log, raw=None, *, backend="auto") = q * rho,
     rho = exp(read_log) * 2 sigmoid(raw)   (raw given: Muir's "dynamic" read gate)
     rho = exp(read_log)                    (raw None: the "static" read gate)
+    sigmoid_gate(x, logits) = read_query(x, log 1/2, logits) = x * sigmoid(logits)
+                                           (GDN-2's and Muir's gate products, erase * k)
 
 read_log broadcasts against q's trailing dims (`[H, K]` for q `[..., H, K]`, as Muir's and
 KDN-Muir's static read vector); raw, the read gate's pre-activation (a slice of the fused gate
@@ -31,7 +33,15 @@ from deltalab.ops._triton import elementwise_backend
 from deltalab.ops.norms import layer_backend
 from deltalab.ops.read_gate.reference import compute_dtype, read_query_naive, read_query_torch
 
-__all__ = ["BACKENDS", "compute_dtype", "layer_backend", "read_query", "resolve_backend"]
+__all__ = [
+    "BACKENDS",
+    "LOG_HALF",
+    "compute_dtype",
+    "layer_backend",
+    "read_query",
+    "resolve_backend",
+    "sigmoid_gate",
+]
 
 BACKENDS = ("auto", "naive", "torch", "triton")
 
@@ -96,3 +106,23 @@ def read_query(
     if backend == "naive":
         return read_query_naive(q, read_log, raw)
     return read_query_torch(q, read_log, raw)
+
+
+# log(1/2): at this static vector the read gate is exp(log 1/2) * 2 sigmoid(raw) = sigmoid(raw).
+# Rounded to float32 (-0.69314718...) or float64, its exp rounds back to exactly 0.5, so rho is
+# sigmoid(raw) to the op's own rounding.
+LOG_HALF = -math.log(2.0)
+
+
+def sigmoid_gate(x: torch.Tensor, logits: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """x * sigmoid(logits) in x's dtype: `read_query` at the static vector 1/2, one op (on
+    Triton one kernel each way; the sigmoid computed in float32 and never stored, the product
+    rounded once). GDN-2's and Muir's gate products (erase * k, write * v) are this op: the
+    same parametrized elementwise op as Muir's read, with other inputs.
+
+    logits has x's shape; the gradients reach x and logits in their dtypes. Saves x and logits
+    (the sigmoid is recomputed in the backward), where torch.sigmoid followed by a product
+    saves the sigmoid and x.
+    """
+    half = torch.full(x.shape[-1:], LOG_HALF, dtype=compute_dtype(x), device=x.device)
+    return read_query(x, half, logits, backend=backend)
