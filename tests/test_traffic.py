@@ -45,14 +45,17 @@ def test_matrix_products_and_kernels_are_not_glue(gdn2_ops):
     products = [o for o in gdn2_ops if o.op in ("mm", "addmm", "bmm")]
     assert products and all(o.category == traffic.MATMUL for o in products)
     glue = [o for o in gdn2_ops if o.category == traffic.GLUE]
-    # Kernels in glue: only the norms', SwiGLU's and the log decay's (deltalab.ops.norms,
-    # .swiglu, .log_decay), which replace glue ops; the decay ran as its kernels, both ways.
+    # Kernels in glue: only the norms', SwiGLU's, the log decay's and the read gate's
+    # (deltalab.ops.norms, .swiglu, .log_decay, .read_gate), which replace glue ops; the decay
+    # and the gate products (`sigmoid_gate`, the read gate's kernels) ran as kernels, both ways.
     kernels_in_glue = {o.op for o in glue if o.op.startswith("triton:")}
     decay = {"triton:_log_decay_fwd", "triton:_log_decay_bwd"}
-    assert decay <= kernels_in_glue <= {
+    products = {"triton:_read_gate_fwd", "triton:_read_gate_bwd"}
+    assert decay | products <= kernels_in_glue <= {
         "triton:_norm_fwd", "triton:_norm_bwd", "triton:_swiglu_fwd", "triton:_swiglu_bwd",
-        *decay,
+        *decay, *products,
     }  # fmt: skip
+    assert not any(o.op in ("sigmoid", "sigmoid_backward") for o in glue)
     assert not any(o.op in traffic.MATMUL_OPS for o in glue)
     # The delta rule ran as the Triton kernels (stubs), both ways, not the PyTorch chunk path:
     # the state pass chosen for the tiny model's shape (B=2, H=2, K=V=64), its walks and its
