@@ -441,7 +441,9 @@ def test_sigmoid_gate_is_x_times_the_sigmoid_with_its_gradients(backend):
     out.backward(dout.to(DEVICE, dtype))
     assert out.dtype == dtype
     tol = 1e-12 if dtype == F64 else F32_TOL
-    for name, got, want in zip(("out", "dx", "dlogits"), (out, xd.grad, ld.grad), expected):
+    for name, got, want in zip(
+        ("out", "dx", "dlogits"), (out, xd.grad, ld.grad), expected, strict=True
+    ):
         assert_close(got.detach().cpu().double(), want, tol, name)
 
 

@@ -308,23 +308,36 @@ def test_log_decay_kernels_compile_for_hopper_without_spills(width, dtype):
 
 
 @pytest.mark.parametrize(
-    ("width", "dtype", "has_raw"),
-    [(1024, "bf16", True), (1024, "bf16", False), (1024, "fp32", True), (21, "fp32", True)],
-    ids=["dynamic-bf16", "static-bf16", "dynamic-fp32", "odd"],
+    ("width", "dtype", "has_raw", "sigmoid"),
+    [
+        (1024, "bf16", True, False),
+        (1024, "bf16", False, False),
+        (1024, "fp32", True, False),
+        (21, "fp32", True, False),
+        (1024, "bf16", True, True),
+    ],
+    ids=["dynamic-bf16", "static-bf16", "dynamic-fp32", "odd", "sigmoid-gate-bf16"],
 )
-def test_read_gate_kernels_compile_for_hopper_without_spills(width, dtype, has_raw):
+def test_read_gate_kernels_compile_for_hopper_without_spills(width, dtype, has_raw, sigmoid):
     """At the launches Muir's read gate uses for 340M shapes (q and raw [4, 4096, 8, 128],
-    bfloat16 under autocast; "dynamic" and "static"): no spill to local memory."""
+    bfloat16 under autocast; "dynamic" and "static"), and GDN-2's gate products at the same
+    shapes (`sigmoid_gate`: no read vector, no d read_log): no spill to local memory."""
     from deltalab.ops.read_gate import triton as read
 
     activations = {p: f"*{dtype}" for p in ("Q", "RAW", "OUT", "DOUT", "DQ", "DRAW")}
     kernels = [
-        (read._read_gate_fwd, "forward", 5, {"HAS_RAW": has_raw}),
+        (read._read_gate_fwd, "forward", 5, {"HAS_RAW": has_raw, "SIGMOID": sigmoid}),
         (
             read._read_gate_bwd,
             "backward",
             8,
-            {"HAS_RAW": has_raw, "WANT_DQ": True, "WANT_DRAW": has_raw, "WANT_DR": True},
+            {
+                "HAS_RAW": has_raw,
+                "WANT_DQ": True,
+                "WANT_DRAW": has_raw,
+                "WANT_DR": not sigmoid,
+                "SIGMOID": sigmoid,
+            },
         ),
     ]
     for kernel, name, n_pointers, constants in kernels:

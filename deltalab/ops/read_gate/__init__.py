@@ -115,14 +115,27 @@ LOG_HALF = -math.log(2.0)
 
 
 def sigmoid_gate(x: torch.Tensor, logits: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
-    """x * sigmoid(logits) in x's dtype: `read_query` at the static vector 1/2, one op (on
-    Triton one kernel each way; the sigmoid computed in float32 and never stored, the product
-    rounded once). GDN-2's and Muir's gate products (erase * k, write * v) are this op: the
-    same parametrized elementwise op as Muir's read, with other inputs.
+    """x * sigmoid(logits) in x's dtype: `read_query` at the static vector 1/2 (the sigmoid in
+    at least float32, the product rounded once). GDN-2's and Muir's gate products (erase * k,
+    write * v) are this op: Muir's read with other inputs. On Triton, the read gate's kernels
+    without a vector to load (one kernel each way; the sigmoid never stored); elsewhere
+    `read_query` itself, with read_log = `LOG_HALF`.
 
     logits has x's shape; the gradients reach x and logits in their dtypes. Saves x and logits
     (the sigmoid is recomputed in the backward), where torch.sigmoid followed by a product
     saves the sigmoid and x.
     """
+    x = require_float("x", x)
+    logits = require_float("logits", logits)
+    require_same_device({"x": x, "logits": logits})
+    if logits.shape != x.shape:
+        raise ValueError(
+            f"logits must have x's shape {tuple(x.shape)} (one gate per element), got "
+            f"{tuple(logits.shape)}"
+        )
+    if resolve_backend(backend, x) == "triton" and x.numel() > 0:
+        from deltalab.ops.read_gate.triton import sigmoid_gate_triton
+
+        return sigmoid_gate_triton(x, logits)
     half = torch.full(x.shape[-1:], LOG_HALF, dtype=compute_dtype(x), device=x.device)
-    return read_query(x, half, logits, backend=backend)
+    return read_query(x, half, logits, backend="naive" if backend == "naive" else "torch")

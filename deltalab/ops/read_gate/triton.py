@@ -67,15 +67,18 @@ BACKWARD_PROGRAMS = 1024
 
 
 @triton.jit
-def _rho(x, r, rate, HAS_RAW: tl.constexpr):
+def _rho(x, r, rate, HAS_RAW: tl.constexpr, SIGMOID: tl.constexpr):
     """rho and 1 - s (float32 tiles) from raw x `[BM, BN]`, r and rate = exp(r) `[BN]` (module
-    docstring: direct form where it is exact, the log domain where exp(r) or s would not be)."""
+    docstring: direct form where it is exact, the log domain where exp(r) or s would not be).
+    SIGMOID: rho = s, the read at the vector 1/2 (`sigmoid_gate`; r and rate unused)."""
     if HAS_RAW:
         e = tl.exp(-tl.abs(x))
         inv = 1.0 / (1.0 + e)
         above = x >= 0.0
         s = tl.where(above, inv, e * inv)
         s_c = tl.where(above, e * inv, inv)
+        if SIGMOID:
+            return s, s_c
         direct = rate[None, :] * (2.0 * s)
         log_rho = r[None, :] + LOG2 + tl.minimum(x, 0.0) - tl.log(1.0 + e)
         far = (r[None, :] > DIRECT_LIMIT) | (x < -DIRECT_LIMIT)
@@ -89,21 +92,26 @@ def _rho(x, r, rate, HAS_RAW: tl.constexpr):
 
 @triton.jit
 def _read_gate_fwd(Q, RAW, R, RATE, OUT, M, N, stride_q, stride_raw,
-                   BM: tl.constexpr, BN: tl.constexpr, HAS_RAW: tl.constexpr):  # fmt: skip
+                   BM: tl.constexpr, BN: tl.constexpr, HAS_RAW: tl.constexpr,
+                   SIGMOID: tl.constexpr = False):  # fmt: skip
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     col_ok = cols < N
     mask = (rows < M)[:, None] & col_ok[None, :]
     rows64 = rows.to(tl.int64)
     q = tl.load(Q + rows64[:, None] * stride_q + cols[None, :], mask=mask, other=0.0)
-    r = tl.load(R + cols, mask=col_ok, other=0.0)
-    rate = tl.load(RATE + cols, mask=col_ok, other=0.0)
+    if SIGMOID:  # no read vector: R and RATE are not read
+        r = tl.zeros([BN], dtype=tl.float32)
+        rate = r
+    else:
+        r = tl.load(R + cols, mask=col_ok, other=0.0)
+        rate = tl.load(RATE + cols, mask=col_ok, other=0.0)
     if HAS_RAW:
         x = tl.load(RAW + rows64[:, None] * stride_raw + cols[None, :], mask=mask, other=0.0)
         x = x.to(tl.float32)
     else:
         x = tl.zeros([BM, BN], dtype=tl.float32)
-    rho, _ = _rho(x, r, rate, HAS_RAW)
+    rho, _ = _rho(x, r, rate, HAS_RAW, SIGMOID)
     out = rho * q.to(tl.float32)
     tl.store(OUT + rows64[:, None] * N + cols[None, :], out.to(OUT.dtype.element_ty), mask=mask)
 
@@ -112,14 +120,18 @@ def _read_gate_fwd(Q, RAW, R, RATE, OUT, M, N, stride_q, stride_raw,
 def _read_gate_bwd(Q, RAW, R, RATE, DOUT, DQ, DRAW, DR, M, N, stride_q, stride_raw,
                    stride_dout, BLOCKS, BM: tl.constexpr, BN: tl.constexpr,
                    HAS_RAW: tl.constexpr, WANT_DQ: tl.constexpr, WANT_DRAW: tl.constexpr,
-                   WANT_DR: tl.constexpr):  # fmt: skip
+                   WANT_DR: tl.constexpr, SIGMOID: tl.constexpr = False):  # fmt: skip
     # Program (pid, column block): row blocks pid * BLOCKS .. pid * BLOCKS + BLOCKS - 1 (past M:
     # masked off).
     pid = tl.program_id(0)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     col_ok = cols < N
-    r = tl.load(R + cols, mask=col_ok, other=0.0)
-    rate = tl.load(RATE + cols, mask=col_ok, other=0.0)
+    if SIGMOID:  # no read vector: R and RATE are not read
+        r = tl.zeros([BN], dtype=tl.float32)
+        rate = r
+    else:
+        r = tl.load(R + cols, mask=col_ok, other=0.0)
+        rate = tl.load(RATE + cols, mask=col_ok, other=0.0)
     dr = tl.zeros([BN], dtype=tl.float32)
     for i in range(BLOCKS):
         rows = (pid * BLOCKS + i) * BM + tl.arange(0, BM)
@@ -133,7 +145,7 @@ def _read_gate_bwd(Q, RAW, R, RATE, DOUT, DQ, DRAW, DR, M, N, stride_q, stride_r
             x = x.to(tl.float32)
         else:
             x = tl.zeros([BM, BN], dtype=tl.float32)
-        rho, s_c = _rho(x, r, rate, HAS_RAW)
+        rho, s_c = _rho(x, r, rate, HAS_RAW, SIGMOID)
         at = rows64[:, None] * N + cols[None, :]
         if WANT_DQ:
             tl.store(DQ + at, (dout * rho).to(DQ.dtype.element_ty), mask=mask)
@@ -164,26 +176,38 @@ def _backward_grid(rows: int, block_m: int) -> tuple[int, int]:
 def _jvp_terms(q: torch.Tensor, r: torch.Tensor, raw: torch.Tensor | None):
     """q rho (= d out / d r) and q rho (1 - s) (= d out / d raw) in float32 torch ops, and rho
     (= d out / d q), for the jvp."""
-    rho = r.float().exp()
     s_c = None
-    if raw is not None:
+    if r is None:  # rho = sigmoid(raw) (`sigmoid_gate`)
+        rho, s_c = torch.sigmoid(raw.float()), torch.sigmoid(-raw.float())
+    elif raw is None:
+        rho = r.float().exp()
+    else:
         s = torch.sigmoid(raw.float())
-        rho, s_c = rho * (2.0 * s), torch.sigmoid(-raw.float())
+        rho, s_c = r.float().exp() * (2.0 * s), torch.sigmoid(-raw.float())
     q_rho = q.float() * rho
     return rho, q_rho, None if s_c is None else q_rho * s_c
 
 
+def _read_vector(q: torch.Tensor, r: torch.Tensor | None):
+    """r in float32 and exp(r) `[N]` for the kernels; for r None (rho = sigmoid(raw), which
+    reads neither) q, a pointer the kernels are handed and never load from."""
+    if r is None:
+        return q, q
+    r32 = r.float().contiguous()
+    return r32, r32.exp()
+
+
 class _ReadGate(torch.autograd.Function):
-    """The kernels on q `[M, N]`, r `[N]` (read_log expanded and flattened), raw `[M, N]` or
-    None (unit column strides); the product `[M, N]` in q's dtype. Saves q, raw (their dtypes)
-    and r; the jvp is computed with torch ops from those (gate-sensitivity probes switch the
-    layers to the torch path anyway)."""
+    """The kernels on q `[M, N]`, r `[N]` (read_log expanded and flattened) or None (rho =
+    sigmoid(raw): `sigmoid_gate`, the read at the vector 1/2, with no vector to read, exp or
+    sum), raw `[M, N]` or None (unit column strides); the product `[M, N]` in q's dtype. Saves
+    q, raw (their dtypes) and r; the jvp is computed with torch ops from those
+    (gate-sensitivity probes switch the layers to the torch path anyway)."""
 
     @staticmethod
     def forward(ctx, q, r, raw):
         rows, width = q.shape
-        r32 = r.float().contiguous()
-        rate = r32.exp()
+        r32, rate = _read_vector(q, r)
         block_m, block_n, warps = launch(rows, width, "forward")
         out = torch.empty(rows, width, dtype=q.dtype, device=q.device)
         grid = (triton.cdiv(rows, block_m), triton.cdiv(width, block_n))
@@ -191,7 +215,7 @@ class _ReadGate(torch.autograd.Function):
         _read_gate_fwd[grid](
             q, raw if has_raw else q, r32, rate, out, rows, width, row_stride(q),
             row_stride(raw) if has_raw else 0, BM=block_m, BN=block_n, HAS_RAW=has_raw,
-            num_warps=warps,
+            SIGMOID=r is None, num_warps=warps,
         )  # fmt: skip
         ctx.save_for_backward(q, r, raw)
         ctx.save_for_forward(q, r, raw)
@@ -202,8 +226,7 @@ class _ReadGate(torch.autograd.Function):
     def backward(ctx, dout):
         q, r, raw = ctx.saved_tensors
         rows, width = q.shape
-        r32 = r.float().contiguous()
-        rate = r32.exp()
+        r32, rate = _read_vector(q, r)
         block_m, block_n, warps = launch(rows, width, "backward")
         per_program, programs = _backward_grid(rows, block_m)
         dout = as_rows(dout)
@@ -218,7 +241,7 @@ class _ReadGate(torch.autograd.Function):
             q, raw if has_raw else q, r32, rate, dout, dq, draw, dr_parts, rows, width,
             row_stride(q), row_stride(raw) if has_raw else 0, row_stride(dout), per_program,
             BM=block_m, BN=block_n, HAS_RAW=has_raw, WANT_DQ=want_dq, WANT_DRAW=want_draw,
-            WANT_DR=want_dr, num_warps=warps,
+            WANT_DR=want_dr, SIGMOID=r is None, num_warps=warps,
         )  # fmt: skip
         dr = dr_parts.sum(0).to(r.dtype) if want_dr else None
         return dq, dr, draw
@@ -248,3 +271,13 @@ def read_query_triton(q: torch.Tensor, r: torch.Tensor, raw: torch.Tensor | None
     rows_raw = None if raw is None else as_rows(raw.reshape(-1, width))
     out = _ReadGate.apply(as_rows(q.reshape(-1, width)), r, rows_raw)
     return out.view(q.shape)
+
+
+@opaque_to_compiler
+def sigmoid_gate_triton(x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(logits) by the kernels with no read vector (`_ReadGate` with r None: the read
+    at the vector 1/2 without its exp, load or sum), validated inputs of one shape; the result
+    in x's shape and dtype, computed in float32. x must hold an element."""
+    width = x.shape[-1]
+    rows_logits = as_rows(logits.reshape(-1, width))
+    return _ReadGate.apply(as_rows(x.reshape(-1, width)), None, rows_logits).view(x.shape)
