@@ -188,11 +188,11 @@ def _jvp_terms(q: torch.Tensor, r: torch.Tensor, raw: torch.Tensor | None):
     return rho, q_rho, None if s_c is None else q_rho * s_c
 
 
-def _read_vector(q: torch.Tensor, r: torch.Tensor | None):
+def _read_vector(r: torch.Tensor | None):
     """r in float32 and exp(r) `[N]` for the kernels; for r None (rho = sigmoid(raw), which
-    reads neither) q, a pointer the kernels are handed and never load from."""
+    reads neither) None twice: the kernels' SIGMOID form takes no pointer there."""
     if r is None:
-        return q, q
+        return None, None
     r32 = r.float().contiguous()
     return r32, r32.exp()
 
@@ -207,7 +207,7 @@ class _ReadGate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, r, raw):
         rows, width = q.shape
-        r32, rate = _read_vector(q, r)
+        r32, rate = _read_vector(r)
         block_m, block_n, warps = launch(rows, width, "forward")
         out = torch.empty(rows, width, dtype=q.dtype, device=q.device)
         grid = (triton.cdiv(rows, block_m), triton.cdiv(width, block_n))
@@ -226,7 +226,7 @@ class _ReadGate(torch.autograd.Function):
     def backward(ctx, dout):
         q, r, raw = ctx.saved_tensors
         rows, width = q.shape
-        r32, rate = _read_vector(q, r)
+        r32, rate = _read_vector(r)
         block_m, block_n, warps = launch(rows, width, "backward")
         per_program, programs = _backward_grid(rows, block_m)
         dout = as_rows(dout)
