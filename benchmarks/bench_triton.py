@@ -329,7 +329,16 @@ def main() -> None:
         "Triton stage 1 factored, 8 or more sends most to the walk, as trained gates do\n"
         "(benchmarks/diagonal_forms.py)",
     )  # fmt: skip
+    parser.add_argument(
+        "--operator-dtype", choices=["inputs", "float32"], default=None,
+        help="the dtype the Triton delta rule stores its chunk operators in\n"
+        "(triton/chunk.py OPERATOR_DTYPE; default: its own)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.operator_dtype is not None:
+        from deltalab.ops.delta_rule.triton import chunk
+
+        chunk.OPERATOR_DTYPE = args.operator_dtype
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.tiny:
         check_shape, stab_shape, shapes = (1, 40, 2, 16), (1, 300, 2, 16), [(1, 100, 2, 32)]
@@ -356,6 +365,8 @@ def main() -> None:
         )
         result["time"] = rows
         print_records(rows)
+    if args.operator_dtype is not None:
+        result["operator_dtype"] = args.operator_dtype
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -279,7 +279,8 @@ def run_cases(
 
 def add_delta_rule_options(parser: argparse.ArgumentParser) -> None:
     """The Triton delta rule's switches a training benchmark can set (`apply_delta_rule_options`):
-    its state pass and whether its backward keeps the chunk-start states; and whether the layers
+    its state pass, whether its backward keeps the chunk-start states, the dtype of its chunk
+    operators; and whether the layers
     project their input together (`deltalab.layers.projections.PROJECT_TOGETHER`)."""
     parser.add_argument(
         "--state-pass",
@@ -294,6 +295,12 @@ def add_delta_rule_options(parser: argparse.ArgumentParser) -> None:
         "instead of walking them again (triton/chunk.py RECOMPUTE_STATES off)",
     )
     parser.add_argument(
+        "--float32-operators",
+        action="store_true",
+        help="the Triton delta rule stores its chunk operators in float32 whatever the inputs' "
+        "dtype (triton/chunk.py OPERATOR_DTYPE 'float32')",
+    )
+    parser.add_argument(
         "--project-separately",
         action="store_true",
         help="each projection of a layer's input with its own gradient product and sum, as "
@@ -306,9 +313,11 @@ def apply_delta_rule_options(args: argparse.Namespace) -> None:
     from deltalab.layers import projections
 
     projections.PROJECT_TOGETHER = not args.project_separately
-    if args.state_pass is None and not args.keep_states:
+    if args.state_pass is None and not args.keep_states and not args.float32_operators:
         return
     from deltalab.ops.delta_rule.triton import chunk
 
     chunk.STATE_PASS = args.state_pass or chunk.STATE_PASS
     chunk.RECOMPUTE_STATES = chunk.RECOMPUTE_STATES and not args.keep_states
+    if args.float32_operators:
+        chunk.OPERATOR_DTYPE = "float32"

@@ -611,6 +611,51 @@ def test_triton_bfloat16_inputs_return_bfloat16_close_to_the_loop(generator):
     assert_close(o, o_ref, TOLERANCE[torch.bfloat16], "o")
 
 
+@pytest.mark.parametrize("operators", ["inputs", "float32"])
+def test_triton_16bit_inputs_store_the_operators_as_told_and_stay_close_to_the_loop(
+    generator, monkeypatch, operators
+):
+    """fp16 inputs (the interpreter's 16-bit float: its bf16 arithmetic is not bf16's): with
+    OPERATOR_DTYPE="inputs" every chunk operator but the decays reaches the state pass in fp16,
+    forward and backward, with "float32" in float32; either way the output, the final state and
+    every gradient stay within fp16's tolerance of the float64 loop."""
+    from deltalab.ops.delta_rule.triton import chunk as state_module
+
+    monkeypatch.setattr(state_module, "OPERATOR_DTYPE", operators)
+    seen = []
+    for name, passes in list(state_module.STATE_PASSES.items()):
+
+        def spy(fn):
+            def run(ops, *args, **kwargs):
+                seen.append({field: x.dtype for field, x in ops._asdict().items()})
+                return fn(ops, *args, **kwargs)
+
+            return run
+
+        monkeypatch.setitem(state_module.STATE_PASSES, name, tuple(spy(fn) for fn in passes))
+    inputs = random_delta_inputs(generator, 2, 37, 2, 16, 8, channel_decay=True)
+    state = torch.randn(2, 2, 16, 8, generator=generator, dtype=torch.float64)
+    reference = _run(inputs, state, "naive", torch.float64, "cpu")
+    actual = _run(inputs, state, "triton", torch.float16, DEVICE, chunk_size=16)
+    labels = ["o", "final state", "dq", "da", "db", "du", "dg", "d initial state"]
+    for label, x, ref in zip(labels, actual, reference, strict=True):
+        assert_close(x, ref, TOLERANCE[torch.float16], label)
+    stored = torch.float16 if operators == "inputs" else torch.float32
+    expected = {field: stored for field in state_module.ChunkOperators._fields}
+    expected["decay"] = torch.float32
+    # The forward's pass, the backward's walk again from the checkpoints, its adjoint pass.
+    assert seen == [expected] * 3
+
+
+def test_operator_dtype_setting_is_checked_by_name(generator, monkeypatch):
+    from deltalab.ops.delta_rule.triton import chunk as state_module
+
+    monkeypatch.setattr(state_module, "OPERATOR_DTYPE", "bfloat16")
+    inputs = random_delta_inputs(generator, 1, 5, 1, 16, 8, channel_decay=False)
+    with pytest.raises(ValueError, match="OPERATOR_DTYPE must be"):
+        delta_rule(*(x.to(DEVICE, torch.float32) for x in inputs), backend="triton")
+
+
 @pytest.mark.parametrize("mixer", ["gdn2", "muir", "kdn_diag"])
 def test_model_trains_identically_on_the_triton_backend(mixer):
     from deltalab.models import CausalLM, build_config

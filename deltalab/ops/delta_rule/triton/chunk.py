@@ -28,9 +28,10 @@ keep only the products that depend on S or dS (N and S' forward, dN and dS backw
 the outputs, attend^T dO and read^T dO to kernels parallel over chunks; the comment above
 `_state_pass_split_fwd` says why that is exact and what it costs in memory traffic.
 
-Precision: S and every accumulator are float32. With float32 operators the products run in
-IEEE float32 (TF32 would cost ~1e-3 relative error); no exponential is taken here, the decays
-arrive as factors <= 1 from the stable stage 1.
+Precision: S and every accumulator are float32. The operators arrive in float32 or, with 16-bit
+inputs, in their dtype (`OPERATOR_DTYPE`) and are read into float32. With float32 operators the
+products run in IEEE float32 (TF32 would cost ~1e-3 relative error); no exponential is taken
+here, the decays arrive as factors <= 1 from the stable stage 1.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ def _state_pass_fwd(
     WRITE_OUT: tl.constexpr = True,
 ):  # fmt: skip
     """out: token-major [B, T, H, V] as `intra.Tokens` (TN, H, T, CS) maps it, written in its
-    own dtype; everything else chunked float32, n_chunks per (sequence, head). One program per
+    own dtype; the operators chunked, float32 or 16-bit (`OPERATOR_DTYPE`), read into float32;
+    everything else chunked float32, n_chunks per (sequence, head). One program per
     value block and (sequence, head, segment of seg_len chunks; n_seg of them), starting from
     `initial` [B * H * n_seg, K, V] and ending in `final` of the same shape (the whole pass: one
     segment). WRITE_OUT=False: the walk alone (residuals, states, final state; `out`, read and
@@ -133,26 +135,26 @@ def _state_pass_fwd(
         # this program wrote to `residual` before the barrier (same CTA: visible after it).
         for rb in range(C // BC):
             rows = chunk * C + rb * BC
-            e = tl.load(erase + rows * K + ck, mask=mk[None, :], other=0.0)
-            t = tl.load(target + rows * V + cv, mask=mv[None, :], other=0.0)
+            e = tl.load(erase + rows * K + ck, mask=mk[None, :], other=0.0).to(tl.float32)
+            t = tl.load(target + rows * V + cv, mask=mv[None, :], other=0.0).to(tl.float32)
             n = t - tl.dot(e, s, input_precision=PRECISION)
             tl.store(residual + rows * V + cv, n, mask=mv[None, :])
             if WRITE_OUT:
-                r = tl.load(read + rows * K + ck, mask=mk[None, :], other=0.0)
-                m = tl.load(attend + rows * C + rb * BC + cc)
+                r = tl.load(read + rows * K + ck, mask=mk[None, :], other=0.0).to(tl.float32)
+                m = tl.load(attend + rows * C + rb * BC + cc).to(tl.float32)
                 o = (tl.dot(r, s, input_precision=PRECISION)
                      + tl.dot(m, n, input_precision=PRECISION))  # fmt: skip
                 if rb > 0:
                     tl.debug_barrier()
                 for cb in range(rb):
-                    m = tl.load(attend + rows * C + cb * BC + cc)
+                    m = tl.load(attend + rows * C + cb * BC + cc).to(tl.float32)
                     n_before = tl.load(residual + (chunk * C + cb * BC) * V + cv,
                                        mask=mv[None, :])  # fmt: skip
                     o += tl.dot(m, n_before, input_precision=PRECISION)
                 tokens = out_offset + (rb * BC + rc)[:, None] * (H * V) + rv[None, :]
                 present = ((rb * BC + rc) < valid)[:, None] & mv[None, :]
                 tl.store(out + tokens, o.to(out.dtype.element_ty), mask=present)
-            w = tl.load(write + rows * K + ck, mask=mk[None, :], other=0.0)
+            w = tl.load(write + rows * K + ck, mask=mk[None, :], other=0.0).to(tl.float32)
             s_next += tl.dot(tl.trans(w), n, input_precision=PRECISION)
         s = s_next
     tl.store(final + walk * K * V + kv, s, mask=mkv)
@@ -182,16 +184,16 @@ def _state_pass_bwd(
             cols = chunk * C + cb * BC
             # dN of column block cb: attend^T dO over row blocks rb >= cb (attend is lower
             # triangular in blocks), plus the path through the next state.
-            w = tl.load(write + cols * K + ck, mask=mk[None, :], other=0.0)
+            w = tl.load(write + cols * K + ck, mask=mk[None, :], other=0.0).to(tl.float32)
             dn = tl.dot(w, ds, input_precision=PRECISION)
             for rb in range(cb, C // BC):
                 rows = chunk * C + rb * BC
-                m = tl.load(attend + rows * C + cb * BC + cc)
+                m = tl.load(attend + rows * C + cb * BC + cc).to(tl.float32)
                 do = _load_rows(d_out + out_offset, rb * BC + rc, H * V, rv, 1, valid, mv)
                 dn += tl.dot(tl.trans(m), do, input_precision=PRECISION)
             tl.store(d_residual + cols * V + cv, dn, mask=mv[None, :])
-            r = tl.load(read + cols * K + ck, mask=mk[None, :], other=0.0)
-            e = tl.load(erase + cols * K + ck, mask=mk[None, :], other=0.0)
+            r = tl.load(read + cols * K + ck, mask=mk[None, :], other=0.0).to(tl.float32)
+            e = tl.load(erase + cols * K + ck, mask=mk[None, :], other=0.0).to(tl.float32)
             do = _load_rows(d_out + out_offset, cb * BC + rc, H * V, rv, 1, valid, mv)
             ds_before += tl.dot(tl.trans(r), do, input_precision=PRECISION)
             ds_before -= tl.dot(tl.trans(e), dn, input_precision=PRECISION)
@@ -294,11 +296,11 @@ def _state_pass_split_fwd(
         s_next = d[:, None] * s
         for rb in range(C // BC):
             rows = chunk * C + rb * BC
-            e = tl.load(erase + rows * K + ck, mask=mk[None, :], other=0.0)
-            t = tl.load(target + rows * V + cv, mask=mv[None, :], other=0.0)
+            e = tl.load(erase + rows * K + ck, mask=mk[None, :], other=0.0).to(tl.float32)
+            t = tl.load(target + rows * V + cv, mask=mv[None, :], other=0.0).to(tl.float32)
             n = t - tl.dot(e, s, input_precision=PRECISION)
             tl.store(residual + rows * V + cv, n, mask=mv[None, :])
-            w = tl.load(write + rows * K + ck, mask=mk[None, :], other=0.0)
+            w = tl.load(write + rows * K + ck, mask=mk[None, :], other=0.0).to(tl.float32)
             s_next += tl.dot(tl.trans(w), n, input_precision=PRECISION)
         s = s_next
     tl.store(final + walk * K * V + kv, s, mask=mkv)
@@ -318,11 +320,11 @@ def _state_pass_split_out(
     out_offset, valid = _token_offset(chunk, TN, H, T, CS, V)
     rows = chunk * C + rb * BC
     s = tl.load(states + chunk * K * V + kv, mask=mkv, other=0.0)
-    r = tl.load(read + rows * K + ck, mask=mk[None, :], other=0.0)
+    r = tl.load(read + rows * K + ck, mask=mk[None, :], other=0.0).to(tl.float32)
     o = tl.dot(r, s, input_precision=PRECISION)
     # attend is lower triangular in blocks: column blocks cb <= rb.
     for cb in range(rb + 1):
-        m = tl.load(attend + rows * C + cb * BC + cc)
+        m = tl.load(attend + rows * C + cb * BC + cc).to(tl.float32)
         n = tl.load(residual + (chunk * C + cb * BC) * V + cv, mask=mv[None, :], other=0.0)
         o += tl.dot(m, n, input_precision=PRECISION)
     tokens = out_offset + (rb * BC + rc)[:, None] * (H * V) + rv[None, :]
@@ -347,11 +349,11 @@ def _state_pass_split_dout(
         cols = chunk * C + cb * BC
         p = tl.zeros([BC, BV], dtype=tl.float32)
         for rb in range(cb, C // BC):
-            m = tl.load(attend + (chunk * C + rb * BC) * C + cb * BC + cc)
+            m = tl.load(attend + (chunk * C + rb * BC) * C + cb * BC + cc).to(tl.float32)
             do = _load_rows(d_out + out_offset, rb * BC + rc, H * V, rv, 1, valid, mv)
             p += tl.dot(tl.trans(m), do, input_precision=PRECISION)
         tl.store(d_residual + cols * V + cv, p, mask=mv[None, :])
-        r = tl.load(read + cols * K + ck, mask=mk[None, :], other=0.0)
+        r = tl.load(read + cols * K + ck, mask=mk[None, :], other=0.0).to(tl.float32)
         do = _load_rows(d_out + out_offset, cb * BC + rc, H * V, rv, 1, valid, mv)
         q += tl.dot(tl.trans(r), do, input_precision=PRECISION)
     i = chunk % n_chunks
@@ -388,11 +390,11 @@ def _state_pass_split_bwd(
         ds_before = tl.load(slot, mask=mkv, other=0.0) + d[:, None] * ds
         for cb in range(C // BC):
             cols = chunk * C + cb * BC
-            w = tl.load(write + cols * K + ck, mask=mk[None, :], other=0.0)
+            w = tl.load(write + cols * K + ck, mask=mk[None, :], other=0.0).to(tl.float32)
             p = tl.load(d_residual + cols * V + cv, mask=mv[None, :], other=0.0)
             dn = p + tl.dot(w, ds, input_precision=PRECISION)
             tl.store(d_residual + cols * V + cv, dn, mask=mv[None, :])
-            e = tl.load(erase + cols * K + ck, mask=mk[None, :], other=0.0)
+            e = tl.load(erase + cols * K + ck, mask=mk[None, :], other=0.0).to(tl.float32)
             ds_before -= tl.dot(tl.trans(e), dn, input_precision=PRECISION)
         ds = ds_before
         tl.store(slot, ds, mask=mkv)
@@ -475,7 +477,8 @@ def state_pass_triton(ops, initial_state: torch.Tensor | None, precision: str = 
     """Stages 3-4 of `chunk.py` in one kernel: (outputs, residuals [B, H, n, C, V], chunk-start
     states [B, H, n, K, V], final state [B, H, K, V]).
 
-    `ops`: a `ChunkOperators` of contiguous float32 tensors [B, H, n, C, *]; initial_state:
+    `ops`: a `ChunkOperators` of contiguous tensors [B, H, n, C, *] (float32, or 16-bit as
+    `OPERATOR_DTYPE` stores them; decay float32); initial_state:
     [B, H, K, V] or None; precision: "ieee" (float32 products) or "tf32". The outputs go to
     `out`, token-major [B, T, H, V] as `tokens` maps it, in its dtype; without it, to a new
     chunked float32 [B, H, n, C, V]. write_out=False: no outputs (returned as None).
@@ -721,13 +724,40 @@ def _operator_grads(states, residuals, d_out, d_residual, d_next) -> ChunkOperat
     )
 
 
+# The dtype the chunk operators are stored in between kernels (read, attend, erase, target,
+# write, and the erase's right-hand side exp(G) b; not the decays, nor L, the solve's matrix):
+# "inputs" (the default) stores them in the inputs' 16-bit dtype when q, a, b or u is bf16 or
+# fp16 (`operator_dtype`), "float32" always in float32. Every kernel forms them in float32 and
+# reads them back into float32 products; the states, residuals and every accumulator stay
+# float32. What the 16-bit storage adds is one rounding of each operator, at the inputs' own
+# precision: read, write and exp(G) b are factors <= 1 times q, a, b (stored as the inputs
+# are), M and (I + L)^-1 R are float32 sums rounded once, and with 16-bit inputs the matrix
+# products were TF32 already (their operands rounded to 10 bits). It halves the bytes the
+# state pass, the solve and the factors move per chunk; measured on the H200 in docs/RESULTS.md.
+OPERATOR_DTYPE = "inputs"
+
+
+def operator_dtype(*inputs: torch.Tensor) -> torch.dtype:
+    """The dtype `OPERATOR_DTYPE` stores the chunk operators in, for inputs q, a, b, u: the first
+    16-bit dtype among them, or float32."""
+    if OPERATOR_DTYPE not in ("inputs", "float32"):
+        raise ValueError(f"OPERATOR_DTYPE must be 'inputs' or 'float32', got {OPERATOR_DTYPE!r}")
+    if OPERATOR_DTYPE == "inputs":
+        for x in inputs:
+            if x.dtype in (torch.bfloat16, torch.float16):
+                return x.dtype
+    return torch.float32
+
+
 def _operators_triton(q, a, b, u, g, precision: str, tokens: Tokens, scale: float):
     """Stages 1-2 in Triton over token-major inputs as `tokens` maps them (q times `scale`):
-    (the chunk operators [B, H, n, C, *] float32, L). The twin of `chunk.chunk_operators`."""
-    read, erase_rhs, write, decay = factors_triton(q, a, b, g, tokens, scale)
-    lower, attend = intra_triton(q, a, b, g, precision, tokens, scale)
-    erase = solve_triton(lower, erase_rhs, precision)
-    target = solve_triton(lower, u, precision, tokens)
+    (the chunk operators [B, H, n, C, *] in `operator_dtype`, the decays float32; L float32).
+    The twin of `chunk.chunk_operators`."""
+    dtype = operator_dtype(q, a, b, u)
+    read, erase_rhs, write, decay = factors_triton(q, a, b, g, tokens, scale, dtype)
+    lower, attend = intra_triton(q, a, b, g, precision, tokens, scale, attend_dtype=dtype)
+    erase = solve_triton(lower, erase_rhs, precision, dtype=dtype)
+    target = solve_triton(lower, u, precision, tokens, dtype=dtype)
     lead = (q.shape[0], tokens.heads, tokens.chunks)
     ops = ChunkOperators(read, attend, erase, target, write, decay)
     return ChunkOperators(*(x.view(*lead, *x.shape[1:]) for x in ops)), lower
@@ -832,7 +862,8 @@ def delta_rule_triton(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated inputs in their own dtype (bf16, fp16 or fp32); computes in float32 with float32
-    state and accumulators. Returns (o [B, T, H, V] float32, final state [N, H, K, V]).
+    state and accumulators, and stores the chunk operators between kernels as `OPERATOR_DTYPE`
+    says (16-bit for 16-bit inputs). Returns (o [B, T, H, V] in q's dtype, final state [N, H, K, V]).
 
     Matrix products take TF32 operands when an input is bf16/fp16 (its rounding is already
     coarser than TF32's), and for float32 inputs only when PyTorch is allowed TF32 for float32

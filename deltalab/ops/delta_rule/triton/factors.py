@@ -75,9 +75,11 @@ def _factors_fwd(
     out = chunk * C * K + rc[:, None] * K + rk[None, :]
     mask = mk[None, :]
     q_t = _load_rows(q + offset, rc, rs, rk, 1, valid, mk) * scale
-    tl.store(read + out, from_start * q_t, mask=mask)
-    tl.store(rhs + out, from_start * _load_rows(b + offset, rc, rs, rk, 1, valid, mk), mask=mask)
-    tl.store(write + out, to_end * _load_rows(a + offset, rc, rs, rk, 1, valid, mk), mask=mask)
+    b_t = _load_rows(b + offset, rc, rs, rk, 1, valid, mk)
+    a_t = _load_rows(a + offset, rc, rs, rk, 1, valid, mk)
+    tl.store(read + out, (from_start * q_t).to(read.dtype.element_ty), mask=mask)
+    tl.store(rhs + out, (from_start * b_t).to(rhs.dtype.element_ty), mask=mask)
+    tl.store(write + out, (to_end * a_t).to(write.dtype.element_ty), mask=mask)
     tl.store(decay + chunk * K + rk, tl.exp(tl.sum(g_t, axis=0)), mask=mk)
 
 
@@ -124,16 +126,18 @@ def _grid(q: torch.Tensor, tokens: Tokens):
     return (tokens.programs(q), triton.cdiv(key_dim, block)), block
 
 
-def factors_triton(q, a, b, g, tokens: Tokens | None = None, scale: float = 1.0):
-    """(read, exp(G) b, write [chunks, C, K], decay [chunks, K]) float32 of token-major inputs
-    as `tokens` maps them (see `intra.Tokens`; read of q times `scale`), or, with tokens=None,
-    of chunked inputs [..., C, K] (g per channel), shaped [..., C, K] and [..., K]. The twin of
-    the factor lines of `chunk.chunk_operators`."""
+def factors_triton(q, a, b, g, tokens: Tokens | None = None, scale: float = 1.0,
+                   dtype: torch.dtype = torch.float32):  # fmt: skip
+    """(read, exp(G) b, write [chunks, C, K] in `dtype`, decay [chunks, K] float32) of
+    token-major inputs as `tokens` maps them (see `intra.Tokens`; read of q times `scale`), or,
+    with tokens=None, of chunked inputs [..., C, K] (g per channel), shaped [..., C, K] and
+    [..., K]. Formed in float32, stored in `dtype` (`chunk.OPERATOR_DTYPE`). The twin of the
+    factor lines of `chunk.chunk_operators`."""
     chunked = tokens is None
     tokens = Tokens.of_chunks(q) if chunked else tokens
     size, key_dim = padded_chunk_size(tokens.chunk_size), q.shape[-1]
     grid, block = _grid(q, tokens)
-    read, rhs, write = (q.new_empty(grid[0], size, key_dim, dtype=torch.float32) for _ in "rhw")
+    read, rhs, write = (q.new_empty(grid[0], size, key_dim, dtype=dtype) for _ in "rhw")
     decay = q.new_empty(grid[0], key_dim, dtype=torch.float32)
     _factors_fwd[grid](
         q, a, b, g, read, rhs, write, decay, *tokens.args(), scale, K=key_dim, C=size,

@@ -190,7 +190,7 @@ def _diag_fwd(q, a, b, g, lower, attend, rows, rs, grs, gcs, valid, scale, K: tl
         l_t = tl.where(rt < t, tl.sum(a_f * b_t[None, :], axis=1), 0.0)
         m_t = tl.sum(a_f * q_t[None, :], axis=1)
         tl.store(lower + row * C + rows + rt, l_t)
-        tl.store(attend + row * C + rows + rt, m_t)
+        tl.store(attend + row * C + rows + rt, m_t.to(attend.dtype.element_ty))
 
 
 @triton.jit
@@ -278,7 +278,8 @@ def _intra_fwd(
         a_j = _load_rows(a, cols + rt, rs, rk, 1, valid, mk)
         a_j *= _column_factor(g, cols, rt, rk, mk, between, grs, gcs, valid, BT)
         tl.store(lower + cols + tile, tl.dot(b_i, tl.trans(a_j), input_precision=PRECISION))
-        tl.store(attend + cols + tile, tl.dot(q_i, tl.trans(a_j), input_precision=PRECISION))
+        m_ij = tl.dot(q_i, tl.trans(a_j), input_precision=PRECISION)
+        tl.store(attend + cols + tile, m_ij.to(attend.dtype.element_ty))
         between += tl.sum(_load_rows(g, cols + rt, grs, rk, gcs, valid, mk), axis=0)
     if tl.max(tl.abs(cum)) < BOUND:  # mild decays: the factored diagonal (docstring)
         up, down = _midpoint_factors(cum)
@@ -288,14 +289,15 @@ def _intra_fwd(
         l_ii = tl.dot(b_d, tl.trans(a_i), input_precision=PRECISION)
         m_ii = tl.dot(q_d, tl.trans(a_i), input_precision=PRECISION)
         tl.store(lower + rows + tile, tl.where(rt[:, None] > rt[None, :], l_ii, 0.0))
-        tl.store(attend + rows + tile, tl.where(rt[:, None] >= rt[None, :], m_ii, 0.0))
+        m_ii = tl.where(rt[:, None] >= rt[None, :], m_ii, 0.0)
+        tl.store(attend + rows + tile, m_ii.to(attend.dtype.element_ty))
     else:
         _diag_fwd(q, a, b, g, lower - rows * C, attend - rows * C, rows, rs, grs, gcs, valid,
                   scale, K, C, BK, BT)  # fmt: skip
     zero = tl.zeros([BT, BT], dtype=tl.float32)
     for j in range(i + 1, C // BT):
         tl.store(lower + j * BT + tile, zero)
-        tl.store(attend + j * BT + tile, zero)
+        tl.store(attend + j * BT + tile, zero.to(attend.dtype.element_ty))
 
 
 @triton.jit
@@ -382,18 +384,21 @@ def _g_head(q: torch.Tensor, g: torch.Tensor) -> bool:
 
 
 def intra_triton(q, a, b, g, precision: str = "ieee", tokens: Tokens | None = None,
-                 scale: float = 1.0, factor_bound: float = DIAGONAL_FACTOR_BOUND):  # fmt: skip
-    """(L, M) [chunks, C, C] float32: of token-major inputs q, a, b [B, T, H, K] and g
+                 scale: float = 1.0, factor_bound: float = DIAGONAL_FACTOR_BOUND,
+                 attend_dtype: torch.dtype = torch.float32):  # fmt: skip
+    """(L, M) [chunks, C, C]: of token-major inputs q, a, b [B, T, H, K] and g
     ([B, T, H, K] or [B, T, H]) as `tokens` maps them into chunks of C = the padded chunk size,
     q times `scale`; or, with tokens=None, of chunked inputs [..., C, K] (g per channel),
-    returned as [..., C, C]. `factor_bound`: see DIAGONAL_FACTOR_BOUND."""
+    returned as [..., C, C]. `factor_bound`: see DIAGONAL_FACTOR_BOUND. L is float32 (the
+    solve's matrix); M is formed in float32 and stored in `attend_dtype` (the state pass's
+    operators, `chunk.OPERATOR_DTYPE`)."""
     chunked = tokens is None
     tokens = Tokens.of_chunks(q) if chunked else tokens
     size = padded_chunk_size(tokens.chunk_size)
     key_dim = q.shape[-1]
     chunks = tokens.programs(q)
     lower = q.new_empty(chunks, size, size, dtype=torch.float32)
-    attend = q.new_empty(chunks, size, size, dtype=torch.float32)
+    attend = q.new_empty(chunks, size, size, dtype=attend_dtype)
     _intra_fwd[(chunks, size // SUB_BLOCK)](
         q, a, b, g, lower, attend, *tokens.args(), scale, K=key_dim, C=size,
         BK=key_block(key_dim), BT=SUB_BLOCK, G_HEAD=_g_head(q, g), PRECISION=precision,

@@ -62,7 +62,9 @@ def _solve_fwd(
     PRECISION: tl.constexpr,
 ):  # fmt: skip
     """rhs: token-major [B, T, H, N] (`intra.Tokens`; chunked is its one-chunk case) in any
-    float dtype; lower and out chunked float32."""
+    float dtype; lower chunked float32; out chunked, float32 or the operators' 16-bit dtype
+    (the rows solved before are read back from it as stored: the state pass sees those
+    values)."""
     chunk = tl.program_id(0).to(tl.int64)
     offset, valid = _token_offset(chunk, n_chunks, H, T, CS, N)
     lower += chunk * C * C
@@ -80,9 +82,10 @@ def _solve_fwd(
         for j in range(i):
             l_ij = tl.load(lower + (rows + rt)[:, None] * C + j * BT + rt[None, :])
             x_j = tl.load(out + (j * BT + rt)[:, None] * N + rn[None, :], mask=mn, other=0.0)
-            acc -= tl.dot(l_ij, x_j, input_precision=PRECISION)
+            acc -= tl.dot(l_ij, x_j.to(tl.float32), input_precision=PRECISION)
         inv = _inverse_diag(lower + rows * C + rows, C, BT)
-        tl.store(out + tile, tl.dot(inv, acc, input_precision=PRECISION), mask=mn)
+        x_i = tl.dot(inv, acc, input_precision=PRECISION)
+        tl.store(out + tile, x_i.to(out.dtype.element_ty), mask=mn)
         tl.debug_barrier()
 
 
@@ -131,7 +134,7 @@ def _accumulate_outer(acc, d, x, rows, cols, N: tl.constexpr, BT: tl.constexpr,
         mn = rn[None, :] < N
         d_i = tl.load(d + (rows + rt)[:, None] * N + rn[None, :], mask=mn, other=0.0)
         x_j = tl.load(x + (cols + rt)[:, None] * N + rn[None, :], mask=mn, other=0.0)
-        acc += tl.dot(d_i, tl.trans(x_j), input_precision=PRECISION)
+        acc += tl.dot(d_i, tl.trans(x_j.to(tl.float32)), input_precision=PRECISION)
     return acc
 
 
@@ -167,14 +170,15 @@ def _grid(lower: torch.Tensor, columns: int):
 
 
 def solve_triton(lower: torch.Tensor, rhs: torch.Tensor, precision: str = "ieee",
-                 tokens: Tokens | None = None) -> torch.Tensor:  # fmt: skip
+                 tokens: Tokens | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
     """(I + L)^-1 R per chunk: lower [..., C, C] float32 (strictly lower; the upper triangle is
-    not read), rhs chunked [..., C, N] float32 (tokens=None) or token-major [B, T, H, N] in any
-    float dtype as `tokens` maps it. Returns X like lower's chunks, [..., C, N] float32. Twin of
+    not read), rhs chunked [..., C, N] (tokens=None) or token-major [B, T, H, N] as `tokens`
+    maps it, in any float dtype. Returns X like lower's chunks, [..., C, N] in `dtype`
+    (`chunk.OPERATOR_DTYPE`; the substitution itself is float32). Twin of
     `unit_lower_inverse(L) @ R`."""
     size, columns = lower.shape[-1], rhs.shape[-1]
     tokens = Tokens.of_chunks(rhs) if tokens is None else tokens
-    out = lower.new_empty(*lower.shape[:-1], columns)
+    out = lower.new_empty(*lower.shape[:-1], columns, dtype=dtype)
     grid, block = _grid(lower, columns)
     _solve_fwd[grid](lower, rhs, out, *tokens.args(), N=columns, C=size, BT=SUB_BLOCK, BN=block,
                      PRECISION=precision, **LAUNCH)  # fmt: skip
@@ -201,10 +205,11 @@ def solve_triton_backward(lower: torch.Tensor, d_out: torch.Tensor, precision: s
 
 def lower_grad_triton(d_erase_rhs, erase, d_target_rhs, target, precision: str = "ieee"):
     """dL = -(dR_b X_b^T + dR_u X_u^T) on the strict lower triangle of each chunk's [C, C]
-    (blocks above the diagonal are left unwritten: nothing reads them)."""
+    (blocks above the diagonal are left unwritten: nothing reads them), float32 whatever the
+    dtype the solve stored X in."""
     *lead, size, key_dim = erase.shape
     value_dim = target.shape[-1]
-    d_lower = erase.new_empty(*lead, size, size)
+    d_lower = erase.new_empty(*lead, size, size, dtype=torch.float32)
     chunks = chunk_count(erase)
     _lower_grad[(chunks,)](
         d_erase_rhs, erase, d_target_rhs, target, d_lower, K=key_dim, V=value_dim, C=size,
