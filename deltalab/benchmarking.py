@@ -295,10 +295,11 @@ def add_delta_rule_options(parser: argparse.ArgumentParser) -> None:
         "instead of walking them again (triton/chunk.py RECOMPUTE_STATES off)",
     )
     parser.add_argument(
-        "--float32-operators",
-        action="store_true",
-        help="the Triton delta rule stores its chunk operators in float32 whatever the inputs' "
-        "dtype (triton/chunk.py OPERATOR_DTYPE 'float32')",
+        "--operator-dtype",
+        choices=["inputs", "float32"],
+        default=None,
+        help="the dtype the Triton delta rule stores its chunk operators in: the inputs' 16-bit "
+        "dtype or float32 (triton/chunk.py OPERATOR_DTYPE; default: its own)",
     )
     parser.add_argument(
         "--project-separately",
@@ -313,11 +314,10 @@ def apply_delta_rule_options(args: argparse.Namespace) -> None:
     from deltalab.layers import projections
 
     projections.PROJECT_TOGETHER = not args.project_separately
-    if args.state_pass is None and not args.keep_states and not args.float32_operators:
+    if args.state_pass is None and not args.keep_states and args.operator_dtype is None:
         return
     from deltalab.ops.delta_rule.triton import chunk
 
     chunk.STATE_PASS = args.state_pass or chunk.STATE_PASS
     chunk.RECOMPUTE_STATES = chunk.RECOMPUTE_STATES and not args.keep_states
-    if args.float32_operators:
-        chunk.OPERATOR_DTYPE = "float32"
+    chunk.OPERATOR_DTYPE = args.operator_dtype or chunk.OPERATOR_DTYPE

@@ -726,15 +726,17 @@ def _operator_grads(states, residuals, d_out, d_residual, d_next) -> ChunkOperat
 
 # The dtype the chunk operators are stored in between kernels (read, attend, erase, target,
 # write, and the erase's right-hand side exp(G) b; not the decays, nor L, the solve's matrix):
-# "inputs" (the default) stores them in the inputs' 16-bit dtype when q, a, b or u is bf16 or
-# fp16 (`operator_dtype`), "float32" always in float32. Every kernel forms them in float32 and
+# "float32" (the default) always in float32; "inputs" stores them in the inputs' 16-bit dtype
+# when q, a, b or u is bf16 or fp16 (`operator_dtype`). Every kernel forms them in float32 and
 # reads them back into float32 products; the states, residuals and every accumulator stay
 # float32. What the 16-bit storage adds is one rounding of each operator, at the inputs' own
 # precision: read, write and exp(G) b are factors <= 1 times q, a, b (stored as the inputs
 # are), M and (I + L)^-1 R are float32 sums rounded once, and with 16-bit inputs the matrix
 # products were TF32 already (their operands rounded to 10 bits). It halves the bytes the
-# state pass, the solve and the factors move per chunk; measured on the H200 in docs/RESULTS.md.
-OPERATOR_DTYPE = "inputs"
+# state pass, the solve and the factors move per chunk. Tested under the interpreter (fp16) and
+# compiled for sm_90 with bf16 operators, not yet run on a GPU: it stays off until the H200's
+# errors and times (benchmarks/h200_suite.sh ops_ab, ops16_ptrain) say it pays.
+OPERATOR_DTYPE = "float32"
 
 
 def operator_dtype(*inputs: torch.Tensor) -> torch.dtype:
