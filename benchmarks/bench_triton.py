@@ -23,7 +23,13 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from deltalab.benchmarking import format_table, median_seconds, run_environment
+from deltalab.benchmarking import (
+    add_delta_rule_options,
+    apply_delta_rule_options,
+    format_table,
+    median_seconds,
+    run_environment,
+)
 from deltalab.ops import delta_rule, kdn_diag, kdn_iso
 from deltalab.testing import relative_error
 
@@ -243,7 +249,11 @@ def timings(device, shapes, chunk_sizes, repeats, with_chunk_backend, only, gmax
 def stages(device, shape, chunk_size):
     """Forward time of each stage of the Triton path (KDA form): where the time goes."""
     from deltalab.ops.delta_rule.chunk import chunk_operators, intra_chunk, to_chunks
-    from deltalab.ops.delta_rule.triton.chunk import _operators_triton, state_pass_triton
+    from deltalab.ops.delta_rule.triton.chunk import (
+        _operators_triton,
+        operator_dtype,
+        state_pass_triton,
+    )
     from deltalab.ops.delta_rule.triton.factors import factors_triton
     from deltalab.ops.delta_rule.triton.intra import Tokens, intra_triton
     from deltalab.ops.delta_rule.triton.solve import solve_triton
@@ -255,15 +265,20 @@ def stages(device, shape, chunk_size):
     chunked = [to_chunks(t.float(), chunk_size).contiguous() for t in raw]
     tokens = Tokens(-(-shape[1] // chunk_size), shape[2], shape[1], chunk_size)
     state = torch.zeros(shape[0], shape[2], shape[3], shape[3], device=device)
-    ops, lower = _operators_triton(q, a, b, u, g, "tf32", tokens, 1.0)
+    # Every Triton stage stores its operators as the delta rule would (OPERATOR_DTYPE).
+    dtype = operator_dtype(q, a, b, u)
+    ops, lower = _operators_triton(q, a, b, u, g, "tf32", tokens, 1.0, dtype)
     out = torch.empty_like(u)
     rows = []
     cases = (
         ("stages 1-2, PyTorch", lambda: chunk_operators(*chunked, intra=intra_chunk)),
-        ("factors", lambda: factors_triton(q, a, b, g, tokens)),
-        ("stage 1", lambda: intra_triton(q, a, b, g, "tf32", tokens)),
-        ("stage 2 (one solve)", lambda: solve_triton(lower, u, "tf32", tokens)),
-        ("stages 1-2, Triton", lambda: _operators_triton(q, a, b, u, g, "tf32", tokens, 1.0)),
+        ("factors", lambda: factors_triton(q, a, b, g, tokens, dtype=dtype)),
+        ("stage 1", lambda: intra_triton(q, a, b, g, "tf32", tokens, attend_dtype=dtype)),
+        ("stage 2 (one solve)", lambda: solve_triton(lower, u, "tf32", tokens, dtype=dtype)),
+        (
+            "stages 1-2, Triton",
+            lambda: _operators_triton(q, a, b, u, g, "tf32", tokens, 1.0, dtype),
+        ),
         ("stages 3-4, IEEE", lambda: state_pass_triton(ops, state, "ieee", out, tokens)),
         ("stages 3-4, TF32", lambda: state_pass_triton(ops, state, "tf32", out, tokens)),
     )
@@ -329,16 +344,9 @@ def main() -> None:
         "Triton stage 1 factored, 8 or more sends most to the walk, as trained gates do\n"
         "(benchmarks/diagonal_forms.py)",
     )  # fmt: skip
-    parser.add_argument(
-        "--operator-dtype", choices=["inputs", "float32"], default=None,
-        help="the dtype the Triton delta rule stores its chunk operators in\n"
-        "(triton/chunk.py OPERATOR_DTYPE; default: its own)",
-    )  # fmt: skip
+    add_delta_rule_options(parser)  # --operator-dtype, --state-pass, --keep-states
     args = parser.parse_args()
-    if args.operator_dtype is not None:
-        from deltalab.ops.delta_rule.triton import chunk
-
-        chunk.OPERATOR_DTYPE = args.operator_dtype
+    apply_delta_rule_options(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.tiny:
         check_shape, stab_shape, shapes = (1, 40, 2, 16), (1, 300, 2, 16), [(1, 100, 2, 32)]

@@ -47,9 +47,9 @@
 # float64), rope_tests 90 s (tests/test_rope.py compiled on the GPU, bf16 included), read_gate 120 s
 # (Muir's read gate fused with the query: Triton kernels against the torch path, errors against
 # float64), read_gate_tests 90 s (tests/test_read_gate.py compiled on the GPU, bf16 included),
-# ops_ab 240 s (the op's errors against float64 and its times at B=4 T=4096 H=16, chunk 64, with
-# the chunk operators stored in float32 and then in the inputs' dtype, triton/chunk.py
-# OPERATOR_DTYPE), ops16_ptrain 80 s (ptrain_gdn2's 4K profile with 16-bit operators: compare
+# ops_ab 240 s (the op's errors against float64, at bench_triton.py's check shape, and its times
+# at B=4 T=4096 H=16, chunk 64, with the chunk operators stored in float32 and then in the
+# inputs' dtype, triton/chunk.py OPERATOR_DTYPE), ops16_ptrain 80 s (ptrain_gdn2's 4K profile with 16-bit operators: compare
 # with ptrain_gdn2).
 set -u
 # The device returns at most 8 files: parts write under a work folder, and after every part the

@@ -18,7 +18,8 @@ projections are randomized first, so that distinct tensors do not coincide).
 The delta-rule primitive is charged as the CUDA Triton kernel (`_DeltaRuleTriton`) saves, not
 as the CPU "chunk" backend: nothing saved inside `delta_rule` is recorded; instead its inputs
 q, a, b, u, g are charged (once per storage, so shared with the layer's saves; a non-contiguous
-input as the copy its `.contiguous()` makes), plus the chunk-start states `[B, H, n, K, V]` and
+input as the copy its `.contiguous()` makes; an input the backward rebuilds, `rebuildable`, as
+the tensors its recipe holds), plus the chunk-start states `[B, H, n, K, V]` and
 the residuals `[B, H, n, C, V]`, float32, with `--keep-states`; by default the chunk-start
 states of every CHECKPOINT_EVERY-th chunk instead, as the kernel keeps with RECOMPUTE_STATES, its
 default). Softmax attention is charged
@@ -51,6 +52,8 @@ import deltalab.layers.common as common
 import deltalab.layers.kdn as kdn_layers
 from deltalab.models.lm import CausalLM
 from deltalab.models.presets import build_config
+from deltalab.ops import _recompute
+from deltalab.ops._recompute import recipe_of
 from deltalab.ops._triton import triton_unavailable_reason
 from deltalab.ops.delta_rule.chunk import padded_chunk_size
 
@@ -142,7 +145,15 @@ class Audit:
 
     def charge_inputs(self, kernel: str, names: str, inputs, *, copies: bool) -> None:
         for name, x in zip(names, inputs, strict=True):
-            if x.is_contiguous() or not copies:
+            recipe = recipe_of(x)
+            if recipe is not None:
+                # Not kept: rebuilt in the backward from what its recipe holds (free where its
+                # own op's backward keeps that, as it should).
+                for i, t in enumerate(recipe.tensors()):
+                    self.add_tensor(
+                        t, kernel=True, origin=f"{kernel} input {name} rebuilt: arg {i}"
+                    )
+            elif x.is_contiguous() or not copies:
                 self.add_tensor(x, kernel=True, origin=f"{kernel} input {name}")
             else:
                 self.add_new(x.shape, x.dtype, f"{kernel} input {name} (.contiguous() copy)", x)
@@ -347,7 +358,14 @@ def main() -> None:
         help="charge the Triton delta rule as it saves with RECOMPUTE_STATES off (all chunk-start "
         "states and the residuals instead of every CHECKPOINT_EVERY-th state)",
     )
+    parser.add_argument(
+        "--keep-inputs",
+        action="store_true",
+        help="the delta rule keeps the inputs that cheap ops made (gate products, log decay) "
+        "instead of rebuilding them in the backward (_recompute.REBUILD_IN_BACKWARD off)",
+    )
     args = parser.parse_args()
+    _recompute.REBUILD_IN_BACKWARD = not args.keep_inputs
     torch.set_num_threads(1)
     for mixer in args.mixers:
         measure = dict(layers=args.layers, recompute_states=not args.keep_states)

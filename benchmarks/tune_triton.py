@@ -31,6 +31,7 @@ from deltalab.ops.delta_rule.triton import intra as intra_module
 from deltalab.ops.delta_rule.triton import solve as solve_module
 from deltalab.ops.delta_rule.triton.chunk import (
     _operators_triton,
+    operator_dtype,
     operator_grads_triton,
     state_pass_split_triton,
     state_pass_split_triton_backward,
@@ -93,13 +94,19 @@ def main() -> None:
     # Token-major inputs, read in place by the kernels as the backend passes them.
     q, a, b, u, g = (x["q"], x["beta"][..., None] * x["k"], x["k"], x["v"], x["g"])
     tokens = Tokens(-(-length // args.chunk), heads, length, args.chunk)
-    ops, lower = _operators_triton(q, a, b, u, g, precision, tokens, 1.0)
+    ops, lower = _operators_triton(
+        q, a, b, u, g, precision, tokens, 1.0, operator_dtype(q, a, b, u)
+    )
     state = torch.randn(batch, heads, dim, dim, device=device)
-    d_out = torch.randn_like(ops.target)
-    d_lower, d_attend = torch.randn_like(lower), torch.randn_like(ops.attend)
+    # The gradients are float32 whatever OPERATOR_DTYPE stores the operators in.
+    f32 = {"dtype": torch.float32}
+    d_out = torch.randn_like(ops.target, **f32)
+    d_lower, d_attend = torch.randn_like(lower), torch.randn_like(ops.attend, **f32)
     _, residuals, states, _ = state_pass_triton(ops, state, precision)
     d_residual, d_next, _ = state_pass_triton_backward(ops, d_out, state, precision)
-    chunked = [torch.randn_like(ops.read) for _ in range(6)]  # d read, d rhs, d write, dq1...
+    chunked = [
+        torch.randn_like(ops.read, **f32) for _ in range(6)
+    ]  # d read, d rhs, d write, dq1...
     d_decay = torch.randn_like(ops.decay)
 
     def warps(*counts):

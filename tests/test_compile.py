@@ -75,7 +75,7 @@ def test_triton_launches_are_opaque_to_dynamo():
     from deltalab.ops.log_decay.triton import log_decay_triton
     from deltalab.ops.mobius.triton import mobius_scan_lanes, mobius_scan_triton
     from deltalab.ops.norms.triton import l2_normalize_triton, rms_norm_triton
-    from deltalab.ops.read_gate.triton import read_query_triton
+    from deltalab.ops.read_gate.triton import read_query_triton, sigmoid_gate_triton
     from deltalab.ops.rope.triton import rope_triton, rotate
     from deltalab.ops.short_conv.triton import short_conv_triton
     from deltalab.ops.swiglu.triton import swiglu_triton
@@ -83,8 +83,8 @@ def test_triton_launches_are_opaque_to_dynamo():
     entry_points = (
         delta_rule_triton, kdn_variance_scan, kdn_diag_gain, kdn_iso_terms, log_decay_triton,
         mobius_scan_lanes, mobius_scan_triton, l2_normalize_triton, rms_norm_triton,
-        read_query_triton, rope_triton, rotate, short_conv_triton, swiglu_triton,
-        delta_rule_step_triton,
+        read_query_triton, sigmoid_gate_triton, rope_triton, rotate, short_conv_triton,
+        swiglu_triton, delta_rule_step_triton,
     )  # fmt: skip
     for fn in entry_points:
         assert getattr(fn, "_torchdynamo_disable", False), fn.__qualname__

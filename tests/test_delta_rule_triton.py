@@ -611,23 +611,25 @@ def test_triton_bfloat16_inputs_return_bfloat16_close_to_the_loop(generator):
     assert_close(o, o_ref, TOLERANCE[torch.bfloat16], "o")
 
 
+@pytest.mark.parametrize("state_pass", ["fused", "split"])
 @pytest.mark.parametrize("operators", ["inputs", "float32"])
 def test_triton_16bit_inputs_store_the_operators_as_told_and_stay_close_to_the_loop(
-    generator, monkeypatch, operators
+    generator, monkeypatch, operators, state_pass
 ):
     """fp16 inputs (the interpreter's 16-bit float: its bf16 arithmetic is not bf16's): with
-    OPERATOR_DTYPE="inputs" every chunk operator but the decays reaches the state pass in fp16,
-    forward and backward, with "float32" in float32; either way the output, the final state and
-    every gradient stay within fp16's tolerance of the float64 loop."""
+    OPERATOR_DTYPE="inputs" every chunk operator but the decays reaches the state pass (each
+    form) in fp16, forward and backward, with "float32" in float32; either way the output, the
+    final state and every gradient stay within fp16's tolerance of the float64 loop."""
     from deltalab.ops.delta_rule.triton import chunk as state_module
 
     monkeypatch.setattr(state_module, "OPERATOR_DTYPE", operators)
+    monkeypatch.setattr(state_module, "STATE_PASS", state_pass)
     seen = []
     for name, passes in list(state_module.STATE_PASSES.items()):
 
-        def spy(fn):
+        def spy(fn, name=name):
             def run(ops, *args, **kwargs):
-                seen.append({field: x.dtype for field, x in ops._asdict().items()})
+                seen.append((name, {field: x.dtype for field, x in ops._asdict().items()}))
                 return fn(ops, *args, **kwargs)
 
             return run
@@ -643,8 +645,9 @@ def test_triton_16bit_inputs_store_the_operators_as_told_and_stay_close_to_the_l
     stored = torch.float16 if operators == "inputs" else torch.float32
     expected = {field: stored for field in state_module.ChunkOperators._fields}
     expected["decay"] = torch.float32
-    # The forward's pass, the backward's walk again from the checkpoints, its adjoint pass.
-    assert seen == [expected] * 3
+    # The forward's pass, the backward's walk again from the checkpoints, its adjoint pass,
+    # each of the form set.
+    assert seen == [(state_pass, expected)] * 3
 
 
 def test_operator_dtype_setting_is_checked_by_name(generator, monkeypatch):

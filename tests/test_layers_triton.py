@@ -189,3 +189,50 @@ def test_gate_sensitivity_probes_run_the_convolutions_of_triton_layers_on_conv1d
         gate_sensitivity(model, batch, probes=1, loss_fn=lambda m, b: m(input_ids=b, labels=b).loss)
     assert backends and set(backends) == {"torch"}
     assert {m.backend for m in model.modules() if isinstance(m, DeltaMixer)} == {"triton"}
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("mixer", "rebuilt"),
+    [
+        ("gdn2", ["sigmoid_gate", "sigmoid_gate", "log_decay"]),
+        ("kda", ["mul", "log_decay"]),
+        ("muir", ["read_query", "sigmoid_gate", "sigmoid_gate", "log_decay"]),
+    ],
+)
+@pytest.mark.parametrize("checkpoint_blocks", [False, True], ids=["", "checkpointed-blocks"])
+def test_delta_rule_inputs_made_by_cheap_ops_are_rebuilt_in_the_backward_not_kept(
+    monkeypatch, mixer, rebuilt, checkpoint_blocks
+):
+    """On the Triton kernels the delta rule's Function saves q, a, b, u, g: those a gate product,
+    the read gate or the log decay made (`rebuildable`) are made again in the backward from what
+    those ops keep, with the same loss and gradients bit for bit; under activation
+    checkpointing of the blocks nothing is (the checkpoint keeps none of them)."""
+    from deltalab.ops import _recompute
+
+    made = []
+    call = _recompute.Recipe.__call__
+
+    def spy(self):
+        made.append(getattr(self.fn, "func", self.fn).__name__)
+        return call(self)
+
+    monkeypatch.setattr(_recompute.Recipe, "__call__", spy)
+    torch.manual_seed(0)
+    sizes = dict(num_layers=1, hidden_size=32, num_heads=2, head_dim=16, chunk_size=16)
+    model = CausalLM(build_config("tiny", mixer=mixer, backend="triton", **sizes)).to(DEVICE)
+    model.model.checkpoint_blocks = checkpoint_blocks  # as the trainer sets it
+    ids = torch.randint(0, model.config.vocab_size, (1, 20), device=DEVICE)
+    results, calls = {}, {}
+    for rebuild in (False, True):
+        monkeypatch.setattr(_recompute, "REBUILD_IN_BACKWARD", rebuild)
+        made.clear()
+        model.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results[rebuild] = [loss.detach(), *(p.grad.clone() for p in model.parameters())]
+        calls[rebuild] = list(made)
+    for a, b in zip(results[True], results[False], strict=True):
+        assert torch.equal(a, b)
+    assert calls[False] == []
+    assert calls[True] == ([] if checkpoint_blocks else rebuilt)

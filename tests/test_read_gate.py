@@ -515,6 +515,8 @@ def test_a_gate_hook_on_a_triton_layer_sees_the_erase_and_write_sigmoids(monkeyp
     chunk, triton = build_gated(cls, "chunk"), build_gated(cls, "triton")
     triton.load_state_dict(chunk.state_dict(), strict=True)
     x = torch.randn(2, 6, 32, device=DEVICE)
+    with torch.no_grad():
+        plain = triton(x)[0]  # no hook: the fused products
     calls = spy_sigmoid_gate(monkeypatch)
     seen, outputs = {}, {}
 
@@ -529,4 +531,6 @@ def test_a_gate_hook_on_a_triton_layer_sees_the_erase_and_write_sigmoids(monkeyp
             handle.remove()
     assert calls == []
     assert all("erase" in names and "write" in names for names in seen.values())
+    # The hook took effect on the Triton layer, and as on the chunk path.
+    assert (plain - outputs["triton"]).abs().max() > 1e-4
     assert_close(outputs["triton"], outputs["chunk"], 1e-5, "hooked y")

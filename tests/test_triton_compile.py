@@ -7,6 +7,7 @@ happened here). Compiling ahead of time for sm_90 needs no GPU.
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -133,19 +134,24 @@ def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chu
             for from_output in (True, False)
         ]  # fmt: skip
         kernels += _split_state_pass_kernels(state_pass, key_dim, chunk, precision)
-        for kernel, n_pointers, constants, kernel_options in kernels:
+        # TF32 is what 16-bit inputs get: with float32 operators (the default) and with 16-bit
+        # ones (OPERATOR_DTYPE "inputs").
+        operators = ["*fp32", "*bf16"] if precision == "tf32" else ["*fp32"]
+        for (kernel, n_pointers, constants, kernel_options), stored in itertools.product(
+            kernels, operators
+        ):
             pointers = kernel.arg_names[:n_pointers]
             scalars = [a for a in kernel.arg_names[n_pointers:] if a not in constants]
-            # TF32 is what 16-bit inputs get, and with them 16-bit operators (OPERATOR_DTYPE).
-            types = {p: "*bf16" for p in pointers if p in OPERATOR_POINTERS}
-            compiled = _compile_for_hopper(kernel, pointers, scalars, constants, kernel_options,
-                                           types if precision == "tf32" else None)  # fmt: skip
-            assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, kernel.fn.__name__
+            types = {p: stored for p in pointers if p in OPERATOR_POINTERS}
+            compiled = _compile_for_hopper(
+                kernel, pointers, scalars, constants, kernel_options, types
+            )
+            assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, (kernel.fn.__name__, stored)
 
 
 # The delta rule's kernels' pointers to the chunk operators, stored in the inputs' 16-bit dtype
-# when they are 16-bit (triton/chunk.py OPERATOR_DTYPE), and to the outputs in the inputs' dtype
-# (`out`; the solve's `out` is the erase or the target operator).
+# with triton/chunk.py OPERATOR_DTYPE "inputs", and to the outputs in the inputs' dtype (`out`;
+# the solve's `out` is the erase or the target operator).
 OPERATOR_POINTERS = {"read", "attend", "erase", "target", "write", "rhs", "out"}
 
 

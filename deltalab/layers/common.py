@@ -41,7 +41,7 @@ from deltalab.ops._checks import (
     require_rank,
     require_shape,
 )
-from deltalab.ops._recompute import recomputed
+from deltalab.ops._recompute import rebuilt_in_backward, recomputed
 from deltalab.ops.delta_rule import (
     BACKENDS,
     delta_rule,
@@ -568,13 +568,16 @@ def run_delta_rule(
             *(x[:, 0] for x in inputs), memory, backend=step_backend(backend), in_place=in_place
         )
         return o.unsqueeze(1), memory
-    o, final = delta_rule(
-        *inputs,
-        initial_state=memory,
-        output_final_state=True,
-        chunk_size=chunk_size,
-        backend=backend,
-    )
+    # Inputs that a cheap op made from tensors its backward keeps (the gate products, the log
+    # decay) are made again in the backward instead of kept a second time (`rebuildable`).
+    with rebuilt_in_backward():
+        o, final = delta_rule(
+            *inputs,
+            initial_state=memory,
+            output_final_state=True,
+            chunk_size=chunk_size,
+            backend=backend,
+        )
     # output_final_state=True always returns the state.
     return o, cast(torch.Tensor, final)
 
@@ -698,7 +701,8 @@ class DeltaMixer(nn.Module, abc.ABC):
     def reported_gates(self, gates: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The gates a forward reports (`return_gates=True`) from those it passed to
         `inputs_from_gates`: the same, unless a mixer fuses a gate into its use (Muir's read
-        gate: `FusedGateMixer.hooked_gates`)."""
+        gate, `FusedGateMixer.hooked_gates`; GDN-2's and Muir's erase and write gates on
+        Triton, `gdn2.products_fuse`)."""
         return gates
 
     def primitive_inputs(

@@ -350,7 +350,7 @@ class FusedGateMixer(DeltaMixer):
         "triton"."""
         if self.read_gate == "none" or x.dtype != torch.float32:
             return False
-        return read_gate.resolve_backend(layer_backend(self.backend), x) == "triton"
+        return products_fuse(self.backend, x)  # the same op's backend as the gate products'
 
     def read_gates(
         self, raw: dict[str, torch.Tensor], x: torch.Tensor, fused: bool

@@ -23,6 +23,7 @@ from deltalab.layers.common import RMSNorm, compute_dtype
 from deltalab.models.cache import RecurrentCache
 from deltalab.models.config import DeltaLabConfig
 from deltalab.models.mixers import build_mixer
+from deltalab.ops._recompute import without_rebuild
 from deltalab.ops.lm_loss import linear_cross_entropy
 from deltalab.ops.norms import layer_backend
 from deltalab.ops.swiglu import swiglu
@@ -139,8 +140,9 @@ class DeltaLabModel(DeltaLabPreTrainedModel):
         for i, block in enumerate(self.blocks):
             state = None if past_key_values is None else past_key_values.states[i]
             if self.checkpoint_blocks and self.training and torch.is_grad_enabled():
+                # The checkpoint keeps none of the block's tensors: nothing to rebuild inside.
                 x, state = torch.utils.checkpoint.checkpoint(
-                    block, x, state, mask, use_reentrant=False
+                    without_rebuild(block), x, state, mask, use_reentrant=False
                 )
             else:
                 x, state = block(x, state, mask)

@@ -1,9 +1,19 @@
-"""`recomputed`: activation checkpointing of one small elementwise piece (the layers' and the
-ops' torch paths share it)."""
+"""Recomputation instead of storage, in two forms the layers and ops share:
+
+- `recomputed`: activation checkpointing of one small elementwise piece.
+- `rebuildable` / `rebuilt_in_backward`: a cheap op's output, marked with how to make it
+  again, is not kept by the ops that save it inside `rebuilt_in_backward`; their backward
+  makes it again from the op's inputs, which the op's own backward keeps anyway. The delta
+  rule's inputs b, u, g (and a) are such outputs: the Triton kernel saves them for its
+  backward, where the gate products and the log decay that made them already keep what they
+  were made from (benchmarks/memory_audit.py).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -22,3 +32,103 @@ def recomputed(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
     if not needs_grad:
         return fn(*args)
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+
+# Whether `rebuilt_in_backward` rebuilds marked tensors (True) or lets them be kept as usual:
+# a switch to compare the two (benchmarks/memory_audit.py --keep-inputs).
+REBUILD_IN_BACKWARD = True
+# Off inside `without_rebuild` (a block under activation checkpointing, whose saves the
+# checkpoint already drops: a recipe would keep its inputs alive there instead).
+_ENABLED = contextvars.ContextVar("deltalab_rebuild", default=True)
+# The attribute of a tensor that holds its `Recipe`.
+_RECIPE = "_deltalab_recipe"
+
+
+class Recipe:
+    """fn(*args) again, under no_grad and the autocast state of the forward that made it.
+    `args` are held (the tensors among them are what a rebuilt tensor costs); each must be
+    unchanged in place when the backward calls the recipe, as autograd requires of saved
+    tensors."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], args: tuple, device_type: str) -> None:
+        self.fn, self.args, self.device_type = fn, args, device_type
+        self.autocast = (
+            torch.is_autocast_enabled(device_type),
+            torch.get_autocast_dtype(device_type),
+        )
+        self.versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [a for a in self.args if isinstance(a, torch.Tensor)]
+
+    def __call__(self) -> torch.Tensor:
+        for i, (a, version) in enumerate(zip(self.args, self.versions, strict=True)):
+            if version is not None and a._version != version:
+                raise RuntimeError(
+                    f"argument {i} of {getattr(self.fn, '__name__', self.fn)!r}, from which a "
+                    "tensor saved for backward is rebuilt, was modified in place after the "
+                    "forward"
+                )
+        enabled, dtype = self.autocast
+        with torch.no_grad(), torch.autocast(self.device_type, dtype=dtype, enabled=enabled):
+            return self.fn(*self.args)
+
+
+def rebuildable(out: torch.Tensor, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """Marks `out` = fn(*args) (the same values bit for bit each time: a deterministic op) as
+    rebuilt, not kept, where an op inside `rebuilt_in_backward` saves it. Only for an op whose
+    own backward keeps the tensors among args, so that holding them costs nothing. Returns out;
+    marks nothing without gradients."""
+    if torch.is_grad_enabled() and out.requires_grad and not torch.compiler.is_compiling():
+        setattr(out, _RECIPE, (Recipe(fn, args, out.device.type), out._version))
+    return out
+
+
+def recipe_of(t: torch.Tensor) -> Recipe | None:
+    """The recipe `rebuilt_in_backward` would keep in t's place now, or None (unmarked, changed
+    in place since, or rebuilding off)."""
+    if not (REBUILD_IN_BACKWARD and _ENABLED.get()):
+        return None
+    marked = getattr(t, _RECIPE, None)
+    if marked is None or marked[1] != t._version:
+        return None
+    return marked[0]
+
+
+def _pack(t: torch.Tensor) -> Any:
+    recipe = recipe_of(t)
+    return t if recipe is None else recipe
+
+
+def _unpack(x: Any) -> torch.Tensor:
+    return x() if isinstance(x, Recipe) else x
+
+
+@contextlib.contextmanager
+def rebuilt_in_backward() -> Iterator[None]:
+    """Inside, a tensor marked by `rebuildable` that an op saves for backward is kept as its
+    recipe and made again when the backward reads it. Nothing changes under torch.compile, inside
+    `without_rebuild`, or with REBUILD_IN_BACKWARD off."""
+    if (
+        not (REBUILD_IN_BACKWARD and _ENABLED.get())
+        or not torch.is_grad_enabled()
+        or torch.compiler.is_compiling()
+    ):
+        yield
+        return
+    with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+        yield
+
+
+def without_rebuild(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """fn with `rebuilt_in_backward` off inside it: for a block under activation checkpointing,
+    whose forward (and its rerun in the backward) keeps nothing anyway."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        token = _ENABLED.set(False)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _ENABLED.reset(token)
+
+    return run

@@ -28,7 +28,10 @@ def opaque_to_compiler(fn):
     them; under `TRITON_INTERPRET=1` it traces into the interpreter itself and fails there.
     `deltalab train` with train.compile=true crashed on either before this (a 340M GDN-2 on the
     H200, and tests/test_compile.py on CPU). The kernels are compiled by Triton already: the
-    graph break costs the kernel nothing, only a resume of the compiled code on the host."""
+    graph break costs the kernels nothing, but every break hands control back to the host,
+    and on the H200 a compiled 340M GDN-2 step took twice its kernel time in wall time, slower
+    than eager (docs/RESULTS.md, 2026-12-02): registering the kernels as PyTorch custom ops is
+    what would keep the graph whole."""
     return torch.compiler.disable(fn, recursive=True)
 
 

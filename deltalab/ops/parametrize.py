@@ -14,6 +14,9 @@ stores the sigmoid nor its gradient.
 Shapes: q, k `[B, T, H, K]`, v `[B, T, H, V]`, beta `[B, T, H]`, erase `[B, T, H, K]`,
 write `[B, T, H, V]`. The same functions serve one-token decoding (`[B, H, *]`, beta `[B, H]`).
 
+Each gate product is marked `rebuildable`: the product's own backward keeps both factors, so
+where the delta rule would keep the product (`rebuilt_in_backward`) it is made again instead.
+
 k is made contiguous first: the layers' k is a strided view of the short convolution's output,
 and both the gate product (beta * k, erase * k) and the Triton delta rule keep it for
 backward, the kernel as its own contiguous copy: otherwise one k is kept twice. Same values, so
@@ -27,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from deltalab.ops._checks import require_float, require_shape
+from deltalab.ops._recompute import rebuildable
 from deltalab.ops.read_gate import sigmoid_gate
 
 
@@ -40,6 +44,11 @@ class DeltaRuleInputs(NamedTuple):
     g: torch.Tensor
 
 
+def _product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x * y, made again from x and y where the delta rule would keep it (module docstring)."""
+    return rebuildable(x * y, torch.mul, x, y)
+
+
 def _check_beta(k: torch.Tensor, beta: torch.Tensor) -> None:
     require_float("beta", beta)
     layout = "[B, T, H]" if k.dim() == 4 else "[B, H]"
@@ -50,7 +59,7 @@ def deltanet_inputs(q, k, v, beta) -> DeltaRuleInputs:
     """DeltaNet: S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T, no decay."""
     _check_beta(k, beta)
     k = k.contiguous()  # one k for the gate product and the kernel (module docstring)
-    return DeltaRuleInputs(q, beta.unsqueeze(-1) * k, k, v, torch.zeros_like(beta))
+    return DeltaRuleInputs(q, _product(beta.unsqueeze(-1), k), k, v, torch.zeros_like(beta))
 
 
 def gated_deltanet_inputs(q, k, v, beta, g) -> DeltaRuleInputs:
@@ -59,7 +68,7 @@ def gated_deltanet_inputs(q, k, v, beta, g) -> DeltaRuleInputs:
     require_float("g", g)
     require_shape("g", g, k.shape[:-1], "[B, T, H]", "(one log decay per head)")
     k = k.contiguous()  # one k for the gate product and the kernel (module docstring)
-    return DeltaRuleInputs(q, beta.unsqueeze(-1) * k, k, v, g)
+    return DeltaRuleInputs(q, _product(beta.unsqueeze(-1), k), k, v, g)
 
 
 def kda_inputs(q, k, v, beta, g) -> DeltaRuleInputs:
@@ -68,7 +77,7 @@ def kda_inputs(q, k, v, beta, g) -> DeltaRuleInputs:
     require_float("g", g)
     require_shape("g", g, k.shape, "[B, T, H, K]", "(one log decay per key channel)")
     k = k.contiguous()  # one k for the gate product and the kernel (module docstring)
-    return DeltaRuleInputs(q, beta.unsqueeze(-1) * k, k, v, g)
+    return DeltaRuleInputs(q, _product(beta.unsqueeze(-1), k), k, v, g)
 
 
 def gdn2_inputs(q, k, v, erase, write, g) -> DeltaRuleInputs:
@@ -78,7 +87,7 @@ def gdn2_inputs(q, k, v, erase, write, g) -> DeltaRuleInputs:
     """
     _check_gdn2_gates(k, v, erase, write, g, ("erase", "write"))
     k = k.contiguous()  # one k for the gate product and the kernel (module docstring)
-    return DeltaRuleInputs(q, k, erase * k, write * v, g)
+    return DeltaRuleInputs(q, k, _product(erase, k), _product(write, v), g)
 
 
 def gdn2_inputs_from_logits(

@@ -18,11 +18,13 @@ The layers pick the backend from their delta rule's (`layer_backend`, as the nor
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from deltalab.ops._checks import require_float, require_same_device
+from deltalab.ops._recompute import rebuildable
 from deltalab.ops._triton import elementwise_backend
 from deltalab.ops.log_decay.reference import compute_dtype, log_decay_naive, log_decay_torch
 from deltalab.ops.norms import layer_backend
@@ -79,9 +81,13 @@ def log_decay(
         from deltalab.ops.log_decay.triton import log_decay_triton
 
         width = math.prod(shape)
-        return log_decay_triton(
+        g = log_decay_triton(
             A_log.expand(shape).reshape(width), raw, dt_bias.expand(shape).reshape(width)
         )
-    if backend == "naive":
-        return log_decay_naive(A_log, raw, dt_bias)
-    return log_decay_torch(A_log, raw, dt_bias)
+    elif backend == "naive":
+        g = log_decay_naive(A_log, raw, dt_bias)
+    else:
+        g = log_decay_torch(A_log, raw, dt_bias)
+    # Its backward keeps raw and the parameters: g (float32) is made again from them where the
+    # delta rule would keep it (`rebuilt_in_backward`).
+    return rebuildable(g, functools.partial(log_decay, backend=backend), A_log, raw, dt_bias)

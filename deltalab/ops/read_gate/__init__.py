@@ -24,11 +24,13 @@ where the layers keep rho among their gates (`FusedGateMixer.matched_read`).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from deltalab.ops._checks import require_float, require_same_device
+from deltalab.ops._recompute import rebuildable
 from deltalab.ops._triton import elementwise_backend
 from deltalab.ops.norms import layer_backend
 from deltalab.ops.read_gate.reference import compute_dtype, read_query_naive, read_query_torch
@@ -102,10 +104,14 @@ def read_query(
     if backend == "triton" and q.numel() > 0:
         from deltalab.ops.read_gate.triton import read_query_triton
 
-        return read_query_triton(q, read_log.expand(shape).reshape(math.prod(shape)), raw)
-    if backend == "naive":
-        return read_query_naive(q, read_log, raw)
-    return read_query_torch(q, read_log, raw)
+        out = read_query_triton(q, read_log.expand(shape).reshape(math.prod(shape)), raw)
+    elif backend == "naive":
+        out = read_query_naive(q, read_log, raw)
+    else:
+        out = read_query_torch(q, read_log, raw)
+    # Its backward keeps q, read_log and raw: the read query is made again from them where the
+    # delta rule would keep it (`rebuilt_in_backward`).
+    return rebuildable(out, functools.partial(read_query, backend=backend), q, read_log, raw)
 
 
 # log(1/2): at this static vector the read gate is exp(log 1/2) * 2 sigmoid(raw) = sigmoid(raw).
@@ -121,9 +127,9 @@ def sigmoid_gate(x: torch.Tensor, logits: torch.Tensor, *, backend: str = "auto"
     without a vector to load (one kernel each way; the sigmoid never stored); elsewhere
     `read_query` itself, with read_log = `LOG_HALF`.
 
-    logits has x's shape; the gradients reach x and logits in their dtypes. Saves x and logits
-    (the sigmoid is recomputed in the backward), where torch.sigmoid followed by a product
-    saves the sigmoid and x.
+    logits has x's shape; the gradients reach x and logits in their dtypes. On Triton it saves
+    x and logits (the sigmoid is recomputed in the backward), where torch.sigmoid followed by
+    a product saves the sigmoid and x; the torch path saves what `read_query_torch` does.
     """
     x = require_float("x", x)
     logits = require_float("logits", logits)
@@ -133,9 +139,14 @@ def sigmoid_gate(x: torch.Tensor, logits: torch.Tensor, *, backend: str = "auto"
             f"logits must have x's shape {tuple(x.shape)} (one gate per element), got "
             f"{tuple(logits.shape)}"
         )
-    if resolve_backend(backend, x) == "triton" and x.numel() > 0:
+    backend = resolve_backend(backend, x)
+    if backend == "triton" and x.numel() > 0:
         from deltalab.ops.read_gate.triton import sigmoid_gate_triton
 
-        return sigmoid_gate_triton(x, logits)
-    half = torch.full(x.shape[-1:], LOG_HALF, dtype=compute_dtype(x), device=x.device)
-    return read_query(x, half, logits, backend="naive" if backend == "naive" else "torch")
+        out = sigmoid_gate_triton(x, logits)
+    else:
+        half = torch.full(x.shape[-1:], LOG_HALF, dtype=compute_dtype(x), device=x.device)
+        out = read_query(x, half, logits, backend="naive" if backend == "naive" else "torch")
+    # Its backward keeps x and logits: the product is made again from them where the delta
+    # rule would keep it (`rebuilt_in_backward`).
+    return rebuildable(out, functools.partial(sigmoid_gate, backend=backend), x, logits)

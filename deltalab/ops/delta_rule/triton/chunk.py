@@ -28,8 +28,8 @@ keep only the products that depend on S or dS (N and S' forward, dN and dS backw
 the outputs, attend^T dO and read^T dO to kernels parallel over chunks; the comment above
 `_state_pass_split_fwd` says why that is exact and what it costs in memory traffic.
 
-Precision: S and every accumulator are float32. The operators arrive in float32 or, with 16-bit
-inputs, in their dtype (`OPERATOR_DTYPE`) and are read into float32. With float32 operators the
+Precision: S and every accumulator are float32. The operators arrive in float32 (the default)
+or, with `OPERATOR_DTYPE = "inputs"` and 16-bit inputs, in their dtype, read into float32. With float32 operators the
 products run in IEEE float32 (TF32 would cost ~1e-3 relative error); no exponential is taken
 here, the decays arrive as factors <= 1 from the stable stage 1.
 """
@@ -729,10 +729,12 @@ def _operator_grads(states, residuals, d_out, d_residual, d_next) -> ChunkOperat
 # "float32" (the default) always in float32; "inputs" stores them in the inputs' 16-bit dtype
 # when q, a, b or u is bf16 or fp16 (`operator_dtype`). Every kernel forms them in float32 and
 # reads them back into float32 products; the states, residuals and every accumulator stay
-# float32. What the 16-bit storage adds is one rounding of each operator, at the inputs' own
-# precision: read, write and exp(G) b are factors <= 1 times q, a, b (stored as the inputs
-# are), M and (I + L)^-1 R are float32 sums rounded once, and with 16-bit inputs the matrix
-# products were TF32 already (their operands rounded to 10 bits). It halves the bytes the
+# float32. What the 16-bit storage adds is the rounding of each operator to the inputs' dtype:
+# read, write and exp(G) b are factors <= 1 times q, a, b (rounded as the inputs were), M is a
+# float32 sum rounded once, and the solve's rows carry the rounding of the rows solved before
+# them (it reads them back as stored). With fp16 that is finer than the TF32 operands the
+# products already take (11 significant bits each); with bf16 (8 bits) it is coarser, an
+# error of the inputs' own size on every operator. It halves the bytes the
 # state pass, the solve and the factors move per chunk. Tested under the interpreter (fp16) and
 # compiled for sm_90 with bf16 operators, not yet run on a GPU: it stays off until the H200's
 # errors and times (benchmarks/h200_suite.sh ops_ab, ops16_ptrain) say it pays.
@@ -744,18 +746,20 @@ def operator_dtype(*inputs: torch.Tensor) -> torch.dtype:
     16-bit dtype among them, or float32."""
     if OPERATOR_DTYPE not in ("inputs", "float32"):
         raise ValueError(f"OPERATOR_DTYPE must be 'inputs' or 'float32', got {OPERATOR_DTYPE!r}")
-    if OPERATOR_DTYPE == "inputs":
-        for x in inputs:
-            if x.dtype in (torch.bfloat16, torch.float16):
-                return x.dtype
-    return torch.float32
+    low = _low_precision(*inputs)
+    return low if OPERATOR_DTYPE == "inputs" and low is not None else torch.float32
 
 
-def _operators_triton(q, a, b, u, g, precision: str, tokens: Tokens, scale: float):
+def _low_precision(*inputs: torch.Tensor) -> torch.dtype | None:
+    """The first 16-bit float dtype among the inputs, or None."""
+    return next((x.dtype for x in inputs if x.dtype in (torch.bfloat16, torch.float16)), None)
+
+
+def _operators_triton(q, a, b, u, g, precision: str, tokens: Tokens, scale: float,
+                      dtype: torch.dtype = torch.float32):  # fmt: skip
     """Stages 1-2 in Triton over token-major inputs as `tokens` maps them (q times `scale`):
-    (the chunk operators [B, H, n, C, *] in `operator_dtype`, the decays float32; L float32).
-    The twin of `chunk.chunk_operators`."""
-    dtype = operator_dtype(q, a, b, u)
+    (the chunk operators [B, H, n, C, *] in `dtype`, the decays float32; L float32). The twin
+    of `chunk.chunk_operators`."""
     read, erase_rhs, write, decay = factors_triton(q, a, b, g, tokens, scale, dtype)
     lower, attend = intra_triton(q, a, b, g, precision, tokens, scale, attend_dtype=dtype)
     erase = solve_triton(lower, erase_rhs, precision, dtype=dtype)
@@ -788,7 +792,9 @@ class _DeltaRuleTriton(torch.autograd.Function):
         q, a, b, u, g = (x.contiguous() for x in (q, a, b, u, g))
         initial_state = initial_state.contiguous()
         tokens = Tokens(-(-length // chunk_size), heads, length, chunk_size)
-        ops, _ = _operators_triton(q, a, b, u, g, precision, tokens, scale)
+        # Read once: the backward recomputes the operators as the forward made them.
+        ctx.operator_dtype = operator_dtype(q, a, b, u)
+        ops, _ = _operators_triton(q, a, b, u, g, precision, tokens, scale, ctx.operator_dtype)
         out = q.new_empty(u.shape)
         _, residuals, states, final = state_pass(
             ops, initial_state, precision, out=out, tokens=tokens
@@ -810,7 +816,7 @@ class _DeltaRuleTriton(torch.autograd.Function):
     def backward(ctx, d_o, d_final):
         precision, tokens, scale = ctx.precision, ctx.tokens, ctx.scale
         q, a, b, u, g, *kept = ctx.saved_tensors
-        ops, lower = _operators_triton(q, a, b, u, g, precision, tokens, scale)
+        ops, lower = _operators_triton(q, a, b, u, g, precision, tokens, scale, ctx.operator_dtype)
         if ctx.recompute_states:
             residuals, states = ctx.walk(ops, kept[0], ctx.every, precision)
         else:
@@ -865,14 +871,14 @@ def delta_rule_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated inputs in their own dtype (bf16, fp16 or fp32); computes in float32 with float32
     state and accumulators, and stores the chunk operators between kernels as `OPERATOR_DTYPE`
-    says (16-bit for 16-bit inputs). Returns (o [B, T, H, V] in q's dtype, final state [N, H, K, V]).
+    says (float32 by default). Returns (o [B, T, H, V] in q's dtype, final state [N, H, K, V]).
 
     Matrix products take TF32 operands when an input is bf16/fp16 (its rounding is already
     coarser than TF32's), and for float32 inputs only when PyTorch is allowed TF32 for float32
     matrix products (`torch.set_float32_matmul_precision("high")`), as its own matmuls are.
     """
     # Any input in bf16/fp16 (a float32 gate times a bf16 projection still carries its rounding).
-    low_precision = any(x.dtype in (torch.bfloat16, torch.float16) for x in (q, a, b, u))
+    low_precision = _low_precision(q, a, b, u) is not None
     allowed = torch.get_float32_matmul_precision() != "highest"
     precision = "tf32" if low_precision or allowed else "ieee"
     # The kernels cast to float32 on load, then scale q, as the other

@@ -1,0 +1,148 @@
+"""`rebuildable` / `rebuilt_in_backward`: inputs of the delta rule that cheap ops made are made
+again in the backward instead of kept, with the same gradients bit for bit.
+
+The mechanism is tested here on CPU with a custom Function that saves its input; the layers on
+the Triton kernels (where the delta rule's own Function saves q, a, b, u, g) are tested under the
+interpreter in tests/test_layers_triton.py.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+import torch
+
+from deltalab.models import CausalLM, build_config
+from deltalab.ops import _recompute
+from deltalab.ops._recompute import Recipe, rebuildable, rebuilt_in_backward, without_rebuild
+
+
+class _Square(torch.autograd.Function):
+    """x^2, saving x: what it keeps is read from `kept` by a hook-free spy."""
+
+    kept: ClassVar[list] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        _Square.kept.append(x)
+        return 2 * x * dy
+
+
+def _packed(fn):
+    """The objects the saved-tensor hooks of `rebuilt_in_backward` pack while fn runs."""
+    packed = []
+    pack = _recompute._pack
+
+    def spy(t):
+        packed.append(pack(t))
+        return packed[-1]
+
+    original, _recompute._pack = _recompute._pack, spy
+    try:
+        fn()
+    finally:
+        _recompute._pack = original
+    return packed
+
+
+def _marked_product(generator):
+    x = torch.randn(5, generator=generator, requires_grad=True)
+    y = torch.randn(5, generator=generator, requires_grad=True)
+    return x, y, rebuildable(x * y, torch.mul, x, y)
+
+
+def test_a_marked_input_is_kept_as_its_recipe_and_rebuilt_with_the_same_gradients(generator):
+    x, y, product = _marked_product(generator)
+    results = {}
+    for rebuild in (False, True):
+        _Square.kept.clear()
+        x.grad = y.grad = None
+        calls = []
+
+        def forward(rebuild=rebuild, calls=calls):
+            context = rebuilt_in_backward() if rebuild else torch.enable_grad()
+            with context:
+                calls.append(_Square.apply(product))
+
+        packed = _packed(forward)
+        calls[0].sum().backward(retain_graph=True)
+        results[rebuild] = (x.grad.clone(), y.grad.clone(), _Square.kept[0])
+        if rebuild:
+            assert len(packed) == 1 and isinstance(packed[0], Recipe)
+        else:
+            assert packed == []
+    assert torch.equal(results[True][0], results[False][0])
+    assert torch.equal(results[True][1], results[False][1])
+    # The backward read a new tensor with the saved one's values, not the saved tensor.
+    assert torch.equal(results[True][2], product)
+    assert results[True][2].data_ptr() != product.data_ptr()
+
+
+def test_an_input_changed_in_place_after_marking_is_kept(generator):
+    _, _, product = _marked_product(generator)
+    marked = product.clone()  # a non-leaf that requires grad, marked below
+    marked = rebuildable(marked, torch.clone, product)
+    with torch.no_grad():
+        marked.add_(1)  # bumps its version: the recipe no longer gives its values
+    packed = _packed(lambda: _run_rebuilt(marked))
+    assert len(packed) == 1 and packed[0] is marked
+
+
+def _run_rebuilt(t):
+    with rebuilt_in_backward():
+        return _Square.apply(t)
+
+
+def test_a_recipe_whose_argument_changed_in_place_refuses_to_run_naming_it(generator):
+    _, y, product = _marked_product(generator)
+    out = _run_rebuilt(product)
+    with torch.no_grad():
+        y.mul_(2)
+    with pytest.raises(RuntimeError, match=r"argument 1 of 'mul'.*modified in place"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize(
+    "off", ["no grad", "switch off", "without_rebuild"], ids=lambda s: s.replace(" ", "-")
+)
+def test_nothing_is_rebuilt_without_gradients_with_the_switch_off_or_inside_without_rebuild(
+    generator, monkeypatch, off
+):
+    x, y, product = _marked_product(generator)
+    if off == "no grad":
+        with torch.no_grad():
+            product = rebuildable(x * y, torch.mul, x, y)
+        assert _recompute.recipe_of(product) is None
+        return
+    if off == "switch off":
+        monkeypatch.setattr(_recompute, "REBUILD_IN_BACKWARD", False)
+        packed = _packed(lambda: _run_rebuilt(product))
+    else:
+        packed = _packed(lambda: without_rebuild(_run_rebuilt)(product))
+    assert packed == []  # the hooks were never installed: the tensor is saved as usual
+    # The mark stands outside `without_rebuild`; the switch turns every recipe off.
+    assert (_recompute.recipe_of(product) is None) == (off == "switch off")
+
+
+@pytest.mark.parametrize("mixer", ["gdn2", "kda", "muir"])
+def test_models_train_to_the_same_gradients_with_and_without_rebuilding(monkeypatch, mixer):
+    """The chunk path (CPU): the same loss and parameter gradients bit for bit."""
+    torch.manual_seed(0)
+    model = CausalLM(build_config("tiny", mixer=mixer, num_layers=1))
+    ids = torch.randint(0, model.config.vocab_size, (2, 40))
+    results = {}
+    for rebuild in (False, True):
+        monkeypatch.setattr(_recompute, "REBUILD_IN_BACKWARD", rebuild)
+        model.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results[rebuild] = [loss.detach(), *(p.grad.clone() for p in model.parameters())]
+    for a, b in zip(results[True], results[False], strict=True):
+        assert torch.equal(a, b)
