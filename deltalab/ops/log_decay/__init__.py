@@ -77,17 +77,22 @@ def log_decay(
     require_same_device({"raw": raw, "A_log": A_log, "dt_bias": dt_bias})
     shape = _parameter_shape(A_log, raw, dt_bias)
     backend = resolve_backend(backend, raw)
+    g = _log_decay(A_log, raw, dt_bias, shape, backend)
+    # Its backward keeps raw and the parameters: g (float32) is made again from them where the
+    # delta rule would keep it (`rebuilt_in_backward`).
+    recipe = functools.partial(_log_decay, shape=shape, backend=backend)
+    return rebuildable(g, recipe, A_log, raw, dt_bias)
+
+
+def _log_decay(A_log, raw, dt_bias, shape, backend: str) -> torch.Tensor:
+    """`log_decay` of checked inputs on a resolved backend (`shape`: the parameters' own)."""
     if backend == "triton" and raw.numel() > 0:
         from deltalab.ops.log_decay.triton import log_decay_triton
 
         width = math.prod(shape)
-        g = log_decay_triton(
+        return log_decay_triton(
             A_log.expand(shape).reshape(width), raw, dt_bias.expand(shape).reshape(width)
         )
-    elif backend == "naive":
-        g = log_decay_naive(A_log, raw, dt_bias)
-    else:
-        g = log_decay_torch(A_log, raw, dt_bias)
-    # Its backward keeps raw and the parameters: g (float32) is made again from them where the
-    # delta rule would keep it (`rebuilt_in_backward`).
-    return rebuildable(g, functools.partial(log_decay, backend=backend), A_log, raw, dt_bias)
+    if backend == "naive":
+        return log_decay_naive(A_log, raw, dt_bias)
+    return log_decay_torch(A_log, raw, dt_bias)

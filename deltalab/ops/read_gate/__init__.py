@@ -101,17 +101,22 @@ def read_query(
     require_same_device({"q": q, "read_log": read_log, "raw": raw})
     shape = _vector_shape(q, read_log, raw)
     backend = resolve_backend(backend, q)
+    out = _read_query(q, read_log, raw, shape, backend)
+    # Its backward keeps q, read_log and raw: the read query is made again from them where the
+    # delta rule would keep it (`rebuilt_in_backward`).
+    recipe = functools.partial(_read_query, shape=shape, backend=backend)
+    return rebuildable(out, recipe, q, read_log, raw)
+
+
+def _read_query(q, read_log, raw, shape, backend: str) -> torch.Tensor:
+    """`read_query` of checked inputs on a resolved backend (`shape`: read_log's span of q)."""
     if backend == "triton" and q.numel() > 0:
         from deltalab.ops.read_gate.triton import read_query_triton
 
-        out = read_query_triton(q, read_log.expand(shape).reshape(math.prod(shape)), raw)
-    elif backend == "naive":
-        out = read_query_naive(q, read_log, raw)
-    else:
-        out = read_query_torch(q, read_log, raw)
-    # Its backward keeps q, read_log and raw: the read query is made again from them where the
-    # delta rule would keep it (`rebuilt_in_backward`).
-    return rebuildable(out, functools.partial(read_query, backend=backend), q, read_log, raw)
+        return read_query_triton(q, read_log.expand(shape).reshape(math.prod(shape)), raw)
+    if backend == "naive":
+        return read_query_naive(q, read_log, raw)
+    return read_query_torch(q, read_log, raw)
 
 
 # log(1/2): at this static vector the read gate is exp(log 1/2) * 2 sigmoid(raw) = sigmoid(raw).
@@ -140,13 +145,18 @@ def sigmoid_gate(x: torch.Tensor, logits: torch.Tensor, *, backend: str = "auto"
             f"{tuple(logits.shape)}"
         )
     backend = resolve_backend(backend, x)
+    out = _sigmoid_gate(x, logits, backend)
+    # Its backward keeps x and logits: the product is made again from them where the delta
+    # rule would keep it (`rebuilt_in_backward`).
+    return rebuildable(out, functools.partial(_sigmoid_gate, backend=backend), x, logits)
+
+
+def _sigmoid_gate(x, logits, backend: str) -> torch.Tensor:
+    """`sigmoid_gate` of checked inputs on a resolved backend."""
     if backend == "triton" and x.numel() > 0:
         from deltalab.ops.read_gate.triton import sigmoid_gate_triton
 
-        out = sigmoid_gate_triton(x, logits)
-    else:
-        half = torch.full(x.shape[-1:], LOG_HALF, dtype=compute_dtype(x), device=x.device)
-        out = read_query(x, half, logits, backend="naive" if backend == "naive" else "torch")
-    # Its backward keeps x and logits: the product is made again from them where the delta
-    # rule would keep it (`rebuilt_in_backward`).
-    return rebuildable(out, functools.partial(sigmoid_gate, backend=backend), x, logits)
+        return sigmoid_gate_triton(x, logits)
+    half = torch.full(x.shape[-1:], LOG_HALF, dtype=compute_dtype(x), device=x.device)
+    shape = x.shape[-1:]
+    return _read_query(x, half, logits, shape, "naive" if backend == "naive" else "torch")
