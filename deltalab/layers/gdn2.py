@@ -43,6 +43,16 @@ def products_fuse(backend: str, x: torch.Tensor) -> bool:
     return read_gate.resolve_backend(layer_backend(backend), x) == "triton"
 
 
+def erase_write_gates(
+    erase: torch.Tensor, write: torch.Tensor, logits: bool
+) -> dict[str, torch.Tensor]:
+    """The erase and write gates from their projections: the sigmoids, or with `logits` the
+    projections themselves as `ERASE_LOGITS` and `WRITE_LOGITS` (`products_fuse`)."""
+    if logits:
+        return {ERASE_LOGITS: erase, WRITE_LOGITS: write}
+    return {"erase": torch.sigmoid(erase), "write": torch.sigmoid(write)}
+
+
 def gates_from_logits(gates: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The gates with the erase and write sigmoids in place of their logits (as given when
     they hold the sigmoids already)."""
@@ -109,9 +119,7 @@ class GatedDeltaNet2(DeltaMixer):
         write = project(self.w_proj, x).unflatten(-1, (heads, self.value_dim))
         # The decay follows the delta rule's backend, as the norms (Triton or the torch path).
         g = self.decay(x, backend=layer_backend(self.backend))
-        if logits:
-            return {ERASE_LOGITS: erase, WRITE_LOGITS: write, "g": g}
-        return {"erase": torch.sigmoid(erase), "write": torch.sigmoid(write), "g": g}
+        return erase_write_gates(erase, write, logits) | {"g": g}
 
     def hooked_gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """As `DeltaMixer.hooked_gates`; but where nothing can see the erase and write gates

@@ -42,9 +42,8 @@ from deltalab.layers.common import (
 )
 from deltalab.layers.decay import init_A_log, init_dt_bias, log_decay
 from deltalab.layers.gdn2 import (
-    ERASE_LOGITS,
-    WRITE_LOGITS,
     GatedDeltaNet2,
+    erase_write_gates,
     gates_from_logits,
     gdn2_inputs_of,
     products_fuse,
@@ -441,10 +440,7 @@ class Muir(FusedGateMixer):
         raw = self.gate_proj(x)
         erase = raw["erase"].unflatten(-1, (heads, key_dim))
         write = raw["write"].unflatten(-1, (heads, value_dim))
-        if logits:
-            gates = {ERASE_LOGITS: erase, WRITE_LOGITS: write}
-        else:
-            gates = {"erase": torch.sigmoid(erase), "write": torch.sigmoid(write)}
+        gates = erase_write_gates(erase, write, logits)
         gates["g"] = self.decay_from(raw)
         return gates | self.read_gates(raw, x, fused_read)
 
