@@ -198,6 +198,8 @@ def test_gate_sensitivity_probes_run_the_convolutions_of_triton_layers_on_conv1d
         ("gdn2", ["sigmoid_gate", "sigmoid_gate", "log_decay"]),
         ("kda", ["mul", "log_decay"]),
         ("muir", ["read_query", "sigmoid_gate", "sigmoid_gate", "log_decay"]),
+        # The gain keeps g too: it rebuilds it as well, so that no one keeps it.
+        ("kdn_diag", ["log_decay", "log_decay"]),
     ],
 )
 @pytest.mark.parametrize("checkpoint_blocks", [False, True], ids=["", "checkpointed-blocks"])
@@ -206,8 +208,9 @@ def test_delta_rule_inputs_made_by_cheap_ops_are_rebuilt_in_the_backward_not_kep
 ):
     """On the Triton kernels the delta rule's Function saves q, a, b, u, g: those a gate product,
     the read gate or the log decay made (`rebuildable`) are made again in the backward from what
-    those ops keep, with the same loss and gradients bit for bit; under activation
-    checkpointing of the blocks nothing is (the checkpoint keeps none of them)."""
+    those ops keep (Diagonal KDN's g also for its gain, which saves it too), with the same loss
+    and gradients bit for bit; under activation checkpointing of the blocks nothing is (the
+    checkpoint keeps none of them)."""
     from deltalab.ops import _recompute
 
     made = []

@@ -48,6 +48,7 @@ from deltalab.layers.common import (
 )
 from deltalab.layers.decay import ChannelDecay
 from deltalab.ops import _checks
+from deltalab.ops._recompute import rebuilt_in_backward
 from deltalab.ops.kdn import kdn_gain_diag, kdn_gain_iso, scan_backend
 from deltalab.ops.kdn.exact import exact_gain
 from deltalab.ops.log_decay import layer_backend
@@ -245,9 +246,12 @@ class KalmanMixer(DeltaMixer):
             for name in ("g", "q_noise"):
                 gates[name] = zero_at_padding(gates[name], mask)
         g = gates["g"]
-        write, uncertainty, gains = self.filter(
-            k, g, gates["q_noise"], gates["r"], uncertainty, trace
-        )
+        # The gain's backward keeps g as the delta rule's does: both rebuild it instead
+        # (`rebuildable`), or one keeping it would make the other's rebuild a cost, not a saving.
+        with rebuilt_in_backward():
+            write, uncertainty, gains = self.filter(
+                k, g, gates["q_noise"], gates["r"], uncertainty, trace
+            )
         inputs = DeltaRuleInputs(self.read_query(q, gates), write, k, v, g)
         return inputs, uncertainty, gates | gains
 
