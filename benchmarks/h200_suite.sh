@@ -3,7 +3,7 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
@@ -49,8 +49,11 @@
 # float64), read_gate_tests 90 s (tests/test_read_gate.py compiled on the GPU, bf16 included),
 # ops_ab 240 s (the op's errors against float64, at bench_triton.py's check shape, and its times
 # at B=4 T=4096 H=16, chunk 64, with the chunk operators stored in float32 and then in the
-# inputs' dtype, triton/chunk.py OPERATOR_DTYPE), ops16_ptrain 80 s (ptrain_gdn2's 4K profile with 16-bit operators: compare
-# with ptrain_gdn2).
+# inputs' dtype, triton/chunk.py OPERATOR_DTYPE), ops16_ptrain 80 s (ptrain_gdn2's 4K profile
+# with 16-bit operators: compare with ptrain_gdn2), keepin_ptrain 80 s and keepin_train 240 s
+# (ptrain_gdn2's 4K profile, and train's GDN-2 and Muir rows, with the delta rule keeping the
+# inputs it otherwise rebuilds in the backward, deltalab/ops/_recompute.py REBUILD_IN_BACKWARD
+# off: compare with ptrain_gdn2 and train).
 set -u
 # The device returns at most 8 files: parts write under a work folder, and after every part the
 # whole of it is packed into $OUT/suite.tgz (so a call cut off still returns what finished).
@@ -160,6 +163,13 @@ for p in "${parts[@]}"; do
     ops16_ptrain) part ops16_ptrain 80 python3 benchmarks/profile_train.py \
         --operator-dtype inputs --device cuda --preset 340M --seq-len 4096 --batch 4 \
         --mixers gdn2 --out "$OUT/ops16_ptrain_4k.json" ;;
+    keepin_ptrain) part keepin_ptrain 80 python3 benchmarks/profile_train.py --keep-inputs \
+        --device cuda --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 \
+        --out "$OUT/keepin_ptrain_4k.json" ;;
+    keepin_train) part keepin_train 240 bash -c "python3 benchmarks/bench_train.py \
+        --keep-inputs --device cuda --preset 340M --seq-len 4096 --batch 4 --steps 8 \
+        --mixers gdn2 muir && python3 benchmarks/bench_train.py --keep-inputs \
+        --device cuda --preset 340M --seq-len 16384 --batch 1 --steps 8 --mixers gdn2 muir" ;;
     sep_ptrain) part sep_ptrain 80 python3 benchmarks/profile_train.py --project-separately \
         --device cuda --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 \
         --out "$OUT/sep_ptrain_4k.json" ;;

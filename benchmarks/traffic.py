@@ -80,6 +80,7 @@ from torch.utils._pytree import tree_flatten
 
 import deltalab
 from deltalab.benchmarking import format_table
+from deltalab.ops import _recompute
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import profile_train  # a sibling script, found through the line above
@@ -712,7 +713,14 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=3e12, help="bytes/s for the ms estimate")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--ops", action="store_true", help="also write every op to --out")
+    parser.add_argument(
+        "--keep-inputs",
+        action="store_true",
+        help="the delta rule keeps the inputs that cheap ops made instead of rebuilding them in\n"
+        "the backward (deltalab/ops/_recompute.py REBUILD_IN_BACKWARD off)",
+    )
     args = parser.parse_args()
+    _recompute.REBUILD_IN_BACKWARD = not args.keep_inputs
     if args.bandwidth <= 0:
         parser.error(f"--bandwidth must be > 0, got {args.bandwidth}")
     report: dict[str, Any] = {"settings": {k: str(v) for k, v in vars(args).items()}}

@@ -280,7 +280,7 @@ def run_cases(
 def add_delta_rule_options(parser: argparse.ArgumentParser) -> None:
     """The Triton delta rule's switches a training benchmark can set (`apply_delta_rule_options`):
     its state pass, whether its backward keeps the chunk-start states, the dtype of its chunk
-    operators; and whether the layers
+    operators, whether it keeps or rebuilds its cheap inputs; and whether the layers
     project their input together (`deltalab.layers.projections.PROJECT_TOGETHER`)."""
     parser.add_argument(
         "--state-pass",
@@ -302,6 +302,13 @@ def add_delta_rule_options(parser: argparse.ArgumentParser) -> None:
         "dtype or float32 (triton/chunk.py OPERATOR_DTYPE; default: its own)",
     )
     parser.add_argument(
+        "--keep-inputs",
+        action="store_true",
+        help="the delta rule keeps the inputs that cheap ops made (gate products, read query, "
+        "log decay) instead of rebuilding them in the backward "
+        "(deltalab/ops/_recompute.py REBUILD_IN_BACKWARD off)",
+    )
+    parser.add_argument(
         "--project-separately",
         action="store_true",
         help="each projection of a layer's input with its own gradient product and sum, as "
@@ -312,8 +319,10 @@ def add_delta_rule_options(parser: argparse.ArgumentParser) -> None:
 def apply_delta_rule_options(args: argparse.Namespace) -> None:
     """Sets what `add_delta_rule_options` parsed (imports Triton only when something is set)."""
     from deltalab.layers import projections
+    from deltalab.ops import _recompute
 
     projections.PROJECT_TOGETHER = not args.project_separately
+    _recompute.REBUILD_IN_BACKWARD = not args.keep_inputs
     if args.state_pass is None and not args.keep_states and args.operator_dtype is None:
         return
     from deltalab.ops.delta_rule.triton import chunk
