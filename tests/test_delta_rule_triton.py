@@ -335,6 +335,33 @@ def test_triton_state_pass_matches_its_pytorch_twin(generator):
         assert_close(x, ref, F32, label)
 
 
+@pytest.mark.parametrize("state_pass", ["fused", "split"])
+@pytest.mark.parametrize("block_c", [32, 16], ids=["one-row-block", "two-row-blocks"])
+def test_triton_state_pass_keeping_every_kth_state_writes_those_of_the_full_pass(
+    generator, poisoned_empty, monkeypatch, state_pass, block_c
+):
+    """keep_every=2, keep_residuals=False (what the forward keeps with RECOMPUTE_STATES): the
+    states of chunks 0, 2, 4 of the full pass, bit for bit, and its outputs and final state;
+    no residuals returned (the fused kernel writes them only with two row blocks per chunk,
+    where it reads them back). Buffers are NaN-filled before launch: an unwritten kept state
+    fails."""
+    from deltalab.ops.delta_rule.chunk import ChunkOperators, chunk_operators, to_chunks
+    from deltalab.ops.delta_rule.triton import chunk as state_module
+
+    monkeypatch.setattr(state_module, "BLOCK_C", block_c)
+    inputs = random_delta_inputs(generator, 1, 150, 2, 16, 8, channel_decay=True)
+    ops = chunk_operators(*(to_chunks(x, 32) for x in inputs))  # 5 chunks
+    ops = ChunkOperators(*(x.to(DEVICE, torch.float32).contiguous() for x in ops))
+    state = torch.randn(1, 2, 16, 8, generator=generator).to(DEVICE)
+    run = state_module.STATE_PASSES[state_pass][0]
+    full = run(ops, state, "ieee")
+    kept = run(ops, state, "ieee", keep_every=2, keep_residuals=False)
+    assert kept[1] is None
+    assert kept[2].shape[2] == 3
+    assert torch.equal(kept[2], full[2][:, :, ::2])
+    assert torch.equal(kept[0], full[0]) and torch.equal(kept[3], full[3])
+
+
 def _state_pass_walk_with_adjoint(ops, state, d_o, d_final):
     """The state pass and its adjoint in float64 by autograd over the chunk loop: (outputs,
     residuals, chunk-start states, final state) and (dN, dS after each chunk, d initial state),

@@ -105,10 +105,10 @@ def _offsets(K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr
 @triton.jit
 def _state_pass_fwd(
     read, attend, erase, target, write, decay, initial, out, residual, states, final,
-    n_chunks, seg_len, n_seg, TN, H, T, CS,
+    n_chunks, seg_len, n_seg, keep_every, TN, H, T, CS,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BC: tl.constexpr, HAS_INITIAL: tl.constexpr, PRECISION: tl.constexpr,
-    WRITE_OUT: tl.constexpr = True,
+    WRITE_OUT: tl.constexpr = True, STORE_RESIDUAL: tl.constexpr = True,
 ):  # fmt: skip
     """out: token-major [B, T, H, V] as `intra.Tokens` (TN, H, T, CS) maps it, written in its
     own dtype; the operators chunked, float32 or 16-bit (`OPERATOR_DTYPE`), read into float32;
@@ -117,7 +117,10 @@ def _state_pass_fwd(
     `initial` [B * H * n_seg, K, V] and ending in `final` of the same shape (the whole pass: one
     segment). WRITE_OUT=False: the walk alone (residuals, states, final state; `out`, read and
     attend are not touched), with the same operations on N and S as the full pass, so the same
-    values."""
+    values. The chunk-start states stored are those of chunks 0, keep_every, 2 keep_every, ...
+    of each (sequence, head), `states` holding ceil(n_chunks / keep_every) per (sequence, head)
+    (keep_every = 1: all of them); STORE_RESIDUAL=False stores no residuals (with one row block,
+    C == BC, nothing in the pass reads them back)."""
     walk, rk, rv, rc, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
     bh = walk // n_seg
     start = (walk % n_seg) * seg_len
@@ -125,10 +128,13 @@ def _state_pass_fwd(
         s = tl.load(initial + walk * K * V + kv, mask=mkv, other=0.0).to(tl.float32)
     else:
         s = tl.zeros([BK, BV], dtype=tl.float32)
+    n_kept = tl.cdiv(n_chunks, keep_every)
     for i in range(start, tl.minimum(start + seg_len, n_chunks)):
         chunk = bh * n_chunks + i
         out_offset, valid = _token_offset(chunk, TN, H, T, CS, V)
-        tl.store(states + chunk * K * V + kv, s, mask=mkv)
+        kept = (bh * n_kept + i // keep_every).to(tl.int64)
+        # (kv * 0 + ...: the condition as a tile, which the interpreter's masks require.)
+        tl.store(states + kept * K * V + kv, s, mask=mkv & (kv * 0 + i % keep_every == 0))
         d = tl.load(decay + chunk * K + rk, mask=mk, other=0.0)
         s_next = d[:, None] * s
         # Row blocks in order: block rb's outputs need the residuals of blocks <= rb, which
@@ -138,7 +144,8 @@ def _state_pass_fwd(
             e = tl.load(erase + rows * K + ck, mask=mk[None, :], other=0.0).to(tl.float32)
             t = tl.load(target + rows * V + cv, mask=mv[None, :], other=0.0).to(tl.float32)
             n = t - tl.dot(e, s, input_precision=PRECISION)
-            tl.store(residual + rows * V + cv, n, mask=mv[None, :])
+            if STORE_RESIDUAL:
+                tl.store(residual + rows * V + cv, n, mask=mv[None, :])
             if WRITE_OUT:
                 r = tl.load(read + rows * K + ck, mask=mk[None, :], other=0.0).to(tl.float32)
                 m = tl.load(attend + rows * C + rb * BC + cc).to(tl.float32)
@@ -473,9 +480,13 @@ def _launch(value_dim: int, programs: int, size: int, key_dim: int, precision: s
 
 def state_pass_triton(ops, initial_state: torch.Tensor | None, precision: str = "ieee",
                       out: torch.Tensor | None = None, tokens: Tokens | None = None,
-                      write_out: bool = True):  # fmt: skip
+                      write_out: bool = True, keep_every: int = 1,
+                      keep_residuals: bool = True):  # fmt: skip
     """Stages 3-4 of `chunk.py` in one kernel: (outputs, residuals [B, H, n, C, V], chunk-start
-    states [B, H, n, K, V], final state [B, H, K, V]).
+    states [B, H, n, K, V], final state [B, H, K, V]). With keep_every > 1 only the states of
+    chunks 0, keep_every, 2 keep_every, ... [B, H, ceil(n / keep_every), K, V] (what the
+    backward keeps with `RECOMPUTE_STATES`: the others are never written); keep_residuals=False
+    returns None for the residuals (the kernel writes them only where it reads them back).
 
     `ops`: a `ChunkOperators` of contiguous tensors [B, H, n, C, *] (float32, or 16-bit as
     `OPERATOR_DTYPE` stores them; decay float32); initial_state:
@@ -484,34 +495,49 @@ def state_pass_triton(ops, initial_state: torch.Tensor | None, precision: str = 
     chunked float32 [B, H, n, C, V]. write_out=False: no outputs (returned as None).
     """
     start = None if initial_state is None else initial_state[:, :, None]
-    out, residual, states, ends = _walk_fused(ops, start, ops.read.shape[2], precision, out,
-                                              tokens, write_out)  # fmt: skip
+    out, residual, states, ends = _walk_fused(
+        ops, start, ops.read.shape[2], precision, out, tokens, write_out, keep_every,
+        keep_residuals,
+    )  # fmt: skip
     return out, residual, states, ends[:, :, 0]
 
 
 def _walk_fused(ops, starts, every: int, precision: str, out=None, tokens=None,
-                write_out: bool = True):  # fmt: skip
+                write_out: bool = True, keep_every: int = 1,
+                keep_residuals: bool = True):  # fmt: skip
     """`_state_pass_fwd` over segments of `every` chunks, all at once, each from its start state
     in `starts` [B, H, n_seg, K, V] float32 (None: one segment, from zero): (outputs or None,
-    residuals, chunk-start states, each segment's end state [B, H, n_seg, K, V])."""
+    residuals or None, chunk-start states (every keep_every-th), each segment's end state
+    [B, H, n_seg, K, V])."""
     batch, heads, n_chunks, size, key_dim = ops.read.shape
     value_dim = ops.target.shape[-1]
     n_seg = 1 if starts is None else starts.shape[2]
     device = ops.read.device
-    residual = torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
-    if not write_out:  # the kernel reads neither `out` nor `tokens`
-        out, tokens = None, Tokens.of_chunks(residual)
-    elif out is None:
-        out, tokens = torch.empty_like(residual), Tokens.of_chunks(residual)
-    states = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
-    ends = torch.empty(batch, heads, n_seg, key_dim, value_dim, device=device)
     grid, consts = _launch(value_dim, batch * heads * n_seg, size, key_dim, precision)
+    # Residuals are written where they are kept or where the pass reads them back (row blocks
+    # after the first read the earlier blocks' residuals: chunks past BLOCK_C rows).
+    store_residual = keep_residuals or size > consts["BC"]
+    residual = (
+        torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
+        if store_residual
+        else None
+    )
+    if not write_out:  # the kernel reads neither `out` nor `tokens`
+        out, tokens = None, Tokens(1, 1, size, size)
+    elif out is None:
+        out = torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
+        tokens = Tokens.of_chunks(out)
+    states = torch.empty(batch, heads, -(-n_chunks // keep_every), key_dim, value_dim,
+                         device=device)  # fmt: skip
+    ends = torch.empty(batch, heads, n_seg, key_dim, value_dim, device=device)
     _state_pass_fwd[grid](
-        *ops, starts if starts is not None else ends, residual if out is None else out,
-        residual, states, ends, n_chunks, every, n_seg, *tokens.args(),
-        HAS_INITIAL=starts is not None, WRITE_OUT=write_out, **consts,
+        *ops, starts if starts is not None else ends, out if out is not None else ends,
+        residual if residual is not None else ends, states, ends, n_chunks, every, n_seg,
+        keep_every,
+        *tokens.args(), HAS_INITIAL=starts is not None, WRITE_OUT=write_out,
+        STORE_RESIDUAL=store_residual, **consts,
     )  # fmt: skip
-    return out, residual, states, ends
+    return out, residual if keep_residuals else None, states, ends
 
 
 def state_pass_triton_backward(
@@ -584,9 +610,12 @@ def state_walk_fused_triton(ops, starts: torch.Tensor, every: int, precision: st
 
 
 def state_pass_split_triton(ops, initial_state: torch.Tensor | None, precision: str = "ieee",
-                            out: torch.Tensor | None = None, tokens: Tokens | None = None):  # fmt: skip
+                            out: torch.Tensor | None = None, tokens: Tokens | None = None,
+                            keep_every: int = 1, keep_residuals: bool = True):  # fmt: skip
     """`state_pass_triton` split in two kernels (the walk, then the outputs in parallel over
-    chunks; see above `_state_pass_split_fwd`): the same arguments and returns."""
+    chunks; see above `_state_pass_split_fwd`): the same arguments and returns. The output
+    kernel reads every chunk-start state and residual, so the walk writes them all; keep_every
+    and keep_residuals only choose what is returned."""
     batch, heads, n_chunks, size, key_dim = ops.read.shape
     value_dim = ops.target.shape[-1]
     start = None if initial_state is None else initial_state[:, :, None]
@@ -599,7 +628,9 @@ def state_pass_split_triton(ops, initial_state: torch.Tensor | None, precision: 
     _state_pass_split_out[(blocks, size // parallel["BC"])](
         ops.read, ops.attend, residual, states, out, *tokens.args(), **parallel
     )
-    return out, residual, states, final
+    if keep_every > 1:
+        states = states[:, :, ::keep_every].contiguous()
+    return out, residual if keep_residuals else None, states, final
 
 
 def state_pass_split_triton_backward(
@@ -796,17 +827,18 @@ class _DeltaRuleTriton(torch.autograd.Function):
         ctx.operator_dtype = operator_dtype(q, a, b, u)
         ops, _ = _operators_triton(q, a, b, u, g, precision, tokens, scale, ctx.operator_dtype)
         out = q.new_empty(u.shape)
-        _, residuals, states, final = state_pass(
-            ops, initial_state, precision, out=out, tokens=tokens
-        )
         if not (isinstance(CHECKPOINT_EVERY, int) and CHECKPOINT_EVERY >= 1):
             raise ValueError(f"CHECKPOINT_EVERY must be an int >= 1, got {CHECKPOINT_EVERY!r}")
         ctx.recompute_states, ctx.every = RECOMPUTE_STATES, CHECKPOINT_EVERY
+        # With RECOMPUTE_STATES the pass keeps only the states of every `every`-th chunk (the
+        # backward walks the segments between them again, all at once) and no residuals.
+        _, residuals, states, final = state_pass(
+            ops, initial_state, precision, out=out, tokens=tokens,
+            keep_every=ctx.every if RECOMPUTE_STATES else 1,
+            keep_residuals=not RECOMPUTE_STATES,
+        )  # fmt: skip
         if RECOMPUTE_STATES:
-            # The backward walks the segments between these again, all at once.
-            checkpoints = states[:, :, :: ctx.every].contiguous()
-            del residuals, states
-            ctx.save_for_backward(q, a, b, u, g, checkpoints)
+            ctx.save_for_backward(q, a, b, u, g, states)
         else:
             ctx.save_for_backward(q, a, b, u, g, states, residuals)
         ctx.precision, ctx.tokens, ctx.scale = precision, tokens, scale
