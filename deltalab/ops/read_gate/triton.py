@@ -91,6 +91,19 @@ def _rho(x, r, rate, HAS_RAW: tl.constexpr, SIGMOID: tl.constexpr):
 
 
 @triton.jit
+def _load_read_vector(R, RATE, cols, col_ok, BN: tl.constexpr, SIGMOID: tl.constexpr):
+    """The read vector and its rate at columns `cols`; zeros with SIGMOID (no read vector: R and
+    RATE are not read)."""
+    if SIGMOID:
+        r = tl.zeros([BN], dtype=tl.float32)
+        rate = r
+    else:
+        r = tl.load(R + cols, mask=col_ok, other=0.0)
+        rate = tl.load(RATE + cols, mask=col_ok, other=0.0)
+    return r, rate
+
+
+@triton.jit
 def _read_gate_fwd(Q, RAW, R, RATE, OUT, M, N, stride_q, stride_raw,
                    BM: tl.constexpr, BN: tl.constexpr, HAS_RAW: tl.constexpr,
                    SIGMOID: tl.constexpr = False):  # fmt: skip
@@ -100,12 +113,7 @@ def _read_gate_fwd(Q, RAW, R, RATE, OUT, M, N, stride_q, stride_raw,
     mask = (rows < M)[:, None] & col_ok[None, :]
     rows64 = rows.to(tl.int64)
     q = tl.load(Q + rows64[:, None] * stride_q + cols[None, :], mask=mask, other=0.0)
-    if SIGMOID:  # no read vector: R and RATE are not read
-        r = tl.zeros([BN], dtype=tl.float32)
-        rate = r
-    else:
-        r = tl.load(R + cols, mask=col_ok, other=0.0)
-        rate = tl.load(RATE + cols, mask=col_ok, other=0.0)
+    r, rate = _load_read_vector(R, RATE, cols, col_ok, BN, SIGMOID)
     if HAS_RAW:
         x = tl.load(RAW + rows64[:, None] * stride_raw + cols[None, :], mask=mask, other=0.0)
         x = x.to(tl.float32)
@@ -126,12 +134,7 @@ def _read_gate_bwd(Q, RAW, R, RATE, DOUT, DQ, DRAW, DR, M, N, stride_q, stride_r
     pid = tl.program_id(0)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     col_ok = cols < N
-    if SIGMOID:  # no read vector: R and RATE are not read
-        r = tl.zeros([BN], dtype=tl.float32)
-        rate = r
-    else:
-        r = tl.load(R + cols, mask=col_ok, other=0.0)
-        rate = tl.load(RATE + cols, mask=col_ok, other=0.0)
+    r, rate = _load_read_vector(R, RATE, cols, col_ok, BN, SIGMOID)
     dr = tl.zeros([BN], dtype=tl.float32)
     for i in range(BLOCKS):
         rows = (pid * BLOCKS + i) * BM + tl.arange(0, BM)
