@@ -200,6 +200,7 @@ def test_gate_sensitivity_probes_run_the_convolutions_of_triton_layers_on_conv1d
         ("muir", ["read_query", "sigmoid_gate", "sigmoid_gate", "log_decay"]),
         # The gain keeps g too: it rebuilds it as well, so that no one keeps it.
         ("kdn_diag", ["log_decay", "log_decay"]),
+        ("kdn_iso", ["mul", "log_decay", "log_decay"]),
     ],
 )
 @pytest.mark.parametrize("checkpoint_blocks", [False, True], ids=["", "checkpointed-blocks"])

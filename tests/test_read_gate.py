@@ -532,3 +532,33 @@ def test_a_gate_hook_on_a_triton_layer_sees_the_erase_and_write_sigmoids(monkeyp
     # The hook took effect on the Triton layer, and as on the chunk path.
     assert (plain - outputs["triton"]).abs().max() > 1e-4
     assert_close(outputs["triton"], outputs["chunk"], 1e-5, "hooked y")
+
+
+@needs_triton
+@pytest.mark.parametrize("mixer", ["GatedDeltaNet2", "Muir"])
+def test_a_subclass_whose_gates_take_no_logits_keeps_the_sigmoids_on_triton(monkeypatch, mixer):
+    """A subclass overriding `gates(self, x)` the way the base class documented it before the
+    `logits` keyword runs on Triton with its sigmoids (no fused products, no TypeError), giving
+    its parent's outputs."""
+    import deltalab.layers as layers
+
+    parent = getattr(layers, mixer)
+
+    class Plain(parent):
+        def gates(self, x):
+            return super().gates(x)
+
+    base = build_gated(parent, "triton")
+    torch.manual_seed(0)
+    plain = Plain(**FRONTEND, backend="triton", **({} if mixer == "GatedDeltaNet2" else {
+        "read_gate": "dynamic"})).to(DEVICE)  # fmt: skip
+    plain.load_state_dict(base.state_dict(), strict=True)
+    x = torch.randn(2, 6, 32, device=DEVICE)
+    calls = spy_sigmoid_gate(monkeypatch)
+    with torch.no_grad():
+        y_plain = plain(x)[0]
+    assert calls == []
+    with torch.no_grad():
+        y_base = base(x)[0]
+    assert calls  # the parent fuses its products
+    assert_close(y_plain, y_base, 1e-5, "y")

@@ -10,6 +10,8 @@ Paper: "Gated DeltaNet-2: Decoupling Erase and Write in Linear Attention" (arXiv
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Unpack
 
 import torch
@@ -41,6 +43,15 @@ def products_fuse(backend: str, x: torch.Tensor) -> bool:
     torch path the two are the same torch ops either way, so the gates stay the sigmoids
     (what gate sensitivity and `return_gates` report)."""
     return read_gate.resolve_backend(layer_backend(backend), x) == "triton"
+
+
+@functools.cache
+def gates_take(cls: type, *keywords: str) -> bool:
+    """Whether `cls.gates` takes these keywords (`logits`, Muir's `fused_read`): a subclass that
+    overrides `gates(self, x)` without them keeps the plain gates (nothing fused) rather than
+    failing on Triton."""
+    parameters = inspect.signature(cls.gates).parameters
+    return all(keyword in parameters for keyword in keywords)
 
 
 def erase_write_gates(
@@ -127,7 +138,11 @@ class GatedDeltaNet2(DeltaMixer):
         their logits and `inputs_from_gates` multiplies each sigmoid in with one kernel
         (`sigmoid_gate`). A hook always gets the gates, and so does `return_gates=True`
         (`reported_gates`)."""
-        if self._gate_hooks or not products_fuse(self.backend, x):
+        if (
+            self._gate_hooks
+            or not products_fuse(self.backend, x)
+            or not gates_take(type(self), "logits")
+        ):
             return super().hooked_gates(x)
         return self.gates(x, logits=True)
 

@@ -48,7 +48,7 @@ from deltalab.layers.common import (
 )
 from deltalab.layers.decay import ChannelDecay
 from deltalab.ops import _checks
-from deltalab.ops._recompute import rebuilt_in_backward
+from deltalab.ops._recompute import rebuildable_product, rebuilt_in_backward
 from deltalab.ops.kdn import kdn_gain_diag, kdn_gain_iso, scan_backend
 from deltalab.ops.kdn.exact import exact_gain
 from deltalab.ops.log_decay import layer_backend
@@ -414,7 +414,8 @@ class ScanFilter(KalmanMixer):
         gains = {"gain" if self.diagonal_gain else "beta": gain}
         if trace:
             gains |= {"p": p, "predictive": predictive}
-        write = gain if self.diagonal_gain else gain.unsqueeze(-1) * k
+        # Iso: beta * k, made again in the backward rather than kept by the delta rule.
+        write = gain if self.diagonal_gain else rebuildable_product(gain.unsqueeze(-1), k)
         return write, precision, gains
 
 

@@ -45,6 +45,7 @@ from deltalab.layers.gdn2 import (
     GatedDeltaNet2,
     erase_write_gates,
     gates_from_logits,
+    gates_take,
     gdn2_inputs_of,
     products_fuse,
 )
@@ -370,7 +371,7 @@ class FusedGateMixer(DeltaMixer):
         its gradient never reach memory). A hook (gate sensitivity's `perturb_gate`, which
         perturbs rho) always gets rho, and so do `gates(x)` and the gates a forward reports
         (`reported_gates`)."""
-        if self._gate_hooks or not self.read_fuses(x):
+        if self._gate_hooks or not self.read_fuses(x) or not gates_take(type(self), "fused_read"):
             return super().hooked_gates(x)
         return self.gates(x, fused_read=True)
 
@@ -448,7 +449,11 @@ class Muir(FusedGateMixer):
         """`FusedGateMixer.hooked_gates`, and where no hook sees the gates and the products run
         on Triton (`products_fuse`), the erase and write logits in place of their sigmoids, as
         GDN-2's (`GatedDeltaNet2.hooked_gates`)."""
-        if self._gate_hooks or not products_fuse(self.backend, x):
+        if (
+            self._gate_hooks
+            or not products_fuse(self.backend, x)
+            or not gates_take(type(self), "logits", "fused_read")
+        ):
             return super().hooked_gates(x)
         return self.gates(x, fused_read=self.read_fuses(x), logits=True)
 

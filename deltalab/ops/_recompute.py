@@ -84,6 +84,12 @@ def rebuildable(out: torch.Tensor, fn: Callable[..., torch.Tensor], *args: Any) 
     return out
 
 
+def rebuildable_product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x * y, marked `rebuildable`: the product's backward keeps both factors (a gate times a
+    key or value, before the delta rule)."""
+    return rebuildable(x * y, torch.mul, x, y)
+
+
 def recipe_of(t: torch.Tensor) -> Recipe | None:
     """The recipe `rebuilt_in_backward` would keep in t's place now, or None (unmarked, changed
     in place since, or rebuilding off)."""

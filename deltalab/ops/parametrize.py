@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 from deltalab.ops._checks import require_float, require_shape
-from deltalab.ops._recompute import rebuildable
+from deltalab.ops._recompute import rebuildable_product as _product
 from deltalab.ops.read_gate import sigmoid_gate
 
 
@@ -42,11 +42,6 @@ class DeltaRuleInputs(NamedTuple):
     b: torch.Tensor
     u: torch.Tensor
     g: torch.Tensor
-
-
-def _product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x * y, made again from x and y where the delta rule would keep it (module docstring)."""
-    return rebuildable(x * y, torch.mul, x, y)
 
 
 def _check_beta(k: torch.Tensor, beta: torch.Tensor) -> None:
