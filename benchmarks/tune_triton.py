@@ -104,9 +104,8 @@ def main() -> None:
     d_lower, d_attend = torch.randn_like(lower), torch.randn_like(ops.attend, **f32)
     _, residuals, states, _ = state_pass_triton(ops, state, precision)
     d_residual, d_next, _ = state_pass_triton_backward(ops, d_out, state, precision)
-    chunked = [
-        torch.randn_like(ops.read, **f32) for _ in range(6)
-    ]  # d read, d rhs, d write, dq1...
+    # d read, d rhs, d write, dq1, da1, db1
+    chunked = [torch.randn_like(ops.read, **f32) for _ in range(6)]
     d_decay = torch.randn_like(ops.decay)
 
     def warps(*counts):

@@ -283,6 +283,14 @@ def spy_read_query(monkeypatch) -> list[str]:
     return calls
 
 
+def forward_backward(layer, x, dy):
+    """(y, every parameter's gradient by name, the reported gates) of one forward and backward
+    of `layer` on x with output gradient dy."""
+    y, state = layer(x, return_gates=True)
+    (y * dy).sum().backward()
+    return y.detach(), {n: p.grad for n, p in layer.named_parameters()}, state.gates
+
+
 def build(mixer, backend, read_gate="dynamic"):
     torch.manual_seed(0)
     layer = mixer(**FRONTEND, backend=backend, read_gate=read_gate).to(DEVICE)
@@ -315,11 +323,7 @@ def test_triton_layer_fuses_its_read_and_matches_the_chunk_layer(monkeypatch, mi
     x = torch.randn(2, 9, 32, device=DEVICE)
     dy = torch.randn(2, 9, 32, device=DEVICE)
     calls = spy_read_query(monkeypatch)
-    results = {}
-    for name, layer in (("chunk", chunk), ("triton", triton)):
-        y, state = layer(x, return_gates=True)
-        (y * dy).sum().backward()
-        results[name] = (y.detach(), {n: p.grad for n, p in layer.named_parameters()}, state.gates)
+    results = {"chunk": forward_backward(chunk, x, dy), "triton": forward_backward(triton, x, dy)}
     assert calls == ["triton"]
     (y_t, grads_t, gates_t), (y_c, grads_c, gates_c) = results["triton"], results["chunk"]
     assert_close(y_t, y_c, 1e-5, "y")
@@ -487,9 +491,7 @@ def test_triton_layer_fuses_its_gate_products_and_matches_the_chunk_layer(monkey
     calls = spy_sigmoid_gate(monkeypatch)
     results = {}
     for name, layer in (("chunk", chunk), ("triton", triton)):
-        y, state = layer(x, return_gates=True)
-        (y * dy).sum().backward()
-        results[name] = (y.detach(), {n: p.grad for n, p in layer.named_parameters()}, state.gates)
+        results[name] = forward_backward(layer, x, dy)
         assert calls == ([] if name == "chunk" else ["triton", "triton"]), name
     (y_t, grads_t, gates_t), (y_c, grads_c, gates_c) = results["triton"], results["chunk"]
     assert_close(y_t, y_c, 1e-5, "y")

@@ -78,10 +78,16 @@ def rebuildable(out: torch.Tensor, fn: Callable[..., torch.Tensor], *args: Any) 
     """Marks `out` = fn(*args) (the same values bit for bit each time: a deterministic op) as
     rebuilt, not kept, where an op inside `rebuilt_in_backward` saves it. Only for an op whose
     own backward keeps the tensors among args, so that holding them costs nothing. Returns out;
-    marks nothing without gradients."""
-    if torch.is_grad_enabled() and out.requires_grad and not torch.compiler.is_compiling():
+    marks nothing without gradients or where nothing is rebuilt (`_rebuilding`)."""
+    if _rebuilding() and torch.is_grad_enabled() and out.requires_grad:
         setattr(out, _RECIPE, (Recipe(fn, args, out.device.type), out._version))
     return out
+
+
+def _rebuilding() -> bool:
+    """Whether marked tensors are rebuilt here: the switch on, outside `without_rebuild`, not
+    under torch.compile."""
+    return REBUILD_IN_BACKWARD and _ENABLED.get() and not torch.compiler.is_compiling()
 
 
 def rebuildable_product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -93,7 +99,7 @@ def rebuildable_product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def recipe_of(t: torch.Tensor) -> Recipe | None:
     """The recipe `rebuilt_in_backward` would keep in t's place now, or None (unmarked, changed
     in place since, or rebuilding off)."""
-    if not (REBUILD_IN_BACKWARD and _ENABLED.get()):
+    if not _rebuilding():
         return None
     marked = getattr(t, _RECIPE, None)
     if marked is None or marked[1] != t._version:
@@ -115,11 +121,7 @@ def rebuilt_in_backward() -> Iterator[None]:
     """Inside, a tensor marked by `rebuildable` that an op saves for backward is kept as its
     recipe and made again when the backward reads it. Nothing changes under torch.compile, inside
     `without_rebuild`, or with REBUILD_IN_BACKWARD off."""
-    if (
-        not (REBUILD_IN_BACKWARD and _ENABLED.get())
-        or not torch.is_grad_enabled()
-        or torch.compiler.is_compiling()
-    ):
+    if not (_rebuilding() and torch.is_grad_enabled()):
         yield
         return
     with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):

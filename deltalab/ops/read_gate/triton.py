@@ -265,12 +265,15 @@ class _ReadGate(torch.autograd.Function):
 
 
 @opaque_to_compiler
-def read_query_triton(q: torch.Tensor, r: torch.Tensor, raw: torch.Tensor | None) -> torch.Tensor:
+def read_query_triton(
+    q: torch.Tensor, r: torch.Tensor | None, raw: torch.Tensor | None
+) -> torch.Tensor:
     """q * exp(r) (* 2 sigmoid(raw)) by the kernels, validated inputs: r `[N]` (read_log
-    expanded to q's trailing dims and flattened), q and raw `[..., trailing dims]`; the result
-    in q's shape and dtype, computed in float32. q must hold an element (the dispatcher sends
-    empty ones to the torch path)."""
-    width = r.shape[0]
+    expanded to q's trailing dims and flattened; None: rho = sigmoid(raw), `sigmoid_gate_triton`
+    with raw of q's shape), q and raw `[..., trailing dims]`; the result in q's shape and dtype,
+    computed in float32. q must hold an element (the dispatcher sends empty ones to the torch
+    path)."""
+    width = q.shape[-1] if r is None else r.shape[0]
     rows_raw = None if raw is None else as_rows(raw.reshape(-1, width))
     out = _ReadGate.apply(as_rows(q.reshape(-1, width)), r, rows_raw)
     return out.view(q.shape)
@@ -281,6 +284,4 @@ def sigmoid_gate_triton(x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(logits) by the kernels with no read vector (`_ReadGate` with r None: the read
     at the vector 1/2 without its exp, load or sum), validated inputs of one shape; the result
     in x's shape and dtype, computed in float32. x must hold an element."""
-    width = x.shape[-1]
-    rows_logits = as_rows(logits.reshape(-1, width))
-    return _ReadGate.apply(as_rows(x.reshape(-1, width)), None, rows_logits).view(x.shape)
+    return read_query_triton(x, None, logits)

@@ -29,9 +29,10 @@ the outputs, attend^T dO and read^T dO to kernels parallel over chunks; the comm
 `_state_pass_split_fwd` says why that is exact and what it costs in memory traffic.
 
 Precision: S and every accumulator are float32. The operators arrive in float32 (the default)
-or, with `OPERATOR_DTYPE = "inputs"` and 16-bit inputs, in their dtype, read into float32. With float32 operators the
-products run in IEEE float32 (TF32 would cost ~1e-3 relative error); no exponential is taken
-here, the decays arrive as factors <= 1 from the stable stage 1.
+or, with `OPERATOR_DTYPE = "inputs"` and 16-bit inputs, in their dtype, read into float32.
+With float32 operators the products run in IEEE float32 (TF32 would cost ~1e-3 relative
+error); no exponential is taken here, the decays arrive as factors <= 1 from the stable
+stage 1.
 """
 
 from __future__ import annotations
@@ -533,8 +534,7 @@ def _walk_fused(ops, starts, every: int, precision: str, out=None, tokens=None,
     _state_pass_fwd[grid](
         *ops, starts if starts is not None else ends, out if out is not None else ends,
         residual if residual is not None else ends, states, ends, n_chunks, every, n_seg,
-        keep_every,
-        *tokens.args(), HAS_INITIAL=starts is not None, WRITE_OUT=write_out,
+        keep_every, *tokens.args(), HAS_INITIAL=starts is not None, WRITE_OUT=write_out,
         STORE_RESIDUAL=store_residual, **consts,
     )  # fmt: skip
     return out, residual if keep_residuals else None, states, ends
@@ -765,10 +765,10 @@ def _operator_grads(states, residuals, d_out, d_residual, d_next) -> ChunkOperat
 # float32 sum rounded once, and the solve's rows carry the rounding of the rows solved before
 # them (it reads them back as stored). With fp16 that is finer than the TF32 operands the
 # products already take (11 significant bits each); with bf16 (8 bits) it is coarser, an
-# error of the inputs' own size on every operator. It halves the bytes the
-# state pass, the solve and the factors move per chunk. Tested under the interpreter (fp16) and
-# compiled for sm_90 with bf16 operators, not yet run on a GPU: it stays off until the H200's
-# errors and times (benchmarks/h200_suite.sh ops_ab, ops16_ptrain) say it pays.
+# error of the inputs' own size on every operator. It halves the bytes the state pass, the
+# solve and the factors move per chunk. Tested under the interpreter (fp16) and compiled for
+# sm_90 with bf16 operators, not yet run on a GPU: it stays off until the H200's errors and
+# times (benchmarks/h200_suite.sh ops_ab, ops16_ptrain) say it pays.
 OPERATOR_DTYPE = "float32"
 
 
