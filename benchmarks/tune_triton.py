@@ -142,9 +142,11 @@ def main() -> None:
         ),
         "state_pass": (
             state_module,
-            [dict(NUM_WARPS=w, BLOCK_C=c, BLOCK_V=v)
-             for w, c, v in [(8, 64, 64), (4, 64, 64), (4, 64, 32), (8, 64, 32), (4, 32, 16),
-                             (2, 64, 32), (2, 32, 16)]],
+            # The walks' pipeline stages last (NUM_STAGES: 16-bit operators only).
+            [dict(NUM_WARPS=w, BLOCK_C=c, BLOCK_V=v, NUM_STAGES=s)
+             for w, c, v, s in [(8, 64, 64, 1), (4, 64, 64, 1), (4, 64, 32, 1), (8, 64, 32, 1),
+                                (4, 32, 16, 1), (2, 64, 32, 1), (2, 32, 16, 1), (8, 64, 64, 2),
+                                (8, 64, 64, 3), (4, 64, 32, 2), (8, 64, 32, 2)]],
             lambda: state_pass_triton(ops, state, precision),
             lambda: state_pass_triton_backward(ops, d_out, state, precision),
         ),
@@ -157,7 +159,8 @@ def main() -> None:
                   SPLIT_BLOCK_V=sv, SPLIT_NUM_WARPS=sw)
              for s, v, w, sv, sw in [(2, 16, 2, 64, 8), (2, 32, 4, 64, 8), (1, 64, 8, 64, 8),
                                      (2, 16, 4, 64, 8), (2, 16, 1, 64, 8), (3, 16, 2, 64, 8),
-                                     (2, 16, 2, 32, 4), (2, 16, 2, 128, 8)]],
+                                     (2, 16, 2, 32, 4), (2, 16, 2, 128, 8), (3, 32, 4, 64, 8),
+                                     (4, 16, 2, 64, 8), (3, 16, 1, 64, 8)]],
             lambda: state_pass_split_triton(ops, state, precision),
             lambda: state_pass_split_triton_backward(ops, d_out, state, precision),
         ),

@@ -71,6 +71,12 @@ BLOCK_V_WIDE_K = 32
 BLOCK_C = 64
 # Warps per program of the state pass (with BLOCK_V above) and of the operator gradients.
 NUM_WARPS = 8
+# Pipeline stages of the fused walks' chunk loop. Software pipelining keeps every tile of the
+# next chunk in shared memory while this one's products run: with float32 operators 2 stages
+# took 270 KiB at chunk 64, over the SM's 227 KiB (72 KiB with 1). 16-bit operators
+# (`OPERATOR_DTYPE`) halve the operator tiles, and 2 stages fit (benchmarks/tune_triton.py
+# sweeps it; `_launch` takes 1 where the operators are float32).
+NUM_STAGES = 1
 # Value columns per step of the operator-gradient kernel: its [C, K] accumulators stay in
 # registers, the [K, BV] state blocks stream through.
 OPERATOR_BLOCK_V = 32
@@ -465,16 +471,17 @@ def _operator_grads_kernel(
         tl.store(d_decay + chunk * K + rk, acc_decay, mask=mk & (rk * 0 + rb == 0))
 
 
-def _launch(value_dim: int, programs: int, size: int, key_dim: int, precision: str):
-    """Grid and the shape constants shared by both kernels."""
+def _launch(value_dim: int, programs: int, size: int, key_dim: int, precision: str,
+            operators: torch.dtype = torch.float32):  # fmt: skip
+    """Grid and the shape constants shared by both kernels; `operators`: the dtype the chunk
+    operators are stored in (`NUM_STAGES` applies to 16-bit ones)."""
     block_v = BLOCK_V if key_dim <= 128 else BLOCK_V_WIDE_K
     grid = (triton.cdiv(value_dim, block_v) * programs,)  # `_offsets` splits it
     consts = {
         "K": key_dim, "V": value_dim, "C": size, "BK": key_block(key_dim),
         "BV": block_v, "BC": min(size, BLOCK_C), "PRECISION": precision,
-        # One stage: software pipelining of the chunk loop doubles every tile in shared memory
-        # (measured 270 KiB at chunk 64 with 2 stages, over the SM's 227 KiB; 72 KiB with 1).
-        "num_warps": NUM_WARPS, "num_stages": 1,
+        "num_warps": NUM_WARPS,
+        "num_stages": NUM_STAGES if operators.itemsize == 2 and key_dim <= 128 else 1,
     }  # fmt: skip
     return grid, consts
 
@@ -514,7 +521,9 @@ def _walk_fused(ops, starts, every: int, precision: str, out=None, tokens=None,
     value_dim = ops.target.shape[-1]
     n_seg = 1 if starts is None else starts.shape[2]
     device = ops.read.device
-    grid, consts = _launch(value_dim, batch * heads * n_seg, size, key_dim, precision)
+    grid, consts = _launch(
+        value_dim, batch * heads * n_seg, size, key_dim, precision, ops.read.dtype
+    )
     # Residuals are written where they are kept or where the pass reads them back (row blocks
     # after the first read the earlier blocks' residuals: chunks past BLOCK_C rows).
     store_residual = keep_residuals or size > consts["BC"]
@@ -554,7 +563,7 @@ def state_pass_triton_backward(
     d_residual = torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
     d_next = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
     d_initial = torch.empty(batch, heads, key_dim, value_dim, device=device)
-    grid, consts = _launch(value_dim, batch * heads, size, key_dim, precision)
+    grid, consts = _launch(value_dim, batch * heads, size, key_dim, precision, ops.read.dtype)
     _state_pass_bwd[grid](
         ops.read, ops.attend, ops.erase, ops.write, ops.decay, d_out,
         d_final if d_final is not None else d_initial, d_residual, d_next, d_initial, n_chunks,
@@ -757,8 +766,8 @@ def _operator_grads(states, residuals, d_out, d_residual, d_next) -> ChunkOperat
 
 # The dtype the chunk operators are stored in between kernels (read, attend, erase, target,
 # write, and the erase's right-hand side exp(G) b; not the decays, nor L, the solve's matrix):
-# "float32" (the default) always in float32; "inputs" stores them in the inputs' 16-bit dtype
-# when q, a, b or u is bf16 or fp16 (`operator_dtype`). Every kernel forms them in float32 and
+# "inputs" (the default) stores them in the inputs' 16-bit dtype when q, a, b or u is bf16 or
+# fp16 (`operator_dtype`); "float32" always in float32. Every kernel forms them in float32 and
 # reads them back into float32 products; the states, residuals and every accumulator stay
 # float32. What the 16-bit storage adds is the rounding of each operator to the inputs' dtype:
 # read, write and exp(G) b are factors <= 1 times q, a, b (rounded as the inputs were), M is a
@@ -766,10 +775,12 @@ def _operator_grads(states, residuals, d_out, d_residual, d_next) -> ChunkOperat
 # them (it reads them back as stored). With fp16 that is finer than the TF32 operands the
 # products already take (11 significant bits each); with bf16 (8 bits) it is coarser, an
 # error of the inputs' own size on every operator. It halves the bytes the state pass, the
-# solve and the factors move per chunk. Tested under the interpreter (fp16) and compiled for
-# sm_90 with bf16 operators, not yet run on a GPU: it stays off until the H200's errors and
-# times (benchmarks/h200_suite.sh ops_ab, ops16_ptrain) say it pays.
-OPERATOR_DTYPE = "float32"
+# solve and the factors move per chunk. Measured on the H200 (docs/RESULTS.md, 2026-12-02,
+# thirteenth session; benchmarks/h200_suite.sh ops_ab, ops16_ptrain), bf16 inputs at B=4
+# T=4096 H=16: the largest relative error against float64 over the output and every gradient
+# 6.4e-3 (float32 operators: 6.1e-3), GDN-2's forward+backward 7.37 -> 6.66 ms, its peak
+# 2.04 -> 1.76 GiB; the 340M GDN-2 step's delta-rule kernels 86.1 -> 76.8 ms.
+OPERATOR_DTYPE = "inputs"
 
 
 def operator_dtype(*inputs: torch.Tensor) -> torch.dtype:
