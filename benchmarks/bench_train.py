@@ -33,6 +33,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--cache-dir", default="runs/token-cache")
     parser.add_argument("--compile", action="store_true", help="train.compile=true")
+    parser.add_argument(
+        "--recompute-ffn",
+        action="store_true",
+        help="train.recompute_ffn=true: each block's FFN branch computed again in the backward",
+    )
     add_delta_rule_options(parser)
     args = parser.parse_args()
     apply_delta_rule_options(args)
@@ -56,6 +61,7 @@ def main() -> None:
                     "log.tensorboard=false",
                     f"log.out_dir={out}",
                     f"train.compile={str(args.compile).lower()}",
+                    f"train.recompute_ffn={str(args.recompute_ffn).lower()}",
                 ],
             )
             train(config)
@@ -73,6 +79,7 @@ def main() -> None:
     print(
         f"deltalab train, preset {args.preset}, {args.device}, batch {args.batch} x "
         f"{args.seq_len} tokens, {args.steps} steps{', torch.compile' if args.compile else ''}"
+        f"{', FFN recomputed' if args.recompute_ffn else ''}"
     )
     print(format_table(["mixer", "params", "tokens/s", "peak GiB"], rows))
 

@@ -3,7 +3,7 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
@@ -53,7 +53,10 @@
 # with 16-bit operators: compare with ptrain_gdn2), keepin_ptrain 80 s and keepin_train 240 s
 # (ptrain_gdn2's 4K profile, and train's GDN-2 and Muir rows, with the delta rule keeping the
 # inputs it otherwise rebuilds in the backward, deltalab/ops/_recompute.py REBUILD_IN_BACKWARD
-# off: compare with ptrain_gdn2 and train).
+# off: compare with ptrain_gdn2 and train), ffn_train 200 s (train's rows with each block's FFN
+# branch computed again in the backward, train.recompute_ffn: compare with train), stages340
+# 200 s (the fused and the split state pass's launch sweep at the 340M heads with the chunk
+# operators in bf16, pipeline stages included: compare with split).
 set -u
 # The device returns at most 8 files: parts write under a work folder, and after every part the
 # whole of it is packed into $OUT/suite.tgz (so a call cut off still returns what finished).
@@ -170,6 +173,12 @@ for p in "${parts[@]}"; do
         --keep-inputs --device cuda --preset 340M --seq-len 4096 --batch 4 --steps 8 \
         --mixers gdn2 muir && python3 benchmarks/bench_train.py --keep-inputs \
         --device cuda --preset 340M --seq-len 16384 --batch 1 --steps 8 --mixers gdn2 muir" ;;
+    ffn_train) part ffn_train 200 bash -c "python3 benchmarks/bench_train.py --recompute-ffn \
+        --device cuda --preset 340M --seq-len 4096 --batch 4 --steps 8 --mixers gdn2 transformer \
+        && python3 benchmarks/bench_train.py --recompute-ffn --device cuda --preset 340M \
+        --seq-len 16384 --batch 1 --steps 8 --mixers gdn2 muir transformer" ;;
+    stages340) part stages340 200 python3 benchmarks/tune_triton.py --shape 4x4096x8x128 \
+        --stages state_pass state_pass_split --out "$OUT/stages340.json" ;;
     sep_ptrain) part sep_ptrain 80 python3 benchmarks/profile_train.py --project-separately \
         --device cuda --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 \
         --out "$OUT/sep_ptrain_4k.json" ;;

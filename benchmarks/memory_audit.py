@@ -255,11 +255,13 @@ def run(
     layers: int,
     batch: int = 1,
     recompute_states: bool = True,
+    recompute_ffn: bool = False,
 ) -> list[Saved]:
     """The storages the loss's graph saves, in the order first saved."""
     torch.manual_seed(0)
     config = build_config(preset, mixer=mixer, num_layers=layers, backend="chunk")
     model = CausalLM(config).train()
+    model.model.recompute_ffn = recompute_ffn  # as the trainer sets train.recompute_ffn
     with torch.no_grad():
         # Unit norm weights and zero-initialized gates would make distinct tensors hold equal
         # values (and look like duplicates): move them off their initial values.
@@ -364,11 +366,20 @@ def main() -> None:
         help="the delta rule keeps the inputs that cheap ops made (gate products, log decay) "
         "instead of rebuilding them in the backward (_recompute.REBUILD_IN_BACKWARD off)",
     )
+    parser.add_argument(
+        "--recompute-ffn",
+        action="store_true",
+        help="each block's FFN branch computed again in the backward (train.recompute_ffn)",
+    )
     args = parser.parse_args()
     _recompute.REBUILD_IN_BACKWARD = not args.keep_inputs
     torch.set_num_threads(1)
     for mixer in args.mixers:
-        measure = dict(layers=args.layers, recompute_states=not args.keep_states)
+        measure = dict(
+            layers=args.layers,
+            recompute_states=not args.keep_states,
+            recompute_ffn=args.recompute_ffn,
+        )
         short = run(args.preset, mixer, args.length, **measure)
         long = run(args.preset, mixer, 2 * args.length, **measure)
         rows = per_token(short, long, args.length)

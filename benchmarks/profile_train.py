@@ -114,6 +114,7 @@ def training_step(
     compile: bool = False,
     autocast: bool | None = None,
     checks_after_backward: bool = False,
+    recompute_ffn: bool = False,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
     """The model, its AdamW (`deltalab train`'s) and one training step: forward and loss on
     random token ids `[batch, seq_len]` under bf16 autocast, backward, AdamW, gradients set to
@@ -138,6 +139,7 @@ def training_step(
     torch.manual_seed(0)
     overrides = {} if num_layers is None else {"num_layers": num_layers}
     model = CausalLM(build_config(preset, mixer=mixer, **overrides))
+    model.model.recompute_ffn = recompute_ffn  # as the trainer sets train.recompute_ffn
     if device != "cpu":
         # Built on CPU; not moved there again (fake tensors cannot be swapped in place).
         model = model.to(device)
@@ -188,6 +190,7 @@ def profile_mixer(args: argparse.Namespace, mixer: str) -> dict:
         num_layers=args.num_layers,
         compile=args.compile,
         checks_after_backward=args.checks_after_backward,
+        recompute_ffn=args.recompute_ffn,
     )
     for _ in range(args.warmup):
         step()
@@ -229,6 +232,11 @@ def main() -> None:
         "forward and the backward, as the trainer does (an experiment)",
     )
     add_delta_rule_options(parser)
+    parser.add_argument(
+        "--recompute-ffn",
+        action="store_true",
+        help="recompute each block's FFN branch in the backward (train.recompute_ffn)",
+    )
     parser.add_argument(
         "--kdn-gain",
         choices=["auto", "fused", "separate"],

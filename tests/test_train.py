@@ -317,8 +317,10 @@ def test_gradient_accumulation_and_activation_checkpointing_keep_the_loss_curve(
     plain = train(run_config(tmp_path / "plain", corpus))
     accumulated = train(run_config(tmp_path / "accum", corpus, "train.grad_accum=2"))
     recomputed = train(run_config(tmp_path / "ckpt", corpus, "train.activation_checkpointing=true"))
+    ffn_recomputed = train(run_config(tmp_path / "ffn", corpus, "train.recompute_ffn=true"))
     assert torch.allclose(torch.tensor(accumulated.losses), torch.tensor(plain.losses), atol=1e-5)
     assert recomputed.losses == plain.losses
+    assert ffn_recomputed.losses == plain.losses
 
 
 def test_a_stop_signal_checkpoints_and_the_run_resumes_bit_for_bit(tmp_path, corpus, monkeypatch):

@@ -23,7 +23,7 @@ from deltalab.layers.common import RMSNorm, compute_dtype
 from deltalab.models.cache import RecurrentCache
 from deltalab.models.config import DeltaLabConfig
 from deltalab.models.mixers import build_mixer
-from deltalab.ops._recompute import without_rebuild
+from deltalab.ops._recompute import recomputed, without_rebuild
 from deltalab.ops.lm_loss import linear_cross_entropy
 from deltalab.ops.norms import layer_backend
 from deltalab.ops.swiglu import swiglu
@@ -64,12 +64,23 @@ class Block(nn.Module):
         self.ffn = SwiGLU(config.hidden_size, config.ffn_width, backend=norm_backend)
 
     def forward(
-        self, x: torch.Tensor, state: Any = None, mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        state: Any = None,
+        mask: torch.Tensor | None = None,
+        recompute_ffn: bool = False,
     ) -> tuple[torch.Tensor, Any]:
-        """x `[B, T, D]`, the mixer's state, mask `[B, T]` (False at padding) -> (x, state)."""
+        """x `[B, T, D]`, the mixer's state, mask `[B, T]` (False at padding) -> (x, state).
+        recompute_ffn: keep only the FFN branch's input (the residual stream, which its norm
+        keeps anyway) and compute the branch again in the backward (`DeltaLabModel`)."""
         y, state = self.mixer(self.mixer_norm(x), state, mask=mask)
         x = x + y
-        return x + self.ffn(self.ffn_norm(x)), state
+        branch = recomputed(self.ffn_branch, x) if recompute_ffn else self.ffn_branch(x)
+        return x + branch, state
+
+    def ffn_branch(self, x: torch.Tensor) -> torch.Tensor:
+        """The FFN's residual branch: ffn(ffn_norm(x))."""
+        return self.ffn(self.ffn_norm(x))
 
 
 class DeltaLabPreTrainedModel(PreTrainedModel):
@@ -108,8 +119,17 @@ class DeltaLabModel(DeltaLabPreTrainedModel):
         self.norm = RMSNorm(
             config.hidden_size, eps=config.norm_eps, backend=layer_backend(config.backend)
         )
-        # Set by the trainer: recompute each block in the backward pass instead of storing it.
+        # Set by the trainer: recompute each block in the backward pass instead of storing it
+        # (`train.activation_checkpointing`), or only each block's FFN branch
+        # (`train.recompute_ffn`). The FFN keeps the most per token of a block at the presets
+        # (its two hidden activations and its norm's output: 16 of 53 KB per token at the
+        # 340M GDN-2 preset, 21 of 41 KB at the Transformer's; benchmarks/memory_audit.py),
+        # and computing it again costs its forward once more: 17% more of a block's matrix
+        # products at the 340M GDN-2 preset, 23% at the Transformer's (its weights are 52% and
+        # 70% of the block's; a product's forward is a third of its forward and backward), and
+        # no delta rule.
         self.checkpoint_blocks = False
+        self.recompute_ffn = False
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -145,7 +165,7 @@ class DeltaLabModel(DeltaLabPreTrainedModel):
                     without_rebuild(block), x, state, mask, use_reentrant=False
                 )
             else:
-                x, state = block(x, state, mask)
+                x, state = block(x, state, mask, self.recompute_ffn and self.training)
             if past_key_values is not None:
                 past_key_values.states[i] = state
         if past_key_values is not None:

@@ -289,6 +289,7 @@ RESUMABLE_CHANGES = {
     "train.device",
     "train.compile",
     "train.activation_checkpointing",
+    "train.recompute_ffn",
     "train.nan_policy",
     "eval.every",
     "eval.sample_tokens",
@@ -549,6 +550,7 @@ def train(config: RunConfig) -> TrainResult:
     torch.manual_seed(config.train.seed)
     core = CausalLM(model_config).to(ctx.device)
     core.model.checkpoint_blocks = config.train.activation_checkpointing
+    core.model.recompute_ffn = config.train.recompute_ffn
     exempt = no_decay_names(core)
     model = wrap_model(core, ctx, config.train.parallel)
     forward = torch.compile(model) if config.train.compile else model
