@@ -5,7 +5,10 @@
         --mixers muir gdn2 transformer                     # H200, bf16 autocast
 
 Each mixer trains `--steps` steps of the real loop on the stdlib corpus; the figure is the
-median tokens/s over the steps after the first two (compilation and allocator warm-up).
+median tokens/s over the steps after the first two (compilation and allocator warm-up), and
+its ratio to the Transformer's when "transformer" is among the mixers. On a fresh GPU machine
+each training process ran faster than the one before it (docs/RESULTS.md, 2026-12-02): warm
+the machine with a throwaway run before measuring, and compare runs of one invocation.
 """
 
 from __future__ import annotations
@@ -81,7 +84,13 @@ def main() -> None:
         f"{args.seq_len} tokens, {args.steps} steps{', torch.compile' if args.compile else ''}"
         f"{', FFN recomputed' if args.recompute_ffn else ''}"
     )
-    print(format_table(["mixer", "params", "tokens/s", "peak GiB"], rows))
+    headers = ["mixer", "params", "tokens/s", "peak GiB"]
+    # The issue's targets are ratios to the Transformer's tokens/s, measured in the same run.
+    reference = next((row[2] for row in rows if row[0] == "transformer"), None)
+    if reference is not None:
+        headers.append("vs transformer")
+        rows = [[*row, f"{row[2] / reference:.3f}x"] for row in rows]
+    print(format_table(headers, rows))
 
 
 if __name__ == "__main__":

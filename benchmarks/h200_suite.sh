@@ -3,7 +3,7 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
@@ -56,7 +56,11 @@
 # off: compare with ptrain_gdn2 and train), ffn_train 200 s (train's rows with each block's FFN
 # branch computed again in the backward, train.recompute_ffn: compare with train), stages340
 # 200 s (the fused and the split state pass's launch sweep at the 340M heads with the chunk
-# operators in bf16, pipeline stages included: compare with split).
+# operators in bf16, pipeline stages included: compare with split), stages16 200 s (the same
+# at H=16, where "auto" takes the fused pass), warm 120 s (a throwaway
+# 340M GDN-2 training run: on a fresh machine each training process ran faster than the one
+# before it, 51K -> 60K -> 68K tokens/s on 2026-12-02, docs/RESULTS.md; put it before the
+# parts that measure training throughput).
 set -u
 # The device returns at most 8 files: parts write under a work folder, and after every part the
 # whole of it is packed into $OUT/suite.tgz (so a call cut off still returns what finished).
@@ -173,6 +177,10 @@ for p in "${parts[@]}"; do
         --keep-inputs --device cuda --preset 340M --seq-len 4096 --batch 4 --steps 8 \
         --mixers gdn2 muir && python3 benchmarks/bench_train.py --keep-inputs \
         --device cuda --preset 340M --seq-len 16384 --batch 1 --steps 8 --mixers gdn2 muir" ;;
+    stages16) part stages16 200 python3 benchmarks/tune_triton.py --shape 4x4096x16x128 \
+        --stages state_pass state_pass_split --out "$OUT/stages16.json" ;;
+    warm) part warm 120 python3 benchmarks/bench_train.py --device cuda --preset 340M \
+        --seq-len 4096 --batch 4 --steps 12 --mixers gdn2 ;;
     ffn_train) part ffn_train 200 bash -c "python3 benchmarks/bench_train.py --recompute-ffn \
         --device cuda --preset 340M --seq-len 4096 --batch 4 --steps 8 --mixers gdn2 transformer \
         && python3 benchmarks/bench_train.py --recompute-ffn --device cuda --preset 340M \
