@@ -117,3 +117,62 @@ def poisoned_empty(monkeypatch):
         return nan_empty(*size, **{"dtype": self.dtype, "device": self.device, **kwargs})
 
     monkeypatch.setattr(torch.Tensor, "new_empty", nan_new_empty)
+
+
+def check_ffn_recompute(mixer: str, backend: str, monkeypatch) -> None:
+    """A small model of `mixer` on `backend`, trained one step with and without
+    `DeltaLabModel.recompute_ffn` (train.recompute_ffn): with it each block's FFN branch is
+    recomputed and no tensor of the FFN's hidden width is kept for backward (without it, its
+    activations and its weights' autocast copies are), fewer bytes are kept in all, and every
+    parameter's gradient is the same bit for bit; in eval mode (gradients on) nothing is
+    recomputed. bf16 autocast on the torch path; the Triton kernels compute in float32 (under
+    the interpreter on CPU, whose bf16 is not bf16's)."""
+    import deltalab.models.lm as lm
+    from deltalab.models import CausalLM, DeltaLabConfig
+    from deltalab.ops._recompute import recomputed
+
+    config = DeltaLabConfig(
+        mixer=mixer, hidden_size=32, num_layers=2, num_heads=2, head_dim=16, vocab_size=50,
+        chunk_size=16, backend=backend, ffn_width=48,
+    )  # fmt: skip
+    device = "cuda" if torch.cuda.is_available() and backend == "triton" else "cpu"
+    ids = torch.randint(0, 50, (2, 24), generator=torch.Generator().manual_seed(0)).to(device)
+    branches = []
+    monkeypatch.setattr(
+        lm, "recomputed", lambda fn, *args: branches.append(fn) or recomputed(fn, *args)
+    )
+    autocast = backend != "triton" or device == "cuda"
+
+    def run(recompute_ffn):
+        torch.manual_seed(0)
+        model = CausalLM(config).to(device)
+        model.model.recompute_ffn = recompute_ffn
+        kept = {}
+
+        def pack(t):
+            kept[t.untyped_storage().data_ptr()] = (t.shape, t.untyped_storage().nbytes())
+            return t
+
+        with (
+            torch.autocast(device, dtype=torch.bfloat16, enabled=autocast),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        hidden = [shape for shape, _ in kept.values() if len(shape) >= 2 and shape[-1] in (48, 96)]
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        made = len(branches)
+        model.eval()(ids).logits.sum().backward()  # eval mode, gradients on
+        assert len(branches) == made, "recomputed outside training"
+        return sum(n for _, n in kept.values()), hidden, grads, made
+
+    kept, hidden, grads, made = run(True)
+    assert made == config.num_layers
+    branches.clear()
+    kept_plain, hidden_plain, grads_plain, made_plain = run(False)
+    assert made_plain == 0
+    assert hidden == [] and hidden_plain
+    assert kept < kept_plain
+    assert grads.keys() == grads_plain.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, grads_plain[name]), name

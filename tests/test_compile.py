@@ -36,11 +36,14 @@ def _loss_and_grads(model: CausalLM, forward, ids: torch.Tensor):
     return loss.detach(), grads
 
 
-def _compiled_matches_eager(mixer: str, backend: str, device: str) -> None:
+def _compiled_matches_eager(
+    mixer: str, backend: str, device: str, recompute_ffn: bool = False
+) -> None:
     torch.manual_seed(0)
     torch._dynamo.reset()
     config = build_config("tiny", mixer=mixer, backend=backend, num_layers=1)
     model = CausalLM(config).to(device)
+    model.model.recompute_ffn = recompute_ffn  # as the trainer sets train.recompute_ffn
     ids = torch.randint(0, config.vocab_size, (2, 24), device=device)
     loss, grads = _loss_and_grads(model, model, ids)
     compiled = torch.compile(model, backend="aot_eager")
@@ -60,9 +63,16 @@ def test_compiled_model_on_triton_kernels_matches_eager(mixer):
     _compiled_matches_eager(mixer, "triton", DEVICE)
 
 
+@needs_triton
+def test_compiled_model_with_its_ffn_recomputed_matches_eager():
+    # The recomputed FFN branch (a checkpoint around the norm and SwiGLU kernels) traced.
+    _compiled_matches_eager("gdn2", "triton", DEVICE, recompute_ffn=True)
+
+
 @pytest.mark.skipif(INTERPRET, reason="the torch path: run without the interpreter")
-def test_compiled_model_on_the_chunk_path_matches_eager():
-    _compiled_matches_eager("gdn2", "chunk", "cpu")
+@pytest.mark.parametrize("recompute_ffn", [False, True], ids=["", "ffn-recomputed"])
+def test_compiled_model_on_the_chunk_path_matches_eager(recompute_ffn):
+    _compiled_matches_eager("gdn2", "chunk", "cpu", recompute_ffn)
 
 
 @needs_triton

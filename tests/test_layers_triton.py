@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import run_in_pieces
+from conftest import check_ffn_recompute, run_in_pieces
 
 from deltalab.analysis import gate_sensitivity
 from deltalab.layers import (
@@ -240,3 +240,14 @@ def test_delta_rule_inputs_made_by_cheap_ops_are_rebuilt_in_the_backward_not_kep
         assert torch.equal(a, b)
     assert calls[False] == []
     assert calls[True] == ([] if checkpoint_blocks else rebuilt)
+
+
+@needs_triton
+@pytest.mark.parametrize("mixer", ["gdn2", "transformer"])
+def test_recomputing_the_ffn_on_the_triton_kernels_keeps_none_of_its_activations(
+    mixer, monkeypatch
+):
+    """train.recompute_ffn with the norms, SwiGLU and the delta rule on their Triton kernels:
+    the FFN branch recomputed, none of its hidden activations kept, every gradient the same bit
+    for bit (tests/test_memory.py checks the torch path)."""
+    check_ffn_recompute(mixer, "triton", monkeypatch)

@@ -13,6 +13,7 @@ from unittest import mock
 
 import pytest
 import torch
+from conftest import check_ffn_recompute
 
 import deltalab.layers.common as common
 import deltalab.layers.projections as projections
@@ -548,44 +549,13 @@ def test_projecting_together_has_the_forward_mode_derivative_of_the_maps_apart()
 
 
 @pytest.mark.parametrize("mixer", ["gdn2", "transformer"])
-def test_recomputing_the_ffn_keeps_none_of_its_activations_and_gives_the_same_gradients(mixer):
-    """A model with `recompute_ffn` (train.recompute_ffn), trained under bf16 autocast: no
-    tensor of the FFN's hidden width is kept for backward (without it, its activations and
-    its weights' bf16 copies are), fewer bytes in all, and every parameter's gradient is the same bit for
-    bit. Outside training (eval mode) nothing is recomputed: the forward is the plain one."""
-    from deltalab.models import CausalLM, DeltaLabConfig
-
-    config = DeltaLabConfig(
-        mixer=mixer, hidden_size=32, num_layers=2, num_heads=2, head_dim=16, vocab_size=50,
-        chunk_size=16, backend="chunk", ffn_width=48,
-    )  # fmt: skip
-    ids = torch.randint(0, 50, (2, 24), generator=torch.Generator().manual_seed(0))
-
-    def run(recompute_ffn):
-        torch.manual_seed(0)
-        model = CausalLM(config)
-        model.model.recompute_ffn = recompute_ffn
-        kept = {}
-
-        def pack(t):
-            kept[t.untyped_storage().data_ptr()] = (t.shape, t.untyped_storage().nbytes())
-            return t
-
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                loss = model(ids, labels=ids).loss
-        loss.backward()
-        hidden = [shape for shape, _ in kept.values() if len(shape) >= 2 and shape[-1] in (48, 96)]
-        grads = {n: p.grad for n, p in model.named_parameters()}
-        with torch.no_grad():
-            logits = model.eval()(ids).logits
-        return sum(n for _, n in kept.values()), hidden, grads, logits
-
-    kept, hidden, grads, logits = run(True)
-    kept_plain, hidden_plain, grads_plain, logits_plain = run(False)
-    assert hidden == [] and hidden_plain
-    assert kept < kept_plain
-    assert grads.keys() == grads_plain.keys()
-    for name, grad in grads.items():
-        assert torch.equal(grad, grads_plain[name]), name
-    assert torch.equal(logits, logits_plain)
+def test_recomputing_the_ffn_keeps_none_of_its_activations_and_gives_the_same_gradients(
+    mixer, monkeypatch
+):
+    """A model with `recompute_ffn` (train.recompute_ffn), trained under bf16 autocast on the
+    torch path: each block's FFN branch is recomputed, no tensor of the FFN's hidden width is
+    kept for backward (without it, its activations and its weights' bf16 copies are), fewer
+    bytes in all, and every parameter's gradient is the same bit for bit. Outside training
+    (eval mode, gradients on) nothing is recomputed. tests/test_layers_triton.py checks the
+    same on the Triton kernels."""
+    check_ffn_recompute(mixer, "chunk", monkeypatch)

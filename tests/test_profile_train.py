@@ -59,10 +59,11 @@ def test_every_launched_triton_kernel_of_the_project_falls_in_its_category():
     assert {k: profile_train.category(k) for k in expected} == expected
 
 
-def test_a_cpu_step_splits_into_categories_that_add_up():
+@pytest.mark.parametrize("recompute_ffn", [False, True], ids=["", "ffn-recomputed"])
+def test_a_cpu_step_splits_into_categories_that_add_up(recompute_ffn):
     args = argparse.Namespace(preset="tiny", num_layers=2, device="cpu", seq_len=32, batch=2,
                               warmup=1, steps=1, top=5, compile=False,
-                              checks_after_backward=False)  # fmt: skip
+                              checks_after_backward=False, recompute_ffn=recompute_ffn)  # fmt: skip
     report = profile_train.profile_mixer(args, "gdn2")
     assert report["total_ms"] > 0
     # The wall time of a step holds its kernels' (on CPU, the ops' own times) and more.

@@ -11,6 +11,7 @@ import itertools
 import re
 
 import pytest
+import torch
 
 from deltalab.ops._triton import HAS_TRITON, INTERPRET
 
@@ -134,25 +135,48 @@ def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chu
             for from_output in (True, False)
         ]  # fmt: skip
         kernels += _split_state_pass_kernels(state_pass, key_dim, chunk, precision)
-        # TF32 is what 16-bit inputs get: with float32 operators (the default) and with 16-bit
-        # ones (OPERATOR_DTYPE "inputs").
+        # TF32 is what 16-bit inputs get: with 16-bit operators (OPERATOR_DTYPE "inputs", the
+        # default) and with float32 ones.
         operators = ["*fp32", "*bf16"] if precision == "tf32" else ["*fp32"]
-        for (kernel, n_pointers, constants, kernel_options), stored in itertools.product(
-            kernels, operators
-        ):
+        cases = list(itertools.product(kernels, operators))
+        if precision == "tf32":
+            cases += [(kernel, "*bf16") for kernel in _fused_16bit_kernels(state_pass, key_dim,
+                                                                           chunk, precision)]  # fmt: skip
+        for (kernel, n_pointers, constants, kernel_options), stored in cases:
             pointers = kernel.arg_names[:n_pointers]
             scalars = [a for a in kernel.arg_names[n_pointers:] if a not in constants]
             types = {p: stored for p in pointers if p in OPERATOR_POINTERS}
             compiled = _compile_for_hopper(
                 kernel, pointers, scalars, constants, kernel_options, types
             )
-            assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, (kernel.fn.__name__, stored)
+            assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, (
+                kernel.fn.__name__, stored, kernel_options
+            )  # fmt: skip
 
 
 # The delta rule's kernels' pointers to the chunk operators, stored in the inputs' 16-bit dtype
 # with triton/chunk.py OPERATOR_DTYPE "inputs", and to the outputs in the inputs' dtype (`out`;
 # the solve's `out` is the erase or the target operator).
 OPERATOR_POINTERS = {"read", "attend", "erase", "target", "write", "rhs", "out"}
+
+
+def _fused_16bit_kernels(state_pass, key_dim, chunk, precision):
+    """The fused state pass's walks at the launch `_launch` gives 16-bit operators, with every
+    pipeline depth the tuner offers for them (NUM_STAGES 2 and 3; K > 128 keeps 1): (kernel,
+    pointers, constants, options) as the test above takes them."""
+    kernels = []
+    for stages in (2, 3):
+        before, state_pass.NUM_STAGES = state_pass.NUM_STAGES, stages
+        try:
+            _, launch = state_pass._launch(key_dim, 1, chunk, key_dim, precision, torch.bfloat16)
+        finally:
+            state_pass.NUM_STAGES = before
+        options = {k: launch.pop(k) for k in ("num_warps", "num_stages")}
+        kernels += [
+            (state_pass._state_pass_fwd, 11, {**launch, "HAS_INITIAL": True}, options),
+            (state_pass._state_pass_bwd, 10, {**launch, "HAS_D_FINAL": True}, options),
+        ]
+    return kernels
 
 
 def _split_state_pass_kernels(state_pass, key_dim, chunk, precision):

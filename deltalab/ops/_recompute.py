@@ -1,6 +1,7 @@
 """Recomputation instead of storage, in two forms the layers and ops share:
 
-- `recomputed`: activation checkpointing of one small elementwise piece.
+- `recomputed`: activation checkpointing of one piece (an elementwise op, or a block's FFN
+  branch with `train.recompute_ffn`).
 - `rebuildable` / `rebuilt_in_backward`: a cheap op's output, marked with how to make it
   again, is not kept by the ops that save it inside `rebuilt_in_backward`; their backward
   makes it again from the op's inputs, which the op's own backward keeps anyway. The delta
@@ -22,16 +23,21 @@ import torch.utils.checkpoint
 
 def recomputed(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
     """fn(*args), keeping only args for backward: fn's intermediates are computed again when
-    the backward needs them (non-reentrant activation checkpointing of one small piece). The
+    the backward needs them (non-reentrant activation checkpointing of one piece). The
     autograd graph is the same, so gradients are the same bit for bit; what it costs is fn's
-    forward once more in the backward, for elementwise pieces whose float32 intermediates would
-    otherwise be kept per token (benchmarks/memory_audit.py). Without gradients, plain fn."""
+    forward once more in the backward, for pieces whose intermediates would otherwise be kept
+    per token (benchmarks/memory_audit.py): elementwise ops' float32 intermediates, a block's
+    FFN branch. fn must draw no random numbers: the RNG state is not saved and restored around
+    the recomputation (host work on every call, for nothing here). Without gradients, plain
+    fn."""
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(a, torch.Tensor) and a.requires_grad for a in args
     )
     if not needs_grad:
         return fn(*args)
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+    return torch.utils.checkpoint.checkpoint(
+        fn, *args, use_reentrant=False, preserve_rng_state=False
+    )
 
 
 # Whether `rebuilt_in_backward` rebuilds marked tensors (True) or lets them be kept as usual:

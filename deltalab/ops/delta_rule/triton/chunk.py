@@ -28,8 +28,9 @@ keep only the products that depend on S or dS (N and S' forward, dN and dS backw
 the outputs, attend^T dO and read^T dO to kernels parallel over chunks; the comment above
 `_state_pass_split_fwd` says why that is exact and what it costs in memory traffic.
 
-Precision: S and every accumulator are float32. The operators arrive in float32 (the default)
-or, with `OPERATOR_DTYPE = "inputs"` and 16-bit inputs, in their dtype, read into float32.
+Precision: S and every accumulator are float32. The operators arrive in the inputs' dtype when
+those are 16-bit (`OPERATOR_DTYPE = "inputs"`, the default), else in float32, and are read into
+float32.
 With float32 operators the products run in IEEE float32 (TF32 would cost ~1e-3 relative
 error); no exponential is taken here, the decays arrive as factors <= 1 from the stable
 stage 1.
@@ -71,11 +72,18 @@ BLOCK_V_WIDE_K = 32
 BLOCK_C = 64
 # Warps per program of the state pass (with BLOCK_V above) and of the operator gradients.
 NUM_WARPS = 8
-# Pipeline stages of the fused walks' chunk loop. Software pipelining keeps every tile of the
-# next chunk in shared memory while this one's products run: with float32 operators 2 stages
-# took 270 KiB at chunk 64, over the SM's 227 KiB (72 KiB with 1). 16-bit operators
-# (`OPERATOR_DTYPE`) halve the operator tiles, and 2 stages fit (benchmarks/tune_triton.py
-# sweeps it; `_launch` takes 1 where the operators are float32).
+# Pipeline stages of the fused walks' chunk loop, with 16-bit operators and K <= 128 (`_launch`
+# takes 1 otherwise). Software pipelining keeps the next chunk's tiles in shared memory while
+# this one's products run: with float32 operators 2 stages overflowed the SM's 227 KiB
+# (docs/RESULTS.md, twelfth session). 16-bit operators (`OPERATOR_DTYPE`) halve the operator
+# tiles; compiled for sm_90 (Triton 3.9, BV 64, 8 warps), forward / backward at chunk 64 take
+# 64 / 64 KiB with 1 stage, 64 / 128 with 2, 64 / 160 with 3 (chunk 128: 64 / 64, 84 / 80,
+# 100 / 96; tests/test_triton_compile.py checks 2 and 3 fit). Measured on the H200 at the 340M
+# preset's heads, H=8 B=4 T=4096, bf16 (docs/RESULTS.md, thirteenth session), forward /
+# backward ms per layer: BV 64 0.56 / 0.57 with 1 stage, 0.48 / 0.59 with 2; BV 32 0.45 / 0.42
+# with 1, 0.36 / 0.33 with 2, against the split pass "auto" takes there, 0.37 / 0.45. It
+# stays 1 (and BLOCK_V 64) until the H=16 shapes, where "auto" takes this pass, are measured
+# with 16-bit operators too.
 NUM_STAGES = 1
 # Value columns per step of the operator-gradient kernel: its [C, K] accumulators stay in
 # registers, the [K, BV] state blocks stream through.
@@ -677,9 +685,11 @@ def state_pass_split_triton_backward(
 #   B=4 T=4096 H=16 (128 fused programs): fused 0.78 / 0.86, split 0.91 / 1.25;
 #   B=4 T=4096 H=8 (64): fused 0.72 / 0.84, split 0.46 / 0.59;
 #   B=1 T=16384 H=8 (16): fused 2.72 / 3.23, split 1.00 / 1.38.
-# The split walk has 4x the programs of the fused one (16 value columns, not 64) and leaves the
-# outputs to kernels parallel over chunks: it wins while the fused walks leave SMs idle (132 on
-# the H200), and loses by its extra kernels and traffic once they do not.
+# (Those with float32 operators; with 16-bit ones, at H=8: fused 0.56 / 0.57, split 0.37 /
+# 0.45, and see NUM_STAGES.) The split walk has 4x the programs of the fused one (16 value
+# columns, not 64) and leaves the outputs to kernels parallel over chunks: it wins while the
+# fused walks leave SMs idle (132 on the H200), and loses by its extra kernels and traffic
+# once they do not.
 STATE_PASS = "auto"
 FUSED_PASS_MIN_PROGRAMS = 96
 # Per state pass: its forward, its backward, and the walk that gives the residuals and the
@@ -776,10 +786,11 @@ def _operator_grads(states, residuals, d_out, d_residual, d_next) -> ChunkOperat
 # products already take (11 significant bits each); with bf16 (8 bits) it is coarser, an
 # error of the inputs' own size on every operator. It halves the bytes the state pass, the
 # solve and the factors move per chunk. Measured on the H200 (docs/RESULTS.md, 2026-12-02,
-# thirteenth session; benchmarks/h200_suite.sh ops_ab, ops16_ptrain), bf16 inputs at B=4
-# T=4096 H=16: the largest relative error against float64 over the output and every gradient
-# 6.4e-3 (float32 operators: 6.1e-3), GDN-2's forward+backward 7.37 -> 6.66 ms, its peak
-# 2.04 -> 1.76 GiB; the 340M GDN-2 step's delta-rule kernels 86.1 -> 76.8 ms.
+# thirteenth session; benchmarks/h200_suite.sh ops_ab, ops16_ptrain), bf16 inputs: the largest
+# relative error against float64 over the output and every gradient, at bench_triton.py's
+# check shape, 6.4e-3 (float32 operators: 6.1e-3); at B=4 T=4096 H=16, GDN-2's
+# forward+backward 7.37 -> 6.66 ms and its peak 2.04 -> 1.76 GiB; the 340M GDN-2 step's
+# delta-rule kernels 86.1 -> 76.8 ms.
 OPERATOR_DTYPE = "inputs"
 
 
@@ -914,7 +925,7 @@ def delta_rule_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated inputs in their own dtype (bf16, fp16 or fp32); computes in float32 with float32
     state and accumulators, and stores the chunk operators between kernels as `OPERATOR_DTYPE`
-    says (float32 by default). Returns (o [B, T, H, V] in q's dtype, final state [N, H, K, V]).
+    says (by default in the inputs' dtype when that is bf16 or fp16, else float32). Returns (o [B, T, H, V] in q's dtype, final state [N, H, K, V]).
 
     Matrix products take TF32 operands when an input is bf16/fp16 (its rounding is already
     coarser than TF32's), and for float32 inputs only when PyTorch is allowed TF32 for float32
