@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -160,41 +161,40 @@ def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chu
 OPERATOR_POINTERS = {"read", "attend", "erase", "target", "write", "rhs", "out"}
 
 
+def _walks_at_stages(module, setting: str, depths, launch, walks):
+    """Each walk of `walks` ((kernel, pointers, flag set True)) at the constants and options
+    `launch()` returns with `module.<setting>` set to each of `depths`: (kernel, pointers,
+    constants, options) as the test above takes them."""
+    kernels = []
+    for stages in depths:
+        with mock.patch.object(module, setting, stages):
+            constants = launch()
+        options = {k: constants.pop(k) for k in ("num_warps", "num_stages")}
+        kernels += [(kernel, n, {**constants, flag: True}, options) for kernel, n, flag in walks]
+    return kernels
+
+
 def _fused_16bit_kernels(state_pass, key_dim, chunk, precision):
     """The fused state pass's walks at the launch `_launch` gives 16-bit operators, with every
-    pipeline depth the tuner offers for them (NUM_STAGES 2 and 3; K > 128 keeps 1): (kernel,
-    pointers, constants, options) as the test above takes them."""
-    kernels = []
-    for stages in (2, 3):
-        before, state_pass.NUM_STAGES = state_pass.NUM_STAGES, stages
-        try:
-            _, launch = state_pass._launch(key_dim, 1, chunk, key_dim, precision, torch.bfloat16)
-        finally:
-            state_pass.NUM_STAGES = before
-        options = {k: launch.pop(k) for k in ("num_warps", "num_stages")}
-        kernels += [
-            (state_pass._state_pass_fwd, 11, {**launch, "HAS_INITIAL": True}, options),
-            (state_pass._state_pass_bwd, 10, {**launch, "HAS_D_FINAL": True}, options),
-        ]
-    return kernels
+    pipeline depth the tuner offers for them (NUM_STAGES 2 and 3; K > 128 keeps 1)."""
+    return _walks_at_stages(
+        state_pass, "NUM_STAGES", (2, 3),
+        lambda: state_pass._launch(key_dim, 1, chunk, key_dim, precision, torch.bfloat16)[1],
+        [(state_pass._state_pass_fwd, 11, "HAS_INITIAL"),
+         (state_pass._state_pass_bwd, 10, "HAS_D_FINAL")],
+    )  # fmt: skip
 
 
 def _split_state_pass_kernels(state_pass, key_dim, chunk, precision):
     """The split state pass's kernels at its launches, its walks with every pipeline depth the
-    tuner offers (SPLIT_NUM_STAGES 1 and 2; K > 128 keeps 1): (kernel, pointers, constants,
-    options) as the test above takes them."""
-    kernels = []
-    for stages in (1, 2):
-        before, state_pass.SPLIT_NUM_STAGES = state_pass.SPLIT_NUM_STAGES, stages
-        try:
-            walk, parallel = state_pass._split_launch(key_dim, chunk, key_dim, precision)
-        finally:
-            state_pass.SPLIT_NUM_STAGES = before
-        walk_options = {k: walk.pop(k) for k in ("num_warps", "num_stages")}
-        kernels += [
-            (state_pass._state_pass_split_fwd, 8, {**walk, "HAS_INITIAL": True}, walk_options),
-            (state_pass._state_pass_split_bwd, 7, {**walk, "HAS_D_FINAL": True}, walk_options),
-        ]
+    tuner offers (SPLIT_NUM_STAGES 1 and 2; K > 128 keeps 1)."""
+    kernels = _walks_at_stages(
+        state_pass, "SPLIT_NUM_STAGES", (1, 2),
+        lambda: state_pass._split_launch(key_dim, chunk, key_dim, precision)[0],
+        [(state_pass._state_pass_split_fwd, 8, "HAS_INITIAL"),
+         (state_pass._state_pass_split_bwd, 7, "HAS_D_FINAL")],
+    )  # fmt: skip
+    _, parallel = state_pass._split_launch(key_dim, chunk, key_dim, precision)
     options = {k: parallel.pop(k) for k in ("num_warps", "num_stages")}
     kernels += [
         (state_pass._state_pass_split_out, 5, parallel, options),
