@@ -143,11 +143,14 @@ def main() -> None:
         ),
         "state_pass": (
             state_module,
-            # The walks' pipeline stages last (NUM_STAGES: 16-bit operators only).
-            [dict(NUM_WARPS=w, BLOCK_C=c, BLOCK_V=v, NUM_STAGES=s)
-             for w, c, v, s in [(8, 64, 64, 1), (4, 64, 64, 1), (4, 64, 32, 1), (8, 64, 32, 1),
-                                (4, 32, 16, 1), (2, 64, 32, 1), (2, 32, 16, 1), (8, 64, 64, 2),
-                                (8, 64, 64, 3), (4, 64, 32, 2), (8, 64, 32, 2)]],
+            # First the defaults (with 16-bit operators, the narrow launch where BLOCK_V makes
+            # too few walks), then each setting as given: warps, row block, value columns and
+            # pipeline stages (NUM_STAGES: 16-bit operators only), the narrow launch off.
+            [{}] + [dict(NUM_WARPS=w, BLOCK_C=c, BLOCK_V=v, NUM_STAGES=s, NARROW_BLOCK_V=None)
+                    for w, c, v, s in [(8, 64, 64, 1), (4, 64, 64, 1), (4, 64, 32, 1),
+                                       (8, 64, 32, 1), (4, 32, 16, 1), (2, 64, 32, 1),
+                                       (2, 32, 16, 1), (8, 64, 64, 2), (8, 64, 64, 3),
+                                       (4, 64, 32, 2), (8, 64, 32, 2), (4, 64, 16, 2)]],
             lambda: state_pass_triton(ops, state, precision),
             lambda: state_pass_triton_backward(ops, d_out, state, precision),
         ),

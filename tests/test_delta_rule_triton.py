@@ -543,6 +543,54 @@ def test_auto_state_pass_takes_the_fused_pass_from_its_program_threshold(
     _compare(inputs, state, 16)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "chosen"), [(torch.float16, "fused"), (torch.float32, "split")], ids=["fp16", "fp32"]
+)
+def test_auto_takes_the_narrow_fused_launch_where_16bit_operators_make_its_walks_enough(
+    generator, monkeypatch, dtype, chosen
+):
+    """With 16-bit chunk operators, where BLOCK_V value columns make fewer walks than
+    FUSED_PASS_MIN_PROGRAMS and NARROW_BLOCK_V columns enough (here B * H * V / 64 = 2 and
+    / 32 = 4, the threshold 3), "auto" runs the fused pass at NARROW_BLOCK_V columns, forward,
+    the backward's walk from the checkpoints and the adjoint walk; float32 operators keep the
+    split pass there. Either way the output, the final state and every gradient are the loop's
+    (fp16: the interpreter's 16-bit float)."""
+    from deltalab.ops.delta_rule.triton import chunk as state_module
+
+    launches = []
+
+    class Recorded:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((self.kernel.fn.__name__, kwargs["BV"]))
+                return self.kernel[grid](*args, **kwargs)
+
+            return launch
+
+    for name in ("_state_pass_fwd", "_state_pass_bwd", "_state_pass_split_fwd",
+                 "_state_pass_split_bwd"):  # fmt: skip
+        monkeypatch.setattr(state_module, name, Recorded(getattr(state_module, name)))
+    monkeypatch.setattr(state_module, "STATE_PASS", "auto")
+    monkeypatch.setattr(state_module, "OPERATOR_DTYPE", "inputs")
+    monkeypatch.setattr(state_module, "BLOCK_V", 64)
+    monkeypatch.setattr(state_module, "NARROW_BLOCK_V", 32)
+    monkeypatch.setattr(state_module, "FUSED_PASS_MIN_PROGRAMS", 3)
+    inputs = random_delta_inputs(generator, 1, 37, 2, 16, 64, channel_decay=True)
+    state = torch.randn(1, 2, 16, 64, generator=generator, dtype=torch.float64)
+    reference = _run(inputs, state, "naive", torch.float64, "cpu")
+    actual = _run(inputs, state, "triton", dtype, DEVICE, chunk_size=16)
+    labels = ["o", "final state", "dq", "da", "db", "du", "dg", "d initial state"]
+    for label, x, ref in zip(labels, actual, reference, strict=True):
+        assert_close(x, ref, TOLERANCE[dtype], label)
+    if chosen == "fused":  # the forward, the walk from the checkpoints, the adjoint walk
+        assert launches == [("_state_pass_fwd", 32)] * 2 + [("_state_pass_bwd", 32)]
+    else:
+        assert {name for name, _ in launches} == {"_state_pass_split_fwd", "_state_pass_split_bwd"}
+
+
 @pytest.mark.parametrize("state_pass", ["split", "fused"])
 def test_state_pass_grids_count_chunks_and_walks_on_their_first_axis(
     generator, monkeypatch, state_pass

@@ -175,14 +175,21 @@ def _walks_at_stages(module, setting: str, depths, launch, walks):
 
 
 def _fused_16bit_kernels(state_pass, key_dim, chunk, precision):
-    """The fused state pass's walks at the launch `_launch` gives 16-bit operators, with every
-    pipeline depth the tuner offers for them (NUM_STAGES 2 and 3; K > 128 keeps 1)."""
-    return _walks_at_stages(
-        state_pass, "NUM_STAGES", (2, 3),
-        lambda: state_pass._launch(key_dim, 1, chunk, key_dim, precision, torch.bfloat16)[1],
-        [(state_pass._state_pass_fwd, 11, "HAS_INITIAL"),
-         (state_pass._state_pass_bwd, 10, "HAS_D_FINAL")],
-    )  # fmt: skip
+    """The fused state pass's walks at the launches `_launch` gives 16-bit operators: at
+    BLOCK_V with every pipeline depth the tuner offers (NUM_STAGES 2 and 3; K > 128 keeps 1),
+    and the narrow launch (NARROW_BLOCK_V, NARROW_NUM_STAGES 2 and 3), made to apply by a
+    program threshold its walks reach and BLOCK_V's do not."""
+    walks = [(state_pass._state_pass_fwd, 11, "HAS_INITIAL"),
+             (state_pass._state_pass_bwd, 10, "HAS_D_FINAL")]  # fmt: skip
+
+    def launch():
+        return state_pass._launch(key_dim, 1, chunk, key_dim, precision, torch.bfloat16)[1]
+
+    kernels = _walks_at_stages(state_pass, "NUM_STAGES", (2, 3), launch, walks)
+    narrow = -(-key_dim // state_pass.NARROW_BLOCK_V)
+    with mock.patch.object(state_pass, "FUSED_PASS_MIN_PROGRAMS", narrow):
+        kernels += _walks_at_stages(state_pass, "NARROW_NUM_STAGES", (2, 3), launch, walks)
+    return kernels
 
 
 def _split_state_pass_kernels(state_pass, key_dim, chunk, precision):

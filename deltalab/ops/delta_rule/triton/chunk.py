@@ -78,13 +78,28 @@ NUM_WARPS = 8
 # (docs/RESULTS.md, twelfth session). 16-bit operators (`OPERATOR_DTYPE`) halve the operator
 # tiles; compiled for sm_90 (Triton 3.9, BV 64, 8 warps), forward / backward at chunk 64 take
 # 64 / 64 KiB with 1 stage, 64 / 128 with 2, 64 / 160 with 3 (chunk 128: 64 / 64, 84 / 80,
-# 100 / 96; tests/test_triton_compile.py checks 2 and 3 fit). Measured on the H200 at the 340M
-# preset's heads, H=8 B=4 T=4096, bf16 (docs/RESULTS.md, thirteenth session), forward /
-# backward ms per layer: BV 64 0.56 / 0.57 with 1 stage, 0.48 / 0.59 with 2; BV 32 0.45 / 0.42
-# with 1, 0.36 / 0.33 with 2, against the split pass "auto" takes there, 0.37 / 0.45. It
-# stays 1 (and BLOCK_V 64) until the H=16 shapes, where "auto" takes this pass, are measured
-# with 16-bit operators too.
+# 100 / 96; tests/test_triton_compile.py checks 2 and 3 fit). It stays 1 at BLOCK_V: 2 stages
+# at BV 64 were slower backward on the H200 (below), and at H=16, where "auto" takes the fused
+# pass at BV 64, 16-bit operators with 2 stages are not measured yet.
 NUM_STAGES = 1
+# The fused walks with 16-bit operators where BLOCK_V columns would leave fewer than
+# FUSED_PASS_MIN_PROGRAMS walks: NARROW_BLOCK_V columns and NARROW_NUM_STAGES stages, if that
+# makes enough walks (else the split pass; None: never). Half the columns double the walks, and
+# the pipeline hides the operator loads of each chunk behind the products of the one before.
+# Measured on the H200 at the 340M preset's heads, H=8 B=4 T=4096 K=V=128, bf16
+# (`tune_triton.py --shape 4x4096x8x128 --stages state_pass state_pass_split`, docs/RESULTS.md,
+# thirteenth session), forward / backward ms per layer:
+#
+#   fused, BV 64, 8 warps, 1 stage (64 walks)     0.56 / 0.57
+#   fused, BV 64, 8 warps, 2 stages               0.48 / 0.59
+#   fused, BV 32, 8 warps, 1 stage (128 walks)    0.45 / 0.42
+#   fused, BV 32, 8 warps, 2 stages               0.36 / 0.33
+#   split, its launch (what "auto" took here)     0.37 / 0.45
+#
+# 15% off the state pass there (0.70 against 0.82 ms a layer); the other shapes keep their
+# launch (H=16 B=4: BV 64 makes 128 walks; B=1 T=16384 H=8: 32 walks even at BV 32, split).
+NARROW_BLOCK_V = 32
+NARROW_NUM_STAGES = 2
 # Value columns per step of the operator-gradient kernel: its [C, K] accumulators stay in
 # registers, the [K, BV] state blocks stream through.
 OPERATOR_BLOCK_V = 32
@@ -482,14 +497,20 @@ def _operator_grads_kernel(
 def _launch(value_dim: int, programs: int, size: int, key_dim: int, precision: str,
             operators: torch.dtype = torch.float32):  # fmt: skip
     """Grid and the shape constants shared by both kernels; `operators`: the dtype the chunk
-    operators are stored in (`NUM_STAGES` applies to 16-bit ones)."""
+    operators are stored in (16-bit ones take `NUM_STAGES`, or the narrow launch)."""
     block_v = BLOCK_V if key_dim <= 128 else BLOCK_V_WIDE_K
+    pipelined = operators.itemsize == 2 and key_dim <= 128
+    stages = NUM_STAGES if pipelined else 1
+    walks = triton.cdiv(value_dim, block_v) * programs
+    if pipelined and NARROW_BLOCK_V and walks < FUSED_PASS_MIN_PROGRAMS:
+        narrow = triton.cdiv(value_dim, NARROW_BLOCK_V) * programs
+        if narrow >= FUSED_PASS_MIN_PROGRAMS:
+            block_v, stages = NARROW_BLOCK_V, NARROW_NUM_STAGES
     grid = (triton.cdiv(value_dim, block_v) * programs,)  # `_offsets` splits it
     consts = {
         "K": key_dim, "V": value_dim, "C": size, "BK": key_block(key_dim),
         "BV": block_v, "BC": min(size, BLOCK_C), "PRECISION": precision,
-        "num_warps": NUM_WARPS,
-        "num_stages": NUM_STAGES if operators.itemsize == 2 and key_dim <= 128 else 1,
+        "num_warps": NUM_WARPS, "num_stages": stages,
     }  # fmt: skip
     return grid, consts
 
@@ -678,15 +699,16 @@ def state_pass_split_triton_backward(
 
 # The state pass `_DeltaRuleTriton` runs: "fused" (stages 3-4 in one walk, `state_pass_triton`),
 # "split" (the walk reduced to the state recurrence, `state_pass_split_triton`), or "auto", the
-# default: the fused pass from FUSED_PASS_MIN_PROGRAMS programs (B * H * V / BLOCK_V), the split
-# pass below (96: a threshold between the two measured points, 64 and 128 programs, not itself
-# measured). Read at each forward; its backward takes the same
+# default: the fused pass from FUSED_PASS_MIN_PROGRAMS programs (B * H * V / BLOCK_V, or with
+# 16-bit operators B * H * V / NARROW_BLOCK_V), the split pass below (96: a threshold between
+# the two measured points, 64 and 128 programs, not itself measured). Read at each forward; its
+# backward takes the same
 # form. Measured on the H200 (`tune_triton.py`, per layer, forward / backward ms; docs/RESULTS.md):
 #   B=4 T=4096 H=16 (128 fused programs): fused 0.78 / 0.86, split 0.91 / 1.25;
 #   B=4 T=4096 H=8 (64): fused 0.72 / 0.84, split 0.46 / 0.59;
 #   B=1 T=16384 H=8 (16): fused 2.72 / 3.23, split 1.00 / 1.38.
-# (Those with float32 operators; with 16-bit ones, at H=8: fused 0.56 / 0.57, split 0.37 /
-# 0.45, and see NUM_STAGES.) The split walk has 4x the programs of the fused one (16 value
+# (Those with float32 operators; with 16-bit ones at H=8 the narrow fused launch takes over:
+# see NARROW_BLOCK_V.) The split walk has 4x the programs of the fused one (16 value
 # columns, not 64) and leaves the outputs to kernels parallel over chunks: it wins while the
 # fused walks leave SMs idle (132 on the H200), and loses by its extra kernels and traffic
 # once they do not.
@@ -700,15 +722,17 @@ STATE_PASSES = {
 }
 
 
-def chosen_state_pass(batch: int, heads: int, key_dim: int, value_dim: int) -> str:
-    """The state pass `STATE_PASS` names for inputs of this shape (see above)."""
+def chosen_state_pass(batch: int, heads: int, key_dim: int, value_dim: int,
+                      operators: torch.dtype = torch.float32) -> str:  # fmt: skip
+    """The state pass `STATE_PASS` names for inputs of this shape whose chunk operators are
+    stored in `operators` (see above; 16-bit ones may take the narrow fused launch)."""
     if STATE_PASS != "auto":
         if STATE_PASS not in STATE_PASSES:
             raise ValueError(
                 f"STATE_PASS must be one of {[*sorted(STATE_PASSES), 'auto']}, got {STATE_PASS!r}"
             )
         return STATE_PASS
-    (programs,), _ = _launch(value_dim, batch * heads, 1, key_dim, "ieee")
+    (programs,), _ = _launch(value_dim, batch * heads, 1, key_dim, "ieee", operators)
     return "fused" if programs >= FUSED_PASS_MIN_PROGRAMS else "split"
 
 
@@ -840,13 +864,13 @@ class _DeltaRuleTriton(torch.autograd.Function):
     def forward(ctx, q, a, b, u, g, initial_state, chunk_size, scale, precision):
         ctx.set_materialize_grads(False)
         batch, length, heads, key_dim = q.shape
-        chosen = chosen_state_pass(batch, heads, key_dim, u.shape[-1])
+        # Read once: the backward recomputes the operators as the forward made them.
+        ctx.operator_dtype = operator_dtype(q, a, b, u)
+        chosen = chosen_state_pass(batch, heads, key_dim, u.shape[-1], ctx.operator_dtype)
         state_pass, ctx.state_pass_backward, ctx.walk = STATE_PASSES[chosen]
         q, a, b, u, g = (x.contiguous() for x in (q, a, b, u, g))
         initial_state = initial_state.contiguous()
         tokens = Tokens(-(-length // chunk_size), heads, length, chunk_size)
-        # Read once: the backward recomputes the operators as the forward made them.
-        ctx.operator_dtype = operator_dtype(q, a, b, u)
         ops, _ = _operators_triton(q, a, b, u, g, precision, tokens, scale, ctx.operator_dtype)
         out = q.new_empty(u.shape)
         if not (isinstance(CHECKPOINT_EVERY, int) and CHECKPOINT_EVERY >= 1):
