@@ -9,8 +9,11 @@ One step is what `deltalab train` does per optimizer step without the data pipel
 loss under bf16 autocast (on CUDA), backward, AdamW. After `--warmup` steps (Triton compiles its
 kernels) `--steps` steps run under torch.profiler, and every GPU kernel's time is put in the
 first category whose name pattern it matches (`CATEGORIES`; on CPU, the aten ops' own CPU time
-instead). Prints per mixer the milliseconds per step of each category and the slowest kernels;
-`--compile` wraps the model in torch.compile as `train.compile` does.
+instead). Prints per mixer the milliseconds per step of each category and the slowest kernels,
+the wall time of a step, and the host's timeline of one (`host_timeline`: how long it takes to
+queue the forward, the backward and AdamW, and how long it waits for the device), which says
+whether the device waits for the host; `--compile` wraps the model in torch.compile as
+`train.compile` does.
 
 It answers the question the throughput numbers leave open (docs/RESULTS.md): at 340M and 4K
 context the recurrent models train at less than half the Transformer's speed, while the
@@ -149,17 +152,23 @@ def training_step(
     window = torch.randint(0, model.config.vocab_size, (batch, seq_len + 1), device=device)
     enabled = device == "cuda" if autocast is None else autocast
 
-    def step() -> None:
+    def step(mark: Callable[[str], None] = lambda phase: None) -> None:
+        """One training step; `mark(phase)` is called as the host finishes each phase (for
+        `host_timeline`)."""
         with contextlib.ExitStack() as checks:
             checks.enter_context(loop._forward_checks(False))  # the trainer's value checks
             loss = loop._loss(
                 forward, window, torch.autocast(device, dtype=torch.bfloat16, enabled=enabled)
             )
+            mark("forward")
             if not checks_after_backward:
                 checks.close()  # reads them back now, as the trainer
+                mark("checks")
             loss.backward()
+            mark("backward")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        mark("optimizer")
 
     return model, optimizer, step
 
@@ -177,6 +186,35 @@ def wall_ms(step: Callable[[], None], steps: int, device: str) -> float:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - began) * 1e3)
     return statistics.median(times)
+
+
+# The host's timeline of a step (`host_timeline`), each segment's meaning.
+TIMELINE = {
+    "forward": "the host queues the forward",
+    "checks": "it waits for the forward's value checks (the device finishing the forward)",
+    "backward": "it queues the backward",
+    "optimizer": "it queues AdamW",
+    "drain": "the device finishes what is queued",
+}
+
+
+def host_timeline(step: Callable[..., None], steps: int, device: str) -> dict[str, float]:
+    """Median milliseconds of each segment of a step as the host lives it (`TIMELINE`), with no
+    synchronization but the trainer's own (the value checks read after the forward) and one at
+    the end. A segment of queueing as long as the device's work for it means the device waited
+    for the host; a long wait or drain means the host waited for the device. On CPU everything
+    runs as it is queued (the waits are ~0)."""
+    rows = []
+    for _ in range(steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times = [("start", time.perf_counter())]
+        step(lambda phase, times=times: times.append((phase, time.perf_counter())))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(("drain", time.perf_counter()))
+        rows.append({phase: (t - times[i][1]) * 1e3 for i, (phase, t) in enumerate(times[1:])})
+    return {phase: statistics.median(r.get(phase, 0.0) for r in rows) for phase in TIMELINE}
 
 
 def profile_mixer(args: argparse.Namespace, mixer: str) -> dict:
@@ -199,6 +237,7 @@ def profile_mixer(args: argparse.Namespace, mixer: str) -> dict:
     # the profiler runs: on 2026-12-02 the steps timed after it took 286 ms of wall time where
     # `deltalab train` took 232 (a 340M GDN-2 step at 4K), as if its instrumentation stayed.
     wall = wall_ms(step, args.steps, device)
+    timeline = host_timeline(step, args.steps, device)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
         torch.cuda.synchronize()
@@ -208,7 +247,11 @@ def profile_mixer(args: argparse.Namespace, mixer: str) -> dict:
             step()
         if device == "cuda":
             torch.cuda.synchronize()
-    return {**summarize(kernel_times(prof, args.steps, device)), "wall_ms": wall}
+    return {
+        **summarize(kernel_times(prof, args.steps, device)),
+        "wall_ms": wall,
+        "host_timeline_ms": timeline,
+    }
 
 
 def main() -> None:
@@ -261,6 +304,9 @@ def main() -> None:
         )
         for label, ms in result["categories"].items():
             print(f"  {label:<32} {ms:9.2f} ms  {ms / result['total_ms']:6.1%}")
+        print("  the host's timeline of a step:")
+        for phase, ms in result["host_timeline_ms"].items():
+            print(f"    {ms:8.2f} ms  {TIMELINE[phase]}")
         for k in result["kernels"][: args.top]:
             print(f"    {k['ms']:8.2f} ms  {k['name'][:80]}")
         if args.device == "cuda":

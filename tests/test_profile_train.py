@@ -66,6 +66,11 @@ def test_a_cpu_step_splits_into_categories_that_add_up(recompute_ffn):
                               checks_after_backward=False, recompute_ffn=recompute_ffn)  # fmt: skip
     report = profile_train.profile_mixer(args, "gdn2")
     assert report["total_ms"] > 0
+    # The host's timeline: every segment, the queueing ones taking time (on CPU they run).
+    timeline = report["host_timeline_ms"]
+    assert timeline.keys() == profile_train.TIMELINE.keys()
+    assert all(timeline[phase] > 0 for phase in ("forward", "backward", "optimizer"))
+    assert all(ms >= 0 for ms in timeline.values())
     # The wall time of a step holds its kernels' (on CPU, the ops' own times) and more.
     assert report["wall_ms"] > 0
     assert sum(report["categories"].values()) == pytest.approx(report["total_ms"])
