@@ -313,17 +313,25 @@ def _flatten(tree: dict, prefix: str = "") -> list[tuple[str, str]]:
     return items
 
 
-def test_gradient_accumulation_and_recomputation_keep_the_loss_curve(tmp_path, corpus, monkeypatch):
+def test_gradient_accumulation_and_recomputation_keep_the_loss_curve(
+    tmp_path, corpus, monkeypatch, capsys
+):
     """grad_accum=2 to rounding; activation checkpointing of the blocks and the recomputed FFN
-    branches (which the run does compute again) bit for bit."""
+    branches (which the run does compute again) bit for bit. With both set, the blocks are
+    checkpointed whole (no FFN branch recomputed apart) and the run says the FFN setting does
+    nothing."""
     import deltalab.models.lm as lm
 
     plain = train(run_config(tmp_path / "plain", corpus))
     accumulated = train(run_config(tmp_path / "accum", corpus, "train.grad_accum=2"))
-    recomputed = train(run_config(tmp_path / "ckpt", corpus, "train.activation_checkpointing=true"))
     branches = []
     real = lm.recomputed
     monkeypatch.setattr(lm, "recomputed", lambda fn, *args: branches.append(fn) or real(fn, *args))
+    capsys.readouterr()
+    both = ("train.activation_checkpointing=true", "train.recompute_ffn=true")
+    recomputed = train(run_config(tmp_path / "ckpt", corpus, *both))
+    assert "train.recompute_ffn=true does nothing" in capsys.readouterr().out
+    assert not branches
     ffn_recomputed = train(run_config(tmp_path / "ffn", corpus, "train.recompute_ffn=true"))
     assert branches
     assert torch.allclose(torch.tensor(accumulated.losses), torch.tensor(plain.losses), atol=1e-5)

@@ -482,6 +482,11 @@ def _announce(
             f"{config.train.steps}: the learning rate never reaches its peak; set "
             "schedule.warmup_steps lower for a short run"
         )
+    if config.train.recompute_ffn and config.train.activation_checkpointing:
+        logger.print(
+            "note: train.recompute_ffn=true does nothing with train.activation_checkpointing="
+            "true, which recomputes each whole block"
+        )
 
 
 def _forward_checks(checkpointing: bool):
