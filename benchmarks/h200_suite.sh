@@ -87,6 +87,16 @@ part() {  # part NAME SECONDS COMMAND...: run, log to $OUT/NAME.txt, record rc a
     tar -czf "$DEST/suite.tgz" -C "$OUT" .
 }
 
+# bench_train.py at the 340M preset, B=4 T=4096 and then B=1 T=16384 (8 steps each):
+# train_pair "MIXERS AT 4K" "MIXERS AT 16K" [OPTION ...], the options passed to both runs.
+train_pair() {
+    python3 benchmarks/bench_train.py --device cuda --preset 340M --seq-len 4096 --batch 4 \
+        --steps 8 --mixers $1 "${@:3}" && \
+    python3 benchmarks/bench_train.py --device cuda --preset 340M --seq-len 16384 --batch 1 \
+        --steps 8 --mixers $2 "${@:3}"
+}
+export -f train_pair
+
 for p in "${parts[@]}"; do
     case $p in
     tests) part tests 240 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
@@ -114,10 +124,8 @@ for p in "${parts[@]}"; do
         --out "$OUT/prof.json" ;;
     stability) part stability 240 python3 benchmarks/bench_triton.py --parts stability \
         --out "$OUT/stability.json" ;;
-    train) part train 300 bash -c "python3 benchmarks/bench_train.py --device cuda --preset 340M \
-        --seq-len 4096 --batch 4 --steps 8 --mixers gdn2 muir kdn_diag transformer && \
-        python3 benchmarks/bench_train.py --device cuda --preset 340M --seq-len 16384 --batch 1 \
-        --steps 8 --mixers gdn2 muir transformer" ;;
+    train) part train 300 bash -c 'train_pair "gdn2 muir kdn_diag transformer" \
+        "gdn2 muir transformer"' ;;
     decode) part decode 200 python3 benchmarks/bench_decode_gpu.py --out "$OUT/decode.json" ;;
     kdn) part kdn 180 python3 benchmarks/bench_kdn_triton.py --out "$OUT/kdn.json" ;;
     tune) part tune 180 python3 benchmarks/tune_triton.py --out "$OUT/tune.json" ;;
@@ -173,27 +181,21 @@ for p in "${parts[@]}"; do
     keepin_ptrain) part keepin_ptrain 80 python3 benchmarks/profile_train.py --keep-inputs \
         --device cuda --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 \
         --out "$OUT/keepin_ptrain_4k.json" ;;
-    keepin_train) part keepin_train 240 bash -c "python3 benchmarks/bench_train.py \
-        --keep-inputs --device cuda --preset 340M --seq-len 4096 --batch 4 --steps 8 \
-        --mixers gdn2 muir && python3 benchmarks/bench_train.py --keep-inputs \
-        --device cuda --preset 340M --seq-len 16384 --batch 1 --steps 8 --mixers gdn2 muir" ;;
+    keepin_train) part keepin_train 240 bash -c 'train_pair "gdn2 muir" "gdn2 muir" \
+        --keep-inputs' ;;
     stages16) part stages16 200 python3 benchmarks/tune_triton.py --shape 4x4096x16x128 \
         --stages state_pass state_pass_split --out "$OUT/stages16.json" ;;
     warm) part warm 120 python3 benchmarks/bench_train.py --device cuda --preset 340M \
         --seq-len 4096 --batch 4 --steps 12 --mixers gdn2 ;;
-    ffn_train) part ffn_train 200 bash -c "python3 benchmarks/bench_train.py --recompute-ffn \
-        --device cuda --preset 340M --seq-len 4096 --batch 4 --steps 8 --mixers gdn2 transformer \
-        && python3 benchmarks/bench_train.py --recompute-ffn --device cuda --preset 340M \
-        --seq-len 16384 --batch 1 --steps 8 --mixers gdn2 muir transformer" ;;
+    ffn_train) part ffn_train 200 bash -c 'train_pair "gdn2 transformer" \
+        "gdn2 muir transformer" --recompute-ffn' ;;
     stages340) part stages340 200 python3 benchmarks/tune_triton.py --shape 4x4096x8x128 \
         --stages state_pass state_pass_split --out "$OUT/stages340.json" ;;
     sep_ptrain) part sep_ptrain 80 python3 benchmarks/profile_train.py --project-separately \
         --device cuda --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 \
         --out "$OUT/sep_ptrain_4k.json" ;;
-    keep_train) part keep_train 240 bash -c "python3 benchmarks/bench_train.py \
-        --keep-states --device cuda --preset 340M --seq-len 4096 --batch 4 --steps 8 \
-        --mixers gdn2 kdn_diag && python3 benchmarks/bench_train.py --keep-states \
-        --device cuda --preset 340M --seq-len 16384 --batch 1 --steps 8 --mixers gdn2 muir" ;;
+    keep_train) part keep_train 240 bash -c 'train_pair "gdn2 kdn_diag" "gdn2 muir" \
+        --keep-states' ;;
     compile) part compile 300 python3 benchmarks/bench_train.py --device cuda --preset 340M \
         --seq-len 4096 --batch 4 --steps 8 --mixers gdn2 muir transformer --compile ;;
     compile_ptrain) part compile_ptrain 200 bash -c "python3 benchmarks/profile_train.py --compile \

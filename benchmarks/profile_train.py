@@ -173,21 +173,6 @@ def training_step(
     return model, optimizer, step
 
 
-def wall_ms(step: Callable[[], None], steps: int, device: str) -> float:
-    """Median milliseconds of one step, host and device: each timed from an idle device to an
-    idle device, as the trainer's steps run between its reads of the loss."""
-    times = []
-    for _ in range(steps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        began = time.perf_counter()
-        step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - began) * 1e3)
-    return statistics.median(times)
-
-
 # The host's timeline of a step (`host_timeline`), each segment's meaning.
 TIMELINE = {
     "forward": "the host queues the forward",
@@ -198,12 +183,15 @@ TIMELINE = {
 }
 
 
-def host_timeline(step: Callable[..., None], steps: int, device: str) -> dict[str, float]:
-    """Median milliseconds of each segment of a step as the host lives it (`TIMELINE`), with no
-    synchronization but the trainer's own (the value checks read after the forward) and one at
-    the end. A segment of queueing as long as the device's work for it means the device waited
-    for the host; a long wait or drain means the host waited for the device. On CPU everything
-    runs as it is queued (the waits are ~0)."""
+def host_timeline(
+    step: Callable[..., None], steps: int, device: str
+) -> tuple[float, dict[str, float]]:
+    """(the median milliseconds of a step, host and device, each timed from an idle device to
+    an idle device as the trainer's steps run between its reads of the loss; the median of each
+    segment of it as the host lives it, `TIMELINE`). No synchronization inside a step but the
+    trainer's own (the value checks read after the forward). A segment of queueing as long as
+    the device's work for it means the device waited for the host; a long wait or drain means
+    the host waited for the device. On CPU everything runs as it is queued (the waits are ~0)."""
     rows = []
     for _ in range(steps):
         if device == "cuda":
@@ -214,7 +202,8 @@ def host_timeline(step: Callable[..., None], steps: int, device: str) -> dict[st
             torch.cuda.synchronize()
         times.append(("drain", time.perf_counter()))
         rows.append({phase: (t - times[i][1]) * 1e3 for i, (phase, t) in enumerate(times[1:])})
-    return {phase: statistics.median(r.get(phase, 0.0) for r in rows) for phase in TIMELINE}
+    wall = statistics.median(sum(r.values()) for r in rows)
+    return wall, {phase: statistics.median(r.get(phase, 0.0) for r in rows) for phase in TIMELINE}
 
 
 def profile_mixer(args: argparse.Namespace, mixer: str) -> dict:
@@ -236,8 +225,7 @@ def profile_mixer(args: argparse.Namespace, mixer: str) -> dict:
     # waits for the host (launches after a read-back, Python between kernels). Timed before
     # the profiler runs: on 2026-12-02 the steps timed after it took 286 ms of wall time where
     # `deltalab train` took 232 (a 340M GDN-2 step at 4K), as if its instrumentation stayed.
-    wall = wall_ms(step, args.steps, device)
-    timeline = host_timeline(step, args.steps, device)
+    wall, timeline = host_timeline(step, args.steps, device)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
         torch.cuda.synchronize()

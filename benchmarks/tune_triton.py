@@ -6,12 +6,12 @@
 
 For each stage kernel (stage 1 forward/backward, the decay factors, the solve and dL, the state
 pass forward/backward, the operator gradients) and each candidate setting (tile sizes, warps,
-pipeline stages),
-the median ms on the issue's 4K shape (KDA form, bf16 inputs read in place, TF32 products) and
-the largest difference of its outputs from the first setting's, relative to each output's
-largest element, over the elements a kernel writes (the settings change tiling, not the math).
-Each stage's first setting is its module's default, chosen from these sweeps on an H200
-(docs/RESULTS.md; where a faster setting is not the default, the module's comment says why). On CPU (under the interpreter) it only proves the settings run.
+pipeline stages), the median ms on the issue's 4K shape (KDA form, bf16 inputs read in place,
+TF32 products) and the largest difference of its outputs from the first setting's, relative to
+each output's largest element, over the elements a kernel writes (the settings change tiling,
+not the math). Each stage's first setting is its module's default, chosen from these sweeps on
+an H200 (docs/RESULTS.md; where a faster setting is not the default, the module's comment says
+why). On CPU (under the interpreter) it only proves the settings run.
 """
 
 from __future__ import annotations

@@ -30,10 +30,9 @@ the outputs, attend^T dO and read^T dO to kernels parallel over chunks; the comm
 
 Precision: S and every accumulator are float32. The operators arrive in the inputs' dtype when
 those are 16-bit (`OPERATOR_DTYPE = "inputs"`, the default), else in float32, and are read into
-float32.
-With float32 operators the products run in IEEE float32 (TF32 would cost ~1e-3 relative
-error); no exponential is taken here, the decays arrive as factors <= 1 from the stable
-stage 1.
+float32. With float32 operators the products run in IEEE float32 (TF32 would cost ~1e-3
+relative error); no exponential is taken here, the decays arrive as factors <= 1 from the
+stable stage 1.
 """
 
 from __future__ import annotations
