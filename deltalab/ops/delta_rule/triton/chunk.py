@@ -948,7 +948,8 @@ def delta_rule_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated inputs in their own dtype (bf16, fp16 or fp32); computes in float32 with float32
     state and accumulators, and stores the chunk operators between kernels as `OPERATOR_DTYPE`
-    says (by default in the inputs' dtype when that is bf16 or fp16, else float32). Returns (o [B, T, H, V] in q's dtype, final state [N, H, K, V]).
+    says (by default in the inputs' dtype when that is bf16 or fp16, else float32). Returns
+    (o [B, T, H, V] in q's dtype, final state [N, H, K, V]).
 
     Matrix products take TF32 operands when an input is bf16/fp16 (its rounding is already
     coarser than TF32's), and for float32 inputs only when PyTorch is allowed TF32 for float32
