@@ -4,11 +4,19 @@
     python benchmarks/bench_train.py --device cuda --preset 340M --seq-len 4096 --batch 8 \\
         --mixers muir gdn2 transformer                     # H200, bf16 autocast
 
+    python benchmarks/bench_train.py --device cuda --preset 340M --seq-len 4096 --batch 4 \
+        --mixers gdn2 transformer --cuda-graphs both      # eager and graphed, side by side
+
 Each mixer trains `--steps` steps of the real loop on the stdlib corpus; the figure is the
-median tokens/s over the steps after the first two (compilation and allocator warm-up), and
-its ratio to the Transformer's when "transformer" is among the mixers. On a fresh GPU machine
-each training process ran faster than the one before it (docs/RESULTS.md, 2026-12-02): warm
-the machine with a throwaway run before measuring, and compare runs of one invocation.
+median tokens/s over the steps after the first `SKIPPED_STEPS` (compilation, allocator
+warm-up, and with train.cuda_graphs its eager warmup steps and the capture), and its ratio to
+the Transformer's (of the same `--cuda-graphs` mode) when "transformer" is among the mixers.
+"peak GiB" is the most memory the tensors held, "reserved GiB" the most the allocator held
+(its cache and a CUDA graph's pool included: a replay allocates nothing, so only this one
+counts what a graph keeps). On a fresh GPU machine each training process ran faster than the
+one before it (docs/RESULTS.md, 2026-12-02): warm the machine with a throwaway run before
+measuring, and compare runs of one invocation; "both" runs each mixer's two modes back to back,
+graphed first.
 """
 
 from __future__ import annotations
@@ -22,6 +30,14 @@ from pathlib import Path
 from deltalab.benchmarking import add_delta_rule_options, apply_delta_rule_options, format_table
 from deltalab.models import MIXER_KINDS
 from deltalab.train import load_run_config, train
+from deltalab.train.graphs import WARMUP_STEPS
+
+# Steps left out of the median: the graph's eager warmup steps and its capture (the first
+# eager steps also compile the kernels and warm the allocator, in either mode).
+SKIPPED_STEPS = WARMUP_STEPS + 1
+# "both" runs the graphed step first: where a fresh machine speeds up from one process to the
+# next (docs/RESULTS.md, 2026-12-02), that drift favours the eager run, not the graph's.
+MODES = {"off": (False,), "on": (True,), "both": (True, False)}
 
 
 def main() -> None:
@@ -41,56 +57,81 @@ def main() -> None:
         action="store_true",
         help="train.recompute_ffn=true: each block's FFN branch computed again in the backward",
     )
+    parser.add_argument(
+        "--cuda-graphs",
+        choices=list(MODES),
+        default="off",
+        help="train.cuda_graphs: off, on, or both (each mixer graphed, then eager)",
+    )
     add_delta_rule_options(parser)
     args = parser.parse_args()
+    if args.steps <= SKIPPED_STEPS:
+        parser.error(f"--steps must be > {SKIPPED_STEPS} (the steps left out of the median)")
     apply_delta_rule_options(args)
-    rows = []
+    rows = []  # (mixer, graphed, cells)
     for mixer in args.mixers:
-        with tempfile.TemporaryDirectory() as out:
-            config = load_run_config(
-                None,
-                [
-                    f"model.preset={args.preset}",
-                    f"model.mixer={mixer}",
-                    f"train.device={args.device}",
-                    f"train.seq_len={args.seq_len}",
-                    f"train.batch_size={args.batch}",
-                    f"train.steps={args.steps}",
-                    f"data.cache_dir={args.cache_dir}",
-                    "eval.batches=1",
-                    "eval.sample_tokens=0",
-                    "checkpoint.every=0",
-                    "log.progress=false",
-                    "log.tensorboard=false",
-                    f"log.out_dir={out}",
-                    f"train.compile={str(args.compile).lower()}",
-                    f"train.recompute_ffn={str(args.recompute_ffn).lower()}",
-                ],
-            )
-            train(config)
-            metrics = json.loads((Path(out) / "metrics.json").read_text())
-        speeds = [r["tokens_per_s"] for r in metrics["history"]["train"][2:]]
-        memory = metrics["peak_memory_bytes"]
-        rows.append(
-            [
-                mixer,
+        for graphs in MODES[args.cuda_graphs]:
+            name = f"{mixer} (graphs)" if graphs and args.cuda_graphs == "both" else mixer
+            try:
+                metrics = run(args, mixer, graphs)
+            except Exception as error:  # one failing run must not take the others' rows
+                print(f"{name}: failed: {type(error).__name__}: {error}")
+                continue
+            speeds = [r["tokens_per_s"] for r in metrics["history"]["train"][SKIPPED_STEPS:]]
+            memory = [metrics.get(key) for key in ("peak_memory_bytes", "peak_reserved_bytes")]
+            cells = [
+                name,
                 f"{metrics['parameters'] / 1e6:.1f}M",
                 statistics.median(speeds),
-                "-" if memory is None else f"{memory / 2**30:.1f}",
+                *("-" if m is None else f"{m / 2**30:.1f}" for m in memory),
             ]
-        )
+            rows.append((mixer, graphs, cells))
     print(
         f"deltalab train, preset {args.preset}, {args.device}, batch {args.batch} x "
         f"{args.seq_len} tokens, {args.steps} steps{', torch.compile' if args.compile else ''}"
         f"{', FFN recomputed' if args.recompute_ffn else ''}"
+        f"{', CUDA graphs ' + args.cuda_graphs if args.cuda_graphs != 'off' else ''}"
     )
-    headers = ["mixer", "params", "tokens/s", "peak GiB"]
-    # The issue's targets are ratios to the Transformer's tokens/s, measured in the same run.
-    reference = next((row[2] for row in rows if row[0] == "transformer"), None)
-    if reference is not None:
+    headers = ["mixer", "params", "tokens/s", "peak GiB", "reserved GiB"]
+    # The issue's targets are ratios to the Transformer's tokens/s, measured in the same run:
+    # each row against the Transformer's row of its own mode.
+    references = {graphs: cells[2] for mixer, graphs, cells in rows if mixer == "transformer"}
+    table = [cells for _, _, cells in rows]
+    if references:
         headers.append("vs transformer")
-        rows = [[*row, f"{row[2] / reference:.3f}x"] for row in rows]
-    print(format_table(headers, rows))
+        table = [
+            [*cells, "-" if graphs not in references else f"{cells[2] / references[graphs]:.3f}x"]
+            for _, graphs, cells in rows
+        ]
+    print(format_table(headers, table))
+
+
+def run(args: argparse.Namespace, mixer: str, graphs: bool) -> dict:
+    """One `deltalab train` run of `mixer`; returns its metrics.json."""
+    with tempfile.TemporaryDirectory() as out:
+        config = load_run_config(
+            None,
+            [
+                f"model.preset={args.preset}",
+                f"model.mixer={mixer}",
+                f"train.device={args.device}",
+                f"train.seq_len={args.seq_len}",
+                f"train.batch_size={args.batch}",
+                f"train.steps={args.steps}",
+                f"data.cache_dir={args.cache_dir}",
+                "eval.batches=1",
+                "eval.sample_tokens=0",
+                "checkpoint.every=0",
+                "log.progress=false",
+                "log.tensorboard=false",
+                f"log.out_dir={out}",
+                f"train.compile={str(args.compile).lower()}",
+                f"train.recompute_ffn={str(args.recompute_ffn).lower()}",
+                f"train.cuda_graphs={str(graphs).lower()}",
+            ],
+        )
+        train(config)
+        return json.loads((Path(out) / "metrics.json").read_text())
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from deltalab.models import CausalLM, build_config
 from deltalab.models.static_decode import StaticDecoder, static_generate
 from deltalab.ops import delta_rule, kdn_diag, kdn_iso
 from deltalab.testing import TOLERANCE, relative_error
+from deltalab.train import train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -214,3 +215,67 @@ def test_cuda_fused_adamw_steps_as_the_default_step(generator):
     assert built.defaults["fused"] is True
     for name, p, q in params:
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_cuda_graph_replay_writes_each_steps_gradients_over_the_last(generator):
+    """`StepGraph` (train.cuda_graphs): after its eager warmup steps, each replay on new
+    windows, with the parameters changed in place between steps as the optimizer changes them,
+    gives the loss and the gradients of an eager step from unset gradients, in the same
+    gradient tensors at every step (the CPU tests check the trainer's use of it)."""
+    from deltalab.train.graphs import WARMUP_STEPS, StepGraph
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+    ).cuda()
+    params = list(model.parameters())
+
+    def passes(windows):
+        total = torch.zeros((), device=windows.device)
+        for i in range(windows.shape[0]):
+            loss = model(windows[i].float()).square().mean() / windows.shape[0]
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    graph = StepGraph(passes, (2, 4, 8), params, torch.device("cuda"))
+    windows = [torch.randint(0, 5, (2, 4, 8), generator=generator) for _ in range(WARMUP_STEPS + 4)]
+    for w in windows[:WARMUP_STEPS]:
+        with graph.warmup_step():
+            passes(w.cuda())
+        model.zero_grad(set_to_none=True)
+    assert not graph.warming_up and not graph.captured
+    pointers = None
+    for w in windows[WARMUP_STEPS:]:
+        loss = graph.step(w).clone()
+        assert graph.captured
+        grads = [p.grad for p in params]
+        pointers = pointers or [g.data_ptr() for g in grads]
+        assert [g.data_ptr() for g in grads] == pointers
+        for p in params:
+            p.grad = None
+        expected = passes(w.cuda())
+        torch.testing.assert_close(loss, expected)
+        for p, g in zip(params, grads, strict=True):
+            torch.testing.assert_close(g, p.grad)
+            p.grad = g  # the graph's own tensor back, as the trainer leaves it
+        with torch.no_grad():
+            for p in params:
+                p.add_(0.05 * torch.randn_like(p))
+
+
+@pytest.mark.parametrize("mixer", ["gdn2", "muir", "kdn_diag", "transformer"])
+def test_cuda_graphed_training_follows_the_eager_loss_curve(tmp_path, mixer):
+    """`deltalab train` with train.cuda_graphs on the GPU (Triton kernels, bf16 autocast):
+    the step records without reading anything back and its replays follow the eager run's
+    losses (the kernels are the same; cuBLAS may pick other algorithms inside a capture)."""
+    from test_train import make_corpus, run_config
+
+    corpus = make_corpus(tmp_path / "corpus")
+    settings = (f"model.mixer={mixer}", "train.device=cuda", "train.steps=7")
+    eager = train(run_config(tmp_path / "eager", corpus, *settings))
+    graphed = train(run_config(tmp_path / "graphs", corpus, *settings, "train.cuda_graphs=true"))
+    assert len(graphed.losses) == 7
+    torch.testing.assert_close(
+        torch.tensor(graphed.losses), torch.tensor(eager.losses), rtol=0, atol=2e-3
+    )

@@ -27,8 +27,12 @@ SMALL_MODEL = (
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def make_corpus(folder: Path) -> str:
     """A directory of 60 small documents: repetitive enough to learn in a few steps."""
-    folder = tmp_path_factory.mktemp("corpus")
+    folder.mkdir(parents=True, exist_ok=True)
     words = ["def", "return", "self", "value", "for", "in", "range", "if", "else", "print"]
     for i in range(60):
         lines = [f"{words[i % 10]} item_{j} = {words[(i + j) % 10]}({j})" for j in range(12)]
@@ -337,6 +341,73 @@ def test_gradient_accumulation_and_recomputation_keep_the_loss_curve(
     assert torch.allclose(torch.tensor(accumulated.losses), torch.tensor(plain.losses), atol=1e-5)
     assert recomputed.losses == plain.losses
     assert ffn_recomputed.losses == plain.losses
+
+
+def test_the_graphed_step_follows_the_eager_loss_curve_after_its_warmup_steps(
+    tmp_path, corpus, monkeypatch, capsys
+):
+    """train.cuda_graphs without CUDA: the trainer takes the graph's path (two eager warmup
+    steps, then every step through `StepGraph.step` on windows checked on the host, the
+    gradients left set between steps) and the passes run eagerly: the loss curve of plain
+    training bit for bit, with gradient accumulation too. The replay itself is checked against
+    eager steps on a GPU (tests/test_cuda.py)."""
+    import deltalab.train.graphs as graphs
+    import deltalab.train.loop as loop
+
+    stepped, checked = [], []
+    real_step, real_check = graphs.StepGraph.step, loop.check_token_ids
+    monkeypatch.setattr(
+        graphs.StepGraph, "step", lambda self, w: stepped.append(w.shape) or real_step(self, w)
+    )
+    monkeypatch.setattr(
+        loop, "check_token_ids", lambda ids, v: checked.append(ids.device) or real_check(ids, v)
+    )
+    plain = train(run_config(tmp_path / "plain", corpus))
+    capsys.readouterr()
+    graphed = train(run_config(tmp_path / "graphs", corpus, "train.cuda_graphs=true"))
+    assert "there are no CUDA graphs" in capsys.readouterr().out
+    assert graphed.losses == plain.losses
+    steps_after_warmup = 6 - graphs.WARMUP_STEPS
+    assert stepped == [torch.Size([1, 4, 33])] * steps_after_warmup
+    assert checked == [torch.device("cpu")] * steps_after_warmup
+    stepped.clear()
+    accumulated = train(run_config(tmp_path / "accum", corpus, "train.grad_accum=2"))
+    graphed_accumulated = train(
+        run_config(
+            tmp_path / "accum_graphs", corpus, "train.grad_accum=2", "train.cuda_graphs=true"
+        )
+    )
+    assert graphed_accumulated.losses == accumulated.losses
+    assert stepped == [torch.Size([2, 2, 33])] * steps_after_warmup
+
+
+def test_a_non_finite_graphed_step_is_skipped_and_the_next_steps_start_afresh(
+    tmp_path, corpus, monkeypatch
+):
+    """A NaN loss on a step taken through the graph's path (after the warmup) is skipped under
+    train.nan_policy=skip, and the steps after it train as the same poisoned run does without
+    the graph: nothing of the skipped step's gradients is carried into the next."""
+    import deltalab.train.loop as loop
+
+    original = loop._loss
+    calls = {"n": 0}
+
+    def poisoned(model, window, autocast):
+        loss = original(model, window, autocast)
+        if model.training:
+            calls["n"] += 1
+            if calls["n"] == 4:
+                return loss * float("nan")
+        return loss
+
+    monkeypatch.setattr(loop, "_loss", poisoned)
+    eager = train(run_config(tmp_path / "eager", corpus, "train.nan_policy=skip"))
+    calls["n"] = 0
+    graphed = train(
+        run_config(tmp_path / "graphs", corpus, "train.nan_policy=skip", "train.cuda_graphs=true")
+    )
+    assert len(graphed.losses) == 5 and all(math.isfinite(x) for x in graphed.losses)
+    assert graphed.losses == eager.losses
 
 
 def test_a_stop_signal_checkpoints_and_the_run_resumes_bit_for_bit(tmp_path, corpus, monkeypatch):

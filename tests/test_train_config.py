@@ -203,6 +203,12 @@ def test_invalid_value_is_refused_naming_the_field(override: str, field: str) ->
         load_run_config(None, [override])
 
 
+def test_cuda_graphs_and_compile_together_are_refused_naming_both() -> None:
+    with pytest.raises(ValueError, match=r"train\.cuda_graphs=true and train\.compile=true"):
+        load_run_config(None, ["train.cuda_graphs=true", "train.compile=true"])
+    assert load_run_config(None, ["train.cuda_graphs=true"]).train.cuda_graphs is True
+
+
 def test_sections_validate_when_built_directly() -> None:
     with pytest.raises(ValueError, match=r"train\.batch_size must be > 0, got 0"):
         TrainSection(batch_size=0)

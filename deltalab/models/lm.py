@@ -23,6 +23,7 @@ from deltalab.layers.common import RMSNorm, compute_dtype
 from deltalab.models.cache import RecurrentCache
 from deltalab.models.config import DeltaLabConfig
 from deltalab.models.mixers import build_mixer
+from deltalab.ops._checks import values_checkable
 from deltalab.ops._recompute import recomputed, without_rebuild
 from deltalab.ops.lm_loss import linear_cross_entropy
 from deltalab.ops.norms import layer_backend
@@ -184,7 +185,9 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
         raise ValueError(f"input_ids must have shape [B, T], got {tuple(input_ids.shape)}")
     # Read back at once, not inside a `one_host_read` block: an id outside the table would
     # fault the embedding's lookup on a GPU. One read for valid ids; the range only on failure.
-    if input_ids.numel() and bool(((input_ids < 0) | (input_ids >= vocab_size)).any()):
+    # Not while a CUDA graph records (nothing may be read back): the trainer's replayed steps
+    # check their windows on the host before copying them in (deltalab.train.graphs).
+    if values_checkable(input_ids) and bool(((input_ids < 0) | (input_ids >= vocab_size)).any()):
         raise ValueError(
             f"input_ids must lie in [0, {vocab_size - 1}] (vocab_size {vocab_size}), got values "
             f"in [{int(input_ids.min())}, {int(input_ids.max())}]"

@@ -46,6 +46,7 @@ from deltalab.errors import (
     UserError,
 )
 from deltalab.models import CausalLM, DeltaLabConfig, build_config
+from deltalab.models.lm import check_token_ids
 from deltalab.models.mixers import mixer_option_names
 from deltalab.ops._checks import NonFiniteError, one_host_read
 from deltalab.ops._triton import triton_unavailable_reason
@@ -61,6 +62,7 @@ from deltalab.train.checkpoint import (
 )
 from deltalab.train.config import RunConfig, save_run_config
 from deltalab.train.distributed import Distributed, all_reduce_mean, setup_distributed, wrap_model
+from deltalab.train.graphs import StepGraph
 from deltalab.train.optim import (
     build_optimizer,
     build_scheduler,
@@ -144,10 +146,10 @@ def _check_outside_source(config: RunConfig) -> None:
             )
 
 
-def _autocast(config: RunConfig, ctx: Distributed):
+def _autocast(config: RunConfig, ctx: Distributed, cache: bool = True):
     precision = config.train.precision
     if precision == "bf16" or (precision == "auto" and ctx.device.type == "cuda"):
-        return torch.autocast(ctx.device.type, dtype=torch.bfloat16)
+        return torch.autocast(ctx.device.type, dtype=torch.bfloat16, cache_enabled=cache)
     return contextlib.nullcontext()
 
 
@@ -290,6 +292,7 @@ RESUMABLE_CHANGES = {
     "train.compile",
     "train.activation_checkpointing",
     "train.recompute_ffn",
+    "train.cuda_graphs",
     "train.nan_policy",
     "eval.every",
     "eval.sample_tokens",
@@ -482,6 +485,11 @@ def _announce(
             f"{config.train.steps}: the learning rate never reaches its peak; set "
             "schedule.warmup_steps lower for a short run"
         )
+    if config.train.cuda_graphs and ctx.device.type != "cuda":
+        logger.print(
+            f"note: train.cuda_graphs=true on {ctx.device.type}: there are no CUDA graphs, the "
+            "step's passes run eagerly"
+        )
     if config.train.recompute_ffn and config.train.activation_checkpointing:
         logger.print(
             "note: train.recompute_ffn=true does nothing with train.activation_checkpointing="
@@ -501,36 +509,79 @@ def _forward_checks(checkpointing: bool):
     return contextlib.nullcontext() if checkpointing else one_host_read()
 
 
-def _accumulate(state: TrainState, model, forward, stream, autocast) -> tuple[float, str | None]:
+def _micro_pass(forward, window: torch.Tensor, autocast, accum: int, checkpointing: bool):
+    """One micro-batch's forward and backward passes; returns its share of the step's loss
+    (detached): the loss over `accum`, so that the gradients add up to the step's mean."""
+    with _forward_checks(checkpointing):
+        loss = _loss(forward, window, autocast) / accum
+    loss.backward()
+    return loss.detach()
+
+
+def _accumulate(
+    state: TrainState, model, forward, stream, autocast, graph: StepGraph | None = None
+) -> tuple[float, str | None]:
     """One step's forward and backward passes over `train.grad_accum` micro-batches: (the
-    mean loss over ranks, NaN if any part failed; why the step failed, or None)."""
+    mean loss over ranks, NaN if any part failed; why the step failed, or None).
+
+    With `graph` (`train.cuda_graphs`) past its warmup steps, the passes are the graph's
+    replay on the step's windows, checked on the host first (the replay reads nothing back)."""
     config, ctx = state.config, state.ctx
     accum = config.train.grad_accum
+    if graph is not None and not graph.warming_up:
+        windows = torch.stack([next(stream) for _ in range(accum)])
+        check_token_ids(windows.flatten(0, 1), state.core.config.vocab_size)
+        try:
+            return graph.step(windows).item(), None
+        except NonFiniteError as error:  # only where there is no graph: the passes ran eagerly
+            return math.nan, f"the model produced non-finite values: {error}"
     total = torch.zeros((), device=ctx.device)
     cause = None
-    for micro_step in range(accum):
-        window = next(stream).to(ctx.device)
-        if cause is not None:
-            continue  # the step is lost; its windows are still drawn, as in a clean run
-        last = micro_step == accum - 1
-        sync = (
-            model.no_sync()
-            if (ctx.active and not last and config.train.parallel == "ddp")
-            else contextlib.nullcontext()
+    with graph.warmup_step() if graph is not None else contextlib.nullcontext():
+        for micro_step in range(accum):
+            window = next(stream).to(ctx.device)
+            if cause is not None:
+                continue  # the step is lost; its windows are still drawn, as in a clean run
+            last = micro_step == accum - 1
+            sync = (
+                model.no_sync()
+                if (ctx.active and not last and config.train.parallel == "ddp")
+                else contextlib.nullcontext()
+            )
+            try:
+                with sync:
+                    total += _micro_pass(
+                        forward, window, autocast, accum, config.train.activation_checkpointing
+                    )
+            except NonFiniteError as error:
+                # An op refused the non-finite values the model produced (a NaN gate): the
+                # same event as a non-finite loss, under the same policy.
+                cause = f"the model produced non-finite values: {error}"
+                total += math.nan
+        return all_reduce_mean(total, ctx).item(), cause
+
+
+def _step_graph(config: RunConfig, ctx: Distributed, core, forward, micro: int) -> StepGraph:
+    """The step's passes as a `StepGraph` (`train.cuda_graphs`): one process only (the
+    gradient all-reduce of DDP and FSDP is not recorded), every micro-batch in one graph."""
+    if ctx.active:
+        raise ConfigError(
+            f"train.cuda_graphs=true trains in one process; this run has {ctx.world_size} "
+            f"(train.parallel={config.train.parallel}): set train.cuda_graphs=false"
         )
-        try:
-            with sync:
-                with _forward_checks(config.train.activation_checkpointing):
-                    loss = _loss(forward, window, autocast) / accum
-                loss.backward()
-        except NonFiniteError as error:
-            # An op refused the non-finite values the model produced (a NaN gate): the same
-            # event as a non-finite loss, under the same policy.
-            cause = f"the model produced non-finite values: {error}"
-            total += math.nan
-            continue
-        total += loss.detach()
-    return all_reduce_mean(total, ctx).item(), cause
+    accum = config.train.grad_accum
+    # No autocast cache: a weight's cast copy cached outside the recording would be read by
+    # every replay as it was then, not as the optimizer has since changed it.
+    autocast = _autocast(config, ctx, cache=False)
+
+    def passes(windows: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros((), device=windows.device)
+        for i in range(accum):
+            total += _micro_pass(forward, windows[i], autocast, accum, checkpointing=False)
+        return total
+
+    shape = (accum, micro, config.train.seq_len + 1)
+    return StepGraph(passes, shape, core.parameters(), ctx.device)
 
 
 def train(config: RunConfig) -> TrainResult:
@@ -560,6 +611,7 @@ def train(config: RunConfig) -> TrainResult:
     model = wrap_model(core, ctx, config.train.parallel)
     forward = torch.compile(model) if config.train.compile else model
     optimizer = build_optimizer(core, config.optim, exempt)
+    graph = _step_graph(config, ctx, core, forward, micro) if config.train.cuda_graphs else None
     state = TrainState(
         config=config,
         ctx=ctx,
@@ -590,7 +642,7 @@ def train(config: RunConfig) -> TrainResult:
     with GracefulStop() as stop, logger.progress(start, config.train.steps) as progress:
         for step in range(start, config.train.steps):
             began = time.perf_counter()
-            loss_value, cause = _accumulate(state, model, forward, stream, autocast)
+            loss_value, cause = _accumulate(state, model, forward, stream, autocast, graph)
             grad_norm = _grad_norm(core, config.optim.grad_clip)
             lr = state.scheduler.get_last_lr()[0]
             done = step + 1
@@ -604,7 +656,9 @@ def train(config: RunConfig) -> TrainResult:
                 # Skipped: no update, but the step counts (schedule, data, checkpoints below).
                 skipped += 1
                 logger.print(f"step {done}: non-finite loss or gradient, step skipped")
-            optimizer.zero_grad(set_to_none=True)
+            if graph is None or not graph.captured:
+                # A captured graph's replay writes the next gradients into these tensors.
+                optimizer.zero_grad(set_to_none=True)
             state.scheduler.step()
             if finite:
                 record = {
@@ -735,6 +789,12 @@ def _export(
         "median_tokens_per_s": sorted(speeds)[len(speeds) // 2] if speeds else None,
         "parameters": sum(p.numel() for p in core.parameters()),
         "peak_memory_bytes": torch.cuda.max_memory_allocated()
+        if torch.cuda.is_available()
+        else None,
+        # What the allocator held at most, its cached blocks and a CUDA graph's pool included:
+        # a replay allocates nothing, so only this counts the memory a graph keeps between
+        # steps beside the tensors live at the capture's peak.
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved()
         if torch.cuda.is_available()
         else None,
         "sample": sample,

@@ -17,6 +17,7 @@ from deltalab.ops._checks import (
     require_same_device,
     require_shape,
     state_dtype,
+    values_checkable,
 )
 from deltalab.ops._triton import require_triton, triton_available
 from deltalab.ops.mobius.parallel import mobius_scan_parallel
@@ -67,7 +68,7 @@ def _check_determinant(A, B, C, D) -> None:
     # Products of two float32 numbers are exact in float64, so the sign is exact for float32
     # inputs (and correctly rounded for float64 ones).
     det = A.double() * D.double() - B.double() * C.double()
-    if det.numel() and not bool((det > 0).all()):
+    if values_checkable(det) and not bool((det > 0).all()):
         raise ValueError(
             "A * D - B * C must be > 0 at every step (an invertible, increasing map), "
             f"got a minimum of {det.min().item():.4g}"
