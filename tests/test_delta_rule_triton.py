@@ -544,17 +544,21 @@ def test_auto_state_pass_takes_the_fused_pass_from_its_program_threshold(
 
 
 @pytest.mark.parametrize(
-    ("dtype", "chosen"), [(torch.float16, "fused"), (torch.float32, "split")], ids=["fp16", "fp32"]
-)
+    ("dtype", "threshold", "chosen"),
+    [(torch.float16, 3, "narrow"), (torch.float16, 2, "narrow"), (torch.float32, 3, "split"),
+     (torch.float32, 2, "fused")],
+    ids=["fp16-few-walks", "fp16-enough-walks", "fp32-few-walks", "fp32-enough-walks"],
+)  # fmt: skip
 def test_auto_takes_the_narrow_fused_launch_where_16bit_operators_make_its_walks_enough(
-    generator, monkeypatch, dtype, chosen
+    generator, monkeypatch, dtype, threshold, chosen
 ):
-    """With 16-bit chunk operators, where BLOCK_V value columns make fewer walks than
-    FUSED_PASS_MIN_PROGRAMS and NARROW_BLOCK_V columns enough (here B * H * V / 64 = 2 and
-    / 32 = 4, the threshold 3), "auto" runs the fused pass at NARROW_BLOCK_V columns, forward,
-    the backward's walk from the checkpoints and the adjoint walk; float32 operators keep the
-    split pass there. Either way the output, the final state and every gradient are the loop's
-    (fp16: the interpreter's 16-bit float)."""
+    """With 16-bit chunk operators, wherever NARROW_BLOCK_V value columns make
+    FUSED_PASS_MIN_PROGRAMS walks (here B * H * V / 32 = 4 against thresholds of 3 and 2; at
+    BLOCK_V = 64 there are 2 walks, too few for the first), "auto" runs the fused pass at
+    NARROW_BLOCK_V columns with NARROW_NUM_WARPS warps, forward, the backward's walk from the
+    checkpoints and the adjoint walk; float32 operators take the split pass below the threshold
+    and the fused one at BLOCK_V columns from it. Either way the output, the final state and
+    every gradient are the loop's (fp16: the interpreter's 16-bit float)."""
     from deltalab.ops.delta_rule.triton import chunk as state_module
 
     launches = []
@@ -565,7 +569,7 @@ def test_auto_takes_the_narrow_fused_launch_where_16bit_operators_make_its_walks
 
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                launches.append((self.kernel.fn.__name__, kwargs["BV"]))
+                launches.append((self.kernel.fn.__name__, kwargs["BV"], kwargs["num_warps"]))
                 return self.kernel[grid](*args, **kwargs)
 
             return launch
@@ -577,7 +581,8 @@ def test_auto_takes_the_narrow_fused_launch_where_16bit_operators_make_its_walks
     monkeypatch.setattr(state_module, "OPERATOR_DTYPE", "inputs")
     monkeypatch.setattr(state_module, "BLOCK_V", 64)
     monkeypatch.setattr(state_module, "NARROW_BLOCK_V", 32)
-    monkeypatch.setattr(state_module, "FUSED_PASS_MIN_PROGRAMS", 3)
+    monkeypatch.setattr(state_module, "NARROW_NUM_WARPS", 2)
+    monkeypatch.setattr(state_module, "FUSED_PASS_MIN_PROGRAMS", threshold)
     inputs = random_delta_inputs(generator, 1, 37, 2, 16, 64, channel_decay=True)
     state = torch.randn(1, 2, 16, 64, generator=generator, dtype=torch.float64)
     reference = _run(inputs, state, "naive", torch.float64, "cpu")
@@ -585,10 +590,16 @@ def test_auto_takes_the_narrow_fused_launch_where_16bit_operators_make_its_walks
     labels = ["o", "final state", "dq", "da", "db", "du", "dg", "d initial state"]
     for label, x, ref in zip(labels, actual, reference, strict=True):
         assert_close(x, ref, TOLERANCE[dtype], label)
-    if chosen == "fused":  # the forward, the walk from the checkpoints, the adjoint walk
-        assert launches == [("_state_pass_fwd", 32)] * 2 + [("_state_pass_bwd", 32)]
+    walks = ["_state_pass_fwd"] * 2 + ["_state_pass_bwd"]  # forward, from checkpoints, adjoint
+    if chosen == "narrow":
+        assert launches == [(name, 32, 2) for name in walks]
+    elif chosen == "fused":
+        assert launches == [(name, 64, state_module.NUM_WARPS) for name in walks]
     else:
-        assert {name for name, _ in launches} == {"_state_pass_split_fwd", "_state_pass_split_bwd"}
+        assert {launch[0] for launch in launches} == {
+            "_state_pass_split_fwd",
+            "_state_pass_split_bwd",
+        }
 
 
 @pytest.mark.parametrize("state_pass", ["split", "fused"])

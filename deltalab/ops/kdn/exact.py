@@ -18,6 +18,7 @@ from deltalab.ops._checks import (
     require_same_device,
     require_shape,
     state_dtype,
+    values_checkable,
 )
 from deltalab.ops.delta_rule import delta_rule
 from deltalab.ops.kdn._validate import (
@@ -42,6 +43,8 @@ def _check_symmetric(name: str, P: torch.Tensor) -> None:
 
 
 def _check_positive_definite(name: str, P: torch.Tensor) -> None:
+    if not values_checkable(P):
+        return  # a CUDA graph records (train.cuda_graphs): nothing may be read back
     _check_symmetric(name, P)
     _, info = torch.linalg.cholesky_ex(P.double())
     if bool((info != 0).any()):

@@ -69,7 +69,8 @@ BLOCK_V_WIDE_K = 32
 # is 256 KiB, past the 227 KiB of shared memory of an H100/H200 SM (measured: chunk 256 failed
 # to compile as one tile).
 BLOCK_C = 64
-# Warps per program of the state pass (with BLOCK_V above) and of the operator gradients.
+# Warps per program of the state pass (with BLOCK_V above; the narrow launch below takes its
+# own) and of the operator gradients.
 NUM_WARPS = 8
 # Pipeline stages of the fused walks' chunk loop, with 16-bit operators and K <= 128 (`_launch`
 # takes 1 otherwise). Software pipelining keeps the next chunk's tiles in shared memory while
@@ -78,27 +79,30 @@ NUM_WARPS = 8
 # tiles; compiled for sm_90 (Triton 3.9, BV 64, 8 warps), forward / backward at chunk 64 take
 # 64 / 64 KiB with 1 stage, 64 / 128 with 2, 64 / 160 with 3 (chunk 128: 64 / 64, 84 / 80,
 # 100 / 96; tests/test_triton_compile.py checks 2 and 3 fit). It stays 1 at BLOCK_V: 2 stages
-# at BV 64 were slower backward on the H200 (below), and at H=16, where "auto" takes the fused
-# pass at BV 64, 16-bit operators with 2 stages are not measured yet.
+# at BV 64 were slower backward on the H200 (below), and where the fused walks make enough
+# programs the narrow launch below is faster than either.
 NUM_STAGES = 1
-# The fused walks with 16-bit operators where BLOCK_V columns would leave fewer than
-# FUSED_PASS_MIN_PROGRAMS walks: NARROW_BLOCK_V columns and NARROW_NUM_STAGES stages, if that
-# makes enough walks (else the split pass; None: never). Half the columns double the walks, and
-# the pipeline hides the operator loads of each chunk behind the products of the one before.
-# Measured on the H200 at the 340M preset's heads, H=8 B=4 T=4096 K=V=128, bf16
-# (`tune_triton.py --shape 4x4096x8x128 --stages state_pass state_pass_split`, docs/RESULTS.md,
-# thirteenth session), forward / backward ms per layer:
+# The fused walks with 16-bit operators (K <= 128): NARROW_BLOCK_V columns, NARROW_NUM_STAGES
+# stages and NARROW_NUM_WARPS warps wherever that makes FUSED_PASS_MIN_PROGRAMS walks (else
+# BLOCK_V's launch or the split pass; NARROW_BLOCK_V None: never). Half the columns double the
+# walks, and the pipeline hides the operator loads of each chunk behind the products of the one
+# before. Measured on the H200, B=4 T=4096 K=V=128, bf16 (`tune_triton.py --shape 4xTx{8,16}x128
+# --stages state_pass state_pass_split`, docs/RESULTS.md, thirteenth and fourteenth sessions),
+# forward / backward ms per layer:
 #
-#   fused, BV 64, 8 warps, 1 stage (64 walks)     0.56 / 0.57
-#   fused, BV 64, 8 warps, 2 stages               0.48 / 0.59
-#   fused, BV 32, 8 warps, 1 stage (128 walks)    0.45 / 0.42
-#   fused, BV 32, 8 warps, 2 stages               0.36 / 0.33
-#   split, its launch (what "auto" took here)     0.37 / 0.45
+#                                                   H=8 (340M preset)   H=16
+#   fused, BV 64, 8 warps, 1 stage                  0.56 / 0.57         0.63 / 0.61
+#   fused, BV 64, 8 warps, 2 stages                 0.48 / 0.59         0.51 / 0.60
+#   fused, BV 32, 8 warps, 2 stages                 0.36 / 0.33         0.73 / 0.66
+#   fused, BV 32, 4 warps, 2 stages (this launch)   0.32 / 0.39         0.47 / 0.58
+#   split, its launch                               0.37 / 0.45         0.68 / 0.83
 #
-# 15% off the state pass there (0.70 against 0.82 ms a layer); the other shapes keep their
-# launch (H=16 B=4: BV 64 makes 128 walks; B=1 T=16384 H=8: 32 walks even at BV 32, split).
+# At H=8 it replaced the split pass (0.82 -> 0.71 ms a layer: the 340M step's delta-rule kernels
+# 76.8 -> 74.4 ms, fourteenth session), at H=16 the fused pass at BLOCK_V (1.24 -> 1.05). With
+# one sequence of 16K tokens at H=8 (32 walks even at 32 columns) the split pass stays.
 NARROW_BLOCK_V = 32
 NARROW_NUM_STAGES = 2
+NARROW_NUM_WARPS = 4
 # Value columns per step of the operator-gradient kernel: its [C, K] accumulators stay in
 # registers, the [K, BV] state blocks stream through.
 OPERATOR_BLOCK_V = 32
@@ -499,17 +503,16 @@ def _launch(value_dim: int, programs: int, size: int, key_dim: int, precision: s
     operators are stored in (16-bit ones take `NUM_STAGES`, or the narrow launch)."""
     block_v = BLOCK_V if key_dim <= 128 else BLOCK_V_WIDE_K
     pipelined = operators.itemsize == 2 and key_dim <= 128
-    stages = NUM_STAGES if pipelined else 1
-    walks = triton.cdiv(value_dim, block_v) * programs
-    if pipelined and NARROW_BLOCK_V and walks < FUSED_PASS_MIN_PROGRAMS:
+    stages, warps = (NUM_STAGES if pipelined else 1), NUM_WARPS
+    if pipelined and NARROW_BLOCK_V:
         narrow = triton.cdiv(value_dim, NARROW_BLOCK_V) * programs
         if narrow >= FUSED_PASS_MIN_PROGRAMS:
-            block_v, stages = NARROW_BLOCK_V, NARROW_NUM_STAGES
+            block_v, stages, warps = NARROW_BLOCK_V, NARROW_NUM_STAGES, NARROW_NUM_WARPS
     grid = (triton.cdiv(value_dim, block_v) * programs,)  # `_offsets` splits it
     consts = {
         "K": key_dim, "V": value_dim, "C": size, "BK": key_block(key_dim),
         "BV": block_v, "BC": min(size, BLOCK_C), "PRECISION": precision,
-        "num_warps": NUM_WARPS, "num_stages": stages,
+        "num_warps": warps, "num_stages": stages,
     }  # fmt: skip
     return grid, consts
 
