@@ -22,10 +22,13 @@ graphed first.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import tempfile
 from pathlib import Path
+
+import torch
 
 from deltalab.benchmarking import add_delta_rule_options, apply_delta_rule_options, format_table
 from deltalab.models import MIXER_KINDS
@@ -108,6 +111,11 @@ def main() -> None:
 
 def run(args: argparse.Namespace, mixer: str, graphs: bool) -> dict:
     """One `deltalab train` run of `mixer`; returns its metrics.json."""
+    if args.device == "cuda":
+        # The runs share this process: the blocks an earlier run's allocator cached (a graph's
+        # pool among them) go back first, so that "reserved GiB" is this run's alone.
+        gc.collect()
+        torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as out:
         config = load_run_config(
             None,

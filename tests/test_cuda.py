@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import built_and_default_adamw_steps, random_delta_inputs
 
-from deltalab.models import CausalLM, build_config
+from deltalab.models import MIXER_KINDS, CausalLM, build_config
 from deltalab.models.static_decode import StaticDecoder, static_generate
 from deltalab.ops import delta_rule, kdn_diag, kdn_iso
 from deltalab.testing import TOLERANCE, relative_error
@@ -264,7 +264,7 @@ def test_cuda_graph_replay_writes_each_steps_gradients_over_the_last(generator):
                 p.add_(0.05 * torch.randn_like(p))
 
 
-@pytest.mark.parametrize("mixer", ["gdn2", "muir", "kdn_diag", "transformer"])
+@pytest.mark.parametrize("mixer", MIXER_KINDS)
 def test_cuda_graphed_training_follows_the_eager_loss_curve(tmp_path, mixer):
     """`deltalab train` with train.cuda_graphs on the GPU (Triton kernels, bf16 autocast):
     the step records without reading anything back and its replays follow the eager run's

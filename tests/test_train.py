@@ -381,6 +381,33 @@ def test_the_graphed_step_follows_the_eager_loss_curve_after_its_warmup_steps(
     assert stepped == [torch.Size([2, 2, 33])] * steps_after_warmup
 
 
+@pytest.mark.parametrize("mixer", MIXER_KINDS)
+def test_a_training_steps_passes_read_nothing_back_while_a_graph_records(mixer, monkeypatch):
+    """What a CUDA graph's capture forbids, on CPU: with the value checks told a capture is
+    under way (as `values_checkable` learns on a GPU), a training forward and backward of every
+    mixer reads no tensor's value back to the host (no `item`, `tolist`, `bool`, `float` or
+    `int` of a tensor), so train.cuda_graphs can record any of them."""
+    import deltalab.ops._checks as checks
+    from deltalab.models import CausalLM, build_config
+
+    torch.manual_seed(0)
+    model = CausalLM(build_config("tiny", mixer=mixer, num_layers=2, chunk_size=16))
+    ids = torch.randint(0, 256, (2, 33))
+    monkeypatch.setattr(checks, "capturing", lambda x: True)
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+
+        def refuse(self, *args, name=name, **kwargs):
+            raise AssertionError(f"Tensor.{name}: a value read back during the capture")
+
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    loss = model(input_ids=ids[:, :-1], shift_labels=ids[:, 1:], return_logits=False).loss
+    loss.backward()
+    monkeypatch.undo()
+    assert torch.isfinite(loss) and all(
+        p.grad is not None for n, p in model.named_parameters() if "embed" in n
+    )
+
+
 def test_a_non_finite_graphed_step_is_skipped_and_the_next_steps_start_afresh(
     tmp_path, corpus, monkeypatch
 ):

@@ -210,6 +210,26 @@ def _split_state_pass_kernels(state_pass, key_dim, chunk, precision):
     return kernels
 
 
+@pytest.mark.parametrize("operators", ["fp32", "bf16"])
+@pytest.mark.parametrize("key_dim", [128, 256])
+def test_split_state_pass_parallel_kernels_compile_for_hopper_without_spills(key_dim, operators):
+    """The split state pass's kernels parallel over chunks (the outputs forward, P and Q
+    backward) at their launch (SPLIT_BLOCK_V, SPLIT_NUM_WARPS), with TF32 products and the
+    chunk operators in float32 or bf16, at the presets' K = 128 and at K = 256: no spill to
+    local memory."""
+    from deltalab.ops.delta_rule.triton import chunk as state_pass
+
+    _, parallel = state_pass._split_launch(key_dim, 64, key_dim, "tf32")
+    warps = parallel.pop("num_warps")
+    parallel.pop("num_stages")
+    types = {p: f"*{operators}" for p in OPERATOR_POINTERS}
+    for kernel, n_pointers in ((state_pass._state_pass_split_out, 5),
+                               (state_pass._state_pass_split_dout, 6)):  # fmt: skip
+        _assert_compiles_without_spills(
+            kernel, n_pointers, parallel, warps, types, what=f"{kernel.fn.__name__} K={key_dim}"
+        )
+
+
 @pytest.mark.parametrize(
     ("width", "dtype"), [(4, "bf16"), (3, "fp32"), (8, "fp32")], ids=["W4-bf16", "W3", "W8"]
 )

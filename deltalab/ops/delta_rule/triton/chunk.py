@@ -307,10 +307,18 @@ SPLIT_WALK_BLOCK_V = 16
 SPLIT_WALK_NUM_WARPS = 2
 # Value columns and warps per program of the split pass's parallel kernels (outputs forward,
 # P and Q backward): B * H * n * V / BV programs (times the row blocks forward), no registers
-# carried across chunks. Compiled for sm_90 at K = 128 and 256: 8 warps of 64 columns spill no
-# registers; 4 warps of 64 columns spilled 176 bytes a thread in the backward's Q [K, BV].
-SPLIT_BLOCK_V = 64
-SPLIT_NUM_WARPS = 8
+# carried across chunks. Compiled for sm_90 at K = 128 and 256 (tests/test_triton_compile.py),
+# 4 warps of 32 columns spill no registers (an earlier backward spilled 176 bytes a thread in
+# its Q [K, BV] at 4 warps of 64 columns; today's does not). Measured on the H200 with bf16
+# operators (`tune_triton.py --stages state_pass_split`, docs/RESULTS.md, thirteenth and
+# fourteenth sessions), the split pass forward / backward ms per layer:
+#
+#   parallel kernels                B=4 T=4096 H=8   B=1 T=16384 H=8
+#   BV 64, 8 warps                  0.37 / 0.45      0.77 / 1.09
+#   BV 32, 4 warps                  0.33 / 0.43      0.71 / 1.07
+#   BV 128, 8 warps                 0.45 / 0.49      0.84 / 1.13
+SPLIT_BLOCK_V = 32
+SPLIT_NUM_WARPS = 4
 
 
 @triton.jit
