@@ -264,15 +264,26 @@ def test_cuda_graph_replay_writes_each_steps_gradients_over_the_last(generator):
                 p.add_(0.05 * torch.randn_like(p))
 
 
-@pytest.mark.parametrize("mixer", MIXER_KINDS)
-def test_cuda_graphed_training_follows_the_eager_loss_curve(tmp_path, mixer):
-    """`deltalab train` with train.cuda_graphs on the GPU (Triton kernels, bf16 autocast):
+GRAPHED_RUNS = [(mixer, ()) for mixer in MIXER_KINDS] + [
+    ("gdn2", ("train.activation_checkpointing=true",)),
+    ("gdn2", ("train.recompute_ffn=true", "train.grad_accum=2")),
+]
+
+
+@pytest.mark.parametrize(
+    ("mixer", "extra"),
+    GRAPHED_RUNS,
+    ids=[f"{m}{'+' if e else ''}{'+'.join(e)}" for m, e in GRAPHED_RUNS],
+)
+def test_cuda_graphed_training_follows_the_eager_loss_curve(tmp_path, mixer, extra):
+    """`deltalab train` with train.cuda_graphs on the GPU (Triton kernels, bf16 autocast),
+    every mixer, and GDN-2 with its blocks or FFN branches recomputed and with accumulation:
     the step records without reading anything back and its replays follow the eager run's
     losses (the kernels are the same; cuBLAS may pick other algorithms inside a capture)."""
     from test_train import make_corpus, run_config
 
     corpus = make_corpus(tmp_path / "corpus")
-    settings = (f"model.mixer={mixer}", "train.device=cuda", "train.steps=7")
+    settings = (f"model.mixer={mixer}", "train.device=cuda", "train.steps=7", *extra)
     eager = train(run_config(tmp_path / "eager", corpus, *settings))
     graphed = train(run_config(tmp_path / "graphs", corpus, *settings, "train.cuda_graphs=true"))
     assert len(graphed.losses) == 7

@@ -349,8 +349,8 @@ def test_the_graphed_step_follows_the_eager_loss_curve_after_its_warmup_steps(
     """train.cuda_graphs without CUDA: the trainer takes the graph's path (two eager warmup
     steps, then every step through `StepGraph.step` on windows checked on the host, the
     gradients left set between steps) and the passes run eagerly: the loss curve of plain
-    training bit for bit, with gradient accumulation too. The replay itself is checked against
-    eager steps on a GPU (tests/test_cuda.py)."""
+    training bit for bit, with gradient accumulation and checkpointed blocks too. The replay is
+    checked against eager steps on a GPU (tests/test_cuda.py)."""
     import deltalab.train.graphs as graphs
     import deltalab.train.loop as loop
 
@@ -379,6 +379,8 @@ def test_the_graphed_step_follows_the_eager_loss_curve_after_its_warmup_steps(
     )
     assert graphed_accumulated.losses == accumulated.losses
     assert stepped == [torch.Size([2, 2, 33])] * steps_after_warmup
+    checkpointed = ("train.cuda_graphs=true", "train.activation_checkpointing=true")
+    assert train(run_config(tmp_path / "ckpt_graphs", corpus, *checkpointed)).losses == plain.losses
 
 
 @pytest.mark.parametrize("mixer", MIXER_KINDS)

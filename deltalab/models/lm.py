@@ -164,9 +164,13 @@ class DeltaLabModel(DeltaLabPreTrainedModel):
             state = None if past_key_values is None else past_key_values.states[i]
             if self.checkpoint_blocks and self.training and torch.is_grad_enabled():
                 # The checkpoint keeps none of the block's tensors: nothing to rebuild inside.
+                # A block draws no random numbers, so the RNG state is not saved around it
+                # (host work, and a read of the generator that older torch refuses while a CUDA
+                # graph records: train.cuda_graphs).
                 x, state = torch.utils.checkpoint.checkpoint(
-                    without_rebuild(block), x, state, mask, use_reentrant=False
-                )
+                    without_rebuild(block), x, state, mask, use_reentrant=False,
+                    preserve_rng_state=False,
+                )  # fmt: skip
             else:
                 x, state = block(x, state, mask, self.recompute_ffn and self.training)
             if past_key_values is not None:
