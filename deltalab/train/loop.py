@@ -485,6 +485,13 @@ def _announce(
             f"{config.train.steps}: the learning rate never reaches its peak; set "
             "schedule.warmup_steps lower for a short run"
         )
+    graphable = ctx.device.type == "cuda" and not ctx.active and not config.train.compile
+    if graphable and not config.train.cuda_graphs:
+        logger.print(
+            "note: train.cuda_graphs=true replays each step as one CUDA graph, which the host "
+            "queues with one call: 1.3-1.7x the tokens/s of a 340M model on an H200 "
+            "(docs/RESULTS.md)"
+        )
     if config.train.cuda_graphs and ctx.device.type != "cuda":
         logger.print(
             f"note: train.cuda_graphs=true on {ctx.device.type}: there are no CUDA graphs, the "
