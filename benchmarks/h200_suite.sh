@@ -3,7 +3,7 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
@@ -64,7 +64,8 @@
 # against eager steps, and every mixer's graphed training against its eager loss curve,
 # tests/test_cuda.py), graphs_train 300 s, graphs_train16k 240 s and graphs_train32k 300 s
 # (train's rows at 4K, 16K and 32K, eager and with train.cuda_graphs, each mixer's two runs
-# back to back).
+# back to back), graphs_ptrain 150 s (ptrain's 4K step of GDN-2 and the Transformer replayed as
+# a CUDA graph: kernel and wall time).
 set -u
 # The device returns at most 8 files: parts write under a work folder, and after every part the
 # whole of it is packed into $OUT/suite.tgz (so a call cut off still returns what finished).
@@ -201,6 +202,9 @@ for p in "${parts[@]}"; do
     graphs_train16k) part graphs_train16k 240 python3 benchmarks/bench_train.py --device cuda \
         --preset 340M --seq-len 16384 --batch 1 --steps 8 --cuda-graphs both \
         --mixers gdn2 muir transformer ;;
+    graphs_ptrain) part graphs_ptrain 150 python3 benchmarks/profile_train.py --cuda-graphs \
+        --device cuda --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 transformer \
+        --out "$OUT/graphs_ptrain.json" ;;
     graphs_train32k) part graphs_train32k 300 python3 benchmarks/bench_train.py --device cuda \
         --preset 340M --seq-len 32768 --batch 1 --steps 8 --cuda-graphs both \
         --mixers muir gdn2 transformer ;;

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from deltalab.benchmarking import add_delta_rule_options, apply_delta_rule_options, kernel_times
+from deltalab.train.graphs import WARMUP_STEPS
 
 # The category of the norms' and SwiGLU's kernels (benchmarks/traffic.py counts them as glue).
 NORMS_SWIGLU = "normalization, SwiGLU"
@@ -118,6 +119,7 @@ def training_step(
     autocast: bool | None = None,
     checks_after_backward: bool = False,
     recompute_ffn: bool = False,
+    cuda_graphs: bool = False,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
     """The model, its AdamW (`deltalab train`'s) and one training step: forward and loss on
     random token ids `[batch, seq_len]` under bf16 autocast, backward, AdamW, gradients set to
@@ -133,6 +135,11 @@ def training_step(
     once, at the forward's end, as the trainer's (`loop._forward_checks`); checks_after_backward
     reads them after the backward instead (an experiment: on 2026-12-02, 3 steps each, a 340M
     GDN-2 step at 4K took 315.8 ms of wall time that way against 286.0; docs/RESULTS.md).
+    cuda_graphs: the trainer's `train.cuda_graphs` (`deltalab.train.graphs.StepGraph`): the
+    first `WARMUP_STEPS` steps eager on the capture stream, the next records the passes, later
+    ones replay them and read the loss back, as the trainer does; AdamW stays eager and the
+    gradients stay set. Then the timeline's "forward" is the replay's queueing (all the passes),
+    "checks" the wait for the loss, "backward" nothing.
     """
     from deltalab.models import CausalLM, build_config
     from deltalab.train import loop
@@ -152,9 +159,38 @@ def training_step(
     window = torch.randint(0, model.config.vocab_size, (batch, seq_len + 1), device=device)
     enabled = device == "cuda" if autocast is None else autocast
 
+    graph = None
+    if cuda_graphs:
+        from deltalab.train.graphs import StepGraph
+
+        no_cache = torch.autocast(
+            device, dtype=torch.bfloat16, enabled=enabled, cache_enabled=False
+        )
+
+        def passes(windows: torch.Tensor) -> torch.Tensor:
+            return loop._micro_pass(forward, windows[0], no_cache, 1, checkpointing=False)
+
+        graph = StepGraph(passes, (1, *window.shape), model.parameters(), torch.device(device))
+
     def step(mark: Callable[[str], None] = lambda phase: None) -> None:
         """One training step; `mark(phase)` is called as the host finishes each phase (for
         `host_timeline`)."""
+        if graph is not None and not graph.warming_up:
+            loss = graph.step(window[None])
+            mark("forward")
+            loss.item()  # the trainer reads the loss back
+            mark("checks")
+            mark("backward")
+            optimizer.step()
+            mark("optimizer")
+            return
+        with graph.warmup_step() if graph is not None else contextlib.nullcontext():
+            eager_passes(mark)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mark("optimizer")
+
+    def eager_passes(mark: Callable[[str], None]) -> None:
         with contextlib.ExitStack() as checks:
             checks.enter_context(loop._forward_checks(False))  # the trainer's value checks
             loss = loop._loss(
@@ -166,9 +202,6 @@ def training_step(
                 mark("checks")
             loss.backward()
             mark("backward")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        mark("optimizer")
 
     return model, optimizer, step
 
@@ -218,6 +251,7 @@ def profile_mixer(args: argparse.Namespace, mixer: str) -> dict:
         compile=args.compile,
         checks_after_backward=args.checks_after_backward,
         recompute_ffn=args.recompute_ffn,
+        cuda_graphs=args.cuda_graphs,
     )
     for _ in range(args.warmup):
         step()
@@ -276,8 +310,18 @@ def main() -> None:
         "programs (split over T below triton_gain.SPLIT_GAIN_BELOW_PROGRAMS), 'separate' the "
         "ops around the scan, 'auto' gains.FUSED_GAIN_MIN_PROGRAMS decides",
     )
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="the step's passes replayed as one CUDA graph (train.cuda_graphs), recorded "
+        "during the warmup steps",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.cuda_graphs and args.warmup <= WARMUP_STEPS:
+        parser.error(
+            f"--cuda-graphs needs --warmup > {WARMUP_STEPS} (its eager steps, the capture)"
+        )
     apply_delta_rule_options(args)
     if args.kdn_gain != "auto":
         from deltalab.ops.kdn import gains

@@ -59,17 +59,32 @@ def test_every_launched_triton_kernel_of_the_project_falls_in_its_category():
     assert {k: profile_train.category(k) for k in expected} == expected
 
 
-@pytest.mark.parametrize("recompute_ffn", [False, True], ids=["", "ffn-recomputed"])
-def test_a_cpu_step_splits_into_categories_that_add_up(recompute_ffn):
+@pytest.mark.parametrize(
+    ("recompute_ffn", "cuda_graphs"),
+    [(False, False), (True, False), (False, True)],
+    ids=["", "ffn-recomputed", "graphs"],
+)
+def test_a_cpu_step_splits_into_categories_that_add_up(recompute_ffn, cuda_graphs, monkeypatch):
+    """Also with --cuda-graphs, where (on CPU, no graph) the steps after the warmup go through
+    `StepGraph.step`, the whole passes queued in the timeline's "forward"."""
+    from deltalab.train.graphs import WARMUP_STEPS, StepGraph
+
+    replays = []
+    real_step = StepGraph.step
+    monkeypatch.setattr(StepGraph, "step", lambda self, w: replays.append(1) or real_step(self, w))
     args = argparse.Namespace(preset="tiny", num_layers=2, device="cpu", seq_len=32, batch=2,
-                              warmup=1, steps=1, top=5, compile=False,
-                              checks_after_backward=False, recompute_ffn=recompute_ffn)  # fmt: skip
+                              warmup=WARMUP_STEPS + 1 if cuda_graphs else 1, steps=1, top=5,
+                              compile=False, checks_after_backward=False,
+                              recompute_ffn=recompute_ffn, cuda_graphs=cuda_graphs)  # fmt: skip
     report = profile_train.profile_mixer(args, "gdn2")
+    # The capture's step, the timeline's and the profiler's: each through the graph's path.
+    assert len(replays) == (3 if cuda_graphs else 0)
     assert report["total_ms"] > 0
     # The host's timeline: every segment, the queueing ones taking time (on CPU they run).
     timeline = report["host_timeline_ms"]
     assert timeline.keys() == profile_train.TIMELINE.keys()
-    assert all(timeline[phase] > 0 for phase in ("forward", "backward", "optimizer"))
+    queued = ("forward", "optimizer") if cuda_graphs else ("forward", "backward", "optimizer")
+    assert all(timeline[phase] > 0 for phase in queued)
     assert all(ms >= 0 for ms in timeline.values())
     # The wall time of a step holds its kernels' (on CPU, the ops' own times) and more.
     assert report["wall_ms"] > 0
