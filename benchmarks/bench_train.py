@@ -4,7 +4,7 @@
     python benchmarks/bench_train.py --device cuda --preset 340M --seq-len 4096 --batch 8 \\
         --mixers muir gdn2 transformer                     # H200, bf16 autocast
 
-    python benchmarks/bench_train.py --device cuda --preset 340M --seq-len 4096 --batch 4 \
+    python benchmarks/bench_train.py --device cuda --preset 340M --seq-len 4096 --batch 4 \\
         --mixers gdn2 transformer --cuda-graphs both      # eager and graphed, side by side
 
 Each mixer trains `--steps` steps of the real loop on the stdlib corpus; the figure is the

@@ -262,6 +262,23 @@ def test_cuda_graph_replay_writes_each_steps_gradients_over_the_last(generator):
         with torch.no_grad():
             for p in params:
                 p.add_(0.05 * torch.randn_like(p))
+    # A NaN parameter makes a replay's loss and gradients NaN (a step the trainer skips); with
+    # the parameter restored, the next replay's gradients are an eager step's again: nothing of
+    # the NaN step is carried over.
+    first = params[0]
+    kept = first.detach().clone()
+    with torch.no_grad():
+        first[0, 0] = float("nan")
+    assert torch.isnan(graph.step(windows[-1])) and torch.isnan(first.grad).any()
+    with torch.no_grad():
+        first.copy_(kept)
+    loss = graph.step(windows[-1]).clone()
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    torch.testing.assert_close(loss, passes(windows[-1].cuda()))
+    for p, g in zip(params, grads, strict=True):
+        torch.testing.assert_close(g, p.grad)
 
 
 GRAPHED_RUNS = [(mixer, ()) for mixer in MIXER_KINDS] + [

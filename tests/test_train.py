@@ -218,14 +218,22 @@ def test_a_diverging_recurrent_model_is_stopped_by_the_policy_with_a_hint(tmp_pa
     assert "no checkpoint was written" in str(e.value) and "lower optim.lr" in str(e.value)
 
 
-def test_a_diverged_run_under_skip_ends_cleanly_and_says_so(tmp_path, corpus):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_a_diverged_run_under_skip_ends_cleanly_and_says_so(tmp_path, corpus, monkeypatch, graphs):
+    """With train.cuda_graphs too, where the steps refused by the model's value checks do not
+    count as the graph's warmup steps (passes that stopped early leave kernels unrun): from
+    step 2 on every step is refused, so the graph is never recorded."""
+    import deltalab.train.graphs as graph_module
+
+    stepped = []
+    monkeypatch.setattr(graph_module.StepGraph, "step", lambda self, w: stepped.append(w))
     diverging = ("optim.lr=1000", "schedule.warmup_steps=0", "optim.grad_clip=0")
-    result = train(
-        run_config(tmp_path, corpus, "model.mixer=muir", "train.nan_policy=skip", *diverging)
-    )
+    settings = ("model.mixer=muir", "train.nan_policy=skip", f"train.cuda_graphs={graphs}")
+    result = train(run_config(tmp_path, corpus, *settings, *diverging))
     assert len(result.losses) == 1 and result.sample == ""
     metrics = _metrics(tmp_path / "run")
     assert (metrics["status"], metrics["skipped_steps"]) == ("completed", 5)
+    assert not stepped
 
 
 def test_corpus_smaller_than_one_sequence_is_refused(tmp_path, corpus):
@@ -387,8 +395,9 @@ def test_the_graphed_step_follows_the_eager_loss_curve_after_its_warmup_steps(
 def test_a_training_steps_passes_read_nothing_back_while_a_graph_records(mixer, monkeypatch):
     """What a CUDA graph's capture forbids, on CPU: with the value checks told a capture is
     under way (as `values_checkable` learns on a GPU), a training forward and backward of every
-    mixer reads no tensor's value back to the host (no `item`, `tolist`, `bool`, `float` or
-    `int` of a tensor), so train.cuda_graphs can record any of them."""
+    mixer on its PyTorch paths reads no tensor's value back to the host (no `item`, `tolist`,
+    `numpy`, `bool`, `float`, `int` or `__index__` of a tensor). The Triton paths the GPU records
+    are checked there (tests/test_cuda.py)."""
     import deltalab.ops._checks as checks
     from deltalab.models import CausalLM, build_config
 
@@ -396,7 +405,7 @@ def test_a_training_steps_passes_read_nothing_back_while_a_graph_records(mixer, 
     model = CausalLM(build_config("tiny", mixer=mixer, num_layers=2, chunk_size=16))
     ids = torch.randint(0, 256, (2, 33))
     monkeypatch.setattr(checks, "capturing", lambda x: True)
-    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+    for name in ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__"):
 
         def refuse(self, *args, name=name, **kwargs):
             raise AssertionError(f"Tensor.{name}: a value read back during the capture")

@@ -17,10 +17,13 @@ the same tensors, which the optimizer and the gradient clipping read as before. 
 therefore not unset the gradients after a step once the passes are captured (`captured`).
 
 What a replay does not do that an eager step does: no value check reads anything back (none may
-during a capture, `deltalab.ops._checks.values_checkable`), so a bad gate shows as a non-finite
-loss or gradient norm, which the trainer's `train.nan_policy` handles as it handles any other;
-and the model's own check of the token ids is skipped, so the trainer checks each step's
-windows on the host before copying them (`check_token_ids`, on CPU tensors: no device sync).
+during a capture, `deltalab.ops._checks.values_checkable`). A NaN or infinite gate then shows as
+a non-finite loss or gradient norm, which the trainer's `train.nan_policy` handles as it handles
+any other; a finite value an op would refuse (a log decay above 0, a Mobius map whose
+determinant is not positive, a P0 that is not positive definite) goes unchecked after the
+warmup steps, whose eager passes checked the same ops on the run's first data. The model's own
+check of the token ids is skipped too, so the trainer checks each step's windows on the host
+before copying them (`check_token_ids`, on CPU tensors: no device sync).
 
 Without CUDA there is no graph: the same object runs the same passes eagerly at every step
 (unsetting the gradients first, as a replay overwrites them), which is how the CPU tests check
@@ -74,7 +77,9 @@ class StepGraph:
     @contextlib.contextmanager
     def warmup_step(self) -> Iterator[None]:
         """The context of one eager step before the capture: on the capture stream, ordered
-        after everything queued before it and before everything queued after it."""
+        after everything queued before it and before everything queued after it. It counts
+        towards `WARMUP_STEPS` unless `warmup_failed` is called (a step whose passes stopped
+        early may have left kernels uncompiled)."""
         self.eager_steps += 1
         if self.stream is None:
             yield
@@ -85,6 +90,10 @@ class StepGraph:
                 yield
         finally:
             torch.cuda.current_stream().wait_stream(self.stream)
+
+    def warmup_failed(self) -> None:
+        """The last warmup step's passes did not all run (a refused value): it does not count."""
+        self.eager_steps -= 1
 
     def step(self, windows: torch.Tensor) -> torch.Tensor:
         """Runs the passes on `windows` (captured at the first call after the warmup steps,
@@ -113,7 +122,13 @@ class StepGraph:
         # `torch.cuda.graph` synchronizes and empties the allocator's cache first: the warmup
         # steps' freed blocks, cached for the capture stream, go back for the graph's own pool.
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=self.stream):
-            self.loss = self.passes(self.windows)
+        try:
+            with torch.cuda.graph(graph, stream=self.stream):
+                self.loss = self.passes(self.windows)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"recording the training step as a CUDA graph failed ({error}); set "
+                "train.cuda_graphs=false to train eagerly"
+            ) from error
         self.graph = graph
         self.captured = True

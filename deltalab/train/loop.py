@@ -488,9 +488,8 @@ def _announce(
     graphable = ctx.device.type == "cuda" and not ctx.active and not config.train.compile
     if graphable and not config.train.cuda_graphs:
         logger.print(
-            "note: train.cuda_graphs=true replays each step as one CUDA graph, which the host "
-            "queues with one call: 1.3-1.7x the tokens/s of a 340M model on an H200 "
-            "(docs/RESULTS.md)"
+            "note: train.cuda_graphs=true replays each step as one CUDA graph (1.3-1.7x the "
+            "tokens/s of 340M models on an H200)"
         )
     if config.train.cuda_graphs and ctx.device.type != "cuda":
         logger.print(
@@ -565,7 +564,9 @@ def _accumulate(
                 # same event as a non-finite loss, under the same policy.
                 cause = f"the model produced non-finite values: {error}"
                 total += math.nan
-        return all_reduce_mean(total, ctx).item(), cause
+    if graph is not None and cause is not None:
+        graph.warmup_failed()
+    return all_reduce_mean(total, ctx).item(), cause
 
 
 def _step_graph(config: RunConfig, ctx: Distributed, core, forward, micro: int) -> StepGraph:
@@ -574,17 +575,19 @@ def _step_graph(config: RunConfig, ctx: Distributed, core, forward, micro: int) 
     if ctx.active:
         raise ConfigError(
             f"train.cuda_graphs=true trains in one process; this run has {ctx.world_size} "
-            f"(train.parallel={config.train.parallel}): set train.cuda_graphs=false"
+            f"processes (train.parallel={config.train.parallel}): set train.cuda_graphs=false"
         )
     accum = config.train.grad_accum
-    # No autocast cache: a weight's cast copy cached outside the recording would be read by
-    # every replay as it was then, not as the optimizer has since changed it.
+    # No autocast cache, as PyTorch asks of code a CUDA graph records (a cast cached by one
+    # autocast region and read in another would hold the capture's values); here each micro-
+    # batch's region ends inside the recording, so it costs nothing either way.
     autocast = _autocast(config, ctx, cache=False)
+    checkpointing = config.train.activation_checkpointing
 
     def passes(windows: torch.Tensor) -> torch.Tensor:
         total = torch.zeros((), device=windows.device)
         for i in range(accum):
-            total += _micro_pass(forward, windows[i], autocast, accum, checkpointing=False)
+            total += _micro_pass(forward, windows[i], autocast, accum, checkpointing)
         return total
 
     shape = (accum, micro, config.train.seq_len + 1)
@@ -697,6 +700,11 @@ def train(config: RunConfig) -> TrainResult:
                 )
                 break
 
+    if graph is not None:
+        # The graph's memory pool and the gradients it owns are of no use past the last step:
+        # freed before the final evaluation, the sample and the export.
+        optimizer.zero_grad(set_to_none=True)
+        graph = None
     final_eval = evaluate(core, held_out, eval_windows, micro, ctx, autocast)
     if not interrupted and (
         not history["eval"] or history["eval"][-1]["step"] != config.train.steps

@@ -100,6 +100,10 @@ NUM_STAGES = 1
 # At H=8 it replaced the split pass (0.82 -> 0.71 ms a layer: the 340M step's delta-rule kernels
 # 76.8 -> 74.4 ms, fourteenth session), at H=16 the fused pass at BLOCK_V (1.24 -> 1.05). With
 # one sequence of 16K tokens at H=8 (32 walks even at 32 columns) the split pass stays.
+# Registers: compiled for sm_90 by Triton 3.9 (K = V = 128, chunk 64, TF32, bf16 operators), the
+# forward walk spills at every launch above (bytes a thread: 192 here, 144 at 8 warps; 352 at
+# BV 64, 8 warps, 1 stage; with float32 operators 240 there, 0 at BV 32 and 8 warps), the adjoint
+# 144 here and none at 8 warps. Fast as it is, the forward, where the op trails fla, has room.
 NARROW_BLOCK_V = 32
 NARROW_NUM_STAGES = 2
 NARROW_NUM_WARPS = 4
@@ -717,8 +721,8 @@ def state_pass_split_triton_backward(
 #   B=4 T=4096 H=16 (128 fused programs): fused 0.78 / 0.86, split 0.91 / 1.25;
 #   B=4 T=4096 H=8 (64): fused 0.72 / 0.84, split 0.46 / 0.59;
 #   B=1 T=16384 H=8 (16): fused 2.72 / 3.23, split 1.00 / 1.38.
-# (Those with float32 operators; with 16-bit ones at H=8 the narrow fused launch takes over:
-# see NARROW_BLOCK_V.) The split walk has 4x the programs of the fused one (16 value
+# (Those with float32 operators; with 16-bit ones the narrow fused launch takes over wherever
+# its walks reach the threshold, H=8 and H=16 at B=4 among them: see NARROW_BLOCK_V.) The split walk has 4x the programs of the fused one (16 value
 # columns, not 64) and leaves the outputs to kernels parallel over chunks: it wins while the
 # fused walks leave SMs idle (132 on the H200), and loses by its extra kernels and traffic
 # once they do not.
