@@ -143,14 +143,22 @@ def main() -> None:
         ),
         "state_pass": (
             state_module,
-            # First the defaults (with 16-bit operators, the narrow launch where BLOCK_V makes
-            # too few walks), then each setting as given: warps, row block, value columns and
-            # pipeline stages (NUM_STAGES: 16-bit operators only), the narrow launch off.
+            # First the defaults (with 16-bit operators, the narrow launch where its walks are
+            # enough), then each setting as given: warps, row block, value columns and pipeline
+            # stages (NUM_STAGES: 16-bit operators only), the narrow launch off; then the
+            # products in the operators' 16-bit dtype (WALK_DOTS, with 16-bit operators only; the
+            # outputs then differ from the first row's by that rounding), at the default launch
+            # and at some of the same settings.
             [{}] + [dict(NUM_WARPS=w, BLOCK_C=c, BLOCK_V=v, NUM_STAGES=s, NARROW_BLOCK_V=None)
                     for w, c, v, s in [(8, 64, 64, 1), (4, 64, 64, 1), (4, 64, 32, 1),
                                        (8, 64, 32, 1), (4, 32, 16, 1), (2, 64, 32, 1),
                                        (2, 32, 16, 1), (8, 64, 64, 2), (8, 64, 64, 3),
-                                       (4, 64, 32, 2), (8, 64, 32, 2), (4, 64, 16, 2)]],
+                                       (4, 64, 32, 2), (8, 64, 32, 2), (4, 64, 16, 2)]]
+            + [{"WALK_DOTS": "operators"}]
+            + [dict(NUM_WARPS=w, BLOCK_C=64, BLOCK_V=v, NUM_STAGES=s, NARROW_BLOCK_V=None,
+                    WALK_DOTS="operators")
+               for w, v, s in [(8, 64, 1), (8, 64, 2), (4, 64, 2), (8, 128, 1), (4, 32, 2),
+                               (8, 32, 2)]],
             lambda: state_pass_triton(ops, state, precision),
             lambda: state_pass_triton_backward(ops, d_out, state, precision),
         ),

@@ -302,6 +302,14 @@ def add_delta_rule_options(parser: argparse.ArgumentParser) -> None:
         "dtype or float32 (triton/chunk.py OPERATOR_DTYPE; default: its own)",
     )
     parser.add_argument(
+        "--walk-dots",
+        choices=["float32", "operators"],
+        default=None,
+        help="the products of the Triton delta rule's fused walks with 16-bit operators: "
+        "widened to float32 or in the operators' dtype (triton/chunk.py WALK_DOTS; default: "
+        "its own)",
+    )
+    parser.add_argument(
         "--keep-inputs",
         action="store_true",
         help="the delta rule keeps the inputs that cheap ops made (gate products, read query, "
@@ -323,10 +331,12 @@ def apply_delta_rule_options(args: argparse.Namespace) -> None:
 
     projections.PROJECT_TOGETHER = not args.project_separately
     _recompute.REBUILD_IN_BACKWARD = not args.keep_inputs
-    if args.state_pass is None and not args.keep_states and args.operator_dtype is None:
+    triton_switches = (args.state_pass, args.operator_dtype, args.walk_dots)
+    if all(switch is None for switch in triton_switches) and not args.keep_states:
         return
     from deltalab.ops.delta_rule.triton import chunk
 
     chunk.STATE_PASS = args.state_pass or chunk.STATE_PASS
     chunk.RECOMPUTE_STATES = chunk.RECOMPUTE_STATES and not args.keep_states
     chunk.OPERATOR_DTYPE = args.operator_dtype or chunk.OPERATOR_DTYPE
+    chunk.WALK_DOTS = args.walk_dots or chunk.WALK_DOTS

@@ -48,6 +48,16 @@ def _compare(inputs, state, chunk_size, cu_seqlens=None):
         assert_close(x, ref, F32, label)
 
 
+def _compare_at(inputs, state, dtype, chunk_size):
+    """The Triton backend at `dtype` (an fp16 one: the interpreter's 16-bit float) against the
+    float64 loop: output, final state and every gradient within `dtype`'s bound."""
+    reference = _run(inputs, state, "naive", torch.float64, "cpu")
+    actual = _run(inputs, state, "triton", dtype, DEVICE, chunk_size=chunk_size)
+    labels = ["o", "final state", "dq", "da", "db", "du", "dg", "d initial state"]
+    for label, x, ref in zip(labels, actual, reference, strict=True):
+        assert_close(x, ref, TOLERANCE[dtype], label)
+
+
 # Both decay layouts at the short lengths, one at each long one: the layout only changes how g is
 # loaded, which the chunk size does not touch, and a long case takes ~30 s in the interpreter.
 @pytest.mark.parametrize(
@@ -585,11 +595,7 @@ def test_auto_takes_the_narrow_fused_launch_where_16bit_operators_make_its_walks
     monkeypatch.setattr(state_module, "FUSED_PASS_MIN_PROGRAMS", threshold)
     inputs = random_delta_inputs(generator, 1, 37, 2, 16, 64, channel_decay=True)
     state = torch.randn(1, 2, 16, 64, generator=generator, dtype=torch.float64)
-    reference = _run(inputs, state, "naive", torch.float64, "cpu")
-    actual = _run(inputs, state, "triton", dtype, DEVICE, chunk_size=16)
-    labels = ["o", "final state", "dq", "da", "db", "du", "dg", "d initial state"]
-    for label, x, ref in zip(labels, actual, reference, strict=True):
-        assert_close(x, ref, TOLERANCE[dtype], label)
+    _compare_at(inputs, state, dtype, chunk_size=16)
     walks = ["_state_pass_fwd"] * 2 + ["_state_pass_bwd"]  # forward, from checkpoints, adjoint
     if chosen == "narrow":
         assert launches == [(name, 32, 2) for name in walks]
@@ -600,6 +606,47 @@ def test_auto_takes_the_narrow_fused_launch_where_16bit_operators_make_its_walks
             "_state_pass_split_fwd",
             "_state_pass_split_bwd",
         }
+
+
+@pytest.mark.parametrize("walk_dots", ["float32", "operators"])
+def test_16bit_products_in_the_fused_walks_keep_every_result_within_the_16bit_bound(
+    generator, monkeypatch, walk_dots
+):
+    """WALK_DOTS "operators": the fused walks, forward and adjoint, multiply the 16-bit
+    operators as stored with the state, residuals, dS, dN and dO rounded to their dtype
+    (LOW_DOTS reaches both kernels only then, and only with 16-bit operators); the output, the
+    final state and every gradient stay within the 16-bit bound of the float64 loop (fp16: the
+    interpreter's 16-bit float; bf16 is timed and checked on the GPU), over two row blocks per
+    chunk and both passes through the residuals of earlier row blocks."""
+    from deltalab.ops.delta_rule.triton import chunk as state_module
+
+    flags = []
+    for name in ("_state_pass_fwd", "_state_pass_bwd"):
+        kernel = getattr(state_module, name)
+
+        class Recorded:
+            def __init__(self, kernel):
+                self.kernel = kernel
+
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    flags.append(kwargs["LOW_DOTS"])
+                    return self.kernel[grid](*args, **kwargs)
+
+                return launch
+
+        monkeypatch.setattr(state_module, name, Recorded(kernel))
+    monkeypatch.setattr(state_module, "STATE_PASS", "fused")
+    monkeypatch.setattr(state_module, "OPERATOR_DTYPE", "inputs")
+    monkeypatch.setattr(state_module, "WALK_DOTS", walk_dots)
+    monkeypatch.setattr(state_module, "BLOCK_C", 16)  # two row blocks per chunk of 32
+    inputs = random_delta_inputs(generator, 1, 45, 2, 16, 32, channel_decay=True)
+    state = torch.randn(1, 2, 16, 32, generator=generator, dtype=torch.float64)
+    _compare_at(inputs, state, torch.float16, chunk_size=32)
+    assert flags and set(flags) == {walk_dots == "operators"}
+    with pytest.raises(ValueError, match="WALK_DOTS must be one of"):
+        monkeypatch.setattr(state_module, "WALK_DOTS", "bf16")
+        state_module.low_dots(torch.bfloat16)
 
 
 @pytest.mark.parametrize("state_pass", ["split", "fused"])
@@ -723,11 +770,7 @@ def test_triton_16bit_inputs_store_the_operators_as_told_and_stay_close_to_the_l
         monkeypatch.setitem(state_module.STATE_PASSES, name, tuple(spy(fn) for fn in passes))
     inputs = random_delta_inputs(generator, 2, 37, 2, 16, 8, channel_decay=True)
     state = torch.randn(2, 2, 16, 8, generator=generator, dtype=torch.float64)
-    reference = _run(inputs, state, "naive", torch.float64, "cpu")
-    actual = _run(inputs, state, "triton", torch.float16, DEVICE, chunk_size=16)
-    labels = ["o", "final state", "dq", "da", "db", "du", "dg", "d initial state"]
-    for label, x, ref in zip(labels, actual, reference, strict=True):
-        assert_close(x, ref, TOLERANCE[torch.float16], label)
+    _compare_at(inputs, state, torch.float16, chunk_size=16)
     stored = torch.float16 if operators == "inputs" else torch.float32
     expected = {field: stored for field in state_module.ChunkOperators._fields}
     expected["decay"] = torch.float32

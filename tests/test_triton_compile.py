@@ -210,6 +210,35 @@ def _split_state_pass_kernels(state_pass, key_dim, chunk, precision):
     return kernels
 
 
+@pytest.mark.parametrize("chunk", [64, 128])
+def test_16bit_products_leave_the_fused_walks_without_register_spills(chunk):
+    """With bf16 operators and WALK_DOTS "operators" (LOW_DOTS), the fused state pass's walks,
+    forward and adjoint, at the launches "auto" gives them (BLOCK_V with NUM_STAGES, and the
+    narrow launch) fit the SM's shared memory and spill nothing (K = V = 128). With the
+    products widened to float32, Triton 3.9 spills 192 to 352 bytes a thread in the forward
+    walk at these launches: what the switch is for (triton/chunk.py WALK_DOTS)."""
+    from deltalab.ops.delta_rule.triton import chunk as state_pass
+
+    types = {p: "*bf16" for p in OPERATOR_POINTERS}
+    walks = ((state_pass._state_pass_fwd, 11, "HAS_INITIAL"),
+             (state_pass._state_pass_bwd, 10, "HAS_D_FINAL"))  # fmt: skip
+    for programs in (1, state_pass.FUSED_PASS_MIN_PROGRAMS):  # BLOCK_V's launch, the narrow one
+        _, launch = state_pass._launch(128, programs, chunk, 128, "tf32", torch.bfloat16)
+        options = {k: launch.pop(k) for k in ("num_warps", "num_stages")}
+        for kernel, n_pointers, flag in walks:
+            pointers = kernel.arg_names[:n_pointers]
+            constants = {**launch, flag: True, "LOW_DOTS": True}
+            scalars = [a for a in kernel.arg_names[n_pointers:] if a not in constants]
+            compiled = _compile_for_hopper(
+                kernel, pointers, scalars, constants, options,
+                {p: t for p, t in types.items() if p in pointers}, aligned=pointers,
+            )  # fmt: skip
+            assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
+            spilled = _stack_bytes(compiled)
+            what = f"{kernel.fn.__name__} at {options}, BV {launch['BV']}"
+            assert spilled in (None, 0), f"{what}: {spilled} bytes spilled"
+
+
 @pytest.mark.parametrize("operators", ["fp32", "bf16"])
 @pytest.mark.parametrize("key_dim", [128, 256])
 def test_split_state_pass_parallel_kernels_compile_for_hopper_without_spills(key_dim, operators):

@@ -140,12 +140,22 @@ def _offsets(K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr
 
 
 @triton.jit
+def _operand(x, LOW_DOTS: tl.constexpr):
+    """A chunk operator as a product's operand: as stored with LOW_DOTS (16-bit operators into
+    16-bit products, float32 accumulators), else widened to float32 (TF32 or IEEE products)."""
+    if not LOW_DOTS:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _state_pass_fwd(
     read, attend, erase, target, write, decay, initial, out, residual, states, final,
     n_chunks, seg_len, n_seg, keep_every, TN, H, T, CS,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BC: tl.constexpr, HAS_INITIAL: tl.constexpr, PRECISION: tl.constexpr,
     WRITE_OUT: tl.constexpr = True, STORE_RESIDUAL: tl.constexpr = True,
+    LOW_DOTS: tl.constexpr = False,
 ):  # fmt: skip
     """out: token-major [B, T, H, V] as `intra.Tokens` (TN, H, T, CS) maps it, written in its
     own dtype; the operators chunked, float32 or 16-bit (`OPERATOR_DTYPE`), read into float32;
@@ -157,7 +167,8 @@ def _state_pass_fwd(
     values. The chunk-start states stored are those of chunks 0, keep_every, 2 keep_every, ...
     of each (sequence, head), `states` holding ceil(n_chunks / keep_every) per (sequence, head)
     (keep_every = 1: all of them); STORE_RESIDUAL=False stores no residuals (with one row block,
-    C == BC, nothing in the pass reads them back)."""
+    C == BC, nothing in the pass reads them back). LOW_DOTS: the products take the 16-bit
+    operators as stored and the state and residuals rounded to their dtype (`WALK_DOTS`)."""
     walk, rk, rv, rc, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
     bh = walk // n_seg
     start = (walk % n_seg) * seg_len
@@ -178,28 +189,28 @@ def _state_pass_fwd(
         # this program wrote to `residual` before the barrier (same CTA: visible after it).
         for rb in range(C // BC):
             rows = chunk * C + rb * BC
-            e = tl.load(erase + rows * K + ck, mask=mk[None, :], other=0.0).to(tl.float32)
+            e = _operand(tl.load(erase + rows * K + ck, mask=mk[None, :], other=0.0), LOW_DOTS)
             t = tl.load(target + rows * V + cv, mask=mv[None, :], other=0.0).to(tl.float32)
-            n = t - tl.dot(e, s, input_precision=PRECISION)
+            n = t - tl.dot(e, s.to(e.dtype), input_precision=PRECISION)
             if STORE_RESIDUAL:
                 tl.store(residual + rows * V + cv, n, mask=mv[None, :])
             if WRITE_OUT:
-                r = tl.load(read + rows * K + ck, mask=mk[None, :], other=0.0).to(tl.float32)
-                m = tl.load(attend + rows * C + rb * BC + cc).to(tl.float32)
-                o = (tl.dot(r, s, input_precision=PRECISION)
-                     + tl.dot(m, n, input_precision=PRECISION))  # fmt: skip
+                r = _operand(tl.load(read + rows * K + ck, mask=mk[None, :], other=0.0), LOW_DOTS)
+                m = _operand(tl.load(attend + rows * C + rb * BC + cc), LOW_DOTS)
+                o = (tl.dot(r, s.to(r.dtype), input_precision=PRECISION)
+                     + tl.dot(m, n.to(m.dtype), input_precision=PRECISION))  # fmt: skip
                 if rb > 0:
                     tl.debug_barrier()
                 for cb in range(rb):
-                    m = tl.load(attend + rows * C + cb * BC + cc).to(tl.float32)
+                    m = _operand(tl.load(attend + rows * C + cb * BC + cc), LOW_DOTS)
                     n_before = tl.load(residual + (chunk * C + cb * BC) * V + cv,
                                        mask=mv[None, :])  # fmt: skip
-                    o += tl.dot(m, n_before, input_precision=PRECISION)
+                    o += tl.dot(m, n_before.to(m.dtype), input_precision=PRECISION)
                 tokens = out_offset + (rb * BC + rc)[:, None] * (H * V) + rv[None, :]
                 present = ((rb * BC + rc) < valid)[:, None] & mv[None, :]
                 tl.store(out + tokens, o.to(out.dtype.element_ty), mask=present)
-            w = tl.load(write + rows * K + ck, mask=mk[None, :], other=0.0).to(tl.float32)
-            s_next += tl.dot(tl.trans(w), n, input_precision=PRECISION)
+            w = _operand(tl.load(write + rows * K + ck, mask=mk[None, :], other=0.0), LOW_DOTS)
+            s_next += tl.dot(tl.trans(w), n.to(w.dtype), input_precision=PRECISION)
         s = s_next
     tl.store(final + walk * K * V + kv, s, mask=mkv)
 
@@ -210,9 +221,11 @@ def _state_pass_bwd(
     n_chunks, TN, H, T, CS,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BC: tl.constexpr, HAS_D_FINAL: tl.constexpr, PRECISION: tl.constexpr,
+    LOW_DOTS: tl.constexpr = False,
 ):  # fmt: skip
     """d_out: token-major [B, T, H, V] as `intra.Tokens` (TN, H, T, CS) maps it, any float
-    dtype; everything else chunked float32."""
+    dtype; everything else chunked float32. LOW_DOTS as `_state_pass_fwd`'s (dS, dN and dO
+    rounded to the operators' dtype in the products)."""
     bh, rk, rv, rc, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
     if HAS_D_FINAL:
         ds = tl.load(d_final + bh * K * V + kv, mask=mkv, other=0.0).to(tl.float32)
@@ -228,19 +241,19 @@ def _state_pass_bwd(
             cols = chunk * C + cb * BC
             # dN of column block cb: attend^T dO over row blocks rb >= cb (attend is lower
             # triangular in blocks), plus the path through the next state.
-            w = tl.load(write + cols * K + ck, mask=mk[None, :], other=0.0).to(tl.float32)
-            dn = tl.dot(w, ds, input_precision=PRECISION)
+            w = _operand(tl.load(write + cols * K + ck, mask=mk[None, :], other=0.0), LOW_DOTS)
+            dn = tl.dot(w, ds.to(w.dtype), input_precision=PRECISION)
             for rb in range(cb, C // BC):
                 rows = chunk * C + rb * BC
-                m = tl.load(attend + rows * C + cb * BC + cc).to(tl.float32)
+                m = _operand(tl.load(attend + rows * C + cb * BC + cc), LOW_DOTS)
                 do = _load_rows(d_out + out_offset, rb * BC + rc, H * V, rv, 1, valid, mv)
-                dn += tl.dot(tl.trans(m), do, input_precision=PRECISION)
+                dn += tl.dot(tl.trans(m), do.to(m.dtype), input_precision=PRECISION)
             tl.store(d_residual + cols * V + cv, dn, mask=mv[None, :])
-            r = tl.load(read + cols * K + ck, mask=mk[None, :], other=0.0).to(tl.float32)
-            e = tl.load(erase + cols * K + ck, mask=mk[None, :], other=0.0).to(tl.float32)
+            r = _operand(tl.load(read + cols * K + ck, mask=mk[None, :], other=0.0), LOW_DOTS)
+            e = _operand(tl.load(erase + cols * K + ck, mask=mk[None, :], other=0.0), LOW_DOTS)
             do = _load_rows(d_out + out_offset, cb * BC + rc, H * V, rv, 1, valid, mv)
-            ds_before += tl.dot(tl.trans(r), do, input_precision=PRECISION)
-            ds_before -= tl.dot(tl.trans(e), dn, input_precision=PRECISION)
+            ds_before += tl.dot(tl.trans(r), do.to(r.dtype), input_precision=PRECISION)
+            ds_before -= tl.dot(tl.trans(e), dn.to(e.dtype), input_precision=PRECISION)
         ds = ds_before
     tl.store(d_initial + bh * K * V + kv, ds, mask=mkv)
 
@@ -509,6 +522,30 @@ def _operator_grads_kernel(
         tl.store(d_decay + chunk * K + rk, acc_decay, mask=mk & (rk * 0 + rb == 0))
 
 
+# The products of the fused walks (`_state_pass_fwd`, `_state_pass_bwd`) with 16-bit operators:
+# "float32" (the default) widens every operand to float32 (TF32 products, as for float32
+# operators); "operators" multiplies the operators as stored, in their 16-bit dtype, with the
+# state, the residuals, dS, dN and dO rounded to it at each product (the state itself and every
+# accumulator stay float32), as fla's kernels do. 16-bit products halve the operand registers
+# and run at twice TF32's rate on Hopper. Compiled for sm_90 (Triton 3.9, K = V = 128, chunk
+# 64, bf16 operators), bytes spilled a thread, forward / adjoint walk, "float32" against
+# "operators": the narrow launch 192 / 144 against 0 / 0, BV 64 with 8 warps and 1 stage
+# 352 / 0 against 0 / 0 (shared memory 64 -> 40 KiB); tests/test_triton_compile.py keeps
+# "operators" spill-free. Not yet timed on the GPU, and with bf16 the rounding of the state to
+# 8 bits at every product is coarser than TF32's 11 (fp16 under the interpreter stays within
+# its bound): an experiment (`tune_triton.py` sweeps it, suite parts walkdots and
+# walkdots_tune), not the default.
+WALK_DOTS = "float32"
+WALK_DOTS_CHOICES = ("float32", "operators")
+
+
+def low_dots(operators: torch.dtype) -> bool:
+    """Whether the fused walks multiply in the operators' 16-bit dtype (`WALK_DOTS`)."""
+    if WALK_DOTS not in WALK_DOTS_CHOICES:
+        raise ValueError(f"WALK_DOTS must be one of {list(WALK_DOTS_CHOICES)}, got {WALK_DOTS!r}")
+    return WALK_DOTS == "operators" and operators.itemsize == 2
+
+
 def _launch(value_dim: int, programs: int, size: int, key_dim: int, precision: str,
             operators: torch.dtype = torch.float32):  # fmt: skip
     """Grid and the shape constants shared by both kernels; `operators`: the dtype the chunk
@@ -587,7 +624,7 @@ def _walk_fused(ops, starts, every: int, precision: str, out=None, tokens=None,
         *ops, starts if starts is not None else ends, out if out is not None else ends,
         residual if residual is not None else ends, states, ends, n_chunks, every, n_seg,
         keep_every, *tokens.args(), HAS_INITIAL=starts is not None, WRITE_OUT=write_out,
-        STORE_RESIDUAL=store_residual, **consts,
+        STORE_RESIDUAL=store_residual, LOW_DOTS=low_dots(ops.read.dtype), **consts,
     )  # fmt: skip
     return out, residual if keep_residuals else None, states, ends
 
@@ -610,7 +647,8 @@ def state_pass_triton_backward(
     _state_pass_bwd[grid](
         ops.read, ops.attend, ops.erase, ops.write, ops.decay, d_out,
         d_final if d_final is not None else d_initial, d_residual, d_next, d_initial, n_chunks,
-        *tokens.args(), HAS_D_FINAL=d_final is not None, **consts,
+        *tokens.args(), HAS_D_FINAL=d_final is not None, LOW_DOTS=low_dots(ops.read.dtype),
+        **consts,
     )  # fmt: skip
     return d_residual, d_next, d_initial
 
