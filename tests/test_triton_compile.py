@@ -114,10 +114,11 @@ def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chu
         stage_1 = {**shape, **g_head, "BOUND": DIAGONAL_FACTOR_BOUND}
         intra_kd = min(INTRA_BLOCK_KD, block_k)
         kernels = [
-            (state_pass._state_pass_fwd, 11, {**launch, "HAS_INITIAL": True}, options),
-            (state_pass._state_pass_fwd, 11, {**launch, "HAS_INITIAL": True, "WRITE_OUT": False},
+            (state_pass._state_pass_fwd, 11, {**launch, "HAS_INITIAL": True, **WIDENED}, options),
+            (state_pass._state_pass_fwd, 11, {**launch, "HAS_INITIAL": True, "WRITE_OUT": False,
+                                              **WIDENED},
              options),
-            (state_pass._state_pass_bwd, 10, {**launch, "HAS_D_FINAL": True}, options),
+            (state_pass._state_pass_bwd, 10, {**launch, "HAS_D_FINAL": True, **WIDENED}, options),
             (intra._intra_fwd, 6, {**stage_1, "BK": block_k}, INTRA_LAUNCH),
             (intra._intra_bwd, 9, {**stage_1, "BKD": intra_kd}, INTRA_LAUNCH),
             (solve._solve_fwd, 3, columns, solve.LAUNCH),
@@ -155,6 +156,10 @@ def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chu
             )  # fmt: skip
 
 
+# The fused walks' products widened to float32, as `WALK_DOTS` "float32" launches them (a
+# constexpr left out of the constants would be compiled as a runtime scalar).
+WIDENED = {"LOW_DOTS": False}
+
 # The delta rule's kernels' pointers to the chunk operators, stored in the inputs' 16-bit dtype
 # with triton/chunk.py OPERATOR_DTYPE "inputs", and to the outputs in the inputs' dtype (`out`;
 # the solve's `out` is the erase or the target operator).
@@ -189,7 +194,8 @@ def _fused_16bit_kernels(state_pass, key_dim, chunk, precision):
     narrow = -(-key_dim // state_pass.NARROW_BLOCK_V)
     with mock.patch.object(state_pass, "FUSED_PASS_MIN_PROGRAMS", narrow):
         kernels += _walks_at_stages(state_pass, "NARROW_NUM_STAGES", (2, 3), launch, walks)
-    return kernels
+    return [(kernel, n, {**constants, **WIDENED}, options)
+            for kernel, n, constants, options in kernels]  # fmt: skip
 
 
 def _split_state_pass_kernels(state_pass, key_dim, chunk, precision):
