@@ -167,12 +167,17 @@ def main() -> None:
         # block and warps, the parallel kernels' value block and warps. First row: the defaults.
         "state_pass_split": (
             state_module,
-            [dict(SPLIT_NUM_STAGES=s, SPLIT_WALK_BLOCK_V=v, SPLIT_WALK_NUM_WARPS=w,
-                  SPLIT_BLOCK_V=sv, SPLIT_NUM_WARPS=sw)
-             for s, v, w, sv, sw in [(2, 16, 2, 64, 8), (2, 32, 4, 64, 8), (1, 64, 8, 64, 8),
-                                     (2, 16, 4, 64, 8), (2, 16, 1, 64, 8), (3, 16, 2, 64, 8),
-                                     (2, 16, 2, 32, 4), (2, 16, 2, 128, 8), (3, 32, 4, 64, 8),
-                                     (4, 16, 2, 64, 8), (3, 16, 1, 64, 8)]],
+            [{}]
+            + [dict(SPLIT_NUM_STAGES=s, SPLIT_WALK_BLOCK_V=v, SPLIT_WALK_NUM_WARPS=w,
+                    SPLIT_BLOCK_V=sv, SPLIT_NUM_WARPS=sw)
+               for s, v, w, sv, sw in [(2, 16, 2, 64, 8), (2, 32, 4, 64, 8), (1, 64, 8, 64, 8),
+                                       (2, 16, 4, 64, 8), (2, 16, 1, 64, 8), (3, 16, 2, 64, 8),
+                                       (2, 16, 2, 32, 4), (2, 16, 2, 128, 8), (3, 32, 4, 64, 8),
+                                       (4, 16, 2, 64, 8), (3, 16, 1, 64, 8)]]
+            # The walks' products in the operators' 16-bit dtype (WALK_DOTS), at the defaults
+            # and with the walk at 32 columns and 4 warps.
+            + [{"WALK_DOTS": "operators"},
+               dict(SPLIT_WALK_BLOCK_V=32, SPLIT_WALK_NUM_WARPS=4, WALK_DOTS="operators")],
             lambda: state_pass_split_triton(ops, state, precision),
             lambda: state_pass_split_triton_backward(ops, d_out, state, precision),
         ),

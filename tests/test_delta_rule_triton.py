@@ -608,20 +608,23 @@ def test_auto_takes_the_narrow_fused_launch_where_16bit_operators_make_its_walks
         }
 
 
+@pytest.mark.parametrize("state_pass", ["fused", "split"])
 @pytest.mark.parametrize("walk_dots", ["float32", "operators"])
-def test_16bit_products_in_the_fused_walks_keep_every_result_within_the_16bit_bound(
-    generator, monkeypatch, walk_dots
+def test_16bit_products_in_the_walks_keep_every_result_within_the_16bit_bound(
+    generator, monkeypatch, walk_dots, state_pass
 ):
-    """WALK_DOTS "operators": the fused walks, forward and adjoint, multiply the 16-bit
-    operators as stored with the state, residuals, dS, dN and dO rounded to their dtype
-    (LOW_DOTS reaches both kernels only then, and only with 16-bit operators); the output, the
-    final state and every gradient stay within the 16-bit bound of the float64 loop (fp16: the
-    interpreter's 16-bit float; bf16 is timed and checked on the GPU), over two row blocks per
-    chunk and both passes through the residuals of earlier row blocks."""
+    """WALK_DOTS "operators": the walks, fused or split, forward and adjoint, multiply the
+    16-bit operators as stored with the state, residuals, dS, dN and dO rounded to their dtype
+    (LOW_DOTS reaches the walk kernels only then, and only with 16-bit operators); the output,
+    the final state and every gradient stay within the 16-bit bound of the float64 loop (fp16:
+    the interpreter's 16-bit float; bf16 is timed and checked on the GPU), over two row blocks
+    per chunk and, fused, both passes through the residuals of earlier row blocks."""
     from deltalab.ops.delta_rule.triton import chunk as state_module
 
     flags = []
-    for name in ("_state_pass_fwd", "_state_pass_bwd"):
+    walks = {"fused": ("_state_pass_fwd", "_state_pass_bwd"),
+             "split": ("_state_pass_split_fwd", "_state_pass_split_bwd")}  # fmt: skip
+    for name in walks[state_pass]:
         kernel = getattr(state_module, name)
 
         class Recorded:
@@ -636,7 +639,7 @@ def test_16bit_products_in_the_fused_walks_keep_every_result_within_the_16bit_bo
                 return launch
 
         monkeypatch.setattr(state_module, name, Recorded(kernel))
-    monkeypatch.setattr(state_module, "STATE_PASS", "fused")
+    monkeypatch.setattr(state_module, "STATE_PASS", state_pass)
     monkeypatch.setattr(state_module, "OPERATOR_DTYPE", "inputs")
     monkeypatch.setattr(state_module, "WALK_DOTS", walk_dots)
     monkeypatch.setattr(state_module, "BLOCK_C", 16)  # two row blocks per chunk of 32

@@ -203,7 +203,7 @@ def _split_state_pass_kernels(state_pass, key_dim, chunk, precision):
     tuner offers (SPLIT_NUM_STAGES 1 and 2; K > 128 keeps 1)."""
     kernels = _walks_at_stages(
         state_pass, "SPLIT_NUM_STAGES", (1, 2),
-        lambda: state_pass._split_launch(key_dim, chunk, key_dim, precision)[0],
+        lambda: {**state_pass._split_launch(key_dim, chunk, key_dim, precision)[0], **WIDENED},
         [(state_pass._state_pass_split_fwd, 8, "HAS_INITIAL"),
          (state_pass._state_pass_split_bwd, 7, "HAS_D_FINAL")],
     )  # fmt: skip

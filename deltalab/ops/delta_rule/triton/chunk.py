@@ -344,9 +344,11 @@ def _state_pass_split_fwd(
     n_chunks, seg_len, n_seg,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BC: tl.constexpr, HAS_INITIAL: tl.constexpr, PRECISION: tl.constexpr,
+    LOW_DOTS: tl.constexpr = False,
 ):  # fmt: skip
     """The split forward's walk: residuals and chunk-start states (chunked float32, n_chunks
-    per (sequence, head)) and the final state; no outputs. Segments as `_state_pass_fwd`'s."""
+    per (sequence, head)) and the final state; no outputs. Segments and LOW_DOTS as
+    `_state_pass_fwd`'s."""
     walk, rk, _, _, mk, mv, kv, mkv, ck, cv, _ = _offsets(K, V, C, BK, BV, BC)
     bh = walk // n_seg
     start = (walk % n_seg) * seg_len
@@ -361,12 +363,12 @@ def _state_pass_split_fwd(
         s_next = d[:, None] * s
         for rb in range(C // BC):
             rows = chunk * C + rb * BC
-            e = tl.load(erase + rows * K + ck, mask=mk[None, :], other=0.0).to(tl.float32)
+            e = _operand(tl.load(erase + rows * K + ck, mask=mk[None, :], other=0.0), LOW_DOTS)
             t = tl.load(target + rows * V + cv, mask=mv[None, :], other=0.0).to(tl.float32)
-            n = t - tl.dot(e, s, input_precision=PRECISION)
+            n = t - tl.dot(e, s.to(e.dtype), input_precision=PRECISION)
             tl.store(residual + rows * V + cv, n, mask=mv[None, :])
-            w = tl.load(write + rows * K + ck, mask=mk[None, :], other=0.0).to(tl.float32)
-            s_next += tl.dot(tl.trans(w), n, input_precision=PRECISION)
+            w = _operand(tl.load(write + rows * K + ck, mask=mk[None, :], other=0.0), LOW_DOTS)
+            s_next += tl.dot(tl.trans(w), n.to(w.dtype), input_precision=PRECISION)
         s = s_next
     tl.store(final + walk * K * V + kv, s, mask=mkv)
 
@@ -434,8 +436,9 @@ def _state_pass_split_bwd(
     n_chunks,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BC: tl.constexpr, HAS_D_FINAL: tl.constexpr, PRECISION: tl.constexpr,
+    LOW_DOTS: tl.constexpr = False,
 ):  # fmt: skip
-    """The split backward's walk, in place: d_residual holds P and turns into dN; the slot of dS_i
+    """The split backward's walk (LOW_DOTS as `_state_pass_bwd`'s), in place: d_residual holds P and turns into dN; the slot of dS_i
     (d_next of chunk i - 1, or d_initial) holds Q_i and turns into dS_i; d_next of the last chunk
     is dS_n = d_final (or 0)."""
     bh, rk, _, _, mk, mv, kv, mkv, ck, cv, _ = _offsets(K, V, C, BK, BV, BC)
@@ -455,12 +458,12 @@ def _state_pass_split_bwd(
         ds_before = tl.load(slot, mask=mkv, other=0.0) + d[:, None] * ds
         for cb in range(C // BC):
             cols = chunk * C + cb * BC
-            w = tl.load(write + cols * K + ck, mask=mk[None, :], other=0.0).to(tl.float32)
+            w = _operand(tl.load(write + cols * K + ck, mask=mk[None, :], other=0.0), LOW_DOTS)
             p = tl.load(d_residual + cols * V + cv, mask=mv[None, :], other=0.0)
-            dn = p + tl.dot(w, ds, input_precision=PRECISION)
+            dn = p + tl.dot(w, ds.to(w.dtype), input_precision=PRECISION)
             tl.store(d_residual + cols * V + cv, dn, mask=mv[None, :])
-            e = tl.load(erase + cols * K + ck, mask=mk[None, :], other=0.0).to(tl.float32)
-            ds_before -= tl.dot(tl.trans(e), dn, input_precision=PRECISION)
+            e = _operand(tl.load(erase + cols * K + ck, mask=mk[None, :], other=0.0), LOW_DOTS)
+            ds_before -= tl.dot(tl.trans(e), dn.to(e.dtype), input_precision=PRECISION)
         ds = ds_before
         tl.store(slot, ds, mask=mkv)
 
@@ -522,7 +525,8 @@ def _operator_grads_kernel(
         tl.store(d_decay + chunk * K + rk, acc_decay, mask=mk & (rk * 0 + rb == 0))
 
 
-# The products of the fused walks (`_state_pass_fwd`, `_state_pass_bwd`) with 16-bit operators:
+# The products of the walks (fused: `_state_pass_fwd`, `_state_pass_bwd`; split: their split
+# counterparts) with 16-bit operators:
 # "float32" (the default) widens every operand to float32 (TF32 products, as for float32
 # operators); "operators" multiplies the operators as stored, in their 16-bit dtype, with the
 # state, the residuals, dS, dN and dO rounded to it at each product (the state itself and every
@@ -540,7 +544,7 @@ WALK_DOTS_CHOICES = ("float32", "operators")
 
 
 def low_dots(operators: torch.dtype) -> bool:
-    """Whether the fused walks multiply in the operators' 16-bit dtype (`WALK_DOTS`)."""
+    """Whether the walks multiply in the operators' 16-bit dtype (`WALK_DOTS`)."""
     if WALK_DOTS not in WALK_DOTS_CHOICES:
         raise ValueError(f"WALK_DOTS must be one of {list(WALK_DOTS_CHOICES)}, got {WALK_DOTS!r}")
     return WALK_DOTS == "operators" and operators.itemsize == 2
@@ -677,7 +681,8 @@ def _walk_split(ops, starts, every: int, precision: str):
     walk, _ = _split_launch(value_dim, size, key_dim, precision)
     _state_pass_split_fwd[(triton.cdiv(value_dim, walk["BV"]) * batch * heads * n_seg,)](
         ops.erase, ops.target, ops.write, ops.decay, starts if starts is not None else ends,
-        residual, states, ends, n_chunks, every, n_seg, HAS_INITIAL=starts is not None, **walk,
+        residual, states, ends, n_chunks, every, n_seg, HAS_INITIAL=starts is not None,
+        LOW_DOTS=low_dots(ops.read.dtype), **walk,
     )  # fmt: skip
     return residual, states, ends
 
@@ -744,7 +749,8 @@ def state_pass_split_triton_backward(
     )  # fmt: skip
     _state_pass_split_bwd[(triton.cdiv(value_dim, walk["BV"]) * batch * heads,)](
         ops.erase, ops.write, ops.decay, d_final if d_final is not None else d_initial,
-        d_residual, d_next, d_initial, n_chunks, HAS_D_FINAL=d_final is not None, **walk,
+        d_residual, d_next, d_initial, n_chunks, HAS_D_FINAL=d_final is not None,
+        LOW_DOTS=low_dots(ops.read.dtype), **walk,
     )  # fmt: skip
     return d_residual, d_next, d_initial
 
