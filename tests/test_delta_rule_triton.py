@@ -58,6 +58,27 @@ def _compare_at(inputs, state, dtype, chunk_size):
         assert_close(x, ref, TOLERANCE[dtype], label)
 
 
+def _recorded_launches(monkeypatch, module, names) -> list:
+    """Every launch of `module`'s kernels `names` from now on, as (kernel name, grid, keyword
+    arguments), each launch run as it was."""
+    launches = []
+
+    class Recorded:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((self.kernel.fn.__name__, tuple(grid), kwargs))
+                return self.kernel[grid](*args, **kwargs)
+
+            return launch
+
+    for name in names:
+        monkeypatch.setattr(module, name, Recorded(getattr(module, name)))
+    return launches
+
+
 # Both decay layouts at the short lengths, one at each long one: the layout only changes how g is
 # loaded, which the chunk size does not touch, and a long case takes ~30 s in the interpreter.
 @pytest.mark.parametrize(
@@ -571,22 +592,9 @@ def test_auto_takes_the_narrow_fused_launch_where_16bit_operators_make_its_walks
     every gradient are the loop's (fp16: the interpreter's 16-bit float)."""
     from deltalab.ops.delta_rule.triton import chunk as state_module
 
-    launches = []
-
-    class Recorded:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append((self.kernel.fn.__name__, kwargs["BV"], kwargs["num_warps"]))
-                return self.kernel[grid](*args, **kwargs)
-
-            return launch
-
-    for name in ("_state_pass_fwd", "_state_pass_bwd", "_state_pass_split_fwd",
-                 "_state_pass_split_bwd"):  # fmt: skip
-        monkeypatch.setattr(state_module, name, Recorded(getattr(state_module, name)))
+    recorded = _recorded_launches(monkeypatch, state_module, (
+        "_state_pass_fwd", "_state_pass_bwd", "_state_pass_split_fwd", "_state_pass_split_bwd",
+    ))  # fmt: skip
     monkeypatch.setattr(state_module, "STATE_PASS", "auto")
     monkeypatch.setattr(state_module, "OPERATOR_DTYPE", "inputs")
     monkeypatch.setattr(state_module, "BLOCK_V", 64)
@@ -596,6 +604,7 @@ def test_auto_takes_the_narrow_fused_launch_where_16bit_operators_make_its_walks
     inputs = random_delta_inputs(generator, 1, 37, 2, 16, 64, channel_decay=True)
     state = torch.randn(1, 2, 16, 64, generator=generator, dtype=torch.float64)
     _compare_at(inputs, state, dtype, chunk_size=16)
+    launches = [(name, kwargs["BV"], kwargs["num_warps"]) for name, _, kwargs in recorded]
     walks = ["_state_pass_fwd"] * 2 + ["_state_pass_bwd"]  # forward, from checkpoints, adjoint
     if chosen == "narrow":
         assert launches == [(name, 32, 2) for name in walks]
@@ -621,24 +630,9 @@ def test_16bit_products_in_the_walks_keep_every_result_within_the_16bit_bound(
     per chunk and, fused, both passes through the residuals of earlier row blocks."""
     from deltalab.ops.delta_rule.triton import chunk as state_module
 
-    flags = []
     walks = {"fused": ("_state_pass_fwd", "_state_pass_bwd"),
              "split": ("_state_pass_split_fwd", "_state_pass_split_bwd")}  # fmt: skip
-    for name in walks[state_pass]:
-        kernel = getattr(state_module, name)
-
-        class Recorded:
-            def __init__(self, kernel):
-                self.kernel = kernel
-
-            def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    flags.append(kwargs["LOW_DOTS"])
-                    return self.kernel[grid](*args, **kwargs)
-
-                return launch
-
-        monkeypatch.setattr(state_module, name, Recorded(kernel))
+    recorded = _recorded_launches(monkeypatch, state_module, walks[state_pass])
     monkeypatch.setattr(state_module, "STATE_PASS", state_pass)
     monkeypatch.setattr(state_module, "OPERATOR_DTYPE", "inputs")
     monkeypatch.setattr(state_module, "WALK_DOTS", walk_dots)
@@ -646,6 +640,7 @@ def test_16bit_products_in_the_walks_keep_every_result_within_the_16bit_bound(
     inputs = random_delta_inputs(generator, 1, 45, 2, 16, 32, channel_decay=True)
     state = torch.randn(1, 2, 16, 32, generator=generator, dtype=torch.float64)
     _compare_at(inputs, state, torch.float16, chunk_size=32)
+    flags = [kwargs["LOW_DOTS"] for _, _, kwargs in recorded]
     assert flags and set(flags) == {walk_dots == "operators"}
     with pytest.raises(ValueError, match="WALK_DOTS must be one of"):
         monkeypatch.setattr(state_module, "WALK_DOTS", "bf16")
@@ -662,24 +657,16 @@ def test_state_pass_grids_count_chunks_and_walks_on_their_first_axis(
     as a chunk's row blocks, whatever the number of chunks."""
     from deltalab.ops.delta_rule.triton import chunk as state_module
 
-    grids = []
-
-    class Recorded:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            grids.append((self.kernel.fn.__name__, tuple(grid)))
-            return self.kernel[grid]
-
-    for name in ("_state_pass_fwd", "_state_pass_bwd", "_state_pass_split_fwd",
-                 "_state_pass_split_out", "_state_pass_split_dout", "_state_pass_split_bwd"):  # fmt: skip
-        monkeypatch.setattr(state_module, name, Recorded(getattr(state_module, name)))
+    recorded = _recorded_launches(monkeypatch, state_module, (
+        "_state_pass_fwd", "_state_pass_bwd", "_state_pass_split_fwd", "_state_pass_split_out",
+        "_state_pass_split_dout", "_state_pass_split_bwd",
+    ))  # fmt: skip
     monkeypatch.setattr(state_module, "STATE_PASS", state_pass)
     monkeypatch.setattr(state_module, "CHECKPOINT_EVERY", 2)
     inputs = random_delta_inputs(generator, 2, 70, 2, 16, 8, channel_decay=True)
     state = torch.randn(2, 2, 16, 8, generator=generator, dtype=torch.float64)
     _compare(inputs, state, 16)  # 5 chunks: 3 segments in the backward's walk
+    grids = [(name, grid) for name, grid, _ in recorded]
     assert {name for name, _ in grids} >= (
         {"_state_pass_fwd", "_state_pass_bwd"} if state_pass == "fused"
         else {"_state_pass_split_fwd", "_state_pass_split_out", "_state_pass_split_dout",

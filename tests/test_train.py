@@ -66,6 +66,26 @@ def run_config(tmp_path, corpus, *extra: str):
     return load_run_config(None, overrides)
 
 
+def poison_loss_at(monkeypatch, call: int) -> dict[str, int]:
+    """Makes the `call`-th training loss (counting from 1) NaN; returns the counter, which a
+    test resets to poison a second run the same way."""
+    import deltalab.train.loop as loop
+
+    original = loop._loss
+    calls = {"n": 0}
+
+    def poisoned(model, window, autocast):
+        loss = original(model, window, autocast)
+        if model.training:
+            calls["n"] += 1
+            if calls["n"] == call:
+                return loss * float("nan")
+        return loss
+
+    monkeypatch.setattr(loop, "_loss", poisoned)
+    return calls
+
+
 @pytest.mark.parametrize("mixer", MIXER_KINDS)
 def test_a_few_steps_lower_the_held_out_loss(tmp_path, corpus, mixer):
     result = train(run_config(tmp_path, corpus, f"model.mixer={mixer}", "train.steps=10"))
@@ -185,20 +205,7 @@ def test_truncated_checkpoint_is_skipped_and_the_previous_one_resumed(tmp_path, 
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_non_finite_loss_stops_or_skips_per_config(tmp_path, corpus, monkeypatch, policy):
-    import deltalab.train.loop as loop
-
-    original = loop._loss
-    calls = {"n": 0}
-
-    def poisoned(model, window, autocast):
-        loss = original(model, window, autocast)
-        if model.training:
-            calls["n"] += 1
-            if calls["n"] == 2:
-                return loss * float("nan")
-        return loss
-
-    monkeypatch.setattr(loop, "_loss", poisoned)
+    poison_loss_at(monkeypatch, 2)
     config = run_config(tmp_path, corpus, f"train.nan_policy={policy}")
     if policy == "stop":
         with pytest.raises(FloatingPointError, match=r"not finite.*train.nan_policy=stop") as e:
@@ -425,20 +432,7 @@ def test_a_non_finite_graphed_step_is_skipped_and_the_next_steps_start_afresh(
     """A NaN loss on a step taken through the graph's path (after the warmup) is skipped under
     train.nan_policy=skip, and the steps after it train as the same poisoned run does without
     the graph: nothing of the skipped step's gradients is carried into the next."""
-    import deltalab.train.loop as loop
-
-    original = loop._loss
-    calls = {"n": 0}
-
-    def poisoned(model, window, autocast):
-        loss = original(model, window, autocast)
-        if model.training:
-            calls["n"] += 1
-            if calls["n"] == 4:
-                return loss * float("nan")
-        return loss
-
-    monkeypatch.setattr(loop, "_loss", poisoned)
+    calls = poison_loss_at(monkeypatch, 4)
     eager = train(run_config(tmp_path / "eager", corpus, "train.nan_policy=skip"))
     calls["n"] = 0
     graphed = train(
@@ -504,20 +498,7 @@ def test_tensorboard_events_are_written_when_enabled(tmp_path, corpus):
 
 
 def test_a_skipped_last_step_still_writes_the_final_checkpoint(tmp_path, corpus, monkeypatch):
-    import deltalab.train.loop as loop
-
-    original = loop._loss
-    calls = {"n": 0}
-
-    def poisoned(model, window, autocast):
-        loss = original(model, window, autocast)
-        if model.training:
-            calls["n"] += 1
-            if calls["n"] == 6:
-                return loss * float("nan")
-        return loss
-
-    monkeypatch.setattr(loop, "_loss", poisoned)
+    poison_loss_at(monkeypatch, 6)
     result = train(run_config(tmp_path, corpus, "train.nan_policy=skip"))
     assert len(result.losses) == 5
     names = [p.name for p in list_checkpoints(tmp_path / "run")]

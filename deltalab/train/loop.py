@@ -515,6 +515,11 @@ def _forward_checks(checkpointing: bool):
     return contextlib.nullcontext() if checkpointing else one_host_read()
 
 
+def _refused(error: NonFiniteError) -> str:
+    """Why a step failed when an op refused the non-finite values the model produced."""
+    return f"the model produced non-finite values: {error}"
+
+
 def _micro_pass(forward, window: torch.Tensor, autocast, accum: int, checkpointing: bool):
     """One micro-batch's forward and backward passes; returns its share of the step's loss
     (detached): the loss over `accum`, so that the gradients add up to the step's mean."""
@@ -540,7 +545,7 @@ def _accumulate(
         try:
             return graph.step(windows).item(), None
         except NonFiniteError as error:  # only where there is no graph: the passes ran eagerly
-            return math.nan, f"the model produced non-finite values: {error}"
+            return math.nan, _refused(error)
     total = torch.zeros((), device=ctx.device)
     cause = None
     with graph.warmup_step() if graph is not None else contextlib.nullcontext():
@@ -562,7 +567,7 @@ def _accumulate(
             except NonFiniteError as error:
                 # An op refused the non-finite values the model produced (a NaN gate): the
                 # same event as a non-finite loss, under the same policy.
-                cause = f"the model produced non-finite values: {error}"
+                cause = _refused(error)
                 total += math.nan
     if graph is not None and cause is not None:
         graph.warmup_failed()

@@ -100,10 +100,8 @@ NUM_STAGES = 1
 # At H=8 it replaced the split pass (0.82 -> 0.71 ms a layer: the 340M step's delta-rule kernels
 # 76.8 -> 74.4 ms, fourteenth session), at H=16 the fused pass at BLOCK_V (1.24 -> 1.05). With
 # one sequence of 16K tokens at H=8 (32 walks even at 32 columns) the split pass stays.
-# Registers: compiled for sm_90 by Triton 3.9 (K = V = 128, chunk 64, TF32, bf16 operators), the
-# forward walk spills at every launch above (bytes a thread: 192 here, 144 at 8 warps; 352 at
-# BV 64, 8 warps, 1 stage; with float32 operators 240 there, 0 at BV 32 and 8 warps), the adjoint
-# 144 here and none at 8 warps. Fast as it is, the forward, where the op trails fla, has room.
+# With the products widened to float32 the forward walk spills registers at each of these
+# launches (compiled for sm_90; the figures at `WALK_DOTS`, the switch that removes them).
 NARROW_BLOCK_V = 32
 NARROW_NUM_STAGES = 2
 NARROW_NUM_WARPS = 4
