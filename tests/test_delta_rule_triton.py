@@ -575,22 +575,29 @@ def test_auto_state_pass_takes_the_fused_pass_from_its_program_threshold(
 
 
 @pytest.mark.parametrize(
-    ("dtype", "threshold", "chosen"),
-    [(torch.float16, 3, "narrow"), (torch.float16, 2, "narrow"), (torch.float32, 3, "split"),
-     (torch.float32, 2, "fused")],
-    ids=["fp16-few-walks", "fp16-enough-walks", "fp32-few-walks", "fp32-enough-walks"],
+    ("dtype", "walk_dots", "threshold", "chosen"),
+    [(torch.float16, "operators", 3, "narrow"), (torch.float16, "operators", 2, "low_dots"),
+     (torch.float16, "float32", 3, "narrow"), (torch.float16, "float32", 2, "narrow"),
+     (torch.float32, "operators", 3, "split"), (torch.float32, "operators", 2, "fused")],
+    ids=["fp16-few-walks", "fp16-enough-walks", "fp16-widened-few-walks",
+         "fp16-widened-enough-walks", "fp32-few-walks", "fp32-enough-walks"],
 )  # fmt: skip
 def test_auto_takes_the_narrow_fused_launch_where_16bit_operators_make_its_walks_enough(
-    generator, monkeypatch, dtype, threshold, chosen
+    generator, monkeypatch, dtype, walk_dots, threshold, chosen
 ):
-    """With 16-bit chunk operators, wherever NARROW_BLOCK_V value columns make
-    FUSED_PASS_MIN_PROGRAMS walks (here B * H * V / 32 = 4 against thresholds of 3 and 2; at
-    BLOCK_V = 64 there are 2 walks, too few for the first), "auto" runs the fused pass at
-    NARROW_BLOCK_V columns with NARROW_NUM_WARPS warps, forward, the backward's walk from the
-    checkpoints and the adjoint walk; float32 operators take the split pass below the threshold
+    """With 16-bit chunk operators, "auto" runs the fused pass at the launch its walks' count
+    earns (here B * H * V / BV walks: 4 at NARROW_BLOCK_V = 32, 2 at BLOCK_V = 64, against
+    thresholds FUSED_PASS_MIN_PROGRAMS of 3 and 2), forward, the backward's walk from the
+    checkpoints and the adjoint walk: with the products in 16 bits (WALK_DOTS "operators"),
+    BLOCK_V columns on LOW_DOTS_NUM_WARPS warps where they make enough walks, else
+    NARROW_BLOCK_V columns on NARROW_NUM_WARPS where those do; with them widened, the narrow
+    launch wherever it makes enough. Float32 operators take the split pass below the threshold
     and the fused one at BLOCK_V columns from it. Either way the output, the final state and
     every gradient are the loop's (fp16: the interpreter's 16-bit float)."""
     from deltalab.ops.delta_rule.triton import chunk as state_module
+
+    monkeypatch.setattr(state_module, "WALK_DOTS", walk_dots)
+    monkeypatch.setattr(state_module, "LOW_DOTS_NUM_WARPS", 1)
 
     recorded = _recorded_launches(monkeypatch, state_module, (
         "_state_pass_fwd", "_state_pass_bwd", "_state_pass_split_fwd", "_state_pass_split_bwd",
@@ -608,6 +615,8 @@ def test_auto_takes_the_narrow_fused_launch_where_16bit_operators_make_its_walks
     walks = ["_state_pass_fwd"] * 2 + ["_state_pass_bwd"]  # forward, from checkpoints, adjoint
     if chosen == "narrow":
         assert launches == [(name, 32, 2) for name in walks]
+    elif chosen == "low_dots":
+        assert launches == [(name, 64, 1) for name in walks]
     elif chosen == "fused":
         assert launches == [(name, 64, state_module.NUM_WARPS) for name in walks]
     else:

@@ -105,6 +105,23 @@ NUM_STAGES = 1
 NARROW_BLOCK_V = 32
 NARROW_NUM_STAGES = 2
 NARROW_NUM_WARPS = 4
+# With the walks' products in the operators' 16-bit dtype (`WALK_DOTS` "operators", the
+# default) the operand registers halve and the order above changes: BLOCK_V's 64 columns on
+# LOW_DOTS_NUM_WARPS warps with LOW_DOTS_NUM_STAGES stages wherever they make
+# FUSED_PASS_MIN_PROGRAMS walks, else the narrow launch where its walks do, else the split
+# pass. Measured on the H200, B=4 T=4096 K=V=128, bf16, products in bf16 (`tune_triton.py
+# --shape 4x4096x{16,8}x128 --stages state_pass`, docs/RESULTS.md, fifteenth session), forward /
+# backward ms per layer:
+#
+#                                                   H=8 (340M preset)   H=16
+#   fused, BV 64, 4 warps, 2 stages (this launch)   0.24 / 0.25         0.28 / 0.31
+#   fused, BV 64, 8 warps, 2 stages                 0.26 / 0.26         0.30 / 0.29
+#   fused, BV 32, 4 warps, 2 stages (narrow)        0.20 / 0.19         0.38 / 0.38
+#   (products widened to float32, the narrow launch 0.32 / 0.39         0.47 / 0.57)
+#
+# so H=16 takes this launch (128 walks) and H=8 at B=4 the narrow one (64 walks at 64 columns).
+LOW_DOTS_NUM_WARPS = 4
+LOW_DOTS_NUM_STAGES = 2
 # Value columns per step of the operator-gradient kernel: its [C, K] accumulators stay in
 # registers, the [K, BV] state blocks stream through.
 OPERATOR_BLOCK_V = 32
@@ -533,11 +550,14 @@ def _operator_grads_kernel(
 # 64, bf16 operators), bytes spilled a thread, forward / adjoint walk, "float32" against
 # "operators": the narrow launch 192 / 144 against 0 / 0, BV 64 with 8 warps and 1 stage
 # 352 / 0 against 0 / 0 (shared memory 64 -> 40 KiB); tests/test_triton_compile.py keeps
-# "operators" spill-free. Not yet timed on the GPU, and with bf16 the rounding of the state to
-# 8 bits at every product is coarser than TF32's 11 (fp16 under the interpreter stays within
-# its bound): an experiment (`tune_triton.py` sweeps it, suite parts walkdots and
-# walkdots_tune), not the default.
-WALK_DOTS = "float32"
+# "operators" spill-free. On the H200 the walks took 0.59 instead of 1.04 ms a layer at H=16
+# and 0.39 instead of 0.71 at H=8 (forward and backward, their fastest launches, see
+# LOW_DOTS_NUM_WARPS). The state stays float32 and only its copy for each product is rounded
+# (bf16 keeps 8 bits against TF32's 11), so the rounding does not compound from chunk to
+# chunk: each chunk's products carry a relative error of about 2^-9, as every other bf16
+# product of the layer does; tests/test_cuda.py holds the op to the bf16 bound of the float64
+# loop with it, and fp16 under the interpreter to the fp16 bound.
+WALK_DOTS = "operators"
 WALK_DOTS_CHOICES = ("float32", "operators")
 
 
@@ -555,7 +575,10 @@ def _launch(value_dim: int, programs: int, size: int, key_dim: int, precision: s
     block_v = BLOCK_V if key_dim <= 128 else BLOCK_V_WIDE_K
     pipelined = operators.itemsize == 2 and key_dim <= 128
     stages, warps = (NUM_STAGES if pipelined else 1), NUM_WARPS
-    if pipelined and NARROW_BLOCK_V:
+    if pipelined and low_dots(operators):
+        stages, warps = LOW_DOTS_NUM_STAGES, LOW_DOTS_NUM_WARPS
+    enough = triton.cdiv(value_dim, block_v) * programs >= FUSED_PASS_MIN_PROGRAMS
+    if pipelined and NARROW_BLOCK_V and not (enough and low_dots(operators)):
         narrow = triton.cdiv(value_dim, NARROW_BLOCK_V) * programs
         if narrow >= FUSED_PASS_MIN_PROGRAMS:
             block_v, stages, warps = NARROW_BLOCK_V, NARROW_NUM_STAGES, NARROW_NUM_WARPS
