@@ -3,7 +3,7 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck graphs_on graphs_on16k
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
@@ -68,7 +68,10 @@
 # a CUDA graph: kernel and wall time), walkdots 300 s (the op's errors against float64 and its
 # times at B=4 T=4096 H=16 with the fused walks' products widened to float32 and in the
 # operators' bf16, triton/chunk.py WALK_DOTS), walkdots_tune 240 s (the state pass's launch
-# sweep at H=16 and H=8, its WALK_DOTS rows among them).
+# sweep at H=16 and H=8, its WALK_DOTS rows among them), dotscheck 150 s (the op's errors
+# against float64 with the walks' products in the operators' dtype, chunks 64 and 128: walkdots
+# ran past its limit in its timing on 2026-12-02, before this check's half), graphs_on 200 s
+# and graphs_on16k 150 s (graphs_train's and graphs_train16k's rows graphed only).
 set -u
 # The device returns at most 8 files: parts write under a work folder, and after every part the
 # whole of it is packed into $OUT/suite.tgz (so a call cut off still returns what finished).
@@ -186,6 +189,8 @@ for p in "${parts[@]}"; do
     walkdots) part walkdots 300 bash -c "for dots in float32 operators; do python3 \
         benchmarks/bench_triton.py --parts check time --chunk-sizes 64 --shapes 4x4096x16x128 \
         --walk-dots \$dots --out \"$OUT/walkdots_\$dots.json\"; done" ;;
+    dotscheck) part dotscheck 150 python3 benchmarks/bench_triton.py --parts check \
+        --chunk-sizes 64 128 --walk-dots operators --out "$OUT/dotscheck.json" ;;
     walkdots_tune) part walkdots_tune 240 bash -c "python3 benchmarks/tune_triton.py \
         --shape 4x4096x16x128 --stages state_pass --out \"$OUT/walkdots16.json\" && \
         python3 benchmarks/tune_triton.py --shape 4x4096x8x128 --stages state_pass \
@@ -215,6 +220,12 @@ for p in "${parts[@]}"; do
     graphs_ptrain) part graphs_ptrain 150 python3 benchmarks/profile_train.py --cuda-graphs \
         --device cuda --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 transformer \
         --out "$OUT/graphs_ptrain.json" ;;
+    graphs_on) part graphs_on 200 python3 benchmarks/bench_train.py --device cuda \
+        --preset 340M --seq-len 4096 --batch 4 --steps 8 --cuda-graphs on \
+        --mixers gdn2 muir kdn_diag transformer ;;
+    graphs_on16k) part graphs_on16k 150 python3 benchmarks/bench_train.py --device cuda \
+        --preset 340M --seq-len 16384 --batch 1 --steps 8 --cuda-graphs on \
+        --mixers gdn2 muir transformer ;;
     graphs_train32k) part graphs_train32k 300 python3 benchmarks/bench_train.py --device cuda \
         --preset 340M --seq-len 32768 --batch 1 --steps 8 --cuda-graphs both \
         --mixers muir gdn2 transformer ;;

@@ -292,17 +292,20 @@ GRAPHED_RUNS = [(mixer, ()) for mixer in MIXER_KINDS] + [
     GRAPHED_RUNS,
     ids=[f"{m}{'+' if e else ''}{'+'.join(e)}" for m, e in GRAPHED_RUNS],
 )
-def test_cuda_graphed_training_follows_the_eager_loss_curve(tmp_path, mixer, extra):
-    """`deltalab train` with train.cuda_graphs on the GPU (Triton kernels, bf16 autocast),
-    every mixer, and GDN-2 with its blocks or FFN branches recomputed and with accumulation:
-    the step records without reading anything back and its replays follow the eager run's
-    losses (the kernels are the same; cuBLAS may pick other algorithms inside a capture)."""
+def test_cuda_graphed_training_follows_the_eager_loss_curve(tmp_path, capsys, mixer, extra):
+    """`deltalab train` on the GPU (Triton kernels, bf16 autocast) with train.cuda_graphs at
+    its default, every mixer, and GDN-2 with its blocks or FFN branches recomputed and with
+    accumulation: the step records without reading anything back and its replays follow the eager run's losses (train.cuda_graphs=false; the kernels are the
+    same, cuBLAS may pick other algorithms inside a capture)."""
     from test_train import make_corpus, run_config
 
     corpus = make_corpus(tmp_path / "corpus")
     settings = (f"model.mixer={mixer}", "train.device=cuda", "train.steps=7", *extra)
-    eager = train(run_config(tmp_path / "eager", corpus, *settings))
-    graphed = train(run_config(tmp_path / "graphs", corpus, *settings, "train.cuda_graphs=true"))
+    eager = train(run_config(tmp_path / "eager", corpus, *settings, "train.cuda_graphs=false"))
+    capsys.readouterr()
+    graphed = train(run_config(tmp_path / "graphs", corpus, *settings))
+    out = capsys.readouterr().out
+    assert "CUDA graphs: each step after the first two replays" in out
     assert len(graphed.losses) == 7
     torch.testing.assert_close(
         torch.tensor(graphed.losses), torch.tensor(eager.losses), rtol=0, atol=2e-3

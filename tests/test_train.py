@@ -398,6 +398,57 @@ def test_the_graphed_step_follows_the_eager_loss_curve_after_its_warmup_steps(
     assert train(run_config(tmp_path / "ckpt_graphs", corpus, *checkpointed)).losses == plain.losses
 
 
+def _failing_recording(monkeypatch, graphs) -> list[int]:
+    """Every `StepGraph` made to record as on CUDA (no side stream), with a recording that
+    fails as one reading a value back does; returns the list the failures are counted in."""
+    failures = []
+    real_init = graphs.StepGraph.__init__
+
+    def on_cuda(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.on_cuda = True
+
+    class FailingRecording:
+        def __init__(self, graph, stream=None):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            failures.append(1)
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs.StepGraph, "__init__", on_cuda)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", FailingRecording)
+    return failures
+
+
+def test_by_default_the_trainer_records_wherever_it_can_and_a_failed_recording_stops_the_run(
+    tmp_path, corpus, monkeypatch, capsys
+):
+    """train.cuda_graphs null (the default): where no graph can record (CPU as it is) the run
+    steps eagerly, the loss curve of train.cuda_graphs=false bit for bit and nothing said of
+    graphs; where one can (made so on CPU) the run announces them and records at its third
+    step, and a recording that fails (as one reading a value back does) stops the run naming
+    train.cuda_graphs=false (a failed recording leaves the CUDA random generator unusable, so
+    the run cannot go on eagerly)."""
+    import deltalab.train.graphs as graphs
+    import deltalab.train.loop as loop
+
+    plain = train(run_config(tmp_path / "plain", corpus, "train.cuda_graphs=false"))
+    default = train(run_config(tmp_path / "default", corpus))
+    assert default.losses == plain.losses
+    assert "CUDA graphs" not in capsys.readouterr().out
+    failures = _failing_recording(monkeypatch, graphs)
+    monkeypatch.setattr(loop, "_graphable", lambda config, ctx: True)
+    with pytest.raises(RuntimeError, match=r"set train\.cuda_graphs=false to train eagerly"):
+        train(run_config(tmp_path / "recorded", corpus))
+    assert "CUDA graphs: each step after the first two replays" in capsys.readouterr().out
+    assert failures == [1]
+
+
 @pytest.mark.parametrize("mixer", MIXER_KINDS)
 def test_a_training_steps_passes_read_nothing_back_while_a_graph_records(mixer, monkeypatch):
     """What a CUDA graph's capture forbids, on CPU: with the value checks told a capture is

@@ -209,6 +209,15 @@ def test_cuda_graphs_and_compile_together_are_refused_naming_both() -> None:
     assert load_run_config(None, ["train.cuda_graphs=true"]).train.cuda_graphs is True
 
 
+def test_cuda_graphs_default_to_null_which_leaves_compiled_runs_alone() -> None:
+    """null ("wherever it can run") is the default, and with compile it is not refused: the
+    trainer then simply steps eagerly (tests/test_train.py)."""
+    assert load_run_config(None, []).train.cuda_graphs is None
+    config = load_run_config(None, ["train.compile=true"])
+    assert config.train.cuda_graphs is None
+    assert load_run_config(None, ["train.cuda_graphs=false"]).train.cuda_graphs is False
+
+
 def test_sections_validate_when_built_directly() -> None:
     with pytest.raises(ValueError, match=r"train\.batch_size must be > 0, got 0"):
         TrainSection(batch_size=0)

@@ -346,8 +346,9 @@ class TrainSection(_Section):
         with activation_checkpointing, which recomputes the whole block).
     cuda_graphs: after two eager steps, record the step's forward and backward passes as one
         CUDA graph and replay it at every later step: the host queues a step with one call
-        instead of one per operation (one process, not with compile; without CUDA the passes
-        run eagerly).
+        instead of one per operation. null (the default): wherever it can run, a single-process
+        CUDA run without compile; true: always (one process, not with compile; without CUDA
+        the passes run eagerly); false: never. A recording that fails stops the run.
     seed: seed of initialization and data order, >= 0.
     nan_policy: on a non-finite loss, "stop" the run or "skip" the step.
     parallel: multi-GPU strategy, "ddp" or "fsdp".
@@ -364,7 +365,7 @@ class TrainSection(_Section):
     compile: bool = False
     activation_checkpointing: bool = False
     recompute_ffn: bool = False
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
     seed: int = 0
     nan_policy: str = "stop"
     parallel: str = "ddp"
@@ -379,7 +380,7 @@ class TrainSection(_Section):
         _require_choice(self.dotted("nan_policy"), self.nan_policy, NAN_POLICIES)
         _require_choice(self.dotted("parallel"), self.parallel, PARALLEL_MODES)
         _require_choice(self.dotted("device"), self.device, DEVICES)
-        if self.cuda_graphs and self.compile:
+        if self.cuda_graphs is True and self.compile:
             raise ValueError(
                 f"{self.dotted('cuda_graphs')}=true and {self.dotted('compile')}=true: choose "
                 "one (the compiled step breaks its graph at every Triton kernel)"

@@ -25,6 +25,11 @@ warmup steps, whose eager passes checked the same ops on the run's first data. T
 check of the token ids is skipped too, so the trainer checks each step's windows on the host
 before copying them (`check_token_ids`, on CPU tensors: no device sync).
 
+A recording fails where the passes do what a capture forbids (read a value back, synchronize,
+allocate pinned memory); none of this library's models do (tests/test_cuda.py records each).
+The failure stops the run naming `train.cuda_graphs=false`: the process cannot go on eagerly,
+as the failed recording leaves the CUDA random generator registered with it.
+
 Without CUDA there is no graph: the same object runs the same passes eagerly at every step
 (unsetting the gradients first, as a replay overwrites them), which is how the CPU tests check
 the trainer's use of it step for step against plain eager training.
@@ -126,6 +131,9 @@ class StepGraph:
             with torch.cuda.graph(graph, stream=self.stream):
                 self.loss = self.passes(self.windows)
         except RuntimeError as error:
+            # No falling back to eager steps: a recording that failed leaves the CUDA random
+            # generator registered with it, and the next draw outside a capture then fails
+            # ("Offset increment outside graph capture", seen on the H200 with torch 2.11).
             raise RuntimeError(
                 f"recording the training step as a CUDA graph failed ({error}); set "
                 "train.cuda_graphs=false to train eagerly"

@@ -485,11 +485,10 @@ def _announce(
             f"{config.train.steps}: the learning rate never reaches its peak; set "
             "schedule.warmup_steps lower for a short run"
         )
-    graphable = ctx.device.type == "cuda" and not ctx.active and not config.train.compile
-    if graphable and not config.train.cuda_graphs:
+    if config.train.cuda_graphs is None and _graphable(config, ctx):
         logger.print(
-            "note: train.cuda_graphs=true replays each step as one CUDA graph (1.3-1.7x the "
-            "tokens/s of 340M models on an H200)"
+            "CUDA graphs: each step after the first two replays one recording of its passes "
+            "(train.cuda_graphs=null, the default; false trains eagerly)"
         )
     if config.train.cuda_graphs and ctx.device.type != "cuda":
         logger.print(
@@ -574,9 +573,20 @@ def _accumulate(
     return all_reduce_mean(total, ctx).item(), cause
 
 
-def _step_graph(config: RunConfig, ctx: Distributed, core, forward, micro: int) -> StepGraph:
-    """The step's passes as a `StepGraph` (`train.cuda_graphs`): one process only (the
-    gradient all-reduce of DDP and FSDP is not recorded), every micro-batch in one graph."""
+def _graphable(config: RunConfig, ctx: Distributed) -> bool:
+    """Whether this run's steps can be recorded as a CUDA graph: on CUDA, in one process (the
+    gradient all-reduce of DDP and FSDP is not recorded), not compiled."""
+    return ctx.device.type == "cuda" and not ctx.active and not config.train.compile
+
+
+def _step_graph(config: RunConfig, ctx: Distributed, core, forward, micro: int) -> StepGraph | None:
+    """The step's passes as a `StepGraph` (`train.cuda_graphs`), every micro-batch in one
+    graph, or None for eager steps: where the setting is false, or null (the default) and the
+    run cannot record them (`_graphable`). A recording that fails stops the run, naming
+    train.cuda_graphs=false."""
+    wanted = config.train.cuda_graphs
+    if wanted is False or (wanted is None and not _graphable(config, ctx)):
+        return None
     if ctx.active:
         raise ConfigError(
             f"train.cuda_graphs=true trains in one process; this run has {ctx.world_size} "
@@ -626,7 +636,7 @@ def train(config: RunConfig) -> TrainResult:
     model = wrap_model(core, ctx, config.train.parallel)
     forward = torch.compile(model) if config.train.compile else model
     optimizer = build_optimizer(core, config.optim, exempt)
-    graph = _step_graph(config, ctx, core, forward, micro) if config.train.cuda_graphs else None
+    graph = _step_graph(config, ctx, core, forward, micro)
     state = TrainState(
         config=config,
         ctx=ctx,
