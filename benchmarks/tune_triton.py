@@ -143,20 +143,20 @@ def main() -> None:
         ),
         "state_pass": (
             state_module,
-            # First the defaults (with 16-bit operators, the narrow launch where its walks are
-            # enough), then each setting as given: warps, row block, value columns and pipeline
-            # stages (NUM_STAGES: 16-bit operators only), the narrow launch off; then the
-            # products in the operators' 16-bit dtype (WALK_DOTS, with 16-bit operators only; the
-            # outputs then differ from the first row's by that rounding), at the default launch
-            # and at some of the same settings.
-            [{}] + [dict(NUM_WARPS=w, BLOCK_C=c, BLOCK_V=v, NUM_STAGES=s, NARROW_BLOCK_V=None)
+            # First the defaults (with 16-bit operators, products in their dtype, WALK_DOTS),
+            # then each setting as given with the products widened to float32: warps, row
+            # block, value columns and pipeline stages (NUM_STAGES: 16-bit operators only), the
+            # narrow launch off (their outputs differ from the first row's by the rounding);
+            # then products in 16 bits at the default launch and at some of the same settings.
+            [{}] + [dict(NUM_WARPS=w, BLOCK_C=c, BLOCK_V=v, NUM_STAGES=s, NARROW_BLOCK_V=None,
+                         WALK_DOTS="float32")
                     for w, c, v, s in [(8, 64, 64, 1), (4, 64, 64, 1), (4, 64, 32, 1),
                                        (8, 64, 32, 1), (4, 32, 16, 1), (2, 64, 32, 1),
                                        (2, 32, 16, 1), (8, 64, 64, 2), (8, 64, 64, 3),
                                        (4, 64, 32, 2), (8, 64, 32, 2), (4, 64, 16, 2)]]
             + [{"WALK_DOTS": "operators"}]
             + [dict(NUM_WARPS=w, BLOCK_C=64, BLOCK_V=v, NUM_STAGES=s, NARROW_BLOCK_V=None,
-                    WALK_DOTS="operators")
+                    LOW_DOTS_NUM_WARPS=w, LOW_DOTS_NUM_STAGES=s, WALK_DOTS="operators")
                for w, v, s in [(8, 64, 1), (8, 64, 2), (4, 64, 2), (8, 128, 1), (4, 32, 2),
                                (8, 32, 2)]],
             lambda: state_pass_triton(ops, state, precision),
@@ -174,10 +174,10 @@ def main() -> None:
                                        (2, 16, 4, 64, 8), (2, 16, 1, 64, 8), (3, 16, 2, 64, 8),
                                        (2, 16, 2, 32, 4), (2, 16, 2, 128, 8), (3, 32, 4, 64, 8),
                                        (4, 16, 2, 64, 8), (3, 16, 1, 64, 8)]]
-            # The walks' products in the operators' 16-bit dtype (WALK_DOTS), at the defaults
-            # and with the walk at 32 columns and 4 warps.
-            + [{"WALK_DOTS": "operators"},
-               dict(SPLIT_WALK_BLOCK_V=32, SPLIT_WALK_NUM_WARPS=4, WALK_DOTS="operators")],
+            # The walks' products widened to float32 (WALK_DOTS; 16-bit products are the
+            # default), at the defaults and with the walk at 32 columns and 4 warps.
+            + [{"WALK_DOTS": "float32"},
+               dict(SPLIT_WALK_BLOCK_V=32, SPLIT_WALK_NUM_WARPS=4, WALK_DOTS="float32")],
             lambda: state_pass_split_triton(ops, state, precision),
             lambda: state_pass_split_triton_backward(ops, d_out, state, precision),
         ),
