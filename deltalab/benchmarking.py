@@ -305,9 +305,16 @@ def add_delta_rule_options(parser: argparse.ArgumentParser) -> None:
         "--walk-dots",
         choices=["float32", "operators"],
         default=None,
-        help="the products of the Triton delta rule's fused walks with 16-bit operators: "
+        help="the products of the Triton delta rule's walks with 16-bit operators: "
         "widened to float32 or in the operators' dtype (triton/chunk.py WALK_DOTS; default: "
         "its own)",
+    )
+    parser.add_argument(
+        "--intra-dots",
+        choices=["float32", "inputs"],
+        default=None,
+        help="the products of the Triton delta rule's stage 1 with 16-bit inputs: widened to "
+        "float32 or in the inputs' dtype (triton/intra.py INTRA_DOTS; default: its own)",
     )
     parser.add_argument(
         "--keep-inputs",
@@ -331,10 +338,12 @@ def apply_delta_rule_options(args: argparse.Namespace) -> None:
 
     projections.PROJECT_TOGETHER = not args.project_separately
     _recompute.REBUILD_IN_BACKWARD = not args.keep_inputs
-    triton_switches = (args.state_pass, args.operator_dtype, args.walk_dots)
+    triton_switches = (args.state_pass, args.operator_dtype, args.walk_dots, args.intra_dots)
     if all(switch is None for switch in triton_switches) and not args.keep_states:
         return
-    from deltalab.ops.delta_rule.triton import chunk
+    from deltalab.ops.delta_rule.triton import chunk, intra
+
+    intra.INTRA_DOTS = args.intra_dots or intra.INTRA_DOTS
 
     chunk.STATE_PASS = args.state_pass or chunk.STATE_PASS
     chunk.RECOMPUTE_STATES = chunk.RECOMPUTE_STATES and not args.keep_states

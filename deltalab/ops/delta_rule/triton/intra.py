@@ -85,6 +85,40 @@ LAUNCH = {"num_warps": 4, "num_stages": 1}
 # 2 and 1.856 at 128 with 1.
 INTRA_LAUNCH = {"num_warps": 1, "num_stages": 1}
 INTRA_BLOCK_KD = 64
+# The products of stage 1, forward and adjoint, with 16-bit inputs: "float32" (the default)
+# widens every operand to float32 (TF32 products); "inputs" rounds each operand to the inputs'
+# dtype (the decay-scaled q, a and b, and dL and dM in the adjoint) for 16-bit products with
+# float32 accumulators, as the state pass's walks do by default (`chunk.WALK_DOTS`). Every
+# operand but the factored diagonal's is a 16-bit input times a factor <= 1, which bf16 and fp16
+# both hold (small factors underflow towards zero, as their terms' weight in the sum does).
+# The factored diagonal's factors reach exp(BOUND / 2): e^40 at DIAGONAL_FACTOR_BOUND, which
+# bf16 holds (float32's exponent range) and fp16 (largest 65504 ~ e^11) does not, so with fp16
+# products the diagonal is factored only below FP16_FACTOR_BOUND (factors <= e^8 ~ 3e3) and
+# walked exactly above it. Compiled for sm_90 (Triton 3.9, K = 128, chunk 64, bf16 inputs, its
+# launch), bytes spilled a thread and shared memory, widened against 16-bit products: forward
+# 64 / 24 KiB against 32 / 12 KiB, adjoint 704 / 14 KiB against 704 / 7 KiB. An experiment,
+# not yet timed on the GPU (stage 1 is the forward's largest kernel once the walks multiply
+# in 16 bits; suite part intradots).
+INTRA_DOTS = "float32"
+INTRA_DOTS_CHOICES = ("float32", "inputs")
+FP16_FACTOR_BOUND = 16.0
+
+
+def intra_low_dots(inputs: torch.dtype) -> bool:
+    """Whether stage 1 multiplies in its inputs' 16-bit dtype (`INTRA_DOTS`)."""
+    if INTRA_DOTS not in INTRA_DOTS_CHOICES:
+        raise ValueError(
+            f"INTRA_DOTS must be one of {list(INTRA_DOTS_CHOICES)}, got {INTRA_DOTS!r}"
+        )
+    return INTRA_DOTS == "inputs" and inputs.itemsize == 2
+
+
+def factor_bound_for(inputs: torch.dtype, bound: float) -> float:
+    """The factored diagonal's bound for inputs of this dtype: `bound`, or at most
+    FP16_FACTOR_BOUND where fp16 products would hold its factors (`INTRA_DOTS`)."""
+    if intra_low_dots(inputs) and inputs == torch.float16:
+        return min(bound, FP16_FACTOR_BOUND)
+    return bound
 
 
 def chunk_count(x: torch.Tensor) -> int:
@@ -160,6 +194,15 @@ def key_block(key_dim: int) -> int:
     """K padded to a power of two of at least 16 (tl.dot needs an inner dimension of 8 or more
     on NVIDIA GPUs; 16 fills a tensor-core tile). The padded channels are masked to zero."""
     return max(16, triton.next_power_of_2(key_dim))
+
+
+@triton.jit
+def _low(x, like, LOW_DOTS: tl.constexpr):
+    """x as a product's operand: rounded to the dtype `like` points to with LOW_DOTS (16-bit
+    products, float32 accumulators), else as it is (float32: TF32 or IEEE products)."""
+    if LOW_DOTS:
+        x = x.to(like.dtype.element_ty)
+    return x
 
 
 @triton.jit
@@ -249,7 +292,7 @@ def _column_factor(g, cols, rt, rk, mk, between, grs, gcs, valid, BT: tl.constex
 def _intra_fwd(
     q, a, b, g, lower, attend, n_chunks, H, T, CS, scale,
     K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, G_HEAD: tl.constexpr,
-    PRECISION: tl.constexpr, BOUND: tl.constexpr,
+    PRECISION: tl.constexpr, BOUND: tl.constexpr, LOW_DOTS: tl.constexpr,
 ):  # fmt: skip
     """Row sub-block i = program_id(1) of L and M: its blocks left of, on and right of (zeros)
     the diagonal. One program per sub-block rather than per chunk: four times the programs,
@@ -270,22 +313,23 @@ def _intra_fwd(
     tile = rt[:, None] * C + rt[None, :]
     cum = tl.cumsum(_load_rows(g, rows + rt, grs, rk, gcs, valid, mk), axis=0)
     row_f = tl.exp(cum)
-    b_i = _load_rows(b, rows + rt, rs, rk, 1, valid, mk) * row_f
-    q_i = _load_rows(q, rows + rt, rs, rk, 1, valid, mk) * (row_f * scale)
+    b_i = _low(_load_rows(b, rows + rt, rs, rk, 1, valid, mk) * row_f, q, LOW_DOTS)
+    q_i = _low(_load_rows(q, rows + rt, rs, rk, 1, valid, mk) * (row_f * scale), q, LOW_DOTS)
     between = tl.zeros([BK], dtype=tl.float32)
     for jj in range(i):
         cols = (i - 1 - jj) * BT
         a_j = _load_rows(a, cols + rt, rs, rk, 1, valid, mk)
-        a_j *= _column_factor(g, cols, rt, rk, mk, between, grs, gcs, valid, BT)
+        a_j = _low(a_j * _column_factor(g, cols, rt, rk, mk, between, grs, gcs, valid, BT), q,
+                   LOW_DOTS)  # fmt: skip
         tl.store(lower + cols + tile, tl.dot(b_i, tl.trans(a_j), input_precision=PRECISION))
         m_ij = tl.dot(q_i, tl.trans(a_j), input_precision=PRECISION)
         tl.store(attend + cols + tile, m_ij.to(attend.dtype.element_ty))
         between += tl.sum(_load_rows(g, cols + rt, grs, rk, gcs, valid, mk), axis=0)
     if tl.max(tl.abs(cum)) < BOUND:  # mild decays: the factored diagonal (docstring)
         up, down = _midpoint_factors(cum)
-        a_i = _load_rows(a, rows + rt, rs, rk, 1, valid, mk) * down
-        b_d = _load_rows(b, rows + rt, rs, rk, 1, valid, mk) * up
-        q_d = _load_rows(q, rows + rt, rs, rk, 1, valid, mk) * (up * scale)
+        a_i = _low(_load_rows(a, rows + rt, rs, rk, 1, valid, mk) * down, q, LOW_DOTS)
+        b_d = _low(_load_rows(b, rows + rt, rs, rk, 1, valid, mk) * up, q, LOW_DOTS)
+        q_d = _low(_load_rows(q, rows + rt, rs, rk, 1, valid, mk) * (up * scale), q, LOW_DOTS)
         l_ii = tl.dot(b_d, tl.trans(a_i), input_precision=PRECISION)
         m_ii = tl.dot(q_d, tl.trans(a_i), input_precision=PRECISION)
         tl.store(lower + rows + tile, tl.where(rt[:, None] > rt[None, :], l_ii, 0.0))
@@ -304,7 +348,7 @@ def _intra_fwd(
 def _intra_bwd(
     q, a, b, g, d_lower, d_attend, dq, da, db, n_chunks, H, T, CS, scale,
     K: tl.constexpr, C: tl.constexpr, BKD: tl.constexpr, BT: tl.constexpr, G_HEAD: tl.constexpr,
-    PRECISION: tl.constexpr, BOUND: tl.constexpr,
+    PRECISION: tl.constexpr, BOUND: tl.constexpr, LOW_DOTS: tl.constexpr,
 ):  # fmt: skip
     """dq, da, db [chunks, C, K] float32, chunked (what `_factors_bwd` adds its share to), of
     sub-block i = program_id(2) and channels program_id(1): dq, db of its rows (columns s <= t)
@@ -334,19 +378,23 @@ def _intra_bwd(
     for jj in range(i):
         cols = (i - 1 - jj) * BT
         a_j = _load_rows(a, cols + rt, rs, rkd, 1, valid, mkd)
-        a_j *= _column_factor(g, cols, rt, rkd, mkd, between, grs, gcs, valid, BT)
-        acc_q += tl.dot(tl.load(d_attend + rows * C + cols + tile), a_j, input_precision=PRECISION)
-        acc_b += tl.dot(tl.load(d_lower + rows * C + cols + tile), a_j, input_precision=PRECISION)
+        a_j = _low(a_j * _column_factor(g, cols, rt, rkd, mkd, between, grs, gcs, valid, BT), q,
+                   LOW_DOTS)  # fmt: skip
+        dm = _low(tl.load(d_attend + rows * C + cols + tile), q, LOW_DOTS)
+        dl = _low(tl.load(d_lower + rows * C + cols + tile), q, LOW_DOTS)
+        acc_q += tl.dot(dm, a_j, input_precision=PRECISION)
+        acc_b += tl.dot(dl, a_j, input_precision=PRECISION)
         between += tl.sum(_load_rows(g, cols + rt, grs, rkd, gcs, valid, mkd), axis=0)
     # The diagonal block: its share of all three.
     if tl.max(tl.abs(cum)) < BOUND:  # mild decays: the factored diagonal (docstring)
         up, down = _midpoint_factors(cum)
-        a_i = _load_rows(a, rows + rt, rs, rkd, 1, valid, mkd) * down
-        q_i = _load_rows(q, rows + rt, rs, rkd, 1, valid, mkd) * (up * scale)
-        b_i = _load_rows(b, rows + rt, rs, rkd, 1, valid, mkd) * up
+        a_i = _low(_load_rows(a, rows + rt, rs, rkd, 1, valid, mkd) * down, q, LOW_DOTS)
+        q_i = _low(_load_rows(q, rows + rt, rs, rkd, 1, valid, mkd) * (up * scale), q, LOW_DOTS)
+        b_i = _low(_load_rows(b, rows + rt, rs, rkd, 1, valid, mkd) * up, q, LOW_DOTS)
         d_diag = rows * C + rows + tile
         dm = tl.where(rt[:, None] >= rt[None, :], tl.load(d_attend + d_diag), 0.0)
         dl = tl.where(rt[:, None] > rt[None, :], tl.load(d_lower + d_diag), 0.0)
+        dm, dl = _low(dm, q, LOW_DOTS), _low(dl, q, LOW_DOTS)
         acc_a = tl.dot(tl.trans(dm), q_i, input_precision=PRECISION)
         acc_a += tl.dot(tl.trans(dl), b_i, input_precision=PRECISION)
         acc_a *= down
@@ -366,8 +414,9 @@ def _intra_bwd(
         later_f = tl.exp(tl.cumsum(g_r, axis=0))
         q_r = _load_rows(q, later + rt, rs, rkd, 1, valid, mkd) * (later_f * scale)
         b_r = _load_rows(b, later + rt, rs, rkd, 1, valid, mkd) * later_f
-        dm = tl.load(d_attend + later * C + rows + tile)
-        dl = tl.load(d_lower + later * C + rows + tile)
+        q_r, b_r = _low(q_r, q, LOW_DOTS), _low(b_r, q, LOW_DOTS)
+        dm = _low(tl.load(d_attend + later * C + rows + tile), q, LOW_DOTS)
+        dl = _low(tl.load(d_lower + later * C + rows + tile), q, LOW_DOTS)
         part = tl.dot(tl.trans(dm), q_r, input_precision=PRECISION)
         part += tl.dot(tl.trans(dl), b_r, input_precision=PRECISION)
         acc_a += part * tl.exp(tail + between[None, :])
@@ -402,7 +451,8 @@ def intra_triton(q, a, b, g, precision: str = "ieee", tokens: Tokens | None = No
     _intra_fwd[(chunks, size // SUB_BLOCK)](
         q, a, b, g, lower, attend, *tokens.args(), scale, K=key_dim, C=size,
         BK=key_block(key_dim), BT=SUB_BLOCK, G_HEAD=_g_head(q, g), PRECISION=precision,
-        BOUND=factor_bound, **INTRA_LAUNCH,
+        BOUND=factor_bound_for(q.dtype, factor_bound), LOW_DOTS=intra_low_dots(q.dtype),
+        **INTRA_LAUNCH,
     )  # fmt: skip
     # Chunked inputs: their own leading shape. (Not told by one chunk of one head: token-major
     # inputs of one head and T <= C are that too, and were reshaped as chunks.)
@@ -427,7 +477,8 @@ def intra_triton_backward(q, a, b, g, d_lower, d_attend, precision: str = "ieee"
     _intra_bwd[(chunks, triton.cdiv(key_dim, block_kd), size // SUB_BLOCK)](
         q, a, b, g, d_lower, d_attend, dq, da, db, *tokens.args(), scale, K=key_dim, C=size,
         BKD=block_kd, BT=SUB_BLOCK, G_HEAD=_g_head(q, g), PRECISION=precision,
-        BOUND=factor_bound, **INTRA_LAUNCH,
+        BOUND=factor_bound_for(q.dtype, factor_bound), LOW_DOTS=intra_low_dots(q.dtype),
+        **INTRA_LAUNCH,
     )  # fmt: skip
     return dq, da, db
 
