@@ -64,7 +64,8 @@ def main() -> None:
         "--cuda-graphs",
         choices=list(MODES),
         default="off",
-        help="train.cuda_graphs: off, on, or both (each mixer graphed, then eager)",
+        help="train.cuda_graphs: off (eager steps, the default here; the trainer's own default "
+        "graphs single-GPU runs), on, or both (each mixer graphed, then eager)",
     )
     add_delta_rule_options(parser)
     args = parser.parse_args()

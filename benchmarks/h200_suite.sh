@@ -3,14 +3,14 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck graphs_on graphs_on16k
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck graphs_on graphs_on16k intradots
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
 # and they are installed first. Budget the call: time_fla 300 s (the time part at the 4K shape
 # alone; on 2026-12-01 fla's autotuning of chunk_gdn2 ran past it, after chunk_kda's row), time_fla_kda 260 s (the same without fla's chunk_gdn2), time_fla_gdn2 420 s (the GDN-2 form
 # against fla's chunk_gdn2 alone, with room for its autotuning), prof_ours 60 s (prof without fla's autotuning),
-# tune_stage12 120 s (stage 1's and the solve's launches at the 340M heads), tests 240 s (the delta rule's kernels and
+# tune_stage12 120 s (stage 1's and the solve's launches at the 340M heads), tests 360 s (on 2026-12-02, fifteenth session, 240 s ran 106 of its 110 tests; the delta rule's kernels and
 # tests/test_cuda.py: on 2026-12-01 both passed inside the limit, and 21 tests of the layers'
 # file after them), kernel_tests 150 s (the layers
 # on Triton and the fused KDN gain; with tests, every Triton test file but the small ops'), time 300 s,
@@ -68,10 +68,12 @@
 # a CUDA graph: kernel and wall time), walkdots 300 s (the op's errors against float64 and its
 # times at B=4 T=4096 H=16 with the fused walks' products widened to float32 and in the
 # operators' bf16, triton/chunk.py WALK_DOTS), walkdots_tune 240 s (the state pass's launch
-# sweep at H=16 and H=8, its WALK_DOTS rows among them), dotscheck 150 s (the op's errors
-# against float64 with the walks' products in the operators' dtype, chunks 64 and 128: walkdots
-# ran past its limit in its timing on 2026-12-02, before this check's half), graphs_on 200 s
-# and graphs_on16k 150 s (graphs_train's and graphs_train16k's rows graphed only).
+# sweep at H=16 and H=8, its WALK_DOTS rows among them), dotscheck 300 s (the op's errors
+# against float64 with the walks' products in the operators' dtype, chunks of 64: at 150 s and
+# chunks of 64 and 128 it ran past its limit on 2026-12-02), graphs_on 200 s
+# and graphs_on16k 150 s (graphs_train's and graphs_train16k's rows graphed only), intradots
+# 300 s (stage 1's launch sweep at H=16 with its products in the inputs' bf16, triton/intra.py
+# INTRA_DOTS, then the GDN-2 form's times with them widened and in bf16).
 set -u
 # The device returns at most 8 files: parts write under a work folder, and after every part the
 # whole of it is packed into $OUT/suite.tgz (so a call cut off still returns what finished).
@@ -110,7 +112,7 @@ export -f train_pair
 
 for p in "${parts[@]}"; do
     case $p in
-    tests) part tests 240 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
+    tests) part tests 360 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
         tests/test_delta_rule_triton.py tests/test_cuda.py -k "not trains and not graphed_training" ;;
     kernel_tests) part kernel_tests 150 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
         tests/test_layers_triton.py tests/test_kdn_triton.py ;;
@@ -189,8 +191,13 @@ for p in "${parts[@]}"; do
     walkdots) part walkdots 300 bash -c "for dots in float32 operators; do python3 \
         benchmarks/bench_triton.py --parts check time --chunk-sizes 64 --shapes 4x4096x16x128 \
         --walk-dots \$dots --out \"$OUT/walkdots_\$dots.json\"; done" ;;
-    dotscheck) part dotscheck 150 python3 benchmarks/bench_triton.py --parts check \
-        --chunk-sizes 64 128 --walk-dots operators --out "$OUT/dotscheck.json" ;;
+    dotscheck) part dotscheck 300 python3 benchmarks/bench_triton.py --parts check \
+        --chunk-sizes 64 --walk-dots operators --out "$OUT/dotscheck.json" ;;
+    intradots) part intradots 300 bash -c "python3 benchmarks/tune_triton.py \
+        --shape 4x4096x16x128 --stages intra --out \"$OUT/intradots16.json\" && \
+        for dots in float32 inputs; do python3 benchmarks/bench_triton.py --parts time \
+        --chunk-sizes 64 --shapes 4x4096x16x128 --only gdn2_c64 --intra-dots \$dots \
+        --out \"$OUT/intradots_\$dots.json\"; done" ;;
     walkdots_tune) part walkdots_tune 240 bash -c "python3 benchmarks/tune_triton.py \
         --shape 4x4096x16x128 --stages state_pass --out \"$OUT/walkdots16.json\" && \
         python3 benchmarks/tune_triton.py --shape 4x4096x8x128 --stages state_pass \

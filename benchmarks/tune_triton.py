@@ -7,9 +7,10 @@
 For each stage kernel (stage 1 forward/backward, the decay factors, the solve and dL, the state
 pass forward/backward, the operator gradients) and each candidate setting (tile sizes, warps,
 pipeline stages), the median ms on the issue's 4K shape (KDA form, bf16 inputs read in place,
-TF32 products) and the largest difference of its outputs from the first setting's, relative to
-each output's largest element, over the elements a kernel writes (the settings change tiling,
-not the math). Each stage's first setting is its module's default, chosen from these sweeps on
+the products as the defaults take them: TF32, but bf16 in the state pass's walks) and the
+largest difference of its outputs from the first setting's, relative to each output's largest
+element, over the elements a kernel writes (most settings change tiling, not the math; the
+rows that set WALK_DOTS or INTRA_DOTS change the products' precision and differ by it). Each stage's first setting is its module's default, chosen from these sweeps on
 an H200 (docs/RESULTS.md; where a faster setting is not the default, the module's comment says
 why). On CPU (under the interpreter) it only proves the settings run.
 """
@@ -115,8 +116,12 @@ def main() -> None:
     cases = {
         "intra": (
             intra_module,
+            # The launches, then the products in the inputs' 16-bit dtype (INTRA_DOTS: the
+            # outputs then differ from the first row's by that rounding) at some of them.
             [dict(INTRA_BLOCK_KD=k, INTRA_LAUNCH=launch)
-             for k in (64, 128, 32) for launch in warps(1, 2, 4)],
+             for k in (64, 128, 32) for launch in warps(1, 2, 4)]
+            + [dict(INTRA_BLOCK_KD=k, INTRA_LAUNCH=launch, INTRA_DOTS="inputs")
+               for k in (64, 128) for launch in warps(1, 2)],
             lambda: intra_module.intra_triton(q, a, b, g, precision, tokens),
             lambda: intra_module.intra_triton_backward(
                 q, a, b, g, d_lower, d_attend, precision, tokens
@@ -147,14 +152,15 @@ def main() -> None:
             # then each setting as given with the products widened to float32: warps, row
             # block, value columns and pipeline stages (NUM_STAGES: 16-bit operators only), the
             # narrow launch off (their outputs differ from the first row's by the rounding);
-            # then products in 16 bits at the default launch and at some of the same settings.
+            # then the widened products at their default launch, and 16-bit products at some of
+            # the same settings.
             [{}] + [dict(NUM_WARPS=w, BLOCK_C=c, BLOCK_V=v, NUM_STAGES=s, NARROW_BLOCK_V=None,
                          WALK_DOTS="float32")
                     for w, c, v, s in [(8, 64, 64, 1), (4, 64, 64, 1), (4, 64, 32, 1),
                                        (8, 64, 32, 1), (4, 32, 16, 1), (2, 64, 32, 1),
                                        (2, 32, 16, 1), (8, 64, 64, 2), (8, 64, 64, 3),
                                        (4, 64, 32, 2), (8, 64, 32, 2), (4, 64, 16, 2)]]
-            + [{"WALK_DOTS": "operators"}]
+            + [{"WALK_DOTS": "float32"}]  # the widened products at their own default launch
             + [dict(NUM_WARPS=w, BLOCK_C=64, BLOCK_V=v, NUM_STAGES=s, NARROW_BLOCK_V=None,
                     LOW_DOTS_NUM_WARPS=w, LOW_DOTS_NUM_STAGES=s, WALK_DOTS="operators")
                for w, v, s in [(8, 64, 1), (8, 64, 2), (4, 64, 2), (8, 128, 1), (4, 32, 2),

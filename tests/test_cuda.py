@@ -295,8 +295,9 @@ GRAPHED_RUNS = [(mixer, ()) for mixer in MIXER_KINDS] + [
 def test_cuda_graphed_training_follows_the_eager_loss_curve(tmp_path, capsys, mixer, extra):
     """`deltalab train` on the GPU (Triton kernels, bf16 autocast) with train.cuda_graphs at
     its default, every mixer, and GDN-2 with its blocks or FFN branches recomputed and with
-    accumulation: the step records without reading anything back and its replays follow the eager run's losses (train.cuda_graphs=false; the kernels are the
-    same, cuBLAS may pick other algorithms inside a capture)."""
+    accumulation: the step records without reading anything back, and its replays follow the
+    losses of the eager run (train.cuda_graphs=false; the kernels are the same, cuBLAS may pick
+    other algorithms inside a capture)."""
     from test_train import make_corpus, run_config
 
     corpus = make_corpus(tmp_path / "corpus")

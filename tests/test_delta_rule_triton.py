@@ -509,7 +509,7 @@ def test_triton_each_state_pass_matches_float64_loop_with_every_gradient(
             marks=pytest.mark.skipif(DEVICE != "cuda", reason="bfloat16 kernels: CUDA only"),
         ),
     ],
-    ids=["fp32", "bf16-tf32"],
+    ids=["fp32", "bf16"],
 )
 @pytest.mark.parametrize("every", [2, 8], ids=["segments-of-2-and-1", "one-segment"])
 @pytest.mark.parametrize("state_pass", ["split", "fused"])
@@ -519,8 +519,8 @@ def test_triton_backward_walking_the_states_again_keeps_less_and_gives_the_same_
     """With RECOMPUTE_STATES the forward keeps the chunk-start states of every `every`-th chunk
     instead of all of them and the residuals (float32 [B, H, n, K, V] and [B, H, n, C, V]), and
     the backward's second walk (3 chunks: segments of 2 and 1 walked at once, or one segment)
-    gives every gradient bit for bit (on the GPU also with bf16 inputs, whose products are TF32,
-    the precision of training)."""
+    gives every gradient bit for bit (on the GPU also with bf16 inputs, the precision of
+    training)."""
     from deltalab.ops.delta_rule.triton import chunk as state_module
 
     monkeypatch.setattr(state_module, "STATE_PASS", state_pass)
@@ -582,7 +582,7 @@ def test_auto_state_pass_takes_the_fused_pass_from_its_program_threshold(
     ids=["fp16-few-walks", "fp16-enough-walks", "fp16-widened-few-walks",
          "fp16-widened-enough-walks", "fp32-few-walks", "fp32-enough-walks"],
 )  # fmt: skip
-def test_auto_takes_the_narrow_fused_launch_where_16bit_operators_make_its_walks_enough(
+def test_auto_takes_the_fused_launch_its_walks_earn_and_every_walk_of_the_op_takes_it(
     generator, monkeypatch, dtype, walk_dots, threshold, chosen
 ):
     """With 16-bit chunk operators, "auto" runs the fused pass at the launch its walks' count
@@ -598,6 +598,9 @@ def test_auto_takes_the_narrow_fused_launch_where_16bit_operators_make_its_walks
 
     monkeypatch.setattr(state_module, "WALK_DOTS", walk_dots)
     monkeypatch.setattr(state_module, "LOW_DOTS_NUM_WARPS", 1)
+    # The backward's walk from every chunk's start: 3 segments at once, 3x the forward's walks,
+    # yet the forward's launch (a launch chosen by its own count would pass the thresholds).
+    monkeypatch.setattr(state_module, "CHECKPOINT_EVERY", 1)
 
     recorded = _recorded_launches(monkeypatch, state_module, (
         "_state_pass_fwd", "_state_pass_bwd", "_state_pass_split_fwd", "_state_pass_split_bwd",
@@ -654,6 +657,64 @@ def test_16bit_products_in_the_walks_keep_every_result_within_the_16bit_bound(
     with pytest.raises(ValueError, match="WALK_DOTS must be one of"):
         monkeypatch.setattr(state_module, "WALK_DOTS", "bf16")
         state_module.low_dots(torch.bfloat16)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="bfloat16 kernels: CUDA only")
+@pytest.mark.parametrize("launch", ["wide", "narrow", "split"])
+def test_bf16_walks_stay_within_the_bf16_bound_of_the_loop(generator, monkeypatch, launch):
+    """bf16 inputs as training gives them, the walks' products in bf16 (WALK_DOTS, the
+    default), at each launch "auto" may take (the fused pass at BLOCK_V columns, at the narrow
+    launch, the split pass: chosen here by the walk threshold), K = V = 128 as the presets
+    have, strong and weak decays over 5 chunks: the output, the final state and every gradient
+    within the bf16 bound of the float64 loop (the interpreter checks fp16 the same way)."""
+    from deltalab.ops.delta_rule.triton import chunk as state_module
+
+    recorded = _recorded_launches(monkeypatch, state_module, (
+        "_state_pass_fwd", "_state_pass_bwd", "_state_pass_split_fwd", "_state_pass_split_bwd",
+    ))  # fmt: skip
+    batch, heads = 2, 3
+    threshold = {"wide": 2, "narrow": 4, "split": 5}[launch] * batch * heads
+    monkeypatch.setattr(state_module, "FUSED_PASS_MIN_PROGRAMS", threshold)
+    inputs = random_delta_inputs(generator, batch, 300, heads, 128, 128, channel_decay=True,
+                                 min_log_decay=-2.0)  # fmt: skip
+    state = torch.randn(batch, heads, 128, 128, generator=generator, dtype=torch.float64)
+    _compare_at(inputs, state, torch.bfloat16, chunk_size=64)
+    taken = {(name, kwargs.get("BV"), kwargs["LOW_DOTS"]) for name, _, kwargs in recorded}
+    if launch == "split":
+        assert {name for name, _, _ in taken} == {"_state_pass_split_fwd", "_state_pass_split_bwd"}
+    else:
+        bv = {"wide": state_module.BLOCK_V, "narrow": state_module.NARROW_BLOCK_V}[launch]
+        assert taken == {("_state_pass_fwd", bv, True), ("_state_pass_bwd", bv, True)}
+
+
+@pytest.mark.parametrize("min_log_decay", [-0.5, -3.0], ids=["factored", "walked"])
+def test_16bit_products_in_stage_1_keep_every_result_within_the_16bit_bound(
+    generator, monkeypatch, min_log_decay
+):
+    """INTRA_DOTS "inputs": stage 1, forward (and its recomputation) and adjoint, multiplies
+    the decay-scaled inputs and dL, dM rounded to the inputs' 16-bit dtype (LOW_DOTS reaches
+    both kernels, and with fp16 the factored diagonal's bound drops to FP16_FACTOR_BOUND, whose
+    factors fp16 holds); the output, the final state and every gradient stay within the 16-bit
+    bound of the float64 loop, with mild decays (diagonal sub-blocks factored) and strong ones
+    (sub-blocks of 16 tokens reaching a cumulative log decay of ~24: walked), over two
+    sub-blocks per chunk (the products left of the diagonal and, in the adjoint, below it)."""
+    from deltalab.ops.delta_rule.triton import intra
+
+    recorded = _recorded_launches(monkeypatch, intra, ("_intra_fwd", "_intra_bwd"))
+    monkeypatch.setattr(intra, "INTRA_DOTS", "inputs")
+    inputs = random_delta_inputs(generator, 1, 45, 2, 16, 32, channel_decay=True,
+                                 min_log_decay=min_log_decay)  # fmt: skip
+    state = torch.randn(1, 2, 16, 32, generator=generator, dtype=torch.float64)
+    _compare_at(inputs, state, torch.float16, chunk_size=32)
+    launched = {(name, kwargs["LOW_DOTS"], kwargs["BOUND"]) for name, _, kwargs in recorded}
+    assert launched == {
+        (name, True, intra.FP16_FACTOR_BOUND) for name in ("_intra_fwd", "_intra_bwd")
+    }
+    assert intra.factor_bound_for(torch.bfloat16, 80.0) == 80.0
+    assert not intra.intra_low_dots(torch.float32)
+    with pytest.raises(ValueError, match="INTRA_DOTS must be one of"):
+        monkeypatch.setattr(intra, "INTRA_DOTS", "bf16")
+        intra.intra_low_dots(torch.bfloat16)
 
 
 @pytest.mark.parametrize("state_pass", ["split", "fused"])

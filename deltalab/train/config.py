@@ -348,7 +348,9 @@ class TrainSection(_Section):
         CUDA graph and replay it at every later step: the host queues a step with one call
         instead of one per operation. null (the default): wherever it can run, a single-process
         CUDA run without compile; true: always (one process, not with compile; without CUDA
-        the passes run eagerly); false: never. A recording that fails stops the run.
+        the passes run eagerly); false: never. A recording that fails stops the run. Replayed
+        steps read no value back: the ops' checks of their inputs run in the two eager steps
+        only, and non-finite values show in the loss and gradient norm (train.nan_policy).
     seed: seed of initialization and data order, >= 0.
     nan_policy: on a non-finite loss, "stop" the run or "skip" the step.
     parallel: multi-GPU strategy, "ddp" or "fsdp".

@@ -29,9 +29,10 @@ the outputs, attend^T dO and read^T dO to kernels parallel over chunks; the comm
 `_state_pass_split_fwd` says why that is exact and what it costs in memory traffic.
 
 Precision: S and every accumulator are float32. The operators arrive in the inputs' dtype when
-those are 16-bit (`OPERATOR_DTYPE = "inputs"`, the default), else in float32, and are read into
-float32. With float32 operators the products run in IEEE float32 (TF32 would cost ~1e-3
-relative error); no exponential is taken here, the decays arrive as factors <= 1 from the
+those are 16-bit (`OPERATOR_DTYPE = "inputs"`, the default), else in float32. 16-bit operators
+are multiplied as stored, the state and the other operands rounded to their dtype for each
+product (`WALK_DOTS = "operators"`, the default; "float32" widens them to TF32 products). With
+float32 operators the products run in IEEE float32 (TF32 would cost ~1e-3 relative error); no exponential is taken here, the decays arrive as factors <= 1 from the
 stable stage 1.
 """
 
@@ -78,11 +79,13 @@ NUM_WARPS = 8
 # (docs/RESULTS.md, twelfth session). 16-bit operators (`OPERATOR_DTYPE`) halve the operator
 # tiles; compiled for sm_90 (Triton 3.9, BV 64, 8 warps), forward / backward at chunk 64 take
 # 64 / 64 KiB with 1 stage, 64 / 128 with 2, 64 / 160 with 3 (chunk 128: 64 / 64, 84 / 80,
-# 100 / 96; tests/test_triton_compile.py checks 2 and 3 fit). It stays 1 at BLOCK_V: 2 stages
-# at BV 64 were slower backward on the H200 (below), and where the fused walks make enough
-# programs the narrow launch below is faster than either.
+# 100 / 96; tests/test_triton_compile.py checks 2 and 3 fit). With the products widened
+# (`WALK_DOTS` "float32") it stays 1 at BLOCK_V: 2 stages at BV 64 were slower backward on the
+# H200 (below), and where the fused walks make enough programs the narrow launch below is
+# faster than either; 16-bit products take LOW_DOTS_NUM_STAGES instead.
 NUM_STAGES = 1
-# The fused walks with 16-bit operators (K <= 128): NARROW_BLOCK_V columns, NARROW_NUM_STAGES
+# The fused walks with 16-bit operators (K <= 128) and widened products (with 16-bit products,
+# see LOW_DOTS_NUM_WARPS below): NARROW_BLOCK_V columns, NARROW_NUM_STAGES
 # stages and NARROW_NUM_WARPS warps wherever that makes FUSED_PASS_MIN_PROGRAMS walks (else
 # BLOCK_V's launch or the split pass; NARROW_BLOCK_V None: never). Half the columns double the
 # walks, and the pipeline hides the operator loads of each chunk behind the products of the one
@@ -542,21 +545,26 @@ def _operator_grads_kernel(
 
 # The products of the walks (fused: `_state_pass_fwd`, `_state_pass_bwd`; split: their split
 # counterparts) with 16-bit operators:
-# "float32" (the default) widens every operand to float32 (TF32 products, as for float32
-# operators); "operators" multiplies the operators as stored, in their 16-bit dtype, with the
+# "float32" widens every operand to float32 (TF32 products, as for float32 operators);
+# "operators" (the default) multiplies the operators as stored, in their 16-bit dtype, with the
 # state, the residuals, dS, dN and dO rounded to it at each product (the state itself and every
 # accumulator stay float32), as fla's kernels do. 16-bit products halve the operand registers
 # and run at twice TF32's rate on Hopper. Compiled for sm_90 (Triton 3.9, K = V = 128, chunk
 # 64, bf16 operators), bytes spilled a thread, forward / adjoint walk, "float32" against
 # "operators": the narrow launch 192 / 144 against 0 / 0, BV 64 with 8 warps and 1 stage
 # 352 / 0 against 0 / 0 (shared memory 64 -> 40 KiB); tests/test_triton_compile.py keeps
-# "operators" spill-free. On the H200 the walks took 0.59 instead of 1.04 ms a layer at H=16
-# and 0.39 instead of 0.71 at H=8 (forward and backward, their fastest launches, see
-# LOW_DOTS_NUM_WARPS). The state stays float32 and only its copy for each product is rounded
+# "operators" spill-free (but 40 and 24 bytes at chunks of 128, see there). On the H200 the walks took
+# 0.59 instead of 1.04 ms a layer at H=16 and 0.39 instead of 0.71 at H=8 (forward and
+# backward, the new launches against the widened defaults then, see LOW_DOTS_NUM_WARPS). The state stays float32 and only its copy for each product is rounded
 # (bf16 keeps 8 bits against TF32's 11), so the rounding does not compound from chunk to
 # chunk: each chunk's products carry a relative error of about 2^-9, as every other bf16
-# product of the layer does; tests/test_cuda.py holds the op to the bf16 bound of the float64
-# loop with it, and fp16 under the interpreter to the fp16 bound.
+# product of the layer does. Checked against the float64 loop: fp16 under the interpreter within
+# the fp16 bound (tests/test_delta_rule_triton.py), bf16 on the GPU by
+# tests/test_delta_rule_triton.py::test_bf16_walks_stay_within_the_bf16_bound_of_the_loop (written
+# after the fifteenth session's GPU time ran out: not yet run). The H200 runs' outputs with
+# bf16 products differed from widened ones by at most 2.7e-3 (`tune_triton.py`). With fp16
+# operators the rounded adjoints (dS, dN, dO) must also fit fp16's range (65504), as under a
+# loss scale they may not: set "float32" for fp16 training with large loss scales.
 WALK_DOTS = "operators"
 WALK_DOTS_CHOICES = ("float32", "operators")
 
@@ -571,7 +579,10 @@ def low_dots(operators: torch.dtype) -> bool:
 def _launch(value_dim: int, programs: int, size: int, key_dim: int, precision: str,
             operators: torch.dtype = torch.float32):  # fmt: skip
     """Grid and the shape constants shared by both kernels; `operators`: the dtype the chunk
-    operators are stored in (16-bit ones take `NUM_STAGES`, or the narrow launch)."""
+    operators are stored in (16-bit ones take a pipelined launch: with 16-bit products
+    LOW_DOTS_NUM_WARPS and LOW_DOTS_NUM_STAGES at BLOCK_V where its walks are enough, else the
+    narrow launch where its own are; widened, the narrow launch where its walks are enough,
+    else NUM_STAGES at BLOCK_V)."""
     block_v = BLOCK_V if key_dim <= 128 else BLOCK_V_WIDE_K
     pipelined = operators.itemsize == 2 and key_dim <= 128
     stages, warps = (NUM_STAGES if pipelined else 1), NUM_WARPS
@@ -626,9 +637,11 @@ def _walk_fused(ops, starts, every: int, precision: str, out=None, tokens=None,
     value_dim = ops.target.shape[-1]
     n_seg = 1 if starts is None else starts.shape[2]
     device = ops.read.device
-    grid, consts = _launch(
-        value_dim, batch * heads * n_seg, size, key_dim, precision, ops.read.dtype
-    )
+    # The launch of the whole walk (value columns, warps, stages), only with n_seg times its
+    # programs: the segments' walk then does each chunk's products as the forward did, the same
+    # values bit for bit, where a launch picked by the segments' count could differ.
+    _, consts = _launch(value_dim, batch * heads, size, key_dim, precision, ops.read.dtype)
+    grid = (triton.cdiv(value_dim, consts["BV"]) * batch * heads * n_seg,)
     # Residuals are written where they are kept or where the pass reads them back (row blocks
     # after the first read the earlier blocks' residuals: chunks past BLOCK_C rows).
     store_residual = keep_residuals or size > consts["BC"]
@@ -786,8 +799,9 @@ def state_pass_split_triton_backward(
 #   B=4 T=4096 H=16 (128 fused programs): fused 0.78 / 0.86, split 0.91 / 1.25;
 #   B=4 T=4096 H=8 (64): fused 0.72 / 0.84, split 0.46 / 0.59;
 #   B=1 T=16384 H=8 (16): fused 2.72 / 3.23, split 1.00 / 1.38.
-# (Those with float32 operators; with 16-bit ones the narrow fused launch takes over wherever
-# its walks reach the threshold, H=8 and H=16 at B=4 among them: see NARROW_BLOCK_V.) The split walk has 4x the programs of the fused one (16 value
+# (Those with float32 operators; with 16-bit ones the fused pass's launches are counted as
+# `_launch` picks them: at B=4, BV 64 at H=16 and the narrow launch at H=8, see
+# LOW_DOTS_NUM_WARPS.) The split walk has 4x the programs of the fused one (16 value
 # columns, not 64) and leaves the outputs to kernels parallel over chunks: it wins while the
 # fused walks leave SMs idle (132 on the H200), and loses by its extra kernels and traffic
 # once they do not.
@@ -880,8 +894,9 @@ def _operator_grads(states, residuals, d_out, d_residual, d_next) -> ChunkOperat
 # The dtype the chunk operators are stored in between kernels (read, attend, erase, target,
 # write, and the erase's right-hand side exp(G) b; not the decays, nor L, the solve's matrix):
 # "inputs" (the default) stores them in the inputs' 16-bit dtype when q, a, b or u is bf16 or
-# fp16 (`operator_dtype`); "float32" always in float32. Every kernel forms them in float32 and
-# reads them back into float32 products; the states, residuals and every accumulator stay
+# fp16 (`operator_dtype`); "float32" always in float32. Every kernel forms them in float32; the
+# state pass's walks multiply 16-bit ones as stored (`WALK_DOTS`), the other kernels read them
+# back into float32 products; the states, residuals and every accumulator stay
 # float32. What the 16-bit storage adds is the rounding of each operator to the inputs' dtype:
 # read, write and exp(G) b are factors <= 1 times q, a, b (rounded as the inputs were), M is a
 # float32 sum rounded once, and the solve's rows carry the rounding of the rows solved before
@@ -1032,7 +1047,8 @@ def delta_rule_triton(
     (o [B, T, H, V] in q's dtype, final state [N, H, K, V]).
 
     Matrix products take TF32 operands when an input is bf16/fp16 (its rounding is already
-    coarser than TF32's), and for float32 inputs only when PyTorch is allowed TF32 for float32
+    coarser than TF32's), but for the state pass's walks, which multiply the 16-bit operators
+    as stored (`WALK_DOTS`), and for float32 inputs only when PyTorch is allowed TF32 for float32
     matrix products (`torch.set_float32_matmul_precision("high")`), as its own matmuls are.
     """
     # Any input in bf16/fp16 (a float32 gate times a bf16 projection still carries its rounding).
