@@ -5,6 +5,8 @@ Skipped where no GPU is present (CI); everything checked here has a CPU test bes
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import built_and_default_adamw_steps, random_delta_inputs
@@ -307,6 +309,9 @@ def test_cuda_graphed_training_follows_the_eager_loss_curve(tmp_path, capsys, mi
     graphed = train(run_config(tmp_path / "graphs", corpus, *settings))
     out = capsys.readouterr().out
     assert "CUDA graphs: each step after the first two replays" in out
+    for name, recorded in (("eager", False), ("graphs", True)):
+        metrics = json.loads((tmp_path / name / "run" / "metrics.json").read_text())
+        assert metrics["cuda_graphs"] is recorded, name
     assert len(graphed.losses) == 7
     torch.testing.assert_close(
         torch.tensor(graphed.losses), torch.tensor(eager.losses), rtol=0, atol=2e-3

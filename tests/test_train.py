@@ -441,6 +441,8 @@ def test_by_default_the_trainer_records_wherever_it_can_and_a_failed_recording_s
     default = train(run_config(tmp_path / "default", corpus))
     assert default.losses == plain.losses
     assert "CUDA graphs" not in capsys.readouterr().out
+    metrics = json.loads((tmp_path / "default" / "run" / "metrics.json").read_text())
+    assert metrics["cuda_graphs"] is False
     failures = _failing_recording(monkeypatch, graphs)
     monkeypatch.setattr(loop, "_graphable", lambda config, ctx: True)
     with pytest.raises(RuntimeError, match=r"set train\.cuda_graphs=false to train eagerly"):

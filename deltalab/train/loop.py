@@ -715,6 +715,9 @@ def train(config: RunConfig) -> TrainResult:
                 )
                 break
 
+    # Whether steps were replayed from a CUDA graph (train.cuda_graphs: null decides by the run;
+    # without CUDA a StepGraph records nothing).
+    graphed = graph is not None and graph.graph is not None
     if graph is not None:
         # The graph's memory pool and the gradients it owns are of no use past the last step:
         # freed before the final evaluation, the sample and the export.
@@ -741,6 +744,7 @@ def train(config: RunConfig) -> TrainResult:
         "steps_done": done,
         "steps_planned": config.train.steps,
         "skipped_steps": skipped,
+        "cuda_graphs": graphed,
     }
     initial_eval = state.initial_eval_loss(first_eval)
     if ctx.is_main:
