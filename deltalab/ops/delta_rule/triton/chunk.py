@@ -31,9 +31,10 @@ the outputs, attend^T dO and read^T dO to kernels parallel over chunks; the comm
 Precision: S and every accumulator are float32. The operators arrive in the inputs' dtype when
 those are 16-bit (`OPERATOR_DTYPE = "inputs"`, the default), else in float32. 16-bit operators
 are multiplied as stored, the state and the other operands rounded to their dtype for each
-product (`WALK_DOTS = "operators"`, the default; "float32" widens them to TF32 products). With
-float32 operators the products run in IEEE float32 (TF32 would cost ~1e-3 relative error); no exponential is taken here, the decays arrive as factors <= 1 from the
-stable stage 1.
+product (`WALK_DOTS = "operators"`, the default; "float32" widens them to TF32 products).
+With float32 operators the products run in IEEE float32 (TF32 would cost ~1e-3 relative
+error); no exponential is taken here, the decays arrive as factors <= 1 from the stable
+stage 1.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from deltalab.ops.delta_rule.triton.factors import factors_triton, factors_trito
 from deltalab.ops.delta_rule.triton.intra import (
     Tokens,
     _load_rows,
+    _operand,
     _token_offset,
     intra_triton,
     intra_triton_backward,
@@ -158,15 +160,6 @@ def _offsets(K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr
 
 
 @triton.jit
-def _operand(x, LOW_DOTS: tl.constexpr):
-    """A chunk operator as a product's operand: as stored with LOW_DOTS (16-bit operators into
-    16-bit products, float32 accumulators), else widened to float32 (TF32 or IEEE products)."""
-    if not LOW_DOTS:
-        x = x.to(tl.float32)
-    return x
-
-
-@triton.jit
 def _state_pass_fwd(
     read, attend, erase, target, write, decay, initial, out, residual, states, final,
     n_chunks, seg_len, n_seg, keep_every, TN, H, T, CS,
@@ -207,27 +200,33 @@ def _state_pass_fwd(
         # this program wrote to `residual` before the barrier (same CTA: visible after it).
         for rb in range(C // BC):
             rows = chunk * C + rb * BC
-            e = _operand(tl.load(erase + rows * K + ck, mask=mk[None, :], other=0.0), LOW_DOTS)
+            e = _operand(
+                tl.load(erase + rows * K + ck, mask=mk[None, :], other=0.0), erase, LOW_DOTS
+            )
             t = tl.load(target + rows * V + cv, mask=mv[None, :], other=0.0).to(tl.float32)
             n = t - tl.dot(e, s.to(e.dtype), input_precision=PRECISION)
             if STORE_RESIDUAL:
                 tl.store(residual + rows * V + cv, n, mask=mv[None, :])
             if WRITE_OUT:
-                r = _operand(tl.load(read + rows * K + ck, mask=mk[None, :], other=0.0), LOW_DOTS)
-                m = _operand(tl.load(attend + rows * C + rb * BC + cc), LOW_DOTS)
+                r = _operand(
+                    tl.load(read + rows * K + ck, mask=mk[None, :], other=0.0), read, LOW_DOTS
+                )
+                m = _operand(tl.load(attend + rows * C + rb * BC + cc), attend, LOW_DOTS)
                 o = (tl.dot(r, s.to(r.dtype), input_precision=PRECISION)
                      + tl.dot(m, n.to(m.dtype), input_precision=PRECISION))  # fmt: skip
                 if rb > 0:
                     tl.debug_barrier()
                 for cb in range(rb):
-                    m = _operand(tl.load(attend + rows * C + cb * BC + cc), LOW_DOTS)
+                    m = _operand(tl.load(attend + rows * C + cb * BC + cc), attend, LOW_DOTS)
                     n_before = tl.load(residual + (chunk * C + cb * BC) * V + cv,
                                        mask=mv[None, :])  # fmt: skip
                     o += tl.dot(m, n_before.to(m.dtype), input_precision=PRECISION)
                 tokens = out_offset + (rb * BC + rc)[:, None] * (H * V) + rv[None, :]
                 present = ((rb * BC + rc) < valid)[:, None] & mv[None, :]
                 tl.store(out + tokens, o.to(out.dtype.element_ty), mask=present)
-            w = _operand(tl.load(write + rows * K + ck, mask=mk[None, :], other=0.0), LOW_DOTS)
+            w = _operand(
+                tl.load(write + rows * K + ck, mask=mk[None, :], other=0.0), write, LOW_DOTS
+            )
             s_next += tl.dot(tl.trans(w), n.to(w.dtype), input_precision=PRECISION)
         s = s_next
     tl.store(final + walk * K * V + kv, s, mask=mkv)
@@ -259,16 +258,20 @@ def _state_pass_bwd(
             cols = chunk * C + cb * BC
             # dN of column block cb: attend^T dO over row blocks rb >= cb (attend is lower
             # triangular in blocks), plus the path through the next state.
-            w = _operand(tl.load(write + cols * K + ck, mask=mk[None, :], other=0.0), LOW_DOTS)
+            w = _operand(
+                tl.load(write + cols * K + ck, mask=mk[None, :], other=0.0), write, LOW_DOTS
+            )
             dn = tl.dot(w, ds.to(w.dtype), input_precision=PRECISION)
             for rb in range(cb, C // BC):
                 rows = chunk * C + rb * BC
-                m = _operand(tl.load(attend + rows * C + cb * BC + cc), LOW_DOTS)
+                m = _operand(tl.load(attend + rows * C + cb * BC + cc), attend, LOW_DOTS)
                 do = _load_rows(d_out + out_offset, rb * BC + rc, H * V, rv, 1, valid, mv)
                 dn += tl.dot(tl.trans(m), do.to(m.dtype), input_precision=PRECISION)
             tl.store(d_residual + cols * V + cv, dn, mask=mv[None, :])
-            r = _operand(tl.load(read + cols * K + ck, mask=mk[None, :], other=0.0), LOW_DOTS)
-            e = _operand(tl.load(erase + cols * K + ck, mask=mk[None, :], other=0.0), LOW_DOTS)
+            r = _operand(tl.load(read + cols * K + ck, mask=mk[None, :], other=0.0), read, LOW_DOTS)
+            e = _operand(
+                tl.load(erase + cols * K + ck, mask=mk[None, :], other=0.0), erase, LOW_DOTS
+            )
             do = _load_rows(d_out + out_offset, cb * BC + rc, H * V, rv, 1, valid, mv)
             ds_before += tl.dot(tl.trans(r), do.to(r.dtype), input_precision=PRECISION)
             ds_before -= tl.dot(tl.trans(e), dn.to(e.dtype), input_precision=PRECISION)
@@ -381,11 +384,15 @@ def _state_pass_split_fwd(
         s_next = d[:, None] * s
         for rb in range(C // BC):
             rows = chunk * C + rb * BC
-            e = _operand(tl.load(erase + rows * K + ck, mask=mk[None, :], other=0.0), LOW_DOTS)
+            e = _operand(
+                tl.load(erase + rows * K + ck, mask=mk[None, :], other=0.0), erase, LOW_DOTS
+            )
             t = tl.load(target + rows * V + cv, mask=mv[None, :], other=0.0).to(tl.float32)
             n = t - tl.dot(e, s.to(e.dtype), input_precision=PRECISION)
             tl.store(residual + rows * V + cv, n, mask=mv[None, :])
-            w = _operand(tl.load(write + rows * K + ck, mask=mk[None, :], other=0.0), LOW_DOTS)
+            w = _operand(
+                tl.load(write + rows * K + ck, mask=mk[None, :], other=0.0), write, LOW_DOTS
+            )
             s_next += tl.dot(tl.trans(w), n.to(w.dtype), input_precision=PRECISION)
         s = s_next
     tl.store(final + walk * K * V + kv, s, mask=mkv)
@@ -456,9 +463,9 @@ def _state_pass_split_bwd(
     BC: tl.constexpr, HAS_D_FINAL: tl.constexpr, PRECISION: tl.constexpr,
     LOW_DOTS: tl.constexpr = False,
 ):  # fmt: skip
-    """The split backward's walk (LOW_DOTS as `_state_pass_bwd`'s), in place: d_residual holds P and turns into dN; the slot of dS_i
-    (d_next of chunk i - 1, or d_initial) holds Q_i and turns into dS_i; d_next of the last chunk
-    is dS_n = d_final (or 0)."""
+    """The split backward's walk (LOW_DOTS as `_state_pass_bwd`'s), in place: d_residual holds
+    P and turns into dN; the slot of dS_i (d_next of chunk i - 1, or d_initial) holds Q_i and
+    turns into dS_i; d_next of the last chunk is dS_n = d_final (or 0)."""
     bh, rk, _, _, mk, mv, kv, mkv, ck, cv, _ = _offsets(K, V, C, BK, BV, BC)
     if HAS_D_FINAL:
         ds = tl.load(d_final + bh * K * V + kv, mask=mkv, other=0.0).to(tl.float32)
@@ -476,11 +483,15 @@ def _state_pass_split_bwd(
         ds_before = tl.load(slot, mask=mkv, other=0.0) + d[:, None] * ds
         for cb in range(C // BC):
             cols = chunk * C + cb * BC
-            w = _operand(tl.load(write + cols * K + ck, mask=mk[None, :], other=0.0), LOW_DOTS)
+            w = _operand(
+                tl.load(write + cols * K + ck, mask=mk[None, :], other=0.0), write, LOW_DOTS
+            )
             p = tl.load(d_residual + cols * V + cv, mask=mv[None, :], other=0.0)
             dn = p + tl.dot(w, ds.to(w.dtype), input_precision=PRECISION)
             tl.store(d_residual + cols * V + cv, dn, mask=mv[None, :])
-            e = _operand(tl.load(erase + cols * K + ck, mask=mk[None, :], other=0.0), LOW_DOTS)
+            e = _operand(
+                tl.load(erase + cols * K + ck, mask=mk[None, :], other=0.0), erase, LOW_DOTS
+            )
             ds_before -= tl.dot(tl.trans(e), dn.to(e.dtype), input_precision=PRECISION)
         ds = ds_before
         tl.store(slot, ds, mask=mkv)
@@ -553,18 +564,19 @@ def _operator_grads_kernel(
 # 64, bf16 operators), bytes spilled a thread, forward / adjoint walk, "float32" against
 # "operators": the narrow launch 192 / 144 against 0 / 0, BV 64 with 8 warps and 1 stage
 # 352 / 0 against 0 / 0 (shared memory 64 -> 40 KiB); tests/test_triton_compile.py keeps
-# "operators" spill-free (but 40 and 24 bytes at chunks of 128, see there). On the H200 the walks took
-# 0.59 instead of 1.04 ms a layer at H=16 and 0.39 instead of 0.71 at H=8 (forward and
-# backward, the new launches against the widened defaults then, see LOW_DOTS_NUM_WARPS). The state stays float32 and only its copy for each product is rounded
-# (bf16 keeps 8 bits against TF32's 11), so the rounding does not compound from chunk to
-# chunk: each chunk's products carry a relative error of about 2^-9, as every other bf16
-# product of the layer does. Checked against the float64 loop: fp16 under the interpreter within
-# the fp16 bound (tests/test_delta_rule_triton.py), bf16 on the GPU by
-# tests/test_delta_rule_triton.py::test_bf16_walks_stay_within_the_bf16_bound_of_the_loop (written
-# after the fifteenth session's GPU time ran out: not yet run). The H200 runs' outputs with
-# bf16 products differed from widened ones by at most 2.7e-3 (`tune_triton.py`). With fp16
-# operators the rounded adjoints (dS, dN, dO) must also fit fp16's range (65504), as under a
-# loss scale they may not: set "float32" for fp16 training with large loss scales.
+# "operators" spill-free (but 40 and 24 bytes at chunks of 128, see there). On the H200 the
+# walks took 0.59 instead of 1.04 ms a layer at H=16 and 0.39 instead of 0.71 at H=8 (forward
+# and backward, the new launches against the widened defaults then, see LOW_DOTS_NUM_WARPS).
+# The state stays float32 and only its copy for each product is rounded (bf16 keeps 8 bits
+# against TF32's 11), so the rounding does not compound from chunk to chunk: each chunk's
+# products carry a relative error of about 2^-9, as every other bf16 product of the layer
+# does. Checked against the float64 loop: fp16 under the interpreter within the fp16 bound
+# (tests/test_delta_rule_triton.py), bf16 on the GPU by its
+# test_bf16_walks_stay_within_the_bf16_bound_of_the_loop (written after the fifteenth
+# session's GPU time ran out: not yet run). The H200 runs' outputs with bf16 products
+# differed from widened ones by at most 2.7e-3 (`tune_triton.py`). With fp16 operators the
+# rounded adjoints (dS, dN, dO) must also fit fp16's range (65504), as under a loss scale they
+# may not: set "float32" for fp16 training with large loss scales.
 WALK_DOTS = "operators"
 WALK_DOTS_CHOICES = ("float32", "operators")
 
@@ -585,11 +597,12 @@ def _launch(value_dim: int, programs: int, size: int, key_dim: int, precision: s
     else NUM_STAGES at BLOCK_V)."""
     block_v = BLOCK_V if key_dim <= 128 else BLOCK_V_WIDE_K
     pipelined = operators.itemsize == 2 and key_dim <= 128
+    low = pipelined and low_dots(operators)
     stages, warps = (NUM_STAGES if pipelined else 1), NUM_WARPS
-    if pipelined and low_dots(operators):
+    if low:
         stages, warps = LOW_DOTS_NUM_STAGES, LOW_DOTS_NUM_WARPS
     enough = triton.cdiv(value_dim, block_v) * programs >= FUSED_PASS_MIN_PROGRAMS
-    if pipelined and NARROW_BLOCK_V and not (enough and low_dots(operators)):
+    if pipelined and NARROW_BLOCK_V and not (enough and low):
         narrow = triton.cdiv(value_dim, NARROW_BLOCK_V) * programs
         if narrow >= FUSED_PASS_MIN_PROGRAMS:
             block_v, stages, warps = NARROW_BLOCK_V, NARROW_NUM_STAGES, NARROW_NUM_WARPS

@@ -197,11 +197,14 @@ def key_block(key_dim: int) -> int:
 
 
 @triton.jit
-def _low(x, like, LOW_DOTS: tl.constexpr):
-    """x as a product's operand: rounded to the dtype `like` points to with LOW_DOTS (16-bit
-    products, float32 accumulators), else as it is (float32: TF32 or IEEE products)."""
+def _operand(x, like, LOW_DOTS: tl.constexpr):
+    """x as a product's operand: in the dtype `like` points to with LOW_DOTS (16-bit products,
+    float32 accumulators: stage 1's float32 tiles rounded to the inputs' dtype, the state
+    pass's 16-bit operators as stored), else in float32 (TF32 or IEEE products)."""
     if LOW_DOTS:
         x = x.to(like.dtype.element_ty)
+    else:
+        x = x.to(tl.float32)
     return x
 
 
@@ -313,23 +316,23 @@ def _intra_fwd(
     tile = rt[:, None] * C + rt[None, :]
     cum = tl.cumsum(_load_rows(g, rows + rt, grs, rk, gcs, valid, mk), axis=0)
     row_f = tl.exp(cum)
-    b_i = _low(_load_rows(b, rows + rt, rs, rk, 1, valid, mk) * row_f, q, LOW_DOTS)
-    q_i = _low(_load_rows(q, rows + rt, rs, rk, 1, valid, mk) * (row_f * scale), q, LOW_DOTS)
+    b_i = _operand(_load_rows(b, rows + rt, rs, rk, 1, valid, mk) * row_f, q, LOW_DOTS)
+    q_i = _operand(_load_rows(q, rows + rt, rs, rk, 1, valid, mk) * (row_f * scale), q, LOW_DOTS)
     between = tl.zeros([BK], dtype=tl.float32)
     for jj in range(i):
         cols = (i - 1 - jj) * BT
         a_j = _load_rows(a, cols + rt, rs, rk, 1, valid, mk)
-        a_j = _low(a_j * _column_factor(g, cols, rt, rk, mk, between, grs, gcs, valid, BT), q,
-                   LOW_DOTS)  # fmt: skip
+        a_j *= _column_factor(g, cols, rt, rk, mk, between, grs, gcs, valid, BT)
+        a_j = _operand(a_j, q, LOW_DOTS)
         tl.store(lower + cols + tile, tl.dot(b_i, tl.trans(a_j), input_precision=PRECISION))
         m_ij = tl.dot(q_i, tl.trans(a_j), input_precision=PRECISION)
         tl.store(attend + cols + tile, m_ij.to(attend.dtype.element_ty))
         between += tl.sum(_load_rows(g, cols + rt, grs, rk, gcs, valid, mk), axis=0)
     if tl.max(tl.abs(cum)) < BOUND:  # mild decays: the factored diagonal (docstring)
         up, down = _midpoint_factors(cum)
-        a_i = _low(_load_rows(a, rows + rt, rs, rk, 1, valid, mk) * down, q, LOW_DOTS)
-        b_d = _low(_load_rows(b, rows + rt, rs, rk, 1, valid, mk) * up, q, LOW_DOTS)
-        q_d = _low(_load_rows(q, rows + rt, rs, rk, 1, valid, mk) * (up * scale), q, LOW_DOTS)
+        a_i = _operand(_load_rows(a, rows + rt, rs, rk, 1, valid, mk) * down, q, LOW_DOTS)
+        b_d = _operand(_load_rows(b, rows + rt, rs, rk, 1, valid, mk) * up, q, LOW_DOTS)
+        q_d = _operand(_load_rows(q, rows + rt, rs, rk, 1, valid, mk) * (up * scale), q, LOW_DOTS)
         l_ii = tl.dot(b_d, tl.trans(a_i), input_precision=PRECISION)
         m_ii = tl.dot(q_d, tl.trans(a_i), input_precision=PRECISION)
         tl.store(lower + rows + tile, tl.where(rt[:, None] > rt[None, :], l_ii, 0.0))
@@ -378,23 +381,23 @@ def _intra_bwd(
     for jj in range(i):
         cols = (i - 1 - jj) * BT
         a_j = _load_rows(a, cols + rt, rs, rkd, 1, valid, mkd)
-        a_j = _low(a_j * _column_factor(g, cols, rt, rkd, mkd, between, grs, gcs, valid, BT), q,
-                   LOW_DOTS)  # fmt: skip
-        dm = _low(tl.load(d_attend + rows * C + cols + tile), q, LOW_DOTS)
-        dl = _low(tl.load(d_lower + rows * C + cols + tile), q, LOW_DOTS)
+        a_j *= _column_factor(g, cols, rt, rkd, mkd, between, grs, gcs, valid, BT)
+        a_j = _operand(a_j, q, LOW_DOTS)
+        dm = _operand(tl.load(d_attend + rows * C + cols + tile), q, LOW_DOTS)
+        dl = _operand(tl.load(d_lower + rows * C + cols + tile), q, LOW_DOTS)
         acc_q += tl.dot(dm, a_j, input_precision=PRECISION)
         acc_b += tl.dot(dl, a_j, input_precision=PRECISION)
         between += tl.sum(_load_rows(g, cols + rt, grs, rkd, gcs, valid, mkd), axis=0)
     # The diagonal block: its share of all three.
     if tl.max(tl.abs(cum)) < BOUND:  # mild decays: the factored diagonal (docstring)
         up, down = _midpoint_factors(cum)
-        a_i = _low(_load_rows(a, rows + rt, rs, rkd, 1, valid, mkd) * down, q, LOW_DOTS)
-        q_i = _low(_load_rows(q, rows + rt, rs, rkd, 1, valid, mkd) * (up * scale), q, LOW_DOTS)
-        b_i = _low(_load_rows(b, rows + rt, rs, rkd, 1, valid, mkd) * up, q, LOW_DOTS)
+        a_i = _operand(_load_rows(a, rows + rt, rs, rkd, 1, valid, mkd) * down, q, LOW_DOTS)
+        q_i = _operand(_load_rows(q, rows + rt, rs, rkd, 1, valid, mkd) * (up * scale), q, LOW_DOTS)
+        b_i = _operand(_load_rows(b, rows + rt, rs, rkd, 1, valid, mkd) * up, q, LOW_DOTS)
         d_diag = rows * C + rows + tile
         dm = tl.where(rt[:, None] >= rt[None, :], tl.load(d_attend + d_diag), 0.0)
         dl = tl.where(rt[:, None] > rt[None, :], tl.load(d_lower + d_diag), 0.0)
-        dm, dl = _low(dm, q, LOW_DOTS), _low(dl, q, LOW_DOTS)
+        dm, dl = _operand(dm, q, LOW_DOTS), _operand(dl, q, LOW_DOTS)
         acc_a = tl.dot(tl.trans(dm), q_i, input_precision=PRECISION)
         acc_a += tl.dot(tl.trans(dl), b_i, input_precision=PRECISION)
         acc_a *= down
@@ -414,9 +417,9 @@ def _intra_bwd(
         later_f = tl.exp(tl.cumsum(g_r, axis=0))
         q_r = _load_rows(q, later + rt, rs, rkd, 1, valid, mkd) * (later_f * scale)
         b_r = _load_rows(b, later + rt, rs, rkd, 1, valid, mkd) * later_f
-        q_r, b_r = _low(q_r, q, LOW_DOTS), _low(b_r, q, LOW_DOTS)
-        dm = _low(tl.load(d_attend + later * C + rows + tile), q, LOW_DOTS)
-        dl = _low(tl.load(d_lower + later * C + rows + tile), q, LOW_DOTS)
+        q_r, b_r = _operand(q_r, q, LOW_DOTS), _operand(b_r, q, LOW_DOTS)
+        dm = _operand(tl.load(d_attend + later * C + rows + tile), q, LOW_DOTS)
+        dl = _operand(tl.load(d_lower + later * C + rows + tile), q, LOW_DOTS)
         part = tl.dot(tl.trans(dm), q_r, input_precision=PRECISION)
         part += tl.dot(tl.trans(dl), b_r, input_precision=PRECISION)
         acc_a += part * tl.exp(tail + between[None, :])
