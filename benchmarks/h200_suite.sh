@@ -3,7 +3,7 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck graphs_on graphs_on16k intradots
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck intradots
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
@@ -70,10 +70,9 @@
 # operators' bf16, triton/chunk.py WALK_DOTS), walkdots_tune 240 s (the state pass's launch
 # sweep at H=16 and H=8, its WALK_DOTS rows among them), dotscheck 300 s (the op's errors
 # against float64 with the walks' products in the operators' dtype, chunks of 64: at 150 s and
-# chunks of 64 and 128 it ran past its limit on 2026-12-02), graphs_on 200 s
-# and graphs_on16k 150 s (graphs_train's and graphs_train16k's rows graphed only), intradots
-# 300 s (stage 1's launch sweep at H=16 with its products in the inputs' bf16, triton/intra.py
-# INTRA_DOTS, then the GDN-2 form's times with them widened and in bf16).
+# chunks of 64 and 128 it ran past its limit on 2026-12-02), intradots 300 s (stage 1's
+# launch sweep at H=16 with its products in the inputs' bf16, triton/intra.py INTRA_DOTS, then
+# the GDN-2 form's times with them widened and in bf16).
 set -u
 # The device returns at most 8 files: parts write under a work folder, and after every part the
 # whole of it is packed into $OUT/suite.tgz (so a call cut off still returns what finished).
@@ -89,6 +88,9 @@ else
 fi
 export PYTHONUNBUFFERED=1
 parts=("$@")
+# graphs_train*'s --cuda-graphs: "both" (each mixer graphed, then eager), or GRAPHS=on for the
+# graphed rows alone (about half the time).
+GRAPHS=${GRAPHS:-both}
 [ ${#parts[@]} -eq 0 ] && parts=(tests time prof stability train decode kdn)
 
 part() {  # part NAME SECONDS COMMAND...: run, log to $OUT/NAME.txt, record rc and seconds
@@ -219,22 +221,16 @@ for p in "${parts[@]}"; do
     graphs_tests) part graphs_tests 500 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
         tests/test_cuda.py -k "graph_replay_writes or graphed_training" ;;
     graphs_train) part graphs_train 300 python3 benchmarks/bench_train.py --device cuda \
-        --preset 340M --seq-len 4096 --batch 4 --steps 8 --cuda-graphs both \
+        --preset 340M --seq-len 4096 --batch 4 --steps 8 --cuda-graphs "$GRAPHS" \
         --mixers gdn2 muir kdn_diag transformer ;;
     graphs_train16k) part graphs_train16k 240 python3 benchmarks/bench_train.py --device cuda \
-        --preset 340M --seq-len 16384 --batch 1 --steps 8 --cuda-graphs both \
+        --preset 340M --seq-len 16384 --batch 1 --steps 8 --cuda-graphs "$GRAPHS" \
         --mixers gdn2 muir transformer ;;
     graphs_ptrain) part graphs_ptrain 150 python3 benchmarks/profile_train.py --cuda-graphs \
         --device cuda --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 transformer \
         --out "$OUT/graphs_ptrain.json" ;;
-    graphs_on) part graphs_on 200 python3 benchmarks/bench_train.py --device cuda \
-        --preset 340M --seq-len 4096 --batch 4 --steps 8 --cuda-graphs on \
-        --mixers gdn2 muir kdn_diag transformer ;;
-    graphs_on16k) part graphs_on16k 150 python3 benchmarks/bench_train.py --device cuda \
-        --preset 340M --seq-len 16384 --batch 1 --steps 8 --cuda-graphs on \
-        --mixers gdn2 muir transformer ;;
     graphs_train32k) part graphs_train32k 300 python3 benchmarks/bench_train.py --device cuda \
-        --preset 340M --seq-len 32768 --batch 1 --steps 8 --cuda-graphs both \
+        --preset 340M --seq-len 32768 --batch 1 --steps 8 --cuda-graphs "$GRAPHS" \
         --mixers muir gdn2 transformer ;;
     stages340) part stages340 200 python3 benchmarks/tune_triton.py --shape 4x4096x8x128 \
         --stages state_pass state_pass_split --out "$OUT/stages340.json" ;;
