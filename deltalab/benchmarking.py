@@ -317,13 +317,6 @@ def add_delta_rule_options(parser: argparse.ArgumentParser) -> None:
         "float32 or in the inputs' dtype (triton/intra.py INTRA_DOTS; default: its own)",
     )
     parser.add_argument(
-        "--factors",
-        choices=["fused", "separate"],
-        default=None,
-        help="where the Triton delta rule makes its decay factors: in stage 1's forward kernel "
-        "or in their own (triton/intra.py FACTORS; default: its own)",
-    )
-    parser.add_argument(
         "--keep-inputs",
         action="store_true",
         help="the delta rule keeps the inputs that cheap ops made (gate products, read query, "
@@ -345,15 +338,12 @@ def apply_delta_rule_options(args: argparse.Namespace) -> None:
 
     projections.PROJECT_TOGETHER = not args.project_separately
     _recompute.REBUILD_IN_BACKWARD = not args.keep_inputs
-    triton_switches = (
-        args.state_pass, args.operator_dtype, args.walk_dots, args.intra_dots, args.factors
-    )
+    triton_switches = (args.state_pass, args.operator_dtype, args.walk_dots, args.intra_dots)
     if all(switch is None for switch in triton_switches) and not args.keep_states:
         return
     from deltalab.ops.delta_rule.triton import chunk, intra
 
     intra.INTRA_DOTS = args.intra_dots or intra.INTRA_DOTS
-    intra.FACTORS = args.factors or intra.FACTORS
 
     chunk.STATE_PASS = args.state_pass or chunk.STATE_PASS
     chunk.RECOMPUTE_STATES = chunk.RECOMPUTE_STATES and not args.keep_states

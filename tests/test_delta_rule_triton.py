@@ -340,38 +340,6 @@ def test_triton_decay_factors_and_their_adjoint_match_autograd(generator, poison
         assert_close(x, leaf.grad, F32, f"d{name}")
 
 
-@pytest.mark.parametrize("chunk_size", [32, 64])
-@pytest.mark.parametrize("channel_decay", [True, False])
-def test_factors_fused_into_stage_1_equal_their_own_kernel_and_stage_1(
-    generator, poisoned_empty, chunk_size, channel_decay
-):
-    """`intra_and_factors_triton` (one launch) against `factors_triton` and `intra_triton`
-    (the stage twins): token-major inputs, a last chunk cut short (T = 45), a reset (g = -inf)
-    and a stretch of strong decays (its diagonal sub-blocks walked), both decay layouts; every
-    output NaN-filled before the launch."""
-    from deltalab.ops.delta_rule.triton.factors import factors_triton
-    from deltalab.ops.delta_rule.triton.intra import (
-        Tokens,
-        intra_and_factors_triton,
-        intra_triton,
-    )
-
-    inputs = random_delta_inputs(generator, 2, 45, 2, 16, 8, channel_decay=channel_decay)
-    q, a, b, _, g = (x.to(DEVICE, torch.float32).contiguous() for x in inputs)
-    g[0, 20:36] *= 40.0  # strong decays: sub-block depths past DIAGONAL_FACTOR_BOUND
-    g[1, 7, 1] = -float("inf")
-    tokens = Tokens(-(-45 // chunk_size), 2, 45, chunk_size)
-    fused = intra_and_factors_triton(q, a, b, g, "ieee", tokens, 0.7)
-    separate = (
-        *factors_triton(q, a, b, g, tokens, 0.7),
-        *intra_triton(q, a, b, g, "ieee", tokens, 0.7),
-    )
-    labels = ("read", "erase rhs", "write", "decay", "L", "M")
-    for label, x, ref in zip(labels, fused, separate, strict=True):
-        assert not x.isnan().any(), label
-        assert_close(x, ref, F32, label)
-
-
 def test_triton_state_pass_matches_its_pytorch_twin(generator):
     from deltalab.ops.delta_rule.chunk import (
         ChunkOperators,

@@ -52,8 +52,6 @@ from deltalab.ops.delta_rule.triton.intra import (
     _load_rows,
     _operand,
     _token_offset,
-    fused_factors,
-    intra_and_factors_triton,
     intra_triton,
     intra_triton_backward,
     key_block,
@@ -946,13 +944,8 @@ def _operators_triton(q, a, b, u, g, precision: str, tokens: Tokens, scale: floa
     """Stages 1-2 in Triton over token-major inputs as `tokens` maps them (q times `scale`):
     (the chunk operators [B, H, n, C, *] in `dtype`, the decays float32; L float32). The twin
     of `chunk.chunk_operators`."""
-    if fused_factors():  # one launch for stage 1 and the factors (intra.FACTORS)
-        read, erase_rhs, write, decay, lower, attend = intra_and_factors_triton(
-            q, a, b, g, precision, tokens, scale, dtype
-        )
-    else:
-        read, erase_rhs, write, decay = factors_triton(q, a, b, g, tokens, scale, dtype)
-        lower, attend = intra_triton(q, a, b, g, precision, tokens, scale, attend_dtype=dtype)
+    read, erase_rhs, write, decay = factors_triton(q, a, b, g, tokens, scale, dtype)
+    lower, attend = intra_triton(q, a, b, g, precision, tokens, scale, attend_dtype=dtype)
     erase = solve_triton(lower, erase_rhs, precision, dtype=dtype)
     target = solve_triton(lower, u, precision, tokens, dtype=dtype)
     lead = (q.shape[0], tokens.heads, tokens.chunks)

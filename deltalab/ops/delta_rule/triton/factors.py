@@ -7,10 +7,14 @@ operators of `chunk.py`'s `chunk_operators` scale the inputs elementwise:
     write = exp(sum_{j > t} g_j) a_t                                (to the chunk end)
     decay = exp(sum_j g_j)                                          (the whole chunk)
 
-One program owns a chunk and BKD channels; the inputs are read where they lie, token-major
-(`intra.Tokens`), and the adjoint writes the final gradients there too: every exponent is a cumulative sum of log decays
-(never a difference of two, never positive), the one to the chunk end taken over the rows
-shifted by one, so g = -inf gives exact zeros as in stage 1.
+A kernel of its own rather than a part of stage 1's forward, which reads the same rows: written
+into stage 1's one-warp programs (an experiment, 2026-12-02) the factors made the forward
+0.7-0.8 ms slower at B=4 T=4096 H=16 (docs/RESULTS.md, sixteenth session), more than the reads
+they saved. One program owns a chunk and BKD channels; the inputs are read where they lie,
+token-major (`intra.Tokens`), and the adjoint writes the final gradients there too: every
+exponent is a cumulative sum of log decays (never a difference of two, never positive), the
+one to the chunk end taken over the rows shifted by one, so g = -inf gives exact zeros as in
+stage 1.
 
 Adjoint (`_factors_bwd`), which also finishes stage 1's: with dq', da', db' the gradients that
 reach q, a, b through L and M (stage 1's adjoint) and d_read, d_rhs, d_write, d_decay those of

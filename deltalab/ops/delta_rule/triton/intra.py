@@ -96,19 +96,13 @@ INTRA_BLOCK_KD = 64
 # products the diagonal is factored only below FP16_FACTOR_BOUND (factors <= e^8 ~ 3e3) and
 # walked exactly above it. Compiled for sm_90 (Triton 3.9, K = 128, chunk 64, bf16 inputs, its
 # launch), bytes spilled a thread and shared memory, widened against 16-bit products: forward
-# 64 / 24 KiB against 32 / 12 KiB, adjoint 704 / 14 KiB against 704 / 7 KiB. An experiment,
-# not yet timed on the GPU (stage 1 is the forward's largest kernel once the walks multiply
-# in 16 bits; suite part intradots).
+# 64 / 24 KiB against 32 / 12 KiB, adjoint 704 / 14 KiB against 704 / 7 KiB. Measured on the
+# H200 (suite part intradots, 2026-12-02, B=4 T=4096 H=16, bf16): stage 1 forward 0.353 -> 0.312
+# ms and adjoint 0.824 -> 0.802 at its launch, the GDN-2 form's forward and backward 5.66 -> 5.61
+# ms, within the spread of two runs of one setting; off until its bf16 rounding is checked
+# against the float64 loop on the GPU and the gain holds in training.
 INTRA_DOTS = "float32"
 INTRA_DOTS_CHOICES = ("float32", "inputs")
-# Where the chunk operators' decay factors are made (`chunk._operators_triton`): "fused" in
-# stage 1's forward kernel, whose programs read the same rows of q, a, b and g
-# (`intra_and_factors_triton`), or "separate" in factors.py's own kernel (the twin stage, as
-# before). The fused form saves that kernel's launch and its reads of the four inputs, in the
-# forward and in the backward's recomputation of the operators; not yet timed on the GPU
-# (`bench_triton.py --factors`).
-FACTORS = "fused"
-FACTORS_CHOICES = ("fused", "separate")
 FP16_FACTOR_BOUND = 16.0
 
 
@@ -119,13 +113,6 @@ def intra_low_dots(inputs: torch.dtype) -> bool:
             f"INTRA_DOTS must be one of {list(INTRA_DOTS_CHOICES)}, got {INTRA_DOTS!r}"
         )
     return INTRA_DOTS == "inputs" and inputs.itemsize == 2
-
-
-def fused_factors() -> bool:
-    """Whether stage 1's forward also writes the decay factors (`FACTORS`)."""
-    if FACTORS not in FACTORS_CHOICES:
-        raise ValueError(f"FACTORS must be one of {list(FACTORS_CHOICES)}, got {FACTORS!r}")
-    return FACTORS == "fused"
 
 
 def factor_bound_for(inputs: torch.dtype, bound: float) -> float:
@@ -307,46 +294,14 @@ def _column_factor(g, cols, rt, rk, mk, between, grs, gcs, valid, BT: tl.constex
 
 
 @triton.jit
-def _factor_rows(q, a, b, g, read, rhs, write, decay, chunk, i, start, rows, rt, rk, mk, rs, grs,
-                 gcs, valid, scale, K: tl.constexpr, C: tl.constexpr, BT: tl.constexpr):  # fmt: skip
-    """The decay factors of sub-block i's rows (factors.py's `_factors_fwd`, whose formulas these
-    are): exp(G_t) q_t scale, exp(G_t) b_t, exp(sum_{j > t} g_j) a_t [BT, BK], and for i = 0 the
-    chunk's decay. `start` [BK]: the sum of g over the chunk's rows before the sub-block. Every
-    exponent is a sum of log decays (the prefix `start` plus a cumulative sum inside the
-    sub-block; the sub-block's tail plus the later sub-blocks' sums), never a difference."""
-    # Ordered so that few [BT, BK] tiles are alive at once (one warp holds each in 64 registers
-    # a thread at K = 128): the sums first, then each factor's outputs.
-    later = tl.zeros_like(start)
-    for r in range(i + 1, C // BT):
-        later += tl.sum(_load_rows(g, r * BT + rt, grs, rk, gcs, valid, mk), axis=0)
-    g_i = _load_rows(g, rows + rt, grs, rk, gcs, valid, mk)
-    # Written by the chunk's first program (the row test made a vector, as in `_load_row`).
-    total = start + tl.sum(g_i, axis=0) + later
-    tl.store(decay + chunk * K + rk, tl.exp(total), mask=mk & ((rk * 0 + i) == 0))
-    out = chunk * C * K + (rows + rt)[:, None] * K + rk[None, :]
-    mask = mk[None, :]
-    from_start = tl.exp(tl.cumsum(g_i, axis=0) + start[None, :])
-    q_t = _load_rows(q, rows + rt, rs, rk, 1, valid, mk) * scale
-    tl.store(read + out, (from_start * q_t).to(read.dtype.element_ty), mask=mask)
-    b_t = _load_rows(b, rows + rt, rs, rk, 1, valid, mk)
-    tl.store(rhs + out, (from_start * b_t).to(rhs.dtype.element_ty), mask=mask)
-    to_end = tl.exp(_column_tail(g, rows, rt, rk, mk, grs, gcs, valid, BT) + later[None, :])
-    a_t = _load_rows(a, rows + rt, rs, rk, 1, valid, mk)
-    tl.store(write + out, (to_end * a_t).to(write.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _intra_fwd(
-    q, a, b, g, lower, attend, read, rhs, write, decay, n_chunks, H, T, CS, scale,
+    q, a, b, g, lower, attend, n_chunks, H, T, CS, scale,
     K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, G_HEAD: tl.constexpr,
     PRECISION: tl.constexpr, BOUND: tl.constexpr, LOW_DOTS: tl.constexpr,
-    FACTORS: tl.constexpr = False,
 ):  # fmt: skip
     """Row sub-block i = program_id(1) of L and M: its blocks left of, on and right of (zeros)
     the diagonal. One program per sub-block rather than per chunk: four times the programs,
-    each a quarter of the serial chain (chunk 64). With FACTORS, also the decay factors of its
-    rows (`_factor_rows`: read, rhs, write [chunks, C, K], decay [chunks, K]; otherwise those
-    four pointers are not read), which saves the factor kernel's reads of q, a, b and g."""
+    each a quarter of the serial chain (chunk 64)."""
     chunk = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1)
     offset, valid, rs, g_offset, grs, gcs = _token_layout(chunk, n_chunks, H, T, CS, K, G_HEAD)
@@ -392,9 +347,6 @@ def _intra_fwd(
     for j in range(i + 1, C // BT):
         tl.store(lower + j * BT + tile, zero)
         tl.store(attend + j * BT + tile, zero.to(attend.dtype.element_ty))
-    if FACTORS:  # `between` is now the sum of g over sub-blocks 0 .. i - 1
-        _factor_rows(q, a, b, g, read, rhs, write, decay, chunk, i, between, rows, rt, rk, mk, rs,
-                     grs, gcs, valid, scale, K, C, BT)  # fmt: skip
 
 
 @triton.jit
@@ -496,48 +448,22 @@ def intra_triton(q, a, b, g, precision: str = "ieee", tokens: Tokens | None = No
     operators, `chunk.OPERATOR_DTYPE`)."""
     chunked = tokens is None
     tokens = Tokens.of_chunks(q) if chunked else tokens
-    lower, attend = _launch_fwd(q, a, b, g, precision, tokens, scale, factor_bound, attend_dtype)
-    # Chunked inputs: their own leading shape. (Not told by one chunk of one head: token-major
-    # inputs of one head and T <= C are that too, and were reshaped as chunks.)
-    if chunked:
-        size = lower.shape[-1]
-        lead = q.shape[:-2]
-        return lower.view(*lead, size, size), attend.view(*lead, size, size)
-    return lower, attend
-
-
-def intra_and_factors_triton(q, a, b, g, precision: str, tokens: Tokens, scale: float = 1.0,
-                             dtype: torch.dtype = torch.float32):  # fmt: skip
-    """Stage 1 and the decay factors in one launch, of token-major inputs as `intra_triton`
-    takes them: (read, exp(G) b, write [chunks, C, K] and M [chunks, C, C] in `dtype`, decay
-    [chunks, K] and L [chunks, C, C] float32), what `factors.factors_triton` and `intra_triton`
-    return, computed by the same formulas (the factors' cumulative sums taken per sub-block and
-    added, so they differ from `factors_triton`'s by float32 rounding)."""
-    size, key_dim = padded_chunk_size(tokens.chunk_size), q.shape[-1]
-    chunks = tokens.programs(q)
-    read, rhs, write = (q.new_empty(chunks, size, key_dim, dtype=dtype) for _ in "rhw")
-    decay = q.new_empty(chunks, key_dim, dtype=torch.float32)
-    lower, attend = _launch_fwd(q, a, b, g, precision, tokens, scale, DIAGONAL_FACTOR_BOUND,
-                                dtype, (read, rhs, write, decay))  # fmt: skip
-    return read, rhs, write, decay, lower, attend
-
-
-def _launch_fwd(q, a, b, g, precision, tokens, scale, factor_bound, attend_dtype, factors=None):
-    """L [chunks, C, C] float32 and M in `attend_dtype`; with `factors` (read, rhs, write,
-    decay), the factors written there in the same launch."""
     size = padded_chunk_size(tokens.chunk_size)
     key_dim = q.shape[-1]
     chunks = tokens.programs(q)
     lower = q.new_empty(chunks, size, size, dtype=torch.float32)
     attend = q.new_empty(chunks, size, size, dtype=attend_dtype)
-    # Without factors the four pointers are never read: L stands in for them.
-    pointers = factors if factors is not None else (lower,) * 4
     _intra_fwd[(chunks, size // SUB_BLOCK)](
-        q, a, b, g, lower, attend, *pointers, *tokens.args(), scale, K=key_dim, C=size,
+        q, a, b, g, lower, attend, *tokens.args(), scale, K=key_dim, C=size,
         BK=key_block(key_dim), BT=SUB_BLOCK, G_HEAD=_g_head(q, g), PRECISION=precision,
         BOUND=factor_bound_for(q.dtype, factor_bound), LOW_DOTS=intra_low_dots(q.dtype),
-        FACTORS=factors is not None, **INTRA_LAUNCH,
+        **INTRA_LAUNCH,
     )  # fmt: skip
+    # Chunked inputs: their own leading shape. (Not told by one chunk of one head: token-major
+    # inputs of one head and T <= C are that too, and were reshaped as chunks.)
+    if chunked:
+        lead = q.shape[:-2]
+        return lower.view(*lead, size, size), attend.view(*lead, size, size)
     return lower, attend
 
 
