@@ -53,7 +53,7 @@ import deltalab.layers.kdn as kdn_layers
 from deltalab.models.lm import CausalLM
 from deltalab.models.presets import build_config
 from deltalab.ops import _recompute
-from deltalab.ops._recompute import recipe_of
+from deltalab.ops._recompute import Recipe, recipe_of
 from deltalab.ops._triton import triton_unavailable_reason
 from deltalab.ops.delta_rule.chunk import padded_chunk_size
 
@@ -201,7 +201,25 @@ class Audit:
             self.add_new(q.shape[:3], torch.float32, f"{kernel} logsumexp")
             return o
 
+        real_pack, real_unpack = _recompute._pack, _recompute._unpack
+
+        def rebuild_pack(t: torch.Tensor):
+            # Inside `rebuilt_in_backward` its hooks replace this audit's: a tensor kept there
+            # is recorded as any other save, one made again as the tensors its recipe holds.
+            if self.quiet:
+                return real_pack(t)
+            recipe = recipe_of(t)
+            if recipe is None:
+                return self.pack(t)
+            for i, held in enumerate(recipe.tensors()):
+                self.add_tensor(held, kernel=False, origin=f"{self.origin()} rebuilt: arg {i}")
+            return recipe
+
+        def rebuild_unpack(packed):
+            return packed() if isinstance(packed, Recipe) else self.unpack(packed)
+
         handles = []
+        _recompute._pack, _recompute._unpack = rebuild_pack, rebuild_unpack
         for i, block in enumerate(self.model.model.blocks):
             name = f"block{i}"
             enter = block.register_forward_pre_hook(lambda *_, n=name: setattr(self, "block", n))
@@ -214,6 +232,7 @@ class Audit:
         finally:
             common.delta_rule = real_delta_rule
             attention_module.F = F
+            _recompute._pack, _recompute._unpack = real_pack, real_unpack
             for handle in handles:
                 handle.remove()
 

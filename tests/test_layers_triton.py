@@ -191,16 +191,22 @@ def test_gate_sensitivity_probes_run_the_convolutions_of_triton_layers_on_conv1d
     assert {m.backend for m in model.modules() if isinstance(m, DeltaMixer)} == {"triton"}
 
 
+# The gated norm's gate, a low-rank projection's output (`DeltaMixer.output_gate`): the norm
+# saves it as rows (`rebuildable_as`), whose recipe makes the gate again.
+GATE = ["reshaped", "low_rank_gate"]
+
+
 @needs_triton
 @pytest.mark.parametrize(
     ("mixer", "rebuilt"),
     [
-        ("gdn2", ["sigmoid_gate", "sigmoid_gate", "log_decay"]),
-        ("kda", ["mul", "log_decay"]),
-        ("muir", ["read_query", "sigmoid_gate", "sigmoid_gate", "log_decay"]),
+        ("gdn2", [*GATE, "sigmoid_gate", "sigmoid_gate", "log_decay"]),
+        ("kda", [*GATE, "mul", "log_decay"]),
+        ("muir", [*GATE, "read_query", "sigmoid_gate", "sigmoid_gate", "log_decay"]),
         # The gain keeps g too: it rebuilds it as well, so that no one keeps it.
-        ("kdn_diag", ["log_decay", "log_decay"]),
-        ("kdn_iso", ["mul", "log_decay", "log_decay"]),
+        ("kdn_diag", [*GATE, "log_decay", "log_decay"]),
+        ("kdn_iso", [*GATE, "mul", "log_decay", "log_decay"]),
+        ("deltanet", ["mul"]),  # a full-rank output gate: kept
     ],
 )
 @pytest.mark.parametrize("checkpoint_blocks", [False, True], ids=["", "checkpointed-blocks"])
@@ -209,9 +215,10 @@ def test_delta_rule_inputs_made_by_cheap_ops_are_rebuilt_in_the_backward_not_kep
 ):
     """On the Triton kernels the delta rule's Function saves q, a, b, u, g: those a gate product,
     the read gate or the log decay made (`rebuildable`) are made again in the backward from what
-    those ops keep (Diagonal KDN's g also for its gain, which saves it too), with the same loss
-    and gradients bit for bit; under activation checkpointing of the blocks nothing is (the
-    checkpoint keeps none of them)."""
+    those ops keep (Diagonal KDN's g also for its gain, which saves it too), and so is the
+    low-rank output gate the gated norm saves (first, its backward runs first), with the same
+    loss and gradients bit for bit; under activation checkpointing of the blocks nothing is
+    (the checkpoint keeps none of them)."""
     from deltalab.ops import _recompute
 
     made = []

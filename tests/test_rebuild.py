@@ -15,7 +15,13 @@ import torch
 
 from deltalab.models import CausalLM, build_config
 from deltalab.ops import _recompute
-from deltalab.ops._recompute import Recipe, rebuildable, rebuilt_in_backward, without_rebuild
+from deltalab.ops._recompute import (
+    Recipe,
+    rebuildable,
+    rebuildable_as,
+    rebuilt_in_backward,
+    without_rebuild,
+)
 
 
 class _Square(torch.autograd.Function):
@@ -146,3 +152,32 @@ def test_models_train_to_the_same_gradients_with_and_without_rebuilding(monkeypa
         results[rebuild] = [loss.detach(), *(p.grad.clone() for p in model.parameters())]
     for a, b in zip(results[True], results[False], strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_reshaped_marked_tensor_is_rebuilt_in_its_own_shape(generator):
+    """`rebuildable_as`: what an op saves in a marked tensor's place, reshaped (the norms' rows),
+    is rebuilt as the recipe's tensor in that shape; an unmarked source marks nothing."""
+    x, y, product = _marked_product(generator)
+    rows = rebuildable_as(product.view(5, 1), product)
+    recipe = _recompute.recipe_of(rows)
+    assert recipe is not None and torch.equal(recipe(), rows)
+    plain = x * y
+    assert _recompute.recipe_of(rebuildable_as(plain.view(5, 1), plain)) is None
+    assert rebuildable_as(product, product) is product
+
+
+@pytest.mark.parametrize(("mixer", "rebuilt"), [("gdn2", True), ("kda", True), ("deltanet", False)])
+def test_a_low_rank_output_gate_reaches_the_gated_norm_as_its_recipe(mixer, rebuilt):
+    """The gated output norm keeps a low-rank gate (`hidden -> rank -> H*V`) as its recipe, made
+    again from the first factor's output that the second factor's backward keeps (the torch
+    path here; the Triton norm in tests/test_layers_triton.py); a full-rank gate (DeltaNet's) is
+    kept. The gradients stay the same bit for bit (the model test above)."""
+    torch.manual_seed(0)
+    model = CausalLM(build_config("tiny", mixer=mixer, num_layers=1))
+    ids = torch.randint(0, model.config.vocab_size, (2, 24))
+    packed = _packed(lambda: model(input_ids=ids, labels=ids).loss)
+    gates = [p for p in packed if isinstance(p, Recipe) and p.fn.__name__ == "low_rank_gate"]
+    assert len(gates) == (1 if rebuilt else 0)
+    if rebuilt:
+        layer = model.model.blocks[0].mixer
+        assert gates[0]().shape == (2, 24, layer.num_heads, layer.value_dim)

@@ -41,7 +41,7 @@ from deltalab.ops._checks import (
     require_rank,
     require_shape,
 )
-from deltalab.ops._recompute import rebuilt_in_backward, recomputed
+from deltalab.ops._recompute import rebuildable, rebuilt_in_backward, recomputed
 from deltalab.ops.delta_rule import (
     BACKENDS,
     delta_rule,
@@ -782,6 +782,27 @@ class DeltaMixer(nn.Module, abc.ABC):
             v = v.unflatten(-1, (heads, self.value_dim))
             conv = (conv_q, conv_k, conv_v)
             o, new_state = self.recurrence(x, q, k, v, state, conv, return_gates, mask)
-            gate = project(self.g_proj, x).unflatten(-1, (heads, self.value_dim))
-            y = self.o_proj(self.o_norm(o, gate, backend=norm_backend).flatten(-2))
-            return y, new_state
+            gate = self.output_gate(x)
+            # The norm keeps the gate for its backward unless the gate is made again there
+            # (a low-rank gate, `output_gate`).
+            with rebuilt_in_backward():
+                normed = self.o_norm(o, gate, backend=norm_backend)
+            return self.o_proj(normed.flatten(-2)), new_state
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """The output gate `[B, T, H, V]` from x `[B, T, D]` (inside the forward's
+        `sharing_autocast_input` block). A low-rank gate `hidden -> rank -> H*V` is marked
+        `rebuildable` from its first factor's output, which the second factor's backward keeps
+        anyway: the gated norm then does not keep the gate (`rebuilt_in_backward`), and its
+        backward makes it again, one rank x H*V product, saving H*V 16-bit values a token and
+        layer (benchmarks/memory_audit.py). A full-rank gate would cost a D x H*V product again
+        and is kept."""
+        proj, shape = self.g_proj, (self.num_heads, self.value_dim)
+        if not (isinstance(proj, nn.Sequential) and len(proj) == 2):
+            return project(proj, x).unflatten(-1, shape)
+        inner = project(proj[0], x)
+
+        def low_rank_gate(inner: torch.Tensor) -> torch.Tensor:
+            return proj[1](inner).unflatten(-1, shape)
+
+        return rebuildable(low_rank_gate(inner), low_rank_gate, inner)

@@ -102,6 +102,20 @@ def rebuildable_product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return rebuildable(x * y, torch.mul, x, y)
 
 
+def rebuildable_as(t: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """t, the elements of `source` in t's shape (a reshaped view or copy that an op saves in
+    source's place), marked `rebuildable` as source's rebuilt tensor reshaped when source is
+    marked; t unmarked otherwise."""
+    recipe = recipe_of(source)
+    if recipe is None or t is source:
+        return t
+    return rebuildable(t, _reshaped, recipe, t.shape)
+
+
+def _reshaped(recipe: Recipe, shape: torch.Size) -> torch.Tensor:
+    return recipe().reshape(shape)
+
+
 def recipe_of(t: torch.Tensor) -> Recipe | None:
     """The recipe `rebuilt_in_backward` would keep in t's place now, or None (unmarked, changed
     in place since, or rebuilding off)."""

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltalab.ops._recompute import rebuildable_as
 from deltalab.ops._triton import (
     as_rows,
     opaque_to_compiler,
@@ -254,8 +255,9 @@ def rms_norm_triton(
     if x.numel() == 0:
         return rms_norm_naive(x, weight, eps, gate, activation).to(out_dtype)
     x2 = as_rows(x)
-    # Contiguous (as the layers' gates are already): dgate is written in the same layout.
-    gate2 = None if gate is None else as_rows(gate).contiguous()
+    # Contiguous (as the layers' gates are already): dgate is written in the same layout. A
+    # gate the backward makes again stays so in rows (`rebuildable_as`).
+    gate2 = None if gate is None else rebuildable_as(as_rows(gate).contiguous(), gate)
     y = _Norm.apply(x2, weight, gate2, float(eps), True, activation, out_dtype, False)
     return y.view(x.shape)
 
