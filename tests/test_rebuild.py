@@ -181,3 +181,73 @@ def test_a_low_rank_output_gate_reaches_the_gated_norm_as_its_recipe(mixer, rebu
     if rebuilt:
         layer = model.model.blocks[0].mixer
         assert gates[0]().shape == (2, 24, layer.num_heads, layer.value_dim)
+
+
+def _gate_recipes(model, ids):
+    packed = _packed(lambda: model(input_ids=ids, labels=ids).loss)
+    return [p for p in packed if isinstance(p, Recipe) and p.fn.__name__ == "low_rank_gate"]
+
+
+def test_a_gate_parameter_changed_before_the_backward_fails_instead_of_rebuilding_another_gate():
+    """The recipe holds the second factor's weight and bias, not the module: a bias updated in
+    place between forward and backward (which the factor's own backward never reads) fails the
+    version check, naming the argument, instead of giving the gradients of another gate."""
+    torch.manual_seed(0)
+    model = CausalLM(build_config("tiny", mixer="gdn2", num_layers=1))
+    ids = torch.randint(0, model.config.vocab_size, (2, 24))
+    loss = model(input_ids=ids, labels=ids).loss
+    with torch.no_grad():
+        model.model.blocks[0].mixer.g_proj[1].bias.add_(0.5)
+    with pytest.raises(RuntimeError, match=r"argument 2 of 'low_rank_gate'.*modified in place"):
+        loss.backward()
+
+
+def test_a_replaced_gate_weight_still_rebuilds_the_gate_the_forward_used(monkeypatch):
+    """A Parameter swapped in after the forward does not enter the rebuilt gate: the
+    gradients are those of the gate the forward made, bit for bit."""
+    torch.manual_seed(0)
+    model = CausalLM(build_config("tiny", mixer="gdn2", num_layers=1))
+    ids = torch.randint(0, model.config.vocab_size, (2, 24))
+    second = model.model.blocks[0].mixer.g_proj[1]
+    grads = {}
+    for rebuild in (False, True):
+        monkeypatch.setattr(_recompute, "REBUILD_IN_BACKWARD", rebuild)
+        model.zero_grad()
+        original = second.weight
+        loss = model(input_ids=ids, labels=ids).loss
+        second.weight = torch.nn.Parameter(original.detach() + 1.0)
+        loss.backward()
+        second.weight = original
+        grads[rebuild] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    for a, b in zip(grads[True], grads[False], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("second", ["dropout", "hooked linear", "linear subclass"])
+def test_a_gate_whose_second_factor_is_not_a_plain_linear_is_kept(second):
+    """Only a hook-free `nn.Linear` second factor is made again: a random one (dropout), one
+    with hooks (which may change its output or count its calls) or a subclass (LoRA-style
+    wrappers) is kept, so its forward runs once and its gradients stay those of its forward."""
+    torch.manual_seed(0)
+    model = CausalLM(build_config("tiny", mixer="gdn2", num_layers=1))
+    ids = torch.randint(0, model.config.vocab_size, (2, 24))
+    proj = model.model.blocks[0].mixer.g_proj
+    assert len(_gate_recipes(model, ids)) == 1  # the plain low-rank gate is rebuilt
+    calls = []
+    if second == "dropout":
+        proj[1] = torch.nn.Sequential(proj[1], torch.nn.Dropout(0.1))
+    elif second == "hooked linear":
+        proj[1].register_forward_hook(lambda *_: calls.append(1))
+    else:
+
+        class Scaled(torch.nn.Linear):
+            def forward(self, x):
+                return 2 * super().forward(x)
+
+        scaled = Scaled(proj[1].in_features, proj[1].out_features)
+        scaled.load_state_dict(proj[1].state_dict())
+        proj[1] = scaled
+    assert _gate_recipes(model, ids) == []
+    if second == "hooked linear":
+        model(input_ids=ids, labels=ids).loss.backward()
+        assert len(calls) == 2  # the spy's forward and this one: none in the backward

@@ -791,18 +791,47 @@ class DeltaMixer(nn.Module, abc.ABC):
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         """The output gate `[B, T, H, V]` from x `[B, T, D]` (inside the forward's
-        `sharing_autocast_input` block). A low-rank gate `hidden -> rank -> H*V` is marked
-        `rebuildable` from its first factor's output, which the second factor's backward keeps
-        anyway: the gated norm then does not keep the gate (`rebuilt_in_backward`), and its
-        backward makes it again, one rank x H*V product, saving H*V 16-bit values a token and
-        layer (benchmarks/memory_audit.py). A full-rank gate would cost a D x H*V product again
-        and is kept."""
+        `sharing_autocast_input` block). A low-rank gate `hidden -> rank -> H*V` whose second
+        factor is a plain `nn.Linear` is marked `rebuildable` from its first factor's output,
+        which the second factor's backward keeps anyway: the gated norm then does not keep the
+        gate (`rebuilt_in_backward`), and its backward makes it again, one rank x H*V product,
+        saving H*V 16-bit values a token and layer (benchmarks/memory_audit.py). A full-rank gate
+        would cost a D x H*V product again and is kept."""
         proj, shape = self.g_proj, (self.num_heads, self.value_dim)
-        if not (isinstance(proj, nn.Sequential) and len(proj) == 2):
+        if not _low_rank_linear(proj):
             return project(proj, x).unflatten(-1, shape)
         inner = project(proj[0], x)
+        second = proj[1]
+        gate = second(inner).unflatten(-1, shape)
+        # The recipe holds the weight and bias the forward used, not the module: a parameter
+        # replaced or updated in place before the backward then fails the recipe's version
+        # check (as for any saved tensor) instead of rebuilding another gate.
+        return rebuildable(gate, low_rank_gate, inner, second.weight, second.bias, shape)
 
-        def low_rank_gate(inner: torch.Tensor) -> torch.Tensor:
-            return proj[1](inner).unflatten(-1, shape)
 
-        return rebuildable(low_rank_gate(inner), low_rank_gate, inner)
+def _low_rank_linear(proj: nn.Module) -> bool:
+    """Whether `proj` is a low-rank product `Sequential(first, nn.Linear)` whose second factor's
+    output `F.linear` makes again bit for bit: exactly an `nn.Linear` (not a subclass, wrapper or
+    parametrized copy, as LoRA, spectral norm or FSDP per module make it) with no hooks (which
+    may change its output, or count its calls)."""
+    if not (isinstance(proj, nn.Sequential) and len(proj) == 2):
+        return False
+    second = proj[1]
+    hooks = (
+        second._forward_hooks,
+        second._forward_pre_hooks,
+        second._backward_hooks,
+        second._backward_pre_hooks,
+    )
+    return type(second) is nn.Linear and not any(hooks)
+
+
+def low_rank_gate(
+    inner: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    shape: tuple[int, int],
+) -> torch.Tensor:
+    """A low-rank gate's second factor again (`DeltaMixer.output_gate`'s recipe): nn.Linear's
+    own forward, so the same values bit for bit."""
+    return F.linear(inner, weight, bias).unflatten(-1, shape)
