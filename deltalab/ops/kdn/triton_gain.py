@@ -78,7 +78,12 @@ from deltalab.ops.mobius.triton import _compose, _normalize, _then_affine
 # the forward at 2048 elements takes 128 registers at K = 128, 112 at K = 256, and spilled 16
 # bytes at K = 64 (32 tokens), hence at most 16 tokens; the backward at 2048 takes 186-254
 # (at 1024 elements and 8 warps ptxas capped it at 128 and spilled). To be tuned on the GPU.
-LAUNCH = {"forward": (2048, 16, 8), "backward": (2048, 32, 8)}
+LAUNCH = {
+    "chunk_maps": (2048, 16, 8),
+    "forward": (2048, 16, 8),
+    "chunk_adjoints": (2048, 32, 8),
+    "backward": (2048, 32, 8),
+}
 
 
 @triton.jit
@@ -440,9 +445,9 @@ def _kdn_diag_gain_chunk_ends_kernel(MAPS, PI_END, PARTS, KD, BLOCK_K: tl.conste
 
 
 def launch(key_dim: int, length: int, kernel: str) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_K, warps) of `kernel` ("forward" or "backward"): every channel of a head,
-    and as many tokens as fill its tile (at least 2, at most its row limit and T rounded up to
-    a power of 2)."""
+    """(BLOCK_T, BLOCK_K, warps) of `kernel` (a key of LAUNCH): every channel of a head, and as
+    many tokens as fill its tile (at least 2, at most its row limit and T rounded up to a power
+    of 2)."""
     tile, rows, warps = LAUNCH[kernel]
     block_k = triton.next_power_of_2(key_dim)
     block_t = max(2, min(tile // block_k, rows, triton.next_power_of_2(length)))
@@ -483,17 +488,30 @@ def chunk_tokens(batch_heads: int, length: int, block_t: int) -> int:
     return max(want, SPLIT_GAIN_MIN_CHUNK, block_t)
 
 
-def _chunks(
-    batch_heads: int, length: int, block_t: int, split: bool, chunk: int | None
-) -> tuple[int, int, int]:
-    """(BLOCK_T, CHUNK, chunks) of one direction: one chunk of T (rounded up to the tile) without
-    the split, or when T fits a chunk."""
+def _plan(
+    batch_heads: int,
+    length: int,
+    key_dim: int,
+    kernels: tuple[str, str],
+    block_t: int | None,
+    split: bool,
+    chunk: int | None,
+) -> tuple[tuple[int, int], int, tuple[int, int], int, int]:
+    """One direction's launches: ((BLOCK_T of each of `kernels`: the rescan, then the chunks'
+    composed maps), BLOCK_K, (their warps), CHUNK, chunks). `block_t` overrides both tiles. One
+    chunk of T (rounded up to the rescan's tile) without the split, or when T fits a chunk;
+    split, the chunk is a multiple of both tiles (powers of 2, each at most the chunk)."""
+    launches = [launch(key_dim, length, kernel) for kernel in kernels]
+    tiles = [block_t or t for t, _, _ in launches]
+    warps = (launches[0][2], launches[1][2])
+    block_k = launches[0][1]
     if split:
-        chunk = chunk or chunk_tokens(batch_heads, length, block_t)
-        block_t = min(block_t, chunk)  # powers of 2: the chunk is a multiple of the tile
+        chunk = chunk or chunk_tokens(batch_heads, length, max(tiles))
+        tiles = [min(t, chunk) for t in tiles]
         if chunk < length:
-            return block_t, chunk, triton.cdiv(length, chunk)
-    return block_t, triton.cdiv(length, block_t) * block_t, 1
+            return (tiles[0], tiles[1]), block_k, warps, chunk, triton.cdiv(length, chunk)
+    whole = triton.cdiv(length, tiles[0]) * tiles[0]
+    return (tiles[0], tiles[1]), block_k, warps, whole, 1
 
 
 class _KDNDiagGain(torch.autograd.Function):
@@ -502,9 +520,10 @@ class _KDNDiagGain(torch.autograd.Function):
         # k, q_noise: contiguous [B, T, H, K]; g: [B, T, H, K] or [B, T, H]; r: [B, T, H];
         # p_prior: [B, H, K]; all float32, validated.
         batch, length, heads, key_dim = k.shape
-        tile_t, block_k, warps = launch(key_dim, length, "forward")
         bh = batch * heads
-        tile_t, chunk_t, parts = _chunks(bh, length, block_t or tile_t, split, chunk)
+        (tile_t, maps_t), block_k, (warps, maps_warps), chunk_t, parts = _plan(
+            bh, length, key_dim, ("forward", "chunk_maps"), block_t, split, chunk
+        )
         g_head = g.dim() == 3
         # Every element is written by the kernel: no fill pass.
         gain, p = torch.empty_like(k), torch.empty_like(k)
@@ -514,7 +533,7 @@ class _KDNDiagGain(torch.autograd.Function):
             maps = k.new_empty(bh, parts, 4, key_dim)
             _kdn_diag_gain_chunk_maps_kernel[(bh, parts)](
                 k, g, q_noise, r, maps, length, heads, key_dim, scale, chunk_t, G_HEAD=g_head,
-                BLOCK_T=tile_t, BLOCK_K=block_k, num_warps=warps,
+                BLOCK_T=maps_t, BLOCK_K=block_k, num_warps=maps_warps,
             )  # fmt: skip
             starts = k.new_empty(bh, parts, key_dim)
             _kdn_diag_gain_chunk_starts_kernel[(bh,)](
@@ -537,9 +556,10 @@ class _KDNDiagGain(torch.autograd.Function):
     def backward(ctx, d_gain, d_p, d_pred):
         k, g, q_noise, r, p_prior, p = ctx.saved_tensors
         batch, length, heads, key_dim = k.shape
-        tile_t, block_k, warps = launch(key_dim, length, "backward")
         bh = batch * heads
-        tile_t, chunk_t, parts = _chunks(bh, length, ctx.block_t or tile_t, ctx.split, ctx.chunk)
+        (tile_t, adj_t), block_k, (warps, adj_warps), chunk_t, parts = _plan(
+            bh, length, key_dim, ("backward", "chunk_adjoints"), ctx.block_t, ctx.split, ctx.chunk
+        )
         g_head = g.dim() == 3
         d_gain = torch.zeros_like(k) if d_gain is None else d_gain.contiguous()
         d_pred = r.new_zeros(r.shape) if d_pred is None else d_pred.contiguous()
@@ -554,8 +574,8 @@ class _KDNDiagGain(torch.autograd.Function):
             maps = k.new_empty(bh, parts, 2, key_dim)
             _kdn_diag_gain_chunk_adjoints_kernel[(bh, parts)](
                 k, g, q_noise, r, p_prior, p, d_gain, d_p, d_pred, maps, length, heads,
-                key_dim, ctx.scale, chunk_t, G_HEAD=g_head, HAS_DP=has_dp, BLOCK_T=tile_t,
-                BLOCK_K=block_k, num_warps=warps,
+                key_dim, ctx.scale, chunk_t, G_HEAD=g_head, HAS_DP=has_dp, BLOCK_T=adj_t,
+                BLOCK_K=block_k, num_warps=adj_warps,
             )  # fmt: skip
             ends = k.new_empty(bh, parts, key_dim)
             _kdn_diag_gain_chunk_ends_kernel[(bh,)](
