@@ -22,6 +22,10 @@ and of forward+backward (and peak CUDA memory of forward+backward, MiB):
 - a sweep of the fused scan's launch configurations (BLOCK_T, BLOCK_L) at both lane counts, to
   tune `deltalab.ops.mobius.triton.launch_config` (the default is marked).
 
+`--gain-launches` runs only a sweep of the split diagonal gain's launches at B=4 T=4096 H=16: each
+of its four kernels' (BLOCK_T, warps) in turn, the others at their defaults
+(`triton_gain.LAUNCH`), with the inputs in --dtype as the KDN mixers pass them.
+
 Inputs are random (unit keys, decays in [-1, 0], q_noise in [0, 0.1], r in [0.01, 1.01]), never
 zeros. The JSON written to --out holds every number printed.
 """
@@ -51,6 +55,10 @@ TINY_SWEEP = [(16, 1), (16, 4)]
 # Tokens per program of the diagonal gain split over T (triton_gain.chunk_tokens's default marked).
 SPLIT_CHUNKS = [64, 128, 256, 512, 1024]
 TINY_SPLIT_CHUNKS = [4, 8]
+# The diagonal gain's launches (--gain-launches): (BLOCK_T, warps) of one of its four kernels
+# (triton_gain.LAUNCH's keys) at a time, the others at their defaults, split over T.
+GAIN_LAUNCHES = [(bt, w) for bt in (8, 16, 32) for w in (2, 4, 8)]
+TINY_GAIN_LAUNCHES = [(2, 1), (4, 2)]
 # What kdn_*(backend="triton") hands delta_rule: "triton" once delta_rule has it, else "chunk".
 MEMORY_BACKEND = "triton" if "triton" in DELTA_RULE_BACKENDS else "chunk"
 
@@ -249,6 +257,66 @@ def bench_shape(shape, args, device: str, dtype: torch.dtype) -> dict:
     }
 
 
+def gain_launch_sweep(shape, args, device: str, dtype: torch.dtype) -> list[dict]:
+    """The split diagonal gain's times with each kernel's (BLOCK_T, warps) from GAIN_LAUNCHES,
+    one kernel at a time (the forward's two kernels move the forward's time, the backward's two
+    the backward's), on the inputs in `dtype` as the KDN mixers pass them (the gain in k's
+    dtype)."""
+    from deltalab.ops.kdn import triton_gain
+
+    batch, length, heads, dim = shape
+    x = make_inputs(shape, device, dtype, torch.Generator().manual_seed(0))
+    gates = [x[n] for n in ("k", "g", "q_noise", "r")]
+    p_prior = torch.ones(batch, heads, dim, device=device)
+    chunk = 8 if args.tiny else None
+    block_k = 1 << (dim - 1).bit_length()
+    default = dict(triton_gain.LAUNCH)
+
+    def gain(*a):
+        return kdn_diag_gain(*a, float(dim), split=True, chunk=chunk, gain_dtype=dtype)[0]
+
+    sweep = [{"kernel": "(all defaults)", **time_op(gain, [*gates, p_prior], args.repeats, device)}]
+    try:
+        for kernel in default:
+            for block_t, warps in TINY_GAIN_LAUNCHES if args.tiny else GAIN_LAUNCHES:
+                triton_gain.LAUNCH = {**default, kernel: (block_t * block_k, block_t, warps)}
+                timing = time_op(gain, [*gates, p_prior], args.repeats, device)
+                chosen = launch(dim, length, kernel) == launch_default(default, dim, length, kernel)
+                sweep.append(
+                    {"kernel": kernel, "BLOCK_T": block_t, "warps": warps,
+                     "default": chosen, **timing}
+                )  # fmt: skip
+    finally:
+        triton_gain.LAUNCH = default
+    return sweep
+
+
+def launch_default(default: dict, dim: int, length: int, kernel: str) -> tuple[int, int, int]:
+    """`launch` under the LAUNCH table `default`."""
+    from deltalab.ops.kdn import triton_gain
+
+    saved, triton_gain.LAUNCH = triton_gain.LAUNCH, default
+    try:
+        return launch(dim, length, kernel)
+    finally:
+        triton_gain.LAUNCH = saved
+
+
+def print_gain_launches(sweep: list[dict]) -> None:
+    headers = ["diag_gain kernel", "BLOCK_T", "warps", "fwd ms", "fwd+bwd ms"]
+    table = [
+        [
+            s["kernel"] + (" (default)" if s.get("default") else ""),
+            s.get("BLOCK_T", "-"),
+            s.get("warps", "-"),
+            s["fwd_ms"],
+            s["fwd_bwd_ms"],
+        ]
+        for s in sweep
+    ]
+    print(format_table(headers, table))
+
+
 def print_shape(result: dict) -> None:
     print(f"\nB={result['B']} T={result['T']} H={result['H']} K=V={result['K']}")
     headers = ["op", "fwd ms", "fwd+bwd ms", "peak MiB", "fwd/dr", "fwd+bwd/dr"]
@@ -293,6 +361,11 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (interpreter smoke run)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per op")
+    parser.add_argument(
+        "--gain-launches",
+        action="store_true",
+        help="only the split diagonal gain's launch sweep, at the first shape (B=4 T=4096 H=16)",
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     args.repeats = args.repeats or (1 if args.tiny else 10)
@@ -304,6 +377,15 @@ def main() -> None:
         "repeats": args.repeats,
     }
     print(" ".join(f"{k}={v}" for k, v in header.items()))
+    if args.gain_launches:
+        shape = (TINY_SHAPES if args.tiny else SHAPES)[0]
+        sweep = gain_launch_sweep(shape, args, device, dtype)
+        print(f"\nB, T, H, K = {shape}")
+        print_gain_launches(sweep)
+        with open(args.out, "w") as f:
+            json.dump({**header, "shape": shape, "gain_launches": sweep}, f, indent=1)
+        print(f"\nwrote {args.out}")
+        return
     results = []
     for shape in TINY_SHAPES if args.tiny else SHAPES:
         results.append(bench_shape(shape, args, device, dtype))

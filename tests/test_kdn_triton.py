@@ -503,3 +503,66 @@ def test_diag_gain_takes_the_fused_kernel_at_every_size_by_default(monkeypatch):
     inputs = gain_inputs(11, (1, 5, 1, 3), extremes=False)
     diag_gain(*(x.to(DEVICE, F32) for x in inputs), 3.0, "triton")
     assert calls == [(1, 5, 1, 3)]
+
+
+# 16-bit inputs on the Triton route: float16 under the interpreter (numpy has it), bf16 too on
+# the GPU (tests/test_cuda.py times nothing; this is the correctness side).
+SIXTEEN_BIT = [torch.float16, *([torch.bfloat16] if CUDA else [])]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", SIXTEEN_BIT, ids=str)
+@pytest.mark.parametrize("variant", ["iso", "diag"])
+def test_16_bit_kdn_inputs_reach_the_gain_kernels_uncast_and_match_float64(
+    monkeypatch, variant, dtype
+):
+    """kdn_iso / kdn_diag on Triton with 16-bit q, k, v, g, q_noise, r: the gain kernels read k,
+    g (and Diagonal's q_noise, r) in their own dtype (no float32 copies), the Diagonal gain
+    comes back in k's dtype for the delta rule, and the output, final state and every gradient
+    match the float64 chunk path on the same (rounded) inputs within the dtype's tolerance;
+    the gradients come back in the inputs' dtypes."""
+    from deltalab.ops import kdn_diag, kdn_iso
+    from deltalab.ops.kdn import triton_gain
+
+    seen = []
+    name = "kdn_diag_gain" if variant == "diag" else "kdn_iso_terms"
+    original = getattr(triton_gain, name)
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        seen.append(([a.dtype for a in args if isinstance(a, torch.Tensor)], out[0].dtype))
+        return out
+
+    monkeypatch.setattr(triton_gain, name, spy)
+    gen = torch.Generator().manual_seed(31)
+    args = kdn_inputs(gen, (2, 19, 2, 8, 8), variant=variant)
+    args["k"] = torch.nn.functional.normalize(args["k"], dim=-1)
+    low = {n: (x.to(dtype) if n != "p0" else x.float()) for n, x in args.items()}
+    fn = kdn_diag if variant == "diag" else kdn_iso
+    results = {}
+    for label, inputs, backend in [
+        ("triton", {n: x.to(DEVICE) for n, x in low.items()}, "triton"),
+        ("float64", {n: x.double() for n, x in low.items()}, "chunk"),
+    ]:
+        leaves = {n: x.detach().requires_grad_() for n, x in inputs.items()}
+        o, (memory, precision) = fn(**leaves, backend=backend, output_final_state=True)
+        weights = torch.randn(o.shape, generator=torch.Generator().manual_seed(5), dtype=F64)
+        loss = (o.double() * weights.to(o.device)).sum() + memory.double().sum()
+        loss.backward()
+        grads = {n: x.grad for n, x in leaves.items()}
+        results[label] = (o, memory, precision, grads)
+    inputs_seen, out_dtype = seen[0]
+    # iso: k, g, then r cast (its terms are [B, T, H]); diag: k, g, q_noise, r, then p_prior.
+    expected = [dtype, dtype, F32] if variant == "iso" else [dtype] * 4 + [F32]
+    assert inputs_seen == expected
+    assert out_dtype == (dtype if variant == "diag" else F32)
+    o, memory, precision, grads = results["triton"]
+    o64, memory64, precision64, grads64 = results["float64"]
+    assert o.dtype == dtype and memory.dtype == precision.dtype == F32
+    tol = TOLERANCE[dtype]
+    assert_close(o, o64, tol, "o")
+    assert_close(memory, memory64, tol, "final memory")
+    assert_close(precision, precision64, tol, "final precision")
+    for n, grad in grads.items():
+        assert grad.dtype == low[n].dtype, n
+        assert_close(grad, grads64[n], tol, f"d/d{n}")

@@ -118,13 +118,18 @@ def iso_gain(
     info_scale: float,
     scan: str,
 ) -> Gains:
-    """Validated inputs in one dtype: k `[B, T, H, K]`, g `[B, T, H(, K)]`, q_noise, r
-    `[B, T, H]`, p_prior `[B, H]`; `scan` a resolved Mobius backend. Returns beta, p and
-    predictive, all `[B, T, H]`."""
-    terms = iso_terms
-    if scan == "triton" and k.dtype != torch.float64:
-        # The reductions over K by one kernel each way (triton_gain.py); float64 stays here.
+    """Validated inputs, each in its own float dtype: k `[B, T, H, K]`, g `[B, T, H(, K)]`,
+    q_noise, r `[B, T, H]`, p_prior `[B, H]`; `scan` a resolved Mobius backend. Computes in the
+    state dtype (float64 when any input is, else float32). Returns beta, p and predictive, all
+    `[B, T, H]` in it."""
+    dtype = state_dtype(k, g, q_noise, r, p_prior)
+    q_noise, r, p_prior = (x.to(dtype) for x in (q_noise, r, p_prior))
+    if scan == "triton" and dtype != torch.float64:
+        # The reductions over K by one kernel each way (triton_gain.py), which reads k and g
+        # as they come (16-bit: no float32 copies of [B, T, H, K]); float64 stays here.
         from deltalab.ops.kdn.triton_gain import kdn_iso_terms as terms
+    else:
+        k, g, terms = k.to(dtype), g.to(dtype), iso_terms
     decay2, norm2, evidence = terms(k, g, r, info_scale)
     p, p_bar = _variance_scan(decay2, q_noise, evidence, p_prior, scan)
     beta, predictive = iso_beta(p_bar, norm2, r)
@@ -159,23 +164,34 @@ def diag_gain(
     info_scale: float,
     scan: str,
     fused: bool | None = None,
+    gain_dtype: torch.dtype | None = None,
 ) -> Gains:
-    """Validated inputs in one dtype: k, q_noise `[B, T, H, K]`, g `[B, T, H(, K)]`, r
-    `[B, T, H]`, p_prior `[B, H, K]`; `scan` a resolved Mobius backend. Returns gain and p
-    `[B, T, H, K]`, predictive `[B, T, H]`. `fused` (with the Triton scan): the one-kernel
-    gain (True) or the separate ops around the Triton scan (False); None: `fused_diag_gain`."""
+    """Validated inputs, each in its own float dtype: k, q_noise `[B, T, H, K]`, g
+    `[B, T, H(, K)]`, r `[B, T, H]`, p_prior `[B, H, K]`; `scan` a resolved Mobius backend.
+    Computes in the state dtype (float64 when any input is, else float32). Returns gain and p
+    `[B, T, H, K]`, predictive `[B, T, H]`: p and predictive in the state dtype, the gain in
+    `gain_dtype` (None: the state dtype; the KDN mixers take k's, as the delta rule reads its
+    inputs in their own dtype). `fused` (with the Triton scan): the one-kernel gain (True) or
+    the separate ops around the Triton scan (False); None: `fused_diag_gain`."""
+    dtype = state_dtype(k, g, q_noise, r, p_prior)
+    gain_dtype = gain_dtype or dtype
     if fused is None:
         fused = fused_diag_gain(k)
-    if fused and scan == "triton" and k.dtype != torch.float64:
-        # One kernel each way computes the terms, the scan and the gain in registers
-        # (triton_gain.py); float64 stays on the ops below, as the kernels compute in float32.
+    if fused and scan == "triton" and dtype != torch.float64:
+        # One kernel each way computes the terms, the scan and the gain in registers, reading
+        # the inputs as they come (triton_gain.py); float64 stays on the ops below, as the
+        # kernels compute in float32.
         from deltalab.ops.kdn.triton_gain import kdn_diag_gain
 
-        return Gains(*kdn_diag_gain(k, g, q_noise, r, p_prior, info_scale))
+        gains = kdn_diag_gain(
+            k, g, q_noise, r, p_prior.to(dtype), info_scale, gain_dtype=gain_dtype
+        )
+        return Gains(*gains)
+    k, g, q_noise, r, p_prior = (x.to(dtype) for x in (k, g, q_noise, r, p_prior))
     decay2, r, evidence = diag_terms(k, g, r, info_scale)
     p, p_bar = _variance_scan(decay2, q_noise, evidence, p_prior, scan)
     gain, predictive = diag_gain_from(p_bar, k, r)
-    return Gains(gain, p, predictive)
+    return Gains(gain.to(gain_dtype), p, predictive)
 
 
 def kdn_gain_iso(
@@ -222,9 +238,10 @@ def kdn_gain_iso(
         named = {"k": k, "g": g, "q_noise": q_noise, "r": r, "p0": p0}
         require_same_device({**named, "initial_precision": initial_precision})
     scan = resolve_backend(require_choice("backend", backend, BACKENDS), k.device)
+    # In the state dtype: p_prior's (the rest may come in 16-bit, read as it is by the
+    # kernels and cast by the PyTorch path).
     dtype = state_dtype(*named.values(), initial_precision)
-    inputs = (x.to(dtype) for x in (k, g, q_noise, r, p_prior))
-    gains = iso_gain(*inputs, scale, scan)
+    gains = iso_gain(k, g, q_noise, r, p_prior.to(dtype), scale, scan)
     return _returned(gains, output_predictive)
 
 
@@ -269,9 +286,10 @@ def kdn_gain_diag(
         named = {"k": k, "g": g, "q_noise": q_noise, "r": r, "p0": p0}
         require_same_device({**named, "initial_precision": initial_precision})
     scan = resolve_backend(require_choice("backend", backend, BACKENDS), k.device)
+    # In the state dtype: p_prior's (the rest may come in 16-bit, read as it is by the
+    # kernels and cast by the PyTorch path).
     dtype = state_dtype(*named.values(), initial_precision)
-    inputs = (x.to(dtype) for x in (k, g, q_noise, r, p_prior))
-    gains = diag_gain(*inputs, scale, scan)
+    gains = diag_gain(k, g, q_noise, r, p_prior.to(dtype), scale, scan)
     return _returned(gains, output_predictive)
 
 

@@ -3,6 +3,7 @@ memory through the generalized delta rule with a = gain, b = k, u = v (docs/MATH
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -113,11 +114,15 @@ def _kdn(
         require_same_device({**named, "initial_state[1]": precision})
 
     dtype = state_dtype(*named.values(), precision)
-    inputs = [x.to(dtype) for x in (k, g, q_noise, r, p_prior)]
-    gain_fn = diag_gain if diagonal else iso_gain
     scan = scan_backend(backend, k.device)
-    gain, p_last = _packed_gains(gain_fn, *inputs, s, scan, cu)
-    write = gain if diagonal else gain.unsqueeze(-1) * inputs[0]
+    # The gain functions take the inputs in their own dtypes: the Triton kernels read 16-bit
+    # ones as they are (no float32 copies of [B, T, H, K]), the PyTorch paths cast them. The
+    # write reaches the delta rule in k's dtype on the kernels' route (its kernels read every
+    # input in its own dtype, as the KDA form's beta k), in the state dtype elsewhere.
+    write_dtype = k.dtype if scan == "triton" and dtype != torch.float64 else dtype
+    gain_fn = functools.partial(diag_gain, gain_dtype=write_dtype) if diagonal else iso_gain
+    gain, p_last = _packed_gains(gain_fn, k, g, q_noise, r, p_prior.to(dtype), s, scan, cu)
+    write = gain if diagonal else gain.to(write_dtype).unsqueeze(-1) * k.to(write_dtype)
     o, final_memory = delta_rule(
         q,
         write,

@@ -97,13 +97,15 @@ def _terms(K_, G, NOISE, R, at, head_at, ok, row_ok, scale, G_HEAD: tl.constexpr
     """a = exp(2 g), q, c = s k^2 / r and k at the [BLOCK_T, BLOCK_K] offsets `at`, and r
     [BLOCK_T] (with a per-head g) at `head_at`; masked elements are the identity map (a = 1,
     q = c = 0) with k = 0 and r = 1."""
-    k = tl.load(K_ + at, mask=ok, other=0.0)
-    q = tl.load(NOISE + at, mask=ok, other=0.0)
-    r = tl.load(R + head_at, mask=row_ok, other=1.0)
+    k = tl.load(K_ + at, mask=ok, other=0.0).to(tl.float32)
+    q = tl.load(NOISE + at, mask=ok, other=0.0).to(tl.float32)
+    r = tl.load(R + head_at, mask=row_ok, other=1.0).to(tl.float32)
     if G_HEAD:
-        g = tl.broadcast_to(tl.load(G + head_at, mask=row_ok, other=0.0)[:, None], k.shape)
+        g = tl.broadcast_to(
+            tl.load(G + head_at, mask=row_ok, other=0.0).to(tl.float32)[:, None], k.shape
+        )
     else:
-        g = tl.load(G + at, mask=ok, other=0.0)
+        g = tl.load(G + at, mask=ok, other=0.0).to(tl.float32)
     return tl.exp(2.0 * g), q, scale * k * k / r[:, None], k, r
 
 
@@ -168,7 +170,9 @@ def _kdn_diag_gain_forward_kernel(
         p_t = 1.0 / (c + 1.0 / p_bar)
         weighted = p_bar * k
         predictive = tl.sum(weighted * k, axis=1)
-        tl.store(GAIN + at, weighted / (predictive + r)[:, None], mask=ok)
+        tl.store(
+            GAIN + at, (weighted / (predictive + r)[:, None]).to(GAIN.dtype.element_ty), mask=ok
+        )
         tl.store(P + at, p_t, mask=ok)
         tl.store(PRED + head_at, predictive, mask=row_ok)
         p = tl.sum(tl.where(rows[:, None] == BLOCK_T - 1, p_t, 0.0), axis=0)
@@ -194,16 +198,16 @@ def _adjoint_rows(
     # a_{t+1} (0 past the end: no step follows, no multiplier).
     after = (t + 1 < T)[:, None] & ch_ok[None, :]
     if G_HEAD:
-        g_next = tl.load(G + head_at + H, mask=t + 1 < T, other=0.0)
+        g_next = tl.load(G + head_at + H, mask=t + 1 < T, other=0.0).to(tl.float32)
         g_next = tl.broadcast_to(g_next[:, None], k.shape)
     else:
-        g_next = tl.load(G + at + stride, mask=after, other=0.0)
+        g_next = tl.load(G + at + stride, mask=after, other=0.0).to(tl.float32)
     a_next = tl.where(after, tl.exp(2.0 * g_next), 0.0)
     # The gain's adjoint, from the recomputed p_bar, w and den.
     p_bar = a * p_prev + q
     weighted = p_bar * k
     den = tl.sum(weighted * k, axis=1) + r
-    d_gain = tl.load(DGAIN + at, mask=ok, other=0.0)
+    d_gain = tl.load(DGAIN + at, mask=ok, other=0.0).to(tl.float32)
     d_den = -tl.sum(d_gain * (weighted / den[:, None]), axis=1) / den
     d_pred = (tl.load(DPRED + head_at, mask=row_ok, other=0.0) + d_den)[:, None]
     d_weighted = d_gain / den[:, None] + d_pred * k
@@ -212,7 +216,7 @@ def _adjoint_rows(
     shrink = 1.0 / (c * p_bar + 1.0)
     slope = shrink * shrink
     if HAS_DP:
-        d_p = tl.load(DP + at, mask=ok, other=0.0)
+        d_p = tl.load(DP + at, mask=ok, other=0.0).to(tl.float32)
     else:
         d_p = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     x, e = slope * a_next, d_weighted * k + slope * d_p
@@ -268,22 +272,26 @@ def _kdn_diag_gain_backward_kernel(
         nu_p = nu * p_t
         d_c = -nu_p * p_t
         d_g = 2.0 * a * (pi * p_prev)
-        tl.store(DK + at, d_k + (d_c / r[:, None]) * (2.0 * scale * k), mask=ok)
-        tl.store(DNOISE + at, pi, mask=ok)
+        d_k += (d_c / r[:, None]) * (2.0 * scale * k)
+        tl.store(DK + at, d_k.to(DK.dtype.element_ty), mask=ok)
+        tl.store(DNOISE + at, pi.to(DNOISE.dtype.element_ty), mask=ok)
         if G_HEAD:
-            tl.store(DG + head_at, tl.sum(tl.where(ok, d_g, 0.0), axis=1), mask=row_ok)
+            d_g_head = tl.sum(tl.where(ok, d_g, 0.0), axis=1)
+            tl.store(DG + head_at, d_g_head.to(DG.dtype.element_ty), mask=row_ok)
         else:
-            tl.store(DG + at, d_g, mask=ok)
+            tl.store(DG + at, d_g.to(DG.dtype.element_ty), mask=ok)
         d_r = d_den + tl.sum(tl.where(ok, nu_p * (p_t * c), 0.0), axis=1) / r
-        tl.store(DR + head_at, d_r, mask=row_ok)
+        tl.store(DR + head_at, d_r.to(DR.dtype.element_ty), mask=row_ok)
         pi_after = tl.sum(tl.where(rows[:, None] == BLOCK_T - 1, pi, 0.0), axis=0)
     # In the first chunk pi_after is pi_1 (the first step) now: dp_prior = a_1 pi_1.
     if G_HEAD:
-        g0 = tl.load(G + head_base + 0 * ch, mask=ch_ok, other=0.0)
+        g0 = tl.load(G + head_base + 0 * ch, mask=ch_ok, other=0.0).to(tl.float32)
     else:
-        g0 = tl.load(G + base + ch, mask=ch_ok, other=0.0)
+        g0 = tl.load(G + base + ch, mask=ch_ok, other=0.0).to(tl.float32)
     first = ch_ok & (part + 0 * ch == 0)  # a vector mask (the interpreter refuses a scalar's)
-    tl.store(DP0 + pid * KD + ch, tl.exp(2.0 * g0) * pi_after, mask=first)
+    tl.store(
+        DP0 + pid * KD + ch, (tl.exp(2.0 * g0) * pi_after).to(DP0.dtype.element_ty), mask=first
+    )
 
 
 # --- Split over T: the chunks' composed maps and the carries across chunks ---------------------
@@ -516,9 +524,9 @@ def _plan(
 
 class _KDNDiagGain(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, k, g, q_noise, r, p_prior, scale, block_t, split, chunk):
-        # k, q_noise: contiguous [B, T, H, K]; g: [B, T, H, K] or [B, T, H]; r: [B, T, H];
-        # p_prior: [B, H, K]; all float32, validated.
+    def forward(ctx, k, g, q_noise, r, p_prior, scale, block_t, split, chunk, gain_dtype):
+        # k, q_noise: contiguous [B, T, H, K]; g: [B, T, H, K] or [B, T, H]; r: [B, T, H], each
+        # in its own float dtype (read into float32); p_prior: [B, H, K] float32; validated.
         batch, length, heads, key_dim = k.shape
         bh = batch * heads
         (tile_t, maps_t), block_k, (warps, maps_warps), chunk_t, parts = _plan(
@@ -526,16 +534,17 @@ class _KDNDiagGain(torch.autograd.Function):
         )
         g_head = g.dim() == 3
         # Every element is written by the kernel: no fill pass.
-        gain, p = torch.empty_like(k), torch.empty_like(k)
-        predictive = k.new_empty(batch, length, heads)
+        gain = torch.empty_like(k, dtype=gain_dtype)
+        p = torch.empty_like(k, dtype=torch.float32)
+        predictive = k.new_empty(batch, length, heads, dtype=torch.float32)
         starts = p_prior  # p at each chunk's start, [B H, chunks, K]
         if k.numel() and parts > 1:
-            maps = k.new_empty(bh, parts, 4, key_dim)
+            maps = p.new_empty(bh, parts, 4, key_dim)
             _kdn_diag_gain_chunk_maps_kernel[(bh, parts)](
                 k, g, q_noise, r, maps, length, heads, key_dim, scale, chunk_t, G_HEAD=g_head,
                 BLOCK_T=maps_t, BLOCK_K=block_k, num_warps=maps_warps,
             )  # fmt: skip
-            starts = k.new_empty(bh, parts, key_dim)
+            starts = p.new_empty(bh, parts, key_dim)
             _kdn_diag_gain_chunk_starts_kernel[(bh,)](
                 maps, p_prior, starts, parts, key_dim, BLOCK_K=block_k, num_warps=CARRY_WARPS
             )
@@ -562,33 +571,33 @@ class _KDNDiagGain(torch.autograd.Function):
         )
         g_head = g.dim() == 3
         d_gain = torch.zeros_like(k) if d_gain is None else d_gain.contiguous()
-        d_pred = r.new_zeros(r.shape) if d_pred is None else d_pred.contiguous()
+        d_pred = p.new_zeros(r.shape) if d_pred is None else d_pred.contiguous()
         grads = [torch.empty_like(x) for x in (k, g, q_noise, r, p_prior)]
         # Without dp, HAS_DP=False never reads DP: dgain stands in for the pointer.
         has_dp = d_p is not None
         d_p = d_p.contiguous() if has_dp else d_gain
         if not k.numel():
-            return (*grads, None, None, None, None)
+            return (*grads, None, None, None, None, None)
         # pi after each chunk's last step, [B H, chunks, K] (0 after the last chunk).
         if parts > 1:
-            maps = k.new_empty(bh, parts, 2, key_dim)
+            maps = p.new_empty(bh, parts, 2, key_dim)
             _kdn_diag_gain_chunk_adjoints_kernel[(bh, parts)](
                 k, g, q_noise, r, p_prior, p, d_gain, d_p, d_pred, maps, length, heads,
                 key_dim, ctx.scale, chunk_t, G_HEAD=g_head, HAS_DP=has_dp, BLOCK_T=adj_t,
                 BLOCK_K=block_k, num_warps=adj_warps,
             )  # fmt: skip
-            ends = k.new_empty(bh, parts, key_dim)
+            ends = p.new_empty(bh, parts, key_dim)
             _kdn_diag_gain_chunk_ends_kernel[(bh,)](
                 maps, ends, parts, key_dim, BLOCK_K=block_k, num_warps=CARRY_WARPS
             )
         else:
-            ends = k.new_zeros(bh, 1, key_dim)
+            ends = p.new_zeros(bh, 1, key_dim)
         _kdn_diag_gain_backward_kernel[(bh, parts)](
             k, g, q_noise, r, p_prior, p, d_gain, d_p, d_pred, ends, *grads, length, heads,
             key_dim, ctx.scale, chunk_t, G_HEAD=g_head, HAS_DP=has_dp, BLOCK_T=tile_t,
             BLOCK_K=block_k, num_warps=warps,
         )  # fmt: skip
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 @opaque_to_compiler
@@ -602,10 +611,13 @@ def kdn_diag_gain(
     block_t: int | None = None,
     split: bool | None = None,
     chunk: int | None = None,
+    gain_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(gain `[B, T, H, K]`, p `[B, T, H, K]`, predictive `[B, T, H]`) of Diagonal KDN, as
-    `gains.diag_gain`: k, q_noise `[B, T, H, K]`, g `[B, T, H(, K)]`, r `[B, T, H]`, p_prior
-    `[B, H, K]`, float32, validated. `block_t` (a power of 2 >= 2) overrides the tokens per tile
+    """(gain `[B, T, H, K]` in `gain_dtype`, p `[B, T, H, K]` and predictive `[B, T, H]` in
+    float32) of Diagonal KDN, as `gains.diag_gain`: k, q_noise `[B, T, H, K]`, g
+    `[B, T, H(, K)]`, r `[B, T, H]`, validated, each in its own float dtype (bf16, fp16 or fp32:
+    the kernels read them into float32 and write their gradients back in it, so 16-bit inputs
+    need no float32 copies), p_prior `[B, H, K]` float32. `block_t` (a power of 2 >= 2) overrides the tokens per tile
     of both kernels (tests, tuning). `split`: T split into chunks of `chunk` tokens (a power of
     2 >= 2; default `chunk_tokens`), one program each, with the carry passes (True), or one
     program per (sequence, head) walking all T (False); None: `split_gain(B H)`."""
@@ -614,7 +626,7 @@ def kdn_diag_gain(
     if chunk is not None and (chunk < 2 or chunk & (chunk - 1)):
         raise ValueError(f"chunk must be a power of 2 >= 2, got {chunk}")
     inputs = [x.contiguous() for x in (k, g, q_noise, r, p_prior)]
-    return _KDNDiagGain.apply(*inputs, float(info_scale), block_t, bool(split), chunk)
+    return _KDNDiagGain.apply(*inputs, float(info_scale), block_t, bool(split), chunk, gain_dtype)
 
 
 # --- Isotropic KDN: the pre-scan terms -------------------------------------------------------
@@ -650,12 +662,12 @@ def _kdn_iso_terms_forward_kernel(
     row_ok = row < ROWS
     ok = row_ok[:, None] & (ch < KD)[None, :]
     at = row.to(tl.int64)[:, None] * KD + ch[None, :]
-    k = tl.load(K_ + at, mask=ok, other=0.0)
+    k = tl.load(K_ + at, mask=ok, other=0.0).to(tl.float32)
     tl.store(NORM2 + row, tl.sum(k * k, axis=1), mask=row_ok)
     if G_HEAD:
-        decay = tl.exp(2.0 * tl.load(G + row, mask=row_ok, other=0.0))
+        decay = tl.exp(2.0 * tl.load(G + row, mask=row_ok, other=0.0).to(tl.float32))
     else:
-        g = tl.load(G + at, mask=ok, other=0.0)
+        g = tl.load(G + at, mask=ok, other=0.0).to(tl.float32)
         decay = tl.sum(tl.where(ok, tl.exp(2.0 * g), 0.0), axis=1) / KD
     tl.store(DECAY + row, decay, mask=row_ok)
 
@@ -679,16 +691,17 @@ def _kdn_iso_terms_backward_kernel(
     row_ok = row < ROWS
     ok = row_ok[:, None] & (ch < KD)[None, :]
     at = row.to(tl.int64)[:, None] * KD + ch[None, :]
-    k = tl.load(K_ + at, mask=ok, other=0.0)
+    k = tl.load(K_ + at, mask=ok, other=0.0).to(tl.float32)
     d_norm2 = tl.load(DNORM2 + row, mask=row_ok, other=0.0)
-    tl.store(DK + at, (2.0 * k) * d_norm2[:, None], mask=ok)
+    tl.store(DK + at, ((2.0 * k) * d_norm2[:, None]).to(DK.dtype.element_ty), mask=ok)
     d_decay = tl.load(DDECAY + row, mask=row_ok, other=0.0)
     if G_HEAD:
-        g = tl.load(G + row, mask=row_ok, other=0.0)
-        tl.store(DG + row, 2.0 * tl.exp(2.0 * g) * d_decay, mask=row_ok)
+        g = tl.load(G + row, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(DG + row, (2.0 * tl.exp(2.0 * g) * d_decay).to(DG.dtype.element_ty), mask=row_ok)
     else:
-        g = tl.load(G + at, mask=ok, other=0.0)
-        tl.store(DG + at, tl.exp(2.0 * g) * (2.0 * d_decay / KD)[:, None], mask=ok)
+        g = tl.load(G + at, mask=ok, other=0.0).to(tl.float32)
+        d_g = tl.exp(2.0 * g) * (2.0 * d_decay / KD)[:, None]
+        tl.store(DG + at, d_g.to(DG.dtype.element_ty), mask=ok)
 
 
 def iso_launch(key_dim: int) -> tuple[int, int, int]:
@@ -703,7 +716,7 @@ class _KDNIsoTerms(torch.autograd.Function):
         # k: contiguous [B, T, H, K]; g: contiguous [B, T, H, K] or [B, T, H]; float32.
         key_dim = k.shape[-1]
         rows = k.numel() // key_dim
-        decay, norm2 = (k.new_empty(k.shape[:-1]) for _ in range(2))
+        decay, norm2 = (k.new_empty(k.shape[:-1], dtype=torch.float32) for _ in range(2))
         block_r, block_k, warps = iso_launch(key_dim)
         if rows:
             _kdn_iso_terms_forward_kernel[(triton.cdiv(rows, block_r),)](
@@ -722,7 +735,8 @@ class _KDNIsoTerms(torch.autograd.Function):
         rows = k.numel() // key_dim
         # Either may be unused ([B, T, H]: a zero fill is K times smaller than the outputs).
         d_decay, d_norm2 = (
-            k.new_zeros(k.shape[:-1]) if d is None else d.contiguous() for d in (d_decay, d_norm2)
+            k.new_zeros(k.shape[:-1], dtype=torch.float32) if d is None else d.contiguous()
+            for d in (d_decay, d_norm2)
         )
         dk, dg = torch.empty_like(k), torch.empty_like(g)
         block_r, block_k, warps = iso_launch(key_dim)
@@ -739,7 +753,8 @@ def kdn_iso_terms(
     k: torch.Tensor, g: torch.Tensor, r: torch.Tensor, info_scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`gains.iso_terms` with its reductions over K by the kernels above: (a, ||k||^2, the
-    evidence s ||k||^2 / (K r)), all `[B, T, H]`; k `[B, T, H, K]`, g `[B, T, H(, K)]`, r
-    `[B, T, H]`, float32, validated."""
+    evidence s ||k||^2 / (K r)), all `[B, T, H]` float32; k `[B, T, H, K]` and g
+    `[B, T, H(, K)]` in their own float dtypes (read into float32, their gradients written back
+    in them), r `[B, T, H]` float32, validated."""
     decay, norm2 = _KDNIsoTerms.apply(k.contiguous(), g.contiguous())
     return decay, norm2, info_scale * norm2 / (k.shape[-1] * r)
