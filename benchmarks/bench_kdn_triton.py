@@ -57,7 +57,7 @@ SPLIT_CHUNKS = [64, 128, 256, 512, 1024]
 TINY_SPLIT_CHUNKS = [4, 8]
 # The diagonal gain's launches (--gain-launches): (BLOCK_T, warps) of one of its four kernels
 # (triton_gain.LAUNCH's keys) at a time, the others at their defaults, split over T.
-GAIN_LAUNCHES = [(bt, w) for bt in (8, 16, 32) for w in (2, 4, 8)]
+GAIN_LAUNCHES = [(bt, w) for bt in (4, 8, 16) for w in (1, 2, 4)]
 TINY_GAIN_LAUNCHES = [(2, 1), (4, 2)]
 # What kdn_*(backend="triton") hands delta_rule: "triton" once delta_rule has it, else "chunk".
 MEMORY_BACKEND = "triton" if "triton" in DELTA_RULE_BACKENDS else "chunk"

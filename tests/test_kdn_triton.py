@@ -203,7 +203,7 @@ def test_split_chunks_are_powers_of_2_filling_about_split_gain_programs():
     SPLIT_GAIN_MIN_CHUNK or a tile."""
     from deltalab.ops.kdn.triton_gain import SPLIT_GAIN_MIN_CHUNK, chunk_tokens, launch
 
-    assert launch(128, 4096, "forward")[0] == launch(128, 4096, "backward")[0] == 16
+    assert launch(128, 4096, "forward")[0] == 8 and launch(128, 4096, "backward")[0] == 16
     assert chunk_tokens(32, 4096, 16) == 128
     assert chunk_tokens(16, 32768, 16) == 512
     assert chunk_tokens(1, 100, 16) == SPLIT_GAIN_MIN_CHUNK

@@ -73,15 +73,21 @@ from deltalab.ops._triton import opaque_to_compiler
 from deltalab.ops.mobius.triton import _compose, _normalize, _then_affine
 
 # (elements of a tile, most tokens in it, warps) per kernel: a tile is BLOCK_T tokens x BLOCK_K
-# channels. One program per head leaves most SMs to one program (32 at 340M), so the tiles are
-# as large as compile without spills for sm_90 at K = 64..256 (ptxas, no GPU needed; 8 warps):
-# the forward at 2048 elements takes 128 registers at K = 128, 112 at K = 256, and spilled 16
-# bytes at K = 64 (32 tokens), hence at most 16 tokens; the backward at 2048 takes 186-254
-# (at 1024 elements and 8 warps ptxas capped it at 128 and spilled). To be tuned on the GPU.
+# channels. Small tiles on few warps: each thread then holds a column of the tile's tokens for
+# its channels, and the scan over them runs in registers, where larger tiles spread the tokens
+# over warps and cross them through shared memory and barriers. Measured on the H200 (B=4
+# T=4096 H=16 K=128, bf16 inputs, split over T; `h200_suite.sh gain_launch`, 2026-12-03), one
+# kernel's launch at a time from the earlier (16 tokens, 8 warps) everywhere, 1.67 / 3.03 ms
+# forward / forward+backward: the chunk maps at 8 tokens on 2 warps 1.00 / 2.35 (16 on 8: 1.67;
+# 8 on 8: 2.13), the forward at 8 on 4 1.46 / 2.82, the chunk adjoints at 8 on 4 3.00 (16 on 4
+# 2.86, but it spills 8 bytes with dp); the backward stays at 16 on 8 (8 on 4: 2.74, 8 on 8:
+# 2.76, but both spill 8-16 bytes with dp; 32 on 2, spilling: 7.92).
+# Every launch here compiles for sm_90 without spills at K = 64..256
+# (tests/test_triton_compile.py).
 LAUNCH = {
-    "chunk_maps": (2048, 16, 8),
-    "forward": (2048, 16, 8),
-    "chunk_adjoints": (2048, 32, 8),
+    "chunk_maps": (1024, 8, 2),
+    "forward": (1024, 8, 4),
+    "chunk_adjoints": (1024, 8, 4),
     "backward": (2048, 32, 8),
 }
 
