@@ -76,19 +76,21 @@ from deltalab.ops.mobius.triton import _compose, _normalize, _then_affine
 # channels. Small tiles on few warps: each thread then holds a column of the tile's tokens for
 # its channels, and the scan over them runs in registers, where larger tiles spread the tokens
 # over warps and cross them through shared memory and barriers. Measured on the H200 (B=4
-# T=4096 H=16 K=128, bf16 inputs, split over T; `h200_suite.sh gain_launch`, 2026-12-03), one
-# kernel's launch at a time from the earlier (16 tokens, 8 warps) everywhere, 1.67 / 3.03 ms
-# forward / forward+backward: the chunk maps at 8 tokens on 2 warps 1.00 / 2.35 (16 on 8: 1.67;
-# 8 on 8: 2.13), the forward at 8 on 4 1.46 / 2.82, the chunk adjoints at 8 on 4 3.00 (16 on 4
-# 2.86, but it spills 8 bytes with dp); the backward stays at 16 on 8 (8 on 4: 2.74, 8 on 8:
-# 2.76, but both spill 8-16 bytes with dp; 32 on 2, spilling: 7.92).
-# Every launch here compiles for sm_90 without spills at K = 64..256
-# (tests/test_triton_compile.py).
+# T=4096 H=16 K=128, bf16 inputs, split over T; `h200_suite.sh gain_launch`, 2026-12-03, one
+# kernel's launch at a time, the others at the defaults of the sweep; ms forward / forward and
+# backward). First sweep, from 16 tokens on 8 warps everywhere (1.67 / 3.03): the chunk maps at
+# 8 on 2 1.00 / 2.35 (8 on 8: 2.13 / 3.52), the forward at 8 on 4 1.46 / 2.82, the backward's
+# two kernels within 0.3 ms of each other. Second sweep, from the first's (0.86 / 2.17; two
+# runs of one launch differ by up to ~0.15 ms): the backward at 4 on 2 1.82 (4 on 1, 8 on 1:
+# 1.80-1.81; 16 on 1: 3.52), the chunk maps at 8 on 1 0.73 forward (spills at K = 256, so 8 on
+# 2 stays), the rest within the spread. Every launch here compiles for sm_90 without spills at
+# K = 64..256, with dp too (tests/test_triton_compile.py): 8 on 4 and 16 on 4 for the backward
+# spill 8-16 bytes with dp.
 LAUNCH = {
     "chunk_maps": (1024, 8, 2),
     "forward": (1024, 8, 4),
     "chunk_adjoints": (1024, 8, 4),
-    "backward": (2048, 32, 8),
+    "backward": (512, 4, 2),
 }
 
 
