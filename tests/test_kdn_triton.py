@@ -566,3 +566,40 @@ def test_16_bit_kdn_inputs_reach_the_gain_kernels_uncast_and_match_float64(
     for n, grad in grads.items():
         assert grad.dtype == low[n].dtype, n
         assert_close(grad, grads64[n], tol, f"d/d{n}")
+
+
+@needs_triton
+@pytest.mark.parametrize("layer_class", [DiagonalKDN, IsotropicKDN], ids=["diag", "iso"])
+def test_16_bit_kdn_layers_hand_the_delta_rule_a_16_bit_write_and_match_float32(
+    monkeypatch, layer_class
+):
+    """A float16 KDN layer on Triton: the write (Diagonal's gain, Isotropic's beta k) reaches
+    the delta rule's kernels in float16, as the ops' kdn_diag / kdn_iso pass it (not float32,
+    read and kept at twice the bytes), and its output and parameter gradients stay within
+    float16's tolerance of the same layer in float32."""
+    from deltalab.ops.delta_rule.triton import chunk as triton_chunk
+
+    writes = []
+    original = triton_chunk.delta_rule_triton
+
+    def spy(q, a, *rest):
+        writes.append(a.dtype)
+        return original(q, a, *rest)
+
+    monkeypatch.setattr(triton_chunk, "delta_rule_triton", spy)
+    torch.manual_seed(0)
+    layers = {F32: layer_class(**LAYER, backend="triton").to(DEVICE)}
+    layers[torch.float16] = layer_class(**LAYER, backend="triton").to(DEVICE, torch.float16)
+    layers[torch.float16].load_state_dict(layers[F32].state_dict())
+    x = torch.randn(2, 20, LAYER["hidden_size"], device=DEVICE)
+    dy = torch.randn(2, 20, LAYER["hidden_size"], device=DEVICE)
+    results = {}
+    for dtype, layer in layers.items():
+        y, _ = layer(x.to(dtype))
+        (y.float() * dy).sum().backward()
+        grads = torch.cat([p.grad.float().flatten() for p in layer.parameters()])
+        results[dtype] = (y.float().detach(), grads)
+    assert writes == [F32, torch.float16]
+    tol = TOLERANCE[torch.float16]
+    assert_close(results[torch.float16][0], results[F32][0], tol, "y")
+    assert_close(results[torch.float16][1], results[F32][1], 4 * tol, "parameter gradients")

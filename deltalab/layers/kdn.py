@@ -51,6 +51,7 @@ from deltalab.ops import _checks
 from deltalab.ops._recompute import rebuildable_product, rebuilt_in_backward
 from deltalab.ops.kdn import kdn_gain_diag, kdn_gain_iso, scan_backend
 from deltalab.ops.kdn.exact import exact_gain
+from deltalab.ops.kdn.gains import write_dtype
 from deltalab.ops.log_decay import layer_backend
 from deltalab.ops.parametrize import DeltaRuleInputs
 
@@ -398,24 +399,34 @@ class ScanFilter(KalmanMixer):
         trace: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         # The prior p_0 `[H]`: kdn_gain_diag takes it per head for every channel too.
+        prior = self.prior_variance()
+        # The scan that goes with the memory's backend, as the kdn_iso/kdn_diag ops pair them.
+        backend = scan_backend(self.backend, k.device)
+        # The write in k's dtype on the Triton route, as the kdn_iso/kdn_diag ops pass it.
+        dtype = _checks.state_dtype(k, g, q_noise, r, prior, uncertainty)
+        written = write_dtype(backend, k, dtype)
         scan = kdn_gain_diag if self.diagonal_gain else kdn_gain_iso
+        options = {"gain_dtype": written} if self.diagonal_gain else {}
         gain, p, precision, predictive = scan(
             k,
             g,
             q_noise,
             r,
-            self.prior_variance(),
+            prior,
             info_scale=self.info_scale,
             initial_precision=uncertainty,
             output_predictive=True,
-            # The scan that goes with the memory's backend, as the kdn_iso/kdn_diag ops pair them.
-            backend=scan_backend(self.backend, k.device),
+            backend=backend,
+            **options,
         )
         gains = {"gain" if self.diagonal_gain else "beta": gain}
         if trace:
             gains |= {"p": p, "predictive": predictive}
         # Iso: beta * k, made again in the backward rather than kept by the delta rule.
-        write = gain if self.diagonal_gain else rebuildable_product(gain.unsqueeze(-1), k)
+        # (beta cast, not k: a float32 beta times 16-bit k promotes on the PyTorch paths.)
+        write = (
+            gain if self.diagonal_gain else rebuildable_product(gain.to(written).unsqueeze(-1), k)
+        )
         return write, precision, gains
 
 

@@ -109,6 +109,14 @@ def diag_gain_from(
     return weighted / (predictive.unsqueeze(-1) + r), predictive
 
 
+def write_dtype(scan: str, k: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype KDN's write (Diagonal's gain, Isotropic's beta k) reaches the delta rule in,
+    for the state dtype `dtype`: k's on the Triton route, whose kernels read every input in its
+    own dtype (as the KDA form's beta k; a float32 write would be read, and kept for the
+    backward, at twice the bytes), the state dtype on the PyTorch paths, which compute in it."""
+    return k.dtype if scan == "triton" and dtype != torch.float64 else dtype
+
+
 def iso_gain(
     k: torch.Tensor,
     g: torch.Tensor,
@@ -256,6 +264,7 @@ def kdn_gain_diag(
     initial_precision: torch.Tensor | None = None,
     backend: str = "auto",
     output_predictive: bool = False,
+    gain_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Diagonal KDN gains: one variance per head and key channel, scanned over time.
 
@@ -270,11 +279,14 @@ def kdn_gain_diag(
         initial_precision: `[B, H, K]` precision 1/p left by an earlier call; replaces p0.
         backend: the variance scan, as for `kdn_gain_iso`.
         output_predictive: also return the predicted variance of each observation.
+        gain_dtype: the gain's dtype; None: the state dtype (the layers pass `write_dtype`'s, k's
+            on the Triton route, so that the delta rule reads it in 16 bits).
 
     Returns:
         `(gain [B, T, H, K], p [B, T, H, K], final_precision [B, H, K])`; with
         `output_predictive`, then `predictive [B, T, H]` = k_t^T (p_bar_t * k_t) (the gain's
-        denominator less r_t). Float64 when any input is float64, else float32.
+        denominator less r_t). Float64 when any input is float64, else float32 (the gain in
+        `gain_dtype` when given).
     """
     with one_host_read():  # the value checks below read back once, not one by one
         k = check_keys(k, "B, T, H")
@@ -289,7 +301,7 @@ def kdn_gain_diag(
     # In the state dtype: p_prior's (the rest may come in 16-bit, read as it is by the
     # kernels and cast by the PyTorch path).
     dtype = state_dtype(*named.values(), initial_precision)
-    gains = diag_gain(k, g, q_noise, r, p_prior.to(dtype), scale, scan)
+    gains = diag_gain(k, g, q_noise, r, p_prior.to(dtype), scale, scan, gain_dtype=gain_dtype)
     return _returned(gains, output_predictive)
 
 

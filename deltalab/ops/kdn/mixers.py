@@ -26,7 +26,7 @@ from deltalab.ops.kdn._validate import (
     prior_variance,
     split_state,
 )
-from deltalab.ops.kdn.gains import Gains, diag_gain, iso_gain
+from deltalab.ops.kdn.gains import Gains, diag_gain, iso_gain, write_dtype
 from deltalab.ops.mobius import resolve_backend
 
 GainFn = Callable[..., Gains]
@@ -119,10 +119,10 @@ def _kdn(
     # ones as they are (no float32 copies of [B, T, H, K]), the PyTorch paths cast them. The
     # write reaches the delta rule in k's dtype on the kernels' route (its kernels read every
     # input in its own dtype, as the KDA form's beta k), in the state dtype elsewhere.
-    write_dtype = k.dtype if scan == "triton" and dtype != torch.float64 else dtype
-    gain_fn = functools.partial(diag_gain, gain_dtype=write_dtype) if diagonal else iso_gain
+    written = write_dtype(scan, k, dtype)
+    gain_fn = functools.partial(diag_gain, gain_dtype=written) if diagonal else iso_gain
     gain, p_last = _packed_gains(gain_fn, k, g, q_noise, r, p_prior.to(dtype), s, scan, cu)
-    write = gain if diagonal else gain.to(write_dtype).unsqueeze(-1) * k.to(write_dtype)
+    write = gain if diagonal else gain.to(written).unsqueeze(-1) * k.to(written)
     o, final_memory = delta_rule(
         q,
         write,
