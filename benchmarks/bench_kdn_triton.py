@@ -22,6 +22,10 @@ and of forward+backward (and peak CUDA memory of forward+backward, MiB):
 - a sweep of the fused scan's launch configurations (BLOCK_T, BLOCK_L) at both lane counts, to
   tune `deltalab.ops.mobius.triton.launch_config` (the default is marked).
 
+`--gain-chunks` runs only a sweep of the split diagonal gain's chunk (tokens per program: the
+programs on the GPU at once, against the carry passes' length) at the three shapes, with the
+inputs in --dtype.
+
 `--gain-launches` runs only a sweep of the split diagonal gain's launches at B=4 T=4096 H=16: each
 of its four kernels' (BLOCK_T, warps) in turn, the others at their defaults
 (`triton_gain.LAUNCH`), with the inputs in --dtype as the KDN mixers pass them.
@@ -55,6 +59,9 @@ TINY_SWEEP = [(16, 1), (16, 4)]
 # Tokens per program of the diagonal gain split over T (triton_gain.chunk_tokens's default marked).
 SPLIT_CHUNKS = [64, 128, 256, 512, 1024]
 TINY_SPLIT_CHUNKS = [4, 8]
+# --gain-chunks: down to two tiles of the forward (8 tokens at K = 128).
+GAIN_CHUNKS = [16, 32, 64, 128, 256, 512]
+TINY_GAIN_CHUNKS = [2, 4, 8]
 # The diagonal gain's launches (--gain-launches): (BLOCK_T, warps) of one of its four kernels
 # (triton_gain.LAUNCH's keys) at a time, the others at their defaults, split over T.
 GAIN_LAUNCHES = [(bt, w) for bt in (4, 8, 16) for w in (1, 2, 4)]
@@ -257,6 +264,25 @@ def bench_shape(shape, args, device: str, dtype: torch.dtype) -> dict:
     }
 
 
+def gain_chunk_sweep(shape, args, device: str, dtype: torch.dtype) -> list[dict]:
+    """The split diagonal gain's times at each chunk of GAIN_CHUNKS (the default,
+    triton_gain.chunk_tokens, marked), on inputs in `dtype` as the KDN mixers pass them."""
+    batch, length, heads, dim = shape
+    x = make_inputs(shape, device, dtype, torch.Generator().manual_seed(0))
+    gates = [x[n] for n in ("k", "g", "q_noise", "r")]
+    p_prior = torch.ones(batch, heads, dim, device=device)
+    default = chunk_tokens(batch * heads, length, launch(dim, length, "chunk_maps")[0])
+    sweep = []
+    for chunk in TINY_GAIN_CHUNKS if args.tiny else GAIN_CHUNKS:
+
+        def gain(*a, c=chunk):
+            return kdn_diag_gain(*a, float(dim), split=True, chunk=c, gain_dtype=dtype)[0]
+
+        timing = time_op(gain, [*gates, p_prior], args.repeats, device)
+        sweep.append({"chunk": chunk, "default": chunk == default, **timing})
+    return sweep
+
+
 def gain_launch_sweep(shape, args, device: str, dtype: torch.dtype) -> list[dict]:
     """The split diagonal gain's times with each kernel's (BLOCK_T, warps) from GAIN_LAUNCHES,
     one kernel at a time (the forward's two kernels move the forward's time, the backward's two
@@ -366,6 +392,11 @@ def main() -> None:
         action="store_true",
         help="only the split diagonal gain's launch sweep, at the first shape (B=4 T=4096 H=16)",
     )
+    parser.add_argument(
+        "--gain-chunks",
+        action="store_true",
+        help="only the split diagonal gain's chunk sweep, at every shape",
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     args.repeats = args.repeats or (1 if args.tiny else 10)
@@ -377,6 +408,22 @@ def main() -> None:
         "repeats": args.repeats,
     }
     print(" ".join(f"{k}={v}" for k, v in header.items()))
+    if args.gain_chunks:
+        results = []
+        for shape in TINY_SHAPES if args.tiny else SHAPES:
+            results.append({"shape": shape, "sweep": gain_chunk_sweep(shape, args, device, dtype)})
+            print(f"\nB, T, H, K = {shape}")
+            headers = ["diag_gain split over T: chunk", "fwd ms", "fwd+bwd ms"]
+            table = [
+                [f"{c['chunk']}" + (" (default)" if c["default"] else ""), c["fwd_ms"],
+                 c["fwd_bwd_ms"]]
+                for c in results[-1]["sweep"]
+            ]  # fmt: skip
+            print(format_table(headers, table))
+        with open(args.out, "w") as f:
+            json.dump({**header, "gain_chunks": results}, f, indent=1)
+        print(f"\nwrote {args.out}")
+        return
     if args.gain_launches:
         shape = (TINY_SHAPES if args.tiny else SHAPES)[0]
         sweep = gain_launch_sweep(shape, args, device, dtype)

@@ -3,7 +3,7 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck intradots time32k prof_kdn ffn16k gain_launch kdn_train
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck intradots time32k prof_kdn ffn16k gain_launch kdn_train gain_chunks
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
@@ -77,7 +77,8 @@
 # kernels of the KDA form and the two KDN forms by time: where the KDN gains' cost goes), ffn16k 200 s (graphs_train16k's rows with
 # train.recompute_ffn: the 16K peak memory against the Transformer's), gain_launch 200 s (the split diagonal
 # gain's launch sweep, one kernel's (BLOCK_T, warps) at a time, bf16 inputs), kdn_train 200 s
-# (the two KDN presets' graphed 340M training at 4K beside the Transformer's). The sixteenth
+# (the two KDN presets' graphed 340M training at 4K beside the Transformer's), gain_chunks 120 s
+# (the split diagonal gain's tokens per program at the three shapes, bf16 inputs). The sixteenth
 # session's part factors_ab (stage 1 writing the decay factors) is in the tree of `a424144`.
 set -u
 # The device returns at most 8 files: parts write under a work folder, and after every part the
@@ -239,6 +240,8 @@ for p in "${parts[@]}"; do
         --mixers gdn2 muir transformer ;;
     gain_launch) part gain_launch 200 python3 benchmarks/bench_kdn_triton.py --gain-launches \
         --dtype bfloat16 --out "$OUT/gain_launch.json" ;;
+    gain_chunks) part gain_chunks 120 python3 benchmarks/bench_kdn_triton.py --gain-chunks \
+        --dtype bfloat16 --out "$OUT/gain_chunks.json" ;;
     kdn_train) part kdn_train 200 python3 benchmarks/bench_train.py --device cuda --preset 340M \
         --seq-len 4096 --batch 4 --steps 8 --cuda-graphs on --mixers kdn_diag kdn_iso transformer ;;
     ffn16k) part ffn16k 200 python3 benchmarks/bench_train.py --device cuda --preset 340M \

@@ -158,6 +158,21 @@ def test_split_gain_and_all_gradients_match_float64_definition_pytorch_and_one_p
 
 
 @needs_triton
+@pytest.mark.parametrize("channel_decay", [True, False], ids=["channel_decay", "head_decay"])
+def test_split_gain_carries_cross_blocks_of_chunks_and_channels(monkeypatch, channel_decay):
+    """The carry passes scan the chunks' maps BLOCK_P chunks and BLOCK_C channels at a time:
+    with blocks of 2 x 2, T = 19 in 10 chunks of 2 (5 blocks, the last chunk partial) and K = 5
+    (3 blocks of channels, the last partial) cross every boundary, forward and backward."""
+    from deltalab.ops.kdn import triton_gain
+
+    monkeypatch.setattr(triton_gain, "CARRY_BLOCK", (2, 2))
+    assert triton_gain.carry_block(10) == (2, 2) and triton_gain.carry_grid(2, 10, 5) == (2, 3)
+    inputs = gain_inputs(17, (2, 19, 1, 5), channel_decay=channel_decay)
+    weights = weights_for(inputs, 18)
+    assert_matches_definition_and_pytorch(inputs, weights, 2, 2)
+
+
+@needs_triton
 @pytest.mark.parametrize("chunk", [None, 4], ids=["one_program", "split_chunks_of_4"])
 def test_fused_gain_writes_every_output_and_gradient_element(poisoned_empty, chunk):
     """torch.empty is NaN-filled: the kernels write every element of the outputs, the

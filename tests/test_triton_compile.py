@@ -365,7 +365,8 @@ def test_kdn_gain_kernels_compile_for_hopper_without_spills(key_dim, g_head):
         block_t, block_k, warps = triton_gain.launch(key_dim, 4096, which)
         constants = {**flags, "G_HEAD": g_head, "BLOCK_T": block_t, "BLOCK_K": block_k}
         kernels.append((kernel, n_pointers, constants, warps))
-    carry = {"BLOCK_K": block_k}
+    block_p, block_c = triton_gain.carry_block(4096 // 32)
+    carry = {"BLOCK_P": block_p, "BLOCK_C": block_c}
     kernels += [
         (triton_gain._kdn_diag_gain_chunk_starts_kernel, 3, carry, triton_gain.CARRY_WARPS),
         (triton_gain._kdn_diag_gain_chunk_ends_kernel, 2, carry, triton_gain.CARRY_WARPS),

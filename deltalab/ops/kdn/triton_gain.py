@@ -118,6 +118,16 @@ def _terms(K_, G, NOISE, R, at, head_at, ok, row_ok, scale, G_HEAD: tl.constexpr
 
 
 @triton.jit
+def _apply_map(a, b, c, d, p):
+    """The normalized map (a, b, c, d) applied to p >= 0 as (p / s, 1 / s), s = max(p, 1), so a
+    huge p cannot overflow it."""
+    size = tl.maximum(p, 1.0)
+    v0 = p / size
+    v1 = 1.0 / size
+    return (a * v0 + b * v1) / (c * v0 + d * v1)
+
+
+@triton.jit
 def _chunk_program(T, H, KD, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
     """Where a program of the gain's (B H, chunks) grid works: (pid, part, the channels and
     their mask, the rows of a tile, the offset of its head's first token in the [B, T, H, K]
@@ -169,10 +179,7 @@ def _kdn_diag_gain_forward_kernel(
                                before[:, None] & ch_ok[None, :], before, scale, G_HEAD)  # fmt: skip
         ma, mb, mc, md = _normalize(a, q, c * a, c * q + 1.0)
         ma, mb, mc, md = tl.associative_scan((ma, mb, mc, md), 0, _compose)
-        size = tl.maximum(p, 1.0)
-        v0 = (p / size)[None, :]
-        v1 = (1.0 / size)[None, :]
-        p_prev = (ma * v0 + mb * v1) / (mc * v0 + md * v1)
+        p_prev = _apply_map(ma, mb, mc, md, p[None, :])
         a, q, c, k, r = _terms(K_, G, NOISE, R, at, head_at, ok, row_ok, scale, G_HEAD)
         p_bar = a * p_prev + q
         p_t = 1.0 / (c + 1.0 / p_bar)
@@ -311,8 +318,14 @@ def _kdn_diag_gain_backward_kernel(
 # then the running product times its last row), and writes the composed map: forward the
 # normalized Mobius matrix (A, B, C, D) `[B H, chunks, 4, K]`, backward the pi part (X, E)
 # `[B H, chunks, 2, K]` of the adjoint's affine maps (nu does not cross tiles or chunks). (2) A
-# program per head walks its chunks in order (forward) or in reverse (backward), applying
-# each composed map to the carried scalar: nchunks sequential steps of K channels. Then the
+# program per head and block of BLOCK_C channels scans those maps in order (forward) or in
+# reverse (backward), BLOCK_P chunks at a time: `tl.associative_scan` over a block of maps each
+# shifted by one chunk (a row holds its predecessor's map forward, its successor's backward;
+# the identity on the block's first row), applied to the scalar carried in, gives every chunk's
+# boundary value (an exclusive scan); the block's last chunk's own map carries it into the next
+# block. The arithmetic of a tile above, on maps instead of steps. (A walk of one chunk per step
+# waits on a dependent load per chunk, ~1 us: 0.13 ms at 128 chunks, a cost that grows as the
+# chunks shrink; scanned, T / (chunk BLOCK_P) steps on B H K / BLOCK_C programs.) Then the
 # kernels above rescan each chunk from its carry, as one program per head would have.
 #
 # Precision across chunks. Forward, the composed map is a product of the chunk's normalized
@@ -377,26 +390,43 @@ def _kdn_diag_gain_chunk_maps_kernel(
 
 
 @triton.jit
+def _carry_program(KD, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(head pid, its channels and their mask, the rows of a block) of a carry pass's program."""
+    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    return tl.program_id(0), ch, ch < KD, tl.arange(0, BLOCK_P)
+
+
+@triton.jit
 def _kdn_diag_gain_chunk_starts_kernel(
-    MAPS, P0, P_START, PARTS, KD, BLOCK_K: tl.constexpr
+    MAPS, P0, P_START, PARTS, KD, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr
 ):  # fmt: skip
     """P_START[pid, part] = p before chunk `part`: p_prior, then each chunk's map applied."""
-    pid = tl.program_id(0)
-    ch = tl.arange(0, BLOCK_K)
-    ch_ok = ch < KD
+    pid, ch, ch_ok, rows = _carry_program(KD, BLOCK_P, BLOCK_C)
+    first = pid.to(tl.int64) * PARTS  # the head's first chunk
     p = tl.load(P0 + pid * KD + ch, mask=ch_ok, other=1.0)
-    for part in range(0, PARTS):
-        row = pid.to(tl.int64) * PARTS + part
-        tl.store(P_START + row * KD + ch, p, mask=ch_ok)
-        at = row * 4 * KD + ch
-        ma = tl.load(MAPS + at, mask=ch_ok, other=1.0)
-        mb = tl.load(MAPS + at + KD, mask=ch_ok, other=0.0)
-        mc = tl.load(MAPS + at + 2 * KD, mask=ch_ok, other=0.0)
-        md = tl.load(MAPS + at + 3 * KD, mask=ch_ok, other=1.0)
-        size = tl.maximum(p, 1.0)
-        v0 = p / size
-        v1 = 1.0 / size
-        p = (ma * v0 + mb * v1) / (mc * v0 + md * v1)
+    for start in range(0, PARTS, BLOCK_P):
+        part = start + rows
+        # Row i holds the map of chunk part - 1 (the identity on the block's row 0).
+        before = ((part < PARTS) & (rows > 0))[:, None] & ch_ok[None, :]
+        at = (first + part - 1)[:, None] * 4 * KD + ch[None, :]
+        ma = tl.load(MAPS + at, mask=before, other=1.0)
+        mb = tl.load(MAPS + at + KD, mask=before, other=0.0)
+        mc = tl.load(MAPS + at + 2 * KD, mask=before, other=0.0)
+        md = tl.load(MAPS + at + 3 * KD, mask=before, other=1.0)
+        ma, mb, mc, md = tl.associative_scan((ma, mb, mc, md), 0, _compose)
+        p_start = _apply_map(ma, mb, mc, md, p[None, :])
+        ok = (part < PARTS)[:, None] & ch_ok[None, :]
+        tl.store(P_START + (first + part)[:, None] * KD + ch[None, :], p_start, mask=ok)
+        # Into the next block (if any): the block's last chunk after its start.
+        end = start + BLOCK_P - 1
+        at = (first + end) * 4 * KD + ch
+        ok = ch_ok & (end + 0 * ch < PARTS)  # a vector mask (the interpreter refuses a scalar's)
+        p_end = tl.sum(tl.where(rows[:, None] == BLOCK_P - 1, p_start, 0.0), axis=0)
+        p = _apply_map(
+            tl.load(MAPS + at, mask=ok, other=1.0), tl.load(MAPS + at + KD, mask=ok, other=0.0),
+            tl.load(MAPS + at + 2 * KD, mask=ok, other=0.0),
+            tl.load(MAPS + at + 3 * KD, mask=ok, other=1.0), p_end,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -446,18 +476,33 @@ def _kdn_diag_gain_chunk_adjoints_kernel(
 
 
 @triton.jit
-def _kdn_diag_gain_chunk_ends_kernel(MAPS, PI_END, PARTS, KD, BLOCK_K: tl.constexpr):
+def _kdn_diag_gain_chunk_ends_kernel(
+    MAPS, PI_END, PARTS, KD, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr
+):  # fmt: skip
     """PI_END[pid, part] = pi after chunk `part`: 0 after the last, then back chunk by chunk."""
-    pid = tl.program_id(0)
-    ch = tl.arange(0, BLOCK_K)
-    ch_ok = ch < KD
-    pi = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for i in range(0, PARTS):
-        row = pid.to(tl.int64) * PARTS + (PARTS - 1 - i)
-        tl.store(PI_END + row * KD + ch, pi, mask=ch_ok)
-        slope = tl.load(MAPS + row * 2 * KD + ch, mask=ch_ok, other=0.0)
-        total = tl.load(MAPS + row * 2 * KD + KD + ch, mask=ch_ok, other=0.0)
-        pi = total + slope * pi
+    pid, ch, ch_ok, rows = _carry_program(KD, BLOCK_P, BLOCK_C)
+    first = pid.to(tl.int64) * PARTS
+    pi = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for i in range(0, PARTS, BLOCK_P):
+        part = PARTS - 1 - i - rows  # row 0: the block's last chunk in time
+        # Row r holds the map of chunk part + 1 (the identity on row 0).
+        after = ((part >= 0) & (rows > 0))[:, None] & ch_ok[None, :]
+        at = (first + part + 1)[:, None] * 2 * KD + ch[None, :]
+        slope = tl.load(MAPS + at, mask=after, other=1.0)
+        total = tl.load(MAPS + at + KD, mask=after, other=0.0)
+        slope, total = tl.associative_scan((slope, total), 0, _then_affine)
+        pi_end = total + slope * pi[None, :]
+        ok = (part >= 0)[:, None] & ch_ok[None, :]
+        tl.store(PI_END + (first + part)[:, None] * KD + ch[None, :], pi_end, mask=ok)
+        # Into the next block (if any): pi before the block's first chunk in time.
+        end = PARTS - i - BLOCK_P
+        at = (first + end) * 2 * KD + ch
+        ok = ch_ok & (end + 0 * ch >= 0)  # a vector mask (the interpreter refuses a scalar's)
+        pi_first = tl.sum(tl.where(rows[:, None] == BLOCK_P - 1, pi_end, 0.0), axis=0)
+        pi = (
+            tl.load(MAPS + at + KD, mask=ok, other=0.0)
+            + tl.load(MAPS + at, mask=ok, other=1.0) * pi_first
+        )
 
 
 def launch(key_dim: int, length: int, kernel: str) -> tuple[int, int, int]:
@@ -489,7 +534,8 @@ SPLIT_GAIN_BELOW_PROGRAMS = 264
 # tile: 128 tokens at the 340M preset's T = 4096 (1024 programs), 512 at B=1 H=16 T=32768.
 SPLIT_GAIN_PROGRAMS = 1024
 SPLIT_GAIN_MIN_CHUNK = 64
-# Warps of the carry passes' programs (one head, all K channels, T / chunk sequential steps).
+# The carry passes: (chunks, channels) of a program's block and its warps (see "Split over T").
+CARRY_BLOCK = (64, 16)
 CARRY_WARPS = 4
 
 
@@ -502,6 +548,17 @@ def chunk_tokens(batch_heads: int, length: int, block_t: int) -> int:
     """The split's default tokens per program (a power of 2 and a multiple of block_t)."""
     want = triton.next_power_of_2(triton.cdiv(batch_heads * length, SPLIT_GAIN_PROGRAMS))
     return max(want, SPLIT_GAIN_MIN_CHUNK, block_t)
+
+
+def carry_block(parts: int) -> tuple[int, int]:
+    """(BLOCK_P, BLOCK_C) of the carry passes over `parts` chunks."""
+    block_p, block_c = CARRY_BLOCK
+    return min(block_p, max(2, triton.next_power_of_2(parts))), block_c
+
+
+def carry_grid(batch_heads: int, parts: int, key_dim: int) -> tuple[int, int]:
+    """The carry passes' grid: (head, block of channels)."""
+    return batch_heads, triton.cdiv(key_dim, carry_block(parts)[1])
 
 
 def _plan(
@@ -553,8 +610,8 @@ class _KDNDiagGain(torch.autograd.Function):
                 BLOCK_T=maps_t, BLOCK_K=block_k, num_warps=maps_warps,
             )  # fmt: skip
             starts = p.new_empty(bh, parts, key_dim)
-            _kdn_diag_gain_chunk_starts_kernel[(bh,)](
-                maps, p_prior, starts, parts, key_dim, BLOCK_K=block_k, num_warps=CARRY_WARPS
+            _kdn_diag_gain_chunk_starts_kernel[carry_grid(bh, parts, key_dim)](
+                maps, p_prior, starts, parts, key_dim, *carry_block(parts), num_warps=CARRY_WARPS
             )
         if k.numel():
             _kdn_diag_gain_forward_kernel[(bh, parts)](
@@ -595,8 +652,8 @@ class _KDNDiagGain(torch.autograd.Function):
                 BLOCK_K=block_k, num_warps=adj_warps,
             )  # fmt: skip
             ends = p.new_empty(bh, parts, key_dim)
-            _kdn_diag_gain_chunk_ends_kernel[(bh,)](
-                maps, ends, parts, key_dim, BLOCK_K=block_k, num_warps=CARRY_WARPS
+            _kdn_diag_gain_chunk_ends_kernel[carry_grid(bh, parts, key_dim)](
+                maps, ends, parts, key_dim, *carry_block(parts), num_warps=CARRY_WARPS
             )
         else:
             ends = p.new_zeros(bh, 1, key_dim)
