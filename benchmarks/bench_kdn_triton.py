@@ -26,6 +26,10 @@ and of forward+backward (and peak CUDA memory of forward+backward, MiB):
 programs on the GPU at once, against the carry passes' length) at the three shapes, with the
 inputs in --dtype.
 
+`--gain-profile` runs only the split diagonal gain's forward and backward --repeats times at the
+first shape, untimed, for a profiler that attaches to the process (`h200_suite.sh ncu_gain`:
+Nsight Compute's counters of its four kernels).
+
 `--gain-launches` runs only a sweep of the split diagonal gain's launches at B=4 T=4096 H=16: each
 of its four kernels' (BLOCK_T, warps) in turn, the others at their defaults
 (`triton_gain.LAUNCH`), with the inputs in --dtype as the KDN mixers pass them.
@@ -393,6 +397,11 @@ def main() -> None:
         help="only the split diagonal gain's launch sweep, at the first shape (B=4 T=4096 H=16)",
     )
     parser.add_argument(
+        "--gain-profile",
+        action="store_true",
+        help="only run the split diagonal gain (forward and backward), for a profiler",
+    )
+    parser.add_argument(
         "--gain-chunks",
         action="store_true",
         help="only the split diagonal gain's chunk sweep, at every shape",
@@ -408,6 +417,20 @@ def main() -> None:
         "repeats": args.repeats,
     }
     print(" ".join(f"{k}={v}" for k, v in header.items()))
+    if args.gain_profile:
+        shape = (TINY_SHAPES if args.tiny else SHAPES)[0]
+        batch, _, heads, dim = shape
+        x = make_inputs(shape, device, dtype, torch.Generator().manual_seed(0))
+        leaves = [x[n].requires_grad_() for n in ("k", "g", "q_noise", "r")]
+        p_prior = torch.ones(batch, heads, dim, device=device, requires_grad=True)
+        for _ in range(args.repeats):
+            gain = kdn_diag_gain(*leaves, p_prior, float(dim), split=True, gain_dtype=dtype)[0]
+            gain.float().sum().backward()
+        synchronize(device)
+        with open(args.out, "w") as f:
+            json.dump({**header, "shape": shape, "gain_profile_runs": args.repeats}, f, indent=1)
+        print(f"ran the split diagonal gain {args.repeats} times at {shape}; wrote {args.out}")
+        return
     if args.gain_chunks:
         results = []
         for shape in TINY_SHAPES if args.tiny else SHAPES:

@@ -213,14 +213,15 @@ def test_kdn_diag_gain_splits_t_below_split_gain_below_programs(monkeypatch, bat
 
 @needs_triton
 def test_split_chunks_are_powers_of_2_filling_about_split_gain_programs():
-    """At the benchmark's shapes (given tiles of 16 tokens at K = 128): 128 tokens for the 340M
-    preset (B H = 32, T = 4096: 1024 programs), 512 at B H = 16, T = 32768; never below
-    SPLIT_GAIN_MIN_CHUNK or a tile."""
+    """At the benchmark's shapes (given tiles of 16 tokens at K = 128): 64 tokens for the 340M
+    preset (B H = 32, T = 4096: 2048 programs) and at B H = 16, T = 32768 (8192 programs), 128
+    for 8192 programs at B H = 16, T = 65536; never below SPLIT_GAIN_MIN_CHUNK or a tile."""
     from deltalab.ops.kdn.triton_gain import SPLIT_GAIN_MIN_CHUNK, chunk_tokens, launch
 
     assert launch(128, 4096, "forward")[0] == 8 and launch(128, 4096, "backward")[0] == 4
-    assert chunk_tokens(32, 4096, 16) == 128
-    assert chunk_tokens(16, 32768, 16) == 512
+    assert chunk_tokens(32, 4096, 16) == 64
+    assert chunk_tokens(16, 32768, 16) == 64
+    assert chunk_tokens(16, 65536, 16) == 128
     assert chunk_tokens(1, 100, 16) == SPLIT_GAIN_MIN_CHUNK
     assert chunk_tokens(1, 100, 128) == 128
 

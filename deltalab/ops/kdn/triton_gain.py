@@ -529,10 +529,15 @@ def launch(key_dim: int, length: int, kernel: str) -> tuple[int, int, int]:
 # (`split=True` / `split=False`) beside the separate ops, to set this. In a whole training
 # step the split fused gain beats the separate ops at 32 programs (gains.FUSED_GAIN_MIN_PROGRAMS).
 SPLIT_GAIN_BELOW_PROGRAMS = 264
-# The split's chunk (tokens per program): a power of 2 giving about SPLIT_GAIN_PROGRAMS programs
-# (~8 per SM), at least SPLIT_GAIN_MIN_CHUNK tokens (the carry pass walks T / chunk steps) and a
-# tile: 128 tokens at the 340M preset's T = 4096 (1024 programs), 512 at B=1 H=16 T=32768.
-SPLIT_GAIN_PROGRAMS = 1024
+# The split's chunk (tokens per program): a power of 2 giving about SPLIT_GAIN_PROGRAMS programs,
+# at least SPLIT_GAIN_MIN_CHUNK tokens and a tile: 64 tokens at every shape measured. Measured on
+# the H200 (`h200_suite.sh gain_chunks`, 2026-12-03, bf16 inputs, scanned carries; ms forward
+# and backward of the gain alone, chunks 16 / 32 / 64 / 128 / 256 / 512): B=4 T=4096 H=16 1.73 /
+# 1.69 / 1.70 / 1.75 / 1.68 / 2.04, H=8 (the 340M preset) 1.04 / 1.01 / **0.94** / 0.99 /
+# 1.09 / 1.64, B=1 T=32768 H=16 3.31 / 3.25 / **3.11** / 3.18 / 3.30 / 3.28: flat from 16 to
+# 256 at 64 heads, 64 best where the heads are fewer (the earlier default, ~1024 programs,
+# took 128 and 512 there).
+SPLIT_GAIN_PROGRAMS = 8192
 SPLIT_GAIN_MIN_CHUNK = 64
 # The carry passes: (chunks, channels) of a program's block and its warps (see "Split over T").
 CARRY_BLOCK = (64, 16)
