@@ -358,9 +358,9 @@ def test_kdn_gain_kernels_compile_for_hopper_without_spills(key_dim, g_head):
     kernels = []
     for kernel, which, n_pointers, flags in (
         (triton_gain._kdn_diag_gain_forward_kernel, "forward", 8, {}),
-        (triton_gain._kdn_diag_gain_backward_kernel, "backward", 15, {"HAS_DP": True}),
+        (triton_gain._kdn_diag_gain_backward_kernel, "backward", 16, {"HAS_DP": True}),
         (triton_gain._kdn_diag_gain_chunk_maps_kernel, "chunk_maps", 5, {}),
-        (triton_gain._kdn_diag_gain_chunk_adjoints_kernel, "chunk_adjoints", 10, {"HAS_DP": True}),
+        (triton_gain._kdn_diag_gain_chunk_adjoints_kernel, "chunk_adjoints", 11, {"HAS_DP": True}),
     ):
         block_t, block_k, warps = triton_gain.launch(key_dim, 4096, which)
         constants = {**flags, "G_HEAD": g_head, "BLOCK_T": block_t, "BLOCK_K": block_k}

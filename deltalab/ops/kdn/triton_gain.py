@@ -29,13 +29,22 @@ the chunks per head (the section
 gradient but dp_prior is per token (dr, and a per-head dg, reduce over K only, inside a tile),
 so the split needs no partial sums; dp_prior comes from the first chunk's program.
 
-Forward. As in triton.py: the scan over the maps of the steps *before* each row (the identity on
-row 0) gives p_{t-1} from the carried p; a and c of the step before are recomputed from the
-shifted rows of g, k and r (mostly cache hits), the maps normalized by the sum of their entries
-(mobius/triton.py: entries in [0, 1], no overflow whatever the evidence). p_t = 1 / (c + 1 / p_bar)
-has no cancellation and is right at both ends (p_bar = 0 gives 0; c = 0 gives p_bar). The
-predictive sums non-negative terms; the gain divides by predictive + r >= r > 0, so r = 1e30 (no
-evidence) gives gain ~ 0 and c ~ 0, and g = -inf gives a = 0 (a reset: p_bar = q) without NaN.
+Forward. The scan runs in p_bar: row t's map is step t - 1's update followed by step t's
+prediction, p_bar_{t-1} -> p_bar_t = a_t / (c_{t-1} + 1 / p_bar_{t-1}) + q_t, the matrix
+
+    [[a_t, q_t], [0, 1]] @ [[1, 0], [c_{t-1}, 1]] = [[a_t + q_t c_{t-1}, q_t], [c_{t-1}, 1]]
+
+(row 0's c_{t-1} = 0: its carry is p_{t-1}, already updated), so the tile's inclusive scan applied
+to the carried p gives p_bar_t itself, and only the shifted rows of k and r are read again
+(mostly cache hits) where a scan over whole steps, which gives p_{t-1}, needs step t - 1's a and
+q too. The entries are non-negative with det = a_t >= 0, as for whole steps: normalized by
+their sum (mobius/triton.py: entries in [0, 1], no overflow whatever the evidence), the same
+error bounds hold. p_t = 1 / (c + 1 / p_bar) has no cancellation and is right at both ends
+(p_bar = 0 gives 0; c = 0 gives p_bar). The predictive sums non-negative terms; the gain divides
+by predictive + r >= r > 0, so r = 1e30 (no evidence) gives gain ~ 0 and c ~ 0, and g = -inf
+gives a = 0 (a reset: p_bar = q) without NaN. The chunk maps (the split below) compose whole
+steps [[a, q], [c a, c q + 1]] (update after prediction), whose product over a chunk maps p
+before it to p at its last step, the carry.
 
 Backward. The gain's adjoint at token t (den = predictive + r):
 
@@ -173,15 +182,17 @@ def _kdn_diag_gain_forward_kernel(
         ok = row_ok[:, None] & ch_ok[None, :]
         at = base + t.to(tl.int64)[:, None] * stride + ch[None, :]
         head_at = head_base + t.to(tl.int64) * H
-        # The map of step t - 1 on row t (the identity on row 0, whose p_{t-1} is the carry).
-        before = row_ok & (rows > 0)
-        a, q, c, _, _ = _terms(K_, G, NOISE, R, at - stride, head_at - H,
-                               before[:, None] & ch_ok[None, :], before, scale, G_HEAD)  # fmt: skip
-        ma, mb, mc, md = _normalize(a, q, c * a, c * q + 1.0)
-        ma, mb, mc, md = tl.associative_scan((ma, mb, mc, md), 0, _compose)
-        p_prev = _apply_map(ma, mb, mc, md, p[None, :])
         a, q, c, k, r = _terms(K_, G, NOISE, R, at, head_at, ok, row_ok, scale, G_HEAD)
-        p_bar = a * p_prev + q
+        # Step t - 1's evidence on row t (0 on row 0, whose carry p_{t-1} is updated already).
+        before = row_ok & (rows > 0)
+        k_before = tl.load(K_ + at - stride, mask=before[:, None] & ch_ok[None, :], other=0.0)
+        r_before = tl.load(R + head_at - H, mask=before, other=1.0).to(tl.float32)
+        k_before = k_before.to(tl.float32)
+        c_before = scale * k_before * k_before / r_before[:, None]
+        # Row t's map p_bar_{t-1} -> p_bar_t, scanned: p_bar at every row from the carry.
+        ma, mb, mc, md = _normalize(a + q * c_before, q, c_before, 1.0 + 0.0 * c_before)
+        ma, mb, mc, md = tl.associative_scan((ma, mb, mc, md), 0, _compose)
+        p_bar = _apply_map(ma, mb, mc, md, p[None, :])
         p_t = 1.0 / (c + 1.0 / p_bar)
         weighted = p_bar * k
         predictive = tl.sum(weighted * k, axis=1)
@@ -195,8 +206,8 @@ def _kdn_diag_gain_forward_kernel(
 
 @triton.jit
 def _adjoint_rows(
-    K_, G, NOISE, R, P, DGAIN, DP, DPRED, p0, t, ch, ch_ok, base, head_base, T, H, KD, scale,
-    G_HEAD: tl.constexpr, HAS_DP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_, G, NOISE, R, P, PRED, DGAIN, DP, DPRED, p0, t, ch, ch_ok, base, head_base, T, H, KD,
+    scale, G_HEAD: tl.constexpr, HAS_DP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """The backward's per-row terms at tokens t `[BLOCK_T]`: the gain's adjoint (from the
     recomputed p_bar, w and den) and the scan's adjoint maps (pi, nu) <- (e + x pi', f + y pi')
@@ -221,7 +232,8 @@ def _adjoint_rows(
     # The gain's adjoint, from the recomputed p_bar, w and den.
     p_bar = a * p_prev + q
     weighted = p_bar * k
-    den = tl.sum(weighted * k, axis=1) + r
+    # The forward's predictive, kept: no sum over K here.
+    den = tl.load(PRED + head_at, mask=row_ok, other=0.0) + r
     d_gain = tl.load(DGAIN + at, mask=ok, other=0.0).to(tl.float32)
     d_den = -tl.sum(d_gain * (weighted / den[:, None]), axis=1) / den
     d_pred = (tl.load(DPRED + head_at, mask=row_ok, other=0.0) + d_den)[:, None]
@@ -246,6 +258,7 @@ def _kdn_diag_gain_backward_kernel(
     R,
     P0,
     P,
+    PRED,
     DGAIN,
     DP,
     DPRED,
@@ -276,8 +289,8 @@ def _kdn_diag_gain_backward_kernel(
         t = part * CHUNK + (CHUNK - BLOCK_T - i) + (BLOCK_T - 1) - rows
         ok, row_ok, at, head_at, a, c, k, r, p_prev, p_bar, d_den, d_k, x, y, e, f = (
             _adjoint_rows(
-                K_, G, NOISE, R, P, DGAIN, DP, DPRED, p0, t, ch, ch_ok, base, head_base, T, H,
-                KD, scale, G_HEAD, HAS_DP, BLOCK_T, BLOCK_K,
+                K_, G, NOISE, R, P, PRED, DGAIN, DP, DPRED, p0, t, ch, ch_ok, base, head_base, T,
+                H, KD, scale, G_HEAD, HAS_DP, BLOCK_T, BLOCK_K,
             )
         )  # fmt: skip
         x, y, e, f = tl.associative_scan((x, y, e, f), 0, _pi_nu_then)
@@ -437,6 +450,7 @@ def _kdn_diag_gain_chunk_adjoints_kernel(
     R,
     P0,
     P,
+    PRED,
     DGAIN,
     DP,
     DPRED,
@@ -461,7 +475,7 @@ def _kdn_diag_gain_chunk_adjoints_kernel(
     for i in range(0, CHUNK, BLOCK_T):
         t = part * CHUNK + (CHUNK - BLOCK_T - i) + (BLOCK_T - 1) - rows
         _, _, _, _, _, _, _, _, _, _, _, _, x, _, e, _ = _adjoint_rows(
-            K_, G, NOISE, R, P, DGAIN, DP, DPRED, p0, t, ch, ch_ok, base, head_base, T, H, KD,
+            K_, G, NOISE, R, P, PRED, DGAIN, DP, DPRED, p0, t, ch, ch_ok, base, head_base, T, H, KD,
             scale, G_HEAD, HAS_DP, BLOCK_T, BLOCK_K,
         )  # fmt: skip
         x, e = tl.associative_scan((x, e), 0, _then_affine)
@@ -623,7 +637,7 @@ class _KDNDiagGain(torch.autograd.Function):
                 k, g, q_noise, r, starts, gain, p, predictive, length, heads, key_dim, scale,
                 chunk_t, G_HEAD=g_head, BLOCK_T=tile_t, BLOCK_K=block_k, num_warps=warps,
             )  # fmt: skip
-        ctx.save_for_backward(k, g, q_noise, r, p_prior, p)
+        ctx.save_for_backward(k, g, q_noise, r, p_prior, p, predictive)
         ctx.scale, ctx.block_t, ctx.split, ctx.chunk = scale, block_t, split, chunk
         # An output the loss does not reach comes back as None, not as zeros: p in training (the
         # layers keep only its last step, as their state's precision).
@@ -633,7 +647,7 @@ class _KDNDiagGain(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_gain, d_p, d_pred):
-        k, g, q_noise, r, p_prior, p = ctx.saved_tensors
+        k, g, q_noise, r, p_prior, p, predictive = ctx.saved_tensors
         batch, length, heads, key_dim = k.shape
         bh = batch * heads
         (tile_t, adj_t), block_k, (warps, adj_warps), chunk_t, parts = _plan(
@@ -652,7 +666,7 @@ class _KDNDiagGain(torch.autograd.Function):
         if parts > 1:
             maps = p.new_empty(bh, parts, 2, key_dim)
             _kdn_diag_gain_chunk_adjoints_kernel[(bh, parts)](
-                k, g, q_noise, r, p_prior, p, d_gain, d_p, d_pred, maps, length, heads,
+                k, g, q_noise, r, p_prior, p, predictive, d_gain, d_p, d_pred, maps, length, heads,
                 key_dim, ctx.scale, chunk_t, G_HEAD=g_head, HAS_DP=has_dp, BLOCK_T=adj_t,
                 BLOCK_K=block_k, num_warps=adj_warps,
             )  # fmt: skip
@@ -663,7 +677,7 @@ class _KDNDiagGain(torch.autograd.Function):
         else:
             ends = p.new_zeros(bh, 1, key_dim)
         _kdn_diag_gain_backward_kernel[(bh, parts)](
-            k, g, q_noise, r, p_prior, p, d_gain, d_p, d_pred, ends, *grads, length, heads,
+            k, g, q_noise, r, p_prior, p, predictive, d_gain, d_p, d_pred, ends, *grads, length, heads,
             key_dim, ctx.scale, chunk_t, G_HEAD=g_head, HAS_DP=has_dp, BLOCK_T=tile_t,
             BLOCK_K=block_k, num_warps=warps,
         )  # fmt: skip
