@@ -24,7 +24,8 @@ and of forward+backward (and peak CUDA memory of forward+backward, MiB):
 
 `--gain-chunks` runs only a sweep of the split diagonal gain's chunk (tokens per program: the
 programs on the GPU at once, against the carry passes' length) at the three shapes, with the
-inputs in --dtype.
+inputs in --dtype, for each of its kernels' walks (triton_gain.GAIN_WALKS: a token at a time,
+tiles scanned).
 
 `--gain-profile` runs only the split diagonal gain's forward and backward --repeats times at the
 first shape, untimed, for a profiler that attaches to the process (`h200_suite.sh ncu_gain`:
@@ -70,6 +71,8 @@ TINY_GAIN_CHUNKS = [2, 4, 8]
 # (triton_gain.LAUNCH's keys) at a time, the others at their defaults, split over T.
 GAIN_LAUNCHES = [(bt, w) for bt in (4, 8, 16) for w in (1, 2, 4)]
 TINY_GAIN_LAUNCHES = [(2, 1), (4, 2)]
+# The token walks' (tokens unrolled per step, warps).
+TOKEN_GAIN_LAUNCHES = [(bt, w) for bt in (1, 2, 4, 8) for w in (1, 2)]
 # What kdn_*(backend="triton") hands delta_rule: "triton" once delta_rule has it, else "chunk".
 MEMORY_BACKEND = "triton" if "triton" in DELTA_RULE_BACKENDS else "chunk"
 
@@ -275,15 +278,24 @@ def gain_chunk_sweep(shape, args, device: str, dtype: torch.dtype) -> list[dict]
     x = make_inputs(shape, device, dtype, torch.Generator().manual_seed(0))
     gates = [x[n] for n in ("k", "g", "q_noise", "r")]
     p_prior = torch.ones(batch, heads, dim, device=device)
-    default = chunk_tokens(batch * heads, length, launch(dim, length, "chunk_maps")[0])
+    from deltalab.ops.kdn import triton_gain
+
+    default_walk = triton_gain.GAIN_WALK
     sweep = []
-    for chunk in TINY_GAIN_CHUNKS if args.tiny else GAIN_CHUNKS:
+    try:
+        for walk in triton_gain.GAIN_WALKS:
+            triton_gain.GAIN_WALK = walk
+            default = chunk_tokens(batch * heads, length, launch(dim, length, "chunk_maps")[0])
+            for chunk in TINY_GAIN_CHUNKS if args.tiny else GAIN_CHUNKS:
 
-        def gain(*a, c=chunk):
-            return kdn_diag_gain(*a, float(dim), split=True, chunk=c, gain_dtype=dtype)[0]
+                def gain(*a, c=chunk):
+                    return kdn_diag_gain(*a, float(dim), split=True, chunk=c, gain_dtype=dtype)[0]
 
-        timing = time_op(gain, [*gates, p_prior], args.repeats, device)
-        sweep.append({"chunk": chunk, "default": chunk == default, **timing})
+                timing = time_op(gain, [*gates, p_prior], args.repeats, device)
+                chosen = chunk == default and walk == default_walk
+                sweep.append({"walk": walk, "chunk": chunk, "default": chosen, **timing})
+    finally:
+        triton_gain.GAIN_WALK = default_walk
     return sweep
 
 
@@ -294,13 +306,15 @@ def gain_launch_sweep(shape, args, device: str, dtype: torch.dtype) -> list[dict
     dtype)."""
     from deltalab.ops.kdn import triton_gain
 
-    batch, length, heads, dim = shape
+    batch, _, heads, dim = shape
     x = make_inputs(shape, device, dtype, torch.Generator().manual_seed(0))
     gates = [x[n] for n in ("k", "g", "q_noise", "r")]
     p_prior = torch.ones(batch, heads, dim, device=device)
     chunk = 8 if args.tiny else None
     block_k = 1 << (dim - 1).bit_length()
-    default = dict(triton_gain.LAUNCH)
+    tokens = triton_gain.GAIN_WALK == "tokens"  # the token walks' table, else the tiles'
+    table = "TOKEN_LAUNCH" if tokens else "LAUNCH"
+    default = dict(getattr(triton_gain, table))
 
     def gain(*a):
         return kdn_diag_gain(*a, float(dim), split=True, chunk=chunk, gain_dtype=dtype)[0]
@@ -308,28 +322,19 @@ def gain_launch_sweep(shape, args, device: str, dtype: torch.dtype) -> list[dict
     sweep = [{"kernel": "(all defaults)", **time_op(gain, [*gates, p_prior], args.repeats, device)}]
     try:
         for kernel in default:
-            for block_t, warps in TINY_GAIN_LAUNCHES if args.tiny else GAIN_LAUNCHES:
-                triton_gain.LAUNCH = {**default, kernel: (block_t * block_k, block_t, warps)}
+            launches = TINY_GAIN_LAUNCHES if args.tiny else GAIN_LAUNCHES
+            for block_t, warps in TOKEN_GAIN_LAUNCHES if tokens and not args.tiny else launches:
+                entry = (block_t, warps) if tokens else (block_t * block_k, block_t, warps)
+                setattr(triton_gain, table, {**default, kernel: entry})
                 timing = time_op(gain, [*gates, p_prior], args.repeats, device)
-                chosen = launch(dim, length, kernel) == launch_default(default, dim, length, kernel)
+                chosen = entry == default[kernel]
                 sweep.append(
                     {"kernel": kernel, "BLOCK_T": block_t, "warps": warps,
                      "default": chosen, **timing}
                 )  # fmt: skip
     finally:
-        triton_gain.LAUNCH = default
+        setattr(triton_gain, table, default)
     return sweep
-
-
-def launch_default(default: dict, dim: int, length: int, kernel: str) -> tuple[int, int, int]:
-    """`launch` under the LAUNCH table `default`."""
-    from deltalab.ops.kdn import triton_gain
-
-    saved, triton_gain.LAUNCH = triton_gain.LAUNCH, default
-    try:
-        return launch(dim, length, kernel)
-    finally:
-        triton_gain.LAUNCH = saved
 
 
 def print_gain_launches(sweep: list[dict]) -> None:
@@ -436,9 +441,9 @@ def main() -> None:
         for shape in TINY_SHAPES if args.tiny else SHAPES:
             results.append({"shape": shape, "sweep": gain_chunk_sweep(shape, args, device, dtype)})
             print(f"\nB, T, H, K = {shape}")
-            headers = ["diag_gain split over T: chunk", "fwd ms", "fwd+bwd ms"]
+            headers = ["diag_gain split over T: walk", "chunk", "fwd ms", "fwd+bwd ms"]
             table = [
-                [f"{c['chunk']}" + (" (default)" if c["default"] else ""), c["fwd_ms"],
+                [c["walk"], f"{c['chunk']}" + (" (default)" if c["default"] else ""), c["fwd_ms"],
                  c["fwd_bwd_ms"]]
                 for c in results[-1]["sweep"]
             ]  # fmt: skip

@@ -348,7 +348,7 @@ def test_norm_kernels_compile_for_hopper_without_spills(dim, dtype, gated):
 
 @pytest.mark.parametrize("key_dim", [64, 128, 256])
 @pytest.mark.parametrize("g_head", [False, True], ids=["channel_decay", "head_decay"])
-def test_kdn_gain_kernels_compile_for_hopper_without_spills(key_dim, g_head):
+def test_kdn_gain_kernels_compile_for_hopper_without_spills(monkeypatch, key_dim, g_head):
     """The fused KDN gain (Diagonal) and terms (Isotropic), at the launches they use for
     T = 4096 (the Diagonal backward with dp, the most loads), and the Diagonal gain's split
     over T (the chunk maps and adjoints at the kernels' tiles, the carry passes): no spill to
@@ -356,15 +356,18 @@ def test_kdn_gain_kernels_compile_for_hopper_without_spills(key_dim, g_head):
     from deltalab.ops.kdn import triton_gain
 
     kernels = []
-    for kernel, which, n_pointers, flags in (
-        (triton_gain._kdn_diag_gain_forward_kernel, "forward", 8, {}),
-        (triton_gain._kdn_diag_gain_backward_kernel, "backward", 16, {"HAS_DP": True}),
-        (triton_gain._kdn_diag_gain_chunk_maps_kernel, "chunk_maps", 5, {}),
-        (triton_gain._kdn_diag_gain_chunk_adjoints_kernel, "chunk_adjoints", 11, {"HAS_DP": True}),
-    ):
-        block_t, block_k, warps = triton_gain.launch(key_dim, 4096, which)
-        constants = {**flags, "G_HEAD": g_head, "BLOCK_T": block_t, "BLOCK_K": block_k}
-        kernels.append((kernel, n_pointers, constants, warps))
+    for walk in triton_gain.GAIN_WALKS:
+        monkeypatch.setattr(triton_gain, "GAIN_WALK", walk)
+        for which, n_pointers, flags in (
+            ("forward", 8, {}),
+            ("backward", 16, {"HAS_DP": True}),
+            ("chunk_maps", 5, {}),
+            ("chunk_adjoints", 11, {"HAS_DP": True}),
+        ):
+            block_t, block_k, warps = triton_gain.launch(key_dim, 4096, which)
+            constants = {**flags, "G_HEAD": g_head, "BLOCK_T": block_t, "BLOCK_K": block_k}
+            kernel = triton_gain._kernels(walk)[which]
+            kernels.append((kernel, n_pointers, constants, warps))
     block_p, block_c = triton_gain.carry_block(4096 // 32)
     carry = {"BLOCK_P": block_p, "BLOCK_C": block_c}
     kernels += [

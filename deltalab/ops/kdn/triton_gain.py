@@ -519,12 +519,262 @@ def _kdn_diag_gain_chunk_ends_kernel(
         )
 
 
+# --- Token by token: the same gain with the tiles' scans replaced by a walk over the tokens ----
+#
+# Measured with Nsight Compute on the H200 (`h200_suite.sh ncu_gain`, 2026-12-03, B=4 T=4096
+# H=16 K=128 bf16), the tile kernels above are held back by their scans across threads, not by
+# memory: the chunk maps' L1 throughput at 81% (the adjoints' at 92%: the scans' and layout
+# conversions' shared-memory traffic) against 16-22% of DRAM's, 25% occupancy (128 registers),
+# 30-56% of the issue slots busy. Here a program walks its chunk one token at a time: every
+# vector is one token's K channels spread over the program's warps, nothing crosses threads
+# but the sums over K (a warp's shuffles at K = 128 on one warp), and the recurrence is the
+# definition's own float32 step (forward p_bar = a p + q, p = 1 / (c + 1 / p_bar); backward
+# pi = e + x pi', nu = f + y pi'), exact without a Mobius normalization; only the chunk maps still
+# compose (and normalize) whole steps, now one at a time. BLOCK_T tokens are unrolled per
+# step of the loop (their loads issued together); a chunk of 64 tokens is a short walk, and the
+# split's thousands of programs hide its latency.
+
+
+@triton.jit
+def _token_program(T, H, KD, BLOCK_K: tl.constexpr):
+    """Where a program of the token walks works: (pid, part, the channels and their mask, the
+    offset of its head's first token in the [B, T, H, K] tensors and in the [B, T, H] ones)."""
+    pid = tl.program_id(0)
+    part = tl.program_id(1)
+    ch = tl.arange(0, BLOCK_K)
+    base = (pid // H).to(tl.int64) * T * (H * KD) + (pid % H) * KD
+    head_base = (pid // H).to(tl.int64) * T * H + pid % H
+    return pid, part, ch, ch < KD, base, head_base
+
+
+@triton.jit
+def _token_terms(K_, G, NOISE, R, t, ch, ch_ok, base, head_base, T, H, KD, scale,
+                 G_HEAD: tl.constexpr):  # fmt: skip
+    """Token t's a = exp(2 g), q, c = s k^2 / r, k and r (r broadcast over the channels), its
+    offsets and mask: `[BLOCK_K]` vectors; channels past K and tokens past T are the identity
+    (a = 1, q = c = 0) with k = 0 and r = 1."""
+    ok = ch_ok & (t + 0 * ch < T)  # a vector mask (the interpreter refuses a scalar's)
+    at = base + t.to(tl.int64) * (H * KD) + ch
+    head_at = head_base + t.to(tl.int64) * H + 0 * ch
+    k = tl.load(K_ + at, mask=ok, other=0.0).to(tl.float32)
+    q = tl.load(NOISE + at, mask=ok, other=0.0).to(tl.float32)
+    r = tl.load(R + head_at, mask=ok, other=1.0).to(tl.float32)
+    if G_HEAD:
+        g = tl.load(G + head_at, mask=ok, other=0.0).to(tl.float32)
+    else:
+        g = tl.load(G + at, mask=ok, other=0.0).to(tl.float32)
+    return tl.exp(2.0 * g), q, scale * k * k / r, k, r, ok, at, head_at
+
+
+@triton.jit
+def _kdn_diag_gain_token_maps_kernel(
+    K_, G, NOISE, R, MAPS, T, H, KD, scale, CHUNK,
+    G_HEAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """MAPS[pid, part] = the normalized product of the maps of chunk `part`'s steps, composed
+    one token at a time (as `_kdn_diag_gain_chunk_maps_kernel`)."""
+    pid, part, ch, ch_ok, base, head_base = _token_program(T, H, KD, BLOCK_K)
+    ma = tl.full([BLOCK_K], 1.0, tl.float32)
+    mb = tl.zeros([BLOCK_K], dtype=tl.float32)
+    mc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    md = tl.full([BLOCK_K], 1.0, tl.float32)
+    for start in range(0, CHUNK, BLOCK_T):
+        for j in tl.static_range(BLOCK_T):
+            t = part * CHUNK + start + j
+            a, q, c, _, _, _, _, _ = _token_terms(
+                K_, G, NOISE, R, t, ch, ch_ok, base, head_base, T, H, KD, scale, G_HEAD
+            )
+            sa, sb, sc, sd = _normalize(a, q, c * a, c * q + 1.0)
+            ma, mb, mc, md = _compose(ma, mb, mc, md, sa, sb, sc, sd)
+    at = (pid.to(tl.int64) * tl.num_programs(1) + part) * 4 * KD + ch
+    tl.store(MAPS + at, ma, mask=ch_ok)
+    tl.store(MAPS + at + KD, mb, mask=ch_ok)
+    tl.store(MAPS + at + 2 * KD, mc, mask=ch_ok)
+    tl.store(MAPS + at + 3 * KD, md, mask=ch_ok)
+
+
+@triton.jit
+def _kdn_diag_gain_token_forward_kernel(
+    K_, G, NOISE, R, P_START, GAIN, P, PRED, T, H, KD, scale, CHUNK,
+    G_HEAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # Program (pid, part): tokens [part CHUNK, (part + 1) CHUNK) of head pid, one at a time,
+    # from p at the chunk's start, P_START[pid, part] (p_prior with one chunk).
+    pid, part, ch, ch_ok, base, head_base = _token_program(T, H, KD, BLOCK_K)
+    start_at = (pid.to(tl.int64) * tl.num_programs(1) + part) * KD
+    p = tl.load(P_START + start_at + ch, mask=ch_ok, other=1.0)
+    for start in range(0, CHUNK, BLOCK_T):
+        for j in tl.static_range(BLOCK_T):
+            t = part * CHUNK + start + j
+            a, q, c, k, r, ok, at, head_at = _token_terms(
+                K_, G, NOISE, R, t, ch, ch_ok, base, head_base, T, H, KD, scale, G_HEAD
+            )
+            p_bar = a * p + q
+            p = 1.0 / (c + 1.0 / p_bar)  # tokens past T leave p as it is (a = 1, q = c = 0)
+            weighted = p_bar * k
+            predictive = tl.sum(weighted * k, axis=0)
+            tl.store(GAIN + at, (weighted / (predictive + r)).to(GAIN.dtype.element_ty), mask=ok)
+            tl.store(P + at, p, mask=ok)
+            tl.store(PRED + head_at, predictive + 0.0 * r, mask=ok & (ch == 0))
+
+
+@triton.jit
+def _token_adjoint(
+    K_, G, NOISE, R, P, PRED, DGAIN, DP, DPRED, p0, a_next, t, ch, ch_ok, base, head_base, T,
+    H, KD, scale, G_HEAD: tl.constexpr, HAS_DP: tl.constexpr,
+):  # fmt: skip
+    """Token t's gain adjoint and its adjoint map (pi, nu) <- (e + x pi', f + y pi') of
+    pi' = pi_{t+1}, given a_next = a_{t+1} (0 past the end), as `_adjoint_rows` for one token."""
+    a, q, c, k, r, ok, at, head_at = _token_terms(
+        K_, G, NOISE, R, t, ch, ch_ok, base, head_base, T, H, KD, scale, G_HEAD
+    )
+    has_prev = ok & (t + 0 * ch > 0)
+    p_prev = tl.load(P + at - H * KD, mask=has_prev, other=0.0)
+    p_prev = tl.where(has_prev, p_prev, p0)
+    p_bar = a * p_prev + q
+    weighted = p_bar * k
+    # The forward's predictive, kept: no sum over K for the denominator.
+    den = tl.load(PRED + head_at, mask=ok, other=0.0) + r
+    d_gain = tl.load(DGAIN + at, mask=ok, other=0.0).to(tl.float32)
+    d_den = -tl.sum(d_gain * (weighted / den), axis=0) / den
+    d_pred = tl.load(DPRED + head_at, mask=ok, other=0.0) + d_den
+    d_weighted = d_gain / den + d_pred * k
+    d_k = d_weighted * p_bar + d_pred * weighted
+    shrink = 1.0 / (c * p_bar + 1.0)
+    slope = shrink * shrink
+    if HAS_DP:
+        d_p = tl.load(DP + at, mask=ok, other=0.0).to(tl.float32)
+    else:
+        d_p = tl.zeros_like(k)
+    x, e = slope * a_next, d_weighted * k + slope * d_p
+    return ok, at, head_at, a, c, k, r, p_prev, p_bar, d_den, d_k, x, e, d_p
+
+
+@triton.jit
+def _next_decay(G, t, ch, ch_ok, base, head_base, T, H, KD, G_HEAD: tl.constexpr):
+    """a_{t} = exp(2 g_t) for the token after a chunk (0 at and past T: no step follows)."""
+    ok = ch_ok & (t + 0 * ch < T)
+    if G_HEAD:
+        g = tl.load(G + head_base + t.to(tl.int64) * H + 0 * ch, mask=ok, other=0.0)
+    else:
+        g = tl.load(G + base + t.to(tl.int64) * (H * KD) + ch, mask=ok, other=0.0)
+    return tl.where(ok, tl.exp(2.0 * g.to(tl.float32)), 0.0)
+
+
+@triton.jit
+def _kdn_diag_gain_token_adjoints_kernel(
+    K_, G, NOISE, R, P0, P, PRED, DGAIN, DP, DPRED, MAPS, T, H, KD, scale, CHUNK,
+    G_HEAD: tl.constexpr, HAS_DP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """MAPS[pid, part] = (X, E): pi at chunk `part`'s first step is E + X pi', pi' = pi after
+    its last step; composed one token at a time, from the last."""
+    pid, part, ch, ch_ok, base, head_base = _token_program(T, H, KD, BLOCK_K)
+    p0 = tl.load(P0 + pid * KD + ch, mask=ch_ok, other=0.0)
+    a_next = _next_decay(G, part * CHUNK + CHUNK, ch, ch_ok, base, head_base, T, H, KD, G_HEAD)
+    slope = tl.full([BLOCK_K], 1.0, tl.float32)
+    total = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for i in range(0, CHUNK, BLOCK_T):
+        for j in tl.static_range(BLOCK_T):
+            t = part * CHUNK + CHUNK - 1 - (i + j)
+            _, _, _, a, _, _, _, _, _, _, _, x, e, _ = _token_adjoint(
+                K_, G, NOISE, R, P, PRED, DGAIN, DP, DPRED, p0, a_next, t, ch, ch_ok, base,
+                head_base, T, H, KD, scale, G_HEAD, HAS_DP,
+            )  # fmt: skip
+            # This token (earlier in time) after the running map of the later ones.
+            slope, total = _then_affine(slope, total, x, e)
+            a_next = tl.where(t + 0 * ch < T, a, 0.0)
+    at = (pid.to(tl.int64) * tl.num_programs(1) + part) * 2 * KD + ch
+    tl.store(MAPS + at, slope, mask=ch_ok)
+    tl.store(MAPS + at + KD, total, mask=ch_ok)
+
+
+@triton.jit
+def _kdn_diag_gain_token_backward_kernel(
+    K_, G, NOISE, R, P0, P, PRED, DGAIN, DP, DPRED, PI_END, DK, DG, DNOISE, DR, DP0, T, H, KD,
+    scale, CHUNK, G_HEAD: tl.constexpr, HAS_DP: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # Program (pid, part): tokens [part CHUNK, (part + 1) CHUNK) of head pid from the last, from
+    # pi after the chunk, PI_END[pid, part] (zeros with one chunk).
+    pid, part, ch, ch_ok, base, head_base = _token_program(T, H, KD, BLOCK_K)
+    p0 = tl.load(P0 + pid * KD + ch, mask=ch_ok, other=0.0)
+    end_at = (pid.to(tl.int64) * tl.num_programs(1) + part) * KD
+    pi_after = tl.load(PI_END + end_at + ch, mask=ch_ok, other=0.0)
+    a_next = _next_decay(G, part * CHUNK + CHUNK, ch, ch_ok, base, head_base, T, H, KD, G_HEAD)
+    for i in range(0, CHUNK, BLOCK_T):
+        for j in tl.static_range(BLOCK_T):
+            t = part * CHUNK + CHUNK - 1 - (i + j)
+            ok, at, head_at, a, c, k, r, p_prev, p_bar, d_den, d_k, x, e, d_p = _token_adjoint(
+                K_, G, NOISE, R, P, PRED, DGAIN, DP, DPRED, p0, a_next, t, ch, ch_ok, base,
+                head_base, T, H, KD, scale, G_HEAD, HAS_DP,
+            )  # fmt: skip
+            # Tokens past T are zero maps: pi stays 0 after the last step.
+            pi = tl.where(ok, e + x * pi_after, pi_after)
+            nu = d_p + a_next * pi_after
+            p_t = 1.0 / (c + 1.0 / p_bar)
+            nu_p = nu * p_t
+            d_c = -nu_p * p_t
+            d_g = 2.0 * a * (pi * p_prev)
+            d_k += (d_c / r) * (2.0 * scale * k)
+            tl.store(DK + at, d_k.to(DK.dtype.element_ty), mask=ok)
+            tl.store(DNOISE + at, pi.to(DNOISE.dtype.element_ty), mask=ok)
+            if G_HEAD:
+                d_g_head = tl.sum(tl.where(ok, d_g, 0.0), axis=0) + 0.0 * r
+                tl.store(DG + head_at, d_g_head.to(DG.dtype.element_ty), mask=ok & (ch == 0))
+            else:
+                tl.store(DG + at, d_g.to(DG.dtype.element_ty), mask=ok)
+            d_r = d_den + tl.sum(tl.where(ok, nu_p * (p_t * c), 0.0), axis=0) / r
+            tl.store(DR + head_at, d_r.to(DR.dtype.element_ty), mask=ok & (ch == 0))
+            pi_after = pi
+            a_next = tl.where(t + 0 * ch < T, a, 0.0)
+    # pi_after is pi_1 (the first step) in the first chunk now: dp_prior = a_1 pi_1.
+    a_first = _next_decay(G, 0 * part, ch, ch_ok, base, head_base, T, H, KD, G_HEAD)
+    first = ch_ok & (part + 0 * ch == 0)
+    tl.store(DP0 + pid * KD + ch, (a_first * pi_after).to(DP0.dtype.element_ty), mask=first)
+
+
+# Which kernels run the diagonal gain: "tokens" (the token walks above) or "tiles" (the tile
+# scans before them).
+GAIN_WALK = "tokens"
+GAIN_WALKS = ("tokens", "tiles")
+# (tokens unrolled per step at K <= 128, warps) of each token walk: one warp, so that a sum over
+# K is a warp's shuffles; wider keys unroll fewer tokens (at K = 256 the chunk adjoints spill
+# 80 bytes a thread at 4 tokens).
+TOKEN_LAUNCH = {
+    "chunk_maps": (4, 1),
+    "forward": (4, 1),
+    "chunk_adjoints": (4, 1),
+    "backward": (4, 1),
+}
+
+
+def _kernels(walk: str) -> dict:
+    """The diagonal gain's kernels of `walk` by role."""
+    if walk == "tokens":
+        return {
+            "chunk_maps": _kdn_diag_gain_token_maps_kernel,
+            "forward": _kdn_diag_gain_token_forward_kernel,
+            "chunk_adjoints": _kdn_diag_gain_token_adjoints_kernel,
+            "backward": _kdn_diag_gain_token_backward_kernel,
+        }
+    return {
+        "chunk_maps": _kdn_diag_gain_chunk_maps_kernel,
+        "forward": _kdn_diag_gain_forward_kernel,
+        "chunk_adjoints": _kdn_diag_gain_chunk_adjoints_kernel,
+        "backward": _kdn_diag_gain_backward_kernel,
+    }
+
+
 def launch(key_dim: int, length: int, kernel: str) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_K, warps) of `kernel` (a key of LAUNCH): every channel of a head, and as
     many tokens as fill its tile (at least 2, at most its row limit and T rounded up to a power
     of 2)."""
-    tile, rows, warps = LAUNCH[kernel]
     block_k = triton.next_power_of_2(key_dim)
+    if GAIN_WALK == "tokens":
+        tokens, warps = TOKEN_LAUNCH[kernel]
+        tokens = max(1, tokens * 128 // max(block_k, 128))
+        return max(1, min(tokens, triton.next_power_of_2(length))), block_k, warps
+    tile, rows, warps = LAUNCH[kernel]
     block_t = max(2, min(tile // block_k, rows, triton.next_power_of_2(length)))
     return block_t, block_k, warps
 
@@ -559,8 +809,9 @@ CARRY_WARPS = 4
 
 
 def split_gain(batch_heads: int) -> bool:
-    """Whether `kdn_diag_gain` splits T for B H (sequence, head) pairs by default."""
-    return batch_heads < SPLIT_GAIN_BELOW_PROGRAMS
+    """Whether `kdn_diag_gain` splits T for B H (sequence, head) pairs by default: always for
+    the token walk (a program walking all T tokens one by one is a serial chain of T steps)."""
+    return GAIN_WALK == "tokens" or batch_heads < SPLIT_GAIN_BELOW_PROGRAMS
 
 
 def chunk_tokens(batch_heads: int, length: int, block_t: int) -> int:
@@ -617,6 +868,7 @@ class _KDNDiagGain(torch.autograd.Function):
             bh, length, key_dim, ("forward", "chunk_maps"), block_t, split, chunk
         )
         g_head = g.dim() == 3
+        kernels = _kernels(GAIN_WALK)
         # Every element is written by the kernel: no fill pass.
         gain = torch.empty_like(k, dtype=gain_dtype)
         p = torch.empty_like(k, dtype=torch.float32)
@@ -624,7 +876,7 @@ class _KDNDiagGain(torch.autograd.Function):
         starts = p_prior  # p at each chunk's start, [B H, chunks, K]
         if k.numel() and parts > 1:
             maps = p.new_empty(bh, parts, 4, key_dim)
-            _kdn_diag_gain_chunk_maps_kernel[(bh, parts)](
+            kernels["chunk_maps"][(bh, parts)](
                 k, g, q_noise, r, maps, length, heads, key_dim, scale, chunk_t, G_HEAD=g_head,
                 BLOCK_T=maps_t, BLOCK_K=block_k, num_warps=maps_warps,
             )  # fmt: skip
@@ -633,12 +885,13 @@ class _KDNDiagGain(torch.autograd.Function):
                 maps, p_prior, starts, parts, key_dim, *carry_block(parts), num_warps=CARRY_WARPS
             )
         if k.numel():
-            _kdn_diag_gain_forward_kernel[(bh, parts)](
+            kernels["forward"][(bh, parts)](
                 k, g, q_noise, r, starts, gain, p, predictive, length, heads, key_dim, scale,
                 chunk_t, G_HEAD=g_head, BLOCK_T=tile_t, BLOCK_K=block_k, num_warps=warps,
             )  # fmt: skip
         ctx.save_for_backward(k, g, q_noise, r, p_prior, p, predictive)
         ctx.scale, ctx.block_t, ctx.split, ctx.chunk = scale, block_t, split, chunk
+        ctx.walk = GAIN_WALK
         # An output the loss does not reach comes back as None, not as zeros: p in training (the
         # layers keep only its last step, as their state's precision).
         ctx.set_materialize_grads(False)
@@ -654,6 +907,7 @@ class _KDNDiagGain(torch.autograd.Function):
             bh, length, key_dim, ("backward", "chunk_adjoints"), ctx.block_t, ctx.split, ctx.chunk
         )
         g_head = g.dim() == 3
+        kernels = _kernels(ctx.walk)
         d_gain = torch.zeros_like(k) if d_gain is None else d_gain.contiguous()
         d_pred = p.new_zeros(r.shape) if d_pred is None else d_pred.contiguous()
         grads = [torch.empty_like(x) for x in (k, g, q_noise, r, p_prior)]
@@ -665,7 +919,7 @@ class _KDNDiagGain(torch.autograd.Function):
         # pi after each chunk's last step, [B H, chunks, K] (0 after the last chunk).
         if parts > 1:
             maps = p.new_empty(bh, parts, 2, key_dim)
-            _kdn_diag_gain_chunk_adjoints_kernel[(bh, parts)](
+            kernels["chunk_adjoints"][(bh, parts)](
                 k, g, q_noise, r, p_prior, p, predictive, d_gain, d_p, d_pred, maps, length, heads,
                 key_dim, ctx.scale, chunk_t, G_HEAD=g_head, HAS_DP=has_dp, BLOCK_T=adj_t,
                 BLOCK_K=block_k, num_warps=adj_warps,
@@ -676,7 +930,7 @@ class _KDNDiagGain(torch.autograd.Function):
             )
         else:
             ends = p.new_zeros(bh, 1, key_dim)
-        _kdn_diag_gain_backward_kernel[(bh, parts)](
+        kernels["backward"][(bh, parts)](
             k, g, q_noise, r, p_prior, p, predictive, d_gain, d_p, d_pred, ends, *grads, length, heads,
             key_dim, ctx.scale, chunk_t, G_HEAD=g_head, HAS_DP=has_dp, BLOCK_T=tile_t,
             BLOCK_K=block_k, num_warps=warps,
