@@ -15,19 +15,22 @@ saved.
 
 Layout. k, q_noise, gain, p (and per-channel g) are contiguous `[B, T, H, K]`; r, predictive (and
 per-head g) `[B, T, H]`. A program owns one head of one sequence, all K channels (BLOCK_K, a power
-of 2 >= K, the rest masked as identity maps), since the predictive sums over K per token; it walks
-T in tiles of BLOCK_T tokens, as `_kdn_forward_kernel` (triton.py) walks its lanes, and reduces
-over K inside the tile, so r's gradient (and a per-head g's) needs no atomics and no partial sums.
-B H programs: 32 at the 340M preset (B = 4, H = 8), fewer than an H200's SMs; each then streams
-its head at a single SM's bandwidth (a whole KDN layer's gain is ~0.3 GB forward, ~0.5 GB
-backward). Measured on the H200, that made the fused forward 2x slower than the separate ops at
-32 programs without the split below. Split over T, the same kernels run on a grid of (B H,
-chunks), a chunk of T (a multiple of BLOCK_T) per program, each from its chunk's boundary value,
-which two small passes give: the chunk's composed maps (one per channel), then a carry across
-the chunks per head (the section
-"Split over T" below); `kdn_diag_gain` splits below SPLIT_GAIN_BELOW_PROGRAMS pairs. Every
-gradient but dp_prior is per token (dr, and a per-head dg, reduce over K only, inside a tile),
-so the split needs no partial sums; dp_prior comes from the first chunk's program.
+of 2 >= K, the rest masked as identity maps), since the predictive sums over K per token, so r's
+gradient (and a per-head g's) needs no atomics and no partial sums. One program per (sequence,
+head) walking all of T is too few programs (32 at the 340M preset, B = 4, H = 8; measured on the
+H200, the fused forward then took twice the separate ops' time), so T is split: the kernels run
+on a grid of (B H, chunks), a chunk of T per program, each from its chunk's boundary value, which
+two small passes give: the chunk's composed maps (one per channel), then a carry across the
+chunks per head (the section "Split over T" below). Every gradient but dp_prior is per token
+(dr, and a per-head dg, reduce over K only), so the split needs no partial sums; dp_prior comes
+from the first chunk's program.
+
+Two walks of a chunk (`GAIN_WALK`). "tokens" (the default): a program walks its chunk one token
+at a time on one warp, every vector one token's K channels, so nothing crosses threads but the
+sums over K and the recurrences are the definition's own float32 steps (the section "Token by
+token" below). "tiles": a program walks its chunk in tiles of BLOCK_T tokens, scanning each tile
+over its tokens with `tl.associative_scan`, as `_kdn_forward_kernel` (triton.py) walks its
+lanes; the forward and backward below describe it.
 
 Forward. The scan runs in p_bar: row t's map is step t - 1's update followed by step t's
 prediction, p_bar_{t-1} -> p_bar_t = a_t / (c_{t-1} + 1 / p_bar_{t-1}) + q_t, the matrix
