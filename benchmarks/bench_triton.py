@@ -62,6 +62,9 @@ def draw_inputs(batch, length, heads, dim, device, dtype, gmax=1.0, seed=0):
         "write_gate": rand(*shape),
         "q_noise": 0.1 * rand(*shape[:3]),
         "r": 0.01 + rand(*shape[:3]),
+        # Diagonal KDN's process noise is per channel (the layers project it so): drawn as such,
+        # not a per-head draw expanded, whose copy and sum over K the op would be timed with.
+        "q_noise_k": 0.1 * rand(*shape),
     }
     return {k: v.to(device=device, dtype=dtype) for k, v in x.items()}
 
@@ -88,17 +91,16 @@ def forms(backend: str, chunk_size: int):
         p0 = torch.ones(q.shape[2], device=q.device)
         return kdn_iso(q, k, v, g, q_noise, r, p0, chunk_size=chunk_size, backend=backend)[0]
 
-    def diag(q, k, v, g, q_noise, r, **_):
+    def diag(q, k, v, g, q_noise_k, r, **_):
         p0 = torch.ones(q.shape[2], q.shape[3], device=q.device)
-        qn = q_noise[..., None].expand_as(k)
-        return kdn_diag(q, k, v, g, qn, r, p0, chunk_size=chunk_size, backend=backend)[0]
+        return kdn_diag(q, k, v, g, q_noise_k, r, p0, chunk_size=chunk_size, backend=backend)[0]
 
     return {
         "kda": (kda, ("q", "k", "v", "g", "beta")),
         "gdn2": (gdn2, ("q", "k", "v", "g", "erase_gate", "write_gate")),
         "gdn": (gdn, ("q", "k", "v", "g_head", "beta")),
         "kdn_iso": (iso, ("q", "k", "v", "g", "q_noise", "r")),
-        "kdn_diag": (diag, ("q", "k", "v", "g", "q_noise", "r")),
+        "kdn_diag": (diag, ("q", "k", "v", "g", "q_noise_k", "r")),
     }
 
 
