@@ -737,7 +737,10 @@ def _kdn_diag_gain_token_backward_kernel(
 
 
 # Which kernels run the diagonal gain: "tokens" (the token walks above) or "tiles" (the tile
-# scans before them).
+# scans before them). Measured on the H200 (`h200_suite.sh gain_chunks`, 2026-12-03, bf16
+# inputs, chunk 64, ms forward and backward of the gain alone, tokens / tiles): B=4 T=4096 H=16
+# 1.21 / 1.78, H=8 (the 340M preset) 1.00 / 1.23, B=1 T=32768 H=16 1.62 / 3.16; the four token
+# kernels take 0.64 ms of kernel time at the first shape, the tiles' 1.44.
 GAIN_WALK = "tokens"
 GAIN_WALKS = ("tokens", "tiles")
 # (tokens unrolled per step at K <= 128, warps) of each token walk: one warp, so that a sum over
@@ -803,7 +806,9 @@ SPLIT_GAIN_BELOW_PROGRAMS = 264
 # 1.69 / 1.70 / 1.75 / 1.68 / 2.04, H=8 (the 340M preset) 1.04 / 1.01 / **0.94** / 0.99 /
 # 1.09 / 1.64, B=1 T=32768 H=16 3.31 / 3.25 / **3.11** / 3.18 / 3.30 / 3.28: flat from 16 to
 # 256 at 64 heads, 64 best where the heads are fewer (the earlier default, ~1024 programs,
-# took 128 and 512 there).
+# took 128 and 512 there). The token walks, in the same sweep a session later: 1.17 / 1.20 /
+# 1.21 / 1.36 / 1.29 / 2.07, 1.05 / 0.85 / 1.00 / 1.03 / 1.40 / 2.00 and 1.74 / 1.87 / 1.62 /
+# 1.57 / 1.73 / 2.33: 64 within the spread of 16 to 128 at every shape.
 SPLIT_GAIN_PROGRAMS = 8192
 SPLIT_GAIN_MIN_CHUNK = 64
 # The carry passes: (chunks, channels) of a program's block and its warps (see "Split over T").
