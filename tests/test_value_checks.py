@@ -13,8 +13,10 @@ from deltalab.ops._checks import (
     one_host_read,
     require_finite,
     require_nonnegative,
+    require_nonnegative_finite,
     require_nonpositive,
     require_positive,
+    require_positive_finite,
 )
 
 
@@ -29,6 +31,21 @@ class HostReads(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+class Ops(TorchDispatchMode):
+    """Records each op with the tensors it reads and writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        reads = [a for a in args if isinstance(a, torch.Tensor)]
+        self.calls.append((func, reads, [o for o in outs if isinstance(o, torch.Tensor)]))
+        return out
 
 
 def run_checks(g, q_noise, r, p0):
@@ -134,3 +151,75 @@ def test_a_kdn_op_reads_its_inputs_checks_back_once(generator):
     assert reads.count == 2
     with pytest.raises(ValueError, match="g must be <= 0"):
         kdn_diag(q, key, v, -g, q_noise, r, p0=p0, backend="chunk")
+
+
+CHECKS = {
+    require_nonpositive: lambda x: -x,
+    require_positive: lambda x: x + 0.1,
+    require_nonnegative: lambda x: x,
+    require_finite: lambda x: x - 0.5,
+    require_nonnegative_finite: lambda x: x,
+    require_positive_finite: lambda x: x + 0.1,
+}
+
+
+@pytest.mark.parametrize("check", list(CHECKS), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_passing_value_check_reads_its_tensor_once_and_writes_nothing_of_its_size(
+    generator, check, dtype
+):
+    """One reduction over x, no elementwise pass writing a tensor of x's size (on a GPU each
+    such pass over a [B, T, H, K] input costs as much as the reduction)."""
+    x = CHECKS[check](torch.rand(4, 5, 6, generator=generator)).to(dtype)
+    with Ops() as ops:
+        check("x", x, "a test input")
+    readers = [func for func, reads, _ in ops.calls if any(r is x for r in reads)]
+    assert len(readers) == 1, readers
+    assert all(o.numel() <= 2 for _, _, outs in ops.calls for o in outs), ops.calls
+
+
+FINITE_BREAKS = {
+    "negative": lambda x: x.index_fill(0, torch.tensor([1]), -0.5),
+    "zero": lambda x: x.index_fill(1, torch.tensor([2]), 0.0),
+    "+inf": lambda x: x.index_fill(1, torch.tensor([2]), float("inf")),
+    "-inf": lambda x: x.index_fill(2, torch.tensor([0]), -float("inf")),
+    "NaN": lambda x: x.index_fill(0, torch.tensor([0]), float("nan")),
+    "NaN and negative": lambda x: -x.index_fill(0, torch.tensor([0]), float("nan")),
+}
+
+
+@pytest.mark.parametrize("blocked", [False, True], ids=["alone", "in a block"])
+@pytest.mark.parametrize("broken", list(FINITE_BREAKS))
+@pytest.mark.parametrize(
+    ("combined", "first"),
+    [
+        (require_nonnegative_finite, require_nonnegative),
+        (require_positive_finite, require_positive),
+    ],
+    ids=["nonnegative", "positive"],
+)
+def test_a_combined_check_passes_and_fails_as_its_two_checks_in_order(
+    generator, combined, first, broken, blocked
+):
+    x = torch.rand(3, 4, 5, generator=generator) + 0.1
+    combined("x", x, "a variance")  # a valid input passes
+    x = FINITE_BREAKS[broken](x)
+    try:
+        first("x", x, "a variance")
+        require_finite("x", x, "a variance")
+        expected = None
+    except ValueError as error:
+        expected = error
+    try:
+        if blocked:
+            with one_host_read():
+                combined("x", x, "a variance")
+        else:
+            combined("x", x, "a variance")
+        raised = None
+    except ValueError as error:
+        raised = error
+    assert (raised is None) == (expected is None)
+    if expected is not None:
+        assert type(raised) is type(expected)
+        assert str(raised) == str(expected)

@@ -5,20 +5,15 @@ from __future__ import annotations
 import torch
 
 from deltalab.ops._checks import (
-    require_finite,
     require_float,
-    require_nonnegative,
+    require_nonnegative_finite,
     require_nonpositive,
     require_positive,
+    require_positive_finite,
     require_positive_number,
     require_rank,
     require_shape,
 )
-
-
-def require_finite_positive(name: str, x: torch.Tensor, meaning: str) -> None:
-    require_positive(name, x, meaning)
-    require_finite(name, x, meaning)
 
 
 def check_keys(k: object, leading: str) -> torch.Tensor:
@@ -57,11 +52,10 @@ def check_noise(
         require_shape("q_noise", q_noise, k.shape, f"[{leading}, K]", "to match k")
     else:
         require_shape("q_noise", q_noise, k.shape[:-1], f"[{leading}]", "to match k")
-    require_nonnegative("q_noise", q_noise, "a process-noise variance")
-    require_finite("q_noise", q_noise, "a process-noise variance")
+    require_nonnegative_finite("q_noise", q_noise, "a process-noise variance")
     r = require_float("r", r)
     require_shape("r", r, k.shape[:-1], f"[{leading}]", "(one observation noise per head)")
-    require_finite_positive("r", r, "an observation-noise variance")
+    require_positive_finite("r", r, "an observation-noise variance")
 
 
 def check_info_scale(info_scale: object, key_dim: int) -> float:
@@ -100,7 +94,7 @@ def prior_variance(
         require_shape(p0_name, p0, tail, f"[{axes}]", "(shared by all sequences)")
     else:
         require_shape(p0_name, p0, (batch, *tail), f"[N, {axes}]", "(one prior per sequence)")
-    require_finite_positive(p0_name, p0, "a prior variance")
+    require_positive_finite(p0_name, p0, "a prior variance")
     if initial_precision is None:
         return p0.expand(batch, *tail)
     precision = require_float(precision_name, initial_precision)
