@@ -137,14 +137,16 @@ def _read_now(passed: torch.Tensor, check: Callable[[], None]) -> bool:
 # x's size and reducing that: one read of x, nothing of its size written. On an H200 a KDN op's
 # checks of its [B, T, H, K] inputs took ~0.15 ms the elementwise way (docs/RESULTS.md,
 # nineteenth session). NaN needs no test of its own: amax, amin and aminmax return NaN when x
-# holds one, and every comparison with NaN is False.
+# holds one, and every comparison with NaN is False. The reductions take x detached: on a
+# tensor that requires grad, amax would otherwise record a backward node that saves x (the
+# elementwise comparisons it replaces record none).
 
 
 def require_nonpositive(name: str, x: torch.Tensor, meaning: str) -> None:
     """Refuses values > 0 and NaN (-inf passes: a log decay of -inf is a full reset)."""
     if not values_checkable(x):
         return
-    passed = x.amax() <= 0  # see "One pass" above
+    passed = x.detach().amax() <= 0  # see "One pass" above
     if _read_now(passed, lambda: require_nonpositive(name, x, meaning)) and not bool(passed):
         # -inf is allowed here, so only NaN and +inf make the refusal a NonFiniteError.
         raise _refusal(x.nan_to_num(nan=math.nan, posinf=math.inf, neginf=0.0))(
@@ -156,7 +158,7 @@ def require_positive(name: str, x: torch.Tensor, meaning: str) -> None:
     """Refuses values <= 0 and NaN."""
     if not values_checkable(x):
         return
-    passed = x.amin() > 0
+    passed = x.detach().amin() > 0
     if _read_now(passed, lambda: require_positive(name, x, meaning)) and not bool(passed):
         raise _refusal(x)(f"{name} must be > 0 ({meaning}), got {_worst(x, 'minimum')}")
 
@@ -171,7 +173,7 @@ def require_nonnegative(name: str, x: torch.Tensor, meaning: str) -> None:
     """Refuses values < 0 and NaN."""
     if not values_checkable(x):
         return
-    passed = x.amin() >= 0
+    passed = x.detach().amin() >= 0
     if _read_now(passed, lambda: require_nonnegative(name, x, meaning)) and not bool(passed):
         raise _refusal(x)(f"{name} must be >= 0 ({meaning}), got {_worst(x, 'minimum')}")
 
@@ -180,7 +182,7 @@ def require_finite(name: str, x: torch.Tensor, meaning: str) -> None:
     """Refuses inf, -inf and NaN; the error shows the first such value and where it is."""
     if not values_checkable(x):
         return
-    low, high = torch.aminmax(x)
+    low, high = torch.aminmax(x.detach())
     passed = (low > -math.inf) & (high < math.inf)
     if not _read_now(passed, lambda: require_finite(name, x, meaning)) or bool(passed):
         return
@@ -198,7 +200,7 @@ def _require_bounded(
     so the error is the one they raise one after the other."""
     if not values_checkable(x):
         return
-    low, high = torch.aminmax(x)
+    low, high = torch.aminmax(x.detach())
     passed = (low > 0 if above_zero is require_positive else low >= 0) & (high < math.inf)
 
     def in_order() -> None:
