@@ -192,19 +192,17 @@ def require_finite(name: str, x: torch.Tensor, meaning: str) -> None:
         raise NonFiniteError(f"{name} must be finite ({meaning}), got {x[index].item()} at {index}")
 
 
-def _require_bounded(
-    name: str, x: torch.Tensor, meaning: str, above_zero: Callable[[str, torch.Tensor, str], None]
-) -> None:
-    """`above_zero` (require_nonnegative or require_positive), then require_finite, from one
-    pass over x: its minimum and maximum together. On a failure the two checks run in order,
-    so the error is the one they raise one after the other."""
+def _require_bounded(name: str, x: torch.Tensor, meaning: str, positive: bool) -> None:
+    """require_positive (`positive`) or require_nonnegative, then require_finite, from one pass
+    over x: its minimum and maximum together. On a failure the two checks run in order, so the
+    error is the one they raise one after the other."""
     if not values_checkable(x):
         return
     low, high = torch.aminmax(x.detach())
-    passed = (low > 0 if above_zero is require_positive else low >= 0) & (high < math.inf)
+    passed = (low > 0 if positive else low >= 0) & (high < math.inf)
 
     def in_order() -> None:
-        above_zero(name, x, meaning)
+        (require_positive if positive else require_nonnegative)(name, x, meaning)
         require_finite(name, x, meaning)
 
     if _read_now(passed, in_order) and not bool(passed):
@@ -213,12 +211,12 @@ def _require_bounded(
 
 def require_nonnegative_finite(name: str, x: torch.Tensor, meaning: str) -> None:
     """require_nonnegative, then require_finite, in one pass over x."""
-    _require_bounded(name, x, meaning, require_nonnegative)
+    _require_bounded(name, x, meaning, positive=False)
 
 
 def require_positive_finite(name: str, x: torch.Tensor, meaning: str) -> None:
     """require_positive, then require_finite, in one pass over x."""
-    _require_bounded(name, x, meaning, require_positive)
+    _require_bounded(name, x, meaning, positive=True)
 
 
 def require_positive_int(name: str, value: object) -> int:
