@@ -3,21 +3,25 @@
     python benchmarks/bench_triton.py --out results.json          # H200: the issue's shapes
     TRITON_INTERPRET=1 python benchmarks/bench_triton.py --tiny   # CPU: proves it executes
 
-Three parts, all on fresh random inputs (never zeros), bf16 inputs unless said:
+Four parts, all on fresh random inputs (never zeros), bf16 inputs unless said:
 1. check: relative error against a float64 reference (the chunk backend in float64) of the
    output and every gradient, fp32 (TF32 off) and bf16 inputs;
 2. stability: float32 error at chunk 64/128/256 under per-channel log decays down to -gmax,
    next to fla's `chunk_kda` (fixed chunk 64) on the same inputs;
 3. time: median ms of forward and forward+backward and peak GiB of forward+backward, per form
    (KDA: a = beta k, b = k; GDN-2: a = k, b = beta_e * k, u = w * v; GDN: one decay per head;
-   Isotropic / Diagonal KDN), with ratios to fla's `chunk_kda` / `chunk_gdn2` of the same run.
+   Isotropic / Diagonal KDN), with ratios to fla's `chunk_kda` / `chunk_gdn2` of the same run;
+4. overhead (CUDA): wall time beyond the kernels' own, split into the value checks' read-backs
+   and the host's launching, per form (`--parts overhead`, not in the default parts).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import statistics
 import sys
 
 import torch
@@ -296,6 +300,88 @@ def stages(device, shape, chunk_size):
     return rows
 
 
+@contextlib.contextmanager
+def value_checks_off():
+    """Every value check skipped, as during a CUDA graph capture (shape and dtype checks stay):
+    what the checks' read-backs cost is the time with them on minus the time in here."""
+    from deltalab.ops import _checks
+
+    checkable = _checks.values_checkable
+    _checks.values_checkable = lambda x: False
+    try:
+        yield
+    finally:
+        _checks.values_checkable = checkable
+
+
+def host_ms(call, calls=12):
+    """Median host milliseconds of one `call()` while the GPU is kept busy by a long sleep
+    queued first: the host never waits for the device, so this is the launching alone (value
+    checks must be off, or their read-backs wait for the sleep)."""
+    import time
+
+    call()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s at the H200's clock: longer than the calls below
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e3
+
+
+def overhead(device, shape, only, chunk_size=64):
+    """Where wall time goes beyond the kernels: per form, forward+backward wall ms with the
+    value checks on and off, the kernels' own ms, and the host's ms to launch one forward and
+    one forward+backward (checks off); then the host's op table for the KDN forms."""
+    from deltalab.benchmarking import kernel_ms
+
+    inputs = draw_inputs(*shape, device, torch.bfloat16)
+    rows = []
+    for name, (fn, names) in forms("triton", chunk_size).items():
+        if only and not any(f"{name}_c{chunk_size}".startswith(p) for p in only):
+            continue
+        leaves = {k: (v.clone().requires_grad_() if k in names else v) for k, v in inputs.items()}
+        d_out = torch.randn_like(fn(**inputs))
+
+        def train(fn=fn, leaves=leaves, d_out=d_out):
+            fn(**leaves).backward(d_out)
+
+        def forward(fn=fn):
+            with torch.no_grad():
+                fn(**inputs)
+
+        import triton
+
+        def bench(call):
+            return triton.testing.do_bench(call, warmup=50, rep=300, return_mode="median")
+
+        row = {"form": f"{name}_c{chunk_size}", "wall_ms": bench(train)}
+        with value_checks_off():
+            row["wall_unchecked_ms"] = bench(train)
+            row["kernel_ms"] = kernel_ms(train, device, 10)
+            row["host_fwd_ms"] = host_ms(forward)
+            row["host_train_ms"] = host_ms(train)
+            if name.startswith("kdn"):
+                train()
+                torch.cuda.synchronize()
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                with torch.profiler.profile(activities=activities) as prof:
+                    for _ in range(5):
+                        train()
+                    torch.cuda.synchronize()
+                print(f"--- host ops of {name}, 5 calls, checks off", file=sys.stderr)
+                table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+                print(table, file=sys.stderr, flush=True)
+        row["checks_ms"] = row["wall_ms"] - row["wall_unchecked_ms"]
+        row["unhidden_host_ms"] = row["wall_unchecked_ms"] - row["kernel_ms"]
+        rows.append(row)
+        print(row, file=sys.stderr, flush=True)
+    return rows
+
+
 def add_ratios(rows):
     """Each row's forward+backward time over fla's of the same form and shape."""
     anchor = {"kda": "fla_kda", "gdn": "fla_kda", "kdn_iso": "fla_kda", "kdn_diag": "fla_kda",
@@ -375,6 +461,9 @@ def main() -> None:
         )
         result["time"] = rows
         print_records(rows)
+    if "overhead" in args.parts and device == "cuda":
+        result["overhead"] = overhead(device, shapes[0], args.only, args.chunk_sizes[0])
+        print_records(result["overhead"])
     if args.operator_dtype is not None:
         result["operator_dtype"] = args.operator_dtype
     if args.out:
