@@ -723,12 +723,11 @@ def test_a_training_forwards_value_checks_read_back_once_unless_checkpointing(
 
     counts = {True: 0, False: 0}  # read at once -> how many
     in_training = {True: 0, False: 0}
-    read_now, loss_of = _checks._read_now, loop._loss
+    failed, loss_of = _checks._failed, loop._loss
 
-    def counting(passed, check):
-        now = read_now(passed, check)
-        counts[now] += 1
-        return now
+    def counting(x, kind, passed, check):
+        counts[_checks._QUEUED.get() is None] += 1  # no open block: read at once
+        return failed(x, kind, passed, check)
 
     def loss(model, window, autocast):
         before = dict(counts)
@@ -738,7 +737,7 @@ def test_a_training_forwards_value_checks_read_back_once_unless_checkpointing(
                 in_training[now] += counts[now] - before[now]
         return out
 
-    monkeypatch.setattr(_checks, "_read_now", counting)
+    monkeypatch.setattr(_checks, "_failed", counting)
     monkeypatch.setattr(loop, "_loss", loss)
     train(run_config(tmp_path, corpus, f"model.mixer={mixer}",
                      f"train.activation_checkpointing={str(checkpointing).lower()}"))  # fmt: skip

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from deltalab.ops import kdn_diag
+from deltalab.ops import kdn_diag, kdn_iso
 from deltalab.ops._checks import (
     NonFiniteError,
     one_host_read,
@@ -63,12 +63,11 @@ def valid_inputs(generator):
 
 
 def test_checks_in_a_block_read_back_once_instead_of_once_each(generator):
-    inputs = valid_inputs(generator)
     with HostReads() as alone:
-        run_checks(**inputs)
+        run_checks(**valid_inputs(generator))
     with HostReads() as together:
         with one_host_read():
-            run_checks(**inputs)
+            run_checks(**valid_inputs(generator))  # fresh tensors: no pass remembered
     assert alone.count == 6
     assert together.count == 1
 
@@ -138,8 +137,8 @@ def test_an_error_inside_the_block_propagates_and_leaves_checks_immediate(genera
 
 
 def test_a_kdn_op_reads_its_inputs_checks_back_once(generator):
-    """Diagonal KDN checks g, q_noise, r and p0 (6 answers) with one read back, and still
-    refuses a positive log decay by name."""
+    """Diagonal KDN checks g, q_noise, r and p0 with one read back, the delta rule it calls
+    does not check g again, and a positive log decay is still refused by name."""
     b, t, h, k = 1, 6, 2, 4
     draw = lambda *shape: torch.rand(*shape, generator=generator)  # noqa: E731
     q, key, v = draw(b, t, h, k), draw(b, t, h, k), draw(b, t, h, k)
@@ -147,10 +146,95 @@ def test_a_kdn_op_reads_its_inputs_checks_back_once(generator):
     p0 = torch.ones(h)
     with HostReads() as reads:
         kdn_diag(q, key, v, g, q_noise, r, p0=p0, backend="chunk")
-    # One for the KDN's inputs, one for the delta rule's own check of its gates.
-    assert reads.count == 2
+    # The KDN's inputs in one read; the delta rule's own check of g <= 0 finds it passed.
+    assert reads.count == 1
     with pytest.raises(ValueError, match="g must be <= 0"):
         kdn_diag(q, key, v, -g, q_noise, r, p0=p0, backend="chunk")
+
+
+@pytest.mark.parametrize("op", [kdn_diag, kdn_iso], ids=lambda f: f.__name__)
+def test_a_kdn_op_queues_its_work_before_it_reads_its_checks_back(generator, op):
+    """The one read comes after the delta rule has read v (only its work reads v): on a GPU
+    the kernels run while the host waits for the answers, and a bad input still raises."""
+    b, t, h, k = 1, 6, 2, 4
+    draw = lambda *shape: torch.rand(*shape, generator=generator)  # noqa: E731
+    q, key, v = draw(b, t, h, k), draw(b, t, h, k), draw(b, t, h, k)
+    per_channel = op is kdn_diag
+    g, r = -draw(b, t, h, k), draw(b, t, h) + 0.5
+    q_noise = draw(b, t, h, k) if per_channel else draw(b, t, h)
+    with Ops() as ops:
+        op(q, key, v, g, q_noise, r, p0=torch.ones(h), backend="chunk")
+    reads = [i for i, (func, *_) in enumerate(ops.calls)
+             if func is torch.ops.aten._local_scalar_dense.default]  # fmt: skip
+    v_used = [i for i, (_, inputs, _) in enumerate(ops.calls) if any(x is v for x in inputs)]
+    assert len(reads) == 1 and v_used and v_used[0] < reads[0]
+    with pytest.raises(ValueError, match="r must be > 0"):
+        op(q, key, v, g, q_noise, -r, p0=torch.ones(h), backend="chunk")
+
+
+def test_a_passed_check_is_not_run_again_until_the_tensor_changes(generator):
+    g = -torch.rand(3, 4, generator=generator)
+    with HostReads() as reads:
+        require_nonpositive("g", g, "a log decay")
+        require_nonpositive("g", g, "a log decay")
+        require_nonpositive("g", g[1:], "a log decay")  # a view is another tensor: checked
+    assert reads.count == 2
+    g[0, 0] = 0.5  # the version counter moves: checked again, and refused
+    with pytest.raises(ValueError, match="g must be <= 0"):
+        require_nonpositive("g", g, "a log decay")
+    view = g[1:]
+    require_nonpositive("g", view, "a log decay")
+    g[2, 1] = 0.25  # a write through the base bumps the view's version too
+    with pytest.raises(ValueError, match="g must be <= 0"):
+        require_nonpositive("g", view, "a log decay")
+
+
+def test_a_failed_check_is_never_remembered_as_passed(generator):
+    r = torch.rand(5, generator=generator) - 2.0
+    for _ in range(2):
+        with pytest.raises(ValueError, match="r must be > 0"):
+            require_positive("r", r, "an observation-noise variance")
+    with pytest.raises(ValueError, match="r must be > 0"):
+        with one_host_read():
+            require_positive("r", r, "an observation-noise variance")
+    with pytest.raises(ValueError, match="r must be > 0"):
+        require_positive("r", r, "an observation-noise variance")
+
+
+def test_a_check_of_another_kind_still_runs_on_a_passed_tensor(generator):
+    x = torch.rand(4, generator=generator)
+    x[1] = float("inf")
+    require_nonnegative("x", x, "a variance")  # passes: inf >= 0
+    with pytest.raises(NonFiniteError, match="x must be finite"):
+        require_nonnegative_finite("x", x, "a variance")
+
+
+def test_a_block_queues_a_repeated_check_once_and_remembers_it_only_on_success(generator):
+    g = -torch.rand(3, 4, generator=generator)
+    with Ops() as ops:
+        with one_host_read():
+            require_nonpositive("g", g, "a log decay")
+            require_nonpositive("g", g, "a log decay")
+    assert sum(func is torch.ops.aten.amax.default for func, *_ in ops.calls) == 1
+    with HostReads() as reads:
+        require_nonpositive("g", g, "a log decay")
+    assert reads.count == 0
+    # Queued at one version, written after: the pass is remembered for the version checked.
+    h = -torch.rand(3, generator=generator)
+    with one_host_read():
+        require_nonpositive("h", h, "a log decay")
+        h[0] = 1.0
+    with pytest.raises(ValueError, match="h must be <= 0"):
+        require_nonpositive("h", h, "a log decay")
+
+
+def test_inference_tensors_are_checked_every_time(generator):
+    with torch.inference_mode():
+        g = -torch.rand(3, generator=generator)
+    with HostReads() as reads:
+        require_nonpositive("g", g, "a log decay")
+        require_nonpositive("g", g, "a log decay")
+    assert reads.count == 2
 
 
 CHECKS = {

@@ -82,9 +82,23 @@ def _refusal(x: torch.Tensor) -> type[ValueError]:
     return ValueError if bool(torch.isfinite(x).all()) else NonFiniteError
 
 
-# The value checks queued by the innermost `one_host_read` block, or None outside any.
-_QUEUED: contextvars.ContextVar[list[tuple[torch.Tensor, Callable[[], None]]] | None] = (
-    contextvars.ContextVar("deltalab_queued_value_checks", default=None)
+class _Block:
+    """The value checks queued in an open `one_host_read` block."""
+
+    def __init__(self) -> None:
+        # (on-device answer, the check to run again should it fail, x, the check's kind, x's
+        # version when checked)
+        self.queued: list[
+            tuple[torch.Tensor, Callable[[], None], torch.Tensor, str, int | None]
+        ] = []
+        # (id(x), kind, version) of each queued check: the closures keep x alive, so an id
+        # stays x's until the block ends.
+        self.keys: set[tuple[int, str, int]] = set()
+
+
+# The innermost open `one_host_read` block, or None outside any.
+_QUEUED: contextvars.ContextVar[_Block | None] = contextvars.ContextVar(
+    "deltalab_queued_value_checks", default=None
 )
 
 
@@ -98,7 +112,14 @@ def one_host_read() -> Iterator[None]:
     step (benchmarks/traffic.py). Inside the block a check queues its on-device answer instead;
     on leaving, the answers are stacked and read back in one go (one read per device). Only if
     one failed are the checks run again in order, so the error is the one the first failing
-    check raises, word for word. Wrap a block of checks that precedes the work they guard.
+    check raises, word for word.
+
+    The block may hold the work the checks guard too, when out-of-range values cannot make
+    that work unsafe (a log decay > 0 gives inf or NaN, not an access out of bounds): the host
+    then queues the work before it waits for the answers, and the device does not sit idle
+    between the checks and the work while the host launches it. A failed check raises at the
+    block's end, and the work's results are dropped. Checks of anything that indexes memory
+    (offsets, lengths) must read back before the work, outside a block or in one of their own.
 
     Blocks nest: inside an enclosing block (the training loop wraps each forward) a block adds
     its checks to the enclosing one's, which reads them all at its own end.
@@ -106,29 +127,75 @@ def one_host_read() -> Iterator[None]:
     if _QUEUED.get() is not None:
         yield
         return
-    queued: list[tuple[torch.Tensor, Callable[[], None]]] = []
-    token = _QUEUED.set(queued)
+    block = _Block()
+    token = _QUEUED.set(block)
     try:
         yield
     finally:
         _QUEUED.reset(token)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for passed, _ in queued:
+    for passed, *_ in block.queued:
         by_device.setdefault(passed.device, []).append(passed)
     if all(bool(torch.stack(answers).all()) for answers in by_device.values()):
+        for _, _, x, kind, version in block.queued:
+            _remember_pass(x, kind, version)
         return
-    for _, check in queued:
+    for _, check, *_ in block.queued:
         check()  # outside the block now: reads its answer at once and raises if it fails
     raise AssertionError("a queued value check failed but passed when run again")
 
 
-def _read_now(passed: torch.Tensor, check: Callable[[], None]) -> bool:
-    """Whether a check reads its answer `passed` (a 0-d bool tensor) now; inside
-    `one_host_read` it is queued with the check itself, to run again should it fail."""
-    queued = _QUEUED.get()
-    if queued is None:
+# Checks passed once are not run again. An op that hands a validated input on to another op
+# (KDN gives its g to the delta rule, which checks g <= 0 again) would otherwise reduce it a
+# second time and, outside a block, read the answer back a second time: on a GPU one more
+# wait for the device per call. A pass is remembered on the tensor, with its version counter
+# (an in-place write, through x or any view of it, bumps it and the check runs again); a
+# failure is never remembered. Inside a block, a check already queued for the same unchanged
+# tensor is not queued twice: the block's one read answers both. Inference tensors have no
+# version counter and are always checked.
+
+
+def _version(x: torch.Tensor) -> int | None:
+    try:
+        return x._version
+    except RuntimeError:  # an inference tensor
+        return None
+
+
+def _remember_pass(x: torch.Tensor, kind: str, version: int | None) -> None:
+    """Notes on x that the check `kind` passed on x at `version` (None: not noted)."""
+    if version is not None:
+        passes = getattr(x, "_deltalab_passed", None)
+        if passes is None:
+            passes = x._deltalab_passed = {}
+        passes[kind] = version
+
+
+def _settled(x: torch.Tensor, kind: str) -> bool:
+    """Whether a check of this kind passed on x unchanged since, or is queued for it in the
+    open block: nothing to do (see "Checks passed once" above)."""
+    version = _version(x)
+    if version is None:
+        return False
+    if getattr(x, "_deltalab_passed", {}).get(kind) == version:
         return True
-    queued.append((passed, check))
+    block = _QUEUED.get()
+    return block is not None and (id(x), kind, version) in block.keys
+
+
+def _failed(x: torch.Tensor, kind: str, passed: torch.Tensor, check: Callable[[], None]) -> bool:
+    """Whether the check of x whose on-device answer is `passed` (a 0-d bool tensor) failed,
+    read now. Inside `one_host_read` it is queued instead, with the check to run again should
+    the block's read fail, and this returns False. A pass read here is remembered."""
+    block, version = _QUEUED.get(), _version(x)
+    if block is not None:
+        block.queued.append((passed, check, x, kind, version))
+        if version is not None:
+            block.keys.add((id(x), kind, version))
+        return False
+    if not bool(passed):
+        return True
+    _remember_pass(x, kind, version)
     return False
 
 
@@ -144,10 +211,10 @@ def _read_now(passed: torch.Tensor, check: Callable[[], None]) -> bool:
 
 def require_nonpositive(name: str, x: torch.Tensor, meaning: str) -> None:
     """Refuses values > 0 and NaN (-inf passes: a log decay of -inf is a full reset)."""
-    if not values_checkable(x):
+    if not values_checkable(x) or _settled(x, "<= 0"):
         return
     passed = x.detach().amax() <= 0  # see "One pass" above
-    if _read_now(passed, lambda: require_nonpositive(name, x, meaning)) and not bool(passed):
+    if _failed(x, "<= 0", passed, lambda: require_nonpositive(name, x, meaning)):
         # -inf is allowed here, so only NaN and +inf make the refusal a NonFiniteError.
         raise _refusal(x.nan_to_num(nan=math.nan, posinf=math.inf, neginf=0.0))(
             f"{name} must be <= 0 ({meaning}), got {_worst(x, 'maximum')}"
@@ -156,10 +223,10 @@ def require_nonpositive(name: str, x: torch.Tensor, meaning: str) -> None:
 
 def require_positive(name: str, x: torch.Tensor, meaning: str) -> None:
     """Refuses values <= 0 and NaN."""
-    if not values_checkable(x):
+    if not values_checkable(x) or _settled(x, "> 0"):
         return
     passed = x.detach().amin() > 0
-    if _read_now(passed, lambda: require_positive(name, x, meaning)) and not bool(passed):
+    if _failed(x, "> 0", passed, lambda: require_positive(name, x, meaning)):
         raise _refusal(x)(f"{name} must be > 0 ({meaning}), got {_worst(x, 'minimum')}")
 
 
@@ -171,20 +238,20 @@ def _worst(x: torch.Tensor, reduce: str) -> str:
 
 def require_nonnegative(name: str, x: torch.Tensor, meaning: str) -> None:
     """Refuses values < 0 and NaN."""
-    if not values_checkable(x):
+    if not values_checkable(x) or _settled(x, ">= 0"):
         return
     passed = x.detach().amin() >= 0
-    if _read_now(passed, lambda: require_nonnegative(name, x, meaning)) and not bool(passed):
+    if _failed(x, ">= 0", passed, lambda: require_nonnegative(name, x, meaning)):
         raise _refusal(x)(f"{name} must be >= 0 ({meaning}), got {_worst(x, 'minimum')}")
 
 
 def require_finite(name: str, x: torch.Tensor, meaning: str) -> None:
     """Refuses inf, -inf and NaN; the error shows the first such value and where it is."""
-    if not values_checkable(x):
+    if not values_checkable(x) or _settled(x, "finite"):
         return
     low, high = torch.aminmax(x.detach())
     passed = (low > -math.inf) & (high < math.inf)
-    if not _read_now(passed, lambda: require_finite(name, x, meaning)) or bool(passed):
+    if not _failed(x, "finite", passed, lambda: require_finite(name, x, meaning)):
         return
     bad = ~torch.isfinite(x)
     if bool(bad.any()):
@@ -196,7 +263,8 @@ def _require_bounded(name: str, x: torch.Tensor, meaning: str, positive: bool) -
     """require_positive (`positive`) or require_nonnegative, then require_finite, from one pass
     over x: its minimum and maximum together. On a failure the two checks run in order, so the
     error is the one they raise one after the other."""
-    if not values_checkable(x):
+    kind = "> 0, finite" if positive else ">= 0, finite"
+    if not values_checkable(x) or _settled(x, kind):
         return
     low, high = torch.aminmax(x.detach())
     passed = (low > 0 if positive else low >= 0) & (high < math.inf)
@@ -205,7 +273,7 @@ def _require_bounded(name: str, x: torch.Tensor, meaning: str, positive: bool) -
         (require_positive if positive else require_nonnegative)(name, x, meaning)
         require_finite(name, x, meaning)
 
-    if _read_now(passed, in_order) and not bool(passed):
+    if _failed(x, kind, passed, in_order):
         in_order()
 
 
