@@ -187,6 +187,11 @@ def test_a_passed_check_is_not_run_again_until_the_tensor_changes(generator):
     g[2, 1] = 0.25  # a write through the base bumps the view's version too
     with pytest.raises(ValueError, match="g must be <= 0"):
         require_nonpositive("g", view, "a log decay")
+    h = -torch.rand(3, generator=generator)
+    require_nonpositive("h", h, "a log decay")
+    h.data = torch.ones(3)  # new data, same version counter: checked again
+    with pytest.raises(ValueError, match="h must be <= 0"):
+        require_nonpositive("h", h, "a log decay")
 
 
 def test_a_failed_check_is_never_remembered_as_passed(generator):

@@ -89,11 +89,11 @@ class _Block:
         # (on-device answer, the check to run again should it fail, x, the check's kind, x's
         # version when checked)
         self.queued: list[
-            tuple[torch.Tensor, Callable[[], None], torch.Tensor, str, int | None]
+            tuple[torch.Tensor, Callable[[], None], torch.Tensor, str, tuple[int, int] | None]
         ] = []
         # (id(x), kind, version) of each queued check: the closures keep x alive, so an id
         # stays x's until the block ends.
-        self.keys: set[tuple[int, str, int]] = set()
+        self.keys: set[tuple[int, str, tuple[int, int]]] = set()
 
 
 # The innermost open `one_host_read` block, or None outside any.
@@ -149,20 +149,23 @@ def one_host_read() -> Iterator[None]:
 # (KDN gives its g to the delta rule, which checks g <= 0 again) would otherwise reduce it a
 # second time and, outside a block, read the answer back a second time: on a GPU one more
 # wait for the device per call. A pass is remembered on the tensor, with its version counter
-# (an in-place write, through x or any view of it, bumps it and the check runs again); a
-# failure is never remembered. Inside a block, a check already queued for the same unchanged
-# tensor is not queued twice: the block's one read answers both. Inference tensors have no
-# version counter and are always checked.
+# and its data's address (an in-place write, through x or any view of it, bumps the counter,
+# and `x.data = y` moves the address: either way the check runs again); a failure is never
+# remembered. Inside a block, a check already queued for the same unchanged tensor is not
+# queued twice: the block's one read answers both. Inference tensors (no version counter) and
+# tensors without storage are always checked.
 
 
-def _version(x: torch.Tensor) -> int | None:
+def _version(x: torch.Tensor) -> tuple[int, int] | None:
+    """x's version counter and where its data lives: `x.data = y` swaps the data without
+    bumping the counter, so the address is part of what a pass is remembered for."""
     try:
-        return x._version
-    except RuntimeError:  # an inference tensor
+        return x._version, x.data_ptr()
+    except (RuntimeError, NotImplementedError):  # an inference tensor; one without storage
         return None
 
 
-def _remember_pass(x: torch.Tensor, kind: str, version: int | None) -> None:
+def _remember_pass(x: torch.Tensor, kind: str, version: tuple[int, int] | None) -> None:
     """Notes on x that the check `kind` passed on x at `version` (None: not noted)."""
     if version is not None:
         passes = getattr(x, "_deltalab_passed", None)
