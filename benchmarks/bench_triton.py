@@ -9,7 +9,7 @@ Four parts, all on fresh random inputs (never zeros), bf16 inputs unless said:
 2. stability: float32 error at chunk 64/128/256 under per-channel log decays down to -gmax,
    next to fla's `chunk_kda` (fixed chunk 64) on the same inputs;
 3. time: median ms of forward and forward+backward and peak GiB of forward+backward, per form
-   (KDA: a = beta k, b = k; GDN-2: a = k, b = beta_e * k, u = w * v; GDN: one decay per head;
+   (KDA: a = beta per token, b = k, and `kda_product` with the direction beta k formed first; GDN-2: a = k, b = beta_e * k, u = w * v; GDN: one decay per head;
    Isotropic / Diagonal KDN), with ratios to fla's `chunk_kda` / `chunk_gdn2` of the same run;
 4. overhead (CUDA): wall time beyond the kernels' own, split into the value checks' read-backs
    and the host's launching, per form (`--parts overhead`, not in the default parts).
@@ -76,10 +76,14 @@ def draw_inputs(batch, length, heads, dim, device, dtype, gmax=1.0, seed=0):
 def forms(backend: str, chunk_size: int):
     """name -> (fn(**inputs) -> output, input names that get gradients)."""
 
+    # a = beta: the primitive's per-token strength, multiplied in as its kernels load k.
     def kda(q, k, v, g, beta, **_):
-        return delta_rule(q, beta[..., None] * k, k, v, g, chunk_size=chunk_size, backend=backend)[
-            0
-        ]
+        return delta_rule(q, beta, k, v, g, chunk_size=chunk_size, backend=backend)[0]
+
+    # The same with the direction beta k formed first (as before 2026-12-04): the A/B.
+    def kda_product(q, k, v, g, beta, **_):
+        a = beta[..., None] * k
+        return delta_rule(q, a, k, v, g, chunk_size=chunk_size, backend=backend)[0]
 
     def gdn2(q, k, v, g, erase_gate, write_gate, **_):
         return delta_rule(
@@ -87,9 +91,7 @@ def forms(backend: str, chunk_size: int):
         )[0]
 
     def gdn(q, k, v, g_head, beta, **_):
-        return delta_rule(
-            q, beta[..., None] * k, k, v, g_head, chunk_size=chunk_size, backend=backend
-        )[0]
+        return delta_rule(q, beta, k, v, g_head, chunk_size=chunk_size, backend=backend)[0]
 
     def iso(q, k, v, g, q_noise, r, **_):
         p0 = torch.ones(q.shape[2], device=q.device)
@@ -101,6 +103,7 @@ def forms(backend: str, chunk_size: int):
 
     return {
         "kda": (kda, ("q", "k", "v", "g", "beta")),
+        "kda_product": (kda_product, ("q", "k", "v", "g", "beta")),
         "gdn2": (gdn2, ("q", "k", "v", "g", "erase_gate", "write_gate")),
         "gdn": (gdn, ("q", "k", "v", "g_head", "beta")),
         "kdn_iso": (iso, ("q", "k", "v", "g", "q_noise", "r")),

@@ -21,11 +21,13 @@ def random_delta_inputs(
     channel_decay: bool,
     dtype: torch.dtype = torch.float64,
     min_log_decay: float = -1.0,
+    strengths: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """(q, a, b, u, g) shaped like a gated delta rule: unit keys, write strength in (0, 1).
 
     The recurrence is then contractive, as in every mixer of the project, so float32 and float64
-    runs are comparable over long sequences.
+    runs are comparable over long sequences. a is the write direction beta * k, or with
+    `strengths` beta itself [B, T, H] (the primitive's per-token form of a).
     """
 
     def draw(*shape):
@@ -40,7 +42,8 @@ def random_delta_inputs(
     u = draw(batch, length, heads, value_dim)
     g_shape = (batch, length, heads, key_dim) if channel_decay else (batch, length, heads)
     g = uniform(*g_shape) * min_log_decay
-    return tuple(x.to(dtype) for x in (q, beta * k, k, u, g))
+    a = beta[..., 0] if strengths else beta * k
+    return tuple(x.to(dtype) for x in (q, a, k, u, g))
 
 
 def run_in_pieces(mixer, x: torch.Tensor, pieces: list[int], state=None):

@@ -160,6 +160,40 @@ def test_step_by_step_decoding_equals_full_sequence(generator, channel_decay):
     assert_close(state, s_full, F64, "final state")
 
 
+@pytest.mark.parametrize("backend", ["naive", "chunk"])
+@pytest.mark.parametrize("channel_decay", [False, True], ids=["head_decay", "channel_decay"])
+def test_a_strength_per_token_acts_as_its_product_with_b_with_its_gradient(
+    generator, backend, channel_decay
+):
+    """a [B, T, H] is the write direction a_t b_t: same outputs, final state and gradients
+    (d beta = sum_k b d a) as the product passed in, here and in one-token decoding."""
+    q, beta, b, u, g = random_delta_inputs(
+        generator, 2, 45, 3, 8, 5, channel_decay=channel_decay, strengths=True
+    )
+    state = torch.randn(2, 3, 8, 5, generator=generator, dtype=torch.float64)
+
+    def run(strength):
+        leaves = [x.clone().requires_grad_() for x in (q, beta, b, u, g)]
+        a = leaves[1] if strength else leaves[1].unsqueeze(-1) * leaves[2]
+        o, s = delta_rule(
+            leaves[0], a, *leaves[2:], initial_state=state, output_final_state=True,
+            backend=backend, chunk_size=16,
+        )  # fmt: skip
+        weights = torch.linspace(-1, 1, o.numel(), dtype=o.dtype).reshape(o.shape)
+        ((o * weights).sum() + s.sum()).backward()
+        return [o, s, *(x.grad for x in leaves)]
+
+    labels = ["o", "final state", "dq", "d beta", "db", "du", "dg"]
+    for label, x, ref in zip(labels, run(True), run(False), strict=True):
+        assert_close(x, ref, F64, label)
+    o_t, s_t = delta_rule_step(q[:, 0], beta[:, 0], b[:, 0], u[:, 0], g[:, 0], state)
+    o_ref, s_ref = delta_rule_step(
+        q[:, 0], beta[:, 0, :, None] * b[:, 0], b[:, 0], u[:, 0], g[:, 0], state
+    )
+    assert_close(o_t, o_ref, F64, "step output")
+    assert_close(s_t, s_ref, F64, "step state")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_state_is_float32_for_low_precision_inputs(generator, dtype):
     inputs = random_delta_inputs(generator, 1, 40, 2, 8, 8, channel_decay=True, dtype=dtype)

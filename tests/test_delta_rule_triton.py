@@ -118,6 +118,37 @@ def test_triton_gradients_under_strong_decays_where_stage_1_walks_its_diagonal(
     _compare(inputs, state, 16)
 
 
+# a as one strength per token (a_t = beta_t b_t, formed on load): both decay layouts, the
+# walked diagonal (log decays to -16) with two channel blocks in the adjoint (each writes its
+# share of d beta), and packed sequences.
+@pytest.mark.parametrize(
+    ("length", "chunk_size", "channel_decay", "min_log_decay", "packed"),
+    [
+        pytest.param(37, 16, False, -1.0, False, id="37-16-head_decay"),
+        pytest.param(70, 64, True, -1.0, False, id="70-64-channel_decay"),
+        pytest.param(37, 16, True, -16.0, False, id="37-16-channel_decay-walked"),
+        pytest.param(50, 16, False, -16.0, True, id="packed-head_decay-walked"),
+    ],
+)
+def test_triton_per_token_write_strength_matches_the_loop_with_every_gradient(
+    generator, poisoned_empty, monkeypatch, length, chunk_size, channel_decay, min_log_decay,
+    packed,
+):  # fmt: skip
+    from deltalab.ops.delta_rule.triton import factors, intra
+
+    monkeypatch.setattr(intra, "INTRA_BLOCK_KD", 16)
+    monkeypatch.setattr(factors, "BLOCK_KD", 16)
+    batch = 1 if packed else 2
+    inputs = random_delta_inputs(
+        generator, batch, length, 2, 20, 8, channel_decay=channel_decay,
+        min_log_decay=min_log_decay, strengths=True,
+    )  # fmt: skip
+    assert inputs[1].shape == (batch, length, 2)
+    cu_seqlens = torch.tensor([0, 7, 30, length]) if packed else None
+    state = torch.randn(3 if packed else 2, 2, 20, 8, generator=generator, dtype=torch.float64)
+    _compare(inputs, state, chunk_size, cu_seqlens=cu_seqlens)
+
+
 def test_triton_chunk_128_with_key_and_value_sizes_that_need_masking(generator, poisoned_empty):
     inputs = random_delta_inputs(generator, 1, 130, 1, 20, 12, channel_decay=True)
     state = torch.randn(1, 1, 20, 12, generator=generator, dtype=torch.float64)
@@ -338,6 +369,45 @@ def test_triton_decay_factors_and_their_adjoint_match_autograd(generator, poison
     )
     for name, x, leaf in zip("qabg", grads, leaves, strict=True):
         assert_close(x, leaf.grad, F32, f"d{name}")
+
+
+@pytest.mark.parametrize("min_log_decay", [-0.5, -16.0], ids=["factored", "walked"])
+def test_triton_stage_1_and_factors_take_a_strength_per_token_as_its_product_with_b(
+    generator, poisoned_empty, monkeypatch, min_log_decay
+):
+    """Stage 1 and the factors given a as one strength per token give what they give for the
+    direction beta * b, and the factors' adjoint splits that direction's gradient da' into
+    db + beta da' and d beta = sum_k b da' (two channel blocks: each writes its share)."""
+    from deltalab.ops.delta_rule.triton import factors, intra
+
+    monkeypatch.setattr(factors, "BLOCK_KD", 16)
+    shape = (2, 3, 32, 20)
+    q, b = (torch.randn(*shape, generator=generator, dtype=torch.float64) for _ in range(2))
+    beta = torch.rand(*shape[:-1], generator=generator, dtype=torch.float64)
+    g = min_log_decay * torch.rand(*shape, generator=generator, dtype=torch.float64)
+
+    def f32(x):
+        return x.to(DEVICE, torch.float32).contiguous()
+
+    q, b, beta, g = (f32(x) for x in (q, b, beta, g))
+    a = beta.unsqueeze(-1) * b
+    for label, x, ref in zip(
+        ("L", "M"), intra.intra_triton(q, beta, b, g), intra.intra_triton(q, a, b, g), strict=True
+    ):
+        assert_close(x, ref, F32, label)
+    got = factors.factors_triton(q, beta, b, g)
+    ref = factors.factors_triton(q, a, b, g)
+    for label, x, r in zip(("read", "erase rhs", "write", "decay"), got, ref, strict=True):
+        assert_close(x, r, F32, label)
+    upstream = [f32(torch.randn_like(x, dtype=torch.float64)) for x in ref]
+    stage1 = [f32(torch.randn(*shape, generator=generator, dtype=torch.float64)) for _ in "qab"]
+    dq, d_beta, db, dg = factors.factors_triton_backward(q, beta, b, g, *upstream, *stage1)
+    dq_ref, da_ref, db_ref, dg_ref = factors.factors_triton_backward(q, a, b, g, *upstream, *stage1)
+    assert d_beta.shape == beta.shape
+    assert_close(dq, dq_ref, F32, "dq")
+    assert_close(dg, dg_ref, F32, "dg")
+    assert_close(db, db_ref + beta.unsqueeze(-1) * da_ref, F32, "db")
+    assert_close(d_beta, (b * da_ref).sum(-1), F32, "d beta")
 
 
 def test_triton_state_pass_matches_its_pytorch_twin(generator):

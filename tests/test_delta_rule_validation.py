@@ -35,6 +35,12 @@ def call(**changes):
             ValueError,
             r"a must have shape .*\(1, 20, 2, 8\).*got \(1, 20, 2, 7\)",
         ),
+        (
+            dict(a=torch.rand(1, 20, 3)),
+            ValueError,
+            r"a must have shape \[B, T, H\] = \(1, 20, 2\) \(a strength per token\)",
+        ),
+        (dict(a=torch.rand(1, 20)), ValueError, r"a must have rank 3 or 4"),
         (dict(b=torch.randn(1, 21, 2, 8)), ValueError, r"b must have shape"),
         (dict(u=torch.randn(1, 20, 3, 4)), ValueError, r"u must have shape .*\(1, 20, 2, 4\)"),
         (dict(u=torch.randn(2, 20, 2, 4)), ValueError, r"u must have shape"),
@@ -152,6 +158,10 @@ def test_tensors_on_different_devices_are_refused():
     [
         (dict(state=torch.zeros(2, 2, 8, 4)), r"state must have shape .*\(1, 2, 8, 4\)"),
         (dict(a=torch.randn(1, 2, 9)), r"a must have shape"),
+        (
+            dict(a=torch.rand(1, 3)),
+            r"a must have shape \[B, H\] = \(1, 2\) \(a strength per token\)",
+        ),
         (dict(g=torch.rand(1, 2)), r"g must be <= 0"),
         (dict(q=torch.randn(1, 1, 2, 8)), r"q must have rank 3"),
     ],

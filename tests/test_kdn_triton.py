@@ -597,21 +597,30 @@ def test_16_bit_kdn_inputs_reach_the_gain_kernels_uncast_and_match_float64(
 
 
 @needs_triton
-@pytest.mark.parametrize("layer_class", [DiagonalKDN, IsotropicKDN], ids=["diag", "iso"])
+@pytest.mark.parametrize(
+    ("layer_class", "write_16bit"),
+    [
+        (DiagonalKDN, [(F32, 4), (torch.float16, 4)]),
+        # One strength per token, the gain scan's float32: 1/K of the direction's elements.
+        (IsotropicKDN, [(F32, 3), (F32, 3)]),
+    ],
+    ids=["diag", "iso"],
+)
 def test_16_bit_kdn_layers_hand_the_delta_rule_a_16_bit_write_and_match_float32(
-    monkeypatch, layer_class
+    monkeypatch, layer_class, write_16bit
 ):
-    """A float16 KDN layer on Triton: the write (Diagonal's gain, Isotropic's beta k) reaches
-    the delta rule's kernels in float16, as the ops' kdn_diag / kdn_iso pass it (not float32,
-    read and kept at twice the bytes), and its output and parameter gradients stay within
-    float16's tolerance of the same layer in float32."""
+    """A float16 KDN layer on Triton: Diagonal's write direction (its gain) reaches the delta
+    rule's kernels in float16, as the op kdn_diag passes it (not float32, read and kept at twice
+    the bytes), Isotropic's write as its strength per token [B, T, H] (beta, not beta k), and
+    the output and parameter gradients stay within float16's tolerance of the same layer in
+    float32."""
     from deltalab.ops.delta_rule.triton import chunk as triton_chunk
 
     writes = []
     original = triton_chunk.delta_rule_triton
 
     def spy(q, a, *rest):
-        writes.append(a.dtype)
+        writes.append((a.dtype, a.dim()))
         return original(q, a, *rest)
 
     monkeypatch.setattr(triton_chunk, "delta_rule_triton", spy)
@@ -627,7 +636,7 @@ def test_16_bit_kdn_layers_hand_the_delta_rule_a_16_bit_write_and_match_float32(
         (y.float() * dy).sum().backward()
         grads = torch.cat([p.grad.float().flatten() for p in layer.parameters()])
         results[dtype] = (y.float().detach(), grads)
-    assert writes == [F32, torch.float16]
+    assert writes == write_16bit
     tol = TOLERANCE[torch.float16]
     assert_close(results[torch.float16][0], results[F32][0], tol, "y")
     assert_close(results[torch.float16][1], results[F32][1], 4 * tol, "parameter gradients")

@@ -201,12 +201,13 @@ GATE = ["reshaped", "low_rank_gate"]
     ("mixer", "rebuilt"),
     [
         ("gdn2", [*GATE, "sigmoid_gate", "sigmoid_gate", "log_decay"]),
-        ("kda", [*GATE, "mul", "log_decay"]),
+        # beta reaches the delta rule as it is (a strength per token): no product to rebuild.
+        ("kda", [*GATE, "log_decay"]),
         ("muir", [*GATE, "read_query", "sigmoid_gate", "sigmoid_gate", "log_decay"]),
         # The gain keeps g too: it rebuilds it as well, so that no one keeps it.
         ("kdn_diag", [*GATE, "log_decay", "log_decay"]),
-        ("kdn_iso", [*GATE, "mul", "log_decay", "log_decay"]),
-        ("deltanet", ["mul"]),  # a full-rank output gate: kept
+        ("kdn_iso", [*GATE, "log_decay", "log_decay"]),
+        ("deltanet", []),  # a full-rank output gate (kept), beta as it is
     ],
 )
 @pytest.mark.parametrize("checkpoint_blocks", [False, True], ids=["", "checkpointed-blocks"])

@@ -48,7 +48,7 @@ from deltalab.layers.common import (
 )
 from deltalab.layers.decay import ChannelDecay
 from deltalab.ops import _checks
-from deltalab.ops._recompute import rebuildable_product, rebuilt_in_backward
+from deltalab.ops._recompute import rebuilt_in_backward
 from deltalab.ops.kdn import kdn_gain_diag, kdn_gain_iso, scan_backend
 from deltalab.ops.kdn.exact import exact_gain
 from deltalab.ops.kdn.gains import write_dtype
@@ -402,7 +402,7 @@ class ScanFilter(KalmanMixer):
         prior = self.prior_variance()
         # The scan that goes with the memory's backend, as the kdn_iso/kdn_diag ops pair them.
         backend = scan_backend(self.backend, k.device)
-        # The write in k's dtype on the Triton route, as the kdn_iso/kdn_diag ops pass it.
+        # Diagonal's write in k's dtype on the Triton route, as the kdn_diag op passes it.
         dtype = _checks.state_dtype(k, g, q_noise, r, prior, uncertainty)
         written = write_dtype(backend, k, dtype)
         scan = kdn_gain_diag if self.diagonal_gain else kdn_gain_iso
@@ -422,12 +422,9 @@ class ScanFilter(KalmanMixer):
         gains = {"gain" if self.diagonal_gain else "beta": gain}
         if trace:
             gains |= {"p": p, "predictive": predictive}
-        # Iso: beta * k, made again in the backward rather than kept by the delta rule.
-        # (beta cast, not k: a float32 beta times 16-bit k promotes on the PyTorch paths.)
-        write = (
-            gain if self.diagonal_gain else rebuildable_product(gain.to(written).unsqueeze(-1), k)
-        )
-        return write, precision, gains
+        # Diagonal: the write direction; Isotropic: the write's strength per token, beta
+        # [B, T, H], which the delta rule multiplies with k itself.
+        return gain, precision, gains
 
 
 class IsotropicKDN(ScanFilter, KDNMixer):

@@ -1,11 +1,15 @@
 """Each baseline mixer's own inputs -> the primitive's `(q, a, b, u, g)` (docs/MATH.md sec. 1.2).
 
-| mixer    | a        | b          | u          | g                     |
-|----------|----------|------------|------------|-----------------------|
-| DeltaNet | beta * k | k          | v          | 0                     |
-| GDN      | beta * k | k          | v          | one per head [B,T,H]  |
-| KDA      | beta * k | k          | v          | per channel [B,T,H,K] |
-| GDN-2    | k        | erase * k  | write * v  | per channel [B,T,H,K] |
+| mixer    | a              | b         | u         | g                     |
+|----------|----------------|-----------|-----------|-----------------------|
+| DeltaNet | beta `[B,T,H]` | k         | v         | 0                     |
+| GDN      | beta `[B,T,H]` | k         | v         | one per head [B,T,H]  |
+| KDA      | beta `[B,T,H]` | k         | v         | per channel [B,T,H,K] |
+| GDN-2    | k              | erase * k | write * v | per channel [B,T,H,K] |
+
+A per-token a is the write direction a_t b_t = beta_t k_t: the primitive takes beta as it is
+(its Triton kernels multiply it in as they load k; the other backends form the product), so no
+[B, T, H, K] product is written, kept for backward or differentiated by a kernel of its own.
 
 GDN-2's gates are sigmoids of projections; `gdn2_inputs_from_logits` takes the logits and
 multiplies each sigmoid in with one op (`deltalab.ops.read_gate.sigmoid_gate`), which neither
@@ -14,13 +18,13 @@ stores the sigmoid nor its gradient.
 Shapes: q, k `[B, T, H, K]`, v `[B, T, H, V]`, beta `[B, T, H]`, erase `[B, T, H, K]`,
 write `[B, T, H, V]`. The same functions serve one-token decoding (`[B, H, *]`, beta `[B, H]`).
 
-Each gate product is marked `rebuildable`: the product's own backward keeps both factors, so
-where the delta rule would keep the product (`rebuilt_in_backward`) it is made again instead.
+GDN-2's gate products are marked `rebuildable`: a product's own backward keeps both factors,
+so where the delta rule would keep the product (`rebuilt_in_backward`) it is made again.
 
 k is made contiguous first: the layers' k is a strided view of the short convolution's output,
-and both the gate product (beta * k, erase * k) and the Triton delta rule keep it for
-backward, the kernel as its own contiguous copy: otherwise one k is kept twice. Same values, so
-no result changes.
+and both GDN-2's gate product (erase * k) and the Triton delta rule keep it for backward, the
+kernel as its own contiguous copy: otherwise one k is kept twice. Same values, so no result
+changes.
 """
 
 from __future__ import annotations
@@ -53,8 +57,7 @@ def _check_beta(k: torch.Tensor, beta: torch.Tensor) -> None:
 def deltanet_inputs(q, k, v, beta) -> DeltaRuleInputs:
     """DeltaNet: S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T, no decay."""
     _check_beta(k, beta)
-    k = k.contiguous()  # one k for the gate product and the kernel (module docstring)
-    return DeltaRuleInputs(q, _product(beta.unsqueeze(-1), k), k, v, torch.zeros_like(beta))
+    return DeltaRuleInputs(q, beta, k, v, torch.zeros_like(beta))
 
 
 def gated_deltanet_inputs(q, k, v, beta, g) -> DeltaRuleInputs:
@@ -62,8 +65,7 @@ def gated_deltanet_inputs(q, k, v, beta, g) -> DeltaRuleInputs:
     _check_beta(k, beta)
     require_float("g", g)
     require_shape("g", g, k.shape[:-1], "[B, T, H]", "(one log decay per head)")
-    k = k.contiguous()  # one k for the gate product and the kernel (module docstring)
-    return DeltaRuleInputs(q, _product(beta.unsqueeze(-1), k), k, v, g)
+    return DeltaRuleInputs(q, beta, k, v, g)
 
 
 def kda_inputs(q, k, v, beta, g) -> DeltaRuleInputs:
@@ -71,8 +73,7 @@ def kda_inputs(q, k, v, beta, g) -> DeltaRuleInputs:
     _check_beta(k, beta)
     require_float("g", g)
     require_shape("g", g, k.shape, "[B, T, H, K]", "(one log decay per key channel)")
-    k = k.contiguous()  # one k for the gate product and the kernel (module docstring)
-    return DeltaRuleInputs(q, _product(beta.unsqueeze(-1), k), k, v, g)
+    return DeltaRuleInputs(q, beta, k, v, g)
 
 
 def gdn2_inputs(q, k, v, erase, write, g) -> DeltaRuleInputs:

@@ -2,6 +2,10 @@
 
     S_t = (I - a_t b_t^T) diag(exp(g_t)) S_{t-1} + a_t u_t^T,      o_t = scale * S_t^T q_t
 
+a is a write direction per token, or one write strength per token (a_t = a_t b_t: DeltaNet,
+Gated DeltaNet, KDA, Isotropic KDN), which the Triton kernels multiply in as they load b instead
+of reading a product from memory; the other backends form the product.
+
 Backends: "naive" (token loop, the definition), "chunk" (chunkwise-parallel PyTorch, stable up
 to 256-token chunks), "triton" (the stages of "chunk", each a Triton kernel, forward and
 backward; CUDA, or CPU under TRITON_INTERPRET=1). "auto" picks the fastest available for the
@@ -52,6 +56,12 @@ def _resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, key
     return "triton" if fits and triton_available(device) else "chunk"
 
 
+def directions(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The write directions of `a`: a itself, or, for one strength per token (a [..., H] beside
+    b [..., H, K]), a_t b_t in the dtype the two promote to."""
+    return a.unsqueeze(-1) * b if a.dim() == b.dim() - 1 else a
+
+
 def require_chunk_size(chunk_size: object) -> int:
     """chunk_size as an int in [MIN_CHUNK_SIZE, MAX_CHUNK_SIZE]: the chunked path's range (the
     layers check their `chunk_size` option with this too)."""
@@ -74,7 +84,11 @@ def _check_gates(q, a, b, u, g, leading: str) -> None:
     # scale K^-1/2, V = 0 would return empty outputs instead of saying what went wrong.
     if q.shape[-1] == 0:
         raise ValueError(f"q must have K >= 1 (last axis of [{leading}, K]), got {tuple(q.shape)}")
-    require_shape("a", a, q.shape, f"[{leading}, K]", "to match q")
+    require_rank("a", a, (rank - 1, rank), f"[{leading}, K] or [{leading}]")
+    if a.dim() == rank:
+        require_shape("a", a, q.shape, f"[{leading}, K]", "to match q")
+    else:
+        require_shape("a", a, q.shape[:-1], f"[{leading}]", "(a strength per token) to match q")
     require_shape("b", b, q.shape, f"[{leading}, K]", "to match q")
     require_rank("u", u, (rank,), f"[{leading}, V]")
     require_shape("u", u, (*q.shape[:-1], u.shape[-1]), f"[{leading}, V]", "to match q")
@@ -105,7 +119,8 @@ def delta_rule(
 
     Args:
         q: queries `[B, T, H, K]`.
-        a: write directions `[B, T, H, K]`.
+        a: write directions `[B, T, H, K]`, or write strengths `[B, T, H]`, one per token:
+            a_t = a_t b_t (the DeltaNet family's beta; the Triton kernels form it on load).
         b: erase keys `[B, T, H, K]`.
         u: target values `[B, T, H, V]`.
         g: log decays (<= 0), per channel `[B, T, H, K]` or one per head `[B, T, H]`.
@@ -175,6 +190,7 @@ def delta_rule(
         o, final = delta_rule_triton(q, a, b, u, g, state, cu_seqlens, chunk_size, scale)
     else:
         inputs = [q.to(dtype) * scale, *(x.to(dtype) for x in (a, b, u, g))]
+        inputs[1] = directions(inputs[1], inputs[2])
         if backend == "naive":
             o, final = delta_rule_naive(*inputs, state, cu_seqlens)
         else:
@@ -197,7 +213,8 @@ def delta_rule_step(
     """One decoding step of the generalized delta rule, one token per sequence.
 
     Args:
-        q, a, b: `[B, H, K]`; u: `[B, H, V]`; g: `[B, H, K]` or `[B, H]` (log decay <= 0);
+        q, b: `[B, H, K]`; a: `[B, H, K]` or `[B, H]` (a strength: a b); u: `[B, H, V]`;
+        g: `[B, H, K]` or `[B, H]` (log decay <= 0);
         state: `[B, H, K, V]`; scale: defaults to `K ** -0.5`.
         backend: "naive" (`delta_rule_token`), "triton" (one fused kernel; float32 state math,
             so no float64 inputs) or "auto" (Triton for CUDA tensors when it can run, unless an
@@ -237,6 +254,7 @@ def delta_rule_step(
                 '(use backend="naive" for float64)'
             )
 
+    a = directions(a, b)
     if backend == "triton":
         from deltalab.ops.delta_rule.triton.step import delta_rule_step_triton
 

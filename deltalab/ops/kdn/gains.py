@@ -110,10 +110,11 @@ def diag_gain_from(
 
 
 def write_dtype(scan: str, k: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
-    """The dtype KDN's write (Diagonal's gain, Isotropic's beta k) reaches the delta rule in,
-    for the state dtype `dtype`: k's on the Triton route, whose kernels read every input in its
-    own dtype (as the KDA form's beta k; a float32 write would be read, and kept for the
-    backward, at twice the bytes), the state dtype on the PyTorch paths, which compute in it."""
+    """The dtype Diagonal KDN's write direction (its gain) reaches the delta rule in, for the
+    state dtype `dtype`: k's on the Triton route, whose kernels read every input in its own
+    dtype (a float32 write would be read, and kept for the backward, at twice the bytes), the
+    state dtype on the PyTorch paths, which compute in it. (Isotropic KDN's gain is a strength
+    per token [B, T, H], which the delta rule multiplies with k itself.)"""
     return k.dtype if scan == "triton" and dtype != torch.float64 else dtype
 
 

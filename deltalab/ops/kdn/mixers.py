@@ -126,15 +126,15 @@ def _kdn(
         scan = scan_backend(backend, k.device)
         # The gain functions take the inputs in their own dtypes: the Triton kernels read 16-bit
         # ones as they are (no float32 copies of [B, T, H, K]), the PyTorch paths cast them. The
-        # write reaches the delta rule in k's dtype on the kernels' route (its kernels read every
-        # input in its own dtype, as the KDA form's beta k), in the state dtype elsewhere.
+        # diagonal gain (the write direction) reaches the delta rule in k's dtype on the kernels'
+        # route, in the state dtype elsewhere; the isotropic one is the write's strength per
+        # token [B, T, H], which the delta rule multiplies with k itself (as KDA's beta).
         written = write_dtype(scan, k, dtype)
         gain_fn = functools.partial(diag_gain, gain_dtype=written) if diagonal else iso_gain
         gain, p_last = _packed_gains(gain_fn, k, g, q_noise, r, p_prior.to(dtype), s, scan, cu)
-        write = gain if diagonal else gain.to(written).unsqueeze(-1) * k.to(written)
         o, final_memory = delta_rule(
             q,
-            write,
+            gain,
             k,
             v,
             g,

@@ -43,8 +43,11 @@ from deltalab.ops.delta_rule.triton.intra import (
     BLOCK_KD,
     LAUNCH,
     Tokens,
+    _a_layout,
+    _a_row,
     _g_head,
     _load_rows,
+    _row_strength,
     _token_layout,
     key_block,
 )
@@ -69,9 +72,23 @@ def _chunk_decays(g, n_chunks, H, T, CS, K: tl.constexpr, C: tl.constexpr, BKD: 
 
 
 @triton.jit
+def _load_a_beside(a, b_t, chunk, n_chunks, H, T, CS, offset, rs, rc, rk, valid, mk,
+                   A_ROW: tl.constexpr):  # fmt: skip
+    """This program's a tile beside its b tile `b_t`: with A_ROW the rows' strengths times b_t
+    (`intra._load_a`, without loading b again); also a's offset and row stride."""
+    a_offset, ars = _a_layout(chunk, n_chunks, H, T, CS, offset, rs, A_ROW)
+    if A_ROW:
+        a_t = b_t * _row_strength(a + a_offset, rc, ars, valid)[:, None]
+    else:
+        a_t = _load_rows(a + a_offset, rc, ars, rk, 1, valid, mk)
+    return a_t, a_offset, ars
+
+
+@triton.jit
 def _factors_fwd(
     q, a, b, g, read, rhs, write, decay, n_chunks, H, T, CS, scale,
     K: tl.constexpr, C: tl.constexpr, BKD: tl.constexpr, G_HEAD: tl.constexpr,
+    A_ROW: tl.constexpr,
 ):  # fmt: skip
     chunk, offset, valid, rs, rc, rk, mk, from_start, to_end, g_t = _chunk_decays(
         g, n_chunks, H, T, CS, K, C, BKD, G_HEAD
@@ -80,7 +97,8 @@ def _factors_fwd(
     mask = mk[None, :]
     q_t = _load_rows(q + offset, rc, rs, rk, 1, valid, mk) * scale
     b_t = _load_rows(b + offset, rc, rs, rk, 1, valid, mk)
-    a_t = _load_rows(a + offset, rc, rs, rk, 1, valid, mk)
+    a_t, _, _ = _load_a_beside(a, b_t, chunk, n_chunks, H, T, CS, offset, rs, rc, rk, valid, mk,
+                               A_ROW)  # fmt: skip
     tl.store(read + out, (from_start * q_t).to(read.dtype.element_ty), mask=mask)
     tl.store(rhs + out, (from_start * b_t).to(rhs.dtype.element_ty), mask=mask)
     tl.store(write + out, (to_end * a_t).to(write.dtype.element_ty), mask=mask)
@@ -90,20 +108,25 @@ def _factors_fwd(
 @triton.jit
 def _factors_bwd(
     q, a, b, g, d_read, d_rhs, d_write, d_decay, dq1, da1, db1, dq, da, db, dg,
-    n_chunks, H, T, CS, scale,
+    n_chunks, H, T, CS, scale, a_parts,
     K: tl.constexpr, C: tl.constexpr, BKD: tl.constexpr, G_HEAD: tl.constexpr,
+    A_ROW: tl.constexpr,
 ):  # fmt: skip
     """dq1, da1, db1: stage 1's gradients, chunked [chunks, C, K] (dq1 that of the scaled q).
     dq, da, db, dg: the totals, laid out as q (dg per channel), in their tensors' dtypes; dq
-    of the unscaled q. Rows past the chunk's tokens are not written."""
+    of the unscaled q. Rows past the chunk's tokens are not written. With A_ROW (a_t = beta_t
+    b_t) the gradient of the direction, da', splits: db gains beta da', and da holds this
+    program's channels' share of d beta = sum_k b da', float32, `a_parts` elements after the
+    share of the channel block before."""
     chunk, offset, valid, rs, rc, rk, mk, from_start, to_end, g_t = _chunk_decays(
         g, n_chunks, H, T, CS, K, C, BKD, G_HEAD
     )
     inner = chunk * C * K + rc[:, None] * K + rk[None, :]
     mask = mk[None, :]
     q_t = _load_rows(q + offset, rc, rs, rk, 1, valid, mk) * scale
-    a_t = _load_rows(a + offset, rc, rs, rk, 1, valid, mk)
     b_t = _load_rows(b + offset, rc, rs, rk, 1, valid, mk)
+    a_t, a_offset, ars = _load_a_beside(a, b_t, chunk, n_chunks, H, T, CS, offset, rs, rc, rk,
+                                        valid, mk, A_ROW)  # fmt: skip
     dq_t = tl.load(dq1 + inner, mask=mask, other=0.0)
     da_t = tl.load(da1 + inner, mask=mask, other=0.0)
     db_t = tl.load(db1 + inner, mask=mask, other=0.0)
@@ -120,8 +143,16 @@ def _factors_bwd(
     tl.store(dg + outer, dg_t.to(dg.dtype.element_ty), mask=present)
     dq_t = (dq_t + from_start * dr_t) * scale
     tl.store(dq + outer, dq_t.to(dq.dtype.element_ty), mask=present)
-    tl.store(db + outer, (db_t + from_start * dh_t).to(db.dtype.element_ty), mask=present)
-    tl.store(da + outer, (da_t + to_end * dw_t).to(da.dtype.element_ty), mask=present)
+    db_t += from_start * dh_t
+    da_t += to_end * dw_t
+    if A_ROW:
+        strength = _row_strength(a + a_offset, rc, ars, valid)
+        db_t += strength[:, None] * da_t
+        share = da + tl.program_id(1).to(tl.int64) * a_parts + a_offset + rc * ars
+        tl.store(share, tl.sum(b_t * da_t, axis=1), mask=rc < valid)
+    else:
+        tl.store(da + outer, da_t.to(da.dtype.element_ty), mask=present)
+    tl.store(db + outer, db_t.to(db.dtype.element_ty), mask=present)
 
 
 def _grid(q: torch.Tensor, tokens: Tokens):
@@ -145,7 +176,7 @@ def factors_triton(q, a, b, g, tokens: Tokens | None = None, scale: float = 1.0,
     decay = q.new_empty(grid[0], key_dim, dtype=torch.float32)
     _factors_fwd[grid](
         q, a, b, g, read, rhs, write, decay, *tokens.args(), scale, K=key_dim, C=size,
-        BKD=block, G_HEAD=_g_head(q, g), **LAUNCH,
+        BKD=block, G_HEAD=_g_head(q, g), A_ROW=_a_row(q, a), **LAUNCH,
     )  # fmt: skip
     if chunked:
         return (*(x.view(q.shape) for x in (read, rhs, write)), decay.view(*q.shape[:-2], key_dim))
@@ -155,18 +186,25 @@ def factors_triton(q, a, b, g, tokens: Tokens | None = None, scale: float = 1.0,
 def factors_triton_backward(q, a, b, g, d_read, d_rhs, d_write, d_decay, dq1, da1, db1,
                             tokens: Tokens | None = None, scale: float = 1.0):  # fmt: skip
     """(dq, da, db, dg): the gradients of q, a, b, g through the factors and, given stage 1's
-    dq1, da1, db1 (chunked float32; dq1 that of the scaled q), through stage 1 too. Laid out and
-    typed as q, a, b and g are (dg of a per-head g summed over channels); dq of the unscaled q."""
+    dq1, da1, db1 (chunked float32; dq1 that of the scaled q, da1 that of the write direction),
+    through stage 1 too. Laid out and typed as q, a, b and g are (dg of a per-head g summed over
+    channels, da of a per-token a over channels); dq of the unscaled q."""
     tokens = Tokens.of_chunks(q) if tokens is None else tokens
     size = padded_chunk_size(tokens.chunk_size)
     head = _g_head(q, g)
-    dq, da, db = (torch.empty_like(x) for x in (q, a, b))
+    row = _a_row(q, a)
+    grid, block = _grid(q, tokens)
+    dq, db = torch.empty_like(q), torch.empty_like(b)
+    # A per-token a: each channel block's share of its gradient, summed below (as dg's channels
+    # for a per-head g): a deterministic sum, where atomic additions would not be.
+    da = a.new_empty(grid[1], *a.shape, dtype=torch.float32) if row else torch.empty_like(a)
     dg = torch.empty(q.shape, dtype=torch.float32, device=q.device) if head else (
         torch.empty_like(g)
     )  # fmt: skip
-    grid, block = _grid(q, tokens)
     _factors_bwd[grid](
         q, a, b, g, d_read, d_rhs, d_write, d_decay, dq1, da1, db1, dq, da, db, dg,
-        *tokens.args(), scale, K=q.shape[-1], C=size, BKD=block, G_HEAD=head, **LAUNCH,
+        *tokens.args(), scale, a.numel(), K=q.shape[-1], C=size, BKD=block, G_HEAD=head,
+        A_ROW=row, **LAUNCH,
     )  # fmt: skip
+    da = da.sum(dim=0).to(a.dtype) if row else da
     return dq, da, db, (dg.sum(dim=-1).to(g.dtype) if head else dg)

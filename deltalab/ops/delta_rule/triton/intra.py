@@ -192,6 +192,36 @@ def _load_row(x, row, rs, cols, cs, valid, mk):
     return tl.load(x + row * rs + cols * cs, mask=present, other=0.0).to(tl.float32)
 
 
+@triton.jit
+def _a_layout(chunk, n_chunks, H, T, CS, offset, rs, A_ROW: tl.constexpr):
+    """Chunk `chunk`'s offset in a and a's row stride: those of q (`offset`, `rs`) for a
+    [B, T, H, K]; with A_ROW, a is one write strength per token [B, T, H] (a_t = a_t b_t, the
+    DeltaNet family's beta), laid out as a per-head log decay."""
+    if A_ROW:
+        a_offset, _ = _token_offset(chunk, n_chunks, H, T, CS, 1)
+        return a_offset, H
+    return offset, rs
+
+
+@triton.jit
+def _row_strength(a, rows, ars, valid):
+    """The write strengths a[rows] [len(rows)] as float32 of a per-token a (`_a_layout`), zero
+    past the chunk's tokens."""
+    return tl.load(a + rows * ars, mask=rows < valid, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_a(a, b, rows, ars, rs, cols, valid, mk, A_ROW: tl.constexpr):
+    """a[rows, cols] as float32 [len(rows), len(cols)], zero past the chunk's tokens and K; with
+    A_ROW formed on load as each row's strength times b's row (b offset as a's rows are): the
+    product a = beta b is never written to memory, and its gradient splits into b's and
+    beta's where the adjoint ends (`factors._factors_bwd`)."""
+    if A_ROW:
+        strength = _row_strength(a, rows, ars, valid)
+        return _load_rows(b, rows, rs, cols, 1, valid, mk) * strength[:, None]
+    return _load_rows(a, rows, ars, cols, 1, valid, mk)
+
+
 def key_block(key_dim: int) -> int:
     """K padded to a power of two of at least 16 (tl.dot needs an inner dimension of 8 or more
     on NVIDIA GPUs; 16 fills a tensor-core tile). The padded channels are masked to zero."""
@@ -221,13 +251,13 @@ def _next_segment(seg, g, row, rt, rk, mk, t, grs, gcs, valid):
 
 
 @triton.jit
-def _diag_fwd(q, a, b, g, lower, attend, rows, rs, grs, gcs, valid, scale, K: tl.constexpr,
-              C: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr):  # fmt: skip
+def _diag_fwd(q, a, b, g, lower, attend, rows, rs, ars, grs, gcs, valid, scale, K: tl.constexpr,
+              C: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, A_ROW: tl.constexpr):  # fmt: skip
     """L and M of diagonal sub-block `rows`, one row t at a time with exact pairwise factors."""
     rt = tl.arange(0, BT)
     rk = tl.arange(0, BK)
     mk = rk < K
-    a_d = _load_rows(a, rows + rt, rs, rk, 1, valid, mk)
+    a_d = _load_a(a, b, rows + rt, ars, rs, rk, valid, mk, A_ROW)
     seg = tl.full([BT, BK], float("-inf"), dtype=tl.float32)
     for t in range(BT):
         row = rows + t
@@ -242,11 +272,11 @@ def _diag_fwd(q, a, b, g, lower, attend, rows, rs, grs, gcs, valid, scale, K: tl
 
 
 @triton.jit
-def _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, grs, gcs, valid, scale,
-              C: tl.constexpr, BKD: tl.constexpr, BT: tl.constexpr):  # fmt: skip
+def _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, ars, grs, gcs, valid, scale,
+              C: tl.constexpr, BKD: tl.constexpr, BT: tl.constexpr, A_ROW: tl.constexpr):  # fmt: skip
     """The diagonal sub-block's share of (dq, db, da) [BT, BKD] for channels rkd."""
     rt = tl.arange(0, BT)
-    a_d = _load_rows(a, rows + rt, rs, rkd, 1, valid, mkd)
+    a_d = _load_a(a, b, rows + rt, ars, rs, rkd, valid, mkd, A_ROW)
     seg = tl.full([BT, BKD], float("-inf"), dtype=tl.float32)
     dq_d = tl.zeros([BT, BKD], dtype=tl.float32)
     db_d = tl.zeros([BT, BKD], dtype=tl.float32)
@@ -297,7 +327,7 @@ def _column_factor(g, cols, rt, rk, mk, between, grs, gcs, valid, BT: tl.constex
 def _intra_fwd(
     q, a, b, g, lower, attend, n_chunks, H, T, CS, scale,
     K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, G_HEAD: tl.constexpr,
-    PRECISION: tl.constexpr, BOUND: tl.constexpr, LOW_DOTS: tl.constexpr,
+    PRECISION: tl.constexpr, BOUND: tl.constexpr, LOW_DOTS: tl.constexpr, A_ROW: tl.constexpr,
 ):  # fmt: skip
     """Row sub-block i = program_id(1) of L and M: its blocks left of, on and right of (zeros)
     the diagonal. One program per sub-block rather than per chunk: four times the programs,
@@ -305,8 +335,9 @@ def _intra_fwd(
     chunk = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1)
     offset, valid, rs, g_offset, grs, gcs = _token_layout(chunk, n_chunks, H, T, CS, K, G_HEAD)
+    a_offset, ars = _a_layout(chunk, n_chunks, H, T, CS, offset, rs, A_ROW)
     q += offset
-    a += offset
+    a += a_offset
     b += offset
     g += g_offset
     rows = i * BT
@@ -323,7 +354,7 @@ def _intra_fwd(
     between = tl.zeros([BK], dtype=tl.float32)
     for jj in range(i):
         cols = (i - 1 - jj) * BT
-        a_j = _load_rows(a, cols + rt, rs, rk, 1, valid, mk)
+        a_j = _load_a(a, b, cols + rt, ars, rs, rk, valid, mk, A_ROW)
         a_j *= _column_factor(g, cols, rt, rk, mk, between, grs, gcs, valid, BT)
         a_j = _operand(a_j, q, LOW_DOTS)
         tl.store(lower + cols + tile, tl.dot(b_i, tl.trans(a_j), input_precision=PRECISION))
@@ -332,7 +363,7 @@ def _intra_fwd(
         between += tl.sum(_load_rows(g, cols + rt, grs, rk, gcs, valid, mk), axis=0)
     if tl.max(tl.abs(cum)) < BOUND:  # mild decays: the factored diagonal (docstring)
         up, down = _midpoint_factors(cum)
-        a_i = _operand(_load_rows(a, rows + rt, rs, rk, 1, valid, mk) * down, q, LOW_DOTS)
+        a_i = _operand(_load_a(a, b, rows + rt, ars, rs, rk, valid, mk, A_ROW) * down, q, LOW_DOTS)
         b_d = _operand(_load_rows(b, rows + rt, rs, rk, 1, valid, mk) * up, q, LOW_DOTS)
         q_d = _operand(_load_rows(q, rows + rt, rs, rk, 1, valid, mk) * (up * scale), q, LOW_DOTS)
         l_ii = tl.dot(b_d, tl.trans(a_i), input_precision=PRECISION)
@@ -341,8 +372,8 @@ def _intra_fwd(
         m_ii = tl.where(rt[:, None] >= rt[None, :], m_ii, 0.0)
         tl.store(attend + rows + tile, m_ii.to(attend.dtype.element_ty))
     else:
-        _diag_fwd(q, a, b, g, lower - rows * C, attend - rows * C, rows, rs, grs, gcs, valid,
-                  scale, K, C, BK, BT)  # fmt: skip
+        _diag_fwd(q, a, b, g, lower - rows * C, attend - rows * C, rows, rs, ars, grs, gcs,
+                  valid, scale, K, C, BK, BT, A_ROW)  # fmt: skip
     zero = tl.zeros([BT, BT], dtype=tl.float32)
     for j in range(i + 1, C // BT):
         tl.store(lower + j * BT + tile, zero)
@@ -353,7 +384,7 @@ def _intra_fwd(
 def _intra_bwd(
     q, a, b, g, d_lower, d_attend, dq, da, db, n_chunks, H, T, CS, scale,
     K: tl.constexpr, C: tl.constexpr, BKD: tl.constexpr, BT: tl.constexpr, G_HEAD: tl.constexpr,
-    PRECISION: tl.constexpr, BOUND: tl.constexpr, LOW_DOTS: tl.constexpr,
+    PRECISION: tl.constexpr, BOUND: tl.constexpr, LOW_DOTS: tl.constexpr, A_ROW: tl.constexpr,
 ):  # fmt: skip
     """dq, da, db [chunks, C, K] float32, chunked (what `_factors_bwd` adds its share to), of
     sub-block i = program_id(2) and channels program_id(1): dq, db of its rows (columns s <= t)
@@ -363,8 +394,9 @@ def _intra_bwd(
     kb = tl.program_id(1)
     i = tl.program_id(2)
     offset, valid, rs, g_offset, grs, gcs = _token_layout(chunk, n_chunks, H, T, CS, K, G_HEAD)
+    a_offset, ars = _a_layout(chunk, n_chunks, H, T, CS, offset, rs, A_ROW)
     q += offset
-    a += offset
+    a += a_offset
     b += offset
     g += g_offset
     d_lower += chunk * C * C
@@ -382,7 +414,7 @@ def _intra_bwd(
     between = tl.zeros([BKD], dtype=tl.float32)
     for jj in range(i):
         cols = (i - 1 - jj) * BT
-        a_j = _load_rows(a, cols + rt, rs, rkd, 1, valid, mkd)
+        a_j = _load_a(a, b, cols + rt, ars, rs, rkd, valid, mkd, A_ROW)
         a_j *= _column_factor(g, cols, rt, rkd, mkd, between, grs, gcs, valid, BT)
         a_j = _operand(a_j, q, LOW_DOTS)
         dm = _operand(tl.load(d_attend + rows * C + cols + tile), q, LOW_DOTS)
@@ -393,7 +425,9 @@ def _intra_bwd(
     # The diagonal block: its share of all three.
     if tl.max(tl.abs(cum)) < BOUND:  # mild decays: the factored diagonal (docstring)
         up, down = _midpoint_factors(cum)
-        a_i = _operand(_load_rows(a, rows + rt, rs, rkd, 1, valid, mkd) * down, q, LOW_DOTS)
+        a_i = _operand(
+            _load_a(a, b, rows + rt, ars, rs, rkd, valid, mkd, A_ROW) * down, q, LOW_DOTS
+        )
         q_i = _operand(_load_rows(q, rows + rt, rs, rkd, 1, valid, mkd) * (up * scale), q, LOW_DOTS)
         b_i = _operand(_load_rows(b, rows + rt, rs, rkd, 1, valid, mkd) * up, q, LOW_DOTS)
         d_diag = rows * C + rows + tile
@@ -406,8 +440,8 @@ def _intra_bwd(
         dq_i = acc_q * row_f + up * tl.dot(dm, a_i, input_precision=PRECISION)
         db_i = acc_b * row_f + up * tl.dot(dl, a_i, input_precision=PRECISION)
     else:
-        dq_d, db_d, acc_a = _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, grs,
-                                      gcs, valid, scale, C, BKD, BT)  # fmt: skip
+        dq_d, db_d, acc_a = _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, ars,
+                                      grs, gcs, valid, scale, C, BKD, BT, A_ROW)  # fmt: skip
         dq_i = acc_q * row_f + dq_d
         db_i = acc_b * row_f + db_d
     # Columns: da of sub-block i from the rows t >= start(i + 1).
@@ -437,12 +471,19 @@ def _g_head(q: torch.Tensor, g: torch.Tensor) -> bool:
     return g.dim() == q.dim() - 1
 
 
+def _a_row(q: torch.Tensor, a: torch.Tensor) -> bool:
+    """One write strength per token (a [B, T, H] beside q [B, T, H, K], a_t = a_t b_t) rather
+    than a write direction per token."""
+    return a.dim() == q.dim() - 1
+
+
 def intra_triton(q, a, b, g, precision: str = "ieee", tokens: Tokens | None = None,
                  scale: float = 1.0, factor_bound: float = DIAGONAL_FACTOR_BOUND,
                  attend_dtype: torch.dtype = torch.float32):  # fmt: skip
-    """(L, M) [chunks, C, C]: of token-major inputs q, a, b [B, T, H, K] and g
-    ([B, T, H, K] or [B, T, H]) as `tokens` maps them into chunks of C = the padded chunk size,
-    q times `scale`; or, with tokens=None, of chunked inputs [..., C, K] (g per channel),
+    """(L, M) [chunks, C, C]: of token-major inputs q, b [B, T, H, K], a [B, T, H, K] or
+    [B, T, H] (a per-token strength: a_t = a_t b_t) and g ([B, T, H, K] or [B, T, H]) as `tokens`
+    maps them into chunks of C = the padded chunk size, q times `scale`; or, with tokens=None,
+    of chunked inputs [..., C, K] (a also [..., C], g per channel),
     returned as [..., C, C]. `factor_bound`: see DIAGONAL_FACTOR_BOUND. L is float32 (the
     solve's matrix); M is formed in float32 and stored in `attend_dtype` (the state pass's
     operators, `chunk.OPERATOR_DTYPE`)."""
@@ -457,7 +498,7 @@ def intra_triton(q, a, b, g, precision: str = "ieee", tokens: Tokens | None = No
         q, a, b, g, lower, attend, *tokens.args(), scale, K=key_dim, C=size,
         BK=key_block(key_dim), BT=SUB_BLOCK, G_HEAD=_g_head(q, g), PRECISION=precision,
         BOUND=factor_bound_for(q.dtype, factor_bound), LOW_DOTS=intra_low_dots(q.dtype),
-        **INTRA_LAUNCH,
+        A_ROW=_a_row(q, a), **INTRA_LAUNCH,
     )  # fmt: skip
     # Chunked inputs: their own leading shape. (Not told by one chunk of one head: token-major
     # inputs of one head and T <= C are that too, and were reshaped as chunks.)
@@ -471,7 +512,8 @@ def intra_triton_backward(q, a, b, g, d_lower, d_attend, precision: str = "ieee"
                           tokens: Tokens | None = None, scale: float = 1.0,
                           factor_bound: float = DIAGONAL_FACTOR_BOUND):  # fmt: skip
     """(dq, da, db) [chunks, C, K] float32 through L and M (the log decays' share is formed by
-    the caller: see the module docstring); dq is the gradient of the scaled q. Only the blocks
+    the caller: see the module docstring); dq is the gradient of the scaled q, da that of the
+    write direction a_t (b_t times its strength when a is one per token). Only the blocks
     on and below the diagonal of d_lower, d_attend are read."""
     tokens = Tokens.of_chunks(q) if tokens is None else tokens
     size = padded_chunk_size(tokens.chunk_size)
@@ -483,7 +525,7 @@ def intra_triton_backward(q, a, b, g, d_lower, d_attend, precision: str = "ieee"
         q, a, b, g, d_lower, d_attend, dq, da, db, *tokens.args(), scale, K=key_dim, C=size,
         BKD=block_kd, BT=SUB_BLOCK, G_HEAD=_g_head(q, g), PRECISION=precision,
         BOUND=factor_bound_for(q.dtype, factor_bound), LOW_DOTS=intra_low_dots(q.dtype),
-        **INTRA_LAUNCH,
+        A_ROW=_a_row(q, a), **INTRA_LAUNCH,
     )  # fmt: skip
     return dq, da, db
 
