@@ -3,7 +3,7 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck intradots time32k prof_kdn ffn16k gain_launch kdn_train gain_chunks ncu_gain overhead strength_tests
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck intradots time32k prof_kdn ffn16k gain_launch kdn_train gain_chunks ncu_gain overhead strength_tests strength_train
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
@@ -129,7 +129,7 @@ for p in "${parts[@]}"; do
         tests/test_delta_rule_triton.py tests/test_cuda.py -k "not trains and not graphed_training" ;;
     strength_tests) part strength_tests 120 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
         tests/test_delta_rule_triton.py -k "strength or per_token" ;;
-    kernel_tests) part kernel_tests 150 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
+    kernel_tests) part kernel_tests 300 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
         tests/test_layers_triton.py tests/test_kdn_triton.py ;;
     time) part time 300 python3 benchmarks/bench_triton.py --parts time \
         --only kda_c64 gdn2_c64 gdn_c64 kdn_iso_c64 kdn_diag_c64 kda_c128 fla sdpa \
@@ -260,6 +260,9 @@ for p in "${parts[@]}"; do
         --out "$OUT/overhead.json" ;;
     kdn_train) part kdn_train 200 python3 benchmarks/bench_train.py --device cuda --preset 340M \
         --seq-len 4096 --batch 4 --steps 8 --cuda-graphs on --mixers kdn_diag kdn_iso transformer ;;
+    strength_train) part strength_train 200 python3 benchmarks/bench_train.py --device cuda \
+        --preset 340M --seq-len 4096 --batch 4 --steps 8 --cuda-graphs on \
+        --mixers kda kdn_iso transformer ;;
     ffn16k) part ffn16k 200 python3 benchmarks/bench_train.py --device cuda --preset 340M \
         --seq-len 16384 --batch 1 --steps 8 --cuda-graphs "$GRAPHS" --recompute-ffn \
         --mixers gdn2 muir transformer ;;
