@@ -142,7 +142,7 @@ for p in "${parts[@]}"; do
     time_fla_gdn2) part time_fla_gdn2 420 python3 benchmarks/bench_triton.py --parts time \
         --shapes 4x4096x16x128 --only gdn2_c64 fla_gdn2 --out "$OUT/time_fla_gdn2.json" ;;
     time32k) part time32k 150 python3 benchmarks/bench_triton.py --parts time \
-        --shapes 1x32768x16x128 --only kda_c64 gdn2_c64 gdn_c64 kdn_iso_c64 kdn_diag_c64 sdpa \
+        --shapes 1x32768x16x128 --only kda_c64 kda_product_c64 gdn2_c64 gdn_c64 kdn_iso_c64 kdn_diag_c64 sdpa \
         --out "$OUT/time32k.json" ;;
     time_fla_kda) part time_fla_kda 420 python3 benchmarks/bench_triton.py --parts time \
         --shapes 4x4096x16x128 --only kda_c64 kda_product_c64 gdn2_c64 kdn_iso_c64 kdn_diag_c64 fla_kda sdpa \

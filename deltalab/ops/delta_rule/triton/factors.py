@@ -46,6 +46,7 @@ from deltalab.ops.delta_rule.triton.intra import (
     _a_layout,
     _a_row,
     _g_head,
+    _load_g_rows,
     _load_rows,
     _row_strength,
     _token_layout,
@@ -60,12 +61,12 @@ def _chunk_decays(g, n_chunks, H, T, CS, K: tl.constexpr, C: tl.constexpr, BKD: 
     the row stride of q, a, b, the tile's channels and their mask, then exp(G_t),
     exp(sum_{j > t} g_j) and the g tile."""
     chunk = tl.program_id(0).to(tl.int64)
-    offset, valid, rs, g_offset, grs, gcs = _token_layout(chunk, n_chunks, H, T, CS, K, G_HEAD)
+    offset, valid, rs, g_offset, grs = _token_layout(chunk, n_chunks, H, T, CS, K, G_HEAD)
     rc = tl.arange(0, C)
     rk = tl.program_id(1) * BKD + tl.arange(0, BKD)
     mk = rk < K
-    g_t = _load_rows(g + g_offset, rc, grs, rk, gcs, valid, mk)
-    g_after = _load_rows(g + g_offset, rc + 1, grs, rk, gcs, valid, mk)
+    g_t = _load_g_rows(g + g_offset, rc, grs, rk, valid, mk, G_HEAD)
+    g_after = _load_g_rows(g + g_offset, rc + 1, grs, rk, valid, mk, G_HEAD)
     from_start = tl.exp(tl.cumsum(g_t, axis=0))
     to_end = tl.exp(tl.cumsum(g_after, axis=0, reverse=True))
     return chunk, offset, valid, rs, rc, rk, mk, from_start, to_end, g_t

@@ -167,13 +167,13 @@ def _token_offset(chunk, n_chunks, H, T, CS, X: tl.constexpr):
 @triton.jit
 def _token_layout(chunk, n_chunks, H, T, CS, K: tl.constexpr, G_HEAD: tl.constexpr):
     """Chunk `chunk`'s offsets in q, a, b [B, T, H, K] and in g ([B, T, H] when G_HEAD, one
-    log decay per head read for every channel with a channel stride of 0), its tokens, and the
-    row and channel strides of both."""
+    log decay per head, read by `_load_g_rows` once per token), its tokens, and the row strides
+    of both."""
     offset, valid = _token_offset(chunk, n_chunks, H, T, CS, K)
     if G_HEAD:
         g_offset, _ = _token_offset(chunk, n_chunks, H, T, CS, 1)
-        return offset, valid, H * K, g_offset, H, 0
-    return offset, valid, H * K, offset, H * K, 1
+        return offset, valid, H * K, g_offset, H
+    return offset, valid, H * K, offset, H * K
 
 
 @triton.jit
@@ -181,6 +181,30 @@ def _load_rows(x, rows, rs, cols, cs, valid, mk):
     """x[rows, cols] as float32 [len(rows), len(cols)], zero past the chunk's tokens and K."""
     mask = (rows < valid)[:, None] & mk[None, :]
     return tl.load(x + rows[:, None] * rs + cols[None, :] * cs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_g_rows(g, rows, grs, cols, valid, mk, G_HEAD: tl.constexpr):
+    """The log decays g[rows, cols] as float32 [len(rows), len(cols)], zero past the chunk's
+    tokens and K. A per-head g (G_HEAD) is read once per row and broadcast over the channels:
+    a tile of loads at channel stride 0 cannot be vectorized and made stage 1 of the per-head
+    form 2.4x slower than the per-channel one (H200, B=1 T=32768 H=16; docs/RESULTS.md,
+    twenty-first session)."""
+    if G_HEAD:
+        per_row = tl.load(g + rows * grs, mask=rows < valid, other=0.0).to(tl.float32)
+        return tl.where(mk[None, :], per_row[:, None], 0.0)
+    return _load_rows(g, rows, grs, cols, 1, valid, mk)
+
+
+@triton.jit
+def _load_g_row(g, row, grs, cols, valid, mk, G_HEAD: tl.constexpr):
+    """The log decays g[row, cols] as float32, zero past the chunk's tokens and K (a per-head
+    g read once, as in `_load_g_rows`)."""
+    if G_HEAD:
+        present = mk & ((cols * 0 + row) < valid)
+        per_row = tl.load(g + row * grs, mask=row < valid, other=0.0).to(tl.float32)
+        return tl.where(present, per_row, 0.0)
+    return _load_row(g, row, grs, cols, 1, valid, mk)
 
 
 @triton.jit
@@ -241,18 +265,19 @@ def _operand(x, like, LOW_DOTS: tl.constexpr):
 
 
 @triton.jit
-def _next_segment(seg, g, row, rt, rk, mk, t, grs, gcs, valid):
+def _next_segment(seg, g, row, rt, rk, mk, t, grs, valid, G_HEAD: tl.constexpr):
     """Row t's segment sums sum_{s < j <= t} g_j over the sub-block's columns s: [BT(s), BK].
 
     Built from row t - 1's by adding g_t (s < t), 0 at s = t, -inf above (s > t): a running sum,
     never a difference, so g = -inf gives exact zeros and no exponent is positive."""
-    g_t = _load_row(g, row, grs, rk, gcs, valid, mk)
+    g_t = _load_g_row(g, row, grs, rk, valid, mk, G_HEAD)
     return tl.where(rt[:, None] == t, 0.0, seg + g_t[None, :])
 
 
 @triton.jit
-def _diag_fwd(q, a, b, g, lower, attend, rows, rs, ars, grs, gcs, valid, scale, K: tl.constexpr,
-              C: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, A_ROW: tl.constexpr):  # fmt: skip
+def _diag_fwd(q, a, b, g, lower, attend, rows, rs, ars, grs, valid, scale, K: tl.constexpr,
+              C: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, A_ROW: tl.constexpr,
+              G_HEAD: tl.constexpr):  # fmt: skip
     """L and M of diagonal sub-block `rows`, one row t at a time with exact pairwise factors."""
     rt = tl.arange(0, BT)
     rk = tl.arange(0, BK)
@@ -261,7 +286,7 @@ def _diag_fwd(q, a, b, g, lower, attend, rows, rs, ars, grs, gcs, valid, scale, 
     seg = tl.full([BT, BK], float("-inf"), dtype=tl.float32)
     for t in range(BT):
         row = rows + t
-        seg = _next_segment(seg, g, row, rt, rk, mk, t, grs, gcs, valid)
+        seg = _next_segment(seg, g, row, rt, rk, mk, t, grs, valid, G_HEAD)
         a_f = tl.exp(seg) * a_d
         b_t = _load_row(b, row, rs, rk, 1, valid, mk)
         q_t = _load_row(q, row, rs, rk, 1, valid, mk) * scale
@@ -272,8 +297,9 @@ def _diag_fwd(q, a, b, g, lower, attend, rows, rs, ars, grs, gcs, valid, scale, 
 
 
 @triton.jit
-def _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, ars, grs, gcs, valid, scale,
-              C: tl.constexpr, BKD: tl.constexpr, BT: tl.constexpr, A_ROW: tl.constexpr):  # fmt: skip
+def _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, ars, grs, valid, scale,
+              C: tl.constexpr, BKD: tl.constexpr, BT: tl.constexpr, A_ROW: tl.constexpr,
+              G_HEAD: tl.constexpr):  # fmt: skip
     """The diagonal sub-block's share of (dq, db, da) [BT, BKD] for channels rkd."""
     rt = tl.arange(0, BT)
     a_d = _load_a(a, b, rows + rt, ars, rs, rkd, valid, mkd, A_ROW)
@@ -283,7 +309,7 @@ def _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, ars, grs, gcs, 
     da_d = tl.zeros([BT, BKD], dtype=tl.float32)
     for t in range(BT):
         row = rows + t
-        seg = _next_segment(seg, g, row, rt, rkd, mkd, t, grs, gcs, valid)
+        seg = _next_segment(seg, g, row, rt, rkd, mkd, t, grs, valid, G_HEAD)
         f = tl.exp(seg)
         dm_t = tl.load(d_attend + row * C + rows + rt, mask=rt <= t, other=0.0)
         dl_t = tl.load(d_lower + row * C + rows + rt, mask=rt < t, other=0.0)
@@ -309,18 +335,19 @@ def _midpoint_factors(cum):
 
 
 @triton.jit
-def _column_tail(g, cols, rt, rk, mk, grs, gcs, valid, BT: tl.constexpr):
+def _column_tail(g, cols, rt, rk, mk, grs, valid, BT: tl.constexpr, G_HEAD: tl.constexpr):
     """Sum of g from the token after s to the end of its sub-block, for every s: [BT, BK]."""
     after = rt + 1
     # Rows past the sub-block read as zero through the token bound.
-    g_after = _load_rows(g, cols + after, grs, rk, gcs, tl.minimum(valid, cols + BT), mk)
+    g_after = _load_g_rows(g, cols + after, grs, rk, tl.minimum(valid, cols + BT), mk, G_HEAD)
     return tl.cumsum(g_after, axis=0, reverse=True)
 
 
 @triton.jit
-def _column_factor(g, cols, rt, rk, mk, between, grs, gcs, valid, BT: tl.constexpr):
+def _column_factor(g, cols, rt, rk, mk, between, grs, valid, BT: tl.constexpr,
+                   G_HEAD: tl.constexpr):  # fmt: skip
     """exp(_column_tail + `between`): [BT, BK]."""
-    return tl.exp(_column_tail(g, cols, rt, rk, mk, grs, gcs, valid, BT) + between[None, :])
+    return tl.exp(_column_tail(g, cols, rt, rk, mk, grs, valid, BT, G_HEAD) + between[None, :])
 
 
 @triton.jit
@@ -334,7 +361,7 @@ def _intra_fwd(
     each a quarter of the serial chain (chunk 64)."""
     chunk = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1)
-    offset, valid, rs, g_offset, grs, gcs = _token_layout(chunk, n_chunks, H, T, CS, K, G_HEAD)
+    offset, valid, rs, g_offset, grs = _token_layout(chunk, n_chunks, H, T, CS, K, G_HEAD)
     a_offset, ars = _a_layout(chunk, n_chunks, H, T, CS, offset, rs, A_ROW)
     q += offset
     a += a_offset
@@ -347,7 +374,7 @@ def _intra_fwd(
     rk = tl.arange(0, BK)
     mk = rk < K
     tile = rt[:, None] * C + rt[None, :]
-    cum = tl.cumsum(_load_rows(g, rows + rt, grs, rk, gcs, valid, mk), axis=0)
+    cum = tl.cumsum(_load_g_rows(g, rows + rt, grs, rk, valid, mk, G_HEAD), axis=0)
     row_f = tl.exp(cum)
     b_i = _operand(_load_rows(b, rows + rt, rs, rk, 1, valid, mk) * row_f, q, LOW_DOTS)
     q_i = _operand(_load_rows(q, rows + rt, rs, rk, 1, valid, mk) * (row_f * scale), q, LOW_DOTS)
@@ -355,12 +382,12 @@ def _intra_fwd(
     for jj in range(i):
         cols = (i - 1 - jj) * BT
         a_j = _load_a(a, b, cols + rt, ars, rs, rk, valid, mk, A_ROW)
-        a_j *= _column_factor(g, cols, rt, rk, mk, between, grs, gcs, valid, BT)
+        a_j *= _column_factor(g, cols, rt, rk, mk, between, grs, valid, BT, G_HEAD)
         a_j = _operand(a_j, q, LOW_DOTS)
         tl.store(lower + cols + tile, tl.dot(b_i, tl.trans(a_j), input_precision=PRECISION))
         m_ij = tl.dot(q_i, tl.trans(a_j), input_precision=PRECISION)
         tl.store(attend + cols + tile, m_ij.to(attend.dtype.element_ty))
-        between += tl.sum(_load_rows(g, cols + rt, grs, rk, gcs, valid, mk), axis=0)
+        between += tl.sum(_load_g_rows(g, cols + rt, grs, rk, valid, mk, G_HEAD), axis=0)
     if tl.max(tl.abs(cum)) < BOUND:  # mild decays: the factored diagonal (docstring)
         up, down = _midpoint_factors(cum)
         a_i = _operand(_load_a(a, b, rows + rt, ars, rs, rk, valid, mk, A_ROW) * down, q, LOW_DOTS)
@@ -372,8 +399,8 @@ def _intra_fwd(
         m_ii = tl.where(rt[:, None] >= rt[None, :], m_ii, 0.0)
         tl.store(attend + rows + tile, m_ii.to(attend.dtype.element_ty))
     else:
-        _diag_fwd(q, a, b, g, lower - rows * C, attend - rows * C, rows, rs, ars, grs, gcs,
-                  valid, scale, K, C, BK, BT, A_ROW)  # fmt: skip
+        _diag_fwd(q, a, b, g, lower - rows * C, attend - rows * C, rows, rs, ars, grs,
+                  valid, scale, K, C, BK, BT, A_ROW, G_HEAD)  # fmt: skip
     zero = tl.zeros([BT, BT], dtype=tl.float32)
     for j in range(i + 1, C // BT):
         tl.store(lower + j * BT + tile, zero)
@@ -393,7 +420,7 @@ def _intra_bwd(
     chunk = tl.program_id(0).to(tl.int64)
     kb = tl.program_id(1)
     i = tl.program_id(2)
-    offset, valid, rs, g_offset, grs, gcs = _token_layout(chunk, n_chunks, H, T, CS, K, G_HEAD)
+    offset, valid, rs, g_offset, grs = _token_layout(chunk, n_chunks, H, T, CS, K, G_HEAD)
     a_offset, ars = _a_layout(chunk, n_chunks, H, T, CS, offset, rs, A_ROW)
     q += offset
     a += a_offset
@@ -406,7 +433,7 @@ def _intra_bwd(
     mkd = rkd < K
     tile = rt[:, None] * C + rt[None, :]
     rows = i * BT
-    cum = tl.cumsum(_load_rows(g, rows + rt, grs, rkd, gcs, valid, mkd), axis=0)
+    cum = tl.cumsum(_load_g_rows(g, rows + rt, grs, rkd, valid, mkd, G_HEAD), axis=0)
     row_f = tl.exp(cum)
     # Rows: dq and db of sub-block i from the columns s < start(i).
     acc_q = tl.zeros([BT, BKD], dtype=tl.float32)
@@ -415,13 +442,13 @@ def _intra_bwd(
     for jj in range(i):
         cols = (i - 1 - jj) * BT
         a_j = _load_a(a, b, cols + rt, ars, rs, rkd, valid, mkd, A_ROW)
-        a_j *= _column_factor(g, cols, rt, rkd, mkd, between, grs, gcs, valid, BT)
+        a_j *= _column_factor(g, cols, rt, rkd, mkd, between, grs, valid, BT, G_HEAD)
         a_j = _operand(a_j, q, LOW_DOTS)
         dm = _operand(tl.load(d_attend + rows * C + cols + tile), q, LOW_DOTS)
         dl = _operand(tl.load(d_lower + rows * C + cols + tile), q, LOW_DOTS)
         acc_q += tl.dot(dm, a_j, input_precision=PRECISION)
         acc_b += tl.dot(dl, a_j, input_precision=PRECISION)
-        between += tl.sum(_load_rows(g, cols + rt, grs, rkd, gcs, valid, mkd), axis=0)
+        between += tl.sum(_load_g_rows(g, cols + rt, grs, rkd, valid, mkd, G_HEAD), axis=0)
     # The diagonal block: its share of all three.
     if tl.max(tl.abs(cum)) < BOUND:  # mild decays: the factored diagonal (docstring)
         up, down = _midpoint_factors(cum)
@@ -441,15 +468,15 @@ def _intra_bwd(
         db_i = acc_b * row_f + up * tl.dot(dl, a_i, input_precision=PRECISION)
     else:
         dq_d, db_d, acc_a = _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, ars,
-                                      grs, gcs, valid, scale, C, BKD, BT, A_ROW)  # fmt: skip
+                                      grs, valid, scale, C, BKD, BT, A_ROW, G_HEAD)  # fmt: skip
         dq_i = acc_q * row_f + dq_d
         db_i = acc_b * row_f + db_d
     # Columns: da of sub-block i from the rows t >= start(i + 1).
-    tail = _column_tail(g, rows, rt, rkd, mkd, grs, gcs, valid, BT)
+    tail = _column_tail(g, rows, rt, rkd, mkd, grs, valid, BT, G_HEAD)
     between = tl.zeros([BKD], dtype=tl.float32)
     for r in range(i + 1, C // BT):
         later = r * BT
-        g_r = _load_rows(g, later + rt, grs, rkd, gcs, valid, mkd)
+        g_r = _load_g_rows(g, later + rt, grs, rkd, valid, mkd, G_HEAD)
         later_f = tl.exp(tl.cumsum(g_r, axis=0))
         q_r = _load_rows(q, later + rt, rs, rkd, 1, valid, mkd) * (later_f * scale)
         b_r = _load_rows(b, later + rt, rs, rkd, 1, valid, mkd) * later_f
