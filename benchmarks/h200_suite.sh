@@ -3,7 +3,7 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck intradots time32k prof_kdn ffn16k gain_launch kdn_train gain_chunks ncu_gain overhead strength_tests strength_train
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck intradots time32k prof_kdn ffn16k gain_launch kdn_train gain_chunks ncu_gain overhead strength_tests strength_train gaps
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
@@ -82,7 +82,11 @@
 # (Nsight Compute's counters of the split diagonal gain's four kernels, B=4 T=4096 H=16, bf16:
 # throughput, occupancy, warp stalls), overhead 150 s (bench_triton.py's overhead part at B=4
 # T=4096 H=16: wall time with the value checks on and off, kernel time, the host's launch time,
-# and the host's op table of the KDN forms). The sixteenth
+# and the host's op table of the KDN forms), strength_tests 120 s (the delta rule's per-token
+# write strength against the float64 loop, compiled), strength_train 200 s (KDA and Isotropic
+# KDN 340M graphed training at 4K beside the Transformer's), gaps 150 s (device_gaps.py: the
+# device's idle gaps in the KDA, Isotropic and Diagonal KDN forms' forward and backward, checks
+# on and off, by the host code that launched the work after them; not yet run). The sixteenth
 # session's part factors_ab (stage 1 writing the decay factors) is in the tree of `a424144`.
 set -u
 # The device returns at most 8 files: parts write under a work folder, and after every part the
@@ -260,6 +264,8 @@ for p in "${parts[@]}"; do
         --out "$OUT/overhead.json" ;;
     kdn_train) part kdn_train 200 python3 benchmarks/bench_train.py --device cuda --preset 340M \
         --seq-len 4096 --batch 4 --steps 8 --cuda-graphs on --mixers kdn_diag kdn_iso transformer ;;
+    gaps) part gaps 150 python3 benchmarks/device_gaps.py --forms kda_c64 kdn_iso_c64 \
+        kdn_diag_c64 --out "$OUT/gaps.json" ;;
     strength_train) part strength_train 200 python3 benchmarks/bench_train.py --device cuda \
         --preset 340M --seq-len 4096 --batch 4 --steps 8 --cuda-graphs on \
         --mixers kda kdn_iso transformer ;;
