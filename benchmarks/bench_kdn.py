@@ -66,7 +66,7 @@ def main() -> None:
     p0 = torch.ones(args.heads, device=args.device, dtype=x["k"].dtype)
 
     def rule(q, k, v, g, beta):
-        return delta_rule(q, beta.unsqueeze(-1) * k, k, v, g, **chunk)[0]
+        return delta_rule(q, beta, k, v, g, **chunk)[0]  # a = beta: a strength per token
 
     def diag(q, k, v, g, q_noise, r):
         return kdn_diag(q, k, v, g, q_noise, r, p0.unsqueeze(-1).expand(-1, args.dim), **chunk)[0]

@@ -208,9 +208,8 @@ def bench_shape(shape, args, device: str, dtype: torch.dtype) -> dict:
 
     base = [x[n] for n in ("q", "k", "v", "g")]
     rows[f"delta_rule ({MEMORY_BACKEND})"] = time_op(
-        lambda q, k, v, g, beta: delta_rule(
-            q, beta.unsqueeze(-1) * k, k, v, g, backend=MEMORY_BACKEND
-        )[0],
+        # a = beta, a strength per token, as the KDA layers pass it.
+        lambda q, k, v, g, beta: delta_rule(q, beta, k, v, g, backend=MEMORY_BACKEND)[0],
         [*base, x["beta"]],
         r,
         device,

@@ -93,8 +93,9 @@ def main() -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter: fp32 only
     x = draw_inputs(batch, length, heads, dim, device, dtype)
     precision = "tf32" if device == "cuda" else "ieee"
-    # Token-major inputs, read in place by the kernels as the backend passes them.
-    q, a, b, u, g = (x["q"], x["beta"][..., None] * x["k"], x["k"], x["v"], x["g"])
+    # Token-major inputs, read in place by the kernels as the backend passes them; a = beta,
+    # a strength per token, as the KDA layers pass it.
+    q, a, b, u, g = (x["q"], x["beta"], x["k"], x["v"], x["g"])
     tokens = Tokens(-(-length // args.chunk), heads, length, args.chunk)
     ops, lower = _operators_triton(
         q, a, b, u, g, precision, tokens, 1.0, operator_dtype(q, a, b, u)

@@ -149,6 +149,25 @@ def test_triton_per_token_write_strength_matches_the_loop_with_every_gradient(
     _compare(inputs, state, chunk_size, cu_seqlens=cu_seqlens)
 
 
+def test_a_16_bit_write_strength_keeps_a_float32_call_in_float32(generator, poisoned_empty):
+    """The strength's dtype does not pick the precision: float32 q, k, u, g with an fp16 beta
+    (the interpreter's 16-bit float) stay within float32's bound of the loop, as with the
+    direction beta k formed in float32, not the 16-bit bound the operators would then carry."""
+    q, beta, b, u, g = random_delta_inputs(
+        generator, 1, 40, 2, 16, 8, channel_decay=True, strengths=True
+    )
+    beta = beta.to(torch.float16).double()  # the values both runs see
+    reference = delta_rule(q, beta, b, u, g, backend="naive", output_final_state=True)
+    f32 = [x.to(DEVICE, torch.float32) for x in (q, b, u, g)]
+    o, s = delta_rule(
+        f32[0], beta.to(DEVICE, torch.float16), *f32[1:], backend="triton", chunk_size=16,
+        output_final_state=True,
+    )  # fmt: skip
+    assert o.dtype == torch.float32
+    assert_close(o, reference[0], F32, "o")
+    assert_close(s, reference[1], F32, "final state")
+
+
 def test_triton_chunk_128_with_key_and_value_sizes_that_need_masking(generator, poisoned_empty):
     inputs = random_delta_inputs(generator, 1, 130, 1, 20, 12, channel_decay=True)
     state = torch.randn(1, 1, 20, 12, generator=generator, dtype=torch.float64)
@@ -395,6 +414,12 @@ def test_triton_stage_1_and_factors_take_a_strength_per_token_as_its_product_wit
         ("L", "M"), intra.intra_triton(q, beta, b, g), intra.intra_triton(q, a, b, g), strict=True
     ):
         assert_close(x, ref, F32, label)
+    # The autograd twin forms the direction itself (its adjoint differentiates directions).
+    for label, x, ref in zip(
+        ("L", "M"), intra.intra_chunk_triton(q, beta, b, g), intra.intra_triton(q, a, b, g),
+        strict=True,
+    ):  # fmt: skip
+        assert_close(x, ref, F32, f"{label} (autograd twin)")
     got = factors.factors_triton(q, beta, b, g)
     ref = factors.factors_triton(q, a, b, g)
     for label, x, r in zip(("read", "erase rhs", "write", "decay"), got, ref, strict=True):

@@ -606,7 +606,7 @@ def test_16_bit_kdn_inputs_reach_the_gain_kernels_uncast_and_match_float64(
     ],
     ids=["diag", "iso"],
 )
-def test_16_bit_kdn_layers_hand_the_delta_rule_a_16_bit_write_and_match_float32(
+def test_16_bit_kdn_layers_hand_the_delta_rule_a_16_bit_direction_or_a_strength_and_match_float32(
     monkeypatch, layer_class, write_16bit
 ):
     """A float16 KDN layer on Triton: Diagonal's write direction (its gain) reaches the delta

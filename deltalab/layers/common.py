@@ -558,10 +558,11 @@ def run_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The one place where a mixer's recurrent-vs-chunked choice is made.
 
-    inputs: q, a, b `[B, T, H, K]`, u `[B, T, H, V]`, g `[B, T, H(, K)]`; memory `[B, H, K, V]` or
-    None (zeros). Returns (o `[B, T, H, V]`, new memory `[B, H, K, V]`). One token continuing a
-    state is a decoding step: the token update, with none of the chunked path's padding; with
-    `in_place` it overwrites `memory` (see `RecurrentState.in_place`).
+    inputs: q, b `[B, T, H, K]`, a `[B, T, H(, K)]`, u `[B, T, H, V]`, g `[B, T, H(, K)]`;
+    memory `[B, H, K, V]` or None (zeros). Returns (o `[B, T, H, V]`, new memory
+    `[B, H, K, V]`). One token continuing a state is a decoding step: the token update, with
+    none of the chunked path's padding; with `in_place` it overwrites `memory` (see
+    `RecurrentState.in_place`).
     """
     if memory is not None and inputs.q.shape[1] == 1:
         o, memory = delta_rule_step(

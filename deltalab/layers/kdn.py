@@ -215,8 +215,9 @@ class KalmanMixer(DeltaMixer):
         trace: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """Gains over the tokens: k `[B, T, H, K]`, the noise model of `gates`, the incoming
-        uncertainty (None: the prior) -> (write direction a `[B, T, H, K]`, the uncertainty
-        after the last token, the gain gates, with p and predictive when `trace`)."""
+        uncertainty (None: the prior) -> (the delta rule's a: a write direction `[B, T, H, K]`
+        (Diagonal) or strength `[B, T, H]` (Isotropic), the uncertainty after the last token,
+        the gain gates, with p and predictive when `trace`)."""
 
     def read_query(self, q: torch.Tensor, gates: dict[str, torch.Tensor]) -> torch.Tensor:
         """The query the primitive reads with: q itself (KDN-Muir: rho * q)."""

@@ -934,6 +934,14 @@ def operator_dtype(*inputs: torch.Tensor) -> torch.dtype:
     return low if OPERATOR_DTYPE == "inputs" and low is not None else torch.float32
 
 
+def _precision_inputs(q, a, b, u) -> tuple[torch.Tensor, ...]:
+    """The inputs whose dtypes pick the operators' dtype and the products' precision: all four,
+    but a strength per token (a [B, T, H]), a factor multiplied in float32 as b is loaded, whose
+    16-bit rounding is the product's own (a float32 call with a bf16 beta stays float32, as it
+    did when the direction beta k was formed in k's dtype)."""
+    return (q, b, u) if a.dim() == q.dim() - 1 else (q, a, b, u)
+
+
 def _low_precision(*inputs: torch.Tensor) -> torch.dtype | None:
     """The first 16-bit float dtype among the inputs, or None."""
     return next((x.dtype for x in inputs if x.dtype in (torch.bfloat16, torch.float16)), None)
@@ -972,7 +980,7 @@ class _DeltaRuleTriton(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         batch, length, heads, key_dim = q.shape
         # Read once: the backward recomputes the operators as the forward made them.
-        ctx.operator_dtype = operator_dtype(q, a, b, u)
+        ctx.operator_dtype = operator_dtype(*_precision_inputs(q, a, b, u))
         chosen = chosen_state_pass(batch, heads, key_dim, u.shape[-1], ctx.operator_dtype)
         state_pass, ctx.state_pass_backward, ctx.walk = STATE_PASSES[chosen]
         q, a, b, u, g = (x.contiguous() for x in (q, a, b, u, g))
@@ -1065,7 +1073,7 @@ def delta_rule_triton(
     matrix products (`torch.set_float32_matmul_precision("high")`), as its own matmuls are.
     """
     # Any input in bf16/fp16 (a float32 gate times a bf16 projection still carries its rounding).
-    low_precision = _low_precision(q, a, b, u) is not None
+    low_precision = _low_precision(*_precision_inputs(q, a, b, u)) is not None
     allowed = torch.get_float32_matmul_precision() != "highest"
     precision = "tf32" if low_precision or allowed else "ieee"
     # The kernels cast to float32 on load, then scale q, as the other

@@ -1,6 +1,7 @@
 """Triton stage 1 of the chunkwise delta rule: the intra-chunk matrices L and M, and their adjoint.
 
-For inputs q, a, b [B, T, H, K] and g [B, T, H, K] (per channel) or [B, T, H] (per head), read
+For inputs q, a, b [B, T, H, K] (a also [B, T, H]: a strength per token, a_t b_t, multiplied in
+on load) and g [B, T, H, K] (per channel) or [B, T, H] (per head), read
 in place (`Tokens` below: no copy into chunks, any float dtype, q scaled on load), per chunk
 
     L_ts = sum_k b_tk a_sk exp(G_tk - G_sk)   (s < t)      M_ts = same with q_t   (s <= t)
@@ -166,9 +167,9 @@ def _token_offset(chunk, n_chunks, H, T, CS, X: tl.constexpr):
 
 @triton.jit
 def _token_layout(chunk, n_chunks, H, T, CS, K: tl.constexpr, G_HEAD: tl.constexpr):
-    """Chunk `chunk`'s offsets in q, a, b [B, T, H, K] and in g ([B, T, H] when G_HEAD, one
-    log decay per head, read by `_load_g_rows` once per token), its tokens, and the row strides
-    of both."""
+    """Chunk `chunk`'s offsets in q, b [B, T, H, K] (a: `_a_layout`) and in g ([B, T, H]
+    when G_HEAD, one log decay per head, read by `_load_g_rows` once per token), its tokens,
+    and the row strides of both."""
     offset, valid = _token_offset(chunk, n_chunks, H, T, CS, K)
     if G_HEAD:
         g_offset, _ = _token_offset(chunk, n_chunks, H, T, CS, 1)
@@ -586,7 +587,11 @@ class IntraChunk(torch.autograd.Function):
 def intra_chunk_triton(q, a, b, g, precision: str = "ieee",
                        factor_bound: float = DIAGONAL_FACTOR_BOUND):  # fmt: skip
     """Stage 1 in Triton, same contract as `chunk.intra_chunk`: L (strict) and M (inclusive)
-    [..., C, C] of chunked float32 inputs; g per channel [..., C, K] or per head [..., C]."""
+    [..., C, C] of chunked float32 inputs; g per channel [..., C, K] or per head [..., C]; a
+    a direction [..., C, K], or a strength per token [..., C] (made the direction a_t b_t
+    here: this twin's adjoint differentiates directions)."""
+    if a.dim() == q.dim() - 1:
+        a = a.unsqueeze(-1) * b
     if g.dim() == q.dim() - 1:
         g = g.unsqueeze(-1).expand(q.shape)
     return IntraChunk.apply(q, a, b, g, precision, factor_bound)
