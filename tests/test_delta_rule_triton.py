@@ -118,14 +118,15 @@ def test_triton_gradients_under_strong_decays_where_stage_1_walks_its_diagonal(
     _compare(inputs, state, 16)
 
 
-# a as one strength per token (a_t = beta_t b_t, formed on load): both decay layouts, the
-# walked diagonal (log decays to -16) with two channel blocks in the adjoint (each writes its
-# share of d beta), and packed sequences.
+# a as one strength per token (a_t = beta_t b_t, formed on load): both decay layouts, chunks
+# of 16, 64 and 128, the walked diagonal (log decays to -16) with two channel blocks in the
+# adjoint (each writes its share of d beta), and packed sequences.
 @pytest.mark.parametrize(
     ("length", "chunk_size", "channel_decay", "min_log_decay", "packed"),
     [
         pytest.param(37, 16, False, -1.0, False, id="37-16-head_decay"),
         pytest.param(70, 64, True, -1.0, False, id="70-64-channel_decay"),
+        pytest.param(130, 128, False, -1.0, False, id="130-128-head_decay"),
         pytest.param(37, 16, True, -16.0, False, id="37-16-channel_decay-walked"),
         pytest.param(50, 16, False, -16.0, True, id="packed-head_decay-walked"),
     ],
