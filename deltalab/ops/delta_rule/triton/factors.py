@@ -47,8 +47,8 @@ from deltalab.ops.delta_rule.triton.intra import (
     _a_row,
     _g_head,
     _load_g_rows,
+    _load_per_row,
     _load_rows,
-    _row_strength,
     _token_layout,
     key_block,
 )
@@ -79,7 +79,7 @@ def _load_a_beside(a, b_t, chunk, n_chunks, H, T, CS, offset, rs, rc, rk, valid,
     (`intra._load_a`, without loading b again); also a's offset and row stride."""
     a_offset, ars = _a_layout(chunk, n_chunks, H, T, CS, offset, rs, A_ROW)
     if A_ROW:
-        a_t = b_t * _row_strength(a + a_offset, rc, ars, valid)[:, None]
+        a_t = b_t * _load_per_row(a + a_offset, rc, ars, valid)[:, None]
     else:
         a_t = _load_rows(a + a_offset, rc, ars, rk, 1, valid, mk)
     return a_t, a_offset, ars
@@ -147,7 +147,7 @@ def _factors_bwd(
     db_t += from_start * dh_t
     da_t += to_end * dw_t
     if A_ROW:
-        strength = _row_strength(a + a_offset, rc, ars, valid)
+        strength = _load_per_row(a + a_offset, rc, ars, valid)
         db_t += strength[:, None] * da_t
         share = da + tl.program_id(1).to(tl.int64) * a_parts + a_offset + rc * ars
         tl.store(share, tl.sum(b_t * da_t, axis=1), mask=rc < valid)

@@ -185,6 +185,13 @@ def _load_rows(x, rows, rs, cols, cs, valid, mk):
 
 
 @triton.jit
+def _load_per_row(x, rows, rs, valid):
+    """x[rows] [len(rows)] as float32 of a tensor with one value per token and head [B, T, H]
+    (a per-head log decay, a write strength), zero past the chunk's tokens."""
+    return tl.load(x + rows * rs, mask=rows < valid, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _load_g_rows(g, rows, grs, cols, valid, mk, G_HEAD: tl.constexpr):
     """The log decays g[rows, cols] as float32 [len(rows), len(cols)], zero past the chunk's
     tokens and K. A per-head g (G_HEAD) is read once per row and broadcast over the channels:
@@ -192,8 +199,7 @@ def _load_g_rows(g, rows, grs, cols, valid, mk, G_HEAD: tl.constexpr):
     form 2.4x slower than the per-channel one (H200, B=1 T=32768 H=16; docs/RESULTS.md,
     twenty-first session)."""
     if G_HEAD:
-        per_row = tl.load(g + rows * grs, mask=rows < valid, other=0.0).to(tl.float32)
-        return tl.where(mk[None, :], per_row[:, None], 0.0)
+        return tl.where(mk[None, :], _load_per_row(g, rows, grs, valid)[:, None], 0.0)
     return _load_rows(g, rows, grs, cols, 1, valid, mk)
 
 
@@ -229,20 +235,13 @@ def _a_layout(chunk, n_chunks, H, T, CS, offset, rs, A_ROW: tl.constexpr):
 
 
 @triton.jit
-def _row_strength(a, rows, ars, valid):
-    """The write strengths a[rows] [len(rows)] as float32 of a per-token a (`_a_layout`), zero
-    past the chunk's tokens."""
-    return tl.load(a + rows * ars, mask=rows < valid, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _load_a(a, b, rows, ars, rs, cols, valid, mk, A_ROW: tl.constexpr):
     """a[rows, cols] as float32 [len(rows), len(cols)], zero past the chunk's tokens and K; with
     A_ROW formed on load as each row's strength times b's row (b offset as a's rows are): the
     product a = beta b is never written to memory, and its gradient splits into b's and
     beta's where the adjoint ends (`factors._factors_bwd`)."""
     if A_ROW:
-        strength = _row_strength(a, rows, ars, valid)
+        strength = _load_per_row(a, rows, ars, valid)
         return _load_rows(b, rows, rs, cols, 1, valid, mk) * strength[:, None]
     return _load_rows(a, rows, ars, cols, 1, valid, mk)
 
