@@ -3,7 +3,7 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck intradots time32k prof_kdn ffn16k gain_launch kdn_train gain_chunks ncu_gain overhead strength_tests strength_train gaps
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck intradots time32k prof_kdn ffn16k gain_launch kdn_train gain_chunks ncu_gain overhead strength_tests strength_train gaps kdn_tests prof_kdn32k
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
@@ -86,7 +86,9 @@
 # write strength against the float64 loop, compiled), strength_train 200 s (KDA and Isotropic
 # KDN 340M graphed training at 4K beside the Transformer's), gaps 150 s (device_gaps.py: the
 # device's idle gaps in the KDA, Isotropic and Diagonal KDN forms' forward and backward, checks
-# on and off, by the host code that launched the work after them; not yet run). The sixteenth
+# on and off, by the host code that launched the work after them), kdn_tests 240 s (the KDN
+# gains' and the Mobius scans' kernel tests compiled: tests/test_kdn_triton.py,
+# tests/test_mobius_triton.py), prof_kdn32k 120 s (prof_kdn at B=1 T=32768). The sixteenth
 # session's part factors_ab (stage 1 writing the decay factors) is in the tree of `a424144`.
 set -u
 # The device returns at most 8 files: parts write under a work folder, and after every part the
@@ -133,6 +135,10 @@ for p in "${parts[@]}"; do
         tests/test_delta_rule_triton.py tests/test_cuda.py -k "not trains and not graphed_training" ;;
     strength_tests) part strength_tests 120 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
         tests/test_delta_rule_triton.py -k "strength or per_token" ;;
+    kdn_tests) part kdn_tests 240 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
+        tests/test_kdn_triton.py tests/test_mobius_triton.py ;;
+    prof_kdn32k) part prof_kdn32k 120 python3 benchmarks/profile_triton.py --forms kda_c64 \
+        kdn_iso_c64 kdn_diag_c64 --batch 1 --length 32768 --out "$OUT/prof_kdn32k.json" ;;
     kernel_tests) part kernel_tests 300 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
         tests/test_layers_triton.py tests/test_kdn_triton.py ;;
     time) part time 300 python3 benchmarks/bench_triton.py --parts time \

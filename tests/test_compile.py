@@ -82,8 +82,8 @@ def test_triton_launches_are_opaque_to_dynamo():
     # Each public Triton entry point of the layers is wrapped: Dynamo skips it.
     from deltalab.ops.delta_rule.triton.chunk import delta_rule_triton
     from deltalab.ops.delta_rule.triton.step import delta_rule_step_triton
-    from deltalab.ops.kdn.triton import kdn_variance_scan
-    from deltalab.ops.kdn.triton_gain import kdn_diag_gain, kdn_iso_terms
+    from deltalab.ops.kdn.triton import kdn_iso_scan, kdn_variance_scan
+    from deltalab.ops.kdn.triton_gain import kdn_diag_gain, kdn_iso_gain
     from deltalab.ops.log_decay.triton import log_decay_triton
     from deltalab.ops.mobius.triton import mobius_scan_lanes, mobius_scan_triton
     from deltalab.ops.norms.triton import l2_normalize_triton, rms_norm_triton
@@ -93,7 +93,8 @@ def test_triton_launches_are_opaque_to_dynamo():
     from deltalab.ops.swiglu.triton import swiglu_triton
 
     entry_points = (
-        delta_rule_triton, kdn_variance_scan, kdn_diag_gain, kdn_iso_terms, log_decay_triton,
+        delta_rule_triton, kdn_variance_scan, kdn_iso_scan, kdn_diag_gain, kdn_iso_gain,
+        log_decay_triton,
         mobius_scan_lanes, mobius_scan_triton, l2_normalize_triton, rms_norm_triton,
         read_query_triton, sigmoid_gate_triton, rope_triton, rotate, short_conv_triton,
         swiglu_triton, delta_rule_step_triton,

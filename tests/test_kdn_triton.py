@@ -387,7 +387,7 @@ def test_gate_sensitivity_on_a_triton_kdn_model_never_reaches_the_fused_kernels(
     }
     models["chunk"].load_state_dict(models["triton"].state_dict(), strict=True)
     batch = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(10))
-    calls = (spy_fused if mixer == "kdn_diag" else spy_iso_terms)(monkeypatch)
+    calls = (spy_fused if mixer == "kdn_diag" else spy_iso_gain)(monkeypatch)
     reports = {}
     for backend, model in models.items():
         with torch.no_grad():
@@ -410,20 +410,20 @@ def test_gate_sensitivity_on_a_triton_kdn_model_never_reaches_the_fused_kernels(
 # --- Isotropic KDN: the terms' reductions over K on the kernels of triton_gain.py ----------------
 
 
-def spy_iso_terms(monkeypatch) -> list[tuple[int, ...]]:
-    """k's shape at every call of the fused isotropic terms."""
+def spy_iso_gain(monkeypatch) -> list[tuple[int, ...]]:
+    """k's shape at every call of the isotropic gain's kernels (terms, then scan)."""
     calls: list[tuple[int, ...]] = []
     if not HAS_TRITON:
         return calls
     from deltalab.ops.kdn import triton_gain
 
-    original = triton_gain.kdn_iso_terms
+    original = triton_gain.kdn_iso_gain
 
     def spy(k, *args):
         calls.append(tuple(k.shape))
         return original(k, *args)
 
-    monkeypatch.setattr(triton_gain, "kdn_iso_terms", spy)
+    monkeypatch.setattr(triton_gain, "kdn_iso_gain", spy)
     return calls
 
 
@@ -445,11 +445,11 @@ def iso_inputs(seed, shape, channel_decay):
 @needs_triton
 @pytest.mark.parametrize("channel_decay", [True, False], ids=["channel_decay", "head_decay"])
 @pytest.mark.parametrize("shape", [(2, 9, 2, 5), (1, 6, 3, 16)], ids=["odd_K", "K_16"])
-def test_iso_gain_on_fused_terms_matches_float64_definition_and_pytorch_path(
+def test_iso_gain_on_its_kernels_matches_float64_definition_and_pytorch_path(
     monkeypatch, shape, channel_decay
 ):
     """beta, p, predictive, the final precision and the gradients of k, g, q_noise, r, p0."""
-    calls = spy_iso_terms(monkeypatch)
+    calls = spy_iso_gain(monkeypatch)
     inputs = iso_inputs(11, shape, channel_decay)
     gen = torch.Generator().manual_seed(12)
     weights = [torch.randn(shape[:3], generator=gen, dtype=F64) for _ in range(3)]
@@ -482,18 +482,79 @@ def test_iso_gain_on_fused_terms_matches_float64_definition_and_pytorch_path(
         ("parallel", F32, False),
     ],
 )
-def test_kdn_gain_iso_takes_the_fused_terms_exactly_on_the_triton_scan_in_float32(
+def test_kdn_gain_iso_takes_its_kernels_exactly_on_the_triton_scan_in_float32(
     monkeypatch, backend, dtype, fused
 ):
-    calls = spy_iso_terms(monkeypatch)
+    calls = spy_iso_gain(monkeypatch)
     k, g, q_noise, r, _ = (x.to(DEVICE, dtype) for x in iso_inputs(13, (1, 4, 2, 3), True))
     kdn_gain_iso(k, g, q_noise, r, torch.ones(2, device=DEVICE, dtype=dtype), backend=backend)
     assert calls == ([(1, 4, 2, 3)] if fused else [])
 
 
+def iso_scan_inputs(seed, shape):
+    """decay2, norm2, q_noise, r `[N, T, H]` and p0 `[N, H]` (float64) for the isotropic scan
+    alone, with a reset (a = 0), a zero key (no evidence), no process noise on one token,
+    r = 1e30 and r = 1e-6."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def uniform(low, high, size=shape):
+        return low + (high - low) * torch.rand(size, generator=gen, dtype=F64)
+
+    decay2, norm2, q_noise, r = (
+        uniform(0.05, 1.0),
+        uniform(0.0, 4.0),
+        uniform(0, 0.3),
+        uniform(0.2, 2),
+    )
+    decay2[0, 3, 0], norm2[-1, 5, -1], q_noise[0, 7, 1] = 0.0, 0.0, 0.0
+    r[0, 2, 0], r[-1, 4, -1] = 1e30, 1e-6
+    return [decay2, norm2, q_noise, r, uniform(0.5, 1.5, (shape[0], shape[2]))]
+
+
+def iso_scan_reference(decay2, norm2, q_noise, r, p_prior, evidence_scale):
+    """The isotropic scan as gains.iso_gain composes it on the PyTorch path, step by step."""
+    evidence = evidence_scale * norm2 / r
+    p, p_bar = gains._variance_scan(decay2, q_noise, evidence, p_prior, "sequential")
+    beta, predictive = gains.iso_beta(p_bar, norm2, r)
+    return beta, p, predictive
+
+
+@needs_triton
+@pytest.mark.parametrize("used", [(0, 1, 2), (0,), (1,), (2,), (0, 2)], ids=str)
+@pytest.mark.parametrize("config", [(16, 2), (64, 1)], ids=["tiles_16x2", "tile_64x1"])
+def test_iso_scan_kernel_and_every_gradient_match_float64_ops_with_outputs_used_or_not(
+    poisoned_empty, used, config
+):
+    """The scan stage of the isotropic gain alone (triton.kdn_iso_scan: the evidence, the
+    Mobius scan, beta and predictive in one kernel each way) against its twin, the PyTorch ops
+    in float64, for a loss on any subset of (beta, p, predictive): an unused output's gradient
+    is skipped in the kernel, not zero-filled. T = 37 crosses tiles of 16; lanes are masked
+    at H = 3 with two per program."""
+    from deltalab.ops.kdn.triton import kdn_iso_scan
+
+    shape = (2, 37, 3)
+    inputs = iso_scan_inputs(41, shape)
+    gen = torch.Generator().manual_seed(42)
+    weights = [torch.randn(shape, generator=gen, dtype=F64) for _ in range(3)]
+    results = {}
+    for label, device, dtype, scan in (
+        ("float64 ops", "cpu", F64, iso_scan_reference),
+        ("kernel", DEVICE, F32, lambda *x: kdn_iso_scan(*x, config=config)),
+    ):
+        leaves = [x.to(device, dtype).requires_grad_() for x in inputs]
+        outputs = scan(*leaves, 0.75)
+        loss = sum((outputs[i] * weights[i].to(outputs[i])).sum() for i in used)
+        grads = torch.autograd.grad(loss, leaves)
+        results[label] = [x.detach() for x in (*outputs, *grads)]
+    labels = ["beta", "p", "predictive", *(f"d/d{n}" for n in ("a", "norm2", "q_noise", "r", "p0"))]
+    for label, x, x64 in zip(labels, results["kernel"], results["float64 ops"], strict=True):
+        assert x.dtype == F32, label
+        assert_close(x, x64, TOLERANCE[F32], label)
+
+
 @needs_triton
 def test_isotropic_kdn_layer_on_triton_matches_chunk_with_parameter_gradients(monkeypatch):
-    calls = spy_iso_terms(monkeypatch)
+    calls = spy_iso_gain(monkeypatch)
     layers = {}
     for backend in ("chunk", "triton"):
         torch.manual_seed(0)
@@ -553,7 +614,7 @@ def test_16_bit_kdn_inputs_reach_the_gain_kernels_uncast_and_match_float64(
     from deltalab.ops.kdn import triton_gain
 
     seen = []
-    name = "kdn_diag_gain" if variant == "diag" else "kdn_iso_terms"
+    name = "kdn_diag_gain" if variant == "diag" else "kdn_iso_gain"
     original = getattr(triton_gain, name)
 
     def spy(*args, **kwargs):
@@ -580,8 +641,8 @@ def test_16_bit_kdn_inputs_reach_the_gain_kernels_uncast_and_match_float64(
         grads = {n: x.grad for n, x in leaves.items()}
         results[label] = (o, memory, precision, grads)
     inputs_seen, out_dtype = seen[0]
-    # iso: k, g, then r cast (its terms are [B, T, H]); diag: k, g, q_noise, r, then p_prior.
-    expected = [dtype, dtype, F32] if variant == "iso" else [dtype] * 4 + [F32]
+    # k, g, q_noise, r as they come, then p_prior in float32.
+    expected = [dtype] * 4 + [F32]
     assert inputs_seen == expected
     assert out_dtype == (dtype if variant == "diag" else F32)
     o, memory, precision, grads = results["triton"]

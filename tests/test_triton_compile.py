@@ -34,7 +34,7 @@ def _compile_for_hopper(kernel, pointers, scalars, constants, options, types=Non
     signature = {
         **{p: "*fp32" for p in pointers},
         **(types or {}),
-        **{s: "fp32" if s in ("scale", "eps") else "i32" for s in scalars},
+        **{s: "fp32" if s in ("scale", "eps", "E") else "i32" for s in scalars},
         **{k: "constexpr" for k in constants},
     }
     constexprs = {(kernel.arg_names.index(k),): v for k, v in constants.items()}
@@ -392,6 +392,29 @@ def test_kdn_gain_kernels_compile_for_hopper_without_spills(monkeypatch, key_dim
     for kernel, n_pointers, constants, warps in kernels:
         _assert_compiles_without_spills(
             kernel, n_pointers, constants, warps, what=f"{kernel.fn.__name__} K={key_dim}"
+        )
+
+
+@pytest.mark.parametrize(
+    ("lanes", "iso"),
+    [(64, True), (8192, False), (16, True)],
+    ids=["isotropic-B4H16", "diagonal-B4H16K128", "isotropic-B1H16"],
+)
+def test_kdn_variance_scan_kernels_compile_for_hopper_without_spills(lanes, iso):
+    """The variance scan both ways at its T = 4096 launches: Isotropic (its evidence and beta
+    formed inside, bf16 q_noise and r, every output's gradient present) and the plain scan."""
+    from deltalab.ops.kdn import triton as scan
+    from deltalab.ops.mobius.triton import launch_config
+
+    sixteen = {"NOISE": "*bf16", "R": "*bf16", "GNOISE": "*bf16", "GR": "*bf16"} if iso else {}
+    for kernel, n_pointers, tile, flags in (
+        (scan._kdn_forward_kernel, 8, 2048, {}),
+        (scan._kdn_backward_kernel, 14, 1024, {"HAS_GP": True, "HAS_G2": True, "HAS_G3": iso}),
+    ):
+        block_t, block_l = launch_config(lanes, 4096, tile=tile)
+        constants = {**flags, "ISO": iso, "BLOCK_T": block_t, "BLOCK_L": block_l}
+        _assert_compiles_without_spills(
+            kernel, n_pointers, constants, 4, sixteen, what=f"{kernel.fn.__name__} {lanes} lanes"
         )
 
 

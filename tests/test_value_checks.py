@@ -153,21 +153,44 @@ def test_a_kdn_op_reads_its_inputs_checks_back_once(generator):
 
 
 @pytest.mark.parametrize("op", [kdn_diag, kdn_iso], ids=lambda f: f.__name__)
-def test_a_kdn_op_queues_its_work_before_it_reads_its_checks_back(generator, op):
-    """The one read comes after the delta rule has read v (only its work reads v): on a GPU
-    the kernels run while the host waits for the answers, and a bad input still raises."""
+def test_a_kdn_op_reads_its_checks_back_after_queueing_the_gain_and_before_the_delta_rule(
+    monkeypatch, generator, op
+):
+    """The one read comes after the gain's work is queued (on a GPU its kernels run while the
+    host waits for the answers) and before the delta rule is called (the device then waits
+    only for the delta rule's first launch, not for the whole forward and the backward's
+    start); a bad input still raises."""
+    from deltalab.ops.kdn import mixers
+
     b, t, h, k = 1, 6, 2, 4
     draw = lambda *shape: torch.rand(*shape, generator=generator)  # noqa: E731
     q, key, v = draw(b, t, h, k), draw(b, t, h, k), draw(b, t, h, k)
     per_channel = op is kdn_diag
     g, r = -draw(b, t, h, k), draw(b, t, h) + 0.5
     q_noise = draw(b, t, h, k) if per_channel else draw(b, t, h)
+    reads_when = {}
+
+    def reads_so_far() -> int:
+        read = torch.ops.aten._local_scalar_dense.default
+        return sum(func is read for func, *_ in ops.calls)
+
+    def spy(name, fn, after):
+        def wrapped(*args, **kwargs):
+            if not after:
+                reads_when[name] = reads_so_far()
+            out = fn(*args, **kwargs)
+            if after:
+                reads_when[name] = reads_so_far()
+            return out
+
+        monkeypatch.setattr(mixers, name, wrapped)
+
+    gain = "diag_gain" if per_channel else "iso_gain"
+    spy(gain, getattr(mixers, gain), True)
+    spy("delta_rule", mixers.delta_rule, False)
     with Ops() as ops:
         op(q, key, v, g, q_noise, r, p0=torch.ones(h), backend="chunk")
-    reads = [i for i, (func, *_) in enumerate(ops.calls)
-             if func is torch.ops.aten._local_scalar_dense.default]  # fmt: skip
-    v_used = [i for i, (_, inputs, _) in enumerate(ops.calls) if any(x is v for x in inputs)]
-    assert len(reads) == 1 and v_used and v_used[0] < reads[0]
+    assert reads_when == {gain: 0, "delta_rule": 1} and reads_so_far() == 1
     with pytest.raises(ValueError, match="r must be > 0"):
         op(q, key, v, g, q_noise, -r, p0=torch.ones(h), backend="chunk")
 

@@ -132,14 +132,18 @@ def iso_gain(
     state dtype (float64 when any input is, else float32). Returns beta, p and predictive, all
     `[B, T, H]` in it."""
     dtype = state_dtype(k, g, q_noise, r, p_prior)
-    q_noise, r, p_prior = (x.to(dtype) for x in (q_noise, r, p_prior))
+    p_prior = p_prior.to(dtype)
     if scan == "triton" and dtype != torch.float64:
-        # The reductions over K by one kernel each way (triton_gain.py), which reads k and g
-        # as they come (16-bit: no float32 copies of [B, T, H, K]); float64 stays here.
-        from deltalab.ops.kdn.triton_gain import kdn_iso_terms as terms
-    else:
-        k, g, terms = k.to(dtype), g.to(dtype), iso_terms
-    decay2, norm2, evidence = terms(k, g, r, info_scale)
+        # Two kernels each way (triton_gain.kdn_iso_gain): the terms' reductions over K, which
+        # read k and g as they come (16-bit: no float32 copies of [B, T, H, K]), then the scan
+        # with the evidence and beta inside it, reading q_noise and r as they come. As separate
+        # ops the glue around the scan cost more host time than its kernels take on the
+        # device (docs/RESULTS.md, twenty-second session); float64 stays here.
+        from deltalab.ops.kdn.triton_gain import kdn_iso_gain
+
+        return Gains(*kdn_iso_gain(k, g, q_noise, r, p_prior, info_scale))
+    k, g, q_noise, r = (x.to(dtype) for x in (k, g, q_noise, r))
+    decay2, norm2, evidence = iso_terms(k, g, r, info_scale)
     p, p_bar = _variance_scan(decay2, q_noise, evidence, p_prior, scan)
     beta, predictive = iso_beta(p_bar, norm2, r)
     return Gains(beta, p, predictive)

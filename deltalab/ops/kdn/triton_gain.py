@@ -82,6 +82,7 @@ import triton
 import triton.language as tl
 
 from deltalab.ops._triton import opaque_to_compiler
+from deltalab.ops.kdn.triton import kdn_iso_scan
 from deltalab.ops.mobius.triton import _compose, _normalize, _then_affine
 
 # (elements of a tile, most tokens in it, warps) per kernel: a tile is BLOCK_T tokens x BLOCK_K
@@ -1095,12 +1096,19 @@ class _KDNIsoTerms(torch.autograd.Function):
 
 
 @opaque_to_compiler
-def kdn_iso_terms(
-    k: torch.Tensor, g: torch.Tensor, r: torch.Tensor, info_scale: float
+def kdn_iso_gain(
+    k: torch.Tensor,
+    g: torch.Tensor,
+    q_noise: torch.Tensor,
+    r: torch.Tensor,
+    p_prior: torch.Tensor,
+    info_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`gains.iso_terms` with its reductions over K by the kernels above: (a, ||k||^2, the
-    evidence s ||k||^2 / (K r)), all `[B, T, H]` float32; k `[B, T, H, K]` and g
-    `[B, T, H(, K)]` in their own float dtypes (read into float32, their gradients written back
-    in them), r `[B, T, H]` float32, validated."""
-    decay, norm2 = _KDNIsoTerms.apply(k.contiguous(), g.contiguous())
-    return decay, norm2, info_scale * norm2 / (k.shape[-1] * r)
+    """`gains.iso_gain` on two kernels each way: the terms' reductions over K above (a and
+    ||k||^2 per token and head), then the scan with the evidence and beta inside it
+    (`triton.kdn_iso_scan`). Returns (beta, p, predictive) `[B, T, H]` float32. k
+    `[B, T, H, K]`, g `[B, T, H(, K)]`, q_noise and r `[B, T, H]` in their own float dtypes
+    (read as they are, their gradients written back in them), p_prior `[B, H]` float32; all
+    validated."""
+    decay2, norm2 = _KDNIsoTerms.apply(k.contiguous(), g.contiguous())
+    return kdn_iso_scan(decay2, norm2, q_noise, r, p_prior, info_scale / k.shape[-1])
