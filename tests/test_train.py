@@ -715,21 +715,25 @@ def test_a_data_error_on_rank_0_stops_every_rank(tmp_path, corpus):
 def test_a_training_forwards_value_checks_read_back_once_unless_checkpointing(
     tmp_path, corpus, monkeypatch, checkpointing, mixer
 ):
-    """Inside a training step's forward every value check is queued (read back together at
-    its end, one host read instead of one per layer); with activation checkpointing, which a
-    queued check's reference to its input would undercut, each reads back at once."""
+    """Inside a training step's forward every value check is queued in the trainer's block
+    (read back together at its end, one host read instead of one per layer); with activation
+    checkpointing, which a check held to the forward's end would undercut (it keeps its input
+    alive), none is: each is read at once or at the end of the op that made it."""
     import deltalab.train.loop as loop
     from deltalab.ops import _checks
 
-    counts = {True: 0, False: 0}  # read at once -> how many
+    counts = {True: 0, False: 0}  # not held by the trainer's block -> how many
     in_training = {True: 0, False: 0}
     failed, loss_of = _checks._failed, loop._loss
+    trainer_block = []
 
     def counting(x, kind, passed, check):
-        counts[_checks._QUEUED.get() is None] += 1  # no open block: read at once
+        block = _checks._QUEUED.get()
+        counts[block is None or block is not trainer_block[-1]] += 1
         return failed(x, kind, passed, check)
 
     def loss(model, window, autocast):
+        trainer_block.append(_checks._QUEUED.get())  # the trainer's block, or None
         before = dict(counts)
         out = loss_of(model, window, autocast)
         if model.training:
@@ -741,6 +745,6 @@ def test_a_training_forwards_value_checks_read_back_once_unless_checkpointing(
     monkeypatch.setattr(loop, "_loss", loss)
     train(run_config(tmp_path, corpus, f"model.mixer={mixer}",
                      f"train.activation_checkpointing={str(checkpointing).lower()}"))  # fmt: skip
-    # Without checkpointing none is read at once, with it every one.
+    # Without checkpointing every one is held by the trainer's block, with it none.
     assert in_training[checkpointing] > 0
     assert in_training[not checkpointing] == 0

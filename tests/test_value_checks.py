@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from deltalab.ops import kdn_diag, kdn_iso
+from deltalab.ops import delta_rule, kdn_diag, kdn_iso
 from deltalab.ops._checks import (
     NonFiniteError,
     one_host_read,
@@ -17,6 +17,7 @@ from deltalab.ops._checks import (
     require_nonpositive,
     require_positive,
     require_positive_finite,
+    send_answers,
 )
 
 
@@ -152,14 +153,26 @@ def test_a_kdn_op_reads_its_inputs_checks_back_once(generator):
         kdn_diag(q, key, v, -g, q_noise, r, p0=p0, backend="chunk")
 
 
+def answers_sent_and_read(ops: Ops) -> tuple[list[int], list[int]]:
+    """Where in the recorded ops the checks' answers were sent toward the host (each send
+    stacks the 0-d bool answers queued since the last) and where values were read back. The
+    block's end stacks the sent answers once more, to read them in one go: not a send."""
+    stacks = [
+        i
+        for i, (f, _, outs) in enumerate(ops.calls)
+        if f is torch.ops.aten.stack.default and outs[0].dtype == torch.bool
+    ]
+    read = torch.ops.aten._local_scalar_dense.default
+    return stacks[:-1], [i for i, (f, *_) in enumerate(ops.calls) if f is read]
+
+
 @pytest.mark.parametrize("op", [kdn_diag, kdn_iso], ids=lambda f: f.__name__)
-def test_a_kdn_op_reads_its_checks_back_after_queueing_the_gain_and_before_the_delta_rule(
+def test_a_kdn_op_sends_its_answers_before_its_work_and_reads_them_after(
     monkeypatch, generator, op
 ):
-    """The one read comes after the gain's work is queued (on a GPU its kernels run while the
-    host waits for the answers) and before the delta rule is called (the device then waits
-    only for the delta rule's first launch, not for the whole forward and the backward's
-    start); a bad input still raises."""
+    """The checks' answers are gathered (and on a GPU their copy to the host started) before
+    the gain's work is queued, and read once after the delta rule's: on a GPU the host waits
+    for that early copy only, not for the work. A bad input still raises."""
     from deltalab.ops.kdn import mixers
 
     b, t, h, k = 1, 6, 2, 4
@@ -168,31 +181,49 @@ def test_a_kdn_op_reads_its_checks_back_after_queueing_the_gain_and_before_the_d
     per_channel = op is kdn_diag
     g, r = -draw(b, t, h, k), draw(b, t, h) + 0.5
     q_noise = draw(b, t, h, k) if per_channel else draw(b, t, h)
-    reads_when = {}
+    marks = {}
 
-    def reads_so_far() -> int:
-        read = torch.ops.aten._local_scalar_dense.default
-        return sum(func is read for func, *_ in ops.calls)
-
-    def spy(name, fn, after):
+    def spy(name, fn):
         def wrapped(*args, **kwargs):
-            if not after:
-                reads_when[name] = reads_so_far()
+            marks[f"{name} starts"] = len(ops.calls)
             out = fn(*args, **kwargs)
-            if after:
-                reads_when[name] = reads_so_far()
+            marks[f"{name} ends"] = len(ops.calls)
             return out
 
         monkeypatch.setattr(mixers, name, wrapped)
 
     gain = "diag_gain" if per_channel else "iso_gain"
-    spy(gain, getattr(mixers, gain), True)
-    spy("delta_rule", mixers.delta_rule, False)
+    spy(gain, getattr(mixers, gain))
+    spy("delta_rule", mixers.delta_rule)
     with Ops() as ops:
         op(q, key, v, g, q_noise, r, p0=torch.ones(h), backend="chunk")
-    assert reads_when == {gain: 0, "delta_rule": 1} and reads_so_far() == 1
+    sent, reads = answers_sent_and_read(ops)
+    assert len(sent) == 1 and sent[0] < marks[f"{gain} starts"]
+    assert marks[f"{gain} ends"] <= marks["delta_rule starts"]
+    assert len(reads) == 1 and reads[0] >= marks["delta_rule ends"]
     with pytest.raises(ValueError, match="r must be > 0"):
         op(q, key, v, g, q_noise, -r, p0=torch.ones(h), backend="chunk")
+
+
+def test_the_delta_rule_sends_its_check_before_its_work_and_reads_it_after(generator):
+    """delta_rule's check of g <= 0: gathered before the backend's work, read once after it;
+    a positive log decay is still refused by name, and its results are not returned."""
+    b, t, h, k = 1, 5, 2, 3
+    draw = lambda *shape: torch.rand(*shape, generator=generator)  # noqa: E731
+    q, key, v, beta, g = (
+        draw(b, t, h, k),
+        draw(b, t, h, k),
+        draw(b, t, h, k),
+        draw(b, t, h),
+        -draw(b, t, h),
+    )
+    with Ops() as ops:
+        delta_rule(q, beta, key, v, g, backend="chunk")
+    (sent,), (read,) = answers_sent_and_read(ops)
+    v_used = [i for i, (_, inputs, _) in enumerate(ops.calls) if any(x is v for x in inputs)]
+    assert sent < v_used[0] and v_used[-1] < read
+    with pytest.raises(ValueError, match="g must be <= 0"):
+        delta_rule(q, beta, key, v, -g, backend="chunk")
 
 
 def test_a_passed_check_is_not_run_again_until_the_tensor_changes(generator):
@@ -354,3 +385,24 @@ def test_a_combined_check_passes_and_fails_as_its_two_checks_in_order(
     if expected is not None:
         assert type(raised) is type(expected)
         assert str(raised) == str(expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned-memory copies: CUDA only")
+def test_a_block_waits_for_its_sent_answers_and_not_for_the_work_queued_after():
+    """On a GPU, a block whose answers were sent before a long kernel ends while that kernel
+    still runs (the stream is busy after the block), and a failing check still raises by name
+    (its check then runs again, reading at once). The CPU tests above check the order of
+    sending, work and reading."""
+    stream = torch.cuda.current_stream()
+    x = torch.rand(1000, device="cuda") + 0.5
+    with one_host_read():
+        require_positive("x", x, "a variance")
+        send_answers()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU cycles, queued behind the copy
+    assert not stream.query(), "the block's end waited for the work queued after the send"
+    stream.synchronize()
+    with pytest.raises(ValueError, match="x must be > 0"):
+        with one_host_read():
+            require_positive("x", x - 2.0, "a variance")
+            send_answers()
+            torch.cuda._sleep(1_000_000)

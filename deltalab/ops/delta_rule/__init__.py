@@ -18,6 +18,7 @@ import torch
 
 from deltalab.ops._checks import (
     check_cu_seqlens,
+    one_host_read,
     require_choice,
     require_float,
     require_nonpositive,
@@ -25,6 +26,7 @@ from deltalab.ops._checks import (
     require_rank,
     require_same_device,
     require_shape,
+    send_answers,
     state_dtype,
 )
 from deltalab.ops._triton import require_triton, triton_available
@@ -98,7 +100,6 @@ def _check_gates(q, a, b, u, g, leading: str) -> None:
     expected_g = q.shape[:-1] if g.dim() == rank - 1 else q.shape
     layout = f"[{leading}]" if g.dim() == rank - 1 else f"[{leading}, K]"
     require_shape("g", g, expected_g, layout, "to match q")
-    require_nonpositive("g", g, "a log decay")
 
 
 def delta_rule(
@@ -176,25 +177,33 @@ def delta_rule(
         )
         state = initial_state.to(dtype)
     scale = key_dim**-0.5 if scale is None else require_positive_number("scale", scale)
+    if backend == "triton" and dtype == torch.float64:
+        raise ValueError(
+            'backend="triton" computes in float32 (bf16/fp16/fp32 inputs); float64 inputs '
+            'need backend="chunk" or "naive"'
+        )
 
-    if backend == "triton":
-        if dtype == torch.float64:
-            raise ValueError(
-                'backend="triton" computes in float32 (bf16/fp16/fp32 inputs); float64 inputs '
-                'need backend="chunk" or "naive"'
-            )
-        # Imported here: Triton is optional, and deltalab imports without it.
-        from deltalab.ops.delta_rule.triton.chunk import delta_rule_triton
+    # The one value check (g <= 0) is read behind the work: its answer's copy starts before
+    # the launches and the block's end waits for that copy alone (`send_answers`), so neither
+    # the device nor the host waits for the other on its account. Safe: a positive log decay
+    # gives inf or NaN, never an access out of bounds; the error is raised at the end and the
+    # results dropped. Inside an enclosing block (a KDN op's, the trainer's) it joins that.
+    with one_host_read():
+        require_nonpositive("g", g, "a log decay")
+        send_answers()
+        if backend == "triton":
+            # Imported here: Triton is optional, and deltalab imports without it.
+            from deltalab.ops.delta_rule.triton.chunk import delta_rule_triton
 
-        # Given the inputs' own dtype: it picks the precision of its matrix products from it.
-        o, final = delta_rule_triton(q, a, b, u, g, state, cu_seqlens, chunk_size, scale)
-    else:
-        inputs = [q.to(dtype) * scale, *(x.to(dtype) for x in (a, b, u, g))]
-        inputs[1] = directions(inputs[1], inputs[2])
-        if backend == "naive":
-            o, final = delta_rule_naive(*inputs, state, cu_seqlens)
+            # Given the inputs' own dtype: it picks the precision of its matrix products.
+            o, final = delta_rule_triton(q, a, b, u, g, state, cu_seqlens, chunk_size, scale)
         else:
-            o, final = delta_rule_chunk(*inputs, state, cu_seqlens, chunk_size)
+            inputs = [q.to(dtype) * scale, *(x.to(dtype) for x in (a, b, u, g))]
+            inputs[1] = directions(inputs[1], inputs[2])
+            if backend == "naive":
+                o, final = delta_rule_naive(*inputs, state, cu_seqlens)
+            else:
+                o, final = delta_rule_chunk(*inputs, state, cu_seqlens, chunk_size)
     return o.to(q.dtype), (final if output_final_state else None)
 
 
@@ -230,6 +239,7 @@ def delta_rule_step(
     from deltalab.ops._triton import require_triton, triton_available
 
     _check_gates(q, a, b, u, g, "B, H")
+    require_nonpositive("g", g, "a log decay")
     batch, heads, key_dim = q.shape
     require_float("state", state)
     require_shape(

@@ -13,6 +13,7 @@ from deltalab.ops._checks import (
     one_host_read,
     require_choice,
     require_same_device,
+    send_answers,
     state_dtype,
 )
 from deltalab.ops._varlen import max_seqlen, pad_packed, unpad_packed
@@ -94,24 +95,26 @@ def _kdn(
     backend: str,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     diagonal = variant == "diag"
-    # One block holds the checks and the gain they guard: the checks queue their answers, the
-    # gain's kernels are queued behind them, and the answers are read back once at the block's
-    # end, before the delta rule is launched. Where the read sits decides what the device
-    # waits for (on the H200, B=4 T=4096 H=16 bf16, forward+backward; docs/RESULTS.md):
-    # - before the gain (checked first, then worked), the device sat idle while the host
-    #   launched the gain's kernels and glue one by one: 7.07 ms against 5.63 unchecked for
-    #   Isotropic KDN, 6.57 against 5.77 for Diagonal (twentieth session);
-    # - after the delta rule, the device drained the whole forward and then sat idle while the
-    #   host returned, started the backward and prepared the delta rule's adjoint: 0.43 ms per
-    #   call for either form (twenty-second session);
-    # - here, it drains only the checks and the gain (tens of microseconds of kernels, launched
-    #   while the host would wait anyway) and idles while the host prepares the delta rule's
-    #   first launch, as the delta rule alone does after its own checks.
+    # One block holds the checks and the work they guard (the gain and the delta rule). The
+    # checks queue their answers, `send_answers` starts their copy to the host, the work is
+    # queued behind it, and the block's end waits for that copy alone. Where the wait sits
+    # decides what the device waits for (on the H200, B=4 T=4096 H=16 bf16, forward+backward;
+    # docs/RESULTS.md):
+    # - a read before the gain left the device idle while the host launched the gain's kernels
+    #   and glue one by one: 7.07 ms against 5.63 unchecked for Isotropic KDN, 6.57 against
+    #   5.77 for Diagonal (twentieth session);
+    # - a read after the delta rule drained the whole forward, and the device then idled while
+    #   the host returned and started the backward: 0.43 ms per call for either form; a read
+    #   between the gain and the delta rule, while the host prepared the delta rule's first
+    #   launch: 0.29 (Isotropic) and 0.49 ms (Diagonal; twenty-second session);
+    # - here the host waits for a copy started before the work, which should be done by the
+    #   block's end: neither side waits for the other on the read's account (not yet
+    #   measured on a GPU).
     # Safe because these are value checks: out-of-range values make NaN or inf, never an
     # access out of bounds (the offsets in cu_seqlens, which index memory, are read back and
     # checked before anything is launched). When a check fails its error is raised at the
-    # block's end and the gain is dropped. The delta rule's own check of g is not run again
-    # (a passed check is remembered on the tensor).
+    # block's end and the work's results are dropped. The delta rule's own check of g is not
+    # run again (a passed or queued check is remembered on the tensor).
     with one_host_read():
         k = check_keys(k, "B, T, H")
         check_query_value(q, v, k, "B, T, H")
@@ -140,20 +143,21 @@ def _kdn(
         # token [B, T, H], which the delta rule multiplies with k itself (as KDA's beta).
         written = write_dtype(scan, k, dtype)
         gain_fn = functools.partial(diag_gain, gain_dtype=written) if diagonal else iso_gain
+        send_answers()
         gain, p_last = _packed_gains(gain_fn, k, g, q_noise, r, p_prior.to(dtype), s, scan, cu)
-    o, final_memory = delta_rule(
-        q,
-        gain,
-        k,
-        v,
-        g,
-        scale=scale,
-        initial_state=memory,
-        output_final_state=output_final_state,
-        cu_seqlens=cu,
-        chunk_size=chunk_size,
-        backend=backend,
-    )
+        o, final_memory = delta_rule(
+            q,
+            gain,
+            k,
+            v,
+            g,
+            scale=scale,
+            initial_state=memory,
+            output_final_state=output_final_state,
+            cu_seqlens=cu,
+            chunk_size=chunk_size,
+            backend=backend,
+        )
     if not output_final_state:
         return o, None
     return o, (final_memory, 1.0 / p_last)
