@@ -511,6 +511,24 @@ def iso_scan_inputs(seed, shape):
     return [decay2, norm2, q_noise, r, uniform(0.5, 1.5, (shape[0], shape[2]))]
 
 
+def test_split_plan_splits_float32_scans_of_few_lane_programs_into_powers_of_2():
+    from deltalab.ops.kdn.triton import SPLIT_PROGRAMS, split_plan
+
+    # Isotropic at B=1 H=16 T=32768 (one lane per program, tiles of 1024): 16 programs.
+    chunk, parts = split_plan(16, 32768, 1024, 1, F32)
+    assert chunk == 2048 and parts == 16 and 16 * parts == SPLIT_PROGRAMS
+    assert split_plan(64, 4096, 1024, 1, F32) == (1024, 4)
+    # Many programs, float64, or T within a tile: one chunk covering T's tiles.
+    assert split_plan(8192, 4096, 64, 32, F32) == (4096, 1)
+    assert split_plan(16, 32768, 1024, 1, F64) == (32768, 1)
+    assert split_plan(16, 50, 64, 1, F32) == (64, 1)
+    assert split_plan(3, 37, 16, 1, F32, chunk=16) == (16, 3)
+    with pytest.raises(ValueError, match="multiple of BLOCK_T = 16"):
+        split_plan(3, 37, 16, 1, F32, chunk=24)
+    with pytest.raises(ValueError, match="float32 only"):
+        split_plan(3, 37, 16, 1, F64, chunk=16)
+
+
 def iso_scan_reference(decay2, norm2, q_noise, r, p_prior, evidence_scale):
     """The isotropic scan as gains.iso_gain composes it on the PyTorch path, step by step."""
     evidence = evidence_scale * norm2 / r
@@ -521,15 +539,21 @@ def iso_scan_reference(decay2, norm2, q_noise, r, p_prior, evidence_scale):
 
 @needs_triton
 @pytest.mark.parametrize("used", [(0, 1, 2), (0,), (1,), (2,), (0, 2)], ids=str)
-@pytest.mark.parametrize("config", [(16, 2), (64, 1)], ids=["tiles_16x2", "tile_64x1"])
+@pytest.mark.parametrize(
+    ("config", "chunk"),
+    [((16, 2), None), ((64, 1), None), ((16, 2), 16), ((16, 1), 32)],
+    ids=["tiles_16x2", "tile_64x1", "split_3_chunks_of_16", "split_2_chunks_of_32"],
+)
 def test_iso_scan_kernel_and_every_gradient_match_float64_ops_with_outputs_used_or_not(
-    poisoned_empty, used, config
+    poisoned_empty, used, config, chunk
 ):
     """The scan stage of the isotropic gain alone (triton.kdn_iso_scan: the evidence, the
     Mobius scan, beta and predictive in one kernel each way) against its twin, the PyTorch ops
     in float64, for a loss on any subset of (beta, p, predictive): an unused output's gradient
     is skipped in the kernel, not zero-filled. T = 37 crosses tiles of 16; lanes are masked
-    at H = 3 with two per program."""
+    at H = 3 with two per program. Split over T (`chunk`): the chunks' maps and adjoints, the
+    carry passes between them and the chunks walked from their carries, the last chunk
+    partly past T."""
     from deltalab.ops.kdn.triton import kdn_iso_scan
 
     shape = (2, 37, 3)
@@ -539,7 +563,7 @@ def test_iso_scan_kernel_and_every_gradient_match_float64_ops_with_outputs_used_
     results = {}
     for label, device, dtype, scan in (
         ("float64 ops", "cpu", F64, iso_scan_reference),
-        ("kernel", DEVICE, F32, lambda *x: kdn_iso_scan(*x, config=config)),
+        ("kernel", DEVICE, F32, lambda *x: kdn_iso_scan(*x, config=config, chunk=chunk)),
     ):
         leaves = [x.to(device, dtype).requires_grad_() for x in inputs]
         outputs = scan(*leaves, 0.75)

@@ -166,7 +166,9 @@ def kdn_variance_parallel(a, q, c, p0):
     return p, a * torch.cat([p0.unsqueeze(1), p[:, :-1]], dim=1) + q
 
 
-def assert_kdn_variance_scan_matches(gates, p0, tol, config, reference=kdn_variance_loop):
+def assert_kdn_variance_scan_matches(
+    gates, p0, tol, config, reference=kdn_variance_loop, chunk=None
+):
     """p, p_bar and d/d(a, q, c, p0) of a loss weighting both, vs `reference` in float64 on
     the same numbers."""
     gen = torch.Generator().manual_seed(gates[0].shape[1])
@@ -174,7 +176,7 @@ def assert_kdn_variance_scan_matches(gates, p0, tol, config, reference=kdn_varia
     results = []
     for device, dtype, scan in (
         ("cpu" if reference is kdn_variance_loop else DEVICE, F64, reference),
-        (DEVICE, gates[0].dtype, lambda *x: kdn_variance_scan(*x, config=config)),
+        (DEVICE, gates[0].dtype, lambda *x: kdn_variance_scan(*x, config=config, chunk=chunk)),
     ):
         leaves = [x.detach().to(device, dtype).requires_grad_() for x in (*gates, p0)]
         p, p_bar = scan(*leaves)
@@ -199,6 +201,22 @@ def test_kdn_variance_scan_tiles_and_lane_blocks(config, poisoned_empty):
     gates = [uniform(0.05, 1.0), uniform(0.0, 0.3), uniform(0.0, 5.0)]
     p0 = 0.5 + torch.rand(2, 3, generator=gen, dtype=F64)
     assert_kdn_variance_scan_matches(gates, p0, TOLERANCE[F64], config)
+
+
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_kdn_variance_scan_split_over_t_matches_float64(chunk, poisoned_empty):
+    """The scan split into chunks of T (each chunk's map and adjoint, the carry passes, every
+    chunk walked from its carry), float32 with strong decays, resets and large evidence,
+    against the float64 loop: 45 steps in 3 or 2 chunks, 6 lanes, 4 per program."""
+    gen = torch.Generator().manual_seed(chunk)
+    shape = (2, 45, 3)
+    g = -8 * torch.rand(shape, generator=gen, dtype=F64)
+    g[0, 20, 1] = -torch.inf  # a reset at a chunk's interior
+    q = 0.3 * torch.rand(shape, generator=gen, dtype=F64)
+    c = 10 ** (4 * torch.rand(shape, generator=gen, dtype=F64) - 2)
+    gates = [x.float() for x in ((2 * g).exp(), q, c)]
+    p0 = (0.5 + torch.rand(2, 3, generator=gen, dtype=F64)).float()
+    assert_kdn_variance_scan_matches(gates, p0, TOLERANCE[torch.float32], (16, 4), chunk=chunk)
 
 
 def test_kdn_variance_scan_extreme_float32():

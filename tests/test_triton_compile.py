@@ -401,15 +401,19 @@ def test_kdn_gain_kernels_compile_for_hopper_without_spills(monkeypatch, key_dim
     ids=["isotropic-B4H16", "diagonal-B4H16K128", "isotropic-B1H16"],
 )
 def test_kdn_variance_scan_kernels_compile_for_hopper_without_spills(lanes, iso):
-    """The variance scan both ways at its T = 4096 launches: Isotropic (its evidence and beta
-    formed inside, bf16 q_noise and r, every output's gradient present) and the plain scan."""
+    """The variance scan both ways at its T = 4096 launches, split over T (the chunks' maps and
+    adjoints, the walks from their carries): Isotropic (its evidence and beta formed inside,
+    bf16 q_noise and r, every output's gradient present) and the plain scan."""
     from deltalab.ops.kdn import triton as scan
     from deltalab.ops.mobius.triton import launch_config
 
     sixteen = {"NOISE": "*bf16", "R": "*bf16", "GNOISE": "*bf16", "GR": "*bf16"} if iso else {}
+    grads = {"HAS_GP": True, "HAS_G2": True, "HAS_G3": iso}
     for kernel, n_pointers, tile, flags in (
         (scan._kdn_forward_kernel, 8, 2048, {}),
-        (scan._kdn_backward_kernel, 14, 1024, {"HAS_GP": True, "HAS_G2": True, "HAS_G3": iso}),
+        (scan._kdn_chunk_maps_kernel, 5, 2048, {}),
+        (scan._kdn_chunk_adjoints_kernel, 10, 1024, grads),
+        (scan._kdn_backward_kernel, 15, 1024, {**grads, "SPLIT": True}),
     ):
         block_t, block_l = launch_config(lanes, 4096, tile=tile)
         constants = {**flags, "ISO": iso, "BLOCK_T": block_t, "BLOCK_L": block_l}

@@ -33,6 +33,16 @@ predictive in place of p_bar, and the backward takes beta's and predictive's gra
 place of p_bar's (dL/dp_bar = dbeta (r / den) / den + dpred ||k||^2, den = p_bar ||k||^2 + r,
 written without den^2, which overflows float32 for r past 1e19) and gives ||k||^2's and r's
 through c, beta and predictive. An output whose gradient is None is skipped, not zero-filled.
+
+Split over T (`split_plan`). With few lanes (Isotropic: one per sequence and head) one program
+per lane block would walk all T steps while most SMs idle, so T is cut into chunks, a program
+each. Forward: each chunk's maps composed into one (`_kdn_chunk_maps_kernel`), a carry pass
+applying them chunk after chunk for p before each chunk (triton_gain.py's, written for the
+Diagonal gain's chunks), then every chunk walked from its carry as above. Backward: nu's
+recurrence is affine, nu_t = direct_t + m_t nu_{t+1}; each chunk's composition (slope, total)
+(`_kdn_chunk_adjoints_kernel`), a carry pass from the end for nu after each chunk, then every
+chunk walked back from it. The carries are the same numbers the single walk passes from tile
+to tile, composed in another order: the map products stay normalized, the slopes in [0, 1].
 """
 
 from __future__ import annotations
@@ -99,12 +109,19 @@ def _p_bar_total(G2, G3, at, mask, p_prev, nu, a, q, c, norm2, r, ISO, HAS_G2, H
 
 
 @triton.jit
+def _part_lane(lane, part, INNER, PARTS):
+    """Where a lane's value for chunk `part` sits in a [N, PARTS, INNER] tensor (with PARTS = 1
+    and part 0, in [N, INNER]: the lane itself)."""
+    return (lane // INNER * PARTS + part) * INNER + lane % INNER
+
+
+@triton.jit
 def _kdn_forward_kernel(
     DECAY,
     NOISE,
     EVIDENCE,
     R,
-    P0,
+    P_START,
     P,
     OUT2,
     OUT3,
@@ -112,15 +129,21 @@ def _kdn_forward_kernel(
     INNER,
     LANES,
     E,
+    CHUNK,
+    PARTS,
     ISO: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
+    # Program (lanes, part) walks chunk `part` of T (CHUNK steps, a multiple of BLOCK_T) from
+    # P_START, p before the chunk: the prior [N, INNER] when T is one chunk, else the carry
+    # pass's [N, PARTS, INNER].
     lane, lane_ok, base = _lane_offsets(tl.program_id(0), T, INNER, LANES, BLOCK_L)
+    part = tl.program_id(1)
     rows = tl.arange(0, BLOCK_T)
-    p = tl.load(P0 + lane, mask=lane_ok, other=1.0)
-    for start in range(0, T, BLOCK_T):
-        t = start + rows
+    p = tl.load(P_START + _part_lane(lane, part, INNER, PARTS), mask=lane_ok, other=1.0)
+    for start in range(0, CHUNK, BLOCK_T):
+        t = part * CHUNK + start + rows
         ok = (t < T)[:, None] & lane_ok[None, :]
         offsets = base[None, :] + t.to(tl.int64)[:, None] * INNER
         # The map of step t - 1 on row t (the identity on row 0, whose p_{t-1} is the carry).
@@ -146,6 +169,134 @@ def _kdn_forward_kernel(
 
 
 @triton.jit
+def _kdn_chunk_maps_kernel(
+    DECAY,
+    NOISE,
+    EVIDENCE,
+    R,
+    MAPS,
+    T,
+    INNER,
+    LANES,
+    E,
+    CHUNK,
+    PARTS,
+    ISO: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    """MAPS [N, PARTS, 4, INNER]: the Mobius map of each chunk's steps composed in time order
+    (normalized), which the carry pass applies to p chunk after chunk."""
+    lane, lane_ok, base = _lane_offsets(tl.program_id(0), T, INNER, LANES, BLOCK_L)
+    part = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_T)
+    last = rows[:, None] == BLOCK_T - 1
+    ma = tl.full([BLOCK_L], 1.0, dtype=tl.float32)
+    mb = tl.zeros([BLOCK_L], dtype=tl.float32)
+    mc = tl.zeros([BLOCK_L], dtype=tl.float32)
+    md = tl.full([BLOCK_L], 1.0, dtype=tl.float32)
+    for start in range(0, CHUNK, BLOCK_T):
+        t = part * CHUNK + start + rows
+        ok = (t < T)[:, None] & lane_ok[None, :]
+        offsets = base[None, :] + t.to(tl.int64)[:, None] * INNER
+        a, q, c, _, _ = _step_terms(DECAY, NOISE, EVIDENCE, R, offsets, ok, E, ISO)
+        ta, tb, tc, td = _normalize(a, q, c * a, c * q + 1.0)
+        ta, tb, tc, td = tl.associative_scan((ta, tb, tc, td), 0, _compose)
+        ma, mb, mc, md = _compose(
+            ma, mb, mc, md,
+            tl.sum(tl.where(last, ta, 0.0), axis=0), tl.sum(tl.where(last, tb, 0.0), axis=0),
+            tl.sum(tl.where(last, tc, 0.0), axis=0), tl.sum(tl.where(last, td, 0.0), axis=0),
+        )  # fmt: skip
+    at = _part_lane(lane, part, INNER, PARTS)
+    at = at + (at - lane % INNER) * 3  # [N, PARTS, 4, INNER]: 4 INNER per (sequence, part)
+    tl.store(MAPS + at, ma, mask=lane_ok)
+    tl.store(MAPS + at + INNER, mb, mask=lane_ok)
+    tl.store(MAPS + at + 2 * INNER, mc, mask=lane_ok)
+    tl.store(MAPS + at + 3 * INNER, md, mask=lane_ok)
+
+
+@triton.jit
+def _adjoint_steps(
+    DECAY, NOISE, EVIDENCE, R, P, GP, G2, G3, p0, t, base, lane_ok, T, INNER, E,
+    ISO: tl.constexpr, HAS_GP: tl.constexpr, HAS_G2: tl.constexpr, HAS_G3: tl.constexpr,
+):  # fmt: skip
+    """The backward's steps t (rows) of the lanes: (offsets, ok, p_t, p_{t-1}, m, direct) with
+    nu_t = direct_t + m_t nu_{t+1}: direct holds dp_t and step t + 1's own outputs' gradients
+    through p_t, m = a_{t+1} s_{t+1} (no step t + 1 past the end: no multiplier, nothing)."""
+    ok = (t < T)[:, None] & lane_ok[None, :]
+    has_next = (t + 1 < T)[:, None] & lane_ok[None, :]
+    has_prev = (t > 0)[:, None] & ok
+    offsets = base[None, :] + t.to(tl.int64)[:, None] * INNER
+    p_t = tl.load(P + offsets, mask=ok, other=0.0)
+    p_prev = tl.load(P + offsets - INNER, mask=has_prev, other=0.0)
+    p_prev = tl.where(has_prev, p_prev, p0[None, :])
+    nxt = offsets + INNER
+    a_next, q_next, c_next, norm2_next, r_next = _step_terms(
+        DECAY, NOISE, EVIDENCE, R, nxt, has_next, E, ISO
+    )
+    a_next = tl.where(has_next, a_next, 0.0)
+    p_bar_next = a_next * p_t + q_next
+    shrink_next = 1.0 / (c_next * p_bar_next + 1.0)
+    direct = _upstream(GP, offsets, ok, HAS_GP, p_t)
+    g2_next = _upstream(G2, nxt, has_next, HAS_G2, p_t)
+    g3_next = _upstream(G3, nxt, has_next, HAS_G3, p_t)
+    direct += a_next * _p_bar_grad(g2_next, g3_next, p_bar_next, norm2_next, r_next, ISO)
+    return offsets, ok, p_t, p_prev, a_next * shrink_next * shrink_next, direct
+
+
+@triton.jit
+def _kdn_chunk_adjoints_kernel(
+    DECAY,
+    NOISE,
+    EVIDENCE,
+    R,
+    P0,
+    P,
+    GP,
+    G2,
+    G3,
+    MAPS,
+    T,
+    INNER,
+    LANES,
+    E,
+    CHUNK,
+    PARTS,
+    ISO: tl.constexpr,
+    HAS_GP: tl.constexpr,
+    HAS_G2: tl.constexpr,
+    HAS_G3: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    """MAPS [N, PARTS, 2, INNER]: each chunk's adjoint as (slope, total), nu at its first step
+    = total + slope nu after its last, composed from its last step back, which the carry pass
+    applies chunk after chunk from the end."""
+    lane, lane_ok, base = _lane_offsets(tl.program_id(0), T, INNER, LANES, BLOCK_L)
+    part = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_T)
+    last = rows[:, None] == BLOCK_T - 1
+    p0 = tl.load(P0 + lane, mask=lane_ok, other=0.0)
+    slope_all = tl.full([BLOCK_L], 1.0, dtype=tl.float32)
+    total_all = tl.zeros([BLOCK_L], dtype=tl.float32)
+    for i in range(0, CHUNK, BLOCK_T):
+        # Tiles from the chunk's last to its first; row 0 is the tile's last step.
+        t = part * CHUNK + (CHUNK - BLOCK_T - i) + (BLOCK_T - 1) - rows
+        _, _, _, _, m, direct = _adjoint_steps(
+            DECAY, NOISE, EVIDENCE, R, P, GP, G2, G3, p0, t, base, lane_ok, T, INNER, E,
+            ISO, HAS_GP, HAS_G2, HAS_G3,
+        )  # fmt: skip
+        slope, total = tl.associative_scan((m, direct), 0, _then_affine)
+        slope = tl.sum(tl.where(last, slope, 0.0), axis=0)
+        total_all = tl.sum(tl.where(last, total, 0.0), axis=0) + slope * total_all
+        slope_all = slope * slope_all
+    at = _part_lane(lane, part, INNER, PARTS)
+    at = at + (at - lane % INNER)  # [N, PARTS, 2, INNER]
+    tl.store(MAPS + at, slope_all, mask=lane_ok)
+    tl.store(MAPS + at + INNER, total_all, mask=lane_ok)
+
+
+@triton.jit
 def _kdn_backward_kernel(
     DECAY,
     NOISE,
@@ -156,6 +307,7 @@ def _kdn_backward_kernel(
     GP,
     G2,
     G3,
+    NU_END,
     GDECAY,
     GNOISE,
     GEVIDENCE,
@@ -165,43 +317,34 @@ def _kdn_backward_kernel(
     INNER,
     LANES,
     E,
+    CHUNK,
+    PARTS,
     ISO: tl.constexpr,
+    SPLIT: tl.constexpr,
     HAS_GP: tl.constexpr,
     HAS_G2: tl.constexpr,
     HAS_G3: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
+    # Program (lanes, part) walks chunk `part` back from nu after it: 0 when T is one chunk,
+    # else the carry pass's NU_END [N, PARTS, INNER]. Part 0's program also gives dp_0.
     lane, lane_ok, base = _lane_offsets(tl.program_id(0), T, INNER, LANES, BLOCK_L)
+    part = tl.program_id(1)
     rows = tl.arange(0, BLOCK_T)
     p0 = tl.load(P0 + lane, mask=lane_ok, other=0.0)
-    nu = tl.zeros([BLOCK_L], dtype=p0.dtype)  # nu at the first step after the tile
-    last_start = (T - 1) // BLOCK_T * BLOCK_T
-    for i in range(0, T, BLOCK_T):
-        # Tiles from the last to the first; row 0 is the tile's last step.
-        t = (last_start - i) + (BLOCK_T - 1) - rows
-        ok = (t < T)[:, None] & lane_ok[None, :]
-        has_next = (t + 1 < T)[:, None] & lane_ok[None, :]
-        has_prev = (t > 0)[:, None] & ok
-        offsets = base[None, :] + t.to(tl.int64)[:, None] * INNER
-        p_t = tl.load(P + offsets, mask=ok, other=0.0)
-        p_prev = tl.load(P + offsets - INNER, mask=has_prev, other=0.0)
-        p_prev = tl.where(has_prev, p_prev, p0[None, :])
-        # Step t + 1 seen from p_t (a = 0 past the end: no multiplier, no contribution).
-        nxt = offsets + INNER
-        a_next, q_next, c_next, norm2_next, r_next = _step_terms(
-            DECAY, NOISE, EVIDENCE, R, nxt, has_next, E, ISO
-        )
-        a_next = tl.where(has_next, a_next, 0.0)
-        p_bar_next = a_next * p_t + q_next
-        shrink_next = 1.0 / (c_next * p_bar_next + 1.0)
-        direct = _upstream(GP, offsets, ok, HAS_GP, p_t)
-        g2_next = _upstream(G2, nxt, has_next, HAS_G2, p_t)
-        g3_next = _upstream(G3, nxt, has_next, HAS_G3, p_t)
-        direct += a_next * _p_bar_grad(g2_next, g3_next, p_bar_next, norm2_next, r_next, ISO)
-        slope, total = tl.associative_scan(
-            (a_next * shrink_next * shrink_next, direct), 0, _then_affine
-        )
+    if SPLIT:  # nu at the first step after the tile
+        nu = tl.load(NU_END + _part_lane(lane, part, INNER, PARTS), mask=lane_ok, other=0.0)
+    else:
+        nu = tl.zeros([BLOCK_L], dtype=p0.dtype)
+    for i in range(0, CHUNK, BLOCK_T):
+        # Tiles from the chunk's last to its first; row 0 is the tile's last step.
+        t = part * CHUNK + (CHUNK - BLOCK_T - i) + (BLOCK_T - 1) - rows
+        offsets, ok, p_t, p_prev, m, direct = _adjoint_steps(
+            DECAY, NOISE, EVIDENCE, R, P, GP, G2, G3, p0, t, base, lane_ok, T, INNER, E,
+            ISO, HAS_GP, HAS_G2, HAS_G3,
+        )  # fmt: skip
+        slope, total = tl.associative_scan((m, direct), 0, _then_affine)
         nu_t = total + slope * nu[None, :]
         a, q, c, norm2, r = _step_terms(DECAY, NOISE, EVIDENCE, R, offsets, ok, E, ISO)
         pi, p_bar, g2, g3 = _p_bar_total(
@@ -220,65 +363,131 @@ def _kdn_backward_kernel(
         else:
             tl.store(GEVIDENCE + offsets, d_c, mask=ok)
         nu = tl.sum(tl.where(rows[:, None] == BLOCK_T - 1, nu_t, 0.0), axis=0)
-    # nu is nu_1 (the first step) now: dp_0 = a_1 pi_1.
-    a, q, c, norm2, r = _step_terms(DECAY, NOISE, EVIDENCE, R, base, lane_ok, E, ISO)
-    pi, _, _, _ = _p_bar_total(
-        G2, G3, base, lane_ok, p0, nu, a, q, c, norm2, r, ISO, HAS_G2, HAS_G3
+    # In part 0's program nu is nu_1 (the first step) now: dp_0 = a_1 pi_1.
+    first = lane_ok & (part + 0 * lane == 0)  # a vector mask (the interpreter refuses a scalar's)
+    a, q, c, norm2, r = _step_terms(DECAY, NOISE, EVIDENCE, R, base, first, E, ISO)
+    pi, _, _, _ = _p_bar_total(G2, G3, base, first, p0, nu, a, q, c, norm2, r, ISO, HAS_G2, HAS_G3)
+    tl.store(GP0 + lane, a * pi, mask=first)
+
+
+# Split over T below this many lane programs (an H200 has 132 SMs), into chunks of a power of 2
+# tokens aiming at SPLIT_PROGRAMS programs in all: Isotropic KDN has one lane per (sequence,
+# head), 64 at B=4 H=16 and 16 at B=1, whose single programs each walked all T steps (at B=1
+# T=32768: 0.33 + 0.25 ms forward and backward on the H200, docs/RESULTS.md, twenty-second
+# session; the split is not yet timed there). float32 only: the carry passes compute in it.
+SPLIT_BELOW_PROGRAMS = 128
+SPLIT_PROGRAMS = 256
+
+
+def split_plan(lanes, length, block_t, block_l, dtype, chunk=None) -> tuple[int, int]:
+    """(CHUNK, PARTS): tokens per program, a multiple of block_t (`chunk` when given), and
+    chunks per lane. One chunk (the tiles covering T) unless the lane programs are few."""
+    whole = triton.cdiv(length, block_t) * block_t
+    if chunk is None:
+        programs = triton.cdiv(lanes, block_l)
+        chunk = whole
+        if dtype == torch.float32 and programs < SPLIT_BELOW_PROGRAMS:
+            parts = max(1, SPLIT_PROGRAMS // programs)
+            chunk = min(whole, max(block_t, triton.next_power_of_2(triton.cdiv(length, parts))))
+    elif chunk % block_t or (chunk < length and dtype != torch.float32):
+        raise ValueError(
+            f"chunk must be a multiple of BLOCK_T = {block_t} (and split float32 only), "
+            f"got {chunk} for {dtype}"
+        )
+    return chunk, triton.cdiv(length, chunk)
+
+
+def _carry(kernel_name, maps, start, out, n, parts, inner):
+    """One carry pass of the chunks (triton_gain.py's, written for its [B H, parts, K] chunks:
+    here [N, parts, INNER], a program per sequence and block of lanes)."""
+    # Imported here: triton_gain imports this module.
+    from deltalab.ops.kdn import triton_gain
+
+    block_p, block_c = triton_gain.carry_block(parts)
+    kernel = getattr(triton_gain, kernel_name)
+    args = (maps, start, out) if start is not None else (maps, out)
+    kernel[(n, triton.cdiv(inner, block_c))](
+        *args, parts, inner, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=triton_gain.CARRY_WARPS
     )
-    tl.store(GP0 + lane, a * pi, mask=lane_ok)
 
 
-def _scan_forward(decay2, noise, evidence, r, p_prior, evidence_scale, config):
+def _scan_forward(decay2, noise, evidence, r, p_prior, evidence_scale, config, chunk=None):
     """Launches the forward: (p, p_bar, None), or Isotropic's (p, beta, predictive) when r is
-    given (then `evidence` holds ||k||^2). Inputs contiguous [N, T, R], p_prior [N, R]."""
+    given (then `evidence` holds ||k||^2). Inputs contiguous [N, T, R], p_prior [N, R].
+    Split over T (`split_plan`): each chunk's composed map, a carry pass for p at each chunk's
+    start, then every chunk walked at once from there."""
     n, length, inner = decay2.shape
     lanes = n * inner
     block_t, block_l = config or launch_config(lanes, length)
+    chunk, parts = split_plan(lanes, length, block_t, block_l, decay2.dtype, chunk)
     iso = r is not None
+    common = dict(ISO=iso, BLOCK_T=block_t, BLOCK_L=block_l)
+    grid = (triton.cdiv(lanes, block_l), parts)
+    gates = (decay2, noise, evidence, r if iso else decay2)
+    start = p_prior
+    if parts > 1:
+        maps = decay2.new_empty(n, parts, 4, inner)
+        _kdn_chunk_maps_kernel[grid](
+            *gates, maps, length, inner, lanes, evidence_scale, chunk, parts, **common
+        )
+        start = decay2.new_empty(n, parts, inner)
+        _carry("_kdn_diag_gain_chunk_starts_kernel", maps, p_prior, start, n, parts, inner)
     # Uninitialized: the kernel writes every element (the tests NaN-fill torch.empty*, the
     # poisoned_empty fixture, so an element left unwritten fails them).
     p, second = torch.empty_like(decay2), torch.empty_like(decay2)
     third = torch.empty_like(decay2) if iso else None
-    _kdn_forward_kernel[(triton.cdiv(lanes, block_l),)](
-        decay2, noise, evidence, r if iso else p, p_prior, p, second,
-        third if iso else p, length, inner, lanes, evidence_scale, ISO=iso,
-        BLOCK_T=block_t, BLOCK_L=block_l,
+    _kdn_forward_kernel[grid](
+        *gates, start, p, second, third if iso else p, length, inner, lanes, evidence_scale,
+        chunk, parts, **common,
     )  # fmt: skip
     return p, second, third
 
 
-def _scan_backward(saved, upstream, evidence_scale, config):
+def _scan_backward(saved, upstream, evidence_scale, config, chunk=None):
     """Launches the backward on the forward's inputs and p (`saved`: decay2, noise, evidence,
     r or None, p_prior, p) for the outputs' gradients `upstream` (p's, then p_bar's, or beta's
     and predictive's; None where unused). Returns the gradients of decay2, noise, evidence,
-    r (None without r) and p_prior, each in its input's dtype."""
+    r (None without r) and p_prior, each in its input's dtype. Split over T as the forward:
+    each chunk's adjoint map, a carry pass for nu after each chunk, every chunk at once."""
     decay2, noise, evidence, r, p_prior, p = saved
     n, length, inner = decay2.shape
     lanes = n * inner
     block_t, block_l = config or launch_config(lanes, length, tile=1024)
+    chunk, parts = split_plan(lanes, length, block_t, block_l, decay2.dtype, chunk)
     iso = r is not None
     present = [g is not None for g in upstream]
     upstream = [p if g is None else g.contiguous() for g in upstream]
     upstream += [p] * (3 - len(upstream))
+    flags = dict(HAS_GP=present[0], HAS_G2=present[1], HAS_G3=len(present) > 2 and present[2])
+    common = dict(ISO=iso, **flags, BLOCK_T=block_t, BLOCK_L=block_l)
+    grid = (triton.cdiv(lanes, block_l), parts)
+    gates = (decay2, noise, evidence, r if iso else decay2)
+    nu_end = p_prior
+    if parts > 1:
+        maps = decay2.new_empty(n, parts, 2, inner)
+        _kdn_chunk_adjoints_kernel[grid](
+            *gates, p_prior, p, *upstream, maps, length, inner, lanes, evidence_scale, chunk,
+            parts, **common,
+        )  # fmt: skip
+        nu_end = decay2.new_empty(n, parts, inner)
+        _carry("_kdn_diag_gain_chunk_ends_kernel", maps, None, nu_end, n, parts, inner)
     grads = [torch.empty_like(x) for x in (decay2, noise, evidence)]
     grad_r = torch.empty_like(r) if iso else None
     grad_p0 = torch.empty_like(p_prior)
-    _kdn_backward_kernel[(triton.cdiv(lanes, block_l),)](
-        decay2, noise, evidence, r if iso else p, p_prior, p, *upstream, *grads,
-        grad_r if iso else p, grad_p0, length, inner, lanes, evidence_scale, ISO=iso,
-        HAS_GP=present[0], HAS_G2=present[1], HAS_G3=len(present) > 2 and present[2],
-        BLOCK_T=block_t, BLOCK_L=block_l,
+    _kdn_backward_kernel[grid](
+        *gates, p_prior, p, *upstream, nu_end, *grads, grad_r if iso else p, grad_p0, length,
+        inner, lanes, evidence_scale, chunk, parts, SPLIT=parts > 1, **common,
     )  # fmt: skip
     return (*grads, grad_r, grad_p0)
 
 
 class _KDNVarianceScan(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, decay2, noise, evidence, p_prior, config):
+    def forward(ctx, decay2, noise, evidence, p_prior, config, chunk):
         # decay2, noise, evidence: contiguous [N, T, R]; p_prior: contiguous [N, R].
-        p, p_bar, _ = _scan_forward(decay2, noise, evidence, None, p_prior, 1.0, config)
+        p, p_bar, _ = _scan_forward(decay2, noise, evidence, None, p_prior, 1.0, config, chunk)
         ctx.save_for_backward(decay2, noise, evidence, p_prior, p)
-        ctx.config = config
+        ctx.config, ctx.chunk = config, chunk
         ctx.set_materialize_grads(False)
         return p, p_bar
 
@@ -287,20 +496,21 @@ class _KDNVarianceScan(torch.autograd.Function):
     def backward(ctx, grad_p, grad_p_bar):
         decay2, noise, evidence, p_prior, p = ctx.saved_tensors
         saved = (decay2, noise, evidence, None, p_prior, p)
-        *grads, _, grad_p0 = _scan_backward(saved, [grad_p, grad_p_bar], 1.0, ctx.config)
-        return (*grads, grad_p0, None)
+        upstream = [grad_p, grad_p_bar]
+        *grads, _, grad_p0 = _scan_backward(saved, upstream, 1.0, ctx.config, ctx.chunk)
+        return (*grads, grad_p0, None, None)
 
 
 class _KDNIsoScan(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, decay2, norm2, noise, r, p_prior, evidence_scale, config):
+    def forward(ctx, decay2, norm2, noise, r, p_prior, evidence_scale, config, chunk):
         # decay2, norm2 (float32), noise, r (any float dtype): contiguous [N, T, H];
         # p_prior: contiguous [N, H] float32.
         p, beta, predictive = _scan_forward(
-            decay2, noise, norm2, r, p_prior, evidence_scale, config
+            decay2, noise, norm2, r, p_prior, evidence_scale, config, chunk
         )
         ctx.save_for_backward(decay2, noise, norm2, r, p_prior, p)
-        ctx.evidence_scale, ctx.config = evidence_scale, config
+        ctx.evidence_scale, ctx.config, ctx.chunk = evidence_scale, config, chunk
         ctx.set_materialize_grads(False)
         return beta, p, predictive
 
@@ -309,9 +519,9 @@ class _KDNIsoScan(torch.autograd.Function):
     def backward(ctx, grad_beta, grad_p, grad_predictive):
         upstream = [grad_p, grad_beta, grad_predictive]
         d_decay2, d_noise, d_norm2, d_r, d_p0 = _scan_backward(
-            ctx.saved_tensors, upstream, ctx.evidence_scale, ctx.config
+            ctx.saved_tensors, upstream, ctx.evidence_scale, ctx.config, ctx.chunk
         )
-        return d_decay2, d_norm2, d_noise, d_r, d_p0, None, None
+        return d_decay2, d_norm2, d_noise, d_r, d_p0, None, None, None
 
 
 @opaque_to_compiler
@@ -321,18 +531,20 @@ def kdn_variance_scan(
     evidence: torch.Tensor,
     p_prior: torch.Tensor,
     config: tuple[int, int] | None = None,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Posterior p_t and predicted p_bar_t `[N, T, *rest]` of KDN's variance recursion.
 
     decay2 (a = exp(2 g), in [0, 1]), q_noise (>= 0), evidence (c >= 0): `[N, T, *rest]`, one
     float dtype, validated; p_prior `[N, *rest]` (>= 0). `config` = (BLOCK_T, BLOCK_L)
-    overrides `launch_config`.
+    overrides `launch_config`, `chunk` (tokens per program, a multiple of BLOCK_T; float32
+    to split) `split_plan`'s choice.
     """
     shape = decay2.shape
     n, length = shape[0], shape[1]
     gates = [x.reshape(n, length, -1).contiguous() for x in (decay2, q_noise, evidence)]
     start = p_prior.reshape(n, -1).contiguous()
-    p, p_bar = _KDNVarianceScan.apply(*gates, start, config)
+    p, p_bar = _KDNVarianceScan.apply(*gates, start, config, chunk)
     return p.reshape(shape), p_bar.reshape(shape)
 
 
@@ -345,6 +557,7 @@ def kdn_iso_scan(
     p_prior: torch.Tensor,
     evidence_scale: float,
     config: tuple[int, int] | None = None,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Isotropic KDN's scan from its terms: (beta, p, predictive) `[N, T, H]` float32, with
     the evidence c = evidence_scale ||k||^2 / r formed and beta = p_bar / (p_bar ||k||^2 + r),
@@ -353,7 +566,7 @@ def kdn_iso_scan(
 
     decay2 (a, in [0, 1]) and norm2 (||k||^2) float32, q_noise (>= 0) and r (> 0) in any float
     dtype (read as they are; their gradients come back in it): `[N, T, H]`, validated;
-    p_prior `[N, H]` float32 (> 0); evidence_scale = s / K. `config` as for
+    p_prior `[N, H]` float32 (> 0); evidence_scale = s / K. `config` and `chunk` as for
     `kdn_variance_scan`."""
     inputs = [x.contiguous() for x in (decay2, norm2, q_noise, r, p_prior)]
-    return _KDNIsoScan.apply(*inputs, evidence_scale, config)
+    return _KDNIsoScan.apply(*inputs, evidence_scale, config, chunk)
