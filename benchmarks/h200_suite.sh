@@ -86,9 +86,11 @@
 # write strength against the float64 loop, compiled), strength_train 200 s (KDA and Isotropic
 # KDN 340M graphed training at 4K beside the Transformer's), gaps 150 s (device_gaps.py: the
 # device's idle gaps in the KDA, Isotropic and Diagonal KDN forms' forward and backward, checks
-# on and off, by the host code that launched the work after them), kdn_tests 240 s (the KDN
-# gains' and the Mobius scans' kernel tests compiled: tests/test_kdn_triton.py,
-# tests/test_mobius_triton.py), prof_kdn32k 120 s (prof_kdn at B=1 T=32768). The sixteenth
+# on and off, by the host code that launched the work after them), kdn_tests 420 s (the KDN
+# gains' and the Mobius scans' kernel tests compiled, and the value checks' GPU test:
+# tests/test_kdn_triton.py, tests/test_mobius_triton.py, tests/test_value_checks.py; at 240 s
+# it ran past its limit on 2026-12-04 after ~100 tests: test_kdn_triton.py alone took 136 s),
+# prof_kdn32k 120 s (prof_kdn at B=1 T=32768). The sixteenth
 # session's part factors_ab (stage 1 writing the decay factors) is in the tree of `a424144`.
 set -u
 # The device returns at most 8 files: parts write under a work folder, and after every part the
@@ -135,8 +137,8 @@ for p in "${parts[@]}"; do
         tests/test_delta_rule_triton.py tests/test_cuda.py -k "not trains and not graphed_training" ;;
     strength_tests) part strength_tests 120 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
         tests/test_delta_rule_triton.py -k "strength or per_token" ;;
-    kdn_tests) part kdn_tests 240 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
-        tests/test_kdn_triton.py tests/test_mobius_triton.py ;;
+    kdn_tests) part kdn_tests 420 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
+        tests/test_kdn_triton.py tests/test_mobius_triton.py tests/test_value_checks.py ;;
     prof_kdn32k) part prof_kdn32k 120 python3 benchmarks/profile_triton.py --forms kda_c64 \
         kdn_iso_c64 kdn_diag_c64 --batch 1 --length 32768 --out "$OUT/prof_kdn32k.json" ;;
     kernel_tests) part kernel_tests 300 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \

@@ -494,7 +494,8 @@ def test_kdn_gain_iso_takes_its_kernels_exactly_on_the_triton_scan_in_float32(
 def iso_scan_inputs(seed, shape):
     """decay2, norm2, q_noise, r `[N, T, H]` and p0 `[N, H]` (float64) for the isotropic scan
     alone, with a reset (a = 0), a zero key (no evidence), no process noise on one token,
-    r = 1e30 and r = 1e-6."""
+    r = 1e30, 1e-6 and 1e-30 (where p^2 underflows float32 and c = s ||k||^2 / (K r) nearly
+    overflows it)."""
     gen = torch.Generator().manual_seed(seed)
 
     def uniform(low, high, size=shape):
@@ -507,7 +508,7 @@ def iso_scan_inputs(seed, shape):
         uniform(0.2, 2),
     )
     decay2[0, 3, 0], norm2[-1, 5, -1], q_noise[0, 7, 1] = 0.0, 0.0, 0.0
-    r[0, 2, 0], r[-1, 4, -1] = 1e30, 1e-6
+    r[0, 2, 0], r[-1, 4, -1], r[-1, 9, 0] = 1e30, 1e-6, 1e-30
     return [decay2, norm2, q_noise, r, uniform(0.5, 1.5, (shape[0], shape[2]))]
 
 
@@ -517,7 +518,8 @@ def test_split_plan_splits_float32_scans_of_few_lane_programs_into_powers_of_2()
     # Isotropic at B=1 H=16 T=32768 (one lane per program, tiles of 1024): 16 programs.
     chunk, parts = split_plan(16, 32768, 1024, 1, F32)
     assert chunk == 2048 and parts == 16 and 16 * parts == SPLIT_PROGRAMS
-    assert split_plan(64, 4096, 1024, 1, F32) == (1024, 4)
+    assert split_plan(32, 4096, 1024, 1, F32) == (1024, 4)
+    assert split_plan(64, 4096, 1024, 1, F32) == (4096, 1)  # B=4 H=16: measured unsplit
     # Many programs, float64, or T within a tile: one chunk covering T's tiles.
     assert split_plan(8192, 4096, 64, 32, F32) == (4096, 1)
     assert split_plan(16, 32768, 1024, 1, F64) == (32768, 1)
@@ -540,12 +542,19 @@ def iso_scan_reference(decay2, norm2, q_noise, r, p_prior, evidence_scale):
 @needs_triton
 @pytest.mark.parametrize("used", [(0, 1, 2), (0,), (1,), (2,), (0, 2)], ids=str)
 @pytest.mark.parametrize(
-    ("config", "chunk"),
-    [((16, 2), None), ((64, 1), None), ((16, 2), 16), ((16, 1), 32)],
-    ids=["tiles_16x2", "tile_64x1", "split_3_chunks_of_16", "split_2_chunks_of_32"],
-)
+    ("config", "chunk", "carry_block"),
+    [
+        ((16, 2), 48, None),
+        ((64, 1), None, None),
+        ((16, 2), None, None),
+        ((16, 1), 32, None),
+        ((16, 2), 16, (2, 2)),
+    ],
+    ids=["3_tiles_one_chunk", "one_tile", "default_plan_3_chunks", "2_chunks_of_32",
+         "3_chunks_in_carry_blocks_of_2x2"],
+)  # fmt: skip
 def test_iso_scan_kernel_and_every_gradient_match_float64_ops_with_outputs_used_or_not(
-    poisoned_empty, used, config, chunk
+    poisoned_empty, monkeypatch, used, config, chunk, carry_block
 ):
     """The scan stage of the isotropic gain alone (triton.kdn_iso_scan: the evidence, the
     Mobius scan, beta and predictive in one kernel each way) against its twin, the PyTorch ops
@@ -553,8 +562,13 @@ def test_iso_scan_kernel_and_every_gradient_match_float64_ops_with_outputs_used_
     is skipped in the kernel, not zero-filled. T = 37 crosses tiles of 16; lanes are masked
     at H = 3 with two per program. Split over T (`chunk`): the chunks' maps and adjoints, the
     carry passes between them and the chunks walked from their carries, the last chunk
-    partly past T."""
+    partly past T; with carry blocks of 2 chunks x 2 lanes the carry passes cross blocks of
+    both. With no chunk given `split_plan` splits (3 lane programs)."""
+    from deltalab.ops.kdn import triton_gain
     from deltalab.ops.kdn.triton import kdn_iso_scan
+
+    if carry_block is not None:
+        monkeypatch.setattr(triton_gain, "CARRY_BLOCK", carry_block)
 
     shape = (2, 37, 3)
     inputs = iso_scan_inputs(41, shape)

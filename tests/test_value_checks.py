@@ -127,14 +127,39 @@ def test_the_first_failing_check_in_order_names_the_error(generator):
             run_checks(**inputs)
 
 
-def test_an_error_inside_the_block_propagates_and_leaves_checks_immediate(generator):
+def test_an_error_inside_the_block_yields_to_a_failing_check_queued_before_it(generator):
+    """As outside a block, where the check would have raised before the code that raised: the
+    queued check's error, with the block's own as its context; a passing queued check lets the
+    block's error through. Checks are immediate again after the block."""
     inputs = valid_inputs(generator)
+    with pytest.raises(ValueError, match="p0 must be > 0") as raised:
+        with one_host_read():
+            require_positive("p0", -inputs["p0"], "a prior variance")  # queued, fails
+            raise KeyError("raised inside")
+    assert isinstance(raised.value.__context__, KeyError)
     with pytest.raises(KeyError):
         with one_host_read():
-            require_positive("p0", -inputs["p0"], "a prior variance")  # queued, never read
+            require_positive("p0", inputs["p0"], "a prior variance")  # queued, passes
             raise KeyError("raised inside")
     with pytest.raises(ValueError, match="p0 must be > 0"):  # outside: at once again
         require_positive("p0", -inputs["p0"], "a prior variance")
+
+
+def test_an_argument_error_after_a_queued_value_check_still_comes_second(generator):
+    """delta_rule checks g <= 0 before its other arguments; the check is queued behind the
+    work, yet a bad g is still the error named when chunk_size is bad too (and a KDN op's bad
+    r before the chunk_size its delta rule refuses)."""
+    b, t, h, k = 1, 5, 2, 3
+    draw = lambda *shape: torch.rand(*shape, generator=generator)  # noqa: E731
+    q, key, v, beta, g = (draw(b, t, h, k), draw(b, t, h, k), draw(b, t, h, k), draw(b, t, h),
+                          draw(b, t, h))  # fmt: skip
+    with pytest.raises(ValueError, match="g must be <= 0"):
+        delta_rule(q, beta, key, v, g, chunk_size=7, backend="chunk")
+    with pytest.raises(ValueError, match="chunk_size must be in"):
+        delta_rule(q, beta, key, v, -g, chunk_size=7, backend="chunk")
+    r = -draw(b, t, h)
+    with pytest.raises(ValueError, match="r must be > 0"):
+        kdn_iso(q, key, v, -g, draw(b, t, h), r, p0=torch.ones(h), chunk_size=7, backend="chunk")
 
 
 def test_a_kdn_op_reads_its_inputs_checks_back_once(generator):
@@ -203,6 +228,21 @@ def test_a_kdn_op_sends_its_answers_before_its_work_and_reads_them_after(
     assert len(reads) == 1 and reads[0] >= marks["delta_rule ends"]
     with pytest.raises(ValueError, match="r must be > 0"):
         op(q, key, v, g, q_noise, -r, p0=torch.ones(h), backend="chunk")
+
+
+def test_inside_an_enclosing_block_an_op_sends_nothing_and_the_block_reads_once(generator):
+    """The trainer wraps each forward in one block: the ops inside add their checks to it and
+    do not send them on their own (a send per op would only add launches); the block reduces,
+    sends and reads once at its end, after all the work."""
+    b, t, h, k = 1, 6, 2, 4
+    draw = lambda *shape: torch.rand(*shape, generator=generator)  # noqa: E731
+    q, key, v, g = draw(b, t, h, k), draw(b, t, h, k), draw(b, t, h, k), -draw(b, t, h, k)
+    with Ops() as ops:
+        with one_host_read():
+            kdn_iso(q, key, v, g, draw(b, t, h), draw(b, t, h) + 0.5, p0=torch.ones(h))
+            work_done = len(ops.calls)
+    (sent,), (read,) = answers_sent_and_read(ops)
+    assert work_done <= sent < read
 
 
 def test_the_delta_rule_sends_its_check_before_its_work_and_reads_it_after(generator):

@@ -99,6 +99,9 @@ class _Block:
         # on the host once the event has passed), and how many of `queued` they cover.
         self.sent: list[tuple[torch.cuda.Event | None, torch.Tensor]] = []
         self.sent_count = 0
+        # How many blocks are open inside this one (they add their checks to it): only the
+        # outermost block's own code sends (`send_answers`).
+        self.depth = 0
 
     def send(self) -> None:
         """Reduces the answers queued since the last send to one per device and starts their
@@ -126,7 +129,8 @@ class _Block:
         for event, _ in self.sent:
             if event is not None:
                 event.synchronize()
-        return torch.stack([passed for _, passed in self.sent]).all()
+        # On the host: CUDA's are there (pinned), another device's move (that copy waits).
+        return torch.stack([passed.cpu() for _, passed in self.sent]).all()
 
 
 # The innermost open `one_host_read` block, or None outside any.
@@ -143,9 +147,11 @@ def one_host_read() -> Iterator[None]:
     wait until every queued kernel has run, after which the GPU waits for the host to queue the
     next ones: a KDN layer checked 8 inputs one read at a time, 194 reads per 340M training
     step (benchmarks/traffic.py). Inside the block a check queues its on-device answer instead;
-    on leaving, the answers are stacked and read back in one go (one read per device). Only if
-    one failed are the checks run again in order, so the error is the one the first failing
-    check raises, word for word.
+    on leaving, the answers are reduced per device, copied to the host and read in one go
+    (`send_answers` can start that copy earlier). Only if one failed are the checks run again
+    in order, so the error is the one the first failing check raises, word for word; and when
+    the block's own code raises, the checks queued before the error are run first, as they
+    would have read their answers before it outside a block: a failing one raises instead.
 
     The block may hold the work the checks guard too, when out-of-range values cannot make
     that work unsafe (a log decay > 0 gives inf or NaN, not an access out of bounds): the host
@@ -157,15 +163,24 @@ def one_host_read() -> Iterator[None]:
     Blocks nest: inside an enclosing block (the training loop wraps each forward) a block adds
     its checks to the enclosing one's, which reads them all at its own end.
     """
-    if _QUEUED.get() is not None:
-        yield
+    enclosing = _QUEUED.get()
+    if enclosing is not None:
+        enclosing.depth += 1
+        try:
+            yield
+        finally:
+            enclosing.depth -= 1
         return
     block = _Block()
     token = _QUEUED.set(block)
     try:
         yield
-    finally:
+    except Exception:
         _QUEUED.reset(token)
+        for _, check, *_ in block.queued:
+            check()  # reads at once: a check that fails raises its error, chained to this one
+        raise
+    _QUEUED.reset(token)
     if not block.queued or bool(block.answer()):
         for _, _, x, kind, version in block.queued:
             _remember_pass(x, kind, version)
@@ -185,10 +200,11 @@ def send_answers() -> None:
     the device to drain the work and the device then idles while the host launches whatever
     follows (for a KDN op on the H200, the backward: 0.3-0.5 ms a call, docs/RESULTS.md,
     twenty-second session). A copy started between the two is done long before the block ends;
-    waiting for its event costs neither side. Outside a block it does nothing: there the
-    checks have read their answers already."""
+    waiting for its event costs neither side. Outside a block it does nothing (there the
+    checks have read their answers already), and inside an enclosing block (the trainer's) too:
+    that block reads once at its end, and a send per op would only add launches."""
     block = _QUEUED.get()
-    if block is not None:
+    if block is not None and block.depth == 0:
         block.send()
 
 

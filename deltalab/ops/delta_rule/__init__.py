@@ -138,6 +138,26 @@ def delta_rule(
         float32 (float64 when any input is float64) whatever the input dtype.
     """
     _check_gates(q, a, b, u, g, "B, T, H")
+    # The one value check (g <= 0) is read behind the work: queued here, in order before the
+    # argument checks below (an error among them runs it first: `one_host_read`), its answer's
+    # copy started before the launches (`send_answers`), waited for at the block's end. So the
+    # device does not idle while the host prepares the launches, nor the host while the
+    # device runs them. Safe: a positive log decay gives inf or NaN, never an access out of
+    # bounds; the error is raised at the end and the results dropped. Inside an enclosing
+    # block (a KDN op's, the trainer's) it joins that one.
+    with one_host_read():
+        require_nonpositive("g", g, "a log decay")
+        o, final = _validated_call(
+            q, a, b, u, g, scale, initial_state, cu_seqlens, chunk_size, backend,
+            output_final_state,
+        )  # fmt: skip
+    return o.to(q.dtype), (final if output_final_state else None)
+
+
+def _validated_call(
+    q, a, b, u, g, scale, initial_state, cu_seqlens, chunk_size, backend, output_final_state
+):
+    """delta_rule past its gates' checks: the other arguments', then the backend's call."""
     batch, length, heads, key_dim = q.shape
     value_dim = u.shape[-1]
     if length == 0:
@@ -183,28 +203,21 @@ def delta_rule(
             'need backend="chunk" or "naive"'
         )
 
-    # The one value check (g <= 0) is read behind the work: its answer's copy starts before
-    # the launches and the block's end waits for that copy alone (`send_answers`), so neither
-    # the device nor the host waits for the other on its account. Safe: a positive log decay
-    # gives inf or NaN, never an access out of bounds; the error is raised at the end and the
-    # results dropped. Inside an enclosing block (a KDN op's, the trainer's) it joins that.
-    with one_host_read():
-        require_nonpositive("g", g, "a log decay")
-        send_answers()
-        if backend == "triton":
-            # Imported here: Triton is optional, and deltalab imports without it.
-            from deltalab.ops.delta_rule.triton.chunk import delta_rule_triton
+    send_answers()
+    if backend == "triton":
+        # Imported here: Triton is optional, and deltalab imports without it.
+        from deltalab.ops.delta_rule.triton.chunk import delta_rule_triton
 
-            # Given the inputs' own dtype: it picks the precision of its matrix products.
-            o, final = delta_rule_triton(q, a, b, u, g, state, cu_seqlens, chunk_size, scale)
+        # Given the inputs' own dtype: it picks the precision of its matrix products.
+        o, final = delta_rule_triton(q, a, b, u, g, state, cu_seqlens, chunk_size, scale)
+    else:
+        inputs = [q.to(dtype) * scale, *(x.to(dtype) for x in (a, b, u, g))]
+        inputs[1] = directions(inputs[1], inputs[2])
+        if backend == "naive":
+            o, final = delta_rule_naive(*inputs, state, cu_seqlens)
         else:
-            inputs = [q.to(dtype) * scale, *(x.to(dtype) for x in (a, b, u, g))]
-            inputs[1] = directions(inputs[1], inputs[2])
-            if backend == "naive":
-                o, final = delta_rule_naive(*inputs, state, cu_seqlens)
-            else:
-                o, final = delta_rule_chunk(*inputs, state, cu_seqlens, chunk_size)
-    return o.to(q.dtype), (final if output_final_state else None)
+            o, final = delta_rule_chunk(*inputs, state, cu_seqlens, chunk_size)
+    return o, final
 
 
 def delta_rule_step(

@@ -134,9 +134,10 @@ def iso_gain(
     dtype = state_dtype(k, g, q_noise, r, p_prior)
     p_prior = p_prior.to(dtype)
     if scan == "triton" and dtype != torch.float64:
-        # Two kernels each way (triton_gain.kdn_iso_gain): the terms' reductions over K, which
+        # Two stages each way (triton_gain.kdn_iso_gain): the terms' reductions over K, which
         # read k and g as they come (16-bit: no float32 copies of [B, T, H, K]), then the scan
-        # with the evidence and beta inside it, reading q_noise and r as they come. As separate
+        # with the evidence and beta inside it, reading q_noise and r as they come (one kernel,
+        # three where T is split over few lanes: triton.split_plan). As separate
         # ops the glue around the scan cost more host time than its kernels take on the
         # device (docs/RESULTS.md, twenty-second session); float64 stays here.
         from deltalab.ops.kdn.triton_gain import kdn_iso_gain

@@ -333,7 +333,7 @@ def _kdn_backward_kernel(
     part = tl.program_id(1)
     rows = tl.arange(0, BLOCK_T)
     p0 = tl.load(P0 + lane, mask=lane_ok, other=0.0)
-    if SPLIT:  # nu at the first step after the tile
+    if SPLIT:  # nu at the first step after the chunk
         nu = tl.load(NU_END + _part_lane(lane, part, INNER, PARTS), mask=lane_ok, other=0.0)
     else:
         nu = tl.zeros([BLOCK_L], dtype=p0.dtype)
@@ -352,16 +352,20 @@ def _kdn_backward_kernel(
         )
         tl.store(GDECAY + offsets, pi * p_prev, mask=ok)
         tl.store(GNOISE + offsets, pi, mask=ok)
-        d_c = -(nu_t * p_t) * p_t
         if ISO:
-            # c = E ||k||^2 / r, beta = p_bar / den, predictive = p_bar ||k||^2.
+            # c = E ||k||^2 / r, beta = p_bar / den, predictive = p_bar ||k||^2. Through c,
+            # dp/d||k||^2 = -p^2 E / r and dp/dr = p^2 c / r, written with w = p E / r =
+            # E p_bar / (r + E ||k||^2 p_bar) and p c = ||k||^2 w, bounded for any r > 0: as
+            # d_c E / r, with d_c = -nu p^2, p^2 underflowed (r below ~1e-19) and c overflowed
+            # (r below ~1e-38: 0 * inf) in float32.
             den = p_bar * norm2 + r
             beta = p_bar / den
-            d_norm2 = d_c * (E / r) + g3 * p_bar - g2 * beta * beta
+            w = (E * p_bar) / (r + (E * norm2) * p_bar)
+            d_norm2 = -(nu_t * p_t) * w + g3 * p_bar - g2 * beta * beta
             tl.store(GEVIDENCE + offsets, d_norm2, mask=ok)
-            tl.store(GR + offsets, -(d_c * c) / r - g2 * (beta / den), mask=ok)
+            tl.store(GR + offsets, nu_t * (norm2 * w) * (w / E) - g2 * (beta / den), mask=ok)
         else:
-            tl.store(GEVIDENCE + offsets, d_c, mask=ok)
+            tl.store(GEVIDENCE + offsets, -(nu_t * p_t) * p_t, mask=ok)
         nu = tl.sum(tl.where(rows[:, None] == BLOCK_T - 1, nu_t, 0.0), axis=0)
     # In part 0's program nu is nu_1 (the first step) now: dp_0 = a_1 pi_1.
     first = lane_ok & (part + 0 * lane == 0)  # a vector mask (the interpreter refuses a scalar's)
@@ -372,17 +376,19 @@ def _kdn_backward_kernel(
 
 # Split over T below this many lane programs (an H200 has 132 SMs), into chunks of a power of 2
 # tokens aiming at SPLIT_PROGRAMS programs in all: Isotropic KDN has one lane per (sequence,
-# head), 64 at B=4 H=16 and 16 at B=1, whose single programs each walked all T steps (at B=1
-# T=32768: 0.33 + 0.25 ms forward and backward on the H200, docs/RESULTS.md, twenty-second
-# session; the split is not yet timed there). float32 only: the carry passes compute in it.
-SPLIT_BELOW_PROGRAMS = 128
+# head), whose single programs each walk all T steps (at B=1 H=16 T=32768, 16 programs: 0.33 +
+# 0.25 ms forward and backward on the H200, docs/RESULTS.md, twenty-second session; the split
+# is not yet timed). At B=4 H=16 (64 programs, T=4096: 0.04 + 0.04 ms) the single walks stay:
+# the split's extra launches cost the host more than they could save the device there. float32
+# only: the carry passes compute in it.
+SPLIT_BELOW_PROGRAMS = 64
 SPLIT_PROGRAMS = 256
 
 
 def split_plan(lanes, length, block_t, block_l, dtype, chunk=None) -> tuple[int, int]:
     """(CHUNK, PARTS): tokens per program, a multiple of block_t (`chunk` when given), and
     chunks per lane. One chunk (the tiles covering T) unless the lane programs are few."""
-    whole = triton.cdiv(length, block_t) * block_t
+    whole = max(1, triton.cdiv(length, block_t)) * block_t  # T = 0: one (empty) chunk
     if chunk is None:
         programs = triton.cdiv(lanes, block_l)
         chunk = whole
@@ -562,7 +568,8 @@ def kdn_iso_scan(
     """Isotropic KDN's scan from its terms: (beta, p, predictive) `[N, T, H]` float32, with
     the evidence c = evidence_scale ||k||^2 / r formed and beta = p_bar / (p_bar ||k||^2 + r),
     predictive = p_bar ||k||^2 written by the scan's kernel (and their adjoints by its
-    backward): one launch each way where the ops would take a dozen, forward and backward.
+    backward): one launch each way (three where `split_plan` splits T: the chunks' maps, the
+    carry pass, the walks) where the ops took a dozen, forward and backward.
 
     decay2 (a, in [0, 1]) and norm2 (||k||^2) float32, q_noise (>= 0) and r (> 0) in any float
     dtype (read as they are; their gradients come back in it): `[N, T, H]`, validated;

@@ -1104,7 +1104,7 @@ def kdn_iso_gain(
     p_prior: torch.Tensor,
     info_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`gains.iso_gain` on two kernels each way: the terms' reductions over K above (a and
+    """`gains.iso_gain` on two stages each way: the terms' reductions over K above (a and
     ||k||^2 per token and head), then the scan with the evidence and beta inside it
     (`triton.kdn_iso_scan`). Returns (beta, p, predictive) `[B, T, H]` float32. k
     `[B, T, H, K]`, g `[B, T, H(, K)]`, q_noise and r `[B, T, H]` in their own float dtypes
