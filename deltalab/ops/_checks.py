@@ -110,10 +110,13 @@ class _Block:
         for passed, *_ in self.queued[self.sent_count :]:
             by_device.setdefault(passed.device, []).append(passed)
         self.sent_count = len(self.queued)
+        # Traced by torch.compile (the checks break its graph where they read) or captured in
+        # a CUDA graph (no check queues there), the answers stay on the device: read at the end.
+        direct = torch.compiler.is_compiling()
         for device, answers in by_device.items():
             passed = torch.stack(answers).all()
             event = None
-            if device.type == "cuda":
+            if device.type == "cuda" and not direct and not capturing(passed):
                 host = torch.empty((), dtype=torch.bool, pin_memory=True)
                 host.copy_(passed, non_blocking=True)
                 event = torch.cuda.Event()
