@@ -531,6 +531,42 @@ def test_split_plan_splits_float32_scans_of_few_lane_programs_into_powers_of_2()
         split_plan(3, 37, 16, 1, F64, chunk=16)
 
 
+@needs_triton
+@pytest.mark.parametrize("used", [(1,), (1, 2)], ids=str)
+def test_iso_scan_gradients_stay_finite_with_beta_unused_at_no_evidence_and_tiny_r(used):
+    """||k||^2 = 0 with r = 1e-30: beta = p_bar / r ~ 1e30 and its own gradient share g2 beta
+    / den ~ 1e60 overflow float32, so with beta unused that share must be an exact 0, not
+    0 * inf (the other outputs' gradients are finite and match float64)."""
+    from deltalab.ops.kdn.triton import kdn_iso_scan
+
+    shape = (2, 20, 3)
+    inputs = iso_scan_inputs(44, shape)
+    inputs[1][0, 11, 2], inputs[3][0, 11, 2] = 0.0, 1e-30
+    weights = torch.randn(shape, generator=torch.Generator().manual_seed(45), dtype=F64)
+    results = []
+    for device, dtype, scan in (("cpu", F64, iso_scan_reference), (DEVICE, F32, kdn_iso_scan)):
+        leaves = [x.to(device, dtype).requires_grad_() for x in inputs]
+        outputs = scan(*leaves, 0.75)
+        loss = sum((outputs[i] * weights.to(outputs[i])).sum() for i in used)
+        results.append(torch.autograd.grad(loss, leaves))
+    for name, x, x64 in zip(
+        ("a", "norm2", "q_noise", "r", "p0"), results[1], results[0], strict=True
+    ):
+        assert_close(x, x64, TOLERANCE[F32], f"d/d{name}")
+
+
+@needs_triton
+def test_scans_of_no_steps_return_empty_outputs_and_a_zero_prior_gradient():
+    from deltalab.ops.kdn.triton import kdn_iso_scan, kdn_variance_scan
+
+    inputs = [x[:, :0].to(DEVICE, F32) for x in iso_scan_inputs(43, (2, 12, 3))[:4]]
+    p0 = torch.ones(2, 3, device=DEVICE, requires_grad=True)
+    for outputs in (kdn_iso_scan(*inputs, p0, 0.5), kdn_variance_scan(*inputs[:3], p0)):
+        assert all(o.shape == (2, 0, 3) for o in outputs)
+        (grad,) = torch.autograd.grad(sum(o.sum() for o in outputs), p0, allow_unused=True)
+        assert grad is None or torch.equal(grad, torch.zeros_like(p0))
+
+
 def iso_scan_reference(decay2, norm2, q_noise, r, p_prior, evidence_scale):
     """The isotropic scan as gains.iso_gain composes it on the PyTorch path, step by step."""
     evidence = evidence_scale * norm2 / r

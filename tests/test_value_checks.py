@@ -145,6 +145,26 @@ def test_an_error_inside_the_block_yields_to_a_failing_check_queued_before_it(ge
         require_positive("p0", -inputs["p0"], "a prior variance")
 
 
+def test_an_interrupt_inside_a_block_closes_it_and_checks_are_immediate_again(generator):
+    inputs = valid_inputs(generator)
+    with pytest.raises(KeyboardInterrupt):
+        with one_host_read():
+            require_positive("p0", inputs["p0"], "a prior variance")
+            raise KeyboardInterrupt
+    with pytest.raises(ValueError, match="p0 must be > 0"):
+        require_positive("p0", -inputs["p0"], "a prior variance")
+
+
+def test_an_error_after_a_passed_check_keeps_its_answer_though_the_input_changed(generator):
+    """The queued answer decides, not a check run again on values the work changed since."""
+    g = -torch.rand(3, 4, generator=generator)
+    with pytest.raises(RuntimeError, match="raised inside"):
+        with one_host_read():
+            require_nonpositive("g", g, "a log decay")  # passes when queued
+            g.add_(2.0)
+            raise RuntimeError("raised inside")
+
+
 def test_an_argument_error_after_a_queued_value_check_still_comes_second(generator):
     """delta_rule checks g <= 0 before its other arguments; the check is queued behind the
     work, yet a bad g is still the error named when chunk_size is bad too (and a KDN op's bad

@@ -110,13 +110,13 @@ class _Block:
         for passed, *_ in self.queued[self.sent_count :]:
             by_device.setdefault(passed.device, []).append(passed)
         self.sent_count = len(self.queued)
-        # Traced by torch.compile (the checks break its graph where they read) or captured in
-        # a CUDA graph (no check queues there), the answers stay on the device: read at the end.
+        # Traced by torch.compile (the checks break its graph where they read), the answers
+        # stay on the device and are read at the end, as without a send.
         direct = torch.compiler.is_compiling()
         for device, answers in by_device.items():
             passed = torch.stack(answers).all()
             event = None
-            if device.type == "cuda" and not direct and not capturing(passed):
+            if device.type == "cuda" and not direct:
                 host = torch.empty((), dtype=torch.bool, pin_memory=True)
                 host.copy_(passed, non_blocking=True)
                 event = torch.cuda.Event()
@@ -178,19 +178,25 @@ def one_host_read() -> Iterator[None]:
     token = _QUEUED.set(block)
     try:
         yield
-    except Exception:
-        _QUEUED.reset(token)
-        for _, check, *_ in block.queued:
-            check()  # reads at once: a check that fails raises its error, chained to this one
+    except BaseException as error:
+        _QUEUED.reset(token)  # whatever was raised (an interrupt too): the block is closed
+        if isinstance(error, Exception) and block.queued and not bool(block.answer()):
+            _raise_first_failure(block)  # chained to `error`
         raise
     _QUEUED.reset(token)
     if not block.queued or bool(block.answer()):
         for _, _, x, kind, version in block.queued:
             _remember_pass(x, kind, version)
         return
-    for _, check, *_ in block.queued:
-        check()  # outside the block now: reads its answer at once and raises if it fails
+    _raise_first_failure(block)
     raise AssertionError("a queued value check failed but passed when run again")
+
+
+def _raise_first_failure(block: _Block) -> None:
+    """Runs a block's queued checks again in order, outside it: each reads its answer at once
+    and the first that fails raises its own error."""
+    for _, check, *_ in block.queued:
+        check()
 
 
 def send_answers() -> None:
@@ -207,8 +213,15 @@ def send_answers() -> None:
     checks have read their answers already), and inside an enclosing block (the trainer's) too:
     that block reads once at its end, and a send per op would only add launches."""
     block = _QUEUED.get()
-    if block is not None and block.depth == 0:
-        block.send()
+    # Not while a CUDA graph is captured: no check queues there, and a reduction recorded into
+    # the graph would not run before the block's end read it.
+    if (
+        block is None
+        or block.depth
+        or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    ):
+        return
+    block.send()
 
 
 # Checks passed once are not run again. An op that hands a validated input on to another op

@@ -47,6 +47,8 @@ to tile, composed in another order: the map products stay normalized, the slopes
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -354,16 +356,19 @@ def _kdn_backward_kernel(
         tl.store(GNOISE + offsets, pi, mask=ok)
         if ISO:
             # c = E ||k||^2 / r, beta = p_bar / den, predictive = p_bar ||k||^2. Through c,
-            # dp/d||k||^2 = -p^2 E / r and dp/dr = p^2 c / r, written with w = p E / r =
-            # E p_bar / (r + E ||k||^2 p_bar) and p c = ||k||^2 w, bounded for any r > 0: as
-            # d_c E / r, with d_c = -nu p^2, p^2 underflowed (r below ~1e-19) and c overflowed
-            # (r below ~1e-38: 0 * inf) in float32.
+            # dp/d||k||^2 = -p^2 E / r and dp/dr = p^2 c / r, written with den_c = r + E
+            # ||k||^2 p_bar: p E / r = E p_bar / den_c and p c = E ||k||^2 p_bar / den_c (in
+            # [0, 1]), so dp/dr = (p c) p_bar / den_c. As d_c E / r with d_c = -nu p^2, p^2
+            # underflowed (r below ~1e-19) and c overflowed (0 * inf) in float32. beta's own
+            # share, g2 beta / den, is formed as (g2 beta) / den: 0 when beta is unused.
             den = p_bar * norm2 + r
             beta = p_bar / den
-            w = (E * p_bar) / (r + (E * norm2) * p_bar)
-            d_norm2 = -(nu_t * p_t) * w + g3 * p_bar - g2 * beta * beta
+            den_c = r + (E * norm2) * p_bar
+            p_c = ((E * norm2) * p_bar) / den_c
+            d_norm2 = -(nu_t * p_t) * ((E * p_bar) / den_c) + g3 * p_bar - g2 * beta * beta
             tl.store(GEVIDENCE + offsets, d_norm2, mask=ok)
-            tl.store(GR + offsets, nu_t * (norm2 * w) * (w / E) - g2 * (beta / den), mask=ok)
+            d_r = (nu_t * p_c) * p_bar / den_c - (g2 * beta) / den
+            tl.store(GR + offsets, d_r, mask=ok)
         else:
             tl.store(GEVIDENCE + offsets, -(nu_t * p_t) * p_t, mask=ok)
         nu = tl.sum(tl.where(rows[:, None] == BLOCK_T - 1, nu_t, 0.0), axis=0)
@@ -388,7 +393,7 @@ SPLIT_PROGRAMS = 256
 def split_plan(lanes, length, block_t, block_l, dtype, chunk=None) -> tuple[int, int]:
     """(CHUNK, PARTS): tokens per program, a multiple of block_t (`chunk` when given), and
     chunks per lane. One chunk (the tiles covering T) unless the lane programs are few."""
-    whole = max(1, triton.cdiv(length, block_t)) * block_t  # T = 0: one (empty) chunk
+    whole = max(1, triton.cdiv(length, block_t)) * block_t
     if chunk is None:
         programs = triton.cdiv(lanes, block_l)
         chunk = whole
@@ -400,7 +405,7 @@ def split_plan(lanes, length, block_t, block_l, dtype, chunk=None) -> tuple[int,
             f"chunk must be a multiple of BLOCK_T = {block_t} (and split float32 only), "
             f"got {chunk} for {dtype}"
         )
-    return chunk, triton.cdiv(length, chunk)
+    return chunk, max(1, triton.cdiv(length, chunk))
 
 
 def _carry(kernel_name, maps, start, out, n, parts, inner):
@@ -423,10 +428,16 @@ def _scan_forward(decay2, noise, evidence, r, p_prior, evidence_scale, config, c
     Split over T (`split_plan`): each chunk's composed map, a carry pass for p at each chunk's
     start, then every chunk walked at once from there."""
     n, length, inner = decay2.shape
+    iso = r is not None
+    if length == 0:  # nothing to scan (and no step 0 for the kernels to read)
+        return (
+            decay2.new_empty(decay2.shape),
+            decay2.new_empty(decay2.shape),
+            (decay2.new_empty(decay2.shape) if iso else None),
+        )
     lanes = n * inner
     block_t, block_l = config or launch_config(lanes, length)
     chunk, parts = split_plan(lanes, length, block_t, block_l, decay2.dtype, chunk)
-    iso = r is not None
     common = dict(ISO=iso, BLOCK_T=block_t, BLOCK_L=block_l)
     grid = (triton.cdiv(lanes, block_l), parts)
     gates = (decay2, noise, evidence, r if iso else decay2)
@@ -457,10 +468,13 @@ def _scan_backward(saved, upstream, evidence_scale, config, chunk=None):
     each chunk's adjoint map, a carry pass for nu after each chunk, every chunk at once."""
     decay2, noise, evidence, r, p_prior, p = saved
     n, length, inner = decay2.shape
+    iso = r is not None
+    if length == 0:  # no step: the prior reaches nothing
+        empty = [torch.empty_like(x) for x in (decay2, noise, evidence)]
+        return (*empty, torch.empty_like(r) if iso else None, torch.zeros_like(p_prior))
     lanes = n * inner
     block_t, block_l = config or launch_config(lanes, length, tile=1024)
     chunk, parts = split_plan(lanes, length, block_t, block_l, decay2.dtype, chunk)
-    iso = r is not None
     present = [g is not None for g in upstream]
     upstream = [p if g is None else g.contiguous() for g in upstream]
     upstream += [p] * (3 - len(upstream))
@@ -548,7 +562,8 @@ def kdn_variance_scan(
     """
     shape = decay2.shape
     n, length = shape[0], shape[1]
-    gates = [x.reshape(n, length, -1).contiguous() for x in (decay2, q_noise, evidence)]
+    inner = math.prod(shape[2:])  # explicit: -1 is ambiguous when T = 0
+    gates = [x.reshape(n, length, inner).contiguous() for x in (decay2, q_noise, evidence)]
     start = p_prior.reshape(n, -1).contiguous()
     p, p_bar = _KDNVarianceScan.apply(*gates, start, config, chunk)
     return p.reshape(shape), p_bar.reshape(shape)
