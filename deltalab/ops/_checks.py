@@ -95,8 +95,9 @@ class _Block:
         # stays x's until the block ends.
         self.keys: set[tuple[int, str, tuple[int, int]]] = set()
         # The answers sent toward the host so far (`send_answers`), one conjunction per device
-        # and send: (the CUDA event recorded behind its copy, or None on the CPU, the answer,
-        # on the host once the event has passed), and how many of `queued` they cover.
+        # and send: (the CUDA event recorded behind its copy to pinned memory, or None where
+        # the answer stays put: the CPU, another device, under torch.compile; the answer), and
+        # how many of `queued` they cover.
         self.sent: list[tuple[torch.cuda.Event | None, torch.Tensor]] = []
         self.sent_count = 0
         # How many blocks are open inside this one (they add their checks to it): only the
@@ -136,7 +137,7 @@ class _Block:
         return torch.stack([passed.cpu() for _, passed in self.sent]).all()
 
 
-# The innermost open `one_host_read` block, or None outside any.
+# The open `one_host_read` block (the outermost: blocks opened inside it add to it), or None.
 _QUEUED: contextvars.ContextVar[_Block | None] = contextvars.ContextVar(
     "deltalab_queued_value_checks", default=None
 )

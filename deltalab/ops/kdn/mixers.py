@@ -114,7 +114,8 @@ def _kdn(
     # access out of bounds (the offsets in cu_seqlens, which index memory, are read back and
     # checked before anything is launched). When a check fails its error is raised at the
     # block's end and the work's results are dropped. The delta rule's own check of g is not
-    # run again (a passed or queued check is remembered on the tensor).
+    # queued again (the block knows it queued it for this tensor unchanged), and the delta
+    # rule, a block inside this one, sends nothing of its own.
     with one_host_read():
         k = check_keys(k, "B, T, H")
         check_query_value(q, v, k, "B, T, H")
