@@ -111,10 +111,10 @@ def _p_bar_total(G2, G3, at, mask, p_prev, nu, a, q, c, norm2, r, ISO, HAS_G2, H
 
 
 @triton.jit
-def _part_lane(lane, part, INNER, PARTS):
-    """Where a lane's value for chunk `part` sits in a [N, PARTS, INNER] tensor (with PARTS = 1
-    and part 0, in [N, INNER]: the lane itself)."""
-    return (lane // INNER * PARTS + part) * INNER + lane % INNER
+def _part_lane(lane, part, INNER, PARTS, WIDTH: tl.constexpr = 1):
+    """Where a lane's (first) value for chunk `part` sits in a [N, PARTS, WIDTH, INNER] tensor
+    (with PARTS = 1, part 0 and WIDTH 1, in [N, INNER]: the lane itself)."""
+    return (lane // INNER * PARTS + part) * WIDTH * INNER + lane % INNER
 
 
 @triton.jit
@@ -209,8 +209,7 @@ def _kdn_chunk_maps_kernel(
             tl.sum(tl.where(last, ta, 0.0), axis=0), tl.sum(tl.where(last, tb, 0.0), axis=0),
             tl.sum(tl.where(last, tc, 0.0), axis=0), tl.sum(tl.where(last, td, 0.0), axis=0),
         )  # fmt: skip
-    at = _part_lane(lane, part, INNER, PARTS)
-    at = at + (at - lane % INNER) * 3  # [N, PARTS, 4, INNER]: 4 INNER per (sequence, part)
+    at = _part_lane(lane, part, INNER, PARTS, 4)  # [N, PARTS, 4, INNER]
     tl.store(MAPS + at, ma, mask=lane_ok)
     tl.store(MAPS + at + INNER, mb, mask=lane_ok)
     tl.store(MAPS + at + 2 * INNER, mc, mask=lane_ok)
@@ -292,8 +291,7 @@ def _kdn_chunk_adjoints_kernel(
         slope = tl.sum(tl.where(last, slope, 0.0), axis=0)
         total_all = tl.sum(tl.where(last, total, 0.0), axis=0) + slope * total_all
         slope_all = slope * slope_all
-    at = _part_lane(lane, part, INNER, PARTS)
-    at = at + (at - lane % INNER)  # [N, PARTS, 2, INNER]
+    at = _part_lane(lane, part, INNER, PARTS, 2)  # [N, PARTS, 2, INNER]
     tl.store(MAPS + at, slope_all, mask=lane_ok)
     tl.store(MAPS + at + INNER, total_all, mask=lane_ok)
 
