@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_kdn import kdn_inputs
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from deltalab.analysis import gate_sensitivity
 from deltalab.layers import DiagonalKDN, IsotropicKDN
@@ -33,6 +34,10 @@ needs_triton = pytest.mark.skipif(NO_TRITON is not None, reason=str(NO_TRITON))
 F32, F64 = torch.float32, torch.float64
 NAMES = ("k", "g", "q_noise", "r", "p_prior")
 OUTPUTS = ("gain", "p", "predictive")
+# k and g as the gain hands them on to the delta rule (`Gains.k`, `Gains.g`): routed through the
+# kernels' node, whose backward adds their gradients to its own; the inputs on the PyTorch path.
+ROUTED = ("routed k", "routed g")
+LABELS = (*OUTPUTS, *(f"d/d{n}" for n in NAMES))
 
 
 def spy_fused(monkeypatch, **options) -> list[tuple[int, ...]]:
@@ -75,12 +80,15 @@ def gain_inputs(seed, shape, *, channel_decay=True, extremes=True):
 
 def run(fn, inputs, dtype, weights, info_scale):
     """Outputs and the gradients of sum(weights * outputs) (an output without a weight is
-    unused, so its gradient reaches the kernel as None)."""
+    unused, so its gradient reaches the kernel as None). The outputs after the first three are
+    k and g handed on to the delta rule (`ROUTED`; None: the inputs themselves)."""
     leaves = [x.to(DEVICE, dtype).requires_grad_() for x in inputs]
-    outputs = fn(*leaves, info_scale)
+    outputs = list(fn(*leaves, info_scale))
+    outputs[3:] = [leaf if o is None else o for o, leaf in zip(outputs[3:], leaves, strict=False)]
     loss = sum((o * w.to(o)).sum() for o, w in zip(outputs, weights, strict=True) if w is not None)
     grads = torch.autograd.grad(loss, leaves)
-    return [x.detach().cpu().double() for x in (*outputs, *grads)]
+    # The routed k and g are the inputs' values (g holds -inf): only their gradients compare.
+    return [x.detach().cpu().double() for x in (*outputs[:3], *grads)]
 
 
 def assert_matches_definition_and_pytorch(inputs, weights, block_t, chunk=None):
@@ -96,7 +104,7 @@ def assert_matches_definition_and_pytorch(inputs, weights, block_t, chunk=None):
     )
     definition = run(lambda *x: diag_gain(*x, "sequential"), inputs, F64, weights, info_scale)
     pytorch = run(lambda *x: diag_gain(*x, "parallel"), inputs, F32, weights, info_scale)
-    labels = [*OUTPUTS, *(f"d/d{n}" for n in NAMES)]
+    labels = LABELS
     if chunk is not None:
         whole = run(
             lambda *x: kdn_diag_gain(*x, block_t=block_t, split=False), inputs, F32, weights,
@@ -115,12 +123,14 @@ def assert_matches_definition_and_pytorch(inputs, weights, block_t, chunk=None):
         assert_close(x, x32, tol, f"{label} against the PyTorch path")
 
 
-def weights_for(inputs, seed, used=OUTPUTS):
+def weights_for(inputs, seed, used=OUTPUTS + ROUTED):
     gen = torch.Generator().manual_seed(seed)
-    k = inputs[0]
+    k, g = inputs[:2]
     shapes = {"gain": k.shape, "p": k.shape, "predictive": k.shape[:-1]}
+    shapes |= {"routed k": k.shape, "routed g": g.shape}
     return [
-        torch.randn(shapes[o], generator=gen, dtype=F64) if o in used else None for o in OUTPUTS
+        torch.randn(shapes[o], generator=gen, dtype=F64) if o in used else None
+        for o in OUTPUTS + ROUTED
     ]
 
 
@@ -218,7 +228,7 @@ def test_kdn_diag_gain_splits_t_below_split_gain_below_programs(monkeypatch, bat
     fused = run(lambda *x: triton_gain.kdn_diag_gain(*x, block_t=2), inputs, F32, weights, 3.0)
     definition = run(lambda *x: diag_gain(*x, "sequential"), inputs, F64, weights, 3.0)
     assert grids == [(2 * batch, 3 if split else 1)]
-    labels = [*OUTPUTS, *(f"d/d{n}" for n in NAMES)]
+    labels = LABELS
     for label, x, x64 in zip(labels, fused, definition, strict=True):
         assert_close(x, x64, TOLERANCE[F32], f"{label} against float64")
 
@@ -243,11 +253,15 @@ SPLITS = pytest.mark.parametrize("chunk", [None, 4], ids=["one_program", "split_
 
 @needs_triton
 @SPLITS
-@pytest.mark.parametrize("used", [("gain",), ("p", "predictive")], ids=["gain_only", "no_gain"])
+@pytest.mark.parametrize(
+    "used",
+    [("gain",), ("p", "predictive"), ("gain", "routed g")],
+    ids=["gain_only", "no_gain", "gain_and_routed_g"],
+)
 def test_fused_gain_gradients_are_right_when_outputs_go_unused(used, chunk):
     """An unused output's gradient comes to the backward as None (p in the mixers, which read
-    only its last step, also dgain): the kernels (the split's chunk adjoints too) take it as
-    zero."""
+    only its last step, also dgain; k and g routed to no delta rule): the kernels (the split's
+    chunk adjoints too) take it as zero."""
     inputs = gain_inputs(3, (2, 9, 2, 6))
     weights = weights_for(inputs, 4, used)
     assert_matches_definition_and_pytorch(inputs, weights, 2 if chunk else 4, chunk)
@@ -341,7 +355,7 @@ def test_diag_gain_takes_the_fused_kernel_from_enough_programs_and_both_routes_a
             lambda *x, f=fused: diag_gain(*x, "triton", fused=f), inputs, F32, weights, info_scale
         )
     assert calls == [(batch, 5, heads, 3)] * (1 + (batch * heads >= 64))
-    labels = [*OUTPUTS, *(f"d/d{n}" for n in NAMES)]
+    labels = LABELS
     for fused, results in routes.items():
         for label, x, x64 in zip(labels, results, definition, strict=True):
             assert_close(x, x64, TOLERANCE[F32], f"{label} (fused={fused}) against float64")
@@ -489,6 +503,100 @@ def test_kdn_gain_iso_takes_its_kernels_exactly_on_the_triton_scan_in_float32(
     k, g, q_noise, r, _ = (x.to(DEVICE, dtype) for x in iso_inputs(13, (1, 4, 2, 3), True))
     kdn_gain_iso(k, g, q_noise, r, torch.ones(2, device=DEVICE, dtype=dtype), backend=backend)
     assert calls == ([(1, 4, 2, 3)] if fused else [])
+
+
+@needs_triton
+@pytest.mark.parametrize("channel_decay", [True, False], ids=["channel_decay", "head_decay"])
+@pytest.mark.parametrize("routed", ["k and g", "k", "neither"])
+def test_iso_terms_backward_adds_the_routed_gradients_of_k_and_g_to_its_own(channel_decay, routed):
+    """The terms' node hands k and g back (for the delta rule): their values unchanged, and the
+    gradients they receive summed with the terms' own shares by its backward kernel, against
+    float64 autograd of the PyTorch terms with k and g used as directly."""
+    from deltalab.ops.kdn.triton_gain import _KDNIsoTerms
+
+    shape = (2, 7, 3, 5)
+    gen = torch.Generator().manual_seed(21)
+    k = torch.randn(shape, generator=gen, dtype=F64)
+    g = -3 * torch.rand(shape if channel_decay else shape[:3], generator=gen, dtype=F64)
+    g[0, 1] = -torch.inf
+    weights = [torch.randn(shape[:3], generator=gen, dtype=F64) for _ in range(2)]
+    weights += [torch.randn(x.shape, generator=gen, dtype=F64) for x in (k, g)]
+    uses = {"k and g": (True, True), "k": (True, False), "neither": (False, False)}[routed]
+    results = {}
+    for name, dtype in (("kernels", F32), ("float64", F64)):
+        leaves = [x.to(DEVICE, dtype).requires_grad_() for x in (k, g)]
+        if name == "kernels":
+            decay2, norm2, k_out, g_out = _KDNIsoTerms.apply(*leaves)
+            assert torch.equal(k_out, leaves[0]) and torch.equal(g_out, leaves[1])
+        else:
+            decay2, norm2, _ = gains.iso_terms(*leaves, torch.ones(shape[:3], dtype=F64), 1.0)
+            k_out, g_out = leaves
+        outputs = (decay2, norm2, k_out, g_out)
+        used = (True, True, *uses)
+        pairs = zip(outputs, weights, used, strict=True)
+        loss = sum((o * w.to(o)).sum() for o, w, u in pairs if u)
+        results[name] = [x.detach().cpu().double() for x in torch.autograd.grad(loss, leaves)]
+    for label, x, x64 in zip(("dk", "dg"), *results.values(), strict=True):
+        assert_close(x, x64, TOLERANCE[F32], label)
+
+
+@needs_triton
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
+def test_isotropic_kdn_hands_the_delta_rule_k_and_g_through_its_terms_node_checked_once(
+    monkeypatch, packed
+):
+    """On the kernels' route the delta rule takes k and g as the terms' node hands them back (so
+    that node's backward sums both gradients), and g's check is not queued again for them;
+    packed sequences, whose gain sees padded copies, hand it the inputs themselves. The
+    gradients of k and g match the chunk path's."""
+    from deltalab.ops import kdn_iso
+    from deltalab.ops.kdn import mixers
+
+    b, t, h, d = (1, 9, 2, 4)
+    gen = torch.Generator().manual_seed(22)
+    draw = lambda *shape: torch.rand(*shape, generator=gen)  # noqa: E731
+    q, k, v = draw(b, t, h, d), draw(b, t, h, d) - 0.5, draw(b, t, h, d)
+    g, q_noise, r = -draw(b, t, h, d), draw(b, t, h), draw(b, t, h) + 0.5
+    cu = torch.tensor([0, 4, 9]) if packed else None
+    seen = []
+
+    def spy(q, a, b, u, g, **kwargs):
+        seen.append((b, g))
+        return original(q, a, b, u, g, **kwargs)
+
+    original = mixers.delta_rule
+    monkeypatch.setattr(mixers, "delta_rule", spy)
+    results = {}
+    for backend in ("triton", "chunk"):
+        leaves = [x.to(DEVICE).requires_grad_() for x in (k, g)]
+        inputs = [x.to(DEVICE) for x in (q, v, q_noise, r)]
+        with CountedMax(leaves[1]) as counted:
+            o, _ = kdn_iso(
+                inputs[0], leaves[0], inputs[1], leaves[1], *inputs[2:],
+                p0=torch.ones(h, device=DEVICE), cu_seqlens=cu, backend=backend,
+            )  # fmt: skip
+        if backend == "triton":
+            routed = all(x is not leaf for x, leaf in zip(seen[-1], leaves, strict=True))
+            assert routed != packed
+            assert counted.count == 1
+        results[backend] = torch.autograd.grad((o * o).sum(), leaves)
+    for label, x, ref in zip(("dk", "dg"), *results.values(), strict=True):
+        assert_close(x, ref, 1e-5, label)
+
+
+class CountedMax(TorchDispatchMode):
+    """Counts the max reductions (the value checks') over the elements of `x`."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        super().__init__()
+        self.x, self.count = x, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        reductions = (torch.ops.aten.amax.default, torch.ops.aten.aminmax.default)
+        first = args[0] if args else None
+        if func in reductions and isinstance(first, torch.Tensor):
+            self.count += first.data_ptr() == self.x.data_ptr() and first.shape == self.x.shape
+        return func(*args, **(kwargs or {}))
 
 
 def iso_scan_inputs(seed, shape):

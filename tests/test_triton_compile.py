@@ -359,7 +359,8 @@ def test_norm_kernels_compile_for_hopper_without_spills(dim, dtype, gated):
 @pytest.mark.parametrize("g_head", [False, True], ids=["channel_decay", "head_decay"])
 def test_kdn_gain_kernels_compile_for_hopper_without_spills(monkeypatch, key_dim, g_head):
     """The fused KDN gain (Diagonal) and terms (Isotropic), at the launches they use for
-    T = 4096 (the Diagonal backward with dp, the most loads), and the Diagonal gain's split
+    T = 4096 (the backwards with dp and the delta rule's gradients of k and g, the most loads),
+    and the Diagonal gain's split
     over T (the chunk maps and adjoints at the kernels' tiles, the carry passes): no spill to
     local memory, which in these bandwidth-bound kernels would add traffic."""
     from deltalab.ops.kdn import triton_gain
@@ -369,7 +370,7 @@ def test_kdn_gain_kernels_compile_for_hopper_without_spills(monkeypatch, key_dim
         monkeypatch.setattr(triton_gain, "GAIN_WALK", walk)
         for which, n_pointers, flags in (
             ("forward", 8, {}),
-            ("backward", 16, {"HAS_DP": True}),
+            ("backward", 18, {"HAS_DP": True, "HAS_DK_IN": True, "HAS_DG_IN": True}),
             ("chunk_maps", 5, {}),
             ("chunk_adjoints", 11, {"HAS_DP": True}),
         ):
@@ -385,9 +386,10 @@ def test_kdn_gain_kernels_compile_for_hopper_without_spills(monkeypatch, key_dim
     ]
     block_r, block_k, warps = triton_gain.iso_launch(key_dim)
     iso = {"G_HEAD": g_head, "BLOCK_R": block_r, "BLOCK_K": block_k}
+    routed = {**iso, "HAS_DK_IN": True, "HAS_DG_IN": True}  # the delta rule's gradients added
     kernels += [
         (triton_gain._kdn_iso_terms_forward_kernel, 4, iso, warps),
-        (triton_gain._kdn_iso_terms_backward_kernel, 6, iso, warps),
+        (triton_gain._kdn_iso_terms_backward_kernel, 8, routed, warps),
     ]
     for kernel, n_pointers, constants, warps in kernels:
         _assert_compiles_without_spills(

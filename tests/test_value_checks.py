@@ -347,6 +347,21 @@ def test_a_block_queues_a_repeated_check_once_and_remembers_it_only_on_success(g
         require_nonpositive("h", h, "a log decay")
 
 
+def test_a_block_knows_a_queued_check_for_a_view_of_the_same_elements(generator):
+    """A view over exactly x's elements (as autograd hands back a tensor routed through a
+    node) is not checked again inside the block; a view of part of x, or of other values, is."""
+    g = -torch.rand(3, 4, generator=generator)
+    with Ops() as ops:
+        with one_host_read():
+            require_nonpositive("g", g, "a log decay")
+            require_nonpositive("g", g.view_as(g), "a log decay")
+            require_nonpositive("g", g.detach(), "a log decay")
+            require_nonpositive("g", g[1:], "a log decay")
+            require_nonpositive("g", g.t(), "a log decay")
+            require_nonpositive("g", g.clone(), "a log decay")
+    assert sum(func is torch.ops.aten.amax.default for func, *_ in ops.calls) == 4
+
+
 def test_inference_tensors_are_checked_every_time(generator):
     with torch.inference_mode():
         g = -torch.rand(3, generator=generator)

@@ -91,9 +91,13 @@ class _Block:
         self.queued: list[
             tuple[torch.Tensor, Callable[[], None], torch.Tensor, str, tuple[int, int] | None]
         ] = []
-        # (id(x), kind, version) of each queued check: the closures keep x alive, so an id
-        # stays x's until the block ends.
-        self.keys: set[tuple[int, str, tuple[int, int]]] = set()
+        # (_same_values(x), kind) of each queued check: x's dtype, shape, strides, version
+        # counter and data address, so that a view of x over the same elements (a tensor
+        # routed through an autograd node, handed back as a view of itself) is known too. The
+        # queue keeps x alive until the block ends, so no other storage can take its address
+        # meanwhile, and a tensor at the same address is a view of x's storage, sharing its
+        # version counter.
+        self.keys: set[tuple[tuple, str]] = set()
         # The answers sent toward the host so far (`send_answers`), one conjunction per device
         # and send: (the CUDA event recorded behind its copy to pinned memory, or None where
         # the answer stays put: the CPU, another device, under torch.compile; the answer), and
@@ -263,7 +267,13 @@ def _settled(x: torch.Tensor, kind: str) -> bool:
     if getattr(x, "_deltalab_passed", {}).get(kind) == version:
         return True
     block = _QUEUED.get()
-    return block is not None and (id(x), kind, version) in block.keys
+    return block is not None and (_same_values(x, version), kind) in block.keys
+
+
+def _same_values(x: torch.Tensor, version: tuple[int, int]) -> tuple:
+    """What makes two tensors read the same elements: dtype, shape, strides, and the version
+    and address `_version` gives."""
+    return x.dtype, tuple(x.shape), x.stride(), version
 
 
 def _failed(x: torch.Tensor, kind: str, passed: torch.Tensor, check: Callable[[], None]) -> bool:
@@ -274,7 +284,7 @@ def _failed(x: torch.Tensor, kind: str, passed: torch.Tensor, check: Callable[[]
     if block is not None:
         block.queued.append((passed, check, x, kind, version))
         if version is not None:
-            block.keys.add((id(x), kind, version))
+            block.keys.add((_same_values(x, version), kind))
         return False
     if not bool(passed):
         return True

@@ -58,11 +58,16 @@ class Gains(NamedTuple):
     """What a gain computation gives: the gain (Isotropic: the write strength beta `[..., H]`,
     gain = beta k; Diagonal and Exact: the gain `[..., H, K]`), the posterior variance p
     (`[..., H]`, or `[..., H, K]`: Exact's is the diagonal of P), and the predicted variance of
-    the observation `k^T P_bar k` `[..., H]` (r excluded), whose sum with r divides the gain."""
+    the observation `k^T P_bar k` `[..., H]` (r excluded), whose sum with r divides the gain.
+    `k` and `g`, where given, are the keys and log decays for the delta rule that the gain feeds:
+    the same values routed through the gain's autograd node, whose backward then sums the delta
+    rule's gradients of them with its own (Isotropic KDN's kernels); None: take the inputs."""
 
     gain: torch.Tensor
     p: torch.Tensor
     predictive: torch.Tensor
+    k: torch.Tensor | None = None
+    g: torch.Tensor | None = None
 
 
 # The per-token formulas, written once for the scans below and the decoding steps (step.py).

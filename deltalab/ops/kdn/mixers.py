@@ -55,25 +55,30 @@ def _packed_gains(
     info_scale: float,
     scan: str,
     cu_seqlens: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gains `[B, T, H(, K)]` and each sequence's last posterior variance `[N, H(, K)]`.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gains `[B, T, H(, K)]`, each sequence's last posterior variance `[N, H(, K)]`, and the k
+    and g for the delta rule (`Gains.k`, `Gains.g`: routed through the gain's node where its
+    backward sums their gradients, else the inputs).
 
     Packed sequences are scanned as a padded batch, each from its own prior. Padding tokens
     get k = 0, g = 0, q_noise = 0 and r = 1: the identity map, finite in both directions.
     """
     if cu_seqlens is None:
-        gain, p, _ = gain_fn(k, g, q_noise, r, p_prior, info_scale, scan)
-        return gain, p[:, -1]
+        gains = gain_fn(k, g, q_noise, r, p_prior, info_scale, scan)
+        routed = (k, g) if gains.k is None else (gains.k, gains.g)
+        return gains.gain, gains.p[:, -1], *routed
     length = k.shape[1]
     max_len = max_seqlen(cu_seqlens, length)  # one device -> host sync (see max_seqlen)
     real = pad_packed(torch.ones_like(r), cu_seqlens, max_len) > 0
     r_padded = pad_packed(r, cu_seqlens, max_len)
     r_padded = torch.where(real, r_padded, torch.ones_like(real, dtype=r.dtype))
     padded = [pad_packed(x, cu_seqlens, max_len) for x in (k, g, q_noise)]
-    gain, p, _ = gain_fn(*padded, r_padded, p_prior, info_scale, scan)
+    # The padded k and g are not the delta rule's: its gradients of k and g and the gain's
+    # reach the inputs apart and are summed by autograd.
+    gain, p, *_ = gain_fn(*padded, r_padded, p_prior, info_scale, scan)
     last = cu_seqlens[1:] - cu_seqlens[:-1] - 1
     sequences = torch.arange(last.numel(), device=p.device)
-    return unpad_packed(gain, cu_seqlens, length), p[sequences, last]
+    return unpad_packed(gain, cu_seqlens, length), p[sequences, last], k, g
 
 
 def _kdn(
@@ -145,13 +150,15 @@ def _kdn(
         written = write_dtype(scan, k, dtype)
         gain_fn = functools.partial(diag_gain, gain_dtype=written) if diagonal else iso_gain
         send_answers()
-        gain, p_last = _packed_gains(gain_fn, k, g, q_noise, r, p_prior.to(dtype), s, scan, cu)
+        gain, p_last, k_rule, g_rule = _packed_gains(
+            gain_fn, k, g, q_noise, r, p_prior.to(dtype), s, scan, cu
+        )
         o, final_memory = delta_rule(
             q,
             gain,
-            k,
+            k_rule,
             v,
-            g,
+            g_rule,
             scale=scale,
             initial_state=memory,
             output_final_state=output_final_state,

@@ -267,6 +267,8 @@ def _kdn_diag_gain_backward_kernel(
     DP,
     DPRED,
     PI_END,
+    DK_IN,
+    DG_IN,
     DK,
     DG,
     DNOISE,
@@ -279,11 +281,15 @@ def _kdn_diag_gain_backward_kernel(
     CHUNK,
     G_HEAD: tl.constexpr,
     HAS_DP: tl.constexpr,
+    HAS_DK_IN: tl.constexpr,
+    HAS_DG_IN: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     # Program (pid, part): tokens [part CHUNK, (part + 1) CHUNK) of head pid, from pi at the
-    # first step after the chunk, PI_END[pid, part] (zeros with one chunk, CHUNK >= T).
+    # first step after the chunk, PI_END[pid, part] (zeros with one chunk, CHUNK >= T). DK_IN,
+    # DG_IN: the delta rule's gradients of k and g routed through this node, added before the
+    # one write of dk and dg (see _KDNDiagGain).
     pid, part, ch, ch_ok, rows, base, head_base = _chunk_program(T, H, KD, BLOCK_T, BLOCK_K)
     p0 = tl.load(P0 + pid * KD + ch, mask=ch_ok, other=0.0)
     end_at = (pid.to(tl.int64) * tl.num_programs(1) + part) * KD
@@ -305,12 +311,18 @@ def _kdn_diag_gain_backward_kernel(
         d_c = -nu_p * p_t
         d_g = 2.0 * a * (pi * p_prev)
         d_k += (d_c / r[:, None]) * (2.0 * scale * k)
+        if HAS_DK_IN:
+            d_k += tl.load(DK_IN + at, mask=ok, other=0.0).to(tl.float32)
         tl.store(DK + at, d_k.to(DK.dtype.element_ty), mask=ok)
         tl.store(DNOISE + at, pi.to(DNOISE.dtype.element_ty), mask=ok)
         if G_HEAD:
             d_g_head = tl.sum(tl.where(ok, d_g, 0.0), axis=1)
+            if HAS_DG_IN:
+                d_g_head += tl.load(DG_IN + head_at, mask=row_ok, other=0.0).to(tl.float32)
             tl.store(DG + head_at, d_g_head.to(DG.dtype.element_ty), mask=row_ok)
         else:
+            if HAS_DG_IN:
+                d_g += tl.load(DG_IN + at, mask=ok, other=0.0).to(tl.float32)
             tl.store(DG + at, d_g.to(DG.dtype.element_ty), mask=ok)
         d_r = d_den + tl.sum(tl.where(ok, nu_p * (p_t * c), 0.0), axis=1) / r
         tl.store(DR + head_at, d_r.to(DR.dtype.element_ty), mask=row_ok)
@@ -694,8 +706,9 @@ def _kdn_diag_gain_token_adjoints_kernel(
 
 @triton.jit
 def _kdn_diag_gain_token_backward_kernel(
-    K_, G, NOISE, R, P0, P, PRED, DGAIN, DP, DPRED, PI_END, DK, DG, DNOISE, DR, DP0, T, H, KD,
-    scale, CHUNK, G_HEAD: tl.constexpr, HAS_DP: tl.constexpr, BLOCK_T: tl.constexpr,
+    K_, G, NOISE, R, P0, P, PRED, DGAIN, DP, DPRED, PI_END, DK_IN, DG_IN, DK, DG, DNOISE, DR,
+    DP0, T, H, KD, scale, CHUNK, G_HEAD: tl.constexpr, HAS_DP: tl.constexpr,
+    HAS_DK_IN: tl.constexpr, HAS_DG_IN: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # Program (pid, part): tokens [part CHUNK, (part + 1) CHUNK) of head pid from the last, from
@@ -720,12 +733,20 @@ def _kdn_diag_gain_token_backward_kernel(
             d_c = -nu_p * p_t
             d_g = 2.0 * a * (pi * p_prev)
             d_k += (d_c / r) * (2.0 * scale * k)
+            if HAS_DK_IN:
+                d_k += tl.load(DK_IN + at, mask=ok, other=0.0).to(tl.float32)
             tl.store(DK + at, d_k.to(DK.dtype.element_ty), mask=ok)
             tl.store(DNOISE + at, pi.to(DNOISE.dtype.element_ty), mask=ok)
             if G_HEAD:
                 d_g_head = tl.sum(tl.where(ok, d_g, 0.0), axis=0) + 0.0 * r
+                if HAS_DG_IN:
+                    # Channel 0 carries the head's gradient (the only lane stored).
+                    d_g_in = tl.load(DG_IN + head_at + 0 * ch, mask=ok & (ch == 0), other=0.0)
+                    d_g_head += d_g_in.to(tl.float32)
                 tl.store(DG + head_at, d_g_head.to(DG.dtype.element_ty), mask=ok & (ch == 0))
             else:
+                if HAS_DG_IN:
+                    d_g += tl.load(DG_IN + at, mask=ok, other=0.0).to(tl.float32)
                 tl.store(DG + at, d_g.to(DG.dtype.element_ty), mask=ok)
             d_r = d_den + tl.sum(tl.where(ok, nu_p * (p_t * c), 0.0), axis=0) / r
             tl.store(DR + head_at, d_r.to(DR.dtype.element_ty), mask=ok & (ch == 0))
@@ -904,11 +925,15 @@ class _KDNDiagGain(torch.autograd.Function):
         # An output the loss does not reach comes back as None, not as zeros: p in training (the
         # layers keep only its last step, as their state's precision).
         ctx.set_materialize_grads(False)
-        return gain, p, predictive
+        # k and g handed back as they came (autograd makes them views of themselves): the delta
+        # rule the gain feeds takes them from here, so their gradients from it come to backward
+        # below with the gain's, which the kernel adds before its one write of dk and dg (as
+        # _KDNIsoTerms does, whose docstring has the reason).
+        return gain, p, predictive, k, g
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, d_gain, d_p, d_pred):
+    def backward(ctx, d_gain, d_p, d_pred, dk_in, dg_in):
         k, g, q_noise, r, p_prior, p, predictive = ctx.saved_tensors
         batch, length, heads, key_dim = k.shape
         bh = batch * heads
@@ -939,9 +964,12 @@ class _KDNDiagGain(torch.autograd.Function):
             )
         else:
             ends = p.new_zeros(bh, 1, key_dim)
+        # An absent routed gradient is never read (its flag is off); k and g stand in for it.
         kernels["backward"][(bh, parts)](
-            k, g, q_noise, r, p_prior, p, predictive, d_gain, d_p, d_pred, ends, *grads, length, heads,
-            key_dim, ctx.scale, chunk_t, G_HEAD=g_head, HAS_DP=has_dp, BLOCK_T=tile_t,
+            k, g, q_noise, r, p_prior, p, predictive, d_gain, d_p, d_pred, ends,
+            k if dk_in is None else dk_in.contiguous(), g if dg_in is None else dg_in.contiguous(),
+            *grads, length, heads, key_dim, ctx.scale, chunk_t, G_HEAD=g_head, HAS_DP=has_dp,
+            HAS_DK_IN=dk_in is not None, HAS_DG_IN=dg_in is not None, BLOCK_T=tile_t,
             BLOCK_K=block_k, num_warps=warps,
         )  # fmt: skip
         return (*grads, None, None, None, None, None)
@@ -959,9 +987,10 @@ def kdn_diag_gain(
     split: bool | None = None,
     chunk: int | None = None,
     gain_dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(gain `[B, T, H, K]` in `gain_dtype`, p `[B, T, H, K]` and predictive `[B, T, H]` in
-    float32) of Diagonal KDN, as `gains.diag_gain`: k, q_noise `[B, T, H, K]`, g
+    float32, then k and g routed through the gain's node for the delta rule: see `Gains.k`) of
+    Diagonal KDN, as `gains.diag_gain`: k, q_noise `[B, T, H, K]`, g
     `[B, T, H(, K)]`, r `[B, T, H]`, validated, each in its own float dtype (bf16, fp16 or fp32:
     the kernels read them into float32 and write their gradients back in it, so 16-bit inputs
     need no float32 copies), p_prior `[B, H, K]` float32. `block_t` (a power of 2 >= 2) overrides the tokens per tile
@@ -1025,14 +1054,21 @@ def _kdn_iso_terms_backward_kernel(
     G,
     DDECAY,
     DNORM2,
+    DK_IN,
+    DG_IN,
     DK,
     DG,
     ROWS,
     KD,
     G_HEAD: tl.constexpr,
+    HAS_DK_IN: tl.constexpr,
+    HAS_DG_IN: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    # DK_IN, DG_IN: the gradients of k and g from the delta rule that took them through this
+    # node (`through` in kdn_iso_gain), added to the terms' own shares in float32 before the
+    # one write in k's and g's dtypes (absent: the flags off, the pointers unread).
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ch = tl.arange(0, BLOCK_K)
     row_ok = row < ROWS
@@ -1040,14 +1076,22 @@ def _kdn_iso_terms_backward_kernel(
     at = row.to(tl.int64)[:, None] * KD + ch[None, :]
     k = tl.load(K_ + at, mask=ok, other=0.0).to(tl.float32)
     d_norm2 = tl.load(DNORM2 + row, mask=row_ok, other=0.0)
-    tl.store(DK + at, ((2.0 * k) * d_norm2[:, None]).to(DK.dtype.element_ty), mask=ok)
+    d_k = (2.0 * k) * d_norm2[:, None]
+    if HAS_DK_IN:
+        d_k += tl.load(DK_IN + at, mask=ok, other=0.0).to(tl.float32)
+    tl.store(DK + at, d_k.to(DK.dtype.element_ty), mask=ok)
     d_decay = tl.load(DDECAY + row, mask=row_ok, other=0.0)
     if G_HEAD:
         g = tl.load(G + row, mask=row_ok, other=0.0).to(tl.float32)
-        tl.store(DG + row, (2.0 * tl.exp(2.0 * g) * d_decay).to(DG.dtype.element_ty), mask=row_ok)
+        d_g = 2.0 * tl.exp(2.0 * g) * d_decay
+        if HAS_DG_IN:
+            d_g += tl.load(DG_IN + row, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(DG + row, d_g.to(DG.dtype.element_ty), mask=row_ok)
     else:
         g = tl.load(G + at, mask=ok, other=0.0).to(tl.float32)
         d_g = tl.exp(2.0 * g) * (2.0 * d_decay / KD)[:, None]
+        if HAS_DG_IN:
+            d_g += tl.load(DG_IN + at, mask=ok, other=0.0).to(tl.float32)
         tl.store(DG + at, d_g.to(DG.dtype.element_ty), mask=ok)
 
 
@@ -1058,6 +1102,17 @@ def iso_launch(key_dim: int) -> tuple[int, int, int]:
 
 
 class _KDNIsoTerms(torch.autograd.Function):
+    """(a, ||k||^2, k, g): the terms, and k and g themselves routed through this node.
+
+    The delta rule that the gain feeds takes k and g too, so each gets two gradients, which
+    autograd would sum in a kernel of its own after both are written: for bf16 `[B, T, H, K]` k
+    and g, two more reads and a write of each. Handed the node's k and g, the delta rule's
+    gradients arrive here with the terms' own, and the backward kernel adds them in float32
+    before its one write (on the H200 the separate sums took 0.10 ms of Isotropic KDN's 5.2 at
+    B=4 T=4096 H=16, 0.19 ms at B=1 T=32768; docs/RESULTS.md, twenty-second session). Unused,
+    the routed outputs cost nothing but two views.
+    """
+
     @staticmethod
     def forward(ctx, k, g):
         # k: contiguous [B, T, H, K]; g: contiguous [B, T, H, K] or [B, T, H]; float32.
@@ -1072,11 +1127,13 @@ class _KDNIsoTerms(torch.autograd.Function):
             )  # fmt: skip
         ctx.save_for_backward(k, g)
         ctx.set_materialize_grads(False)
-        return decay, norm2
+        # Returned as they came, autograd hands them back as views of k and g whose gradients
+        # come to backward below.
+        return decay, norm2, k, g
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, d_decay, d_norm2):
+    def backward(ctx, d_decay, d_norm2, dk_in, dg_in):
         k, g = ctx.saved_tensors
         key_dim = k.shape[-1]
         rows = k.numel() // key_dim
@@ -1088,8 +1145,14 @@ class _KDNIsoTerms(torch.autograd.Function):
         dk, dg = torch.empty_like(k), torch.empty_like(g)
         block_r, block_k, warps = iso_launch(key_dim)
         if rows:
+            # An absent gradient is never read (its flag is off); k and g stand in for its
+            # pointer.
             _kdn_iso_terms_backward_kernel[(triton.cdiv(rows, block_r),)](
-                k, g, d_decay, d_norm2, dk, dg, rows, key_dim, G_HEAD=g.dim() < k.dim(),
+                k, g, d_decay, d_norm2,
+                k if dk_in is None else dk_in.contiguous(),
+                g if dg_in is None else dg_in.contiguous(),
+                dk, dg, rows, key_dim, G_HEAD=g.dim() < k.dim(),
+                HAS_DK_IN=dk_in is not None, HAS_DG_IN=dg_in is not None,
                 BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps,
             )  # fmt: skip
         return dk, dg
@@ -1103,12 +1166,15 @@ def kdn_iso_gain(
     r: torch.Tensor,
     p_prior: torch.Tensor,
     info_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`gains.iso_gain` on two stages each way: the terms' reductions over K above (a and
     ||k||^2 per token and head), then the scan with the evidence and beta inside it
-    (`triton.kdn_iso_scan`). Returns (beta, p, predictive) `[B, T, H]` float32. k
+    (`triton.kdn_iso_scan`). Returns (beta, p, predictive) `[B, T, H]` float32, then k and g
+    routed through the terms' node, for the delta rule the gain feeds: its gradients of them are
+    then summed with the terms' own by the terms' backward kernel (`_KDNIsoTerms`). k
     `[B, T, H, K]`, g `[B, T, H(, K)]`, q_noise and r `[B, T, H]` in their own float dtypes
     (read as they are, their gradients written back in them), p_prior `[B, H]` float32; all
     validated."""
-    decay2, norm2 = _KDNIsoTerms.apply(k.contiguous(), g.contiguous())
-    return kdn_iso_scan(decay2, norm2, q_noise, r, p_prior, info_scale / k.shape[-1])
+    decay2, norm2, k, g = _KDNIsoTerms.apply(k.contiguous(), g.contiguous())
+    scan = kdn_iso_scan(decay2, norm2, q_noise, r, p_prior, info_scale / k.shape[-1])
+    return (*scan, k, g)
