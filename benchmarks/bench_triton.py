@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from deltalab.benchmarking import (
     add_delta_rule_options,
     apply_delta_rule_options,
+    backward_fresh,
     format_table,
     median_seconds,
     run_environment,
@@ -205,7 +206,7 @@ def time_case(fn, inputs, names, repeats, device):
     d_out = torch.randn_like(fn(**inputs))
 
     def train():
-        fn(**leaves).backward(d_out)
+        backward_fresh(fn(**leaves), d_out, [leaves[k] for k in names])
 
     if device == "cuda":
         import triton
@@ -349,8 +350,8 @@ def overhead(device, shape, only, chunk_size=64):
         leaves = {k: (v.clone().requires_grad_() if k in names else v) for k, v in inputs.items()}
         d_out = torch.randn_like(fn(**inputs))
 
-        def train(fn=fn, leaves=leaves, d_out=d_out):
-            fn(**leaves).backward(d_out)
+        def train(fn=fn, leaves=leaves, d_out=d_out, names=names):
+            backward_fresh(fn(**leaves), d_out, [leaves[k] for k in names])
 
         def forward(fn=fn):
             with torch.no_grad():

@@ -103,11 +103,13 @@ def _profile_form(fn, names, inputs, iterations: int, checks: bool, min_us: floa
     import torch
     from bench_triton import value_checks_off
 
+    from deltalab.benchmarking import backward_fresh
+
     leaves = {k: (v.clone().requires_grad_() if k in names else v) for k, v in inputs.items()}
     d_out = torch.randn_like(fn(**inputs))
 
     def step():
-        fn(**leaves).backward(d_out)
+        backward_fresh(fn(**leaves), d_out, [leaves[k] for k in names])
 
     with contextlib.nullcontext() if checks else value_checks_off():
         for _ in range(3):

@@ -349,3 +349,14 @@ def apply_delta_rule_options(args: argparse.Namespace) -> None:
     chunk.RECOMPUTE_STATES = chunk.RECOMPUTE_STATES and not args.keep_states
     chunk.OPERATOR_DTYPE = args.operator_dtype or chunk.OPERATOR_DTYPE
     chunk.WALK_DOTS = args.walk_dots or chunk.WALK_DOTS
+
+
+def backward_fresh(out: torch.Tensor, d_out: torch.Tensor, leaves: Sequence[torch.Tensor]) -> None:
+    """`out.backward(d_out)` into fresh `.grad` tensors: the leaves' gradients from an earlier
+    call are dropped first. A timed loop of forward+backward calls would otherwise also time
+    autograd's accumulation into `.grad`, an add over every leaf each call, which the
+    activations of a training step do not have (on the H200 five bf16 adds took 0.37 ms of the
+    KDA form's 13 at B=1 T=32768 H=16; docs/RESULTS.md, twenty-third session)."""
+    for leaf in leaves:
+        leaf.grad = None
+    out.backward(d_out)

@@ -529,7 +529,7 @@ def test_iso_terms_backward_adds_the_routed_gradients_of_k_and_g_to_its_own(chan
             decay2, norm2, k_out, g_out = _KDNIsoTerms.apply(*leaves)
             assert torch.equal(k_out, leaves[0]) and torch.equal(g_out, leaves[1])
         else:
-            decay2, norm2, _ = gains.iso_terms(*leaves, torch.ones(shape[:3], dtype=F64), 1.0)
+            decay2, norm2, _ = gains.iso_terms(*leaves, leaves[0].new_ones(shape[:3]), 1.0)
             k_out, g_out = leaves
         outputs = (decay2, norm2, k_out, g_out)
         used = (True, True, *uses)
@@ -557,7 +557,7 @@ def test_isotropic_kdn_hands_the_delta_rule_k_and_g_through_its_terms_node_check
     draw = lambda *shape: torch.rand(*shape, generator=gen)  # noqa: E731
     q, k, v = draw(b, t, h, d), draw(b, t, h, d) - 0.5, draw(b, t, h, d)
     g, q_noise, r = -draw(b, t, h, d), draw(b, t, h), draw(b, t, h) + 0.5
-    cu = torch.tensor([0, 4, 9]) if packed else None
+    cu = torch.tensor([0, 4, 9], device=DEVICE) if packed else None
     seen = []
 
     def spy(q, a, b, u, g, **kwargs):
@@ -582,6 +582,38 @@ def test_isotropic_kdn_hands_the_delta_rule_k_and_g_through_its_terms_node_check
         results[backend] = torch.autograd.grad((o * o).sum(), leaves)
     for label, x, ref in zip(("dk", "dg"), *results.values(), strict=True):
         assert_close(x, ref, 1e-5, label)
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", ["iso", "diag"])
+def test_a_kdn_op_on_the_kernels_queues_no_check_after_its_send_on_first_or_later_calls(
+    monkeypatch, variant
+):
+    """The delta rule takes k and g as the gain's node hands them back, and checks g again: it
+    must find that check queued (first call) or passed (a later call with the same inputs, the
+    pass remembered), or the check is read at the block's end, behind all the work (on a GPU a
+    wait for the whole forward)."""
+    from deltalab.ops import _checks, kdn_diag, kdn_iso
+
+    late = []
+    answer = _checks._Block.answer
+
+    def spy(block):
+        late.append(len(block.queued) - block.sent_count)
+        return answer(block)
+
+    monkeypatch.setattr(_checks._Block, "answer", spy)
+    b, t, h, d = (1, 6, 2, 4)
+    gen = torch.Generator().manual_seed(23)
+    draw = lambda *shape: torch.rand(*shape, generator=gen, device="cpu").to(DEVICE)  # noqa: E731
+    q, k, v, g = draw(b, t, h, d), draw(b, t, h, d) - 0.5, draw(b, t, h, d), -draw(b, t, h, d)
+    q_noise = draw(b, t, h, d) if variant == "diag" else draw(b, t, h)
+    op = kdn_diag if variant == "diag" else kdn_iso
+    leaves = [x.requires_grad_() for x in (k, g)]
+    for _ in range(2):
+        p0 = torch.ones(h, device=DEVICE)  # fresh each call: one check read per call
+        op(q, leaves[0], v, leaves[1], q_noise, draw(b, t, h) + 0.5, p0=p0, backend="triton")
+    assert late == [0, 0]
 
 
 class CountedMax(TorchDispatchMode):

@@ -18,6 +18,7 @@ from deltalab.ops._checks import (
     require_positive,
     require_positive_finite,
     send_answers,
+    share_passes,
 )
 
 
@@ -360,6 +361,42 @@ def test_a_block_knows_a_queued_check_for_a_view_of_the_same_elements(generator)
             require_nonpositive("g", g.t(), "a log decay")
             require_nonpositive("g", g.clone(), "a log decay")
     assert sum(func is torch.ops.aten.amax.default for func, *_ in ops.calls) == 4
+
+
+def test_a_view_over_the_same_elements_shares_a_remembered_pass_only_when_given_it(generator):
+    """A pass is remembered on the tensor object: a view of x (as autograd hands back a tensor
+    routed through a node) is checked again unless `share_passes` hands it x's passes, which
+    it does only for a view over exactly x's elements."""
+
+    class Route(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, dx):
+            return dx
+
+    g = -torch.rand(3, 4, generator=generator).requires_grad_()
+    require_nonpositive("g", g, "a log decay")
+    routed, part = Route.apply(g), g[1:]
+    assert routed is not g
+    share_passes(routed, g)
+    share_passes(part, g)
+    with HostReads() as reads:
+        require_nonpositive("g", routed, "a log decay")
+    assert reads.count == 0
+    with HostReads() as reads:
+        require_nonpositive("g", part, "a log decay")
+        require_nonpositive("g", Route.apply(g), "a log decay")  # not handed the passes
+    assert reads.count == 2
+    h = -torch.rand(3, 4, generator=generator)
+    require_nonpositive("h", h, "a log decay")
+    view = h.view_as(h)
+    share_passes(view, h)
+    h[0, 0] = 1.0  # a write through the base: the shared pass no longer holds
+    with pytest.raises(ValueError, match="h must be <= 0"):
+        require_nonpositive("h", view, "a log decay")
 
 
 def test_inference_tensors_are_checked_every_time(generator):

@@ -14,6 +14,7 @@ from deltalab.ops._checks import (
     require_choice,
     require_same_device,
     send_answers,
+    share_passes,
     state_dtype,
 )
 from deltalab.ops._varlen import max_seqlen, pad_packed, unpad_packed
@@ -65,8 +66,13 @@ def _packed_gains(
     """
     if cu_seqlens is None:
         gains = gain_fn(k, g, q_noise, r, p_prior, info_scale, scan)
-        routed = (k, g) if gains.k is None else (gains.k, gains.g)
-        return gains.gain, gains.p[:, -1], *routed
+        if gains.k is None:
+            return gains.gain, gains.p[:, -1], k, g
+        # The delta rule checks g again: it finds the checks k and g passed (on an earlier
+        # call, with the pass remembered on them) as the routed views' own.
+        share_passes(gains.k, k)
+        share_passes(gains.g, g)
+        return gains.gain, gains.p[:, -1], gains.k, gains.g
     length = k.shape[1]
     max_len = max_seqlen(cu_seqlens, length)  # one device -> host sync (see max_seqlen)
     real = pad_packed(torch.ones_like(r), cu_seqlens, max_len) > 0
