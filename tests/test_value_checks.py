@@ -251,6 +251,72 @@ def test_a_kdn_op_sends_its_answers_before_its_work_and_reads_them_after(
         op(q, key, v, g, q_noise, -r, p0=torch.ones(h), backend="chunk")
 
 
+def assert_sent_before_and_read_after(monkeypatch, module, name, call):
+    """Runs call() with module.name (the work the checks guard) spied on: the answers are sent
+    once before that work starts and read once after it ends."""
+    work, marks = getattr(module, name), {}
+
+    def spy(*args, **kwargs):
+        marks["starts"] = len(ops.calls)
+        out = work(*args, **kwargs)
+        marks["ends"] = len(ops.calls)
+        return out
+
+    monkeypatch.setattr(module, name, spy)
+    with Ops() as ops:
+        call()
+    sent, reads = answers_sent_and_read(ops)
+    assert len(sent) == 1 and sent[0] < marks["starts"]
+    assert len(reads) == 1 and reads[0] >= marks["ends"]
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["kdn_gain_iso", "kdn_gain_diag"])
+def test_a_kdn_gain_sends_its_answers_before_its_work_and_reads_them_after(
+    monkeypatch, generator, per_channel
+):
+    """The public gain functions as the KDN ops: checks sent before the gain's work is queued,
+    read once after it; a bad input still raises by name."""
+    from deltalab.ops.kdn import gains
+
+    b, t, h, k = 1, 6, 2, 4
+    draw = lambda *shape: torch.rand(*shape, generator=generator)  # noqa: E731
+    key, g, r = draw(b, t, h, k), -draw(b, t, h, k), draw(b, t, h) + 0.5
+    q_noise = draw(b, t, h, k) if per_channel else draw(b, t, h)
+    name = "diag_gain" if per_channel else "iso_gain"
+    fn = gains.kdn_gain_diag if per_channel else gains.kdn_gain_iso
+    assert_sent_before_and_read_after(
+        monkeypatch, gains, name, lambda: fn(key, g, q_noise, r, torch.ones(h), backend="parallel")
+    )
+    with pytest.raises(ValueError, match="g must be <= 0"):
+        fn(key, -g, q_noise, r, torch.ones(h), backend="parallel")
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["kdn_iso_step", "kdn_diag_step"])
+def test_a_kdn_decoding_step_sends_its_answers_before_its_work_and_reads_them_after(
+    monkeypatch, generator, per_channel
+):
+    """A decoding step checks, sends, then queues its variance step and memory update, and reads
+    once after them; a bad input still raises by name, and the state given is left as it was."""
+    from deltalab.ops.kdn import step
+
+    b, h, k = 2, 3, 4
+    draw = lambda *shape: torch.rand(*shape, generator=generator)  # noqa: E731
+    q, key, v, g, r = draw(b, h, k), draw(b, h, k), draw(b, h, k), -draw(b, h, k), draw(b, h) + 0.5
+    q_noise = draw(b, h, k) if per_channel else draw(b, h)
+    state = (draw(b, h, k, k), torch.ones(b, h, k) if per_channel else torch.ones(b, h))
+    fn = step.kdn_diag_step if per_channel else step.kdn_iso_step
+    assert_sent_before_and_read_after(
+        monkeypatch,
+        step,
+        "delta_rule_step",
+        lambda: fn(q, key, v, g, q_noise, r, state, backend="naive"),
+    )
+    before = [x.clone() for x in state]
+    with pytest.raises(ValueError, match="g must be <= 0"):
+        fn(q, key, v, -g, q_noise, r, state, backend="naive")
+    assert all(torch.equal(x, y) for x, y in zip(state, before, strict=True))
+
+
 def test_inside_an_enclosing_block_an_op_sends_nothing_and_the_block_reads_once(generator):
     """The trainer wraps each forward in one block: the ops inside add their checks to it and
     do not send them on their own (a send per op would only add launches); the block reduces,

@@ -23,7 +23,13 @@ from typing import NamedTuple
 
 import torch
 
-from deltalab.ops._checks import one_host_read, require_choice, require_same_device, state_dtype
+from deltalab.ops._checks import (
+    one_host_read,
+    require_choice,
+    require_same_device,
+    send_answers,
+    state_dtype,
+)
 from deltalab.ops.kdn._validate import (
     check_decay,
     check_info_scale,
@@ -247,7 +253,9 @@ def kdn_gain_iso(
         `output_predictive`, then `predictive [B, T, H]` = p_bar_t ||k_t||^2 (beta_t =
         p_bar_t / (predictive_t + r_t)). Float64 when any input is float64, else float32.
     """
-    with one_host_read():  # the value checks below read back once, not one by one
+    # One block holds the checks and the work they guard, as in the mixers (mixers._kdn has
+    # the reasoning): the answers are sent before the work and read once after it.
+    with one_host_read():
         k = check_keys(k, "B, T, H")
         check_decay(g, k, "B, T, H")
         check_noise(q_noise, r, k, "B, T, H", per_channel_process=False)
@@ -256,11 +264,12 @@ def kdn_gain_iso(
         scale = check_info_scale(info_scale, key_dim)
         named = {"k": k, "g": g, "q_noise": q_noise, "r": r, "p0": p0}
         require_same_device({**named, "initial_precision": initial_precision})
-    scan = resolve_backend(require_choice("backend", backend, BACKENDS), k.device)
-    # In the state dtype: p_prior's (the rest may come in 16-bit, read as it is by the
-    # kernels and cast by the PyTorch path).
-    dtype = state_dtype(*named.values(), initial_precision)
-    gains = iso_gain(k, g, q_noise, r, p_prior.to(dtype), scale, scan)
+        scan = resolve_backend(require_choice("backend", backend, BACKENDS), k.device)
+        # In the state dtype: p_prior's (the rest may come in 16-bit, read as it is by the
+        # kernels and cast by the PyTorch path).
+        dtype = state_dtype(*named.values(), initial_precision)
+        send_answers()
+        gains = iso_gain(k, g, q_noise, r, p_prior.to(dtype), scale, scan)
     return _returned(gains, output_predictive)
 
 
@@ -299,7 +308,7 @@ def kdn_gain_diag(
         denominator less r_t). Float64 when any input is float64, else float32 (the gain in
         `gain_dtype` when given).
     """
-    with one_host_read():  # the value checks below read back once, not one by one
+    with one_host_read():  # checks and work in one block, as in kdn_gain_iso
         k = check_keys(k, "B, T, H")
         check_decay(g, k, "B, T, H")
         check_noise(q_noise, r, k, "B, T, H", per_channel_process=True)
@@ -308,11 +317,12 @@ def kdn_gain_diag(
         scale = check_info_scale(info_scale, key_dim)
         named = {"k": k, "g": g, "q_noise": q_noise, "r": r, "p0": p0}
         require_same_device({**named, "initial_precision": initial_precision})
-    scan = resolve_backend(require_choice("backend", backend, BACKENDS), k.device)
-    # In the state dtype: p_prior's (the rest may come in 16-bit, read as it is by the
-    # kernels and cast by the PyTorch path).
-    dtype = state_dtype(*named.values(), initial_precision)
-    gains = diag_gain(k, g, q_noise, r, p_prior.to(dtype), scale, scan, gain_dtype=gain_dtype)
+        scan = resolve_backend(require_choice("backend", backend, BACKENDS), k.device)
+        # In the state dtype: p_prior's (the rest may come in 16-bit, read as it is by the
+        # kernels and cast by the PyTorch path).
+        dtype = state_dtype(*named.values(), initial_precision)
+        send_answers()
+        gains = diag_gain(k, g, q_noise, r, p_prior.to(dtype), scale, scan, gain_dtype=gain_dtype)
     return _returned(gains, output_predictive)
 
 

@@ -10,6 +10,7 @@ from deltalab.ops._checks import (
     require_float,
     require_positive,
     require_shape,
+    send_answers,
     state_dtype,
 )
 from deltalab.ops.delta_rule import delta_rule_step
@@ -37,7 +38,11 @@ def _step(
     info_scale: float | None,
     backend: str,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    with one_host_read():  # the value checks below read back once, not one by one
+    # One block holds the checks and the step they guard (mixers._kdn has the reasoning): the
+    # answers are sent before the work and read once after it. The step writes a new state
+    # (delta_rule_step is not asked to write in place), so a failed check leaves the given
+    # state untouched.
+    with one_host_read():
         k = check_keys(k, "B, H")
         check_query_value(q, v, k, "B, H")
         check_decay(g, k, "B, H")
@@ -50,22 +55,23 @@ def _step(
         layout = "[B, H, K]" if diagonal else "[B, H]"
         require_shape("state[1]", precision, k.shape if diagonal else k.shape[:-1], layout)
         require_positive("state[1]", precision, "a precision 1 / p")
-    s = check_info_scale(info_scale, k.shape[-1])
+        s = check_info_scale(info_scale, k.shape[-1])
+        send_answers()
 
-    dtype = state_dtype(q, k, v, g, q_noise, r, memory, precision)
-    k_, g_, q_noise_, r_, precision_ = (x.to(dtype) for x in (k, g, q_noise, r, precision))
-    # One token of the scans' recursion: p_bar from the last posterior, then the gain and the
-    # posterior precision 1/p = 1/p_bar + evidence, by the formulas of gains.py.
-    # `shape_term` is diag_terms' r `[B, H, 1]`, iso_terms' ||k||^2 `[B, H]`.
-    decay2, shape_term, evidence = (diag_terms if diagonal else iso_terms)(k_, g_, r_, s)
-    p_bar = decay2 * (1.0 / precision_) + q_noise_
-    if diagonal:
-        write, _ = diag_gain_from(p_bar, k_, shape_term)
-    else:
-        beta, _ = iso_beta(p_bar, shape_term, r_)
-        write = beta.unsqueeze(-1) * k_
-    new_precision = 1.0 / p_bar + evidence
-    o, new_memory = delta_rule_step(q, write, k, v, g, memory, scale=scale, backend=backend)
+        dtype = state_dtype(q, k, v, g, q_noise, r, memory, precision)
+        k_, g_, q_noise_, r_, precision_ = (x.to(dtype) for x in (k, g, q_noise, r, precision))
+        # One token of the scans' recursion: p_bar from the last posterior, then the gain and
+        # the posterior precision 1/p = 1/p_bar + evidence, by the formulas of gains.py.
+        # `shape_term` is diag_terms' r `[B, H, 1]`, iso_terms' ||k||^2 `[B, H]`.
+        decay2, shape_term, evidence = (diag_terms if diagonal else iso_terms)(k_, g_, r_, s)
+        p_bar = decay2 * (1.0 / precision_) + q_noise_
+        if diagonal:
+            write, _ = diag_gain_from(p_bar, k_, shape_term)
+        else:
+            beta, _ = iso_beta(p_bar, shape_term, r_)
+            write = beta.unsqueeze(-1) * k_
+        new_precision = 1.0 / p_bar + evidence
+        o, new_memory = delta_rule_step(q, write, k, v, g, memory, scale=scale, backend=backend)
     return o, (new_memory, new_precision)
 
 
