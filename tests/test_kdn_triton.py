@@ -508,10 +508,13 @@ def test_kdn_gain_iso_takes_its_kernels_exactly_on_the_triton_scan_in_float32(
 @needs_triton
 @pytest.mark.parametrize("channel_decay", [True, False], ids=["channel_decay", "head_decay"])
 @pytest.mark.parametrize("routed", ["k and g", "k", "neither"])
-def test_iso_terms_backward_adds_the_routed_gradients_of_k_and_g_to_its_own(channel_decay, routed):
+def test_iso_terms_backward_adds_the_routed_gradients_of_k_and_g_to_its_own(
+    poisoned_empty, channel_decay, routed
+):
     """The terms' node hands k and g back (for the delta rule): their values unchanged, and the
     gradients they receive summed with the terms' own shares by its backward kernel, against
-    float64 autograd of the PyTorch terms with k and g used as directly."""
+    float64 autograd of the PyTorch terms with k and g used as directly (every output and
+    gradient element written: NaN-filled before launch)."""
     from deltalab.ops.kdn.triton_gain import _KDNIsoTerms
 
     shape = (2, 7, 3, 5)
