@@ -588,14 +588,16 @@ def test_isotropic_kdn_hands_the_delta_rule_k_and_g_through_its_terms_node_check
 
 
 @needs_triton
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided_g"])
 @pytest.mark.parametrize("variant", ["iso", "diag"])
 def test_a_kdn_op_on_the_kernels_queues_no_check_after_its_send_on_first_or_later_calls(
-    monkeypatch, variant
+    monkeypatch, variant, strided
 ):
     """The delta rule takes k and g as the gain's node hands them back, and checks g again: it
     must find that check queued (first call) or passed (a later call with the same inputs, the
     pass remembered), or the check is read at the block's end, behind all the work (on a GPU a
-    wait for the whole forward)."""
+    wait for the whole forward). A strided g too, which the kernels take as a contiguous copy:
+    the copy is what is checked."""
     from deltalab.ops import _checks, kdn_diag, kdn_iso
 
     late = []
@@ -610,6 +612,9 @@ def test_a_kdn_op_on_the_kernels_queues_no_check_after_its_send_on_first_or_late
     gen = torch.Generator().manual_seed(23)
     draw = lambda *shape: torch.rand(*shape, generator=gen, device="cpu").to(DEVICE)  # noqa: E731
     q, k, v, g = draw(b, t, h, d), draw(b, t, h, d) - 0.5, draw(b, t, h, d), -draw(b, t, h, d)
+    if strided:
+        g = (-draw(b, t, h, 2 * d))[..., ::2]
+        assert not g.is_contiguous()
     q_noise = draw(b, t, h, d) if variant == "diag" else draw(b, t, h)
     op = kdn_diag if variant == "diag" else kdn_iso
     leaves = [x.requires_grad_() for x in (k, g)]
@@ -767,6 +772,38 @@ def test_iso_scan_kernel_and_every_gradient_match_float64_ops_with_outputs_used_
     for label, x, x64 in zip(labels, results["kernel"], results["float64 ops"], strict=True):
         assert x.dtype == F32, label
         assert_close(x, x64, TOLERANCE[F32], label)
+
+
+@needs_triton
+@pytest.mark.parametrize("layer_class", [IsotropicKDN, DiagonalKDN], ids=lambda c: c.__name__)
+def test_kdn_layers_on_triton_hand_the_delta_rule_k_and_g_through_the_gain_rebuildable(
+    monkeypatch, layer_class
+):
+    """In training the KDN layers give the delta rule k and g as the gain's node hands them back
+    (so its backward sums both gradients), each carrying the recipe that rebuilds g in the
+    backward (else the delta rule would keep the routed g, and with it the tensor the rebuild
+    spares); on the chunk path, k and g themselves."""
+    from deltalab.layers import common
+    from deltalab.ops._recompute import recipe_of
+
+    seen = []
+    original = common.delta_rule
+
+    def spy(q, a, b, u, g, **kwargs):
+        seen.append((b.grad_fn, g.grad_fn, recipe_of(g)))
+        return original(q, a, b, u, g, **kwargs)
+
+    monkeypatch.setattr(common, "delta_rule", spy)
+    for backend in ("triton", "chunk"):
+        torch.manual_seed(0)
+        layer = layer_class(**LAYER, backend=backend).to(DEVICE)
+        x = torch.randn(1, 6, LAYER["hidden_size"], device=DEVICE)
+        layer(x)[0].sum().backward()
+        (b_node, g_node, recipe) = seen[-1]
+        routed = {type(b_node).__name__, type(g_node).__name__}
+        gain = {"_KDNIsoTermsBackward", "_KDNDiagGainBackward"}
+        assert bool(routed & gain) == (backend == "triton"), routed
+        assert recipe is not None
 
 
 @needs_triton

@@ -416,17 +416,25 @@ def test_a_block_queues_a_repeated_check_once_and_remembers_it_only_on_success(g
 
 def test_a_block_knows_a_queued_check_for_a_view_of_the_same_elements(generator):
     """A view over exactly x's elements (as autograd hands back a tensor routed through a
-    node) is not checked again inside the block; a view of part of x, or of other values, is."""
+    node) is not checked again inside the block; a view of part of x, of x's elements negated,
+    an alias with a storage handle of its own, or a copy is."""
     g = -torch.rand(3, 4, generator=generator)
+    z = torch.complex(-torch.rand(3, generator=generator), -torch.rand(3, generator=generator))
     with Ops() as ops:
         with one_host_read():
             require_nonpositive("g", g, "a log decay")
             require_nonpositive("g", g.view_as(g), "a log decay")
-            require_nonpositive("g", g.detach(), "a log decay")
             require_nonpositive("g", g[1:], "a log decay")
             require_nonpositive("g", g.t(), "a log decay")
+            require_nonpositive("g", g.data, "a log decay")
             require_nonpositive("g", g.clone(), "a log decay")
-    assert sum(func is torch.ops.aten.amax.default for func, *_ in ops.calls) == 4
+            require_nonpositive("g", z.imag, "a log decay")
+    assert sum(func is torch.ops.aten.amax.default for func, *_ in ops.calls) == 6
+    # z.conj().imag views z.imag's elements negated, at the same address: > 0 here.
+    with pytest.raises(ValueError, match="z must be <= 0"):
+        with one_host_read():
+            require_nonpositive("z", z.imag, "a log decay")
+            require_nonpositive("z", z.conj().imag, "a log decay")
 
 
 def test_a_view_over_the_same_elements_shares_a_remembered_pass_only_when_given_it(generator):

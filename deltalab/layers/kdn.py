@@ -26,7 +26,7 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar, Unpack
+from typing import ClassVar, NamedTuple, Unpack
 
 import torch
 import torch.nn.functional as F
@@ -173,6 +173,20 @@ class KDNState(RecurrentState):
     uncertainty: torch.Tensor = field(kw_only=True)
 
 
+class Filtered(NamedTuple):
+    """A filter's result: the delta rule's a (a write direction `[B, T, H, K]`, Diagonal, or
+    strength `[B, T, H]`, Isotropic), the uncertainty after the last token, the gain gates (with
+    p and predictive when traced), and the k and g the delta rule takes: routed through the
+    gain's autograd node where its backward adds the delta rule's gradients of them to its own
+    (`deltalab.ops.kdn.gains.routed_inputs`), else the filter's k and g."""
+
+    write: torch.Tensor
+    uncertainty: torch.Tensor
+    gates: dict[str, torch.Tensor]
+    k: torch.Tensor
+    g: torch.Tensor
+
+
 class KalmanMixer(DeltaMixer):
     """Base of every layer whose write direction is a Kalman gain (the KDN variants, KDN-Muir):
     the prior p_0, the state with uncertainty, and the path gates -> noise model -> gains ->
@@ -213,11 +227,9 @@ class KalmanMixer(DeltaMixer):
         r: torch.Tensor,
         uncertainty: torch.Tensor | None,
         trace: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    ) -> Filtered:
         """Gains over the tokens: k `[B, T, H, K]`, the noise model of `gates`, the incoming
-        uncertainty (None: the prior) -> (the delta rule's a: a write direction `[B, T, H, K]`
-        (Diagonal) or strength `[B, T, H]` (Isotropic), the uncertainty after the last token,
-        the gain gates, with p and predictive when `trace`)."""
+        uncertainty (None: the prior) -> `Filtered`."""
 
     def read_query(self, q: torch.Tensor, gates: dict[str, torch.Tensor]) -> torch.Tensor:
         """The query the primitive reads with: q itself (KDN-Muir: rho * q)."""
@@ -228,8 +240,8 @@ class KalmanMixer(DeltaMixer):
     ) -> DeltaRuleInputs:
         """The primitive's `(q, gain, k, v, g)` of a sequence that starts with these tokens
         (prior p_0), from the noise model of `gates`."""
-        write, _, _ = self.filter(k, gates["g"], gates["q_noise"], gates["r"], None, False)
-        return DeltaRuleInputs(self.read_query(q, gates), write, k, v, gates["g"])
+        filtered = self.filter(k, gates["g"], gates["q_noise"], gates["r"], None, False)
+        return DeltaRuleInputs(self.read_query(q, gates), filtered.write, filtered.k, v, filtered.g)
 
     def _filtered(
         self,
@@ -251,11 +263,11 @@ class KalmanMixer(DeltaMixer):
         # The gain's backward keeps g as the delta rule's does: both rebuild it instead
         # (`rebuildable`), or one keeping it would make the other's rebuild a cost, not a saving.
         with rebuilt_in_backward():
-            write, uncertainty, gains = self.filter(
-                k, g, gates["q_noise"], gates["r"], uncertainty, trace
-            )
-        inputs = DeltaRuleInputs(self.read_query(q, gates), write, k, v, g)
-        return inputs, uncertainty, gates | gains
+            filtered = self.filter(k, g, gates["q_noise"], gates["r"], uncertainty, trace)
+        inputs = DeltaRuleInputs(
+            self.read_query(q, gates), filtered.write, filtered.k, v, filtered.g
+        )
+        return inputs, filtered.uncertainty, gates | filtered.gates
 
     def primitive_inputs(
         self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -398,7 +410,7 @@ class ScanFilter(KalmanMixer):
         r: torch.Tensor,
         uncertainty: torch.Tensor | None,
         trace: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    ) -> Filtered:
         # The prior p_0 `[H]`: kdn_gain_diag takes it per head for every channel too.
         prior = self.prior_variance()
         # The scan that goes with the memory's backend, as the kdn_iso/kdn_diag ops pair them.
@@ -408,7 +420,7 @@ class ScanFilter(KalmanMixer):
         written = write_dtype(backend, k, dtype)
         scan = kdn_gain_diag if self.diagonal_gain else kdn_gain_iso
         options = {"gain_dtype": written} if self.diagonal_gain else {}
-        gain, p, precision, predictive = scan(
+        gain, p, precision, predictive, k_rule, g_rule = scan(
             k,
             g,
             q_noise,
@@ -418,6 +430,7 @@ class ScanFilter(KalmanMixer):
             initial_precision=uncertainty,
             output_predictive=True,
             backend=backend,
+            route_inputs=True,
             **options,
         )
         gains = {"gain" if self.diagonal_gain else "beta": gain}
@@ -425,7 +438,7 @@ class ScanFilter(KalmanMixer):
             gains |= {"p": p, "predictive": predictive}
         # Diagonal: the write direction; Isotropic: the write's strength per token, beta
         # [B, T, H], which the delta rule multiplies with k itself.
-        return gain, precision, gains
+        return Filtered(gain, precision, gains, k_rule, g_rule)
 
 
 class IsotropicKDN(ScanFilter, KDNMixer):
@@ -469,9 +482,10 @@ class ExactKDN(KDNMixer):
         r: torch.Tensor,
         uncertainty: torch.Tensor | None,
         trace: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    ) -> Filtered:
         batch, _, heads, key_dim = k.shape
         dtype = _checks.state_dtype(k, g, q_noise, r, uncertainty)
+        given = (k, g)
         k, g, q_noise, r = (t.to(dtype) for t in (k, g, q_noise, r))
         if uncertainty is None:
             eye = torch.eye(key_dim, dtype=dtype, device=k.device)
@@ -484,4 +498,4 @@ class ExactKDN(KDNMixer):
         named = {"gain": gain}
         if traced is not None:
             named |= {"p": traced.p, "predictive": traced.predictive}
-        return gain, P, named
+        return Filtered(gain, P, named, *given)

@@ -91,12 +91,13 @@ class _Block:
         self.queued: list[
             tuple[torch.Tensor, Callable[[], None], torch.Tensor, str, tuple[int, int] | None]
         ] = []
-        # (_same_values(x), kind) of each queued check: x's dtype, shape, strides, version
-        # counter and data address, so that a view of x over the same elements (a tensor
-        # routed through an autograd node, handed back as a view of itself) is known too. The
-        # queue keeps x alive until the block ends, so no other storage can take its address
-        # meanwhile, and a tensor at the same address is a view of x's storage, sharing its
-        # version counter.
+        # (_same_values(x), kind) of each queued check: the tensor x is a view of (its root,
+        # by identity), where in it x starts, x's dtype, shape, strides and negation or
+        # conjugation bits, and its version counter, so that another view over exactly x's
+        # elements (a tensor routed through an autograd node, handed back as a view of itself)
+        # is known too. The queue keeps x, hence its root, alive until the block ends, so the
+        # root's id stays its own; views share their root's version counter. An alias with
+        # its own storage handle (`x.data`, a DLPack import) has another root: checked again.
         self.keys: set[tuple[tuple, str]] = set()
         # The answers sent toward the host so far (`send_answers`), one conjunction per device
         # and send: (the CUDA event recorded behind its copy to pinned memory, or None where
@@ -236,14 +237,15 @@ def send_answers() -> None:
 # and its data's address (an in-place write, through x or any view of it, bumps the counter,
 # and `x.data = y` moves the address: either way the check runs again); a failure is never
 # remembered. Inside a block, a check already queued for the same unchanged tensor is not
-# queued twice: the block's one read answers both. Inference tensors (no version counter) and
-# tensors without storage are always checked.
+# queued twice: the block's one read answers both. Inference tensors (no version counter),
+# tensors without storage and nested tensors are always checked.
 
 
 def _version(x: torch.Tensor) -> tuple[int, int] | None:
     """x's version counter and where its data lives: `x.data = y` swaps the data without
     bumping the counter, so the address is part of what a pass is remembered for."""
     try:
+        x.stride()  # a key of the block needs strides (a nested tensor has none)
         return x._version, x.data_ptr()
     except (RuntimeError, NotImplementedError):  # an inference tensor; one without storage
         return None
@@ -288,9 +290,13 @@ def share_passes(view: torch.Tensor, x: torch.Tensor) -> None:
 
 
 def _same_values(x: torch.Tensor, version: tuple[int, int] | None) -> tuple:
-    """What makes two tensors read the same elements: dtype, shape, strides, and the version
-    and address `_version` gives."""
-    return x.dtype, tuple(x.shape), x.stride(), version
+    """What makes two tensors read the same elements (see `_Block.keys`): the root they view,
+    by identity, where they start in it, dtype, shape, strides, negation and conjugation
+    (`z.conj().imag` views `z.imag`'s elements negated), and the version and address
+    `_version` gives."""
+    root = x if x._base is None else x._base
+    layout = (x.dtype, tuple(x.shape), x.stride(), x.storage_offset(), x.is_neg(), x.is_conj())
+    return id(root), *layout, version
 
 
 def _failed(x: torch.Tensor, kind: str, passed: torch.Tensor, check: Callable[[], None]) -> bool:

@@ -90,6 +90,13 @@ def rebuildable(out: torch.Tensor, fn: Callable[..., torch.Tensor], *args: Any) 
     return out
 
 
+def _marked(out: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+    """out marked as rebuilt by an existing recipe (as `rebuildable` marks it by a new one)."""
+    if torch.is_grad_enabled() and out.requires_grad:
+        setattr(out, _RECIPE, (recipe, out._version))
+    return out
+
+
 def _rebuilding() -> bool:
     """Whether marked tensors are rebuilt here: the switch on, outside `without_rebuild`, not
     under torch.compile."""
@@ -104,11 +111,14 @@ def rebuildable_product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def rebuildable_as(t: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     """t, the elements of `source` in t's shape (a reshaped view or copy that an op saves in
-    source's place), marked `rebuildable` as source's rebuilt tensor reshaped when source is
-    marked; t unmarked otherwise."""
+    source's place, or a view in source's own shape, as autograd hands back a tensor routed
+    through a node), marked `rebuildable` as source's rebuilt tensor, reshaped where the shapes
+    differ, when source is marked; t unmarked otherwise."""
     recipe = recipe_of(source)
     if recipe is None or t is source:
         return t
+    if t.shape == source.shape:
+        return _marked(t, recipe)
     return rebuildable(t, _reshaped, recipe, t.shape)
 
 

@@ -27,15 +27,19 @@ def check_keys(k: object, leading: str) -> torch.Tensor:
     return k
 
 
-def check_decay(g: object, k: torch.Tensor, leading: str) -> None:
-    """g: one log decay per head `[<leading>]` or per channel `[<leading>, K]`, all <= 0."""
-    g = require_float("g", g)
+def check_decay(g: object, k: torch.Tensor, leading: str) -> torch.Tensor:
+    """g: one log decay per head `[<leading>]` or per channel `[<leading>, K]`, all <= 0.
+    Returns g contiguous, checked as such: the gains' kernels take g contiguous and hand it on
+    to the delta rule, which checks it again and must find this check (a copy made after it
+    would be another tensor, checked again behind the work: `_checks.send_answers`)."""
+    g = require_float("g", g).contiguous()
     require_rank("g", g, (k.dim() - 1, k.dim()), f"[{leading}] or [{leading}, K]")
     per_channel = g.dim() == k.dim()
     expected = k.shape if per_channel else k.shape[:-1]
     layout = f"[{leading}, K]" if per_channel else f"[{leading}]"
     require_shape("g", g, expected, layout, "to match k")
     require_nonpositive("g", g, "a log decay")
+    return g
 
 
 def check_noise(

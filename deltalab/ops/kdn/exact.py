@@ -147,7 +147,7 @@ def kdn_exact(
     with one_host_read():  # the value checks below read back once, not one by one
         k = check_keys(k, "B, T, H")
         check_query_value(q, v, k, "B, T, H")
-        check_decay(g, k, "B, T, H")
+        g = check_decay(g, k, "B, T, H")
         check_noise(q_noise, r, k, "B, T, H", per_channel_process=True)
         batch, _, heads, key_dim = k.shape
         memory, P_init = split_state(initial_state, "initial_state")

@@ -28,8 +28,10 @@ from deltalab.ops._checks import (
     require_choice,
     require_same_device,
     send_answers,
+    share_passes,
     state_dtype,
 )
+from deltalab.ops._recompute import rebuildable_as
 from deltalab.ops.kdn._validate import (
     check_decay,
     check_info_scale,
@@ -67,7 +69,8 @@ class Gains(NamedTuple):
     the observation `k^T P_bar k` `[..., H]` (r excluded), whose sum with r divides the gain.
     `k` and `g`, where given, are the keys and log decays for the delta rule that the gain feeds:
     the same values routed through the gain's autograd node, whose backward then sums the delta
-    rule's gradients of them with its own (Isotropic KDN's kernels); None: take the inputs."""
+    rule's gradients of them with its own (the Triton route of both gains); None: take the
+    inputs. `routed_inputs` hands them on."""
 
     gain: torch.Tensor
     p: torch.Tensor
@@ -230,6 +233,7 @@ def kdn_gain_iso(
     initial_precision: torch.Tensor | None = None,
     backend: str = "auto",
     output_predictive: bool = False,
+    route_inputs: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Isotropic KDN gains: one variance per head, scanned over time.
 
@@ -246,18 +250,22 @@ def kdn_gain_iso(
         backend: the variance scan, a `deltalab.ops.mobius` backend: "auto" (Triton on CUDA
             when installed, else "parallel"), "sequential", "parallel" or "triton".
         output_predictive: also return the predicted variance of each observation.
+        route_inputs: also return k and g as the delta rule that these gains feed should take
+            them (`routed_inputs`): on the Triton route the gain's backward then adds the delta
+            rule's gradients of k and g to its own.
 
     Returns:
         `(beta [B, T, H], p [B, T, H], final_precision [B, H])`: the write strength
         (gain_t = beta_t k_t), the posterior variance p_t, and 1/p_T; with
         `output_predictive`, then `predictive [B, T, H]` = p_bar_t ||k_t||^2 (beta_t =
         p_bar_t / (predictive_t + r_t)). Float64 when any input is float64, else float32.
+        With `route_inputs`, then k and g for the delta rule (`routed_inputs`), as given.
     """
     # One block holds the checks and the work they guard, as in the mixers (mixers._kdn has
     # the reasoning): the answers are sent before the work and read once after it.
     with one_host_read():
         k = check_keys(k, "B, T, H")
-        check_decay(g, k, "B, T, H")
+        g = check_decay(g, k, "B, T, H")
         check_noise(q_noise, r, k, "B, T, H", per_channel_process=False)
         batch, _, heads, key_dim = k.shape
         p_prior = prior_variance(p0, initial_precision, batch, (heads,))
@@ -270,7 +278,7 @@ def kdn_gain_iso(
         dtype = state_dtype(*named.values(), initial_precision)
         send_answers()
         gains = iso_gain(k, g, q_noise, r, p_prior.to(dtype), scale, scan)
-    return _returned(gains, output_predictive)
+    return _returned(gains, output_predictive, (k, g) if route_inputs else None)
 
 
 def kdn_gain_diag(
@@ -285,6 +293,7 @@ def kdn_gain_diag(
     backend: str = "auto",
     output_predictive: bool = False,
     gain_dtype: torch.dtype | None = None,
+    route_inputs: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Diagonal KDN gains: one variance per head and key channel, scanned over time.
 
@@ -299,6 +308,9 @@ def kdn_gain_diag(
         initial_precision: `[B, H, K]` precision 1/p left by an earlier call; replaces p0.
         backend: the variance scan, as for `kdn_gain_iso`.
         output_predictive: also return the predicted variance of each observation.
+        route_inputs: also return k and g as the delta rule that these gains feed should take
+            them (`routed_inputs`): on the Triton route the gain's backward then adds the delta
+            rule's gradients of k and g to its own.
         gain_dtype: the gain's dtype; None: the state dtype (the layers pass `write_dtype`'s, k's
             on the Triton route, so that the delta rule reads it in 16 bits).
 
@@ -306,11 +318,12 @@ def kdn_gain_diag(
         `(gain [B, T, H, K], p [B, T, H, K], final_precision [B, H, K])`; with
         `output_predictive`, then `predictive [B, T, H]` = k_t^T (p_bar_t * k_t) (the gain's
         denominator less r_t). Float64 when any input is float64, else float32 (the gain in
-        `gain_dtype` when given).
+        `gain_dtype` when given). With `route_inputs`, then k and g for the delta rule
+        (`routed_inputs`), as given.
     """
     with one_host_read():  # checks and work in one block, as in kdn_gain_iso
         k = check_keys(k, "B, T, H")
-        check_decay(g, k, "B, T, H")
+        g = check_decay(g, k, "B, T, H")
         check_noise(q_noise, r, k, "B, T, H", per_channel_process=True)
         batch, _, heads, key_dim = k.shape
         p_prior = prior_variance(p0, initial_precision, batch, (heads, key_dim), per_head=True)
@@ -323,10 +336,32 @@ def kdn_gain_diag(
         dtype = state_dtype(*named.values(), initial_precision)
         send_answers()
         gains = diag_gain(k, g, q_noise, r, p_prior.to(dtype), scale, scan, gain_dtype=gain_dtype)
-    return _returned(gains, output_predictive)
+    return _returned(gains, output_predictive, (k, g) if route_inputs else None)
 
 
-def _returned(gains: Gains, output_predictive: bool) -> tuple[torch.Tensor, ...]:
-    """The public gain functions' result: (gain, p, final precision[, predictive])."""
+def _returned(
+    gains: Gains, output_predictive: bool, route: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, ...]:
+    """The public gain functions' result: (gain, p, final precision[, predictive][, k, g]),
+    k and g routed when `route` holds the validated inputs."""
     returned = (gains.gain, gains.p, 1.0 / gains.p[:, -1])
-    return (*returned, gains.predictive) if output_predictive else returned
+    if output_predictive:
+        returned += (gains.predictive,)
+    return returned if route is None else (*returned, *routed_inputs(gains, *route))
+
+
+def routed_inputs(
+    gains: Gains, k: torch.Tensor, g: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k and g for the delta rule that `gains` (computed from k and g) feed: where the gain's
+    node hands them back (`Gains.k`, `Gains.g`), those views, so that its backward sums the
+    delta rule's gradients of k and g with its own; else k and g. A view carries what k and g
+    carry: the checks they passed (`_checks.share_passes`: the delta rule checks g again, and
+    in a block that has sent its answers a check it does not find is read behind the work) and
+    the recipe that rebuilds them in the backward (`_recompute.rebuildable_as`: else the delta
+    rule would keep the view, and with it the tensor the rebuild spares)."""
+    if gains.k is None or gains.g is None:
+        return k, g
+    share_passes(gains.k, k)
+    share_passes(gains.g, g)
+    return rebuildable_as(gains.k, k), rebuildable_as(gains.g, g)

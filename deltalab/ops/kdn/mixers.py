@@ -14,7 +14,6 @@ from deltalab.ops._checks import (
     require_choice,
     require_same_device,
     send_answers,
-    share_passes,
     state_dtype,
 )
 from deltalab.ops._varlen import max_seqlen, pad_packed, unpad_packed
@@ -28,7 +27,7 @@ from deltalab.ops.kdn._validate import (
     prior_variance,
     split_state,
 )
-from deltalab.ops.kdn.gains import Gains, diag_gain, iso_gain, write_dtype
+from deltalab.ops.kdn.gains import Gains, diag_gain, iso_gain, routed_inputs, write_dtype
 from deltalab.ops.mobius import resolve_backend
 
 GainFn = Callable[..., Gains]
@@ -66,13 +65,7 @@ def _packed_gains(
     """
     if cu_seqlens is None:
         gains = gain_fn(k, g, q_noise, r, p_prior, info_scale, scan)
-        if gains.k is None:
-            return gains.gain, gains.p[:, -1], k, g
-        # The delta rule checks g again: it finds the checks k and g passed (on an earlier
-        # call, with the pass remembered on them) as the routed views' own.
-        share_passes(gains.k, k)
-        share_passes(gains.g, g)
-        return gains.gain, gains.p[:, -1], gains.k, gains.g
+        return gains.gain, gains.p[:, -1], *routed_inputs(gains, k, g)
     length = k.shape[1]
     max_len = max_seqlen(cu_seqlens, length)  # one device -> host sync (see max_seqlen)
     real = pad_packed(torch.ones_like(r), cu_seqlens, max_len) > 0
@@ -120,8 +113,9 @@ def _kdn(
     #   launch: 0.29 (Isotropic) and 0.49 ms (Diagonal; twenty-second session);
     # - here the host waits for a copy started before the work, done by the block's end:
     #   0.02 ms per call for either form (twenty-third session). A check queued after the
-    #   send is read at the block's end behind all the work, so nothing must be: the delta
-    #   rule finds its check of g queued or passed (see _packed_gains).
+    #   send is read at the block's end behind all the work, so none must be: the delta
+    #   rule finds its check of g queued or passed (check_decay's g is the one the gain's
+    #   node takes, and gains.routed_inputs hands its pass on).
     # Safe because these are value checks: out-of-range values make NaN or inf, never an
     # access out of bounds (the offsets in cu_seqlens, which index memory, are read back and
     # checked before anything is launched). When a check fails its error is raised at the
@@ -131,7 +125,7 @@ def _kdn(
     with one_host_read():
         k = check_keys(k, "B, T, H")
         check_query_value(q, v, k, "B, T, H")
-        check_decay(g, k, "B, T, H")
+        g = check_decay(g, k, "B, T, H")
         check_noise(q_noise, r, k, "B, T, H", per_channel_process=diagonal)
         require_choice("backend", backend, BACKENDS)
         batch, length, heads, key_dim = k.shape

@@ -45,7 +45,7 @@ def _step(
     with one_host_read():
         k = check_keys(k, "B, H")
         check_query_value(q, v, k, "B, H")
-        check_decay(g, k, "B, H")
+        g = check_decay(g, k, "B, H")
         check_noise(q_noise, r, k, "B, H", per_channel_process=diagonal)
         if state is None:
             raise TypeError("state must be a pair (memory, precision), got None")

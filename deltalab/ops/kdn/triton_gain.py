@@ -1067,7 +1067,7 @@ def _kdn_iso_terms_backward_kernel(
     BLOCK_K: tl.constexpr,
 ):
     # DK_IN, DG_IN: the gradients of k and g from the delta rule that took them through this
-    # node (`through` in kdn_iso_gain), added to the terms' own shares in float32 before the
+    # node (see _KDNIsoTerms), added to the terms' own shares in float32 before the
     # one write in k's and g's dtypes (absent: the flags off, the pointers unread).
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ch = tl.arange(0, BLOCK_K)
