@@ -131,3 +131,22 @@ def test_triton_step_low_precision_inputs_match_float64_definition(generator, dt
     assert o.dtype == dtype and s.dtype == torch.float32
     assert_close(o, o_ref, TOLERANCE[dtype], "output")
     assert_close(s, s_ref, TOLERANCE[dtype], "state")
+
+
+def test_a_decoding_step_that_needs_gradients_keeps_them_or_is_refused(generator):
+    """The fused step records no backward: "auto" takes the token loop when an input requires
+    grad (the gradient is the loop's), "triton" refuses by name rather than dropping it."""
+    from deltalab.ops import delta_rule_step
+
+    b, h, k = 2, 2, 4
+    draw = lambda *shape: torch.rand(*shape, generator=generator)  # noqa: E731
+    q, a, key, u, g = draw(b, h, k), draw(b, h), draw(b, h, k), draw(b, h, k), -draw(b, h)
+    q.requires_grad_()
+    state = draw(b, h, k, k)
+    o, _ = delta_rule_step(q, a, key, u, g, state, backend="auto")
+    (dq,) = torch.autograd.grad(o.sum(), q)
+    o_loop, _ = delta_rule_step(q, a, key, u, g, state, backend="naive")
+    (dq_loop,) = torch.autograd.grad(o_loop.sum(), q)
+    assert torch.equal(dq, dq_loop)
+    with pytest.raises(ValueError, match='backend="triton" decodes without gradients'):
+        delta_rule_step(q, a, key, u, g, state, backend="triton")

@@ -541,11 +541,12 @@ class AttentionState:
 
 def step_backend(backend: str) -> str:
     """`delta_rule_step`'s backend in a layer whose whole sequences run on `backend`: "auto"
-    and "triton" as they are, the token loop ("naive") for the PyTorch paths ("chunk",
+    for "auto" and "triton" (the fused kernel, or the token loop where a step needs gradients,
+    which the kernel does not record), the token loop ("naive") for the PyTorch paths ("chunk",
     "naive"). So a model switched to a PyTorch backend (to compare backends, or for gate
     sensitivity's forward-mode probes) decodes in PyTorch too."""
     require_choice("backend", backend, BACKENDS)
-    return backend if backend in ("auto", "triton") else "naive"
+    return "auto" if backend in ("auto", "triton") else "naive"
 
 
 def run_delta_rule(

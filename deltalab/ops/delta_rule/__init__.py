@@ -266,10 +266,19 @@ def delta_rule_step(
     dtype = state_dtype(q, a, b, u, g, state)
     if in_place and state.dtype != dtype:
         raise ValueError(f"in_place=True needs state in {dtype}, got {state.dtype}")
+    # The fused kernel records no backward: a step whose inputs need gradients runs the token
+    # loop ("auto"), or is refused ("triton"), rather than losing them silently.
+    tensors = (q, a, b, u, g, state)
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
     if backend == "auto":
-        use_triton = dtype == torch.float32 and triton_available(q.device)
+        use_triton = dtype == torch.float32 and triton_available(q.device) and not needs_grad
         backend = "triton" if use_triton else "naive"
     elif backend == "triton":
+        if needs_grad:
+            raise ValueError(
+                'backend="triton" decodes without gradients (its kernel records no backward); '
+                'inputs that require grad need backend="naive" or "auto"'
+            )
         require_triton("backend", q.device)
         if dtype == torch.float64:
             raise ValueError(
