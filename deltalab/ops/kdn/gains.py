@@ -69,8 +69,8 @@ class Gains(NamedTuple):
     the observation `k^T P_bar k` `[..., H]` (r excluded), whose sum with r divides the gain.
     `k` and `g`, where given, are the keys and log decays for the delta rule that the gain feeds:
     the same values routed through the gain's autograd node, whose backward then sums the delta
-    rule's gradients of them with its own (the Triton route of both gains); None: take the
-    inputs. `routed_inputs` hands them on."""
+    rule's gradients of them with its own (the gains' Triton kernels: Isotropic's terms,
+    Diagonal's fused gain); None: take the inputs. `routed_inputs` hands them on."""
 
     gain: torch.Tensor
     p: torch.Tensor
