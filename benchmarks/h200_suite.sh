@@ -3,7 +3,7 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck intradots time32k prof_kdn ffn16k gain_launch kdn_train gain_chunks ncu_gain overhead strength_tests strength_train gaps kdn_tests prof_kdn32k
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck intradots time32k prof_kdn ffn16k gain_launch kdn_train gain_chunks ncu_gain overhead strength_tests strength_train gaps kdn_tests prof_kdn32k layers_tests
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
@@ -90,7 +90,8 @@
 # gains' and the Mobius scans' kernel tests compiled, and the value checks' GPU test:
 # tests/test_kdn_triton.py, tests/test_mobius_triton.py, tests/test_value_checks.py; at 240 s
 # it ran past its limit on 2026-12-04 after ~100 tests: test_kdn_triton.py alone took 136 s),
-# prof_kdn32k 120 s (prof_kdn at B=1 T=32768). The sixteenth
+# prof_kdn32k 120 s (prof_kdn at B=1 T=32768), layers_tests 300 s (the layers on Triton
+# alone: kernel_tests without the KDN gains' file, which kdn_tests runs). The sixteenth
 # session's part factors_ab (stage 1 writing the decay factors) is in the tree of `a424144`.
 set -u
 # The device returns at most 8 files: parts write under a work folder, and after every part the
@@ -141,6 +142,8 @@ for p in "${parts[@]}"; do
         tests/test_kdn_triton.py tests/test_mobius_triton.py tests/test_value_checks.py ;;
     prof_kdn32k) part prof_kdn32k 120 python3 benchmarks/profile_triton.py --forms kda_c64 \
         kdn_iso_c64 kdn_diag_c64 --batch 1 --length 32768 --out "$OUT/prof_kdn32k.json" ;;
+    layers_tests) part layers_tests 300 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
+        tests/test_layers_triton.py ;;
     kernel_tests) part kernel_tests 300 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
         tests/test_layers_triton.py tests/test_kdn_triton.py ;;
     time) part time 300 python3 benchmarks/bench_triton.py --parts time \
