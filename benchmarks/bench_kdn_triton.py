@@ -31,10 +31,6 @@ tiles scanned).
 first shape, untimed, for a profiler that attaches to the process (`h200_suite.sh ncu_gain`:
 Nsight Compute's counters of its four kernels).
 
-`--gain-lanes` runs only a sweep of the token walks' walks per program at the three shapes: all
-four kernels at each (tokens unrolled, warps, walks a program) of TOKEN_LANE_LAUNCHES in turn
-(`triton_gain.TOKEN_LAUNCH`'s default marked), the inputs in --dtype.
-
 `--gain-launches` runs only a sweep of the split diagonal gain's launches at B=4 T=4096 H=16: each
 of its four kernels' (BLOCK_T, warps) in turn, the others at their defaults
 (`triton_gain.LAUNCH`), with the inputs in --dtype as the KDN mixers pass them.
@@ -75,11 +71,8 @@ TINY_GAIN_CHUNKS = [2, 4, 8]
 # (triton_gain.LAUNCH's keys) at a time, the others at their defaults, split over T.
 GAIN_LAUNCHES = [(bt, w) for bt in (4, 8, 16) for w in (1, 2, 4)]
 TINY_GAIN_LAUNCHES = [(2, 1), (4, 2)]
-# The token walks' (tokens unrolled per step, warps, walks a program).
-TOKEN_GAIN_LAUNCHES = [(bt, w, 1) for bt in (1, 2, 4, 8) for w in (1, 2)]
-# --gain-lanes: every token walk at once at each (tokens unrolled, warps, walks a program).
-TOKEN_LANE_LAUNCHES = [(4, 1, 1), (4, 2, 2), (4, 1, 2), (2, 2, 2), (8, 2, 2), (4, 4, 4)]
-TINY_TOKEN_LANE_LAUNCHES = [(2, 1, 1), (2, 2, 2)]
+# The token walks' (tokens unrolled per step, warps).
+TOKEN_GAIN_LAUNCHES = [(bt, w) for bt in (1, 2, 4, 8) for w in (1, 2)]
 # What kdn_*(backend="triton") hands delta_rule: "triton" once delta_rule has it, else "chunk".
 MEMORY_BACKEND = "triton" if "triton" in DELTA_RULE_BACKENDS else "chunk"
 
@@ -329,10 +322,8 @@ def gain_launch_sweep(shape, args, device: str, dtype: torch.dtype) -> list[dict
     try:
         for kernel in default:
             launches = TINY_GAIN_LAUNCHES if args.tiny else GAIN_LAUNCHES
-            if tokens:
-                launches = TOKEN_GAIN_LAUNCHES if not args.tiny else [(*x, 1) for x in launches]
-            for block_t, warps, *_ in launches:
-                entry = (block_t, warps, 1) if tokens else (block_t * block_k, block_t, warps)
+            for block_t, warps in TOKEN_GAIN_LAUNCHES if tokens and not args.tiny else launches:
+                entry = (block_t, warps) if tokens else (block_t * block_k, block_t, warps)
                 setattr(triton_gain, table, {**default, kernel: entry})
                 timing = time_op(gain, [*gates, p_prior], args.repeats, device)
                 chosen = entry == default[kernel]
@@ -342,37 +333,6 @@ def gain_launch_sweep(shape, args, device: str, dtype: torch.dtype) -> list[dict
                 )  # fmt: skip
     finally:
         setattr(triton_gain, table, default)
-    return sweep
-
-
-def gain_lanes_sweep(shape, args, device: str, dtype: torch.dtype) -> list[dict]:
-    """The split diagonal gain's times (token walks) with all four kernels at each (tokens
-    unrolled, warps, walks a program) of TOKEN_LANE_LAUNCHES, inputs in `dtype`."""
-    from deltalab.ops.kdn import triton_gain
-
-    batch, _, heads, dim = shape
-    x = make_inputs(shape, device, dtype, torch.Generator().manual_seed(0))
-    gates = [x[n] for n in ("k", "g", "q_noise", "r")]
-    p_prior = torch.ones(batch, heads, dim, device=device)
-    chunk = 8 if args.tiny else None
-    default, walk = dict(triton_gain.TOKEN_LAUNCH), triton_gain.GAIN_WALK
-
-    def gain(*a):
-        return kdn_diag_gain(*a, float(dim), split=True, chunk=chunk, gain_dtype=dtype)[0]
-
-    sweep = []
-    try:
-        triton_gain.GAIN_WALK = "tokens"
-        for entry in TINY_TOKEN_LANE_LAUNCHES if args.tiny else TOKEN_LANE_LAUNCHES:
-            triton_gain.TOKEN_LAUNCH = {kernel: entry for kernel in default}
-            timing = time_op(gain, [*gates, p_prior], args.repeats, device)
-            chosen = all(launch == entry for launch in default.values())
-            tokens, warps, lanes = entry
-            sweep.append(
-                {"tokens": tokens, "warps": warps, "lanes": lanes, "default": chosen, **timing}
-            )
-    finally:
-        triton_gain.TOKEN_LAUNCH, triton_gain.GAIN_WALK = default, walk
     return sweep
 
 
@@ -441,11 +401,6 @@ def main() -> None:
         help="only the split diagonal gain's launch sweep, at the first shape (B=4 T=4096 H=16)",
     )
     parser.add_argument(
-        "--gain-lanes",
-        action="store_true",
-        help="only the token walks' sweep of walks per program, at every shape",
-    )
-    parser.add_argument(
         "--gain-profile",
         action="store_true",
         help="only run the split diagonal gain (forward and backward), for a profiler",
@@ -494,22 +449,6 @@ def main() -> None:
             print(format_table(headers, table))
         with open(args.out, "w") as f:
             json.dump({**header, "gain_chunks": results}, f, indent=1)
-        print(f"\nwrote {args.out}")
-        return
-    if args.gain_lanes:
-        results = []
-        for shape in TINY_SHAPES if args.tiny else SHAPES:
-            results.append({"shape": shape, "sweep": gain_lanes_sweep(shape, args, device, dtype)})
-            print(f"\nB, T, H, K = {shape}")
-            headers = ["token walks: tokens, warps, walks a program", "fwd ms", "fwd+bwd ms"]
-            table = [
-                [f"{c['tokens']}, {c['warps']}, {c['lanes']}" + (" (default)" if c["default"]
-                 else ""), c["fwd_ms"], c["fwd_bwd_ms"]]
-                for c in results[-1]["sweep"]
-            ]  # fmt: skip
-            print(format_table(headers, table))
-        with open(args.out, "w") as f:
-            json.dump({**header, "gain_lanes": results}, f, indent=1)
         print(f"\nwrote {args.out}")
         return
     if args.gain_launches:

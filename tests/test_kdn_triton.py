@@ -156,25 +156,17 @@ def test_fused_gain_and_all_gradients_match_float64_definition_and_pytorch_path(
     [((2, 13, 2, 5), 4, 4), ((1, 13, 3, 8), 2, 8), ((2, 11, 1, 3), None, 4)],
     ids=["4_chunks_of_a_tile_and_a_part", "2_chunks_of_4_tiles_and_a_part", "default_tile"],
 )
-@pytest.mark.parametrize(
-    ("walk", "lanes"),
-    [("tokens", 1), ("tokens", 2), ("tiles", None)],
-    ids=["tokens", "tokens_two_walks_a_program", "tiles"],
-)
+@pytest.mark.parametrize("walk", ["tokens", "tiles"])
 def test_split_gain_and_all_gradients_match_float64_definition_pytorch_and_one_program_kernel(
-    monkeypatch, shape, block_t, chunk, channel_decay, walk, lanes
+    monkeypatch, shape, block_t, chunk, channel_decay, walk
 ):
     """T split into chunks (a program each, with the carry passes between them), the last one
     partial: the outputs and the gradients of k, g, q_noise, r and p_prior, against the float64
     definition, the PyTorch path and the one-program kernel, by both walks (a token at a time,
-    one or two chunks a program, the last program's second lane past the chunks at 3 chunks,
     and tiles scanned)."""
     from deltalab.ops.kdn import triton_gain
 
     monkeypatch.setattr(triton_gain, "GAIN_WALK", walk)
-    if lanes is not None:
-        launches = {n: (t, w, lanes) for n, (t, w, _) in triton_gain.TOKEN_LAUNCH.items()}
-        monkeypatch.setattr(triton_gain, "TOKEN_LAUNCH", launches)
     inputs = gain_inputs(1, shape, channel_decay=channel_decay)
     weights = weights_for(inputs, 2)
     assert_matches_definition_and_pytorch(inputs, weights, block_t, chunk)
@@ -196,21 +188,10 @@ def test_split_gain_carries_cross_blocks_of_chunks_and_channels(monkeypatch, cha
 
 
 @needs_triton
-@pytest.mark.parametrize(
-    ("chunk", "lanes"),
-    [(None, 1), (4, 1), (4, 2)],
-    ids=["one_program", "split_chunks_of_4", "split_chunks_of_4_two_walks_a_program"],
-)
-def test_fused_gain_writes_every_output_and_gradient_element(
-    poisoned_empty, monkeypatch, chunk, lanes
-):
+@pytest.mark.parametrize("chunk", [None, 4], ids=["one_program", "split_chunks_of_4"])
+def test_fused_gain_writes_every_output_and_gradient_element(poisoned_empty, chunk):
     """torch.empty is NaN-filled: the kernels write every element of the outputs, the
-    gradients and (split) the chunk maps and carries they read back, with one chunk a program
-    or two (3 chunks: the last program's second walk stores nothing)."""
-    from deltalab.ops.kdn import triton_gain
-
-    launches = {n: (t, w, lanes) for n, (t, w, _) in triton_gain.TOKEN_LAUNCH.items()}
-    monkeypatch.setattr(triton_gain, "TOKEN_LAUNCH", launches)
+    gradients and (split) the chunk maps and carries they read back."""
     inputs = gain_inputs(13, (2, 10, 2, 3))
     weights = weights_for(inputs, 14)
     assert_matches_definition_and_pytorch(inputs, weights, 2, chunk)

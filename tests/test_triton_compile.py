@@ -377,11 +377,6 @@ def test_kdn_gain_kernels_compile_for_hopper_without_spills(monkeypatch, key_dim
             block_t, block_k, warps = triton_gain.launch(key_dim, 4096, which)
             constants = {**flags, "G_HEAD": g_head, "BLOCK_T": block_t, "BLOCK_K": block_k}
             kernel = triton_gain._kernels(walk)[which]
-            if walk == "tokens":
-                # The launch's walks a program, and two walks a program on a warp each.
-                lanes = triton_gain.TOKEN_LAUNCH[which][2]
-                kernels.append((kernel, n_pointers, {**constants, "LANES": 2}, 2))
-                constants = {**constants, "LANES": lanes}
             kernels.append((kernel, n_pointers, constants, warps))
     block_p, block_c = triton_gain.carry_block(4096 // 32)
     carry = {"BLOCK_P": block_p, "BLOCK_C": block_c}

@@ -552,25 +552,22 @@ def _kdn_diag_gain_chunk_ends_kernel(
 
 
 @triton.jit
-def _token_program(T, H, KD, PARTS, LANES: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Where a program of the token walks works: (pid, its LANES chunks `[LANES, 1]` and their
-    mask (a last program may hold fewer than LANES), the channels `[1, BLOCK_K]` and their
-    mask, the offset of its head's first token in the [B, T, H, K] tensors and in the
-    [B, T, H] ones). The walks of one program are chunks part, part + 1, ... of one head: a
-    lane past the last chunk walks tokens past T, identity maps whose stores are masked."""
+def _token_program(T, H, KD, BLOCK_K: tl.constexpr):
+    """Where a program of the token walks works: (pid, part, the channels and their mask, the
+    offset of its head's first token in the [B, T, H, K] tensors and in the [B, T, H] ones)."""
     pid = tl.program_id(0)
-    part = tl.program_id(1) * LANES + tl.arange(0, LANES)[:, None]
-    ch = tl.arange(0, BLOCK_K)[None, :]
+    part = tl.program_id(1)
+    ch = tl.arange(0, BLOCK_K)
     base = (pid // H).to(tl.int64) * T * (H * KD) + (pid % H) * KD
     head_base = (pid // H).to(tl.int64) * T * H + pid % H
-    return pid, part, part < PARTS, ch, ch < KD, base, head_base
+    return pid, part, ch, ch < KD, base, head_base
 
 
 @triton.jit
 def _token_terms(K_, G, NOISE, R, t, ch, ch_ok, base, head_base, T, H, KD, scale,
                  G_HEAD: tl.constexpr):  # fmt: skip
     """Token t's a = exp(2 g), q, c = s k^2 / r, k and r (r broadcast over the channels), its
-    offsets and mask: `[LANES, BLOCK_K]` blocks, a token of each lane's walk; channels past K and tokens past T are the identity
+    offsets and mask: `[BLOCK_K]` vectors; channels past K and tokens past T are the identity
     (a = 1, q = c = 0) with k = 0 and r = 1."""
     ok = ch_ok & (t + 0 * ch < T)  # a vector mask (the interpreter refuses a scalar's)
     at = base + t.to(tl.int64) * (H * KD) + ch
@@ -587,18 +584,16 @@ def _token_terms(K_, G, NOISE, R, t, ch, ch_ok, base, head_base, T, H, KD, scale
 
 @triton.jit
 def _kdn_diag_gain_token_maps_kernel(
-    K_, G, NOISE, R, MAPS, T, H, KD, scale, CHUNK, PARTS,
-    G_HEAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, LANES: tl.constexpr,
+    K_, G, NOISE, R, MAPS, T, H, KD, scale, CHUNK,
+    G_HEAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """MAPS[pid, part] = the normalized product of the maps of chunk `part`'s steps, composed
     one token at a time (as `_kdn_diag_gain_chunk_maps_kernel`)."""
-    pid, part, part_ok, ch, ch_ok, base, head_base = _token_program(
-        T, H, KD, PARTS, LANES, BLOCK_K
-    )
-    ma = tl.full([LANES, BLOCK_K], 1.0, tl.float32)
-    mb = tl.zeros([LANES, BLOCK_K], dtype=tl.float32)
-    mc = tl.zeros([LANES, BLOCK_K], dtype=tl.float32)
-    md = tl.full([LANES, BLOCK_K], 1.0, tl.float32)
+    pid, part, ch, ch_ok, base, head_base = _token_program(T, H, KD, BLOCK_K)
+    ma = tl.full([BLOCK_K], 1.0, tl.float32)
+    mb = tl.zeros([BLOCK_K], dtype=tl.float32)
+    mc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    md = tl.full([BLOCK_K], 1.0, tl.float32)
     for start in range(0, CHUNK, BLOCK_T):
         for j in tl.static_range(BLOCK_T):
             t = part * CHUNK + start + j
@@ -607,26 +602,23 @@ def _kdn_diag_gain_token_maps_kernel(
             )
             sa, sb, sc, sd = _normalize(a, q, c * a, c * q + 1.0)
             ma, mb, mc, md = _compose(ma, mb, mc, md, sa, sb, sc, sd)
-    at = (pid.to(tl.int64) * PARTS + part) * 4 * KD + ch
-    tl.store(MAPS + at, ma, mask=ch_ok & part_ok)
-    tl.store(MAPS + at + KD, mb, mask=ch_ok & part_ok)
-    tl.store(MAPS + at + 2 * KD, mc, mask=ch_ok & part_ok)
-    tl.store(MAPS + at + 3 * KD, md, mask=ch_ok & part_ok)
+    at = (pid.to(tl.int64) * tl.num_programs(1) + part) * 4 * KD + ch
+    tl.store(MAPS + at, ma, mask=ch_ok)
+    tl.store(MAPS + at + KD, mb, mask=ch_ok)
+    tl.store(MAPS + at + 2 * KD, mc, mask=ch_ok)
+    tl.store(MAPS + at + 3 * KD, md, mask=ch_ok)
 
 
 @triton.jit
 def _kdn_diag_gain_token_forward_kernel(
-    K_, G, NOISE, R, P_START, GAIN, P, PRED, T, H, KD, scale, CHUNK, PARTS,
-    G_HEAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, LANES: tl.constexpr,
+    K_, G, NOISE, R, P_START, GAIN, P, PRED, T, H, KD, scale, CHUNK,
+    G_HEAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # Program (pid, parts): tokens [part CHUNK, (part + 1) CHUNK) of head pid for each of its
-    # LANES parts, one at a time, from p at the chunk's start, P_START[pid, part] (p_prior with
-    # one chunk).
-    pid, part, part_ok, ch, ch_ok, base, head_base = _token_program(
-        T, H, KD, PARTS, LANES, BLOCK_K
-    )
-    start_at = (pid.to(tl.int64) * PARTS + part) * KD
-    p = tl.load(P_START + start_at + ch, mask=ch_ok & part_ok, other=1.0)
+    # Program (pid, part): tokens [part CHUNK, (part + 1) CHUNK) of head pid, one at a time,
+    # from p at the chunk's start, P_START[pid, part] (p_prior with one chunk).
+    pid, part, ch, ch_ok, base, head_base = _token_program(T, H, KD, BLOCK_K)
+    start_at = (pid.to(tl.int64) * tl.num_programs(1) + part) * KD
+    p = tl.load(P_START + start_at + ch, mask=ch_ok, other=1.0)
     for start in range(0, CHUNK, BLOCK_T):
         for j in tl.static_range(BLOCK_T):
             t = part * CHUNK + start + j
@@ -636,7 +628,7 @@ def _kdn_diag_gain_token_forward_kernel(
             p_bar = a * p + q
             p = 1.0 / (c + 1.0 / p_bar)  # tokens past T leave p as it is (a = 1, q = c = 0)
             weighted = p_bar * k
-            predictive = tl.sum(weighted * k, axis=1, keep_dims=True)
+            predictive = tl.sum(weighted * k, axis=0)
             tl.store(GAIN + at, (weighted / (predictive + r)).to(GAIN.dtype.element_ty), mask=ok)
             tl.store(P + at, p, mask=ok)
             tl.store(PRED + head_at, predictive + 0.0 * r, mask=ok & (ch == 0))
@@ -660,7 +652,7 @@ def _token_adjoint(
     # The forward's predictive, kept: no sum over K for the denominator.
     den = tl.load(PRED + head_at, mask=ok, other=0.0) + r
     d_gain = tl.load(DGAIN + at, mask=ok, other=0.0).to(tl.float32)
-    d_den = -tl.sum(d_gain * (weighted / den), axis=1, keep_dims=True) / den
+    d_den = -tl.sum(d_gain * (weighted / den), axis=0) / den
     d_pred = tl.load(DPRED + head_at, mask=ok, other=0.0) + d_den
     d_weighted = d_gain / den + d_pred * k
     d_k = d_weighted * p_bar + d_pred * weighted
@@ -687,19 +679,16 @@ def _next_decay(G, t, ch, ch_ok, base, head_base, T, H, KD, G_HEAD: tl.constexpr
 
 @triton.jit
 def _kdn_diag_gain_token_adjoints_kernel(
-    K_, G, NOISE, R, P0, P, PRED, DGAIN, DP, DPRED, MAPS, T, H, KD, scale, CHUNK, PARTS,
+    K_, G, NOISE, R, P0, P, PRED, DGAIN, DP, DPRED, MAPS, T, H, KD, scale, CHUNK,
     G_HEAD: tl.constexpr, HAS_DP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    LANES: tl.constexpr,
 ):  # fmt: skip
     """MAPS[pid, part] = (X, E): pi at chunk `part`'s first step is E + X pi', pi' = pi after
     its last step; composed one token at a time, from the last."""
-    pid, part, part_ok, ch, ch_ok, base, head_base = _token_program(
-        T, H, KD, PARTS, LANES, BLOCK_K
-    )
+    pid, part, ch, ch_ok, base, head_base = _token_program(T, H, KD, BLOCK_K)
     p0 = tl.load(P0 + pid * KD + ch, mask=ch_ok, other=0.0)
     a_next = _next_decay(G, part * CHUNK + CHUNK, ch, ch_ok, base, head_base, T, H, KD, G_HEAD)
-    slope = tl.full([LANES, BLOCK_K], 1.0, tl.float32)
-    total = tl.zeros([LANES, BLOCK_K], dtype=tl.float32)
+    slope = tl.full([BLOCK_K], 1.0, tl.float32)
+    total = tl.zeros([BLOCK_K], dtype=tl.float32)
     for i in range(0, CHUNK, BLOCK_T):
         for j in tl.static_range(BLOCK_T):
             t = part * CHUNK + CHUNK - 1 - (i + j)
@@ -710,27 +699,24 @@ def _kdn_diag_gain_token_adjoints_kernel(
             # This token (earlier in time) after the running map of the later ones.
             slope, total = _then_affine(slope, total, x, e)
             a_next = tl.where(t + 0 * ch < T, a, 0.0)
-    at = (pid.to(tl.int64) * PARTS + part) * 2 * KD + ch
-    tl.store(MAPS + at, slope, mask=ch_ok & part_ok)
-    tl.store(MAPS + at + KD, total, mask=ch_ok & part_ok)
+    at = (pid.to(tl.int64) * tl.num_programs(1) + part) * 2 * KD + ch
+    tl.store(MAPS + at, slope, mask=ch_ok)
+    tl.store(MAPS + at + KD, total, mask=ch_ok)
 
 
 @triton.jit
 def _kdn_diag_gain_token_backward_kernel(
     K_, G, NOISE, R, P0, P, PRED, DGAIN, DP, DPRED, PI_END, DK_IN, DG_IN, DK, DG, DNOISE, DR,
-    DP0, T, H, KD, scale, CHUNK, PARTS, G_HEAD: tl.constexpr, HAS_DP: tl.constexpr,
+    DP0, T, H, KD, scale, CHUNK, G_HEAD: tl.constexpr, HAS_DP: tl.constexpr,
     HAS_DK_IN: tl.constexpr, HAS_DG_IN: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_K: tl.constexpr, LANES: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # Program (pid, parts): tokens [part CHUNK, (part + 1) CHUNK) of head pid for each of its
-    # LANES parts, from the last, from pi after the chunk, PI_END[pid, part] (zeros with one
-    # chunk).
-    pid, part, part_ok, ch, ch_ok, base, head_base = _token_program(
-        T, H, KD, PARTS, LANES, BLOCK_K
-    )
+    # Program (pid, part): tokens [part CHUNK, (part + 1) CHUNK) of head pid from the last, from
+    # pi after the chunk, PI_END[pid, part] (zeros with one chunk).
+    pid, part, ch, ch_ok, base, head_base = _token_program(T, H, KD, BLOCK_K)
     p0 = tl.load(P0 + pid * KD + ch, mask=ch_ok, other=0.0)
-    end_at = (pid.to(tl.int64) * PARTS + part) * KD
-    pi_after = tl.load(PI_END + end_at + ch, mask=ch_ok & part_ok, other=0.0)
+    end_at = (pid.to(tl.int64) * tl.num_programs(1) + part) * KD
+    pi_after = tl.load(PI_END + end_at + ch, mask=ch_ok, other=0.0)
     a_next = _next_decay(G, part * CHUNK + CHUNK, ch, ch_ok, base, head_base, T, H, KD, G_HEAD)
     for i in range(0, CHUNK, BLOCK_T):
         for j in tl.static_range(BLOCK_T):
@@ -752,7 +738,7 @@ def _kdn_diag_gain_token_backward_kernel(
             tl.store(DK + at, d_k.to(DK.dtype.element_ty), mask=ok)
             tl.store(DNOISE + at, pi.to(DNOISE.dtype.element_ty), mask=ok)
             if G_HEAD:
-                d_g_head = tl.sum(tl.where(ok, d_g, 0.0), axis=1, keep_dims=True) + 0.0 * r
+                d_g_head = tl.sum(tl.where(ok, d_g, 0.0), axis=0) + 0.0 * r
                 if HAS_DG_IN:
                     # Channel 0 carries the head's gradient (the only lane stored).
                     d_g_in = tl.load(DG_IN + head_at + 0 * ch, mask=ok & (ch == 0), other=0.0)
@@ -762,14 +748,14 @@ def _kdn_diag_gain_token_backward_kernel(
                 if HAS_DG_IN:
                     d_g += tl.load(DG_IN + at, mask=ok, other=0.0).to(tl.float32)
                 tl.store(DG + at, d_g.to(DG.dtype.element_ty), mask=ok)
-            d_r = d_den + tl.sum(tl.where(ok, nu_p * (p_t * c), 0.0), axis=1, keep_dims=True) / r
+            d_r = d_den + tl.sum(tl.where(ok, nu_p * (p_t * c), 0.0), axis=0) / r
             tl.store(DR + head_at, d_r.to(DR.dtype.element_ty), mask=ok & (ch == 0))
             pi_after = pi
             a_next = tl.where(t + 0 * ch < T, a, 0.0)
     # pi_after is pi_1 (the first step) in the first chunk now: dp_prior = a_1 pi_1.
     a_first = _next_decay(G, 0 * part, ch, ch_ok, base, head_base, T, H, KD, G_HEAD)
     first = ch_ok & (part + 0 * ch == 0)
-    tl.store(DP0 + pid * KD + ch + 0 * part, (a_first * pi_after).to(DP0.dtype.element_ty), mask=first)
+    tl.store(DP0 + pid * KD + ch, (a_first * pi_after).to(DP0.dtype.element_ty), mask=first)
 
 
 # Which kernels run the diagonal gain: "tokens" (the token walks above) or "tiles" (the tile
@@ -779,18 +765,14 @@ def _kdn_diag_gain_token_backward_kernel(
 # kernels take 0.64 ms of kernel time at the first shape, the tiles' 1.44.
 GAIN_WALK = "tokens"
 GAIN_WALKS = ("tokens", "tiles")
-# (tokens unrolled per step at K <= 128, warps, walks per program) of each token walk: one warp
-# a walk, so that a sum over K is a warp's shuffles; wider keys unroll fewer tokens (at K = 256
-# the chunk adjoints spill 80 bytes a thread at 4 tokens). Walks per program ("lanes"): a program
-# walks that many consecutive chunks of one head side by side, a `[LANES, BLOCK_K]` block whose
-# rows the warps share out (a row per warp with as many warps as lanes, at K >= 128). Hopper
-# keeps at most 32 programs on an SM: at one warp each, half of its 64 warp slots stay empty,
-# and the walks, a chain of dependent steps each waiting on its loads, are latency-bound.
+# (tokens unrolled per step at K <= 128, warps) of each token walk: one warp, so that a sum over
+# K is a warp's shuffles; wider keys unroll fewer tokens (at K = 256 the chunk adjoints spill
+# 80 bytes a thread at 4 tokens).
 TOKEN_LAUNCH = {
-    "chunk_maps": (4, 2, 2),
-    "forward": (4, 2, 2),
-    "chunk_adjoints": (4, 2, 2),
-    "backward": (4, 2, 2),
+    "chunk_maps": (4, 1),
+    "forward": (4, 1),
+    "chunk_adjoints": (4, 1),
+    "backward": (4, 1),
 }
 
 
@@ -811,22 +793,13 @@ def _kernels(walk: str) -> dict:
     }
 
 
-def walk_grid(walk: str, kernel: str, parts: int) -> tuple[int, dict]:
-    """(programs along T, the extra launch arguments) of `kernel` of `walk` over `parts` chunks:
-    the token walks group TOKEN_LAUNCH's lanes of chunks into a program, the tiles one each."""
-    if walk != "tokens":
-        return parts, {}
-    lanes = TOKEN_LAUNCH[kernel][2]
-    return triton.cdiv(parts, lanes), {"PARTS": parts, "LANES": lanes}
-
-
 def launch(key_dim: int, length: int, kernel: str) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_K, warps) of `kernel` (a key of LAUNCH): every channel of a head, and as
     many tokens as fill its tile (at least 2, at most its row limit and T rounded up to a power
     of 2)."""
     block_k = triton.next_power_of_2(key_dim)
     if GAIN_WALK == "tokens":
-        tokens, warps, _ = TOKEN_LAUNCH[kernel]
+        tokens, warps = TOKEN_LAUNCH[kernel]
         tokens = max(1, tokens * 128 // max(block_k, 128))
         return max(1, min(tokens, triton.next_power_of_2(length))), block_k, warps
     tile, rows, warps = LAUNCH[kernel]
@@ -925,8 +898,7 @@ class _KDNDiagGain(torch.autograd.Function):
             bh, length, key_dim, ("forward", "chunk_maps"), block_t, split, chunk
         )
         g_head = g.dim() == 3
-        walk = GAIN_WALK
-        kernels = _kernels(walk)
+        kernels = _kernels(GAIN_WALK)
         # Every element is written by the kernel: no fill pass.
         gain = torch.empty_like(k, dtype=gain_dtype)
         p = torch.empty_like(k, dtype=torch.float32)
@@ -934,25 +906,22 @@ class _KDNDiagGain(torch.autograd.Function):
         starts = p_prior  # p at each chunk's start, [B H, chunks, K]
         if k.numel() and parts > 1:
             maps = p.new_empty(bh, parts, 4, key_dim)
-            programs, extra = walk_grid(walk, "chunk_maps", parts)
-            kernels["chunk_maps"][(bh, programs)](
+            kernels["chunk_maps"][(bh, parts)](
                 k, g, q_noise, r, maps, length, heads, key_dim, scale, chunk_t, G_HEAD=g_head,
-                BLOCK_T=maps_t, BLOCK_K=block_k, num_warps=maps_warps, **extra,
+                BLOCK_T=maps_t, BLOCK_K=block_k, num_warps=maps_warps,
             )  # fmt: skip
             starts = p.new_empty(bh, parts, key_dim)
             _kdn_diag_gain_chunk_starts_kernel[carry_grid(bh, parts, key_dim)](
                 maps, p_prior, starts, parts, key_dim, *carry_block(parts), num_warps=CARRY_WARPS
             )
         if k.numel():
-            programs, extra = walk_grid(walk, "forward", parts)
-            kernels["forward"][(bh, programs)](
+            kernels["forward"][(bh, parts)](
                 k, g, q_noise, r, starts, gain, p, predictive, length, heads, key_dim, scale,
                 chunk_t, G_HEAD=g_head, BLOCK_T=tile_t, BLOCK_K=block_k, num_warps=warps,
-                **extra,
             )  # fmt: skip
         ctx.save_for_backward(k, g, q_noise, r, p_prior, p, predictive)
         ctx.scale, ctx.block_t, ctx.split, ctx.chunk = scale, block_t, split, chunk
-        ctx.walk = walk
+        ctx.walk = GAIN_WALK
         # An output the loss does not reach comes back as None, not as zeros: p in training (the
         # layers keep only its last step, as their state's precision).
         ctx.set_materialize_grads(False)
@@ -984,11 +953,10 @@ class _KDNDiagGain(torch.autograd.Function):
         # pi after each chunk's last step, [B H, chunks, K] (0 after the last chunk).
         if parts > 1:
             maps = p.new_empty(bh, parts, 2, key_dim)
-            programs, extra = walk_grid(ctx.walk, "chunk_adjoints", parts)
-            kernels["chunk_adjoints"][(bh, programs)](
+            kernels["chunk_adjoints"][(bh, parts)](
                 k, g, q_noise, r, p_prior, p, predictive, d_gain, d_p, d_pred, maps, length, heads,
                 key_dim, ctx.scale, chunk_t, G_HEAD=g_head, HAS_DP=has_dp, BLOCK_T=adj_t,
-                BLOCK_K=block_k, num_warps=adj_warps, **extra,
+                BLOCK_K=block_k, num_warps=adj_warps,
             )  # fmt: skip
             ends = p.new_empty(bh, parts, key_dim)
             _kdn_diag_gain_chunk_ends_kernel[carry_grid(bh, parts, key_dim)](
@@ -997,13 +965,12 @@ class _KDNDiagGain(torch.autograd.Function):
         else:
             ends = p.new_zeros(bh, 1, key_dim)
         # An absent routed gradient is never read (its flag is off); k and g stand in for it.
-        programs, extra = walk_grid(ctx.walk, "backward", parts)
-        kernels["backward"][(bh, programs)](
+        kernels["backward"][(bh, parts)](
             k, g, q_noise, r, p_prior, p, predictive, d_gain, d_p, d_pred, ends,
             k if dk_in is None else dk_in.contiguous(), g if dg_in is None else dg_in.contiguous(),
             *grads, length, heads, key_dim, ctx.scale, chunk_t, G_HEAD=g_head, HAS_DP=has_dp,
             HAS_DK_IN=dk_in is not None, HAS_DG_IN=dg_in is not None, BLOCK_T=tile_t,
-            BLOCK_K=block_k, num_warps=warps, **extra,
+            BLOCK_K=block_k, num_warps=warps,
         )  # fmt: skip
         return (*grads, None, None, None, None, None)
 
