@@ -28,12 +28,15 @@ inputs in --dtype, for each of its kernels' walks (triton_gain.GAIN_WALKS: a tok
 tiles scanned).
 
 `--gain-profile` runs only the split diagonal gain's forward and backward --repeats times at the
-first shape, untimed, for a profiler that attaches to the process (`h200_suite.sh ncu_gain`:
-Nsight Compute's counters of its four kernels).
+first shape (or `--shape`), untimed, for a profiler that attaches to the process
+(`h200_suite.sh ncu_gain`: Nsight Compute's counters of its four kernels), the loss reaching the
+gain and the routed k and g (as in the KDN mixers, whose delta rule takes them from the gain's
+node, so its backward adds their gradients).
 
-`--gain-launches` runs only a sweep of the split diagonal gain's launches at B=4 T=4096 H=16: each
-of its four kernels' (BLOCK_T, warps) in turn, the others at their defaults
-(`triton_gain.LAUNCH`), with the inputs in --dtype as the KDN mixers pass them.
+`--gain-launches` runs only a sweep of the split diagonal gain's launches at B=4 T=4096 H=16 (or
+`--shape`): each of its four kernels' (BLOCK_T, warps) in turn, the others at their defaults
+(`triton_gain.TOKEN_LAUNCH` for the token walks, `LAUNCH` for the tiles), with the inputs in
+--dtype as the KDN mixers pass them and the loss reaching the gain and the routed k and g.
 
 Inputs are random (unit keys, decays in [-1, 0], q_noise in [0, 0.1], r in [0.01, 1.01]), never
 zeros. The JSON written to --out holds every number printed.
@@ -316,7 +319,10 @@ def gain_launch_sweep(shape, args, device: str, dtype: torch.dtype) -> list[dict
     default = dict(getattr(triton_gain, table))
 
     def gain(*a):
-        return kdn_diag_gain(*a, float(dim), split=True, chunk=chunk, gain_dtype=dtype)[0]
+        # The loss reaches the routed k and g too: the backward adds their gradients, as in the
+        # KDN mixers (more loads and registers than the gain's alone).
+        gain, _, _, k, g = kdn_diag_gain(*a, float(dim), split=True, chunk=chunk, gain_dtype=dtype)
+        return gain.float().sum() + k.float().sum() + g.float().sum()
 
     sweep = [{"kernel": "(all defaults)", **time_op(gain, [*gates, p_prior], args.repeats, device)}]
     try:
@@ -387,6 +393,13 @@ def print_shape(result: dict) -> None:
     print(format_table(headers, table))
 
 
+def one_shape(args) -> tuple[int, ...]:
+    """--shape (BxTxHxK), else the first shape."""
+    if args.shape:
+        return tuple(int(n) for n in args.shape.split("x"))
+    return (TINY_SHAPES if args.tiny else SHAPES)[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -406,6 +419,11 @@ def main() -> None:
         help="only run the split diagonal gain (forward and backward), for a profiler",
     )
     parser.add_argument(
+        "--shape",
+        default=None,
+        help="--gain-profile's and --gain-launches' shape, BxTxHxK (default: the first of SHAPES)",
+    )
+    parser.add_argument(
         "--gain-chunks",
         action="store_true",
         help="only the split diagonal gain's chunk sweep, at every shape",
@@ -422,14 +440,16 @@ def main() -> None:
     }
     print(" ".join(f"{k}={v}" for k, v in header.items()))
     if args.gain_profile:
-        shape = (TINY_SHAPES if args.tiny else SHAPES)[0]
+        shape = one_shape(args)
         batch, _, heads, dim = shape
         x = make_inputs(shape, device, dtype, torch.Generator().manual_seed(0))
         leaves = [x[n].requires_grad_() for n in ("k", "g", "q_noise", "r")]
         p_prior = torch.ones(batch, heads, dim, device=device, requires_grad=True)
         for _ in range(args.repeats):
-            gain = kdn_diag_gain(*leaves, p_prior, float(dim), split=True, gain_dtype=dtype)[0]
-            gain.float().sum().backward()
+            gain, _, _, k, g = kdn_diag_gain(
+                *leaves, p_prior, float(dim), split=True, gain_dtype=dtype
+            )
+            (gain.float().sum() + k.float().sum() + g.float().sum()).backward()
         synchronize(device)
         with open(args.out, "w") as f:
             json.dump({**header, "shape": shape, "gain_profile_runs": args.repeats}, f, indent=1)
@@ -452,7 +472,7 @@ def main() -> None:
         print(f"\nwrote {args.out}")
         return
     if args.gain_launches:
-        shape = (TINY_SHAPES if args.tiny else SHAPES)[0]
+        shape = one_shape(args)
         sweep = gain_launch_sweep(shape, args, device, dtype)
         print(f"\nB, T, H, K = {shape}")
         print_gain_launches(sweep)

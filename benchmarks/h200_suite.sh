@@ -3,7 +3,7 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck intradots time32k prof_kdn ffn16k gain_launch kdn_train gain_chunks ncu_gain overhead strength_tests strength_train gaps kdn_tests prof_kdn32k layers_tests gain_split_tests
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck intradots time32k prof_kdn ffn16k gain_launch kdn_train gain_chunks ncu_gain overhead strength_tests strength_train gaps kdn_tests prof_kdn32k layers_tests gain_split_tests ncu_walks32k walk_launch32k walk_launch
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
@@ -93,7 +93,10 @@
 # prof_kdn32k 120 s (prof_kdn at B=1 T=32768), layers_tests 300 s (the layers on Triton
 # alone: kernel_tests without the KDN gains' file, which kdn_tests runs), gain_split_tests 240 s
 # (the diagonal gain's tests in tests/test_kdn_triton.py compiled: both walks, split, NaN-filled
-# outputs; 123 s on 2026-12-04). The twenty-fourth session's part gain_lanes (the token walks at
+# outputs; 123 s on 2026-12-04), ncu_walks32k 200 s (ncu_gain's counters for the diagonal gain's
+# token walks, the default, at B=1 T=32768 H=16, the routed k and g's gradients added), walk_launch32k 200 s and walk_launch 150 s
+# (gain_launch's sweep, the loss reaching the routed k and g, at B=1 T=32768 H=16 and at B=4
+# T=4096 H=16: each token walk's (tokens unrolled, warps) in turn). The twenty-fourth session's part gain_lanes (the token walks at
 # two and four chunks a program, slower) is in the tree of `2864f56`. The sixteenth
 # session's part factors_ab (stage 1 writing the decay factors) is in the tree of `a424144`.
 set -u
@@ -262,6 +265,10 @@ for p in "${parts[@]}"; do
     graphs_train16k) part graphs_train16k 240 python3 benchmarks/bench_train.py --device cuda \
         --preset 340M --seq-len 16384 --batch 1 --steps 8 --cuda-graphs "$GRAPHS" \
         --mixers gdn2 muir transformer ;;
+    walk_launch32k) part walk_launch32k 200 python3 benchmarks/bench_kdn_triton.py \
+        --gain-launches --dtype bfloat16 --shape 1x32768x16x128 --out "$OUT/walk_launch32k.json" ;;
+    walk_launch) part walk_launch 150 python3 benchmarks/bench_kdn_triton.py --gain-launches \
+        --dtype bfloat16 --out "$OUT/walk_launch.json" ;;
     gain_split_tests) part gain_split_tests 240 python3 -m pytest -q --maxfail=3 \
         -p no:cacheprovider tests/test_kdn_triton.py -k "split or writes_every or diag" ;;
     gain_launch) part gain_launch 200 python3 benchmarks/bench_kdn_triton.py --gain-launches \
@@ -275,6 +282,13 @@ for p in "${parts[@]}"; do
         --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
         python3 benchmarks/bench_kdn_triton.py --gain-profile --repeats 2 --dtype bfloat16 \
         --out "$OUT/ncu_gain.json" ;;
+    ncu_walks32k) part ncu_walks32k 200 ncu --clock-control none --kernel-name \
+        regex:'_kdn_diag_gain_token_(maps|forward|adjoints|backward)_kernel' \
+        --launch-skip 4 --launch-count 4 --section SpeedOfLight --section Occupancy \
+        --section LaunchStats --section WarpStateStats --section SchedulerStats \
+        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        python3 benchmarks/bench_kdn_triton.py --gain-profile --repeats 2 --dtype bfloat16 \
+        --shape 1x32768x16x128 --out "$OUT/ncu_walks32k.json" ;;
     overhead) part overhead 150 python3 benchmarks/bench_triton.py --parts overhead \
         --shapes 4x4096x16x128 --only kda_c64 gdn2_c64 kdn_iso_c64 kdn_diag_c64 \
         --out "$OUT/overhead.json" ;;

@@ -767,12 +767,18 @@ GAIN_WALK = "tokens"
 GAIN_WALKS = ("tokens", "tiles")
 # (tokens unrolled per step at K <= 128, warps) of each token walk: one warp, so that a sum over
 # K is a warp's shuffles; wider keys unroll fewer tokens (at K = 256 the chunk adjoints spill
-# 80 bytes a thread at 4 tokens).
+# 80 bytes a thread at 4 tokens). The backward unrolls 2: measured on the H200 (`h200_suite.sh
+# ncu_walks32k`, 2026-12-04, B=1 T=32768 H=16 K=128, bf16, the routed k and g's gradients
+# added) at 4 it took 110 registers a thread, so 16 one-warp programs an SM (25% occupancy), and
+# waited on its loads (58.6% of cycles with no warp eligible, 44% of DRAM's bandwidth);
+# `walk_launch32k` (the gain alone, forward and backward, each kernel's launch in turn) 2.62 ms
+# with the backward at 2 tokens, 2.64 at 1, 2.82 at 4 (the other kernels' rows within 2.79-2.92).
+# Two walks a program instead (a `[2, BLOCK_K]` block on two warps) was slower (`2864f56`).
 TOKEN_LAUNCH = {
     "chunk_maps": (4, 1),
     "forward": (4, 1),
     "chunk_adjoints": (4, 1),
-    "backward": (4, 1),
+    "backward": (2, 1),
 }
 
 
