@@ -3,7 +3,7 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck intradots time32k prof_kdn ffn16k gain_launch kdn_train gain_chunks ncu_gain overhead strength_tests strength_train gaps kdn_tests prof_kdn32k layers_tests gain_split_tests ncu_walks32k walk_launch32k walk_launch
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck intradots time32k prof_kdn ffn16k gain_launch kdn_train gain_chunks ncu_gain overhead strength_tests strength_train gaps kdn_tests prof_kdn32k layers_tests gain_split_tests ncu_walks32k walk_launch32k walk_launch decode_prof
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
@@ -96,7 +96,9 @@
 # outputs; 123 s on 2026-12-04), ncu_walks32k 200 s (ncu_gain's counters for the diagonal gain's
 # token walks, the default, at B=1 T=32768 H=16, the routed k and g's gradients added), walk_launch32k 200 s and walk_launch 150 s
 # (gain_launch's sweep, the loss reaching the routed k and g, at B=1 T=32768 H=16 and at B=4
-# T=4096 H=16: each token walk's (tokens unrolled, warps) in turn). The twenty-fourth session's part gain_lanes (the token walks at
+# T=4096 H=16: each token walk's (tokens unrolled, warps) in turn), decode_prof 240 s (the
+# kernels of one graphed decoding step of the 340M presets at 4K of context, by time and count
+# per token: benchmarks/profile_decode.py). The twenty-fourth session's part gain_lanes (the token walks at
 # two and four chunks a program, slower) is in the tree of `2864f56`. The sixteenth
 # session's part factors_ab (stage 1 writing the decay factors) is in the tree of `a424144`.
 set -u
@@ -269,6 +271,8 @@ for p in "${parts[@]}"; do
         --gain-launches --dtype bfloat16 --shape 1x32768x16x128 --out "$OUT/walk_launch32k.json" ;;
     walk_launch) part walk_launch 150 python3 benchmarks/bench_kdn_triton.py --gain-launches \
         --dtype bfloat16 --out "$OUT/walk_launch.json" ;;
+    decode_prof) part decode_prof 240 python3 benchmarks/profile_decode.py \
+        --out "$OUT/decode_prof.json" ;;
     gain_split_tests) part gain_split_tests 240 python3 -m pytest -q --maxfail=3 \
         -p no:cacheprovider tests/test_kdn_triton.py -k "split or writes_every or diag" ;;
     gain_launch) part gain_launch 200 python3 benchmarks/bench_kdn_triton.py --gain-launches \

@@ -57,3 +57,20 @@ def test_short_conv_tiny_run_measures_errors_and_the_launch_sweep(tmp_path):
         assert set(shape["rows"]) == {"torch", "triton"}
         for errors in shape["errors"].values():
             assert all(math.isfinite(e) and e < 1e-5 for e in errors.values()), errors
+
+
+def test_decode_profile_tiny_run_reports_every_mixer_by_operator(tmp_path):
+    """benchmarks/profile_decode.py (the GPU's decode-step profile) runs its CPU smoke run: every
+    mixer profiled, at least one operator a layer, none of the view or allocation operators
+    that launch no kernel counted, and the count the sum of the rows."""
+    report = run_tiny("profile_decode.py", tmp_path / "out.json")
+    mixers = [r["mixer"] for r in report["results"]]
+    assert mixers == ["gdn2", "muir", "kdn_diag", "transformer"]
+    for result in report["results"]:
+        names = [row["name"] for row in result["kernels"]]
+        assert result["kernels_per_token"] >= result["layers"], result["mixer"]
+        assert not {"aten::view", "aten::as_strided", "aten::empty_strided"} & set(names)
+        assert result["kernels_per_token"] == pytest.approx(
+            sum(row["per_token"] for row in result["kernels"])
+        )
+        assert all(row["us_per_token"] > 0 for row in result["kernels"])

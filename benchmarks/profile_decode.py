@@ -1,0 +1,154 @@
+"""Where one decoded token's time goes: the kernels of a static-cache decoding step, by name.
+
+    python benchmarks/profile_decode.py --out decode_prof.json                 # GPU, 340M presets
+    python benchmarks/profile_decode.py --tiny --out /tmp/decode_prof.json     # CPU smoke run
+
+`bench_decode_gpu.py` times a 340M model's token at about 5 ms replayed from a CUDA graph at any
+batch up to 64 (2026-12-01), where reading its weights once takes about 0.15 ms: the step is
+bound by something other than bytes. Per mixer this script prefills one random prompt of
+`--context` tokens, builds the `StaticDecoder` (one CUDA graph replay per token on CUDA), replays
+`--steps` tokens under `torch.profiler` and reports, per token: the wall time, the kernels'
+summed time, the kernel count, and the kernels by total time with their count per token, so a
+step made slow by many small launches (count x a few microseconds) tells itself apart from
+one made slow by a few heavy kernels. On CPU (`--tiny`) the step runs eagerly and the table
+lists the CPU operators instead (the script's smoke run). Random weights, bf16 on CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from deltalab.benchmarking import format_table
+from deltalab.models import CausalLM, build_config
+from deltalab.models.static_decode import StaticDecoder
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# CPU operators that only make views, allocate or hand a tensor on (no kernel on a GPU).
+NOT_KERNELS = {
+    "aten::" + name
+    for name in (
+        "view _unsafe_view reshape _reshape_alias expand unsqueeze squeeze permute transpose t "
+        "select slice as_strided alias detach unflatten flatten split split_with_sizes unbind "
+        "chunk narrow lift_fresh empty empty_strided empty_like resolve_conj resolve_neg to"
+    ).split()
+}
+
+
+def kernel_rows(prof, device: torch.device, steps: int) -> list[dict]:
+    """What ran on the device by total time: name, count and microseconds per token. CUDA: the
+    kernels and copies; CPU: the operators that call no other (`NOT_KERNELS` left out)."""
+    totals: dict[str, list[float]] = {}
+    if device.type == "cuda":
+        for e in prof.key_averages():
+            if e.device_type != torch.autograd.DeviceType.CUDA or not e.key:
+                continue
+            micros = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+            totals[e.key[:100]] = [e.count, micros]
+    else:
+        for e in prof.events():
+            if e.cpu_children or not e.name.startswith("aten::") or e.name in NOT_KERNELS:
+                continue
+            entry = totals.setdefault(e.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.cpu_time_total
+    rows = [
+        {"name": name, "per_token": count / steps, "us_per_token": micros / steps}
+        for name, (count, micros) in totals.items()
+        if micros > 0
+    ]
+    return sorted(rows, key=lambda r: -r["us_per_token"])
+
+
+def profile_mixer(mixer: str, args, device: torch.device, dtype: torch.dtype) -> dict:
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = CausalLM(build_config(args.preset, mixer=mixer)).to(dtype).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.context))
+    with torch.no_grad():
+        prefill = model(prompt.to(device), use_cache=True, logits_to_keep=1)
+    room = 2 * args.steps + 4
+    decoder = StaticDecoder(model, prefill.past_key_values, room, cuda_graph=device.type == "cuda")
+    decoder.start(prefill.logits[:, -1])
+    for _ in range(args.steps):  # untimed: the first replays
+        decoder.step()
+    synchronize(device)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            decoder.step()
+        synchronize(device)
+    wall = (time.perf_counter() - start) / args.steps
+    rows = kernel_rows(prof, device, args.steps)
+    return {
+        "mixer": mixer,
+        "wall_ms_per_token": 1e3 * wall,
+        "kernel_ms_per_token": sum(r["us_per_token"] for r in rows) / 1e3,
+        "kernels_per_token": sum(r["per_token"] for r in rows),
+        "layers": model.config.num_layers,
+        "kernels": rows,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--tiny", action="store_true", help="tiny preset on CPU (smoke run)")
+    parser.add_argument("--preset", default="340M")
+    parser.add_argument("--mixers", nargs="+", default=["gdn2", "muir", "kdn_diag", "transformer"])
+    parser.add_argument("--context", type=int, default=None, help="prompt tokens (default 4096)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    parser.add_argument("--steps", type=int, default=None, help="tokens profiled (default 16)")
+    parser.add_argument("--top", type=int, default=15, help="kernels printed per mixer")
+    args = parser.parse_args()
+    if args.tiny:
+        args.preset = "tiny"
+    args.context = args.context or (16 if args.tiny else 4096)
+    args.steps = args.steps or (2 if args.tiny else 16)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    results = []
+    for mixer in args.mixers:
+        result = profile_mixer(mixer, args, device, dtype)
+        results.append(result)
+        print(
+            f"\n{mixer}: {result['wall_ms_per_token']:.3f} ms a token (wall), "
+            f"{result['kernel_ms_per_token']:.3f} ms of kernels, "
+            f"{result['kernels_per_token']:.0f} kernels a token "
+            f"({result['kernels_per_token'] / result['layers']:.1f} a layer of "
+            f"{result['layers']})"
+        )
+        table = [
+            [r["name"], f"{r['per_token']:g}", f"{r['us_per_token']:.1f}"]
+            for r in result["kernels"][: args.top]
+        ]
+        print(format_table(["kernel", "per token", "us per token"], table))
+    meta = {
+        "preset": args.preset,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "dtype": str(dtype),
+        "context": args.context,
+        "batch": args.batch,
+        "steps": args.steps,
+    }
+    Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
