@@ -29,7 +29,8 @@ tiles scanned).
 
 `--gain-profile` runs only the split diagonal gain's forward and backward --repeats times at the
 first shape (or `--shape`), untimed, for a profiler that attaches to the process
-(`h200_suite.sh ncu_gain`: Nsight Compute's counters of its four kernels), the loss reaching the
+(`h200_suite.sh ncu_gain`, `ncu_walks32k`: Nsight Compute's counters of its four token walks),
+the loss reaching the
 gain and the routed k and g (as in the KDN mixers, whose delta rule takes them from the gain's
 node, so its backward adds their gradients).
 
@@ -302,13 +303,14 @@ def gain_chunk_sweep(shape, args, device: str, dtype: torch.dtype) -> list[dict]
 
 
 def gain_launch_sweep(shape, args, device: str, dtype: torch.dtype) -> list[dict]:
-    """The split diagonal gain's times with each kernel's (BLOCK_T, warps) from GAIN_LAUNCHES,
-    one kernel at a time (the forward's two kernels move the forward's time, the backward's two
-    the backward's), on the inputs in `dtype` as the KDN mixers pass them (the gain in k's
-    dtype)."""
+    """The split diagonal gain's times with each kernel's (BLOCK_T, warps) from GAIN_LAUNCHES
+    (TOKEN_GAIN_LAUNCHES for the token walks), one kernel at a time (the forward's two kernels
+    move the forward's time, the backward's two the backward's), on the inputs in `dtype` as the
+    KDN mixers pass them (the gain in k's dtype). BLOCK_T is the tokens the kernel launches with
+    (`launch`: the table's entry scaled at wide keys and clamped at short T)."""
     from deltalab.ops.kdn import triton_gain
 
-    batch, _, heads, dim = shape
+    batch, length, heads, dim = shape
     x = make_inputs(shape, device, dtype, torch.Generator().manual_seed(0))
     gates = [x[n] for n in ("k", "g", "q_noise", "r")]
     p_prior = torch.ones(batch, heads, dim, device=device)
@@ -333,8 +335,9 @@ def gain_launch_sweep(shape, args, device: str, dtype: torch.dtype) -> list[dict
                 setattr(triton_gain, table, {**default, kernel: entry})
                 timing = time_op(gain, [*gates, p_prior], args.repeats, device)
                 chosen = entry == default[kernel]
+                launched = launch(dim, length, kernel)[0]
                 sweep.append(
-                    {"kernel": kernel, "BLOCK_T": block_t, "warps": warps,
+                    {"kernel": kernel, "BLOCK_T": launched, "warps": warps,
                      "default": chosen, **timing}
                 )  # fmt: skip
     finally:
@@ -393,11 +396,17 @@ def print_shape(result: dict) -> None:
     print(format_table(headers, table))
 
 
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    """--shape's BxTxHxK: four positive integers."""
+    parts = text.split("x")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected BxTxHxK of positive integers, got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
 def one_shape(args) -> tuple[int, ...]:
-    """--shape (BxTxHxK), else the first shape."""
-    if args.shape:
-        return tuple(int(n) for n in args.shape.split("x"))
-    return (TINY_SHAPES if args.tiny else SHAPES)[0]
+    """--shape, else the first shape (of TINY_SHAPES with --tiny)."""
+    return args.shape or (TINY_SHAPES if args.tiny else SHAPES)[0]
 
 
 def main() -> None:
@@ -411,7 +420,7 @@ def main() -> None:
     parser.add_argument(
         "--gain-launches",
         action="store_true",
-        help="only the split diagonal gain's launch sweep, at the first shape (B=4 T=4096 H=16)",
+        help="only the split diagonal gain's launch sweep, at the first shape or --shape",
     )
     parser.add_argument(
         "--gain-profile",
@@ -420,8 +429,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--shape",
+        type=parse_shape,
         default=None,
-        help="--gain-profile's and --gain-launches' shape, BxTxHxK (default: the first of SHAPES)",
+        help="--gain-profile's and --gain-launches' shape, BxTxHxK (default: the first shape)",
     )
     parser.add_argument(
         "--gain-chunks",
@@ -429,6 +439,8 @@ def main() -> None:
         help="only the split diagonal gain's chunk sweep, at every shape",
     )
     args = parser.parse_args()
+    if args.shape and not (args.gain_profile or args.gain_launches):
+        parser.error("--shape applies to --gain-profile and --gain-launches only")
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     args.repeats = args.repeats or (1 if args.tiny else 10)
     dtype = getattr(torch, args.dtype)

@@ -3,7 +3,7 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck intradots time32k prof_kdn ffn16k gain_launch kdn_train gain_chunks ncu_gain overhead strength_tests strength_train gaps kdn_tests prof_kdn32k layers_tests gain_split_tests ncu_walks32k walk_launch32k walk_launch decode_prof
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck intradots time32k prof_kdn ffn16k gain_launch kdn_train gain_chunks ncu_gain overhead strength_tests strength_train gaps kdn_tests prof_kdn32k layers_tests gain_split_tests ncu_walks32k walk_launch32k decode_prof
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
@@ -79,8 +79,9 @@
 # gain's launch sweep, one kernel's (BLOCK_T, warps) at a time, bf16 inputs), kdn_train 200 s
 # (the two KDN presets' graphed 340M training at 4K beside the Transformer's), gain_chunks 120 s
 # (the split diagonal gain's tokens per program at the three shapes, bf16 inputs), ncu_gain 150 s
-# (Nsight Compute's counters of the split diagonal gain's four kernels, B=4 T=4096 H=16, bf16:
-# throughput, occupancy, warp stalls), overhead 150 s (bench_triton.py's overhead part at B=4
+# (Nsight Compute's counters of the split diagonal gain's four walks, B=4 T=4096 H=16, bf16,
+# the loss reaching the gain and the routed k and g: throughput, occupancy, warp stalls; the
+# token walks since 2026-12-04, the tile kernels before), overhead 150 s (bench_triton.py's overhead part at B=4
 # T=4096 H=16: wall time with the value checks on and off, kernel time, the host's launch time,
 # and the host's op table of the KDN forms), strength_tests 120 s (the delta rule's per-token
 # write strength against the float64 loop, compiled), strength_train 200 s (KDA and Isotropic
@@ -94,9 +95,9 @@
 # alone: kernel_tests without the KDN gains' file, which kdn_tests runs), gain_split_tests 240 s
 # (the diagonal gain's tests in tests/test_kdn_triton.py compiled: both walks, split, NaN-filled
 # outputs; 123 s on 2026-12-04), ncu_walks32k 200 s (ncu_gain's counters for the diagonal gain's
-# token walks, the default, at B=1 T=32768 H=16, the routed k and g's gradients added), walk_launch32k 200 s and walk_launch 150 s
-# (gain_launch's sweep, the loss reaching the routed k and g, at B=1 T=32768 H=16 and at B=4
-# T=4096 H=16: each token walk's (tokens unrolled, warps) in turn), decode_prof 240 s (the
+# token walks at B=1 T=32768 H=16), walk_launch32k 200 s (gain_launch at B=1 T=32768 H=16;
+# since 2026-12-04 gain_launch's loss reaches the routed k and g, and its walks are the token
+# walks, each one's (tokens unrolled, warps) in turn), decode_prof 240 s (the
 # kernels of one graphed decoding step of the 340M presets at 4K of context, by time and count
 # per token: benchmarks/profile_decode.py). The twenty-fourth session's part gain_lanes (the token walks at
 # two and four chunks a program, slower) is in the tree of `2864f56`. The sixteenth
@@ -269,8 +270,6 @@ for p in "${parts[@]}"; do
         --mixers gdn2 muir transformer ;;
     walk_launch32k) part walk_launch32k 200 python3 benchmarks/bench_kdn_triton.py \
         --gain-launches --dtype bfloat16 --shape 1x32768x16x128 --out "$OUT/walk_launch32k.json" ;;
-    walk_launch) part walk_launch 150 python3 benchmarks/bench_kdn_triton.py --gain-launches \
-        --dtype bfloat16 --out "$OUT/walk_launch.json" ;;
     decode_prof) part decode_prof 240 python3 benchmarks/profile_decode.py \
         --out "$OUT/decode_prof.json" ;;
     gain_split_tests) part gain_split_tests 240 python3 -m pytest -q --maxfail=3 \
@@ -280,7 +279,7 @@ for p in "${parts[@]}"; do
     gain_chunks) part gain_chunks 120 python3 benchmarks/bench_kdn_triton.py --gain-chunks \
         --dtype bfloat16 --out "$OUT/gain_chunks.json" ;;
     ncu_gain) part ncu_gain 150 ncu --clock-control none --kernel-name \
-        regex:'_kdn_diag_gain_(forward|backward|chunk_maps|chunk_adjoints)_kernel' \
+        regex:'_kdn_diag_gain_token_(maps|forward|adjoints|backward)_kernel' \
         --launch-skip 4 --launch-count 4 --section SpeedOfLight --section Occupancy \
         --section LaunchStats --section WarpStateStats --section SchedulerStats \
         --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \

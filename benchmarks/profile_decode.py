@@ -7,11 +7,13 @@
 batch up to 64 (2026-12-01), where reading its weights once takes about 0.15 ms: the step is
 bound by something other than bytes. Per mixer this script prefills one random prompt of
 `--context` tokens, builds the `StaticDecoder` (one CUDA graph replay per token on CUDA), replays
-`--steps` tokens under `torch.profiler` and reports, per token: the wall time, the kernels'
-summed time, the kernel count, and the kernels by total time with their count per token, so a
-step made slow by many small launches (count x a few microseconds) tells itself apart from
-one made slow by a few heavy kernels. On CPU (`--tiny`) the step runs eagerly and the table
-lists the CPU operators instead (the script's smoke run). Random weights, bf16 on CUDA.
+`--steps` tokens under `torch.profiler` and reports, per token: the wall time (under the
+profiler, so with its overhead), the kernels' summed time, the kernel count, and the kernels
+by total time with their count per token, so a step made slow by many small launches (count x
+a few microseconds) tells itself apart from one made slow by a few heavy kernels. On CPU
+(`--tiny`) the step runs eagerly and the table lists the ATen operators it dispatches instead
+(`OperatorCounter`: the script's smoke run, and a count of what would launch on a GPU with the
+CPU's paths). Random weights, bf16 on CUDA.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from deltalab.benchmarking import format_table
 from deltalab.models import CausalLM, build_config
@@ -33,38 +36,53 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-# CPU operators that only make views, allocate or hand a tensor on (no kernel on a GPU).
-NOT_KERNELS = {
-    "aten::" + name
-    for name in (
-        "view _unsafe_view reshape _reshape_alias expand unsqueeze squeeze permute transpose t "
-        "select slice as_strided alias detach unflatten flatten split split_with_sizes unbind "
-        "chunk narrow lift_fresh empty empty_strided empty_like resolve_conj resolve_neg to"
-    ).split()
-}
+# Operators that only make views, read metadata or allocate (no kernel on a GPU).
+NOT_KERNELS = set(
+    "view _unsafe_view reshape _reshape_alias expand unsqueeze squeeze permute transpose t "
+    "select slice as_strided alias detach unflatten flatten split split_with_sizes unbind chunk "
+    "narrow lift_fresh empty empty_strided empty_like resolve_conj resolve_neg to result_type "
+    "promote_types resize_ is_same_size".split()
+)
 
 
-def kernel_rows(prof, device: torch.device, steps: int) -> list[dict]:
-    """What ran on the device by total time: name, count and microseconds per token. CUDA: the
-    kernels and copies; CPU: the operators that call no other (`NOT_KERNELS` left out)."""
-    totals: dict[str, list[float]] = {}
-    if device.type == "cuda":
-        for e in prof.key_averages():
-            if e.device_type != torch.autograd.DeviceType.CUDA or not e.key:
-                continue
-            micros = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
-            totals[e.key[:100]] = [e.count, micros]
-    else:
-        for e in prof.events():
-            if e.cpu_children or not e.name.startswith("aten::") or e.name in NOT_KERNELS:
-                continue
-            entry = totals.setdefault(e.name, [0, 0.0])
+class OperatorCounter(TorchDispatchMode):
+    """The CPU stand-in for a GPU's kernel list: every ATen operator dispatched below autograd
+    (composites already split into their parts, as they launch on a GPU), `NOT_KERNELS` left
+    out, with its count and seconds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.totals: dict[str, list[float]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        if name not in NOT_KERNELS:
+            entry = self.totals.setdefault("aten::" + name, [0, 0.0])
             entry[0] += 1
-            entry[1] += e.cpu_time_total
+            entry[1] += 1e6 * (time.perf_counter() - start)
+        return out
+
+
+def cuda_totals(prof) -> dict[str, list[float]]:
+    """The profiled CUDA kernels and copies: name -> [count, microseconds]."""
+    totals: dict[str, list[float]] = {}
+    for e in prof.key_averages():
+        if e.device_type != torch.autograd.DeviceType.CUDA or not e.key:
+            continue
+        micros = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        entry = totals.setdefault(e.key[:100], [0, 0.0])
+        entry[0] += e.count
+        entry[1] += micros
+    return totals
+
+
+def rows_of(totals: dict[str, list[float]], steps: int) -> list[dict]:
+    """name, count and microseconds per token, by time."""
     rows = [
         {"name": name, "per_token": count / steps, "us_per_token": micros / steps}
         for name, (count, micros) in totals.items()
-        if micros > 0
     ]
     return sorted(rows, key=lambda r: -r["us_per_token"])
 
@@ -82,16 +100,21 @@ def profile_mixer(mixer: str, args, device: torch.device, dtype: torch.dtype) ->
     for _ in range(args.steps):  # untimed: the first replays
         decoder.step()
     synchronize(device)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
     start = time.perf_counter()
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(args.steps):
-            decoder.step()
-        synchronize(device)
+    if device.type == "cuda":
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(args.steps):
+                decoder.step()
+            synchronize(device)
+        totals = cuda_totals(prof)
+    else:
+        with OperatorCounter() as counter:
+            for _ in range(args.steps):
+                decoder.step()
+        totals = counter.totals
     wall = (time.perf_counter() - start) / args.steps
-    rows = kernel_rows(prof, device, args.steps)
+    rows = rows_of(totals, args.steps)
     return {
         "mixer": mixer,
         "wall_ms_per_token": 1e3 * wall,

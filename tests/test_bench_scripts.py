@@ -61,8 +61,8 @@ def test_short_conv_tiny_run_measures_errors_and_the_launch_sweep(tmp_path):
 
 def test_decode_profile_tiny_run_reports_every_mixer_by_operator(tmp_path):
     """benchmarks/profile_decode.py (the GPU's decode-step profile) runs its CPU smoke run: every
-    mixer profiled, at least one operator a layer, none of the view or allocation operators
-    that launch no kernel counted, and the count the sum of the rows."""
+    mixer profiled, at least one operator a layer, the projections' matrix products among them,
+    none of the view or allocation operators that launch no kernel counted."""
     report = run_tiny("profile_decode.py", tmp_path / "out.json")
     mixers = [r["mixer"] for r in report["results"]]
     assert mixers == ["gdn2", "muir", "kdn_diag", "transformer"]
@@ -70,7 +70,4 @@ def test_decode_profile_tiny_run_reports_every_mixer_by_operator(tmp_path):
         names = [row["name"] for row in result["kernels"]]
         assert result["kernels_per_token"] >= result["layers"], result["mixer"]
         assert not {"aten::view", "aten::as_strided", "aten::empty_strided"} & set(names)
-        assert result["kernels_per_token"] == pytest.approx(
-            sum(row["per_token"] for row in result["kernels"])
-        )
-        assert all(row["us_per_token"] > 0 for row in result["kernels"])
+        assert {"aten::mm", "aten::addmm"} & set(names), result["mixer"]

@@ -13,6 +13,8 @@ of a kernel in Python.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from test_kdn import kdn_inputs
@@ -153,8 +155,18 @@ def test_fused_gain_and_all_gradients_match_float64_definition_and_pytorch_path(
 @pytest.mark.parametrize("channel_decay", [True, False], ids=["channel_decay", "head_decay"])
 @pytest.mark.parametrize(
     ("shape", "block_t", "chunk"),
-    [((2, 13, 2, 5), 4, 4), ((1, 13, 3, 8), 2, 8), ((2, 11, 1, 3), None, 4)],
-    ids=["4_chunks_of_a_tile_and_a_part", "2_chunks_of_4_tiles_and_a_part", "default_tile"],
+    [
+        ((2, 13, 2, 5), 4, 4),
+        ((1, 13, 3, 8), 2, 8),
+        ((2, 11, 1, 3), None, 4),
+        ((1, 70, 1, 256), None, None),
+    ],
+    ids=[
+        "4_chunks_of_a_tile_and_a_part",
+        "2_chunks_of_4_tiles_and_a_part",
+        "default_tile",
+        "default_chunks_at_k256",  # 2 chunks of 64; the token backward unrolls 1 token
+    ],
 )
 @pytest.mark.parametrize("walk", ["tokens", "tiles"])
 def test_split_gain_and_all_gradients_match_float64_definition_pytorch_and_one_program_kernel(
@@ -246,6 +258,37 @@ def test_split_chunks_are_powers_of_2_filling_about_split_gain_programs():
     assert chunk_tokens(16, 65536, 16) == 128
     assert chunk_tokens(1, 100, 16) == SPLIT_GAIN_MIN_CHUNK
     assert chunk_tokens(1, 100, 128) == 128
+
+
+@needs_triton
+@pytest.mark.parametrize("walk", ["tokens", "tiles"])
+@pytest.mark.parametrize("key_dim", [3, 64, 128, 256])
+def test_gain_plans_tile_every_chunk_and_cover_t(monkeypatch, walk, key_dim):
+    """Each direction's launch plan, its two kernels' tiles possibly different (the token walks'
+    backward unrolls 2 tokens where the chunk adjoints unroll 4; 1 and 2 at K = 256): the tiles
+    of the kernels launched are powers of 2 that divide the chunk, the chunks cover T and the
+    last one holds a token, split or not, at short, odd and long T, with a given tile and chunk
+    or the defaults."""
+    from deltalab.ops.kdn import triton_gain
+
+    monkeypatch.setattr(triton_gain, "GAIN_WALK", walk)
+    directions = (("forward", "chunk_maps"), ("backward", "chunk_adjoints"))
+    for kernels in directions:
+        for length in (1, 2, 5, 37, 64, 100, 4096, 32768):
+            for bh, block_t, split, chunk in itertools.product(
+                (1, 16, 4096), (None, 2), (True, False), (None, 2, 64)
+            ):
+                tiles, _, _, chunk_t, parts = triton_gain._plan(
+                    bh, length, key_dim, kernels, block_t, split, chunk
+                )
+                case = (kernels, length, bh, block_t, split, chunk, tiles, chunk_t, parts)
+                # The chunks' maps run only when T is split (parts > 1).
+                launched = tiles if parts > 1 else tiles[:1]
+                assert all(t >= 1 and t & (t - 1) == 0 and chunk_t % t == 0 for t in launched), case
+                assert chunk_t * parts >= length > chunk_t * (parts - 1), case
+                if parts > 1:
+                    assert split and chunk_t & (chunk_t - 1) == 0, case
+    assert triton_gain.launch(256, 4096, "backward")[0] == (1 if walk == "tokens" else 2)
 
 
 SPLITS = pytest.mark.parametrize("chunk", [None, 4], ids=["one_program", "split_chunks_of_4"])

@@ -772,8 +772,11 @@ GAIN_WALKS = ("tokens", "tiles")
 # added) at 4 it took 110 registers a thread, so 16 one-warp programs an SM (25% occupancy), and
 # waited on its loads (58.6% of cycles with no warp eligible, 44% of DRAM's bandwidth);
 # `walk_launch32k` (the gain alone, forward and backward, each kernel's launch in turn) 2.62 ms
-# with the backward at 2 tokens, 2.64 at 1, 2.82 at 4 (the other kernels' rows within 2.79-2.92).
-# Two walks a program instead (a `[2, BLOCK_K]` block on two warps) was slower (`2864f56`).
+# with the backward at 2 tokens, 2.64 at 1, 2.82 at 4 (the other kernels' rows 2.79-2.92 but
+# the chunk adjoints at (8, 2), 3.13). Measured at K = 128 only: at K = 64 the two unrolls take
+# about the same registers (70 / 72, sm_90 compile), and at K = 256 the backward now unrolls 1
+# token where it unrolled 2 (192 / 199 registers, the same occupancy), untimed. Two walks a
+# program instead (a `[2, BLOCK_K]` block on two warps) was slower (`2864f56`).
 TOKEN_LAUNCH = {
     "chunk_maps": (4, 1),
     "forward": (4, 1),
@@ -801,8 +804,9 @@ def _kernels(walk: str) -> dict:
 
 def launch(key_dim: int, length: int, kernel: str) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_K, warps) of `kernel` (a key of LAUNCH): every channel of a head, and as
-    many tokens as fill its tile (at least 2, at most its row limit and T rounded up to a power
-    of 2)."""
+    many tokens as fill its tile (the tiles: at least 2, at most its row limit and T rounded up
+    to a power of 2), or (the token walks) TOKEN_LAUNCH's tokens times 128 / BLOCK_K at wider
+    keys, at least 1 and at most T rounded up to a power of 2."""
     block_k = triton.next_power_of_2(key_dim)
     if GAIN_WALK == "tokens":
         tokens, warps = TOKEN_LAUNCH[kernel]
