@@ -141,6 +141,20 @@ train_pair() {
 }
 export -f train_pair
 
+# Nsight Compute's counters of the diagonal gain's four token walks in the second of two
+# forward+backward runs (four matching launches a run): ncu_walks OUT_JSON [OPTION ...], the
+# options passed to bench_kdn_triton.py --gain-profile (--shape).
+ncu_walks() {
+    ncu --clock-control none --kernel-name \
+        regex:'_kdn_diag_gain_token_(maps|forward|adjoints|backward)_kernel' \
+        --launch-skip 4 --launch-count 4 --section SpeedOfLight --section Occupancy \
+        --section LaunchStats --section WarpStateStats --section SchedulerStats \
+        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        python3 benchmarks/bench_kdn_triton.py --gain-profile --repeats 2 --dtype bfloat16 \
+        --out "$1" "${@:2}"
+}
+export -f ncu_walks
+
 for p in "${parts[@]}"; do
     case $p in
     tests) part tests 360 python3 -m pytest -q --maxfail=3 -p no:cacheprovider \
@@ -278,20 +292,9 @@ for p in "${parts[@]}"; do
         --dtype bfloat16 --out "$OUT/gain_launch.json" ;;
     gain_chunks) part gain_chunks 120 python3 benchmarks/bench_kdn_triton.py --gain-chunks \
         --dtype bfloat16 --out "$OUT/gain_chunks.json" ;;
-    ncu_gain) part ncu_gain 150 ncu --clock-control none --kernel-name \
-        regex:'_kdn_diag_gain_token_(maps|forward|adjoints|backward)_kernel' \
-        --launch-skip 4 --launch-count 4 --section SpeedOfLight --section Occupancy \
-        --section LaunchStats --section WarpStateStats --section SchedulerStats \
-        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
-        python3 benchmarks/bench_kdn_triton.py --gain-profile --repeats 2 --dtype bfloat16 \
-        --out "$OUT/ncu_gain.json" ;;
-    ncu_walks32k) part ncu_walks32k 200 ncu --clock-control none --kernel-name \
-        regex:'_kdn_diag_gain_token_(maps|forward|adjoints|backward)_kernel' \
-        --launch-skip 4 --launch-count 4 --section SpeedOfLight --section Occupancy \
-        --section LaunchStats --section WarpStateStats --section SchedulerStats \
-        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
-        python3 benchmarks/bench_kdn_triton.py --gain-profile --repeats 2 --dtype bfloat16 \
-        --shape 1x32768x16x128 --out "$OUT/ncu_walks32k.json" ;;
+    ncu_gain) part ncu_gain 150 bash -c "ncu_walks '$OUT/ncu_gain.json'" ;;
+    ncu_walks32k) part ncu_walks32k 200 bash -c \
+        "ncu_walks '$OUT/ncu_walks32k.json' --shape 1x32768x16x128" ;;
     overhead) part overhead 150 python3 benchmarks/bench_triton.py --parts overhead \
         --shapes 4x4096x16x128 --only kda_c64 gdn2_c64 kdn_iso_c64 kdn_diag_c64 \
         --out "$OUT/overhead.json" ;;
