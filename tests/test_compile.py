@@ -20,6 +20,8 @@ from deltalab.models import CausalLM, build_config
 from deltalab.ops._triton import INTERPRET, triton_unavailable_reason
 from deltalab.testing import assert_close
 
+pytestmark = pytest.mark.interpreter
+
 CUDA = torch.cuda.is_available() and not INTERPRET
 DEVICE = "cuda" if CUDA else "cpu"
 NO_TRITON = triton_unavailable_reason(torch.device(DEVICE))

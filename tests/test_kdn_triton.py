@@ -29,6 +29,8 @@ from deltalab.ops.kdn import gains
 from deltalab.ops.kdn.gains import diag_gain
 from deltalab.testing import TOLERANCE, assert_close, relative_error
 
+pytestmark = pytest.mark.interpreter
+
 CUDA = torch.cuda.is_available() and not INTERPRET
 DEVICE = "cuda" if CUDA else "cpu"
 NO_TRITON = triton_unavailable_reason(torch.device(DEVICE))

@@ -32,6 +32,8 @@ from deltalab.ops._triton import INTERPRET, triton_unavailable_reason
 from deltalab.ops.log_decay import layer_backend, log_decay, resolve_backend
 from deltalab.testing import assert_close
 
+pytestmark = pytest.mark.interpreter
+
 F64 = torch.float64
 CUDA = torch.cuda.is_available() and not INTERPRET
 DEVICE = "cuda" if CUDA else "cpu"

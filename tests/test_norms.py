@@ -21,6 +21,8 @@ from deltalab.ops.norms import l2_normalize, layer_backend, resolve_backend, rms
 from deltalab.ops.norms.reference import l2_normalize_naive
 from deltalab.testing import TOLERANCE, assert_close, forward_tangent
 
+pytestmark = pytest.mark.interpreter
+
 F64 = torch.float64
 CUDA = torch.cuda.is_available() and not INTERPRET
 DEVICE = "cuda" if CUDA else "cpu"

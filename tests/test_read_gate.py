@@ -25,6 +25,8 @@ from deltalab.ops._triton import INTERPRET, triton_unavailable_reason
 from deltalab.ops.read_gate import layer_backend, read_query, resolve_backend
 from deltalab.testing import assert_close
 
+pytestmark = pytest.mark.interpreter
+
 F64 = torch.float64
 CUDA = torch.cuda.is_available() and not INTERPRET
 DEVICE = "cuda" if CUDA else "cpu"

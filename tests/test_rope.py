@@ -19,6 +19,8 @@ from deltalab.ops._triton import INTERPRET, triton_unavailable_reason
 from deltalab.ops.rope import ROPE_BASE, resolve_backend, rope
 from deltalab.testing import TOLERANCE, assert_close, forward_tangent, relative_error
 
+pytestmark = pytest.mark.interpreter
+
 F64 = torch.float64
 F32 = torch.float32
 CUDA = torch.cuda.is_available() and not INTERPRET

@@ -20,6 +20,8 @@ from deltalab.ops._triton import INTERPRET, triton_unavailable_reason
 from deltalab.ops.short_conv import resolve_backend
 from deltalab.testing import TOLERANCE, assert_close
 
+pytestmark = pytest.mark.interpreter
+
 F64 = torch.float64
 CUDA = torch.cuda.is_available() and not INTERPRET
 DEVICE = "cuda" if CUDA else "cpu"

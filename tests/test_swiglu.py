@@ -20,6 +20,8 @@ from deltalab.ops._triton import INTERPRET, triton_unavailable_reason
 from deltalab.ops.swiglu import resolve_backend, swiglu
 from deltalab.testing import TOLERANCE, assert_close, forward_tangent, relative_error
 
+pytestmark = pytest.mark.interpreter
+
 F64 = torch.float64
 CUDA = torch.cuda.is_available() and not INTERPRET
 DEVICE = "cuda" if CUDA else "cpu"

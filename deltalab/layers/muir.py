@@ -257,7 +257,7 @@ def read_query(read: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """The matched-filter read rho * q, in q's dtype. Under autocast rho is float32 (x's dtype)
     and q bf16: a float32 product would send the Triton kernels a float32 query, and with it
     their IEEE float32 products (measured on an H200: a 340M Muir trained at 14.4K tokens/s
-    that way at 4K context, 33.2K in q's dtype; docs/RESULTS.md)."""
+    that way at 4K context, 33.2K in q's dtype)."""
     return (read * q).to(q.dtype)
 
 

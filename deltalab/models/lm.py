@@ -129,7 +129,7 @@ class DeltaLabModel(DeltaLabPreTrainedModel):
         # products at the 340M GDN-2 preset, 23% at the Transformer's (its weights are 52% and
         # 70% of the block's; a product's forward is a third of its forward and backward), and
         # no delta rule.
-        # Measured on the H200 (docs/RESULTS.md, 2026-12-02, thirteenth session): the 340M GDN-2
+        # Measured on an H200 (2026-12-02, docs/PERFORMANCE.md): the 340M GDN-2
         # preset's peak 25.7 -> 19.7 GiB at B=4 T=4096, 25.7 -> 19.8 at B=1 T=16384.
         self.checkpoint_blocks = False
         self.recompute_ffn = False

@@ -213,11 +213,11 @@ def send_answers() -> None:
     Why: reading an answer back waits for everything queued before the read. Read before the
     work, the device idles while the host launches the work; read after it, the host waits for
     the device to drain the work and the device then idles while the host launches whatever
-    follows (for a KDN op on the H200, the backward: 0.3-0.5 ms a call, docs/RESULTS.md,
-    twenty-second session). A copy started between the two is done long before the block ends;
-    waiting for its event costs neither side. Outside a block it does nothing (there the
-    checks have read their answers already), and inside an enclosing block (the trainer's) too:
-    that block reads once at its end, and a send per op would only add launches."""
+    follows (for a KDN op on the H200, the backward: 0.3-0.5 ms a call). A copy started
+    between the two is done long before the block ends; waiting for its event costs neither
+    side. Outside a block it does nothing (there the checks have read their answers already),
+    and inside an enclosing block (the trainer's) too: that block reads once at its end, and a
+    send per op would only add launches."""
     block = _QUEUED.get()
     # Not while a CUDA graph is captured: no check queues there, and a reduction recorded into
     # the graph would not run before the block's end read it.
@@ -277,8 +277,7 @@ def share_passes(view: torch.Tensor, x: torch.Tensor) -> None:
     through a node), count the checks x passed as its own: a pass is remembered on the tensor
     object, which `view` is not. Without this, an op handed the view checks it again, and in a
     block that has sent its answers that check is read at the block's end, behind the work
-    (on the H200 this cost Isotropic and Diagonal KDN 0.55-0.63 ms a call; docs/RESULTS.md,
-    twenty-third session)."""
+    (on the H200 this cost Isotropic and Diagonal KDN 0.55-0.63 ms a call)."""
     passes = getattr(x, "_deltalab_passed", None)
     version = _version(view)
     if (
@@ -318,11 +317,10 @@ def _failed(x: torch.Tensor, kind: str, passed: torch.Tensor, check: Callable[[]
 # One pass. A value check reduces x to one or two numbers (its maximum, minimum, or both from
 # one `aminmax`) and compares those, rather than comparing every element into a bool tensor of
 # x's size and reducing that: one read of x, nothing of its size written. On an H200 a KDN op's
-# checks of its [B, T, H, K] inputs took ~0.15 ms the elementwise way (docs/RESULTS.md,
-# nineteenth session). NaN needs no test of its own: amax, amin and aminmax return NaN when x
-# holds one, and every comparison with NaN is False. The reductions take x detached: on a
-# tensor that requires grad, amax would otherwise record a backward node that saves x (the
-# elementwise comparisons it replaces record none).
+# checks of its [B, T, H, K] inputs took ~0.15 ms the elementwise way. NaN needs no test of
+# its own: amax, amin and aminmax return NaN when x holds one, and every comparison with NaN is
+# False. The reductions take x detached: on a tensor that requires grad, amax would otherwise
+# record a backward node that saves x (the elementwise comparisons it replaces record none).
 
 
 def require_nonpositive(name: str, x: torch.Tensor, meaning: str) -> None:

@@ -30,7 +30,7 @@ def opaque_to_compiler(fn):
     H200, and tests/test_compile.py on CPU). The kernels are compiled by Triton already: the
     graph break costs the kernels nothing, but every break hands control back to the host,
     and on the H200 a compiled 340M GDN-2 step took twice its kernel time in wall time, slower
-    than eager (docs/RESULTS.md, 2026-12-02): registering the kernels as PyTorch custom ops is
+    than eager (2026-12-02): registering the kernels as PyTorch custom ops is
     what would keep the graph whole."""
     return torch.compiler.disable(fn, recursive=True)
 

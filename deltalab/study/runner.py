@@ -159,10 +159,10 @@ def run_state(run: PlannedRun) -> str:
     """ "done", "diverged" (a recorded divergence), "evaluate" (trained; evaluations missing),
     "resume" (checkpoints to continue from) or "new".
 
-    A run trained but not fully evaluated whose exported model is gone (its records came back
-    from a machine without the model, as device calls return them) cannot be evaluated: it is
-    "resume" from its checkpoints if they came along, else "new" (`run_one` then drops the
-    lost model's results)."""
+    A run trained but not fully evaluated whose exported model is gone (its records were
+    copied from another machine without the model, as studies/results/ keeps them) cannot be
+    evaluated: it is "resume" from its checkpoints if they came along, else "new" (`run_one`
+    then drops the lost model's results)."""
     from deltalab.train.checkpoint import list_checkpoints
 
     record = _read_json(run.directory / RECORD_NAME) or {}

@@ -1,8 +1,8 @@
 """A training step's passes replayed as one CUDA graph (`train.cuda_graphs`).
 
 Why: in eager PyTorch the host queues every kernel of a step from Python, one operation at a
-time, and where the kernels are short the device waits for it. Measured on the H200
-(docs/RESULTS.md, 2026-12-02, fourteenth session): a 340M GDN-2 step at B=4 T=4096 holds
+time, and where the kernels are short the device waits for it. Measured on an H200
+(2026-12-02, docs/PERFORMANCE.md): a 340M GDN-2 step at B=4 T=4096 holds
 185 ms of kernels, yet the host needs 131 ms to queue its forward (whose kernels take about a
 third of that) and 97 ms to queue its backward, so the step takes 264 ms. Recorded once as a
 graph, the forward and backward passes of all the step's micro-batches are queued by one call.
