@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 
 from deltalab.errors import CheckpointError, ConfigError
 
-__all__ = ["GenerateConfig", "generate_text", "load_model"]
+__all__ = ["GenerateConfig", "generate_text", "load_model", "printable"]
 
 # The top_k that model.generate samples with when none is given (transformers' default).
 HF_DEFAULT_TOP_K = 50
@@ -45,6 +46,16 @@ class GenerateConfig:
         for name, value, expected, ok in checks:
             if not ok:
                 raise ConfigError(f"generate {name} must be {expected}, got {value!r}")
+
+
+def printable(text: str) -> str:
+    """`text` safe to print on a terminal: control characters other than newline and tab (the
+    escape sequences, carriage returns and bells a byte model emits before it has learned
+    text) are written as `\\xNN`. What is saved to files keeps the text as generated."""
+    return "".join(
+        f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc" and c not in "\n\t" else c
+        for c in text
+    )
 
 
 def _is_int(value: object, minimum: int) -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import random
 import re
 import signal
@@ -141,8 +142,9 @@ def find_latest_checkpoint(
             try:
                 with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
                     payload = torch.load(path, map_location=map_location, weights_only=True)
+            except pickle.UnpicklingError as error:
+                problem = _refusal(error)
             except Exception as error:
-                # The weights-only unpickler explains itself over many lines; the first says why.
                 reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
                 problem = f"torch.load(weights_only=True) failed ({type(error).__name__}: {reason})"
             else:
@@ -154,6 +156,25 @@ def find_latest_checkpoint(
                     return (path, payload), skipped
         skipped.append((path, problem))
     return None, skipped
+
+
+def _refusal(error: pickle.UnpicklingError) -> str:
+    """The weights-only unpickler's refusal as what it refused and why, on one line.
+
+    Its message opens with advice to load with `weights_only=False`, which here would run the
+    file's code; the paragraph naming the refused object (a global, a type) is the reason.
+    """
+    paragraphs = [" ".join(p.split()) for p in str(error).split("\n\n") if p.strip()]
+    reasons = [
+        p
+        for p in paragraphs
+        if "weights_only" not in p and "documentation" not in p and "trusted source" not in p
+    ]
+    what = reasons[0] if reasons else "an object other than tensors and plain containers"
+    return (
+        f"torch.load(weights_only=True) refused it: {what.rstrip('.')}; a checkpoint holds "
+        "tensors and plain containers only, and unpickling anything else could run code"
+    )
 
 
 def load_latest_checkpoint(
