@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import pickle
 import random
 import re
 import signal
@@ -142,11 +141,8 @@ def find_latest_checkpoint(
             try:
                 with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
                     payload = torch.load(path, map_location=map_location, weights_only=True)
-            except pickle.UnpicklingError as error:
-                problem = _refusal(error)
             except Exception as error:
-                reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
-                problem = f"torch.load(weights_only=True) failed ({type(error).__name__}: {reason})"
+                problem = _load_problem(error)
             else:
                 if not isinstance(payload, dict):
                     problem = f"payload is a {type(payload).__name__}, not a dict"
@@ -158,23 +154,21 @@ def find_latest_checkpoint(
     return None, skipped
 
 
-def _refusal(error: pickle.UnpicklingError) -> str:
-    """The weights-only unpickler's refusal as what it refused and why, on one line.
-
-    Its message opens with advice to load with `weights_only=False`, which here would run the
-    file's code; the paragraph naming the refused object (a global, a type) is the reason.
-    """
-    paragraphs = [" ".join(p.split()) for p in str(error).split("\n\n") if p.strip()]
-    reasons = [
-        p
-        for p in paragraphs
-        if "weights_only" not in p and "documentation" not in p and "trusted source" not in p
-    ]
-    what = reasons[0] if reasons else "an object other than tensors and plain containers"
-    return (
-        f"torch.load(weights_only=True) refused it: {what.rstrip('.')}; a checkpoint holds "
-        "tensors and plain containers only, and unpickling anything else could run code"
-    )
+def _load_problem(error: Exception) -> str:
+    """Why `torch.load(weights_only=True)` did not load a file, on one line: what it refused and
+    why, without torch's advice to load with `weights_only=False` (which would run the file's
+    code) or its pointer to the documentation."""
+    advice = ("weights_only", "Weights only load failed", "documentation", "trusted source")
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    reasons = [line for line in lines if not any(words in line for words in advice)]
+    reason = reasons[0].rstrip(".") if reasons else type(error).__name__
+    if "global" in reason.lower():
+        # A global (a function, a class) is what a pickle calls to build an object.
+        return (
+            f"torch.load(weights_only=True) refused it: {reason}; a checkpoint holds tensors "
+            "and plain containers only, and unpickling anything else could run code"
+        )
+    return f"torch.load(weights_only=True) failed ({type(error).__name__}: {reason})"
 
 
 def load_latest_checkpoint(
