@@ -74,7 +74,9 @@ def _presets(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from deltalab.generate import GenerateConfig, generate_text
+    import warnings
+
+    from deltalab.generate import GenerateConfig, generate_text, printable
 
     config = GenerateConfig(
         checkpoint=args.checkpoint,
@@ -86,7 +88,12 @@ def _generate(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         device=args.device,
     )
-    print(args.prompt + generate_text(config))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        text = generate_text(config)
+    for warning in caught:
+        print(f"deltalab generate: warning: {warning.message}", file=sys.stderr)
+    print(args.prompt + printable(text))
     return 0
 
 
@@ -177,7 +184,13 @@ def _main(argv: list[str] | None) -> int:
 
     add_study_parser(commands)
 
-    args, extra = parser.parse_known_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args, extra = parser.parse_known_args(raw)
+    if args.command == "eval" and "--" in raw:
+        # Words after `--` are the task's settings, even where a path of that name exists.
+        cut = raw.index("--")
+        args, extra = parser.parse_known_args(raw[:cut])
+        args.settings = raw[cut + 1 :]
     # Overrides after an option (`deltalab train a=1 --resume b=2`) arrive as leftovers; so do
     # the checkpoints of `deltalab eval --task perplexity CHECKPOINT`.
     if args.command in ("train", "eval"):

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import math
+import unicodedata
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from deltalab.errors import CheckpointError, ConfigError
+from deltalab.errors import CheckpointError, ConfigError, DataError, UserError
 
-__all__ = ["GenerateConfig", "generate_text", "load_model"]
+__all__ = ["ContextLengthWarning", "GenerateConfig", "generate_text", "load_model", "printable"]
 
 # The top_k that model.generate samples with when none is given (transformers' default).
 HF_DEFAULT_TOP_K = 50
@@ -45,6 +48,17 @@ class GenerateConfig:
         for name, value, expected, ok in checks:
             if not ok:
                 raise ConfigError(f"generate {name} must be {expected}, got {value!r}")
+        require_device(self.device, "generate device")
+
+
+def printable(text: str) -> str:
+    """`text` safe to print on a terminal: control characters other than newline and tab (the
+    escape sequences, carriage returns and bells a byte model emits before it has learned
+    text) are written as `\\xNN`. What is saved to files keeps the text as generated."""
+    return "".join(
+        f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc" and c not in "\n\t" else c
+        for c in text
+    )
 
 
 def _is_int(value: object, minimum: int) -> bool:
@@ -56,15 +70,46 @@ def _is_temp(config: GenerateConfig) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < math.inf
 
 
+def require_device(device: object, name: str = "device") -> torch.device:
+    """`device` as a torch device this machine has (cpu, cuda, cuda:N, mps); ConfigError naming
+    `name` otherwise, before anything is loaded onto it."""
+    try:
+        parsed = torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError, ValueError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"{name} must be cpu, cuda, cuda:N or mps, got {device!r}")
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"{name} {device!r} needs a CUDA GPU, and torch finds none here")
+        if parsed.index is not None and parsed.index >= count:
+            raise ConfigError(
+                f"{name} {device!r} names a CUDA GPU this machine lacks (it has {count}: "
+                f"cuda:0 to cuda:{count - 1})"
+            )
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"{name} {device!r} needs Apple's MPS, which torch finds unavailable")
+    return parsed
+
+
+def _reason(error: BaseException) -> str:
+    """The first line of an error from another library (the rest is its stack of advice)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def load_model(checkpoint: str, *, tokenizer: str | None = None, device: str = "cpu"):
     """(model in eval mode on `device`, tokenizer) of a `save_pretrained` directory; the
     tokenizer is `tokenizer` ("byte" or a local path), else the one saved beside the model,
-    else bytes."""
+    else bytes. A device this machine lacks is a ConfigError, a checkpoint or tokenizer that
+    does not load a CheckpointError or DataError naming its path."""
     from transformers import AutoModelForCausalLM
 
     import deltalab.models  # noqa: F401  (registers the model type)
     from deltalab.data import load_tokenizer
 
+    require_device(device)
     path = Path(checkpoint)
     if not (path / "config.json").exists():
         raise CheckpointError(
@@ -74,11 +119,47 @@ def load_model(checkpoint: str, *, tokenizer: str | None = None, device: str = "
     spec = tokenizer
     if spec is None:
         spec = str(path) if (path / "tokenizer_config.json").exists() else "byte"
-    loaded = load_tokenizer(spec)
-    # The backend a model was trained with is a choice of that machine (a GPU's Triton kernels):
-    # inference picks the fastest one available where it runs.
-    model = AutoModelForCausalLM.from_pretrained(path, backend="auto").to(device).eval()
-    return model, loaded
+    try:
+        loaded = load_tokenizer(spec)
+    except UserError:
+        raise
+    except Exception as error:
+        raise DataError(f"tokenizer {spec!r} does not load: {_reason(error)}") from error
+    try:
+        # The backend a model was trained with is a choice of that machine (a GPU's Triton
+        # kernels): inference picks the fastest one available where it runs.
+        model = AutoModelForCausalLM.from_pretrained(path, backend="auto")
+    except Exception as error:
+        # Whatever went wrong inside transformers (a truncated safetensors file, broken JSON,
+        # mismatched weights), the user needs the path and the reason, not the stack.
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} does not load: {_reason(error)}"
+        ) from error
+    return model.to(device).eval(), loaded
+
+
+class ContextLengthWarning(UserWarning):
+    """A full-attention model asked for more tokens than it was trained on: it still answers,
+    at positions it never saw."""
+
+
+def _warn_past_trained_length(model: Any, checkpoint: str, total: int) -> None:
+    """One ContextLengthWarning when a model with full-attention layers is to read `total`
+    tokens (prompt and continuation) past the length its run trained on (the run's
+    config.yaml beside `model/`; unknown: no warning)."""
+    from deltalab.eval.common import run_train_field
+    from deltalab.layers.attention import Attention
+
+    limited = any(isinstance(m, Attention) and m.window is None for m in model.modules())
+    trained = run_train_field(checkpoint, "seq_len") if limited else None
+    if trained is not None and total > trained:
+        warnings.warn(
+            f"{checkpoint} has full-attention layers and was trained on {trained} tokens; "
+            f"prompt and continuation make {total}, so the tokens past {trained} come from "
+            "positions it never saw",
+            ContextLengthWarning,
+            stacklevel=3,
+        )
 
 
 def generate_text(config: GenerateConfig) -> str:
@@ -92,6 +173,7 @@ def generate_text(config: GenerateConfig) -> str:
     ids = torch.tensor(
         [tokenizer.encode(config.prompt) or [tokenizer.bos_id]], device=config.device
     )
+    _warn_past_trained_length(model, config.checkpoint, ids.shape[1] + config.max_new_tokens)
     torch.manual_seed(config.seed)
     sampling = config.temperature > 0
     if model.device.type == "cuda":

@@ -101,6 +101,8 @@ def call(**changes):
         ),
         (dict(cu_seqlens=torch.tensor([1, 5, 20])), ValueError, r"cu_seqlens must start at 0"),
         (dict(cu_seqlens=torch.tensor([[0, 20]])), ValueError, r"cu_seqlens must be a 1-D tensor"),
+        (dict(cu_seqlens=[0, 10, 20]), TypeError, r"cu_seqlens must be a torch.Tensor, got list"),
+        (dict(initial_state=0.0), TypeError, r"initial_state must be a torch.Tensor, got float"),
         (
             dict(cu_seqlens=torch.tensor([0, 5, 20]), initial_state=torch.zeros(1, 2, 8, 4)),
             ValueError,

@@ -465,3 +465,141 @@ def test_streaming_several_checkpoints_share_one_plot_and_recurrent_memory_stays
 def test_unknown_task_suggests_the_family_member(capsys):
     assert main(["eval", "--task", "mqar"]) == 2
     assert "did you mean 'mqar-train'" in capsys.readouterr().err
+
+
+# --- where results go, and what is refused before any work -------------------------------------
+
+
+def perplexity_words(tmp_path: Path, *extra: str) -> list[str]:
+    (tmp_path / "text.txt").write_text(TEXT)
+    return [
+        "--task",
+        "perplexity",
+        f"source={tmp_path / 'text.txt'}",
+        "split=all",
+        f"cache_dir={tmp_path / 'cache'}",
+        "--no-progress",
+        *extra,
+    ]
+
+
+def test_an_evaluation_with_other_settings_never_replaces_an_earlier_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = save_tiny(tmp_path / "run", "gdn2")
+    for seq_len in (32, 64):
+        assert main(["eval", str(path), *perplexity_words(tmp_path, f"seq_len={seq_len}")]) == 0
+    found = sorted((tmp_path / "runs" / "eval").glob("*/results.json"))
+    assert [p.parent.name for p in found] == ["perplexity-run", "perplexity-run-2"]
+    assert [json.loads(p.read_text())["settings"]["seq_len"] for p in found] == [32, 64]
+
+
+def test_checkpoints_whose_directories_share_a_name_get_a_directory_each(tmp_path):
+    first = save_tiny(tmp_path / "a" / "run", "gdn2")
+    second = save_tiny(tmp_path / "b" / "run", "muir")
+    out = tmp_path / "out"
+    words = perplexity_words(tmp_path, "seq_len=32", "--out", str(out))
+    assert main(["eval", str(first), str(second), *words]) == 0
+    mixers = [
+        json.loads((out / name / "results.json").read_text())["checkpoint"]["mixer"]
+        for name in ("run", "run-2")
+    ]
+    assert mixers == ["gdn2", "muir"]
+
+
+def test_an_out_directory_holding_results_is_refused_unless_overwrite(tmp_path, capsys):
+    path = save_tiny(tmp_path, "gdn2")
+    out = str(tmp_path / "out")
+    assert main(["eval", str(path), *perplexity_words(tmp_path, "seq_len=32", "--out", out)]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(path), *perplexity_words(tmp_path, "seq_len=64", "--out", out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--out" in err and "--overwrite" in err and "\n" not in err, err
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["settings"]["seq_len"] == 32
+    words = perplexity_words(tmp_path, "seq_len=64", "--out", out, "--overwrite")
+    assert main(["eval", str(path), *words]) == 0
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["settings"]["seq_len"] == 64
+
+
+@pytest.mark.parametrize("where", ["file", "below a file"])
+def test_an_out_that_cannot_be_a_directory_is_refused_before_the_evaluation(
+    tmp_path, capsys, where
+):
+    (tmp_path / "taken").write_text("a file\n")
+    out = tmp_path / "taken" if where == "file" else tmp_path / "taken" / "results"
+    # The checkpoint does not exist either: the --out check comes first, before any loading.
+    words = perplexity_words(tmp_path, "--out", str(out))
+    assert main(["eval", str(tmp_path / "no-model"), *words]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "no-model" not in err, err
+
+
+@pytest.mark.parametrize("task", ["passkey", "niah-single-1", "variable-tracking"])
+@pytest.mark.parametrize("value", [0, -3])
+def test_retrieval_tasks_refuse_no_room_for_an_answer(task, value):
+    from deltalab.eval.tasks import get_task
+
+    with pytest.raises(EvalError, match=rf"max_new_tokens must be .*got {value}"):
+        parse_settings(get_task(task).settings, [f"max_new_tokens={value}"])
+
+
+def test_a_negative_seed_is_refused(tmp_path, capsys):
+    path = save_tiny(tmp_path, "gdn2")
+    assert main(["eval", str(path), *perplexity_words(tmp_path, "--seed", "-1")]) == 2
+    assert "--seed must be an int >= 0, got -1" in capsys.readouterr().err
+
+
+def test_a_checkpoint_path_with_an_equals_sign_is_a_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = save_tiny(tmp_path / "lr=0.01", "gdn2")
+    out = tmp_path / "out"
+    assert (
+        main(["eval", str(path), *perplexity_words(tmp_path, "seq_len=32", "--out", str(out))]) == 0
+    )
+    assert json.loads((out / "results.json").read_text())["checkpoint"]["path"] == str(path)
+    # After `--` a word is a setting even where a file of that name exists.
+    (tmp_path / "max_tokens=64").mkdir()
+    words = perplexity_words(tmp_path, "seq_len=32", "--out", str(tmp_path / "o2"))
+    assert main(["eval", str(path), *words, "--", "max_tokens=64"]) == 0
+    assert (
+        json.loads((tmp_path / "o2" / "results.json").read_text())["settings"]["max_tokens"] == 64
+    )
+
+
+def test_a_setting_given_twice_is_refused():
+    with pytest.raises(EvalError, match=r"max_tokens is given twice \(1 and 2\)"):
+        parse_settings(PerplexitySettings, ["max_tokens=1", "max_tokens=2"])
+
+
+def test_lm_eval_without_task_names_says_so(tmp_path, capsys):
+    path = save_tiny(tmp_path, "gdn2")
+    assert main(["eval", str(path), "--task", "lm-eval:"]) == 2
+    assert "--task lm-eval: names no lm-eval task" in capsys.readouterr().err
+
+
+def test_compare_shows_the_settings_that_differ(tmp_path, capsys):
+    path = save_tiny(tmp_path, "gdn2")
+    for seq_len in (32, 64):
+        out = str(tmp_path / f"s{seq_len}")
+        assert (
+            main(
+                ["eval", str(path), *perplexity_words(tmp_path, f"seq_len={seq_len}", "--out", out)]
+            )
+            == 0
+        )
+    capsys.readouterr()
+    assert main(["eval", "--compare", str(tmp_path / "s32"), str(tmp_path / "s64")]) == 0
+    header, _, first, second = capsys.readouterr().out.splitlines()
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert "seq_len" in columns and "source" not in columns and "max_tokens" not in columns
+    index = columns.index("seq_len")
+    assert [[c.strip() for c in row.strip("|").split("|")][index] for row in (first, second)] == [
+        "32",
+        "64",
+    ]
+
+
+def test_no_progress_silences_every_bar(tmp_path):
+    path = save_tiny(tmp_path, "gdn2")
+    result = run_cli(str(path), *perplexity_words(tmp_path, "seq_len=32"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""

@@ -120,14 +120,18 @@ def test_lm_eval_generate_until_batches_like_single_requests_and_cuts_at_until(t
     assert free[0].startswith(single[0]) and len(free[0].encode()) <= 12
 
 
-def test_deltalab_eval_runs_local_lm_eval_tasks(tmp_path, monkeypatch):
+def test_deltalab_eval_runs_local_lm_eval_tasks(tmp_path, monkeypatch, capsys):
     # The task YAMLs name their datasets relative to the repository root.
     monkeypatch.chdir(ROOT)
     checkpoint = save_tiny(tmp_path, "gdn2", uniform=True)
     out = tmp_path / "lm-eval"
     task = "lm-eval:deltalab_tiny_choice,deltalab_tiny_rolling,deltalab_tiny_gen"
     args = ["eval", str(checkpoint), "--task", task, f"include_path={TASKS}", "--out", str(out)]
+    capsys.readouterr()
     assert main([*args, "--no-progress"]) == 0
+    # No bar at all: loading the weights, building the datasets and requests, scoring.
+    err = capsys.readouterr().err
+    assert "it/s" not in err and "examples/s" not in err and "%|" not in err, err
     record = json.loads((out / "results.json").read_text())
     metrics = record["metrics"]
     assert set(metrics) >= {"deltalab_tiny_choice", "deltalab_tiny_rolling", "deltalab_tiny_gen"}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -81,6 +83,16 @@ def test_save_pretrained_round_trip_gives_identical_logits(tmp_path, generator, 
     ids = token_ids(generator, 2, 23)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+def test_saved_weights_follow_the_umask_like_every_other_file(tmp_path):
+    previous = os.umask(0o027)
+    try:
+        tiny_model("gdn2").save_pretrained(tmp_path)
+    finally:
+        os.umask(previous)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in tmp_path.iterdir()}
+    assert modes["model.safetensors"] == 0o640 == modes["config.json"], modes
 
 
 def test_checkpoint_whose_config_does_not_match_the_weights_is_refused(tmp_path):

@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import socket
+import unicodedata
 import warnings
 from pathlib import Path
 
@@ -101,6 +102,31 @@ def test_run_writes_checkpoint_export_metrics_curve_and_sample(tmp_path, corpus)
         assert (run / name).stat().st_size > 0, name
     assert [p.name for p in list_checkpoints(run)] == ["step_00000003.pt", "step_00000006.pt"]
     assert isinstance(result.sample, str)
+
+
+def test_the_printed_sample_escapes_control_bytes_and_the_metrics_keep_them(
+    tmp_path, corpus, capsys
+):
+    # Two steps leave a byte model close to uniform: a sample of 200 tokens at temperature 1
+    # holds control bytes (ESC, CR, ...), which would act on the terminal.
+    run = train(
+        run_config(
+            tmp_path, corpus, "train.steps=2", "eval.sample_tokens=200",
+            "eval.sample_temperature=1.0",
+        )
+    )  # fmt: skip
+    controls = [c for c in run.sample if unicodedata.category(c) == "Cc" and c not in "\n\t"]
+    assert controls, "the sample holds no control character to escape"
+    printed = capsys.readouterr().out.split("sample:\n", 1)[1]
+    assert not [c for c in printed if unicodedata.category(c) == "Cc" and c not in "\n\t"]
+    assert f"\\x{ord(controls[0]):02x}" in printed
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["sample"] == run.sample
+
+
+def test_no_sample_line_when_no_sample_is_asked_for(tmp_path, corpus, capsys):
+    result = train(run_config(tmp_path, corpus, "train.steps=2", "eval.sample_tokens=0"))
+    assert result.sample == ""
+    assert "sample:" not in capsys.readouterr().out
 
 
 def _final_weights(out_dir) -> dict[str, torch.Tensor]:

@@ -17,6 +17,7 @@ from deltalab.train.checkpoint import (
     CheckpointWarning,
     GracefulStop,
     capture_rng_state,
+    find_latest_checkpoint,
     list_checkpoints,
     load_latest_checkpoint,
     prune_checkpoints,
@@ -139,6 +140,20 @@ def test_a_code_payload_with_a_matching_digest_is_refused_without_running(tmp_pa
         path, _ = load_latest_checkpoint(tmp_path)
     assert path == paths[0]
     assert not marker.exists()
+
+
+def test_the_weights_only_refusal_says_what_was_refused_and_why_without_torchs_advice(tmp_path):
+    planted = tmp_path / "checkpoints" / "step_00000002.pt"
+    planted.parent.mkdir()
+    torch.save({"step": 2, "model": _RunsCode(tmp_path / "payload-ran")}, planted)
+    _digest_of(planted).write_text(f"{hashlib.sha256(planted.read_bytes()).hexdigest()}  x\n")
+    found, skipped = find_latest_checkpoint(tmp_path)
+    assert found is None
+    ((path, problem),) = skipped
+    assert path == planted and "\n" not in problem
+    # What: the global the pickle would call; why: loading it could run code.
+    assert "mkdir" in problem and "could run code" in problem, problem
+    assert "weights_only=False" not in problem and "set to `False`" not in problem, problem
 
 
 def test_a_payload_without_a_required_key_is_skipped(tmp_path):

@@ -252,7 +252,12 @@ def load_tokenizer(spec: str) -> Tokenizer:
         raise ImportError(
             f"loading the tokenizer at {spec!r} needs transformers: pip install transformers"
         ) from error
-    if path.is_dir() and not any(path.iterdir()):
+    if not path.is_dir():
+        raise DataError(
+            f"tokenizer {spec!r} is a file; expected 'byte' or a tokenizer directory (the files "
+            "a tokenizer's save_pretrained writes: tokenizer.json, tokenizer_config.json, ...)"
+        )
+    if not any(path.iterdir()):
         # transformers would fail with a long message about the Hub and repository ids.
         raise DataError(
             f"tokenizer directory {spec!r} is empty; expected the files a tokenizer's "

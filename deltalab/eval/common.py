@@ -150,13 +150,12 @@ def load_checkpoint(
     if trained_length is not None and trained_length < 1:
         raise EvalError(f"--trained-length must be a positive int, got {trained_length}")
     try:
+        # Refuses a device this machine lacks, and names the checkpoint or tokenizer with the
+        # reason when either does not load.
         model, tok = load_model(str(path), tokenizer=tokenizer, device=device)
-        config_hash = _config_hash(path)
-    except Exception as error:
-        # Whatever went wrong inside transformers (missing file, bad JSON, mismatched weights),
-        # the user needs the path and the reason, not the stack.
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise EvalError(f"checkpoint {checkpoint!r} does not load: {reason}") from error
+    except UserError as error:
+        raise EvalError(str(error)) from error
+    config_hash = _config_hash(path)
     from deltalab.layers.attention import Attention
 
     config = model.config

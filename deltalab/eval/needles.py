@@ -361,6 +361,12 @@ class PasskeySettings:
         require(self.samples > 0, "samples", "a positive int", self.samples)
         require(1 <= self.digits <= 18, "digits", "an int in [1, 18]", self.digits)
         require(self.segment_len > 0, "segment_len", "a positive int", self.segment_len)
+        _require_new_tokens(self.max_new_tokens)
+
+
+def _require_new_tokens(value: int | None) -> None:
+    # No token to answer with scores 0 whatever the model knows: not a measurement.
+    require(value is None or value > 0, "max_new_tokens", "a positive int or null", value)
 
 
 def passkey(settings: PasskeySettings, ctx: TaskContext) -> TaskOutcome:
@@ -502,6 +508,7 @@ class NeedleSettings:
         require(self.segment_len > 0, "segment_len", "a positive int", self.segment_len)
         require(self.chains > 0, "chains", "a positive int", self.chains)
         require(self.hops > 0, "hops", "a positive int", self.hops)
+        _require_new_tokens(self.max_new_tokens)
 
     def text_source(self) -> TextSource:
         return TextSource(

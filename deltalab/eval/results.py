@@ -96,17 +96,36 @@ def _format(value: Any) -> str:
     return "" if value is None else str(value)
 
 
+def _settings(record: dict[str, Any]) -> dict[str, str]:
+    """A run's settings and seed, each as the text a table cell shows."""
+    values = {**(record.get("settings") or {}), "seed": record.get("seed")}
+    return {
+        name: json.dumps(value) if isinstance(value, list | dict) else _format(value)
+        for name, value in values.items()
+    }
+
+
 def compare_table(records: list[tuple[str, dict[str, Any]]]) -> str:
     """One markdown table: a row per run (its directory, task, checkpoint), a column per
-    summary metric found in any run (blank where a run does not have it)."""
+    setting whose value differs between the runs (the seed included), then one per summary
+    metric found in any run (blank where a run does not have it)."""
+    settings = [_settings(record) for _, record in records]
+    differing: list[str] = []
+    for values in settings:
+        differing += [
+            name
+            for name in values
+            if name not in differing and len({s.get(name, "") for s in settings}) > 1
+        ]
     columns: list[str] = []
     for _, record in records:
         columns += [name for name in record["summary"] if name not in columns]
-    header = ["run", "task", "checkpoint", *columns]
+    header = ["run", "task", "checkpoint", *differing, *columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for name, record in records:
+    for (name, record), values in zip(records, settings, strict=True):
         checkpoint = (record.get("checkpoint") or {}).get("path", "")
         cells = [name, record["task"], checkpoint]
+        cells += [values.get(setting, "") for setting in differing]
         cells += [_format(record["summary"].get(column)) for column in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

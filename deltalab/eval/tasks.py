@@ -14,7 +14,8 @@ import inspect
 import re
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ __all__ = [
     "get_task",
     "parse_settings",
     "register",
+    "silenced_bars",
     "task_names",
 ]
 
@@ -50,6 +52,29 @@ class TaskContext:
 
         disable = None if self.progress is None else not self.progress
         return tqdm(disable=disable, dynamic_ncols=True, leave=False, **kwargs)
+
+
+@contextmanager
+def silenced_bars(silence: bool = True) -> Iterator[None]:
+    """While open (and `silence`), every tqdm bar is created disabled: deltalab's, and those of
+    transformers (loading weights), datasets and lm-eval, which take no switch of ours. tqdm
+    has no global off switch, so its constructor is wrapped and restored on exit."""
+    if not silence:
+        yield
+        return
+    from tqdm import std
+
+    original = std.tqdm.__dict__["__init__"]
+
+    def disabled(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["disable"] = True
+        original.__get__(self, type(self))(*args, **kwargs)
+
+    std.tqdm.__init__ = disabled  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        std.tqdm.__init__ = original  # type: ignore[method-assign]
 
 
 @dataclass
@@ -187,6 +212,7 @@ def parse_settings(cls: type, words: list[str]) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     values: dict[str, Any] = {}
+    given: dict[str, str] = {}
     for word in words:
         name, sep, text = word.partition("=")
         if not sep or not name:
@@ -196,6 +222,11 @@ def parse_settings(cls: type, words: list[str]) -> Any:
                 f"unknown setting {name!r} for this task{closest(name, names)}; its settings "
                 f"are {names}"
             )
+        if name in given:
+            raise EvalError(
+                f"{name} is given twice ({given[name]} and {text}); give each setting once"
+            )
+        given[name] = text
         try:
             raw = yaml.safe_load(text)
         except yaml.YAMLError as error:

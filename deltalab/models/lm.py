@@ -84,6 +84,15 @@ class Block(nn.Module):
         return self.ffn(self.ffn_norm(x))
 
 
+def _umask() -> int:
+    """The process's umask (read by setting it and setting it back: Python has no getter)."""
+    import os
+
+    current = os.umask(0o022)
+    os.umask(current)
+    return current
+
+
 class DeltaLabPreTrainedModel(PreTrainedModel):
     config_class = DeltaLabConfig
     config: DeltaLabConfig
@@ -95,6 +104,18 @@ class DeltaLabPreTrainedModel(PreTrainedModel):
     def _supports_default_dynamic_cache(cls) -> bool:
         # Generation state is a RecurrentCache built by the model, not a transformers KV cache.
         return False
+
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        """`PreTrainedModel.save_pretrained`, then the weight files given the permissions of
+        every other file the process writes: safetensors writes them 0600 whatever the umask,
+        which keeps a shared run's model from its readers."""
+        from pathlib import Path
+
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        mode = 0o666 & ~_umask()
+        for path in Path(save_directory).glob("*.safetensors"):
+            path.chmod(mode)
+        return result
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -45,7 +45,9 @@ def require_shape(
 
 
 def require_same_device(named: dict[str, torch.Tensor | None]) -> None:
-    present = {k: v for k, v in named.items() if v is not None}
+    """Every tensor given (None: absent) on one device; a non-tensor (a list of offsets) is
+    refused naming it, before its missing `.device` would."""
+    present = {k: require_tensor(k, v) for k, v in named.items() if v is not None}
     if not present:
         return
     first_name, first = next(iter(present.items()))

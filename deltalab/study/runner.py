@@ -255,6 +255,8 @@ class StudyRunner:
         args = ["eval"] + ([str(checkpoint)] if checkpoint is not None else [])
         args += ["--task", step.task, *step.words, "--out", str(directory / step.out)]
         args += ["--seed", str(seed), "--device", self.plan.device, "--no-progress"]
+        # Evaluated again only when its results are missing or of other settings: replaced.
+        args.append("--overwrite")
         if step.long_context != "refuse":
             args += ["--long-context", step.long_context]
         return args

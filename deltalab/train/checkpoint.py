@@ -142,9 +142,7 @@ def find_latest_checkpoint(
                 with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
                     payload = torch.load(path, map_location=map_location, weights_only=True)
             except Exception as error:
-                # The weights-only unpickler explains itself over many lines; the first says why.
-                reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
-                problem = f"torch.load(weights_only=True) failed ({type(error).__name__}: {reason})"
+                problem = _load_problem(error)
             else:
                 if not isinstance(payload, dict):
                     problem = f"payload is a {type(payload).__name__}, not a dict"
@@ -154,6 +152,23 @@ def find_latest_checkpoint(
                     return (path, payload), skipped
         skipped.append((path, problem))
     return None, skipped
+
+
+def _load_problem(error: Exception) -> str:
+    """Why `torch.load(weights_only=True)` did not load a file, on one line: what it refused and
+    why, without torch's advice to load with `weights_only=False` (which would run the file's
+    code) or its pointer to the documentation."""
+    advice = ("weights_only", "Weights only load failed", "documentation", "trusted source")
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    reasons = [line for line in lines if not any(words in line for words in advice)]
+    reason = reasons[0].rstrip(".") if reasons else type(error).__name__
+    if "global" in reason.lower():
+        # A global (a function, a class) is what a pickle calls to build an object.
+        return (
+            f"torch.load(weights_only=True) refused it: {reason}; a checkpoint holds tensors "
+            "and plain containers only, and unpickling anything else could run code"
+        )
+    return f"torch.load(weights_only=True) failed ({type(error).__name__}: {reason})"
 
 
 def load_latest_checkpoint(

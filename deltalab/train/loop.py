@@ -45,6 +45,7 @@ from deltalab.errors import (
     DivergenceError,
     UserError,
 )
+from deltalab.generate import printable
 from deltalab.models import CausalLM, DeltaLabConfig, build_config
 from deltalab.models.lm import check_token_ids
 from deltalab.models.mixers import mixer_option_names
@@ -748,7 +749,8 @@ def train(config: RunConfig) -> TrainResult:
     }
     initial_eval = state.initial_eval_loss(first_eval)
     if ctx.is_main:
-        logger.print(f"sample:\n{config.eval.sample_prompt}{sample}")
+        if config.eval.sample_tokens > 0 and math.isfinite(final_eval):
+            logger.print(f"sample:\n{config.eval.sample_prompt}{printable(sample)}")
         _export(state, weights, tokenizer, (initial_eval, final_eval), sample, status)
     logger.close()
     if ctx.active:
