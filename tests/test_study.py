@@ -215,6 +215,10 @@ def test_learning_rates_that_print_alike_get_runs_of_their_own(tmp_path, corpus)
         "gdn2.tiny.lr0.0030000001.s0", "gdn2.tiny.lr0.003.s0", "gdn2.tiny.lr1e-05.s0",
     ]  # fmt: skip
     assert [r.config.optim.lr for r in plan.runs] == [0.0030000001, 0.003, 1e-5]
+    assert execute(plan, launcher=FakeTrain({r.name: 1.0 for r in plan.runs}), say=quiet) == 0
+    markdown = (tmp_path / "study" / "study.md").read_text()
+    assert "## Language modeling: size tiny, lr 0.0030000001" in markdown
+    assert "## Language modeling: size tiny, lr 0.003\n" in markdown
 
 
 def test_grid_points_that_would_share_a_directory_are_refused_at_plan_time(tmp_path, corpus):

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from test_study import micro_spec, plan_of, quiet, write_corpus
 
+from deltalab.cli import main
 from deltalab.study.cli import execute
 from deltalab.study.runner import SubprocessLauncher
 
@@ -65,6 +66,7 @@ DRIVER = f"""
 import json, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from test_study_stop import FakeChild
+from deltalab.cli import main
 from deltalab.study.cli import execute
 from deltalab.study.plan import make_plan
 from deltalab.study.spec import parse_spec
@@ -145,3 +147,11 @@ def test_a_run_killed_by_sigkill_failed_and_the_exit_status_says_so(tmp_path, co
     (run,) = json.loads((tmp_path / "study" / "study.json").read_text())["runs"]
     assert run["status"] == "failed"
     assert run["error"].startswith("killed by signal 9 (SIGKILL"), run
+
+
+def test_a_negative_grace_is_refused_in_one_line(tmp_path, corpus, capsys):
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(one_run_spec(tmp_path, corpus)))
+    assert main(["study", str(path), "--grace", "-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "deltalab: error: --grace must be a number of seconds >= 0, got -1.0", err

@@ -22,7 +22,7 @@ from typing import Any
 from deltalab.errors import ConfigError, UserError
 from deltalab.study.spec import EvalSpec, StudySpec, Variant
 
-__all__ = ["EvalStep", "PlannedRun", "PlannedTask", "StudyPlan", "make_plan"]
+__all__ = ["EvalStep", "PlannedRun", "PlannedTask", "StudyPlan", "lr_text", "make_plan"]
 
 # The perplexity-style tasks read text as training does; left unset in the spec, these settings
 # come from the run's data section, so the held-out text is the run's own held-out split (and
@@ -354,8 +354,8 @@ def _device(spec: StudySpec) -> str:
     return spec.device
 
 
-def _lr_text(lr: float) -> str:
-    """The learning rate as a run's name writes it: `:g` (0.003, 1e-05) where that reads back as
+def lr_text(lr: float) -> str:
+    """The learning rate as run names and the report write it: `:g` (0.003, 1e-05) where that reads back as
     the same number, else the shortest text that does (0.0030000001), so that two rates never
     share a name."""
     short = f"{lr:g}"
@@ -363,7 +363,7 @@ def _lr_text(lr: float) -> str:
 
 
 def run_name(variant: str, size: str, lr: float, seed: int) -> str:
-    return f"{variant}.{size}.lr{_lr_text(lr)}.s{seed}"
+    return f"{variant}.{size}.lr{lr_text(lr)}.s{seed}"
 
 
 def _refuse_shared_directories(spec: StudySpec, runs: list, tasks: list) -> None:
