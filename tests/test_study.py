@@ -7,7 +7,10 @@ import contextlib
 import copy
 import json
 import math
+import os
+import re
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -34,12 +37,15 @@ MQAR = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("corpus")
+def write_corpus(folder: Path) -> Path:
     for i in range(20):
         (folder / f"doc_{i:02d}.txt").write_text(f"def f_{i}(x):\n    return x + {i}\n" * 8)
     return folder
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def micro_spec(tmp_path: Path, corpus: Path, **changes) -> dict:
@@ -201,6 +207,80 @@ def test_a_task_is_not_planned_for_the_variants_it_skips(tmp_path, corpus):
     assert {t.variant.name for t in plan.tasks} == {"transformer"}
 
 
+def test_learning_rates_that_print_alike_get_runs_of_their_own(tmp_path, corpus):
+    grid = {"mixers": ["gdn2"], "seeds": [0], "lrs": [0.0030000001, 0.003, 1e-5]}
+    plan = plan_of(micro_spec(tmp_path, corpus, grid=grid))
+    # Rates `:g` writes exactly keep their names (1e-05); the others take every digit they need.
+    assert [r.name for r in plan.runs] == [
+        "gdn2.tiny.lr0.0030000001.s0", "gdn2.tiny.lr0.003.s0", "gdn2.tiny.lr1e-05.s0",
+    ]  # fmt: skip
+    assert [r.config.optim.lr for r in plan.runs] == [0.0030000001, 0.003, 1e-5]
+    assert execute(plan, launcher=FakeTrain({r.name: 1.0 for r in plan.runs}), say=quiet) == 0
+    markdown = (tmp_path / "study" / "study.md").read_text()
+    assert "## Language modeling: size tiny, lr 0.0030000001" in markdown
+    assert "## Language modeling: size tiny, lr 0.003\n" in markdown
+
+
+def test_grid_points_that_would_share_a_directory_are_refused_at_plan_time(tmp_path, corpus):
+    # Distinct names to Linux; one directory on a case-insensitive file system.
+    mixers = ["gdn2", {"name": "GDN2", "mixer": "gdn2"}]
+    with pytest.raises(ConfigError) as caught:
+        plan_of(micro_spec(tmp_path, corpus, grid={"mixers": mixers, "seeds": [0]}))
+    message = str(caught.value)
+    assert "share a directory" in message, message
+    assert "run gdn2.tiny.lr0.003.s0 and run GDN2.tiny.lr0.003.s0" in message, message
+
+
+def dry_run_error(tmp_path: Path, spec: dict, capsys) -> str:
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["study", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("deltalab: error: study spec") and "\n" not in err, err
+    return err
+
+
+def test_an_out_dir_that_is_a_file_is_refused_by_the_dry_run(tmp_path, corpus, capsys):
+    (tmp_path / "taken").write_text("a file")
+    spec = micro_spec(tmp_path, corpus, out_dir=str(tmp_path / "taken" / "study"))
+    err = dry_run_error(tmp_path, spec, capsys)
+    assert f"out_dir {str(tmp_path / 'taken' / 'study')!r} cannot be a directory" in err, err
+    assert f"{str(tmp_path / 'taken')!r} is a file" in err, err
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        (
+            {"task": "passkey", "settings": {"lengths": [100]}},
+            r"evals 'passkey' of run transformer\.tiny\.lr0\.003\.s0: lengths holds 100: passkey "
+            r"needs more than the \d+ tokens",
+        ),
+        (
+            {"task": "passkey", "settings": {"lengths": [500]}},
+            r"evals 'passkey' of run transformer\.tiny\.lr0\.003\.s0: contexts of up to 5\d\d "
+            r"tokens, longer than the 16 tokens of train\.seq_len, which transformer \(full "
+            r"attention\) refuses",
+        ),
+    ],
+)
+def test_evaluations_that_can_only_fail_are_refused_by_the_dry_run(
+    tmp_path, corpus, capsys, entry, message
+):
+    spec = micro_spec(tmp_path, corpus, evals=[entry])
+    assert re.search(message, dry_run_error(tmp_path, spec, capsys))
+    assert not (tmp_path / "study").exists()
+
+
+def test_long_contexts_plan_where_the_run_can_take_them(tmp_path, corpus):
+    # Windowed attention, or a recurrent mixer alone: a passkey longer than train.seq_len runs.
+    windowed = {"task": "passkey", "settings": {"lengths": [500]}, "long_context": "window"}
+    plan_of(micro_spec(tmp_path, corpus, evals=[windowed]))
+    skipped = {"task": "passkey", "settings": {"lengths": [500]}, "skip": ["transformer"]}
+    plan = plan_of(micro_spec(tmp_path, corpus, evals=[skipped]))
+    assert {r.variant.name: len(r.evals) for r in plan.runs} == {"transformer": 0, "gdn2": 1}
+
+
 def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path, corpus, capsys):
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(micro_spec(tmp_path, corpus)))
@@ -243,11 +323,15 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_and_ends_as_an_uninterru
 
     def stop_after_two_steps(stop, ctx):
         calls["n"] += 1
-        return calls["n"] == 2 or real(stop, ctx)
+        if calls["n"] == 2:
+            # The study is stopped (its handler runs in the main thread) while the run trains.
+            os.kill(os.getpid(), signal.SIGTERM)
+            return True
+        return real(stop, ctx)
 
     monkeypatch.setattr(loop, "_stop_everywhere", stop_after_two_steps)
     launcher = InProcess()
-    assert execute(plan, launcher=launcher, say=quiet) == 130
+    assert execute(plan, launcher=launcher, say=quiet) == 128 + signal.SIGTERM
     (run,) = plan.runs
     assert run_state(run) == "resume"
     assert json.loads((run.directory / "metrics.json").read_text())["steps_done"] == 2
@@ -458,6 +542,19 @@ def test_aggregate_only_rebuilds_the_report_without_running(tmp_path, corpus, ca
     markdown = (tmp_path / "study" / "study.md").read_text()
     # Differences of exactly -0.3 at every seed: sd 0, an interval of one point, below zero.
     assert "| transformer | 2 | -0.3 | [-0.3, -0.3] | lower |" in markdown
+
+
+def test_aggregate_only_refuses_runs_trained_with_another_config_than_the_spec(
+    tmp_path, corpus, capsys
+):
+    spec = finished_micro_study(tmp_path, corpus)
+    spec["run"]["train"]["steps"] = 8
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["study", str(path), "--aggregate-only"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "holds runs trained with another config" in err, err
+    assert "gdn2.tiny.lr0.003.s0 (train.steps: 4 -> 8)" in err, err
 
 
 def test_only_runs_the_matching_runs_and_reports_the_others_pending(tmp_path, corpus):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -196,3 +197,34 @@ def test_generate_config_refuses_out_of_range_values_naming_them(field, value):
 
     with pytest.raises(ConfigError, match=rf"generate {field} must be .* got {value}"):
         GenerateConfig(checkpoint="model", prompt="def", **{field: value})
+
+
+def _wait_for(path: Path, process: subprocess.Popen, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert process.poll() is None, f"the trainer exited with {process.returncode}"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.1)
+
+
+def test_a_run_directory_takes_one_trainer_and_a_killed_one_leaves_no_lock(
+    tmp_path, corpus, capsys
+):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # A trainer that writes no checkpoint: only the lock can refuse a second one.
+    args = _train_args(tmp_path, corpus, "train.steps=1000000", "checkpoint.every=0")
+    first = subprocess.Popen(
+        [sys.executable, "-m", "deltalab", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_for(tmp_path / "run" / "config.yaml", first)
+        err = _one_line_error(capsys, _train_args(tmp_path, corpus))
+        assert f"pid {first.pid}" in err and "log.out_dir" in err, err
+    finally:
+        # SIGKILL: the kernel releases the lock with the process, no stale lock is left.
+        first.kill()
+        first.wait()
+    assert main(_train_args(tmp_path, corpus)) == 0

@@ -12,9 +12,15 @@ eval settings); nothing trains unless all of it passes. Runs already finished ar
 interrupted one resumes from its checkpoint. The report is written to the study directory:
 study.json, study.md and figures.
 
+Ctrl-C (SIGINT) or SIGTERM stops the study: nothing new starts, the running jobs get SIGTERM,
+checkpoint and exit (after --grace seconds, or a second Ctrl-C, they are killed), and are
+recorded "interrupted" once they have exited. A run directory takes one trainer at a time:
+`deltalab train` locks it, and a second one is refused naming the first's pid.
+
 Exit status: 0 every run completed or diverged (a divergence is a result, reported); 1 some
-runs failed (each with its error line in study.md); 2 a spec or plan error, one line;
-130 stopped by a signal, Ctrl-C or SIGTERM (rerun the same command to continue).
+runs failed (each with its error line in study.md; a run killed by a signal the study did not
+send, such as the out-of-memory killer's SIGKILL, failed); 2 a spec or plan error, one line;
+130 stopped by Ctrl-C (SIGINT), 143 by SIGTERM (rerun the same command to continue).
 """
 
 from __future__ import annotations
@@ -61,6 +67,14 @@ def add_parser(commands: Any) -> None:
         metavar="GLOB",
         help="run only the runs and task jobs whose names match (repeatable; e.g. 'gdn2.*.s0' "
         "to time one run first); the report still lists every run",
+    )
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="on Ctrl-C or SIGTERM, how long to wait for the running jobs to checkpoint and exit "
+        "before killing them (default 120; a second Ctrl-C kills them at once)",
     )
     parser.set_defaults(run=run_study)
 
@@ -186,12 +200,18 @@ def select(plan: Any, patterns: list[str]) -> Any:
 
 
 def execute(
-    plan: Any, *, launcher: Any = None, say: Any = _say, only: list[str] | None = None
+    plan: Any,
+    *,
+    launcher: Any = None,
+    say: Any = _say,
+    only: list[str] | None = None,
+    grace: float | None = None,
 ) -> int:
     """Runs the plan's pending jobs (those matching `only`, if given) and writes the report of
-    the whole plan; the exit status of the module docstring."""
+    the whole plan; the exit status of the module docstring. `grace`: seconds a stopped study
+    waits for its children before SIGKILL (default `runner.DEFAULT_GRACE`)."""
     from deltalab.study.report import write_report
-    from deltalab.study.runner import StudyRunner, check_finished_runs
+    from deltalab.study.runner import DEFAULT_GRACE, StudyRunner, check_finished_runs, signal_name
 
     out_dir = plan.spec.out_dir
     with _exclusive(out_dir):
@@ -199,20 +219,26 @@ def execute(
         _prepare_data(plan)
         started = time.perf_counter()
         _note_invocation(out_dir, started=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-        runner = StudyRunner(select(plan, only) if only else plan, launcher=launcher, say=say)
+        runner = StudyRunner(
+            select(plan, only) if only else plan,
+            launcher=launcher,
+            say=say,
+            grace=DEFAULT_GRACE if grace is None else grace,
+        )
         outcomes = runner.run()
         _note_invocation(
             out_dir, wall_s=round(time.perf_counter() - started, 1), launched=runner.launches
         )
         written = write_report(plan)
     statuses = [o.status for o in outcomes]
+    stopped = "" if runner.stopped_by is None else f"stopped by {signal_name(runner.stopped_by)}: "
     say(
-        f"{statuses.count('completed')} completed, {statuses.count('skipped')} already done, "
-        f"{statuses.count('diverged')} diverged, {statuses.count('failed')} failed, "
+        f"{stopped}{statuses.count('completed')} completed, {statuses.count('skipped')} already "
+        f"done, {statuses.count('diverged')} diverged, {statuses.count('failed')} failed, "
         f"{statuses.count('interrupted')} interrupted; report: {written['markdown']}"
     )
-    if runner.stopping.is_set() or "interrupted" in statuses:
-        return 130
+    if runner.stopped_by is not None:
+        return 128 + runner.stopped_by
     return 1 if "failed" in statuses else 0
 
 
@@ -227,6 +253,8 @@ def run_study(args: argparse.Namespace) -> int:
         spec = dataclasses.replace(spec, out_dir=Path(args.out).resolve())
     if args.dry_run and args.aggregate_only:
         raise ConfigError("--dry-run and --aggregate-only exclude each other")
+    if args.grace is not None and not args.grace >= 0:
+        raise ConfigError(f"--grace must be a number of seconds >= 0, got {args.grace}")
     stem = "study"
     if args.baseline is not None:
         from deltalab.models.config import closest
@@ -247,10 +275,15 @@ def run_study(args: argparse.Namespace) -> int:
     if args.dry_run:
         return 0
     if args.aggregate_only:
+        from deltalab.study.runner import check_finished_runs
+
+        # Finished runs are held to the spec as when the study runs: a report of runs trained
+        # otherwise would describe settings they never had.
+        check_finished_runs(plan)
         written = write_report(plan, stem=stem)
         print(f"report: {written['markdown']}")
         return 0
     if args.only:
         select(plan, args.only)  # refuses patterns that match nothing, before any work
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    return execute(plan, only=args.only)
+    return execute(plan, only=args.only, grace=args.grace)

@@ -22,7 +22,7 @@ from typing import Any
 from deltalab.errors import ConfigError, UserError
 from deltalab.study.spec import EvalSpec, StudySpec, Variant
 
-__all__ = ["EvalStep", "PlannedRun", "PlannedTask", "StudyPlan", "make_plan"]
+__all__ = ["EvalStep", "PlannedRun", "PlannedTask", "StudyPlan", "lr_text", "make_plan"]
 
 # The perplexity-style tasks read text as training does; left unset in the spec, these settings
 # come from the run's data section, so the held-out text is the run's own held-out split (and
@@ -266,6 +266,84 @@ def _parsed(spec: StudySpec, task_name: str, settings: dict[str, Any]) -> dict[s
     return json.loads(json.dumps({name: parsed[name] for name in settings}))
 
 
+def _longest_context(step: EvalStep, tokenizer: Any) -> int | None:
+    """The longest context, in tokens, of an evaluation with context lengths, its examples built
+    as `deltalab eval` builds them (EvalError for a length too short to hold one); None for the
+    other tasks and for haystacks of natural text (reading it is the evaluation's work)."""
+    from deltalab.eval import needles
+    from deltalab.eval.tasks import get_task, parse_settings
+
+    settings = parse_settings(get_task(step.task).settings, list(step.words))
+    if step.task == "passkey":
+        return max(
+            needles.make_passkey_example(n, depth, 0, tokenizer, settings.digits).length
+            for n in settings.lengths
+            for depth in settings.depths
+        )
+    haystack = needles.NEEDLE_TASKS.get(step.task, ("text",))[0]
+    if step.task == "variable-tracking" or haystack == "noise":
+        one = dataclasses.replace(settings, samples=1)
+        return max(e.length for e in needles.needle_examples(step.task, one, 0, tokenizer))
+    return None
+
+
+def _full_attention(model_config: Any) -> bool:
+    """Whether a layer attends over its whole context: `deltalab eval` refuses such a model a
+    context longer than it was trained on, unless long_context is "window"."""
+    import torch
+
+    from deltalab.layers.attention import Attention
+    from deltalab.models.lm import CausalLM
+
+    with torch.device("meta"):
+        model = CausalLM(model_config)
+    return any(isinstance(m, Attention) and m.window is None for m in model.modules())
+
+
+def _check_contexts(
+    spec: StudySpec, run: PlannedRun, model_config: Any, tokenizer: Any, longest_of: dict
+) -> None:
+    """Evaluations that can only fail once the run is trained are refused now: a length too
+    short for the task's prompt, or longer than a full-attention run's train.seq_len.
+    `longest_of` caches `_longest_context` by task, settings and tokenizer."""
+    from deltalab.eval.common import EvalError
+
+    trained = run.config.train.seq_len
+    full = None
+    for step in run.evals:
+        where = f"evals {step.task!r} of run {run.name}"
+        key = (step.task, step.words, run.config.data.tokenizer)
+        try:
+            if key not in longest_of:
+                longest_of[key] = _longest_context(step, tokenizer)
+        except EvalError as error:
+            raise _fail(spec, f"{where}: {error}") from error
+        longest = longest_of[key]
+        if longest is None or longest <= trained or step.long_context != "refuse":
+            continue
+        full = _full_attention(model_config) if full is None else full
+        if full:
+            raise _fail(
+                spec,
+                f"{where}: contexts of up to {longest} tokens, longer than the {trained} "
+                f"tokens of train.seq_len, which {run.variant.name} (full attention) refuses; "
+                f"set the entry's long_context: window, skip: [{run.variant.name}], or shorter "
+                "lengths",
+            )
+
+
+def _check_out_dir(spec: StudySpec) -> None:
+    for path in (spec.out_dir, *spec.out_dir.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise _fail(
+                    spec,
+                    f"out_dir {str(spec.out_dir)!r} cannot be a directory: {str(path)!r} is a "
+                    "file; choose another out_dir (or --out)",
+                )
+            return
+
+
 def _device(spec: StudySpec) -> str:
     import torch
 
@@ -276,8 +354,42 @@ def _device(spec: StudySpec) -> str:
     return spec.device
 
 
+def lr_text(lr: float) -> str:
+    """The learning rate as run names and the report write it: `:g` (0.003, 1e-05) where that reads back as
+    the same number, else the shortest text that does (0.0030000001), so that two rates never
+    share a name."""
+    short = f"{lr:g}"
+    return short if float(short) == lr else repr(lr)
+
+
 def run_name(variant: str, size: str, lr: float, seed: int) -> str:
-    return f"{variant}.{size}.lr{lr:g}.s{seed}"
+    return f"{variant}.{size}.lr{lr_text(lr)}.s{seed}"
+
+
+def _refuse_shared_directories(spec: StudySpec, runs: list, tasks: list) -> None:
+    """No two runs, task jobs or evaluations of a run may share a directory: the second would
+    pass for done with the first's results. Paths compare case-folded, as a case-insensitive
+    file system compares them."""
+    owners: dict[str, str] = {}
+    clashes = []
+
+    def claim(path: Path, owner: str) -> None:
+        first = owners.setdefault(str(path).casefold(), owner)
+        if first != owner:
+            clashes.append(f"{first} and {owner} ({path})")
+
+    for run in runs:
+        claim(run.directory, f"run {run.name}")
+        for step in run.evals:
+            claim(run.directory / step.out, f"evals {step.task!r} of {run.name}")
+    for task in tasks:
+        claim(task.directory, f"task job {task.name}")
+    if clashes:
+        raise _fail(
+            spec,
+            f"grid points would share a directory: {'; '.join(clashes)}; give them names that "
+            "differ by more than letter case",
+        )
 
 
 def make_plan(spec: StudySpec) -> StudyPlan:
@@ -285,6 +397,7 @@ def make_plan(spec: StudySpec) -> StudyPlan:
     ConfigError (naming the runs) for anything that would fail or be unfair."""
     from deltalab.eval.tasks import get_task
 
+    _check_out_dir(spec)
     device = _device(spec)
     counter = _Counter(spec, device)
     base_preset = (spec.run.get("model") or {}).get("preset", "tiny")
@@ -328,7 +441,8 @@ def make_plan(spec: StudySpec) -> StudyPlan:
 
     from deltalab.train.config import RunConfig
 
-    runs = []
+    runs: list[PlannedRun] = []
+    longest_of: dict[tuple, int | None] = {}
     for size in sizes:
         for variant in spec.variants:
             tree, count, total, width = shapes[(variant.name, size)]
@@ -342,27 +456,18 @@ def make_plan(spec: StudySpec) -> StudyPlan:
                     run_tree.setdefault("optim", {})["lr"] = lr
                     run_tree["train"]["device"] = device
                     run_tree["log"]["out_dir"] = str(directory)
-                    config, *_ = counter.model_config(f"run {name}", run_tree)
+                    config, model_config = counter.model_config(f"run {name}", run_tree)
                     steps = tuple(
                         _checkpoint_step(spec, e, config)
                         for e in checkpoint_entries
                         if variant.name not in e.skip
                     )
-                    runs.append(
-                        PlannedRun(
-                            name,
-                            variant,
-                            size,
-                            lr,
-                            seed,
-                            config,
-                            count,
-                            total,
-                            width,
-                            directory,
-                            steps,
-                        )
+                    run = PlannedRun(
+                        name, variant, size, lr, seed, config, count, total, width, directory, steps
                     )
+                    tokenizer = counter.tokenizers[config.data.tokenizer]
+                    _check_contexts(spec, run, model_config, tokenizer, longest_of)
+                    runs.append(run)
     tasks = []
     for entry in task_entries:
         for variant in (v for v in spec.variants if v.name not in entry.skip):
@@ -370,6 +475,7 @@ def make_plan(spec: StudySpec) -> StudyPlan:
             for seed in spec.seeds:
                 name = f"{_slug(entry.task)}.{variant.name}.s{seed}"
                 tasks.append(PlannedTask(name, variant, seed, step, spec.out_dir / "tasks" / name))
+    _refuse_shared_directories(spec, runs, tasks)
     first = runs[0].config.train
     threads = spec.threads or max(1, (os.cpu_count() or 1) // spec.parallel)
     return StudyPlan(

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from deltalab.study.plan import PlannedRun, PlannedTask, StudyPlan
+from deltalab.study.plan import PlannedRun, PlannedTask, StudyPlan, lr_text
 from deltalab.study.runner import RECORD_NAME, _read_json, _write_json, run_state, task_state
 from deltalab.study.stats import paired_difference, summarize
 
@@ -225,7 +225,7 @@ def _metric_names(entries: list[dict[str, Any]]) -> list[str]:
 
 
 def _group_label(size: str, lr: float) -> str:
-    return f"size {size}, lr {lr:g}"
+    return f"size {size}, lr {lr_text(lr)}"
 
 
 def collect(plan: StudyPlan) -> dict[str, Any]:
@@ -699,7 +699,7 @@ def _scaling_figure(plan: StudyPlan, data: dict[str, Any], path: Path) -> Path |
                 ys.append(value)
                 errors.append((item["sd"] or 0.0) if metric != HELD_OUT else 0.0)
             if xs:
-                label = variant.name + (f", lr {lr:g}" if len(plan.lrs) > 1 else "")
+                label = variant.name + (f", lr {lr_text(lr)}" if len(plan.lrs) > 1 else "")
                 axes.errorbar(
                     xs,
                     ys,

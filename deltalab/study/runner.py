@@ -7,6 +7,13 @@ its newest checkpoint (`deltalab train --resume`); one whose training completed 
 evaluations did not runs only the missing ones. A run that diverged is a result and is not
 retried; a run that failed (a crash, a bad setting found late) is recorded with its error line
 and retried on the next invocation. What happened to each run is in its `study_run.json`.
+
+Stopping: SIGINT (Ctrl-C) or SIGTERM to the study launches nothing more and passes SIGTERM to
+the running children, which checkpoint and exit; the study waits for them (`grace` seconds, then
+SIGKILL; a second signal kills them at once) and records them "interrupted" only once they have
+exited. The children run in their own session, so a terminal's Ctrl-C reaches them only through
+the study, once. A child that dies of a signal the study did not send (SIGKILL from the kernel's
+out-of-memory killer) "failed", naming the signal.
 """
 
 from __future__ import annotations
@@ -31,9 +38,11 @@ from deltalab.errors import ConfigError
 from deltalab.study.plan import EvalStep, PlannedRun, PlannedTask, StudyPlan
 
 __all__ = [
+    "DEFAULT_GRACE",
     "RECORD_NAME",
     "Launcher",
     "StudyRunner",
+    "StudyStopped",
     "SubprocessLauncher",
     "error_line",
     "run_state",
@@ -43,8 +52,11 @@ __all__ = [
 RECORD_NAME = "study_run.json"
 # Where `deltalab train` exports a run's trained model (its evaluations load it from there).
 MODEL_DIR = "model"
-# Exit statuses of a child stopped by a signal: 128 + SIGINT / SIGTERM, or killed outright.
-STOPPED = {130, 143, -signal.SIGINT, -signal.SIGTERM, -signal.SIGKILL}
+# Seconds a stopped study waits for its children to checkpoint and exit before SIGKILL: a
+# trainer finishes its step, checkpoints, evaluates and exports its model first.
+DEFAULT_GRACE = 120.0
+# The signals that stop a study (and that a stopped trainer exits with, as 128 + the number).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # Environment a child must not inherit: a study under torchrun must not make its runs join the
 # launcher's process group.
 DISTRIBUTED_ENV = (
@@ -59,26 +71,40 @@ DISTRIBUTED_ENV = (
 Launcher = Callable[[list[str], dict[str, str], Path], int]
 
 
+class StudyStopped(Exception):
+    """A launch asked for after the study was told to stop: nothing is started."""
+
+
 class SubprocessLauncher:
-    """Runs `python -m deltalab ARGS` with its output in a log file; remembers the live
-    children so that a stopped study can pass the signal on."""
+    """Runs `python -m deltalab ARGS` with its output in a log file, each child in its own
+    session; remembers the live children so that a stopped study can pass the signal on, and
+    once closed starts no more."""
 
     def __init__(self) -> None:
         self.live: set[subprocess.Popen] = set()
         self.lock = threading.Lock()
+        self.closed = False
+
+    def command(self, args: list[str]) -> list[str]:
+        return [sys.executable, "-m", "deltalab", *args]
 
     def __call__(self, args: list[str], env: dict[str, str], log: Path) -> int:
+        command = self.command(args)
         with log.open("a", encoding="utf-8") as out:
-            out.write(f"$ {sys.executable} -m deltalab {' '.join(args)}\n")
+            out.write(f"$ {' '.join(command)}\n")
             out.flush()
-            process = subprocess.Popen(
-                [sys.executable, "-m", "deltalab", *args],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-            )
+            # Under the lock: a child started after `close` signalled the others would run on.
             with self.lock:
+                if self.closed:
+                    raise StudyStopped
+                process = subprocess.Popen(
+                    command,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,
+                )
                 self.live.add(process)
             try:
                 return process.wait()
@@ -86,11 +112,14 @@ class SubprocessLauncher:
                 with self.lock:
                     self.live.discard(process)
 
-    def signal_all(self, signum: int) -> None:
+    def close(self, signum: int) -> int:
+        """Starts nothing more and sends `signum` to the live children; returns their count."""
         with self.lock:
+            self.closed = True
             for process in self.live:
                 with contextlib.suppress(ProcessLookupError):
                     process.send_signal(signum)
+            return len(self.live)
 
 
 def error_line(log: Path) -> str:
@@ -107,6 +136,13 @@ def error_line(log: Path) -> str:
     # "$ ..." lines are the runner's own echo of each command.
     lines = [line for line in lines if line and not line.startswith("$ ")]
     return lines[-1] if lines else ""
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -200,15 +236,21 @@ class Outcome:
 
 @dataclass
 class StudyRunner:
-    """Runs the plan's pending jobs, `spec.parallel` at a time."""
+    """Runs the plan's pending jobs, `spec.parallel` at a time; `grace`: seconds a stopped study
+    gives its children to exit before SIGKILL."""
 
     plan: StudyPlan
     launcher: Launcher | None = None
     say: Callable[[str], None] = print
+    grace: float = DEFAULT_GRACE
     stopping: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         self.launches = 0
+        # The signal that stopped the study (its exit status is 128 + it), and when the grace ends.
+        self.stopped_by: int | None = None
+        self._deadline: float | None = None
+        self._killed = False
         self._count_lock = threading.Lock()
         if self.launcher is None:
             self.launcher = SubprocessLauncher()
@@ -244,6 +286,8 @@ class StudyRunner:
         return env
 
     def _launch(self, args: list[str], worker: int, log: Path) -> int:
+        if self.stopping.is_set():
+            raise StudyStopped
         with self._count_lock:
             self.launches += 1
         assert self.launcher is not None
@@ -273,8 +317,28 @@ class StudyRunner:
         record.update(fields, updated=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         _write_json(path, record)
 
-    def _stopped(self, code: int) -> bool:
-        return code in STOPPED or self.stopping.is_set()
+    def _ended(self, code: int, log: Path) -> tuple[str, str]:
+        """(status, error) of a child that exited with `code` != 0: "interrupted" only when the
+        study itself was stopped, else "failed" with what ended it.
+
+        A child stopped by SIGINT/SIGTERM from elsewhere (a scheduler signals every process of
+        a job, the study among them) waits a second for the study's own signal to account for
+        it."""
+        died = -code if code < 0 else None
+        stopped = died in STOP_SIGNALS or code - 128 in STOP_SIGNALS
+        if self.stopping.is_set() or (stopped and self.stopping.wait(1.0)):
+            how = f"killed by {signal_name(died)}" if died else f"exit {code}"
+            return "interrupted", f"stopped by the study ({how})"
+        if died == signal.SIGKILL:
+            return "failed", (
+                f"killed by signal {died} (SIGKILL: the kernel's out-of-memory killer, or kill -9)"
+            )
+        if died:
+            return "failed", f"killed by signal {died} ({signal_name(died)})"
+        if stopped:
+            name = signal_name(code - 128)
+            return "failed", f"stopped by {name} sent from outside the study (exit {code})"
+        return "failed", error_line(log)
 
     def run_one(self, run: PlannedRun, worker: int) -> Outcome:
         from deltalab.train.config import save_run_config
@@ -300,13 +364,9 @@ class StudyRunner:
             self.say(f"{run.name}: {'resuming' if state == 'resume' else 'training'}")
             code = self._launch(args, worker, log)
             if code != 0:
-                error = error_line(log)
-                if self._stopped(code):
-                    status, error = "interrupted", f"stopped by a signal (exit {code})"
-                elif "is not finite" in error:
+                status, error = self._ended(code, log)
+                if status == "failed" and "is not finite" in error:
                     status = "diverged"
-                else:
-                    status = "failed"
                 self._record(directory, status=status, stage="train", error=error, returncode=code)
                 self.say(f"{run.name}: {status} in training{': ' + error if error else ''}")
                 return Outcome(run.name, status, error)
@@ -326,16 +386,17 @@ class StudyRunner:
             if eval_done(directory, step):
                 continue
             if self.stopping.is_set():
-                return self._interrupted(directory, run.name)
+                return self._interrupted(directory, run.name, "stopped before its evaluations")
             self._record(directory, stage=f"eval {step.task}")
             self.say(f"{run.name}: eval {step.task}")
             code = self._launch(
                 self._eval_args(step, directory, directory / MODEL_DIR, run.seed), worker, log
             )
-            if self._stopped(code) and code != 0:
-                return self._interrupted(directory, run.name)
             if code != 0:
-                failures.append(f"eval {step.task}: {error_line(log)}")
+                status, error = self._ended(code, log)
+                if status == "interrupted":
+                    return self._interrupted(directory, run.name, error)
+                failures.append(f"eval {step.task}: {error}")
         elapsed = time.perf_counter() - started
         if failures:
             error = "; ".join(failures)
@@ -346,9 +407,10 @@ class StudyRunner:
         self.say(f"{run.name}: completed in {elapsed:.0f} s")
         return Outcome(run.name, "completed")
 
-    def _interrupted(self, directory: Path, name: str) -> Outcome:
-        self._record(directory, status="interrupted", error="stopped by a signal")
-        return Outcome(name, "interrupted")
+    def _interrupted(self, directory: Path, name: str, error: str) -> Outcome:
+        self._record(directory, status="interrupted", error=error)
+        self.say(f"{name}: interrupted: {error}")
+        return Outcome(name, "interrupted", error)
 
     def task_one(self, task: PlannedTask, worker: int) -> Outcome:
         if task_state(task) == "done":
@@ -362,9 +424,9 @@ class StudyRunner:
         self.say(f"{task.name}: running")
         code = self._launch(self._eval_args(task.step, directory, None, task.seed), worker, log)
         if code != 0:
-            if self._stopped(code):
-                return self._interrupted(directory, task.name)
-            error = error_line(log)
+            status, error = self._ended(code, log)
+            if status == "interrupted":
+                return self._interrupted(directory, task.name, error)
             self._record(directory, status="failed", error=error, returncode=code)
             self.say(f"{task.name}: failed: {error}")
             return Outcome(task.name, "failed", error)
@@ -377,8 +439,7 @@ class StudyRunner:
 
     def run(self) -> list[Outcome]:
         """Every pending job, `parallel` at a time (longest first: training runs, then the
-        task jobs); SIGTERM or Ctrl-C stops launching and passes SIGTERM to the children,
-        which checkpoint and leave the study resumable."""
+        task jobs), until done or stopped by SIGINT/SIGTERM (see the module docstring)."""
         jobs: queue.Queue = queue.Queue()
         for run in self.plan.runs:
             jobs.put((self.run_one, run))
@@ -395,6 +456,10 @@ class StudyRunner:
                     return
                 try:
                     outcome = job(item, index)
+                except StudyStopped:
+                    outcome = self._interrupted(
+                        item.directory, item.name, "stopped before it began"
+                    )
                 except Exception as error:  # a bug or an OS error in one job: the others go on
                     outcome = Outcome(item.name, "failed", f"{type(error).__name__}: {error}")
                     self._record(item.directory, status="failed", error=outcome.error)
@@ -406,35 +471,54 @@ class StudyRunner:
             threading.Thread(target=worker, args=(i,), daemon=True)
             for i in range(self.plan.spec.parallel)
         ]
-        previous = None
+        previous = {}
         if threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         try:
             for thread in threads:
                 thread.start()
+            # The handler raises nothing, so no join is cut short (on Python 3.11 an exception
+            # in `join` marks the thread stopped): the study returns once every worker has
+            # recorded its job, after its child exited.
             for thread in threads:
                 while thread.is_alive():
                     thread.join(0.2)
-        except KeyboardInterrupt:
-            self.stop()
-            for thread in threads:
-                thread.join()
+                    if self._deadline is not None and time.monotonic() > self._deadline:
+                        self._kill(f"the {self.grace:g} s grace is over")
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, signal.SIG_DFL if handler is None else handler)
         return outcomes
 
-    def stop(self) -> None:
-        """Launch nothing more; ask the running children to stop (they checkpoint first)."""
+    def stop(self, signum: int = signal.SIGTERM) -> int:
+        """Launch nothing more; SIGTERM to the running children (they checkpoint first), who
+        get `grace` seconds to exit; returns how many there are."""
+        if self.stopped_by is None:
+            self.stopped_by = signum
+            self._deadline = time.monotonic() + self.grace
         self.stopping.set()
-        if isinstance(self.launcher, SubprocessLauncher):
-            self.launcher.signal_all(signal.SIGTERM)
+        close = getattr(self.launcher, "close", None)
+        return close(signal.SIGTERM) if close is not None else 0
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
+    def _kill(self, why: str) -> None:
+        close = getattr(self.launcher, "close", None)
+        if self._killed or close is None:
+            return
+        self._killed = True
+        if close(signal.SIGKILL):
+            self.say(f"deltalab study: {why}: killing the running jobs (SIGKILL)")
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        name = signal_name(signum)
+        if self.stopped_by is not None:
+            self._kill(f"{name} again")
+            return
+        running = self.stop(signum)
         self.say(
-            "deltalab study: stopping (SIGTERM); runs checkpoint and resume on the next invocation"
+            f"deltalab study: stopping ({name}): nothing new starts; waiting up to "
+            f"{self.grace:g} s for {running} running job(s) to checkpoint and exit ({name} again "
+            "kills them now); rerun the same command to continue"
         )
-        self.stop()
 
 
 def check_finished_runs(plan: StudyPlan) -> None:

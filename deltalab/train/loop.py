@@ -64,6 +64,7 @@ from deltalab.train.checkpoint import (
 from deltalab.train.config import RunConfig, save_run_config
 from deltalab.train.distributed import Distributed, all_reduce_mean, setup_distributed, wrap_model
 from deltalab.train.graphs import StepGraph
+from deltalab.train.lock import hold_run_directory
 from deltalab.train.optim import (
     build_optimizer,
     build_scheduler,
@@ -611,12 +612,20 @@ def _step_graph(config: RunConfig, ctx: Distributed, core, forward, micro: int) 
 
 
 def train(config: RunConfig) -> TrainResult:
-    """Trains the configured model; returns its perplexities, losses and sample."""
+    """Trains the configured model; returns its perplexities, losses and sample. Holds the run
+    directory's trainer lock throughout (deltalab/train/lock.py): one trainer per log.out_dir."""
     ctx = setup_distributed(config.train.device)
+    _check_directories(config)
+    # The ranks of one run share its directory: the main rank holds the lock for them all.
+    held = hold_run_directory(Path(config.log.out_dir)) if ctx.is_main else contextlib.nullcontext()
+    with held:
+        return _train(config, ctx)
+
+
+def _train(config: RunConfig, ctx: Distributed) -> TrainResult:
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     out_dir = Path(config.log.out_dir)
-    _check_directories(config)
     _check_fresh_start(out_dir, config)
     _check_outside_source(config)
     torch.manual_seed(config.train.seed)
