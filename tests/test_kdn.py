@@ -3,10 +3,14 @@ Isotropic KDN is Gated DeltaNet, and every fast path matches its reference."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
+import deltalab.ops.kdn
 from deltalab.ops import (
     kdn_diag,
     kdn_diag_step,
@@ -629,3 +633,51 @@ def test_triton_backend_on_cpu_says_it_needs_the_interpreter(fn_name):
     # tests/test_mobius_triton.py runs these ops on the Triton scan (GPU, or the interpreter).
     with pytest.raises(RuntimeError, match='backend="triton" cannot run here'):
         FUNCTIONS[fn_name](**valid_arguments(fn_name), backend="triton")
+
+
+def kdn_import_cycle(folder: Path) -> list[str] | None:
+    """A cycle among the modules of `folder` (deltalab/ops/kdn) by their imports, module-level or
+    inside functions alike (a function's import closes a cycle when it runs), or None."""
+    package = "deltalab.ops.kdn"
+    names = {path.stem for path in folder.glob("*.py")}
+    imports: dict[str, set[str]] = {}
+    for name in names:
+        found = set()
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                module = node.module if node.level == 0 else f"{package}.{node.module}"
+                found |= {f"{module}.{alias.name}" for alias in node.names} | {module}
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+        imports[name] = {m.rsplit(".", 1)[1] for m in found if m.startswith(f"{package}.")}
+        imports[name] = (imports[name] & names) - {name, "__init__"}
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> list[str] | None:
+        if name in path:
+            return [*path[path.index(name) :], name]
+        if name in done:
+            return None
+        for other in sorted(imports[name]):
+            if cycle := visit(other, [*path, name]):
+                return cycle
+        done.add(name)
+        return None
+
+    return next((c for n in sorted(names) if (c := visit(n, [])) is not None), None)
+
+
+def test_kdn_modules_import_one_another_without_a_cycle():
+    """Each Triton module of the KDN ops imports only those below it (the carry passes, then the
+    variance scan, then the gains' kernels), so none needs another imported inside a function."""
+    folder = Path(deltalab.ops.kdn.__file__).parent
+    assert kdn_import_cycle(folder) is None
+    triton_modules = sorted(folder.glob("triton*.py"))
+    assert len(triton_modules) >= 4
+    for path in triton_modules:
+        calls = [
+            node.func.id
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+        ]
+        assert "getattr" not in calls, f"{path.name} fetches something by name"

@@ -106,13 +106,13 @@ def _kdn(
     # docs/RESULTS.md):
     # - a read before the gain left the device idle while the host launched the gain's kernels
     #   and glue one by one: 7.07 ms against 5.63 unchecked for Isotropic KDN, 6.57 against
-    #   5.77 for Diagonal (twentieth session);
+    #   5.77 for Diagonal;
     # - a read after the delta rule drained the whole forward, and the device then idled while
     #   the host returned and started the backward: 0.43 ms per call for either form; a read
     #   between the gain and the delta rule, while the host prepared the delta rule's first
-    #   launch: 0.29 (Isotropic) and 0.49 ms (Diagonal; twenty-second session);
+    #   launch: 0.29 (Isotropic) and 0.49 ms (Diagonal);
     # - here the host waits for a copy started before the work, done by the block's end:
-    #   0.02 ms per call for either form (twenty-third session). A check queued after the
+    #   0.02 ms per call for either form. A check queued after the
     #   send is read at the block's end behind all the work, so none must be: the delta
     #   rule finds its check of g queued or passed (check_decay's g is the one the gain's
     #   node takes, and gains.routed_inputs hands its pass on).
