@@ -22,6 +22,7 @@ from deltalab.ops import (
 )
 from deltalab.ops._triton import INTERPRET
 from deltalab.ops.kdn.exact import exact_gain
+from deltalab.ops.options import KernelOptions
 from deltalab.testing import TOLERANCE, assert_close
 
 F64 = torch.float64
@@ -633,6 +634,29 @@ def test_triton_backend_on_cpu_says_it_needs_the_interpreter(fn_name):
     # tests/test_mobius_triton.py runs these ops on the Triton scan (GPU, or the interpreter).
     with pytest.raises(RuntimeError, match='backend="triton" cannot run here'):
         FUNCTIONS[fn_name](**valid_arguments(fn_name), backend="triton")
+
+
+@pytest.mark.parametrize("variant", ["iso", "diag", "exact"])
+def test_kdn_ops_hand_their_kernel_options_to_the_delta_rule(monkeypatch, variant):
+    """The options a KDN op takes reach the delta rule that runs its memory, as given; None
+    (the default) stays None, the delta rule's defaults."""
+    from deltalab.ops.kdn import exact, mixers
+
+    seen = []
+    module = exact if variant == "exact" else mixers
+    original = module.delta_rule
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("options"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, "delta_rule", spy)
+    args = kdn_inputs(torch.Generator().manual_seed(12), (1, 3, 2, 2, 2), variant=variant)
+    op = kdn_exact if variant == "exact" else KDN[variant]
+    options = KernelOptions(checkpoint_every=2, walk_dots="float32")
+    op(**args)
+    op(**args, options=options)
+    assert seen[0] is None and seen[1] is options
 
 
 def kdn_import_cycle(folder: Path) -> list[str] | None:

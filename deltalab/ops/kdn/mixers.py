@@ -29,6 +29,7 @@ from deltalab.ops.kdn._validate import (
 )
 from deltalab.ops.kdn.gains import Gains, diag_gain, iso_gain, routed_inputs, write_dtype
 from deltalab.ops.mobius import resolve_backend
+from deltalab.ops.options import KernelOptions
 
 GainFn = Callable[..., Gains]
 State = tuple[torch.Tensor | None, torch.Tensor | None]
@@ -97,6 +98,7 @@ def _kdn(
     cu_seqlens: torch.Tensor | None,
     chunk_size: int,
     backend: str,
+    options: KernelOptions | None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     diagonal = variant == "diag"
     # One block holds the checks and the work they guard (the gain and the delta rule). The
@@ -166,6 +168,7 @@ def _kdn(
             cu_seqlens=cu,
             chunk_size=chunk_size,
             backend=backend,
+            options=options,
         )
     if not output_final_state:
         return o, None
@@ -188,6 +191,7 @@ def kdn_iso(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
     backend: str = "auto",
+    options: KernelOptions | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Isotropic KDN: KDA (or GDN) whose beta comes from a per-head variance scan.
 
@@ -210,6 +214,8 @@ def kdn_iso(
             "naive" scans the variance step by step, "chunk" by the PyTorch parallel scan,
             "triton" by the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1); "auto" takes
             the Triton scan on CUDA when Triton is installed, else the parallel scan.
+        options: the Triton delta rule's choices (`deltalab.ops.options.KernelOptions`), passed
+            on to `delta_rule`; None: the defaults.
 
     N = B, or the number of sequences in cu_seqlens.
 
@@ -237,6 +243,7 @@ def kdn_diag(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
     backend: str = "auto",
+    options: KernelOptions | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Diagonal KDN: the delta rule with write direction gain_t from a per-channel variance scan.
 
@@ -256,6 +263,7 @@ def kdn_diag(
         cu_seqlens: int `[N+1]` offsets of sequences packed along T (needs B == 1).
         chunk_size: tokens per chunk of the "chunk" backend of `delta_rule`, 16..256.
         backend: "auto", "naive", "chunk" or "triton" (as for `kdn_iso`).
+        options: the Triton delta rule's choices, as for `kdn_iso`.
 
     N = B, or the number of sequences in cu_seqlens.
 
