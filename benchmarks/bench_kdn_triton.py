@@ -11,21 +11,16 @@ and of forward+backward (and peak CUDA memory of forward+backward, MiB):
   Triton kernel (a, q, c in; p and p_bar out), the generic Triton Mobius scan on the four map
   coefficients, and the PyTorch parallel scan;
 - `kdn_gain_diag` / `kdn_gain_iso` with the Triton scan and with the parallel scan;
-- the diagonal gain's three Triton routes: the one-kernel gain with one program per sequence and
-  head ("fused"), the same split over T in chunks ("fused, split over T": B H T / chunk
-  programs and the carry passes; `triton_gain.split_gain` chooses between the two) and the
-  separate ops around the Triton scan (`gains.fused_diag_gain` chooses them or the fused gain);
 - `delta_rule` (the backend `kdn_*(backend="triton")` runs the memory on) and `kdn_diag` /
   `kdn_iso` with backend="triton", with their ratio to `delta_rule`;
 - a sweep of the split diagonal gain's chunk (tokens per program), to tune
-  `triton_gain.chunk_tokens` (the default is marked);
+  `triton_diag_gain.chunk_tokens` (the default is marked);
 - a sweep of the fused scan's launch configurations (BLOCK_T, BLOCK_L) at both lane counts, to
   tune `deltalab.ops.mobius.triton.launch_config` (the default is marked).
 
 `--gain-chunks` runs only a sweep of the split diagonal gain's chunk (tokens per program: the
 programs on the GPU at once, against the carry passes' length) at the three shapes, with the
-inputs in --dtype, for each of its kernels' walks (triton_gain.GAIN_WALKS: a token at a time,
-tiles scanned).
+inputs in --dtype.
 
 `--gain-profile` runs only the split diagonal gain's forward and backward --repeats times at the
 first shape (or `--shape`), untimed, for a profiler that attaches to the process
@@ -36,7 +31,7 @@ node, so its backward adds their gradients).
 
 `--gain-launches` runs only a sweep of the split diagonal gain's launches at B=4 T=4096 H=16 (or
 `--shape`): each of its four kernels' (BLOCK_T, warps) in turn, the others at their defaults
-(`triton_gain.TOKEN_LAUNCH` for the token walks, `LAUNCH` for the tiles), with the inputs in
+(`triton_diag_gain.TOKEN_LAUNCH`), with the inputs in
 --dtype as the KDN mixers pass them and the loss reaching the gain and the routed k and g.
 
 Inputs are random (unit keys, decays in [-1, 0], q_noise in [0, 0.1], r in [0.01, 1.01]), never
@@ -55,9 +50,8 @@ import torch
 from deltalab.benchmarking import format_table, run_environment
 from deltalab.ops import delta_rule, kdn_diag, kdn_gain_diag, kdn_gain_iso, kdn_iso
 from deltalab.ops.delta_rule import BACKENDS as DELTA_RULE_BACKENDS
-from deltalab.ops.kdn.gains import diag_gain
 from deltalab.ops.kdn.triton import kdn_variance_scan
-from deltalab.ops.kdn.triton_gain import chunk_tokens, kdn_diag_gain, launch
+from deltalab.ops.kdn.triton_diag_gain import TOKEN_LAUNCH, chunk_tokens, kdn_diag_gain, launch
 from deltalab.ops.mobius import scan_along_time
 from deltalab.ops.mobius.triton import launch_config, mobius_scan_lanes
 
@@ -65,18 +59,16 @@ SHAPES = [(4, 4096, 16, 128), (4, 4096, 8, 128), (1, 32768, 16, 128)]  # (B, T, 
 TINY_SHAPES = [(1, 20, 2, 2)]
 SWEEP = [(16, 32), (32, 32), (64, 32), (64, 16), (128, 16), (256, 4), (1024, 1), (512, 1)]
 TINY_SWEEP = [(16, 1), (16, 4)]
-# Tokens per program of the diagonal gain split over T (triton_gain.chunk_tokens's default marked).
+# Tokens per program of the diagonal gain split over T (chunk_tokens's default marked).
 SPLIT_CHUNKS = [64, 128, 256, 512, 1024]
 TINY_SPLIT_CHUNKS = [4, 8]
 # --gain-chunks: down to two tiles of the forward (8 tokens at K = 128).
 GAIN_CHUNKS = [16, 32, 64, 128, 256, 512]
 TINY_GAIN_CHUNKS = [2, 4, 8]
-# The diagonal gain's launches (--gain-launches): (BLOCK_T, warps) of one of its four kernels
-# (triton_gain.LAUNCH's keys) at a time, the others at their defaults, split over T.
-GAIN_LAUNCHES = [(bt, w) for bt in (4, 8, 16) for w in (1, 2, 4)]
-TINY_GAIN_LAUNCHES = [(2, 1), (4, 2)]
-# The token walks' (tokens unrolled per step, warps).
+# The diagonal gain's launches (--gain-launches): (tokens unrolled per step, warps) of one of its
+# four kernels (TOKEN_LAUNCH's keys) at a time, the others at their defaults, split over T.
 TOKEN_GAIN_LAUNCHES = [(bt, w) for bt in (1, 2, 4, 8) for w in (1, 2)]
+TINY_GAIN_LAUNCHES = [(2, 1), (4, 2)]
 # What kdn_*(backend="triton") hands delta_rule: "triton" once delta_rule has it, else "chunk".
 MEMORY_BACKEND = "triton" if "triton" in DELTA_RULE_BACKENDS else "chunk"
 
@@ -190,25 +182,7 @@ def bench_shape(shape, args, device: str, dtype: torch.dtype) -> dict:
             lambda *a, b=backend: kdn_gain_iso(*a, backend=b)[0], [*iso_gates, p0], r, device
         )
 
-    # The diagonal gain's three Triton routes: the one-kernel gain with one program per
-    # (sequence, head) and split over T (triton_gain.split_gain picks one by B H), and the
-    # separate ops (gains.fused_diag_gain picks those or the one-kernel gain by B H).
-    # (--tiny: chunks of 8 tokens, so its T = 20 is split too; else triton_gain.chunk_tokens.)
     p_prior = p0[None, :, None].expand(batch, heads, dim).contiguous()
-    chunk = 8 if args.tiny else None
-    for label, split in (("fused", False), ("fused, split over T", True)):
-        rows[f"diag_gain (triton, {label})"] = time_op(
-            lambda *a, s=split: kdn_diag_gain(*a, float(dim), split=s, chunk=chunk)[0],
-            [*gates, p_prior],
-            r,
-            device,
-        )
-    rows["diag_gain (triton, separate ops)"] = time_op(
-        lambda *a: diag_gain(*a, float(dim), "triton", fused=False).gain,
-        [*gates, p_prior],
-        r,
-        device,
-    )
 
     base = [x[n] for n in ("q", "k", "v", "g")]
     rows[f"delta_rule ({MEMORY_BACKEND})"] = time_op(
@@ -239,7 +213,7 @@ def bench_shape(shape, args, device: str, dtype: torch.dtype) -> dict:
     default_chunk = chunk_tokens(batch * heads, length, launch(dim, length, "forward")[0])
     for chunk in TINY_SPLIT_CHUNKS if args.tiny else SPLIT_CHUNKS:
         timing = time_op(
-            lambda *a, c=chunk: kdn_diag_gain(*a, float(dim), split=True, chunk=c)[0],
+            lambda *a, c=chunk: kdn_diag_gain(*a, float(dim), chunk=c)[0],
             [*gates, p_prior],
             r,
             device,
@@ -275,73 +249,56 @@ def bench_shape(shape, args, device: str, dtype: torch.dtype) -> dict:
 
 
 def gain_chunk_sweep(shape, args, device: str, dtype: torch.dtype) -> list[dict]:
-    """The split diagonal gain's times at each chunk of GAIN_CHUNKS (the default,
-    triton_gain.chunk_tokens, marked), on inputs in `dtype` as the KDN mixers pass them."""
+    """The split diagonal gain's times at each chunk of GAIN_CHUNKS (the default, chunk_tokens,
+    marked), on inputs in `dtype` as the KDN mixers pass them."""
     batch, length, heads, dim = shape
     x = make_inputs(shape, device, dtype, torch.Generator().manual_seed(0))
     gates = [x[n] for n in ("k", "g", "q_noise", "r")]
     p_prior = torch.ones(batch, heads, dim, device=device)
-    from deltalab.ops.kdn import triton_gain
-
-    default_walk = triton_gain.GAIN_WALK
+    default = chunk_tokens(batch * heads, length, launch(dim, length, "chunk_maps")[0])
     sweep = []
-    try:
-        for walk in triton_gain.GAIN_WALKS:
-            triton_gain.GAIN_WALK = walk
-            default = chunk_tokens(batch * heads, length, launch(dim, length, "chunk_maps")[0])
-            for chunk in TINY_GAIN_CHUNKS if args.tiny else GAIN_CHUNKS:
+    for chunk in TINY_GAIN_CHUNKS if args.tiny else GAIN_CHUNKS:
 
-                def gain(*a, c=chunk):
-                    return kdn_diag_gain(*a, float(dim), split=True, chunk=c, gain_dtype=dtype)[0]
+        def gain(*a, c=chunk):
+            return kdn_diag_gain(*a, float(dim), gain_dtype=dtype, chunk=c)[0]
 
-                timing = time_op(gain, [*gates, p_prior], args.repeats, device)
-                chosen = chunk == default and walk == default_walk
-                sweep.append({"walk": walk, "chunk": chunk, "default": chosen, **timing})
-    finally:
-        triton_gain.GAIN_WALK = default_walk
+        timing = time_op(gain, [*gates, p_prior], args.repeats, device)
+        sweep.append({"chunk": chunk, "default": chunk == default, **timing})
     return sweep
 
 
 def gain_launch_sweep(shape, args, device: str, dtype: torch.dtype) -> list[dict]:
-    """The split diagonal gain's times with each kernel's (BLOCK_T, warps) from GAIN_LAUNCHES
-    (TOKEN_GAIN_LAUNCHES for the token walks), one kernel at a time (the forward's two kernels
-    move the forward's time, the backward's two the backward's), on the inputs in `dtype` as the
-    KDN mixers pass them (the gain in k's dtype). BLOCK_T is the tokens the kernel launches with
-    (`launch`: the table's entry scaled at wide keys and clamped at short T)."""
-    from deltalab.ops.kdn import triton_gain
-
+    """The split diagonal gain's times with each kernel's (tokens, warps) from
+    TOKEN_GAIN_LAUNCHES, one kernel at a time (the forward's two kernels move the forward's time,
+    the backward's two the backward's), on the inputs in `dtype` as the KDN mixers pass them
+    (the gain in k's dtype). BLOCK_T is the tokens the kernel launches with (`launch`: the
+    table's entry scaled at wide keys and clamped at short T)."""
     batch, length, heads, dim = shape
     x = make_inputs(shape, device, dtype, torch.Generator().manual_seed(0))
     gates = [x[n] for n in ("k", "g", "q_noise", "r")]
     p_prior = torch.ones(batch, heads, dim, device=device)
     chunk = 8 if args.tiny else None
-    block_k = 1 << (dim - 1).bit_length()
-    tokens = triton_gain.GAIN_WALK == "tokens"  # the token walks' table, else the tiles'
-    table = "TOKEN_LAUNCH" if tokens else "LAUNCH"
-    default = dict(getattr(triton_gain, table))
 
-    def gain(*a):
+    def gain(*a, launches=None):
         # The loss reaches the routed k and g too: the backward adds their gradients, as in the
         # KDN mixers (more loads and registers than the gain's alone).
-        gain, _, _, k, g = kdn_diag_gain(*a, float(dim), split=True, chunk=chunk, gain_dtype=dtype)
+        gain, _, _, k, g = kdn_diag_gain(
+            *a, float(dim), gain_dtype=dtype, chunk=chunk, launches=launches
+        )
         return gain.float().sum() + k.float().sum() + g.float().sum()
 
     sweep = [{"kernel": "(all defaults)", **time_op(gain, [*gates, p_prior], args.repeats, device)}]
-    try:
-        for kernel in default:
-            launches = TINY_GAIN_LAUNCHES if args.tiny else GAIN_LAUNCHES
-            for block_t, warps in TOKEN_GAIN_LAUNCHES if tokens and not args.tiny else launches:
-                entry = (block_t, warps) if tokens else (block_t * block_k, block_t, warps)
-                setattr(triton_gain, table, {**default, kernel: entry})
-                timing = time_op(gain, [*gates, p_prior], args.repeats, device)
-                chosen = entry == default[kernel]
-                launched = launch(dim, length, kernel)[0]
-                sweep.append(
-                    {"kernel": kernel, "BLOCK_T": launched, "warps": warps,
-                     "default": chosen, **timing}
-                )  # fmt: skip
-    finally:
-        setattr(triton_gain, table, default)
+    for kernel in TOKEN_LAUNCH:
+        for entry in TINY_GAIN_LAUNCHES if args.tiny else TOKEN_GAIN_LAUNCHES:
+            table = {kernel: entry}
+            timing = time_op(
+                lambda *a, t=table: gain(*a, launches=t), [*gates, p_prior], args.repeats, device
+            )
+            launched = launch(dim, length, kernel, table)[0]
+            sweep.append(
+                {"kernel": kernel, "BLOCK_T": launched, "warps": entry[1],
+                 "default": entry == TOKEN_LAUNCH[kernel], **timing}
+            )  # fmt: skip
     return sweep
 
 
@@ -458,9 +415,7 @@ def main() -> None:
         leaves = [x[n].requires_grad_() for n in ("k", "g", "q_noise", "r")]
         p_prior = torch.ones(batch, heads, dim, device=device, requires_grad=True)
         for _ in range(args.repeats):
-            gain, _, _, k, g = kdn_diag_gain(
-                *leaves, p_prior, float(dim), split=True, gain_dtype=dtype
-            )
+            gain, _, _, k, g = kdn_diag_gain(*leaves, p_prior, float(dim), gain_dtype=dtype)
             (gain.float().sum() + k.float().sum() + g.float().sum()).backward()
         synchronize(device)
         with open(args.out, "w") as f:
@@ -472,9 +427,9 @@ def main() -> None:
         for shape in TINY_SHAPES if args.tiny else SHAPES:
             results.append({"shape": shape, "sweep": gain_chunk_sweep(shape, args, device, dtype)})
             print(f"\nB, T, H, K = {shape}")
-            headers = ["diag_gain split over T: walk", "chunk", "fwd ms", "fwd+bwd ms"]
+            headers = ["diag_gain split over T: chunk", "fwd ms", "fwd+bwd ms"]
             table = [
-                [c["walk"], f"{c['chunk']}" + (" (default)" if c["default"] else ""), c["fwd_ms"],
+                [f"{c['chunk']}" + (" (default)" if c["default"] else ""), c["fwd_ms"],
                  c["fwd_bwd_ms"]]
                 for c in results[-1]["sweep"]
             ]  # fmt: skip

@@ -3,7 +3,7 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck intradots time32k prof_kdn ffn16k gain_launch kdn_train gain_chunks ncu_gain overhead strength_tests strength_train gaps kdn_tests prof_kdn32k layers_tests gain_split_tests ncu_walks32k walk_launch32k decode_prof
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck intradots time32k prof_kdn ffn16k gain_launch kdn_train gain_chunks ncu_gain overhead strength_tests strength_train gaps kdn_tests prof_kdn32k layers_tests gain_split_tests ncu_walks32k walk_launch32k decode_prof
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
@@ -28,9 +28,7 @@
 # (ptrain_gdn2's 4K profile with each projection of a layer input differentiated alone,
 # projections.PROJECT_TOGETHER off: compare with ptrain_gdn2), checks_ptrain 240 s (GDN-2's
 # 4K step, kernel and wall time, with the value checks read after the backward, an experiment,
-# and after the forward, the trainer's way, then the Transformer's), kdn_ptrain 150 s
-# (Diagonal KDN's 340M step with the
-# fused gain, split over T, and with the separate ops: gains.FUSED_GAIN_MIN_PROGRAMS), time_deep
+# and after the forward, the trainer's way, then the Transformer's), time_deep
 # 120 s (log decays down to -8 per token: stage 1 walks most diagonal sub-blocks, as on trained
 # gates; benchmarks/diagonal_forms.py), ptrain 180 s (a 340M training step's kernel time by
 # category), compile 300 s (340M training throughput with torch.compile), compile_ptrain 200 s
@@ -93,7 +91,7 @@
 # it ran past its limit on 2026-12-04 after ~100 tests: test_kdn_triton.py alone took 136 s),
 # prof_kdn32k 120 s (prof_kdn at B=1 T=32768), layers_tests 300 s (the layers on Triton
 # alone: kernel_tests without the KDN gains' file, which kdn_tests runs), gain_split_tests 240 s
-# (the diagonal gain's tests in tests/test_kdn_triton.py compiled: both walks, split, NaN-filled
+# (the diagonal gain's tests in tests/test_kdn_triton.py compiled: split, NaN-filled
 # outputs; 123 s on 2026-12-04), ncu_walks32k 200 s (ncu_gain's counters for the diagonal gain's
 # token walks at B=1 T=32768 H=16), walk_launch32k 200 s (gain_launch at B=1 T=32768 H=16;
 # since 2026-12-04 gain_launch's loss reaches the routed k and g, and its walks are the token
@@ -226,11 +224,6 @@ for p in "${parts[@]}"; do
         --mixers gdn2 --out \"$OUT/ptrain_gdn2_16k.json\"" ;;
     train32k) part train32k 150 python3 benchmarks/bench_train.py --device cuda --preset 340M \
         --seq-len 32768 --batch 1 --steps 6 --mixers muir gdn2 transformer ;;
-    kdn_ptrain) part kdn_ptrain 150 bash -c "python3 benchmarks/profile_train.py --device cuda \
-        --preset 340M --seq-len 4096 --batch 4 --mixers kdn_diag --kdn-gain fused \
-        --out \"$OUT/kdn_ptrain_fused.json\" && python3 benchmarks/profile_train.py --device cuda \
-        --preset 340M --seq-len 4096 --batch 4 --mixers kdn_diag --kdn-gain separate \
-        --out \"$OUT/kdn_ptrain_separate.json\"" ;;
     keep_ptrain) part keep_ptrain 120 bash -c "python3 benchmarks/profile_train.py \
         --keep-states --device cuda --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 \
         --out \"$OUT/keep_ptrain_4k.json\" && python3 benchmarks/profile_train.py \

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import statistics
 import time
 from collections import defaultdict
@@ -303,14 +302,6 @@ def main() -> None:
         help="recompute each block's FFN branch in the backward (train.recompute_ffn)",
     )
     parser.add_argument(
-        "--kdn-gain",
-        choices=["auto", "fused", "separate"],
-        default="auto",
-        help="Diagonal KDN's gain on the Triton scan: 'fused' the gain kernel at any number of "
-        "programs (split over T below triton_gain.SPLIT_GAIN_BELOW_PROGRAMS), 'separate' the "
-        "ops around the scan, 'auto' gains.FUSED_GAIN_MIN_PROGRAMS decides",
-    )
-    parser.add_argument(
         "--cuda-graphs",
         action="store_true",
         help="the step's passes replayed as one CUDA graph (train.cuda_graphs), recorded "
@@ -323,10 +314,6 @@ def main() -> None:
             f"--cuda-graphs needs --warmup > {WARMUP_STEPS} (its eager steps, the capture)"
         )
     apply_delta_rule_options(args)
-    if args.kdn_gain != "auto":
-        from deltalab.ops.kdn import gains
-
-        gains.FUSED_GAIN_MIN_PROGRAMS = 0 if args.kdn_gain == "fused" else math.inf
     report = {}
     for mixer in args.mixers:
         result = report[mixer] = profile_mixer(args, mixer)

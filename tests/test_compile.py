@@ -85,7 +85,8 @@ def test_triton_launches_are_opaque_to_dynamo():
     from deltalab.ops.delta_rule.triton.chunk import delta_rule_triton
     from deltalab.ops.delta_rule.triton.step import delta_rule_step_triton
     from deltalab.ops.kdn.triton import kdn_iso_scan, kdn_variance_scan
-    from deltalab.ops.kdn.triton_gain import kdn_diag_gain, kdn_iso_gain
+    from deltalab.ops.kdn.triton_diag_gain import kdn_diag_gain
+    from deltalab.ops.kdn.triton_iso_terms import kdn_iso_gain
     from deltalab.ops.log_decay.triton import log_decay_triton
     from deltalab.ops.mobius.triton import mobius_scan_lanes, mobius_scan_triton
     from deltalab.ops.norms.triton import l2_normalize_triton, rms_norm_triton

@@ -3,10 +3,14 @@ Isotropic KDN is Gated DeltaNet, and every fast path matches its reference."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
+import deltalab.ops.kdn
 from deltalab.ops import (
     kdn_diag,
     kdn_diag_step,
@@ -18,6 +22,7 @@ from deltalab.ops import (
 )
 from deltalab.ops._triton import INTERPRET
 from deltalab.ops.kdn.exact import exact_gain
+from deltalab.ops.options import KernelOptions
 from deltalab.testing import TOLERANCE, assert_close
 
 F64 = torch.float64
@@ -629,3 +634,74 @@ def test_triton_backend_on_cpu_says_it_needs_the_interpreter(fn_name):
     # tests/test_mobius_triton.py runs these ops on the Triton scan (GPU, or the interpreter).
     with pytest.raises(RuntimeError, match='backend="triton" cannot run here'):
         FUNCTIONS[fn_name](**valid_arguments(fn_name), backend="triton")
+
+
+@pytest.mark.parametrize("variant", ["iso", "diag", "exact"])
+def test_kdn_ops_hand_their_kernel_options_to_the_delta_rule(monkeypatch, variant):
+    """The options a KDN op takes reach the delta rule that runs its memory, as given; None
+    (the default) stays None, the delta rule's defaults."""
+    from deltalab.ops.kdn import exact, mixers
+
+    seen = []
+    module = exact if variant == "exact" else mixers
+    original = module.delta_rule
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("options"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, "delta_rule", spy)
+    args = kdn_inputs(torch.Generator().manual_seed(12), (1, 3, 2, 2, 2), variant=variant)
+    op = kdn_exact if variant == "exact" else KDN[variant]
+    options = KernelOptions(checkpoint_every=2, walk_dots="float32")
+    op(**args)
+    op(**args, options=options)
+    assert seen[0] is None and seen[1] is options
+
+
+def kdn_import_cycle(folder: Path) -> list[str] | None:
+    """A cycle among the modules of `folder` (deltalab/ops/kdn) by their imports, module-level or
+    inside functions alike (a function's import closes a cycle when it runs), or None."""
+    package = "deltalab.ops.kdn"
+    names = {path.stem for path in folder.glob("*.py")}
+    imports: dict[str, set[str]] = {}
+    for name in names:
+        found = set()
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                module = node.module if node.level == 0 else f"{package}.{node.module}"
+                found |= {f"{module}.{alias.name}" for alias in node.names} | {module}
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+        imports[name] = {m.rsplit(".", 1)[1] for m in found if m.startswith(f"{package}.")}
+        imports[name] = (imports[name] & names) - {name, "__init__"}
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> list[str] | None:
+        if name in path:
+            return [*path[path.index(name) :], name]
+        if name in done:
+            return None
+        for other in sorted(imports[name]):
+            if cycle := visit(other, [*path, name]):
+                return cycle
+        done.add(name)
+        return None
+
+    return next((c for n in sorted(names) if (c := visit(n, [])) is not None), None)
+
+
+def test_kdn_modules_import_one_another_without_a_cycle():
+    """Each Triton module of the KDN ops imports only those below it (the carry passes, then the
+    variance scan, then the gains' kernels), so none needs another imported inside a function."""
+    folder = Path(deltalab.ops.kdn.__file__).parent
+    assert kdn_import_cycle(folder) is None
+    triton_modules = sorted(folder.glob("triton*.py"))
+    assert len(triton_modules) >= 4
+    for path in triton_modules:
+        calls = [
+            node.func.id
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+        ]
+        assert "getattr" not in calls, f"{path.name} fetches something by name"

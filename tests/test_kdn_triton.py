@@ -1,4 +1,4 @@
-"""Diagonal KDN's fused gain (deltalab/ops/kdn/triton_gain.py) against the float64 definition (the
+"""Diagonal KDN's fused gain (deltalab/ops/kdn/triton_diag_gain.py) against the float64 definition (the
 step loop of the variance scan) and the PyTorch path (the terms, the parallel scan and the gain as
 separate ops), and where the layers and the gain functions take it.
 
@@ -44,23 +44,20 @@ ROUTED = ("routed k", "routed g")
 LABELS = (*OUTPUTS, *(f"d/d{n}" for n in NAMES))
 
 
-def spy_fused(monkeypatch, **options) -> list[tuple[int, ...]]:
-    """k's shape at every call of the fused gain (gains.diag_gain imports it at each call), which
-    is taken at every size (also where a test raises FUSED_GAIN_MIN_PROGRAMS above its programs);
-    `options` (split, chunk, block_t) are passed to every call."""
+def spy_fused(monkeypatch) -> list[tuple[int, ...]]:
+    """k's shape at every call of the fused gain (gains.diag_gain imports it at each call)."""
     calls: list[tuple[int, ...]] = []
-    monkeypatch.setattr(gains, "FUSED_GAIN_MIN_PROGRAMS", 0)
     if not HAS_TRITON:
         return calls
-    from deltalab.ops.kdn import triton_gain
+    from deltalab.ops.kdn import triton_diag_gain
 
-    original = triton_gain.kdn_diag_gain
+    original = triton_diag_gain.kdn_diag_gain
 
     def spy(k, *args, **kwargs):
         calls.append(tuple(k.shape))
-        return original(k, *args, **kwargs, **options)
+        return original(k, *args, **kwargs)
 
-    monkeypatch.setattr(triton_gain, "kdn_diag_gain", spy)
+    monkeypatch.setattr(triton_diag_gain, "kdn_diag_gain", spy)
     return calls
 
 
@@ -95,23 +92,26 @@ def run(fn, inputs, dtype, weights, info_scale):
     return [x.detach().cpu().double() for x in (*outputs[:3], *grads)]
 
 
-def assert_matches_definition_and_pytorch(inputs, weights, block_t, chunk=None):
-    """The fused gain, with one program per (sequence, head) (`chunk` None) or T split into
-    chunks of `chunk` tokens, against the float64 definition and the PyTorch path; the split
-    also against the one-program kernel."""
-    from deltalab.ops.kdn.triton_gain import kdn_diag_gain
+def assert_matches_definition_and_pytorch(inputs, weights, block_t, chunk=None, **tuning):
+    """The fused gain, with T split into chunks of `chunk` tokens (None: the default plan, one
+    chunk at these T but for K = 256's 70 tokens), against the float64 definition and the PyTorch
+    path; the split also against one program per (sequence, head), a chunk covering T. `tuning`:
+    kdn_diag_gain's other launch overrides (carry_block)."""
+    from deltalab.ops.kdn.triton_diag_gain import SPLIT_GAIN_MIN_CHUNK, kdn_diag_gain
 
     info_scale = float(inputs[0].shape[-1])
-    split = {"split": chunk is not None, "chunk": chunk}
+    length = inputs[0].shape[1]
     fused = run(
-        lambda *x: kdn_diag_gain(*x, block_t=block_t, **split), inputs, F32, weights, info_scale
-    )
+        lambda *x: kdn_diag_gain(*x, block_t=block_t, chunk=chunk, **tuning),
+        inputs, F32, weights, info_scale,
+    )  # fmt: skip
     definition = run(lambda *x: diag_gain(*x, "sequential"), inputs, F64, weights, info_scale)
     pytorch = run(lambda *x: diag_gain(*x, "parallel"), inputs, F32, weights, info_scale)
     labels = LABELS
-    if chunk is not None:
+    if (chunk or SPLIT_GAIN_MIN_CHUNK) < length:
+        covering = max(2, 1 << (length - 1).bit_length())
         whole = run(
-            lambda *x: kdn_diag_gain(*x, block_t=block_t, split=False), inputs, F32, weights,
+            lambda *x: kdn_diag_gain(*x, block_t=block_t, chunk=covering), inputs, F32, weights,
             info_scale,
         )  # fmt: skip
         for label, x, x1 in zip(labels, fused, whole, strict=True):
@@ -170,17 +170,12 @@ def test_fused_gain_and_all_gradients_match_float64_definition_and_pytorch_path(
         "default_chunks_at_k256",  # 2 chunks of 64; the token backward unrolls 1 token
     ],
 )
-@pytest.mark.parametrize("walk", ["tokens", "tiles"])
 def test_split_gain_and_all_gradients_match_float64_definition_pytorch_and_one_program_kernel(
-    monkeypatch, shape, block_t, chunk, channel_decay, walk
+    shape, block_t, chunk, channel_decay
 ):
     """T split into chunks (a program each, with the carry passes between them), the last one
     partial: the outputs and the gradients of k, g, q_noise, r and p_prior, against the float64
-    definition, the PyTorch path and the one-program kernel, by both walks (a token at a time,
-    and tiles scanned)."""
-    from deltalab.ops.kdn import triton_gain
-
-    monkeypatch.setattr(triton_gain, "GAIN_WALK", walk)
+    definition, the PyTorch path and the one-program kernel."""
     inputs = gain_inputs(1, shape, channel_decay=channel_decay)
     weights = weights_for(inputs, 2)
     assert_matches_definition_and_pytorch(inputs, weights, block_t, chunk)
@@ -188,17 +183,16 @@ def test_split_gain_and_all_gradients_match_float64_definition_pytorch_and_one_p
 
 @needs_triton
 @pytest.mark.parametrize("channel_decay", [True, False], ids=["channel_decay", "head_decay"])
-def test_split_gain_carries_cross_blocks_of_chunks_and_channels(monkeypatch, channel_decay):
+def test_split_gain_carries_cross_blocks_of_chunks_and_channels(channel_decay):
     """The carry passes scan the chunks' maps BLOCK_P chunks and BLOCK_C channels at a time:
     with blocks of 2 x 2, T = 19 in 10 chunks of 2 (5 blocks, the last chunk partial) and K = 5
     (3 blocks of channels, the last partial) cross every boundary, forward and backward."""
-    from deltalab.ops.kdn import triton_gain
+    from deltalab.ops.kdn.triton_carry import carry_block
 
-    monkeypatch.setattr(triton_gain, "CARRY_BLOCK", (2, 2))
-    assert triton_gain.carry_block(10) == (2, 2) and triton_gain.carry_grid(2, 10, 5) == (2, 3)
+    assert carry_block(10, (2, 2)) == (2, 2)
     inputs = gain_inputs(17, (2, 19, 1, 5), channel_decay=channel_decay)
     weights = weights_for(inputs, 18)
-    assert_matches_definition_and_pytorch(inputs, weights, 2, 2)
+    assert_matches_definition_and_pytorch(inputs, weights, 2, 2, carry_block=(2, 2))
 
 
 @needs_triton
@@ -212,47 +206,11 @@ def test_fused_gain_writes_every_output_and_gradient_element(poisoned_empty, chu
 
 
 @needs_triton
-@pytest.mark.parametrize(("batch", "split"), [(1, True), (2, False)], ids=["2_heads", "4_heads"])
-def test_kdn_diag_gain_splits_t_below_split_gain_below_programs(monkeypatch, batch, split):
-    """By default T is split below SPLIT_GAIN_BELOW_PROGRAMS (sequence, head) pairs (here 4)
-    into chunks of chunk_tokens (here 4: SPLIT_GAIN_MIN_CHUNK); the forward kernel's grid
-    shows which, and both give the float64 definition."""
-    from deltalab.ops.kdn import triton_gain
-
-    monkeypatch.setattr(triton_gain, "SPLIT_GAIN_BELOW_PROGRAMS", 4)
-    monkeypatch.setattr(triton_gain, "SPLIT_GAIN_MIN_CHUNK", 4)
-    monkeypatch.setattr(triton_gain, "GAIN_WALK", "tiles")  # the token walk always splits
-    grids = []
-    kernels = triton_gain._kernels
-
-    class Spy:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return self.kernel[grid]
-
-    def spied(walk):
-        return {**kernels(walk), "forward": Spy(kernels(walk)["forward"])}
-
-    monkeypatch.setattr(triton_gain, "_kernels", spied)
-    inputs = gain_inputs(15, (batch, 9, 2, 3))
-    weights = weights_for(inputs, 16)
-    fused = run(lambda *x: triton_gain.kdn_diag_gain(*x, block_t=2), inputs, F32, weights, 3.0)
-    definition = run(lambda *x: diag_gain(*x, "sequential"), inputs, F64, weights, 3.0)
-    assert grids == [(2 * batch, 3 if split else 1)]
-    labels = LABELS
-    for label, x, x64 in zip(labels, fused, definition, strict=True):
-        assert_close(x, x64, TOLERANCE[F32], f"{label} against float64")
-
-
-@needs_triton
 def test_split_chunks_are_powers_of_2_filling_about_split_gain_programs():
     """At the benchmark's shapes (given tiles of 16 tokens at K = 128): 64 tokens for the 340M
     preset (B H = 32, T = 4096: 2048 programs) and at B H = 16, T = 32768 (8192 programs), 128
     for 8192 programs at B H = 16, T = 65536; never below SPLIT_GAIN_MIN_CHUNK or a tile."""
-    from deltalab.ops.kdn.triton_gain import SPLIT_GAIN_MIN_CHUNK, chunk_tokens, launch
+    from deltalab.ops.kdn.triton_diag_gain import SPLIT_GAIN_MIN_CHUNK, chunk_tokens, launch
 
     assert launch(128, 4096, "forward")[0] <= 16 and launch(128, 4096, "backward")[0] <= 16
     assert chunk_tokens(32, 4096, 16) == 64
@@ -263,34 +221,30 @@ def test_split_chunks_are_powers_of_2_filling_about_split_gain_programs():
 
 
 @needs_triton
-@pytest.mark.parametrize("walk", ["tokens", "tiles"])
 @pytest.mark.parametrize("key_dim", [3, 64, 128, 256])
-def test_gain_plans_tile_every_chunk_and_cover_t(monkeypatch, walk, key_dim):
-    """Each direction's launch plan, its two kernels' tiles possibly different (the token walks'
-    backward unrolls 2 tokens where the chunk adjoints unroll 4; 1 and 2 at K = 256): the tiles
-    of the kernels launched are powers of 2 that divide the chunk, the chunks cover T and the
-    last one holds a token, split or not, at short, odd and long T, with a given tile and chunk
-    or the defaults."""
-    from deltalab.ops.kdn import triton_gain
+def test_gain_plans_tile_every_chunk_and_cover_t(key_dim):
+    """Each direction's launch plan, its two kernels' tokens possibly different (the backward
+    unrolls 2 tokens where the chunk adjoints unroll 4; 1 and 2 at K = 256): the tokens of the
+    kernels launched are powers of 2 that divide the chunk, the chunks cover T and the last one
+    holds a token, split or not, at short, odd and long T, with given tokens and chunk or the
+    defaults."""
+    from deltalab.ops.kdn import triton_diag_gain
 
-    monkeypatch.setattr(triton_gain, "GAIN_WALK", walk)
     directions = (("forward", "chunk_maps"), ("backward", "chunk_adjoints"))
     for kernels in directions:
         for length in (1, 2, 5, 37, 64, 100, 4096, 32768):
-            for bh, block_t, split, chunk in itertools.product(
-                (1, 16, 4096), (None, 2), (True, False), (None, 2, 64)
-            ):
-                tiles, _, _, chunk_t, parts = triton_gain._plan(
-                    bh, length, key_dim, kernels, block_t, split, chunk
+            for bh, block_t, chunk in itertools.product((1, 16, 4096), (None, 2), (None, 2, 64)):
+                tiles, _, _, chunk_t, parts = triton_diag_gain._plan(
+                    bh, length, key_dim, kernels, block_t, chunk
                 )
-                case = (kernels, length, bh, block_t, split, chunk, tiles, chunk_t, parts)
+                case = (kernels, length, bh, block_t, chunk, tiles, chunk_t, parts)
                 # The chunks' maps run only when T is split (parts > 1).
                 launched = tiles if parts > 1 else tiles[:1]
                 assert all(t >= 1 and t & (t - 1) == 0 and chunk_t % t == 0 for t in launched), case
                 assert chunk_t * parts >= length > chunk_t * (parts - 1), case
                 if parts > 1:
-                    assert split and chunk_t & (chunk_t - 1) == 0, case
-    assert triton_gain.launch(256, 4096, "backward")[0] == (1 if walk == "tokens" else 2)
+                    assert chunk_t & (chunk_t - 1) == 0, case
+    assert triton_diag_gain.launch(256, 4096, "backward")[0] == 1
 
 
 SPLITS = pytest.mark.parametrize("chunk", [None, 4], ids=["one_program", "split_chunks_of_4"])
@@ -327,27 +281,43 @@ def test_fused_gain_stays_finite_at_extreme_noise_and_resets(chunk):
     assert_matches_definition_and_pytorch(inputs, weights, 4, chunk)
 
 
+def streamed_gain(chunk):
+    """(gain, p, final precision) of Diagonal KDN's gain on the fused path from k, g, q_noise, r,
+    p0 `[H, K]` and a carried precision (or None): kdn_gain_diag's, or (`chunk`) the kernel's own
+    with T split into chunks of `chunk` tokens (two of a token each)."""
+    if chunk is None:
+        return lambda *x, p0, precision: kdn_gain_diag(
+            *x, p0, initial_precision=precision, backend="triton"
+        )
+    from deltalab.ops.kdn.triton_diag_gain import kdn_diag_gain
+
+    def gain(k, g, q_noise, r, *, p0, precision):
+        prior = p0.expand(k.shape[0], *p0.shape) if precision is None else 1.0 / precision
+        gain, p, *_ = kdn_diag_gain(k, g, q_noise, r, prior, k.shape[-1], chunk=chunk, block_t=2)
+        return gain, p, 1.0 / p[:, -1]
+
+    return gain
+
+
 @needs_triton
-@pytest.mark.parametrize(
-    "options", [{"split": False}, {"split": True, "chunk": 4, "block_t": 2}],
-    ids=["one_program", "split_chunks_of_4"],
-)  # fmt: skip
-def test_kdn_gain_diag_streams_its_final_precision_through_the_fused_path(monkeypatch, options):
+@pytest.mark.parametrize("chunk", [None, 4], ids=["kdn_gain_diag", "split_chunks_of_4"])
+def test_kdn_gain_diag_streams_its_final_precision_through_the_fused_path(monkeypatch, chunk):
     """Two calls carrying the final precision (initial_precision) give the gains, p and the
     final precision of one call, and the gradients of both pieces, on the fused path (split:
     12 = 3 chunks, 5 = 2 chunks with a partial one, 7 = 2)."""
-    calls = spy_fused(monkeypatch, **options)
+    calls = spy_fused(monkeypatch)
+    fn = streamed_gain(chunk)
     inputs = gain_inputs(7, (2, 12, 2, 5))
     k, g, q_noise, r, _ = (x.to(DEVICE, F32) for x in inputs)
     p0 = torch.rand(2, 5, generator=torch.Generator().manual_seed(8), dtype=F64) + 0.5
     p0 = p0.to(DEVICE, F32)
     leaves = [x.clone().requires_grad_() for x in (k, g, q_noise, r)]
-    gain, p, final = kdn_gain_diag(*leaves, p0, backend="triton")
+    gain, p, final = fn(*leaves, p0=p0, precision=None)
     whole = [gain, p, final, *torch.autograd.grad(gain.sum() + p.sum() + final.sum(), leaves)]
     leaves = [x.clone().requires_grad_() for x in (k, g, q_noise, r)]
     first, second = ([x[:, :5] for x in leaves], [x[:, 5:] for x in leaves])
-    gain_1, p_1, precision = kdn_gain_diag(*first, p0, backend="triton")
-    gain_2, p_2, final = kdn_gain_diag(*second, p0, initial_precision=precision, backend="triton")
+    gain_1, p_1, precision = fn(*first, p0=p0, precision=None)
+    gain_2, p_2, final = fn(*second, p0=p0, precision=precision)
     gain, p = torch.cat([gain_1, gain_2], 1), torch.cat([p_1, p_2], 1)
     pieces = [gain, p, final, *torch.autograd.grad(gain.sum() + p.sum() + final.sum(), leaves)]
     labels = ["gain", "p", "final precision", *(f"d/d{n}" for n in NAMES[:4])]
@@ -377,33 +347,6 @@ def test_kdn_gain_diag_takes_the_fused_gain_exactly_on_the_triton_scan_in_float3
     )
     kdn_gain_diag(k, g, q_noise, r, torch.ones(2, device=DEVICE, dtype=dtype), backend=backend)
     assert calls == ([(1, 3, 2, 4)] if fused else [])
-
-
-@needs_triton
-@pytest.mark.parametrize(("batch", "heads"), [(1, 2), (8, 8)], ids=["2_programs", "64_programs"])
-def test_diag_gain_takes_the_fused_kernel_from_enough_programs_and_both_routes_agree(
-    monkeypatch, batch, heads
-):
-    """One program per (sequence, head) walks all T tokens: the fused gain is taken from
-    FUSED_GAIN_MIN_PROGRAMS of them (64 here, to take both routes; 0 by default since the split
-    over T, from a training-step measurement on the H200), the separate ops around the Triton
-    scan below. Both routes give the float64 definition's gains and gradients."""
-    calls = spy_fused(monkeypatch)
-    monkeypatch.setattr(gains, "FUSED_GAIN_MIN_PROGRAMS", 64)
-    inputs = gain_inputs(11, (batch, 5, heads, 3))
-    weights = weights_for(inputs, 12)
-    info_scale = 3.0
-    definition = run(lambda *x: diag_gain(*x, "sequential"), inputs, F64, weights, info_scale)
-    routes = {}
-    for fused in (None, True, False):
-        routes[fused] = run(
-            lambda *x, f=fused: diag_gain(*x, "triton", fused=f), inputs, F32, weights, info_scale
-        )
-    assert calls == [(batch, 5, heads, 3)] * (1 + (batch * heads >= 64))
-    labels = LABELS
-    for fused, results in routes.items():
-        for label, x, x64 in zip(labels, results, definition, strict=True):
-            assert_close(x, x64, TOLERANCE[F32], f"{label} (fused={fused}) against float64")
 
 
 LAYER = dict(hidden_size=32, num_heads=2, head_dim=16, value_dim=8, conv_size=4, chunk_size=16)
@@ -466,7 +409,7 @@ def test_gate_sensitivity_on_a_triton_kdn_model_never_reaches_the_fused_kernels(
     assert len(calls) == 1
 
 
-# --- Isotropic KDN: the terms' reductions over K on the kernels of triton_gain.py ----------------
+# --- Isotropic KDN: the terms' reductions over K on the kernels of triton_iso_terms.py ----------
 
 
 def spy_iso_gain(monkeypatch) -> list[tuple[int, ...]]:
@@ -474,15 +417,15 @@ def spy_iso_gain(monkeypatch) -> list[tuple[int, ...]]:
     calls: list[tuple[int, ...]] = []
     if not HAS_TRITON:
         return calls
-    from deltalab.ops.kdn import triton_gain
+    from deltalab.ops.kdn import triton_iso_terms
 
-    original = triton_gain.kdn_iso_gain
+    original = triton_iso_terms.kdn_iso_gain
 
     def spy(k, *args):
         calls.append(tuple(k.shape))
         return original(k, *args)
 
-    monkeypatch.setattr(triton_gain, "kdn_iso_gain", spy)
+    monkeypatch.setattr(triton_iso_terms, "kdn_iso_gain", spy)
     return calls
 
 
@@ -560,7 +503,7 @@ def test_iso_terms_backward_adds_the_routed_gradients_of_k_and_g_to_its_own(
     gradients they receive summed with the terms' own shares by its backward kernel, against
     float64 autograd of the PyTorch terms with k and g used as directly (every output and
     gradient element written: NaN-filled before launch)."""
-    from deltalab.ops.kdn.triton_gain import _KDNIsoTerms
+    from deltalab.ops.kdn.triton_iso_terms import _KDNIsoTerms
 
     shape = (2, 7, 3, 5)
     gen = torch.Generator().manual_seed(21)
@@ -783,7 +726,7 @@ def iso_scan_reference(decay2, norm2, q_noise, r, p_prior, evidence_scale):
          "3_chunks_in_carry_blocks_of_2x2"],
 )  # fmt: skip
 def test_iso_scan_kernel_and_every_gradient_match_float64_ops_with_outputs_used_or_not(
-    poisoned_empty, monkeypatch, used, config, chunk, carry_block
+    poisoned_empty, used, config, chunk, carry_block
 ):
     """The scan stage of the isotropic gain alone (triton.kdn_iso_scan: the evidence, the
     Mobius scan, beta and predictive in one kernel each way) against its twin, the PyTorch ops
@@ -793,20 +736,17 @@ def test_iso_scan_kernel_and_every_gradient_match_float64_ops_with_outputs_used_
     carry passes between them and the chunks walked from their carries, the last chunk
     partly past T; with carry blocks of 2 chunks x 2 lanes the carry passes cross blocks of
     both. With no chunk given `split_plan` splits (3 lane programs)."""
-    from deltalab.ops.kdn import triton_gain
     from deltalab.ops.kdn.triton import kdn_iso_scan
-
-    if carry_block is not None:
-        monkeypatch.setattr(triton_gain, "CARRY_BLOCK", carry_block)
 
     shape = (2, 37, 3)
     inputs = iso_scan_inputs(41, shape)
     gen = torch.Generator().manual_seed(42)
     weights = [torch.randn(shape, generator=gen, dtype=F64) for _ in range(3)]
     results = {}
+    plan = {"config": config, "chunk": chunk, "carry_block": carry_block}
     for label, device, dtype, scan in (
         ("float64 ops", "cpu", F64, iso_scan_reference),
-        ("kernel", DEVICE, F32, lambda *x: kdn_iso_scan(*x, config=config, chunk=chunk)),
+        ("kernel", DEVICE, F32, lambda *x: kdn_iso_scan(*x, **plan)),
     ):
         leaves = [x.to(device, dtype).requires_grad_() for x in inputs]
         outputs = scan(*leaves, 0.75)
@@ -872,27 +812,6 @@ def test_isotropic_kdn_layer_on_triton_matches_chunk_with_parameter_gradients(mo
     assert_close(results["triton"][1], results["chunk"][1], 1e-5, "parameter gradients")
 
 
-@needs_triton
-def test_diag_gain_takes_the_fused_kernel_at_every_size_by_default(monkeypatch):
-    """FUSED_GAIN_MIN_PROGRAMS as shipped: the fused gain (split over T where the pairs are few)
-    even for a single (sequence, head) pair, as a 340M training step measured faster on the
-    H200 than the separate ops."""
-    from deltalab.ops.kdn import triton_gain
-
-    assert gains.FUSED_GAIN_MIN_PROGRAMS == 0
-    calls = []
-    fused = triton_gain.kdn_diag_gain
-
-    def spy(k, *args, **kwargs):
-        calls.append(tuple(k.shape))
-        return fused(k, *args, **kwargs)
-
-    monkeypatch.setattr(triton_gain, "kdn_diag_gain", spy)
-    inputs = gain_inputs(11, (1, 5, 1, 3), extremes=False)
-    diag_gain(*(x.to(DEVICE, F32) for x in inputs), 3.0, "triton")
-    assert calls == [(1, 5, 1, 3)]
-
-
 # 16-bit inputs on the Triton route: float16 under the interpreter (numpy has it), bf16 too on
 # the GPU (tests/test_cuda.py times nothing; this is the correctness side).
 SIXTEEN_BIT = [torch.float16, *([torch.bfloat16] if CUDA else [])]
@@ -910,18 +829,21 @@ def test_16_bit_kdn_inputs_reach_the_gain_kernels_uncast_and_match_float64(
     match the float64 chunk path on the same (rounded) inputs within the dtype's tolerance;
     the gradients come back in the inputs' dtypes."""
     from deltalab.ops import kdn_diag, kdn_iso
-    from deltalab.ops.kdn import triton_gain
+    from deltalab.ops.kdn import triton_diag_gain, triton_iso_terms
 
     seen = []
-    name = "kdn_diag_gain" if variant == "diag" else "kdn_iso_gain"
-    original = getattr(triton_gain, name)
+    module, name = {
+        "diag": (triton_diag_gain, "kdn_diag_gain"),
+        "iso": (triton_iso_terms, "kdn_iso_gain"),
+    }[variant]
+    original = getattr(module, name)
 
     def spy(*args, **kwargs):
         out = original(*args, **kwargs)
         seen.append(([a.dtype for a in args if isinstance(a, torch.Tensor)], out[0].dtype))
         return out
 
-    monkeypatch.setattr(triton_gain, name, spy)
+    monkeypatch.setattr(module, name, spy)
     gen = torch.Generator().manual_seed(31)
     args = kdn_inputs(gen, (2, 19, 2, 8, 8), variant=variant)
     args["k"] = torch.nn.functional.normalize(args["k"], dim=-1)

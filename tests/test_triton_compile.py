@@ -357,39 +357,37 @@ def test_norm_kernels_compile_for_hopper_without_spills(dim, dtype, gated):
 
 @pytest.mark.parametrize("key_dim", [64, 128, 256])
 @pytest.mark.parametrize("g_head", [False, True], ids=["channel_decay", "head_decay"])
-def test_kdn_gain_kernels_compile_for_hopper_without_spills(monkeypatch, key_dim, g_head):
+def test_kdn_gain_kernels_compile_for_hopper_without_spills(key_dim, g_head):
     """The fused KDN gain (Diagonal) and terms (Isotropic), at the launches they use for
     T = 4096 (the backwards with dp and the delta rule's gradients of k and g, the most loads),
-    and the Diagonal gain's split
-    over T (the chunk maps and adjoints at the kernels' tiles, the carry passes): no spill to
-    local memory, which in these bandwidth-bound kernels would add traffic."""
-    from deltalab.ops.kdn import triton_gain
+    and the Diagonal gain's split over T (the chunk maps and adjoints, the carry passes): no
+    spill to local memory, which in these bandwidth-bound kernels would add traffic."""
+    from deltalab.ops.kdn import triton_carry, triton_diag_gain, triton_iso_terms
 
+    diag = triton_diag_gain
     kernels = []
-    for walk in triton_gain.GAIN_WALKS:
-        monkeypatch.setattr(triton_gain, "GAIN_WALK", walk)
-        for which, n_pointers, flags in (
-            ("forward", 8, {}),
-            ("backward", 18, {"HAS_DP": True, "HAS_DK_IN": True, "HAS_DG_IN": True}),
-            ("chunk_maps", 5, {}),
-            ("chunk_adjoints", 11, {"HAS_DP": True}),
-        ):
-            block_t, block_k, warps = triton_gain.launch(key_dim, 4096, which)
-            constants = {**flags, "G_HEAD": g_head, "BLOCK_T": block_t, "BLOCK_K": block_k}
-            kernel = triton_gain._kernels(walk)[which]
-            kernels.append((kernel, n_pointers, constants, warps))
-    block_p, block_c = triton_gain.carry_block(4096 // 32)
+    for which, kernel, n_pointers, flags in (
+        ("forward", diag._kdn_diag_gain_token_forward_kernel, 8, {}),
+        ("backward", diag._kdn_diag_gain_token_backward_kernel, 18,
+         {"HAS_DP": True, "HAS_DK_IN": True, "HAS_DG_IN": True}),
+        ("chunk_maps", diag._kdn_diag_gain_token_maps_kernel, 5, {}),
+        ("chunk_adjoints", diag._kdn_diag_gain_token_adjoints_kernel, 11, {"HAS_DP": True}),
+    ):  # fmt: skip
+        block_t, block_k, warps = diag.launch(key_dim, 4096, which)
+        constants = {**flags, "G_HEAD": g_head, "BLOCK_T": block_t, "BLOCK_K": block_k}
+        kernels.append((kernel, n_pointers, constants, warps))
+    block_p, block_c = triton_carry.carry_block(4096 // 32)
     carry = {"BLOCK_P": block_p, "BLOCK_C": block_c}
     kernels += [
-        (triton_gain._kdn_diag_gain_chunk_starts_kernel, 3, carry, triton_gain.CARRY_WARPS),
-        (triton_gain._kdn_diag_gain_chunk_ends_kernel, 2, carry, triton_gain.CARRY_WARPS),
+        (triton_carry._kdn_carry_starts_kernel, 3, carry, triton_carry.CARRY_WARPS),
+        (triton_carry._kdn_carry_ends_kernel, 2, carry, triton_carry.CARRY_WARPS),
     ]
-    block_r, block_k, warps = triton_gain.iso_launch(key_dim)
+    block_r, block_k, warps = triton_iso_terms.iso_launch(key_dim)
     iso = {"G_HEAD": g_head, "BLOCK_R": block_r, "BLOCK_K": block_k}
     routed = {**iso, "HAS_DK_IN": True, "HAS_DG_IN": True}  # the delta rule's gradients added
     kernels += [
-        (triton_gain._kdn_iso_terms_forward_kernel, 4, iso, warps),
-        (triton_gain._kdn_iso_terms_backward_kernel, 8, routed, warps),
+        (triton_iso_terms._kdn_iso_terms_forward_kernel, 4, iso, warps),
+        (triton_iso_terms._kdn_iso_terms_backward_kernel, 8, routed, warps),
     ]
     for kernel, n_pointers, constants, warps in kernels:
         _assert_compiles_without_spills(

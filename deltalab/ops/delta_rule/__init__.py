@@ -32,6 +32,7 @@ from deltalab.ops._checks import (
 from deltalab.ops._triton import require_triton, triton_available
 from deltalab.ops.delta_rule.chunk import delta_rule_chunk
 from deltalab.ops.delta_rule.naive import delta_rule_naive, delta_rule_token
+from deltalab.ops.options import KernelOptions
 
 __all__ = ["BACKENDS", "MAX_CHUNK_SIZE", "MIN_CHUNK_SIZE", "delta_rule", "delta_rule_step"]
 
@@ -115,6 +116,7 @@ def delta_rule(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
     backend: str = "auto",
+    options: KernelOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Runs the generalized delta rule over whole sequences.
 
@@ -132,6 +134,8 @@ def delta_rule(
         chunk_size: tokens per chunk of the "chunk" backend, 16..256.
         backend: "auto", "naive", "chunk" or "triton" ("auto": "triton" on CUDA when Triton
             is installed, else "chunk").
+        options: the Triton kernels' choices (`deltalab.ops.options.KernelOptions`; None: the
+            defaults, which measured best); the other backends ignore them.
 
     Returns:
         `(o [B, T, H, V] in q's dtype, final state [N, H, K, V] or None)`. The state is kept in

@@ -29,6 +29,7 @@ from deltalab.ops.kdn._validate import (
     split_state,
 )
 from deltalab.ops.kdn.gains import Gains
+from deltalab.ops.options import KernelOptions
 
 # P0 may differ from its transpose by this many units of roundoff (relative to its largest
 # entry): enough for X @ X.T + c I built in floating point, far below any intended asymmetry.
@@ -123,6 +124,7 @@ def kdn_exact(
     scale: float | None = None,
     initial_state: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
     output_final_state: bool = False,
+    options: KernelOptions | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Exact KDN: each value column of the memory is Kalman-filtered, one shared covariance.
 
@@ -139,6 +141,8 @@ def kdn_exact(
             zeros, a None covariance from P0. The covariance must be symmetric (it may be
             singular: certainty along a direction).
         output_final_state: also return the state after the last token.
+        options: the Triton delta rule's choices (`deltalab.ops.options.KernelOptions`), passed
+            on to `delta_rule` for the memory; None: the defaults.
 
     Returns:
         `(o [B, T, H, V] in q's dtype, (memory [B, H, K, V], covariance [B, H, K, K]) or
@@ -159,8 +163,9 @@ def kdn_exact(
     inputs = [x.to(dtype) for x in (k, g, q_noise, r)]
     gain, P, _ = exact_gain(*inputs, 0.5 * (P_prior + P_prior.mT).to(dtype))
     o, final_memory = delta_rule(
-        q, gain, k, v, g, scale=scale, initial_state=memory, output_final_state=output_final_state
-    )
+        q, gain, k, v, g, scale=scale, initial_state=memory,
+        output_final_state=output_final_state, options=options,
+    )  # fmt: skip
     if not output_final_state:
         return o, None
     return o, (final_memory, P)

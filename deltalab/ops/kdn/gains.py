@@ -148,13 +148,14 @@ def iso_gain(
     dtype = state_dtype(k, g, q_noise, r, p_prior)
     p_prior = p_prior.to(dtype)
     if scan == "triton" and dtype != torch.float64:
-        # Two stages each way (triton_gain.kdn_iso_gain): the terms' reductions over K, which
+        # Two stages each way (triton_iso_terms.kdn_iso_gain): the terms' reductions over K, which
         # read k and g as they come (16-bit: no float32 copies of [B, T, H, K]), then the scan
         # with the evidence and beta inside it, reading q_noise and r as they come (one kernel,
-        # three where T is split over few lanes: triton.split_plan). As separate
-        # ops the glue around the scan cost more host time than its kernels take on the
-        # device (docs/RESULTS.md, twenty-second session); float64 stays here.
-        from deltalab.ops.kdn.triton_gain import kdn_iso_gain
+        # three where T is split over few lanes: triton.split_plan). As separate ops the glue
+        # around the scan cost more host time than its kernels take on the device (Isotropic
+        # KDN's forward at B=4 T=4096 H=16 bf16 on the H200: 2.00 ms, 1.64 on the kernels);
+        # float64 stays here.
+        from deltalab.ops.kdn.triton_iso_terms import kdn_iso_gain
 
         return Gains(*kdn_iso_gain(k, g, q_noise, r, p_prior, info_scale))
     k, g, q_noise, r = (x.to(dtype) for x in (k, g, q_noise, r))
@@ -162,25 +163,6 @@ def iso_gain(
     p, p_bar = _variance_scan(decay2, q_noise, evidence, p_prior, scan)
     beta, predictive = iso_beta(p_bar, norm2, r)
     return Gains(beta, p, predictive)
-
-
-def fused_diag_gain(k: torch.Tensor) -> bool:
-    """Whether the one-kernel diagonal gain pays for keys `[B, T, H, K]`: it runs one program per
-    (sequence, head), each walking all T tokens, so it needs B H programs to fill the GPU; the
-    separate ops run the scan over B H K lanes and the rest elementwise."""
-    return k.shape[0] * k.shape[2] >= FUSED_GAIN_MIN_PROGRAMS
-
-
-# Below this many (sequence, head) programs the fused diagonal gain would leave SMs idle if it ran
-# one program per head. Measured on the H200 (bench_kdn_triton.py, float32, T=4096, K=128,
-# forward / forward+backward ms), the one-program kernel: 32 programs (the 340M preset) fused
-# 2.15 / 3.97, separate ops 1.04 / 2.84; 64 programs 2.24 / 4.23 against 1.53 / 4.57; 16 programs
-# at T=32768 16.7 / 30.9 against 4.15 / 11.0. Since triton_gain.py splits T below
-# SPLIT_GAIN_BELOW_PROGRAMS pairs, the fused kernel wins at 32 programs too: a Diagonal KDN 340M
-# training step (B=4, T=4096, bf16; `h200_suite.sh kdn_ptrain`, 2026-12-01) takes 280.6 ms of
-# kernel time with the fused gain split over T against 307.9 ms with the separate ops. So the
-# fused gain is taken at every size; the knob stays for the benchmark's `--kdn-gain` comparison.
-FUSED_GAIN_MIN_PROGRAMS = 0
 
 
 def diag_gain(
@@ -191,7 +173,6 @@ def diag_gain(
     p_prior: torch.Tensor,
     info_scale: float,
     scan: str,
-    fused: bool | None = None,
     gain_dtype: torch.dtype | None = None,
 ) -> Gains:
     """Validated inputs, each in its own float dtype: k, q_noise `[B, T, H, K]`, g
@@ -199,17 +180,16 @@ def diag_gain(
     Computes in the state dtype (float64 when any input is, else float32). Returns gain and p
     `[B, T, H, K]`, predictive `[B, T, H]`: p and predictive in the state dtype, the gain in
     `gain_dtype` (None: the state dtype; the KDN mixers take k's, as the delta rule reads its
-    inputs in their own dtype). `fused` (with the Triton scan): the one-kernel gain (True) or
-    the separate ops around the Triton scan (False); None: `fused_diag_gain`."""
+    inputs in their own dtype). On the Triton scan in float32 the whole gain is one walk each way
+    (triton_diag_gain.py); float64, and the other scans, take the ops below."""
     dtype = state_dtype(k, g, q_noise, r, p_prior)
     gain_dtype = gain_dtype or dtype
-    if fused is None:
-        fused = fused_diag_gain(k)
-    if fused and scan == "triton" and dtype != torch.float64:
-        # One kernel each way computes the terms, the scan and the gain in registers, reading
-        # the inputs as they come (triton_gain.py); float64 stays on the ops below, as the
-        # kernels compute in float32.
-        from deltalab.ops.kdn.triton_gain import kdn_diag_gain
+    if scan == "triton" and dtype != torch.float64:
+        # The terms, the scan and the gain in registers, reading the inputs as they come, split
+        # over T (triton_diag_gain.py). As separate ops around the Triton scan, a Diagonal KDN
+        # 340M training step (B=4 T=4096 bf16, H200, 2026-12-01) took 307.9 ms of kernel time
+        # against 280.6. float64 stays on the ops below, as the kernels compute in float32.
+        from deltalab.ops.kdn.triton_diag_gain import kdn_diag_gain
 
         gains = kdn_diag_gain(
             k, g, q_noise, r, p_prior.to(dtype), info_scale, gain_dtype=gain_dtype

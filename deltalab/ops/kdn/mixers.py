@@ -29,6 +29,7 @@ from deltalab.ops.kdn._validate import (
 )
 from deltalab.ops.kdn.gains import Gains, diag_gain, iso_gain, routed_inputs, write_dtype
 from deltalab.ops.mobius import resolve_backend
+from deltalab.ops.options import KernelOptions
 
 GainFn = Callable[..., Gains]
 State = tuple[torch.Tensor | None, torch.Tensor | None]
@@ -97,6 +98,7 @@ def _kdn(
     cu_seqlens: torch.Tensor | None,
     chunk_size: int,
     backend: str,
+    options: KernelOptions | None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     diagonal = variant == "diag"
     # One block holds the checks and the work they guard (the gain and the delta rule). The
@@ -106,13 +108,13 @@ def _kdn(
     # docs/RESULTS.md):
     # - a read before the gain left the device idle while the host launched the gain's kernels
     #   and glue one by one: 7.07 ms against 5.63 unchecked for Isotropic KDN, 6.57 against
-    #   5.77 for Diagonal (twentieth session);
+    #   5.77 for Diagonal;
     # - a read after the delta rule drained the whole forward, and the device then idled while
     #   the host returned and started the backward: 0.43 ms per call for either form; a read
     #   between the gain and the delta rule, while the host prepared the delta rule's first
-    #   launch: 0.29 (Isotropic) and 0.49 ms (Diagonal; twenty-second session);
+    #   launch: 0.29 (Isotropic) and 0.49 ms (Diagonal);
     # - here the host waits for a copy started before the work, done by the block's end:
-    #   0.02 ms per call for either form (twenty-third session). A check queued after the
+    #   0.02 ms per call for either form. A check queued after the
     #   send is read at the block's end behind all the work, so none must be: the delta
     #   rule finds its check of g queued or passed (check_decay's g is the one the gain's
     #   node takes, and gains.routed_inputs hands its pass on).
@@ -166,6 +168,7 @@ def _kdn(
             cu_seqlens=cu,
             chunk_size=chunk_size,
             backend=backend,
+            options=options,
         )
     if not output_final_state:
         return o, None
@@ -188,6 +191,7 @@ def kdn_iso(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
     backend: str = "auto",
+    options: KernelOptions | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Isotropic KDN: KDA (or GDN) whose beta comes from a per-head variance scan.
 
@@ -210,6 +214,8 @@ def kdn_iso(
             "naive" scans the variance step by step, "chunk" by the PyTorch parallel scan,
             "triton" by the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1); "auto" takes
             the Triton scan on CUDA when Triton is installed, else the parallel scan.
+        options: the Triton delta rule's choices (`deltalab.ops.options.KernelOptions`), passed
+            on to `delta_rule`; None: the defaults.
 
     N = B, or the number of sequences in cu_seqlens.
 
@@ -237,6 +243,7 @@ def kdn_diag(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
     backend: str = "auto",
+    options: KernelOptions | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Diagonal KDN: the delta rule with write direction gain_t from a per-channel variance scan.
 
@@ -256,6 +263,7 @@ def kdn_diag(
         cu_seqlens: int `[N+1]` offsets of sequences packed along T (needs B == 1).
         chunk_size: tokens per chunk of the "chunk" backend of `delta_rule`, 16..256.
         backend: "auto", "naive", "chunk" or "triton" (as for `kdn_iso`).
+        options: the Triton delta rule's choices, as for `kdn_iso`.
 
     N = B, or the number of sequences in cu_seqlens.
 

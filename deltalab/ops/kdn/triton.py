@@ -37,7 +37,7 @@ through c, beta and predictive. An output whose gradient is None is skipped, not
 Split over T (`split_plan`). With few lanes (Isotropic: one per sequence and head) one program
 per lane block would walk all T steps while most SMs idle, so T is cut into chunks, a program
 each. Forward: each chunk's maps composed into one (`_kdn_chunk_maps_kernel`), a carry pass
-applying them chunk after chunk for p before each chunk (triton_gain.py's, written for the
+applying them chunk after chunk for p before each chunk (triton_carry.py, shared with the
 Diagonal gain's chunks), then every chunk walked from its carry as above. Backward: nu's
 recurrence is affine, nu_t = direct_t + m_t nu_{t+1}; each chunk's composition (slope, total)
 (`_kdn_chunk_adjoints_kernel`), a carry pass from the end for nu after each chunk, then every
@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from deltalab.ops._triton import opaque_to_compiler
+from deltalab.ops.kdn.triton_carry import carry_ends, carry_starts
 from deltalab.ops.mobius.triton import (
     _compose,
     _lane_offsets,
@@ -380,8 +381,8 @@ def _kdn_backward_kernel(
 # Split over T below this many lane programs (an H200 has 132 SMs), into chunks of a power of 2
 # tokens aiming at SPLIT_PROGRAMS programs in all: Isotropic KDN has one lane per (sequence,
 # head), whose single programs each walk all T steps (at B=1 H=16 T=32768, 16 programs: 0.33 +
-# 0.25 ms forward and backward on the H200, docs/RESULTS.md, twenty-second session; the split
-# is not yet timed). At B=4 H=16 (64 programs, T=4096: 0.04 + 0.04 ms) the single walks stay:
+# 0.25 ms forward and backward on the H200, docs/RESULTS.md). At B=1 T=32768 H=16 the split
+# scan's kernels took 0.11 ms against the single walks' 0.58. At B=4 H=16 (64 programs, T=4096: 0.04 + 0.04 ms) the single walks stay:
 # the split's extra launches cost the host more than they could save the device there. float32
 # only: the carry passes compute in it.
 SPLIT_BELOW_PROGRAMS = 64
@@ -406,21 +407,7 @@ def split_plan(lanes, length, block_t, block_l, dtype, chunk=None) -> tuple[int,
     return chunk, max(1, triton.cdiv(length, chunk))
 
 
-def _carry(kernel_name, maps, start, out, n, parts, inner):
-    """One carry pass of the chunks (triton_gain.py's, written for its [B H, parts, K] chunks:
-    here [N, parts, INNER], a program per sequence and block of lanes)."""
-    # Imported here: triton_gain imports this module.
-    from deltalab.ops.kdn import triton_gain
-
-    block_p, block_c = triton_gain.carry_block(parts)
-    kernel = getattr(triton_gain, kernel_name)
-    args = (maps, start, out) if start is not None else (maps, out)
-    kernel[(n, triton.cdiv(inner, block_c))](
-        *args, parts, inner, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=triton_gain.CARRY_WARPS
-    )
-
-
-def _scan_forward(decay2, noise, evidence, r, p_prior, evidence_scale, config, chunk=None):
+def _scan_forward(decay2, noise, evidence, r, p_prior, evidence_scale, plan):
     """Launches the forward: (p, p_bar, None), or Isotropic's (p, beta, predictive) when r is
     given (then `evidence` holds ||k||^2). Inputs contiguous [N, T, R], p_prior [N, R].
     Split over T (`split_plan`): each chunk's composed map, a carry pass for p at each chunk's
@@ -434,6 +421,7 @@ def _scan_forward(decay2, noise, evidence, r, p_prior, evidence_scale, config, c
             (decay2.new_empty(decay2.shape) if iso else None),
         )
     lanes = n * inner
+    config, chunk, carry_block = plan
     block_t, block_l = config or launch_config(lanes, length)
     chunk, parts = split_plan(lanes, length, block_t, block_l, decay2.dtype, chunk)
     common = dict(ISO=iso, BLOCK_T=block_t, BLOCK_L=block_l)
@@ -445,8 +433,7 @@ def _scan_forward(decay2, noise, evidence, r, p_prior, evidence_scale, config, c
         _kdn_chunk_maps_kernel[grid](
             *gates, maps, length, inner, lanes, evidence_scale, chunk, parts, **common
         )
-        start = decay2.new_empty(n, parts, inner)
-        _carry("_kdn_diag_gain_chunk_starts_kernel", maps, p_prior, start, n, parts, inner)
+        start = carry_starts(maps, p_prior, carry_block)
     # Uninitialized: the kernel writes every element (the tests NaN-fill torch.empty*, the
     # poisoned_empty fixture, so an element left unwritten fails them).
     p, second = torch.empty_like(decay2), torch.empty_like(decay2)
@@ -458,7 +445,7 @@ def _scan_forward(decay2, noise, evidence, r, p_prior, evidence_scale, config, c
     return p, second, third
 
 
-def _scan_backward(saved, upstream, evidence_scale, config, chunk=None):
+def _scan_backward(saved, upstream, evidence_scale, plan):
     """Launches the backward on the forward's inputs and p (`saved`: decay2, noise, evidence,
     r or None, p_prior, p) for the outputs' gradients `upstream` (p's, then p_bar's, or beta's
     and predictive's; None where unused). Returns the gradients of decay2, noise, evidence,
@@ -471,6 +458,7 @@ def _scan_backward(saved, upstream, evidence_scale, config, chunk=None):
         empty = [torch.empty_like(x) for x in (decay2, noise, evidence)]
         return (*empty, torch.empty_like(r) if iso else None, torch.zeros_like(p_prior))
     lanes = n * inner
+    config, chunk, carry_block = plan
     block_t, block_l = config or launch_config(lanes, length, tile=1024)
     chunk, parts = split_plan(lanes, length, block_t, block_l, decay2.dtype, chunk)
     present = [g is not None for g in upstream]
@@ -487,8 +475,7 @@ def _scan_backward(saved, upstream, evidence_scale, config, chunk=None):
             *gates, p_prior, p, *upstream, maps, length, inner, lanes, evidence_scale, chunk,
             parts, **common,
         )  # fmt: skip
-        nu_end = decay2.new_empty(n, parts, inner)
-        _carry("_kdn_diag_gain_chunk_ends_kernel", maps, None, nu_end, n, parts, inner)
+        nu_end = carry_ends(maps, carry_block)
     grads = [torch.empty_like(x) for x in (decay2, noise, evidence)]
     grad_r = torch.empty_like(r) if iso else None
     grad_p0 = torch.empty_like(p_prior)
@@ -501,11 +488,11 @@ def _scan_backward(saved, upstream, evidence_scale, config, chunk=None):
 
 class _KDNVarianceScan(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, decay2, noise, evidence, p_prior, config, chunk):
+    def forward(ctx, decay2, noise, evidence, p_prior, plan):
         # decay2, noise, evidence: contiguous [N, T, R]; p_prior: contiguous [N, R].
-        p, p_bar, _ = _scan_forward(decay2, noise, evidence, None, p_prior, 1.0, config, chunk)
+        p, p_bar, _ = _scan_forward(decay2, noise, evidence, None, p_prior, 1.0, plan)
         ctx.save_for_backward(decay2, noise, evidence, p_prior, p)
-        ctx.config, ctx.chunk = config, chunk
+        ctx.plan = plan
         ctx.set_materialize_grads(False)
         return p, p_bar
 
@@ -515,20 +502,18 @@ class _KDNVarianceScan(torch.autograd.Function):
         decay2, noise, evidence, p_prior, p = ctx.saved_tensors
         saved = (decay2, noise, evidence, None, p_prior, p)
         upstream = [grad_p, grad_p_bar]
-        *grads, _, grad_p0 = _scan_backward(saved, upstream, 1.0, ctx.config, ctx.chunk)
-        return (*grads, grad_p0, None, None)
+        *grads, _, grad_p0 = _scan_backward(saved, upstream, 1.0, ctx.plan)
+        return (*grads, grad_p0, None)
 
 
 class _KDNIsoScan(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, decay2, norm2, noise, r, p_prior, evidence_scale, config, chunk):
+    def forward(ctx, decay2, norm2, noise, r, p_prior, evidence_scale, plan):
         # decay2, norm2 (float32), noise, r (any float dtype): contiguous [N, T, H];
         # p_prior: contiguous [N, H] float32.
-        p, beta, predictive = _scan_forward(
-            decay2, noise, norm2, r, p_prior, evidence_scale, config, chunk
-        )
+        p, beta, predictive = _scan_forward(decay2, noise, norm2, r, p_prior, evidence_scale, plan)
         ctx.save_for_backward(decay2, noise, norm2, r, p_prior, p)
-        ctx.evidence_scale, ctx.config, ctx.chunk = evidence_scale, config, chunk
+        ctx.evidence_scale, ctx.plan = evidence_scale, plan
         ctx.set_materialize_grads(False)
         return beta, p, predictive
 
@@ -537,9 +522,9 @@ class _KDNIsoScan(torch.autograd.Function):
     def backward(ctx, grad_beta, grad_p, grad_predictive):
         upstream = [grad_p, grad_beta, grad_predictive]
         d_decay2, d_noise, d_norm2, d_r, d_p0 = _scan_backward(
-            ctx.saved_tensors, upstream, ctx.evidence_scale, ctx.config, ctx.chunk
+            ctx.saved_tensors, upstream, ctx.evidence_scale, ctx.plan
         )
-        return d_decay2, d_norm2, d_noise, d_r, d_p0, None, None, None
+        return d_decay2, d_norm2, d_noise, d_r, d_p0, None, None
 
 
 @opaque_to_compiler
@@ -550,20 +535,22 @@ def kdn_variance_scan(
     p_prior: torch.Tensor,
     config: tuple[int, int] | None = None,
     chunk: int | None = None,
+    carry_block: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Posterior p_t and predicted p_bar_t `[N, T, *rest]` of KDN's variance recursion.
 
     decay2 (a = exp(2 g), in [0, 1]), q_noise (>= 0), evidence (c >= 0): `[N, T, *rest]`, one
     float dtype, validated; p_prior `[N, *rest]` (>= 0). `config` = (BLOCK_T, BLOCK_L)
     overrides `launch_config`, `chunk` (tokens per program, a multiple of BLOCK_T; float32
-    to split) `split_plan`'s choice.
+    to split) `split_plan`'s choice, `carry_block` the carry passes' (chunks, lanes) block
+    (`triton_carry.carry_block`); tests and benchmarks set them.
     """
     shape = decay2.shape
     n, length = shape[0], shape[1]
     inner = math.prod(shape[2:])  # explicit: -1 is ambiguous when T = 0
     gates = [x.reshape(n, length, inner).contiguous() for x in (decay2, q_noise, evidence)]
     start = p_prior.reshape(n, -1).contiguous()
-    p, p_bar = _KDNVarianceScan.apply(*gates, start, config, chunk)
+    p, p_bar = _KDNVarianceScan.apply(*gates, start, (config, chunk, carry_block))
     return p.reshape(shape), p_bar.reshape(shape)
 
 
@@ -577,6 +564,7 @@ def kdn_iso_scan(
     evidence_scale: float,
     config: tuple[int, int] | None = None,
     chunk: int | None = None,
+    carry_block: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Isotropic KDN's scan from its terms: (beta, p, predictive) `[N, T, H]` float32, with
     the evidence c = evidence_scale ||k||^2 / r formed and beta = p_bar / (p_bar ||k||^2 + r),
@@ -586,7 +574,7 @@ def kdn_iso_scan(
 
     decay2 (a, in [0, 1]) and norm2 (||k||^2) float32, q_noise (>= 0) and r (> 0) in any float
     dtype (read as they are; their gradients come back in it): `[N, T, H]`, validated;
-    p_prior `[N, H]` float32 (> 0); evidence_scale = s / K. `config` and `chunk` as for
-    `kdn_variance_scan`."""
+    p_prior `[N, H]` float32 (> 0); evidence_scale = s / K. `config`, `chunk` and
+    `carry_block` as for `kdn_variance_scan`."""
     inputs = [x.contiguous() for x in (decay2, norm2, q_noise, r, p_prior)]
-    return _KDNIsoScan.apply(*inputs, evidence_scale, config, chunk)
+    return _KDNIsoScan.apply(*inputs, evidence_scale, (config, chunk, carry_block))
