@@ -229,7 +229,7 @@ def run_study(args: argparse.Namespace) -> int:
         raise ConfigError("--dry-run and --aggregate-only exclude each other")
     stem = "study"
     if args.baseline is not None:
-        from deltalab.models.config import closest
+        from deltalab.errors import closest
 
         if not args.aggregate_only:
             raise ConfigError("--baseline goes with --aggregate-only (a report of finished runs)")
