@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from deltalab.tables import format_table
+
 
 def _synchronize() -> None:
     if torch.cuda.is_available():
@@ -223,21 +225,6 @@ def run_environment(device: str) -> dict[str, str | None]:
 
         triton = triton_module.__version__
     return {"device": name, "torch": torch.__version__, "triton": triton}
-
-
-def format_table(headers: list[str], rows: list[list[object]]) -> str:
-    """A plain-text table with right-aligned columns."""
-    cells = [headers] + [[_format(v) for v in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _format(value: object) -> str:
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
-    return str(value)
 
 
 def case_parser(description: str, option: str, cases: Sequence[str]) -> argparse.ArgumentParser:

@@ -15,13 +15,12 @@ USER_ERROR = 2
 
 
 def _train(args: argparse.Namespace) -> int:
-    import yaml
-
-    from deltalab.train import load_run_config, train
+    from deltalab.train import load_run_config
 
     overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
     config = load_run_config(args.config, overrides)
-    print("resolved config:\n" + yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
+    from deltalab.train import train  # torch: after the config is checked
+
     result = train(config)
     change = f"{result.initial_perplexity:.3f} -> {result.final_perplexity:.3f}"
     if result.interrupted:
@@ -44,9 +43,8 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _presets(args: argparse.Namespace) -> int:
-    from deltalab.benchmarking import format_table
-    from deltalab.models.config import MIXER_KINDS
-    from deltalab.models.presets import preset_table
+    from deltalab.catalog import MIXER_KINDS, stored_preset_table
+    from deltalab.tables import format_table
 
     mixers = tuple(args.mixer) if args.mixer else MIXER_KINDS
     headers = [
@@ -63,7 +61,7 @@ def _presets(args: argparse.Namespace) -> int:
     ]
     rows = [
         [*row[:6], f"{row[6] / 1e6:.2f}M", f"{row[7] / 1e6:.2f}M", f"{row[8]:g}", row[9]]
-        for row in preset_table(mixers)
+        for row in stored_preset_table(mixers)
     ]
     print(format_table(headers, rows))
     print(
@@ -160,7 +158,11 @@ def _main(argv: list[str] | None) -> int:
     presets = commands.add_parser(
         "presets", help="print every model preset with its parameter count"
     )
-    presets.add_argument("--mixer", action="append", help="only this mixer kind (repeatable)")
+    from deltalab.catalog import MIXER_KINDS
+
+    presets.add_argument(
+        "--mixer", action="append", choices=MIXER_KINDS, help="only this mixer kind (repeatable)"
+    )
     presets.set_defaults(run=_presets)
 
     generate = commands.add_parser("generate", help="continue a prompt with a saved checkpoint")

@@ -8,6 +8,9 @@ so callers of the Python API see no change.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Sequence
+
 __all__ = [
     "CheckpointError",
     "ConfigError",
@@ -15,8 +18,15 @@ __all__ = [
     "DataError",
     "DivergenceError",
     "UserError",
+    "closest",
     "one_line",
 ]
+
+
+def closest(name: str, choices: Sequence[str]) -> str:
+    """' (did you mean X?)' for the closest valid name, or '' when nothing is close."""
+    match = difflib.get_close_matches(name, list(choices), n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
 
 
 def one_line(error: BaseException) -> str:

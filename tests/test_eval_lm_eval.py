@@ -156,18 +156,29 @@ def test_deltalab_eval_runs_local_lm_eval_tasks(tmp_path, monkeypatch, capsys):
     )
 
 
-def test_lm_eval_finds_the_deltalab_model_through_the_import_hook():
-    # What deltalab-lm-eval.pth does at interpreter start, then lm-eval's own lookup; its
-    # built-in models (dummy here) must stay registered too.
+def test_deltalab_lm_eval_command_runs_a_task_with_the_registered_model(tmp_path):
+    # lm-eval's own command line through `python -m deltalab.lm_eval`, which registers the
+    # model; lm-eval's built-in models (dummy here) stay registered beside it.
+    checkpoint = save_tiny(tmp_path, "gdn2", uniform=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "deltalab.lm_eval", "--model", "deltalab"]
+    args = ["--model_args", f"pretrained={checkpoint}", "--tasks", "deltalab_tiny_rolling"]
+    args += ["--include_path", str(TASKS), "--device", "cpu"]
+    result = subprocess.run(
+        [*command, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr
+    # A uniform model: every byte costs log 259.
+    row = next(line for line in result.stdout.splitlines() if "byte_perplexity" in line)
+    assert "259.0" in row
     code = (
-        "import _deltalab_lm_eval\n"
+        "from deltalab.lm_eval import register\n"
+        "register()\n"
         "from lm_eval.api.registry import get_model\n"
         "print(get_model('deltalab').__name__, get_model('dummy').__name__)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
+    listed = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["DeltaLabLM", "DummyLM"]
-    assert (ROOT / "deltalab-lm-eval.pth").read_text().strip() == "import _deltalab_lm_eval"
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.split() == ["DeltaLabLM", "DummyLM"]

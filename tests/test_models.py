@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import deltalab  # noqa: F401  (registers the model with transformers' Auto classes)
+import deltalab.models  # noqa: F401  (registers the model with transformers' Auto classes)
 from deltalab.layers.common import RMSNorm
 from deltalab.models import MIXER_KINDS, CausalLM, RecurrentCache, build_config, count_parameters
 from deltalab.models.presets import SCALES

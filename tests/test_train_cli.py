@@ -134,6 +134,19 @@ def test_a_batch_larger_than_the_data_is_refused_before_allocating(tmp_path, cor
     assert "train.batch_size must be at most the" in err and "got 100000" in err
 
 
+def test_a_run_prints_what_differs_from_the_defaults_and_where_the_config_is(
+    tmp_path, corpus, capsys
+):
+    assert main(_train_args(tmp_path, corpus)) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"run config saved to {tmp_path / 'run' / 'config.yaml'}; apart from the defaults:" in out
+    )
+    assert "\n  train.steps=2\n" in out and "\n  log.progress=false\n" in out
+    # Fields left at their defaults are not printed.
+    assert "weight_decay" not in out and "log.tensorboard" not in out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from deltalab.errors import ConfigError
 from deltalab.train.config import (
     SECTIONS,
     ModelSection,
     OptimSection,
     RunConfig,
     TrainSection,
+    config_changes,
     config_help,
     load_run_config,
     save_run_config,
@@ -412,3 +415,35 @@ def test_cli_takes_overrides_before_and_after_options(tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "_train", lambda args: seen.update(vars(args)) or 0)
     cli.main(["train", "train.steps=5", "--resume", "log.out_dir=x"])
     assert seen["overrides"] == ["train.steps=5", "log.out_dir=x"] and seen["resume"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["train.steps=5", "log.out_dir=runs/a b"],
+        ["model.preset=340M", "model.overrides={num_layers: 2}", "optim.betas=[0.8, 0.9]"],
+        ["model.preset=340M", "optim.lr=2e-3", "data.max_bytes=null", "eval.sample_prompt=''"],
+    ],
+)
+def test_config_changes_rebuild_the_config_from_the_defaults(overrides) -> None:
+    config = load_run_config(None, overrides)
+    changes = config_changes(config)
+    assert load_run_config(None, changes) == config
+    # Only what differs: each change alone moves the defaults.
+    assert all(load_run_config(None, [change]) != RunConfig() for change in changes)
+
+
+def test_config_changes_leave_out_the_values_a_preset_brings() -> None:
+    assert config_changes(RunConfig()) == []
+    # optim.lr and schedule.warmup_steps follow the preset unless set.
+    assert config_changes(load_run_config(None, ["model.preset=340M"])) == ["model.preset=340M"]
+
+
+def test_tensorboard_logging_is_off_unless_asked_and_refused_where_not_installed(
+    monkeypatch,
+) -> None:
+    assert RunConfig().log.tensorboard is False
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
+    with pytest.raises(ConfigError, match=r"log\.tensorboard must be false where tensorboard"):
+        load_run_config(None, ["log.tensorboard=true"])

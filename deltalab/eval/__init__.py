@@ -4,6 +4,8 @@ adapter. Each task is a function of (typed settings, checkpoint, seed) that retu
 command writes them to results.json and prints a table (`deltalab.eval.cli`).
 """
 
-from deltalab.eval.common import EvalError, LoadedCheckpoint, load_checkpoint
+from deltalab._lazy import lazy_attributes
 
 __all__ = ["EvalError", "LoadedCheckpoint", "load_checkpoint"]
+
+__getattr__ = lazy_attributes(__name__, dict.fromkeys(__all__, "deltalab.eval.common"))

@@ -75,8 +75,8 @@ def run_lm_eval(settings: LmEvalSettings, ctx: TaskContext) -> TaskOutcome:
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import make_table
 
+    from deltalab.errors import closest
     from deltalab.eval.lm_eval_model import DeltaLabLM
-    from deltalab.models.config import closest
 
     loaded = ctx.checkpoint
     assert loaded is not None

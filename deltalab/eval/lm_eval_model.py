@@ -1,6 +1,7 @@
 """deltalab checkpoints as an lm-evaluation-harness (lm-eval 0.4.x) model, `--model deltalab`.
 
-    lm_eval --model deltalab --model_args pretrained=runs/default/model --tasks lambada_openai
+    python -m deltalab.lm_eval --model deltalab --model_args pretrained=runs/default/model \
+        --tasks lambada_openai
     deltalab eval runs/default/model --task lm-eval:lambada_openai
 
 Requests are sorted by length and scored in left-padded batches; long inputs are read in

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deltalab.errors import closest
 from deltalab.eval.common import EvalError, LoadedCheckpoint
-from deltalab.models.config import closest
 
 __all__ = [
     "Task",

@@ -31,11 +31,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from deltalab.errors import closest
 from deltalab.layers import projections as projections_module
 from deltalab.layers.projections import fusable, input_linears, project_together
 from deltalab.ops import norms
 from deltalab.ops._checks import (
-    closest,
     require_choice,
     require_positive_int,
     require_rank,

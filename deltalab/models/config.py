@@ -13,14 +13,12 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
-from deltalab.models.mixers import MIXER_CLASSES
-from deltalab.ops._checks import closest, require_choice, require_positive_int
+from deltalab.catalog import MIXER_KINDS, RECURRENT_KINDS
+from deltalab.errors import closest
+from deltalab.ops._checks import require_choice, require_positive_int
 from deltalab.ops.delta_rule import BACKENDS
 
 __all__ = ["MIXER_KINDS", "RECURRENT_KINDS", "DeltaLabConfig", "closest"]
-
-RECURRENT_KINDS = tuple(kind for kind in MIXER_CLASSES if kind != "attention")
-MIXER_KINDS = ("transformer", *RECURRENT_KINDS)
 
 
 class DeltaLabConfig(PreTrainedConfig):

@@ -8,30 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from deltalab.catalog import MIXER_CLASSES
 from deltalab.layers.common import FRONTEND_FIELDS, FrontendOptions
 from deltalab.ops.norms import layer_backend
 
 if TYPE_CHECKING:
-    # Only a type here: config.py takes its list of mixer kinds from MIXER_CLASSES.
     from deltalab.models.config import DeltaLabConfig
 
 __all__ = ["MIXER_CLASSES", "build_mixer", "mixer_option_names"]
 
-# kind -> "module:Class" inside deltalab.layers; imported on use so a kind's module loads only
-# when a model needs it. The one list of mixer kinds: the recurrent ones (in this order) are
-# `deltalab.models.RECURRENT_KINDS`.
-MIXER_CLASSES = {
-    "deltanet": "deltanet:DeltaNet",
-    "gdn": "deltanet:GatedDeltaNet",
-    "kda": "kda:KimiDeltaAttention",
-    "gdn2": "gdn2:GatedDeltaNet2",
-    "kdn_iso": "kdn:IsotropicKDN",
-    "kdn_diag": "kdn:DiagonalKDN",
-    "kdn_exact": "kdn:ExactKDN",
-    "muir": "muir:Muir",
-    "kdn_muir": "kdn_muir:KDNMuir",
-    "attention": "attention:Attention",
-}
 # The frontend options that are the config's own fields (the rest may come in mixer_options).
 CONFIG_FRONTEND_FIELDS = (
     "hidden_size",

@@ -11,12 +11,15 @@ Parameter counts are taken on the meta device, so the big presets allocate nothi
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from deltalab.models.config import MIXER_KINDS, DeltaLabConfig, closest
+from deltalab.catalog import MIXER_KINDS, PRESET_TABLE, PRESET_TRAINING, PRESETS, TrainingDefaults
+from deltalab.errors import closest
+from deltalab.models.config import DeltaLabConfig
 
 __all__ = [
     "PRESETS",
@@ -42,6 +45,7 @@ class Scale:
     num_layers: int
 
 
+# The scale presets: `PRESETS` (deltalab.catalog) after tiny.
 SCALES = {
     "166M": Scale(166e6, 1024, 12),
     "340M": Scale(340e6, 1024, 24),
@@ -49,7 +53,6 @@ SCALES = {
     # GDN-2 and KDN 1.3B: 18 layers of width 2304 (docs/MATH.md sec. 4.3).
     "1.3B": Scale(1.3e9, 2304, 18),
 }
-PRESETS = ("tiny", *SCALES)
 
 TINY = dict(hidden_size=128, num_layers=6, num_heads=2, head_dim=64, vocab_size=259)
 # The tiny FFN widths solved for a parameter count are multiples of 8 (the scales': 32).
@@ -57,30 +60,6 @@ TINY_FFN_MULTIPLE = 8
 # Tiny presets whose FFN is solved to the parameter count of another mixer's tiny preset (Muir's
 # is solved against GDN-2 by `muir_ffn_width`): KDN-Muir against its unfused twin, Diagonal KDN.
 TINY_MATCHED = {"kdn_muir": "kdn_diag"}
-
-
-@dataclass(frozen=True)
-class TrainingDefaults:
-    """The peak learning rate and warmup a preset trains with unless the run sets its own."""
-
-    lr: float
-    warmup_steps: int
-
-
-# tiny: measured here; 3e-3 trains the CPU model in a few hundred steps.
-# Scales: the GDN, Gated DeltaNet-2 and KDA papers train 340M at a peak of 1e-3 and 1.3B at 4e-4,
-# warming up over about 1K steps (~0.5B tokens at 0.5M tokens a step). The others follow
-# lr = 1e-3 * 1024 / hidden_size, the 1/width rule that gives both published points (1.3B, width
-# 2304: 4.4e-4), rounded to one digit: 166M (width 1024) 1e-3, 750M (width 1536) 7e-4.
-# Why it matters: a 340M Muir at tiny's 3e-3 went from held-out perplexity 309 to 449 in its
-# first steps; at 1e-3 it fell to 5.9 in 40 steps.
-PRESET_TRAINING = {
-    "tiny": TrainingDefaults(lr=3e-3, warmup_steps=20),
-    "166M": TrainingDefaults(lr=1e-3, warmup_steps=1000),
-    "340M": TrainingDefaults(lr=1e-3, warmup_steps=1000),
-    "750M": TrainingDefaults(lr=7e-4, warmup_steps=1000),
-    "1.3B": TrainingDefaults(lr=4e-4, warmup_steps=1000),
-}
 
 # Published FFN widths: (scale, mixer) -> width.
 PUBLISHED_FFN = {("1.3B", "gdn2"): 6208}
@@ -201,3 +180,9 @@ def preset_table(mixers: tuple[str, ...] = MIXER_KINDS) -> list[list[object]]:
                 ]
             )
     return rows
+
+
+def write_preset_table() -> None:
+    """Writes `preset_table()` of every mixer to the file `deltalab presets` reads."""
+    rows = json.dumps(preset_table(), indent=None)
+    PRESET_TABLE.write_text(rows.replace("], [", "],\n [") + "\n", encoding="utf-8")

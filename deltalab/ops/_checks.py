@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import difflib
 import math
 from collections.abc import Callable, Iterator, Sequence
 
@@ -419,12 +418,6 @@ def require_positive_number(name: str, value: object) -> float:
     if not (value > 0 and value < float("inf")):
         raise ValueError(f"{name} must be a finite positive number, got {value}")
     return value
-
-
-def closest(name: str, choices: Sequence[str]) -> str:
-    """' (did you mean X?)' for the closest valid name, or '' when nothing is close."""
-    match = difflib.get_close_matches(name, list(choices), n=1)
-    return f" (did you mean {match[0]!r}?)" if match else ""
 
 
 def require_choice(name: str, value: object, choices: Sequence[str]) -> str:

@@ -8,7 +8,17 @@ means, standard deviations and paired t-intervals; report.py writes study.json, 
 the figures.
 """
 
-from deltalab.study.plan import StudyPlan, make_plan
-from deltalab.study.spec import StudySpec, load_spec, parse_spec
+from deltalab._lazy import lazy_attributes
 
 __all__ = ["StudyPlan", "StudySpec", "load_spec", "make_plan", "parse_spec"]
+
+__getattr__ = lazy_attributes(
+    __name__,
+    {
+        "StudyPlan": "deltalab.study.plan",
+        "make_plan": "deltalab.study.plan",
+        "StudySpec": "deltalab.study.spec",
+        "load_spec": "deltalab.study.spec",
+        "parse_spec": "deltalab.study.spec",
+    },
+)

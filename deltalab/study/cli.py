@@ -257,7 +257,7 @@ def run_study(args: argparse.Namespace) -> int:
         raise ConfigError(f"--grace must be a number of seconds >= 0, got {args.grace}")
     stem = "study"
     if args.baseline is not None:
-        from deltalab.models.config import closest
+        from deltalab.errors import closest
 
         if not args.aggregate_only:
             raise ConfigError("--baseline goes with --aggregate-only (a report of finished runs)")

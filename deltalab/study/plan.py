@@ -121,10 +121,8 @@ def _config_dict(spec: StudySpec, variant: Variant, size_fields: dict[str, Any])
         model.get("overrides") or {}, size_fields, variant.overrides, options
     )
     model["mixer"] = variant.mixer
-    log = run.setdefault("log", {})
-    # A study's runs write no progress bars and, unless the spec asks, no TensorBoard files.
-    log["progress"] = False
-    log.setdefault("tensorboard", False)
+    # A study's runs write no progress bars.
+    run.setdefault("log", {})["progress"] = False
     return run
 
 

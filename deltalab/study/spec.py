@@ -36,8 +36,8 @@ from typing import Any
 
 import yaml
 
-from deltalab.errors import ConfigError
-from deltalab.models.config import MIXER_KINDS, closest
+from deltalab.catalog import MIXER_KINDS
+from deltalab.errors import ConfigError, closest
 
 __all__ = ["EvalSpec", "StudySpec", "Variant", "load_spec", "parse_spec"]
 

@@ -1,6 +1,16 @@
 """Training: `deltalab train` (typed run config, loop, checkpoints, DDP/FSDP2 under torchrun)."""
 
-from deltalab.train.config import RunConfig, load_run_config
-from deltalab.train.loop import TrainResult, train
+from deltalab._lazy import lazy_attributes
 
 __all__ = ["RunConfig", "TrainResult", "load_run_config", "train"]
+
+# The config loads without torch: `deltalab train` checks it before the loop imports torch.
+__getattr__ = lazy_attributes(
+    __name__,
+    {
+        "RunConfig": "deltalab.train.config",
+        "load_run_config": "deltalab.train.config",
+        "TrainResult": "deltalab.train.loop",
+        "train": "deltalab.train.loop",
+    },
+)

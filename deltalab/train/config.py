@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import inspect
 import json
 import math
@@ -29,9 +30,8 @@ from typing import Any, ClassVar, Self
 
 import yaml
 
-from deltalab.errors import ConfigError, ConfigTypeError, UserError
-from deltalab.models.config import closest
-from deltalab.models.presets import PRESET_TRAINING
+from deltalab.catalog import PRESET_TRAINING
+from deltalab.errors import ConfigError, ConfigTypeError, UserError, closest
 
 __all__ = [
     "DEVICES",
@@ -458,17 +458,24 @@ class LogSection(_Section):
 
     out_dir: directory of the run: resolved config, metrics, checkpoints, logs.
     progress: show a progress bar on the terminal.
-    tensorboard: also write TensorBoard event files to out_dir.
+    tensorboard: also write TensorBoard event files to out_dir/tb (needs the tensorboard extra:
+        pip install 'deltalab[tensorboard]').
     """
 
     key: ClassVar[str] = "log"
 
     out_dir: str = "runs/default"
     progress: bool = True
-    tensorboard: bool = True
+    tensorboard: bool = False
 
     def validate(self) -> None:
         _require_text(self, "out_dir")
+        _require(
+            not self.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+            self.dotted("tensorboard"),
+            "false where tensorboard is not installed (pip install 'deltalab[tensorboard]')",
+            self.tensorboard,
+        )
 
 
 @dataclass(frozen=True)
@@ -634,6 +641,22 @@ def save_run_config(config: RunConfig, path: str | os.PathLike[str]) -> Path:
     finally:
         temporary.unlink(missing_ok=True)
     return path
+
+
+def config_changes(config: RunConfig) -> list[str]:
+    """The fields of `config` that differ from the defaults, as `section.field=value` overrides
+    (values in YAML) that rebuild it from them; optim.lr and schedule.warmup_steps are compared
+    with its preset's values (`PRESET_TRAINING`), which they default to."""
+    defaults = RunConfig.from_dict({"model": {"preset": config.model.preset}}).to_dict()
+    defaults["model"]["preset"] = ModelSection().preset
+    changes = []
+    for name, fields in config.to_dict().items():
+        for key, value in fields.items():
+            if value != defaults[name][key]:
+                text = yaml.safe_dump(value, default_flow_style=True, width=math.inf)
+                # A scalar's document ends with "...".
+                changes.append(f"{name}.{key}=" + text.removesuffix("...\n").strip())
+    return changes
 
 
 # Fields whose null default means the preset's value (`PRESET_TRAINING`).

@@ -61,7 +61,7 @@ from deltalab.train.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from deltalab.train.config import RunConfig, save_run_config
+from deltalab.train.config import RunConfig, config_changes, save_run_config
 from deltalab.train.distributed import Distributed, all_reduce_mean, setup_distributed, wrap_model
 from deltalab.train.graphs import StepGraph
 from deltalab.train.lock import hold_run_directory
@@ -465,7 +465,13 @@ def _announce(
     train_windows, held_out_windows = sizes
     out_dir.mkdir(parents=True, exist_ok=True)
     save_run_config(config, out_dir / "config.yaml")
-    logger.print(f"run config saved to {out_dir / 'config.yaml'}")
+    changes = config_changes(config)
+    logger.print(
+        f"run config saved to {out_dir / 'config.yaml'}; "
+        + ("its fields are the defaults" if not changes else "apart from the defaults:")
+    )
+    for change in changes:
+        logger.print(f"  {change}")
     logger.print(
         f"model: {config.model.preset} {config.model.mixer}, "
         f"{sum(p.numel() for p in state.core.parameters()) / 1e6:.2f}M parameters; "

@@ -27,7 +27,7 @@ class _Progress:
 
 
 class RunLogger:
-    """Rank 0's voice: stdout, `log.jsonl`, TensorBoard (`tb/`) when installed and enabled."""
+    """Rank 0's voice: stdout, `log.jsonl`, TensorBoard (`tb/`) when log.tensorboard asks for it."""
 
     def __init__(
         self, out_dir: Path, config, *, enabled: bool, resume_step: int | None = None
@@ -45,15 +45,10 @@ class RunLogger:
             truncate_log(path, resume_step)
         self.jsonl = path.open("a" if resume_step is not None else "w")
         if config.log.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                self.print(
-                    "log.tensorboard is on but tensorboard is not installed "
-                    "(pip install tensorboard); logging to log.jsonl only"
-                )
-            else:
-                self.writer = SummaryWriter(str(out_dir / "tb"))
+            # Installed: the config refuses log.tensorboard=true otherwise.
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(out_dir / "tb"))
 
     def print(self, line: str) -> None:
         if self.enabled:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-import deltalab  # noqa: F401  (registers the model with transformers' Auto classes)
+import deltalab.models  # noqa: F401  (registers the model with transformers' Auto classes)
 from deltalab.models import CausalLM, DeltaLabConfig
 
 HERE = Path(__file__).parent / "refactor_fixture"
