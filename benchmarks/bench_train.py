@@ -30,7 +30,12 @@ from pathlib import Path
 
 import torch
 
-from deltalab.benchmarking import add_delta_rule_options, apply_delta_rule_options, format_table
+from deltalab.benchmarking import (
+    add_delta_rule_options,
+    changed_options,
+    delta_rule_options,
+    format_table,
+)
 from deltalab.models import MIXER_KINDS
 from deltalab.train import load_run_config, train
 from deltalab.train.graphs import WARMUP_STEPS
@@ -71,7 +76,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps <= SKIPPED_STEPS:
         parser.error(f"--steps must be > {SKIPPED_STEPS} (the steps left out of the median)")
-    apply_delta_rule_options(args)
     rows = []  # (mixer, graphed, cells)
     for mixer in args.mixers:
         for graphs in MODES[args.cuda_graphs]:
@@ -97,7 +101,7 @@ def main() -> None:
         f"{', CUDA graphs ' + args.cuda_graphs if args.cuda_graphs != 'off' else ''}"
     )
     headers = ["mixer", "params", "tokens/s", "peak GiB", "reserved GiB"]
-    # The targets are ratios to the Transformer's tokens/s, measured in the same run:
+    # The targets are ratios to the Transformer's tokens/s, measured in the same run:
     # each row against the Transformer's row of its own mode.
     references = {graphs: cells[2] for mixer, graphs, cells in rows if mixer == "transformer"}
     table = [cells for _, _, cells in rows]
@@ -137,6 +141,10 @@ def run(args: argparse.Namespace, mixer: str, graphs: bool) -> dict:
                 f"train.compile={str(args.compile).lower()}",
                 f"train.recompute_ffn={str(args.recompute_ffn).lower()}",
                 f"train.cuda_graphs={str(graphs).lower()}",
+                *(
+                    f"model.overrides.kernel_options.{name}={json.dumps(value)}"
+                    for name, value in changed_options(delta_rule_options(args)).items()
+                ),
             ],
         )
         train(config)

@@ -1,6 +1,6 @@
 """The Triton backend of the delta rule against the chunk backend, fla and SDPA, in one run.
 
-    python benchmarks/bench_triton.py --out results.json          # H200: the issue's shapes
+    python benchmarks/bench_triton.py --out results.json          # H200: the target shapes
     TRITON_INTERPRET=1 python benchmarks/bench_triton.py --tiny   # CPU: proves it executes
 
 Four parts, all on fresh random inputs (never zeros), bf16 inputs unless said:
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import statistics
@@ -29,13 +30,15 @@ import torch.nn.functional as F
 
 from deltalab.benchmarking import (
     add_delta_rule_options,
-    apply_delta_rule_options,
     backward_fresh,
+    delta_rule_options,
     format_table,
     median_seconds,
     run_environment,
 )
-from deltalab.ops import delta_rule, kdn_diag, kdn_iso
+from deltalab.ops import delta_rule as _delta_rule
+from deltalab.ops import kdn_diag, kdn_iso
+from deltalab.ops.options import DEFAULT_OPTIONS, KernelOptions
 from deltalab.testing import relative_error
 
 try:  # fla is a yardstick, not a dependency: its rows are skipped where it does not import.
@@ -74,8 +77,10 @@ def draw_inputs(batch, length, heads, dim, device, dtype, gmax=1.0, seed=0):
     return {k: v.to(device=device, dtype=dtype) for k, v in x.items()}
 
 
-def forms(backend: str, chunk_size: int):
-    """name -> (fn(**inputs) -> output, input names that get gradients)."""
+def forms(backend: str, chunk_size: int, options: KernelOptions = DEFAULT_OPTIONS):
+    """name -> (fn(**inputs) -> output, input names that get gradients); the delta-rule forms
+    with the kernel `options`."""
+    delta_rule = functools.partial(_delta_rule, options=options)
 
     # a = beta: the primitive's per-token strength, multiplied in as its kernels load k.
     def kda(q, k, v, g, beta, **_):
@@ -149,7 +154,7 @@ def run_with_grads(fn, inputs, names, d_out=None):
     return out.detach(), {k: leaves[k].grad for k in names}, d_out
 
 
-def check(device, shape, chunk_sizes):
+def check(device, shape, chunk_sizes, options=DEFAULT_OPTIONS):
     """Relative errors of output and gradients against the chunk backend in float64."""
     rows = []
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -157,7 +162,7 @@ def check(device, shape, chunk_sizes):
         ref_inputs = draw_inputs(*shape, device, torch.float64, seed=1)
         o_ref, g_ref, d_out = run_with_grads(fn64, ref_inputs, names)
         for chunk in chunk_sizes:
-            fn, _ = forms("triton", chunk)[name]
+            fn, _ = forms("triton", chunk, options)[name]
             for dtype in (torch.float32, torch.bfloat16):
                 if dtype == torch.bfloat16 and device == "cpu":
                     continue  # the interpreter computes bf16 tiles wrongly; fp32 covers it
@@ -171,7 +176,7 @@ def check(device, shape, chunk_sizes):
     return rows
 
 
-def stability(device, shape, gmaxes, chunk_sizes):
+def stability(device, shape, gmaxes, chunk_sizes, options=DEFAULT_OPTIONS):
     """float32 output error vs float64 under strong per-channel decays (KDA form)."""
     rows = []
     for gmax in gmaxes:
@@ -182,7 +187,7 @@ def stability(device, shape, gmaxes, chunk_sizes):
         for chunk in chunk_sizes:
             try:
                 with torch.no_grad():
-                    out = forms("triton", chunk)["kda"][0](**f32)
+                    out = forms("triton", chunk, options)["kda"][0](**f32)
                 row[f"triton_c{chunk}"] = relative_error(out, ref)
             except Exception as error:  # a failed case is a result: record it, run the rest
                 row[f"triton_c{chunk}"] = f"{type(error).__name__}"
@@ -228,14 +233,15 @@ def time_case(fn, inputs, names, repeats, device):
     return median_seconds(forward, repeats) * 1e3, median_seconds(train, repeats) * 1e3, math.nan
 
 
-def timings(device, shapes, chunk_sizes, repeats, with_chunk_backend, only, gmax=1.0):
+def timings(device, shapes, chunk_sizes, repeats, with_chunk_backend, only, gmax=1.0,
+            options=DEFAULT_OPTIONS):  # fmt: skip
     rows = []
     for shape in shapes:
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
         inputs = draw_inputs(*shape, device, dtype, gmax=gmax)
         cases = {}
         for chunk in chunk_sizes:
-            cases.update({f"{k}_c{chunk}": v for k, v in forms("triton", chunk).items()})
+            cases.update({f"{k}_c{chunk}": v for k, v in forms("triton", chunk, options).items()})
         if with_chunk_backend:
             cases.update({f"{k}_chunk64": v for k, v in forms("chunk", 64).items()})
         if device == "cuda":
@@ -260,7 +266,7 @@ def timings(device, shapes, chunk_sizes, repeats, with_chunk_backend, only, gmax
     return rows
 
 
-def stages(device, shape, chunk_size):
+def stages(device, shape, chunk_size, options=DEFAULT_OPTIONS):
     """Forward time of each stage of the Triton path (KDA form): where the time goes."""
     from deltalab.ops.delta_rule.chunk import chunk_operators, intra_chunk, to_chunks
     from deltalab.ops.delta_rule.triton.chunk import (
@@ -279,8 +285,9 @@ def stages(device, shape, chunk_size):
     chunked = [to_chunks(t.float(), chunk_size).contiguous() for t in raw]
     tokens = Tokens(-(-shape[1] // chunk_size), shape[2], shape[1], chunk_size)
     state = torch.zeros(shape[0], shape[2], shape[3], shape[3], device=device)
-    # Every Triton stage stores its operators as the delta rule would (OPERATOR_DTYPE).
-    dtype = operator_dtype(q, a, b, u)
+    # Every Triton stage stores its operators as the delta rule would (options.operator_dtype).
+    dtype = operator_dtype(q, a, b, u, stored=options.operator_dtype)
+    walk = {"walk_dots": options.walk_dots}
     ops, lower = _operators_triton(q, a, b, u, g, "tf32", tokens, 1.0, dtype)
     out = torch.empty_like(u)
     rows = []
@@ -293,8 +300,8 @@ def stages(device, shape, chunk_size):
             "stages 1-2, Triton",
             lambda: _operators_triton(q, a, b, u, g, "tf32", tokens, 1.0, dtype),
         ),
-        ("stages 3-4, IEEE", lambda: state_pass_triton(ops, state, "ieee", out, tokens)),
-        ("stages 3-4, TF32", lambda: state_pass_triton(ops, state, "tf32", out, tokens)),
+        ("stages 3-4, IEEE", lambda: state_pass_triton(ops, state, "ieee", out, tokens, **walk)),
+        ("stages 3-4, TF32", lambda: state_pass_triton(ops, state, "tf32", out, tokens, **walk)),
     )
     for name, fn in cases:
         ms = median_seconds(fn, 5) * 1e3
@@ -340,7 +347,7 @@ def host_ms(call, calls=12):
     return statistics.median(times) * 1e3
 
 
-def overhead(device, shape, only, chunk_size=64):
+def overhead(device, shape, only, chunk_size=64, options=DEFAULT_OPTIONS):
     """Where wall time goes beyond the kernels: per form, forward+backward wall ms with the
     value checks on and off, the kernels' own ms, and the host's ms to launch one forward and
     one forward+backward (checks off); then the host's op table for the KDN forms."""
@@ -348,7 +355,7 @@ def overhead(device, shape, only, chunk_size=64):
 
     inputs = draw_inputs(*shape, device, torch.bfloat16)
     rows = []
-    for name, (fn, names) in forms("triton", chunk_size).items():
+    for name, (fn, names) in forms("triton", chunk_size, options).items():
         if only and not any(f"{name}_c{chunk_size}".startswith(p) for p in only):
             continue
         leaves = {k: (v.clone().requires_grad_() if k in names else v) for k, v in inputs.items()}
@@ -440,9 +447,9 @@ def main() -> None:
         "Triton stage 1 factored, 8 or more sends most to the walk, as trained gates do\n"
         "(benchmarks/diagonal_forms.py)",
     )  # fmt: skip
-    add_delta_rule_options(parser)  # --operator-dtype, --state-pass, --keep-states
+    add_delta_rule_options(parser)  # --operator-dtype, --state-pass, --keep-states, ...
     args = parser.parse_args()
-    apply_delta_rule_options(args)
+    options = delta_rule_options(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.tiny:
         check_shape, stab_shape, shapes = (1, 40, 2, 16), (1, 300, 2, 16), [(1, 100, 2, 32)]
@@ -453,27 +460,37 @@ def main() -> None:
         shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes]
     result: dict = run_environment(device)
     if "check" in args.parts:
-        result["check"] = check(device, check_shape, args.chunk_sizes)
+        result["check"] = check(device, check_shape, args.chunk_sizes, options)
         print_records(result["check"])
     if "stability" in args.parts:
-        result["stability"] = stability(device, stab_shape, [1.0, 8.0, 20.0], [64, 128, 256])
+        result["stability"] = stability(
+            device, stab_shape, [1.0, 8.0, 20.0], [64, 128, 256], options
+        )
         print_records(result["stability"])
     if "stages" in args.parts:
-        result["stages"] = [r for c in args.chunk_sizes for r in stages(device, shapes[0], c)]
+        result["stages"] = [
+            r for c in args.chunk_sizes for r in stages(device, shapes[0], c, options)
+        ]
         print_records(result["stages"])
     if "time" in args.parts:
         rows = add_ratios(
             timings(
-                device, shapes, args.chunk_sizes, 3, args.with_chunk_backend, args.only, args.gmax
+                device,
+                shapes,
+                args.chunk_sizes,
+                3,
+                args.with_chunk_backend,
+                args.only,
+                args.gmax,
+                options,
             )
         )
         result["time"] = rows
         print_records(rows)
     if "overhead" in args.parts and device == "cuda":
-        result["overhead"] = overhead(device, shapes[0], args.only, args.chunk_sizes[0])
+        result["overhead"] = overhead(device, shapes[0], args.only, args.chunk_sizes[0], options)
         print_records(result["overhead"])
-    if args.operator_dtype is not None:
-        result["operator_dtype"] = args.operator_dtype
+    result["kernel_options"] = options.to_dict()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -3,30 +3,29 @@
 # that one part that stalls (fla autotunes each kernel on its first call: 1-3 minutes) costs
 # only its own budget. Packs each part's output and JSON into $OUT/suite.tgz ($OUT: ./gpu-out).
 #
-#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k keep_ptrain keep_train sep_ptrain checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck intradots time32k prof_kdn ffn16k gain_launch kdn_train gain_chunks ncu_gain overhead strength_tests strength_train gaps kdn_tests prof_kdn32k layers_tests gain_split_tests ncu_walks32k walk_launch32k decode_prof
+#   bash benchmarks/h200_suite.sh [PART ...]     # parts: tests kernel_tests time time_fla time_fla_kda time_fla_gdn2 prof prof_ours tune_stage12 stability train decode kdn tune tune340 tune32k split split_tests split_ptrain time_deep ptrain ptrain16k split_ptrain16k split16k ptrain_gdn2 train32k kdn_ptrain keep_ptrain keep_train checks_ptrain compile compile_ptrain conv conv_tests norms norms_tests swiglu swiglu_tests decay decay_tests rope rope_tests read_gate read_gate_tests ops_ab ops16_ptrain keepin_ptrain keepin_train ffn_train stages340 stages16 warm graphs_tests graphs_train graphs_train16k graphs_train32k graphs_ptrain walkdots walkdots_tune dotscheck time32k prof_kdn ffn16k gain_launch kdn_train gain_chunks ncu_gain overhead strength_tests strength_train gaps kdn_tests prof_kdn32k layers_tests gain_split_tests ncu_walks32k walk_launch32k decode_prof
 #
 # With fla (a yardstick, not a dependency): put its wheels in .whl/ (`pip download --no-deps`
 # of fla-core==0.6.0, flash-linear-attention==0.6.0 and einops for the GPU machine's Python)
 # and they are installed first. Budget the call: time_fla 300 s (the time part at the 4K shape
 # alone; on 2026-12-01 fla's autotuning of chunk_gdn2 ran past it, after chunk_kda's row), time_fla_kda 420 s (the same without fla's chunk_gdn2; at 260 s fla's chunk_kda autotuning ran past the limit twice on 2026-12-02), time_fla_gdn2 420 s (the GDN-2 form
 # against fla's chunk_gdn2 alone, with room for its autotuning), prof_ours 60 s (prof without fla's autotuning),
-# tune_stage12 120 s (stage 1's and the solve's launches at the 340M heads), tests 360 s (on 2026-12-02, fifteenth session, 240 s ran 106 of its 110 tests; the delta rule's kernels and
+# tune_stage12 120 s (stage 1's and the solve's launches at the 340M heads), tests 360 s (on 2026-12-02, 240 s ran 106 of its 110 tests; the delta rule's kernels and
 # tests/test_cuda.py: on 2026-12-01 both passed inside the limit, and 21 tests of the layers'
 # file after them), kernel_tests 150 s (the layers
 # on Triton and the fused KDN gain; with tests, every Triton test file but the small ops'), time 300 s,
 # prof 90 s, stability 240 s, train 300 s, decode 200 s, kdn 180 s (with the split diagonal gain and its chunk sweep), tune 180 s, tune340 180 s (the same at the 340M
 # preset's heads, H=8: the state pass's BLOCK_V was tuned at H=16), tune32k 120 s (the state
 # pass at B=1 T=32768: 32 programs with BLOCK_V 64), split 240 s (the fused and the split
-# state pass timed side by side at the 340M heads, chunk.STATE_PASS), split_tests 120 s (the
+# state pass timed side by side at the 340M heads, --state-pass), split_tests 120 s (the
 # state-pass tests compiled on the GPU), split_ptrain 180 s (ptrain's gdn2 step with the split
 # state pass: compare with ptrain's gdn2), ptrain16k 150 s, split_ptrain16k 90 s and
 # split16k 150 s (the same three at B=1 T=16384: a quarter of the programs, walks four times as
 # long), ptrain_gdn2 120 s (ptrain's gdn2 at 4K and 16K alone), train32k 150 s (train at B=1
 # T=32768: Muir, GDN-2, the Transformer), keep_ptrain 120 s and keep_train 240 s (ptrain_gdn2's profiles and
 # train's tokens/s and peak memory with the Triton delta rule keeping its chunk-start states for
-# the backward, triton/chunk.py RECOMPUTE_STATES off: compare with ptrain_gdn2 and train), sep_ptrain 80 s
-# (ptrain_gdn2's 4K profile with each projection of a layer input differentiated alone,
-# projections.PROJECT_TOGETHER off: compare with ptrain_gdn2), checks_ptrain 240 s (GDN-2's
+# the backward, KernelOptions.recompute_states off: compare with ptrain_gdn2 and train),
+# checks_ptrain 240 s (GDN-2's
 # 4K step, kernel and wall time, with the value checks read after the backward, an experiment,
 # and after the forward, the trainer's way, then the Transformer's), time_deep
 # 120 s (log decays down to -8 per token: stage 1 walks most diagonal sub-blocks, as on trained
@@ -47,12 +46,12 @@
 # float64), read_gate_tests 90 s (tests/test_read_gate.py compiled on the GPU, bf16 included),
 # ops_ab 240 s (the op's errors against float64, at bench_triton.py's check shape, and its times
 # at B=4 T=4096 H=16, chunk 64, with the chunk operators stored in float32 and then in the
-# inputs' dtype, triton/chunk.py OPERATOR_DTYPE), ops16_ptrain 80 s (ptrain_gdn2's 4K profile
+# inputs' dtype, KernelOptions.operator_dtype), ops16_ptrain 80 s (ptrain_gdn2's 4K profile
 # with 16-bit operators: compare with ptrain_gdn2), keepin_ptrain 80 s and keepin_train 240 s
 # (ptrain_gdn2's 4K profile, and train's GDN-2 and Muir rows, with the delta rule keeping the
-# inputs it otherwise rebuilds in the backward, deltalab/ops/_recompute.py REBUILD_IN_BACKWARD
-# off: compare with ptrain_gdn2 and train), ffn_train 200 s (train's rows with each block's FFN
-# branch computed again in the backward, train.recompute_ffn: compare with train), stages340
+# inputs it otherwise rebuilds in the backward, KernelOptions.rebuild_in_backward off: compare
+# with ptrain_gdn2 and train), ffn_train 200 s (train's rows with each block's FFN branch
+# computed again in the backward, train.recompute_ffn: compare with train), stages340
 # 200 s (the fused and the split state pass's launch sweep at the 340M heads with the chunk
 # operators in bf16, pipeline stages included: compare with split), stages16 200 s (the same
 # at H=16, where "auto" takes the fused pass), warm 120 s (a throwaway
@@ -65,12 +64,10 @@
 # back to back), graphs_ptrain 150 s (ptrain's 4K step of GDN-2 and the Transformer replayed as
 # a CUDA graph: kernel and wall time), walkdots 300 s (the op's errors against float64 and its
 # times at B=4 T=4096 H=16 with the fused walks' products widened to float32 and in the
-# operators' bf16, triton/chunk.py WALK_DOTS), walkdots_tune 240 s (the state pass's launch
-# sweep at H=16 and H=8, its WALK_DOTS rows among them), dotscheck 300 s (the op's errors
+# operators' bf16, KernelOptions.walk_dots), walkdots_tune 240 s (the state pass's launch
+# sweep at H=16 and H=8, its walk_dots rows among them), dotscheck 300 s (the op's errors
 # against float64 with the walks' products in the operators' dtype, chunks of 64: at 150 s and
-# chunks of 64 and 128 it ran past its limit on 2026-12-02), intradots 300 s (stage 1's
-# launch sweep at H=16 with its products in the inputs' bf16, triton/intra.py INTRA_DOTS, then
-# the GDN-2 form's times with them widened and in bf16), time32k 150 s (every form and SDPA at
+# chunks of 64 and 128 it ran past its limit on 2026-12-02), time32k 150 s (every form and SDPA at
 # B=1 T=32768 H=16, without fla: the target of 2x SDPA's forward+backward), prof_kdn 90 s (the
 # kernels of the KDA form and the two KDN forms by time: where the KDN gains' cost goes), ffn16k 200 s (graphs_train16k's rows with
 # train.recompute_ffn: the 16K peak memory against the Transformer's), gain_launch 200 s (the split diagonal
@@ -97,9 +94,11 @@
 # since 2026-12-04 gain_launch's loss reaches the routed k and g, and its walks are the token
 # walks, each one's (tokens unrolled, warps) in turn), decode_prof 240 s (the
 # kernels of one graphed decoding step of the 340M presets at 4K of context, by time and count
-# per token: benchmarks/profile_decode.py). The twenty-fourth session's part gain_lanes (the token walks at
-# two and four chunks a program, slower) is in the tree of `2864f56`. The sixteenth
-# session's part factors_ab (stage 1 writing the decay factors) is in the tree of `a424144`.
+# per token: benchmarks/profile_decode.py). The part gain_lanes (the token walks at two and four
+# chunks a program, slower) is in the tree of `2864f56`; the part factors_ab (stage 1 writing
+# the decay factors) in the tree of `a424144`; the part intradots (stage 1's products in the
+# inputs' 16-bit dtype) and sep_ptrain (each projection of a layer input differentiated alone)
+# in the tree of `9dc4393`.
 set -u
 # The device returns at most 8 files: parts write under a work folder, and after every part the
 # whole of it is packed into $OUT/suite.tgz (so a call cut off still returns what finished).
@@ -244,11 +243,6 @@ for p in "${parts[@]}"; do
         --walk-dots \$dots --out \"$OUT/walkdots_\$dots.json\"; done" ;;
     dotscheck) part dotscheck 300 python3 benchmarks/bench_triton.py --parts check \
         --chunk-sizes 64 --walk-dots operators --out "$OUT/dotscheck.json" ;;
-    intradots) part intradots 300 bash -c "python3 benchmarks/tune_triton.py \
-        --shape 4x4096x16x128 --stages intra --out \"$OUT/intradots16.json\" && \
-        for dots in float32 inputs; do python3 benchmarks/bench_triton.py --parts time \
-        --chunk-sizes 64 --shapes 4x4096x16x128 --only gdn2_c64 --intra-dots \$dots \
-        --out \"$OUT/intradots_\$dots.json\"; done" ;;
     walkdots_tune) part walkdots_tune 240 bash -c "python3 benchmarks/tune_triton.py \
         --shape 4x4096x16x128 --stages state_pass --out \"$OUT/walkdots16.json\" && \
         python3 benchmarks/tune_triton.py --shape 4x4096x8x128 --stages state_pass \
@@ -309,9 +303,6 @@ for p in "${parts[@]}"; do
         --mixers muir gdn2 transformer ;;
     stages340) part stages340 200 python3 benchmarks/tune_triton.py --shape 4x4096x8x128 \
         --stages state_pass state_pass_split --out "$OUT/stages340.json" ;;
-    sep_ptrain) part sep_ptrain 80 python3 benchmarks/profile_train.py --project-separately \
-        --device cuda --preset 340M --seq-len 4096 --batch 4 --mixers gdn2 \
-        --out "$OUT/sep_ptrain_4k.json" ;;
     keep_train) part keep_train 240 bash -c 'train_pair "gdn2 kdn_diag" "gdn2 muir" \
         --keep-states' ;;
     compile) part compile 300 python3 benchmarks/bench_train.py --device cuda --preset 340M \

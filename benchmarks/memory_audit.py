@@ -21,8 +21,8 @@ q, a, b, u, g are charged (once per storage, so shared with the layer's saves; a
 input as the copy its `.contiguous()` makes; an input the backward rebuilds, `rebuildable`, as
 the tensors its recipe holds), plus the chunk-start states `[B, H, n, K, V]` and
 the residuals `[B, H, n, C, V]`, float32, with `--keep-states`; by default the chunk-start
-states of every CHECKPOINT_EVERY-th chunk instead, as the kernel keeps with RECOMPUTE_STATES, its
-default). Softmax attention is charged
+states of every `checkpoint_every`-th chunk instead, as the kernel keeps with
+`KernelOptions.recompute_states`, its default). Softmax attention is charged
 as a flash kernel saves: its q, k, v, output and the float32 log-sum-exp `[B, H, T]`.
 
 Not seen: the backward's transient memory (gradients in flight, the kernels' workspaces), and
@@ -56,6 +56,7 @@ from deltalab.ops import _recompute
 from deltalab.ops._recompute import Recipe, recipe_of
 from deltalab.ops._triton import triton_unavailable_reason
 from deltalab.ops.delta_rule.chunk import padded_chunk_size
+from deltalab.ops.options import DEFAULT_OPTIONS, KernelOptions
 
 PACKAGE = os.path.dirname(os.path.abspath(deltalab.__file__))
 
@@ -167,9 +168,9 @@ class Audit:
             self.quiet -= 1
 
     @contextlib.contextmanager
-    def patched(self, chunk_size: int, recompute_states: bool = True):
-        """delta_rule and SDPA charged as their CUDA kernels save (with `recompute_states`, as
-        the kernel saves with RECOMPUTE_STATES); the blocks named."""
+    def patched(self, chunk_size: int):
+        """delta_rule and SDPA charged as their CUDA kernels save (delta_rule with the
+        `KernelOptions` the layer passes it); the blocks named."""
         real_delta_rule = common.delta_rule
         real_sdpa = F.scaled_dot_product_attention
 
@@ -178,11 +179,10 @@ class Audit:
             self.charge_inputs(kernel, "qabug", (q, a, b, u, g), copies=True)
             batch, length, heads, key_dim = q.shape
             value_dim, chunks = u.shape[-1], -(-length // chunk_size)
-            if recompute_states:
-                # The backward walks them again from every CHECKPOINT_EVERY-th, which it keeps.
-                from deltalab.ops.delta_rule.triton.chunk import CHECKPOINT_EVERY
-
-                kept = -(-chunks // CHECKPOINT_EVERY)
+            options = kwargs.get("options") or DEFAULT_OPTIONS
+            if options.recompute_states:
+                # The backward walks them again from every checkpoint_every-th, which it keeps.
+                kept = -(-chunks // options.checkpoint_every)
                 shape = (batch, heads, kept, key_dim, value_dim)
                 self.add_new(shape, torch.float32, f"{kernel} checkpointed chunk-start states")
             else:
@@ -273,12 +273,14 @@ def run(
     length: int,
     layers: int,
     batch: int = 1,
-    recompute_states: bool = True,
+    options: KernelOptions = DEFAULT_OPTIONS,
     recompute_ffn: bool = False,
 ) -> list[Saved]:
-    """The storages the loss's graph saves, in the order first saved."""
+    """The storages the loss's graph saves, in the order first saved, with the model's
+    kernel `options`."""
     torch.manual_seed(0)
-    config = build_config(preset, mixer=mixer, num_layers=layers, backend="chunk")
+    config = build_config(preset, mixer=mixer, num_layers=layers, backend="chunk",
+                          kernel_options=options.to_dict())  # fmt: skip
     model = CausalLM(config).train()
     model.model.recompute_ffn = recompute_ffn  # as the trainer sets train.recompute_ffn
     with torch.no_grad():
@@ -297,7 +299,7 @@ def run(
     kdn_scan = "parallel" if triton_unavailable_reason(torch.device("cpu")) else "triton"
     with (
         mock.patch.object(kdn_layers, "scan_backend", lambda backend, device: kdn_scan),
-        audit.patched(config.chunk_size, recompute_states),
+        audit.patched(config.chunk_size),
         torch.autograd.graph.saved_tensors_hooks(audit.pack, audit.unpack),
         torch.autocast("cpu", dtype=torch.bfloat16),
     ):
@@ -369,21 +371,21 @@ def main() -> None:
         type=int,
         default=512,
         help="the shorter of the two lengths (a multiple of 8 chunks of 64, so that the Triton "
-        "delta rule's checkpointed states, every CHECKPOINT_EVERY-th, grow with it)",
+        "delta rule's checkpointed states, every checkpoint_every-th, grow with it)",
     )
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--top", type=int, default=100, help="rows of each table")
     parser.add_argument(
         "--keep-states",
         action="store_true",
-        help="charge the Triton delta rule as it saves with RECOMPUTE_STATES off (all chunk-start "
-        "states and the residuals instead of every CHECKPOINT_EVERY-th state)",
+        help="charge the Triton delta rule as it saves with KernelOptions.recompute_states off "
+        "(all chunk-start states and the residuals instead of every checkpoint_every-th state)",
     )
     parser.add_argument(
         "--keep-inputs",
         action="store_true",
         help="the delta rule keeps the inputs that cheap ops made (gate products, log decay) "
-        "instead of rebuilding them in the backward (_recompute.REBUILD_IN_BACKWARD off)",
+        "instead of rebuilding them in the backward (KernelOptions.rebuild_in_backward off)",
     )
     parser.add_argument(
         "--recompute-ffn",
@@ -391,14 +393,12 @@ def main() -> None:
         help="each block's FFN branch computed again in the backward (train.recompute_ffn)",
     )
     args = parser.parse_args()
-    _recompute.REBUILD_IN_BACKWARD = not args.keep_inputs
     torch.set_num_threads(1)
+    options = KernelOptions(
+        recompute_states=not args.keep_states, rebuild_in_backward=not args.keep_inputs
+    )
     for mixer in args.mixers:
-        measure = dict(
-            layers=args.layers,
-            recompute_states=not args.keep_states,
-            recompute_ffn=args.recompute_ffn,
-        )
+        measure = dict(layers=args.layers, options=options, recompute_ffn=args.recompute_ffn)
         short = run(args.preset, mixer, args.length, **measure)
         long = run(args.preset, mixer, 2 * args.length, **measure)
         rows = per_token(short, long, args.length)

@@ -34,7 +34,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from deltalab.benchmarking import add_delta_rule_options, apply_delta_rule_options, kernel_times
+from deltalab.benchmarking import (
+    add_delta_rule_options,
+    changed_options,
+    delta_rule_options,
+    kernel_times,
+)
+from deltalab.ops.options import DEFAULT_OPTIONS, KernelOptions
 from deltalab.train.graphs import WARMUP_STEPS
 
 # The category of the norms' and SwiGLU's kernels (benchmarks/traffic.py counts them as glue).
@@ -119,6 +125,7 @@ def training_step(
     checks_after_backward: bool = False,
     recompute_ffn: bool = False,
     cuda_graphs: bool = False,
+    kernel_options: KernelOptions | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
     """The model, its AdamW (`deltalab train`'s) and one training step: forward and loss on
     random token ids `[batch, seq_len]` under bf16 autocast, backward, AdamW, gradients set to
@@ -138,7 +145,8 @@ def training_step(
     first `WARMUP_STEPS` steps eager on the capture stream, the next records the passes, later
     ones replay them and read the loss back, as the trainer does; AdamW stays eager and the
     gradients stay set. Then the timeline's "forward" is the replay's queueing (all the passes),
-    "checks" the wait for the loss, "backward" nothing.
+    "checks" the wait for the loss, "backward" nothing. kernel_options: the model config's
+    (`DeltaLabConfig.kernel_options`; None: the defaults).
     """
     from deltalab.models import CausalLM, build_config
     from deltalab.train import loop
@@ -147,7 +155,8 @@ def training_step(
 
     torch.manual_seed(0)
     overrides = {} if num_layers is None else {"num_layers": num_layers}
-    model = CausalLM(build_config(preset, mixer=mixer, **overrides))
+    options = changed_options(kernel_options or DEFAULT_OPTIONS)
+    model = CausalLM(build_config(preset, mixer=mixer, kernel_options=options, **overrides))
     model.model.recompute_ffn = recompute_ffn  # as the trainer sets train.recompute_ffn
     if device != "cpu":
         # Built on CPU; not moved there again (fake tensors cannot be swapped in place).
@@ -238,7 +247,9 @@ def host_timeline(
     return wall, {phase: statistics.median(r.get(phase, 0.0) for r in rows) for phase in TIMELINE}
 
 
-def profile_mixer(args: argparse.Namespace, mixer: str) -> dict:
+def profile_mixer(
+    args: argparse.Namespace, mixer: str, kernel_options: KernelOptions | None = None
+) -> dict:
     device = args.device
     _, _, step = training_step(
         mixer,
@@ -251,6 +262,7 @@ def profile_mixer(args: argparse.Namespace, mixer: str) -> dict:
         checks_after_backward=args.checks_after_backward,
         recompute_ffn=args.recompute_ffn,
         cuda_graphs=args.cuda_graphs,
+        kernel_options=kernel_options,
     )
     for _ in range(args.warmup):
         step()
@@ -313,10 +325,9 @@ def main() -> None:
         parser.error(
             f"--cuda-graphs needs --warmup > {WARMUP_STEPS} (its eager steps, the capture)"
         )
-    apply_delta_rule_options(args)
     report = {}
     for mixer in args.mixers:
-        result = report[mixer] = profile_mixer(args, mixer)
+        result = report[mixer] = profile_mixer(args, mixer, delta_rule_options(args))
         print(
             f"\n{mixer}: {result['total_ms']:.1f} ms of kernel time per step, "
             f"{result['wall_ms']:.1f} ms of wall time"

@@ -80,7 +80,7 @@ from torch.utils._pytree import tree_flatten
 
 import deltalab
 from deltalab.benchmarking import format_table
-from deltalab.ops import _recompute
+from deltalab.ops.options import KernelOptions
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import profile_train  # a sibling script, found through the line above
@@ -617,14 +617,20 @@ def recording(
 
 
 def measure(
-    mixer: str, preset: str, batch: int, seq_len: int, num_layers: int | None = None
+    mixer: str,
+    preset: str,
+    batch: int,
+    seq_len: int,
+    num_layers: int | None = None,
+    kernel_options: KernelOptions | None = None,
 ) -> list[Op]:
-    """The ops of one training step of `mixer` (`profile_train.training_step`) on fake tensors:
-    the second step (the first makes AdamW's state)."""
+    """The ops of one training step of `mixer` (`profile_train.training_step`, with the model's
+    `kernel_options`) on fake tensors: the second step (the first makes AdamW's state)."""
     with FakeTensorMode():
         model, optimizer, step = profile_train.training_step(
-            mixer, preset, batch, seq_len, "cpu", num_layers=num_layers, autocast=True
-        )
+            mixer, preset, batch, seq_len, "cpu", num_layers=num_layers, autocast=True,
+            kernel_options=kernel_options,
+        )  # fmt: skip
         with recording(model, optimizer) as recorder:
             recorder.recording = False
             step()
@@ -717,15 +723,15 @@ def main() -> None:
         "--keep-inputs",
         action="store_true",
         help="the delta rule keeps the inputs that cheap ops made instead of rebuilding them in\n"
-        "the backward (deltalab/ops/_recompute.py REBUILD_IN_BACKWARD off)",
+        "the backward (KernelOptions.rebuild_in_backward off)",
     )
     args = parser.parse_args()
-    _recompute.REBUILD_IN_BACKWARD = not args.keep_inputs
+    options = KernelOptions(rebuild_in_backward=not args.keep_inputs)
     if args.bandwidth <= 0:
         parser.error(f"--bandwidth must be > 0, got {args.bandwidth}")
     report: dict[str, Any] = {"settings": {k: str(v) for k, v in vars(args).items()}}
     for mixer in args.mixers:
-        ops = measure(mixer, args.preset, args.batch, args.seq_len, args.num_layers)
+        ops = measure(mixer, args.preset, args.batch, args.seq_len, args.num_layers, options)
         summary = summarize(ops, args.top, args.bandwidth)
         _print_report(mixer, summary, args)
         if args.ops:

@@ -6,11 +6,12 @@
 
 For each stage kernel (stage 1 forward/backward, the decay factors, the solve and dL, the state
 pass forward/backward, the operator gradients) and each candidate setting (tile sizes, warps,
-pipeline stages), the median ms on the issue's 4K shape (KDA form, bf16 inputs read in place,
+pipeline stages), the median ms on the 4K target shape (KDA form, bf16 inputs read in place,
 the products as the defaults take them: TF32, but bf16 in the state pass's walks) and the
 largest difference of its outputs from the first setting's, relative to each output's largest
 element, over the elements a kernel writes (most settings change tiling, not the math; the
-rows that set WALK_DOTS or INTRA_DOTS change the products' precision and differ by it). Each stage's first setting is its module's default, chosen from these sweeps on
+rows that set walk_dots, `KernelOptions.walk_dots`, change the products' precision and differ
+by it). Each stage's first setting is its module's default, chosen from these sweeps on
 an H200 (docs/RESULTS.md; where a faster setting is not the default, the module's comment says
 why). On CPU (under the interpreter) it only proves the settings run.
 """
@@ -101,7 +102,7 @@ def main() -> None:
         q, a, b, u, g, precision, tokens, 1.0, operator_dtype(q, a, b, u)
     )
     state = torch.randn(batch, heads, dim, dim, device=device)
-    # The gradients are float32 whatever OPERATOR_DTYPE stores the operators in.
+    # The gradients are float32 whatever dtype the operators are stored in.
     f32 = {"dtype": torch.float32}
     d_out = torch.randn_like(ops.target, **f32)
     d_lower, d_attend = torch.randn_like(lower), torch.randn_like(ops.attend, **f32)
@@ -111,18 +112,18 @@ def main() -> None:
     chunked = [torch.randn_like(ops.read, **f32) for _ in range(6)]
     d_decay = torch.randn_like(ops.decay)
 
+    # A row's `walk_dots` (the option, passed to the state passes), set for each row below; its
+    # other keys are launch constants of the stage's module.
+    walk = {"walk_dots": "operators"}
+
     def warps(*counts):
         return [{"num_warps": w, "num_stages": 1} for w in counts]
 
     cases = {
         "intra": (
             intra_module,
-            # The launches, then the products in the inputs' 16-bit dtype (INTRA_DOTS: the
-            # outputs then differ from the first row's by that rounding) at some of them.
             [dict(INTRA_BLOCK_KD=k, INTRA_LAUNCH=launch)
-             for k in (64, 128, 32) for launch in warps(1, 2, 4)]
-            + [dict(INTRA_BLOCK_KD=k, INTRA_LAUNCH=launch, INTRA_DOTS="inputs")
-               for k in (64, 128) for launch in warps(1, 2)],
+             for k in (64, 128, 32) for launch in warps(1, 2, 4)],
             lambda: intra_module.intra_triton(q, a, b, g, precision, tokens),
             lambda: intra_module.intra_triton_backward(
                 q, a, b, g, d_lower, d_attend, precision, tokens
@@ -149,25 +150,25 @@ def main() -> None:
         ),
         "state_pass": (
             state_module,
-            # First the defaults (with 16-bit operators, products in their dtype, WALK_DOTS),
+            # First the defaults (with 16-bit operators, products in their dtype, walk_dots),
             # then each setting as given with the products widened to float32: warps, row
             # block, value columns and pipeline stages (NUM_STAGES: 16-bit operators only), the
             # narrow launch off (their outputs differ from the first row's by the rounding);
             # then the widened products at their default launch, and 16-bit products at some of
             # the same settings.
             [{}] + [dict(NUM_WARPS=w, BLOCK_C=c, BLOCK_V=v, NUM_STAGES=s, NARROW_BLOCK_V=None,
-                         WALK_DOTS="float32")
+                         walk_dots="float32")
                     for w, c, v, s in [(8, 64, 64, 1), (4, 64, 64, 1), (4, 64, 32, 1),
                                        (8, 64, 32, 1), (4, 32, 16, 1), (2, 64, 32, 1),
                                        (2, 32, 16, 1), (8, 64, 64, 2), (8, 64, 64, 3),
                                        (4, 64, 32, 2), (8, 64, 32, 2), (4, 64, 16, 2)]]
-            + [{"WALK_DOTS": "float32"}]  # the widened products at their own default launch
+            + [{"walk_dots": "float32"}]  # the widened products at their own default launch
             + [dict(NUM_WARPS=w, BLOCK_C=64, BLOCK_V=v, NUM_STAGES=s, NARROW_BLOCK_V=None,
-                    LOW_DOTS_NUM_WARPS=w, LOW_DOTS_NUM_STAGES=s, WALK_DOTS="operators")
+                    LOW_DOTS_NUM_WARPS=w, LOW_DOTS_NUM_STAGES=s, walk_dots="operators")
                for w, v, s in [(8, 64, 1), (8, 64, 2), (4, 64, 2), (8, 128, 1), (4, 32, 2),
                                (8, 32, 2)]],
-            lambda: state_pass_triton(ops, state, precision),
-            lambda: state_pass_triton_backward(ops, d_out, state, precision),
+            lambda: state_pass_triton(ops, state, precision, **walk),
+            lambda: state_pass_triton_backward(ops, d_out, state, precision, **walk),
         ),
         # The split pass (the walk, then the outputs; the dO products, then the adjoint walk),
         # to time against state_pass's first (default) row: the walk's pipeline stages, value
@@ -181,12 +182,12 @@ def main() -> None:
                                        (2, 16, 4, 64, 8), (2, 16, 1, 64, 8), (3, 16, 2, 64, 8),
                                        (2, 16, 2, 32, 4), (2, 16, 2, 128, 8), (3, 32, 4, 64, 8),
                                        (4, 16, 2, 64, 8), (3, 16, 1, 64, 8)]]
-            # The walks' products widened to float32 (WALK_DOTS; 16-bit products are the
+            # The walks' products widened to float32 (walk_dots; 16-bit products are the
             # default), at the defaults and with the walk at 32 columns and 4 warps.
-            + [{"WALK_DOTS": "float32"},
-               dict(SPLIT_WALK_BLOCK_V=32, SPLIT_WALK_NUM_WARPS=4, WALK_DOTS="float32")],
-            lambda: state_pass_split_triton(ops, state, precision),
-            lambda: state_pass_split_triton_backward(ops, d_out, state, precision),
+            + [{"walk_dots": "float32"},
+               dict(SPLIT_WALK_BLOCK_V=32, SPLIT_WALK_NUM_WARPS=4, walk_dots="float32")],
+            lambda: state_pass_split_triton(ops, state, precision, **walk),
+            lambda: state_pass_split_triton_backward(ops, d_out, state, precision, **walk),
         ),
         "operator_grads": (
             state_module,
@@ -206,7 +207,9 @@ def main() -> None:
     for stage, (module, settings, forward, backward, *written) in cases.items():
         reference = None
         for setting in settings:
-            with patched(module, **setting):
+            launch = dict(setting)
+            walk["walk_dots"] = launch.pop("walk_dots", "operators")
+            with patched(module, **launch):
                 try:
                     outputs = flatten(forward()) + (flatten(backward()) if backward else [])
                     outputs = written[0](outputs) if written else outputs

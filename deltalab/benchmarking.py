@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from deltalab.ops.options import DEFAULT_OPTIONS, KernelOptions
 from deltalab.tables import format_table
 
 
@@ -265,77 +266,59 @@ def run_cases(
 
 
 def add_delta_rule_options(parser: argparse.ArgumentParser) -> None:
-    """The Triton delta rule's switches a training benchmark can set (`apply_delta_rule_options`):
-    its state pass, whether its backward keeps the chunk-start states, the dtype of its chunk
-    operators, whether it keeps or rebuilds its cheap inputs; and whether the layers
-    project their input together (`deltalab.layers.projections.PROJECT_TOGETHER`)."""
+    """The `KernelOptions` a benchmark can set from its command line (`delta_rule_options`):
+    the Triton delta rule's state pass, whether its backward walks the chunk-start states again,
+    the dtype of its chunk operators and of its walks' products, whether the layers rebuild
+    the delta rule's cheap inputs in the backward."""
     parser.add_argument(
         "--state-pass",
         choices=["auto", "fused", "split"],
-        default=None,
-        help="the Triton delta rule's state pass (triton/chunk.py STATE_PASS; default: its own)",
+        default="auto",
+        help="the Triton delta rule's state pass (KernelOptions.state_pass)",
     )
     parser.add_argument(
         "--keep-states",
         action="store_true",
         help="the Triton delta rule keeps its chunk-start states and residuals for the backward "
-        "instead of walking them again (triton/chunk.py RECOMPUTE_STATES off)",
+        "instead of walking them again (KernelOptions.recompute_states off)",
     )
     parser.add_argument(
         "--operator-dtype",
         choices=["inputs", "float32"],
-        default=None,
+        default="inputs",
         help="the dtype the Triton delta rule stores its chunk operators in: the inputs' 16-bit "
-        "dtype or float32 (triton/chunk.py OPERATOR_DTYPE; default: its own)",
+        "dtype or float32 (KernelOptions.operator_dtype)",
     )
     parser.add_argument(
         "--walk-dots",
-        choices=["float32", "operators"],
-        default=None,
-        help="the products of the Triton delta rule's walks with 16-bit operators: "
-        "widened to float32 or in the operators' dtype (triton/chunk.py WALK_DOTS; default: "
-        "its own)",
-    )
-    parser.add_argument(
-        "--intra-dots",
-        choices=["float32", "inputs"],
-        default=None,
-        help="the products of the Triton delta rule's stage 1 with 16-bit inputs: widened to "
-        "float32 or in the inputs' dtype (triton/intra.py INTRA_DOTS; default: its own)",
+        choices=["operators", "float32"],
+        default="operators",
+        help="the products of the Triton delta rule's walks with 16-bit operators: in the "
+        "operators' dtype or widened to float32 (KernelOptions.walk_dots)",
     )
     parser.add_argument(
         "--keep-inputs",
         action="store_true",
         help="the delta rule keeps the inputs that cheap ops made (gate products, read query, "
         "log decay) instead of rebuilding them in the backward "
-        "(deltalab/ops/_recompute.py REBUILD_IN_BACKWARD off)",
-    )
-    parser.add_argument(
-        "--project-separately",
-        action="store_true",
-        help="each projection of a layer's input with its own gradient product and sum, as "
-        "autograd makes them (deltalab.layers.projections.PROJECT_TOGETHER off)",
+        "(KernelOptions.rebuild_in_backward off)",
     )
 
 
-def apply_delta_rule_options(args: argparse.Namespace) -> None:
-    """Sets what `add_delta_rule_options` parsed (imports Triton only when something is set)."""
-    from deltalab.layers import projections
-    from deltalab.ops import _recompute
+def delta_rule_options(args: argparse.Namespace) -> KernelOptions:
+    """The `KernelOptions` that `add_delta_rule_options` parsed."""
+    return KernelOptions(
+        state_pass=args.state_pass,
+        recompute_states=not args.keep_states,
+        operator_dtype=args.operator_dtype,
+        walk_dots=args.walk_dots,
+        rebuild_in_backward=not args.keep_inputs,
+    )
 
-    projections.PROJECT_TOGETHER = not args.project_separately
-    _recompute.REBUILD_IN_BACKWARD = not args.keep_inputs
-    triton_switches = (args.state_pass, args.operator_dtype, args.walk_dots, args.intra_dots)
-    if all(switch is None for switch in triton_switches) and not args.keep_states:
-        return
-    from deltalab.ops.delta_rule.triton import chunk, intra
 
-    intra.INTRA_DOTS = args.intra_dots or intra.INTRA_DOTS
-
-    chunk.STATE_PASS = args.state_pass or chunk.STATE_PASS
-    chunk.RECOMPUTE_STATES = chunk.RECOMPUTE_STATES and not args.keep_states
-    chunk.OPERATOR_DTYPE = args.operator_dtype or chunk.OPERATOR_DTYPE
-    chunk.WALK_DOTS = args.walk_dots or chunk.WALK_DOTS
+def changed_options(options: KernelOptions) -> dict[str, object]:
+    """The fields of `options` that differ from the defaults (what a config needs to hold)."""
+    return {k: v for k, v in options.to_dict().items() if v != DEFAULT_OPTIONS.to_dict()[k]}
 
 
 def backward_fresh(out: torch.Tensor, d_out: torch.Tensor, leaves: Sequence[torch.Tensor]) -> None:

@@ -13,6 +13,7 @@ from conftest import random_delta_inputs
 
 from deltalab.ops import delta_rule
 from deltalab.ops._triton import HAS_TRITON, INTERPRET
+from deltalab.ops.options import KernelOptions
 from deltalab.testing import TOLERANCE, assert_close
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.skipif(
@@ -37,22 +38,24 @@ def _run(inputs, state, backend, dtype, device, **kwargs):
     return [o, s, *(x.grad for x in leaves)]
 
 
-def _compare(inputs, state, chunk_size, cu_seqlens=None):
+def _compare(inputs, state, chunk_size, cu_seqlens=None, options=None):
     kwargs = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
     reference = _run(inputs, state, "naive", torch.float64, "cpu", **kwargs)
     if cu_seqlens is not None:
         kwargs["cu_seqlens"] = cu_seqlens.to(DEVICE)
-    actual = _run(inputs, state, "triton", torch.float32, DEVICE, chunk_size=chunk_size, **kwargs)
+    actual = _run(inputs, state, "triton", torch.float32, DEVICE, chunk_size=chunk_size,
+                  options=options, **kwargs)  # fmt: skip
     labels = ["o", "final state", "dq", "da", "db", "du", "dg", "d initial state"]
     for label, x, ref in zip(labels, actual, reference, strict=True):
         assert_close(x, ref, F32, label)
 
 
-def _compare_at(inputs, state, dtype, chunk_size):
-    """The Triton backend at `dtype` (an fp16 one: the interpreter's 16-bit float) against the
-    float64 loop: output, final state and every gradient within `dtype`'s bound."""
+def _compare_at(inputs, state, dtype, chunk_size, options=None):
+    """The Triton backend at `dtype` (an fp16 one: the interpreter's 16-bit float) with the
+    kernel `options` against the float64 loop: output, final state and every gradient within
+    `dtype`'s bound."""
     reference = _run(inputs, state, "naive", torch.float64, "cpu")
-    actual = _run(inputs, state, "triton", dtype, DEVICE, chunk_size=chunk_size)
+    actual = _run(inputs, state, "triton", dtype, DEVICE, chunk_size=chunk_size, options=options)
     labels = ["o", "final state", "dq", "da", "db", "du", "dg", "d initial state"]
     for label, x, ref in zip(labels, actual, reference, strict=True):
         assert_close(x, ref, TOLERANCE[dtype], label)
@@ -205,22 +208,32 @@ def test_triton_log_decay_of_minus_infinity_is_an_exact_reset(generator):
 
 
 def _stage_1_and_twin(q, a, b, g, bound):
-    """Stage 1 in Triton (float32, diagonal factored below `bound`) and its float64 PyTorch twin
-    `intra_chunk` on chunked inputs [..., C, K], both differentiated against the same random
-    weights of L and M, above the diagonal too (the kernel must not read them) -> (L, M) of
-    Triton, (L, M) of the twin, then the float32 and float64 leaves (q, a, b, g), gradients
-    filled."""
+    """Stage 1 in Triton (float32, diagonal factored below `bound`; its forward and adjoint
+    kernels) and its float64 PyTorch twin `intra_chunk` (by autograd) on chunked inputs
+    [..., C, K], both differentiated against the same random weights of L and M, above the
+    diagonal too (the kernel must not read them) -> (L, M) of Triton, (L, M) of the twin, then
+    the float32 and float64 inputs (q, a, b, g), `.grad` filled (the Triton dg formed from the
+    adjoint's dq, da, db as the delta rule's backward forms it, the module docstring's reverse
+    cumulative sum)."""
     from deltalab.ops.delta_rule.chunk import intra_chunk
-    from deltalab.ops.delta_rule.triton.intra import intra_chunk_triton
+    from deltalab.ops.delta_rule.triton.intra import intra_triton, intra_triton_backward
 
     ref = [x.clone().requires_grad_() for x in (q, a, b, g)]
     lower, attend = intra_chunk(*ref)
     d_lower, d_attend = torch.randn_like(lower), torch.randn_like(attend)
     ((lower * d_lower).sum() + (attend * d_attend).sum()).backward()
-    f32 = [x.to(DEVICE, torch.float32).requires_grad_() for x in (q, a, b, g)]
-    lower_t, attend_t = intra_chunk_triton(*f32, factor_bound=bound)
-    weights = [x.to(DEVICE, torch.float32) for x in (d_lower, d_attend)]
-    ((lower_t * weights[0]).sum() + (attend_t * weights[1]).sum()).backward()
+    f32 = [x.to(DEVICE, torch.float32).contiguous() for x in (q, a, b, g)]
+    # The chunked kernels take g per channel: a log decay per head is every channel's.
+    per_head = g.dim() == q.dim() - 1
+    channels = f32[3].unsqueeze(-1).expand(f32[0].shape).contiguous() if per_head else f32[3]
+    lower_t, attend_t = intra_triton(*f32[:3], channels, factor_bound=bound)
+    weights = [x.to(DEVICE, torch.float32).contiguous() for x in (d_lower, d_attend)]
+    grads = intra_triton_backward(*f32[:3], channels, *weights, factor_bound=bound)
+    dq, da, db = (x.view(f32[0].shape) for x in grads)
+    q32, a32, b32, _ = f32
+    dg = (q32 * dq + b32 * db - a32 * da).flip(-2).cumsum(-2).flip(-2)
+    for x, grad in zip(f32, (dq, da, db, dg.sum(-1) if per_head else dg), strict=True):
+        x.grad = grad
     return lower_t, attend_t, lower, attend, f32, ref
 
 
@@ -415,12 +428,6 @@ def test_triton_stage_1_and_factors_take_a_strength_per_token_as_its_product_wit
         ("L", "M"), intra.intra_triton(q, beta, b, g), intra.intra_triton(q, a, b, g), strict=True
     ):
         assert_close(x, ref, F32, label)
-    # The autograd twin forms the direction itself (its adjoint differentiates directions).
-    for label, x, ref in zip(
-        ("L", "M"), intra.intra_chunk_triton(q, beta, b, g), intra.intra_triton(q, a, b, g),
-        strict=True,
-    ):  # fmt: skip
-        assert_close(x, ref, F32, f"{label} (autograd twin)")
     got = factors.factors_triton(q, beta, b, g)
     ref = factors.factors_triton(q, a, b, g)
     for label, x, r in zip(("read", "erase rhs", "write", "decay"), got, ref, strict=True):
@@ -467,7 +474,7 @@ def test_triton_state_pass_matches_its_pytorch_twin(generator):
 def test_triton_state_pass_keeping_every_kth_state_writes_those_of_the_full_pass(
     generator, poisoned_empty, monkeypatch, state_pass, block_c
 ):
-    """keep_every=2, keep_residuals=False (what the forward keeps with RECOMPUTE_STATES): the
+    """keep_every=2, keep_residuals=False (what the forward keeps with recompute_states): the
     states of chunks 0, 2, 4 of the full pass, bit for bit, and its outputs and final state;
     no residuals returned (the fused kernel writes them only with two row blocks per chunk,
     where it reads them back). Buffers are NaN-filled before launch: an unwritten kept state
@@ -480,7 +487,7 @@ def test_triton_state_pass_keeping_every_kth_state_writes_those_of_the_full_pass
     ops = chunk_operators(*(to_chunks(x, 32) for x in inputs))  # 5 chunks
     ops = ChunkOperators(*(x.to(DEVICE, torch.float32).contiguous() for x in ops))
     state = torch.randn(1, 2, 16, 8, generator=generator).to(DEVICE)
-    run = state_module.STATE_PASSES[state_pass][0]
+    run = state_module.PASS_FORMS[state_pass][0]
     full = run(ops, state, "ieee")
     kept = run(ops, state, "ieee", keep_every=2, keep_residuals=False)
     assert kept[1] is None
@@ -554,13 +561,13 @@ def test_triton_split_state_pass_matches_the_fused_pass_and_the_pytorch_walk(
     tokens = Tokens(ops.read.shape[2], heads, length, chunk_size)
     got = {}
     for name in ("fused", "split"):
-        state_pass, state_pass_backward, walk = state_module.STATE_PASSES[name]
+        state_pass, state_pass_backward, walk = state_module.PASS_FORMS[name]
         out = torch.empty(batch, length, heads, value_dim, device=DEVICE)
         got[name] = [
             *state_pass(ops32, f32(state), out=out, tokens=tokens),
             *state_pass_backward(ops32, f32(d_o), f32(d_final), tokens=tokens),
         ]
-        # The walk a backward repeats (RECOMPUTE_STATES) gives the forward's values exactly,
+        # The walk a backward repeats (recompute_states) gives the forward's values exactly,
         # from the initial state alone (one segment) or from every chunk's start state (as
         # many segments as chunks, walked at once).
         states = got[name][2]
@@ -581,19 +588,18 @@ def test_triton_split_state_pass_matches_the_fused_pass_and_the_pytorch_walk(
 def test_triton_each_state_pass_matches_float64_loop_with_every_gradient(
     generator, poisoned_empty, monkeypatch, chosen, other
 ):
-    """delta_rule(backend="triton") with STATE_PASS set to each form (the other made to fail if
-    called): output, final state and every gradient against the float64 token loop, over a
-    partial last chunk."""
+    """delta_rule(backend="triton", options=KernelOptions(state_pass=...)) runs that form, forward
+    and backward (the other made to fail if called): output, final state and every gradient
+    against the float64 token loop, over a partial last chunk."""
     from deltalab.ops.delta_rule.triton import chunk as state_module
 
     def fail(*args, **kwargs):
         raise AssertionError(f"the {other} state pass ran")
 
-    monkeypatch.setattr(state_module, "STATE_PASS", chosen)
-    monkeypatch.setitem(state_module.STATE_PASSES, other, (fail, fail, fail))
+    monkeypatch.setitem(state_module.PASS_FORMS, other, (fail, fail, fail))
     inputs = random_delta_inputs(generator, 2, 37, 2, 16, 8, channel_decay=True)
     state = torch.randn(2, 2, 16, 8, generator=generator, dtype=torch.float64)
-    _compare(inputs, state, 16)
+    _compare(inputs, state, 16, options=KernelOptions(state_pass=chosen))
 
 
 @pytest.mark.parametrize(
@@ -610,24 +616,22 @@ def test_triton_each_state_pass_matches_float64_loop_with_every_gradient(
 @pytest.mark.parametrize("every", [2, 8], ids=["segments-of-2-and-1", "one-segment"])
 @pytest.mark.parametrize("state_pass", ["split", "fused"])
 def test_triton_backward_walking_the_states_again_keeps_less_and_gives_the_same_gradients(
-    generator, monkeypatch, state_pass, every, dtype
+    generator, state_pass, every, dtype
 ):
-    """With RECOMPUTE_STATES the forward keeps the chunk-start states of every `every`-th chunk
+    """With recompute_states the forward keeps the chunk-start states of every `every`-th chunk
     instead of all of them and the residuals (float32 [B, H, n, K, V] and [B, H, n, C, V]), and
     the backward's second walk (3 chunks: segments of 2 and 1 walked at once, or one segment)
     gives every gradient bit for bit (on the GPU also with bf16 inputs, the precision of
     training)."""
-    from deltalab.ops.delta_rule.triton import chunk as state_module
-
-    monkeypatch.setattr(state_module, "STATE_PASS", state_pass)
-    monkeypatch.setattr(state_module, "CHECKPOINT_EVERY", every)
     batch, length, heads, key_dim, value_dim, chunk = 2, 37, 2, 16, 8, 16
     inputs = random_delta_inputs(generator, batch, length, heads, key_dim, value_dim,
                                  channel_decay=True)  # fmt: skip
     state = torch.randn(batch, heads, key_dim, value_dim, generator=generator, dtype=torch.float64)
     results, kept = {}, {}
     for recompute in (False, True):
-        monkeypatch.setattr(state_module, "RECOMPUTE_STATES", recompute)
+        options = KernelOptions(
+            state_pass=state_pass, recompute_states=recompute, checkpoint_every=every
+        )
         saved: list[torch.Tensor] = []
 
         def pack(t, saved=saved):
@@ -636,7 +640,7 @@ def test_triton_backward_walking_the_states_again_keeps_less_and_gives_the_same_
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             results[recompute] = _run(inputs, state, "triton", dtype, DEVICE,
-                                      chunk_size=chunk)  # fmt: skip
+                                      chunk_size=chunk, options=options)  # fmt: skip
         kept[recompute] = sum(t.numel() * t.element_size() for t in saved)
     labels = ["o", "final state", "dq", "da", "db", "du", "dg", "d initial state"]
     for label, again, first in zip(labels, results[True], results[False], strict=True):
@@ -653,7 +657,7 @@ def test_triton_backward_walking_the_states_again_keeps_less_and_gives_the_same_
 def test_auto_state_pass_takes_the_fused_pass_from_its_program_threshold(
     generator, monkeypatch, min_programs, chosen, other
 ):
-    """STATE_PASS = "auto" runs the fused pass when its walks would launch at least
+    """state_pass="auto" (the default) runs the fused pass when its walks would launch at least
     FUSED_PASS_MIN_PROGRAMS programs (here B * H * ceil(V / BLOCK_V) = 2 * 2 * 1 = 4) and the
     split pass below that (the other made to fail if called), and the result is still exact."""
     from deltalab.ops.delta_rule.triton import chunk as state_module
@@ -661,9 +665,8 @@ def test_auto_state_pass_takes_the_fused_pass_from_its_program_threshold(
     def fail(*args, **kwargs):
         raise AssertionError(f"the {other} state pass ran")
 
-    monkeypatch.setattr(state_module, "STATE_PASS", "auto")
     monkeypatch.setattr(state_module, "FUSED_PASS_MIN_PROGRAMS", min_programs)
-    monkeypatch.setitem(state_module.STATE_PASSES, other, (fail, fail, fail))
+    monkeypatch.setitem(state_module.PASS_FORMS, other, (fail, fail, fail))
     assert state_module.chosen_state_pass(2, 2, 16, 8) == chosen
     inputs = random_delta_inputs(generator, 2, 21, 2, 16, 8, channel_decay=True)
     state = torch.randn(2, 2, 16, 8, generator=generator, dtype=torch.float64)
@@ -684,7 +687,7 @@ def test_auto_takes_the_fused_launch_its_walks_earn_and_every_walk_of_the_op_tak
     """With 16-bit chunk operators, "auto" runs the fused pass at the launch its walks' count
     earns (here B * H * V / BV walks: 4 at NARROW_BLOCK_V = 32, 2 at BLOCK_V = 64, against
     thresholds FUSED_PASS_MIN_PROGRAMS of 3 and 2), forward, the backward's walk from the
-    checkpoints and the adjoint walk: with the products in 16 bits (WALK_DOTS "operators"),
+    checkpoints and the adjoint walk: with the products in 16 bits (walk_dots "operators"),
     BLOCK_V columns on LOW_DOTS_NUM_WARPS warps where they make enough walks, else
     NARROW_BLOCK_V columns on NARROW_NUM_WARPS where those do; with them widened, the narrow
     launch wherever it makes enough. Float32 operators take the split pass below the threshold
@@ -692,24 +695,21 @@ def test_auto_takes_the_fused_launch_its_walks_earn_and_every_walk_of_the_op_tak
     every gradient are the loop's (fp16: the interpreter's 16-bit float)."""
     from deltalab.ops.delta_rule.triton import chunk as state_module
 
-    monkeypatch.setattr(state_module, "WALK_DOTS", walk_dots)
     monkeypatch.setattr(state_module, "LOW_DOTS_NUM_WARPS", 1)
     # The backward's walk from every chunk's start: 3 segments at once, 3x the forward's walks,
     # yet the forward's launch (a launch chosen by its own count would pass the thresholds).
-    monkeypatch.setattr(state_module, "CHECKPOINT_EVERY", 1)
+    options = KernelOptions(walk_dots=walk_dots, checkpoint_every=1)
 
     recorded = _recorded_launches(monkeypatch, state_module, (
         "_state_pass_fwd", "_state_pass_bwd", "_state_pass_split_fwd", "_state_pass_split_bwd",
     ))  # fmt: skip
-    monkeypatch.setattr(state_module, "STATE_PASS", "auto")
-    monkeypatch.setattr(state_module, "OPERATOR_DTYPE", "inputs")
     monkeypatch.setattr(state_module, "BLOCK_V", 64)
     monkeypatch.setattr(state_module, "NARROW_BLOCK_V", 32)
     monkeypatch.setattr(state_module, "NARROW_NUM_WARPS", 2)
     monkeypatch.setattr(state_module, "FUSED_PASS_MIN_PROGRAMS", threshold)
     inputs = random_delta_inputs(generator, 1, 37, 2, 16, 64, channel_decay=True)
     state = torch.randn(1, 2, 16, 64, generator=generator, dtype=torch.float64)
-    _compare_at(inputs, state, dtype, chunk_size=16)
+    _compare_at(inputs, state, dtype, chunk_size=16, options=options)
     launches = [(name, kwargs["BV"], kwargs["num_warps"]) for name, _, kwargs in recorded]
     walks = ["_state_pass_fwd"] * 2 + ["_state_pass_bwd"]  # forward, from checkpoints, adjoint
     if chosen == "narrow":
@@ -730,7 +730,7 @@ def test_auto_takes_the_fused_launch_its_walks_earn_and_every_walk_of_the_op_tak
 def test_16bit_products_in_the_walks_keep_every_result_within_the_16bit_bound(
     generator, monkeypatch, walk_dots, state_pass
 ):
-    """WALK_DOTS "operators": the walks, fused or split, forward and adjoint, multiply the
+    """walk_dots "operators": the walks, fused or split, forward and adjoint, multiply the
     16-bit operators as stored with the state, residuals, dS, dN and dO rounded to their dtype
     (LOW_DOTS reaches the walk kernels only then, and only with 16-bit operators); the output,
     the final state and every gradient stay within the 16-bit bound of the float64 loop (fp16:
@@ -741,24 +741,19 @@ def test_16bit_products_in_the_walks_keep_every_result_within_the_16bit_bound(
     walks = {"fused": ("_state_pass_fwd", "_state_pass_bwd"),
              "split": ("_state_pass_split_fwd", "_state_pass_split_bwd")}  # fmt: skip
     recorded = _recorded_launches(monkeypatch, state_module, walks[state_pass])
-    monkeypatch.setattr(state_module, "STATE_PASS", state_pass)
-    monkeypatch.setattr(state_module, "OPERATOR_DTYPE", "inputs")
-    monkeypatch.setattr(state_module, "WALK_DOTS", walk_dots)
     monkeypatch.setattr(state_module, "BLOCK_C", 16)  # two row blocks per chunk of 32
+    options = KernelOptions(state_pass=state_pass, walk_dots=walk_dots)
     inputs = random_delta_inputs(generator, 1, 45, 2, 16, 32, channel_decay=True)
     state = torch.randn(1, 2, 16, 32, generator=generator, dtype=torch.float64)
-    _compare_at(inputs, state, torch.float16, chunk_size=32)
+    _compare_at(inputs, state, torch.float16, chunk_size=32, options=options)
     flags = [kwargs["LOW_DOTS"] for _, _, kwargs in recorded]
     assert flags and set(flags) == {walk_dots == "operators"}
-    with pytest.raises(ValueError, match="WALK_DOTS must be one of"):
-        monkeypatch.setattr(state_module, "WALK_DOTS", "bf16")
-        state_module.low_dots(torch.bfloat16)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="bfloat16 kernels: CUDA only")
 @pytest.mark.parametrize("launch", ["wide", "narrow", "split"])
 def test_bf16_walks_stay_within_the_bf16_bound_of_the_loop(generator, monkeypatch, launch):
-    """bf16 inputs as training gives them, the walks' products in bf16 (WALK_DOTS, the
+    """bf16 inputs as training gives them, the walks' products in bf16 (walk_dots, the
     default), at each launch "auto" may take (the fused pass at BLOCK_V columns, at the narrow
     launch, the split pass: chosen here by the walk threshold), K = V = 128 as the presets
     have, strong and weak decays over 5 chunks: the output, the final state and every gradient
@@ -783,36 +778,6 @@ def test_bf16_walks_stay_within_the_bf16_bound_of_the_loop(generator, monkeypatc
         assert taken == {("_state_pass_fwd", bv, True), ("_state_pass_bwd", bv, True)}
 
 
-@pytest.mark.parametrize("min_log_decay", [-0.5, -3.0], ids=["factored", "walked"])
-def test_16bit_products_in_stage_1_keep_every_result_within_the_16bit_bound(
-    generator, monkeypatch, min_log_decay
-):
-    """INTRA_DOTS "inputs": stage 1, forward (and its recomputation) and adjoint, multiplies
-    the decay-scaled inputs and dL, dM rounded to the inputs' 16-bit dtype (LOW_DOTS reaches
-    both kernels, and with fp16 the factored diagonal's bound drops to FP16_FACTOR_BOUND, whose
-    factors fp16 holds); the output, the final state and every gradient stay within the 16-bit
-    bound of the float64 loop, with mild decays (diagonal sub-blocks factored) and strong ones
-    (sub-blocks of 16 tokens reaching a cumulative log decay of ~24: walked), over two
-    sub-blocks per chunk (the products left of the diagonal and, in the adjoint, below it)."""
-    from deltalab.ops.delta_rule.triton import intra
-
-    recorded = _recorded_launches(monkeypatch, intra, ("_intra_fwd", "_intra_bwd"))
-    monkeypatch.setattr(intra, "INTRA_DOTS", "inputs")
-    inputs = random_delta_inputs(generator, 1, 45, 2, 16, 32, channel_decay=True,
-                                 min_log_decay=min_log_decay)  # fmt: skip
-    state = torch.randn(1, 2, 16, 32, generator=generator, dtype=torch.float64)
-    _compare_at(inputs, state, torch.float16, chunk_size=32)
-    launched = {(name, kwargs["LOW_DOTS"], kwargs["BOUND"]) for name, _, kwargs in recorded}
-    assert launched == {
-        (name, True, intra.FP16_FACTOR_BOUND) for name in ("_intra_fwd", "_intra_bwd")
-    }
-    assert intra.factor_bound_for(torch.bfloat16, 80.0) == 80.0
-    assert not intra.intra_low_dots(torch.float32)
-    with pytest.raises(ValueError, match="INTRA_DOTS must be one of"):
-        monkeypatch.setattr(intra, "INTRA_DOTS", "bf16")
-        intra.intra_low_dots(torch.bfloat16)
-
-
 @pytest.mark.parametrize("state_pass", ["split", "fused"])
 def test_state_pass_grids_count_chunks_and_walks_on_their_first_axis(
     generator, monkeypatch, state_pass
@@ -827,11 +792,10 @@ def test_state_pass_grids_count_chunks_and_walks_on_their_first_axis(
         "_state_pass_fwd", "_state_pass_bwd", "_state_pass_split_fwd", "_state_pass_split_out",
         "_state_pass_split_dout", "_state_pass_split_bwd",
     ))  # fmt: skip
-    monkeypatch.setattr(state_module, "STATE_PASS", state_pass)
-    monkeypatch.setattr(state_module, "CHECKPOINT_EVERY", 2)
+    options = KernelOptions(state_pass=state_pass, checkpoint_every=2)
     inputs = random_delta_inputs(generator, 2, 70, 2, 16, 8, channel_decay=True)
     state = torch.randn(2, 2, 16, 8, generator=generator, dtype=torch.float64)
-    _compare(inputs, state, 16)  # 5 chunks: 3 segments in the backward's walk
+    _compare(inputs, state, 16, options=options)  # 5 chunks: 3 segments in the backward's walk
     grids = [(name, grid) for name, grid, _ in recorded]
     assert {name for name, _ in grids} >= (
         {"_state_pass_fwd", "_state_pass_bwd"} if state_pass == "fused"
@@ -847,14 +811,24 @@ def test_state_pass_grids_count_chunks_and_walks_on_their_first_axis(
             assert grid[0] == 2 * 2 * 5, f"{name}: grid {grid}"
 
 
-def test_unknown_state_pass_is_an_error_naming_the_setting(generator, monkeypatch):
-    from deltalab.ops.delta_rule.triton import chunk as state_module
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [("state_pass", "fast", r"state_pass must be one of .*'fast'"),
+     ("operator_dtype", "bfloat16", r"operator_dtype must be one of .*'bfloat16'"),
+     ("walk_dots", "bf16", r"walk_dots must be one of .*'bf16'"),
+     ("recompute_states", 1, r"recompute_states must be a bool"),
+     ("checkpoint_every", 0, r"checkpoint_every must be a positive int")],
+)  # fmt: skip
+def test_invalid_kernel_option_is_refused_naming_the_option(field, value, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        KernelOptions(**{field: value})
 
-    monkeypatch.setattr(state_module, "STATE_PASS", "fast")
+
+def test_delta_rule_refuses_options_that_are_not_kernel_options(generator):
     inputs = random_delta_inputs(generator, 1, 8, 1, 16, 8, channel_decay=True)
-    state = torch.randn(1, 1, 16, 8, generator=generator, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"STATE_PASS must be one of .*'fast'"):
-        _compare(inputs, state, 16)
+    with pytest.raises(TypeError, match=r"options must be a deltalab\.ops\.options\.KernelOptions"):
+        delta_rule(*(x.to(DEVICE, torch.float32) for x in inputs), backend="triton",
+                   options={"state_pass": "fused"})  # fmt: skip
 
 
 def test_triton_operator_gradients_match_their_pytorch_twin(generator, poisoned_empty):
@@ -906,15 +880,14 @@ def test_triton_16bit_inputs_store_the_operators_as_told_and_stay_close_to_the_l
     generator, monkeypatch, operators, state_pass
 ):
     """fp16 inputs (the interpreter's 16-bit float: its bf16 arithmetic is not bf16's): with
-    OPERATOR_DTYPE="inputs" every chunk operator but the decays reaches the state pass (each
+    operator_dtype="inputs" every chunk operator but the decays reaches the state pass (each
     form) in fp16, forward and backward, with "float32" in float32; either way the output, the
     final state and every gradient stay within fp16's tolerance of the float64 loop."""
     from deltalab.ops.delta_rule.triton import chunk as state_module
 
-    monkeypatch.setattr(state_module, "OPERATOR_DTYPE", operators)
-    monkeypatch.setattr(state_module, "STATE_PASS", state_pass)
+    options = KernelOptions(operator_dtype=operators, state_pass=state_pass)
     seen = []
-    for name, passes in list(state_module.STATE_PASSES.items()):
+    for name, passes in list(state_module.PASS_FORMS.items()):
 
         def spy(fn, name=name):
             def run(ops, *args, **kwargs):
@@ -923,25 +896,16 @@ def test_triton_16bit_inputs_store_the_operators_as_told_and_stay_close_to_the_l
 
             return run
 
-        monkeypatch.setitem(state_module.STATE_PASSES, name, tuple(spy(fn) for fn in passes))
+        monkeypatch.setitem(state_module.PASS_FORMS, name, tuple(spy(fn) for fn in passes))
     inputs = random_delta_inputs(generator, 2, 37, 2, 16, 8, channel_decay=True)
     state = torch.randn(2, 2, 16, 8, generator=generator, dtype=torch.float64)
-    _compare_at(inputs, state, torch.float16, chunk_size=16)
+    _compare_at(inputs, state, torch.float16, chunk_size=16, options=options)
     stored = torch.float16 if operators == "inputs" else torch.float32
     expected = {field: stored for field in state_module.ChunkOperators._fields}
     expected["decay"] = torch.float32
     # The forward's pass, the backward's walk again from the checkpoints, its adjoint pass,
     # each of the form set.
     assert seen == [(state_pass, expected)] * 3
-
-
-def test_operator_dtype_setting_is_checked_by_name(generator, monkeypatch):
-    from deltalab.ops.delta_rule.triton import chunk as state_module
-
-    monkeypatch.setattr(state_module, "OPERATOR_DTYPE", "bfloat16")
-    inputs = random_delta_inputs(generator, 1, 5, 1, 16, 8, channel_decay=False)
-    with pytest.raises(ValueError, match="OPERATOR_DTYPE must be"):
-        delta_rule(*(x.to(DEVICE, torch.float32) for x in inputs), backend="triton")
 
 
 @pytest.mark.parametrize("mixer", ["gdn2", "muir", "kdn_diag"])

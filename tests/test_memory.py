@@ -124,9 +124,13 @@ def unshared(active: bool = True):
 
 @contextlib.contextmanager
 def separately(active: bool = True):
-    """The layers' projections of x made one by one, each with its own gradient product (as
-    before `project_together`; the benchmarks' --project-separately), when active."""
-    with mock.patch.object(projections, "PROJECT_TOGETHER", not active):
+    """The layers' projections of x made one by one, each with its own gradient product, as
+    autograd makes them (`project_together` computing none of them), when active."""
+    with contextlib.ExitStack() as stack:
+        if active:
+            stack.enter_context(
+                mock.patch.object(common, "project_together", lambda x, linears: {})
+            )
         yield
 
 

@@ -316,6 +316,35 @@ def test_config_backend_reaches_every_recurrent_mixer_and_round_trips(tmp_path):
     assert CausalLM.from_pretrained(tmp_path).config.backend == "chunk"
 
 
+def test_config_kernel_options_reach_every_recurrent_mixer_and_round_trip(tmp_path):
+    """kernel_options, a mapping in the config (config.json), reach every recurrent layer as a
+    KernelOptions (the fields left out at their defaults) and come back from a saved model."""
+    from deltalab.layers.common import DeltaMixer
+    from deltalab.ops.options import KernelOptions
+
+    given = {"walk_dots": "float32", "recompute_states": False}
+    config = build_config("tiny", mixer="gdn2", attention_every=2, kernel_options=given)
+    model = CausalLM(config)
+    mixers = [m for m in model.modules() if isinstance(m, DeltaMixer)]
+    assert mixers and {m.kernel_options for m in mixers} == {KernelOptions(**given)}
+    model.save_pretrained(tmp_path)
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert loaded.kernel_options == given
+    assert build_config("tiny", mixer="gdn2").kernel_options == {}
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [({"walk_dot": "float32"}, ValueError, r"kernel_options: unknown .*\['walk_dot'\]"),
+     ({"state_pass": "fast"}, ValueError, r"kernel_options: state_pass must be one of"),
+     ({"checkpoint_every": 0}, ValueError, r"kernel_options: checkpoint_every must be"),
+     ("fused", TypeError, r"kernel_options must be a dict")],
+)  # fmt: skip
+def test_config_kernel_options_are_validated_naming_the_key(options, error, match):
+    with pytest.raises(error, match=match):
+        build_config("tiny", mixer="gdn2", kernel_options=options)
+
+
 def test_config_backend_is_validated_naming_the_field():
     with pytest.raises(ValueError, match="backend must be one of"):
         build_config("tiny", mixer="gdn2", backend="cuda")

@@ -19,6 +19,7 @@ from deltalab.ops._recompute import (
     Recipe,
     rebuildable,
     rebuildable_as,
+    rebuilding,
     rebuilt_in_backward,
     without_rebuild,
 )
@@ -116,10 +117,10 @@ def test_a_recipe_whose_argument_changed_in_place_refuses_to_run_naming_it(gener
 
 
 @pytest.mark.parametrize(
-    "off", ["no grad", "switch off", "without_rebuild"], ids=lambda s: s.replace(" ", "-")
+    "off", ["no grad", "rebuilding(False)", "without_rebuild"], ids=lambda s: s.replace(" ", "-")
 )
-def test_nothing_is_rebuilt_without_gradients_with_the_switch_off_or_inside_without_rebuild(
-    generator, monkeypatch, off
+def test_nothing_is_rebuilt_without_gradients_inside_rebuilding_false_or_without_rebuild(
+    generator, off
 ):
     x, y, product = _marked_product(generator)
     if off == "no grad":
@@ -127,26 +128,35 @@ def test_nothing_is_rebuilt_without_gradients_with_the_switch_off_or_inside_with
             product = rebuildable(x * y, torch.mul, x, y)
         assert _recompute.recipe_of(product) is None
         return
-    if off == "switch off":
-        monkeypatch.setattr(_recompute, "REBUILD_IN_BACKWARD", False)
-        packed = _packed(lambda: _run_rebuilt(product))
+    if off == "rebuilding(False)":
+        with rebuilding(False):
+            packed = _packed(lambda: _run_rebuilt(product))
+            assert _recompute.recipe_of(product) is None
+            # Nothing made inside is marked either.
+            assert _recompute.recipe_of(rebuildable(x * y, torch.mul, x, y)) is None
     else:
         packed = _packed(lambda: without_rebuild(_run_rebuilt)(product))
     assert packed == []  # the hooks were never installed: the tensor is saved as usual
-    # The mark stands outside `without_rebuild`; the switch turns every recipe off.
-    assert (_recompute.recipe_of(product) is None) == (off == "switch off")
+    # The mark stands outside either block.
+    assert _recompute.recipe_of(product) is not None
+
+
+def _model(mixer, rebuild, **overrides):
+    """A one-block tiny model, the same weights whatever `rebuild`, its layers' kernel option
+    rebuild_in_backward."""
+    torch.manual_seed(0)
+    options = {"rebuild_in_backward": rebuild}
+    return CausalLM(build_config("tiny", mixer=mixer, num_layers=1, kernel_options=options,
+                                 **overrides))  # fmt: skip
 
 
 @pytest.mark.parametrize("mixer", ["gdn2", "kda", "muir"])
-def test_models_train_to_the_same_gradients_with_and_without_rebuilding(monkeypatch, mixer):
+def test_models_train_to_the_same_gradients_with_and_without_rebuilding(mixer):
     """The chunk path (CPU): the same loss and parameter gradients bit for bit."""
-    torch.manual_seed(0)
-    model = CausalLM(build_config("tiny", mixer=mixer, num_layers=1))
-    ids = torch.randint(0, model.config.vocab_size, (2, 40))
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
     results = {}
     for rebuild in (False, True):
-        monkeypatch.setattr(_recompute, "REBUILD_IN_BACKWARD", rebuild)
-        model.zero_grad()
+        model = _model(mixer, rebuild)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         results[rebuild] = [loss.detach(), *(p.grad.clone() for p in model.parameters())]
@@ -166,19 +176,20 @@ def test_a_reshaped_marked_tensor_is_rebuilt_in_its_own_shape(generator):
     assert rebuildable_as(product, product) is product
 
 
+@pytest.mark.parametrize("rebuild", [True, False], ids=["rebuild", "rebuild_in_backward-off"])
 @pytest.mark.parametrize(("mixer", "rebuilt"), [("gdn2", True), ("kda", True), ("deltanet", False)])
-def test_a_low_rank_output_gate_reaches_the_gated_norm_as_its_recipe(mixer, rebuilt):
+def test_a_low_rank_output_gate_reaches_the_gated_norm_as_its_recipe(mixer, rebuilt, rebuild):
     """The gated output norm keeps a low-rank gate (`hidden -> rank -> H*V`) as its recipe, made
     again from the first factor's output that the second factor's backward keeps (the torch
     path here; the Triton norm in tests/test_layers_triton.py); a full-rank gate (DeltaNet's) is
-    kept. The gradients stay the same bit for bit (the model test above)."""
-    torch.manual_seed(0)
-    model = CausalLM(build_config("tiny", mixer=mixer, num_layers=1))
+    kept, and so is every gate of a model whose kernel option rebuild_in_backward is off. The
+    gradients stay the same bit for bit (the model test above)."""
+    model = _model(mixer, rebuild)
     ids = torch.randint(0, model.config.vocab_size, (2, 24))
     packed = _packed(lambda: model(input_ids=ids, labels=ids).loss)
     gates = [p for p in packed if isinstance(p, Recipe) and p.fn.__name__ == "low_rank_gate"]
-    assert len(gates) == (1 if rebuilt else 0)
-    if rebuilt:
+    assert len(gates) == (1 if rebuilt and rebuild else 0)
+    if gates:
         layer = model.model.blocks[0].mixer
         assert gates[0]().shape == (2, 24, layer.num_heads, layer.value_dim)
 
@@ -202,17 +213,14 @@ def test_a_gate_parameter_changed_before_the_backward_fails_instead_of_rebuildin
         loss.backward()
 
 
-def test_a_replaced_gate_weight_still_rebuilds_the_gate_the_forward_used(monkeypatch):
+def test_a_replaced_gate_weight_still_rebuilds_the_gate_the_forward_used():
     """A Parameter swapped in after the forward does not enter the rebuilt gate: the
     gradients are those of the gate the forward made, bit for bit."""
-    torch.manual_seed(0)
-    model = CausalLM(build_config("tiny", mixer="gdn2", num_layers=1))
-    ids = torch.randint(0, model.config.vocab_size, (2, 24))
-    second = model.model.blocks[0].mixer.g_proj[1]
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
     grads = {}
     for rebuild in (False, True):
-        monkeypatch.setattr(_recompute, "REBUILD_IN_BACKWARD", rebuild)
-        model.zero_grad()
+        model = _model("gdn2", rebuild)
+        second = model.model.blocks[0].mixer.g_proj[1]
         original = second.weight
         loss = model(input_ids=ids, labels=ids).loss
         second.weight = torch.nn.Parameter(original.detach() + 1.0)

@@ -111,7 +111,7 @@ def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chu
         g_head = {"G_HEAD": key_dim == 3}
         per_chunk = dict(K=key_dim, C=chunk, BKD=block_kd, **g_head)
         # Stage 1 with its own launch, channel block and factored-diagonal bound.
-        stage_1 = {**shape, **g_head, "BOUND": DIAGONAL_FACTOR_BOUND, "LOW_DOTS": False}
+        stage_1 = {**shape, **g_head, "BOUND": DIAGONAL_FACTOR_BOUND}
         intra_kd = min(INTRA_BLOCK_KD, block_k)
         kernels = [
             (state_pass._state_pass_fwd, 11, {**launch, "HAS_INITIAL": True, **WIDENED}, options),
@@ -146,14 +146,14 @@ def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chu
             for from_output in (True, False)
         ]  # fmt: skip
         kernels += _split_state_pass_kernels(state_pass, key_dim, chunk, precision)
-        # TF32 is what 16-bit inputs get: with 16-bit operators (OPERATOR_DTYPE "inputs", the
+        # TF32 is what 16-bit inputs get: with 16-bit operators (operator_dtype "inputs", the
         # default) and with float32 ones.
         operators = ["*fp32", "*bf16"] if precision == "tf32" else ["*fp32"]
         cases = list(itertools.product(kernels, operators))
         if precision == "tf32":
             cases += [(kernel, "*bf16") for kernel in _fused_16bit_kernels(state_pass, key_dim,
                                                                            chunk, precision)]  # fmt: skip
-            # The walks as bf16 operators run them by default: products in bf16 (WALK_DOTS).
+            # The walks as bf16 operators run them by default: products in bf16 (walk_dots).
             cases += [((kernel, n, {**constants, "LOW_DOTS": True}, kernel_options), "*bf16")
                       for kernel, n, constants, kernel_options in kernels
                       if "LOW_DOTS" in constants]  # fmt: skip
@@ -169,12 +169,12 @@ def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chu
             )  # fmt: skip
 
 
-# The fused walks' products widened to float32, as `WALK_DOTS` "float32" launches them (a
+# The fused walks' products widened to float32, as walk_dots "float32" launches them (a
 # constexpr left out of the constants would be compiled as a runtime scalar).
 WIDENED = {"LOW_DOTS": False}
 
 # The delta rule's kernels' pointers to the chunk operators, stored in the inputs' 16-bit dtype
-# with triton/chunk.py OPERATOR_DTYPE "inputs", and to the outputs in the inputs' dtype (`out`;
+# with operator_dtype "inputs", and to the outputs in the inputs' dtype (`out`;
 # the solve's `out` is the erase or the target operator).
 OPERATOR_POINTERS = {"read", "attend", "erase", "target", "write", "rhs", "out"}
 
@@ -200,14 +200,14 @@ def _fused_16bit_kernels(state_pass, key_dim, chunk, precision):
     walks = [(state_pass._state_pass_fwd, 11, "HAS_INITIAL"),
              (state_pass._state_pass_bwd, 10, "HAS_D_FINAL")]  # fmt: skip
 
-    def launch():
-        return state_pass._launch(key_dim, 1, chunk, key_dim, precision, torch.bfloat16)[1]
+    def launch():  # the launches widened products get (walk_dots "float32")
+        return state_pass._launch(key_dim, 1, chunk, key_dim, precision, torch.bfloat16,
+                                  "float32")[1]  # fmt: skip
 
     narrow = -(-key_dim // state_pass.NARROW_BLOCK_V)
-    with mock.patch.object(state_pass, "WALK_DOTS", "float32"):  # the launches widened ones get
-        kernels = _walks_at_stages(state_pass, "NUM_STAGES", (2, 3), launch, walks)
-        with mock.patch.object(state_pass, "FUSED_PASS_MIN_PROGRAMS", narrow):
-            kernels += _walks_at_stages(state_pass, "NARROW_NUM_STAGES", (2, 3), launch, walks)
+    kernels = _walks_at_stages(state_pass, "NUM_STAGES", (2, 3), launch, walks)
+    with mock.patch.object(state_pass, "FUSED_PASS_MIN_PROGRAMS", narrow):
+        kernels += _walks_at_stages(state_pass, "NARROW_NUM_STAGES", (2, 3), launch, walks)
     return [(kernel, n, {**constants, **WIDENED}, options)
             for kernel, n, constants, options in kernels]  # fmt: skip
 
@@ -232,13 +232,13 @@ def _split_state_pass_kernels(state_pass, key_dim, chunk, precision):
 
 @pytest.mark.parametrize("chunk", [64, 128])
 def test_16bit_products_keep_the_fused_walks_within_their_spill_bounds(chunk):
-    """With bf16 operators and WALK_DOTS "operators" (LOW_DOTS, the default), the fused state
+    """With bf16 operators and walk_dots "operators" (LOW_DOTS, the default), the fused state
     pass's walks, forward and adjoint, at the launches "auto" gives them (BLOCK_V with
     LOW_DOTS_NUM_WARPS and LOW_DOTS_NUM_STAGES where its walks are enough, the narrow launch
     where only its own are) fit the SM's shared memory and spill nothing (K = V = 128), but
     what LOW_DOTS_SPILL_BOUND allows at chunks of 128. With
     the products widened to float32, Triton 3.9 spills 192 to 352 bytes a thread in the forward
-    walk at such launches: what the switch is for (triton/chunk.py WALK_DOTS)."""
+    walk at such launches: what KernelOptions.walk_dots "operators" avoids."""
     from deltalab.ops.delta_rule.triton import chunk as state_pass
 
     types = {p: "*bf16" for p in OPERATOR_POINTERS}

@@ -32,7 +32,6 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from deltalab.errors import closest
-from deltalab.layers import projections as projections_module
 from deltalab.layers.projections import fusable, input_linears, project_together
 from deltalab.ops import norms
 from deltalab.ops._checks import (
@@ -41,7 +40,7 @@ from deltalab.ops._checks import (
     require_rank,
     require_shape,
 )
-from deltalab.ops._recompute import rebuildable, rebuilt_in_backward, recomputed
+from deltalab.ops._recompute import rebuildable, rebuilding, rebuilt_in_backward, recomputed
 from deltalab.ops.delta_rule import (
     BACKENDS,
     delta_rule,
@@ -55,6 +54,7 @@ from deltalab.ops.norms.reference import (
     rms_norm_naive,
     rms_norm_torch,
 )
+from deltalab.ops.options import DEFAULT_OPTIONS, KernelOptions
 from deltalab.ops.parametrize import DeltaRuleInputs
 from deltalab.ops.short_conv import BACKENDS as SHORT_CONV_BACKENDS
 from deltalab.ops.short_conv import resolve_backend as resolve_short_conv_backend
@@ -102,6 +102,8 @@ class FrontendOptions:
         which the short convolutions follow (`short_conv_backend`).
     gate_activation: "sigmoid" or "silu" on the output gate, None for the mixer's default.
     norm_eps: of the output RMSNorm.
+    kernel_options: the `KernelOptions` of the Triton delta rule (and of the rebuilding of its
+        cheap inputs in the backward, `rebuild_in_backward`); the defaults measured best.
     """
 
     hidden_size: int
@@ -113,6 +115,7 @@ class FrontendOptions:
     backend: str = "auto"
     gate_activation: str | None = None
     norm_eps: float = 1e-5
+    kernel_options: KernelOptions = DEFAULT_OPTIONS
 
     def __post_init__(self) -> None:
         require_positive_int("hidden_size", self.hidden_size)
@@ -126,6 +129,11 @@ class FrontendOptions:
         require_choice("backend", self.backend, BACKENDS)
         if self.gate_activation is not None:
             require_choice("gate_activation", self.gate_activation, GATE_ACTIVATIONS)
+        if not isinstance(self.kernel_options, KernelOptions):
+            raise TypeError(
+                "kernel_options must be a deltalab.ops.options.KernelOptions, got "
+                f"{type(self.kernel_options).__name__}"
+            )
 
 
 class FrontendKeywords(TypedDict, total=False):
@@ -140,6 +148,7 @@ class FrontendKeywords(TypedDict, total=False):
     backend: str
     gate_activation: str | None
     norm_eps: float
+    kernel_options: KernelOptions
 
 
 FRONTEND_FIELDS = tuple(f.name for f in dataclasses.fields(FrontendOptions))
@@ -287,10 +296,7 @@ class _SharedInput:
         # A map `project_together` cannot compute from its weight (`fusable`) is left to
         # `apply`, which calls it as a module.
         linears = [lin for proj in projections for lin in input_linears(proj) if fusable(lin)]
-        together = linears and projections_module.PROJECT_TOGETHER
-        # Apart (PROJECT_TOGETHER off), each projection takes the copy through a node of its own
-        # (`apply`), so that its gradient reaches x in x's dtype, as autocast's casts would.
-        self.outputs = project_together(x_in(), linears) if together else {}
+        self.outputs = project_together(x_in(), linears) if linears else {}
 
     def apply(self, proj: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """proj(x): a declared linear map's output, a low-rank projection's second factor
@@ -556,14 +562,15 @@ def run_delta_rule(
     chunk_size: int,
     backend: str = "auto",
     in_place: bool = False,
+    options: KernelOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The one place where a mixer's recurrent-vs-chunked choice is made.
 
     inputs: q, b `[B, T, H, K]`, a `[B, T, H(, K)]`, u `[B, T, H, V]`, g `[B, T, H(, K)]`;
-    memory `[B, H, K, V]` or None (zeros). Returns (o `[B, T, H, V]`, new memory
-    `[B, H, K, V]`). One token continuing a state is a decoding step: the token update, with
-    none of the chunked path's padding; with `in_place` it overwrites `memory` (see
-    `RecurrentState.in_place`).
+    memory `[B, H, K, V]` or None (zeros); options: `delta_rule`'s for whole sequences.
+    Returns (o `[B, T, H, V]`, new memory `[B, H, K, V]`). One token continuing a state is a
+    decoding step: the token update, with none of the chunked path's padding; with `in_place`
+    it overwrites `memory` (see `RecurrentState.in_place`).
     """
     if memory is not None and inputs.q.shape[1] == 1:
         o, memory = delta_rule_step(
@@ -579,6 +586,7 @@ def run_delta_rule(
             output_final_state=True,
             chunk_size=chunk_size,
             backend=backend,
+            options=options,
         )
     # output_final_state=True always returns the state.
     return o, cast(torch.Tensor, final)
@@ -646,6 +654,7 @@ class DeltaMixer(nn.Module, abc.ABC):
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.value_dim = cast(int, options.value_dim)
         self.chunk_size, self.backend = options.chunk_size, options.backend
+        self.kernel_options = options.kernel_options
         conv_size, norm_eps = options.conv_size, options.norm_eps
         key_width, value_width = num_heads * head_dim, num_heads * self.value_dim
         self.q_proj = nn.Linear(hidden_size, key_width, bias=False)
@@ -738,8 +747,9 @@ class DeltaMixer(nn.Module, abc.ABC):
             inputs = identity_at_padding(inputs, mask)
         memory, in_place = (None, False) if state is None else (state.memory, state.in_place)
         o, memory = run_delta_rule(
-            inputs, memory, chunk_size=self.chunk_size, backend=self.backend, in_place=in_place
-        )
+            inputs, memory, chunk_size=self.chunk_size, backend=self.backend, in_place=in_place,
+            options=self.kernel_options,
+        )  # fmt: skip
         reported = self.reported_gates(gates) if return_gates else None
         return o, RecurrentState(memory, *conv, reported)
 
@@ -761,8 +771,13 @@ class DeltaMixer(nn.Module, abc.ABC):
         mask = check_mask(mask, x)
         heads = self.num_heads
         # One autocast copy of x kept for the projections, the gates' included, instead of one
-        # by each, and one matrix product for their input gradient (`projections_of_x`).
-        with sharing_autocast_input(x, self.projections_of_x()):
+        # by each, and one matrix product for their input gradient (`projections_of_x`). The
+        # cheap inputs of the delta rule and of the norm are rebuilt in the backward unless the
+        # options keep them (`rebuilding`).
+        with (
+            rebuilding(self.kernel_options.rebuild_in_backward),
+            sharing_autocast_input(x, self.projections_of_x()),
+        ):
 
             def projected(proj: nn.Module) -> torch.Tensor:
                 # Padding enters the short convolutions as zeros, as the zero cache does before a

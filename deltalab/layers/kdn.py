@@ -297,8 +297,9 @@ class KalmanMixer(DeltaMixer):
             inputs = identity_at_padding(inputs, mask)
         memory, in_place = (None, False) if state is None else (state.memory, state.in_place)
         o, memory = run_delta_rule(
-            inputs, memory, chunk_size=self.chunk_size, backend=self.backend, in_place=in_place
-        )
+            inputs, memory, chunk_size=self.chunk_size, backend=self.backend, in_place=in_place,
+            options=self.kernel_options,
+        )  # fmt: skip
         new_state = KDNState(
             memory,
             *conv,

@@ -36,11 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PROJECT_TOGETHER", "fusable", "input_linears", "project_together"]
-
-# Off: the layers call each projection of x alone (`sharing_autocast_input`), each with its own
-# input gradient product, cast and float32 sum, for benchmarks to compare with.
-PROJECT_TOGETHER = True
+__all__ = ["fusable", "input_linears", "project_together"]
 
 
 def input_linears(module: nn.Module) -> list[nn.Linear]:

@@ -17,8 +17,23 @@ from deltalab.catalog import MIXER_KINDS, RECURRENT_KINDS
 from deltalab.errors import closest
 from deltalab.ops._checks import require_choice, require_positive_int
 from deltalab.ops.delta_rule import BACKENDS
+from deltalab.ops.options import KernelOptions
 
 __all__ = ["MIXER_KINDS", "RECURRENT_KINDS", "DeltaLabConfig", "closest"]
+
+
+def _kernel_options(value: object) -> dict[str, Any]:
+    """The config's kernel_options as the mapping it stores (what config.json holds: the
+    options given, validated by `KernelOptions.from_dict`; errors name the key)."""
+    if isinstance(value, KernelOptions):
+        return value.to_dict()
+    if value is not None and not isinstance(value, dict):
+        raise TypeError(f"kernel_options must be a dict, got {type(value).__name__}")
+    try:
+        KernelOptions.from_dict(value)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"kernel_options: {error}") from None
+    return dict(value or {})
 
 
 class DeltaLabConfig(PreTrainedConfig):
@@ -42,6 +57,9 @@ class DeltaLabConfig(PreTrainedConfig):
         attention_window: sliding window of the attention blocks (None: full causal attention).
         rope_base: rotary base of the attention blocks.
         mixer_options: extra keyword arguments of the recurrent mixer (e.g. `read_gate` for Muir).
+        kernel_options: the Triton delta rule's options for every recurrent mixer, a mapping of
+            `deltalab.ops.options.KernelOptions` fields (e.g. {"walk_dots": "float32"} for fp16
+            training with large loss scales); the ones left out keep their defaults.
     """
 
     model_type = "deltalab"
@@ -67,6 +85,7 @@ class DeltaLabConfig(PreTrainedConfig):
         attention_window: int | None = None,
         rope_base: float = 10000.0,
         mixer_options: dict[str, Any] | None = None,
+        kernel_options: dict[str, Any] | KernelOptions | None = None,
         **kwargs: Any,
     ) -> None:
         if mixer not in MIXER_KINDS:
@@ -122,6 +141,7 @@ class DeltaLabConfig(PreTrainedConfig):
             key: dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
             for key, value in (mixer_options or {}).items()
         }
+        self.kernel_options = _kernel_options(kernel_options)
         # The byte tokenizer's specials (deltalab.data.ByteTokenizer) when the vocabulary has them.
         for name, byte_id in (("bos_token_id", 256), ("eos_token_id", 257), ("pad_token_id", 258)):
             kwargs.setdefault(name, byte_id if byte_id < vocab_size else None)

@@ -11,6 +11,7 @@ from torch import nn
 from deltalab.catalog import MIXER_CLASSES
 from deltalab.layers.common import FRONTEND_FIELDS, FrontendOptions
 from deltalab.ops.norms import layer_backend
+from deltalab.ops.options import KernelOptions
 
 if TYPE_CHECKING:
     from deltalab.models.config import DeltaLabConfig
@@ -26,6 +27,7 @@ CONFIG_FRONTEND_FIELDS = (
     "conv_size",
     "chunk_size",
     "backend",
+    "kernel_options",
 )
 
 
@@ -38,12 +40,14 @@ def frontend_options(config: DeltaLabConfig) -> tuple[FrontendOptions, dict[str,
     """The recurrent mixers' `FrontendOptions` from the config, and the rest of
     `config.mixer_options` (the mixer's own keyword arguments).
 
-    The sizes, conv_size, chunk_size and backend are config fields; the other frontend options
+    The sizes, conv_size, chunk_size, backend and kernel_options are config fields (the last a
+    mapping there, a `KernelOptions` here); the other frontend options
     (gate_activation, norm_eps) may come in `mixer_options`, which must not repeat a field.
     """
     own = dict(config.mixer_options)
     shared = {name: own.pop(name) for name in FRONTEND_FIELDS if name in own}
     fields = {name: getattr(config, name) for name in CONFIG_FRONTEND_FIELDS}
+    fields["kernel_options"] = KernelOptions.from_dict(config.kernel_options)
     for name in sorted(set(shared) & set(fields)):
         raise ValueError(f"mixer_options.{name} repeats the config field {name}; set it there")
     return FrontendOptions(**fields, **shared), own

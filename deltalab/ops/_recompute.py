@@ -40,11 +40,9 @@ def recomputed(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
     )
 
 
-# Whether `rebuilt_in_backward` rebuilds marked tensors (True) or lets them be kept as usual:
-# a switch to compare the two (benchmarks/memory_audit.py --keep-inputs).
-REBUILD_IN_BACKWARD = True
 # Off inside `without_rebuild` (a block under activation checkpointing, whose saves the
-# checkpoint already drops: a recipe would keep its inputs alive there instead).
+# checkpoint already drops: a recipe would keep its inputs alive there instead) and inside
+# `rebuilding(False)` (a layer with `KernelOptions.rebuild_in_backward` off).
 _ENABLED = contextvars.ContextVar("deltalab_rebuild", default=True)
 # The attribute of a tensor that holds its `Recipe`.
 _RECIPE = "_deltalab_recipe"
@@ -98,9 +96,9 @@ def _marked(out: torch.Tensor, recipe: Recipe) -> torch.Tensor:
 
 
 def _rebuilding() -> bool:
-    """Whether marked tensors are rebuilt here: the switch on, outside `without_rebuild`, not
-    under torch.compile."""
-    return REBUILD_IN_BACKWARD and _ENABLED.get() and not torch.compiler.is_compiling()
+    """Whether marked tensors are rebuilt here: outside `without_rebuild` and
+    `rebuilding(False)`, not under torch.compile."""
+    return _ENABLED.get() and not torch.compiler.is_compiling()
 
 
 def rebuildable_product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -128,7 +126,7 @@ def _reshaped(recipe: Recipe, shape: torch.Size) -> torch.Tensor:
 
 def recipe_of(t: torch.Tensor) -> Recipe | None:
     """The recipe `rebuilt_in_backward` would keep in t's place now, or None (unmarked, changed
-    in place since, or rebuilding off)."""
+    in place since, or rebuilding off here)."""
     if not _rebuilding():
         return None
     marked = getattr(t, _RECIPE, None)
@@ -150,12 +148,29 @@ def _unpack(x: Any) -> torch.Tensor:
 def rebuilt_in_backward() -> Iterator[None]:
     """Inside, a tensor marked by `rebuildable` that an op saves for backward is kept as its
     recipe and made again when the backward reads it. Nothing changes under torch.compile, inside
-    `without_rebuild`, or with REBUILD_IN_BACKWARD off."""
+    `without_rebuild`, or inside `rebuilding(False)`."""
     if not (_rebuilding() and torch.is_grad_enabled()):
         yield
         return
     with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
         yield
+
+
+@contextlib.contextmanager
+def rebuilding(enabled: bool) -> Iterator[None]:
+    """Inside, with enabled=False, nothing is marked `rebuildable` nor rebuilt: the ops' saves
+    keep what they save (a layer's `KernelOptions.rebuild_in_backward` off, trading memory for
+    the rebuilds' time). enabled=True changes nothing (an enclosing block may have turned it
+    off). Nothing is set under torch.compile, where nothing is rebuilt anyway (Dynamo does not
+    trace ContextVar operations)."""
+    if enabled or torch.compiler.is_compiling():
+        yield
+        return
+    token = _ENABLED.set(False)
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
 
 
 def without_rebuild(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,9 +1,9 @@
 """The choices a user of the delta-rule kernels may need, in one frozen object.
 
-`delta_rule`, the KDN ops, the layers and the model config (`ModelConfig.kernel_options`) take a
-`KernelOptions`; the defaults are the settings that measured best (docs/PERFORMANCE.md). Launch
-tables (block sizes, warps, thresholds) are not options: each op keeps its own, private, in one
-place.
+`delta_rule`, the KDN ops, the layers and the model config (`DeltaLabConfig.kernel_options`)
+take a `KernelOptions`; the defaults are the settings that measured best (docs/PERFORMANCE.md).
+Launch tables (block sizes, warps, thresholds) are not options: each op keeps its own, private,
+in one place.
 """
 
 from __future__ import annotations
@@ -39,8 +39,11 @@ class KernelOptions:
     walk_dots: the state walk's products in the operators' 16-bit dtype ("operators", default)
         or in float32 ("float32": for fp16 training with large loss scales, whose adjoints may
         not fit fp16's range).
-    rebuild_in_backward: tensors marked rebuildable (norms, gates) are recomputed in the
-        backward instead of kept (default True); False keeps them, trading memory for time.
+    rebuild_in_backward: read by the layers, not by `delta_rule`: the cheap inputs of the delta
+        rule and of the gated output norm (gate products, read query, log decay, a low-rank
+        output gate; `deltalab.ops._recompute.rebuildable`) are made again in the backward
+        instead of kept (default True, the same gradients bit for bit); False keeps them,
+        trading memory for the rebuilds' time.
     """
 
     state_pass: Literal["auto", "fused", "split"] = "auto"

@@ -32,7 +32,7 @@ from deltalab.ops._checks import (
 from deltalab.ops._triton import require_triton, triton_available
 from deltalab.ops.delta_rule.chunk import delta_rule_chunk
 from deltalab.ops.delta_rule.naive import delta_rule_naive, delta_rule_token
-from deltalab.ops.options import KernelOptions
+from deltalab.ops.options import DEFAULT_OPTIONS, KernelOptions
 
 __all__ = ["BACKENDS", "MAX_CHUNK_SIZE", "MIN_CHUNK_SIZE", "delta_rule", "delta_rule_step"]
 
@@ -75,6 +75,18 @@ def require_chunk_size(chunk_size: object) -> int:
             f"chunk_size must be in [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}], got {chunk_size}"
         )
     return chunk_size
+
+
+def require_options(options: object) -> KernelOptions:
+    """`options` as a `KernelOptions` (None: the defaults)."""
+    if options is None:
+        return DEFAULT_OPTIONS
+    if not isinstance(options, KernelOptions):
+        raise TypeError(
+            f"options must be a deltalab.ops.options.KernelOptions or None, got "
+            f"{type(options).__name__}"
+        )
+    return options
 
 
 def _check_gates(q, a, b, u, g, leading: str) -> None:
@@ -134,8 +146,8 @@ def delta_rule(
         chunk_size: tokens per chunk of the "chunk" backend, 16..256.
         backend: "auto", "naive", "chunk" or "triton" ("auto": "triton" on CUDA when Triton
             is installed, else "chunk").
-        options: the Triton kernels' choices (`deltalab.ops.options.KernelOptions`; None: the
-            defaults, which measured best); the other backends ignore them.
+        options: the Triton kernels' `deltalab.ops.options.KernelOptions` (None: the defaults,
+            which measured best); the other backends ignore them.
 
     Returns:
         `(o [B, T, H, V] in q's dtype, final state [N, H, K, V] or None)`. The state is kept in
@@ -153,14 +165,15 @@ def delta_rule(
         require_nonpositive("g", g, "a log decay")
         o, final = _validated_call(
             q, a, b, u, g, scale, initial_state, cu_seqlens, chunk_size, backend,
-            output_final_state,
+            output_final_state, options,
         )  # fmt: skip
     return o.to(q.dtype), (final if output_final_state else None)
 
 
 def _validated_call(
-    q, a, b, u, g, scale, initial_state, cu_seqlens, chunk_size, backend, output_final_state
-):
+    q, a, b, u, g, scale, initial_state, cu_seqlens, chunk_size, backend, output_final_state,
+    options,
+):  # fmt: skip
     """delta_rule past its gates' checks: the other arguments', then the backend's call."""
     batch, length, heads, key_dim = q.shape
     value_dim = u.shape[-1]
@@ -178,6 +191,7 @@ def _validated_call(
         }
     )
     chunk_size = require_chunk_size(chunk_size)
+    options = require_options(options)
     if not isinstance(output_final_state, bool):
         raise TypeError(
             f"output_final_state must be a bool, got {type(output_final_state).__name__}"
@@ -213,7 +227,7 @@ def _validated_call(
         from deltalab.ops.delta_rule.triton.chunk import delta_rule_triton
 
         # Given the inputs' own dtype: it picks the precision of its matrix products.
-        o, final = delta_rule_triton(q, a, b, u, g, state, cu_seqlens, chunk_size, scale)
+        o, final = delta_rule_triton(q, a, b, u, g, state, cu_seqlens, chunk_size, scale, options)
     else:
         inputs = [q.to(dtype) * scale, *(x.to(dtype) for x in (a, b, u, g))]
         inputs[1] = directions(inputs[1], inputs[2])

@@ -21,17 +21,18 @@ parallel over all chunks (`operator_grads_triton`; its PyTorch twin `_operator_g
     d read_i = dO_i S_i^T    d attend_i = dO_i N_i^T    d erase_i = -dN_i S_i^T
     d write_i = N_i dS_{i+1}^T    d decay_i = sum_v dS_{i+1} * S_i    d target_i = dN_i
 
-Two forms of the pass, chosen by `STATE_PASS` (read by `_DeltaRuleTriton`; by default the one
-that is faster at the launch's size, `chosen_state_pass`): "fused" (above) and "split"
+Two forms of the pass, chosen by `KernelOptions.state_pass` (by default the one that is faster
+at the launch's size, `chosen_state_pass`): "fused" (above) and "split"
 (`state_pass_split_triton`, `state_pass_split_triton_backward`), whose walks
 keep only the products that depend on S or dS (N and S' forward, dN and dS backward) and leave
 the outputs, attend^T dO and read^T dO to kernels parallel over chunks; the comment above
 `_state_pass_split_fwd` says why that is exact and what it costs in memory traffic.
 
 Precision: S and every accumulator are float32. The operators arrive in the inputs' dtype when
-those are 16-bit (`OPERATOR_DTYPE = "inputs"`, the default), else in float32. 16-bit operators
-are multiplied as stored, the state and the other operands rounded to their dtype for each
-product (`WALK_DOTS = "operators"`, the default; "float32" widens them to TF32 products).
+those are 16-bit (`KernelOptions.operator_dtype` "inputs", the default), else in float32.
+16-bit operators are multiplied as stored, the state and the other operands rounded to their
+dtype for each product (`KernelOptions.walk_dots` "operators", the default; "float32" widens
+them to TF32 products).
 With float32 operators the products run in IEEE float32 (TF32 would cost ~1e-3 relative
 error); no exponential is taken here, the decays arrive as factors <= 1 from the stable
 stage 1.
@@ -61,6 +62,7 @@ from deltalab.ops.delta_rule.triton.solve import (
     solve_triton,
     solve_triton_backward,
 )
+from deltalab.ops.options import DEFAULT_OPTIONS, KernelOptions
 
 # Value columns per program: S [K, BV] float32 stays in registers, and B * H * V / BV programs
 # fill the GPU's SMs (one sequence and head alone is sequential). Measured on the H200 at K = 128
@@ -78,11 +80,12 @@ NUM_WARPS = 8
 # Pipeline stages of the fused walks' chunk loop, with 16-bit operators and K <= 128 (`_launch`
 # takes 1 otherwise). Software pipelining keeps the next chunk's tiles in shared memory while
 # this one's products run: with float32 operators 2 stages overflowed the SM's 227 KiB
-# (docs/RESULTS.md, twelfth session). 16-bit operators (`OPERATOR_DTYPE`) halve the operator
-# tiles; compiled for sm_90 (Triton 3.9, BV 64, 8 warps), forward / backward at chunk 64 take
+# (docs/RESULTS.md, 2026-12-02). 16-bit operators (`KernelOptions.operator_dtype`) halve the
+# operator tiles; compiled for sm_90 (Triton 3.9, BV 64, 8 warps), forward / backward at chunk
+# 64 take
 # 64 / 64 KiB with 1 stage, 64 / 128 with 2, 64 / 160 with 3 (chunk 128: 64 / 64, 84 / 80,
 # 100 / 96; tests/test_triton_compile.py checks 2 and 3 fit). With the products widened
-# (`WALK_DOTS` "float32") it stays 1 at BLOCK_V: 2 stages at BV 64 were slower backward on the
+# (`walk_dots` "float32") it stays 1 at BLOCK_V: 2 stages at BV 64 were slower backward on the
 # H200 (below), and where the fused walks make enough programs the narrow launch below is
 # faster than either; 16-bit products take LOW_DOTS_NUM_STAGES instead.
 NUM_STAGES = 1
@@ -92,8 +95,8 @@ NUM_STAGES = 1
 # BLOCK_V's launch or the split pass; NARROW_BLOCK_V None: never). Half the columns double the
 # walks, and the pipeline hides the operator loads of each chunk behind the products of the one
 # before. Measured on the H200, B=4 T=4096 K=V=128, bf16 (`tune_triton.py --shape 4xTx{8,16}x128
-# --stages state_pass state_pass_split`, docs/RESULTS.md, thirteenth and fourteenth sessions),
-# forward / backward ms per layer:
+# --stages state_pass state_pass_split`, docs/RESULTS.md, 2026-12-02), forward / backward ms
+# per layer:
 #
 #                                                   H=8 (340M preset)   H=16
 #   fused, BV 64, 8 warps, 1 stage                  0.56 / 0.57         0.63 / 0.61
@@ -103,19 +106,19 @@ NUM_STAGES = 1
 #   split, its launch                               0.37 / 0.45         0.68 / 0.83
 #
 # At H=8 it replaced the split pass (0.82 -> 0.71 ms a layer: the 340M step's delta-rule kernels
-# 76.8 -> 74.4 ms, fourteenth session), at H=16 the fused pass at BLOCK_V (1.24 -> 1.05). With
+# 76.8 -> 74.4 ms), at H=16 the fused pass at BLOCK_V (1.24 -> 1.05). With
 # one sequence of 16K tokens at H=8 (32 walks even at 32 columns) the split pass stays.
 # With the products widened to float32 the forward walk spills registers at each of these
-# launches (compiled for sm_90; the figures at `WALK_DOTS`, the switch that removes them).
+# launches (compiled for sm_90; the figures at `low_dots`, the choice that removes them).
 NARROW_BLOCK_V = 32
 NARROW_NUM_STAGES = 2
 NARROW_NUM_WARPS = 4
-# With the walks' products in the operators' 16-bit dtype (`WALK_DOTS` "operators", the
+# With the walks' products in the operators' 16-bit dtype (`walk_dots` "operators", the
 # default) the operand registers halve and the order above changes: BLOCK_V's 64 columns on
 # LOW_DOTS_NUM_WARPS warps with LOW_DOTS_NUM_STAGES stages wherever they make
 # FUSED_PASS_MIN_PROGRAMS walks, else the narrow launch where its walks do, else the split
 # pass. Measured on the H200, B=4 T=4096 K=V=128, bf16, products in bf16 (`tune_triton.py
-# --shape 4x4096x{16,8}x128 --stages state_pass`, docs/RESULTS.md, fifteenth session), forward /
+# --shape 4x4096x{16,8}x128 --stages state_pass`, docs/RESULTS.md, 2026-12-02), forward /
 # backward ms per layer:
 #
 #                                                   H=8 (340M preset)   H=16
@@ -169,7 +172,7 @@ def _state_pass_fwd(
     LOW_DOTS: tl.constexpr = False,
 ):  # fmt: skip
     """out: token-major [B, T, H, V] as `intra.Tokens` (TN, H, T, CS) maps it, written in its
-    own dtype; the operators chunked, float32 or 16-bit (`OPERATOR_DTYPE`), read into float32;
+    own dtype; the operators chunked, float32 or 16-bit (`operator_dtype`), read into float32;
     everything else chunked float32, n_chunks per (sequence, head). One program per
     value block and (sequence, head, segment of seg_len chunks; n_seg of them), starting from
     `initial` [B * H * n_seg, K, V] and ending in `final` of the same shape (the whole pass: one
@@ -179,7 +182,7 @@ def _state_pass_fwd(
     of each (sequence, head), `states` holding ceil(n_chunks / keep_every) per (sequence, head)
     (keep_every = 1: all of them); STORE_RESIDUAL=False stores no residuals (with one row block,
     C == BC, nothing in the pass reads them back). LOW_DOTS: the products take the 16-bit
-    operators as stored and the state and residuals rounded to their dtype (`WALK_DOTS`)."""
+    operators as stored and the state and residuals rounded to their dtype (`low_dots`)."""
     walk, rk, rv, rc, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
     bh = walk // n_seg
     start = (walk % n_seg) * seg_len
@@ -348,8 +351,8 @@ SPLIT_WALK_NUM_WARPS = 2
 # carried across chunks. Compiled for sm_90 at K = 128 and 256 (tests/test_triton_compile.py),
 # 4 warps of 32 columns spill no registers (an earlier backward spilled 176 bytes a thread in
 # its Q [K, BV] at 4 warps of 64 columns; today's does not). Measured on the H200 with bf16
-# operators (`tune_triton.py --stages state_pass_split`, docs/RESULTS.md, thirteenth and
-# fourteenth sessions), the split pass forward / backward ms per layer:
+# operators (`tune_triton.py --stages state_pass_split`, docs/RESULTS.md, 2026-12-02), the split
+# pass forward / backward ms per layer:
 #
 #   parallel kernels                B=4 T=4096 H=8   B=1 T=16384 H=8
 #   BV 64, 8 warps                  0.37 / 0.45      0.77 / 1.09
@@ -554,8 +557,8 @@ def _operator_grads_kernel(
         tl.store(d_decay + chunk * K + rk, acc_decay, mask=mk & (rk * 0 + rb == 0))
 
 
-# The products of the walks (fused: `_state_pass_fwd`, `_state_pass_bwd`; split: their split
-# counterparts) with 16-bit operators:
+# `KernelOptions.walk_dots`: the products of the walks (fused: `_state_pass_fwd`,
+# `_state_pass_bwd`; split: their split counterparts) with 16-bit operators:
 # "float32" widens every operand to float32 (TF32 products, as for float32 operators);
 # "operators" (the default) multiplies the operators as stored, in their 16-bit dtype, with the
 # state, the residuals, dS, dN and dO rounded to it at each product (the state itself and every
@@ -571,33 +574,30 @@ def _operator_grads_kernel(
 # against TF32's 11), so the rounding does not compound from chunk to chunk: each chunk's
 # products carry a relative error of about 2^-9, as every other bf16 product of the layer
 # does. Checked against the float64 loop: fp16 under the interpreter within the fp16 bound
-# (tests/test_delta_rule_triton.py), bf16 on the GPU by its
-# test_bf16_walks_stay_within_the_bf16_bound_of_the_loop (written after the fifteenth
-# session's GPU time ran out: not yet run). The H200 runs' outputs with bf16 products
+# (tests/test_delta_rule_triton.py), bf16 on the H200 by its
+# test_bf16_walks_stay_within_the_bf16_bound_of_the_loop (docs/RESULTS.md, 2026-12-02). The
+# H200 runs' outputs with bf16 products
 # differed from widened ones by at most 2.7e-3 (`tune_triton.py`). With fp16 operators the
 # rounded adjoints (dS, dN, dO) must also fit fp16's range (65504), as under a loss scale they
 # may not: set "float32" for fp16 training with large loss scales.
-WALK_DOTS = "operators"
-WALK_DOTS_CHOICES = ("float32", "operators")
 
 
-def low_dots(operators: torch.dtype) -> bool:
-    """Whether the walks multiply in the operators' 16-bit dtype (`WALK_DOTS`)."""
-    if WALK_DOTS not in WALK_DOTS_CHOICES:
-        raise ValueError(f"WALK_DOTS must be one of {list(WALK_DOTS_CHOICES)}, got {WALK_DOTS!r}")
-    return WALK_DOTS == "operators" and operators.itemsize == 2
+def low_dots(operators: torch.dtype, walk_dots: str = "operators") -> bool:
+    """Whether the walks multiply in the operators' 16-bit dtype (`KernelOptions.walk_dots`)."""
+    return walk_dots == "operators" and operators.itemsize == 2
 
 
 def _launch(value_dim: int, programs: int, size: int, key_dim: int, precision: str,
-            operators: torch.dtype = torch.float32):  # fmt: skip
+            operators: torch.dtype = torch.float32, walk_dots: str = "operators"):  # fmt: skip
     """Grid and the shape constants shared by both kernels; `operators`: the dtype the chunk
-    operators are stored in (16-bit ones take a pipelined launch: with 16-bit products
+    operators are stored in, `walk_dots` their products' (16-bit operators take a pipelined
+    launch: with 16-bit products
     LOW_DOTS_NUM_WARPS and LOW_DOTS_NUM_STAGES at BLOCK_V where its walks are enough, else the
     narrow launch where its own are; widened, the narrow launch where its walks are enough,
     else NUM_STAGES at BLOCK_V)."""
     block_v = BLOCK_V if key_dim <= 128 else BLOCK_V_WIDE_K
     pipelined = operators.itemsize == 2 and key_dim <= 128
-    low = pipelined and low_dots(operators)
+    low = pipelined and low_dots(operators, walk_dots)
     stages, warps = (NUM_STAGES if pipelined else 1), NUM_WARPS
     if low:
         stages, warps = LOW_DOTS_NUM_STAGES, LOW_DOTS_NUM_WARPS
@@ -618,15 +618,16 @@ def _launch(value_dim: int, programs: int, size: int, key_dim: int, precision: s
 def state_pass_triton(ops, initial_state: torch.Tensor | None, precision: str = "ieee",
                       out: torch.Tensor | None = None, tokens: Tokens | None = None,
                       write_out: bool = True, keep_every: int = 1,
-                      keep_residuals: bool = True):  # fmt: skip
+                      keep_residuals: bool = True, walk_dots: str = "operators"):  # fmt: skip
     """Stages 3-4 of `chunk.py` in one kernel: (outputs, residuals [B, H, n, C, V], chunk-start
     states [B, H, n, K, V], final state [B, H, K, V]). With keep_every > 1 only the states of
     chunks 0, keep_every, 2 keep_every, ... [B, H, ceil(n / keep_every), K, V] (what the
-    backward keeps with `RECOMPUTE_STATES`: the others are never written); keep_residuals=False
-    returns None for the residuals (the kernel writes them only where it reads them back).
+    backward keeps with `KernelOptions.recompute_states`: the others are never written);
+    keep_residuals=False returns None for the residuals (the kernel writes them only where it
+    reads them back).
 
     `ops`: a `ChunkOperators` of contiguous tensors [B, H, n, C, *] (float32, or 16-bit as
-    `OPERATOR_DTYPE` stores them; decay float32); initial_state:
+    `operator_dtype` stores them; decay float32); initial_state:
     [B, H, K, V] or None; precision: "ieee" (float32 products) or "tf32". The outputs go to
     `out`, token-major [B, T, H, V] as `tokens` maps it, in its dtype; without it, to a new
     chunked float32 [B, H, n, C, V]. write_out=False: no outputs (returned as None).
@@ -634,14 +635,14 @@ def state_pass_triton(ops, initial_state: torch.Tensor | None, precision: str = 
     start = None if initial_state is None else initial_state[:, :, None]
     out, residual, states, ends = _walk_fused(
         ops, start, ops.read.shape[2], precision, out, tokens, write_out, keep_every,
-        keep_residuals,
+        keep_residuals, walk_dots,
     )  # fmt: skip
     return out, residual, states, ends[:, :, 0]
 
 
 def _walk_fused(ops, starts, every: int, precision: str, out=None, tokens=None,
-                write_out: bool = True, keep_every: int = 1,
-                keep_residuals: bool = True):  # fmt: skip
+                write_out: bool = True, keep_every: int = 1, keep_residuals: bool = True,
+                walk_dots: str = "operators"):  # fmt: skip
     """`_state_pass_fwd` over segments of `every` chunks, all at once, each from its start state
     in `starts` [B, H, n_seg, K, V] float32 (None: one segment, from zero): (outputs or None,
     residuals or None, chunk-start states (every keep_every-th), each segment's end state
@@ -653,7 +654,8 @@ def _walk_fused(ops, starts, every: int, precision: str, out=None, tokens=None,
     # The launch of the whole walk (value columns, warps, stages), only with n_seg times its
     # programs: the segments' walk then does each chunk's products as the forward did, the same
     # values bit for bit, where a launch picked by the segments' count could differ.
-    _, consts = _launch(value_dim, batch * heads, size, key_dim, precision, ops.read.dtype)
+    _, consts = _launch(value_dim, batch * heads, size, key_dim, precision, ops.read.dtype,
+                        walk_dots)  # fmt: skip
     grid = (triton.cdiv(value_dim, consts["BV"]) * batch * heads * n_seg,)
     # Residuals are written where they are kept or where the pass reads them back (row blocks
     # after the first read the earlier blocks' residuals: chunks past BLOCK_C rows).
@@ -675,14 +677,14 @@ def _walk_fused(ops, starts, every: int, precision: str, out=None, tokens=None,
         *ops, starts if starts is not None else ends, out if out is not None else ends,
         residual if residual is not None else ends, states, ends, n_chunks, every, n_seg,
         keep_every, *tokens.args(), HAS_INITIAL=starts is not None, WRITE_OUT=write_out,
-        STORE_RESIDUAL=store_residual, LOW_DOTS=low_dots(ops.read.dtype), **consts,
+        STORE_RESIDUAL=store_residual, LOW_DOTS=low_dots(ops.read.dtype, walk_dots), **consts,
     )  # fmt: skip
     return out, residual if keep_residuals else None, states, ends
 
 
 def state_pass_triton_backward(
     ops, d_out: torch.Tensor, d_final: torch.Tensor | None, precision: str = "ieee",
-    tokens: Tokens | None = None,
+    tokens: Tokens | None = None, walk_dots: str = "operators",
 ):  # fmt: skip
     """The adjoint walk: (dN [B, H, n, C, V], dS after each chunk [B, H, n, K, V],
     d initial state [B, H, K, V]). d_out: token-major [B, T, H, V] as `tokens` maps it, or
@@ -694,12 +696,13 @@ def state_pass_triton_backward(
     d_residual = torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
     d_next = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
     d_initial = torch.empty(batch, heads, key_dim, value_dim, device=device)
-    grid, consts = _launch(value_dim, batch * heads, size, key_dim, precision, ops.read.dtype)
+    grid, consts = _launch(value_dim, batch * heads, size, key_dim, precision, ops.read.dtype,
+                           walk_dots)  # fmt: skip
     _state_pass_bwd[grid](
         ops.read, ops.attend, ops.erase, ops.write, ops.decay, d_out,
         d_final if d_final is not None else d_initial, d_residual, d_next, d_initial, n_chunks,
-        *tokens.args(), HAS_D_FINAL=d_final is not None, LOW_DOTS=low_dots(ops.read.dtype),
-        **consts,
+        *tokens.args(), HAS_D_FINAL=d_final is not None,
+        LOW_DOTS=low_dots(ops.read.dtype, walk_dots), **consts,
     )  # fmt: skip
     return d_residual, d_next, d_initial
 
@@ -715,7 +718,7 @@ def _split_launch(value_dim: int, size: int, key_dim: int, precision: str):
     return walk, parallel
 
 
-def _walk_split(ops, starts, every: int, precision: str):
+def _walk_split(ops, starts, every: int, precision: str, walk_dots: str = "operators"):
     """`_state_pass_split_fwd` over segments of `every` chunks, as `_walk_fused` (no outputs):
     (residuals, chunk-start states, each segment's end state)."""
     batch, heads, n_chunks, size, key_dim = ops.read.shape
@@ -729,31 +732,36 @@ def _walk_split(ops, starts, every: int, precision: str):
     _state_pass_split_fwd[(triton.cdiv(value_dim, walk["BV"]) * batch * heads * n_seg,)](
         ops.erase, ops.target, ops.write, ops.decay, starts if starts is not None else ends,
         residual, states, ends, n_chunks, every, n_seg, HAS_INITIAL=starts is not None,
-        LOW_DOTS=low_dots(ops.read.dtype), **walk,
+        LOW_DOTS=low_dots(ops.read.dtype, walk_dots), **walk,
     )  # fmt: skip
     return residual, states, ends
 
 
-def state_walk_split_triton(ops, starts: torch.Tensor, every: int, precision: str = "ieee"):
+def state_walk_split_triton(ops, starts: torch.Tensor, every: int, precision: str = "ieee",
+                            walk_dots: str = "operators"):  # fmt: skip
     """What the backward recomputes when it does not keep the split pass's states and residuals
-    (`RECOMPUTE_STATES`): (residuals [B, H, n, C, V], chunk-start states [B, H, n, K, V]) from
-    `starts` [B, H, ceil(n / every), K, V], the chunk-start states of chunks 0, every, 2 every,
-    ... The segments between them are walked at once, one program each (per value block),
-    with the forward walk's operations: the same values, bit for bit."""
-    residual, states, _ = _walk_split(ops, starts, every, precision)
+    (`KernelOptions.recompute_states`): (residuals [B, H, n, C, V], chunk-start states
+    [B, H, n, K, V]) from `starts` [B, H, ceil(n / every), K, V], the chunk-start states of
+    chunks 0, every, 2 every, ... The segments between them are walked at once, one program
+    each (per value block), with the forward walk's operations: the same values, bit for bit.
+    walk_dots: the products' dtype, as the forward took them (`low_dots`)."""
+    residual, states, _ = _walk_split(ops, starts, every, precision, walk_dots)
     return residual, states
 
 
-def state_walk_fused_triton(ops, starts: torch.Tensor, every: int, precision: str = "ieee"):
+def state_walk_fused_triton(ops, starts: torch.Tensor, every: int, precision: str = "ieee",
+                            walk_dots: str = "operators"):  # fmt: skip
     """`state_walk_split_triton` for the fused pass (`_state_pass_fwd` with WRITE_OUT=False):
     the values its forward gave."""
-    _, residual, states, _ = _walk_fused(ops, starts, every, precision, write_out=False)
+    _, residual, states, _ = _walk_fused(ops, starts, every, precision, write_out=False,
+                                         walk_dots=walk_dots)  # fmt: skip
     return residual, states
 
 
 def state_pass_split_triton(ops, initial_state: torch.Tensor | None, precision: str = "ieee",
                             out: torch.Tensor | None = None, tokens: Tokens | None = None,
-                            keep_every: int = 1, keep_residuals: bool = True):  # fmt: skip
+                            keep_every: int = 1, keep_residuals: bool = True,
+                            walk_dots: str = "operators"):  # fmt: skip
     """`state_pass_triton` split in two kernels (the walk, then the outputs in parallel over
     chunks; see above `_state_pass_split_fwd`): the same arguments and returns. The output
     kernel reads every chunk-start state and residual, so the walk writes them all; keep_every
@@ -761,7 +769,7 @@ def state_pass_split_triton(ops, initial_state: torch.Tensor | None, precision: 
     batch, heads, n_chunks, size, key_dim = ops.read.shape
     value_dim = ops.target.shape[-1]
     start = None if initial_state is None else initial_state[:, :, None]
-    residual, states, ends = _walk_split(ops, start, n_chunks, precision)
+    residual, states, ends = _walk_split(ops, start, n_chunks, precision, walk_dots)
     final = ends[:, :, 0]
     if out is None:
         out, tokens = torch.empty_like(residual), Tokens.of_chunks(residual)
@@ -777,7 +785,7 @@ def state_pass_split_triton(ops, initial_state: torch.Tensor | None, precision: 
 
 def state_pass_split_triton_backward(
     ops, d_out: torch.Tensor, d_final: torch.Tensor | None, precision: str = "ieee",
-    tokens: Tokens | None = None,
+    tokens: Tokens | None = None, walk_dots: str = "operators",
 ):  # fmt: skip
     """`state_pass_triton_backward` split in two kernels (attend^T dO and read^T dO in parallel
     over chunks, then the walk; see above `_state_pass_split_fwd`): the same arguments and
@@ -797,18 +805,18 @@ def state_pass_split_triton_backward(
     _state_pass_split_bwd[(triton.cdiv(value_dim, walk["BV"]) * batch * heads,)](
         ops.erase, ops.write, ops.decay, d_final if d_final is not None else d_initial,
         d_residual, d_next, d_initial, n_chunks, HAS_D_FINAL=d_final is not None,
-        LOW_DOTS=low_dots(ops.read.dtype), **walk,
+        LOW_DOTS=low_dots(ops.read.dtype, walk_dots), **walk,
     )  # fmt: skip
     return d_residual, d_next, d_initial
 
 
-# The state pass `_DeltaRuleTriton` runs: "fused" (stages 3-4 in one walk, `state_pass_triton`),
-# "split" (the walk reduced to the state recurrence, `state_pass_split_triton`), or "auto", the
-# default: the fused pass from FUSED_PASS_MIN_PROGRAMS programs (B * H * V / BLOCK_V, or with
-# 16-bit operators B * H * V / NARROW_BLOCK_V), the split pass below (96: a threshold between
-# the two measured points, 64 and 128 programs, not itself measured). Read at each forward; its
-# backward takes the same
-# form. Measured on the H200 (`tune_triton.py`, per layer, forward / backward ms; docs/RESULTS.md):
+# The state pass `_DeltaRuleTriton` runs, `KernelOptions.state_pass`: "fused" (stages 3-4 in one
+# walk, `state_pass_triton`), "split" (the walk reduced to the state recurrence,
+# `state_pass_split_triton`), or "auto", the default: the fused pass from
+# FUSED_PASS_MIN_PROGRAMS programs (B * H * V / BV at the launch `_launch` picks), the split pass
+# below (96: a threshold between the two measured points, 64 and 128 programs, not itself
+# measured). The backward takes the forward's form. Measured on the H200 (`tune_triton.py`, per
+# layer, forward / backward ms; docs/RESULTS.md):
 #   B=4 T=4096 H=16 (128 fused programs): fused 0.78 / 0.86, split 0.91 / 1.25;
 #   B=4 T=4096 H=8 (64): fused 0.72 / 0.84, split 0.46 / 0.59;
 #   B=1 T=16384 H=8 (16): fused 2.72 / 3.23, split 1.00 / 1.38.
@@ -818,52 +826,47 @@ def state_pass_split_triton_backward(
 # columns, not 64) and leaves the outputs to kernels parallel over chunks: it wins while the
 # fused walks leave SMs idle (132 on the H200), and loses by its extra kernels and traffic
 # once they do not.
-STATE_PASS = "auto"
 FUSED_PASS_MIN_PROGRAMS = 96
 # Per state pass: its forward, its backward, and the walk that gives the residuals and the
-# chunk-start states again (`RECOMPUTE_STATES`).
-STATE_PASSES = {
+# chunk-start states again (`KernelOptions.recompute_states`).
+PASS_FORMS = {
     "fused": (state_pass_triton, state_pass_triton_backward, state_walk_fused_triton),
     "split": (state_pass_split_triton, state_pass_split_triton_backward, state_walk_split_triton),
 }
 
 
 def chosen_state_pass(batch: int, heads: int, key_dim: int, value_dim: int,
-                      operators: torch.dtype = torch.float32) -> str:  # fmt: skip
-    """The state pass `STATE_PASS` names for inputs of this shape whose chunk operators are
-    stored in `operators` (see above; 16-bit ones may take the narrow fused launch)."""
-    if STATE_PASS != "auto":
-        if STATE_PASS not in STATE_PASSES:
-            raise ValueError(
-                f"STATE_PASS must be one of {[*sorted(STATE_PASSES), 'auto']}, got {STATE_PASS!r}"
-            )
-        return STATE_PASS
-    (programs,), _ = _launch(value_dim, batch * heads, 1, key_dim, "ieee", operators)
+                      operators: torch.dtype = torch.float32,
+                      options: KernelOptions = DEFAULT_OPTIONS) -> str:  # fmt: skip
+    """The state pass `options.state_pass` names for inputs of this shape whose chunk operators
+    are stored in `operators` (see above; 16-bit ones may take the narrow fused launch)."""
+    if options.state_pass != "auto":
+        return options.state_pass
+    (programs,), _ = _launch(value_dim, batch * heads, 1, key_dim, "ieee", operators,
+                             options.walk_dots)  # fmt: skip
     return "fused" if programs >= FUSED_PASS_MIN_PROGRAMS else "split"
 
 
-# Whether the backward walks the chunks again for the chunk-start states [B, H, n, K, V] and the
-# residuals [B, H, n, C, V] instead of keeping them from the forward (on by default, as the
-# issue asks: the backward recomputes what is cheap instead of storing per-chunk tensors). Both
-# are float32: with 8 heads of K = V = 128 and chunks of 64 (the 340M preset) they are 12 KB per
-# token and layer, the largest item of what a GDN-2 block keeps for its backward. Measured on the
-# H200 in a 340M GDN-2 training step (bf16, 24 layers, split pass; docs/RESULTS.md, 2026-12-01):
-# peak memory 33.0 -> 28.8 GiB at B=4 T=4096 and 33.1 -> 28.7 at B=1 T=16384 (Muir 35.9 -> 31.6
-# at 16K, Diagonal KDN 38.9 -> 34.7 at 4K); kernel time per step 232.2 -> 238.8 ms (+2.8%) at 4K
-# and 261.6 -> 288.4 (+10%: 64 walks of 256 chunks, as in the forward) at 16K. Those figures are
-# for the walk from the initial state; walking from checkpoints (below), the 16K step's
-# delta-rule kernels took 112.8 ms against 135.2 (2026-12-02). The walk gives the forward's
-# values bit for bit, both passes, compiled on the H200 (Triton 3.6, bf16 and float32) and under
-# the interpreter (tests/test_delta_rule_triton.py).
-RECOMPUTE_STATES = True
-# With RECOMPUTE_STATES the forward keeps the chunk-start states of chunks 0, 8, 16, ... (1/8 of
-# them: 1 KB per token and layer at the 340M preset, against 12 KB for all of them and the
-# residuals), and the backward walks the segments between them all at once: B * H * n / 8
-# walks of 8 chunks instead of B * H walks of n. A walk is latency-bound (one chunk after the
-# other), so the 340M preset's recomputation at B=1 T=16384 (16 walks of 256 chunks with the
-# fused pass's value blocks; 64 with the split pass's) becomes 32 times as many walks, each 32
-# times shorter, and fills the GPU.
-CHECKPOINT_EVERY = 8
+# `KernelOptions.recompute_states` (default on): the backward walks the chunks again for the
+# chunk-start states [B, H, n, K, V] and the residuals [B, H, n, C, V] instead of keeping them
+# from the forward. Both are float32: with 8 heads of K = V = 128 and chunks of 64 (the 340M
+# preset) they are 12 KB per token and layer, the largest item of what a GDN-2 block keeps for
+# its backward. Measured on the H200 in a 340M GDN-2 training step (bf16, 24 layers, split pass;
+# docs/RESULTS.md, 2026-12-01): peak memory 33.0 -> 28.8 GiB at B=4 T=4096 and 33.1 -> 28.7 at
+# B=1 T=16384 (Muir 35.9 -> 31.6 at 16K, Diagonal KDN 38.9 -> 34.7 at 4K); kernel time per step
+# 232.2 -> 238.8 ms (+2.8%) at 4K and 261.6 -> 288.4 (+10%: 64 walks of 256 chunks, as in the
+# forward) at 16K. Those figures are for the walk from the initial state; walking from
+# checkpoints (below), the 16K step's delta-rule kernels took 112.8 ms against 135.2
+# (2026-12-02). The walk gives the forward's values bit for bit, both passes, compiled on the
+# H200 (Triton 3.6, bf16 and float32) and under the interpreter (tests/test_delta_rule_triton.py).
+#
+# `KernelOptions.checkpoint_every` (default 8): the forward keeps the chunk-start states of chunks
+# 0, 8, 16, ... (1/8 of them: 1 KB per token and layer at the 340M preset, against 12 KB for all
+# of them and the residuals), and the backward walks the segments between them all at once:
+# B * H * n / 8 walks of 8 chunks instead of B * H walks of n. A walk is latency-bound (one chunk
+# after the other), so the 340M preset's recomputation at B=1 T=16384 (16 walks of 256 chunks
+# with the fused pass's value blocks; 64 with the split pass's) becomes 32 times as many walks,
+# each 32 times shorter, and fills the GPU.
 
 
 def operator_grads_triton(states, residuals, d_out, d_residual, d_next, precision: str = "ieee",
@@ -904,11 +907,12 @@ def _operator_grads(states, residuals, d_out, d_residual, d_next) -> ChunkOperat
     )
 
 
-# The dtype the chunk operators are stored in between kernels (read, attend, erase, target,
-# write, and the erase's right-hand side exp(G) b; not the decays, nor L, the solve's matrix):
-# "inputs" (the default) stores them in the inputs' 16-bit dtype when q, a, b or u is bf16 or
-# fp16 (`operator_dtype`); "float32" always in float32. Every kernel forms them in float32; the
-# state pass's walks multiply 16-bit ones as stored (`WALK_DOTS`), the other kernels read them
+# `KernelOptions.operator_dtype`: the dtype the chunk operators are stored in between kernels
+# (read, attend, erase, target, write, and the erase's right-hand side exp(G) b; not the decays,
+# nor L, the solve's matrix): "inputs" (the default) stores them in the inputs' 16-bit dtype when
+# q, a, b or u is bf16 or fp16 (`operator_dtype`); "float32" always in float32. Every kernel forms
+# them in float32; the state pass's walks multiply 16-bit ones as stored
+# (`KernelOptions.walk_dots`), the other kernels read them
 # back into float32 products; the states, residuals and every accumulator stay
 # float32. What the 16-bit storage adds is the rounding of each operator to the inputs' dtype:
 # read, write and exp(G) b are factors <= 1 times q, a, b (rounded as the inputs were), M is a
@@ -916,22 +920,20 @@ def _operator_grads(states, residuals, d_out, d_residual, d_next) -> ChunkOperat
 # them (it reads them back as stored). With fp16 that is finer than the TF32 operands the
 # products already take (11 significant bits each); with bf16 (8 bits) it is coarser, an
 # error of the inputs' own size on every operator. It halves the bytes the state pass, the
-# solve and the factors move per chunk. Measured on the H200 (docs/RESULTS.md, 2026-12-02,
-# thirteenth session; benchmarks/h200_suite.sh ops_ab, ops16_ptrain), bf16 inputs: the largest
+# solve and the factors move per chunk. Measured on the H200 (docs/RESULTS.md, 2026-12-02;
+# benchmarks/h200_suite.sh ops_ab, ops16_ptrain), bf16 inputs: the largest
 # relative error against float64 over the output and every gradient, at bench_triton.py's
 # check shape, 6.4e-3 (float32 operators: 6.1e-3); at B=4 T=4096 H=16, GDN-2's
 # forward+backward 7.37 -> 6.66 ms and its peak 2.04 -> 1.76 GiB; the 340M GDN-2 step's
 # delta-rule kernels 86.1 -> 76.8 ms.
-OPERATOR_DTYPE = "inputs"
 
 
-def operator_dtype(*inputs: torch.Tensor) -> torch.dtype:
-    """The dtype `OPERATOR_DTYPE` stores the chunk operators in, for inputs q, a, b, u: the first
-    16-bit dtype among them, or float32."""
-    if OPERATOR_DTYPE not in ("inputs", "float32"):
-        raise ValueError(f"OPERATOR_DTYPE must be 'inputs' or 'float32', got {OPERATOR_DTYPE!r}")
+def operator_dtype(*inputs: torch.Tensor, stored: str = "inputs") -> torch.dtype:
+    """The dtype the chunk operators are stored in for inputs q, a, b, u and
+    `KernelOptions.operator_dtype` `stored`: with "inputs" the first 16-bit dtype among them,
+    else (or with none) float32."""
     low = _low_precision(*inputs)
-    return low if OPERATOR_DTYPE == "inputs" and low is not None else torch.float32
+    return low if stored == "inputs" and low is not None else torch.float32
 
 
 def _precision_inputs(q, a, b, u) -> tuple[torch.Tensor, ...]:
@@ -970,35 +972,38 @@ class _DeltaRuleTriton(torch.autograd.Function):
     storing the per-chunk operators, and walks the stages back by hand (no PyTorch graph through
     them).
 
-    Saved for backward: the inputs themselves, and (with `RECOMPUTE_STATES`, the default) the
-    chunk-start states of every CHECKPOINT_EVERY-th chunk, from which the backward walks the
-    others and the residuals again; without it, all chunk-start states and the residuals.
+    Saved for backward: the inputs themselves, and (with `options.recompute_states`, the
+    default) the chunk-start states of every `options.checkpoint_every`-th chunk, from which the
+    backward walks the others and the residuals again; without it, all chunk-start states and
+    the residuals. The backward runs with the forward's options.
     """
 
     @staticmethod
-    def forward(ctx, q, a, b, u, g, initial_state, chunk_size, scale, precision):
+    def forward(ctx, q, a, b, u, g, initial_state, chunk_size, scale, precision, options):
         ctx.set_materialize_grads(False)
         batch, length, heads, key_dim = q.shape
         # Read once: the backward recomputes the operators as the forward made them.
-        ctx.operator_dtype = operator_dtype(*_precision_inputs(q, a, b, u))
-        chosen = chosen_state_pass(batch, heads, key_dim, u.shape[-1], ctx.operator_dtype)
-        state_pass, ctx.state_pass_backward, ctx.walk = STATE_PASSES[chosen]
+        ctx.operator_dtype = operator_dtype(
+            *_precision_inputs(q, a, b, u), stored=options.operator_dtype
+        )
+        chosen = chosen_state_pass(batch, heads, key_dim, u.shape[-1], ctx.operator_dtype,
+                                   options)  # fmt: skip
+        state_pass, ctx.state_pass_backward, ctx.walk = PASS_FORMS[chosen]
         q, a, b, u, g = (x.contiguous() for x in (q, a, b, u, g))
         initial_state = initial_state.contiguous()
         tokens = Tokens(-(-length // chunk_size), heads, length, chunk_size)
         ops, _ = _operators_triton(q, a, b, u, g, precision, tokens, scale, ctx.operator_dtype)
         out = q.new_empty(u.shape)
-        if not (isinstance(CHECKPOINT_EVERY, int) and CHECKPOINT_EVERY >= 1):
-            raise ValueError(f"CHECKPOINT_EVERY must be an int >= 1, got {CHECKPOINT_EVERY!r}")
-        ctx.recompute_states, ctx.every = RECOMPUTE_STATES, CHECKPOINT_EVERY
-        # With RECOMPUTE_STATES the pass keeps only the states of every `every`-th chunk (the
-        # backward walks the segments between them again, all at once) and no residuals.
+        recompute, ctx.walk_dots = options.recompute_states, options.walk_dots
+        ctx.recompute_states, ctx.every = recompute, options.checkpoint_every
+        # Recomputing, the pass keeps only the states of every `every`-th chunk (the backward
+        # walks the segments between them again, all at once) and no residuals.
         _, residuals, states, final = state_pass(
             ops, initial_state, precision, out=out, tokens=tokens,
-            keep_every=ctx.every if RECOMPUTE_STATES else 1,
-            keep_residuals=not RECOMPUTE_STATES,
+            keep_every=ctx.every if recompute else 1, keep_residuals=not recompute,
+            walk_dots=ctx.walk_dots,
         )  # fmt: skip
-        if RECOMPUTE_STATES:
+        if recompute:
             ctx.save_for_backward(q, a, b, u, g, states)
         else:
             ctx.save_for_backward(q, a, b, u, g, states, residuals)
@@ -1011,14 +1016,14 @@ class _DeltaRuleTriton(torch.autograd.Function):
         q, a, b, u, g, *kept = ctx.saved_tensors
         ops, lower = _operators_triton(q, a, b, u, g, precision, tokens, scale, ctx.operator_dtype)
         if ctx.recompute_states:
-            residuals, states = ctx.walk(ops, kept[0], ctx.every, precision)
+            residuals, states = ctx.walk(ops, kept[0], ctx.every, precision, ctx.walk_dots)
         else:
             states, residuals = kept
         # The output's gradient is read token-major where it lies, like the inputs.
         d_out = torch.zeros_like(u) if d_o is None else d_o.contiguous()
         d_final = None if d_final is None else d_final.contiguous()
         d_residual, d_next, d_initial = ctx.state_pass_backward(
-            ops, d_out, d_final, precision, tokens
+            ops, d_out, d_final, precision, tokens, ctx.walk_dots
         )
         grads = operator_grads_triton(
             states, residuals, d_out, d_residual, d_next, precision, tokens
@@ -1047,7 +1052,7 @@ class _DeltaRuleTriton(torch.autograd.Function):
         )  # fmt: skip
         needed = ctx.needs_input_grad
         grads = [d if need else None for d, need in zip((dq, da, db, du, dg), needed, strict=False)]
-        return (*grads, d_initial, None, None, None)
+        return (*grads, d_initial, None, None, None, None)
 
 
 @opaque_to_compiler
@@ -1061,16 +1066,18 @@ def delta_rule_triton(
     cu_seqlens: torch.Tensor | None,
     chunk_size: int,
     scale: float,
+    options: KernelOptions = DEFAULT_OPTIONS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated inputs in their own dtype (bf16, fp16 or fp32); computes in float32 with float32
-    state and accumulators, and stores the chunk operators between kernels as `OPERATOR_DTYPE`
-    says (by default in the inputs' dtype when that is bf16 or fp16, else float32). Returns
-    (o [B, T, H, V] in q's dtype, final state [N, H, K, V]).
+    state and accumulators, and stores the chunk operators between kernels as
+    `options.operator_dtype` says (by default in the inputs' dtype when that is bf16 or fp16,
+    else float32). Returns (o [B, T, H, V] in q's dtype, final state [N, H, K, V]).
 
     Matrix products take TF32 operands when an input is bf16/fp16 (its rounding is already
     coarser than TF32's), but for the state pass's walks, which multiply the 16-bit operators
-    as stored (`WALK_DOTS`), and for float32 inputs only when PyTorch is allowed TF32 for float32
-    matrix products (`torch.set_float32_matmul_precision("high")`), as its own matmuls are.
+    as stored (`options.walk_dots`), and for float32 inputs only when PyTorch is allowed TF32
+    for float32 matrix products (`torch.set_float32_matmul_precision("high")`), as its own
+    matmuls are.
     """
     # Any input in bf16/fp16 (a float32 gate times a bf16 projection still carries its rounding).
     low_precision = _low_precision(*_precision_inputs(q, a, b, u)) is not None
@@ -1082,5 +1089,7 @@ def delta_rule_triton(
     if cu_seqlens is not None:
         max_len = max_seqlen(cu_seqlens, length)  # one device -> host sync (see max_seqlen)
         q, a, b, u, g = (pad_packed(x, cu_seqlens, max_len) for x in (q, a, b, u, g))
-    o, state = _DeltaRuleTriton.apply(q, a, b, u, g, initial_state, chunk_size, scale, precision)
+    o, state = _DeltaRuleTriton.apply(
+        q, a, b, u, g, initial_state, chunk_size, scale, precision, options
+    )
     return (o, state) if cu_seqlens is None else (unpad_packed(o, cu_seqlens, length), state)

@@ -9,7 +9,7 @@ operators of `chunk.py`'s `chunk_operators` scale the inputs elementwise:
 
 A kernel of its own rather than a part of stage 1's forward, which reads the same rows: written
 into stage 1's one-warp programs (an experiment, 2026-12-02) the factors made the forward
-0.7-0.8 ms slower at B=4 T=4096 H=16 (docs/RESULTS.md, sixteenth session), more than the reads
+0.7-0.8 ms slower at B=4 T=4096 H=16 (docs/RESULTS.md, 2026-12-02), more than the reads
 they saved. One program owns a chunk and BKD channels; the inputs are read where they lie,
 token-major (`intra.Tokens`), and the adjoint writes the final gradients there too: every
 exponent is a cumulative sum of log decays (never a difference of two, never positive), the
@@ -167,7 +167,7 @@ def factors_triton(q, a, b, g, tokens: Tokens | None = None, scale: float = 1.0,
     """(read, exp(G) b, write [chunks, C, K] in `dtype`, decay [chunks, K] float32) of
     token-major inputs as `tokens` maps them (see `intra.Tokens`; read of q times `scale`), or,
     with tokens=None, of chunked inputs [..., C, K] (g per channel), shaped [..., C, K] and
-    [..., K]. Formed in float32, stored in `dtype` (`chunk.OPERATOR_DTYPE`). The twin of the
+    [..., K]. Formed in float32, stored in `dtype` (`KernelOptions.operator_dtype`). The twin of the
     factor lines of `chunk.chunk_operators`."""
     chunked = tokens is None
     tokens = Tokens.of_chunks(q) if chunked else tokens

@@ -86,42 +86,10 @@ LAUNCH = {"num_warps": 4, "num_stages": 1}
 # 2 and 1.856 at 128 with 1.
 INTRA_LAUNCH = {"num_warps": 1, "num_stages": 1}
 INTRA_BLOCK_KD = 64
-# The products of stage 1, forward and adjoint, with 16-bit inputs: "float32" (the default)
-# widens every operand to float32 (TF32 products); "inputs" rounds each operand to the inputs'
-# dtype (the decay-scaled q, a and b, and dL and dM in the adjoint) for 16-bit products with
-# float32 accumulators, as the state pass's walks do by default (`chunk.WALK_DOTS`). Every
-# operand but the factored diagonal's is a 16-bit input times a factor <= 1, which bf16 and fp16
-# both hold (small factors underflow towards zero, as their terms' weight in the sum does).
-# The factored diagonal's factors reach exp(BOUND / 2): e^40 at DIAGONAL_FACTOR_BOUND, which
-# bf16 holds (float32's exponent range) and fp16 (largest 65504 ~ e^11) does not, so with fp16
-# products the diagonal is factored only below FP16_FACTOR_BOUND (factors <= e^8 ~ 3e3) and
-# walked exactly above it. Compiled for sm_90 (Triton 3.9, K = 128, chunk 64, bf16 inputs, its
-# launch), bytes spilled a thread and shared memory, widened against 16-bit products: forward
-# 64 / 24 KiB against 32 / 12 KiB, adjoint 704 / 14 KiB against 704 / 7 KiB. Measured on the
-# H200 (suite part intradots, 2026-12-02, B=4 T=4096 H=16, bf16): stage 1 forward 0.353 -> 0.312
-# ms and adjoint 0.824 -> 0.802 at its launch, the GDN-2 form's forward and backward 5.66 -> 5.61
-# ms, within the spread of two runs of one setting; off until its bf16 rounding is checked
-# against the float64 loop on the GPU and the gain holds in training.
-INTRA_DOTS = "float32"
-INTRA_DOTS_CHOICES = ("float32", "inputs")
-FP16_FACTOR_BOUND = 16.0
-
-
-def intra_low_dots(inputs: torch.dtype) -> bool:
-    """Whether stage 1 multiplies in its inputs' 16-bit dtype (`INTRA_DOTS`)."""
-    if INTRA_DOTS not in INTRA_DOTS_CHOICES:
-        raise ValueError(
-            f"INTRA_DOTS must be one of {list(INTRA_DOTS_CHOICES)}, got {INTRA_DOTS!r}"
-        )
-    return INTRA_DOTS == "inputs" and inputs.itemsize == 2
-
-
-def factor_bound_for(inputs: torch.dtype, bound: float) -> float:
-    """The factored diagonal's bound for inputs of this dtype: `bound`, or at most
-    FP16_FACTOR_BOUND where fp16 products would hold its factors (`INTRA_DOTS`)."""
-    if intra_low_dots(inputs) and inputs == torch.float16:
-        return min(bound, FP16_FACTOR_BOUND)
-    return bound
+# Stage 1's products widen every operand to float32 (TF32 or IEEE products). Products in the
+# inputs' 16-bit dtype (79df509) were measured on the H200 and deleted: the GDN-2 form's forward
+# and backward 5.66 -> 5.61 ms at B=4 T=4096 H=16, within the spread of two runs of one setting
+# (docs/RESULTS.md, 2026-12-02).
 
 
 def chunk_count(x: torch.Tensor) -> int:
@@ -197,7 +165,7 @@ def _load_g_rows(g, rows, grs, cols, valid, mk, G_HEAD: tl.constexpr):
     tokens and K. A per-head g (G_HEAD) is read once per row and broadcast over the channels:
     a tile of loads at channel stride 0 cannot be vectorized and made stage 1 of the per-head
     form 2.4x slower than the per-channel one (H200, B=1 T=32768 H=16; docs/RESULTS.md,
-    twenty-first session)."""
+    2026-12-04)."""
     if G_HEAD:
         return tl.where(mk[None, :], _load_per_row(g, rows, grs, valid)[:, None], 0.0)
     return _load_rows(g, rows, grs, cols, 1, valid, mk)
@@ -255,8 +223,8 @@ def key_block(key_dim: int) -> int:
 @triton.jit
 def _operand(x, like, LOW_DOTS: tl.constexpr):
     """x as a product's operand: in the dtype `like` points to with LOW_DOTS (16-bit products,
-    float32 accumulators: stage 1's float32 tiles rounded to the inputs' dtype, the state
-    pass's 16-bit operators as stored), else in float32 (TF32 or IEEE products)."""
+    float32 accumulators: the state pass's 16-bit operators as stored), else in float32 (TF32
+    or IEEE products)."""
     if LOW_DOTS:
         x = x.to(like.dtype.element_ty)
     else:
@@ -354,7 +322,7 @@ def _column_factor(g, cols, rt, rk, mk, between, grs, valid, BT: tl.constexpr,
 def _intra_fwd(
     q, a, b, g, lower, attend, n_chunks, H, T, CS, scale,
     K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, G_HEAD: tl.constexpr,
-    PRECISION: tl.constexpr, BOUND: tl.constexpr, LOW_DOTS: tl.constexpr, A_ROW: tl.constexpr,
+    PRECISION: tl.constexpr, BOUND: tl.constexpr, A_ROW: tl.constexpr,
 ):  # fmt: skip
     """Row sub-block i = program_id(1) of L and M: its blocks left of, on and right of (zeros)
     the diagonal. One program per sub-block rather than per chunk: four times the programs,
@@ -376,23 +344,22 @@ def _intra_fwd(
     tile = rt[:, None] * C + rt[None, :]
     cum = tl.cumsum(_load_g_rows(g, rows + rt, grs, rk, valid, mk, G_HEAD), axis=0)
     row_f = tl.exp(cum)
-    b_i = _operand(_load_rows(b, rows + rt, rs, rk, 1, valid, mk) * row_f, q, LOW_DOTS)
-    q_i = _operand(_load_rows(q, rows + rt, rs, rk, 1, valid, mk) * (row_f * scale), q, LOW_DOTS)
+    b_i = _load_rows(b, rows + rt, rs, rk, 1, valid, mk) * row_f
+    q_i = _load_rows(q, rows + rt, rs, rk, 1, valid, mk) * (row_f * scale)
     between = tl.zeros([BK], dtype=tl.float32)
     for jj in range(i):
         cols = (i - 1 - jj) * BT
         a_j = _load_a(a, b, cols + rt, ars, rs, rk, valid, mk, A_ROW)
         a_j *= _column_factor(g, cols, rt, rk, mk, between, grs, valid, BT, G_HEAD)
-        a_j = _operand(a_j, q, LOW_DOTS)
         tl.store(lower + cols + tile, tl.dot(b_i, tl.trans(a_j), input_precision=PRECISION))
         m_ij = tl.dot(q_i, tl.trans(a_j), input_precision=PRECISION)
         tl.store(attend + cols + tile, m_ij.to(attend.dtype.element_ty))
         between += tl.sum(_load_g_rows(g, cols + rt, grs, rk, valid, mk, G_HEAD), axis=0)
     if tl.max(tl.abs(cum)) < BOUND:  # mild decays: the factored diagonal (docstring)
         up, down = _midpoint_factors(cum)
-        a_i = _operand(_load_a(a, b, rows + rt, ars, rs, rk, valid, mk, A_ROW) * down, q, LOW_DOTS)
-        b_d = _operand(_load_rows(b, rows + rt, rs, rk, 1, valid, mk) * up, q, LOW_DOTS)
-        q_d = _operand(_load_rows(q, rows + rt, rs, rk, 1, valid, mk) * (up * scale), q, LOW_DOTS)
+        a_i = _load_a(a, b, rows + rt, ars, rs, rk, valid, mk, A_ROW) * down
+        b_d = _load_rows(b, rows + rt, rs, rk, 1, valid, mk) * up
+        q_d = _load_rows(q, rows + rt, rs, rk, 1, valid, mk) * (up * scale)
         l_ii = tl.dot(b_d, tl.trans(a_i), input_precision=PRECISION)
         m_ii = tl.dot(q_d, tl.trans(a_i), input_precision=PRECISION)
         tl.store(lower + rows + tile, tl.where(rt[:, None] > rt[None, :], l_ii, 0.0))
@@ -411,7 +378,7 @@ def _intra_fwd(
 def _intra_bwd(
     q, a, b, g, d_lower, d_attend, dq, da, db, n_chunks, H, T, CS, scale,
     K: tl.constexpr, C: tl.constexpr, BKD: tl.constexpr, BT: tl.constexpr, G_HEAD: tl.constexpr,
-    PRECISION: tl.constexpr, BOUND: tl.constexpr, LOW_DOTS: tl.constexpr, A_ROW: tl.constexpr,
+    PRECISION: tl.constexpr, BOUND: tl.constexpr, A_ROW: tl.constexpr,
 ):  # fmt: skip
     """dq, da, db [chunks, C, K] float32, chunked (what `_factors_bwd` adds its share to), of
     sub-block i = program_id(2) and channels program_id(1): dq, db of its rows (columns s <= t)
@@ -443,24 +410,20 @@ def _intra_bwd(
         cols = (i - 1 - jj) * BT
         a_j = _load_a(a, b, cols + rt, ars, rs, rkd, valid, mkd, A_ROW)
         a_j *= _column_factor(g, cols, rt, rkd, mkd, between, grs, valid, BT, G_HEAD)
-        a_j = _operand(a_j, q, LOW_DOTS)
-        dm = _operand(tl.load(d_attend + rows * C + cols + tile), q, LOW_DOTS)
-        dl = _operand(tl.load(d_lower + rows * C + cols + tile), q, LOW_DOTS)
+        dm = tl.load(d_attend + rows * C + cols + tile)
+        dl = tl.load(d_lower + rows * C + cols + tile)
         acc_q += tl.dot(dm, a_j, input_precision=PRECISION)
         acc_b += tl.dot(dl, a_j, input_precision=PRECISION)
         between += tl.sum(_load_g_rows(g, cols + rt, grs, rkd, valid, mkd, G_HEAD), axis=0)
     # The diagonal block: its share of all three.
     if tl.max(tl.abs(cum)) < BOUND:  # mild decays: the factored diagonal (docstring)
         up, down = _midpoint_factors(cum)
-        a_i = _operand(
-            _load_a(a, b, rows + rt, ars, rs, rkd, valid, mkd, A_ROW) * down, q, LOW_DOTS
-        )
-        q_i = _operand(_load_rows(q, rows + rt, rs, rkd, 1, valid, mkd) * (up * scale), q, LOW_DOTS)
-        b_i = _operand(_load_rows(b, rows + rt, rs, rkd, 1, valid, mkd) * up, q, LOW_DOTS)
+        a_i = _load_a(a, b, rows + rt, ars, rs, rkd, valid, mkd, A_ROW) * down
+        q_i = _load_rows(q, rows + rt, rs, rkd, 1, valid, mkd) * (up * scale)
+        b_i = _load_rows(b, rows + rt, rs, rkd, 1, valid, mkd) * up
         d_diag = rows * C + rows + tile
         dm = tl.where(rt[:, None] >= rt[None, :], tl.load(d_attend + d_diag), 0.0)
         dl = tl.where(rt[:, None] > rt[None, :], tl.load(d_lower + d_diag), 0.0)
-        dm, dl = _operand(dm, q, LOW_DOTS), _operand(dl, q, LOW_DOTS)
         acc_a = tl.dot(tl.trans(dm), q_i, input_precision=PRECISION)
         acc_a += tl.dot(tl.trans(dl), b_i, input_precision=PRECISION)
         acc_a *= down
@@ -480,9 +443,8 @@ def _intra_bwd(
         later_f = tl.exp(tl.cumsum(g_r, axis=0))
         q_r = _load_rows(q, later + rt, rs, rkd, 1, valid, mkd) * (later_f * scale)
         b_r = _load_rows(b, later + rt, rs, rkd, 1, valid, mkd) * later_f
-        q_r, b_r = _operand(q_r, q, LOW_DOTS), _operand(b_r, q, LOW_DOTS)
-        dm = _operand(tl.load(d_attend + later * C + rows + tile), q, LOW_DOTS)
-        dl = _operand(tl.load(d_lower + later * C + rows + tile), q, LOW_DOTS)
+        dm = tl.load(d_attend + later * C + rows + tile)
+        dl = tl.load(d_lower + later * C + rows + tile)
         part = tl.dot(tl.trans(dm), q_r, input_precision=PRECISION)
         part += tl.dot(tl.trans(dl), b_r, input_precision=PRECISION)
         acc_a += part * tl.exp(tail + between[None, :])
@@ -513,7 +475,7 @@ def intra_triton(q, a, b, g, precision: str = "ieee", tokens: Tokens | None = No
     of chunked inputs [..., C, K] (a also [..., C], g per channel),
     returned as [..., C, C]. `factor_bound`: see DIAGONAL_FACTOR_BOUND. L is float32 (the
     solve's matrix); M is formed in float32 and stored in `attend_dtype` (the state pass's
-    operators, `chunk.OPERATOR_DTYPE`)."""
+    operators, `KernelOptions.operator_dtype`)."""
     chunked = tokens is None
     tokens = Tokens.of_chunks(q) if chunked else tokens
     size = padded_chunk_size(tokens.chunk_size)
@@ -524,8 +486,7 @@ def intra_triton(q, a, b, g, precision: str = "ieee", tokens: Tokens | None = No
     _intra_fwd[(chunks, size // SUB_BLOCK)](
         q, a, b, g, lower, attend, *tokens.args(), scale, K=key_dim, C=size,
         BK=key_block(key_dim), BT=SUB_BLOCK, G_HEAD=_g_head(q, g), PRECISION=precision,
-        BOUND=factor_bound_for(q.dtype, factor_bound), LOW_DOTS=intra_low_dots(q.dtype),
-        A_ROW=_a_row(q, a), **INTRA_LAUNCH,
+        BOUND=factor_bound, A_ROW=_a_row(q, a), **INTRA_LAUNCH,
     )  # fmt: skip
     # Chunked inputs: their own leading shape. (Not told by one chunk of one head: token-major
     # inputs of one head and T <= C are that too, and were reshaped as chunks.)
@@ -551,46 +512,6 @@ def intra_triton_backward(q, a, b, g, d_lower, d_attend, precision: str = "ieee"
     _intra_bwd[(chunks, triton.cdiv(key_dim, block_kd), size // SUB_BLOCK)](
         q, a, b, g, d_lower, d_attend, dq, da, db, *tokens.args(), scale, K=key_dim, C=size,
         BKD=block_kd, BT=SUB_BLOCK, G_HEAD=_g_head(q, g), PRECISION=precision,
-        BOUND=factor_bound_for(q.dtype, factor_bound), LOW_DOTS=intra_low_dots(q.dtype),
-        A_ROW=_a_row(q, a), **INTRA_LAUNCH,
+        BOUND=factor_bound, A_ROW=_a_row(q, a), **INTRA_LAUNCH,
     )  # fmt: skip
     return dq, da, db
-
-
-class IntraChunk(torch.autograd.Function):
-    """(q, a, b, g) [..., C, K] float32 -> (L, M) [..., C, C], forward and adjoint in Triton."""
-
-    @staticmethod
-    def forward(ctx, q, a, b, g, precision, factor_bound):
-        q, a, b, g = (x.contiguous() for x in (q, a, b, g))
-        ctx.save_for_backward(q, a, b, g)
-        ctx.precision, ctx.factor_bound = precision, factor_bound
-        return intra_triton(q, a, b, g, precision, factor_bound=factor_bound)
-
-    @staticmethod
-    def backward(ctx, d_lower, d_attend):
-        q, a, b, g = ctx.saved_tensors
-        d_lower = torch.zeros_like(d_lower) if d_lower is None else d_lower.contiguous()
-        d_attend = torch.zeros_like(d_attend) if d_attend is None else d_attend.contiguous()
-        dq, da, db = (
-            x.view(q.shape)
-            for x in intra_triton_backward(
-                q, a, b, g, d_lower, d_attend, ctx.precision, factor_bound=ctx.factor_bound
-            )
-        )
-        # dg_j = reverse cumulative sum over the chunk of q dq + b db - a da (module docstring).
-        dg = (q * dq + b * db - a * da).flip(-2).cumsum(-2).flip(-2)
-        return dq, da, db, dg, None, None
-
-
-def intra_chunk_triton(q, a, b, g, precision: str = "ieee",
-                       factor_bound: float = DIAGONAL_FACTOR_BOUND):  # fmt: skip
-    """Stage 1 in Triton, same contract as `chunk.intra_chunk`: L (strict) and M (inclusive)
-    [..., C, C] of chunked float32 inputs; g per channel [..., C, K] or per head [..., C]; a
-    a direction [..., C, K], or a strength per token [..., C] (made the direction a_t b_t
-    here: this twin's adjoint differentiates directions)."""
-    if a.dim() == q.dim() - 1:
-        a = a.unsqueeze(-1) * b
-    if g.dim() == q.dim() - 1:
-        g = g.unsqueeze(-1).expand(q.shape)
-    return IntraChunk.apply(q, a, b, g, precision, factor_bound)

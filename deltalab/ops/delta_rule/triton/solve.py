@@ -174,7 +174,7 @@ def solve_triton(lower: torch.Tensor, rhs: torch.Tensor, precision: str = "ieee"
     """(I + L)^-1 R per chunk: lower [..., C, C] float32 (strictly lower; the upper triangle is
     not read), rhs chunked [..., C, N] (tokens=None) or token-major [B, T, H, N] as `tokens`
     maps it, in any float dtype. Returns X like lower's chunks, [..., C, N] in `dtype`
-    (`chunk.OPERATOR_DTYPE`; the substitution itself is float32). Twin of
+    (`KernelOptions.operator_dtype`; the substitution itself is float32). Twin of
     `unit_lower_inverse(L) @ R`."""
     size, columns = lower.shape[-1], rhs.shape[-1]
     tokens = Tokens.of_chunks(rhs) if tokens is None else tokens
