@@ -1,15 +1,11 @@
-"""Timing helpers shared by `deltalab check` and the scripts under benchmarks/."""
+"""Timing and table helpers shared by `deltalab check` and the benchmark suites (benchmarks/)."""
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import json
-import platform
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -126,40 +122,6 @@ def add_speedups(result: dict, slow: str = "torch", fast: str = "triton") -> dic
     return result
 
 
-def time_backends(
-    backends: Sequence[str],
-    forward: Callable[[str], object],
-    with_grads: Callable[[str], list[torch.Tensor]],
-    reference: list[torch.Tensor],
-    names: Sequence[str],
-    device: str,
-    repeats: int,
-) -> dict:
-    """Per backend: the median ms of `forward(backend)` without autograd and of
-    `with_grads(backend)` (the outputs and their gradients; `phase_times`, with the kernels'
-    own time on CUDA), and the relative error of each of with_grads' tensors against
-    `reference` (float64), by `names`."""
-    from deltalab.testing import relative_error
-
-    result = {}
-    for backend in backends:
-
-        def run_forward(backend=backend) -> None:
-            with torch.no_grad():
-                forward(backend)
-
-        got = with_grads(backend)
-        result[backend] = {
-            **phase_times(
-                run_forward, lambda backend=backend: with_grads(backend), device, repeats
-            ),
-            "errors": {
-                n: relative_error(a, e) for n, a, e in zip(names, got, reference, strict=True)
-            },
-        }
-    return result
-
-
 def print_backend_case(
     title: str, result: dict, backends: tuple[str, ...], bytes_note: str = ""
 ) -> None:
@@ -192,39 +154,6 @@ def print_backend_case(
               f"forward+backward {result['speedup_train_kernel']:.2f}x")  # fmt: skip
 
 
-def forward_and_train_seconds(
-    fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], repeats: int
-) -> tuple[float, float]:
-    """Median seconds of `fn(*inputs)` without autograd, and of `fn(*inputs).sum().backward()`
-    with every input a fresh leaf."""
-
-    def forward() -> None:
-        with torch.no_grad():
-            fn(*inputs)
-
-    leaves = [x.clone().requires_grad_() for x in inputs]
-
-    def train() -> None:
-        fn(*leaves).sum().backward()
-
-    return median_seconds(forward, repeats), median_seconds(train, repeats)
-
-
-def run_environment(device: str) -> dict[str, str | None]:
-    """What a benchmark's JSON records of the machine: the device's name (the GPU's on CUDA, the
-    processor's otherwise) and the torch and Triton versions (None without Triton)."""
-    if device == "cuda":
-        name = torch.cuda.get_device_name()
-    else:
-        name = platform.processor() or platform.machine()
-    triton = None
-    if importlib.util.find_spec("triton") is not None:
-        import triton as triton_module
-
-        triton = triton_module.__version__
-    return {"device": name, "torch": torch.__version__, "triton": triton}
-
-
 def format_table(headers: list[str], rows: list[list[object]]) -> str:
     """A plain-text table with right-aligned columns."""
     cells = [headers] + [[_format(v) for v in row] for row in rows]
@@ -238,125 +167,3 @@ def _format(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
     return str(value)
-
-
-def case_parser(description: str, option: str, cases: Sequence[str]) -> argparse.ArgumentParser:
-    """The command line of a backend-comparison script: --out (JSON), --tiny (the tiny shapes,
-    float32, on CPU: a run under the Triton interpreter), --repeats (CPU only) and `option`
-    (e.g. "--cases") choosing among `cases`, all by default."""
-    parser = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--out", required=True, help="path of the JSON file to write")
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (interpreter smoke run)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs (CPU only)")
-    parser.add_argument(option, nargs="+", default=list(cases), choices=list(cases))
-    return parser
-
-
-def run_cases(
-    args: argparse.Namespace,
-    names: Sequence[str],
-    measure: Callable[[str, str, int], dict],
-    show: Callable[[dict], None],
-) -> list[dict]:
-    """`measure(name, device, repeats)` for each case name, then `show` it; the JSON at
-    `args.out` (`run_environment` and "cases") is written after every case, so a run stopped by
-    its time limit keeps what it measured. CUDA unless --tiny or none is there."""
-    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
-    repeats = args.repeats or (1 if args.tiny else 10)
-    header = run_environment(device)
-    print(" ".join(f"{k}={v}" for k, v in header.items()))
-    results: list[dict] = []
-    for name in names:
-        results.append(measure(name, device, repeats))
-        show(results[-1])
-        with open(args.out, "w") as f:
-            json.dump({**header, "cases": results}, f, indent=1)
-    print(f"\nwrote {args.out}")
-    return results
-
-
-def add_delta_rule_options(parser: argparse.ArgumentParser) -> None:
-    """The Triton delta rule's switches a training benchmark can set (`apply_delta_rule_options`):
-    its state pass, whether its backward keeps the chunk-start states, the dtype of its chunk
-    operators, whether it keeps or rebuilds its cheap inputs; and whether the layers
-    project their input together (`deltalab.layers.projections.PROJECT_TOGETHER`)."""
-    parser.add_argument(
-        "--state-pass",
-        choices=["auto", "fused", "split"],
-        default=None,
-        help="the Triton delta rule's state pass (triton/chunk.py STATE_PASS; default: its own)",
-    )
-    parser.add_argument(
-        "--keep-states",
-        action="store_true",
-        help="the Triton delta rule keeps its chunk-start states and residuals for the backward "
-        "instead of walking them again (triton/chunk.py RECOMPUTE_STATES off)",
-    )
-    parser.add_argument(
-        "--operator-dtype",
-        choices=["inputs", "float32"],
-        default=None,
-        help="the dtype the Triton delta rule stores its chunk operators in: the inputs' 16-bit "
-        "dtype or float32 (triton/chunk.py OPERATOR_DTYPE; default: its own)",
-    )
-    parser.add_argument(
-        "--walk-dots",
-        choices=["float32", "operators"],
-        default=None,
-        help="the products of the Triton delta rule's walks with 16-bit operators: "
-        "widened to float32 or in the operators' dtype (triton/chunk.py WALK_DOTS; default: "
-        "its own)",
-    )
-    parser.add_argument(
-        "--intra-dots",
-        choices=["float32", "inputs"],
-        default=None,
-        help="the products of the Triton delta rule's stage 1 with 16-bit inputs: widened to "
-        "float32 or in the inputs' dtype (triton/intra.py INTRA_DOTS; default: its own)",
-    )
-    parser.add_argument(
-        "--keep-inputs",
-        action="store_true",
-        help="the delta rule keeps the inputs that cheap ops made (gate products, read query, "
-        "log decay) instead of rebuilding them in the backward "
-        "(deltalab/ops/_recompute.py REBUILD_IN_BACKWARD off)",
-    )
-    parser.add_argument(
-        "--project-separately",
-        action="store_true",
-        help="each projection of a layer's input with its own gradient product and sum, as "
-        "autograd makes them (deltalab.layers.projections.PROJECT_TOGETHER off)",
-    )
-
-
-def apply_delta_rule_options(args: argparse.Namespace) -> None:
-    """Sets what `add_delta_rule_options` parsed (imports Triton only when something is set)."""
-    from deltalab.layers import projections
-    from deltalab.ops import _recompute
-
-    projections.PROJECT_TOGETHER = not args.project_separately
-    _recompute.REBUILD_IN_BACKWARD = not args.keep_inputs
-    triton_switches = (args.state_pass, args.operator_dtype, args.walk_dots, args.intra_dots)
-    if all(switch is None for switch in triton_switches) and not args.keep_states:
-        return
-    from deltalab.ops.delta_rule.triton import chunk, intra
-
-    intra.INTRA_DOTS = args.intra_dots or intra.INTRA_DOTS
-
-    chunk.STATE_PASS = args.state_pass or chunk.STATE_PASS
-    chunk.RECOMPUTE_STATES = chunk.RECOMPUTE_STATES and not args.keep_states
-    chunk.OPERATOR_DTYPE = args.operator_dtype or chunk.OPERATOR_DTYPE
-    chunk.WALK_DOTS = args.walk_dots or chunk.WALK_DOTS
-
-
-def backward_fresh(out: torch.Tensor, d_out: torch.Tensor, leaves: Sequence[torch.Tensor]) -> None:
-    """`out.backward(d_out)` into fresh `.grad` tensors: the leaves' gradients from an earlier
-    call are dropped first. A timed loop of forward+backward calls would otherwise also time
-    autograd's accumulation into `.grad`, an add over every leaf each call, which the
-    activations of a training step do not have (on the H200 five bf16 adds took 0.37 ms of the
-    KDA form's 13 at B=1 T=32768 H=16; docs/RESULTS.md, twenty-third session)."""
-    for leaf in leaves:
-        leaf.grad = None
-    out.backward(d_out)
