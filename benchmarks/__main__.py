@@ -51,9 +51,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     module, _ = SUITES[name]
     prog = f"python -m benchmarks {name}"
     if isinstance(module, dict):
-        if not rest or rest[0] in ("-h", "--help"):
+        if rest and rest[0] in ("-h", "--help"):
             print(f"usage: {prog} {{{','.join(module)}}} [ARGS]")
-            sys.exit(0 if rest else 2)
+            sys.exit(0)
+        if not rest:
+            top.error(f"{name} needs a mode: one of {', '.join(module)}")
         mode = rest.pop(0)
         if mode not in module:
             top.error(f"unknown mode {mode!r} of {name} (choose from {', '.join(module)})")

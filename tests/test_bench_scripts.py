@@ -62,7 +62,9 @@ def test_every_suite_parses_its_help(command, capsys):
     assert "--json" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv", [["nope"], ["profile", "nope"], ["cpu", "kdn", "--nope"]])
+@pytest.mark.parametrize(
+    "argv", [["nope"], ["profile"], ["profile", "nope"], ["cpu", "kdn", "--nope"]]
+)
 def test_an_unknown_suite_mode_or_option_is_a_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as done:
         parse(argv)
