@@ -20,12 +20,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
+import sys
 import time
 
 import torch
 import triton
 
-from benchmarks.bench_triton import draw_inputs
+from benchmarks.bench_triton import draw_inputs, print_records
 from benchmarks.common import parse_shape
 from deltalab.errors import UserError
 from deltalab.ops.delta_rule.triton import chunk as state_module
@@ -219,5 +220,6 @@ def run(args: argparse.Namespace) -> dict:
                 except Exception as error:  # a setting that fails to compile is a result too
                     row = {"stage": stage, "setting": str(setting), "error": repr(error)[:200]}
             rows.append(row)
-            print(row, flush=True)
+            print(row, file=sys.stderr, flush=True)
+    print_records(rows)
     return {"device": device, "rows": rows}
