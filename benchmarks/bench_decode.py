@@ -1,6 +1,6 @@
 """Decoding speed against context length: a recurrent model stays flat, a transformer falls.
 
-    python benchmarks/bench_decode.py          # CPU, tiny preset, gdn2 vs transformer
+    python -m benchmarks decode context        # CPU, tiny preset, gdn2 vs transformer
 
 For each model: prefill a random context of each length, then time token-by-token decoding
 through the cache (median of rounds) and report tokens/s and the cache's size.
@@ -40,15 +40,14 @@ def decode_rate(
     return steps / statistics.median(times[1:]), prefill.nbytes()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixers", nargs="+", default=["gdn2", "transformer"])
     parser.add_argument("--contexts", type=int, nargs="+", default=[100, 4000])
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict:
     generator = torch.Generator().manual_seed(0)
     print(
         f"cached decoding, tiny preset, CPU float32, {args.steps} steps, median of "
@@ -66,8 +65,6 @@ def main() -> None:
         print(
             f"{mixer}: tokens/s at {args.contexts[-1]} / at {args.contexts[0]} = {rates[-1] / rates[0]:.2f}"
         )
-    print(format_table(["mixer", "context", "tokens/s", "cache KiB"], rows))
-
-
-if __name__ == "__main__":
-    main()
+    headers = ["mixer", "context", "tokens/s", "cache KiB"]
+    print(format_table(headers, rows))
+    return {"device": "cpu", "columns": headers, "rows": rows}

@@ -1,8 +1,8 @@
 """Per-token decoding latency on the GPU: eager (`model(token, past_key_values=cache)`, what
 `model.generate` runs per token) against the static cache replayed as a CUDA graph.
 
-    python benchmarks/bench_decode_gpu.py --out decode_gpu.json           # H200, 340M presets
-    python benchmarks/bench_decode_gpu.py --tiny --out /tmp/decode.json   # CPU smoke run
+    python -m benchmarks decode latency            # GPU, 340M presets
+    python -m benchmarks decode latency --tiny     # CPU smoke run
 
 For each mixer and context: one random prompt is prefilled by the model's chunked forward, and
 its cache is replicated to every sequence of each batch (prefilling 256 x 32K tokens would take
@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -171,11 +169,7 @@ def memory_budget(device: torch.device, fraction: float) -> float:
     return fraction * total - torch.cuda.memory_allocated(device)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", required=True, help="JSON file to write")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny preset, small contexts (CPU)")
     parser.add_argument("--preset", default="340M")
     parser.add_argument("--mixers", nargs="+", default=["gdn2", "muir", "kdn_diag", "transformer"])
@@ -184,11 +178,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="tokens per round (default 16)")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 3)")
     parser.add_argument("--memory-fraction", type=float, default=0.8)
-    parser.add_argument(
-        "--time-budget", type=float, default=170.0, help="seconds; later configurations skip"
-    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict:
     preset = "tiny" if args.tiny else args.preset
     contexts = args.contexts or ([32, 64] if args.tiny else [4096, 32768])
     batches = args.batches or ([1, 2] if args.tiny else [1, 64, 256])
@@ -202,10 +195,7 @@ def main() -> None:
 
     meta = {
         "preset": preset,
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.machine(),
-        "torch": torch.__version__,
+        "device": device.type,
         "dtype": str(dtype),
         "steps_per_round": steps,
         "rounds": rounds,
@@ -258,9 +248,7 @@ def main() -> None:
                     ("eager", eager_bytes, eager_latency),
                     (static_path, static_bytes, static_latency),
                 ):
-                    if time.perf_counter() - began > args.time_budget:
-                        entry[path] = f"skipped: past the time budget of {args.time_budget:.0f} s"
-                    elif needed > budget:
+                    if needed > budget:
                         entry[path] = (
                             f"skipped: needs ~{needed / GIB:.1f} GiB, budget {budget / GIB:.1f} GiB"
                         )
@@ -288,16 +276,9 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     meta["seconds"] = round(time.perf_counter() - began, 1)
-    Path(args.out).write_text(
-        json.dumps({"meta": meta, "step_kernel": step_kernel, "results": results}, indent=2) + "\n"
-    )
     print(format_table(["mixer", "context", "batch", "eager ms", f"{static_path} ms"], rows))
-    print(f"wrote {args.out} in {meta['seconds']} s")
+    return {"meta": meta, "step_kernel": step_kernel, "results": results}
 
 
 def _ms(value: object) -> object:
     return value["ms_per_token"] if isinstance(value, dict) else "-"
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Times delta_rule's backends: forward and forward+backward, a table over chunk sizes.
 
-    python benchmarks/bench_delta_rule.py            # CPU, float32, B=1 T=4096 H=4 K=V=64
+    python -m benchmarks cpu delta_rule            # CPU, float32, B=1 T=4096 H=4 K=V=64
 
 Prints medians and the speedup of each chunk size over the token loop (naive). Targets of
 issue 2: chunk >= 10x naive for forward+backward, >= 3x for the forward alone (default chunk 64).
@@ -12,7 +12,8 @@ import argparse
 
 import torch
 
-from deltalab.benchmarking import format_table, forward_and_train_seconds
+from benchmarks.common import forward_and_train_seconds
+from deltalab.benchmarking import format_table
 from deltalab.ops import delta_rule
 
 TRAIN_TARGET, FORWARD_TARGET, DEFAULT_CHUNK = 10.0, 3.0, 64
@@ -35,10 +36,7 @@ def time_backend(inputs, repeats, **kwargs):
     return forward_and_train_seconds(lambda *x: delta_rule(*x, **kwargs)[0], list(inputs), repeats)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=4)
@@ -48,7 +46,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--naive-repeats", type=int, default=3)
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[16, 32, 64, 128, 256])
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict:
     generator = torch.Generator().manual_seed(0)
     print(
         f"delta_rule on {args.device}, {args.dtype}, B={args.batch} T={args.length} "
@@ -83,6 +83,4 @@ def main() -> None:
     print(format_table(headers, rows))
     print("\n".join(verdicts))
 
-
-if __name__ == "__main__":
-    main()
+    return {"device": args.device, "columns": headers, "rows": rows, "verdicts": verdicts}

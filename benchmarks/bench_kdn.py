@@ -1,6 +1,6 @@
 """Times the KDN ops against the delta rule they run on, and the Mobius scan's two backends.
 
-    python benchmarks/bench_kdn.py            # CPU, float32, B=1 T=4096 H=4 K=V=64
+    python -m benchmarks cpu kdn            # CPU, float32, B=1 T=4096 H=4 K=V=64
 
 Rows: `delta_rule` (chunk backend, channel decay, a = beta k), `kdn_diag` and `kdn_iso` (the
 same delta rule plus a variance scan), each forward and forward+backward, with their ratio to
@@ -15,7 +15,8 @@ import argparse
 
 import torch
 
-from deltalab.benchmarking import format_table, forward_and_train_seconds
+from benchmarks.common import forward_and_train_seconds
+from deltalab.benchmarking import format_table
 from deltalab.ops import delta_rule, kdn_diag, kdn_iso, mobius_scan
 
 KDN_TARGET = 2.0
@@ -42,10 +43,7 @@ def make_inputs(args, generator: torch.Generator) -> dict[str, torch.Tensor]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=4)
@@ -55,7 +53,9 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sequential-repeats", type=int, default=3)
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict:
     x = make_inputs(args, torch.Generator().manual_seed(0))
     print(
         f"KDN ops on {args.device}, {args.dtype}, B={args.batch} T={args.length} H={args.heads} "
@@ -117,6 +117,4 @@ def main() -> None:
         f"mobius_scan parallel {scan_speedup:.1f}x faster than sequential (target > 1x): {verdict}"
     )
 
-
-if __name__ == "__main__":
-    main()
+    return {"device": args.device, "columns": headers, "rows": rows}

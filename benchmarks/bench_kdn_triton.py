@@ -1,7 +1,8 @@
 """Times the Triton Mobius scan against the PyTorch parallel scan, and KDN against its delta rule.
 
-    python benchmarks/bench_kdn_triton.py --out kdn_triton.json          # GPU, float32
-    TRITON_INTERPRET=1 python benchmarks/bench_kdn_triton.py --tiny --out /tmp/tiny.json
+    python -m benchmarks kdn                                   # GPU, float32
+    python -m benchmarks kdn --gain-launches --dtype bfloat16  # the split gain's launch sweep
+    TRITON_INTERPRET=1 python -m benchmarks kdn --tiny         # CPU smoke run
 
 Shapes: B=4 T=4096 H=16 and H=8 (the 340M preset's heads) and B=1 T=32768 H=16, K=V=128 (`--tiny`: B=1 T=20 H=2 K=V=2 on
 CPU under the interpreter, to prove the script runs). Per shape, medians in ms of the forward
@@ -24,9 +25,8 @@ inputs in --dtype.
 
 `--gain-profile` runs only the split diagonal gain's forward and backward --repeats times at the
 first shape (or `--shape`), untimed, for a profiler that attaches to the process
-(`h200_suite.sh ncu_gain`, `ncu_walks32k`: Nsight Compute's counters of its four token walks),
-the loss reaching the
-gain and the routed k and g (as in the KDN mixers, whose delta rule takes them from the gain's
+(Nsight Compute's counters of its four token walks: the command in benchmarks/README.md), the
+loss reaching the gain and the routed k and g (as in the KDN mixers, whose delta rule takes them from the gain's
 node, so its backward adds their gradients).
 
 `--gain-launches` runs only a sweep of the split diagonal gain's launches at B=4 T=4096 H=16 (or
@@ -35,19 +35,20 @@ node, so its backward adds their gradients).
 --dtype as the KDN mixers pass them and the loss reaching the gain and the routed k and g.
 
 Inputs are random (unit keys, decays in [-1, 0], q_noise in [0, 0.1], r in [0.01, 1.01]), never
-zeros. The JSON written to --out holds every number printed.
+zeros. The JSON holds every number printed.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
-from deltalab.benchmarking import format_table, run_environment
+from benchmarks.common import parse_shape, save
+from deltalab.benchmarking import format_table
+from deltalab.errors import UserError
 from deltalab.ops import delta_rule, kdn_diag, kdn_gain_diag, kdn_gain_iso, kdn_iso
 from deltalab.ops.delta_rule import BACKENDS as DELTA_RULE_BACKENDS
 from deltalab.ops.kdn.triton import kdn_variance_scan
@@ -353,36 +354,30 @@ def print_shape(result: dict) -> None:
     print(format_table(headers, table))
 
 
-def parse_shape(text: str) -> tuple[int, int, int, int]:
-    """--shape's BxTxHxK: four positive integers."""
-    parts = text.split("x")
-    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"expected BxTxHxK of positive integers, got {text!r}")
-    return tuple(int(p) for p in parts)
-
-
 def one_shape(args) -> tuple[int, ...]:
     """--shape, else the first shape (of TINY_SHAPES with --tiny)."""
     return args.shape or (TINY_SHAPES if args.tiny else SHAPES)[0]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--out", required=True, help="path of the JSON file to write")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (interpreter smoke run)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per op")
-    parser.add_argument(
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument(
         "--gain-launches",
         action="store_true",
         help="only the split diagonal gain's launch sweep, at the first shape or --shape",
     )
-    parser.add_argument(
+    modes.add_argument(
         "--gain-profile",
         action="store_true",
         help="only run the split diagonal gain (forward and backward), for a profiler",
+    )
+    modes.add_argument(
+        "--gain-chunks",
+        action="store_true",
+        help="only the split diagonal gain's chunk sweep, at every shape",
     )
     parser.add_argument(
         "--shape",
@@ -390,24 +385,20 @@ def main() -> None:
         default=None,
         help="--gain-profile's and --gain-launches' shape, BxTxHxK (default: the first shape)",
     )
-    parser.add_argument(
-        "--gain-chunks",
-        action="store_true",
-        help="only the split diagonal gain's chunk sweep, at every shape",
-    )
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict:
     if args.shape and not (args.gain_profile or args.gain_launches):
-        parser.error("--shape applies to --gain-profile and --gain-launches only")
+        raise UserError("--shape applies to --gain-profile and --gain-launches only")
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     args.repeats = args.repeats or (1 if args.tiny else 10)
     dtype = getattr(torch, args.dtype)
-    header = {
-        **run_environment(device),
+    result: dict = {
+        "device": device,
         "dtype": args.dtype,
         "memory_backend": MEMORY_BACKEND,
         "repeats": args.repeats,
     }
-    print(" ".join(f"{k}={v}" for k, v in header.items()))
     if args.gain_profile:
         shape = one_shape(args)
         batch, _, heads, dim = shape
@@ -418,10 +409,8 @@ def main() -> None:
             gain, _, _, k, g = kdn_diag_gain(*leaves, p_prior, float(dim), gain_dtype=dtype)
             (gain.float().sum() + k.float().sum() + g.float().sum()).backward()
         synchronize(device)
-        with open(args.out, "w") as f:
-            json.dump({**header, "shape": shape, "gain_profile_runs": args.repeats}, f, indent=1)
-        print(f"ran the split diagonal gain {args.repeats} times at {shape}; wrote {args.out}")
-        return
+        print(f"ran the split diagonal gain {args.repeats} times at {shape}")
+        return {**result, "shape": shape, "gain_profile_runs": args.repeats}
     if args.gain_chunks:
         results = []
         for shape in TINY_SHAPES if args.tiny else SHAPES:
@@ -434,27 +423,16 @@ def main() -> None:
                 for c in results[-1]["sweep"]
             ]  # fmt: skip
             print(format_table(headers, table))
-        with open(args.out, "w") as f:
-            json.dump({**header, "gain_chunks": results}, f, indent=1)
-        print(f"\nwrote {args.out}")
-        return
+        return {**result, "gain_chunks": results}
     if args.gain_launches:
         shape = one_shape(args)
         sweep = gain_launch_sweep(shape, args, device, dtype)
         print(f"\nB, T, H, K = {shape}")
         print_gain_launches(sweep)
-        with open(args.out, "w") as f:
-            json.dump({**header, "shape": shape, "gain_launches": sweep}, f, indent=1)
-        print(f"\nwrote {args.out}")
-        return
-    results = []
+        return {**result, "shape": shape, "gain_launches": sweep}
+    result["shapes"] = []
     for shape in TINY_SHAPES if args.tiny else SHAPES:
-        results.append(bench_shape(shape, args, device, dtype))
-        print_shape(results[-1])
-    with open(args.out, "w") as f:
-        json.dump({**header, "shapes": results}, f, indent=1)
-    print(f"\nwrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()
+        result["shapes"].append(bench_shape(shape, args, device, dtype))
+        print_shape(result["shapes"][-1])
+        save(args, result)
+    return result

@@ -1,6 +1,6 @@
 """Times each token mixer's forward+backward: a table, and Muir against GDN-2.
 
-    python benchmarks/bench_layers.py        # CPU, float32, B=2 T=2048 D=256, 4 heads of 64
+    python -m benchmarks cpu layers        # CPU, float32, B=2 T=2048 D=256, 4 heads of 64
 
 Prints the median time of each layer (input gradient included, as inside a model) and its ratio
 to GDN-2. Target of issue 4: Muir (default ranks, dynamic read gate) <= 1.15x GDN-2.
@@ -51,10 +51,7 @@ def time_train_step(layer: nn.Module, x: torch.Tensor, repeats: int) -> float:
     return median_seconds(step, repeats)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=256)
@@ -64,7 +61,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     head_dim = args.hidden // args.heads
     sizes = {"hidden_size": args.hidden, "num_heads": args.heads, "head_dim": head_dim}
@@ -98,6 +97,4 @@ def main() -> None:
     spread = ", ".join(f"{r:.3f}" for r in ratios)
     print(f"Muir / GDN-2 = {ratio:.3f} (rounds: {spread}; target <= {MUIR_TARGET}): {verdict}")
 
-
-if __name__ == "__main__":
-    main()
+    return {"device": args.device, "rows": rows, "muir_vs_gdn2_rounds": ratios}

@@ -1,11 +1,10 @@
 """Training throughput of `deltalab train` per mixer (tokens/s, and peak GPU memory on CUDA).
 
-    python benchmarks/bench_train.py                       # CPU: the tiny default, every mixer
-    python benchmarks/bench_train.py --device cuda --preset 340M --seq-len 4096 --batch 8 \\
-        --mixers muir gdn2 transformer                     # H200, bf16 autocast
-
-    python benchmarks/bench_train.py --device cuda --preset 340M --seq-len 4096 --batch 4 \\
-        --mixers gdn2 transformer --cuda-graphs both      # eager and graphed, side by side
+    python -m benchmarks train                          # CPU: the tiny default, every mixer
+    python -m benchmarks train --device cuda --preset 340M --seq-len 4096 --batch 4 \\
+        --mixers gdn2 muir kdn_diag transformer          # GPU, bf16 autocast
+    python -m benchmarks train --device cuda --preset 340M --seq-len 16384 --batch 1 \\
+        --mixers gdn2 muir transformer --cuda-graphs both   # eager and graphed, side by side
 
 Each mixer trains `--steps` steps of the real loop on the stdlib corpus; the figure is the
 median tokens/s over the steps after the first `SKIPPED_STEPS` (compilation, allocator
@@ -13,10 +12,9 @@ warm-up, and with train.cuda_graphs its eager warmup steps and the capture), and
 the Transformer's (of the same `--cuda-graphs` mode) when "transformer" is among the mixers.
 "peak GiB" is the most memory the tensors held, "reserved GiB" the most the allocator held
 (its cache and a CUDA graph's pool included: a replay allocates nothing, so only this one
-counts what a graph keeps). On a fresh GPU machine each training process ran faster than the
-one before it (docs/RESULTS.md, 2026-12-02): warm the machine with a throwaway run before
-measuring, and compare runs of one invocation; "both" runs each mixer's two modes back to back,
-graphed first.
+counts what a graph keeps). On a GPU just started, each training process can run faster than
+the one before it: warm the GPU with a throwaway run before measuring, and
+compare runs of one invocation; "both" runs each mixer's two modes back to back, graphed first.
 """
 
 from __future__ import annotations
@@ -30,12 +28,9 @@ from pathlib import Path
 
 import torch
 
-from deltalab.benchmarking import (
-    add_delta_rule_options,
-    changed_options,
-    delta_rule_options,
-    format_table,
-)
+from benchmarks.common import add_delta_rule_options, changed_options, delta_rule_options
+from deltalab.benchmarking import format_table
+from deltalab.errors import UserError
 from deltalab.models import MIXER_KINDS
 from deltalab.train import load_run_config, train
 from deltalab.train.graphs import WARMUP_STEPS
@@ -43,15 +38,12 @@ from deltalab.train.graphs import WARMUP_STEPS
 # Steps left out of the median: the graph's eager warmup steps and its capture (the first
 # eager steps also compile the kernels and warm the allocator, in either mode).
 SKIPPED_STEPS = WARMUP_STEPS + 1
-# "both" runs the graphed step first: where a fresh machine speeds up from one process to the
-# next (docs/RESULTS.md, 2026-12-02), that drift favours the eager run, not the graph's.
+# "both" runs the graphed step first: where a GPU speeds up from one process to the next, that
+# drift favours the eager run, not the graph's.
 MODES = {"off": (False,), "on": (True,), "both": (True, False)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixers", nargs="+", default=list(MIXER_KINDS))
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--device", default="cpu")
@@ -73,15 +65,17 @@ def main() -> None:
         "graphs single-GPU runs), on, or both (each mixer graphed, then eager)",
     )
     add_delta_rule_options(parser)
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict:
     if args.steps <= SKIPPED_STEPS:
-        parser.error(f"--steps must be > {SKIPPED_STEPS} (the steps left out of the median)")
+        raise UserError(f"--steps must be > {SKIPPED_STEPS} (the steps left out of the median)")
     rows = []  # (mixer, graphed, cells)
     for mixer in args.mixers:
         for graphs in MODES[args.cuda_graphs]:
             name = f"{mixer} (graphs)" if graphs and args.cuda_graphs == "both" else mixer
             try:
-                metrics = run(args, mixer, graphs)
+                metrics = train_run(args, mixer, graphs)
             except Exception as error:  # one failing run must not take the others' rows
                 print(f"{name}: failed: {type(error).__name__}: {error}")
                 continue
@@ -101,7 +95,7 @@ def main() -> None:
         f"{', CUDA graphs ' + args.cuda_graphs if args.cuda_graphs != 'off' else ''}"
     )
     headers = ["mixer", "params", "tokens/s", "peak GiB", "reserved GiB"]
-    # The targets are ratios to the Transformer's tokens/s, measured in the same run:
+    # Throughput is compared as a ratio to the Transformer's tokens/s, measured in the same run:
     # each row against the Transformer's row of its own mode.
     references = {graphs: cells[2] for mixer, graphs, cells in rows if mixer == "transformer"}
     table = [cells for _, _, cells in rows]
@@ -112,9 +106,10 @@ def main() -> None:
             for _, graphs, cells in rows
         ]
     print(format_table(headers, table))
+    return {"device": args.device, "columns": headers, "rows": table}
 
 
-def run(args: argparse.Namespace, mixer: str, graphs: bool) -> dict:
+def train_run(args: argparse.Namespace, mixer: str, graphs: bool) -> dict:
     """One `deltalab train` run of `mixer`; returns its metrics.json."""
     if args.device == "cuda":
         # The runs share this process: the blocks an earlier run's allocator cached (a graph's
@@ -149,7 +144,3 @@ def run(args: argparse.Namespace, mixer: str, graphs: bool) -> dict:
         )
         train(config)
         return json.loads((Path(out) / "metrics.json").read_text())
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,12 @@
 """The Triton backend of the delta rule against the chunk backend, fla and SDPA, in one run.
 
-    python benchmarks/bench_triton.py --out results.json          # H200: the target shapes
-    TRITON_INTERPRET=1 python benchmarks/bench_triton.py --tiny   # CPU: proves it executes
+    python -m benchmarks ops                                   # GPU: both shapes, every part
+    python -m benchmarks ops --parts time --shapes 4x4096x16x128 \
+        --only kda_c64 gdn2_c64 kdn_iso_c64 kdn_diag_c64 fla_kda fla_gdn2 sdpa   # against fla
+    TRITON_INTERPRET=1 python -m benchmarks ops --tiny          # CPU smoke run
+
+fla is a yardstick, not a dependency: its rows (fla_kda, fla_gdn2) appear where it imports
+(benchmarks/README.md). Its kernels autotune on their first call, which takes minutes.
 
 Four parts, all on fresh random inputs (never zeros), bf16 inputs unless said:
 1. check: relative error against a float64 reference (the chunk backend in float64) of the
@@ -20,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import math
 import statistics
 import sys
@@ -28,14 +32,13 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from deltalab.benchmarking import (
+from benchmarks.common import (
     add_delta_rule_options,
     backward_fresh,
     delta_rule_options,
-    format_table,
-    median_seconds,
-    run_environment,
+    parse_shape,
 )
+from deltalab.benchmarking import format_table, median_seconds
 from deltalab.ops import delta_rule as _delta_rule
 from deltalab.ops import kdn_diag, kdn_iso
 from deltalab.ops.options import DEFAULT_OPTIONS, KernelOptions
@@ -78,15 +81,17 @@ def draw_inputs(batch, length, heads, dim, device, dtype, gmax=1.0, seed=0):
 
 
 def forms(backend: str, chunk_size: int, options: KernelOptions = DEFAULT_OPTIONS):
-    """name -> (fn(**inputs) -> output, input names that get gradients); the delta-rule forms
-    with the kernel `options`."""
+    """name -> (fn(**inputs) -> output, input names that get gradients); every form with the
+    kernel `options`."""
     delta_rule = functools.partial(_delta_rule, options=options)
+    iso_op = functools.partial(kdn_iso, options=options)
+    diag_op = functools.partial(kdn_diag, options=options)
 
     # a = beta: the primitive's per-token strength, multiplied in as its kernels load k.
     def kda(q, k, v, g, beta, **_):
         return delta_rule(q, beta, k, v, g, chunk_size=chunk_size, backend=backend)[0]
 
-    # The same with the direction beta k formed first (as before 2026-12-04): the A/B.
+    # The same with the direction beta k formed by the caller: what the per-token strength saves.
     def kda_product(q, k, v, g, beta, **_):
         a = beta[..., None] * k
         return delta_rule(q, a, k, v, g, chunk_size=chunk_size, backend=backend)[0]
@@ -101,11 +106,11 @@ def forms(backend: str, chunk_size: int, options: KernelOptions = DEFAULT_OPTION
 
     def iso(q, k, v, g, q_noise, r, **_):
         p0 = torch.ones(q.shape[2], device=q.device)
-        return kdn_iso(q, k, v, g, q_noise, r, p0, chunk_size=chunk_size, backend=backend)[0]
+        return iso_op(q, k, v, g, q_noise, r, p0, chunk_size=chunk_size, backend=backend)[0]
 
     def diag(q, k, v, g, q_noise_k, r, **_):
         p0 = torch.ones(q.shape[2], q.shape[3], device=q.device)
-        return kdn_diag(q, k, v, g, q_noise_k, r, p0, chunk_size=chunk_size, backend=backend)[0]
+        return diag_op(q, k, v, g, q_noise_k, r, p0, chunk_size=chunk_size, backend=backend)[0]
 
     return {
         "kda": (kda, ("q", "k", "v", "g", "beta")),
@@ -337,7 +342,7 @@ def host_ms(call, calls=12):
 
     call()
     torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)  # ~1 s at the H200's clock: longer than the calls below
+    torch.cuda._sleep(2_000_000_000)  # about 1 s of GPU clock: longer than the calls below
     times = []
     for _ in range(calls):
         start = time.perf_counter()
@@ -426,29 +431,33 @@ def print_records(rows: list[dict]) -> None:
     print(format_table(columns, [[r.get(c, "") for c in columns] for r in rows]))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--out", default=None, help="write every number as JSON here")
+PARTS = ("check", "stability", "stages", "time", "overhead")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU, interpreter)")
-    parser.add_argument("--parts", nargs="+", default=["check", "stability", "stages", "time"])
+    parser.add_argument(
+        "--parts", nargs="+", choices=PARTS, default=["check", "stability", "stages", "time"]
+    )
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--with-chunk-backend", action="store_true")
     parser.add_argument(
         "--only", nargs="+", default=None, help="time only cases with these prefixes"
     )
     parser.add_argument(
-        "--shapes", nargs="+", default=None, help="timed shapes as BxTxHxD (default: both)"
-    )
+        "--shapes", nargs="+", type=parse_shape, default=None,
+        help="timed shapes as BxTxHxD (default: 4x4096x16x128 1x32768x16x128)",
+    )  # fmt: skip
     parser.add_argument(
         "--gmax", type=float, default=1.0,
         help="timed log decays uniform in [-gmax, 0]; 1 keeps every diagonal sub-block of the\n"
         "Triton stage 1 factored, 8 or more sends most to the walk, as trained gates do\n"
-        "(benchmarks/diagonal_forms.py)",
+        "(python -m benchmarks profile diagonal)",
     )  # fmt: skip
     add_delta_rule_options(parser)  # --operator-dtype, --state-pass, --keep-states, ...
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict:
     options = delta_rule_options(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.tiny:
@@ -456,9 +465,8 @@ def main() -> None:
     else:
         check_shape, stab_shape = (2, 1000, 4, 64), (1, 4096, 4, 128)
         shapes = [(4, 4096, 16, 128), (1, 32768, 16, 128)]
-    if args.shapes:
-        shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes]
-    result: dict = run_environment(device)
+    shapes = args.shapes or shapes
+    result: dict = {"device": device}
     if "check" in args.parts:
         result["check"] = check(device, check_shape, args.chunk_sizes, options)
         print_records(result["check"])
@@ -491,10 +499,4 @@ def main() -> None:
         result["overhead"] = overhead(device, shapes[0], args.only, args.chunk_sizes[0], options)
         print_records(result["overhead"])
     result["kernel_options"] = options.to_dict()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+    return result

@@ -1,9 +1,9 @@
 """Where the GPU waits for the host: the device's idle gaps in a profiled op, and who caused them.
 
-    python benchmarks/device_gaps.py --forms kda_c64 kdn_iso_c64 --out gaps.json   # CUDA only
+    python -m benchmarks profile gaps --forms kda_c64 kdn_iso_c64     # CUDA only
 
-Wall time beyond kernel time (`bench_triton.py --parts overhead`) says how much the device
-idles, not where. This script runs each form's forward and backward (bench_triton's forms and
+Wall time beyond kernel time (`python -m benchmarks ops --parts overhead`) says how much the
+device idles, not where. This runs each form's forward and backward (the ops suite's forms and
 inputs, bf16) back to back under the profiler, with the value checks on and, separately, off,
 and reads the trace: every stretch where no kernel, copy or fill runs on the device longer than
 `--min-us`, attributed to the host code that launched the work after it (the innermost Python
@@ -17,12 +17,9 @@ import argparse
 import contextlib
 import json
 import os
-import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))  # bench_triton's forms and inputs
 
 # Trace categories: work on the device, launches from the host, host code.
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -101,9 +98,9 @@ def summarize(gaps: list[dict], top: int = 15) -> list[dict]:
 
 def _profile_form(fn, names, inputs, iterations: int, checks: bool, min_us: float) -> dict:
     import torch
-    from bench_triton import value_checks_off
 
-    from deltalab.benchmarking import backward_fresh
+    from benchmarks.bench_triton import value_checks_off
+    from benchmarks.common import backward_fresh
 
     leaves = {k: (v.clone().requires_grad_() if k in names else v) for k, v in inputs.items()}
     d_out = torch.randn_like(fn(**inputs))
@@ -138,22 +135,25 @@ def _profile_form(fn, names, inputs, iterations: int, checks: bool, min_us: floa
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from benchmarks.common import parse_shape
+
     parser.add_argument("--forms", nargs="+", default=["kda_c64", "kdn_iso_c64", "kdn_diag_c64"])
-    parser.add_argument("--shape", default="4x4096x16x128", help="BxTxHxD")
+    parser.add_argument("--shape", type=parse_shape, default=(4, 4096, 16, 128), help="BxTxHxD")
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--min-us", type=float, default=5.0)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict:
     import torch
 
-    if not torch.cuda.is_available():
-        sys.exit("device_gaps.py profiles the GPU's timeline: it needs CUDA")
-    from bench_triton import draw_inputs, forms
+    from deltalab.errors import UserError
 
-    shape = [int(x) for x in args.shape.split("x")]
-    inputs = draw_inputs(*shape, "cuda", torch.bfloat16)
+    if not torch.cuda.is_available():
+        raise UserError("profile gaps reads the GPU's timeline: it needs CUDA")
+    from benchmarks.bench_triton import draw_inputs, forms
+
+    inputs = draw_inputs(*args.shape, "cuda", torch.bfloat16)
     cases = {}
     for chunk in (64, 128):
         cases.update({f"{k}_c{chunk}": v for k, v in forms("triton", chunk).items()})
@@ -173,9 +173,4 @@ def main() -> None:
                 waited = " (host waited)" if row["host_waited"] else ""
                 print(f"{row['idle_us'] / args.iterations:9.1f} us x{row['gaps']:<3d} "
                       f"{row['launched_in']}{waited}")  # fmt: skip
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    return report

@@ -1,14 +1,14 @@
 """How often the Triton stage 1 would walk a diagonal sub-block, on a model's real log decays.
 
-    python benchmarks/diagonal_forms.py --preset 340M --mixers gdn2 muir kdn_diag   # at init
-    python benchmarks/diagonal_forms.py --checkpoint runs/my_run/model               # trained
+    python -m benchmarks profile diagonal --preset 340M --mixers gdn2 muir kdn_diag   # at init
+    python -m benchmarks profile diagonal --checkpoint runs/my_run/model              # trained
 
 A diagonal sub-block (16 tokens, one sequence and head) takes the factored form, two matrix
 products, when every |cumulative log decay| inside it is below `DIAGONAL_FACTOR_BOUND`, over all
 channels; otherwise the serial row walk (`deltalab/ops/delta_rule/triton/intra.py`). This runs
 the model on CPU over random token ids, reads each delta layer's log decays `g` through its gate
 hook, and prints per layer the fraction of sub-blocks that would be walked and the largest
-depth max|c|. It times nothing (docs/RESULTS.md has the timings of both forms).
+depth max|c|. It times nothing (docs/PERFORMANCE.md, "Deep decays", has the timings).
 """
 
 from __future__ import annotations
@@ -67,8 +67,7 @@ def measure(
     return walked(layer_depths(model, ids), bound)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="340M")
     parser.add_argument("--mixers", nargs="+", default=["gdn2", "muir", "kdn_diag"])
     parser.add_argument("--checkpoint", nargs="+", default=None, help="saved model directories")
@@ -80,8 +79,9 @@ def main() -> None:
         "--bound", type=float, nargs="+", default=[DIAGONAL_FACTOR_BOUND],
         help="factored-form bounds to count against (default: stage 1's)",
     )  # fmt: skip
-    args = parser.parse_args()
 
+
+def run(args: argparse.Namespace) -> dict:
     from deltalab.models import CausalLM, build_config
 
     torch.manual_seed(args.seed)
@@ -101,18 +101,19 @@ def main() -> None:
             for mixer in args.mixers
         ]
     print(f"sub-blocks of {SUB_BLOCK} tokens, {args.batch} x {args.seq_len} random token ids")
+    report: dict = {"sub_block": SUB_BLOCK, "models": {}}
     for label, build in models:
         model = build().eval()
         ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len))
         print(label)
         depths = layer_depths(model, ids)
+        entry = report["models"][label] = {"walked": {}}
         for bound in args.bound:
             found = walked(depths, bound)
+            entry["walked"][str(bound)] = [w for w, _ in found.values()]
             fractions = " ".join(f"{w:.2f}" for w, _ in found.values())
             print(f"  walked fraction per layer at bound {bound:g}: {fractions}")
+        entry["largest_depth"] = [d for _, d in found.values()]
         depth = " ".join(f"{d:.0f}" for _, d in found.values())
         print(f"  largest depth per layer: {depth}")
-
-
-if __name__ == "__main__":
-    main()
+    return report

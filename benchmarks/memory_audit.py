@@ -1,6 +1,6 @@
 """What one block of a preset saves for backward, per token, on CPU (no GPU needed).
 
-    PYTHONPATH=$PWD python benchmarks/memory_audit.py --preset 340M --mixers gdn2 muir transformer
+    python -m benchmarks memory --preset 340M --mixers gdn2 muir transformer
 
 Builds `build_config(preset, mixer=..., num_layers=2)` on CPU with float32 weights, runs the LM
 loss forward under `torch.autocast("cpu", dtype=torch.bfloat16)` (training's bf16 autocast on
@@ -267,7 +267,7 @@ class _Functional:
         return getattr(F, name)
 
 
-def run(
+def saved_storages(
     preset: str,
     mixer: str,
     length: int,
@@ -332,7 +332,8 @@ def duplicates(rows: list[tuple[Saved, float]]) -> dict[int, int]:
     return found
 
 
-def report(mixer: str, rows: list[tuple[Saved, float]], block: str, top: int) -> None:
+def report(mixer: str, rows: list[tuple[Saved, float]], block: str, top: int) -> dict:
+    """Prints the block's saves per token by storage; returns their totals."""
     mine = [(s, bpt) for s, bpt in rows if s.block == block and bpt > 0]
     total = sum(bpt for _, bpt in mine)
     layer = sum(bpt for s, bpt in mine if not s.kernel)
@@ -360,10 +361,11 @@ def report(mixer: str, rows: list[tuple[Saved, float]], block: str, top: int) ->
         )
     head = sum(bpt for s, bpt in rows if s.block == "head")
     print(f"(outside the blocks: embedding, final norm, LM head, loss: {head:,.0f} B/token)")
+    return {"block": block, "bytes_per_token": total, "layer_graph": layer,
+            "by_dtype": dict(by_dtype), "outside_blocks": head}  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="340M")
     parser.add_argument("--mixers", nargs="+", default=["gdn2", "muir", "transformer"])
     parser.add_argument(
@@ -392,18 +394,18 @@ def main() -> None:
         action="store_true",
         help="each block's FFN branch computed again in the backward (train.recompute_ffn)",
     )
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     options = KernelOptions(
         recompute_states=not args.keep_states, rebuild_in_backward=not args.keep_inputs
     )
+    results = {}
     for mixer in args.mixers:
         measure = dict(layers=args.layers, options=options, recompute_ffn=args.recompute_ffn)
-        short = run(args.preset, mixer, args.length, **measure)
-        long = run(args.preset, mixer, 2 * args.length, **measure)
+        short = saved_storages(args.preset, mixer, args.length, **measure)
+        long = saved_storages(args.preset, mixer, 2 * args.length, **measure)
         rows = per_token(short, long, args.length)
-        report(mixer, rows, f"block{args.layers - 1}", args.top)
-
-
-if __name__ == "__main__":
-    main()
+        results[mixer] = report(mixer, rows, f"block{args.layers - 1}", args.top)
+    return {"device": "cpu", "mixers": results}

@@ -1,27 +1,25 @@
 """Where one decoded token's time goes: the kernels of a static-cache decoding step, by name.
 
-    python benchmarks/profile_decode.py --out decode_prof.json                 # GPU, 340M presets
-    python benchmarks/profile_decode.py --tiny --out /tmp/decode_prof.json     # CPU smoke run
+    python -m benchmarks profile decode             # GPU, 340M presets
+    python -m benchmarks profile decode --tiny      # CPU smoke run
 
-`bench_decode_gpu.py` times a 340M model's token at about 5 ms replayed from a CUDA graph at any
-batch up to 64 (2026-12-01), where reading its weights once takes about 0.15 ms: the step is
-bound by something other than bytes. Per mixer this script prefills one random prompt of
+`python -m benchmarks decode latency` times a 340M model's token at about 5 ms replayed from a
+CUDA graph at any batch up to 64 on an H200, where reading its weights once takes about 0.15 ms:
+the step is bound by something other than bytes. Per mixer this script prefills one random prompt of
 `--context` tokens, builds the `StaticDecoder` (one CUDA graph replay per token on CUDA), replays
 `--steps` tokens under `torch.profiler` and reports, per token: the wall time (under the
 profiler, so with its overhead), the kernels' summed time, the kernel count, and the kernels
 by total time with their count per token, so a step made slow by many small launches (count x
 a few microseconds) tells itself apart from one made slow by a few heavy kernels. On CPU
 (`--tiny`) the step runs eagerly and the table lists the ATen operators it dispatches instead
-(`OperatorCounter`: the script's smoke run, and a count of what would launch on a GPU with the
+(`OperatorCounter`: the smoke run, and a count of what would launch on a GPU with the
 CPU's paths). Random weights, bf16 on CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -125,11 +123,7 @@ def profile_mixer(mixer: str, args, device: torch.device, dtype: torch.dtype) ->
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", required=True, help="JSON file to write")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny preset on CPU (smoke run)")
     parser.add_argument("--preset", default="340M")
     parser.add_argument("--mixers", nargs="+", default=["gdn2", "muir", "kdn_diag", "transformer"])
@@ -137,7 +131,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     parser.add_argument("--steps", type=int, default=None, help="tokens profiled (default 16)")
     parser.add_argument("--top", type=int, default=15, help="kernels printed per mixer")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict:
     if args.tiny:
         args.preset = "tiny"
     args.context = args.context or (16 if args.tiny else 4096)
@@ -162,16 +158,10 @@ def main() -> None:
         print(format_table(["kernel", "per token", "us per token"], table))
     meta = {
         "preset": args.preset,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
+        "device": device.type,
         "dtype": str(dtype),
         "context": args.context,
         "batch": args.batch,
         "steps": args.steps,
     }
-    Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
-    print(f"\nwrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()
+    return {"meta": meta, "results": results}

@@ -1,9 +1,9 @@
 """Where a training step's GPU time goes, per mixer: the delta-rule kernels, the matrix products,
 attention, normalization and SwiGLU, the optimizer, and the elementwise ops between them.
 
-    python benchmarks/profile_train.py --device cuda --preset 340M --seq-len 4096 --batch 4 \\
-        --mixers gdn2 muir transformer --out prof_train.json      # H200, bf16 autocast
-    python benchmarks/profile_train.py --mixers gdn2 --steps 1    # CPU: the tiny preset
+    python -m benchmarks profile train --device cuda --preset 340M --seq-len 4096 --batch 4 \\
+        --mixers gdn2 muir kdn_diag transformer                      # GPU, bf16 autocast
+    python -m benchmarks profile train --mixers gdn2 --steps 1       # CPU: the tiny preset
 
 One step is what `deltalab train` does per optimizer step without the data pipeline: forward and
 loss under bf16 autocast (on CUDA), backward, AdamW. After `--warmup` steps (Triton compiles its
@@ -15,7 +15,7 @@ queue the forward, the backward and AdamW, and how long it waits for the device)
 whether the device waits for the host; `--compile` wraps the model in torch.compile as
 `train.compile` does.
 
-It answers the question the throughput numbers leave open (docs/RESULTS.md): at 340M and 4K
+It answers the question the throughput numbers leave open (docs/PERFORMANCE.md): at 340M and 4K
 context the recurrent models train at less than half the Transformer's speed, while the
 delta-rule kernels alone take a fraction of the step.
 """
@@ -24,22 +24,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from deltalab.benchmarking import (
-    add_delta_rule_options,
-    changed_options,
-    delta_rule_options,
-    kernel_times,
-)
+from benchmarks.common import add_delta_rule_options, changed_options, delta_rule_options
+from deltalab.benchmarking import kernel_times
+from deltalab.errors import UserError
 from deltalab.ops.options import DEFAULT_OPTIONS, KernelOptions
 from deltalab.train.graphs import WARMUP_STEPS
 
@@ -139,8 +134,8 @@ def training_step(
     it on CPU, where it gives CPU autocast the CUDA op lists. Tensors are made on `device` (or
     by whatever tensor mode is active, e.g. fake tensors). The forward's value checks read back
     once, at the forward's end, as the trainer's (`loop._forward_checks`); checks_after_backward
-    reads them after the backward instead (an experiment: on 2026-12-02, 3 steps each, a 340M
-    GDN-2 step at 4K took 315.8 ms of wall time that way against 286.0; docs/RESULTS.md).
+    reads them after the backward instead (an experiment: 3 steps each on an H200, a 340M
+    GDN-2 step at 4K took 315.8 ms of wall time that way against 286.0; docs/PERFORMANCE.md).
     cuda_graphs: the trainer's `train.cuda_graphs` (`deltalab.train.graphs.StepGraph`): the
     first `WARMUP_STEPS` steps eager on the capture stream, the next records the passes, later
     ones replay them and read the loss back, as the trainer does; AdamW stays eager and the
@@ -268,8 +263,8 @@ def profile_mixer(
         step()
     # The wall time per step next to the kernel time: the difference is the time the device
     # waits for the host (launches after a read-back, Python between kernels). Timed before
-    # the profiler runs: on 2026-12-02 the steps timed after it took 286 ms of wall time where
-    # `deltalab train` took 232 (a 340M GDN-2 step at 4K), as if its instrumentation stayed.
+    # the profiler runs: steps timed after it took 286 ms of wall time where `deltalab train`
+    # took 232 (a 340M GDN-2 step at 4K on an H200), as if its instrumentation stayed.
     wall, timeline = host_timeline(step, args.steps, device)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
@@ -287,10 +282,7 @@ def profile_mixer(
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixers", nargs="+", default=["gdn2", "transformer"])
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--num-layers", type=int, default=None, help="default: the preset's")
@@ -319,15 +311,16 @@ def main() -> None:
         help="the step's passes replayed as one CUDA graph (train.cuda_graphs), recorded "
         "during the warmup steps",
     )
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict:
     if args.cuda_graphs and args.warmup <= WARMUP_STEPS:
-        parser.error(
+        raise UserError(
             f"--cuda-graphs needs --warmup > {WARMUP_STEPS} (its eager steps, the capture)"
         )
-    report = {}
+    report: dict = {"device": args.device, "mixers": {}}
     for mixer in args.mixers:
-        result = report[mixer] = profile_mixer(args, mixer, delta_rule_options(args))
+        result = report["mixers"][mixer] = profile_mixer(args, mixer, delta_rule_options(args))
         print(
             f"\n{mixer}: {result['total_ms']:.1f} ms of kernel time per step, "
             f"{result['wall_ms']:.1f} ms of wall time"
@@ -341,9 +334,4 @@ def main() -> None:
             print(f"    {k['ms']:8.2f} ms  {k['name'][:80]}")
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    return report

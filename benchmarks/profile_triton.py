@@ -1,21 +1,20 @@
 """Where the time of one forward+backward goes, kernel by kernel (torch.profiler), per form.
 
-    python benchmarks/profile_triton.py --forms kda_c64 fla_kda --batch 4 --length 4096 --out prof.json
+    python -m benchmarks profile kernels --forms kda_c64 fla_kda --batch 4 --length 4096  # CUDA
 
 Prints, per form, the kernels sorted by total GPU time over `--steps` forward+backward passes
-(after warm-up), and writes them as JSON. Uses bench_triton's inputs and forms (bf16 inputs).
+(after warm-up). Uses the ops suite's inputs and forms (bf16 inputs; fla's where it imports).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
-from bench_triton import draw_inputs, fla_forms, forms
 
-from deltalab.benchmarking import backward_fresh
+from benchmarks.bench_triton import draw_inputs, fla_forms, forms
+from benchmarks.common import backward_fresh
+from deltalab.errors import UserError
 
 
 def profile_form(fn, names, inputs, steps: int, top: int):
@@ -44,8 +43,7 @@ def profile_form(fn, names, inputs, steps: int, top: int):
     return {"total_gpu_ms_per_step": total, "kernels": rows[:top]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--forms", nargs="+", default=["kda_c64", "fla_kda"])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--length", type=int, default=4096)
@@ -53,8 +51,11 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict:
+    if not torch.cuda.is_available():
+        raise UserError("profile kernels reads the GPU's kernels: it needs CUDA")
     inputs = draw_inputs(args.batch, args.length, args.heads, args.dim, "cuda", torch.bfloat16)
     cases = {}
     for chunk in (64, 128):
@@ -67,9 +68,4 @@ def main() -> None:
         print(f"\n== {name}: {report[name]['total_gpu_ms_per_step']:.2f} ms GPU per fwd+bwd")
         for r in report[name]["kernels"]:
             print(f"{r['ms_per_step']:8.3f} ms  x{r['calls']:<3d} {r['kernel']}")
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    return report

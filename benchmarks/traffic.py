@@ -1,11 +1,12 @@
 """Where a training step's memory traffic comes from, per mixer, without a GPU.
 
-    PYTHONPATH=$PWD python benchmarks/traffic.py --mixers gdn2 muir kdn_diag transformer \\
-        --preset 340M --seq-len 4096 --batch 4 --out traffic.json
+    python -m benchmarks traffic --mixers gdn2 muir kdn_diag transformer \\
+        --preset 340M --seq-len 4096 --batch 4
 
-benchmarks/profile_train.py measured on an H200 that half of a 340M training step at 4K context
-is elementwise ops, reductions and copies, not the delta-rule kernels or the matrix products.
-This tool says which modules and ops move those bytes. It runs one step of
+The training step's profile (`python -m benchmarks profile train`) measured on an H200 that
+half of a 340M training step at 4K context is elementwise ops, reductions and copies, not the
+delta-rule kernels or the matrix products. This tool says which modules and ops move those
+bytes. It runs one step of
 `profile_train.training_step` (forward and loss under bf16 autocast, backward, AdamW) on fake
 tensors (`FakeTensorMode`: shapes, dtypes and strides, no data and no arithmetic), so the full
 preset runs at the full batch and length on CPU in seconds, and records every aten op the step
@@ -28,7 +29,7 @@ dispatches with the bytes it moves:
   (everything inside `optimizer.step`), and glue: everything else, the elementwise ops,
   reductions and copies that profile_train's `OTHER` times on the GPU.
 
-What it models of the H200 run:
+What it models of a GPU run:
 
 - CUDA autocast. Fake tensors cannot be CUDA tensors on a CPU build (autograd asks the CUDA
   device guard), so the step runs under CPU autocast with CUDA's op lists: while measuring,
@@ -60,7 +61,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import sys
@@ -68,7 +68,6 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -79,11 +78,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import deltalab
+from benchmarks import profile_train
 from deltalab.benchmarking import format_table
+from deltalab.errors import UserError
 from deltalab.ops.options import KernelOptions
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import profile_train  # a sibling script, found through the line above
 
 PACKAGE = os.path.dirname(os.path.abspath(deltalab.__file__))
 ROOT = os.path.dirname(PACKAGE)
@@ -706,10 +704,7 @@ def _print_report(mixer: str, summary: dict, args: argparse.Namespace) -> None:
         print(format_table(["reads", "function"], rows))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixers", nargs="+", default=["gdn2", "transformer"])
     parser.add_argument("--preset", default="340M")
     parser.add_argument("--num-layers", type=int, default=None, help="default: the preset's")
@@ -717,19 +712,21 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--bandwidth", type=float, default=3e12, help="bytes/s for the ms estimate")
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--ops", action="store_true", help="also write every op to --out")
+    parser.add_argument("--ops", action="store_true", help="also write every op to the JSON")
     parser.add_argument(
         "--keep-inputs",
         action="store_true",
         help="the delta rule keeps the inputs that cheap ops made instead of rebuilding them in\n"
         "the backward (KernelOptions.rebuild_in_backward off)",
     )
-    args = parser.parse_args()
-    options = KernelOptions(rebuild_in_backward=not args.keep_inputs)
+
+
+def run(args: argparse.Namespace) -> dict:
     if args.bandwidth <= 0:
-        parser.error(f"--bandwidth must be > 0, got {args.bandwidth}")
-    report: dict[str, Any] = {"settings": {k: str(v) for k, v in vars(args).items()}}
+        raise UserError(f"--bandwidth must be > 0, got {args.bandwidth}")
+    options = KernelOptions(rebuild_in_backward=not args.keep_inputs)
+    settings = ("mixers", "preset", "num_layers", "seq_len", "batch", "bandwidth", "keep_inputs")
+    report: dict[str, Any] = {"settings": {k: str(getattr(args, k)) for k in settings}}
     for mixer in args.mixers:
         ops = measure(mixer, args.preset, args.batch, args.seq_len, args.num_layers, options)
         summary = summarize(ops, args.top, args.bandwidth)
@@ -737,9 +734,4 @@ def main() -> None:
         if args.ops:
             summary["ops"] = [asdict(o) for o in ops]
         report[mixer] = summary
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    return report

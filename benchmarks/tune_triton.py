@@ -1,33 +1,35 @@
 """Launch settings of each Triton stage of the delta rule, timed one against another (GPU).
 
-    python benchmarks/tune_triton.py --out tune.json
-    TRITON_INTERPRET=1 python benchmarks/tune_triton.py --device cpu --shape 1x64x1x16 --stages intra
-    python benchmarks/tune_triton.py --shape 4x4096x8x128 --stages state_pass state_pass_split
+    python -m benchmarks tune                                   # GPU, B=4 T=4096 H=16 K=128
+    python -m benchmarks tune --shape 4x4096x8x128 --stages state_pass state_pass_split
+    TRITON_INTERPRET=1 python -m benchmarks tune --device cpu --shape 1x64x1x16 --stages intra
 
 For each stage kernel (stage 1 forward/backward, the decay factors, the solve and dL, the state
 pass forward/backward, the operator gradients) and each candidate setting (tile sizes, warps,
-pipeline stages), the median ms on the 4K target shape (KDA form, bf16 inputs read in place,
-the products as the defaults take them: TF32, but bf16 in the state pass's walks) and the
-largest difference of its outputs from the first setting's, relative to each output's largest
-element, over the elements a kernel writes (most settings change tiling, not the math; the
-rows that set walk_dots, `KernelOptions.walk_dots`, change the products' precision and differ
-by it). Each stage's first setting is its module's default, chosen from these sweeps on
-an H200 (docs/RESULTS.md; where a faster setting is not the default, the module's comment says
-why). On CPU (under the interpreter) it only proves the settings run.
+pipeline stages), the median ms at `--shape` (default B=4 T=4096 H=16 K=128; KDA form, bf16
+inputs read in place, the products as the defaults take them: TF32, but bf16 in the state
+pass's walks) and the largest difference of its outputs from the first setting's, relative to
+each output's largest element, over the elements a kernel writes (most settings change tiling,
+not the math; the rows that set walk_dots, `KernelOptions.walk_dots`, change the products'
+precision and differ by it). Each stage's first setting is its module's default, chosen from
+these sweeps on an H200 (docs/PERFORMANCE.md; where a faster setting is not the default, the
+module's comment says why). On CPU (under the interpreter) it only proves the settings run.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
+import sys
 import time
 
 import torch
 import triton
-from bench_triton import draw_inputs
 
+from benchmarks.bench_triton import draw_inputs, print_records
+from benchmarks.common import parse_shape
+from deltalab.errors import UserError
 from deltalab.ops.delta_rule.triton import chunk as state_module
 from deltalab.ops.delta_rule.triton import factors as factors_module
 from deltalab.ops.delta_rule.triton import intra as intra_module
@@ -81,16 +83,16 @@ def max_diff(xs, ys):
                for x, y in zip(xs, ys, strict=True))  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="4x4096x16x128")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", type=parse_shape, default=(4, 4096, 16, 128), help="BxTxHxK")
     parser.add_argument("--chunk", type=int, default=64)
-    parser.add_argument("--out", default=None)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--stages", nargs="+", default=None, help="only these stages")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict:
     device = args.device
-    batch, length, heads, dim = (int(n) for n in args.shape.split("x"))
+    batch, length, heads, dim = args.shape
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter: fp32 only
     x = draw_inputs(batch, length, heads, dim, device, dtype)
     precision = "tf32" if device == "cuda" else "ieee"
@@ -201,7 +203,7 @@ def main() -> None:
     if args.stages:
         unknown = set(args.stages) - set(cases)
         if unknown:
-            parser.error(f"--stages: unknown {sorted(unknown)}; known: {sorted(cases)}")
+            raise UserError(f"--stages: unknown {sorted(unknown)}; known: {sorted(cases)}")
         cases = {k: v for k, v in cases.items() if k in args.stages}
     rows = []
     for stage, (module, settings, forward, backward, *written) in cases.items():
@@ -221,12 +223,6 @@ def main() -> None:
                 except Exception as error:  # a setting that fails to compile is a result too
                     row = {"stage": stage, "setting": str(setting), "error": repr(error)[:200]}
             rows.append(row)
-            print(row, flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
-            json.dump({"device": name, "rows": rows}, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+            print(row, file=sys.stderr, flush=True)
+    print_records(rows)
+    return {"device": device, "rows": rows}

@@ -1,19 +1,14 @@
-"""Timing helpers shared by `deltalab check` and the scripts under benchmarks/."""
+"""Timing and table helpers shared by `deltalab check` and the benchmark suites (benchmarks/)."""
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import json
-import platform
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
-from deltalab.ops.options import DEFAULT_OPTIONS, KernelOptions
 from deltalab.tables import format_table
 
 
@@ -129,40 +124,6 @@ def add_speedups(result: dict, slow: str = "torch", fast: str = "triton") -> dic
     return result
 
 
-def time_backends(
-    backends: Sequence[str],
-    forward: Callable[[str], object],
-    with_grads: Callable[[str], list[torch.Tensor]],
-    reference: list[torch.Tensor],
-    names: Sequence[str],
-    device: str,
-    repeats: int,
-) -> dict:
-    """Per backend: the median ms of `forward(backend)` without autograd and of
-    `with_grads(backend)` (the outputs and their gradients; `phase_times`, with the kernels'
-    own time on CUDA), and the relative error of each of with_grads' tensors against
-    `reference` (float64), by `names`."""
-    from deltalab.testing import relative_error
-
-    result = {}
-    for backend in backends:
-
-        def run_forward(backend=backend) -> None:
-            with torch.no_grad():
-                forward(backend)
-
-        got = with_grads(backend)
-        result[backend] = {
-            **phase_times(
-                run_forward, lambda backend=backend: with_grads(backend), device, repeats
-            ),
-            "errors": {
-                n: relative_error(a, e) for n, a, e in zip(names, got, reference, strict=True)
-            },
-        }
-    return result
-
-
 def print_backend_case(
     title: str, result: dict, backends: tuple[str, ...], bytes_note: str = ""
 ) -> None:
@@ -193,140 +154,3 @@ def print_backend_case(
     if "speedup_forward_kernel" in result and "speedup_train_kernel" in result:
         print(f"  kernels alone: forward {result['speedup_forward_kernel']:.2f}x, "
               f"forward+backward {result['speedup_train_kernel']:.2f}x")  # fmt: skip
-
-
-def forward_and_train_seconds(
-    fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], repeats: int
-) -> tuple[float, float]:
-    """Median seconds of `fn(*inputs)` without autograd, and of `fn(*inputs).sum().backward()`
-    with every input a fresh leaf."""
-
-    def forward() -> None:
-        with torch.no_grad():
-            fn(*inputs)
-
-    leaves = [x.clone().requires_grad_() for x in inputs]
-
-    def train() -> None:
-        fn(*leaves).sum().backward()
-
-    return median_seconds(forward, repeats), median_seconds(train, repeats)
-
-
-def run_environment(device: str) -> dict[str, str | None]:
-    """What a benchmark's JSON records of the machine: the device's name (the GPU's on CUDA, the
-    processor's otherwise) and the torch and Triton versions (None without Triton)."""
-    if device == "cuda":
-        name = torch.cuda.get_device_name()
-    else:
-        name = platform.processor() or platform.machine()
-    triton = None
-    if importlib.util.find_spec("triton") is not None:
-        import triton as triton_module
-
-        triton = triton_module.__version__
-    return {"device": name, "torch": torch.__version__, "triton": triton}
-
-
-def case_parser(description: str, option: str, cases: Sequence[str]) -> argparse.ArgumentParser:
-    """The command line of a backend-comparison script: --out (JSON), --tiny (the tiny shapes,
-    float32, on CPU: a run under the Triton interpreter), --repeats (CPU only) and `option`
-    (e.g. "--cases") choosing among `cases`, all by default."""
-    parser = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--out", required=True, help="path of the JSON file to write")
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (interpreter smoke run)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs (CPU only)")
-    parser.add_argument(option, nargs="+", default=list(cases), choices=list(cases))
-    return parser
-
-
-def run_cases(
-    args: argparse.Namespace,
-    names: Sequence[str],
-    measure: Callable[[str, str, int], dict],
-    show: Callable[[dict], None],
-) -> list[dict]:
-    """`measure(name, device, repeats)` for each case name, then `show` it; the JSON at
-    `args.out` (`run_environment` and "cases") is written after every case, so a run stopped by
-    its time limit keeps what it measured. CUDA unless --tiny or none is there."""
-    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
-    repeats = args.repeats or (1 if args.tiny else 10)
-    header = run_environment(device)
-    print(" ".join(f"{k}={v}" for k, v in header.items()))
-    results: list[dict] = []
-    for name in names:
-        results.append(measure(name, device, repeats))
-        show(results[-1])
-        with open(args.out, "w") as f:
-            json.dump({**header, "cases": results}, f, indent=1)
-    print(f"\nwrote {args.out}")
-    return results
-
-
-def add_delta_rule_options(parser: argparse.ArgumentParser) -> None:
-    """The `KernelOptions` a benchmark can set from its command line (`delta_rule_options`):
-    the Triton delta rule's state pass, whether its backward walks the chunk-start states again,
-    the dtype of its chunk operators and of its walks' products, whether the layers rebuild
-    the delta rule's cheap inputs in the backward."""
-    parser.add_argument(
-        "--state-pass",
-        choices=["auto", "fused", "split"],
-        default="auto",
-        help="the Triton delta rule's state pass (KernelOptions.state_pass)",
-    )
-    parser.add_argument(
-        "--keep-states",
-        action="store_true",
-        help="the Triton delta rule keeps its chunk-start states and residuals for the backward "
-        "instead of walking them again (KernelOptions.recompute_states off)",
-    )
-    parser.add_argument(
-        "--operator-dtype",
-        choices=["inputs", "float32"],
-        default="inputs",
-        help="the dtype the Triton delta rule stores its chunk operators in: the inputs' 16-bit "
-        "dtype or float32 (KernelOptions.operator_dtype)",
-    )
-    parser.add_argument(
-        "--walk-dots",
-        choices=["operators", "float32"],
-        default="operators",
-        help="the products of the Triton delta rule's walks with 16-bit operators: in the "
-        "operators' dtype or widened to float32 (KernelOptions.walk_dots)",
-    )
-    parser.add_argument(
-        "--keep-inputs",
-        action="store_true",
-        help="the delta rule keeps the inputs that cheap ops made (gate products, read query, "
-        "log decay) instead of rebuilding them in the backward "
-        "(KernelOptions.rebuild_in_backward off)",
-    )
-
-
-def delta_rule_options(args: argparse.Namespace) -> KernelOptions:
-    """The `KernelOptions` that `add_delta_rule_options` parsed."""
-    return KernelOptions(
-        state_pass=args.state_pass,
-        recompute_states=not args.keep_states,
-        operator_dtype=args.operator_dtype,
-        walk_dots=args.walk_dots,
-        rebuild_in_backward=not args.keep_inputs,
-    )
-
-
-def changed_options(options: KernelOptions) -> dict[str, object]:
-    """The fields of `options` that differ from the defaults (what a config needs to hold)."""
-    return {k: v for k, v in options.to_dict().items() if v != DEFAULT_OPTIONS.to_dict()[k]}
-
-
-def backward_fresh(out: torch.Tensor, d_out: torch.Tensor, leaves: Sequence[torch.Tensor]) -> None:
-    """`out.backward(d_out)` into fresh `.grad` tensors: the leaves' gradients from an earlier
-    call are dropped first. A timed loop of forward+backward calls would otherwise also time
-    autograd's accumulation into `.grad`, an add over every leaf each call, which the
-    activations of a training step do not have (on the H200 five bf16 adds took 0.37 ms of the
-    KDA form's 13 at B=1 T=32768 H=16)."""
-    for leaf in leaves:
-        leaf.grad = None
-    out.backward(d_out)

@@ -1,10 +1,10 @@
-"""The GPU benchmark scripts of the fused ops run end to end at their tiny shapes under the
-Triton interpreter, so a script that would crash on the GPU machine (where each minute is
-budgeted) fails here first; their float32 errors against float64 are those of a correct kernel.
-"""
+"""`python -m benchmarks`: the registry names every suite, each suite's command line parses, and
+each runs its CPU smoke run (tiny shapes; the Triton kernels under the interpreter) to a JSON
+file whose header says on what machine and at what commit it was measured."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -13,57 +13,178 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from benchmarks import SUITES
+from benchmarks.__main__ import main, parse
+from benchmarks.common import add_delta_rule_options, changed_options, delta_rule_options
+from deltalab.ops.options import KernelOptions
 
 ROOT = Path(__file__).parents[1]
-# script -> the number of cases its tiny run measures (every one of them must be written).
-SCRIPTS = {
-    "bench_norms.py": 3,
-    "bench_swiglu.py": 2,
-    "bench_log_decay.py": 2,
-    "bench_read_gate.py": 2,
-    "bench_rope.py": 2,
-}
+SUITE_NAMES = {"ops", "kdn", "train", "decode", "tune", "profile", "cpu", "small_ops", "memory",
+               "traffic"}  # fmt: skip
+COMMANDS = [
+    [name, *([mode] if mode else [])]
+    for name, (module, _) in SUITES.items()
+    for mode in (module if isinstance(module, dict) else [None])
+]
 
 
-def run_tiny(script: str, out: Path) -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    args = [sys.executable, str(ROOT / "benchmarks" / script), "--tiny", "--out", str(out)]
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return json.loads(out.read_text())
-
-
-@pytest.mark.parametrize("script", list(SCRIPTS))
-def test_tiny_run_measures_every_case_with_float32_errors(script, tmp_path):
+def needs_triton() -> None:
+    """Skips unless the Triton kernels can run: compiled on CUDA or under the interpreter."""
     pytest.importorskip("triton")
-    report = run_tiny(script, tmp_path / "out.json")
-    assert len(report["cases"]) == SCRIPTS[script]
+    from deltalab.ops._triton import INTERPRET
+
+    if not (INTERPRET or torch.cuda.is_available()):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+
+
+def run_suite(argv: list[str], path: Path, own_process: bool = False) -> dict:
+    """Runs a suite in this process, or in its own where it patches modules for its run (the
+    memory and traffic models), and reads its JSON. The traffic model replaces the Triton
+    launches itself: its process runs without the interpreter (which importing the memory
+    model turns on for the processes started after it)."""
+    if own_process:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env |= {"PYTHONPATH": str(ROOT)}
+        command = [sys.executable, "-m", "benchmarks", *argv, "--json", str(path)]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    else:
+        assert main([*argv, "--json", str(path)]) == 0
+    return json.loads(path.read_text())
+
+
+def test_the_registry_lists_every_suite_and_mode(capsys):
+    assert set(SUITES) == SUITE_NAMES
+    with pytest.raises(SystemExit) as done:
+        parse(["--list"])
+    assert done.value.code == 0
+    listing = capsys.readouterr().out
+    for name, (module, _) in SUITES.items():
+        modes = f" {{{','.join(module)}}}" if isinstance(module, dict) else ""
+        assert f"\n{name}{modes}: " in listing
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_every_suite_parses_its_help(command, capsys):
+    if command[0] == "tune":
+        pytest.importorskip("triton")
+    with pytest.raises(SystemExit) as done:
+        parse([*command, "--help"])
+    assert done.value.code == 0
+    assert "--json" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv", [["nope"], ["profile"], ["profile", "nope"], ["cpu", "kdn", "--nope"]]
+)
+def test_an_unknown_suite_mode_or_option_is_a_usage_error(argv, capsys):
+    with pytest.raises(SystemExit) as done:
+        parse(argv)
+    assert done.value.code == 2
+    assert "error:" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_small_ops_tiny_run_measures_every_case_under_a_header(tmp_path):
+    """The runner end to end, in its own process: every small op's cases measured with float32
+    errors against float64 (those of a correct kernel) and the speedups from the times, under a
+    header naming the machine, the versions, the commit and the command."""
+    pytest.importorskip("triton")
+    out = tmp_path / "small_ops.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "benchmarks", "small_ops", "--tiny", "--json", str(out)]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    header = report["header"]
+    assert header["machine"] and header["torch"] == torch.__version__ and header["date"]
+    assert len(header["commit"]) == 40 and isinstance(header["dirty"], bool)
+    assert header["command"].endswith(f"small_ops --tiny --json {out}")
+    from benchmarks.small_ops import OPS
+
+    assert [(c["op"], c["case"]) for c in report["cases"]] == [
+        (op, case) for op, cases in OPS.items() for case in cases
+    ]
     for case in report["cases"]:
         for backend in ("torch", "triton"):
             row = case[backend]
-            assert row["forward_ms"] > 0 and row["train_ms"] > 0
-            assert row["errors"], f"{script} {case['case']}: no errors measured"
+            assert row["forward_ms"] > 0 and row["train_ms"] > 0 and row["errors"]
             for name, error in row["errors"].items():
-                assert math.isfinite(error) and error < 1e-5, (script, case["case"], name, error)
+                assert math.isfinite(error) and error < 1e-5, (case["case"], name, error)
         assert case["speedup_train"] == pytest.approx(
             case["torch"]["train_ms"] / case["triton"]["train_ms"]
         )
 
 
-def test_short_conv_tiny_run_measures_errors_and_the_launch_sweep(tmp_path):
-    pytest.importorskip("triton")
-    report = run_tiny("bench_short_conv.py", tmp_path / "out.json")
-    for shape in report["shapes"]:
-        assert set(shape["rows"]) == {"torch", "triton"}
-        for errors in shape["errors"].values():
-            assert all(math.isfinite(e) and e < 1e-5 for e in errors.values()), errors
+# Smoke runs on CPU: (argv, whether it runs Triton kernels, a key its JSON must hold).
+SMOKE = {
+    "ops": (["ops", "--tiny", "--parts", "time", "--chunk-sizes", "64", "--only", "gdn2_c64",
+             "sdpa", "--shapes", "1x16x1x16"], True, "time"),
+    "kdn": (["kdn", "--tiny", "--gain-chunks"], True, "gain_chunks"),
+    "tune": (["tune", "--device", "cpu", "--shape", "1x32x1x16", "--stages", "intra"], True,
+             "rows"),
+    "small_ops sweep": (["small_ops", "--tiny", "--ops", "short_conv", "--sweep"], True,
+                        "short_conv_sweep"),
+    "decode latency": (["decode", "latency", "--tiny", "--mixers", "gdn2"], False, "results"),
+    "decode context": (["decode", "context", "--mixers", "gdn2", "--contexts", "8", "16",
+                        "--steps", "2", "--repeats", "1"], False, "rows"),
+    "profile train": (["profile", "train", "--mixers", "gdn2", "--warmup", "1", "--steps", "1",
+                       "--seq-len", "32", "--batch", "2"], False, "mixers"),
+    "profile diagonal": (["profile", "diagonal", "--preset", "tiny", "--mixers", "gdn2",
+                          "--num-layers", "1", "--batch", "1", "--seq-len", "32"], False,
+                         "models"),
+    "cpu delta_rule": (["cpu", "delta_rule", "--length", "64", "--heads", "1", "--dim", "8",
+                        "--repeats", "1", "--naive-repeats", "1", "--chunk-sizes", "16"], False,
+                       "rows"),
+    "cpu kdn": (["cpu", "kdn", "--length", "64", "--heads", "1", "--dim", "8", "--chunk-size",
+                 "16", "--repeats", "1", "--sequential-repeats", "1"], False, "rows"),
+    "cpu layers": (["cpu", "layers", "--batch", "1", "--length", "32", "--hidden", "32",
+                    "--heads", "2", "--chunk-size", "16", "--repeats", "1", "--rounds", "1"],
+                   False, "muir_vs_gdn2_rounds"),
+    "memory": (["memory", "--preset", "tiny", "--mixers", "gdn2", "--length", "128", "--top",
+                "3"], False, "mixers"),
+    "traffic": (["traffic", "--preset", "tiny", "--mixers", "gdn2", "--seq-len", "32",
+                 "--batch", "2", "--num-layers", "1"], False, "gdn2"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(SMOKE))
+def test_suite_smoke_run_writes_its_results_under_the_header(name, tmp_path):
+    argv, triton_kernels, key = SMOKE[name]
+    if triton_kernels:
+        needs_triton()
+    report = run_suite(argv, tmp_path / "out.json", own_process=name in ("memory", "traffic"))
+    assert {"machine", "torch", "triton", "commit", "dirty", "date", "command"} <= set(
+        report["header"]
+    )
+    assert report[key], f"{name}: nothing under {key!r}"
+
+
+def test_train_smoke_run_reports_each_mixer_throughput(tmp_path):
+    from benchmarks.bench_train import SKIPPED_STEPS
+
+    argv = ["train", "--mixers", "gdn2", "--steps", str(SKIPPED_STEPS + 1), "--seq-len", "32",
+            "--batch", "2", "--cache-dir", str(tmp_path / "tokens")]  # fmt: skip
+    report = run_suite(argv, tmp_path / "out.json")
+    (row,) = report["rows"]
+    assert row[0] == "gdn2" and row[2] > 0  # tokens/s
+
+
+@pytest.mark.parametrize("mode", ["gaps", "kernels"])
+def test_cuda_only_profiles_say_so_without_cuda(mode, tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("has CUDA")
+    assert main(["profile", mode, "--json", str(tmp_path / "out.json")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.endswith("it needs CUDA")
 
 
 def test_decode_profile_tiny_run_reports_every_mixer_by_operator(tmp_path):
-    """benchmarks/profile_decode.py (the GPU's decode-step profile) runs its CPU smoke run: every
-    mixer profiled, at least one operator a layer, the projections' matrix products among them,
-    none of the view or allocation operators that launch no kernel counted."""
-    report = run_tiny("profile_decode.py", tmp_path / "out.json")
+    """The decode-step profile's CPU smoke run: every mixer profiled, at least one operator a
+    layer, the projections' matrix products among them, none of the view or allocation
+    operators that launch no kernel counted."""
+    report = run_suite(["profile", "decode", "--tiny"], tmp_path / "out.json")
     mixers = [r["mixer"] for r in report["results"]]
     assert mixers == ["gdn2", "muir", "kdn_diag", "transformer"]
     for result in report["results"]:
@@ -71,3 +192,17 @@ def test_decode_profile_tiny_run_reports_every_mixer_by_operator(tmp_path):
         assert result["kernels_per_token"] >= result["layers"], result["mixer"]
         assert not {"aten::view", "aten::as_strided", "aten::empty_strided"} & set(names)
         assert {"aten::mm", "aten::addmm"} & set(names), result["mixer"]
+
+
+def test_delta_rule_flags_give_the_kernel_options_they_name():
+    parser = argparse.ArgumentParser()
+    add_delta_rule_options(parser)
+    assert delta_rule_options(parser.parse_args([])) == KernelOptions()
+    assert changed_options(KernelOptions()) == {}
+    flags = ["--state-pass", "split", "--keep-states", "--operator-dtype", "float32"]
+    flags += ["--walk-dots", "float32", "--keep-inputs"]
+    options = delta_rule_options(parser.parse_args(flags))
+    changed = dict(state_pass="split", recompute_states=False, operator_dtype="float32",
+                   walk_dots="float32", rebuild_in_backward=False)  # fmt: skip
+    assert options == KernelOptions(**changed)
+    assert changed_options(options) == changed

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 
 from deltalab import benchmarking
-from deltalab.ops.options import KernelOptions
 
 
 def test_kernel_ms_counts_the_ops_of_a_call_and_grows_with_the_work():
@@ -57,19 +54,3 @@ def test_speedups_and_the_table_show_the_kernel_times_when_measured(kernels, cap
     out = capsys.readouterr().out
     assert ("fwd kernels ms" in out) == kernels
     assert ("kernels alone: forward 2.00x, forward+backward 2.00x" in out) == kernels
-
-
-def test_delta_rule_flags_give_the_kernel_options_they_name():
-    parser = argparse.ArgumentParser()
-    benchmarking.add_delta_rule_options(parser)
-    delta_rule_options = benchmarking.delta_rule_options
-    changed_options = benchmarking.changed_options
-    assert delta_rule_options(parser.parse_args([])) == KernelOptions()
-    assert changed_options(KernelOptions()) == {}
-    flags = ["--state-pass", "split", "--keep-states", "--operator-dtype", "float32"]
-    flags += ["--walk-dots", "float32", "--keep-inputs"]
-    options = delta_rule_options(parser.parse_args(flags))
-    changed = dict(state_pass="split", recompute_states=False, operator_dtype="float32",
-                   walk_dots="float32", rebuild_in_backward=False)  # fmt: skip
-    assert options == KernelOptions(**changed)
-    assert changed_options(options) == changed

@@ -3,17 +3,7 @@ host code that launched the work after them (a synthetic trace: CI has no GPU)."
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-import pytest
-
-_ROOT = Path(__file__).parents[1]
-_SPEC = importlib.util.spec_from_file_location(
-    "device_gaps", _ROOT / "benchmarks" / "device_gaps.py"
-)
-device_gaps = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(device_gaps)
+from benchmarks import device_gaps
 
 HOST, OTHER_THREAD = 7, 8
 
@@ -88,12 +78,3 @@ def test_summary_sums_gaps_per_launching_code_largest_first():
 
 def test_a_trace_without_device_work_has_no_gaps():
     assert device_gaps.device_gaps([event("cpu_op", "aten::add", 0, 5)]) == []
-
-
-def test_without_cuda_the_script_says_it_needs_it(monkeypatch):
-    torch = pytest.importorskip("torch")
-    if torch.cuda.is_available():
-        pytest.skip("has CUDA")
-    monkeypatch.setattr("sys.argv", ["device_gaps.py"])
-    with pytest.raises(SystemExit, match="needs CUDA"):
-        device_gaps.main()

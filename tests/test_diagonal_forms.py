@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
+from benchmarks import diagonal_forms
 from deltalab.ops.delta_rule.triton.intra import DIAGONAL_FACTOR_BOUND, SUB_BLOCK
-
-_PATH = Path(__file__).parents[1] / "benchmarks" / "diagonal_forms.py"
-_SPEC = importlib.util.spec_from_file_location("diagonal_forms", _PATH)
-diagonal_forms = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(diagonal_forms)
 
 
 def test_depth_is_the_deepest_channel_of_each_full_sub_block():

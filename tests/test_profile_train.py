@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks import profile_train
+
 _ROOT = Path(__file__).parents[1]
-_SPEC = importlib.util.spec_from_file_location(
-    "profile_train", _ROOT / "benchmarks" / "profile_train.py"
-)
-profile_train = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(profile_train)
+
 DELTA = "delta-rule and KDN kernels"
 
 

@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks import traffic
 from deltalab.layers.common import RMSNorm
-
-_BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
-# traffic.py imports its sibling profile_train.py by name.
-sys.path.insert(0, str(_BENCHMARKS))
-_SPEC = importlib.util.spec_from_file_location("traffic", _BENCHMARKS / "traffic.py")
-traffic = importlib.util.module_from_spec(_SPEC)
-sys.modules["traffic"] = traffic  # its dataclass looks itself up there
-_SPEC.loader.exec_module(traffic)
 
 
 @pytest.fixture(scope="module")

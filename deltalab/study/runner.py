@@ -76,9 +76,9 @@ class StudyStopped(Exception):
 
 
 class SubprocessLauncher:
-    """Runs `python -m deltalab ARGS` with its output in a log file, each child in its own
-    session; remembers the live children so that a stopped study can pass the signal on, and
-    once closed starts no more."""
+    """Runs `python -m deltalab ARGS` with its output in a log file, each child in its
+    own session; remembers the live children so that a stopped study can pass the signal on,
+    and once closed starts no more."""
 
     def __init__(self) -> None:
         self.live: set[subprocess.Popen] = set()

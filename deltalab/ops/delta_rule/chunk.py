@@ -40,7 +40,7 @@ from deltalab.ops._varlen import max_seqlen, pad_packed, unpad_packed
 SUB_BLOCK = 16
 # Span of the pairwise decay factors inside a chunk with per-channel decay: pairs cost
 # C * DECAY_BLOCK * K exponentials, references C^2 / DECAY_BLOCK * K; 8 was the faster on CPU
-# (benchmarks/bench_delta_rule.py). Must divide SUB_BLOCK.
+# (python -m benchmarks cpu delta_rule). Must divide SUB_BLOCK.
 DECAY_BLOCK = 8
 
 

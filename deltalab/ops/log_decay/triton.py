@@ -51,7 +51,7 @@ THRESHOLD = 20.0
 # thread holds (which sets the warps, at most MAX_WARPS). Compiled for sm_90 (ptxas, no GPU):
 # the backward with float32 raw at N = 1024 put 8 bytes a thread on the stack at 8 warps (4096
 # or 2048 elements), none at 2048 elements and 4 warps (16 a thread), bfloat16 none either way.
-# First guesses otherwise; to be tuned on the GPU (benchmarks/bench_log_decay.py).
+# First guesses otherwise; to be tuned on the GPU (python -m benchmarks small_ops --ops log_decay).
 BLOCK_ELEMENTS = {"forward": 4096, "backward": 2048}
 MAX_BLOCK_N = 1024
 PER_THREAD = {"forward": 16, "backward": 16}

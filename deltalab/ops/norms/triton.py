@@ -51,7 +51,7 @@ from deltalab.ops.norms.reference import compute_dtype, l2_normalize_naive, rms_
 # (which sets the warps, at most MAX_WARPS), per kernel. Compiled for sm_90 (ptxas, no GPU): the
 # forward at 16 a thread takes 64-80 registers; the backward at 16 took 159-209 (head_dim 128,
 # gated, bfloat16: one program of 8 warps an SM), at 8 it takes 74-105, no spills. To be tuned
-# on the GPU (benchmarks/bench_norms.py).
+# on the GPU (python -m benchmarks small_ops --ops norms).
 BLOCK_ELEMENTS = {"forward": 4096, "backward": 2048}
 PER_THREAD = {"forward": 16, "backward": 8}
 MAX_WARPS = 16

@@ -56,7 +56,7 @@ LOG2 = tl.constexpr(0.6931471805599453)
 # Elements (BM rows x BN columns) a program holds, BN at most MAX_BLOCK_N, and the elements a
 # thread holds (which sets the warps, at most MAX_WARPS). First guesses, as the log decay's
 # (the backward holds q, raw and dout per element); to be tuned on the GPU
-# (benchmarks/bench_read_gate.py).
+# (python -m benchmarks small_ops --ops read_gate).
 BLOCK_ELEMENTS = {"forward": 4096, "backward": 2048}
 MAX_BLOCK_N = 1024
 PER_THREAD = {"forward": 16, "backward": 16}

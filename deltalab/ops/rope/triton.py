@@ -44,7 +44,8 @@ from deltalab.ops._triton import opaque_to_compiler
 # K = 128) a program is 4 tokens x 8 heads x 64 pairs at 4 warps. Compiled for sm_90 (ptxas, no
 # GPU): 86-90 registers, no spill (8 pairs a thread at 8 warps spilled 4 bytes at H = 3, K =
 # 48); the 32-byte stack frame is libdevice's cos/sin range reduction (its table for |theta| >
-# 105615). First guesses otherwise, to be tuned on the GPU (benchmarks/bench_rope.py).
+# 105615). First guesses otherwise, to be tuned on the GPU
+# (python -m benchmarks small_ops --ops rope).
 BLOCK_PAIRS = 2048
 MAX_BLOCK_D = 128
 PER_THREAD = 16

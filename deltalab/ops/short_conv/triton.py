@@ -67,7 +67,7 @@ from deltalab.ops._triton import opaque_to_compiler
 # backward at 4 elements takes 132, at 8 it took 179 and spilled once the cache was read, so it
 # is narrower. The compiler hoists a chunk's row loads, which is what the registers go to: many
 # loads in flight per thread, as a bandwidth-bound kernel wants. To be tuned on the GPU
-# (benchmarks/bench_short_conv.py --sweep).
+# (python -m benchmarks small_ops --ops short_conv --sweep).
 FORWARD_CONFIG = (16, 1024, 4)
 BACKWARD_CONFIG = (16, 512, 4)
 # Above W = 4 the backward holds twice the rows: 8 warps (2 elements a thread), 144 registers at

@@ -30,7 +30,8 @@ from deltalab.ops.swiglu.reference import swiglu_naive
 
 # Elements (BM rows x BF columns) a program holds in its tile, and the elements a thread holds
 # (which sets the warps, at most MAX_WARPS), per kernel; the widest column block. First guesses
-# for a bandwidth-bound elementwise kernel, to be tuned on the GPU (benchmarks/bench_swiglu.py).
+# for a bandwidth-bound elementwise kernel, to be tuned on the GPU
+# (python -m benchmarks small_ops --ops swiglu).
 BLOCK_ELEMENTS = {"forward": 4096, "backward": 2048}
 PER_THREAD = {"forward": 16, "backward": 8}
 BLOCK_COLUMNS = 256

@@ -1,0 +1,363 @@
+"""The elementwise ops' Triton kernels against the torch paths the layers took before them.
+
+    python -m benchmarks small_ops                              # GPU: every op, 340M shapes
+    python -m benchmarks small_ops --ops norms rope             # some ops
+    python -m benchmarks small_ops --ops short_conv --sweep     # and short_conv's launch sweep
+    TRITON_INTERPRET=1 python -m benchmarks small_ops --tiny    # CPU smoke run
+
+Cases, at the 340M training step's shapes (B=4, T=4096, H=8 heads of K=128, hidden 1024) in the
+dtypes that step gives them under bf16 autocast (`--tiny`: small shapes on CPU under the
+interpreter, float32, which has no bfloat16):
+  norms       block: the block RMSNorm on the float32 residual stream, x `[4 * 4096, 1024]`;
+              gated: the mixers' gated output norm (SiLU gate), o and gate bf16 `[4, 4096, 8, 128]`;
+              l2:    the q/k L2 normalization, bf16 `[4, 4096, 8, 128]`;
+  short_conv  c1024, c2048: x `[4, 4096, C]` bf16, a width-4 depthwise causal convolution, SiLU;
+  swiglu      gdn2, transformer: gate_up `[4 * 4096, 2F]` bf16, F the preset's FFN width;
+  rope        4k (B=4, T=4096), 16k (B=1, T=16384): x `[B, T, 8, 128]` bf16, positions 0..T-1;
+  read_gate   dynamic (rho = exp(read_log) 2 sigmoid(raw)), static (rho = exp(read_log)): q and
+              raw bf16 `[4, 4096, 8, 128]`, read_log float32 `[8, 128]`;
+  log_decay   channel: raw bf16 `[4, 4096, 8, 128]`, A_log `[8, 1]`, dt_bias `[8, 128]`;
+              scalar: raw bf16 `[4, 4096, 8]`, A_log and dt_bias `[8]`.
+
+Per case and backend ("torch": the layers' old path; "triton"), the median ms of the forward (no
+autograd) and of forward + backward (every input's gradient by `torch.autograd.grad` with a random
+output gradient), by `triton.testing.do_bench` on the GPU, with the kernels' own time alone
+(torch.profiler); torch / triton; and each backend's normwise relative error against the float64
+definition ("naive") on the same inputs, of the output and of every gradient. Where a case gives
+the bytes its kernels must move, also GB/s at the measured times. Inputs are random normal, never
+zeros (parameters as the layers initialize them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from benchmarks.common import add_case_arguments, case_device, save, time_backends
+from deltalab.benchmarking import add_speedups, format_table, median_ms, print_backend_case
+
+BACKENDS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One shape of one op. `inputs(shape, dtype, device)` gives the differentiable inputs
+    (None where absent), the other arguments and the output's gradient; `call(backend, *leaves,
+    **others)` the output; `names` the output's and the gradients' names; `moved(shape, dtype)`,
+    where given, the bytes the kernels must move forward and forward+backward."""
+
+    shape: tuple[int, ...]
+    tiny: tuple[int, ...]
+    dtype: torch.dtype
+    inputs: Callable[..., tuple[list, dict, torch.Tensor]]
+    call: Callable[..., torch.Tensor]
+    names: tuple[str, ...]
+    moved: Callable[[tuple[int, ...], torch.dtype], tuple[int, int]] | None = None
+
+
+def _randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen)
+
+
+def _norm_inputs(gated: bool, l2: bool = False):
+    def inputs(shape, dtype, device):
+        gen = torch.Generator().manual_seed(0)
+        x = _randn(gen, *shape).to(device, dtype)
+        weight = (1 + 0.1 * _randn(gen, shape[-1])).to(device)  # float32, as the modules keep it
+        gate = _randn(gen, *shape).to(device, dtype) if gated else None
+        dy = _randn(gen, *shape).to(device, dtype)
+        return ([x] if l2 else [x, weight, gate]), {}, dy
+
+    return inputs
+
+
+def _rms(backend, x, weight, gate=None):
+    from deltalab.ops.norms import rms_norm
+
+    activation = "silu" if gate is not None else "sigmoid"
+    return rms_norm(x, weight, 1e-5, gate, activation, out_dtype=x.dtype, backend=backend)
+
+
+def _l2(backend, x):
+    from deltalab.ops.norms import l2_normalize
+
+    return l2_normalize(x, backend=backend)
+
+
+def _x_and_dy(shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
+    """x and the output's gradient, random normal of `shape`, and the generator that drew them."""
+    gen = torch.Generator().manual_seed(0)
+    x = _randn(gen, *shape).to(device, dtype)
+    return x, _randn(gen, *shape).to(device, dtype), gen
+
+
+def _conv_inputs(shape, dtype, device):
+    x, dy, gen = _x_and_dy(shape, dtype, device)
+    width = 4
+    bound = 1 / math.sqrt(width)  # nn.Conv1d's kaiming_uniform_(a=sqrt(5)) on fan_in = W
+    weight = (2 * torch.rand(shape[-1], 1, width, generator=gen) - 1) * bound
+    return [x, weight.to(device)], {}, dy
+
+
+def _conv(backend, x, weight):
+    from deltalab.ops.short_conv import short_conv
+
+    return short_conv(x, weight, backend=backend)[0]
+
+
+def _swiglu_inputs(shape, dtype, device):
+    gen = torch.Generator().manual_seed(0)
+    rows, width = shape
+    gate_up = _randn(gen, rows, 2 * width).to(device, dtype)
+    return [gate_up], {}, _randn(gen, rows, width).to(device, dtype)
+
+
+def _swiglu(backend, gate_up):
+    from deltalab.ops.swiglu import swiglu
+
+    return swiglu(gate_up, backend=backend)
+
+
+def _rope_inputs(shape, dtype, device):
+    x, dy, _ = _x_and_dy(shape, dtype, device)
+    return [x], {"positions": torch.arange(shape[1], device=device)}, dy
+
+
+def _rope(backend, x, positions):
+    from deltalab.ops.rope import rope
+
+    return rope(x, positions, backend=backend)
+
+
+def _read_inputs(dynamic: bool):
+    def inputs(shape, dtype, device):
+        gen = torch.Generator().manual_seed(0)
+        q = torch.nn.functional.normalize(_randn(gen, *shape), dim=-1)  # as the L2-normed query
+        read_log = 0.5 * _randn(gen, *shape[-2:])
+        raw = 3 * _randn(gen, *shape) if dynamic else None
+        dout = _randn(gen, *shape).to(device, dtype)
+        raw = None if raw is None else raw.to(device, dtype)
+        return [q.to(device, dtype), read_log.to(device), raw], {}, dout
+
+    return inputs
+
+
+def _read(backend, q, read_log, raw=None):
+    from deltalab.ops.read_gate import read_query
+
+    return read_query(q, read_log, raw, backend=backend)
+
+
+def _decay_inputs(shape, dtype, device):
+    from deltalab.layers.decay import init_A_log, init_dt_bias
+
+    torch.manual_seed(0)
+    channel = len(shape) == 4
+    a_log = init_A_log(shape[2]).detach()
+    a_log = a_log.unsqueeze(-1) if channel else a_log
+    dt_bias = init_dt_bias(*shape[2:]).detach()
+    gen = torch.Generator().manual_seed(0)
+    raw = (3 * _randn(gen, *shape)).to(device, dtype)  # its range in training
+    return [a_log.to(device), raw, dt_bias.to(device)], {}, _randn(gen, *shape).to(device)
+
+
+def _decay(backend, a_log, raw, dt_bias):
+    from deltalab.ops.log_decay import log_decay
+
+    return log_decay(a_log, raw, dt_bias, backend=backend)
+
+
+def _swiglu_shape(mixer: str) -> tuple[int, int]:
+    from deltalab.models import build_config
+
+    return (4 * 4096, build_config("340M", mixer=mixer).ffn_width)
+
+
+def _elementwise_bytes(reads: int, writes: int):
+    """Bytes of `reads` + `writes` tensors of the case's shape forward, and twice that with the
+    backward (read the output's gradient and the inputs again, write the inputs' gradients)."""
+
+    def moved(shape, dtype):
+        size = math.prod(shape) * dtype.itemsize
+        return (reads + writes) * size, 2 * (reads + writes) * size
+
+    return moved
+
+
+def _swiglu_bytes(shape, dtype):
+    rows, width = shape
+    size = rows * width * dtype.itemsize
+    return 3 * size, 8 * size  # forward: gate_up in, h out; backward: gate_up, dh in, d(gate_up)
+
+
+BF16 = torch.bfloat16
+HEADS = (4, 4096, 8, 128)
+# op -> case -> Case. Shapes at the 340M training step (`_swiglu_shape` reads the preset).
+OPS: dict[str, dict[str, Callable[[], Case]]] = {
+    "norms": {
+        "block": lambda: Case((4 * 4096, 1024), (37, 40), torch.float32, _norm_inputs(False),
+                              _rms, ("y", "dx", "dweight")),
+        "gated": lambda: Case(HEADS, (2, 9, 2, 24), BF16, _norm_inputs(True), _rms,
+                              ("y", "dx", "dweight", "dgate")),
+        "l2": lambda: Case(HEADS, (2, 9, 2, 24), BF16, _norm_inputs(False, l2=True), _l2,
+                           ("y", "dx")),
+    },
+    "short_conv": {
+        f"c{c}": lambda c=c, tiny=tiny: Case((4, 4096, c), (2, 37, tiny), BF16, _conv_inputs, _conv,
+                                  ("y", "dx", "dweight"))
+        for c, tiny in ((1024, 40), (2048, 72))
+    },
+    "swiglu": {
+        m: lambda m=m: Case(_swiglu_shape(m), (37, 20), BF16, _swiglu_inputs, _swiglu,
+                            ("h", "d_gate_up"), _swiglu_bytes)
+        for m in ("gdn2", "transformer")
+    },
+    "rope": {
+        "4k": lambda: Case(HEADS, (2, 9, 3, 12), BF16, _rope_inputs, _rope, ("y", "dx"),
+                           _elementwise_bytes(1, 1)),
+        "16k": lambda: Case((1, 16384, 8, 128), (1, 7, 2, 6), BF16, _rope_inputs, _rope,
+                            ("y", "dx"), _elementwise_bytes(1, 1)),
+    },
+    "read_gate": {
+        "dynamic": lambda: Case(HEADS, (2, 9, 3, 24), BF16, _read_inputs(True), _read,
+                                ("out", "dq", "dread_log", "draw")),
+        "static": lambda: Case(HEADS, (2, 9, 3, 24), BF16, _read_inputs(False), _read,
+                               ("out", "dq", "dread_log")),
+    },
+    "log_decay": {
+        "channel": lambda: Case(HEADS, (2, 9, 3, 24), BF16, _decay_inputs, _decay,
+                                ("g", "dA_log", "draw", "ddt_bias")),
+        "scalar": lambda: Case((4, 4096, 8), (2, 9, 3), BF16, _decay_inputs, _decay,
+                               ("g", "dA_log", "draw", "ddt_bias")),
+    },
+}  # fmt: skip
+
+
+def outputs(case: Case, backend: str, leaves: list, others: dict, d_out: torch.Tensor) -> list:
+    """The case's output and the gradients of its differentiable inputs."""
+    leaves = [None if t is None else t.detach().requires_grad_() for t in leaves]
+    out = case.call(backend, *leaves, **others)
+    present = [t for t in leaves if t is not None]
+    return [out, *torch.autograd.grad(out, present, d_out.to(out.dtype))]
+
+
+def bench_case(op: str, name: str, case: Case, tiny: bool, device: str, repeats: int) -> dict:
+    shape, dtype = (case.tiny, torch.float32) if tiny else (case.shape, case.dtype)
+    leaves, others, d_out = case.inputs(shape, dtype, device)
+    result = {"op": op, "case": name, "shape": list(shape), "dtype": str(dtype)[6:]}
+    wide = [None if t is None else t.double() for t in leaves]
+    reference = outputs(case, "naive", wide, others, d_out.double())
+    result |= time_backends(
+        BACKENDS,
+        lambda backend: case.call(backend, *leaves, **others),
+        lambda backend: outputs(case, backend, leaves, others, d_out),
+        reference,
+        case.names,
+        device,
+        repeats,
+    )
+    if case.moved is not None:
+        forward, train = case.moved(shape, dtype)
+        result["kernel_bytes"] = {"forward": forward, "train": train}
+        for backend in BACKENDS:
+            row = result[backend]
+            row["gb_per_s"] = {"forward": forward / row["forward_ms"] / 1e6,
+                               "train": train / row["train_ms"] / 1e6}  # fmt: skip
+    return add_speedups(result)
+
+
+def print_case(result: dict) -> None:
+    title = f"{result['op']} {result['case']}: {result['shape']} {result['dtype']}"
+    print_backend_case(title, result, BACKENDS, "the kernels' bytes over each backend's time")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_case_arguments(parser, "--ops", OPS)
+    parser.add_argument(
+        "--sweep", action="store_true", help="also time short_conv's kernels at other launches"
+    )
+
+
+def run(args: argparse.Namespace) -> dict:
+    device, repeats = case_device(args)
+    results: dict = {"device": device, "cases": []}
+    for op in args.ops:
+        for name, make in OPS[op].items():
+            results["cases"].append(bench_case(op, name, make(), args.tiny, device, repeats))
+            print_case(results["cases"][-1])
+            save(args, results)
+    if args.sweep:
+        results["short_conv_sweep"] = short_conv_sweep(args.tiny, device, repeats)
+        save(args, results)
+    return results
+
+
+# short_conv's launches tried by --sweep: (BT tokens per chunk, BC channels per program, warps)
+# per kernel, and the backward's program counts at its default launch.
+FORWARD_SWEEP = [(16, 1024, 4), (16, 512, 4), (32, 512, 4), (16, 2048, 8)]
+BACKWARD_SWEEP = [(16, 1024, 4), (16, 512, 8), (32, 512, 8), (8, 512, 4)]
+PROGRAMS_SWEEP = [512, 1024, 2048, 4096]
+TINY_SWEEP = ([(8, 32, 1), (16, 64, 2)], [(8, 32, 1)], [4])
+
+
+def short_conv_sweep(tiny: bool, device: str, repeats: int) -> list[dict]:
+    """short_conv's Triton kernels at each launch of the sweep, at each of its case shapes."""
+    rows = []
+    for name, make in OPS["short_conv"].items():
+        case = make()
+        shape, dtype = (case.tiny, torch.float32) if tiny else (case.shape, case.dtype)
+        (x, weight), _, dy = case.inputs(shape, dtype, device)
+        for row in launch_sweep(x, weight[:, 0], dy, tiny, device, repeats):
+            rows.append({"case": name, **row})
+    print(f"\nshort_conv's launches, {'tiny shapes' if tiny else 'the cases above'}")
+    headers = ["case", "kernel", "BT", "BC", "warps", "programs", "ms"]
+    table = [[r["case"], r["kernel"] + (" (default)" if r["default"] else ""), *r["launch"],
+              r["programs"] or "-", r["ms"]] for r in rows]  # fmt: skip
+    print(format_table(headers, table))
+    return rows
+
+
+def launch_sweep(x, weight, dy, tiny: bool, device: str, repeats: int) -> list[dict]:
+    from deltalab.ops.short_conv import triton as kernels
+
+    channels, width = weight.shape
+    forward_sweep, backward_sweep, programs_sweep = (
+        TINY_SWEEP if tiny else (FORWARD_SWEEP, BACKWARD_SWEEP, PROGRAMS_SWEEP)
+    )
+    rows = []
+    forward_default = kernels.launch(channels, width, "forward")
+    for launch in forward_sweep:
+        ms = median_ms(
+            lambda c={"forward": launch}: kernels.short_conv_triton(x, weight, None, True, c),
+            device,
+            repeats,
+        )
+        effective = kernels.launch(channels, width, "forward", launch)
+        rows.append({"kernel": "forward", "launch": list(effective), "programs": None, "ms": ms,
+                     "default": effective == forward_default})  # fmt: skip
+    backward_default = kernels.launch(channels, width, "backward")
+    programs_default = kernels.BACKWARD_PROGRAMS
+    xs, ws = x.detach().requires_grad_(), weight.detach().requires_grad_()
+    configs = [(launch, programs_default) for launch in backward_sweep]
+    configs += [(None, programs) for programs in programs_sweep]
+    try:
+        for launch, programs in configs:
+            kernels.BACKWARD_PROGRAMS = programs
+            config = {"backward": launch} if launch else None
+
+            def train(c=config) -> None:
+                y, _ = kernels.short_conv_triton(xs, ws, None, True, c)
+                torch.autograd.grad(y, (xs, ws), dy)
+
+            effective = kernels.launch(channels, width, "backward", launch)
+            rows.append({"kernel": "forward+backward", "launch": list(effective),
+                         "programs": programs, "ms": median_ms(train, device, repeats),
+                         "default": effective == backward_default
+                         and programs == programs_default})  # fmt: skip
+    finally:
+        kernels.BACKWARD_PROGRAMS = programs_default
+    return rows
