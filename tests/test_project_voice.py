@@ -30,16 +30,6 @@ DIARY = {
 # Uses of those words that are not a diary: pytest's fixture scope, a POSIX process session.
 ALLOWED = re.compile(r"""scope=["']session["']|\bown session\b""")
 
-# Files whose owners are rewriting them; each entry leaves this list once its file is clean.
-_NOT_YET_SCRUBBED = (
-    "deltalab/ops/delta_rule/",
-    "deltalab/ops/kdn/",
-    "deltalab/layers/projections.py",
-    "deltalab/ops/_recompute.py",
-    "tests/test_study.py",
-)
-
-
 def tracked_text_files() -> list[str]:
     if not (ROOT / ".git").exists():
         pytest.skip("not a git checkout: the tracked files are unknown")
@@ -51,7 +41,6 @@ def tracked_text_files() -> list[str]:
         for name in listed
         if Path(name).suffix in SUFFIXES
         and name != THIS_FILE
-        and not name.startswith(_NOT_YET_SCRUBBED)
         and (ROOT / name).is_file()
     ]
 

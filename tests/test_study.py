@@ -352,8 +352,8 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_and_ends_as_an_uninterru
 def test_a_trained_run_whose_model_is_gone_trains_again_and_its_old_results_do_not_count(
     tmp_path, corpus
 ):
-    """Records that came back without the exported model and checkpoints (a device call cut
-    off during an evaluation): the run is "new", not "evaluate", which would fail for want of
+    """Records that came back without the exported model and checkpoints (a run cut off
+    during an evaluation): the run is "new", not "evaluate", which would fail for want of
     a model; it trains from scratch, and the lost model's evaluation results are not kept."""
     spec = micro_spec(tmp_path, corpus, grid={"mixers": ["gdn2"], "seeds": [0]})
     assert execute(plan_of(spec), launcher=InProcess(), say=quiet) == 0

@@ -104,8 +104,7 @@ def _kdn(
     # One block holds the checks and the work they guard (the gain and the delta rule). The
     # checks queue their answers, `send_answers` starts their copy to the host, the work is
     # queued behind it, and the block's end waits for that copy alone. Where the wait sits
-    # decides what the device waits for (on the H200, B=4 T=4096 H=16 bf16, forward+backward;
-    # docs/RESULTS.md):
+    # decides what the device waits for (on the H200, B=4 T=4096 H=16 bf16, forward+backward):
     # - a read before the gain left the device idle while the host launched the gain's kernels
     #   and glue one by one: 7.07 ms against 5.63 unchecked for Isotropic KDN, 6.57 against
     #   5.77 for Diagonal;

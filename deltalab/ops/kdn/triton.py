@@ -381,7 +381,7 @@ def _kdn_backward_kernel(
 # Split over T below this many lane programs (an H200 has 132 SMs), into chunks of a power of 2
 # tokens aiming at SPLIT_PROGRAMS programs in all: Isotropic KDN has one lane per (sequence,
 # head), whose single programs each walk all T steps (at B=1 H=16 T=32768, 16 programs: 0.33 +
-# 0.25 ms forward and backward on the H200, docs/RESULTS.md). At B=1 T=32768 H=16 the split
+# 0.25 ms forward and backward on the H200). At B=1 T=32768 H=16 the split
 # scan's kernels took 0.11 ms against the single walks' 0.58. At B=4 H=16 (64 programs, T=4096: 0.04 + 0.04 ms) the single walks stay:
 # the split's extra launches cost the host more than they could save the device there. float32
 # only: the carry passes compute in it.

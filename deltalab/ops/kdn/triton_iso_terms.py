@@ -113,7 +113,7 @@ class _KDNIsoTerms(torch.autograd.Function):
     and g, two more reads and a write of each. Handed the node's k and g, the delta rule's
     gradients arrive here with the terms' own, and the backward kernel adds them in float32
     before its one write (on the H200 the separate sums took 0.10 ms of Isotropic KDN's 5.2 at
-    B=4 T=4096 H=16, 0.19 ms at B=1 T=32768; docs/RESULTS.md). Unused,
+    B=4 T=4096 H=16, 0.19 ms at B=1 T=32768). Unused,
     the routed outputs cost nothing but two views.
     """
 

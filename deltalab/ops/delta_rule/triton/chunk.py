@@ -80,7 +80,7 @@ NUM_WARPS = 8
 # Pipeline stages of the fused walks' chunk loop, with 16-bit operators and K <= 128 (`_launch`
 # takes 1 otherwise). Software pipelining keeps the next chunk's tiles in shared memory while
 # this one's products run: with float32 operators 2 stages overflowed the SM's 227 KiB
-# (docs/RESULTS.md, 2026-12-02). 16-bit operators (`KernelOptions.operator_dtype`) halve the
+# (2026-12-02). 16-bit operators (`KernelOptions.operator_dtype`) halve the
 # operator tiles; compiled for sm_90 (Triton 3.9, BV 64, 8 warps), forward / backward at chunk
 # 64 take
 # 64 / 64 KiB with 1 stage, 64 / 128 with 2, 64 / 160 with 3 (chunk 128: 64 / 64, 84 / 80,
@@ -95,7 +95,7 @@ NUM_STAGES = 1
 # BLOCK_V's launch or the split pass; NARROW_BLOCK_V None: never). Half the columns double the
 # walks, and the pipeline hides the operator loads of each chunk behind the products of the one
 # before. Measured on the H200, B=4 T=4096 K=V=128, bf16 (`tune_triton.py --shape 4xTx{8,16}x128
-# --stages state_pass state_pass_split`, docs/RESULTS.md, 2026-12-02), forward / backward ms
+# --stages state_pass state_pass_split`, 2026-12-02), forward / backward ms
 # per layer:
 #
 #                                                   H=8 (340M preset)   H=16
@@ -118,7 +118,7 @@ NARROW_NUM_WARPS = 4
 # LOW_DOTS_NUM_WARPS warps with LOW_DOTS_NUM_STAGES stages wherever they make
 # FUSED_PASS_MIN_PROGRAMS walks, else the narrow launch where its walks do, else the split
 # pass. Measured on the H200, B=4 T=4096 K=V=128, bf16, products in bf16 (`tune_triton.py
-# --shape 4x4096x{16,8}x128 --stages state_pass`, docs/RESULTS.md, 2026-12-02), forward /
+# --shape 4x4096x{16,8}x128 --stages state_pass`, 2026-12-02), forward /
 # backward ms per layer:
 #
 #                                                   H=8 (340M preset)   H=16
@@ -335,7 +335,7 @@ SPLIT_NUM_STAGES = 2
 # Value columns and warps per program of the split walks. The walk is latency-bound (one chunk
 # after another, a few small products each), so more programs of fewer columns win. Measured on
 # the H200 at the 340M preset's heads, H=8 K=V=128 chunk 64, bf16 inputs (benchmarks/
-# tune_triton.py --stages state_pass_split, docs/RESULTS.md), forward / backward ms per layer:
+# tune_triton.py --stages state_pass_split), forward / backward ms per layer:
 #
 #   walk setting (2 stages unless said)   B=4 T=4096     B=1 T=16384
 #   BV 16, 2 warps                         0.46 / 0.59    1.00 / 1.38
@@ -351,7 +351,7 @@ SPLIT_WALK_NUM_WARPS = 2
 # carried across chunks. Compiled for sm_90 at K = 128 and 256 (tests/test_triton_compile.py),
 # 4 warps of 32 columns spill no registers (an earlier backward spilled 176 bytes a thread in
 # its Q [K, BV] at 4 warps of 64 columns; today's does not). Measured on the H200 with bf16
-# operators (`tune_triton.py --stages state_pass_split`, docs/RESULTS.md, 2026-12-02), the split
+# operators (`tune_triton.py --stages state_pass_split`, 2026-12-02), the split
 # pass forward / backward ms per layer:
 #
 #   parallel kernels                B=4 T=4096 H=8   B=1 T=16384 H=8
@@ -575,7 +575,7 @@ def _operator_grads_kernel(
 # products carry a relative error of about 2^-9, as every other bf16 product of the layer
 # does. Checked against the float64 loop: fp16 under the interpreter within the fp16 bound
 # (tests/test_delta_rule_triton.py), bf16 on the H200 by its
-# test_bf16_walks_stay_within_the_bf16_bound_of_the_loop (docs/RESULTS.md, 2026-12-02). The
+# test_bf16_walks_stay_within_the_bf16_bound_of_the_loop (2026-12-02). The
 # H200 runs' outputs with bf16 products
 # differed from widened ones by at most 2.7e-3 (`tune_triton.py`). With fp16 operators the
 # rounded adjoints (dS, dN, dO) must also fit fp16's range (65504), as under a loss scale they
@@ -816,7 +816,7 @@ def state_pass_split_triton_backward(
 # FUSED_PASS_MIN_PROGRAMS programs (B * H * V / BV at the launch `_launch` picks), the split pass
 # below (96: a threshold between the two measured points, 64 and 128 programs, not itself
 # measured). The backward takes the forward's form. Measured on the H200 (`tune_triton.py`, per
-# layer, forward / backward ms; docs/RESULTS.md):
+# layer, forward / backward ms):
 #   B=4 T=4096 H=16 (128 fused programs): fused 0.78 / 0.86, split 0.91 / 1.25;
 #   B=4 T=4096 H=8 (64): fused 0.72 / 0.84, split 0.46 / 0.59;
 #   B=1 T=16384 H=8 (16): fused 2.72 / 3.23, split 1.00 / 1.38.
@@ -852,7 +852,7 @@ def chosen_state_pass(batch: int, heads: int, key_dim: int, value_dim: int,
 # from the forward. Both are float32: with 8 heads of K = V = 128 and chunks of 64 (the 340M
 # preset) they are 12 KB per token and layer, the largest item of what a GDN-2 block keeps for
 # its backward. Measured on the H200 in a 340M GDN-2 training step (bf16, 24 layers, split pass;
-# docs/RESULTS.md, 2026-12-01): peak memory 33.0 -> 28.8 GiB at B=4 T=4096 and 33.1 -> 28.7 at
+# 2026-12-01): peak memory 33.0 -> 28.8 GiB at B=4 T=4096 and 33.1 -> 28.7 at
 # B=1 T=16384 (Muir 35.9 -> 31.6 at 16K, Diagonal KDN 38.9 -> 34.7 at 4K); kernel time per step
 # 232.2 -> 238.8 ms (+2.8%) at 4K and 261.6 -> 288.4 (+10%: 64 walks of 256 chunks, as in the
 # forward) at 16K. Those figures are for the walk from the initial state; walking from
@@ -920,8 +920,8 @@ def _operator_grads(states, residuals, d_out, d_residual, d_next) -> ChunkOperat
 # them (it reads them back as stored). With fp16 that is finer than the TF32 operands the
 # products already take (11 significant bits each); with bf16 (8 bits) it is coarser, an
 # error of the inputs' own size on every operator. It halves the bytes the state pass, the
-# solve and the factors move per chunk. Measured on the H200 (docs/RESULTS.md, 2026-12-02;
-# benchmarks/h200_suite.sh ops_ab, ops16_ptrain), bf16 inputs: the largest
+# solve and the factors move per chunk. Measured on the H200 (2026-12-02;
+# python -m benchmarks ops and train), bf16 inputs: the largest
 # relative error against float64 over the output and every gradient, at bench_triton.py's
 # check shape, 6.4e-3 (float32 operators: 6.1e-3); at B=4 T=4096 H=16, GDN-2's
 # forward+backward 7.37 -> 6.66 ms and its peak 2.04 -> 1.76 GiB; the 340M GDN-2 step's

@@ -9,7 +9,7 @@ operators of `chunk.py`'s `chunk_operators` scale the inputs elementwise:
 
 A kernel of its own rather than a part of stage 1's forward, which reads the same rows: written
 into stage 1's one-warp programs (an experiment, 2026-12-02) the factors made the forward
-0.7-0.8 ms slower at B=4 T=4096 H=16 (docs/RESULTS.md, 2026-12-02), more than the reads
+0.7-0.8 ms slower at B=4 T=4096 H=16 (2026-12-02), more than the reads
 they saved. One program owns a chunk and BKD channels; the inputs are read where they lie,
 token-major (`intra.Tokens`), and the adjoint writes the final gradients there too: every
 exponent is a cumulative sum of log decays (never a difference of two, never positive), the

@@ -47,7 +47,7 @@ own running sums err as much over long segments, less over the short ones that d
 below the TF32 products' 1e-3 that bf16 inputs get anyway. A sub-block with stronger decays (a mean
 log decay below -5 per token in one channel, or a reset at -inf) keeps the exact walk, so the
 stability argument above holds everywhere. On an H200 the walk cost 2x the factored forward and
-4.6x its adjoint (bf16, g in [-8, 0] against [-0.1, 0], docs/RESULTS.md), and a tree of masked
+4.6x its adjoint (bf16, g in [-8, 0] against [-0.1, 0]), and a tree of masked
 products in its place was no faster (reverted: `005e794`).
 
 Adjoint: with c_tsk the contribution of one (t, s, k) term,
@@ -89,7 +89,7 @@ INTRA_BLOCK_KD = 64
 # Stage 1's products widen every operand to float32 (TF32 or IEEE products). Products in the
 # inputs' 16-bit dtype (79df509) were measured on the H200 and deleted: the GDN-2 form's forward
 # and backward 5.66 -> 5.61 ms at B=4 T=4096 H=16, within the spread of two runs of one setting
-# (docs/RESULTS.md, 2026-12-02).
+# (2026-12-02).
 
 
 def chunk_count(x: torch.Tensor) -> int:
@@ -164,7 +164,7 @@ def _load_g_rows(g, rows, grs, cols, valid, mk, G_HEAD: tl.constexpr):
     """The log decays g[rows, cols] as float32 [len(rows), len(cols)], zero past the chunk's
     tokens and K. A per-head g (G_HEAD) is read once per row and broadcast over the channels:
     a tile of loads at channel stride 0 cannot be vectorized and made stage 1 of the per-head
-    form 2.4x slower than the per-channel one (H200, B=1 T=32768 H=16; docs/RESULTS.md,
+    form 2.4x slower than the per-channel one (H200, B=1 T=32768 H=16;
     2026-12-04)."""
     if G_HEAD:
         return tl.where(mk[None, :], _load_per_row(g, rows, grs, valid)[:, None], 0.0)
