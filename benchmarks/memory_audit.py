@@ -40,9 +40,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from unittest import mock
 
-# The KDN gains run their Triton kernels here, on CPU tensors (see `run`): set before Triton loads.
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import torch
 import torch.nn.functional as F
 
@@ -50,6 +47,7 @@ import deltalab
 import deltalab.layers.attention as attention_module
 import deltalab.layers.common as common
 import deltalab.layers.kdn as kdn_layers
+from deltalab.errors import UserError
 from deltalab.models.lm import CausalLM
 from deltalab.models.presets import build_config
 from deltalab.ops import _recompute
@@ -397,6 +395,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    # The KDN gains run their Triton kernels here, on CPU tensors: Triton reads the variable when
+    # the kernels are defined, so it must be set before the process imports deltalab. (Setting it
+    # on import of this module would leak it into every later test or suite of the process.)
+    if "kdn" in " ".join(args.mixers) and os.environ.get("TRITON_INTERPRET") != "1":
+        raise UserError("the memory suite runs the KDN gains' Triton kernels on CPU tensors: "
+                        "run it as TRITON_INTERPRET=1 python -m benchmarks memory ...")
     torch.set_num_threads(1)
     options = KernelOptions(
         recompute_states=not args.keep_states, rebuild_in_backward=not args.keep_inputs
