@@ -194,12 +194,18 @@ def evaluate(model, held_out: PackedSequences, count: int, micro: int, ctx, auto
 
 @dataclass
 class TrainState:
-    """What a run's steps, checkpoints, resume and export share: one object instead of the
-    same eight passed to each.
+    """What a run's phases share (setup, resume, the step loop, evaluations, checkpoints, the
+    finish): one object instead of the same dozen values passed to each.
 
-    core: the unwrapped model (state dicts, export); the DDP/FSDP wrapper is `train`'s own.
+    core: the unwrapped model (state dicts, export); model: its DDP/FSDP wrapper (or core);
+    forward: what the steps call (model, compiled with train.compile).
+    graph: the step's CUDA graph (train.cuda_graphs), or None for eager steps.
+    micro: windows per forward on each rank; eval_windows: held-out windows per evaluation.
     history: {"train": step records, "eval": {"step", "loss"} records}, checkpointed with the
     rest.
+    done: the steps done of train.steps (skipped ones included); skipped: those skipped as
+    non-finite (train.nan_policy=skip); interrupted and stop_signal: whether, and by which
+    signal, the run stopped before its last step.
     """
 
     config: RunConfig
@@ -209,9 +215,29 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     sampler: ResumableSampler
+    model: Any
+    forward: Any
+    graph: StepGraph | None
+    tokenizer: Any
+    train_data: PackedSequences
+    held_out: PackedSequences
+    micro: int
+    eval_windows: int
+    autocast: Any
     history: dict[str, list[dict[str, Any]]] = field(
         default_factory=lambda: {"train": [], "eval": []}
     )
+    logger: RunLogger | None = None
+    done: int = 0
+    skipped: int = 0
+    interrupted: bool = False
+    stop_signal: int | None = None
+
+    def held_out_loss(self) -> float:
+        """The held-out loss now (`evaluate` over `eval_windows` windows)."""
+        return evaluate(
+            self.core, self.held_out, self.eval_windows, self.micro, self.ctx, self.autocast
+        )
 
     def payload(self, step: int) -> dict[str, Any]:
         """Everything a resume needs after `step` (`PAYLOAD_KEYS`)."""
@@ -629,6 +655,31 @@ def train(config: RunConfig) -> TrainResult:
 
 
 def _train(config: RunConfig, ctx: Distributed) -> TrainResult:
+    state = _setup(config, ctx)
+    start = state.resume() if config.checkpoint.resume else 0
+    state.done = start
+    state.logger = RunLogger(state.out_dir, config, enabled=ctx.is_main, resume_step=start or None)
+    if ctx.is_main:
+        sizes = (len(state.train_data), len(state.held_out))
+        _announce(state, state.logger, sizes, state.eval_windows, state.micro)
+    first_eval = state.held_out_loss()
+    if start == 0:
+        state.history["eval"].append({"step": 0, "loss": first_eval})
+    state.logger.print(f"held-out perplexity at step {start}: {math.exp(first_eval):.3f}")
+
+    stream = batches(state.train_data, state.sampler, state.micro)
+    state.model.train()
+    with GracefulStop() as stop, state.logger.progress(start, config.train.steps) as progress:
+        for step in range(start, config.train.steps):
+            _optimizer_step(state, step, stream, progress)
+            if _after_step(state, stop):
+                break
+    return _finish(state, first_eval)
+
+
+def _setup(config: RunConfig, ctx: Distributed) -> TrainState:
+    """The run's data, model, optimizer, schedule and step graph, checked before anything big
+    is allocated; the state of step 0."""
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     out_dir = Path(config.log.out_dir)
@@ -653,7 +704,7 @@ def _train(config: RunConfig, ctx: Distributed) -> TrainResult:
     forward = torch.compile(model) if config.train.compile else model
     optimizer = build_optimizer(core, config.optim, exempt)
     graph = _step_graph(config, ctx, core, forward, micro)
-    state = TrainState(
+    return TrainState(
         config=config,
         ctx=ctx,
         out_dir=out_dir,
@@ -663,123 +714,134 @@ def _train(config: RunConfig, ctx: Distributed) -> TrainResult:
         sampler=ResumableSampler(
             len(train_data), seed=config.train.seed, rank=ctx.rank, world_size=ctx.world_size
         ),
+        model=model,
+        forward=forward,
+        graph=graph,
+        tokenizer=tokenizer,
+        train_data=train_data,
+        held_out=held_out,
+        micro=micro,
+        eval_windows=eval_windows,
+        autocast=_autocast(config, ctx),
     )
-    start = state.resume() if config.checkpoint.resume else 0
-    history = state.history
 
-    autocast = _autocast(config, ctx)
-    logger = RunLogger(out_dir, config, enabled=ctx.is_main, resume_step=start or None)
-    if ctx.is_main:
-        _announce(state, logger, (len(train_data), len(held_out)), eval_windows, micro)
-    first_eval = evaluate(core, held_out, eval_windows, micro, ctx, autocast)
-    if start == 0:
-        history["eval"].append({"step": 0, "loss": first_eval})
-    logger.print(f"held-out perplexity at step {start}: {math.exp(first_eval):.3f}")
 
-    stream = batches(train_data, state.sampler, micro)
-    tokens_per_step = config.train.batch_size * config.train.seq_len
-    interrupted, stop_signal, done, skipped = False, None, start, 0
-    model.train()
-    with GracefulStop() as stop, logger.progress(start, config.train.steps) as progress:
-        for step in range(start, config.train.steps):
-            began = time.perf_counter()
-            loss_value, cause = _accumulate(state, model, forward, stream, autocast, graph)
-            grad_norm = _grad_norm(core, config.optim.grad_clip)
-            lr = state.scheduler.get_last_lr()[0]
-            done = step + 1
-            finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
-            if not finite and config.train.nan_policy == "stop":
-                cause = cause or f"loss {loss_value}, gradient norm {grad_norm}"
-                raise DivergenceError(_nonfinite_hint(out_dir, done, config, cause))
-            if finite:
-                optimizer.step()
-            else:
-                # Skipped: no update, but the step counts (schedule, data, checkpoints below).
-                skipped += 1
-                logger.print(f"step {done}: non-finite loss or gradient, step skipped")
-            if graph is None or not graph.captured:
-                # A captured graph's replay writes the next gradients into these tensors.
-                optimizer.zero_grad(set_to_none=True)
-            state.scheduler.step()
-            if finite:
-                record = {
-                    "step": done,
-                    "loss": loss_value,
-                    "lr": lr,
-                    "grad_norm": grad_norm,
-                    "tokens_per_s": tokens_per_step / (time.perf_counter() - began),
-                }
-                history["train"].append(record)
-                logger.train_step(record)
-                progress.update(record)
-            if _due(done, config.eval.every) and done < config.train.steps:
-                value = evaluate(core, held_out, eval_windows, micro, ctx, autocast)
-                history["eval"].append({"step": done, "loss": value})
-                logger.eval_step(done, value)
-            checkpoint_due = _due(done, config.checkpoint.every) or done == config.train.steps
-            stopping = _stop_everywhere(stop, ctx)
-            if checkpoint_due or stopping:
-                state.checkpoint(done)
-            if stopping and done < config.train.steps:
-                interrupted = True
-                # Ranks not signalled themselves stop for a peer, which launchers signal
-                # with SIGTERM.
-                stop_signal = int(stop.received or signal.SIGTERM)
-                logger.print(
-                    f"stopped by signal after step {done} of {config.train.steps}; the run is "
-                    "incomplete, resume it with --resume (checkpoint.resume=true)"
-                )
-                break
+def _optimizer_step(state: TrainState, step: int, stream, progress) -> None:
+    """Step `step` (0-based): the passes, clipping, the update under train.nan_policy (a
+    non-finite step stops the run or is skipped, still counting for the schedule, the data and
+    checkpoints), the schedule, and the step's record."""
+    config, graph, optimizer = state.config, state.graph, state.optimizer
+    began = time.perf_counter()
+    loss_value, cause = _accumulate(
+        state, state.model, state.forward, stream, state.autocast, graph
+    )
+    grad_norm = _grad_norm(state.core, config.optim.grad_clip)
+    lr = state.scheduler.get_last_lr()[0]
+    state.done = done = step + 1
+    finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
+    if not finite and config.train.nan_policy == "stop":
+        cause = cause or f"loss {loss_value}, gradient norm {grad_norm}"
+        raise DivergenceError(_nonfinite_hint(state.out_dir, done, config, cause))
+    if finite:
+        optimizer.step()
+    else:
+        state.skipped += 1
+        state.logger.print(f"step {done}: non-finite loss or gradient, step skipped")
+    if graph is None or not graph.captured:
+        # A captured graph's replay writes the next gradients into these tensors.
+        optimizer.zero_grad(set_to_none=True)
+    state.scheduler.step()
+    if finite:
+        tokens_per_step = config.train.batch_size * config.train.seq_len
+        record = {
+            "step": done,
+            "loss": loss_value,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_step / (time.perf_counter() - began),
+        }
+        state.history["train"].append(record)
+        state.logger.train_step(record)
+        progress.update(record)
 
+
+def _after_step(state: TrainState, stop: GracefulStop) -> bool:
+    """The evaluation and checkpoint due after the step just done, and a checkpoint on a
+    signal to any rank; whether the run stops here (signalled before its last step)."""
+    config, done = state.config, state.done
+    if _due(done, config.eval.every) and done < config.train.steps:
+        value = state.held_out_loss()
+        state.history["eval"].append({"step": done, "loss": value})
+        state.logger.eval_step(done, value)
+    checkpoint_due = _due(done, config.checkpoint.every) or done == config.train.steps
+    stopping = _stop_everywhere(stop, state.ctx)
+    if checkpoint_due or stopping:
+        state.checkpoint(done)
+    if not (stopping and done < config.train.steps):
+        return False
+    state.interrupted = True
+    # Ranks not signalled themselves stop for a peer, which launchers signal with SIGTERM.
+    state.stop_signal = int(stop.received or signal.SIGTERM)
+    state.logger.print(
+        f"stopped by signal after step {done} of {config.train.steps}; the run is "
+        "incomplete, resume it with --resume (checkpoint.resume=true)"
+    )
+    return True
+
+
+def _finish(state: TrainState, first_eval: float) -> TrainResult:
+    """After the last step (or a signal): the final evaluation, the sample, rank 0's export
+    (model, metrics, loss curve) and the run's result."""
+    config, ctx, history, logger = state.config, state.ctx, state.history, state.logger
     # Whether steps were replayed from a CUDA graph (train.cuda_graphs: null decides by the run;
     # without CUDA a StepGraph records nothing).
-    graphed = graph is not None and graph.graph is not None
-    if graph is not None:
+    graphed = state.graph is not None and state.graph.graph is not None
+    if state.graph is not None:
         # The graph's memory pool and the gradients it owns are of no use past the last step:
         # freed before the final evaluation, the sample and the export.
-        optimizer.zero_grad(set_to_none=True)
-        graph = None
-    final_eval = evaluate(core, held_out, eval_windows, micro, ctx, autocast)
-    if not interrupted and (
+        state.optimizer.zero_grad(set_to_none=True)
+        state.graph = None
+    final_eval = state.held_out_loss()
+    if not state.interrupted and (
         not history["eval"] or history["eval"][-1]["step"] != config.train.steps
     ):
         history["eval"].append({"step": config.train.steps, "loss": final_eval})
     logger.print(f"held-out perplexity at the end: {math.exp(final_eval):.3f}")
-    if skipped:
-        logger.print(f"{skipped} of the run's steps were skipped as non-finite")
+    if state.skipped:
+        logger.print(f"{state.skipped} of the run's steps were skipped as non-finite")
     if math.isfinite(final_eval):
-        sample = _sample(core, tokenizer, config, ctx)
+        sample = _sample(state.core, state.tokenizer, config, ctx)
     else:
         # A model whose held-out loss is not finite has nothing to sample from (NaN logits).
         sample = ""
         logger.print("no sample: the model's held-out loss is not finite")
     # Gathering the full weights is a collective under FSDP: every rank takes part.
-    weights = get_model_state_dict(core, options=FULL_STATE)
+    weights = get_model_state_dict(state.core, options=FULL_STATE)
     status = {
-        "status": "interrupted" if interrupted else "completed",
-        "steps_done": done,
+        "status": "interrupted" if state.interrupted else "completed",
+        "steps_done": state.done,
         "steps_planned": config.train.steps,
-        "skipped_steps": skipped,
+        "skipped_steps": state.skipped,
         "cuda_graphs": graphed,
     }
     initial_eval = state.initial_eval_loss(first_eval)
     if ctx.is_main:
         if config.eval.sample_tokens > 0 and math.isfinite(final_eval):
             logger.print(f"sample:\n{config.eval.sample_prompt}{printable(sample)}")
-        _export(state, weights, tokenizer, (initial_eval, final_eval), sample, status)
+        _export(state, weights, state.tokenizer, (initial_eval, final_eval), sample, status)
     logger.close()
     if ctx.active:
         dist.barrier()
     return TrainResult(
-        out_dir=out_dir,
+        out_dir=state.out_dir,
         steps=len(history["train"]),
         initial_perplexity=math.exp(initial_eval),
         final_perplexity=math.exp(final_eval),
         losses=[r["loss"] for r in history["train"]],
         sample=sample,
-        interrupted=interrupted,
-        last_step=done,
-        stop_signal=stop_signal,
+        interrupted=state.interrupted,
+        last_step=state.done,
+        stop_signal=state.stop_signal,
     )
 
 
