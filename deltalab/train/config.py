@@ -58,6 +58,7 @@ __all__ = [
     "TrainSection",
     "config_help",
     "load_run_config",
+    "resume_changes",
     "save_run_config",
 ]
 
@@ -580,3 +581,36 @@ def config_help() -> str:
                 doc += f" Preset values: {values}."
             lines.append(f"  {name}.{f.name} ({f.type}, default {default}): {doc}")
     return "\n".join(lines)
+
+
+# Fields a resumed run may change: they do not change what is computed.
+RESUMABLE_CHANGES = {
+    "checkpoint.resume",
+    "checkpoint.every",
+    "checkpoint.keep",
+    "train.device",
+    "train.compile",
+    "train.activation_checkpointing",
+    "train.recompute_ffn",
+    "train.cuda_graphs",
+    "train.nan_policy",
+    "eval.every",
+    "eval.sample_tokens",
+    "eval.sample_prompt",
+    "log.progress",
+    "log.tensorboard",
+    "log.out_dir",
+    "data.cache_dir",
+}
+
+
+def resume_changes(saved: dict, current: dict) -> list[str]:
+    """The fields of the config dict `current` that differ from `saved` (a checkpoint's), as
+    `section.field: old -> new`, leaving out those a resumed run may change."""
+    changed = []
+    for section, fields in current.items():
+        for name, value in fields.items():
+            key = f"{section}.{name}"
+            if key not in RESUMABLE_CHANGES and saved.get(section, {}).get(name) != value:
+                changed.append(f"{key}: {saved.get(section, {}).get(name)!r} -> {value!r}")
+    return changed

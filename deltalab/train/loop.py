@@ -46,11 +46,10 @@ from deltalab.errors import (
     UserError,
 )
 from deltalab.generate import printable
-from deltalab.models import CausalLM, DeltaLabConfig, build_config
+from deltalab.models import CausalLM
 from deltalab.models.lm import check_token_ids
-from deltalab.models.mixers import mixer_option_names
 from deltalab.ops._checks import NonFiniteError, one_host_read
-from deltalab.ops._triton import triton_unavailable_reason
+from deltalab.train import preflight
 from deltalab.train.checkpoint import (
     CheckpointWarning,
     GracefulStop,
@@ -61,7 +60,7 @@ from deltalab.train.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from deltalab.train.config import RunConfig, config_changes, save_run_config
+from deltalab.train.config import RunConfig, config_changes, resume_changes, save_run_config
 from deltalab.train.distributed import Distributed, all_reduce_mean, setup_distributed, wrap_model
 from deltalab.train.graphs import StepGraph
 from deltalab.train.lock import hold_run_directory
@@ -129,23 +128,6 @@ def _sequences(config: RunConfig, tokenizer, split: str, ctx: Distributed) -> Pa
     if not ctx.is_main:
         tokens = prepare_tokens(corpus, tokenizer, config.data.cache_dir)
     return PackedSequences(tokens, config.train.seq_len)
-
-
-def _check_outside_source(config: RunConfig) -> None:
-    """The run's own files must not become training data on the next run."""
-    if config.data.source == "stdlib":
-        return
-    source = Path(config.data.source).resolve()
-    for name, value in (
-        ("log.out_dir", config.log.out_dir),
-        ("data.cache_dir", config.data.cache_dir),
-    ):
-        inside = Path(value).resolve()
-        if inside == source or source in inside.parents:
-            raise ValueError(
-                f"{name} {value!r} lies inside data.source {config.data.source!r}: the run's "
-                "files would be read as documents; put them elsewhere"
-            )
 
 
 def _autocast(config: RunConfig, ctx: Distributed, cache: bool = True):
@@ -280,7 +262,7 @@ class TrainState:
                 stacklevel=2,
             )
         path, payload = found
-        changed = _changed_fields(payload["config"], config.to_dict())
+        changed = resume_changes(payload["config"], config.to_dict())
         if changed:
             raise CheckpointError(
                 f"cannot resume {path}: the run config changed ({'; '.join(changed)}); restore "
@@ -309,47 +291,6 @@ def _stop_everywhere(stop, ctx: Distributed) -> bool:
     """Whether any rank was signalled: ranks must checkpoint and leave at the same step."""
     flag = torch.tensor(float(stop.stop_requested), device=ctx.device)
     return bool(all_reduce_mean(flag, ctx).item() > 0)
-
-
-# Fields a resumed run may change: they do not change what is computed.
-RESUMABLE_CHANGES = {
-    "checkpoint.resume",
-    "checkpoint.every",
-    "checkpoint.keep",
-    "train.device",
-    "train.compile",
-    "train.activation_checkpointing",
-    "train.recompute_ffn",
-    "train.cuda_graphs",
-    "train.nan_policy",
-    "eval.every",
-    "eval.sample_tokens",
-    "eval.sample_prompt",
-    "log.progress",
-    "log.tensorboard",
-    "log.out_dir",
-    "data.cache_dir",
-}
-
-
-def _changed_fields(saved: dict, current: dict) -> list[str]:
-    changed = []
-    for section, fields in current.items():
-        for name, value in fields.items():
-            key = f"{section}.{name}"
-            if key not in RESUMABLE_CHANGES and saved.get(section, {}).get(name) != value:
-                changed.append(f"{key}: {saved.get(section, {}).get(name)!r} -> {value!r}")
-    return changed
-
-
-def _check_fresh_start(out_dir: Path, config: RunConfig) -> None:
-    """A new run must not share a directory with another run's checkpoints: the older ones
-    would be pruned in its place and picked up by a later resume."""
-    if not config.checkpoint.resume and list_checkpoints(out_dir):
-        raise CheckpointError(
-            f"log.out_dir {str(out_dir)!r} already holds checkpoints of a run; continue it with "
-            "--resume (checkpoint.resume=true) or choose another log.out_dir"
-        )
 
 
 # What `TrainState.resume` reads from a payload; one without them is skipped like a damaged file.
@@ -382,88 +323,6 @@ def _grad_norm(core, max_norm: float) -> float:
 def _due(step: int, every: int) -> bool:
     """Every `every` steps; 0 means at the last step only (handled by the caller)."""
     return every > 0 and step % every == 0
-
-
-def _check_directories(config: RunConfig) -> None:
-    """The run and cache directories must be directories (or not exist yet), found before any
-    work rather than as an OSError after tokenizing."""
-    for name, value in (
-        ("log.out_dir", config.log.out_dir),
-        ("data.cache_dir", config.data.cache_dir),
-    ):
-        directory = Path(value)
-        for path in (directory, *directory.parents):
-            if path.exists():
-                if not path.is_dir():
-                    raise ConfigError(
-                        f"{name} must be a directory, got {value!r}, where {str(path)!r} is a "
-                        f"file; choose another {name}"
-                    )
-                break
-
-
-def _model_config(config: RunConfig, tokenizer, device: torch.device) -> DeltaLabConfig:
-    """The model's config, checked by building the model on the meta device (no memory) and
-    its backend against the training device: errors name `model.*` and come before any data is
-    tokenized."""
-    overrides = config.model.overrides
-    vocab_size = overrides.get("vocab_size", tokenizer.vocab_size)
-    if isinstance(vocab_size, int) and vocab_size < tokenizer.vocab_size:
-        raise ConfigError(
-            f"model.overrides.vocab_size must be >= the tokenizer's vocabulary "
-            f"({tokenizer.vocab_size} tokens of data.tokenizer={config.data.tokenizer!r}), got "
-            f"{vocab_size}"
-        )
-    try:
-        model_config = build_config(
-            config.model.preset,
-            mixer=config.model.mixer,
-            **{"vocab_size": tokenizer.vocab_size, **overrides},
-        )
-    except (ValueError, TypeError) as error:
-        raise ConfigError(f"model: {error}") from error
-    if model_config.mixer_options:
-        # Options reach the recurrent mixer only; attention blocks take none.
-        recurrent = {kind for kind in model_config.layer_kinds() if kind != "attention"}
-        choices = sorted({name for kind in recurrent for name in mixer_option_names(kind)})
-        for name in model_config.mixer_options:
-            if name not in choices:
-                raise ConfigError(
-                    f"model.overrides.mixer_options.{name} is not an option of the "
-                    f"{model_config.mixer} mixer; its options are {choices}"
-                )
-    if model_config.backend == "triton":
-        reason = triton_unavailable_reason(device)
-        if reason is not None:
-            raise ConfigError(f"model.overrides.backend='triton' cannot run on {device}: {reason}")
-    for name in ("bos", "eos", "pad"):
-        setattr(model_config, f"{name}_token_id", getattr(tokenizer, f"{name}_id"))
-    try:
-        with torch.device("meta"):
-            CausalLM(model_config)
-    except (ValueError, TypeError) as error:
-        raise ConfigError(f"model: {error}") from error
-    return model_config
-
-
-def _check_batch_sizes(config: RunConfig, train_data, held_out, micro: int, ctx) -> int:
-    """Refuse a batch the data cannot fill, before anything is allocated (a batch of more
-    windows than the split holds repeats windows within one step and grows memory without
-    bound); returns the held-out windows one evaluation uses."""
-    windows = f"windows of train.seq_len + 1 = {config.train.seq_len + 1} tokens"
-    if config.train.batch_size > len(train_data):
-        raise ConfigError(
-            f"train.batch_size must be at most the {len(train_data)} {windows} of the train "
-            f"split, got {config.train.batch_size}; lower train.batch_size or train.seq_len, or "
-            "train on more data"
-        )
-    if len(held_out) < ctx.world_size:
-        raise DataError(
-            f"the held-out split has {len(held_out)} windows, fewer than the {ctx.world_size} "
-            "ranks; raise data.held_out_fraction or lower train.seq_len"
-        )
-    wanted = config.eval.batches * micro * ctx.world_size
-    return min(wanted, len(held_out))
 
 
 def _nonfinite_hint(out_dir: Path, step: int, config: RunConfig, cause: str) -> str:
@@ -647,7 +506,7 @@ def train(config: RunConfig) -> TrainResult:
     """Trains the configured model; returns its perplexities, losses and sample. Holds the run
     directory's trainer lock throughout (deltalab/train/lock.py): one trainer per log.out_dir."""
     ctx = setup_distributed(config.train.device)
-    _check_directories(config)
+    preflight.check_directories(config)
     # The ranks of one run share its directory: the main rank holds the lock for them all.
     held = hold_run_directory(Path(config.log.out_dir)) if ctx.is_main else contextlib.nullcontext()
     with held:
@@ -683,15 +542,15 @@ def _setup(config: RunConfig, ctx: Distributed) -> TrainState:
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     out_dir = Path(config.log.out_dir)
-    _check_fresh_start(out_dir, config)
-    _check_outside_source(config)
+    preflight.check_fresh_start(out_dir, config)
+    preflight.check_outside_source(config)
     torch.manual_seed(config.train.seed)
     tokenizer = load_tokenizer(config.data.tokenizer)
-    model_config = _model_config(config, tokenizer, ctx.device)
+    model_config = preflight.model_config(config, tokenizer, ctx.device)
     micro = config.train.micro_batch(ctx.world_size)
     train_data = _sequences(config, tokenizer, "train", ctx)
     held_out = _sequences(config, tokenizer, "held_out", ctx)
-    eval_windows = _check_batch_sizes(config, train_data, held_out, micro, ctx)
+    eval_windows = preflight.check_batch_sizes(config, train_data, held_out, micro, ctx)
 
     # The seed again: building the model on the meta device above draws nothing, but the
     # initialization must not depend on what the checks did.
