@@ -17,6 +17,7 @@ __all__ = [
     "ConfigTypeError",
     "DataError",
     "DivergenceError",
+    "EvalError",
     "UserError",
     "closest",
     "one_line",
@@ -46,6 +47,10 @@ class ConfigError(UserError, ValueError):
 
 class ConfigTypeError(ConfigError, TypeError):
     """A configuration value of the wrong type."""
+
+
+class EvalError(UserError, ValueError):
+    """A problem with the input of `deltalab eval` (task, settings, checkpoint, data)."""
 
 
 class DataError(UserError, ValueError):

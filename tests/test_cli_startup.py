@@ -1,5 +1,6 @@
-"""The `deltalab` command answers help, `presets` and config errors without loading torch,
-transformers or matplotlib: each is imported by the command that needs it."""
+"""The `deltalab` command answers help, `presets`, `eval --list` and config and eval-settings
+errors without loading torch, transformers or matplotlib: each is imported by the command that
+needs it."""
 
 from __future__ import annotations
 
@@ -52,6 +53,11 @@ def run_command(argv: list[str]) -> tuple[list[str], int, str]:
         ["presets", "--mixer", "muir"],
         ["train", "train.stepz=3"],
         ["train", "--config", "no/such/file.yaml"],
+        ["eval", "--list"],
+        ["eval", "--task", "perplexity", "seq_lne=5"],
+        ["eval", "--task", "passkey", "lengths=[1024,x]"],
+        ["eval", "--task", "mqar-train", "mixers=[gnd2]"],
+        ["eval", "--task", "perplexty"],
     ],
 )
 def test_help_presets_and_config_errors_load_no_heavy_module(argv):

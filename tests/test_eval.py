@@ -226,7 +226,7 @@ def test_full_attention_past_trained_length_is_refused_or_windowed(tmp_path):
 def test_settings_errors_name_the_field_and_the_closest_name():
     with pytest.raises(EvalError, match=r"unknown setting 'seq_lne'.*did you mean 'seq_len'"):
         parse_settings(PerplexitySettings, ["seq_lne=5"])
-    with pytest.raises(EvalError, match=r"batch_size must be an int, got 'x'"):
+    with pytest.raises(EvalError, match=r"batch_size must be an int, got str 'x'"):
         parse_settings(PerplexitySettings, ["batch_size=x"])
     with pytest.raises(EvalError, match=r"mixers holds 'gnd2'.*did you mean 'gdn2'"):
         parse_settings(MQARTrainSettings, ["mixers=[gnd2]"])

@@ -28,6 +28,7 @@ from deltalab.study.report import collect
 from deltalab.study.runner import SubprocessLauncher, run_state
 from deltalab.study.spec import parse_spec
 from deltalab.study.stats import NO_DIFFERENCE, paired_difference, summarize, t_quantile
+from deltalab.train import preflight
 from deltalab.train.checkpoint import list_checkpoints
 
 MICRO = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "head_dim": 16}
@@ -157,7 +158,7 @@ def test_every_run_is_within_two_percent_of_the_matched_count(tmp_path, corpus):
     target = plan.targets["tiny"]
     for run in plan.runs:
         # Counted again from the run's own config, as the trainer will build it.
-        model = loop._model_config(run.config, load_tokenizer("byte"), torch.device("cpu"))
+        model = preflight.model_config(run.config, load_tokenizer("byte"), torch.device("cpu"))
         assert count_parameters(model) == run.params
         assert abs(run.params / target - 1) <= 0.02, run.name
     widths = {run.variant.name: run.ffn_width for run in plan.runs}

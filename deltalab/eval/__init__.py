@@ -8,4 +8,11 @@ from deltalab._lazy import lazy_attributes
 
 __all__ = ["EvalError", "LoadedCheckpoint", "load_checkpoint"]
 
-__getattr__ = lazy_attributes(__name__, dict.fromkeys(__all__, "deltalab.eval.common"))
+__getattr__ = lazy_attributes(
+    __name__,
+    {
+        "EvalError": "deltalab.errors",
+        "LoadedCheckpoint": "deltalab.eval.common",
+        "load_checkpoint": "deltalab.eval.common",
+    },
+)

@@ -139,7 +139,7 @@ def _result_dirs(
     evaluation never replaces another; an --out that holds results.json is refused unless
     --overwrite. Two checkpoints of one name (a/run/model, b/run/model) get RUN and RUN-2.
     """
-    from deltalab.eval.common import EvalError
+    from deltalab.errors import EvalError
     from deltalab.eval.results import RESULTS_NAME
 
     if args.out is None:
@@ -177,9 +177,8 @@ def _result_dirs(
 
 
 def _evaluate(args: argparse.Namespace) -> str:
-    from deltalab.eval.common import EvalError
+    from deltalab.errors import EvalError
     from deltalab.eval.tasks import get_task, parse_settings
-    from deltalab.generate import require_device
 
     settings_words, checkpoints = _split_words(args)
     if args.task is None:
@@ -195,6 +194,8 @@ def _evaluate(args: argparse.Namespace) -> str:
     settings = parse_settings(task.settings, settings_words)
     if args.seed < 0:
         raise EvalError(f"--seed must be an int >= 0, got {args.seed}")
+    from deltalab.generate import require_device  # torch: past the checks of the words above
+
     require_device(args.device, "--device")
     if task.needs_checkpoint and not checkpoints:
         raise EvalError(f"task {task.name!r} needs a CHECKPOINT directory (a run's model/)")

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from deltalab.errors import UserError
+from deltalab.errors import EvalError, UserError
+from deltalab.eval.settings import TextSource
 
 __all__ = [
     "LONG_CONTEXT_POLICIES",
@@ -32,11 +33,6 @@ __all__ = [
 ]
 
 LONG_CONTEXT_POLICIES = ("refuse", "window")
-
-
-class EvalError(UserError, ValueError):
-    """A problem with the user's input (task, settings, checkpoint, data), reported by the
-    command as one line and exit code 2, without a traceback (as every `UserError`)."""
 
 
 @dataclass
@@ -299,27 +295,6 @@ def wilson_interval(successes: float, trials: int, z: float = 1.96) -> tuple[flo
     centre = (p + z * z / (2 * trials)) / denominator
     half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denominator
     return (max(0.0, centre - half), min(1.0, centre + half))
-
-
-@dataclass(frozen=True)
-class TextSource:
-    """Where text comes from (see `deltalab.data.CorpusConfig`); the tokens are cached under
-    `cache_dir` as for training.
-
-    source: "stdlib" (the built-in corpus) or a path: a file, a directory of .txt/.jsonl/.parquet.
-    split: "held_out" (documents the training run did not see), "train" or "all".
-    held_out_fraction: the fraction of documents in the held-out split (as in training).
-    max_bytes: stop reading documents after this many bytes (null: all of the split).
-    text_field: JSON field or parquet column of the text.
-    cache_dir: where the tokenized text is cached.
-    """
-
-    source: str = "stdlib"
-    split: str = "held_out"
-    held_out_fraction: float = 0.05
-    max_bytes: int | None = None
-    text_field: str = "text"
-    cache_dir: str = "runs/token-cache"
 
 
 def source_tokens(text: TextSource, tokenizer: Any) -> Any:

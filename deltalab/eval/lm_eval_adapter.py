@@ -7,55 +7,13 @@ when the task runs, so the rest of the suite works without it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from deltalab.eval.common import EvalError
-from deltalab.eval.tasks import Task, TaskContext, TaskOutcome, register, require
+from deltalab.eval.settings import LmEvalSettings
+from deltalab.eval.tasks import TaskContext, TaskOutcome
 
 __all__ = ["LmEvalSettings", "run_lm_eval"]
-
-
-@dataclass(frozen=True)
-class LmEvalSettings:
-    """Settings of lm-eval:TASKS.
-
-    tasks: lm-eval task names, comma-separated (given after `lm-eval:`).
-    num_fewshot: few-shot examples per prompt (null: each task's default).
-    limit: examples per task: an int, or a fraction of the task when < 1 (null: all).
-    batch_size: requests per forward pass.
-    segment_len: tokens per forward pass; longer inputs continue through the cache.
-    include_path: a folder of extra task definitions (YAML), e.g. local tasks.
-    max_gen_toks: default generation length of generate_until tasks.
-    """
-
-    tasks: str = ""
-    num_fewshot: int | None = None
-    limit: float | None = None
-    batch_size: int = 8
-    segment_len: int = 2048
-    include_path: str | None = None
-    max_gen_toks: int = 256
-
-    def __post_init__(self) -> None:
-        names = [t for t in self.tasks.split(",") if t.strip()]
-        require(
-            len(names) > 0,
-            "tasks",
-            "one or more lm-eval task names (lm-eval:TASK1,TASK2)",
-            self.tasks,
-        )
-        require(
-            self.num_fewshot is None or self.num_fewshot >= 0,
-            "num_fewshot",
-            "an int >= 0 or null",
-            self.num_fewshot,
-        )
-        require(
-            self.limit is None or self.limit > 0, "limit", "a positive number or null", self.limit
-        )
-        require(self.batch_size > 0, "batch_size", "a positive int", self.batch_size)
-        require(self.segment_len > 0, "segment_len", "a positive int", self.segment_len)
 
 
 def _import_lm_eval() -> Any:
@@ -131,13 +89,3 @@ def run_lm_eval(settings: LmEvalSettings, ctx: TaskContext) -> TaskOutcome:
     metrics["n_samples"] = output.get("n-samples", {})
     metrics["lm_eval_versions"] = output.get("versions", {})
     return TaskOutcome(metrics=metrics, summary=summary, table=make_table(output).strip())
-
-
-register(
-    Task(
-        name="lm-eval",
-        summary="lm-evaluation-harness tasks (lm-eval 0.4.x) through the deltalab model",
-        settings=LmEvalSettings,
-        run=run_lm_eval,
-    )
-)

@@ -11,69 +11,21 @@ settings it was not trained on.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from deltalab.eval.common import EvalError, wilson_interval
-from deltalab.eval.tasks import Task, TaskContext, TaskOutcome, register, require
+from deltalab.eval.common import wilson_interval
+from deltalab.eval.settings import MQARConfig, MQARTrainSettings
+from deltalab.eval.tasks import TaskContext, TaskOutcome
 from deltalab.ops._checks import NonFiniteError
 
 __all__ = ["IGNORE", "MQARConfig", "MQARData", "MQARTrainSettings", "generate_mqar", "train_mqar"]
 
 IGNORE = -100
-
-
-@dataclass(frozen=True)
-class MQARConfig:
-    """One MQAR setting.
-
-    vocab_size: keys are tokens [0, vocab_size // 2), values [vocab_size // 2, vocab_size).
-    seq_len: tokens per example.
-    num_pairs: key-value pairs per example, every key queried once.
-    num_examples: examples to generate.
-    power_a: exponent of the query-gap law p(gap) ~ gap^(power_a - 1): small means short gaps
-        are much more likely than long ones (Zoology uses 0.01).
-    """
-
-    vocab_size: int = 128
-    seq_len: int = 64
-    num_pairs: int = 4
-    num_examples: int = 100
-    power_a: float = 0.01
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "num_pairs", "num_examples"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise EvalError(f"MQAR {name} must be a positive int, got {value!r}")
-        if self.vocab_size < 4:
-            raise EvalError(
-                f"MQAR vocab_size must be >= 4 (two keys, two values), got {self.vocab_size}"
-            )
-        if not 0 < self.power_a <= 1:
-            raise EvalError(f"MQAR power_a must be in (0, 1], got {self.power_a}")
-        keys = self.vocab_size // 2
-        if self.num_pairs > keys:
-            raise EvalError(
-                f"MQAR num_pairs={self.num_pairs} cannot be drawn without replacement from the "
-                f"{keys} keys of vocab_size={self.vocab_size}; raise vocab_size to at least "
-                f"{2 * self.num_pairs} or lower num_pairs"
-            )
-        if self.query_slots < self.num_pairs:
-            raise EvalError(
-                f"MQAR seq_len={self.seq_len} leaves {self.query_slots} query slots after "
-                f"{self.num_pairs} pairs, fewer than the {self.num_pairs} queries; seq_len must "
-                f"be at least {4 * self.num_pairs}"
-            )
-
-    @property
-    def query_slots(self) -> int:
-        """Places for a (query, answer) couple after the pairs: every other position."""
-        return (self.seq_len - 2 * self.num_pairs) // 2
 
 
 @dataclass(frozen=True)
@@ -126,101 +78,6 @@ def generate_mqar(config: MQARConfig, seed: int) -> MQARData:
         inputs[row, positions + 1] = values[order]
         labels[row, positions] = values[order]
     return MQARData(torch.from_numpy(inputs), torch.from_numpy(labels))
-
-
-@dataclass(frozen=True)
-class MQARTrainSettings:
-    """Settings of mqar-train.
-
-    mixers: mixer kinds to train (deltalab.models.MIXER_KINDS).
-    mixer_options: options of the recurrent mixers (the model config's mixer_options, e.g.
-        {read_gate: static} for Muir); attention blocks take none.
-    hidden_size: model width (64-256 in Zoology's sweeps).
-    num_layers: blocks per model.
-    num_heads: heads per mixer (head_dim = hidden_size // num_heads).
-    vocab_size: MQAR vocabulary (half keys, half values).
-    train: (seq_len, num_pairs) settings mixed in training, one per step in turn.
-    test: (seq_len, num_pairs) settings measured after training (may be longer, unseen).
-    train_examples: training examples generated per training setting.
-    test_examples: test examples per test setting.
-    lrs: learning rates swept; each setting reports the best one.
-    steps: optimizer steps per model.
-    batch_size: examples per step.
-    weight_decay: AdamW weight decay.
-    power_a: the query-gap exponent of every setting.
-    """
-
-    mixers: tuple[str, ...] = ("transformer", "gdn2", "muir", "kdn_diag")
-    mixer_options: dict[str, Any] = field(default_factory=dict)
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 1
-    vocab_size: int = 128
-    train: tuple[tuple[int, ...], ...] = ((64, 4), (128, 8))
-    test: tuple[tuple[int, ...], ...] = ((64, 4), (128, 8), (256, 8), (256, 16))
-    train_examples: int = 4000
-    test_examples: int = 200
-    lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2)
-    steps: int = 400
-    batch_size: int = 32
-    weight_decay: float = 0.1
-    power_a: float = 0.01
-
-    def __post_init__(self) -> None:
-        from deltalab.models.config import MIXER_KINDS, closest
-
-        require(len(self.mixers) > 0, "mixers", "a non-empty list", self.mixers)
-        for mixer in self.mixers:
-            if mixer not in MIXER_KINDS:
-                raise EvalError(
-                    f"mixers holds {mixer!r}, expected one of {list(MIXER_KINDS)}"
-                    f"{closest(mixer, MIXER_KINDS)}"
-                )
-        if self.mixer_options:
-            from deltalab.models.mixers import mixer_option_names
-
-            for mixer in self.mixers:
-                if mixer == "transformer":
-                    continue
-                known = mixer_option_names(mixer)
-                for name in self.mixer_options:
-                    if name not in known:
-                        raise EvalError(
-                            f"mixer_options.{name} is not an option of the {mixer} mixer"
-                            f"{closest(name, known)}; its options are {known}"
-                        )
-        for name in (
-            "hidden_size",
-            "num_layers",
-            "num_heads",
-            "train_examples",
-            "test_examples",
-            "steps",
-            "batch_size",
-        ):
-            value = getattr(self, name)
-            require(value > 0, name, "a positive int", value)
-        require(
-            self.hidden_size % self.num_heads == 0,
-            "hidden_size",
-            f"a multiple of num_heads={self.num_heads}",
-            self.hidden_size,
-        )
-        require(
-            len(self.lrs) > 0 and all(lr > 0 for lr in self.lrs),
-            "lrs",
-            "a non-empty list of positive numbers",
-            self.lrs,
-        )
-        for name in ("train", "test"):
-            settings = getattr(self, name)
-            ok = len(settings) > 0 and all(len(s) == 2 for s in settings)
-            require(ok, name, "a non-empty list of [seq_len, num_pairs] pairs", settings)
-            for seq_len, pairs in settings:
-                self.config(seq_len, pairs, 1)  # refuses settings that cannot be generated
-
-    def config(self, seq_len: int, pairs: int, examples: int) -> MQARConfig:
-        return MQARConfig(self.vocab_size, seq_len, pairs, examples, self.power_a)
 
 
 def _model(settings: MQARTrainSettings, mixer: str, seed: int) -> Any:
@@ -384,14 +241,3 @@ def train_mqar(settings: MQARTrainSettings, ctx: TaskContext) -> TaskOutcome:
     summary = {f"{m}@{k}": best[m][k]["accuracy"] for m in settings.mixers for k in keys}
     metrics = {"best": best, "runs": runs, "trained_settings": sorted(trained)}
     return TaskOutcome(metrics=metrics, summary=summary, table=table)
-
-
-register(
-    Task(
-        name="mqar-train",
-        summary="train small models on multi-query associative recall, best-of-lr accuracy per setting",
-        settings=MQARTrainSettings,
-        run=train_mqar,
-        needs_checkpoint=False,
-    )
-)

@@ -21,13 +21,13 @@ import torch
 
 from deltalab.eval.common import (
     EvalError,
-    TextSource,
     greedy_decode,
     prefill,
     source_documents,
     wilson_interval,
 )
-from deltalab.eval.tasks import Task, TaskContext, TaskOutcome, register, require
+from deltalab.eval.settings import NeedleSettings, PasskeySettings, TextSource
+from deltalab.eval.tasks import TaskContext, TaskOutcome
 
 __all__ = [
     "NEEDLE_TASKS",
@@ -326,49 +326,6 @@ def _summary_rows(results: list[dict[str, Any]], by: str) -> tuple[list[str], di
     return lines, per
 
 
-@dataclass(frozen=True)
-class PasskeySettings:
-    """Settings of the passkey task.
-
-    lengths: context lengths in tokens.
-    depths: needle depths, fractions of the haystack (0: start, 1: end).
-    samples: examples per (depth, length) cell, each with its own key.
-    digits: digits of the pass key.
-    segment_len: tokens read per forward pass (recurrent models: constant memory).
-    max_new_tokens: tokens generated for the answer (null: enough for the key).
-    """
-
-    lengths: tuple[int, ...] = (1024, 2048, 4096)
-    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
-    samples: int = 4
-    digits: int = 5
-    segment_len: int = 2048
-    max_new_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        require(
-            len(self.lengths) > 0 and all(n > 0 for n in self.lengths),
-            "lengths",
-            "a list of positive ints",
-            self.lengths,
-        )
-        require(
-            len(self.depths) > 0 and all(0 <= d <= 1 for d in self.depths),
-            "depths",
-            "a list of numbers in [0, 1]",
-            self.depths,
-        )
-        require(self.samples > 0, "samples", "a positive int", self.samples)
-        require(1 <= self.digits <= 18, "digits", "an int in [1, 18]", self.digits)
-        require(self.segment_len > 0, "segment_len", "a positive int", self.segment_len)
-        _require_new_tokens(self.max_new_tokens)
-
-
-def _require_new_tokens(value: int | None) -> None:
-    # No token to answer with scores 0 whatever the model knows: not a measurement.
-    require(value is None or value > 0, "max_new_tokens", "a positive int or null", value)
-
-
 def passkey(settings: PasskeySettings, ctx: TaskContext) -> TaskOutcome:
     loaded = ctx.checkpoint
     assert loaded is not None
@@ -468,58 +425,6 @@ def _heatmap(grid: list[list[float]], depths: Any, lengths: Any, path: Any, titl
     return save_figure(fig, path)
 
 
-@dataclass(frozen=True)
-class NeedleSettings:
-    """Settings of the RULER-style needle tasks and variable tracking.
-
-    lengths: context lengths in tokens.
-    samples: examples per length (needle depths drawn uniformly, as in RULER).
-    source: haystack of the natural-text variants: "stdlib" (the built-in corpus) or a path.
-    split: documents of the haystack: "held_out", "train" or "all".
-    held_out_fraction: the fraction of documents in the held-out split (as in training).
-    max_bytes: read at most this many bytes of the source (null: as much as needed).
-    text_field: JSON field or parquet column of the text.
-    segment_len: tokens read per forward pass (recurrent models: constant memory).
-    max_new_tokens: tokens generated per answer (null: enough for the expected answers).
-    chains: variable tracking: chains of assignments (the others are distractors).
-    hops: variable tracking: reassignments per chain.
-    """
-
-    lengths: tuple[int, ...] = (1024, 2048, 4096, 8192)
-    samples: int = 10
-    source: str = "stdlib"
-    split: str = "held_out"
-    held_out_fraction: float = 0.05
-    max_bytes: int | None = None
-    text_field: str = "text"
-    segment_len: int = 2048
-    max_new_tokens: int | None = None
-    chains: int = 1
-    hops: int = 4
-
-    def __post_init__(self) -> None:
-        require(
-            len(self.lengths) > 0 and all(n > 0 for n in self.lengths),
-            "lengths",
-            "a list of positive ints",
-            self.lengths,
-        )
-        require(self.samples > 0, "samples", "a positive int", self.samples)
-        require(self.segment_len > 0, "segment_len", "a positive int", self.segment_len)
-        require(self.chains > 0, "chains", "a positive int", self.chains)
-        require(self.hops > 0, "hops", "a positive int", self.hops)
-        _require_new_tokens(self.max_new_tokens)
-
-    def text_source(self) -> TextSource:
-        return TextSource(
-            source=self.source,
-            split=self.split,
-            held_out_fraction=self.held_out_fraction,
-            max_bytes=self.max_bytes,
-            text_field=self.text_field,
-        )
-
-
 def needle_examples(
     task: str, settings: NeedleSettings, seed: int, tokenizer: Any
 ) -> list[Example]:
@@ -544,7 +449,10 @@ def needle_examples(
     return [make(n, seed * 1000 + s) for n in settings.lengths for s in range(settings.samples)]
 
 
-def _needle_runner(task: str) -> Any:
+def needle_runner(task: str) -> Any:
+    """The function that runs the needle task `task` (a key of NEEDLE_TASKS, or
+    variable-tracking)."""
+
     def run(settings: NeedleSettings, ctx: TaskContext) -> TaskOutcome:
         loaded = ctx.checkpoint
         assert loaded is not None
@@ -588,31 +496,3 @@ def _needle_runner(task: str) -> Any:
         return TaskOutcome(metrics=metrics, summary=summary, table="\n".join(lines))
 
     return run
-
-
-register(
-    Task(
-        name="passkey",
-        summary="a pass key hidden in noise: accuracy over a depth x length grid, heatmap",
-        settings=PasskeySettings,
-        run=passkey,
-    )
-)
-_DESCRIPTIONS = {
-    "niah-single-1": "S-NIAH-1: a number hidden in repeated noise",
-    "niah-single-2": "S-NIAH-2: a number hidden in natural text",
-    "niah-single-3": "S-NIAH-3: a uuid-like value hidden in natural text",
-    "niah-multikey": "MK-NIAH: one key asked among 4 needles with different keys",
-    "niah-multivalue": "MV-NIAH: all 4 values of one key",
-    "niah-multiquery": "MQ-NIAH: the values of 4 keys asked at once",
-    "variable-tracking": "chains of variable assignments: every name bound to a value",
-}
-for _name, _description in _DESCRIPTIONS.items():
-    register(
-        Task(
-            name=_name,
-            summary=_description + " (RULER style)",
-            settings=NeedleSettings,
-            run=_needle_runner(_name),
-        )
-    )

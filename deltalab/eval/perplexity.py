@@ -9,37 +9,14 @@ token losses divided by the number of tokens, not a mean of batch means.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from deltalab.eval.common import EvalError, TextSource, source_tokens, stream_token_nll, token_bytes
-from deltalab.eval.tasks import Task, TaskContext, TaskOutcome, register, require
+from deltalab.eval.common import EvalError, source_tokens, stream_token_nll, token_bytes
+from deltalab.eval.settings import PerplexitySettings
+from deltalab.eval.tasks import TaskContext, TaskOutcome
 
 __all__ = ["PerplexitySettings", "perplexity"]
-
-
-@dataclass(frozen=True)
-class PerplexitySettings(TextSource):
-    """Settings of the perplexity task (the text's other settings are `TextSource`'s).
-
-    seq_len: tokens per window (null: the checkpoint's training length, else 1024).
-    max_tokens: score at most this many tokens (whole windows; null: every window).
-    batch_size: windows per forward pass.
-    segment_len: longer windows are read in segments of this many tokens through the cache.
-    """
-
-    seq_len: int | None = None
-    max_tokens: int | None = 262144
-    batch_size: int = 8
-    segment_len: int = 4096
-
-    def __post_init__(self) -> None:
-        for name in ("seq_len", "max_tokens"):
-            value = getattr(self, name)
-            require(value is None or value > 0, name, "a positive int or null", value)
-        require(self.batch_size > 0, "batch_size", "a positive int", self.batch_size)
-        require(self.segment_len > 0, "segment_len", "a positive int", self.segment_len)
 
 
 @torch.no_grad()
@@ -88,13 +65,3 @@ def perplexity(settings: PerplexitySettings, ctx: TaskContext) -> TaskOutcome:
     )
     summary = {"loss": loss, "perplexity": math.exp(loss), "bits_per_byte": bpb}
     return TaskOutcome(metrics=metrics, summary=summary, table=table)
-
-
-register(
-    Task(
-        name="perplexity",
-        summary="loss per token, perplexity and bits per byte on held-out text",
-        settings=PerplexitySettings,
-        run=perplexity,
-    )
-)

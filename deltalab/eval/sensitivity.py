@@ -15,7 +15,6 @@ A model without delta-rule layers (a Transformer) has no gates and is refused.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,46 +23,17 @@ import torch
 from deltalab.eval.common import (
     EvalError,
     LoadedCheckpoint,
-    TextSource,
     run_train_field,
     source_tokens,
 )
-from deltalab.eval.tasks import Task, TaskContext, TaskOutcome, register, require
+from deltalab.eval.settings import GateSensitivitySettings
+from deltalab.eval.tasks import TaskContext, TaskOutcome
 
 __all__ = ["DEFAULT_SEQ_LEN", "GateSensitivitySettings", "erase_write_ratio", "gate_sensitivity"]
 
 # Window length when neither the settings nor the run config give one.
 DEFAULT_SEQ_LEN = 256
 KINDS = ("state", "loss")
-
-
-@dataclass(frozen=True)
-class GateSensitivitySettings(TextSource):
-    """Settings of the gate-sensitivity task (the text's settings are `TextSource`'s).
-
-    seq_len: tokens per window (null: the checkpoint's training length, else 256).
-    batch_size: windows in the batch the derivatives are taken on, drawn by --seed.
-    probes: random unit directions per gate (the estimate's error falls as 1/sqrt(probes)).
-    at_init: also measure the model at initialization: the run's own initial weights (its
-        train.seed, from config.yaml beside the checkpoint), else drawn with --seed.
-    per_pass: directions one forward pass carries (null: `probes`, one gate's probes a pass;
-        more saves passes and costs memory; the numbers agree up to rounding:
-        `deltalab.analysis.gate_sensitivity`'s `per_pass`).
-    """
-
-    seq_len: int | None = None
-    batch_size: int = 4
-    probes: int = 4
-    at_init: bool = True
-    per_pass: int | None = None
-
-    def __post_init__(self) -> None:
-        require(self.seq_len is None or self.seq_len > 0, "seq_len", "a positive int", self.seq_len)
-        require(self.batch_size > 0, "batch_size", "a positive int", self.batch_size)
-        require(self.probes > 0, "probes", "a positive int", self.probes)
-        require(
-            self.per_pass is None or self.per_pass > 0, "per_pass", "a positive int", self.per_pass
-        )
 
 
 def erase_write_ratio(per_gate: dict[str, float]) -> float | None:
@@ -307,13 +277,3 @@ def gate_sensitivity(settings: GateSensitivitySettings, ctx: TaskContext) -> Tas
     return TaskOutcome(
         metrics=metrics, summary=_summary(results), table=_tables(results), files=files
     )
-
-
-register(
-    Task(
-        name="gate-sensitivity",
-        summary="per layer, how much each gate moves the memory and the loss, trained and at init",
-        settings=GateSensitivitySettings,
-        run=gate_sensitivity,
-    )
-)

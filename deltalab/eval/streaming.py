@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import math
 import resource
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,35 +19,14 @@ import torch
 
 from deltalab.eval.common import (
     EvalError,
-    TextSource,
     checkpoint_label,
     source_tokens,
     stream_token_nll,
 )
-from deltalab.eval.tasks import Task, TaskContext, TaskOutcome, register, require
+from deltalab.eval.settings import StreamingSettings
+from deltalab.eval.tasks import TaskContext, TaskOutcome
 
 __all__ = ["StreamingSettings", "bucket_edges", "plot_streaming", "streaming"]
-
-
-@dataclass(frozen=True)
-class StreamingSettings(TextSource):
-    """Settings of the streaming task (the text's other settings are `TextSource`'s).
-
-    split: "held_out", "train" or "all" (the stdlib's held-out split holds 475K byte tokens;
-        longer streams need "all", which includes training documents).
-    tokens: length of the stream (tokens whose next token is predicted).
-    segment_len: tokens read per forward pass; memory does not grow with the stream.
-    first_bucket: the first bucket is positions [0, first_bucket); then they double.
-    """
-
-    tokens: int = 262144
-    segment_len: int = 2048
-    first_bucket: int = 64
-
-    def __post_init__(self) -> None:
-        require(self.tokens > 1, "tokens", "an int > 1", self.tokens)
-        require(self.segment_len > 0, "segment_len", "a positive int", self.segment_len)
-        require(self.first_bucket > 0, "first_bucket", "a positive int", self.first_bucket)
 
 
 def bucket_edges(length: int, first: int) -> list[int]:
@@ -153,13 +131,3 @@ def plot_streaming(runs: list[tuple[str, dict[str, Any]]], path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return save_figure(fig, path)
-
-
-register(
-    Task(
-        name="streaming",
-        summary="loss per log-spaced position over a long stream read through the recurrent state",
-        settings=StreamingSettings,
-        run=streaming,
-    )
-)

@@ -2,26 +2,37 @@
 
     deltalab eval runs/default/model --task passkey lengths=[1024,2048] depths=[0,0.5,1]
 
-Each task declares a frozen dataclass of settings whose docstring has one `name: text` line per
-field; a value is read as YAML and checked against the field's type, and every error names the
-field, what was received and what was expected.
+Each task declares a frozen dataclass of settings (deltalab/eval/settings.py) whose docstring has
+one `name: text` line per field; a value is read as YAML and checked against the field's type
+(`deltalab.config_parse`), and every error names the field, what was received and what was
+expected. The registry names each task's function by import path: listing the tasks and checking
+settings import no torch, and a task's module loads when it runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import re
-import types
-import typing
-from collections.abc import Callable, Iterator
+import importlib
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from deltalab.errors import closest
-from deltalab.eval.common import EvalError, LoadedCheckpoint
+from deltalab.config_parse import check_keys, coerce, field_docs, read_value, type_hints
+from deltalab.errors import EvalError, closest
+from deltalab.eval.settings import (
+    GateSensitivitySettings,
+    LmEvalSettings,
+    MQARTrainSettings,
+    NeedleSettings,
+    PasskeySettings,
+    PerplexitySettings,
+    StreamingSettings,
+)
+
+if TYPE_CHECKING:
+    from deltalab.eval.common import LoadedCheckpoint
 
 __all__ = [
     "Task",
@@ -30,7 +41,6 @@ __all__ = [
     "field_docs",
     "get_task",
     "parse_settings",
-    "register",
     "silenced_bars",
     "task_names",
 ]
@@ -90,41 +100,93 @@ class TaskOutcome:
 
 @dataclass(frozen=True)
 class Task:
+    """A task of `deltalab eval`: `runner` is the "module:function" that runs it, called as
+    function(settings, ctx) -> TaskOutcome; with `family`, function(name) returns that function
+    (one runner for a family of tasks)."""
+
     name: str
     summary: str
     settings: type
-    run: Callable[[Any, TaskContext], TaskOutcome]
+    runner: str
     needs_checkpoint: bool = True
+    family: bool = False
+
+    def run(self, settings: Any, ctx: TaskContext) -> TaskOutcome:
+        """Imports the task's module and runs it."""
+        module, _, name = self.runner.partition(":")
+        function = getattr(importlib.import_module(module), name)
+        return (function(self.name) if self.family else function)(settings, ctx)
 
 
-_TASKS: dict[str, Task] = {}
-
-
-def register(task: Task) -> Task:
-    _TASKS[task.name] = task
-    return task
-
-
-def _load_all() -> None:
-    # Importing a task module registers it; kept lazy so `deltalab --help` stays fast.
-    from deltalab.eval import (  # noqa: F401
-        lm_eval_adapter,
-        mqar,
-        needles,
-        perplexity,
-        sensitivity,
-        streaming,
+_NEEDLES = {
+    "niah-single-1": "S-NIAH-1: a number hidden in repeated noise",
+    "niah-single-2": "S-NIAH-2: a number hidden in natural text",
+    "niah-single-3": "S-NIAH-3: a uuid-like value hidden in natural text",
+    "niah-multikey": "MK-NIAH: one key asked among 4 needles with different keys",
+    "niah-multivalue": "MV-NIAH: all 4 values of one key",
+    "niah-multiquery": "MQ-NIAH: the values of 4 keys asked at once",
+    "variable-tracking": "chains of variable assignments: every name bound to a value",
+}
+_TASKS: dict[str, Task] = {
+    task.name: task
+    for task in (
+        Task(
+            "perplexity",
+            "loss per token, perplexity and bits per byte on held-out text",
+            PerplexitySettings,
+            "deltalab.eval.perplexity:perplexity",
+        ),
+        Task(
+            "streaming",
+            "loss per log-spaced position over a long stream read through the recurrent state",
+            StreamingSettings,
+            "deltalab.eval.streaming:streaming",
+        ),
+        Task(
+            "gate-sensitivity",
+            "per layer, how much each gate moves the memory and the loss, trained and at init",
+            GateSensitivitySettings,
+            "deltalab.eval.sensitivity:gate_sensitivity",
+        ),
+        Task(
+            "mqar-train",
+            "train small models on multi-query associative recall, best-of-lr accuracy per setting",
+            MQARTrainSettings,
+            "deltalab.eval.mqar:train_mqar",
+            needs_checkpoint=False,
+        ),
+        Task(
+            "passkey",
+            "a pass key hidden in noise: accuracy over a depth x length grid, heatmap",
+            PasskeySettings,
+            "deltalab.eval.needles:passkey",
+        ),
+        *(
+            Task(
+                name,
+                f"{summary} (RULER style)",
+                NeedleSettings,
+                "deltalab.eval.needles:needle_runner",
+                family=True,
+            )
+            for name, summary in _NEEDLES.items()
+        ),
+        Task(
+            "lm-eval",
+            "lm-evaluation-harness tasks (lm-eval 0.4.x) through the deltalab model",
+            LmEvalSettings,
+            "deltalab.eval.lm_eval_adapter:run_lm_eval",
+        ),
     )
+}
 
 
 def task_names() -> list[str]:
-    _load_all()
     return sorted(_TASKS)
 
 
 def get_task(name: str) -> Task:
     """The task called `name` (`lm-eval:TASKS` is the lm-evaluation-harness adapter)."""
-    _load_all()
     key = "lm-eval" if name.startswith("lm-eval:") else name
     if key not in _TASKS:
         hint = closest(name, list(_TASKS))
@@ -136,109 +198,32 @@ def get_task(name: str) -> Task:
     return _TASKS[key]
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """{field: description} from the `name: text` lines of the class docstring, and of its
-    base classes' for the fields it does not describe (settings that extend `TextSource`)."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if dataclasses.is_dataclass(klass) and "__doc__" in vars(klass):
-            docs |= _own_field_docs(klass)
-    return docs
-
-
-def _own_field_docs(cls: type) -> dict[str, str]:
-    docs: dict[str, str] = {}
-    current = None
-    for line in inspect.getdoc(cls).splitlines() if cls.__doc__ else []:
-        match = re.match(r"^(\w+): (.*)$", line.strip())
-        if match and match.group(1) in {f.name for f in dataclasses.fields(cls)}:
-            current = match.group(1)
-            docs[current] = match.group(2)
-        elif current and line.startswith(" ") and line.strip():
-            docs[current] += " " + line.strip()
-        else:
-            current = None
-    return docs
-
-
-def _describe(hint: Any) -> str:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (types.UnionType, typing.Union):
-        inner = [a for a in args if a is not type(None)]
-        return " or ".join(_describe(a) for a in inner) + " or null"
-    if origin is tuple:
-        return f"a list of {_describe(args[0]).removeprefix('a ').removeprefix('an ')}s"
-    if origin is dict:
-        return "a mapping"
-    return {bool: "a bool", int: "an int", float: "a number", str: "a string"}.get(hint, str(hint))
-
-
-def _coerce(name: str, value: Any, hint: Any) -> Any:
-    """`value` as type `hint` (int -> float, list -> tuple), or EvalError naming `name`."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (types.UnionType, typing.Union):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(name, value, inner)
-    ok = False
-    if hint is bool or hint is str:
-        ok = isinstance(value, hint)
-    elif hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif hint is float:
-        # YAML 1.1 (PyYAML) reads `1e-3` without a dot as the string "1e-3".
-        if isinstance(value, str):
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    elif origin is tuple and isinstance(value, list | tuple):
-        item = args[0]
-        return tuple(_coerce(f"{name}[{i}]", v, item) for i, v in enumerate(value))
-    elif origin is dict:
-        ok = isinstance(value, dict) and all(isinstance(key, str) for key in value)
-    if not ok:
-        raise EvalError(f"{name} must be {_describe(hint)}, got {value!r}")
-    return value
-
-
 def parse_settings(cls: type, words: list[str]) -> Any:
     """A `cls` instance from `name=value` words (values in YAML syntax)."""
-    import yaml
-
-    hints = typing.get_type_hints(cls)
+    hints = type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     values: dict[str, Any] = {}
     given: dict[str, str] = {}
-    for word in words:
-        name, sep, text = word.partition("=")
-        if not sep or not name:
-            raise EvalError(f"task setting {word!r} must be name=value, e.g. seq_len=512")
-        if name not in names:
-            raise EvalError(
-                f"unknown setting {name!r} for this task{closest(name, names)}; its settings "
-                f"are {names}"
-            )
-        if name in given:
-            raise EvalError(
-                f"{name} is given twice ({given[name]} and {text}); give each setting once"
-            )
-        given[name] = text
-        try:
-            raw = yaml.safe_load(text)
-        except yaml.YAMLError as error:
-            raise EvalError(f"{name}: cannot read {text!r} as YAML: {error}") from error
-        values[name] = _coerce(name, raw, hints[name])
     try:
+        for word in words:
+            name, sep, text = word.partition("=")
+            if not sep or not name:
+                raise EvalError(f"task setting {word!r} must be name=value, e.g. seq_len=512")
+            check_keys(
+                {name: text},
+                names,
+                what="setting",
+                where=" for this task",
+                listing="its settings are",
+            )
+            if name in given:
+                raise EvalError(
+                    f"{name} is given twice ({given[name]} and {text}); give each setting once"
+                )
+            given[name] = text
+            values[name] = coerce(name, read_value(name, text, hints[name]), hints[name])
         return cls(**values)
+    except EvalError:
+        raise
     except (TypeError, ValueError) as error:
         raise EvalError(str(error)) from error
-
-
-def require(ok: bool, name: str, expected: str, value: Any) -> None:
-    """EvalError `name must be <expected>, got <value>` unless `ok`."""
-    if not ok:
-        raise EvalError(f"{name} must be {expected}, got {value!r}")

@@ -141,14 +141,14 @@ class _Counter:
 
     def model_config(self, where: str, tree: dict[str, Any]):
         from deltalab.train.config import RunConfig
-        from deltalab.train.loop import _model_config
+        from deltalab.train.preflight import model_config
 
         try:
             config = RunConfig.from_dict(tree)
             spec = config.data.tokenizer
             if spec not in self.tokenizers:
                 self.tokenizers[spec] = self._load_tokenizer(spec)
-            return config, _model_config(config, self.tokenizers[spec], self.device)
+            return config, model_config(config, self.tokenizers[spec], self.device)
         except UserError as error:
             raise _fail(self.spec, f"{where}: {error}") from error
         except (ValueError, TypeError) as error:

@@ -183,12 +183,12 @@ def trained(run: PlannedRun) -> dict[str, Any] | None:
 
 def config_changes(run: PlannedRun) -> list[str]:
     """How the config a finished run was trained with differs from the planned one."""
-    from deltalab.train.loop import _changed_fields
+    from deltalab.train.config import resume_changes
 
     metrics = _read_json(run.directory / "metrics.json")
     if metrics is None or "config" not in metrics:
         return []
-    return _changed_fields(metrics["config"], run.config.to_dict())
+    return resume_changes(metrics["config"], run.config.to_dict())
 
 
 def run_state(run: PlannedRun) -> str:

@@ -26,10 +26,8 @@ settings are shared by construction, so no mixer is tuned in a way the others ar
 from __future__ import annotations
 
 import copy
-import math
 import os
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +35,8 @@ from typing import Any
 import yaml
 
 from deltalab.catalog import MIXER_KINDS
-from deltalab.errors import ConfigError, closest
+from deltalab.config_parse import check_keys, coerce, require, require_choice
+from deltalab.errors import ConfigError, UserError, closest
 
 __all__ = ["EvalSpec", "StudySpec", "Variant", "load_spec", "parse_spec"]
 
@@ -123,43 +122,20 @@ def _fail(where: str, message: str) -> ConfigError:
     return ConfigError(f"study spec {where}: {message}")
 
 
-def _mapping(value: Any, key: str, where: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-        raise _fail(where, f"{key} must be a mapping with string keys, got {value!r}")
-    return dict(value)
+def _mapping(value: Any, key: str) -> dict[str, Any]:
+    """`value` as a mapping with string keys (None: an empty one)."""
+    return {} if value is None else dict(coerce(key, value, dict[str, Any]))
 
 
-def _known(data: Mapping[str, Any], known: tuple[str, ...], prefix: str, where: str) -> None:
-    for key in data:
-        if key not in known:
-            dotted = f"{prefix}{key}"
-            suggestion = closest(dotted, [f"{prefix}{k}" for k in known])
-            raise _fail(where, f"unknown key {dotted!r}{suggestion}; the keys are {list(known)}")
+def _list(value: Any, key: str, hint: Any) -> tuple[Any, ...]:
+    """`value` as a non-empty list of `hint` items (tuple[X, ...])."""
+    require(isinstance(value, list) and len(value) > 0, key, "a non-empty list", value)
+    return coerce(key, value, hint)
 
 
-def _int(value: Any, key: str, where: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise _fail(where, f"{key} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-def _float(value: Any, key: str, where: str) -> float:
-    if isinstance(value, str):
-        # PyYAML reads `3e-3` without a dot as a string.
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise _fail(where, f"{key} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _list(value: Any, key: str, where: str) -> list[Any]:
-    if not isinstance(value, list) or not value:
-        raise _fail(where, f"{key} must be a non-empty list, got {value!r}")
+def _int(value: Any, key: str, minimum: int) -> int:
+    value = coerce(key, value, int)
+    require(value >= minimum, key, f"an int >= {minimum}", value)
     return value
 
 
@@ -173,16 +149,16 @@ def _name(value: Any, key: str, where: str) -> str:
     return value
 
 
-def _entry(entry: Any, key: str, shorthand: str, known: tuple[str, ...], where: str) -> dict:
+def _entry(entry: Any, key: str, shorthand: str, known: tuple[str, ...]) -> dict:
     """A list entry as a mapping of known keys; a plain string is `{shorthand: string}`."""
-    data = _mapping({shorthand: entry} if isinstance(entry, str) else entry, key, where)
-    _known(data, known, f"{key}.", where)
+    data = _mapping({shorthand: entry} if isinstance(entry, str) else entry, key)
+    check_keys(data, known, f"{key}.")
     return data
 
 
 def _variant(entry: Any, index: int, where: str) -> Variant:
     key = f"grid.mixers[{index}]"
-    data = _entry(entry, key, "mixer", VARIANT_KEYS, where)
+    data = _entry(entry, key, "mixer", VARIANT_KEYS)
     mixer = data.get("mixer")
     if mixer not in MIXER_KINDS:
         raise _fail(
@@ -190,7 +166,7 @@ def _variant(entry: Any, index: int, where: str) -> Variant:
             f"{key}.mixer must be one of {list(MIXER_KINDS)}, got {mixer!r}"
             f"{closest(str(mixer), MIXER_KINDS)}",
         )
-    overrides = _mapping(data.get("overrides"), f"{key}.overrides", where)
+    overrides = _mapping(data.get("overrides"), f"{key}.overrides")
     if "mixer" in overrides or "mixer_options" in overrides:
         raise _fail(
             where, f"{key}.overrides may not set mixer or mixer_options: use {key}.mixer/options"
@@ -198,7 +174,7 @@ def _variant(entry: Any, index: int, where: str) -> Variant:
     return Variant(
         name=_name(data.get("name", mixer), f"{key}.name", where),
         mixer=mixer,
-        options=_mapping(data.get("options"), f"{key}.options", where),
+        options=_mapping(data.get("options"), f"{key}.options"),
         overrides=overrides,
     )
 
@@ -228,23 +204,17 @@ def _evals(value: Any, where: str) -> tuple[EvalSpec, ...]:
     found = []
     for index, entry in enumerate(value):
         key = f"evals[{index}]"
-        data = _entry(entry, key, "task", EVAL_KEYS, where)
+        data = _entry(entry, key, "task", EVAL_KEYS)
         task = data.get("task")
         if not isinstance(task, str) or not task:
             raise _fail(
                 where, f"{key}.task must be a task name (deltalab eval --list), got {task!r}"
             )
         long_context = data.get("long_context", "refuse")
-        if long_context not in LONG_CONTEXT:
-            raise _fail(
-                where,
-                f"{key}.long_context must be one of {list(LONG_CONTEXT)}, got {long_context!r}",
-            )
-        skip = data.get("skip", [])
-        if not isinstance(skip, list) or not all(isinstance(name, str) for name in skip):
-            raise _fail(where, f"{key}.skip must be a list of grid.mixers names, got {skip!r}")
-        settings = _mapping(data.get("settings"), f"{key}.settings", where)
-        found.append(EvalSpec(task, settings, long_context, tuple(skip)))
+        require_choice(f"{key}.long_context", long_context, LONG_CONTEXT)
+        skip = coerce(f"{key}.skip", data.get("skip", []), tuple[str, ...])
+        settings = _mapping(data.get("settings"), f"{key}.settings")
+        found.append(EvalSpec(task, settings, long_context, skip))
     tasks = [e.task for e in found]
     for task in tasks:
         if tasks.count(task) > 1:
@@ -255,15 +225,24 @@ def _evals(value: Any, where: str) -> tuple[EvalSpec, ...]:
 def parse_spec(data: Any, path: str | os.PathLike[str] | None = None) -> StudySpec:
     """The `StudySpec` of `data` (a spec file's parsed YAML); ConfigError naming the key."""
     where = str(path) if path is not None else "(given as data)"
-    spec = _mapping(data, "the spec", where)
-    _known(spec, TOP_KEYS, "", where)
+    try:
+        return _parse(data, path, where)
+    except UserError:
+        raise
+    except (TypeError, ValueError) as error:
+        raise _fail(where, str(error)) from error
+
+
+def _parse(data: Any, path: str | os.PathLike[str] | None, where: str) -> StudySpec:
+    spec = _mapping(data, "the spec")
+    check_keys(spec, TOP_KEYS)
     if "grid" not in spec:
         raise _fail(where, "grid is required (at least grid.mixers)")
-    grid = _mapping(spec["grid"], "grid", where)
-    _known(grid, GRID_KEYS, "grid.", where)
+    grid = _mapping(spec["grid"], "grid")
+    check_keys(grid, GRID_KEYS, "grid.")
     variants = tuple(
         _variant(entry, i, where)
-        for i, entry in enumerate(_list(grid.get("mixers"), "grid.mixers", where))
+        for i, entry in enumerate(_list(grid.get("mixers"), "grid.mixers", tuple[Any, ...]))
     )
     names = [v.name for v in variants]
     for name in names:
@@ -271,24 +250,22 @@ def parse_spec(data: Any, path: str | os.PathLike[str] | None = None) -> StudySp
             raise _fail(
                 where, f"grid.mixers names {name!r} twice; give the variants distinct names"
             )
-    seeds = tuple(
-        _int(s, "grid.seeds[]", where, 0)
-        for s in _list(grid.get("seeds", [0]), "grid.seeds", where)
-    )
+    seeds = _list(grid.get("seeds", [0]), "grid.seeds", tuple[int, ...])
+    require(min(seeds) >= 0, "grid.seeds", "ints >= 0", list(seeds))
     if len(set(seeds)) != len(seeds):
         raise _fail(where, f"grid.seeds repeats a seed: {list(seeds)}")
     lrs = None
     if grid.get("lrs") is not None:
-        lrs = tuple(_float(lr, "grid.lrs[]", where) for lr in _list(grid["lrs"], "grid.lrs", where))
+        lrs = _list(grid["lrs"], "grid.lrs", tuple[float, ...])
         if any(lr <= 0 for lr in lrs) or len(set(lrs)) != len(lrs):
             raise _fail(where, f"grid.lrs must be distinct numbers > 0, got {list(lrs)}")
     sizes = None
     if grid.get("sizes") is not None:
-        raw = _mapping(grid["sizes"], "grid.sizes", where)
+        raw = _mapping(grid["sizes"], "grid.sizes")
         if not raw:
             raise _fail(where, "grid.sizes must name at least one size (or be left out)")
         sizes = {
-            _name(name, "grid.sizes name", where): _mapping(fields, f"grid.sizes.{name}", where)
+            _name(name, "grid.sizes name", where): _mapping(fields, f"grid.sizes.{name}")
             for name, fields in raw.items()
         }
         for name, fields in sizes.items():
@@ -309,32 +286,28 @@ def parse_spec(data: Any, path: str | os.PathLike[str] | None = None) -> StudySp
             where,
             f"baseline {baseline!r} is not a grid.mixers name{closest(str(baseline), names)}; they are {names}",
         )
-    params = _mapping(spec.get("params"), "params", where)
-    _known(params, PARAMS_KEYS, "params.", where)
+    params = _mapping(spec.get("params"), "params")
+    check_keys(params, PARAMS_KEYS, "params.")
     match = params.get("match", baseline)
     if match not in names:
         raise _fail(
             where,
             f"params.match {match!r} is not a grid.mixers name{closest(str(match), names)}; they are {names}",
         )
-    tolerance = _float(params.get("tolerance", DEFAULT_TOLERANCE), "params.tolerance", where)
+    tolerance = coerce("params.tolerance", params.get("tolerance", DEFAULT_TOLERANCE), float)
     if not 0 <= tolerance <= DEFAULT_TOLERANCE:
         raise _fail(
             where,
             f"params.tolerance must be in [0, {DEFAULT_TOLERANCE}] (parameter counts are matched "
             f"within 2% at most), got {tolerance}",
         )
-    run = copy.deepcopy(_mapping(spec.get("run"), "run", where))
+    run = copy.deepcopy(_mapping(spec.get("run"), "run"))
     _check_run(run, lrs is not None, where)
     device = spec.get("device", "auto")
-    if device not in DEVICES:
-        raise _fail(
-            where,
-            f"device must be one of {list(DEVICES)}, got {device!r}{closest(str(device), DEVICES)}",
-        )
+    require_choice("device", device, DEVICES)
     threads = spec.get("threads")
     if threads is not None:
-        threads = _int(threads, "threads", where, 1)
+        threads = _int(threads, "threads", 1)
     stem = Path(path).stem if path is not None else "study"
     out_dir = spec.get("out_dir", f"runs/study/{stem}")
     if not isinstance(out_dir, str) or not out_dir:
@@ -342,13 +315,13 @@ def parse_spec(data: Any, path: str | os.PathLike[str] | None = None) -> StudySp
     return StudySpec(
         path=Path(path) if path is not None else None,
         out_dir=Path(out_dir).resolve(),
-        parallel=_int(spec.get("parallel", 1), "parallel", where, 1),
+        parallel=_int(spec.get("parallel", 1), "parallel", 1),
         device=device,
         threads=threads,
         baseline=baseline,
         match=match,
         tolerance=tolerance,
-        ffn_multiple=_int(params.get("ffn_multiple", 8), "params.ffn_multiple", where, 1),
+        ffn_multiple=_int(params.get("ffn_multiple", 8), "params.ffn_multiple", 1),
         run=run,
         variants=variants,
         seeds=seeds,

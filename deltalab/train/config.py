@@ -14,14 +14,11 @@ names the dotted field. The model's own fields (preset, mixer, overrides) are ch
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 import inspect
 import json
 import math
 import os
-import re
-import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +28,16 @@ from typing import Any, ClassVar, Self
 import yaml
 
 from deltalab.catalog import PRESET_TRAINING
+from deltalab.config_parse import (
+    check_keys,
+    coerce,
+    field_docs,
+    plain,
+    read_value,
+    require,
+    require_choice,
+    type_hints,
+)
 from deltalab.errors import ConfigError, ConfigTypeError, UserError, closest
 
 __all__ = [
@@ -51,6 +58,7 @@ __all__ = [
     "TrainSection",
     "config_help",
     "load_run_config",
+    "resume_changes",
     "save_run_config",
 ]
 
@@ -61,106 +69,6 @@ PARALLEL_MODES = ("ddp", "fsdp")
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def _describe(hint: Any) -> str:
-    """What a value of type `hint` looks like, for error messages."""
-    if typing.get_origin(hint) in (types.UnionType, typing.Union):
-        inner = [a for a in typing.get_args(hint) if a is not type(None)]
-        return " or ".join(_describe(a) for a in inner) + " or null"
-    if typing.get_origin(hint) is tuple:
-        args = typing.get_args(hint)
-        return f"a list of {len(args)} {'numbers' if args[0] is float else 'values'}"
-    names = {bool: "a bool", int: "an int", float: "a finite number", str: "a string"}
-    return names.get(hint, "a mapping with string keys")
-
-
-def _plain(key: str, value: Any) -> Any:
-    """A deep copy of `value` as YAML/JSON data (tuples become lists); TypeError otherwise."""
-    if isinstance(value, Mapping):
-        for name in value:
-            if not isinstance(name, str):
-                raise TypeError(f"{key} keys must be strings, got {name!r}")
-        return {name: _plain(f"{key}.{name}", item) for name, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(f"{key}[{i}]", item) for i, item in enumerate(value)]
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    raise TypeError(f"{key} must hold YAML data, got {type(value).__name__} {value!r}")
-
-
-def _coerce(key: str, value: Any, hint: Any) -> Any:
-    """`value` as the type `hint` (int -> float, list -> tuple), or TypeError naming `key`."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (types.UnionType, typing.Union):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        try:
-            return _coerce(key, value, inner)
-        except TypeError:
-            pass
-    elif hint is bool or hint is str:
-        if isinstance(value, hint):
-            return value
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif hint is float:
-        # YAML 1.1 (PyYAML) reads `3e-3` without a dot as the string "3e-3".
-        if isinstance(value, str):
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value)
-    elif origin is tuple:
-        if isinstance(value, list | tuple) and len(value) == len(args):
-            try:
-                return tuple(_coerce(key, v, a) for v, a in zip(value, args, strict=True))
-            except TypeError:
-                pass
-    elif origin is dict:
-        if isinstance(value, Mapping):
-            return _plain(key, value)
-    else:
-        raise TypeError(f"{key} has an unsupported type {hint!r}")
-    raise TypeError(f"{key} must be {_describe(hint)}, got {type(value).__name__} {value!r}")
-
-
-def _require(ok: bool, key: str, requirement: str, value: Any) -> None:
-    if not ok:
-        raise ValueError(f"{key} must be {requirement}, got {value!r}")
-
-
-def _require_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(
-            f"{key} must be one of {list(choices)}, got {value!r}{closest(value, choices)}"
-        )
-
-
-def _field_docs(cls: type) -> dict[str, str]:
-    """{field: description} from the `name: text` lines of the class docstring."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    docs: dict[str, str] = {}
-    current = None
-    for line in inspect.cleandoc(cls.__doc__ or "").splitlines():
-        match = re.match(r"(\w+): (.*)", line)
-        if match and match[1] in names:
-            current = match[1]
-            docs[current] = match[2].strip()
-        elif current and line.startswith(" "):
-            docs[current] += " " + line.strip()
-        else:
-            current = None
-    return docs
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 @dataclass(frozen=True)
 class _Section:
     """One section of the run configuration; `key` is its name in `RunConfig`."""
@@ -169,7 +77,9 @@ class _Section:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            value = _coerce(self.dotted(f.name), getattr(self, f.name), _hints(type(self))[f.name])
+            value = coerce(
+                self.dotted(f.name), getattr(self, f.name), type_hints(type(self))[f.name]
+            )
             object.__setattr__(self, f.name, value)
         self.validate()
 
@@ -192,12 +102,8 @@ class _Section:
             return {}
         if not isinstance(data, Mapping):
             raise TypeError(f"{cls.key} must be a mapping of fields, got {data!r}")
-        known = cls.field_names()
-        for name in data:
-            if name not in known:
-                dotted = cls.dotted(str(name))
-                suggestion = closest(dotted, [cls.dotted(n) for n in known])
-                raise ValueError(f"unknown config field {dotted!r}{suggestion}")
+        known, listing = cls.field_names(), f"the fields of {cls.key} are"
+        check_keys(data, known, f"{cls.key}.", what="config field", listing=listing)
         return dict(data)
 
     @classmethod
@@ -208,7 +114,7 @@ class _Section:
     def to_dict(self) -> dict[str, Any]:
         """The fields as YAML/JSON data (tuples as lists)."""
         return {
-            f.name: _plain(self.dotted(f.name), getattr(self, f.name))
+            f.name: plain(self.dotted(f.name), getattr(self, f.name))
             for f in dataclasses.fields(self)
         }
 
@@ -216,7 +122,7 @@ class _Section:
 def _require_text(section: _Section, *names: str) -> None:
     for name in names:
         value = getattr(section, name)
-        _require(bool(value), section.dotted(name), "a non-empty string", value)
+        require(bool(value), section.dotted(name), "a non-empty string", value)
 
 
 @dataclass(frozen=True)
@@ -268,9 +174,9 @@ class DataSection(_Section):
     def validate(self) -> None:
         _require_text(self, "source", "tokenizer", "cache_dir", "text_field")
         if self.max_bytes is not None:
-            _require(self.max_bytes > 0, self.dotted("max_bytes"), "> 0 or null", self.max_bytes)
+            require(self.max_bytes > 0, self.dotted("max_bytes"), "> 0 or null", self.max_bytes)
         fraction = self.held_out_fraction
-        _require(0 < fraction < 1, self.dotted("held_out_fraction"), "in (0, 1)", fraction)
+        require(0 < fraction < 1, self.dotted("held_out_fraction"), "in (0, 1)", fraction)
 
 
 @dataclass(frozen=True)
@@ -294,11 +200,11 @@ class OptimSection(_Section):
 
     def validate(self) -> None:
         if self.lr is not None:
-            _require(self.lr > 0, self.dotted("lr"), "> 0", self.lr)
-        _require(all(0 <= b < 1 for b in self.betas), self.dotted("betas"), "in [0, 1)", self.betas)
-        _require(self.eps > 0, self.dotted("eps"), "> 0", self.eps)
-        _require(self.weight_decay >= 0, self.dotted("weight_decay"), ">= 0", self.weight_decay)
-        _require(self.grad_clip >= 0, self.dotted("grad_clip"), ">= 0", self.grad_clip)
+            require(self.lr > 0, self.dotted("lr"), "> 0", self.lr)
+        require(all(0 <= b < 1 for b in self.betas), self.dotted("betas"), "in [0, 1)", self.betas)
+        require(self.eps > 0, self.dotted("eps"), "> 0", self.eps)
+        require(self.weight_decay >= 0, self.dotted("weight_decay"), ">= 0", self.weight_decay)
+        require(self.grad_clip >= 0, self.dotted("grad_clip"), ">= 0", self.grad_clip)
 
 
 @dataclass(frozen=True)
@@ -321,13 +227,13 @@ class ScheduleSection(_Section):
     decay_fraction: float = 0.2
 
     def validate(self) -> None:
-        _require_choice(self.dotted("kind"), self.kind, SCHEDULES)
+        require_choice(self.dotted("kind"), self.kind, SCHEDULES)
         if self.warmup_steps is not None:
             warmup = self.warmup_steps
-            _require(warmup >= 0, self.dotted("warmup_steps"), ">= 0", warmup)
+            require(warmup >= 0, self.dotted("warmup_steps"), ">= 0", warmup)
         ratio, fraction = self.min_lr_ratio, self.decay_fraction
-        _require(0 <= ratio <= 1, self.dotted("min_lr_ratio"), "in [0, 1]", ratio)
-        _require(0 <= fraction <= 1, self.dotted("decay_fraction"), "in [0, 1]", fraction)
+        require(0 <= ratio <= 1, self.dotted("min_lr_ratio"), "in [0, 1]", ratio)
+        require(0 <= fraction <= 1, self.dotted("decay_fraction"), "in [0, 1]", fraction)
 
 
 @dataclass(frozen=True)
@@ -375,13 +281,13 @@ class TrainSection(_Section):
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum"):
-            _require(getattr(self, name) > 0, self.dotted(name), "> 0", getattr(self, name))
-        _require(self.seed >= 0, self.dotted("seed"), ">= 0", self.seed)
+            require(getattr(self, name) > 0, self.dotted(name), "> 0", getattr(self, name))
+        require(self.seed >= 0, self.dotted("seed"), ">= 0", self.seed)
         self.micro_batch(world_size=1)
-        _require_choice(self.dotted("precision"), self.precision, PRECISIONS)
-        _require_choice(self.dotted("nan_policy"), self.nan_policy, NAN_POLICIES)
-        _require_choice(self.dotted("parallel"), self.parallel, PARALLEL_MODES)
-        _require_choice(self.dotted("device"), self.device, DEVICES)
+        require_choice(self.dotted("precision"), self.precision, PRECISIONS)
+        require_choice(self.dotted("nan_policy"), self.nan_policy, NAN_POLICIES)
+        require_choice(self.dotted("parallel"), self.parallel, PARALLEL_MODES)
+        require_choice(self.dotted("device"), self.device, DEVICES)
         if self.cuda_graphs is True and self.compile:
             raise ValueError(
                 f"{self.dotted('cuda_graphs')}=true and {self.dotted('compile')}=true: choose "
@@ -421,10 +327,10 @@ class EvalSection(_Section):
     sample_temperature: float = 0.7
 
     def validate(self) -> None:
-        _require(self.every >= 0, self.dotted("every"), ">= 0", self.every)
-        _require(self.batches > 0, self.dotted("batches"), "> 0", self.batches)
-        _require(self.sample_tokens >= 0, self.dotted("sample_tokens"), ">= 0", self.sample_tokens)
-        _require(
+        require(self.every >= 0, self.dotted("every"), ">= 0", self.every)
+        require(self.batches > 0, self.dotted("batches"), "> 0", self.batches)
+        require(self.sample_tokens >= 0, self.dotted("sample_tokens"), ">= 0", self.sample_tokens)
+        require(
             self.sample_temperature >= 0,
             self.dotted("sample_temperature"),
             ">= 0",
@@ -448,8 +354,8 @@ class CheckpointSection(_Section):
     resume: bool = False
 
     def validate(self) -> None:
-        _require(self.every >= 0, self.dotted("every"), ">= 0", self.every)
-        _require(self.keep > 0, self.dotted("keep"), "> 0", self.keep)
+        require(self.every >= 0, self.dotted("every"), ">= 0", self.every)
+        require(self.keep > 0, self.dotted("keep"), "> 0", self.keep)
 
 
 @dataclass(frozen=True)
@@ -470,7 +376,7 @@ class LogSection(_Section):
 
     def validate(self) -> None:
         _require_text(self, "out_dir")
-        _require(
+        require(
             not self.tensorboard or importlib.util.find_spec("tensorboard") is not None,
             self.dotted("tensorboard"),
             "false where tensorboard is not installed (pip install 'deltalab[tensorboard]')",
@@ -525,7 +431,7 @@ class RunConfig:
 
 
 SECTIONS: dict[str, type[_Section]] = {
-    f.name: _hints(RunConfig)[f.name] for f in dataclasses.fields(RunConfig)
+    f.name: type_hints(RunConfig)[f.name] for f in dataclasses.fields(RunConfig)
 }
 
 
@@ -551,19 +457,10 @@ def _apply_override(tree: dict[str, dict[str, Any]], override: str) -> None:
         raise ValueError(f"override {override!r} must be section.field=value, e.g. train.steps=10")
     section = _section(parts[0])
     section.check_names({parts[1]: None})
-    hint = _hints(section)[parts[1]]
+    hint = type_hints(section)[parts[1]]
     if len(parts) > 2 and typing.get_origin(hint) is not dict:
         raise ValueError(f"cannot set {key!r}: {section.dotted(parts[1])} is not a mapping")
-    stripped = text.strip()
-    if hint is str and stripped[:1] not in ("'", '"'):
-        # A string field takes the text as written (YAML would cut `runs/exp #2` at the comment
-        # or read `2024` as a number); quote it to have YAML read it (e.g. edge spaces).
-        value = stripped
-    else:
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError as error:
-            raise ValueError(f"{key}: cannot read {text!r} as YAML: {error}") from error
+    value = read_value(key, text, hint)
     if typing.get_origin(hint) is dict and len(parts) == 2 and value is None:
         value = {}
     node = tree.setdefault(parts[0], {})
@@ -672,9 +569,9 @@ def config_help() -> str:
     for name, section in SECTIONS.items():
         summary = inspect.cleandoc(section.__doc__ or "").partition("\n")[0]
         lines.append(f"\n{name}: {summary}")
-        defaults, docs = section(), _field_docs(section)
+        defaults, docs = section(), field_docs(section)
         for f in dataclasses.fields(section):
-            default = json.dumps(_plain(f.name, getattr(defaults, f.name)))
+            default = json.dumps(plain(f.name, getattr(defaults, f.name)))
             doc = docs.get(f.name, "")
             if f"{name}.{f.name}" in PRESET_FIELDS:
                 values = ", ".join(
@@ -684,3 +581,36 @@ def config_help() -> str:
                 doc += f" Preset values: {values}."
             lines.append(f"  {name}.{f.name} ({f.type}, default {default}): {doc}")
     return "\n".join(lines)
+
+
+# Fields a resumed run may change: they do not change what is computed.
+RESUMABLE_CHANGES = {
+    "checkpoint.resume",
+    "checkpoint.every",
+    "checkpoint.keep",
+    "train.device",
+    "train.compile",
+    "train.activation_checkpointing",
+    "train.recompute_ffn",
+    "train.cuda_graphs",
+    "train.nan_policy",
+    "eval.every",
+    "eval.sample_tokens",
+    "eval.sample_prompt",
+    "log.progress",
+    "log.tensorboard",
+    "log.out_dir",
+    "data.cache_dir",
+}
+
+
+def resume_changes(saved: dict, current: dict) -> list[str]:
+    """The fields of the config dict `current` that differ from `saved` (a checkpoint's), as
+    `section.field: old -> new`, leaving out those a resumed run may change."""
+    changed = []
+    for section, fields in current.items():
+        for name, value in fields.items():
+            key = f"{section}.{name}"
+            if key not in RESUMABLE_CHANGES and saved.get(section, {}).get(name) != value:
+                changed.append(f"{key}: {saved.get(section, {}).get(name)!r} -> {value!r}")
+    return changed

@@ -46,11 +46,10 @@ from deltalab.errors import (
     UserError,
 )
 from deltalab.generate import printable
-from deltalab.models import CausalLM, DeltaLabConfig, build_config
+from deltalab.models import CausalLM
 from deltalab.models.lm import check_token_ids
-from deltalab.models.mixers import mixer_option_names
 from deltalab.ops._checks import NonFiniteError, one_host_read
-from deltalab.ops._triton import triton_unavailable_reason
+from deltalab.train import preflight
 from deltalab.train.checkpoint import (
     CheckpointWarning,
     GracefulStop,
@@ -61,7 +60,7 @@ from deltalab.train.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from deltalab.train.config import RunConfig, config_changes, save_run_config
+from deltalab.train.config import RunConfig, config_changes, resume_changes, save_run_config
 from deltalab.train.distributed import Distributed, all_reduce_mean, setup_distributed, wrap_model
 from deltalab.train.graphs import StepGraph
 from deltalab.train.lock import hold_run_directory
@@ -131,23 +130,6 @@ def _sequences(config: RunConfig, tokenizer, split: str, ctx: Distributed) -> Pa
     return PackedSequences(tokens, config.train.seq_len)
 
 
-def _check_outside_source(config: RunConfig) -> None:
-    """The run's own files must not become training data on the next run."""
-    if config.data.source == "stdlib":
-        return
-    source = Path(config.data.source).resolve()
-    for name, value in (
-        ("log.out_dir", config.log.out_dir),
-        ("data.cache_dir", config.data.cache_dir),
-    ):
-        inside = Path(value).resolve()
-        if inside == source or source in inside.parents:
-            raise ValueError(
-                f"{name} {value!r} lies inside data.source {config.data.source!r}: the run's "
-                "files would be read as documents; put them elsewhere"
-            )
-
-
 def _autocast(config: RunConfig, ctx: Distributed, cache: bool = True):
     precision = config.train.precision
     if precision == "bf16" or (precision == "auto" and ctx.device.type == "cuda"):
@@ -194,12 +176,18 @@ def evaluate(model, held_out: PackedSequences, count: int, micro: int, ctx, auto
 
 @dataclass
 class TrainState:
-    """What a run's steps, checkpoints, resume and export share: one object instead of the
-    same eight passed to each.
+    """What a run's phases share (setup, resume, the step loop, evaluations, checkpoints, the
+    finish): one object instead of the same dozen values passed to each.
 
-    core: the unwrapped model (state dicts, export); the DDP/FSDP wrapper is `train`'s own.
+    core: the unwrapped model (state dicts, export); model: its DDP/FSDP wrapper (or core);
+    forward: what the steps call (model, compiled with train.compile).
+    graph: the step's CUDA graph (train.cuda_graphs), or None for eager steps.
+    micro: windows per forward on each rank; eval_windows: held-out windows per evaluation.
     history: {"train": step records, "eval": {"step", "loss"} records}, checkpointed with the
     rest.
+    done: the steps done of train.steps (skipped ones included); skipped: those skipped as
+    non-finite (train.nan_policy=skip); interrupted and stop_signal: whether, and by which
+    signal, the run stopped before its last step.
     """
 
     config: RunConfig
@@ -209,9 +197,29 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     sampler: ResumableSampler
+    model: Any
+    forward: Any
+    graph: StepGraph | None
+    tokenizer: Any
+    train_data: PackedSequences
+    held_out: PackedSequences
+    micro: int
+    eval_windows: int
+    autocast: Any
     history: dict[str, list[dict[str, Any]]] = field(
         default_factory=lambda: {"train": [], "eval": []}
     )
+    logger: RunLogger | None = None
+    done: int = 0
+    skipped: int = 0
+    interrupted: bool = False
+    stop_signal: int | None = None
+
+    def held_out_loss(self) -> float:
+        """The held-out loss now (`evaluate` over `eval_windows` windows)."""
+        return evaluate(
+            self.core, self.held_out, self.eval_windows, self.micro, self.ctx, self.autocast
+        )
 
     def payload(self, step: int) -> dict[str, Any]:
         """Everything a resume needs after `step` (`PAYLOAD_KEYS`)."""
@@ -254,7 +262,7 @@ class TrainState:
                 stacklevel=2,
             )
         path, payload = found
-        changed = _changed_fields(payload["config"], config.to_dict())
+        changed = resume_changes(payload["config"], config.to_dict())
         if changed:
             raise CheckpointError(
                 f"cannot resume {path}: the run config changed ({'; '.join(changed)}); restore "
@@ -283,47 +291,6 @@ def _stop_everywhere(stop, ctx: Distributed) -> bool:
     """Whether any rank was signalled: ranks must checkpoint and leave at the same step."""
     flag = torch.tensor(float(stop.stop_requested), device=ctx.device)
     return bool(all_reduce_mean(flag, ctx).item() > 0)
-
-
-# Fields a resumed run may change: they do not change what is computed.
-RESUMABLE_CHANGES = {
-    "checkpoint.resume",
-    "checkpoint.every",
-    "checkpoint.keep",
-    "train.device",
-    "train.compile",
-    "train.activation_checkpointing",
-    "train.recompute_ffn",
-    "train.cuda_graphs",
-    "train.nan_policy",
-    "eval.every",
-    "eval.sample_tokens",
-    "eval.sample_prompt",
-    "log.progress",
-    "log.tensorboard",
-    "log.out_dir",
-    "data.cache_dir",
-}
-
-
-def _changed_fields(saved: dict, current: dict) -> list[str]:
-    changed = []
-    for section, fields in current.items():
-        for name, value in fields.items():
-            key = f"{section}.{name}"
-            if key not in RESUMABLE_CHANGES and saved.get(section, {}).get(name) != value:
-                changed.append(f"{key}: {saved.get(section, {}).get(name)!r} -> {value!r}")
-    return changed
-
-
-def _check_fresh_start(out_dir: Path, config: RunConfig) -> None:
-    """A new run must not share a directory with another run's checkpoints: the older ones
-    would be pruned in its place and picked up by a later resume."""
-    if not config.checkpoint.resume and list_checkpoints(out_dir):
-        raise CheckpointError(
-            f"log.out_dir {str(out_dir)!r} already holds checkpoints of a run; continue it with "
-            "--resume (checkpoint.resume=true) or choose another log.out_dir"
-        )
 
 
 # What `TrainState.resume` reads from a payload; one without them is skipped like a damaged file.
@@ -356,88 +323,6 @@ def _grad_norm(core, max_norm: float) -> float:
 def _due(step: int, every: int) -> bool:
     """Every `every` steps; 0 means at the last step only (handled by the caller)."""
     return every > 0 and step % every == 0
-
-
-def _check_directories(config: RunConfig) -> None:
-    """The run and cache directories must be directories (or not exist yet), found before any
-    work rather than as an OSError after tokenizing."""
-    for name, value in (
-        ("log.out_dir", config.log.out_dir),
-        ("data.cache_dir", config.data.cache_dir),
-    ):
-        directory = Path(value)
-        for path in (directory, *directory.parents):
-            if path.exists():
-                if not path.is_dir():
-                    raise ConfigError(
-                        f"{name} must be a directory, got {value!r}, where {str(path)!r} is a "
-                        f"file; choose another {name}"
-                    )
-                break
-
-
-def _model_config(config: RunConfig, tokenizer, device: torch.device) -> DeltaLabConfig:
-    """The model's config, checked by building the model on the meta device (no memory) and
-    its backend against the training device: errors name `model.*` and come before any data is
-    tokenized."""
-    overrides = config.model.overrides
-    vocab_size = overrides.get("vocab_size", tokenizer.vocab_size)
-    if isinstance(vocab_size, int) and vocab_size < tokenizer.vocab_size:
-        raise ConfigError(
-            f"model.overrides.vocab_size must be >= the tokenizer's vocabulary "
-            f"({tokenizer.vocab_size} tokens of data.tokenizer={config.data.tokenizer!r}), got "
-            f"{vocab_size}"
-        )
-    try:
-        model_config = build_config(
-            config.model.preset,
-            mixer=config.model.mixer,
-            **{"vocab_size": tokenizer.vocab_size, **overrides},
-        )
-    except (ValueError, TypeError) as error:
-        raise ConfigError(f"model: {error}") from error
-    if model_config.mixer_options:
-        # Options reach the recurrent mixer only; attention blocks take none.
-        recurrent = {kind for kind in model_config.layer_kinds() if kind != "attention"}
-        choices = sorted({name for kind in recurrent for name in mixer_option_names(kind)})
-        for name in model_config.mixer_options:
-            if name not in choices:
-                raise ConfigError(
-                    f"model.overrides.mixer_options.{name} is not an option of the "
-                    f"{model_config.mixer} mixer; its options are {choices}"
-                )
-    if model_config.backend == "triton":
-        reason = triton_unavailable_reason(device)
-        if reason is not None:
-            raise ConfigError(f"model.overrides.backend='triton' cannot run on {device}: {reason}")
-    for name in ("bos", "eos", "pad"):
-        setattr(model_config, f"{name}_token_id", getattr(tokenizer, f"{name}_id"))
-    try:
-        with torch.device("meta"):
-            CausalLM(model_config)
-    except (ValueError, TypeError) as error:
-        raise ConfigError(f"model: {error}") from error
-    return model_config
-
-
-def _check_batch_sizes(config: RunConfig, train_data, held_out, micro: int, ctx) -> int:
-    """Refuse a batch the data cannot fill, before anything is allocated (a batch of more
-    windows than the split holds repeats windows within one step and grows memory without
-    bound); returns the held-out windows one evaluation uses."""
-    windows = f"windows of train.seq_len + 1 = {config.train.seq_len + 1} tokens"
-    if config.train.batch_size > len(train_data):
-        raise ConfigError(
-            f"train.batch_size must be at most the {len(train_data)} {windows} of the train "
-            f"split, got {config.train.batch_size}; lower train.batch_size or train.seq_len, or "
-            "train on more data"
-        )
-    if len(held_out) < ctx.world_size:
-        raise DataError(
-            f"the held-out split has {len(held_out)} windows, fewer than the {ctx.world_size} "
-            "ranks; raise data.held_out_fraction or lower train.seq_len"
-        )
-    wanted = config.eval.batches * micro * ctx.world_size
-    return min(wanted, len(held_out))
 
 
 def _nonfinite_hint(out_dir: Path, step: int, config: RunConfig, cause: str) -> str:
@@ -621,7 +506,7 @@ def train(config: RunConfig) -> TrainResult:
     """Trains the configured model; returns its perplexities, losses and sample. Holds the run
     directory's trainer lock throughout (deltalab/train/lock.py): one trainer per log.out_dir."""
     ctx = setup_distributed(config.train.device)
-    _check_directories(config)
+    preflight.check_directories(config)
     # The ranks of one run share its directory: the main rank holds the lock for them all.
     held = hold_run_directory(Path(config.log.out_dir)) if ctx.is_main else contextlib.nullcontext()
     with held:
@@ -629,18 +514,43 @@ def train(config: RunConfig) -> TrainResult:
 
 
 def _train(config: RunConfig, ctx: Distributed) -> TrainResult:
+    state = _setup(config, ctx)
+    start = state.resume() if config.checkpoint.resume else 0
+    state.done = start
+    state.logger = RunLogger(state.out_dir, config, enabled=ctx.is_main, resume_step=start or None)
+    if ctx.is_main:
+        sizes = (len(state.train_data), len(state.held_out))
+        _announce(state, state.logger, sizes, state.eval_windows, state.micro)
+    first_eval = state.held_out_loss()
+    if start == 0:
+        state.history["eval"].append({"step": 0, "loss": first_eval})
+    state.logger.print(f"held-out perplexity at step {start}: {math.exp(first_eval):.3f}")
+
+    stream = batches(state.train_data, state.sampler, state.micro)
+    state.model.train()
+    with GracefulStop() as stop, state.logger.progress(start, config.train.steps) as progress:
+        for step in range(start, config.train.steps):
+            _optimizer_step(state, step, stream, progress)
+            if _after_step(state, stop):
+                break
+    return _finish(state, first_eval)
+
+
+def _setup(config: RunConfig, ctx: Distributed) -> TrainState:
+    """The run's data, model, optimizer, schedule and step graph, checked before anything big
+    is allocated; the state of step 0."""
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     out_dir = Path(config.log.out_dir)
-    _check_fresh_start(out_dir, config)
-    _check_outside_source(config)
+    preflight.check_fresh_start(out_dir, config)
+    preflight.check_outside_source(config)
     torch.manual_seed(config.train.seed)
     tokenizer = load_tokenizer(config.data.tokenizer)
-    model_config = _model_config(config, tokenizer, ctx.device)
+    model_config = preflight.model_config(config, tokenizer, ctx.device)
     micro = config.train.micro_batch(ctx.world_size)
     train_data = _sequences(config, tokenizer, "train", ctx)
     held_out = _sequences(config, tokenizer, "held_out", ctx)
-    eval_windows = _check_batch_sizes(config, train_data, held_out, micro, ctx)
+    eval_windows = preflight.check_batch_sizes(config, train_data, held_out, micro, ctx)
 
     # The seed again: building the model on the meta device above draws nothing, but the
     # initialization must not depend on what the checks did.
@@ -653,7 +563,7 @@ def _train(config: RunConfig, ctx: Distributed) -> TrainResult:
     forward = torch.compile(model) if config.train.compile else model
     optimizer = build_optimizer(core, config.optim, exempt)
     graph = _step_graph(config, ctx, core, forward, micro)
-    state = TrainState(
+    return TrainState(
         config=config,
         ctx=ctx,
         out_dir=out_dir,
@@ -663,123 +573,134 @@ def _train(config: RunConfig, ctx: Distributed) -> TrainResult:
         sampler=ResumableSampler(
             len(train_data), seed=config.train.seed, rank=ctx.rank, world_size=ctx.world_size
         ),
+        model=model,
+        forward=forward,
+        graph=graph,
+        tokenizer=tokenizer,
+        train_data=train_data,
+        held_out=held_out,
+        micro=micro,
+        eval_windows=eval_windows,
+        autocast=_autocast(config, ctx),
     )
-    start = state.resume() if config.checkpoint.resume else 0
-    history = state.history
 
-    autocast = _autocast(config, ctx)
-    logger = RunLogger(out_dir, config, enabled=ctx.is_main, resume_step=start or None)
-    if ctx.is_main:
-        _announce(state, logger, (len(train_data), len(held_out)), eval_windows, micro)
-    first_eval = evaluate(core, held_out, eval_windows, micro, ctx, autocast)
-    if start == 0:
-        history["eval"].append({"step": 0, "loss": first_eval})
-    logger.print(f"held-out perplexity at step {start}: {math.exp(first_eval):.3f}")
 
-    stream = batches(train_data, state.sampler, micro)
-    tokens_per_step = config.train.batch_size * config.train.seq_len
-    interrupted, stop_signal, done, skipped = False, None, start, 0
-    model.train()
-    with GracefulStop() as stop, logger.progress(start, config.train.steps) as progress:
-        for step in range(start, config.train.steps):
-            began = time.perf_counter()
-            loss_value, cause = _accumulate(state, model, forward, stream, autocast, graph)
-            grad_norm = _grad_norm(core, config.optim.grad_clip)
-            lr = state.scheduler.get_last_lr()[0]
-            done = step + 1
-            finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
-            if not finite and config.train.nan_policy == "stop":
-                cause = cause or f"loss {loss_value}, gradient norm {grad_norm}"
-                raise DivergenceError(_nonfinite_hint(out_dir, done, config, cause))
-            if finite:
-                optimizer.step()
-            else:
-                # Skipped: no update, but the step counts (schedule, data, checkpoints below).
-                skipped += 1
-                logger.print(f"step {done}: non-finite loss or gradient, step skipped")
-            if graph is None or not graph.captured:
-                # A captured graph's replay writes the next gradients into these tensors.
-                optimizer.zero_grad(set_to_none=True)
-            state.scheduler.step()
-            if finite:
-                record = {
-                    "step": done,
-                    "loss": loss_value,
-                    "lr": lr,
-                    "grad_norm": grad_norm,
-                    "tokens_per_s": tokens_per_step / (time.perf_counter() - began),
-                }
-                history["train"].append(record)
-                logger.train_step(record)
-                progress.update(record)
-            if _due(done, config.eval.every) and done < config.train.steps:
-                value = evaluate(core, held_out, eval_windows, micro, ctx, autocast)
-                history["eval"].append({"step": done, "loss": value})
-                logger.eval_step(done, value)
-            checkpoint_due = _due(done, config.checkpoint.every) or done == config.train.steps
-            stopping = _stop_everywhere(stop, ctx)
-            if checkpoint_due or stopping:
-                state.checkpoint(done)
-            if stopping and done < config.train.steps:
-                interrupted = True
-                # Ranks not signalled themselves stop for a peer, which launchers signal
-                # with SIGTERM.
-                stop_signal = int(stop.received or signal.SIGTERM)
-                logger.print(
-                    f"stopped by signal after step {done} of {config.train.steps}; the run is "
-                    "incomplete, resume it with --resume (checkpoint.resume=true)"
-                )
-                break
+def _optimizer_step(state: TrainState, step: int, stream, progress) -> None:
+    """Step `step` (0-based): the passes, clipping, the update under train.nan_policy (a
+    non-finite step stops the run or is skipped, still counting for the schedule, the data and
+    checkpoints), the schedule, and the step's record."""
+    config, graph, optimizer = state.config, state.graph, state.optimizer
+    began = time.perf_counter()
+    loss_value, cause = _accumulate(
+        state, state.model, state.forward, stream, state.autocast, graph
+    )
+    grad_norm = _grad_norm(state.core, config.optim.grad_clip)
+    lr = state.scheduler.get_last_lr()[0]
+    state.done = done = step + 1
+    finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
+    if not finite and config.train.nan_policy == "stop":
+        cause = cause or f"loss {loss_value}, gradient norm {grad_norm}"
+        raise DivergenceError(_nonfinite_hint(state.out_dir, done, config, cause))
+    if finite:
+        optimizer.step()
+    else:
+        state.skipped += 1
+        state.logger.print(f"step {done}: non-finite loss or gradient, step skipped")
+    if graph is None or not graph.captured:
+        # A captured graph's replay writes the next gradients into these tensors.
+        optimizer.zero_grad(set_to_none=True)
+    state.scheduler.step()
+    if finite:
+        tokens_per_step = config.train.batch_size * config.train.seq_len
+        record = {
+            "step": done,
+            "loss": loss_value,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_step / (time.perf_counter() - began),
+        }
+        state.history["train"].append(record)
+        state.logger.train_step(record)
+        progress.update(record)
 
+
+def _after_step(state: TrainState, stop: GracefulStop) -> bool:
+    """The evaluation and checkpoint due after the step just done, and a checkpoint on a
+    signal to any rank; whether the run stops here (signalled before its last step)."""
+    config, done = state.config, state.done
+    if _due(done, config.eval.every) and done < config.train.steps:
+        value = state.held_out_loss()
+        state.history["eval"].append({"step": done, "loss": value})
+        state.logger.eval_step(done, value)
+    checkpoint_due = _due(done, config.checkpoint.every) or done == config.train.steps
+    stopping = _stop_everywhere(stop, state.ctx)
+    if checkpoint_due or stopping:
+        state.checkpoint(done)
+    if not (stopping and done < config.train.steps):
+        return False
+    state.interrupted = True
+    # Ranks not signalled themselves stop for a peer, which launchers signal with SIGTERM.
+    state.stop_signal = int(stop.received or signal.SIGTERM)
+    state.logger.print(
+        f"stopped by signal after step {done} of {config.train.steps}; the run is "
+        "incomplete, resume it with --resume (checkpoint.resume=true)"
+    )
+    return True
+
+
+def _finish(state: TrainState, first_eval: float) -> TrainResult:
+    """After the last step (or a signal): the final evaluation, the sample, rank 0's export
+    (model, metrics, loss curve) and the run's result."""
+    config, ctx, history, logger = state.config, state.ctx, state.history, state.logger
     # Whether steps were replayed from a CUDA graph (train.cuda_graphs: null decides by the run;
     # without CUDA a StepGraph records nothing).
-    graphed = graph is not None and graph.graph is not None
-    if graph is not None:
+    graphed = state.graph is not None and state.graph.graph is not None
+    if state.graph is not None:
         # The graph's memory pool and the gradients it owns are of no use past the last step:
         # freed before the final evaluation, the sample and the export.
-        optimizer.zero_grad(set_to_none=True)
-        graph = None
-    final_eval = evaluate(core, held_out, eval_windows, micro, ctx, autocast)
-    if not interrupted and (
+        state.optimizer.zero_grad(set_to_none=True)
+        state.graph = None
+    final_eval = state.held_out_loss()
+    if not state.interrupted and (
         not history["eval"] or history["eval"][-1]["step"] != config.train.steps
     ):
         history["eval"].append({"step": config.train.steps, "loss": final_eval})
     logger.print(f"held-out perplexity at the end: {math.exp(final_eval):.3f}")
-    if skipped:
-        logger.print(f"{skipped} of the run's steps were skipped as non-finite")
+    if state.skipped:
+        logger.print(f"{state.skipped} of the run's steps were skipped as non-finite")
     if math.isfinite(final_eval):
-        sample = _sample(core, tokenizer, config, ctx)
+        sample = _sample(state.core, state.tokenizer, config, ctx)
     else:
         # A model whose held-out loss is not finite has nothing to sample from (NaN logits).
         sample = ""
         logger.print("no sample: the model's held-out loss is not finite")
     # Gathering the full weights is a collective under FSDP: every rank takes part.
-    weights = get_model_state_dict(core, options=FULL_STATE)
+    weights = get_model_state_dict(state.core, options=FULL_STATE)
     status = {
-        "status": "interrupted" if interrupted else "completed",
-        "steps_done": done,
+        "status": "interrupted" if state.interrupted else "completed",
+        "steps_done": state.done,
         "steps_planned": config.train.steps,
-        "skipped_steps": skipped,
+        "skipped_steps": state.skipped,
         "cuda_graphs": graphed,
     }
     initial_eval = state.initial_eval_loss(first_eval)
     if ctx.is_main:
         if config.eval.sample_tokens > 0 and math.isfinite(final_eval):
             logger.print(f"sample:\n{config.eval.sample_prompt}{printable(sample)}")
-        _export(state, weights, tokenizer, (initial_eval, final_eval), sample, status)
+        _export(state, weights, state.tokenizer, (initial_eval, final_eval), sample, status)
     logger.close()
     if ctx.active:
         dist.barrier()
     return TrainResult(
-        out_dir=out_dir,
+        out_dir=state.out_dir,
         steps=len(history["train"]),
         initial_perplexity=math.exp(initial_eval),
         final_perplexity=math.exp(final_eval),
         losses=[r["loss"] for r in history["train"]],
         sample=sample,
-        interrupted=interrupted,
-        last_step=done,
-        stop_signal=stop_signal,
+        interrupted=state.interrupted,
+        last_step=state.done,
+        stop_signal=state.stop_signal,
     )
 
 
