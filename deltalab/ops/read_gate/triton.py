@@ -40,30 +40,18 @@ import torch
 import triton
 import triton.language as tl
 
-from deltalab.ops._triton import (
-    as_rows,
-    opaque_to_compiler,
-    row_stride,
-    row_tiles,
-    spread_row_blocks,
-)
+from deltalab.ops._triton import as_rows, opaque_to_compiler, row_stride
+
+# The launch plan is the log decay's (the same rows of elementwise work; the backward holds q,
+# raw and dout per element and keeps one float32 row `[BN]` a program): first guesses for
+# both, to be tuned on the GPU (benchmarks/bench_read_gate.py).
+from deltalab.ops.log_decay.triton import launch
 
 # Where rho leaves the direct form for the log domain (module docstring): exp(80) and
 # exp(-80) are normal float32 numbers with room to spare. (constexpr: the compiled kernels may
 # read globals only so; the interpreter reads any.)
 DIRECT_LIMIT = tl.constexpr(80.0)
 LOG2 = tl.constexpr(0.6931471805599453)
-# Elements (BM rows x BN columns) a program holds, BN at most MAX_BLOCK_N, and the elements a
-# thread holds (which sets the warps, at most MAX_WARPS). First guesses, as the log decay's
-# (the backward holds q, raw and dout per element); to be tuned on the GPU
-# (benchmarks/bench_read_gate.py).
-BLOCK_ELEMENTS = {"forward": 4096, "backward": 2048}
-MAX_BLOCK_N = 1024
-PER_THREAD = {"forward": 16, "backward": 16}
-MAX_WARPS = 8
-# Row blocks of a column block are spread over at most this many backward programs (each keeps
-# one float32 row `[BN]`): the partial sums are then at most 1024 x N x 4 bytes.
-BACKWARD_PROGRAMS = 1024
 
 
 @triton.jit
@@ -164,18 +152,6 @@ def _read_gate_bwd(Q, RAW, R, RATE, DOUT, DQ, DRAW, DR, M, N, stride_q, stride_r
         tl.store(DR + pid.to(tl.int64) * N + cols, dr, mask=col_ok)
 
 
-def launch(rows: int, width: int, kernel: str) -> tuple[int, int, int]:
-    """(BM rows, BN columns, warps) of a `kernel` ("forward" or "backward") program for M rows
-    of N = width (`row_tiles` with this module's sizes)."""
-    elements, per_thread = BLOCK_ELEMENTS[kernel], PER_THREAD[kernel]
-    return row_tiles(rows, width, elements, MAX_BLOCK_N, per_thread, MAX_WARPS)
-
-
-def _backward_grid(rows: int, block_m: int) -> tuple[int, int]:
-    """(row blocks per backward program, programs along the rows)."""
-    return spread_row_blocks(rows, block_m, BACKWARD_PROGRAMS)
-
-
 def _jvp_terms(q: torch.Tensor, r: torch.Tensor, raw: torch.Tensor | None):
     """q rho (= d out / d r) and q rho (1 - s) (= d out / d raw) in float32 torch ops, and rho
     (= d out / d q), for the jvp."""
@@ -211,14 +187,13 @@ class _ReadGate(torch.autograd.Function):
     def forward(ctx, q, r, raw):
         rows, width = q.shape
         r32, rate = _read_vector(r)
-        block_m, block_n, warps = launch(rows, width, "forward")
+        plan = launch(rows, width, "forward")
         out = torch.empty(rows, width, dtype=q.dtype, device=q.device)
-        grid = (triton.cdiv(rows, block_m), triton.cdiv(width, block_n))
         has_raw = raw is not None
-        _read_gate_fwd[grid](
+        _read_gate_fwd[plan.grid](
             q, raw if has_raw else q, r32, rate, out, rows, width, row_stride(q),
-            row_stride(raw) if has_raw else 0, BM=block_m, BN=block_n, HAS_RAW=has_raw,
-            SIGMOID=r is None, num_warps=warps,
+            row_stride(raw) if has_raw else 0, BM=plan.block_m, BN=plan.block_n,
+            HAS_RAW=has_raw, SIGMOID=r is None, num_warps=plan.warps,
         )  # fmt: skip
         ctx.save_for_backward(q, r, raw)
         ctx.save_for_forward(q, r, raw)
@@ -230,8 +205,7 @@ class _ReadGate(torch.autograd.Function):
         q, r, raw = ctx.saved_tensors
         rows, width = q.shape
         r32, rate = _read_vector(r)
-        block_m, block_n, warps = launch(rows, width, "backward")
-        per_program, programs = _backward_grid(rows, block_m)
+        plan = launch(rows, width, "backward")
         dout = as_rows(dout)
         has_raw = raw is not None
         want_dq, want_dr, want_draw = ctx.needs_input_grad[:3]
@@ -239,12 +213,12 @@ class _ReadGate(torch.autograd.Function):
         dq = torch.empty(rows, width, dtype=q.dtype, device=q.device) if want_dq else None
         draw = torch.empty(rows, width, dtype=raw.dtype, device=q.device) if want_draw else None
         f32 = torch.float32
-        dr_parts = torch.empty(programs, width, dtype=f32, device=q.device) if want_dr else None
-        _read_gate_bwd[(programs, triton.cdiv(width, block_n))](
+        dr_parts = torch.empty(plan.grid[0], width, dtype=f32, device=q.device) if want_dr else None
+        _read_gate_bwd[plan.grid](
             q, raw if has_raw else q, r32, rate, dout, dq, draw, dr_parts, rows, width,
-            row_stride(q), row_stride(raw) if has_raw else 0, row_stride(dout), per_program,
-            BM=block_m, BN=block_n, HAS_RAW=has_raw, WANT_DQ=want_dq, WANT_DRAW=want_draw,
-            WANT_DR=want_dr, SIGMOID=r is None, num_warps=warps,
+            row_stride(q), row_stride(raw) if has_raw else 0, row_stride(dout), plan.per_program,
+            BM=plan.block_m, BN=plan.block_n, HAS_RAW=has_raw, WANT_DQ=want_dq,
+            WANT_DRAW=want_draw, WANT_DR=want_dr, SIGMOID=r is None, num_warps=plan.warps,
         )  # fmt: skip
         dr = dr_parts.sum(0).to(r.dtype) if want_dr else None
         return dq, dr, draw
