@@ -25,19 +25,12 @@ import torch
 
 from deltalab.ops._checks import require_float, require_same_device
 from deltalab.ops._recompute import rebuildable
-from deltalab.ops._triton import elementwise_backend
+from deltalab.ops._triton import ELEMENTWISE_BACKENDS as BACKENDS
+from deltalab.ops._triton import elementwise_backend as resolve_backend
 from deltalab.ops.log_decay.reference import compute_dtype, log_decay_naive, log_decay_torch
 from deltalab.ops.norms import layer_backend
 
 __all__ = ["BACKENDS", "compute_dtype", "layer_backend", "log_decay", "resolve_backend"]
-
-BACKENDS = ("auto", "naive", "torch", "triton")
-
-
-def resolve_backend(backend: str, raw: torch.Tensor) -> str:
-    """The backend that runs for raw: "auto" is "triton" on CUDA (compiled) for inputs other
-    than float64, else "torch" (`elementwise_backend`)."""
-    return elementwise_backend(backend, raw, BACKENDS)
 
 
 def _parameter_shape(A_log: torch.Tensor, raw: torch.Tensor, dt_bias: torch.Tensor):

@@ -31,7 +31,8 @@ import torch
 
 from deltalab.ops._checks import require_float, require_same_device
 from deltalab.ops._recompute import rebuildable
-from deltalab.ops._triton import elementwise_backend
+from deltalab.ops._triton import ELEMENTWISE_BACKENDS as BACKENDS
+from deltalab.ops._triton import elementwise_backend as resolve_backend
 from deltalab.ops.norms import layer_backend
 from deltalab.ops.read_gate.reference import compute_dtype, read_query_naive, read_query_torch
 
@@ -44,14 +45,6 @@ __all__ = [
     "resolve_backend",
     "sigmoid_gate",
 ]
-
-BACKENDS = ("auto", "naive", "torch", "triton")
-
-
-def resolve_backend(backend: str, q: torch.Tensor) -> str:
-    """The backend that runs for q: "auto" is "triton" on CUDA (compiled) for inputs other
-    than float64, else "torch" (`elementwise_backend`)."""
-    return elementwise_backend(backend, q, BACKENDS)
 
 
 def _vector_shape(q: torch.Tensor, read_log: torch.Tensor, raw: torch.Tensor | None):
