@@ -92,6 +92,19 @@ def _load_read_vector(R, RATE, cols, col_ok, BN: tl.constexpr, SIGMOID: tl.const
 
 
 @triton.jit
+def _load_raw(RAW, rows64, cols, mask, stride_raw, BM: tl.constexpr, BN: tl.constexpr,
+              HAS_RAW: tl.constexpr):  # fmt: skip
+    """raw's tile `[BM, BN]` in float32 (rows `rows64`, columns `cols`); zeros without raw (RAW
+    is not read)."""
+    if HAS_RAW:
+        x = tl.load(RAW + rows64[:, None] * stride_raw + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+    else:
+        x = tl.zeros([BM, BN], dtype=tl.float32)
+    return x
+
+
+@triton.jit
 def _read_gate_fwd(Q, RAW, R, RATE, OUT, M, N, stride_q, stride_raw,
                    BM: tl.constexpr, BN: tl.constexpr, HAS_RAW: tl.constexpr,
                    SIGMOID: tl.constexpr = False):  # fmt: skip
@@ -102,11 +115,7 @@ def _read_gate_fwd(Q, RAW, R, RATE, OUT, M, N, stride_q, stride_raw,
     rows64 = rows.to(tl.int64)
     q = tl.load(Q + rows64[:, None] * stride_q + cols[None, :], mask=mask, other=0.0)
     r, rate = _load_read_vector(R, RATE, cols, col_ok, BN, SIGMOID)
-    if HAS_RAW:
-        x = tl.load(RAW + rows64[:, None] * stride_raw + cols[None, :], mask=mask, other=0.0)
-        x = x.to(tl.float32)
-    else:
-        x = tl.zeros([BM, BN], dtype=tl.float32)
+    x = _load_raw(RAW, rows64, cols, mask, stride_raw, BM, BN, HAS_RAW)
     rho, _ = _rho(x, r, rate, HAS_RAW, SIGMOID)
     out = rho * q.to(tl.float32)
     tl.store(OUT + rows64[:, None] * N + cols[None, :], out.to(OUT.dtype.element_ty), mask=mask)
@@ -131,11 +140,7 @@ def _read_gate_bwd(Q, RAW, R, RATE, DOUT, DQ, DRAW, DR, M, N, stride_q, stride_r
         q = tl.load(Q + rows64[:, None] * stride_q + cols[None, :], mask=mask, other=0.0)
         dout = tl.load(DOUT + rows64[:, None] * stride_dout + cols[None, :], mask=mask, other=0.0)
         dout = dout.to(tl.float32)
-        if HAS_RAW:
-            x = tl.load(RAW + rows64[:, None] * stride_raw + cols[None, :], mask=mask, other=0.0)
-            x = x.to(tl.float32)
-        else:
-            x = tl.zeros([BM, BN], dtype=tl.float32)
+        x = _load_raw(RAW, rows64, cols, mask, stride_raw, BM, BN, HAS_RAW)
         rho, s_c = _rho(x, r, rate, HAS_RAW, SIGMOID)
         at = rows64[:, None] * N + cols[None, :]
         if WANT_DQ:
