@@ -72,20 +72,14 @@ def _presets(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import dataclasses
     import warnings
 
     from deltalab.generate import GenerateConfig, generate_text, printable
 
-    config = GenerateConfig(
-        checkpoint=args.checkpoint,
-        prompt=args.prompt,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        seed=args.seed,
-        tokenizer=args.tokenizer,
-        device=args.device,
-    )
+    # The command's arguments are the config's fields, by the same names.
+    fields = dataclasses.fields(GenerateConfig)
+    config = GenerateConfig(**{field.name: getattr(args, field.name) for field in fields})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         text = generate_text(config)

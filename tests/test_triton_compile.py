@@ -463,8 +463,8 @@ def test_log_decay_kernels_compile_for_hopper_without_spills(width, dtype):
         ),
     ]
     for kernel, name, n_pointers, constants in kernels:
-        block_m, block_n, warps = decay.launch(4 * 4096, width, name)
-        constants = {**constants, "BM": block_m, "BN": block_n}
+        plan = decay.launch(4 * 4096, width, name)
+        constants, warps = {**constants, "BM": plan.block_m, "BN": plan.block_n}, plan.warps
         compiled = _assert_compiles_without_spills(
             kernel, n_pointers, constants, warps, activations, what=f"{name} N={width} {dtype}"
         )
@@ -507,8 +507,8 @@ def test_read_gate_kernels_compile_for_hopper_without_spills(width, dtype, has_r
         ),
     ]
     for kernel, name, n_pointers, constants in kernels:
-        block_m, block_n, warps = read.launch(4 * 4096, width, name)
-        constants = {**constants, "BM": block_m, "BN": block_n}
+        plan = read.launch(4 * 4096, width, name)
+        constants, warps = {**constants, "BM": plan.block_m, "BN": plan.block_n}, plan.warps
         _assert_compiles_without_spills(
             kernel, n_pointers, constants, warps, activations, what=f"{name} N={width} {dtype}"
         )

@@ -76,6 +76,11 @@ class SamplerState(TypedDict):
     shuffle: bool
 
 
+# The fields of a SamplerState that identify the sequence of indices (the others say where in
+# it the sampler stands).
+_IDENTITY = ("seed", "num_windows", "world_size", "shuffle")
+
+
 class ResumableSampler:
     """Window indices for one rank, epoch after epoch, without end.
 
@@ -150,14 +155,7 @@ class ResumableSampler:
             yield self.next_index()
 
     def state_dict(self) -> SamplerState:
-        return SamplerState(
-            epoch=self.epoch,
-            position=self.position,
-            seed=self.seed,
-            num_windows=self.num_windows,
-            world_size=self.world_size,
-            shuffle=self.shuffle,
-        )
+        return SamplerState(**{name: getattr(self, name) for name in SamplerState.__annotations__})
 
     def load_state_dict(self, state: SamplerState) -> None:
         """Continues from `state`; refuses a state of a different corpus, seed or world size.
@@ -165,13 +163,8 @@ class ResumableSampler:
         The rank is not compared: all ranks advance in lockstep, so any rank's state fits.
         """
         saved: dict[str, object] = dict(state)
-        identity = {
-            "seed": self.seed,
-            "num_windows": self.num_windows,
-            "world_size": self.world_size,
-            "shuffle": self.shuffle,
-        }
-        for name, mine in identity.items():
+        for name in _IDENTITY:
+            mine = getattr(self, name)
             if saved.get(name) != mine:
                 raise ValueError(
                     f"the sampler state has {name} = {saved.get(name)!r}, this sampler has "

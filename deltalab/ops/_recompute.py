@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -86,6 +87,14 @@ def rebuildable(out: torch.Tensor, fn: Callable[..., torch.Tensor], *args: Any) 
     if _rebuilding() and torch.is_grad_enabled() and out.requires_grad:
         setattr(out, _RECIPE, (Recipe(fn, args, out.device.type), out._version))
     return out
+
+
+def rebuildable_call(fn: Callable[..., torch.Tensor], *args: Any, **fixed: Any) -> torch.Tensor:
+    """fn(*args, **fixed), marked `rebuildable` by that call: the keywords (resolved choices:
+    a backend, a shape) are bound into the recipe, the tensors among args are what the op's
+    backward keeps."""
+    recipe = functools.partial(fn, **fixed)
+    return rebuildable(recipe(*args), recipe, *args)
 
 
 def _marked(out: torch.Tensor, recipe: Recipe) -> torch.Tensor:

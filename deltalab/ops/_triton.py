@@ -78,14 +78,18 @@ def row_stride(t: torch.Tensor) -> int:
     return t.stride(0) if t.shape[0] > 1 else t.shape[1]
 
 
-def elementwise_backend(backend: str, x: torch.Tensor, backends: tuple[str, ...]) -> str:
-    """The backend an elementwise op (`backends`: "auto", "naive", "torch", "triton") runs on
-    for its input x: "auto" is "triton" on CUDA (compiled) for inputs other than float64, else
-    "torch" (the kernels compute in float32: float64 references and gradient checks stay in
-    PyTorch); "triton" must be able to run on x's device."""
+# The backends of the elementwise ops (norms, SwiGLU, RoPE, log decay, read gate).
+ELEMENTWISE_BACKENDS = ("auto", "naive", "torch", "triton")
+
+
+def elementwise_backend(backend: str, x: torch.Tensor) -> str:
+    """The backend an elementwise op (ELEMENTWISE_BACKENDS) runs on for its input x: "auto" is
+    "triton" on CUDA (compiled) for inputs other than float64, else "torch" (the kernels compute
+    in float32: float64 references and gradient checks stay in PyTorch); "triton" must be able
+    to run on x's device."""
     from deltalab.ops._checks import require_choice
 
-    require_choice("backend", backend, backends)
+    require_choice("backend", backend, ELEMENTWISE_BACKENDS)
     if backend == "auto":
         fits = x.dtype != torch.float64
         return "triton" if fits and triton_available(x.device) else "torch"

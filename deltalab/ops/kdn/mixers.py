@@ -52,20 +52,18 @@ def _packed_gains(
     g: torch.Tensor,
     q_noise: torch.Tensor,
     r: torch.Tensor,
-    p_prior: torch.Tensor,
-    info_scale: float,
-    scan: str,
     cu_seqlens: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gains `[B, T, H(, K)]`, each sequence's last posterior variance `[N, H(, K)]`, and the k
     and g for the delta rule (`Gains.k`, `Gains.g`: routed through the gain's node where its
     backward sums their gradients, else the inputs).
 
-    Packed sequences are scanned as a padded batch, each from its own prior. Padding tokens
-    get k = 0, g = 0, q_noise = 0 and r = 1: the identity map, finite in both directions.
+    `gain_fn` takes (k, g, q_noise, r), its prior, info_scale and scan bound. Packed sequences
+    are scanned as a padded batch, each from its own prior. Padding tokens get k = 0, g = 0,
+    q_noise = 0 and r = 1: the identity map, finite in both directions.
     """
     if cu_seqlens is None:
-        gains = gain_fn(k, g, q_noise, r, p_prior, info_scale, scan)
+        gains = gain_fn(k, g, q_noise, r)
         return gains.gain, gains.p[:, -1], *routed_inputs(gains, k, g)
     length = k.shape[1]
     max_len = max_seqlen(cu_seqlens, length)  # one device -> host sync (see max_seqlen)
@@ -75,7 +73,7 @@ def _packed_gains(
     padded = [pad_packed(x, cu_seqlens, max_len) for x in (k, g, q_noise)]
     # The padded k and g are not the delta rule's: its gradients of k and g and the gain's
     # reach the inputs apart and are summed by autograd.
-    gain, p, *_ = gain_fn(*padded, r_padded, p_prior, info_scale, scan)
+    gain, p, *_ = gain_fn(*padded, r_padded)
     last = cu_seqlens[1:] - cu_seqlens[:-1] - 1
     sequences = torch.arange(last.numel(), device=p.device)
     return unpad_packed(gain, cu_seqlens, length), p[sequences, last], k, g
@@ -149,12 +147,16 @@ def _kdn(
         # diagonal gain (the write direction) reaches the delta rule in k's dtype on the kernels'
         # route, in the state dtype elsewhere; the isotropic one is the write's strength per
         # token [B, T, H], which the delta rule multiplies with k itself (as KDA's beta).
-        written = write_dtype(scan, k, dtype)
-        gain_fn = functools.partial(diag_gain, gain_dtype=written) if diagonal else iso_gain
-        send_answers()
-        gain, p_last, k_rule, g_rule = _packed_gains(
-            gain_fn, k, g, q_noise, r, p_prior.to(dtype), s, scan, cu
+        written = {"gain_dtype": write_dtype(scan, k, dtype)} if diagonal else {}
+        gain_fn = functools.partial(
+            diag_gain if diagonal else iso_gain,
+            p_prior=p_prior.to(dtype),
+            info_scale=s,
+            scan=scan,
+            **written,
         )
+        send_answers()
+        gain, p_last, k_rule, g_rule = _packed_gains(gain_fn, k, g, q_noise, r, cu)
         o, final_memory = delta_rule(
             q,
             gain,

@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from deltalab.ops._triton import opaque_to_compiler
-from deltalab.ops.kdn.triton_carry import carry_ends, carry_starts
+from deltalab.ops.kdn.triton_carry import _store_map, carry_ends, carry_starts
 from deltalab.ops.mobius.triton import (
     _compose,
     _lane_offsets,
@@ -211,10 +211,7 @@ def _kdn_chunk_maps_kernel(
             tl.sum(tl.where(last, tc, 0.0), axis=0), tl.sum(tl.where(last, td, 0.0), axis=0),
         )  # fmt: skip
     at = _part_lane(lane, part, INNER, PARTS, 4)  # [N, PARTS, 4, INNER]
-    tl.store(MAPS + at, ma, mask=lane_ok)
-    tl.store(MAPS + at + INNER, mb, mask=lane_ok)
-    tl.store(MAPS + at + 2 * INNER, mc, mask=lane_ok)
-    tl.store(MAPS + at + 3 * INNER, md, mask=lane_ok)
+    _store_map(MAPS, at, INNER, ma, mb, mc, md, lane_ok)
 
 
 @triton.jit

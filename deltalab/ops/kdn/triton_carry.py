@@ -52,6 +52,25 @@ def _apply_map(a, b, c, d, p):
 
 
 @triton.jit
+def _store_map(MAPS, at, width, a, b, c, d, mask):
+    """A composed map (a, b, c, d) into MAPS `[..., 4, width]` at offsets `at` of its A."""
+    tl.store(MAPS + at, a, mask=mask)
+    tl.store(MAPS + at + width, b, mask=mask)
+    tl.store(MAPS + at + 2 * width, c, mask=mask)
+    tl.store(MAPS + at + 3 * width, d, mask=mask)
+
+
+@triton.jit
+def _load_map(MAPS, at, width, mask):
+    """The map (a, b, c, d) `_store_map` wrote at `at`; the identity where `mask` is off."""
+    a = tl.load(MAPS + at, mask=mask, other=1.0)
+    b = tl.load(MAPS + at + width, mask=mask, other=0.0)
+    c = tl.load(MAPS + at + 2 * width, mask=mask, other=0.0)
+    d = tl.load(MAPS + at + 3 * width, mask=mask, other=1.0)
+    return a, b, c, d
+
+
+@triton.jit
 def _carry_program(KD, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     """(head pid, its channels and their mask, the rows of a block) of a carry pass's program."""
     ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -71,10 +90,7 @@ def _kdn_carry_starts_kernel(
         # Row i holds the map of chunk part - 1 (the identity on the block's row 0).
         before = ((part < PARTS) & (rows > 0))[:, None] & ch_ok[None, :]
         at = (first + part - 1)[:, None] * 4 * KD + ch[None, :]
-        ma = tl.load(MAPS + at, mask=before, other=1.0)
-        mb = tl.load(MAPS + at + KD, mask=before, other=0.0)
-        mc = tl.load(MAPS + at + 2 * KD, mask=before, other=0.0)
-        md = tl.load(MAPS + at + 3 * KD, mask=before, other=1.0)
+        ma, mb, mc, md = _load_map(MAPS, at, KD, before)
         ma, mb, mc, md = tl.associative_scan((ma, mb, mc, md), 0, _compose)
         p_start = _apply_map(ma, mb, mc, md, p[None, :])
         ok = (part < PARTS)[:, None] & ch_ok[None, :]
@@ -84,11 +100,8 @@ def _kdn_carry_starts_kernel(
         at = (first + end) * 4 * KD + ch
         ok = ch_ok & (end + 0 * ch < PARTS)  # a vector mask (the interpreter refuses a scalar's)
         p_end = tl.sum(tl.where(rows[:, None] == BLOCK_P - 1, p_start, 0.0), axis=0)
-        p = _apply_map(
-            tl.load(MAPS + at, mask=ok, other=1.0), tl.load(MAPS + at + KD, mask=ok, other=0.0),
-            tl.load(MAPS + at + 2 * KD, mask=ok, other=0.0),
-            tl.load(MAPS + at + 3 * KD, mask=ok, other=1.0), p_end,
-        )  # fmt: skip
+        end_a, end_b, end_c, end_d = _load_map(MAPS, at, KD, ok)
+        p = _apply_map(end_a, end_b, end_c, end_d, p_end)
 
 
 @triton.jit

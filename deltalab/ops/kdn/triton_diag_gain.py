@@ -77,7 +77,7 @@ import triton
 import triton.language as tl
 
 from deltalab.ops._triton import opaque_to_compiler
-from deltalab.ops.kdn.triton_carry import carry_ends, carry_starts
+from deltalab.ops.kdn.triton_carry import _store_map, carry_ends, carry_starts
 from deltalab.ops.mobius.triton import _compose, _normalize, _then_affine
 
 
@@ -133,10 +133,7 @@ def _kdn_diag_gain_token_maps_kernel(
             sa, sb, sc, sd = _normalize(a, q, c * a, c * q + 1.0)
             ma, mb, mc, md = _compose(ma, mb, mc, md, sa, sb, sc, sd)
     at = (pid.to(tl.int64) * tl.num_programs(1) + part) * 4 * KD + ch
-    tl.store(MAPS + at, ma, mask=ch_ok)
-    tl.store(MAPS + at + KD, mb, mask=ch_ok)
-    tl.store(MAPS + at + 2 * KD, mc, mask=ch_ok)
-    tl.store(MAPS + at + 3 * KD, md, mask=ch_ok)
+    _store_map(MAPS, at, KD, ma, mb, mc, md, ch_ok)
 
 
 @triton.jit

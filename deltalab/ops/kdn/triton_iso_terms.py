@@ -26,6 +26,18 @@ ISO_TILE, ISO_WARPS = 4096, 8
 
 
 @triton.jit
+def _row_tile(K_, ROWS, KD, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A program's BLOCK_R rows (token and head) of k `[ROWS, KD]`: the row indices, their mask,
+    the tile's mask and offsets `[BLOCK_R, BLOCK_K]`, and k in float32 (0 where masked)."""
+    row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ch = tl.arange(0, BLOCK_K)
+    row_ok = row < ROWS
+    ok = row_ok[:, None] & (ch < KD)[None, :]
+    at = row.to(tl.int64)[:, None] * KD + ch[None, :]
+    return row, row_ok, ok, at, tl.load(K_ + at, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _kdn_iso_terms_forward_kernel(
     K_,
     G,
@@ -37,12 +49,7 @@ def _kdn_iso_terms_forward_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ch = tl.arange(0, BLOCK_K)
-    row_ok = row < ROWS
-    ok = row_ok[:, None] & (ch < KD)[None, :]
-    at = row.to(tl.int64)[:, None] * KD + ch[None, :]
-    k = tl.load(K_ + at, mask=ok, other=0.0).to(tl.float32)
+    row, row_ok, ok, at, k = _row_tile(K_, ROWS, KD, BLOCK_R, BLOCK_K)
     tl.store(NORM2 + row, tl.sum(k * k, axis=1), mask=row_ok)
     if G_HEAD:
         decay = tl.exp(2.0 * tl.load(G + row, mask=row_ok, other=0.0).to(tl.float32))
@@ -73,12 +80,7 @@ def _kdn_iso_terms_backward_kernel(
     # DK_IN, DG_IN: the gradients of k and g from the delta rule that took them through this
     # node (see _KDNIsoTerms), added to the terms' own shares in float32 before the
     # one write in k's and g's dtypes (absent: the flags off, the pointers unread).
-    row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ch = tl.arange(0, BLOCK_K)
-    row_ok = row < ROWS
-    ok = row_ok[:, None] & (ch < KD)[None, :]
-    at = row.to(tl.int64)[:, None] * KD + ch[None, :]
-    k = tl.load(K_ + at, mask=ok, other=0.0).to(tl.float32)
+    row, row_ok, ok, at, k = _row_tile(K_, ROWS, KD, BLOCK_R, BLOCK_K)
     d_norm2 = tl.load(DNORM2 + row, mask=row_ok, other=0.0)
     d_k = (2.0 * k) * d_norm2[:, None]
     if HAS_DK_IN:

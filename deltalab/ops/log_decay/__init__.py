@@ -18,26 +18,18 @@ The layers pick the backend from their delta rule's (`layer_backend`, as the nor
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from deltalab.ops._checks import require_float, require_same_device
-from deltalab.ops._recompute import rebuildable
-from deltalab.ops._triton import elementwise_backend
+from deltalab.ops._recompute import rebuildable_call
+from deltalab.ops._triton import ELEMENTWISE_BACKENDS as BACKENDS
+from deltalab.ops._triton import elementwise_backend as resolve_backend
 from deltalab.ops.log_decay.reference import compute_dtype, log_decay_naive, log_decay_torch
 from deltalab.ops.norms import layer_backend
 
 __all__ = ["BACKENDS", "compute_dtype", "layer_backend", "log_decay", "resolve_backend"]
-
-BACKENDS = ("auto", "naive", "torch", "triton")
-
-
-def resolve_backend(backend: str, raw: torch.Tensor) -> str:
-    """The backend that runs for raw: "auto" is "triton" on CUDA (compiled) for inputs other
-    than float64, else "torch" (`elementwise_backend`)."""
-    return elementwise_backend(backend, raw, BACKENDS)
 
 
 def _parameter_shape(A_log: torch.Tensor, raw: torch.Tensor, dt_bias: torch.Tensor):
@@ -76,12 +68,10 @@ def log_decay(
     dt_bias = require_float("dt_bias", dt_bias)
     require_same_device({"raw": raw, "A_log": A_log, "dt_bias": dt_bias})
     shape = _parameter_shape(A_log, raw, dt_bias)
-    backend = resolve_backend(backend, raw)
-    g = _log_decay(A_log, raw, dt_bias, shape, backend)
     # Its backward keeps raw and the parameters: g (float32) is made again from them where the
     # delta rule would keep it (`rebuilt_in_backward`).
-    recipe = functools.partial(_log_decay, shape=shape, backend=backend)
-    return rebuildable(g, recipe, A_log, raw, dt_bias)
+    backend = resolve_backend(backend, raw)
+    return rebuildable_call(_log_decay, A_log, raw, dt_bias, shape=shape, backend=backend)
 
 
 def _log_decay(A_log, raw, dt_bias, shape, backend: str) -> torch.Tensor:

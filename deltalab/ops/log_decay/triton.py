@@ -32,6 +32,8 @@ threshold and ~ -exp(a) exp(x) (not 0 before it underflows) below.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -52,6 +54,7 @@ THRESHOLD = 20.0
 # the backward with float32 raw at N = 1024 put 8 bytes a thread on the stack at 8 warps (4096
 # or 2048 elements), none at 2048 elements and 4 warps (16 a thread), bfloat16 none either way.
 # First guesses otherwise; to be tuned on the GPU (python -m benchmarks small_ops --ops log_decay).
+# The read gate's kernels (read_gate/triton.py) launch by this plan too.
 BLOCK_ELEMENTS = {"forward": 4096, "backward": 2048}
 MAX_BLOCK_N = 1024
 PER_THREAD = {"forward": 16, "backward": 16}
@@ -128,16 +131,27 @@ def _log_decay_bwd(RAW, A, B, DG, DRAW, DA, DB, M, N, stride_raw, stride_dg, BLO
         tl.store(DB + at, db, mask=col_ok)
 
 
-def launch(rows: int, width: int, kernel: str) -> tuple[int, int, int]:
-    """(BM rows, BN columns, warps) of a `kernel` ("forward" or "backward") program for M rows
-    of N = width (`row_tiles` with this module's sizes)."""
+class Launch(NamedTuple):
+    """A kernel's launch: the grid, (BM rows, BN columns, warps) of a program, and the row blocks
+    each program walks (1 forward; backward, spread so that the column blocks have at most
+    BACKWARD_PROGRAMS programs each, whose partial sums torch adds)."""
+
+    grid: tuple[int, int]
+    block_m: int
+    block_n: int
+    warps: int
+    per_program: int
+
+
+def launch(rows: int, width: int, kernel: str) -> Launch:
+    """The launch of a `kernel` ("forward" or "backward") over M rows of N = width (`row_tiles`
+    with this module's sizes)."""
     elements, per_thread = BLOCK_ELEMENTS[kernel], PER_THREAD[kernel]
-    return row_tiles(rows, width, elements, MAX_BLOCK_N, per_thread, MAX_WARPS)
-
-
-def _backward_grid(rows: int, block_m: int) -> tuple[int, int]:
-    """(row blocks per backward program, programs along the rows)."""
-    return spread_row_blocks(rows, block_m, BACKWARD_PROGRAMS)
+    block_m, block_n, warps = row_tiles(rows, width, elements, MAX_BLOCK_N, per_thread, MAX_WARPS)
+    per_program, programs = 1, triton.cdiv(rows, block_m)
+    if kernel == "backward":
+        per_program, programs = spread_row_blocks(rows, block_m, BACKWARD_PROGRAMS)
+    return Launch((programs, triton.cdiv(width, block_n)), block_m, block_n, warps, per_program)
 
 
 def _jvp_terms(raw: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
@@ -155,12 +169,12 @@ class _LogDecay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, raw, b, out_dtype):
         rows, width = raw.shape
-        block_m, block_n, warps = launch(rows, width, "forward")
+        plan = launch(rows, width, "forward")
         g = torch.empty(rows, width, dtype=out_dtype, device=raw.device)
-        grid = (triton.cdiv(rows, block_m), triton.cdiv(width, block_n))
-        _log_decay_fwd[grid](
-            raw, a, b, g, rows, width, row_stride(raw), BM=block_m, BN=block_n, num_warps=warps
-        )
+        _log_decay_fwd[plan.grid](
+            raw, a, b, g, rows, width, row_stride(raw), BM=plan.block_m, BN=plan.block_n,
+            num_warps=plan.warps,
+        )  # fmt: skip
         ctx.out_dtype = out_dtype
         ctx.save_for_backward(a, raw, b)
         ctx.save_for_forward(a, raw, b)
@@ -171,21 +185,21 @@ class _LogDecay(torch.autograd.Function):
     def backward(ctx, dg):
         a, raw, b = ctx.saved_tensors
         rows, width = raw.shape
-        block_m, block_n, warps = launch(rows, width, "backward")
-        per_program, programs = _backward_grid(rows, block_m)
+        plan = launch(rows, width, "backward")
         dg = as_rows(dg)
         want_da, want_draw, want_db = ctx.needs_input_grad[:3]
         draw = torch.empty(rows, width, dtype=raw.dtype, device=raw.device) if want_draw else None
 
         def parts(wanted):
             f32 = torch.float32
+            programs = plan.grid[0]
             return torch.empty(programs, width, dtype=f32, device=raw.device) if wanted else None
 
         da_parts, db_parts = parts(want_da), parts(want_db)
-        _log_decay_bwd[(programs, triton.cdiv(width, block_n))](
+        _log_decay_bwd[plan.grid](
             raw, a, b, dg, draw, da_parts, db_parts, rows, width, row_stride(raw),
-            row_stride(dg), per_program, BM=block_m, BN=block_n, WANT_DRAW=want_draw,
-            WANT_DA=want_da, WANT_DB=want_db, num_warps=warps,
+            row_stride(dg), plan.per_program, BM=plan.block_m, BN=plan.block_n,
+            WANT_DRAW=want_draw, WANT_DA=want_da, WANT_DB=want_db, num_warps=plan.warps,
         )  # fmt: skip
         da = da_parts.sum(0).to(a.dtype) if want_da else None
         db = db_parts.sum(0).to(b.dtype) if want_db else None

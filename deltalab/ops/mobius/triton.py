@@ -91,9 +91,14 @@ def _lane_offsets(pid, T, INNER, LANES, BLOCK_L: tl.constexpr):
 
 
 @triton.jit
-def _slope(a, b, c, d, x):
-    """f'(x) = det / (C x + D)^2, as det (v1 / den)^2 with v1 = 1 / s, den = (C x + D) / s and
-    s = max(x, 1): finite for any finite x >= 0."""
+def _slope(A, B, C, D, at, mask, x):
+    """f'(x) of the map at offsets `at` (the identity where `mask` is off) = det / (C x + D)^2,
+    as det (v1 / den)^2 with v1 = 1 / s, den = (C x + D) / s and s = max(x, 1): finite for any
+    finite x >= 0."""
+    a = tl.load(A + at, mask=mask, other=1.0)
+    b = tl.load(B + at, mask=mask, other=0.0)
+    c = tl.load(C + at, mask=mask, other=0.0)
+    d = tl.load(D + at, mask=mask, other=1.0)
     size = tl.maximum(x, 1.0)
     v1 = 1.0 / size
     den = c * (x / size) + d * v1
@@ -168,13 +173,7 @@ def _mobius_backward_kernel(
         grad = tl.load(GX + offsets, mask=ok, other=0.0)
         # m_{t+1} = f_{t+1}'(x_t), from the next step's coefficients (0 past the end).
         nxt = offsets + INNER
-        m_next = _slope(
-            tl.load(A + nxt, mask=has_next, other=1.0),
-            tl.load(B + nxt, mask=has_next, other=0.0),
-            tl.load(C + nxt, mask=has_next, other=0.0),
-            tl.load(D + nxt, mask=has_next, other=1.0),
-            x_t,
-        )
+        m_next = _slope(A, B, C, D, nxt, has_next, x_t)
         m_next = tl.where(has_next, m_next, 0.0)
         slope, total = tl.associative_scan((m_next, grad), 0, _then_affine)
         nu_t = total + slope * nu[None, :]
@@ -190,13 +189,7 @@ def _mobius_backward_kernel(
         tl.store(GD + offsets, -(w * x_t) * v1, mask=ok)
         nu = tl.sum(tl.where(rows[:, None] == BLOCK_T - 1, nu_t, 0.0), axis=0)
     # nu now holds nu_1 (the first step); dx_0 = f_1'(x_0) nu_1.
-    slope0 = _slope(
-        tl.load(A + base, mask=lane_ok, other=1.0),
-        tl.load(B + base, mask=lane_ok, other=0.0),
-        tl.load(C + base, mask=lane_ok, other=0.0),
-        tl.load(D + base, mask=lane_ok, other=1.0),
-        x0,
-    )
+    slope0 = _slope(A, B, C, D, base, lane_ok, x0)
     tl.store(GX0 + lane, slope0 * nu, mask=lane_ok)
 
 

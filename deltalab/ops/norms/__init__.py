@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from deltalab.ops._checks import require_choice, require_float, require_same_device, require_shape
+from deltalab.ops._triton import ELEMENTWISE_BACKENDS as BACKENDS
 from deltalab.ops._triton import require_triton, triton_available
 from deltalab.ops.norms.reference import (
     compute_dtype,
@@ -42,7 +43,6 @@ __all__ = [
     "rms_norm",
 ]
 
-BACKENDS = ("auto", "naive", "torch", "triton")
 ACTIVATIONS = ("sigmoid", "silu")
 # eps inside the square root of the L2 norm, as fla's `l2norm`: keeps an all-zero key finite.
 L2_EPS = 1e-6

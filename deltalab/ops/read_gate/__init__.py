@@ -24,14 +24,14 @@ where the layers keep rho among their gates (`FusedGateMixer.matched_read`).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from deltalab.ops._checks import require_float, require_same_device
-from deltalab.ops._recompute import rebuildable
-from deltalab.ops._triton import elementwise_backend
+from deltalab.ops._recompute import rebuildable_call
+from deltalab.ops._triton import ELEMENTWISE_BACKENDS as BACKENDS
+from deltalab.ops._triton import elementwise_backend as resolve_backend
 from deltalab.ops.norms import layer_backend
 from deltalab.ops.read_gate.reference import compute_dtype, read_query_naive, read_query_torch
 
@@ -44,14 +44,6 @@ __all__ = [
     "resolve_backend",
     "sigmoid_gate",
 ]
-
-BACKENDS = ("auto", "naive", "torch", "triton")
-
-
-def resolve_backend(backend: str, q: torch.Tensor) -> str:
-    """The backend that runs for q: "auto" is "triton" on CUDA (compiled) for inputs other
-    than float64, else "torch" (`elementwise_backend`)."""
-    return elementwise_backend(backend, q, BACKENDS)
 
 
 def _vector_shape(q: torch.Tensor, read_log: torch.Tensor, raw: torch.Tensor | None):
@@ -100,12 +92,10 @@ def read_query(
         raw = require_float("raw", raw)
     require_same_device({"q": q, "read_log": read_log, "raw": raw})
     shape = _vector_shape(q, read_log, raw)
-    backend = resolve_backend(backend, q)
-    out = _read_query(q, read_log, raw, shape, backend)
     # Its backward keeps q, read_log and raw: the read query is made again from them where the
     # delta rule would keep it (`rebuilt_in_backward`).
-    recipe = functools.partial(_read_query, shape=shape, backend=backend)
-    return rebuildable(out, recipe, q, read_log, raw)
+    backend = resolve_backend(backend, q)
+    return rebuildable_call(_read_query, q, read_log, raw, shape=shape, backend=backend)
 
 
 def _read_query(q, read_log, raw, shape, backend: str) -> torch.Tensor:
@@ -144,11 +134,9 @@ def sigmoid_gate(x: torch.Tensor, logits: torch.Tensor, *, backend: str = "auto"
             f"logits must have x's shape {tuple(x.shape)} (one gate per element), got "
             f"{tuple(logits.shape)}"
         )
-    backend = resolve_backend(backend, x)
-    out = _sigmoid_gate(x, logits, backend)
     # Its backward keeps x and logits: the product is made again from them where the delta
     # rule would keep it (`rebuilt_in_backward`).
-    return rebuildable(out, functools.partial(_sigmoid_gate, backend=backend), x, logits)
+    return rebuildable_call(_sigmoid_gate, x, logits, backend=resolve_backend(backend, x))
 
 
 def _sigmoid_gate(x, logits, backend: str) -> torch.Tensor:

@@ -40,30 +40,18 @@ import torch
 import triton
 import triton.language as tl
 
-from deltalab.ops._triton import (
-    as_rows,
-    opaque_to_compiler,
-    row_stride,
-    row_tiles,
-    spread_row_blocks,
-)
+from deltalab.ops._triton import as_rows, opaque_to_compiler, row_stride
+
+# The launch plan is the log decay's (the same rows of elementwise work; the backward holds q,
+# raw and dout per element and keeps one float32 row `[BN]` a program): first guesses for
+# both, to be tuned on the GPU (benchmarks/bench_read_gate.py).
+from deltalab.ops.log_decay.triton import launch
 
 # Where rho leaves the direct form for the log domain (module docstring): exp(80) and
 # exp(-80) are normal float32 numbers with room to spare. (constexpr: the compiled kernels may
 # read globals only so; the interpreter reads any.)
 DIRECT_LIMIT = tl.constexpr(80.0)
 LOG2 = tl.constexpr(0.6931471805599453)
-# Elements (BM rows x BN columns) a program holds, BN at most MAX_BLOCK_N, and the elements a
-# thread holds (which sets the warps, at most MAX_WARPS). First guesses, as the log decay's
-# (the backward holds q, raw and dout per element); to be tuned on the GPU
-# (python -m benchmarks small_ops --ops read_gate).
-BLOCK_ELEMENTS = {"forward": 4096, "backward": 2048}
-MAX_BLOCK_N = 1024
-PER_THREAD = {"forward": 16, "backward": 16}
-MAX_WARPS = 8
-# Row blocks of a column block are spread over at most this many backward programs (each keeps
-# one float32 row `[BN]`): the partial sums are then at most 1024 x N x 4 bytes.
-BACKWARD_PROGRAMS = 1024
 
 
 @triton.jit
@@ -104,6 +92,19 @@ def _load_read_vector(R, RATE, cols, col_ok, BN: tl.constexpr, SIGMOID: tl.const
 
 
 @triton.jit
+def _load_raw(RAW, rows64, cols, mask, stride_raw, BM: tl.constexpr, BN: tl.constexpr,
+              HAS_RAW: tl.constexpr):  # fmt: skip
+    """raw's tile `[BM, BN]` in float32 (rows `rows64`, columns `cols`); zeros without raw (RAW
+    is not read)."""
+    if HAS_RAW:
+        x = tl.load(RAW + rows64[:, None] * stride_raw + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+    else:
+        x = tl.zeros([BM, BN], dtype=tl.float32)
+    return x
+
+
+@triton.jit
 def _read_gate_fwd(Q, RAW, R, RATE, OUT, M, N, stride_q, stride_raw,
                    BM: tl.constexpr, BN: tl.constexpr, HAS_RAW: tl.constexpr,
                    SIGMOID: tl.constexpr = False):  # fmt: skip
@@ -114,11 +115,7 @@ def _read_gate_fwd(Q, RAW, R, RATE, OUT, M, N, stride_q, stride_raw,
     rows64 = rows.to(tl.int64)
     q = tl.load(Q + rows64[:, None] * stride_q + cols[None, :], mask=mask, other=0.0)
     r, rate = _load_read_vector(R, RATE, cols, col_ok, BN, SIGMOID)
-    if HAS_RAW:
-        x = tl.load(RAW + rows64[:, None] * stride_raw + cols[None, :], mask=mask, other=0.0)
-        x = x.to(tl.float32)
-    else:
-        x = tl.zeros([BM, BN], dtype=tl.float32)
+    x = _load_raw(RAW, rows64, cols, mask, stride_raw, BM, BN, HAS_RAW)
     rho, _ = _rho(x, r, rate, HAS_RAW, SIGMOID)
     out = rho * q.to(tl.float32)
     tl.store(OUT + rows64[:, None] * N + cols[None, :], out.to(OUT.dtype.element_ty), mask=mask)
@@ -143,11 +140,7 @@ def _read_gate_bwd(Q, RAW, R, RATE, DOUT, DQ, DRAW, DR, M, N, stride_q, stride_r
         q = tl.load(Q + rows64[:, None] * stride_q + cols[None, :], mask=mask, other=0.0)
         dout = tl.load(DOUT + rows64[:, None] * stride_dout + cols[None, :], mask=mask, other=0.0)
         dout = dout.to(tl.float32)
-        if HAS_RAW:
-            x = tl.load(RAW + rows64[:, None] * stride_raw + cols[None, :], mask=mask, other=0.0)
-            x = x.to(tl.float32)
-        else:
-            x = tl.zeros([BM, BN], dtype=tl.float32)
+        x = _load_raw(RAW, rows64, cols, mask, stride_raw, BM, BN, HAS_RAW)
         rho, s_c = _rho(x, r, rate, HAS_RAW, SIGMOID)
         at = rows64[:, None] * N + cols[None, :]
         if WANT_DQ:
@@ -162,18 +155,6 @@ def _read_gate_bwd(Q, RAW, R, RATE, DOUT, DQ, DRAW, DR, M, N, stride_q, stride_r
             dr += tl.sum(g_rho, axis=0)
     if WANT_DR:
         tl.store(DR + pid.to(tl.int64) * N + cols, dr, mask=col_ok)
-
-
-def launch(rows: int, width: int, kernel: str) -> tuple[int, int, int]:
-    """(BM rows, BN columns, warps) of a `kernel` ("forward" or "backward") program for M rows
-    of N = width (`row_tiles` with this module's sizes)."""
-    elements, per_thread = BLOCK_ELEMENTS[kernel], PER_THREAD[kernel]
-    return row_tiles(rows, width, elements, MAX_BLOCK_N, per_thread, MAX_WARPS)
-
-
-def _backward_grid(rows: int, block_m: int) -> tuple[int, int]:
-    """(row blocks per backward program, programs along the rows)."""
-    return spread_row_blocks(rows, block_m, BACKWARD_PROGRAMS)
 
 
 def _jvp_terms(q: torch.Tensor, r: torch.Tensor, raw: torch.Tensor | None):
@@ -211,14 +192,13 @@ class _ReadGate(torch.autograd.Function):
     def forward(ctx, q, r, raw):
         rows, width = q.shape
         r32, rate = _read_vector(r)
-        block_m, block_n, warps = launch(rows, width, "forward")
+        plan = launch(rows, width, "forward")
         out = torch.empty(rows, width, dtype=q.dtype, device=q.device)
-        grid = (triton.cdiv(rows, block_m), triton.cdiv(width, block_n))
         has_raw = raw is not None
-        _read_gate_fwd[grid](
+        _read_gate_fwd[plan.grid](
             q, raw if has_raw else q, r32, rate, out, rows, width, row_stride(q),
-            row_stride(raw) if has_raw else 0, BM=block_m, BN=block_n, HAS_RAW=has_raw,
-            SIGMOID=r is None, num_warps=warps,
+            row_stride(raw) if has_raw else 0, BM=plan.block_m, BN=plan.block_n,
+            HAS_RAW=has_raw, SIGMOID=r is None, num_warps=plan.warps,
         )  # fmt: skip
         ctx.save_for_backward(q, r, raw)
         ctx.save_for_forward(q, r, raw)
@@ -230,8 +210,7 @@ class _ReadGate(torch.autograd.Function):
         q, r, raw = ctx.saved_tensors
         rows, width = q.shape
         r32, rate = _read_vector(r)
-        block_m, block_n, warps = launch(rows, width, "backward")
-        per_program, programs = _backward_grid(rows, block_m)
+        plan = launch(rows, width, "backward")
         dout = as_rows(dout)
         has_raw = raw is not None
         want_dq, want_dr, want_draw = ctx.needs_input_grad[:3]
@@ -239,12 +218,12 @@ class _ReadGate(torch.autograd.Function):
         dq = torch.empty(rows, width, dtype=q.dtype, device=q.device) if want_dq else None
         draw = torch.empty(rows, width, dtype=raw.dtype, device=q.device) if want_draw else None
         f32 = torch.float32
-        dr_parts = torch.empty(programs, width, dtype=f32, device=q.device) if want_dr else None
-        _read_gate_bwd[(programs, triton.cdiv(width, block_n))](
+        dr_parts = torch.empty(plan.grid[0], width, dtype=f32, device=q.device) if want_dr else None
+        _read_gate_bwd[plan.grid](
             q, raw if has_raw else q, r32, rate, dout, dq, draw, dr_parts, rows, width,
-            row_stride(q), row_stride(raw) if has_raw else 0, row_stride(dout), per_program,
-            BM=block_m, BN=block_n, HAS_RAW=has_raw, WANT_DQ=want_dq, WANT_DRAW=want_draw,
-            WANT_DR=want_dr, SIGMOID=r is None, num_warps=warps,
+            row_stride(q), row_stride(raw) if has_raw else 0, row_stride(dout), plan.per_program,
+            BM=plan.block_m, BN=plan.block_n, HAS_RAW=has_raw, WANT_DQ=want_dq,
+            WANT_DRAW=want_draw, WANT_DR=want_dr, SIGMOID=r is None, num_warps=plan.warps,
         )  # fmt: skip
         dr = dr_parts.sum(0).to(r.dtype) if want_dr else None
         return dq, dr, draw

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from deltalab.ops._checks import require_float, require_rank, require_tensor
-from deltalab.ops._triton import elementwise_backend
+from deltalab.ops._triton import ELEMENTWISE_BACKENDS as BACKENDS
+from deltalab.ops._triton import elementwise_backend as resolve_backend
 from deltalab.ops.rope.reference import (
     compute_dtype,
     inverse_frequencies,
@@ -41,15 +42,8 @@ __all__ = [
     "rope_torch",
 ]
 
-BACKENDS = ("auto", "naive", "torch", "triton")
 # Rotary base of the original RoPE paper and Llama 1/2.
 ROPE_BASE = 10000.0
-
-
-def resolve_backend(backend: str, x: torch.Tensor) -> str:
-    """The backend that runs for x: "auto" is "triton" on CUDA (compiled) for inputs other
-    than float64, else "torch" (`elementwise_backend`)."""
-    return elementwise_backend(backend, x, BACKENDS)
 
 
 def _require_positions(positions: object, x: torch.Tensor) -> torch.Tensor:

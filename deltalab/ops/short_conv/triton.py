@@ -106,17 +106,25 @@ def _taps(WEIGHT, ch, ch_ok, C, W: tl.constexpr):
 
 
 @triton.jit
-def _short_conv_fwd(X, WEIGHT, CACHE, Y, T, C, N_CB, W: tl.constexpr, BT: tl.constexpr,
-                    BC: tl.constexpr, HAS_CACHE: tl.constexpr, SILU: tl.constexpr):  # fmt: skip
-    # Channel blocks vary fastest over the program ids: neighbouring programs read whole rows.
+def _program(WEIGHT, T, C, N_CB, W: tl.constexpr, BC: tl.constexpr):
+    """A program's share: its block along the tokens (pid // N_CB), its sequence b, its channels
+    (block pid % N_CB) and their mask, the sequence's offsets in x and in the cache, and the
+    channels' taps."""
     pid = tl.program_id(0)
     b = tl.program_id(1)
-    first = (pid // N_CB) * BT
     ch = (pid % N_CB) * BC + tl.arange(0, BC)
     ch_ok = ch < C
     x_base = b.to(tl.int64) * T * C
     cache_base = b.to(tl.int64) * (W - 1) * C
-    ws = _taps(WEIGHT, ch, ch_ok, C, W)
+    return pid // N_CB, b, ch, ch_ok, x_base, cache_base, _taps(WEIGHT, ch, ch_ok, C, W)
+
+
+@triton.jit
+def _short_conv_fwd(X, WEIGHT, CACHE, Y, T, C, N_CB, W: tl.constexpr, BT: tl.constexpr,
+                    BC: tl.constexpr, HAS_CACHE: tl.constexpr, SILU: tl.constexpr):  # fmt: skip
+    # Channel blocks vary fastest over the program ids: neighbouring programs read whole rows.
+    block, _, ch, ch_ok, x_base, cache_base, ws = _program(WEIGHT, T, C, N_CB, W, BC)
+    first = block * BT
     # xs[m] is xpad at token first + m - (W-1); a row is loaded once, just before its first use.
     xs = ()
     for m in tl.static_range(W - 1):
@@ -186,14 +194,7 @@ def _short_conv_bwd(X, WEIGHT, CACHE, DY, DX, DW, DCACHE, T, C, N_CB, SPLIT,
                     HAS_CACHE: tl.constexpr, HAS_DCACHE: tl.constexpr,
                     SILU: tl.constexpr):  # fmt: skip
     # One program: channel block pid % N_CB of sequence b, tokens [split SPLIT, next split).
-    pid = tl.program_id(0)
-    b = tl.program_id(1)
-    split = pid // N_CB
-    ch = (pid % N_CB) * BC + tl.arange(0, BC)
-    ch_ok = ch < C
-    x_base = b.to(tl.int64) * T * C
-    cache_base = b.to(tl.int64) * (W - 1) * C
-    ws = _taps(WEIGHT, ch, ch_ok, C, W)
+    split, b, ch, ch_ok, x_base, cache_base, ws = _program(WEIGHT, T, C, N_CB, W, BC)
     dws = ()
     for _ in tl.static_range(W):
         dws = dws + (tl.zeros([BC], dtype=tl.float32),)

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from deltalab.ops._checks import require_float
-from deltalab.ops._triton import elementwise_backend
+from deltalab.ops._triton import ELEMENTWISE_BACKENDS as BACKENDS
+from deltalab.ops._triton import elementwise_backend as resolve_backend
 from deltalab.ops.swiglu.reference import swiglu_formula, swiglu_naive, swiglu_torch
 
 __all__ = [
@@ -33,14 +34,6 @@ __all__ = [
     "swiglu_naive",
     "swiglu_torch",
 ]
-
-BACKENDS = ("auto", "naive", "torch", "triton")
-
-
-def resolve_backend(backend: str, gate_up: torch.Tensor) -> str:
-    """The backend that runs for gate_up: "auto" is "triton" on CUDA (compiled) for inputs other
-    than float64, else "torch" (`elementwise_backend`)."""
-    return elementwise_backend(backend, gate_up, BACKENDS)
 
 
 def swiglu(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:

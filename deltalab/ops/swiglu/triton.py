@@ -39,7 +39,9 @@ MAX_WARPS = 16
 
 
 @triton.jit
-def _swiglu_fwd(GU, H, M, F, stride_gu, BM: tl.constexpr, BF: tl.constexpr):
+def _gate_up_tile(GU, M, F, stride_gu, BM: tl.constexpr, BF: tl.constexpr):
+    """A program's tile: its rows (int64) and columns, their mask, and the gate and up halves
+    `[BM, BF]` of gate_up in float32 (0 where masked)."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BF + tl.arange(0, BF)
     mask = (rows < M)[:, None] & (cols < F)[None, :]
@@ -47,6 +49,12 @@ def _swiglu_fwd(GU, H, M, F, stride_gu, BM: tl.constexpr, BF: tl.constexpr):
     at = rows64[:, None] * stride_gu + cols[None, :]
     g = tl.load(GU + at, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(GU + at + F, mask=mask, other=0.0).to(tl.float32)
+    return rows64, cols, mask, g, u
+
+
+@triton.jit
+def _swiglu_fwd(GU, H, M, F, stride_gu, BM: tl.constexpr, BF: tl.constexpr):
+    rows64, cols, mask, g, u = _gate_up_tile(GU, M, F, stride_gu, BM, BF)
     # sigmoid(g) = 1 / (1 + exp(-g)) is 0 once exp overflows (g < -88): h = g * 0 * u, finite.
     h = g * tl.sigmoid(g) * u
     tl.store(H + rows64[:, None] * F + cols[None, :], h.to(H.dtype.element_ty), mask=mask)
@@ -54,13 +62,7 @@ def _swiglu_fwd(GU, H, M, F, stride_gu, BM: tl.constexpr, BF: tl.constexpr):
 
 @triton.jit
 def _swiglu_bwd(GU, DH, DGU, M, F, stride_gu, stride_dh, BM: tl.constexpr, BF: tl.constexpr):
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    cols = tl.program_id(1) * BF + tl.arange(0, BF)
-    mask = (rows < M)[:, None] & (cols < F)[None, :]
-    rows64 = rows.to(tl.int64)
-    at = rows64[:, None] * stride_gu + cols[None, :]
-    g = tl.load(GU + at, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(GU + at + F, mask=mask, other=0.0).to(tl.float32)
+    rows64, cols, mask, g, u = _gate_up_tile(GU, M, F, stride_gu, BM, BF)
     dh = tl.load(DH + rows64[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0)
     dh = dh.to(tl.float32)
     s = tl.sigmoid(g)

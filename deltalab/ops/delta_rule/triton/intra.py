@@ -203,6 +203,16 @@ def _a_layout(chunk, n_chunks, H, T, CS, offset, rs, A_ROW: tl.constexpr):
 
 
 @triton.jit
+def _chunk_inputs(q, a, b, g, chunk, n_chunks, H, T, CS, K: tl.constexpr, G_HEAD: tl.constexpr,
+                  A_ROW: tl.constexpr):  # fmt: skip
+    """q, a, b and g moved to chunk `chunk`'s first token (`_token_layout`, `_a_layout`), its
+    tokens, and the row strides of q and b, of a and of g."""
+    offset, valid, rs, g_offset, grs = _token_layout(chunk, n_chunks, H, T, CS, K, G_HEAD)
+    a_offset, ars = _a_layout(chunk, n_chunks, H, T, CS, offset, rs, A_ROW)
+    return q + offset, a + a_offset, b + offset, g + g_offset, valid, rs, ars, grs
+
+
+@triton.jit
 def _load_a(a, b, rows, ars, rs, cols, valid, mk, A_ROW: tl.constexpr):
     """a[rows, cols] as float32 [len(rows), len(cols)], zero past the chunk's tokens and K; with
     A_ROW formed on load as each row's strength times b's row (b offset as a's rows are): the
@@ -329,12 +339,9 @@ def _intra_fwd(
     each a quarter of the serial chain (chunk 64)."""
     chunk = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1)
-    offset, valid, rs, g_offset, grs = _token_layout(chunk, n_chunks, H, T, CS, K, G_HEAD)
-    a_offset, ars = _a_layout(chunk, n_chunks, H, T, CS, offset, rs, A_ROW)
-    q += offset
-    a += a_offset
-    b += offset
-    g += g_offset
+    q, a, b, g, valid, rs, ars, grs = _chunk_inputs(
+        q, a, b, g, chunk, n_chunks, H, T, CS, K, G_HEAD, A_ROW
+    )
     rows = i * BT
     lower += chunk * C * C + rows * C
     attend += chunk * C * C + rows * C
@@ -387,12 +394,9 @@ def _intra_bwd(
     chunk = tl.program_id(0).to(tl.int64)
     kb = tl.program_id(1)
     i = tl.program_id(2)
-    offset, valid, rs, g_offset, grs = _token_layout(chunk, n_chunks, H, T, CS, K, G_HEAD)
-    a_offset, ars = _a_layout(chunk, n_chunks, H, T, CS, offset, rs, A_ROW)
-    q += offset
-    a += a_offset
-    b += offset
-    g += g_offset
+    q, a, b, g, valid, rs, ars, grs = _chunk_inputs(
+        q, a, b, g, chunk, n_chunks, H, T, CS, K, G_HEAD, A_ROW
+    )
     d_lower += chunk * C * C
     d_attend += chunk * C * C
     rt = tl.arange(0, BT)
