@@ -12,6 +12,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from deltalab.ops.options import DEFAULT_OPTIONS, KernelOptions
 from deltalab.tables import format_table
@@ -330,3 +331,32 @@ def backward_fresh(out: torch.Tensor, d_out: torch.Tensor, leaves: Sequence[torc
     for leaf in leaves:
         leaf.grad = None
     out.backward(d_out)
+
+
+# Operators that only make views, read metadata or allocate (no kernel on a GPU).
+NOT_KERNELS = set(
+    "view _unsafe_view reshape _reshape_alias expand unsqueeze squeeze permute transpose t "
+    "select slice as_strided alias detach unflatten flatten split split_with_sizes unbind chunk "
+    "narrow lift_fresh empty empty_strided empty_like resolve_conj resolve_neg to result_type "
+    "promote_types resize_ is_same_size".split()
+)
+
+
+class OperatorCounter(TorchDispatchMode):
+    """The CPU stand-in for a GPU's kernel list: every ATen operator dispatched below autograd
+    (composites already split into their parts, as they launch on a GPU), `NOT_KERNELS` left
+    out, with its count and seconds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.totals: dict[str, list[float]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        if name not in NOT_KERNELS:
+            entry = self.totals.setdefault("aten::" + name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += 1e6 * (time.perf_counter() - start)
+        return out

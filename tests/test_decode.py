@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deltalab.benchmarking import OperatorCounter
 from deltalab.models import MIXER_KINDS, CausalLM, build_config
 from deltalab.models.static_decode import StaticDecoder, static_generate
 from deltalab.ops import delta_rule_step
@@ -176,3 +177,55 @@ def test_triton_step_on_cpu_is_refused_naming_the_backend(generator):
         delta_rule_step(*args, torch.zeros(1, 2, 8, 4), backend="triton")
     with pytest.raises(ValueError, match=r"backend must be one of"):
         delta_rule_step(*args, torch.zeros(1, 2, 8, 4), backend="chunk")
+
+
+def counted_step(model: CausalLM, generator) -> dict[str, list[float]]:
+    """The ATen operators one static decoding step dispatches (`OperatorCounter`), after a
+    prompt and two steps."""
+    with torch.no_grad():
+        out = model(token_ids(generator, 2, 7, model.config.vocab_size), use_cache=True)
+    decoder = StaticDecoder(model, out.past_key_values, 4, cuda_graph=False)
+    decoder.start(out.logits[:, -1])
+    decoder.step()
+    with OperatorCounter() as counter:
+        decoder.step()
+    return counter.totals
+
+
+# What a decoding step of one layer dispatches at most (CPU paths, `OperatorCounter`):
+# block norms, mixer and FFN. Before the step skipped its value checks: Transformer 63,
+# DeltaNet 69, GDN 74, KDA 76, GDN-2 79, Isotropic KDN 145, Diagonal KDN 144, exact KDN 101,
+# Muir 88, KDN-Muir 152.
+STEP_OPERATORS_PER_LAYER = {
+    "transformer": 63,
+    "deltanet": 66,
+    "gdn": 71,
+    "kda": 73,
+    "gdn2": 76,
+    "kdn_iso": 121,
+    "kdn_diag": 120,
+    "kdn_exact": 98,
+    "muir": 85,
+    "kdn_muir": 128,
+}
+
+
+@pytest.mark.parametrize("mixer", MIXER_KINDS)
+def test_a_decoding_step_dispatches_at_most_its_operator_count_per_layer(generator, mixer):
+    """The count of a two-layer model's step less a one-layer model's: one layer's operators,
+    the embedding, head and token choice cancelled."""
+    counts = [
+        sum(n for n, _ in counted_step(tiny_model(mixer, num_layers=layers), generator).values())
+        for layers in (1, 2)
+    ]
+    assert counts[1] - counts[0] <= STEP_OPERATORS_PER_LAYER[mixer]
+
+
+# Operators that read a value back to the host (`.item()`, `bool(t)`, `.tolist()`).
+HOST_READS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal"}
+
+
+@pytest.mark.parametrize("mixer", MIXER_KINDS)
+def test_a_decoding_step_reads_nothing_back_to_the_host(generator, mixer):
+    model = tiny_model(mixer, **(dict(attention_every=2) if mixer == "gdn" else {}))
+    assert not HOST_READS & set(counted_step(model, generator))

@@ -10,6 +10,7 @@ mixers, keys and values for attention), so a pure recurrent model decodes in con
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any, ClassVar
 
 import torch
@@ -30,6 +31,11 @@ from deltalab.ops.norms import layer_backend
 from deltalab.ops.swiglu import swiglu
 
 __all__ = ["Block", "CausalLM", "DeltaLabModel", "SwiGLU"]
+
+# `CausalLM.generate`'s static_decoding for the `_sample` it calls.
+_STATIC_DECODING: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "deltalab_static_decoding", default=None
+)
 
 
 class SwiGLU(nn.Module):
@@ -330,6 +336,57 @@ class CausalLM(DeltaLabPreTrainedModel, GenerationMixin):
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
+
+    def generate(self, *args: Any, static_decoding: bool | None = None, **kwargs: Any) -> Any:
+        """`GenerationMixin.generate`, with greedy and sampled decoding on the static-cache
+        decoder where it serves the call (`deltalab.models.graph_generate`: a CUDA graph
+        replayed per token on CUDA).
+
+        static_decoding: None (default) uses it on CUDA and runs transformers' loop elsewhere
+        and for what it cannot serve (one log line says why); True uses it on any device (an
+        eager step off CUDA) and raises ValueError where it cannot serve the call; False
+        always runs transformers' loop.
+        """
+        if static_decoding not in (None, True, False):
+            raise TypeError(f"static_decoding must be None or a bool, got {static_decoding!r}")
+        token = _STATIC_DECODING.set(static_decoding)
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            _STATIC_DECODING.reset(token)
+
+    def _sample(
+        self,
+        input_ids: torch.LongTensor,
+        logits_processor: Any,
+        stopping_criteria: Any,
+        generation_config: Any,
+        synced_gpus: bool = False,
+        streamer: Any = None,
+        **model_kwargs: Any,
+    ) -> Any:
+        """transformers' greedy and sampling loop, or the static decoder (`generate`)."""
+        from deltalab.models import graph_generate
+
+        choice = _STATIC_DECODING.get()
+        on_cuda = self.device.type == "cuda"
+        if choice is not False and (on_cuda or choice):
+            plan = graph_generate.static_plan(
+                logits_processor, stopping_criteria, generation_config, model_kwargs,
+                streamer, synced_gpus,
+            )  # fmt: skip
+            if not isinstance(plan, str):
+                return graph_generate.static_sample(
+                    self, input_ids, plan, stopping_criteria, generation_config, model_kwargs,
+                    cuda_graph=on_cuda,
+                )  # fmt: skip
+            if choice:
+                raise ValueError(f"static_decoding=True cannot serve this call: {plan}")
+            graph_generate.note_fallback(plan)
+        return super()._sample(
+            input_ids, logits_processor, stopping_criteria, generation_config,
+            synced_gpus=synced_gpus, streamer=streamer, **model_kwargs,
+        )  # fmt: skip
 
     def prepare_inputs_for_generation(
         self,

@@ -1,0 +1,138 @@
+"""`CausalLM.generate` on the static-cache decoder (`deltalab.models.graph_generate`): the same
+tokens as the token-by-token forward and as transformers' loop, what it serves and what it
+leaves to the loop, and the decoders it keeps. On CPU the decoder's step runs eagerly
+(`static_decoding=True`); tests/test_cuda.py replays it as a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from deltalab.models import MIXER_KINDS, CausalLM, build_config
+
+TINY = dict(hidden_size=32, num_layers=2, num_heads=2, head_dim=16, vocab_size=67, chunk_size=16)
+
+
+def tiny_model(mixer: str, dtype: torch.dtype = torch.float32) -> CausalLM:
+    torch.manual_seed(0)
+    return CausalLM(build_config("tiny", mixer=mixer, **TINY)).to(dtype).eval()
+
+
+def left_padded(generator, lengths: list[int], pad: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of `lengths` tokens, left-padded to the longest: (ids, attention mask)."""
+    longest = max(lengths)
+    ids = torch.full((len(lengths), longest), pad)
+    mask = torch.zeros(len(lengths), longest, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, longest - n :] = torch.randint(0, 67, (n,), generator=generator)
+        mask[i, longest - n :] = 1
+    return ids, mask
+
+
+def forward_greedy(model, ids, mask, new_tokens):
+    """Greedy decoding by the full forward over the whole sequence at every token (no cache)."""
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits = model(ids, attention_mask=mask).logits[:, -1]
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    return ids
+
+
+def generate(model, ids, mask, **settings):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, **settings)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
+@pytest.mark.parametrize("mixer", MIXER_KINDS)
+def test_greedy_generate_gives_the_tokens_of_the_token_by_token_forward(generator, mixer, padded):
+    model = tiny_model(mixer, torch.float64)
+    ids, mask = left_padded(generator, [6, 9, 4] if padded else [9, 9])
+    expected = forward_greedy(model, ids, mask, 12)
+    settings = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert torch.equal(generate(model, ids, mask, static_decoding=False, **settings), expected)
+    assert torch.equal(generate(model, ids, mask, static_decoding=True, **settings), expected)
+
+
+class SumStop(StoppingCriteria):
+    """Finishes a row whose last two tokens sum to `total`: a criterion on the ids alone, as
+    stop strings and lm-eval's are."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -2:].sum(-1) == self.total
+
+
+@pytest.mark.parametrize("mixer", ["gdn2", "transformer"])
+def test_end_tokens_and_stopping_criteria_stop_rows_as_the_loop_does(generator, mixer):
+    model = tiny_model(mixer)
+    ids, mask = left_padded(generator, [5, 8, 7])
+    free = generate(model, ids, mask, max_new_tokens=40, do_sample=False, eos_token_id=None)
+    # An end token row 0 produces early, and a stop on row 1's third and fourth new tokens.
+    eos = int(free[0, 8 + 2])
+    stop = SumStop(int(free[1, 8 + 2 : 8 + 4].sum()))
+    settings = dict(
+        max_new_tokens=40, do_sample=False, eos_token_id=[eos, 66], pad_token_id=1,
+        stopping_criteria=StoppingCriteriaList([stop]),
+    )  # fmt: skip
+    expected = generate(model, ids, mask, static_decoding=False, **settings)
+    got = generate(model, ids, mask, static_decoding=True, **settings)
+    assert (expected[:, 8:] == 1).any(), "a row should finish early"
+    assert torch.equal(got, expected)
+
+
+def test_sampled_generate_is_reproducible_with_a_seed_and_stays_within_top_k(generator):
+    model = tiny_model("kdn_diag")
+    ids, mask = left_padded(generator, [6, 6])
+    settings = dict(
+        max_new_tokens=15, do_sample=True, temperature=1.5, top_k=3, static_decoding=True
+    )
+    torch.manual_seed(7)
+    first = generate(model, ids, mask, **settings)
+    torch.manual_seed(7)
+    again = generate(model, ids, mask, **settings)
+    with torch.no_grad():
+        logits = model(first[:, :-1]).logits[:, 5:]
+    assert torch.equal(first, again)
+    assert (logits.topk(3, dim=-1).indices == first[:, 6:, None]).any(-1).all()
+
+
+def test_a_decoder_is_built_once_per_batch_and_dtype_and_reused(generator):
+    model = tiny_model("transformer")
+    settings = dict(do_sample=False, static_decoding=True)
+    ids, mask = left_padded(generator, [5, 7])
+    generate(model, ids, mask, max_new_tokens=6, **settings)
+    (first,) = [entry[2] for entry in model._static_decoders.decoders.values()]
+    longer, longer_mask = left_padded(generator, [9, 4])
+    generate(model, longer, longer_mask, max_new_tokens=3, **settings)
+    three, three_mask = left_padded(generator, [5, 6, 7])
+    generate(model, three, three_mask, max_new_tokens=6, **settings)
+    model.double()
+    generate(model, ids, mask, max_new_tokens=6, **settings)
+    decoders = {key[:2]: entry[2] for key, entry in model._static_decoders.decoders.items()}
+    assert decoders[(2, torch.float32)] is first
+    assert set(decoders) == {(2, torch.float32), (3, torch.float32), (2, torch.float64)}
+
+
+@pytest.mark.parametrize(
+    ("settings", "reason"),
+    [
+        (dict(do_sample=True, top_p=0.9), "TopPLogitsWarper"),
+        (dict(do_sample=False, repetition_penalty=1.2), "RepetitionPenaltyLogitsProcessor"),
+        (dict(do_sample=False, return_dict_in_generate=True), "return_dict_in_generate"),
+    ],
+    ids=["top_p", "repetition_penalty", "per_step_outputs"],
+)
+def test_what_the_decoder_cannot_serve_is_named_or_left_to_the_loop(generator, settings, reason):
+    model = tiny_model("gdn2")
+    ids, mask = left_padded(generator, [5, 5])
+    with pytest.raises(
+        ValueError, match=rf"static_decoding=True cannot serve this call: .*{reason}"
+    ):
+        generate(model, ids, mask, max_new_tokens=4, static_decoding=True, **settings)
+    generate(model, ids, mask, max_new_tokens=4, **settings)  # the loop, off CUDA by default
+    assert not hasattr(model, "_static_decoders")
