@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from deltalab.benchmarking import OperatorCounter
+from deltalab.layers.projections import concatenated_weights
 from deltalab.models import MIXER_KINDS, CausalLM, build_config
 from deltalab.models.static_decode import StaticDecoder, static_generate
 from deltalab.ops import delta_rule_step
@@ -193,20 +194,20 @@ def counted_step(model: CausalLM, generator) -> dict[str, list[float]]:
 
 
 # What a decoding step of one layer dispatches at most (CPU paths, `OperatorCounter`):
-# block norms, mixer and FFN. Before the step skipped its value checks: Transformer 63,
-# DeltaNet 69, GDN 74, KDA 76, GDN-2 79, Isotropic KDN 145, Diagonal KDN 144, exact KDN 101,
-# Muir 88, KDN-Muir 152.
+# block norms, mixer and FFN. Before the step skipped its value checks, made one product of its
+# projections and one RoPE of its queries and keys: Transformer 63, DeltaNet 69, GDN 74,
+# KDA 76, GDN-2 79, Isotropic KDN 145, Diagonal KDN 144, exact KDN 101, Muir 88, KDN-Muir 152.
 STEP_OPERATORS_PER_LAYER = {
-    "transformer": 63,
-    "deltanet": 66,
-    "gdn": 71,
-    "kda": 73,
-    "gdn2": 76,
-    "kdn_iso": 121,
-    "kdn_diag": 120,
-    "kdn_exact": 98,
-    "muir": 85,
-    "kdn_muir": 128,
+    "transformer": 47,
+    "deltanet": 62,
+    "gdn": 66,
+    "kda": 69,
+    "gdn2": 71,
+    "kdn_iso": 116,
+    "kdn_diag": 116,
+    "kdn_exact": 94,
+    "muir": 82,
+    "kdn_muir": 125,
 }
 
 
@@ -229,3 +230,30 @@ HOST_READS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "at
 def test_a_decoding_step_reads_nothing_back_to_the_host(generator, mixer):
     model = tiny_model(mixer, **(dict(attention_every=2) if mixer == "gdn" else {}))
     assert not HOST_READS & set(counted_step(model, generator))
+
+
+@pytest.mark.parametrize("mixer", MIXER_KINDS)
+def test_a_step_on_concatenated_projection_weights_equals_the_step_on_each(generator, mixer):
+    """One product over a layer's projection weights concatenated (`concatenated_weights`, as
+    the static decoder's step runs) gives the outputs and state of the maps one by one, to
+    rounding; a weight changed in place is concatenated again."""
+    model = tiny_model(mixer)
+    mixer_layer = model.model.blocks[0].mixer
+    with torch.no_grad():
+        prompt = model.model.embed(token_ids(generator, 2, 5))
+        _, state = mixer_layer(prompt)
+        x = torch.randn(2, 1, 32, generator=generator)
+        store: dict = {}
+        for _ in range(2):
+            expected = mixer_layer(x, state)
+            with concatenated_weights(store):
+                got = mixer_layer(x, state)
+            assert store, "the step should have concatenated its projections"
+            for a, b in zip(_tensors(got), _tensors(expected), strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            next(mixer_layer.parameters()).mul_(1.5)  # the second round: changed weights
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    y, state = output
+    return [y, *(getattr(state, f) for f in ("memory", "key", "value") if hasattr(state, f))]

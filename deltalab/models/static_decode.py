@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from deltalab.layers.attention import Attention, sliding_window_mask
 from deltalab.layers.common import AttentionState, RecurrentState, compute_dtype
+from deltalab.layers.projections import concatenated_weights, project_together
 from deltalab.models.cache import RecurrentCache
 from deltalab.models.lm import Block, CausalLM
 from deltalab.ops._checks import unchecked_values
@@ -86,10 +87,13 @@ def attention_step(
 ) -> torch.Tensor:
     """`Attention.forward` for one token `x [B, 1, D]` at `position [1]` (a device tensor), its
     key and value written into `kv`; attends over every slot, the unfilled ones masked."""
-    key_shape = (layer.num_heads, layer.head_dim)
-    q = layer.rotate(layer.q_proj(x).unflatten(-1, key_shape), position)
-    k = layer.rotate(layer.k_proj(x).unflatten(-1, key_shape), position)
-    v = layer.v_proj(x).unflatten(-1, (layer.num_heads, layer.value_dim))
+    projected = project_together(x, [layer.q_proj, layer.k_proj, layer.v_proj])
+    # Queries and keys rotated together, as heads of one tensor: one RoPE instead of two.
+    qk = torch.cat([projected[layer.q_proj], projected[layer.k_proj]], dim=-1)
+    q, k = layer.rotate(qk.unflatten(-1, (2 * layer.num_heads, layer.head_dim)), position).split(
+        layer.num_heads, dim=2
+    )
+    v = projected[layer.v_proj].unflatten(-1, (layer.num_heads, layer.value_dim))
     kv.key.index_copy_(1, position, k.to(kv.key.dtype))
     kv.value.index_copy_(1, position, v.to(kv.value.dtype))
     kv.filled.index_fill_(1, position, True)
@@ -189,6 +193,9 @@ class StaticDecoder:
         self.done = torch.zeros(self.room, dtype=torch.bool, device=device)
         self.produced = 0
         self.graph: torch.cuda.CUDAGraph | None = None
+        # Each layer's projections of x concatenated (`concatenated_weights`): one product a
+        # layer, for a copy of those weights held by this decoder.
+        self.weights: dict = {}
         self.load(cache)
         if cuda_graph:
             self._capture()
@@ -286,7 +293,7 @@ class StaticDecoder:
 
     def _step(self) -> None:
         """The captured step: `token` in, the next `token` out, the buffers advanced."""
-        with unchecked_values():
+        with unchecked_values(), concatenated_weights(self.weights):
             self._advance()
 
     def _advance(self) -> None:
