@@ -136,3 +136,19 @@ def test_what_the_decoder_cannot_serve_is_named_or_left_to_the_loop(generator, s
         generate(model, ids, mask, max_new_tokens=4, static_decoding=True, **settings)
     generate(model, ids, mask, max_new_tokens=4, **settings)  # the loop, off CUDA by default
     assert not hasattr(model, "_static_decoders")
+
+
+def test_a_model_whose_weights_changed_gets_a_new_decoder(generator):
+    """The decoder holds copies of the projection weights: a weight updated in place (a
+    training step between two calls) must not be decoded with the old copy."""
+    model = tiny_model("gdn2")
+    ids, mask = left_padded(generator, [6, 6])
+    settings = dict(max_new_tokens=8, do_sample=False, eos_token_id=None)
+    generate(model, ids, mask, static_decoding=True, **settings)
+    (before,) = [entry[2] for entry in model._static_decoders.decoders.values()]
+    with torch.no_grad():
+        model.model.blocks[0].mixer.q_proj.weight.mul_(-3.0)
+    expected = generate(model, ids, mask, static_decoding=False, **settings)
+    assert torch.equal(generate(model, ids, mask, static_decoding=True, **settings), expected)
+    (after,) = [entry[2] for entry in model._static_decoders.decoders.values()]
+    assert after is not before

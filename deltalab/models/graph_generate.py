@@ -109,7 +109,7 @@ def static_plan(
 class DecoderCache:
     """`StaticDecoder`s by (batch, dtype, device), one each: the newest built. One is reused
     when the plan is the same, its room and max_length fit, and the model's parameters are the
-    tensors it captured (a model moved or cast since holds new ones)."""
+    tensors it was built on, unchanged since."""
 
     def __init__(self) -> None:
         self.decoders: dict[tuple, tuple[StaticPlan, tuple[int, ...], StaticDecoder]] = {}
@@ -119,7 +119,10 @@ class DecoderCache:
     ) -> StaticDecoder:
         batch = cache.tensors()[0].shape[0]
         key = (batch, model.dtype, model.device)
-        weights = tuple(p.data_ptr() for p in model.parameters())
+        # The parameters' addresses and versions: the captured step reads them where they were
+        # and holds copies of the projection weights (`concatenated_weights`), so a model moved,
+        # cast or trained since needs a new decoder.
+        weights = tuple((p.data_ptr(), p._version) for p in model.parameters())
         kept = self.decoders.get(key)
         if kept is not None:
             kept_plan, kept_weights, decoder = kept

@@ -129,7 +129,9 @@ class StaticDecoder:
     each `step()` one more; `generated()` returns them `[B, n]`; `load(cache)` restarts from
     another prefilled cache of the same batch, whose prompt and `max_new_tokens` fit in
     `max_length`. The step runs without value checks (`unchecked_values`): nothing in it reads
-    back to the host.
+    back to the host. It multiplies each layer's projections by a copy of their weights
+    concatenated (`concatenated_weights`), made at the first step: weights changed after it
+    need a new decoder.
     """
 
     def __init__(
