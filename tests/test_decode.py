@@ -194,20 +194,21 @@ def counted_step(model: CausalLM, generator) -> dict[str, list[float]]:
 
 
 # What a decoding step of one layer dispatches at most (CPU paths, `OperatorCounter`):
-# block norms, mixer and FFN. Before the step skipped its value checks, made one product of its
-# projections and one RoPE of its queries and keys: Transformer 63, DeltaNet 69, GDN 74,
-# KDA 76, GDN-2 79, Isotropic KDN 145, Diagonal KDN 144, exact KDN 101, Muir 88, KDN-Muir 152.
+# block norms, mixer and FFN. Before the step skipped its value checks and made one product of
+# its projections, one short convolution of q, k and v, one norm of q and k, one RoPE of
+# attention's q and k: Transformer 63, DeltaNet 69, GDN 74, KDA 76, GDN-2 79, Isotropic KDN
+# 145, Diagonal KDN 144, exact KDN 101, Muir 88, KDN-Muir 152.
 STEP_OPERATORS_PER_LAYER = {
     "transformer": 47,
-    "deltanet": 62,
-    "gdn": 66,
-    "kda": 69,
-    "gdn2": 71,
-    "kdn_iso": 116,
-    "kdn_diag": 116,
-    "kdn_exact": 94,
-    "muir": 82,
-    "kdn_muir": 125,
+    "deltanet": 54,
+    "gdn": 58,
+    "kda": 61,
+    "gdn2": 63,
+    "kdn_iso": 108,
+    "kdn_diag": 108,
+    "kdn_exact": 87,
+    "muir": 74,
+    "kdn_muir": 117,
 }
 
 

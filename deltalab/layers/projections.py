@@ -38,13 +38,21 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["concatenated_weights", "fusable", "input_linears", "project_together"]
+__all__ = [
+    "concatenated_parameters",
+    "concatenated_weights",
+    "concatenation_store",
+    "fusable",
+    "input_linears",
+    "project_together",
+]
 
 # The store of `concatenated_weights`; None outside it.
 _CONCATENATED: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
@@ -63,6 +71,31 @@ def concatenated_weights(store: dict) -> Iterator[None]:
         yield
     finally:
         _CONCATENATED.reset(token)
+
+
+def concatenation_store() -> dict | None:
+    """The store of the open `concatenated_weights` block, None outside one."""
+    return _CONCATENATED.get()
+
+
+def concatenated_parameters(
+    store: dict, params: Sequence[torch.Tensor], dtype: torch.dtype
+) -> torch.Tensor:
+    """`params` (each `[n_i, ...]`, equal trailing shapes) concatenated along dim 0 in `dtype`,
+    kept in `store` and made again when one of them changed (address, version) or the dtype
+    did."""
+    return _kept(store, params, dtype, lambda: torch.cat([p.detach().to(dtype) for p in params]))
+
+
+def _kept(store: dict, params: Sequence[torch.Tensor], dtype: torch.dtype, make: Callable) -> Any:
+    """`make()`, kept in `store` by the identities of `params` and remade when one of them
+    changed (address, version) or `dtype` did."""
+    key = tuple(id(p) for p in params)
+    version = (dtype, *((p.data_ptr(), p._version) for p in params))
+    kept = store.get(key)
+    if kept is None or kept[0] != version:
+        kept = store[key] = (version, make())
+    return kept[1]
 
 
 def _concatenated(
@@ -88,15 +121,10 @@ def _project_concatenated(
     dtype = x.dtype
     if torch.is_autocast_enabled(device) and x.is_floating_point() and x.dtype != torch.float64:
         dtype = torch.get_autocast_dtype(device)
-    weights = [lin.weight for lin in linears]
     params = [p for lin in linears for p in (lin.weight, lin.bias) if p is not None]
-    version = (dtype, *((p.data_ptr(), p._version) for p in params))
-    key = tuple(id(lin) for lin in linears)
-    kept = store.get(key)
-    if kept is None or kept[0] != version:
-        kept = store[key] = (version, *_concatenated(linears, dtype))
-    y = F.linear(x.to(dtype), kept[1], kept[2])
-    parts = y.split([w.shape[0] for w in weights], dim=-1)
+    weight, bias = _kept(store, params, dtype, lambda: _concatenated(linears, dtype))
+    y = F.linear(x.to(dtype), weight, bias)
+    parts = y.split([lin.out_features for lin in linears], dim=-1)
     return dict(zip(linears, parts, strict=True))
 
 
