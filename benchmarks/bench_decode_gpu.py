@@ -16,7 +16,6 @@ static path runs eagerly (no CUDA graphs there) and is reported as "static_eager
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import platform
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from deltalab.benchmarking import format_table, median_seconds
+from deltalab.benchmarking import format_table, median_seconds, model_parser
 from deltalab.models import CausalLM, RecurrentCache, build_config
 from deltalab.models.static_decode import WARMUP_STEPS, StaticDecoder
 from deltalab.ops import delta_rule_step
@@ -172,13 +171,7 @@ def memory_budget(device: torch.device, fraction: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", required=True, help="JSON file to write")
-    parser.add_argument("--tiny", action="store_true", help="tiny preset, small contexts (CPU)")
-    parser.add_argument("--preset", default="340M")
-    parser.add_argument("--mixers", nargs="+", default=["gdn2", "muir", "kdn_diag", "transformer"])
+    parser = model_parser(__doc__, ["gdn2", "muir", "kdn_diag", "transformer"])
     parser.add_argument("--contexts", type=int, nargs="+", default=None, help="default 4096 32768")
     parser.add_argument("--batches", type=int, nargs="+", default=None, help="default 1 64 256")
     parser.add_argument("--steps", type=int, default=None, help="tokens per round (default 16)")

@@ -18,14 +18,13 @@ CPU's paths). Random weights, bf16 on CUDA.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
 
 import torch
 
-from deltalab.benchmarking import OperatorCounter, format_table
+from deltalab.benchmarking import OperatorCounter, format_table, model_parser
 from deltalab.models import CausalLM, build_config
 from deltalab.models.static_decode import StaticDecoder
 
@@ -96,13 +95,7 @@ def profile_mixer(mixer: str, args, device: torch.device, dtype: torch.dtype) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", required=True, help="JSON file to write")
-    parser.add_argument("--tiny", action="store_true", help="tiny preset on CPU (smoke run)")
-    parser.add_argument("--preset", default="340M")
-    parser.add_argument("--mixers", nargs="+", default=["gdn2", "muir", "kdn_diag", "transformer"])
+    parser = model_parser(__doc__, ["gdn2", "muir", "kdn_diag", "transformer"])
     parser.add_argument("--context", type=int, default=None, help="prompt tokens (default 4096)")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     parser.add_argument("--steps", type=int, default=None, help="tokens profiled (default 16)")

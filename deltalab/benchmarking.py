@@ -243,6 +243,19 @@ def case_parser(description: str, option: str, cases: Sequence[str]) -> argparse
     return parser
 
 
+def model_parser(description: str, mixers: Sequence[str]) -> argparse.ArgumentParser:
+    """The command line of a whole-model script: --out (JSON), --tiny (the tiny preset on CPU:
+    a smoke run), --preset (default 340M) and --mixers (default `mixers`)."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--tiny", action="store_true", help="tiny preset on CPU (smoke run)")
+    parser.add_argument("--preset", default="340M")
+    parser.add_argument("--mixers", nargs="+", default=list(mixers))
+    return parser
+
+
 def run_cases(
     args: argparse.Namespace,
     names: Sequence[str],

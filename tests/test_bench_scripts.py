@@ -71,3 +71,13 @@ def test_decode_profile_tiny_run_reports_every_mixer_by_operator(tmp_path):
         assert result["kernels_per_token"] >= result["layers"], result["mixer"]
         assert not {"aten::view", "aten::as_strided", "aten::empty_strided"} & set(names)
         assert {"aten::mm", "aten::addmm"} & set(names), result["mixer"]
+
+
+def test_generate_bench_tiny_run_times_every_mixer_on_the_three_paths(tmp_path):
+    """benchmarks/bench_generate.py (model.generate against the loop and the step) runs its CPU
+    smoke run: a finite time per token for every path, mixer and batch."""
+    report = run_tiny("bench_generate.py", tmp_path / "out.json")
+    cases = [(r["mixer"], r["batch"]) for r in report["results"]]
+    assert cases == [(m, b) for m in ("gdn2", "kdn_diag", "kda", "transformer") for b in (1, 2)]
+    for result in report["results"]:
+        assert all(math.isfinite(result[k]) for k in ("generate_ms", "loop_ms", "step_ms"))
