@@ -355,6 +355,11 @@ NOT_KERNELS = set(
 )
 
 
+# Operators that read a value back to the host (`.item()`, `bool(t)`, `.tolist()`): on a GPU
+# each waits for the device.
+HOST_READS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal"}
+
+
 class OperatorCounter(TorchDispatchMode):
     """The CPU stand-in for a GPU's kernel list: every ATen operator dispatched below autograd
     (composites already split into their parts, as they launch on a GPU), `NOT_KERNELS` left

@@ -9,14 +9,15 @@ import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from deltalab.benchmarking import HOST_READS, OperatorCounter
 from deltalab.models import MIXER_KINDS, CausalLM, build_config
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, head_dim=16, vocab_size=67, chunk_size=16)
 
 
-def tiny_model(mixer: str, dtype: torch.dtype = torch.float32) -> CausalLM:
+def tiny_model(mixer: str, dtype: torch.dtype = torch.float32, **overrides) -> CausalLM:
     torch.manual_seed(0)
-    return CausalLM(build_config("tiny", mixer=mixer, **TINY)).to(dtype).eval()
+    return CausalLM(build_config("tiny", mixer=mixer, **{**TINY, **overrides})).to(dtype).eval()
 
 
 def left_padded(generator, lengths: list[int], pad: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,3 +153,21 @@ def test_a_model_whose_weights_changed_gets_a_new_decoder(generator):
     assert torch.equal(generate(model, ids, mask, static_decoding=True, **settings), expected)
     (after,) = [entry[2] for entry in model._static_decoders.decoders.values()]
     assert after is not before
+
+
+def host_reads_of_a_token(model: CausalLM, generator) -> int:
+    """Values read back to the host while transformers' loop feeds one token to the model."""
+    ids = torch.randint(0, 67, (2, 6), generator=generator)
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        with OperatorCounter() as counter:
+            model(ids[:, :1], past_key_values=cache, use_cache=True)
+    return sum(counter.totals.get(name, [0])[0] for name in HOST_READS)
+
+
+@pytest.mark.parametrize("mixer", ["gdn2", "kdn_diag"])
+def test_the_loops_token_forward_reads_back_once_whatever_the_depth(generator, mixer):
+    """The layers' value checks are read back together after the last block (`one_host_read`),
+    not once a layer: one read for them, one for the token ids' check."""
+    reads = [host_reads_of_a_token(tiny_model(mixer, num_layers=n), generator) for n in (1, 4)]
+    assert reads == [2, 2]

@@ -10,6 +10,7 @@ mixers, keys and values for attention), so a pure recurrent model decodes in con
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from typing import Any, ClassVar
 
@@ -24,7 +25,7 @@ from deltalab.layers.common import RMSNorm, compute_dtype
 from deltalab.models.cache import RecurrentCache
 from deltalab.models.config import DeltaLabConfig
 from deltalab.models.mixers import build_mixer
-from deltalab.ops._checks import values_checkable
+from deltalab.ops._checks import one_host_read, values_checkable
 from deltalab.ops._recompute import recomputed, without_rebuild
 from deltalab.ops.lm_loss import linear_cross_entropy
 from deltalab.ops.norms import layer_backend
@@ -187,6 +188,22 @@ class DeltaLabModel(DeltaLabPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = RecurrentCache(len(self.blocks))
         x = inputs_embeds
+        # Without gradients (evaluation, transformers' decoding loop) the layers' value checks
+        # read back to the host once, after the last block, not once or twice a layer: on a GPU
+        # each read waits for the device (`one_host_read`). A failing check raises there, with
+        # the cache's states already replaced. Training keeps the trainer's own block.
+        with contextlib.nullcontext() if torch.is_grad_enabled() else one_host_read():
+            x = self._blocks(x, mask, past_key_values)
+        if past_key_values is not None:
+            past_key_values.seen_tokens += length
+        return BaseModelOutputWithPast(
+            last_hidden_state=self.norm(x), past_key_values=past_key_values
+        )
+
+    def _blocks(
+        self, x: torch.Tensor, mask: torch.Tensor | None, past_key_values: RecurrentCache | None
+    ) -> torch.Tensor:
+        """x through every block, each continuing (and leaving) its state in the cache."""
         for i, block in enumerate(self.blocks):
             state = None if past_key_values is None else past_key_values.states[i]
             if self.checkpoint_blocks and self.training and torch.is_grad_enabled():
@@ -202,11 +219,7 @@ class DeltaLabModel(DeltaLabPreTrainedModel):
                 x, state = block(x, state, mask, self.recompute_ffn and self.training)
             if past_key_values is not None:
                 past_key_values.states[i] = state
-        if past_key_values is not None:
-            past_key_values.seen_tokens += length
-        return BaseModelOutputWithPast(
-            last_hidden_state=self.norm(x), past_key_values=past_key_values
-        )
+        return x
 
 
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
