@@ -171,3 +171,44 @@ def test_the_loops_token_forward_reads_back_once_whatever_the_depth(generator, m
     not once a layer: one read for them, one for the token ids' check."""
     reads = [host_reads_of_a_token(tiny_model(mixer, num_layers=n), generator) for n in (1, 4)]
     assert reads == [2, 2]
+
+
+def byte_level_tokenizer():
+    """A small byte-level BPE tokenizer (the kind stop strings are matched through)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    raw = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<unk>", "</s>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    raw.train_from_iterator(["def add(a, b):", "return a + b", "class Node: pass"] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", eos_token="</s>")
+
+
+def test_stop_strings_stop_generation_as_the_loop_does(generator):
+    tokenizer = byte_level_tokenizer()
+    torch.manual_seed(0)
+    config = build_config("tiny", mixer="gdn2", **{**TINY, "vocab_size": len(tokenizer)})
+    model = CausalLM(config).eval()
+    ids = torch.randint(2, len(tokenizer), (2, 6), generator=generator)
+    mask = torch.ones_like(ids)
+    free = generate(model, ids, mask, max_new_tokens=30, do_sample=False, eos_token_id=None)
+
+    def printable_token(row: int, start: int) -> str:
+        texts = (tokenizer.decode([t]) for t in free[row, 6 + start :].tolist())
+        return next(t for t in texts if t.strip() and t.isascii() and t.isprintable())
+
+    stops = [printable_token(0, 3), printable_token(1, 5)]
+    settings = dict(
+        max_new_tokens=30, do_sample=False, stop_strings=stops, tokenizer=tokenizer,
+        pad_token_id=0,
+    )  # fmt: skip
+    expected = generate(model, ids, mask, static_decoding=False, **settings)
+    got = generate(model, ids, mask, static_decoding=True, **settings)
+    assert expected.shape[1] < 6 + 30, "the stop strings should end generation early"
+    assert torch.equal(got, expected)
