@@ -11,6 +11,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from deltalab.benchmarking import HOST_READS, OperatorCounter
 from deltalab.models import MIXER_KINDS, CausalLM, build_config
+from deltalab.models.graph_generate import KEPT_DECODERS
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, head_dim=16, vocab_size=67, chunk_size=16)
 
@@ -212,3 +213,12 @@ def test_stop_strings_stop_generation_as_the_loop_does(generator):
     got = generate(model, ids, mask, static_decoding=True, **settings)
     assert expected.shape[1] < 6 + 30, "the stop strings should end generation early"
     assert torch.equal(got, expected)
+
+
+def test_a_model_keeps_at_most_its_few_latest_decoders(generator):
+    model = tiny_model("gdn2")
+    for batch in range(1, 7):
+        ids, mask = left_padded(generator, [4] * batch)
+        generate(model, ids, mask, max_new_tokens=3, do_sample=False, static_decoding=True)
+    kept = [key[0] for key in model._static_decoders.decoders]
+    assert kept == list(range(7 - KEPT_DECODERS, 7))

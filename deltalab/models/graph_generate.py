@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 CHECK_EVERY = 16
 # The attention buffers' length is a multiple of this (`DecoderCache`).
 LENGTH_STEP = 256
+# Decoders a model keeps (each holds its buffers, graph and weight copies on the device).
+KEPT_DECODERS = 4
 
 
 # The fallback reasons logged so far: each is logged once per process.
@@ -107,7 +109,8 @@ def static_plan(
 
 
 class DecoderCache:
-    """`StaticDecoder`s by (batch, dtype, device), one each: the newest built. One is reused
+    """`StaticDecoder`s by (batch, dtype, device), one each (the newest built), at most
+    `KEPT_DECODERS` of them (the least recently built is dropped first). One is reused
     when the plan is the same, its room and max_length fit, and the model's parameters are the
     tensors it was built on, unchanged since."""
 
@@ -137,6 +140,9 @@ class DecoderCache:
         # attention step reads at most that many unused slots.
         room = max(new_tokens, kept[2].room if kept else 0)
         needed = cache.seen_tokens + room
+        # The old decoder's buffers are let go before the new ones are allocated.
+        kept = decoder = None
+        self.decoders.pop(key, None)
         decoder = StaticDecoder(
             model,
             cache,
@@ -147,6 +153,8 @@ class DecoderCache:
             max_length=-(-needed // LENGTH_STEP) * LENGTH_STEP,
         )
         self.decoders[key] = (plan, weights, decoder)
+        while len(self.decoders) > KEPT_DECODERS:  # the least recently built goes
+            del self.decoders[next(iter(self.decoders))]
         return decoder
 
 
