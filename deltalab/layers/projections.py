@@ -74,8 +74,9 @@ def concatenated_weights(store: dict) -> Iterator[None]:
 
 
 def concatenation_store() -> dict | None:
-    """The store of the open `concatenated_weights` block, None outside one."""
-    return _CONCATENATED.get()
+    """The store of the open `concatenated_weights` block, None outside one (and while
+    torch.compile traces: Dynamo breaks its graph at a ContextVar read)."""
+    return None if torch.compiler.is_compiling() else _CONCATENATED.get()
 
 
 def concatenated_parameters(
@@ -256,7 +257,7 @@ def project_together(
     biases = [lin.bias for lin in linears]
     wanted = x.requires_grad or any(p.requires_grad for p in (*weights, *biases) if p is not None)
     if not (torch.is_grad_enabled() and wanted):
-        store = _CONCATENATED.get()
+        store = concatenation_store()
         if store is not None and len(linears) > 1:
             return _project_concatenated(x, linears, store)
         return {lin: lin(x) for lin in linears}
