@@ -12,6 +12,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from deltalab.benchmarking import HOST_READS, OperatorCounter
 from deltalab.models import MIXER_KINDS, CausalLM, build_config
 from deltalab.models.graph_generate import KEPT_DECODERS
+from deltalab.ops._triton import INTERPRET
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, head_dim=16, vocab_size=67, chunk_size=16)
 
@@ -222,3 +223,17 @@ def test_a_model_keeps_at_most_its_few_latest_decoders(generator):
         generate(model, ids, mask, max_new_tokens=3, do_sample=False, static_decoding=True)
     kept = [key[0] for key in model._static_decoders.decoders]
     assert kept == list(range(7 - KEPT_DECODERS, 7))
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1 set before import")
+@pytest.mark.parametrize("mixer", ["gdn2", "kdn_diag", "transformer"])
+def test_the_static_step_on_triton_kernels_gives_the_tokens_of_the_loop(generator, mixer):
+    """The step's joint kernels (one short convolution over q, k and v, one norm over q's and
+    k's heads, one RoPE of attention's q and k) on the Triton path, under the interpreter."""
+    torch.manual_seed(0)
+    model = CausalLM(build_config("tiny", mixer=mixer, backend="triton", **TINY)).eval()
+    ids, mask = left_padded(generator, [5, 7])
+    settings = dict(max_new_tokens=8, do_sample=False, eos_token_id=None)
+    expected = generate(model, ids, mask, static_decoding=False, **settings)
+    assert torch.equal(generate(model, ids, mask, static_decoding=True, **settings), expected)
