@@ -1,7 +1,9 @@
 """Decoding with a static cache, one token per CUDA-graph replay.
 
-`model.generate` runs every layer's Python code for every token; at the batch sizes of
-interactive decoding that Python time, not the GPU, sets the cost of a token. Here:
+transformers' decoding loop runs every layer's Python code for every token; at the batch sizes
+of interactive decoding that Python time, not the GPU, sets the cost of a token (`CausalLM.generate`
+hands its greedy and sampled calls to this decoder on CUDA: `deltalab.models.graph_generate`).
+Here:
 
 - the prompt is prefilled by the model's own (chunked) forward;
 - its cache is copied into buffers that never move: recurrent states as they are (their size is
