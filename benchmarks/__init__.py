@@ -18,8 +18,9 @@ SUITES: dict[str, tuple[str | dict[str, str], str]] = {
     "kdn": ("bench_kdn_triton", "KDN's Triton gains and the Mobius scan against PyTorch (GPU)"),
     "train": ("bench_train", "training throughput and peak memory of each mixer"),
     "decode": (
-        {"latency": "bench_decode_gpu", "context": "bench_decode"},
-        "decoding: per-token latency eager and CUDA-graphed, tokens/s against context length",
+        {"latency": "bench_decode_gpu", "context": "bench_decode", "generate": "bench_generate"},
+        "decoding: per-token latency eager and CUDA-graphed, tokens/s against context length, "
+        "model.generate per token against transformers' loop and the static step",
     ),
     "tune": ("tune_triton", "launch settings of each Triton stage of the delta rule (GPU)"),
     "profile": (

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from benchmarks.common import add_model_arguments
 from deltalab.benchmarking import format_table, median_seconds
 from deltalab.models import CausalLM, RecurrentCache, build_config
 from deltalab.models.static_decode import WARMUP_STEPS, StaticDecoder
@@ -170,9 +171,7 @@ def memory_budget(device: torch.device, fraction: float) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tiny", action="store_true", help="tiny preset, small contexts (CPU)")
-    parser.add_argument("--preset", default="340M")
-    parser.add_argument("--mixers", nargs="+", default=["gdn2", "muir", "kdn_diag", "transformer"])
+    add_model_arguments(parser, ["gdn2", "muir", "kdn_diag", "transformer"])
     parser.add_argument("--contexts", type=int, nargs="+", default=None, help="default 4096 32768")
     parser.add_argument("--batches", type=int, nargs="+", default=None, help="default 1 64 256")
     parser.add_argument("--steps", type=int, default=None, help="tokens per round (default 16)")

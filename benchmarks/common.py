@@ -79,6 +79,14 @@ def add_case_arguments(parser: argparse.ArgumentParser, option: str, cases: Sequ
     parser.add_argument(option, nargs="+", default=list(cases), choices=list(cases))
 
 
+def add_model_arguments(parser: argparse.ArgumentParser, mixers: Sequence[str]) -> None:
+    """The options of a whole-model suite: --tiny (the tiny preset on CPU: a smoke run),
+    --preset (default 340M) and --mixers (default `mixers`)."""
+    parser.add_argument("--tiny", action="store_true", help="tiny preset on CPU (smoke run)")
+    parser.add_argument("--preset", default="340M", help="model preset (default 340M)")
+    parser.add_argument("--mixers", nargs="+", default=list(mixers))
+
+
 def case_device(args: argparse.Namespace) -> tuple[str, int]:
     """CUDA unless --tiny or none is there; the repeats (1 with --tiny, else 10 unless given)."""
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"

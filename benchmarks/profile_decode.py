@@ -22,9 +22,9 @@ import argparse
 import time
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from deltalab.benchmarking import format_table
+from benchmarks.common import add_model_arguments
+from deltalab.benchmarking import OperatorCounter, format_table
 from deltalab.models import CausalLM, build_config
 from deltalab.models.static_decode import StaticDecoder
 
@@ -32,35 +32,6 @@ from deltalab.models.static_decode import StaticDecoder
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-# Operators that only make views, read metadata or allocate (no kernel on a GPU).
-NOT_KERNELS = set(
-    "view _unsafe_view reshape _reshape_alias expand unsqueeze squeeze permute transpose t "
-    "select slice as_strided alias detach unflatten flatten split split_with_sizes unbind chunk "
-    "narrow lift_fresh empty empty_strided empty_like resolve_conj resolve_neg to result_type "
-    "promote_types resize_ is_same_size".split()
-)
-
-
-class OperatorCounter(TorchDispatchMode):
-    """The CPU stand-in for a GPU's kernel list: every ATen operator dispatched below autograd
-    (composites already split into their parts, as they launch on a GPU), `NOT_KERNELS` left
-    out, with its count and seconds."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.totals: dict[str, list[float]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        start = time.perf_counter()
-        out = func(*args, **(kwargs or {}))
-        name = func.__name__.split(".")[0]
-        if name not in NOT_KERNELS:
-            entry = self.totals.setdefault("aten::" + name, [0, 0.0])
-            entry[0] += 1
-            entry[1] += 1e6 * (time.perf_counter() - start)
-        return out
 
 
 def cuda_totals(prof) -> dict[str, list[float]]:
@@ -124,9 +95,7 @@ def profile_mixer(mixer: str, args, device: torch.device, dtype: torch.dtype) ->
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tiny", action="store_true", help="tiny preset on CPU (smoke run)")
-    parser.add_argument("--preset", default="340M")
-    parser.add_argument("--mixers", nargs="+", default=["gdn2", "muir", "kdn_diag", "transformer"])
+    add_model_arguments(parser, ["gdn2", "muir", "kdn_diag", "transformer"])
     parser.add_argument("--context", type=int, default=None, help="prompt tokens (default 4096)")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     parser.add_argument("--steps", type=int, default=None, help="tokens profiled (default 16)")

@@ -8,6 +8,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from deltalab.tables import format_table
 
@@ -154,3 +155,37 @@ def print_backend_case(
     if "speedup_forward_kernel" in result and "speedup_train_kernel" in result:
         print(f"  kernels alone: forward {result['speedup_forward_kernel']:.2f}x, "
               f"forward+backward {result['speedup_train_kernel']:.2f}x")  # fmt: skip
+
+
+# Operators that only make views, read metadata or allocate (no kernel on a GPU).
+NOT_KERNELS = set(
+    "view _unsafe_view reshape _reshape_alias expand unsqueeze squeeze permute transpose t "
+    "select slice as_strided alias detach unflatten flatten split split_with_sizes unbind chunk "
+    "narrow lift_fresh empty empty_strided empty_like resolve_conj resolve_neg to result_type "
+    "promote_types resize_ is_same_size".split()
+)
+
+
+# Operators that read a value back to the host (`.item()`, `bool(t)`, `.tolist()`): on a GPU
+# each waits for the device.
+HOST_READS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal"}
+
+
+class OperatorCounter(TorchDispatchMode):
+    """The CPU stand-in for a GPU's kernel list: every ATen operator dispatched below autograd
+    (composites already split into their parts, as they launch on a GPU), `NOT_KERNELS` left
+    out, with its count and seconds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.totals: dict[str, list[float]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        if name not in NOT_KERNELS:
+            entry = self.totals.setdefault("aten::" + name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += 1e6 * (time.perf_counter() - start)
+        return out

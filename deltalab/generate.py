@@ -15,9 +15,6 @@ from deltalab.errors import CheckpointError, ConfigError, DataError, UserError
 
 __all__ = ["ContextLengthWarning", "GenerateConfig", "generate_text", "load_model", "printable"]
 
-# The top_k that model.generate samples with when none is given (transformers' default).
-HF_DEFAULT_TOP_K = 50
-
 
 @dataclass(frozen=True)
 class GenerateConfig:
@@ -163,10 +160,8 @@ def _warn_past_trained_length(model: Any, checkpoint: str, total: int) -> None:
 
 
 def generate_text(config: GenerateConfig) -> str:
-    """The prompt's continuation (greedy at temperature 0, else sampled). On CUDA through
-    `static_generate` (CUDA graphs), elsewhere through `model.generate`."""
-    from deltalab.models.static_decode import static_generate
-
+    """The prompt's continuation (greedy at temperature 0, else sampled) by `model.generate`,
+    which on CUDA replays its static-cache step as a CUDA graph (`CausalLM.generate`)."""
     model, tokenizer = load_model(
         config.checkpoint, tokenizer=config.tokenizer, device=config.device
     )
@@ -176,24 +171,10 @@ def generate_text(config: GenerateConfig) -> str:
     _warn_past_trained_length(model, config.checkpoint, ids.shape[1] + config.max_new_tokens)
     torch.manual_seed(config.seed)
     sampling = config.temperature > 0
-    if model.device.type == "cuda":
-        # Static cache and CUDA graphs: the per-token cost of the GPU, not of Python. Greedy
-        # tokens are those of model.generate; top_k as model.generate reads it (unset: 50,
-        # 0: every token).
-        top_k = HF_DEFAULT_TOP_K if config.top_k is None else config.top_k
-        out = static_generate(
-            model,
-            ids,
-            max_new_tokens=config.max_new_tokens,
-            temperature=config.temperature if sampling else 0.0,
-            top_k=(top_k or None) if sampling else None,
-            eos_token_id=tokenizer.eos_id,
-            pad_token_id=tokenizer.pad_id,
-        )
-        return tokenizer.decode(out[0, ids.shape[1] :].tolist())
     with torch.no_grad():
         out = model.generate(
             ids,
+            attention_mask=torch.ones_like(ids),
             max_new_tokens=config.max_new_tokens,
             do_sample=sampling,
             temperature=config.temperature if sampling else None,

@@ -206,3 +206,13 @@ def test_delta_rule_flags_give_the_kernel_options_they_name():
                    walk_dots="float32", rebuild_in_backward=False)  # fmt: skip
     assert options == KernelOptions(**changed)
     assert changed_options(options) == changed
+
+
+def test_generate_bench_tiny_run_times_every_mixer_on_the_three_paths(tmp_path):
+    """`decode generate` (model.generate against the loop and the step) runs its CPU smoke run:
+    a finite time per token for every path, mixer and batch."""
+    report = run_suite(["decode", "generate", "--tiny"], tmp_path / "out.json")
+    cases = [(r["mixer"], r["batch"]) for r in report["results"]]
+    assert cases == [(m, b) for m in ("gdn2", "kdn_diag", "kda", "transformer") for b in (1, 2)]
+    for result in report["results"]:
+        assert all(math.isfinite(result[k]) for k in ("generate_ms", "loop_ms", "step_ms"))

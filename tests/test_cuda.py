@@ -118,6 +118,7 @@ def test_cuda_graph_decoding_gives_the_tokens_of_generate(generator, mixer, over
             max_new_tokens=40,
             do_sample=False,
             eos_token_id=None,
+            static_decoding=False,
         )
     got = static_generate(model, prompt, max_new_tokens=40, cuda_graph=True)
     assert torch.equal(got, expected)
@@ -141,7 +142,7 @@ def test_cuda_graph_left_padded_batch_with_an_end_token_stops_as_generate(genera
         batch[i, 11 - n :] = torch.randint(0, 256, (n,), generator=generator)
         attention[i, 11 - n :] = 1
     batch, attention = batch.cuda(), attention.cuda()
-    settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=pad)
+    settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=pad, static_decoding=False)
     with torch.no_grad():
         free = model.generate(batch, attention_mask=attention, eos_token_id=None, **settings)
         eos = int(free[0, 11 + 2])
@@ -205,8 +206,38 @@ def test_cuda_generate_command_gives_the_tokens_of_generate(tmp_path):
             do_sample=False,
             eos_token_id=tokenizer.eos_id,
             pad_token_id=tokenizer.pad_id,
+            static_decoding=False,
         )
     assert generate_text(config) == tokenizer.decode(expected[0, prompt.shape[1] :].tolist())
+
+
+@pytest.mark.parametrize(("mixer", "overrides"), GRAPH_MIXERS, ids=GRAPH_IDS)
+def test_cuda_generate_replays_a_graph_by_itself_with_the_tokens_of_the_loop(
+    generator, mixer, overrides
+):
+    model = cuda_tiny_model(mixer, **overrides)
+    prompt = torch.randint(0, 256, (3, 21), generator=generator).cuda()
+    mask = torch.ones_like(prompt)
+    mask[0, :5] = 0
+    settings = dict(attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=None)
+    with torch.no_grad():
+        expected = model.generate(prompt, static_decoding=False, **settings)
+        got = model.generate(prompt, **settings)
+        again = model.generate(prompt, **settings)
+    ((_, _, decoder),) = model._static_decoders.decoders.values()
+    assert decoder.graph is not None
+    assert torch.equal(got, expected) and torch.equal(again, expected)
+
+
+def test_cuda_generate_runs_the_loop_for_top_p_with_one_log_line(generator, caplog):
+    model = cuda_tiny_model("gdn2")
+    prompt = torch.randint(0, 256, (1, 9), generator=generator).cuda()
+    settings = dict(max_new_tokens=5, do_sample=True, top_p=0.5)
+    with torch.no_grad(), caplog.at_level("WARNING", "deltalab.models.graph_generate"):
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
+    lines = [r for r in caplog.records if "TopPLogitsWarper" in r.getMessage()]
+    assert len(lines) == 1 and not hasattr(model, "_static_decoders")
 
 
 def test_cuda_fused_adamw_steps_as_the_default_step(generator):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deltalab.benchmarking import HOST_READS, OperatorCounter
+from deltalab.layers.projections import concatenated_weights
 from deltalab.models import MIXER_KINDS, CausalLM, build_config
 from deltalab.models.static_decode import StaticDecoder, static_generate
 from deltalab.ops import delta_rule_step
@@ -176,3 +178,79 @@ def test_triton_step_on_cpu_is_refused_naming_the_backend(generator):
         delta_rule_step(*args, torch.zeros(1, 2, 8, 4), backend="triton")
     with pytest.raises(ValueError, match=r"backend must be one of"):
         delta_rule_step(*args, torch.zeros(1, 2, 8, 4), backend="chunk")
+
+
+def counted_step(model: CausalLM, generator) -> dict[str, list[float]]:
+    """The ATen operators one static decoding step dispatches (`OperatorCounter`), after a
+    prompt and two steps."""
+    with torch.no_grad():
+        out = model(token_ids(generator, 2, 7, model.config.vocab_size), use_cache=True)
+    decoder = StaticDecoder(model, out.past_key_values, 4, cuda_graph=False)
+    decoder.start(out.logits[:, -1])
+    decoder.step()
+    with OperatorCounter() as counter:
+        decoder.step()
+    return counter.totals
+
+
+# What a decoding step of one layer dispatches at most (CPU paths, `OperatorCounter`):
+# block norms, mixer and FFN. Before the step skipped its value checks and made one product of
+# its projections, one short convolution of q, k and v, one norm of q and k, one RoPE of
+# attention's q and k: Transformer 63, DeltaNet 69, GDN 74, KDA 76, GDN-2 79, Isotropic KDN
+# 145, Diagonal KDN 144, exact KDN 101, Muir 88, KDN-Muir 152.
+STEP_OPERATORS_PER_LAYER = {
+    "transformer": 47,
+    "deltanet": 54,
+    "gdn": 58,
+    "kda": 61,
+    "gdn2": 63,
+    "kdn_iso": 108,
+    "kdn_diag": 108,
+    "kdn_exact": 87,
+    "muir": 74,
+    "kdn_muir": 117,
+}
+
+
+@pytest.mark.parametrize("mixer", MIXER_KINDS)
+def test_a_decoding_step_dispatches_at_most_its_operator_count_per_layer(generator, mixer):
+    """The count of a two-layer model's step less a one-layer model's: one layer's operators,
+    the embedding, head and token choice cancelled."""
+    counts = [
+        sum(n for n, _ in counted_step(tiny_model(mixer, num_layers=layers), generator).values())
+        for layers in (1, 2)
+    ]
+    assert counts[1] - counts[0] <= STEP_OPERATORS_PER_LAYER[mixer]
+
+
+@pytest.mark.parametrize("mixer", MIXER_KINDS)
+def test_a_decoding_step_reads_nothing_back_to_the_host(generator, mixer):
+    model = tiny_model(mixer, **(dict(attention_every=2) if mixer == "gdn" else {}))
+    assert not HOST_READS & set(counted_step(model, generator))
+
+
+@pytest.mark.parametrize("mixer", MIXER_KINDS)
+def test_a_step_on_concatenated_projection_weights_equals_the_step_on_each(generator, mixer):
+    """One product over a layer's projection weights concatenated (`concatenated_weights`, as
+    the static decoder's step runs) gives the outputs and state of the maps one by one, to
+    rounding; a weight changed in place is concatenated again."""
+    model = tiny_model(mixer)
+    mixer_layer = model.model.blocks[0].mixer
+    with torch.no_grad():
+        prompt = model.model.embed(token_ids(generator, 2, 5))
+        _, state = mixer_layer(prompt)
+        x = torch.randn(2, 1, 32, generator=generator)
+        store: dict = {}
+        for _ in range(2):
+            expected = mixer_layer(x, state)
+            with concatenated_weights(store):
+                got = mixer_layer(x, state)
+            assert store, "the step should have concatenated its projections"
+            for a, b in zip(_tensors(got), _tensors(expected), strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            next(mixer_layer.parameters()).mul_(1.5)  # the second round: changed weights
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    y, state = output
+    return [y, *(getattr(state, f) for f in ("memory", "key", "value") if hasattr(state, f))]

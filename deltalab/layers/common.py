@@ -32,7 +32,13 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from deltalab.errors import closest
-from deltalab.layers.projections import fusable, input_linears, project_together
+from deltalab.layers.projections import (
+    concatenated_parameters,
+    concatenation_store,
+    fusable,
+    input_linears,
+    project_together,
+)
 from deltalab.ops import norms
 from deltalab.ops._checks import (
     require_choice,
@@ -389,21 +395,49 @@ class ShortConvolution(nn.Module):
         intermediates are computed again in the backward rather than kept (`recomputed`);
         the others run `short_conv`.
         """
-        batch, length, channels = x.shape
-        width = self.kernel_size - 1
+        batch, _, channels = x.shape
         if cache is not None:
+            width = self.kernel_size - 1
             require_shape("conv cache", cache, (batch, channels, width), "[B, C, W-1]")
-        require_choice("backend", backend, SHORT_CONV_BACKENDS)
-        if resolve_short_conv_backend(backend, x.device, self.kernel_size) != "torch":
-            # short_conv takes the cache: decoding steps (T = 1) run on the same kernels.
-            return short_conv(x, self.weight, cache, backend=backend)
-        x_t = x.transpose(1, 2)
-        if cache is None:
-            cache = x_t.new_zeros(batch, channels, width)
-        padded = torch.cat([cache.to(x_t.dtype), x_t], dim=-1)
-        # Keeps the padded input for backward, not the convolution's output (`recomputed`).
-        y = recomputed(_conv_silu, padded, self.weight)
-        return y.transpose(1, 2), padded[..., length:]
+        return convolve(x, self.weight, cache, backend)
+
+
+def convolve(
+    x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor | None, backend: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ShortConvolution.forward` with its weight `[C, 1, W]` given: x `[B, T, C]`, cache
+    `[B, C, W-1]` or None -> (y `[B, T, C]`, new cache)."""
+    batch, length, channels = x.shape
+    kernel_size = weight.shape[-1]
+    require_choice("backend", backend, SHORT_CONV_BACKENDS)
+    if resolve_short_conv_backend(backend, x.device, kernel_size) != "torch":
+        # short_conv takes the cache: decoding steps (T = 1) run on the same kernels.
+        return short_conv(x, weight, cache, backend=backend)
+    x_t = x.transpose(1, 2)
+    if cache is None:
+        cache = x_t.new_zeros(batch, channels, kernel_size - 1)
+    padded = torch.cat([cache.to(x_t.dtype), x_t], dim=-1)
+    # Keeps the padded input for backward, not the convolution's output (`recomputed`).
+    y = recomputed(_conv_silu, padded, weight)
+    return y.transpose(1, 2), padded[..., length:]
+
+
+def convolve_together(
+    convs: Sequence[ShortConvolution],
+    xs: Sequence[torch.Tensor],
+    caches: Sequence[torch.Tensor],
+    store: dict,
+    backend: str,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`conv(x, cache)` for each (conv, x `[B, T, C_i]`, cache `[B, C_i, W-1]`) as one depthwise
+    convolution over their channels concatenated (the convolution is per channel, so the same
+    numbers), the weights concatenated once into `store` (`concatenated_weights`) -> (the ys
+    concatenated `[B, T, sum C_i]`, the new caches, views of one tensor)."""
+    weights = [conv.weight for conv in convs]
+    weight = concatenated_parameters(store, weights, weights[0].dtype)
+    widths = [conv.channels for conv in convs]
+    y, cache = convolve(torch.cat(list(xs), -1), weight, torch.cat(list(caches), 1), backend)
+    return y, list(cache.split(widths, dim=1))
 
 
 def short_conv_backend(backend: str, dtype: torch.dtype) -> str:
@@ -769,7 +803,6 @@ class DeltaMixer(nn.Module, abc.ABC):
         if state is not None:
             check_state_batch("state.memory", state.memory, x, "[B, H, K, V]")
         mask = check_mask(mask, x)
-        heads = self.num_heads
         # One autocast copy of x kept for the projections, the gates' included, instead of one
         # by each, and one matrix product for their input gradient (`projections_of_x`). The
         # cheap inputs of the delta rule and of the norm are rebuilt in the backward unless the
@@ -791,13 +824,10 @@ class DeltaMixer(nn.Module, abc.ABC):
             conv_backend = short_conv_backend(self.backend, x.dtype)
             norm_backend = layer_backend(self.backend)
             caches = (None,) * 3 if state is None else (state.conv_q, state.conv_k, state.conv_v)
-            q, conv_q = self.q_conv(projected(self.q_proj), caches[0], backend=conv_backend)
-            k, conv_k = self.k_conv(projected(self.k_proj), caches[1], backend=conv_backend)
-            v, conv_v = self.v_conv(projected(self.v_proj), caches[2], backend=conv_backend)
-            q = l2_normalize(q.unflatten(-1, (heads, self.head_dim)), backend=norm_backend)
-            k = l2_normalize(k.unflatten(-1, (heads, self.head_dim)), backend=norm_backend)
-            v = v.unflatten(-1, (heads, self.value_dim))
-            conv = (conv_q, conv_k, conv_v)
+            q, k, v, conv = self.convolved(
+                [projected(p) for p in (self.q_proj, self.k_proj, self.v_proj)],
+                caches, conv_backend, norm_backend,
+            )  # fmt: skip
             o, new_state = self.recurrence(x, q, k, v, state, conv, return_gates, mask)
             gate = self.output_gate(x)
             # The norm keeps the gate for its backward unless the gate is made again there
@@ -805,6 +835,38 @@ class DeltaMixer(nn.Module, abc.ABC):
             with rebuilt_in_backward():
                 normed = self.o_norm(o, gate, backend=norm_backend)
             return self.o_proj(normed.flatten(-2)), new_state
+
+    def convolved(
+        self,
+        xs: list[torch.Tensor],
+        caches: Sequence[torch.Tensor | None],
+        conv_backend: str,
+        norm_backend: str,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The projected q, k, v `xs [B, T, H*K or H*V]` through their short convolutions
+        continuing `caches`, q and k made unit-norm per head -> (q, k `[B, T, H, K]`,
+        v `[B, T, H, V]`, the new caches (conv_q, conv_k, conv_v)). Without gradients inside
+        `concatenated_weights` (the static decoder's step), one convolution over the three's
+        channels and one norm over q's and k's heads: the same numbers, per channel and per
+        head, with two and one launches fewer."""
+        heads, key_dim = self.num_heads, self.head_dim
+        convs = (self.q_conv, self.k_conv, self.v_conv)
+        store = concatenation_store()
+        if store is not None and caches[0] is not None and not torch.is_grad_enabled():
+            y, new = convolve_together(convs, xs, caches, store, conv_backend)  # type: ignore[arg-type]
+            # q and k are neighbours in the joint output: one norm over their 2 H heads.
+            qk = y[..., : 2 * heads * key_dim].unflatten(-1, (2 * heads, key_dim))
+            q, k = l2_normalize(qk, backend=norm_backend).split(heads, dim=-2)
+            v = y[..., 2 * heads * key_dim :].unflatten(-1, (heads, self.value_dim))
+            return q, k, v, tuple(new)
+        pairs = [
+            conv(x, cache, backend=conv_backend)
+            for conv, x, cache in zip(convs, xs, caches, strict=True)
+        ]
+        q, k, v = (y for y, _ in pairs)
+        q = l2_normalize(q.unflatten(-1, (heads, key_dim)), backend=norm_backend)
+        k = l2_normalize(k.unflatten(-1, (heads, key_dim)), backend=norm_backend)
+        return q, k, v.unflatten(-1, (heads, self.value_dim)), tuple(c for _, c in pairs)
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         """The output gate `[B, T, H, V]` from x `[B, T, D]` (inside the forward's

@@ -26,17 +26,107 @@ would; forward-mode AD goes through the Function's jvp.
 
 `project_together` is the op; `deltalab.layers.common.sharing_autocast_input` applies it to a
 layer's declared projections, and `project` hands each one its output.
+
+Inside `concatenated_weights(store)`, without gradients, the forward is one product too: x times
+the maps' weights concatenated (made once, kept in `store`, made again when a weight changes),
+its output split into each map's. The static-cache decoder's step runs so: one matrix product
+and one kernel launch per layer for its up to eight projections of one token, for a copy of
+those weights held as long as the store.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["fusable", "input_linears", "project_together"]
+__all__ = [
+    "concatenated_parameters",
+    "concatenated_weights",
+    "concatenation_store",
+    "fusable",
+    "input_linears",
+    "project_together",
+]
+
+# The store of `concatenated_weights`; None outside it.
+_CONCATENATED: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "deltalab_concatenated_weights", default=None
+)
+
+
+@contextlib.contextmanager
+def concatenated_weights(store: dict) -> Iterator[None]:
+    """Inside: `project_together` without gradients makes one product over the maps'
+    concatenated weights, kept in `store` (the caller's dict, which holds that copy of the
+    weights) by the maps they join and remade when a weight changes (its version, address or
+    dtype)."""
+    token = _CONCATENATED.set(store)
+    try:
+        yield
+    finally:
+        _CONCATENATED.reset(token)
+
+
+def concatenation_store() -> dict | None:
+    """The store of the open `concatenated_weights` block, None outside one (and while
+    torch.compile traces: Dynamo breaks its graph at a ContextVar read)."""
+    return None if torch.compiler.is_compiling() else _CONCATENATED.get()
+
+
+def concatenated_parameters(
+    store: dict, params: Sequence[torch.Tensor], dtype: torch.dtype
+) -> torch.Tensor:
+    """`params` (each `[n_i, ...]`, equal trailing shapes) concatenated along dim 0 in `dtype`,
+    kept in `store` and made again when one of them changed (address, version) or the dtype
+    did."""
+    return _kept(store, params, dtype, lambda: torch.cat([p.detach().to(dtype) for p in params]))
+
+
+def _kept(store: dict, params: Sequence[torch.Tensor], dtype: torch.dtype, make: Callable) -> Any:
+    """`make()`, kept in `store` by the identities of `params` and remade when one of them
+    changed (address, version) or `dtype` did."""
+    key = tuple(id(p) for p in params)
+    version = (dtype, *((p.data_ptr(), p._version) for p in params))
+    kept = store.get(key)
+    if kept is None or kept[0] != version:
+        kept = store[key] = (version, make())
+    return kept[1]
+
+
+def _concatenated(
+    linears: list[nn.Linear], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The maps' weights `[sum of widths, D]` and biases (None when no map has one) in dtype."""
+    weight = torch.cat([lin.weight.detach().to(dtype) for lin in linears])
+    if all(lin.bias is None for lin in linears):
+        return weight, None
+    biases = [
+        weight.new_zeros(lin.out_features) if lin.bias is None else lin.bias.detach().to(dtype)
+        for lin in linears
+    ]
+    return weight, torch.cat(biases)
+
+
+def _project_concatenated(
+    x: torch.Tensor, linears: list[nn.Linear], store: dict
+) -> dict[nn.Linear, torch.Tensor]:
+    """{linear: linear(x)} from one product with the concatenated weights and biases (zeros
+    for a map without one)."""
+    device = x.device.type
+    dtype = x.dtype
+    if torch.is_autocast_enabled(device) and x.is_floating_point() and x.dtype != torch.float64:
+        dtype = torch.get_autocast_dtype(device)
+    params = [p for lin in linears for p in (lin.weight, lin.bias) if p is not None]
+    weight, bias = _kept(store, params, dtype, lambda: _concatenated(linears, dtype))
+    y = F.linear(x.to(dtype), weight, bias)
+    parts = y.split([lin.out_features for lin in linears], dim=-1)
+    return dict(zip(linears, parts, strict=True))
 
 
 def input_linears(module: nn.Module) -> list[nn.Linear]:
@@ -167,6 +257,9 @@ def project_together(
     biases = [lin.bias for lin in linears]
     wanted = x.requires_grad or any(p.requires_grad for p in (*weights, *biases) if p is not None)
     if not (torch.is_grad_enabled() and wanted):
+        store = concatenation_store()
+        if store is not None and len(linears) > 1:
+            return _project_concatenated(x, linears, store)
         return {lin: lin(x) for lin in linears}
     device = x.device.type
     if torch.is_autocast_enabled(device) and x.is_floating_point() and x.dtype != torch.float64:

@@ -10,6 +10,8 @@ mixers, keys and values for attention), so a pure recurrent model decodes in con
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any, ClassVar
 
 import torch
@@ -23,13 +25,18 @@ from deltalab.layers.common import RMSNorm, compute_dtype
 from deltalab.models.cache import RecurrentCache
 from deltalab.models.config import DeltaLabConfig
 from deltalab.models.mixers import build_mixer
-from deltalab.ops._checks import values_checkable
+from deltalab.ops._checks import one_host_read, values_checkable
 from deltalab.ops._recompute import recomputed, without_rebuild
 from deltalab.ops.lm_loss import linear_cross_entropy
 from deltalab.ops.norms import layer_backend
 from deltalab.ops.swiglu import swiglu
 
 __all__ = ["Block", "CausalLM", "DeltaLabModel", "SwiGLU"]
+
+# `CausalLM.generate`'s static_decoding for the `_sample` it calls.
+_STATIC_DECODING: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "deltalab_static_decoding", default=None
+)
 
 
 class SwiGLU(nn.Module):
@@ -181,6 +188,22 @@ class DeltaLabModel(DeltaLabPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = RecurrentCache(len(self.blocks))
         x = inputs_embeds
+        # Without gradients (evaluation, transformers' decoding loop) the layers' value checks
+        # read back to the host once, after the last block, not once or twice a layer: on a GPU
+        # each read waits for the device (`one_host_read`). A failing check raises there, with
+        # the cache's states already replaced. Training keeps the trainer's own block.
+        with contextlib.nullcontext() if torch.is_grad_enabled() else one_host_read():
+            x = self._blocks(x, mask, past_key_values)
+        if past_key_values is not None:
+            past_key_values.seen_tokens += length
+        return BaseModelOutputWithPast(
+            last_hidden_state=self.norm(x), past_key_values=past_key_values
+        )
+
+    def _blocks(
+        self, x: torch.Tensor, mask: torch.Tensor | None, past_key_values: RecurrentCache | None
+    ) -> torch.Tensor:
+        """x through every block, each continuing (and leaving) its state in the cache."""
         for i, block in enumerate(self.blocks):
             state = None if past_key_values is None else past_key_values.states[i]
             if self.checkpoint_blocks and self.training and torch.is_grad_enabled():
@@ -196,11 +219,7 @@ class DeltaLabModel(DeltaLabPreTrainedModel):
                 x, state = block(x, state, mask, self.recompute_ffn and self.training)
             if past_key_values is not None:
                 past_key_values.states[i] = state
-        if past_key_values is not None:
-            past_key_values.seen_tokens += length
-        return BaseModelOutputWithPast(
-            last_hidden_state=self.norm(x), past_key_values=past_key_values
-        )
+        return x
 
 
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
@@ -330,6 +349,57 @@ class CausalLM(DeltaLabPreTrainedModel, GenerationMixin):
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
+
+    def generate(self, *args: Any, static_decoding: bool | None = None, **kwargs: Any) -> Any:
+        """`GenerationMixin.generate`, with greedy and sampled decoding on the static-cache
+        decoder where it serves the call (`deltalab.models.graph_generate`: a CUDA graph
+        replayed per token on CUDA).
+
+        static_decoding: None (default) uses it on CUDA and runs transformers' loop elsewhere
+        and for what it cannot serve (one log line says why); True uses it on any device (an
+        eager step off CUDA) and raises ValueError where it cannot serve the call; False
+        always runs transformers' loop.
+        """
+        if static_decoding not in (None, True, False):
+            raise TypeError(f"static_decoding must be None or a bool, got {static_decoding!r}")
+        token = _STATIC_DECODING.set(static_decoding)
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            _STATIC_DECODING.reset(token)
+
+    def _sample(
+        self,
+        input_ids: torch.LongTensor,
+        logits_processor: Any,
+        stopping_criteria: Any,
+        generation_config: Any,
+        synced_gpus: bool = False,
+        streamer: Any = None,
+        **model_kwargs: Any,
+    ) -> Any:
+        """transformers' greedy and sampling loop, or the static decoder (`generate`)."""
+        from deltalab.models import graph_generate
+
+        choice = _STATIC_DECODING.get()
+        on_cuda = self.device.type == "cuda"
+        if choice is not False and (on_cuda or choice):
+            plan = graph_generate.static_plan(
+                logits_processor, stopping_criteria, generation_config, model_kwargs,
+                streamer, synced_gpus,
+            )  # fmt: skip
+            if not isinstance(plan, str):
+                return graph_generate.static_sample(
+                    self, input_ids, plan, stopping_criteria, generation_config, model_kwargs,
+                    cuda_graph=on_cuda,
+                )  # fmt: skip
+            if choice:
+                raise ValueError(f"static_decoding=True cannot serve this call: {plan}")
+            graph_generate.note_fallback(plan)
+        return super()._sample(
+            input_ids, logits_processor, stopping_criteria, generation_config,
+            synced_gpus=synced_gpus, streamer=streamer, **model_kwargs,
+        )  # fmt: skip
 
     def prepare_inputs_for_generation(
         self,

@@ -1,7 +1,9 @@
 """Decoding with a static cache, one token per CUDA-graph replay.
 
-`model.generate` runs every layer's Python code for every token; at the batch sizes of
-interactive decoding that Python time, not the GPU, sets the cost of a token. Here:
+transformers' decoding loop runs every layer's Python code for every token; at the batch sizes
+of interactive decoding that Python time, not the GPU, sets the cost of a token (`CausalLM.generate`
+hands its greedy and sampled calls to this decoder on CUDA: `deltalab.models.graph_generate`).
+Here:
 
 - the prompt is prefilled by the model's own (chunked) forward;
 - its cache is copied into buffers that never move: recurrent states as they are (their size is
@@ -29,8 +31,10 @@ import torch.nn.functional as F
 
 from deltalab.layers.attention import Attention, sliding_window_mask
 from deltalab.layers.common import AttentionState, RecurrentState, compute_dtype
+from deltalab.layers.projections import concatenated_weights, project_together
 from deltalab.models.cache import RecurrentCache
 from deltalab.models.lm import Block, CausalLM
+from deltalab.ops._checks import unchecked_values
 
 __all__ = ["StaticDecoder", "StaticKV", "static_generate"]
 
@@ -85,10 +89,13 @@ def attention_step(
 ) -> torch.Tensor:
     """`Attention.forward` for one token `x [B, 1, D]` at `position [1]` (a device tensor), its
     key and value written into `kv`; attends over every slot, the unfilled ones masked."""
-    key_shape = (layer.num_heads, layer.head_dim)
-    q = layer.rotate(layer.q_proj(x).unflatten(-1, key_shape), position)
-    k = layer.rotate(layer.k_proj(x).unflatten(-1, key_shape), position)
-    v = layer.v_proj(x).unflatten(-1, (layer.num_heads, layer.value_dim))
+    projected = project_together(x, [layer.q_proj, layer.k_proj, layer.v_proj])
+    # Queries and keys rotated together, as heads of one tensor: one RoPE instead of two.
+    qk = torch.cat([projected[layer.q_proj], projected[layer.k_proj]], dim=-1)
+    q, k = layer.rotate(qk.unflatten(-1, (2 * layer.num_heads, layer.head_dim)), position).split(
+        layer.num_heads, dim=2
+    )
+    v = projected[layer.v_proj].unflatten(-1, (layer.num_heads, layer.value_dim))
     kv.key.index_copy_(1, position, k.to(kv.key.dtype))
     kv.value.index_copy_(1, position, v.to(kv.value.dtype))
     kv.filled.index_fill_(1, position, True)
@@ -117,10 +124,16 @@ class StaticDecoder:
         pad_token_id: defaults to `eos_token_id`.
         cuda_graph: capture the step in a CUDA graph: None (when the model is on CUDA), True
             (required) or False (run the step eagerly).
+        max_length: positions the attention layers' buffers hold, prompt included (None: the
+            cache's prompt and `max_new_tokens`); room for longer prompts lets `load` take them.
 
     Use: `start(logits)` with the prompt's last logits `[B, vocab]` chooses the first token,
-    each `step()` one more; `generated()` returns them `[B, n]`; `load(cache)` restarts from a
-    cache of the same shapes.
+    each `step()` one more; `generated()` returns them `[B, n]`; `load(cache)` restarts from
+    another prefilled cache of the same batch, whose prompt and `max_new_tokens` fit in
+    `max_length`. The step runs without value checks (`unchecked_values`): nothing in it reads
+    back to the host. It multiplies each layer's projections by a copy of their weights
+    concatenated (`concatenated_weights`), made at the first step: weights changed after it
+    need a new decoder.
     """
 
     def __init__(
@@ -134,6 +147,7 @@ class StaticDecoder:
         eos_token_id: int | None = None,
         pad_token_id: int | None = None,
         cuda_graph: bool | None = None,
+        max_length: int | None = None,
     ) -> None:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
@@ -158,13 +172,22 @@ class StaticDecoder:
         self.pad = eos_token_id if pad_token_id is None else pad_token_id
         # The step writes at most `room` tokens (and the warm-up as many) between loads.
         self.room = max(max_new_tokens, WARMUP_STEPS)
-        self.prompt_length = cache.seen_tokens
         length = cache.seen_tokens + self.room
+        if max_length is not None:
+            if isinstance(max_length, bool) or not isinstance(max_length, int):
+                raise TypeError(f"max_length must be an int, got {type(max_length).__name__}")
+            if max_length < length:
+                raise ValueError(
+                    f"max_length must hold the prompt ({cache.seen_tokens} tokens) and "
+                    f"{self.room} new ones, got {max_length}"
+                )
+            length = max_length
+        self.max_length = length
         self.states: list[RecurrentState | StaticKV] = [
             _static_kv(s, length) if isinstance(s, AttentionState) else _static_recurrent(s)
             for s in cache.states
         ]
-        batch = cache.tensors()[0].shape[0]
+        batch = self.batch = cache.tensors()[0].shape[0]
         # Device-side counters, so the captured step advances them itself.
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.position = torch.zeros(1, dtype=torch.long, device=device)
@@ -174,6 +197,9 @@ class StaticDecoder:
         self.done = torch.zeros(self.room, dtype=torch.bool, device=device)
         self.produced = 0
         self.graph: torch.cuda.CUDAGraph | None = None
+        # Each layer's projections of x concatenated (`concatenated_weights`): one product a
+        # layer, for a copy of those weights held by this decoder.
+        self.weights: dict = {}
         self.load(cache)
         if cuda_graph:
             self._capture()
@@ -181,12 +207,17 @@ class StaticDecoder:
 
     @torch.no_grad()
     def load(self, cache: RecurrentCache) -> None:
-        """Copies a prefilled cache (of the shapes this decoder was built for) into the buffers
-        and forgets the tokens produced so far."""
-        if cache.seen_tokens != self.prompt_length:
+        """Copies a prefilled cache (of this decoder's batch, its prompt and `room` new tokens
+        within `max_length`) into the buffers and forgets the tokens produced so far."""
+        batch = cache.tensors()[0].shape[0]
+        if batch != self.batch:
             raise ValueError(
-                f"cache has seen {cache.seen_tokens} tokens, this decoder was built for "
-                f"{self.prompt_length}"
+                f"cache holds {batch} sequences, this decoder was built for {self.batch}"
+            )
+        if cache.seen_tokens + self.room > self.max_length:
+            raise ValueError(
+                f"cache has seen {cache.seen_tokens} tokens; with {self.room} new ones that "
+                f"passes this decoder's max_length {self.max_length}"
             )
         for buffer, state in zip(self.states, cache.states, strict=True):
             if isinstance(buffer, StaticKV):
@@ -200,7 +231,7 @@ class StaticDecoder:
             else:
                 for name, tensor in _tensor_fields(state).items():
                     getattr(buffer, name).copy_(tensor)
-        self.position.fill_(self.prompt_length)
+        self.position.fill_(cache.seen_tokens)
         self.index.zero_()
         self.unfinished.fill_(True)
         self.done.zero_()
@@ -266,6 +297,10 @@ class StaticDecoder:
 
     def _step(self) -> None:
         """The captured step: `token` in, the next `token` out, the buffers advanced."""
+        with unchecked_values(), concatenated_weights(self.weights):
+            self._advance()
+
+    def _advance(self) -> None:
         core = self.model.model
         x = core.embed(self.token)
         for block, state in zip(core.blocks, self.states, strict=True):

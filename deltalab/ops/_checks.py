@@ -65,12 +65,35 @@ def capturing(x: torch.Tensor) -> bool:
 
 
 def values_checkable(x: torch.Tensor) -> bool:
-    """Whether a check may read x's values: x is not empty, and no CUDA graph is being captured.
+    """Whether a check may read x's values: x is not empty, no CUDA graph is being captured and
+    no `unchecked_values` block is open.
 
-    Reading a value back to the host is forbidden during a capture. The static-cache decoder
-    runs its step once eagerly (values checked) before capturing the same step.
+    Reading a value back to the host is forbidden during a capture.
     """
-    return x.numel() > 0 and not capturing(x)
+    return x.numel() > 0 and not capturing(x) and not _UNCHECKED.get()
+
+
+# Set inside `unchecked_values`.
+_UNCHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "deltalab_unchecked_values", default=False
+)
+
+
+@contextlib.contextmanager
+def unchecked_values() -> Iterator[None]:
+    """Inside: value checks are skipped (shapes, dtypes and devices still are checked).
+
+    For a decoding step (`deltalab.models.static_decode`), whose op inputs a model's own
+    layers computed from a prompt checked at its forward: a check there would read an answer
+    back to the host in every layer of every token, the wait for the device the step exists to
+    avoid, and a CUDA graph replays the step without any check anyway. The eager step and the
+    replayed one then run the same operators.
+    """
+    token = _UNCHECKED.set(True)
+    try:
+        yield
+    finally:
+        _UNCHECKED.reset(token)
 
 
 class NonFiniteError(ValueError):
