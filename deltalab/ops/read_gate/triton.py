@@ -44,7 +44,7 @@ from deltalab.ops._triton import as_rows, opaque_to_compiler, row_stride
 
 # The launch plan is the log decay's (the same rows of elementwise work; the backward holds q,
 # raw and dout per element and keeps one float32 row `[BN]` a program): first guesses for
-# both, to be tuned on the GPU (benchmarks/bench_read_gate.py).
+# both, to be tuned on the GPU (`python -m benchmarks small_ops --ops read_gate`).
 from deltalab.ops.log_decay.triton import launch
 
 # Where rho leaves the direct form for the log domain (module docstring): exp(80) and
