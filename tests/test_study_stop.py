@@ -61,9 +61,12 @@ class FakeChild(SubprocessLauncher):
         return [sys.executable, "-c", CHILD, self.mode, *args]
 
 
-# A study in a process of its own (to be signalled): argv spec.json, CHILD's mode, grace.
+# A study in a process of its own (to be signalled): argv spec.json, CHILD's mode, grace. Its
+# `say` takes SAY_DELAY seconds over the stopping line, after writing the file "saying" beside
+# spec.json (a second signal can then arrive while the first one's line is being printed).
 DRIVER = f"""
-import json, sys
+import json, sys, time
+from pathlib import Path
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from test_study_stop import FakeChild
 from deltalab.cli import main
@@ -71,7 +74,13 @@ from deltalab.study.cli import execute
 from deltalab.study.plan import make_plan
 from deltalab.study.spec import parse_spec
 plan = make_plan(parse_spec(json.loads(open(sys.argv[1]).read())))
-sys.exit(execute(plan, launcher=FakeChild(sys.argv[2]), grace=float(sys.argv[3])))
+def say(line):
+    if line.startswith("deltalab study: stopping"):
+        (Path(sys.argv[1]).parent / "saying").write_text(line)
+        time.sleep(float(sys.argv[4]))
+    print(line, flush=True)
+launcher = FakeChild(sys.argv[2])
+sys.exit(execute(plan, launcher=launcher, grace=float(sys.argv[3]), say=say))
 """
 
 
@@ -87,13 +96,15 @@ def alive(pid: int) -> bool:
     return True
 
 
-def study_waiting_on(tmp_path: Path, corpus: Path, mode: str, grace: float):
+def study_waiting_on(
+    tmp_path: Path, corpus: Path, mode: str, grace: float, say_delay: float = 0.0
+):
     """A study process of one run, once its child is running: (process, run directory, the
     child's pid)."""
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(one_run_spec(tmp_path, corpus)))
     process = subprocess.Popen(
-        [sys.executable, "-c", DRIVER, str(path), mode, str(grace)],
+        [sys.executable, "-c", DRIVER, str(path), mode, str(grace), str(say_delay)],
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -139,6 +150,27 @@ def test_a_stopped_study_kills_the_runs_that_outlast_the_grace(tmp_path, corpus)
     assert not alive(child)
     record = json.loads((run / "study_run.json").read_text())
     assert record["status"] == "interrupted" and "SIGKILL" in record["error"], record
+
+
+def test_a_second_signal_while_the_first_is_reported_kills_the_runs_at_once(tmp_path, corpus):
+    """The second Ctrl-C arrives while the study prints the first one's line: it still stops
+    the study (nothing waits on the printing) and kills the runs without waiting the grace."""
+    process, _, child = study_waiting_on(tmp_path, corpus, "stubborn", grace=300, say_delay=3)
+    try:
+        process.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "saying").exists():
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        out = process.communicate(timeout=30)[0]
+    finally:
+        process.kill()
+        if alive(child):
+            os.kill(child, signal.SIGKILL)
+    assert process.returncode == 130, out
+    assert not alive(child)
+    assert "SIGINT again: killing the running jobs (SIGKILL)" in out, out
 
 
 def test_a_run_killed_by_sigkill_failed_and_the_exit_status_says_so(tmp_path, corpus):

@@ -251,6 +251,11 @@ class StudyRunner:
         self.stopped_by: int | None = None
         self._deadline: float | None = None
         self._killed = False
+        # The stop signals received, in order: the handler only appends (it runs in the main
+        # thread between any two bytecodes, possibly while that thread holds a lock `say` or
+        # `close` takes); the main thread's wait loop acts on them (`_take_signals`).
+        self._signals: list[int] = []
+        self._signals_taken = 0
         self._count_lock = threading.Lock()
         if self.launcher is None:
             self.launcher = SubprocessLauncher()
@@ -483,8 +488,10 @@ class StudyRunner:
             for thread in threads:
                 while thread.is_alive():
                     thread.join(0.2)
+                    self._take_signals()
                     if self._deadline is not None and time.monotonic() > self._deadline:
                         self._kill(f"the {self.grace:g} s grace is over")
+            self._take_signals()
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, signal.SIG_DFL if handler is None else handler)
@@ -509,16 +516,24 @@ class StudyRunner:
             self.say(f"deltalab study: {why}: killing the running jobs (SIGKILL)")
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        name = signal_name(signum)
-        if self.stopped_by is not None:
-            self._kill(f"{name} again")
-            return
-        running = self.stop(signum)
-        self.say(
-            f"deltalab study: stopping ({name}): nothing new starts; waiting up to "
-            f"{self.grace:g} s for {running} running job(s) to checkpoint and exit ({name} again "
-            "kills them now); rerun the same command to continue"
-        )
+        self._signals.append(signum)
+
+    def _take_signals(self) -> None:
+        """Acts on the signals received since the last call: the first stops the study, a
+        second kills the running jobs."""
+        while self._signals_taken < len(self._signals):
+            signum = self._signals[self._signals_taken]
+            self._signals_taken += 1
+            name = signal_name(signum)
+            if self.stopped_by is not None:
+                self._kill(f"{name} again")
+                continue
+            running = self.stop(signum)
+            self.say(
+                f"deltalab study: stopping ({name}): nothing new starts; waiting up to "
+                f"{self.grace:g} s for {running} running job(s) to checkpoint and exit ({name} "
+                "again kills them now); rerun the same command to continue"
+            )
 
 
 def check_finished_runs(plan: StudyPlan) -> None:
