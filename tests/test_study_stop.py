@@ -31,7 +31,8 @@ def corpus(tmp_path_factory) -> Path:
 # A stand-in for `deltalab train` where the processes are the point: with its SIGTERM handler in
 # place it writes its pid beside the run's config, then sleeps. "trainer": on SIGTERM it takes
 # 2 s (a step and a checkpoint), notes the signal and exits 128 + it; "stubborn": it ignores
-# SIGTERM; "oom": it dies of SIGKILL.
+# SIGTERM; "oom": it dies of SIGKILL; "parent": it ignores SIGTERM and first starts a sleeping
+# grandchild (as torch.compile starts its workers), whose pid it writes beside its own.
 CHILD = r"""
 import os, signal, sys, time
 from pathlib import Path
@@ -42,6 +43,10 @@ def checkpoint_and_exit(signum, frame):
     (directory / "child.stopped").write_text(str(signum))
     sys.exit(128 + signum)
 signal.signal(signal.SIGTERM, checkpoint_and_exit if mode == "trainer" else signal.SIG_IGN)
+if mode == "parent":
+    import subprocess
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    (directory / "grandchild.pid").write_text(str(worker.pid))
 (directory / "child.pid.tmp").write_text(str(os.getpid()))
 os.replace(directory / "child.pid.tmp", directory / "child.pid")
 if mode == "oom":
@@ -96,9 +101,16 @@ def alive(pid: int) -> bool:
     return True
 
 
-def study_waiting_on(
-    tmp_path: Path, corpus: Path, mode: str, grace: float, say_delay: float = 0.0
-):
+def gone(pid: int) -> bool:
+    """No such process, or a zombie (exited; its reaping is up to whoever adopted it)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in status
+
+
+def study_waiting_on(tmp_path: Path, corpus: Path, mode: str, grace: float, say_delay: float = 0.0):
     """A study process of one run, once its child is running: (process, run directory, the
     child's pid)."""
     path = tmp_path / "spec.json"
@@ -171,6 +183,26 @@ def test_a_second_signal_while_the_first_is_reported_kills_the_runs_at_once(tmp_
     assert process.returncode == 130, out
     assert not alive(child)
     assert "SIGINT again: killing the running jobs (SIGKILL)" in out, out
+
+
+def test_a_stopped_study_kills_the_processes_its_runs_started(tmp_path, corpus):
+    process, run, child = study_waiting_on(tmp_path, corpus, "parent", grace=1)
+    grandchild = int((run / "grandchild.pid").read_text())
+    try:
+        process.send_signal(signal.SIGTERM)
+        out = process.communicate(timeout=60)[0]
+    finally:
+        process.kill()
+    assert process.returncode == 128 + signal.SIGTERM, out
+    assert not alive(child)
+    deadline = time.monotonic() + 5
+    while not gone(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        assert gone(grandchild), "the run's own child outlived the stopped study"
+    finally:
+        if not gone(grandchild):
+            os.kill(grandchild, signal.SIGKILL)
 
 
 def test_a_run_killed_by_sigkill_failed_and_the_exit_status_says_so(tmp_path, corpus):

@@ -113,12 +113,16 @@ class SubprocessLauncher:
                     self.live.discard(process)
 
     def close(self, signum: int) -> int:
-        """Starts nothing more and sends `signum` to the live children; returns their count."""
+        """Starts nothing more and sends `signum` to the live children and the processes they
+        started; returns the children's count."""
         with self.lock:
             self.closed = True
             for process in self.live:
+                # The child leads its own session's process group: the signal reaches the
+                # processes it started too (torch.compile's workers), which SIGKILL to the
+                # child alone would leave running.
                 with contextlib.suppress(ProcessLookupError):
-                    process.send_signal(signum)
+                    os.killpg(process.pid, signum)
             return len(self.live)
 
 
