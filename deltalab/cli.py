@@ -85,7 +85,7 @@ def _generate(args: argparse.Namespace) -> int:
         text = generate_text(config)
     for warning in caught:
         print(f"deltalab generate: warning: {warning.message}", file=sys.stderr)
-    print(args.prompt + printable(text))
+    print(printable(args.prompt + text))
     return 0
 
 

@@ -80,3 +80,44 @@ def test_the_stored_preset_table_is_the_models_own_count():
     # If this fails, a model's shape changed: rewrite the table with
     # `deltalab.models.presets.write_preset_table()`.
     assert stored_preset_table() == preset_table()
+
+
+SAVE_TINY = """
+import sys
+from deltalab.models import CausalLM, build_config
+CausalLM(build_config("tiny", mixer="gdn2", num_layers=1)).save_pretrained(sys.argv[1])
+"""
+
+# `import deltalab` loads no torch, so it cannot register the model (a transformers config class
+# imports torch); reading `deltalab.models` imports the subpackage, which registers it.
+LOAD = """
+import sys
+import deltalab
+from transformers import AutoModelForCausalLM
+try:
+    AutoModelForCausalLM.from_pretrained(sys.argv[1])
+except ValueError as error:
+    print("BEFORE", "does not recognize" in str(error))
+print("REGISTERED", "deltalab.models" in sys.modules)
+print("SUBPACKAGES", all(hasattr(deltalab, n) for n in ("ops", "layers", "data", "train")))
+deltalab.models
+print("LOADED", type(AutoModelForCausalLM.from_pretrained(sys.argv[1])).__name__)
+"""
+
+
+def test_reading_deltalab_models_registers_the_model_with_the_auto_classes(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    path = str(tmp_path / "model")
+    for script in (SAVE_TINY, LOAD):
+        done = subprocess.run(
+            [sys.executable, "-c", script, path], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines == ["BEFORE True", "REGISTERED False", "SUBPACKAGES True", "LOADED CausalLM"], lines
+    # The docs say so: a plain `import deltalab` registers nothing.
+    architecture, usage = (
+        " ".join((ROOT / "docs" / name).read_text().split()) for name in ("ARCHITECTURE.md", "USAGE.md")
+    )
+    assert "`import deltalab` registers" not in architecture
+    assert "`import deltalab` alone does not register" in usage

@@ -72,3 +72,20 @@ def test_math_md_has_the_sections_the_repository_cites(math_sections):
             f"docs/MATH.md: no sec. {n}" for n in section_numbers(group) if n not in math_sections
         ]
     assert not problems, "\n".join(problems)
+
+
+# "`DeltaLabConfig.kernel_options`": a config or options class named with one of its fields.
+CLASS_FIELD = re.compile(r"`([A-Z][A-Za-z0-9]*(?:Config|Options))\.[a-z_]+")
+
+
+def test_config_classes_the_docs_name_with_a_field_exist():
+    defined = set()
+    for path in text_files("deltalab"):
+        defined |= set(re.findall(r"^class (\w+)", path.read_text(encoding="utf-8"), re.M))
+    named = {
+        (path.relative_to(ROOT).as_posix(), name)
+        for path in text_files(*SHIPPED)
+        for name in CLASS_FIELD.findall(path.read_text(encoding="utf-8"))
+    }
+    assert named, "the docs name config fields by class"
+    assert sorted((where, name) for where, name in named if name not in defined) == []

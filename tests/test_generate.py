@@ -112,3 +112,11 @@ def test_generated_control_bytes_are_escaped_on_the_terminal(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert not _controls(printed)
     assert printed.startswith("def ") and f"\\x{ord(_controls(exact)[0]):02x}" in printed
+
+
+def test_prompt_control_bytes_are_escaped_on_the_terminal(tmp_path, capsys):
+    model = save_tiny(tmp_path / "model")
+    assert main(["generate", str(model), "a\x1b[2Jb", "--max-new-tokens", "4", "--seed", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert not _controls(printed)
+    assert printed.startswith("a\\x1b[2Jb")

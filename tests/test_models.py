@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -12,6 +13,7 @@ import deltalab.models  # noqa: F401  (registers the model with transformers' Au
 from deltalab.layers.common import RMSNorm
 from deltalab.models import MIXER_KINDS, CausalLM, RecurrentCache, build_config, count_parameters
 from deltalab.models.presets import SCALES
+from deltalab.ops.options import KernelOptions
 from deltalab.testing import assert_close
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, head_dim=16, vocab_size=67, chunk_size=16)
@@ -320,7 +322,6 @@ def test_config_kernel_options_reach_every_recurrent_mixer_and_round_trip(tmp_pa
     """kernel_options, a mapping in the config (config.json), reach every recurrent layer as a
     KernelOptions (the fields left out at their defaults) and come back from a saved model."""
     from deltalab.layers.common import DeltaMixer
-    from deltalab.ops.options import KernelOptions
 
     given = {"walk_dots": "float32", "recompute_states": False}
     config = build_config("tiny", mixer="gdn2", attention_every=2, kernel_options=given)
@@ -382,3 +383,15 @@ def test_mixer_option_names_leave_out_what_a_kdn_variant_refuses():
     assert "noise_rank" not in mixer_option_names("kdn_iso")
     assert "info_scale" not in mixer_option_names("kdn_exact")
     assert {"noise_rank", "info_scale"} <= set(mixer_option_names("kdn_diag"))
+
+
+def test_config_kernel_options_save_the_same_given_as_object_or_mapping(tmp_path):
+    """A KernelOptions object and a mapping of the same choices store the same config.json
+    entry: only the fields that differ from `KernelOptions()`."""
+    saved = {}
+    for spelling, given in [("object", KernelOptions(walk_dots="float32")),
+                            ("mapping", {"walk_dots": "float32", "checkpoint_every": 8})]:
+        build_config("tiny", mixer="gdn2", kernel_options=given).save_pretrained(tmp_path / spelling)
+        saved[spelling] = json.loads((tmp_path / spelling / "config.json").read_text())
+    assert saved["object"]["kernel_options"] == {"walk_dots": "float32"}
+    assert saved["mapping"]["kernel_options"] == saved["object"]["kernel_options"]

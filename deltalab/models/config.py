@@ -23,17 +23,20 @@ __all__ = ["MIXER_KINDS", "RECURRENT_KINDS", "DeltaLabConfig", "closest"]
 
 
 def _kernel_options(value: object) -> dict[str, Any]:
-    """The config's kernel_options as the mapping it stores (what config.json holds: the
-    options given, validated by `KernelOptions.from_dict`; errors name the key)."""
+    """The config's kernel_options as the mapping it stores (what config.json holds): the
+    fields that differ from `KernelOptions()`, whether given as a `KernelOptions` or as a
+    mapping (validated by `KernelOptions.from_dict`; errors name the key)."""
     if isinstance(value, KernelOptions):
-        return value.to_dict()
-    if value is not None and not isinstance(value, dict):
+        options = value
+    elif value is not None and not isinstance(value, dict):
         raise TypeError(f"kernel_options must be a dict, got {type(value).__name__}")
-    try:
-        KernelOptions.from_dict(value)
-    except (TypeError, ValueError) as error:
-        raise type(error)(f"kernel_options: {error}") from None
-    return dict(value or {})
+    else:
+        try:
+            options = KernelOptions.from_dict(value)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"kernel_options: {error}") from None
+    defaults = KernelOptions().to_dict()
+    return {name: v for name, v in options.to_dict().items() if v != defaults[name]}
 
 
 class DeltaLabConfig(PreTrainedConfig):

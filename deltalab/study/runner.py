@@ -113,12 +113,16 @@ class SubprocessLauncher:
                     self.live.discard(process)
 
     def close(self, signum: int) -> int:
-        """Starts nothing more and sends `signum` to the live children; returns their count."""
+        """Starts nothing more and sends `signum` to the live children and the processes they
+        started; returns the children's count."""
         with self.lock:
             self.closed = True
             for process in self.live:
+                # The child leads its own session's process group: the signal reaches the
+                # processes it started too (torch.compile's workers), which SIGKILL to the
+                # child alone would leave running.
                 with contextlib.suppress(ProcessLookupError):
-                    process.send_signal(signum)
+                    os.killpg(process.pid, signum)
             return len(self.live)
 
 
@@ -251,6 +255,11 @@ class StudyRunner:
         self.stopped_by: int | None = None
         self._deadline: float | None = None
         self._killed = False
+        # The stop signals received, in order: the handler only appends (it runs in the main
+        # thread between any two bytecodes, possibly while that thread holds a lock `say` or
+        # `close` takes); the main thread's wait loop acts on them (`_take_signals`).
+        self._signals: list[int] = []
+        self._signals_taken = 0
         self._count_lock = threading.Lock()
         if self.launcher is None:
             self.launcher = SubprocessLauncher()
@@ -483,8 +492,10 @@ class StudyRunner:
             for thread in threads:
                 while thread.is_alive():
                     thread.join(0.2)
+                    self._take_signals()
                     if self._deadline is not None and time.monotonic() > self._deadline:
                         self._kill(f"the {self.grace:g} s grace is over")
+            self._take_signals()
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, signal.SIG_DFL if handler is None else handler)
@@ -509,16 +520,24 @@ class StudyRunner:
             self.say(f"deltalab study: {why}: killing the running jobs (SIGKILL)")
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        name = signal_name(signum)
-        if self.stopped_by is not None:
-            self._kill(f"{name} again")
-            return
-        running = self.stop(signum)
-        self.say(
-            f"deltalab study: stopping ({name}): nothing new starts; waiting up to "
-            f"{self.grace:g} s for {running} running job(s) to checkpoint and exit ({name} again "
-            "kills them now); rerun the same command to continue"
-        )
+        self._signals.append(signum)
+
+    def _take_signals(self) -> None:
+        """Acts on the signals received since the last call: the first stops the study, a
+        second kills the running jobs."""
+        while self._signals_taken < len(self._signals):
+            signum = self._signals[self._signals_taken]
+            self._signals_taken += 1
+            name = signal_name(signum)
+            if self.stopped_by is not None:
+                self._kill(f"{name} again")
+                continue
+            running = self.stop(signum)
+            self.say(
+                f"deltalab study: stopping ({name}): nothing new starts; waiting up to "
+                f"{self.grace:g} s for {running} running job(s) to checkpoint and exit ({name} "
+                "again kills them now); rerun the same command to continue"
+            )
 
 
 def check_finished_runs(plan: StudyPlan) -> None:
