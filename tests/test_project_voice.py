@@ -27,8 +27,8 @@ DIARY = {
     "the remote runs' script": re.compile(r"\bh200_(suite|study)\b"),
     "the diary itself": re.compile(r"\bRESULTS\.md\b"),
 }
-# Uses of those words that are not a diary: pytest's fixture scope, a POSIX process session.
-ALLOWED = re.compile(r"""scope=["']session["']|\bown session\b""")
+# Uses of those words that are not a diary: pytest's fixture scope.
+ALLOWED = re.compile(r"""scope=["']session["']""")
 
 def tracked_text_files() -> list[str]:
     if not (ROOT / ".git").exists():
@@ -81,7 +81,6 @@ def test_each_kind_of_diary_phrase_is_found(line):
         "BV 32, 4 warps: fastest at H=8 on H100 and H200 (`python -m benchmarks tune`)",
         "one call per chunk; the backward recalls the forward's states",
         "a model.generate call decodes one token per step",
-        "The children run in their own session, so a terminal's Ctrl-C reaches them",
     ],
 )
 def test_the_projects_own_words_are_not_taken_for_a_diary(line):

@@ -11,8 +11,8 @@ and retried on the next invocation. What happened to each run is in its `study_r
 Stopping: SIGINT (Ctrl-C) or SIGTERM to the study launches nothing more and passes SIGTERM to
 the running children, which checkpoint and exit; the study waits for them (`grace` seconds, then
 SIGKILL; a second signal kills them at once) and records them "interrupted" only once they have
-exited. The children run in their own session, so a terminal's Ctrl-C reaches them only through
-the study, once. A child that dies of a signal the study did not send (SIGKILL from the kernel's
+exited. Each child leads a process group of its own, so a terminal's Ctrl-C reaches it only
+through the study, once. A child that dies of a signal the study did not send (SIGKILL from the kernel's
 out-of-memory killer) "failed", naming the signal.
 """
 
@@ -76,8 +76,8 @@ class StudyStopped(Exception):
 
 
 class SubprocessLauncher:
-    """Runs `python -m deltalab ARGS` with its output in a log file, each child in its
-    own session; remembers the live children so that a stopped study can pass the signal on,
+    """Runs `python -m deltalab ARGS` with its output in a log file, each child leading
+    a process group of its own; remembers the live children so that a stopped study can pass the signal on,
     and once closed starts no more."""
 
     def __init__(self) -> None:
@@ -118,7 +118,7 @@ class SubprocessLauncher:
         with self.lock:
             self.closed = True
             for process in self.live:
-                # The child leads its own session's process group: the signal reaches the
+                # The child leads its own process group: the signal reaches the
                 # processes it started too (torch.compile's workers), which SIGKILL to the
                 # child alone would leave running.
                 with contextlib.suppress(ProcessLookupError):
