@@ -399,8 +399,10 @@ def run(args: argparse.Namespace) -> dict:
     # the kernels are defined, so it must be set before the process imports deltalab. (Setting it
     # on import of this module would leak it into every later test or suite of the process.)
     if "kdn" in " ".join(args.mixers) and os.environ.get("TRITON_INTERPRET") != "1":
-        raise UserError("the memory suite runs the KDN gains' Triton kernels on CPU tensors: "
-                        "run it as TRITON_INTERPRET=1 python -m benchmarks memory ...")
+        raise UserError(
+            "the memory suite runs the KDN gains' Triton kernels on CPU tensors: "
+            "run it as TRITON_INTERPRET=1 python -m benchmarks memory ..."
+        )
     torch.set_num_threads(1)
     options = KernelOptions(
         recompute_states=not args.keep_states, rebuild_in_backward=not args.keep_inputs

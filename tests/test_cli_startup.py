@@ -110,14 +110,21 @@ def test_reading_deltalab_models_registers_the_model_with_the_auto_classes(tmp_p
     path = str(tmp_path / "model")
     for script in (SAVE_TINY, LOAD):
         done = subprocess.run(
-            [sys.executable, "-c", script, path], capture_output=True, text=True, env=env, timeout=300
+            [sys.executable, "-c", script, path],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
         )
         assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
-    assert lines == ["BEFORE True", "REGISTERED False", "SUBPACKAGES True", "LOADED CausalLM"], lines
+    assert lines == ["BEFORE True", "REGISTERED False", "SUBPACKAGES True", "LOADED CausalLM"], (
+        lines
+    )
     # The docs say so: a plain `import deltalab` registers nothing.
     architecture, usage = (
-        " ".join((ROOT / "docs" / name).read_text().split()) for name in ("ARCHITECTURE.md", "USAGE.md")
+        " ".join((ROOT / "docs" / name).read_text().split())
+        for name in ("ARCHITECTURE.md", "USAGE.md")
     )
     assert "`import deltalab` registers" not in architecture
     assert "`import deltalab` alone does not register" in usage

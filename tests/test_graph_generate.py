@@ -10,8 +10,10 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from deltalab.benchmarking import HOST_READS, OperatorCounter
+from deltalab.eval.common import greedy_decode
 from deltalab.models import MIXER_KINDS, CausalLM, build_config
 from deltalab.models.graph_generate import KEPT_DECODERS
+from deltalab.models.prefill import prefill
 from deltalab.ops._triton import INTERPRET
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, head_dim=16, vocab_size=67, chunk_size=16)
@@ -237,3 +239,48 @@ def test_the_static_step_on_triton_kernels_gives_the_tokens_of_the_loop(generato
     settings = dict(max_new_tokens=8, do_sample=False, eos_token_id=None)
     expected = generate(model, ids, mask, static_decoding=False, **settings)
     assert torch.equal(generate(model, ids, mask, static_decoding=True, **settings), expected)
+
+
+@pytest.mark.parametrize("mixer", MIXER_KINDS)
+def test_a_prompt_read_in_segments_leaves_the_cache_of_one_forward(generator, mixer):
+    model = tiny_model(mixer, torch.float64)
+    ids, mask = left_padded(generator, [23, 17])
+    whole_cache, whole_last = prefill(model, ids, 64, attention_mask=mask)
+    cache, last = prefill(model, ids, 5, attention_mask=mask)
+    torch.testing.assert_close(last, whole_last, rtol=1e-10, atol=1e-10)
+    assert cache.seen_tokens == whole_cache.seen_tokens == 23
+    for got, want in zip(cache.tensors(), whole_cache.tensors(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("mixer", ["kdn_diag", "transformer"])
+def test_generate_with_a_prompt_longer_than_its_prefill_segment_gives_the_same_tokens(
+    generator, mixer
+):
+    model = tiny_model(mixer, torch.float64)
+    ids, mask = left_padded(generator, [19, 11])
+    settings = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, static_decoding=True)
+    whole = generate(model, ids, mask, **settings)
+    assert torch.equal(generate(model, ids, mask, prefill_segment=4, **settings), whole)
+    with pytest.raises(ValueError, match="segment_len"):
+        generate(model, ids, mask, prefill_segment=0, **settings)
+
+
+@pytest.mark.parametrize("mixer", ["gdn2", "transformer"])
+def test_the_eval_tasks_decode_on_the_static_decoder_with_the_tokens_of_the_token_loop(
+    generator, mixer
+):
+    model = tiny_model(mixer, torch.float64)
+    ids, mask = left_padded(generator, [9, 6, 12])
+
+    def stop(row: int, tokens: list[int]) -> bool:  # rows end at different tokens
+        return len(tokens) >= 3 + 4 * row or tokens[-1] % 17 == 0
+
+    def decode(static: bool) -> list[list[int]]:
+        cache, logits = prefill(model, ids, 4, attention_mask=mask)
+        return greedy_decode(model, cache, logits, 20, stop=stop, static=static)
+
+    looped = decode(static=False)
+    assert len({len(row) for row in looped}) > 1, "rows should stop at different lengths"
+    assert decode(static=True) == looped
+    assert decode(static=True) == looped  # again, on the decoder the model kept

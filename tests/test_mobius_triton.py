@@ -23,10 +23,13 @@ from deltalab.ops.mobius import resolve_backend, scan_along_time
 from deltalab.testing import TOLERANCE, assert_close
 
 CUDA = torch.cuda.is_available() and not INTERPRET
-pytestmark = [pytest.mark.interpreter, pytest.mark.skipif(
-    not HAS_TRITON or not (INTERPRET or CUDA),
-    reason="Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 set before the import",
-)]
+pytestmark = [
+    pytest.mark.interpreter,
+    pytest.mark.skipif(
+        not HAS_TRITON or not (INTERPRET or CUDA),
+        reason="Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 set before the import",
+    ),
+]
 DEVICE = "cuda" if CUDA else "cpu"
 F64 = torch.float64
 gpu_only = pytest.mark.skipif(not CUDA, reason="realistic shapes: too slow for the interpreter")

@@ -389,9 +389,13 @@ def test_config_kernel_options_save_the_same_given_as_object_or_mapping(tmp_path
     """A KernelOptions object and a mapping of the same choices store the same config.json
     entry: only the fields that differ from `KernelOptions()`."""
     saved = {}
-    for spelling, given in [("object", KernelOptions(walk_dots="float32")),
-                            ("mapping", {"walk_dots": "float32", "checkpoint_every": 8})]:
-        build_config("tiny", mixer="gdn2", kernel_options=given).save_pretrained(tmp_path / spelling)
+    for spelling, given in [
+        ("object", KernelOptions(walk_dots="float32")),
+        ("mapping", {"walk_dots": "float32", "checkpoint_every": 8}),
+    ]:
+        build_config("tiny", mixer="gdn2", kernel_options=given).save_pretrained(
+            tmp_path / spelling
+        )
         saved[spelling] = json.loads((tmp_path / spelling / "config.json").read_text())
     assert saved["object"]["kernel_options"] == {"walk_dots": "float32"}
     assert saved["mapping"]["kernel_options"] == saved["object"]["kernel_options"]

@@ -30,6 +30,7 @@ DIARY = {
 # Uses of those words that are not a diary: pytest's fixture scope.
 ALLOWED = re.compile(r"""scope=["']session["']""")
 
+
 def tracked_text_files() -> list[str]:
     if not (ROOT / ".git").exists():
         pytest.skip("not a git checkout: the tracked files are unknown")
@@ -39,9 +40,7 @@ def tracked_text_files() -> list[str]:
     return [
         name
         for name in listed
-        if Path(name).suffix in SUFFIXES
-        and name != THIS_FILE
-        and (ROOT / name).is_file()
+        if Path(name).suffix in SUFFIXES and name != THIS_FILE and (ROOT / name).is_file()
     ]
 
 

@@ -16,10 +16,13 @@ from deltalab.ops._triton import INTERPRET
 from deltalab.ops.delta_rule.naive import delta_rule_token
 from deltalab.testing import TOLERANCE, assert_close
 
-pytestmark = [pytest.mark.interpreter, pytest.mark.skipif(
-    not (INTERPRET or torch.cuda.is_available()),
-    reason="needs a CUDA GPU, or TRITON_INTERPRET=1 set before import",
-)]
+pytestmark = [
+    pytest.mark.interpreter,
+    pytest.mark.skipif(
+        not (INTERPRET or torch.cuda.is_available()),
+        reason="needs a CUDA GPU, or TRITON_INTERPRET=1 set before import",
+    ),
+]
 
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 DECAYS = pytest.mark.parametrize(

@@ -27,7 +27,6 @@ __all__ = [
     "LoadedCheckpoint",
     "greedy_decode",
     "load_checkpoint",
-    "prefill",
     "stream_token_nll",
     "wilson_interval",
 ]
@@ -172,9 +171,12 @@ def load_checkpoint(
 
 
 def _segments(length: int, segment_len: int) -> list[tuple[int, int]]:
-    if segment_len < 1:
-        raise EvalError(f"segment_len must be a positive int, got {segment_len}")
-    return [(s, min(s + segment_len, length)) for s in range(0, length, segment_len)]
+    from deltalab.models.prefill import segments
+
+    try:
+        return segments(length, segment_len)
+    except ValueError as error:
+        raise EvalError(str(error)) from None
 
 
 @torch.no_grad()
@@ -221,35 +223,6 @@ def stream_token_nll(
 
 
 @torch.no_grad()
-def prefill(
-    model: Any,
-    ids: torch.Tensor,
-    segment_len: int,
-    *,
-    attention_mask: torch.Tensor | None = None,
-) -> tuple[Any, torch.Tensor]:
-    """Reads `ids [B, T]` (left-padded where `attention_mask` is False) in segments -> (cache,
-    logits of the last position `[B, vocab]`)."""
-    from deltalab.models.cache import RecurrentCache
-
-    device = next(model.parameters()).device
-    cache = RecurrentCache(len(model.model.blocks))
-    last = None
-    for start, stop in _segments(ids.shape[1], segment_len):
-        mask = None if attention_mask is None else attention_mask[:, start:stop].to(device)
-        out = model(
-            input_ids=ids[:, start:stop].to(device),
-            attention_mask=mask,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        last = out.logits[:, -1]
-    assert last is not None, "prefill needs at least one token"
-    return cache, last
-
-
-@torch.no_grad()
 def greedy_decode(
     model: Any,
     cache: Any,
@@ -259,12 +232,21 @@ def greedy_decode(
     stop: Any = None,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    static: bool | None = None,
 ) -> list[list[int]]:
     """Continues every row of a prefilled cache: greedy (temperature 0) or sampled.
 
     `stop(row, tokens) -> bool` ends a row early (its tokens so far are kept); decoding ends
-    when every row has stopped.
+    when every row has stopped. `static`: None (default) decodes on the static-cache decoder
+    replayed as a CUDA graph on CUDA (`deltalab.models.static_decode`, the decoder kept on the
+    model and reused) and token by token through the model's forward elsewhere; True or False
+    choose. The static decoder gives the same greedy tokens; its samples come from the device's
+    random generator, not `generator`.
     """
+    if static is None:
+        static = logits.device.type == "cuda"
+    if static:
+        return _static_decode(model, cache, logits, max_new_tokens, stop, temperature)
     batch = logits.shape[0]
     out: list[list[int]] = [[] for _ in range(batch)]
     done = [False] * batch
@@ -283,6 +265,35 @@ def greedy_decode(
         device = logits.device
         step = model(input_ids=token[:, None].to(device), past_key_values=cache, use_cache=True)
         logits = step.logits[:, -1]
+    return out
+
+
+def _static_decode(
+    model: Any, cache: Any, logits: torch.Tensor, max_new_tokens: int, stop: Any, temperature: float
+) -> list[list[int]]:
+    """`greedy_decode` on the model's kept static decoder; `stop` is asked after each
+    `CHECK_EVERY` tokens the device produced, for each of them in order."""
+    from deltalab.models.graph_generate import CHECK_EVERY, StaticPlan, kept_decoder
+
+    plan = StaticPlan(temperature, None)
+    cuda_graph = logits.device.type == "cuda"
+    decoder = kept_decoder(model, cache, plan, max_new_tokens, cuda_graph)
+    decoder.start(logits)
+    batch = logits.shape[0]
+    out: list[list[int]] = [[] for _ in range(batch)]
+    done = [False] * batch
+    seen = 0
+    while seen < max_new_tokens and not all(done):
+        end = min(seen + CHECK_EVERY, max_new_tokens)
+        while decoder.produced < end:
+            decoder.step()
+        chunk = decoder.history[:, seen:end].cpu()
+        for i in range(end - seen):
+            for row in range(batch):
+                if not done[row]:
+                    out[row].append(int(chunk[row, i]))
+                    done[row] = stop is not None and stop(row, out[row])
+        seen = end
     return out
 
 

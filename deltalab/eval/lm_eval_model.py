@@ -26,9 +26,9 @@ from deltalab.eval.common import (
     LoadedCheckpoint,
     greedy_decode,
     load_checkpoint,
-    prefill,
     stream_token_nll,
 )
+from deltalab.models.prefill import prefill
 
 __all__ = ["DeltaLabLM"]
 

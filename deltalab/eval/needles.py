@@ -22,7 +22,6 @@ import torch
 from deltalab.eval.common import (
     EvalError,
     greedy_decode,
-    prefill,
     source_documents,
     wilson_interval,
 )
@@ -291,6 +290,8 @@ def score_answer(output: str, answers: list[str]) -> float:
 def _answer(loaded: Any, example: Example, segment_len: int, max_new_tokens: int) -> str:
     tokenizer = loaded.tokenizer
     ids = torch.tensor([tokenizer.encode(example.context)])
+    from deltalab.models.prefill import prefill
+
     cache, logits = prefill(loaded.model, ids, segment_len)
     eos = tokenizer.eos_id
     out = greedy_decode(

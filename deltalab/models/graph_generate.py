@@ -30,12 +30,14 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
 from transformers.generation.stopping_criteria import MaxTimeCriteria
 
+from deltalab.models.prefill import PREFILL_SEGMENT, prefill
 from deltalab.models.static_decode import StaticDecoder
 
 __all__ = [
     "CHECK_EVERY",
     "DecoderCache",
     "StaticPlan",
+    "kept_decoder",
     "note_fallback",
     "static_plan",
     "static_sample",
@@ -158,6 +160,15 @@ class DecoderCache:
         return decoder
 
 
+def kept_decoder(
+    model: Any, cache: Any, plan: StaticPlan, new_tokens: int, cuda_graph: bool
+) -> StaticDecoder:
+    """The model's decoder for this batch (`DecoderCache`), loaded with `cache`."""
+    if not hasattr(model, "_static_decoders"):
+        model._static_decoders = DecoderCache()
+    return model._static_decoders.get(model, cache, plan, new_tokens, cuda_graph)
+
+
 @torch.no_grad()
 def static_sample(
     model: Any,
@@ -167,23 +178,18 @@ def static_sample(
     generation_config: Any,
     model_kwargs: dict[str, Any],
     cuda_graph: bool,
+    prefill_segment: int = PREFILL_SEGMENT,
 ) -> torch.Tensor:
-    """`GenerationMixin._sample`'s result (`[B, T + n]` ids) from the static decoder."""
+    """`GenerationMixin._sample`'s result (`[B, T + n]` ids) from the static decoder; the
+    prompt is read in segments of `prefill_segment` tokens (`deltalab.models.prefill`)."""
     length = input_ids.shape[1]
     new_tokens = generation_config.max_length - length
-    prefill = model(
-        input_ids,
-        attention_mask=model_kwargs.get("attention_mask"),
-        use_cache=True,
-        logits_to_keep=1,
+    cache, last = prefill(
+        model, input_ids, prefill_segment, attention_mask=model_kwargs.get("attention_mask")
     )
-    if not hasattr(model, "_static_decoders"):
-        model._static_decoders = DecoderCache()
-    decoder = model._static_decoders.get(
-        model, prefill.past_key_values, plan, new_tokens, cuda_graph
-    )
-    decoder.start(prefill.logits[:, -1])
-    del prefill
+    decoder = kept_decoder(model, cache, plan, new_tokens, cuda_graph)
+    decoder.start(last)
+    del cache, last
     pad = generation_config._pad_token_tensor
     pad_finished = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
     ids = torch.empty(input_ids.shape[0], length + new_tokens, dtype=input_ids.dtype)

@@ -25,6 +25,7 @@ from deltalab.layers.common import RMSNorm, compute_dtype
 from deltalab.models.cache import RecurrentCache
 from deltalab.models.config import DeltaLabConfig
 from deltalab.models.mixers import build_mixer
+from deltalab.models.prefill import PREFILL_SEGMENT, segments
 from deltalab.ops._checks import one_host_read, values_checkable
 from deltalab.ops._recompute import recomputed, without_rebuild
 from deltalab.ops.lm_loss import linear_cross_entropy
@@ -33,9 +34,9 @@ from deltalab.ops.swiglu import swiglu
 
 __all__ = ["Block", "CausalLM", "DeltaLabModel", "SwiGLU"]
 
-# `CausalLM.generate`'s static_decoding for the `_sample` it calls.
-_STATIC_DECODING: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
-    "deltalab_static_decoding", default=None
+# `CausalLM.generate`'s (static_decoding, prefill_segment) for the `_sample` it calls.
+_STATIC_DECODING: contextvars.ContextVar[tuple[bool | None, int]] = contextvars.ContextVar(
+    "deltalab_static_decoding", default=(None, PREFILL_SEGMENT)
 )
 
 
@@ -350,7 +351,13 @@ class CausalLM(DeltaLabPreTrainedModel, GenerationMixin):
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
 
-    def generate(self, *args: Any, static_decoding: bool | None = None, **kwargs: Any) -> Any:
+    def generate(
+        self,
+        *args: Any,
+        static_decoding: bool | None = None,
+        prefill_segment: int = PREFILL_SEGMENT,
+        **kwargs: Any,
+    ) -> Any:
         """`GenerationMixin.generate`, with greedy and sampled decoding on the static-cache
         decoder where it serves the call (`deltalab.models.graph_generate`: a CUDA graph
         replayed per token on CUDA).
@@ -359,10 +366,15 @@ class CausalLM(DeltaLabPreTrainedModel, GenerationMixin):
         and for what it cannot serve (one log line says why); True uses it on any device (an
         eager step off CUDA) and raises ValueError where it cannot serve the call; False
         always runs transformers' loop.
+
+        prefill_segment: the static decoder reads the prompt in segments of this many tokens
+        (`deltalab.models.prefill`; default 65536), so a prompt of a million tokens fits where
+        one forward over it would not; transformers' loop reads it in one forward.
         """
         if static_decoding not in (None, True, False):
             raise TypeError(f"static_decoding must be None or a bool, got {static_decoding!r}")
-        token = _STATIC_DECODING.set(static_decoding)
+        segments(1, prefill_segment)  # the check, before any work
+        token = _STATIC_DECODING.set((static_decoding, prefill_segment))
         try:
             return super().generate(*args, **kwargs)
         finally:
@@ -381,7 +393,7 @@ class CausalLM(DeltaLabPreTrainedModel, GenerationMixin):
         """transformers' greedy and sampling loop, or the static decoder (`generate`)."""
         from deltalab.models import graph_generate
 
-        choice = _STATIC_DECODING.get()
+        choice, segment = _STATIC_DECODING.get()
         on_cuda = self.device.type == "cuda"
         if choice is not False and (on_cuda or choice):
             plan = graph_generate.static_plan(
@@ -391,7 +403,7 @@ class CausalLM(DeltaLabPreTrainedModel, GenerationMixin):
             if not isinstance(plan, str):
                 return graph_generate.static_sample(
                     self, input_ids, plan, stopping_criteria, generation_config, model_kwargs,
-                    cuda_graph=on_cuda,
+                    cuda_graph=on_cuda, prefill_segment=segment,
                 )  # fmt: skip
             if choice:
                 raise ValueError(f"static_decoding=True cannot serve this call: {plan}")
