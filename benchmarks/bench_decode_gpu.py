@@ -5,13 +5,14 @@
     python -m benchmarks decode latency --tiny     # CPU smoke run
 
 For each mixer and context: one random prompt is prefilled by the model's chunked forward (in
-segments of 64K tokens, `deltalab.models.prefill`), and its cache is replicated to every sequence
-of each batch (prefilling 256 x 32K tokens would take minutes; the decoding step costs the same
-whatever the sequences hold). Then `--rounds` rounds of `--steps` tokens are timed per path,
-each round from the prefilled cache, after one untimed round; the median round gives the latency per token (of the whole batch). Random weights at the
-preset's shape, activations in bfloat16 on CUDA (float32 on CPU). Configurations whose cache
-cannot fit in `--memory-fraction` of the device memory are skipped and say so; on CPU the
-static path runs eagerly (no CUDA graphs there) and is reported as "static_eager".
+segments of 64K tokens, `deltalab.models.prefill`), and its cache is replicated to every
+sequence of each batch (prefilling 256 x 32K tokens would take minutes; the decoding step costs
+the same whatever the sequences hold). Then `--rounds` rounds of `--steps` tokens are timed per
+path, each round from the prefilled cache, after one untimed round; the median round gives the
+latency per token (of the whole batch). Random weights at the preset's shape, activations in
+bfloat16 on CUDA (float32 on CPU). Configurations whose cache cannot fit in `--memory-fraction`
+of the device memory are skipped and say so; on CPU the static path runs eagerly (no CUDA graphs
+there) and is reported as "static_eager".
 """
 
 from __future__ import annotations
