@@ -28,7 +28,7 @@ import torch
 from benchmarks.common import add_model_arguments
 from deltalab.benchmarking import format_table, median_seconds
 from deltalab.models import CausalLM, RecurrentCache, build_config
-from deltalab.models.prefill import prefill
+from deltalab.models.prefill import PREFILL_SEGMENT, prefill
 from deltalab.models.static_decode import WARMUP_STEPS, StaticDecoder
 from deltalab.ops import delta_rule_step
 
@@ -226,16 +226,16 @@ def run(args: argparse.Namespace) -> dict:
         prefill(model, torch.randint(0, model.config.vocab_size, (1, 256), generator=generator))
         for context in contexts:
             prompt = torch.randint(0, model.config.vocab_size, (1, context), generator=generator)
-            synchronize(device)
-            start = time.perf_counter()
-            cache, _ = prefill(model, prompt)
-            synchronize(device)
-            prefill_s = time.perf_counter() - start
+            cache, prefill_s, forward_s = time_prefill(model, prompt.to(device), device)
             per_sequence = cache.nbytes()
             has_attention = any(kind == "attention" for kind in model.config.layer_kinds())
             for batch in batches:
                 entry = dict(
-                    mixer=mixer, context=context, batch=batch, prefill_s=round(prefill_s, 3)
+                    mixer=mixer,
+                    context=context,
+                    batch=batch,
+                    prefill_s=round(prefill_s, 3),
+                    forward_s=forward_s and round(forward_s, 3),
                 )
                 # Static attention buffers hold context + steps slots; the eager cache is
                 # copied by every step (torch.cat), so old and new copies coexist.
@@ -268,16 +268,39 @@ def run(args: argparse.Namespace) -> dict:
                             torch.cuda.empty_cache()
                 results.append(entry)
                 print(json.dumps(entry), flush=True)
+                speed = f"{context / prefill_s / 1e3:.1f}K"
+                if forward_s:
+                    speed += f" ({forward_s / prefill_s:.2f}x fwd)"
                 rows.append(
-                    [mixer, context, batch, *(_ms(entry[p]) for p in ("eager", static_path))]
+                    [mixer, context, batch, speed, *(_ms(entry[p]) for p in ("eager", static_path))]
                 )
             del cache
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
     meta["seconds"] = round(time.perf_counter() - began, 1)
-    print(format_table(["mixer", "context", "batch", "eager ms", f"{static_path} ms"], rows))
+    headers = ["mixer", "context", "batch", "prefill tokens/s", "eager ms", f"{static_path} ms"]
+    print(format_table(headers, rows))
     return {"meta": meta, "step_kernel": step_kernel, "results": results}
+
+
+@torch.no_grad()
+def time_prefill(model, prompt: torch.Tensor, device: torch.device):
+    """(cache, seconds of `prefill`, seconds of one plain forward over the prompt without a
+    cache, the work a training step's forward does; None where the prompt is longer than one
+    prefill segment, whose forward need not fit)."""
+    synchronize(device)
+    start = time.perf_counter()
+    cache, _ = prefill(model, prompt)
+    synchronize(device)
+    prefill_s = time.perf_counter() - start
+    forward_s = None
+    if prompt.shape[1] <= PREFILL_SEGMENT:
+        start = time.perf_counter()
+        model(prompt, use_cache=False, logits_to_keep=1)
+        synchronize(device)
+        forward_s = time.perf_counter() - start
+    return cache, prefill_s, forward_s
 
 
 def _ms(value: object) -> object:
