@@ -39,6 +39,10 @@ class DeltaNet(DeltaMixer):
     ) -> None:
         super().__init__(options, gate_rank=gate_rank, **frontend)
         self.b_proj = nn.Linear(self.hidden_size, self.num_heads, bias=False)
+        self._init_decay()
+
+    def _init_decay(self) -> None:
+        """The decay module of a subclass (`GatedDeltaNet`), made after `b_proj`; none here."""
 
     def gate_projections(self) -> tuple[nn.Module, ...]:
         return (self.b_proj,)
@@ -52,29 +56,27 @@ class DeltaNet(DeltaMixer):
         return deltanet_inputs(q, k, v, gates["beta"])
 
 
-class GatedDeltaNet(DeltaNet):
-    """Gated DeltaNet: DeltaNet with one log decay per head (`ScalarDecay`).
-
-    Gates: beta `[B, T, H]`, g `[B, T, H]`. Arguments as `DeltaNet`.
-    """
-
-    def __init__(
-        self,
-        options: FrontendOptions | None = None,
-        *,
-        gate_rank: int | None = None,
-        **frontend: Unpack[FrontendKeywords],
-    ) -> None:
-        super().__init__(options, gate_rank=gate_rank, **frontend)
-        self.decay = ScalarDecay(self.hidden_size, self.num_heads)
-
-    def gate_projections(self) -> tuple[nn.Module, ...]:
-        return (self.b_proj, self.decay.a_proj)
+class DecayedBetaGates:
+    """The gates of GDN and KDA: beta = sigmoid(W_b x) per head (`b_proj`) and the log decay of
+    the layer's `decay` module (per head or per channel), as `{"beta", "g"}`."""
 
     def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         # The decay follows the delta rule's backend, as the norms (Triton or the torch path).
         g = self.decay(x, backend=layer_backend(self.backend))
         return {"beta": torch.sigmoid(project(self.b_proj, x)), "g": g}
+
+
+class GatedDeltaNet(DecayedBetaGates, DeltaNet):
+    """Gated DeltaNet: DeltaNet with one log decay per head (`ScalarDecay`).
+
+    Gates: beta `[B, T, H]`, g `[B, T, H]`. Arguments as `DeltaNet`.
+    """
+
+    def _init_decay(self) -> None:
+        self.decay = ScalarDecay(self.hidden_size, self.num_heads)
+
+    def gate_projections(self) -> tuple[nn.Module, ...]:
+        return (self.b_proj, self.decay.a_proj)
 
     def inputs_from_gates(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]

@@ -19,16 +19,15 @@ from deltalab.layers.common import (
     FrontendKeywords,
     FrontendOptions,
     frontend_options,
-    project,
 )
 from deltalab.layers.decay import ChannelDecay
-from deltalab.ops.log_decay import layer_backend
+from deltalab.layers.deltanet import DecayedBetaGates
 from deltalab.ops.parametrize import DeltaRuleInputs, kda_inputs
 
 __all__ = ["KimiDeltaAttention"]
 
 
-class KimiDeltaAttention(DeltaMixer):
+class KimiDeltaAttention(DecayedBetaGates, DeltaMixer):
     """KDA: beta = sigmoid(W_b x) per head, channel decay, low-rank sigmoid output gate.
 
     Gates: beta `[B, T, H]`, g `[B, T, H, K]`.
@@ -57,11 +56,6 @@ class KimiDeltaAttention(DeltaMixer):
 
     def gate_projections(self) -> tuple[nn.Module, ...]:
         return (self.b_proj, self.decay.f_proj)
-
-    def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        # The decay follows the delta rule's backend, as the norms (Triton or the torch path).
-        g = self.decay(x, backend=layer_backend(self.backend))
-        return {"beta": torch.sigmoid(project(self.b_proj, x)), "g": g}
 
     def inputs_from_gates(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]
