@@ -10,7 +10,8 @@ Sequence Length" (arXiv:2406.06484); "Gated Delta Networks: Improving Mamba2 wit
 
 from __future__ import annotations
 
-from typing import Unpack
+from collections.abc import Callable
+from typing import ClassVar, Unpack
 
 import torch
 from torch import nn
@@ -58,12 +59,20 @@ class DeltaNet(DeltaMixer):
 
 class DecayedBetaGates:
     """The gates of GDN and KDA: beta = sigmoid(W_b x) per head (`b_proj`) and the log decay of
-    the layer's `decay` module (per head or per channel), as `{"beta", "g"}`."""
+    the layer's `decay` module (per head or per channel), as `{"beta", "g"}`; the primitive's
+    inputs from them by the class's `parametrize` (`deltalab.ops.parametrize`)."""
+
+    parametrize: ClassVar[Callable[..., DeltaRuleInputs]]
 
     def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         # The decay follows the delta rule's backend, as the norms (Triton or the torch path).
         g = self.decay(x, backend=layer_backend(self.backend))
         return {"beta": torch.sigmoid(project(self.b_proj, x)), "g": g}
+
+    def inputs_from_gates(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]
+    ) -> DeltaRuleInputs:
+        return self.parametrize(q, k, v, gates["beta"], gates["g"])
 
 
 class GatedDeltaNet(DecayedBetaGates, DeltaNet):
@@ -72,13 +81,10 @@ class GatedDeltaNet(DecayedBetaGates, DeltaNet):
     Gates: beta `[B, T, H]`, g `[B, T, H]`. Arguments as `DeltaNet`.
     """
 
+    parametrize = staticmethod(gated_deltanet_inputs)
+
     def _init_decay(self) -> None:
         self.decay = ScalarDecay(self.hidden_size, self.num_heads)
 
     def gate_projections(self) -> tuple[nn.Module, ...]:
         return (self.b_proj, self.decay.a_proj)
-
-    def inputs_from_gates(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]
-    ) -> DeltaRuleInputs:
-        return gated_deltanet_inputs(q, k, v, gates["beta"], gates["g"])

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Unpack
 
-import torch
 from torch import nn
 
 from deltalab.layers.common import (
@@ -22,7 +21,7 @@ from deltalab.layers.common import (
 )
 from deltalab.layers.decay import ChannelDecay
 from deltalab.layers.deltanet import DecayedBetaGates
-from deltalab.ops.parametrize import DeltaRuleInputs, kda_inputs
+from deltalab.ops.parametrize import kda_inputs
 
 __all__ = ["KimiDeltaAttention"]
 
@@ -38,6 +37,7 @@ class KimiDeltaAttention(DecayedBetaGates, DeltaMixer):
     """
 
     default_gate_activation = "sigmoid"
+    parametrize = staticmethod(kda_inputs)
 
     def __init__(
         self,
@@ -56,8 +56,3 @@ class KimiDeltaAttention(DecayedBetaGates, DeltaMixer):
 
     def gate_projections(self) -> tuple[nn.Module, ...]:
         return (self.b_proj, self.decay.f_proj)
-
-    def inputs_from_gates(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]
-    ) -> DeltaRuleInputs:
-        return kda_inputs(q, k, v, gates["beta"], gates["g"])
