@@ -9,7 +9,7 @@ Architecture" (arXiv:2510.26692).
 
 from __future__ import annotations
 
-from typing import Unpack
+from typing import Unpack, cast
 
 from torch import nn
 
@@ -26,7 +26,41 @@ from deltalab.ops.parametrize import kda_inputs
 __all__ = ["KimiDeltaAttention"]
 
 
-class KimiDeltaAttention(DecayedBetaGates, DeltaMixer):
+class ChannelDecayMixer(DeltaMixer):
+    """The constructor KDA and GDN-2 share: the frontend with the output gate's rank, the
+    layer's own gate projections (`_init_gate_projections`), then the per-channel decay
+    (`ChannelDecay`), in that order. Each class gives its default ranks (`default_ranks`).
+
+    Args: options or the frontend keywords (`FrontendOptions`); decay_rank: rank of the decay
+    projection; gate_rank: rank of the output gate.
+    """
+
+    def __init__(
+        self,
+        options: FrontendOptions | None = None,
+        *,
+        decay_rank: int | None = None,
+        gate_rank: int | None = None,
+        **frontend: Unpack[FrontendKeywords],
+    ) -> None:
+        options = frontend_options(options, frontend, type(self))
+        default_decay_rank, default_gate_rank = self.default_ranks(options)
+        super().__init__(options, gate_rank=default_gate_rank if gate_rank is None else gate_rank)
+        self._init_gate_projections()
+        rank = default_decay_rank if decay_rank is None else decay_rank
+        self.decay = ChannelDecay(self.hidden_size, self.num_heads, self.head_dim, rank)
+
+    @classmethod
+    def default_ranks(cls, options: FrontendOptions) -> tuple[int, int]:
+        """(decay_rank, gate_rank) when not given."""
+        raise NotImplementedError
+
+    def _init_gate_projections(self) -> None:
+        """The projections of x into the layer's gates other than the decay."""
+        raise NotImplementedError
+
+
+class KimiDeltaAttention(DecayedBetaGates, ChannelDecayMixer):
     """KDA: beta = sigmoid(W_b x) per head, channel decay, low-rank sigmoid output gate.
 
     Gates: beta `[B, T, H]`, g `[B, T, H, K]`.
@@ -39,20 +73,12 @@ class KimiDeltaAttention(DecayedBetaGates, DeltaMixer):
     default_gate_activation = "sigmoid"
     parametrize = staticmethod(kda_inputs)
 
-    def __init__(
-        self,
-        options: FrontendOptions | None = None,
-        *,
-        decay_rank: int | None = None,
-        gate_rank: int | None = None,
-        **frontend: Unpack[FrontendKeywords],
-    ) -> None:
-        options = frontend_options(options, frontend, type(self))
-        super().__init__(options, gate_rank=options.value_dim if gate_rank is None else gate_rank)
-        heads, head_dim = self.num_heads, self.head_dim
-        self.b_proj = nn.Linear(self.hidden_size, heads, bias=False)
-        rank = head_dim if decay_rank is None else decay_rank
-        self.decay = ChannelDecay(self.hidden_size, heads, head_dim, rank)
+    @classmethod
+    def default_ranks(cls, options: FrontendOptions) -> tuple[int, int]:
+        return options.head_dim, cast(int, options.value_dim)
+
+    def _init_gate_projections(self) -> None:
+        self.b_proj = nn.Linear(self.hidden_size, self.num_heads, bias=False)
 
     def gate_projections(self) -> tuple[nn.Module, ...]:
         return (self.b_proj, self.decay.f_proj)
