@@ -10,6 +10,7 @@ non-zero exit code when any error exceeds its tolerance.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -53,31 +54,57 @@ def _gradients(inputs, **kwargs):
     return torch.cat([x.grad.flatten() for x in leaves])
 
 
+class _Reference(NamedTuple):
+    """Float64 inputs of one decay kind (`accurate`: g >= -1; `strong`: g >= strong_log_decay),
+    float32 inputs for timing, and the token loop's outputs on the float64 ones."""
+
+    accurate: tuple[torch.Tensor, ...]
+    strong: tuple[torch.Tensor, ...]
+    timed: list[torch.Tensor]
+    o: torch.Tensor
+    s: torch.Tensor
+    grad: torch.Tensor
+    o_strong: torch.Tensor
+
+
+def _reference(config: CheckConfig, channel: bool, generator, device="cpu") -> _Reference:
+    """`_Reference` of per-channel (`channel`) or per-head decay, the timing inputs on `device`."""
+    accurate = _inputs(config, config.accuracy_length, channel, -1.0, generator)
+    strong = _inputs(config, config.accuracy_length, channel, config.strong_log_decay, generator)
+    timed = [
+        x.float().to(device)
+        for x in _inputs(config, config.timing_length, channel, -1.0, generator)
+    ]
+    o, s = delta_rule(*accurate, backend="naive", output_final_state=True)
+    grad = _gradients(accurate, backend="naive")
+    o_strong, _ = delta_rule(*strong, backend="naive")
+    return _Reference(accurate, strong, timed, o, s, grad, o_strong)
+
+
+def _errors(inputs, ref: _Reference, **kwargs) -> list[float]:
+    """Relative errors of o, the final state and the gradients against the token loop's."""
+    o, s = delta_rule(*inputs, output_final_state=True, **kwargs)
+    return [
+        relative_error(o, ref.o),
+        relative_error(s, ref.s),
+        relative_error(_gradients(inputs, **kwargs), ref.grad),
+    ]
+
+
 def run_check(config: CheckConfig = CheckConfig()) -> tuple[list[list[object]], bool]:
     """Returns the table rows and whether every error is within tolerance."""
     generator = torch.Generator().manual_seed(config.seed)
     rows, ok = [], True
     for channel in (False, True):
         decay = "channel" if channel else "head"
-        accurate = _inputs(config, config.accuracy_length, channel, -1.0, generator)
-        strong = _inputs(
-            config, config.accuracy_length, channel, config.strong_log_decay, generator
-        )
-        timed = [x.float() for x in _inputs(config, config.timing_length, channel, -1.0, generator)]
-        o_ref, s_ref = delta_rule(*accurate, backend="naive", output_final_state=True)
-        grad_ref = _gradients(accurate, backend="naive")
-        o_strong_ref, _ = delta_rule(*strong, backend="naive")
+        ref = _reference(config, channel, generator)
+        timed = ref.timed
         naive_time = median_seconds(lambda x=timed: delta_rule(*x, backend="naive"), repeats=3)
         for chunk in config.chunk_sizes:
             kwargs = dict(backend="chunk", chunk_size=chunk)
-            o, s = delta_rule(*accurate, output_final_state=True, **kwargs)
-            errors64 = [
-                relative_error(o, o_ref),
-                relative_error(s, s_ref),
-                relative_error(_gradients(accurate, **kwargs), grad_ref),
-            ]
-            o32, _ = delta_rule(*(x.float() for x in strong), **kwargs)
-            error32 = relative_error(o32, o_strong_ref)
+            errors64 = _errors(ref.accurate, ref, **kwargs)
+            o32, _ = delta_rule(*(x.float() for x in ref.strong), **kwargs)
+            error32 = relative_error(o32, ref.o_strong)
             ok &= max(errors64) <= TOLERANCE[torch.float64] and error32 <= TOLERANCE[torch.float32]
             chunk_time = median_seconds(lambda x=timed, k=kwargs: delta_rule(*x, **k), repeats=3)
             rows.append(
@@ -99,28 +126,15 @@ def run_triton_check(config: CheckConfig, device: torch.device) -> tuple[list[li
     generator = torch.Generator().manual_seed(config.seed + 1)
     rows, ok = [], True
     for channel in (False, True):
-        accurate = _inputs(config, config.accuracy_length, channel, -1.0, generator)
-        strong = _inputs(
-            config, config.accuracy_length, channel, config.strong_log_decay, generator
-        )
-        timed = [
-            x.float().to(device)
-            for x in _inputs(config, config.timing_length, channel, -1.0, generator)
-        ]
-        o_ref, s_ref = delta_rule(*accurate, backend="naive", output_final_state=True)
-        grad_ref = _gradients(accurate, backend="naive")
-        o_strong_ref, _ = delta_rule(*strong, backend="naive")
-        on_device = [x.float().to(device) for x in accurate]
+        ref = _reference(config, channel, generator, device)
+        timed = ref.timed
+        on_device = [x.float().to(device) for x in ref.accurate]
         for chunk in (64, 128):
             kwargs = dict(backend="triton", chunk_size=chunk)
-            o, s = delta_rule(*on_device, output_final_state=True, **kwargs)
+            strong = (x.float().to(device) for x in ref.strong)
             errors = [
-                relative_error(o, o_ref),
-                relative_error(s, s_ref),
-                relative_error(_gradients(on_device, **kwargs), grad_ref),
-                relative_error(
-                    delta_rule(*(x.float().to(device) for x in strong), **kwargs)[0], o_strong_ref
-                ),
+                *_errors(on_device, ref, **kwargs),
+                relative_error(delta_rule(*strong, **kwargs)[0], ref.o_strong),
             ]
             ok &= max(errors) <= TOLERANCE[torch.float32]
             chunk_time = median_seconds(

@@ -189,6 +189,20 @@ def test_input_ids_outside_the_vocabulary_are_refused():
         model(torch.tensor([[0, 67]]))
 
 
+def test_embedding_accessors_reach_the_token_table_and_the_tied_head():
+    model = tiny_model("gdn")
+    assert model.get_input_embeddings() is model.model.embed
+    assert model.model.get_input_embeddings() is model.model.embed
+    assert model.get_output_embeddings() is model.lm_head
+    assert model.lm_head.weight is model.model.embed.weight
+    table = torch.nn.Embedding(67, TINY["hidden_size"])
+    model.set_input_embeddings(table)
+    assert model.model.embed is table
+    head = torch.nn.Linear(TINY["hidden_size"], 67, bias=False)
+    model.set_output_embeddings(head)
+    assert model.lm_head is head
+
+
 @pytest.mark.parametrize("mixer", MIXER_KINDS)
 @pytest.mark.parametrize("scale", list(SCALES))
 def test_preset_parameter_count_matches_its_name(scale, mixer):

@@ -14,6 +14,7 @@ from conftest import random_delta_inputs
 from deltalab.ops import delta_rule_step, kdn_diag_step, kdn_iso_step
 from deltalab.ops._triton import INTERPRET
 from deltalab.ops.delta_rule.naive import delta_rule_token
+from deltalab.ops.parametrize import DeltaRuleInputs
 from deltalab.testing import TOLERANCE, assert_close
 
 pytestmark = [
@@ -46,7 +47,7 @@ def step_inputs(generator, shape, channel_decay, dtype=torch.float32):
 def reference(q, a, b, u, g, state, scale):
     """`delta_rule_token` in float64 on CPU."""
     q, a, b, u, g, state = (x.double().cpu() for x in (q, a, b, u, g, state))
-    return delta_rule_token(q * scale, a, b, u, g, state)
+    return delta_rule_token(DeltaRuleInputs(q * scale, a, b, u, g), state)
 
 
 def nan_like(x, dtype=None):

@@ -13,6 +13,7 @@ from conftest import random_delta_inputs
 from deltalab.ops import _checks, delta_rule, kdn_diag, kdn_iso
 from deltalab.ops._triton import HAS_TRITON, INTERPRET
 from deltalab.ops._varlen import max_seqlen, pad_packed, unpad_packed
+from deltalab.ops.parametrize import DeltaRuleInputs
 from deltalab.testing import TOLERANCE, assert_close
 
 F64 = TOLERANCE[torch.float64]
@@ -91,7 +92,8 @@ def test_delta_rule_backends_receive_cu_seqlens_as_a_tensor(generator, monkeypat
         module = importlib.import_module("deltalab.ops.delta_rule.triton.chunk")
         _spy(monkeypatch, module, "delta_rule_triton", 6, seen)
     else:
-        _spy(monkeypatch, DELTA_RULE, f"delta_rule_{backend}", 6, seen)
+        # The PyTorch backends take (inputs, initial_state, cu_seqlens, ...).
+        _spy(monkeypatch, DELTA_RULE, f"delta_rule_{backend}", 2, seen)
     cu = torch.tensor(offsets, dtype=torch.int32)
     delta_rule(*inputs, cu_seqlens=cu, chunk_size=16, backend=backend)
     (received,) = seen
@@ -120,7 +122,7 @@ def test_kdn_variance_scan_and_memory_receive_cu_seqlens_as_a_tensor(generator, 
     )
     scans, memories = [], []
     _spy(monkeypatch, KDN_MIXERS, "_packed_gains", 5, scans)
-    _spy(monkeypatch, DELTA_RULE, "delta_rule_chunk", 6, memories)
+    _spy(monkeypatch, DELTA_RULE, "delta_rule_chunk", 2, memories)
     mixer(**args, cu_seqlens=torch.tensor(offsets), backend="chunk")
     for received in (*scans, *memories):
         assert isinstance(received, torch.Tensor) and received.dtype == torch.int64
@@ -134,13 +136,14 @@ def test_chunk_backend_reads_no_offsets_list(generator, monkeypatch):
     q, a, b, u, g = random_delta_inputs(generator, 1, offsets[-1], 2, 4, 3, channel_decay=False)
     state = torch.zeros(len(LENGTHS), 2, 4, 3, dtype=torch.float64)
     cu = torch.tensor(offsets)
-    expected = DELTA_RULE.delta_rule_naive(q, a, b, u, g, state, cu)
+    inputs = DeltaRuleInputs(q, a, b, u, g)
+    expected = DELTA_RULE.delta_rule_naive(inputs, state, cu)
 
     def refuse(self):
         raise AssertionError("the chunk backend read a tensor back as a list")
 
     monkeypatch.setattr(torch.Tensor, "tolist", refuse)
-    o, final = DELTA_RULE.delta_rule_chunk(q, a, b, u, g, state, cu, 16)
+    o, final = DELTA_RULE.delta_rule_chunk(inputs, state, cu, 16)
     assert_close(o, expected[0], F64, "output")
     assert_close(final, expected[1], F64, "final state")
 

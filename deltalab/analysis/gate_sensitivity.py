@@ -34,7 +34,7 @@ from dataclasses import dataclass, fields
 from fractions import Fraction
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -320,15 +320,24 @@ def _checked(d: torch.Tensor, gate: str, value: torch.Tensor) -> torch.Tensor:
     return d
 
 
+class _Probed(NamedTuple):
+    """What a probe differentiates: the loss of `model` on `batch` and the final memory of
+    `layer`, one of its delta-rule layers."""
+
+    model: nn.Module
+    batch: Any
+    loss_fn: LossFn
+    layer: DeltaMixer
+
+    def loss(self) -> torch.Tensor:
+        return _scalar_loss(self.loss_fn, self.model, self.batch)
+
+
 def _probe(
-    model: nn.Module,
-    batch: Any,
-    loss_fn: LossFn,
-    layer: DeltaMixer,
-    gate: str,
-    direction: Callable[[torch.Tensor], torch.Tensor],
+    probed: _Probed, gate: str, direction: Callable[[torch.Tensor], torch.Tensor]
 ) -> tuple[float, float]:
     """||J d||^2 / tokens for the layer's final memory and for the loss, one direction."""
+    layer = probed.layer
     tokens, memory = 0, None
 
     def delta(value: torch.Tensor) -> torch.Tensor:
@@ -345,7 +354,7 @@ def _probe(
     handle = layer.register_forward_hook(capture)
     try:
         with torch.no_grad(), fwAD.dual_level(), perturb_gate(layer, gate, delta):
-            loss = _scalar_loss(loss_fn, model, batch)
+            loss = probed.loss()
             loss_tangent = fwAD.unpack_dual(loss).tangent
             memory_tangent = fwAD.unpack_dual(memory).tangent
     finally:
@@ -374,12 +383,7 @@ def _formula_norms() -> Iterator[None]:
 
 
 def _batched_probes(
-    model: nn.Module,
-    batch: Any,
-    loss_fn: LossFn,
-    layer: DeltaMixer,
-    jobs: Sequence[tuple[str, torch.Tensor]],
-    tokens: int,
+    probed: _Probed, jobs: Sequence[tuple[str, torch.Tensor]], tokens: int
 ) -> list[tuple[float, float]]:
     """What `_probe` gives for each (gate, direction) of `jobs`, all from one forward pass.
 
@@ -390,6 +394,7 @@ def _batched_probes(
     tangent is that of its `_probe` pass, up to rounding. Needs the layer called once per loss
     and a model that vmap goes through (torch ops and autograd Functions with `setup_context`:
     the norms run their formula, `_formula_norms`)."""
+    layer = probed.layer
     chosen = list(dict.fromkeys(gate for gate, _ in jobs))
     primals = tuple(torch.zeros_like(next(d for g, d in jobs if g == gate)) for gate in chosen)
     tangents = tuple(
@@ -407,7 +412,7 @@ def _batched_probes(
             stack.callback(layer.register_forward_hook(capture).remove)
             for gate, delta in zip(chosen, eps, strict=True):
                 stack.enter_context(perturb_gate(layer, gate, lambda value, d=delta: d))
-            loss = _scalar_loss(loss_fn, model, batch)
+            loss = probed.loss()
         return loss, seen["memory"]
 
     def tangent_of(*directions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -425,13 +430,7 @@ def _batched_probes(
 
 
 def _measure_batched(
-    model: nn.Module,
-    batch: Any,
-    loss_fn: LossFn,
-    layer: DeltaMixer,
-    jobs: Sequence[tuple[str, torch.Tensor]],
-    tokens: int,
-    per_pass: int,
+    probed: _Probed, jobs: Sequence[tuple[str, torch.Tensor]], tokens: int, per_pass: int
 ) -> list[tuple[float, float]]:
     """`_batched_probes` over `jobs`, `per_pass` at a time; where vmap cannot go through the
     model or the loss (an op without a batching rule, `.item()` of a tangent-carrying tensor,
@@ -440,9 +439,7 @@ def _measure_batched(
         return [
             result
             for start in range(0, len(jobs), per_pass)
-            for result in _batched_probes(
-                model, batch, loss_fn, layer, jobs[start : start + per_pass], tokens
-            )
+            for result in _batched_probes(probed, jobs[start : start + per_pass], tokens)
         ]
     except (RuntimeError, NotImplementedError) as error:
         warnings.warn(
@@ -452,7 +449,7 @@ def _measure_batched(
             RuntimeWarning,
             stacklevel=3,
         )
-    return [_probe(model, batch, loss_fn, layer, gate, lambda value, d=d: d) for gate, d in jobs]
+    return [_probe(probed, gate, lambda value, d=d: d) for gate, d in jobs]
 
 
 @contextlib.contextmanager
@@ -551,6 +548,7 @@ def gate_sensitivity(
             chosen = [g for g in names[layer_name] if gates is None or g in gates]
             if not chosen:
                 continue
+            probed = _Probed(model, batch, loss_fn, layer)
 
             def draw(value: torch.Tensor, layer_name=layer_name, gate=None) -> torch.Tensor:
                 if direction is None:
@@ -570,9 +568,7 @@ def gate_sensitivity(
                 value = values[layer_name][chosen[0]]
                 tokens = value.shape[0] * value.shape[1]
                 with _replaying(before):
-                    measured = _measure_batched(
-                        model, batch, loss_fn, layer, jobs, tokens, per_pass
-                    )
+                    measured = _measure_batched(probed, jobs, tokens, per_pass)
                 per_gate = {
                     gate: measured[i * probes : (i + 1) * probes] for i, gate in enumerate(chosen)
                 }
@@ -581,8 +577,7 @@ def gate_sensitivity(
                 for gate in chosen:
                     with _replaying(before):
                         per_gate[gate] = [
-                            _probe(model, batch, loss_fn, layer, gate, partial(draw, gate=gate))
-                            for _ in range(probes)
+                            _probe(probed, gate, partial(draw, gate=gate)) for _ in range(probes)
                         ]
             state[layer_name], loss[layer_name] = {}, {}
             for gate, results in per_gate.items():

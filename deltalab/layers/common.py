@@ -460,30 +460,13 @@ def _conv_silu(padded: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.silu(F.conv1d(padded, weight.to(padded.dtype), groups=padded.shape[1]))
 
 
-def rms_norm_reference(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    gate: torch.Tensor | None = None,
-    activation: str = "sigmoid",
-) -> torch.Tensor:
-    """x / rms(x) * weight over the last dim, times activation(gate) when a gate is given, in
-    at least float32; the result in that dtype. The formula `rms_norm` computes (and tests
-    against), left to autograd (`deltalab.ops.norms`' "naive" backend)."""
-    return rms_norm_naive(x, weight, eps, gate, activation)
-
-
-def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    gate: torch.Tensor | None = None,
-    activation: str = "sigmoid",
-) -> torch.Tensor:
-    """x / rms(x) * weight over the last dim (times activation(gate) when given), in at least
-    float32; the result in that dtype. What `rms_norm_reference` computes, keeping less for
-    backward (`_RMSNormFunction`; `deltalab.ops.norms`' "torch" backend)."""
-    return rms_norm_torch(x, weight, eps, gate, activation)
+# The norm modules' torch path (`_dispatch_rms_norm` looks `rms_norm` up here on each call, so
+# gate sensitivity can swap in the formula). `rms_norm_reference`: x / rms(x) * weight over the
+# last dim, times activation(gate) when a gate is given, in at least float32, left to autograd
+# (`deltalab.ops.norms`' "naive" backend); `rms_norm`: the same bit for bit, keeping less for
+# backward (`_RMSNormFunction`, the "torch" backend).
+rms_norm_reference = rms_norm_naive
+rms_norm = rms_norm_torch
 
 
 def _dispatch_rms_norm(

@@ -10,7 +10,8 @@ Sequence Length" (arXiv:2406.06484); "Gated Delta Networks: Improving Mamba2 wit
 
 from __future__ import annotations
 
-from typing import Unpack
+from collections.abc import Callable
+from typing import ClassVar, Unpack
 
 import torch
 from torch import nn
@@ -39,6 +40,10 @@ class DeltaNet(DeltaMixer):
     ) -> None:
         super().__init__(options, gate_rank=gate_rank, **frontend)
         self.b_proj = nn.Linear(self.hidden_size, self.num_heads, bias=False)
+        self._init_decay()
+
+    def _init_decay(self) -> None:
+        """The decay module of a subclass (`GatedDeltaNet`), made after `b_proj`; none here."""
 
     def gate_projections(self) -> tuple[nn.Module, ...]:
         return (self.b_proj,)
@@ -52,24 +57,12 @@ class DeltaNet(DeltaMixer):
         return deltanet_inputs(q, k, v, gates["beta"])
 
 
-class GatedDeltaNet(DeltaNet):
-    """Gated DeltaNet: DeltaNet with one log decay per head (`ScalarDecay`).
+class DecayedBetaGates:
+    """The gates of GDN and KDA: beta = sigmoid(W_b x) per head (`b_proj`) and the log decay of
+    the layer's `decay` module (per head or per channel), as `{"beta", "g"}`; the primitive's
+    inputs from them by the class's `parametrize` (`deltalab.ops.parametrize`)."""
 
-    Gates: beta `[B, T, H]`, g `[B, T, H]`. Arguments as `DeltaNet`.
-    """
-
-    def __init__(
-        self,
-        options: FrontendOptions | None = None,
-        *,
-        gate_rank: int | None = None,
-        **frontend: Unpack[FrontendKeywords],
-    ) -> None:
-        super().__init__(options, gate_rank=gate_rank, **frontend)
-        self.decay = ScalarDecay(self.hidden_size, self.num_heads)
-
-    def gate_projections(self) -> tuple[nn.Module, ...]:
-        return (self.b_proj, self.decay.a_proj)
+    parametrize: ClassVar[Callable[..., DeltaRuleInputs]]
 
     def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         # The decay follows the delta rule's backend, as the norms (Triton or the torch path).
@@ -79,4 +72,19 @@ class GatedDeltaNet(DeltaNet):
     def inputs_from_gates(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]
     ) -> DeltaRuleInputs:
-        return gated_deltanet_inputs(q, k, v, gates["beta"], gates["g"])
+        return self.parametrize(q, k, v, gates["beta"], gates["g"])
+
+
+class GatedDeltaNet(DecayedBetaGates, DeltaNet):
+    """Gated DeltaNet: DeltaNet with one log decay per head (`ScalarDecay`).
+
+    Gates: beta `[B, T, H]`, g `[B, T, H]`. Arguments as `DeltaNet`.
+    """
+
+    parametrize = staticmethod(gated_deltanet_inputs)
+
+    def _init_decay(self) -> None:
+        self.decay = ScalarDecay(self.hidden_size, self.num_heads)
+
+    def gate_projections(self) -> tuple[nn.Module, ...]:
+        return (self.b_proj, self.decay.a_proj)

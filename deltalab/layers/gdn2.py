@@ -12,19 +12,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Unpack
 
 import torch
 from torch import nn
 
-from deltalab.layers.common import (
-    DeltaMixer,
-    FrontendKeywords,
-    FrontendOptions,
-    frontend_options,
-    project,
-)
-from deltalab.layers.decay import ChannelDecay
+from deltalab.layers.common import FrontendOptions, project
+from deltalab.layers.kda import ChannelDecayMixer
 from deltalab.ops import read_gate
 from deltalab.ops.log_decay import layer_backend
 from deltalab.ops.parametrize import DeltaRuleInputs, gdn2_inputs, gdn2_inputs_from_logits
@@ -90,7 +83,7 @@ def gdn2_inputs_of(q, k, v, gates: dict[str, torch.Tensor], backend: str) -> Del
     return gdn2_inputs(q, k, v, gates["erase"], gates["write"], gates["g"])
 
 
-class GatedDeltaNet2(DeltaMixer):
+class GatedDeltaNet2(ChannelDecayMixer):
     """GDN-2: full-rank erase gate on keys, full-rank write gate on values, KDA decay.
 
     Gates: erase `[B, T, H, K]`, write `[B, T, H, V]`, g `[B, T, H, K]`.
@@ -102,22 +95,15 @@ class GatedDeltaNet2(DeltaMixer):
 
     default_gate_activation = "sigmoid"
 
-    def __init__(
-        self,
-        options: FrontendOptions | None = None,
-        *,
-        decay_rank: int | None = None,
-        gate_rank: int | None = None,
-        **frontend: Unpack[FrontendKeywords],
-    ) -> None:
-        options = frontend_options(options, frontend, type(self))
-        default_rank = min(GDN2_RANK, options.hidden_size)
-        super().__init__(options, gate_rank=default_rank if gate_rank is None else gate_rank)
-        hidden_size, heads, head_dim = self.hidden_size, self.num_heads, self.head_dim
-        self.b_proj = nn.Linear(hidden_size, heads * head_dim, bias=False)
+    @classmethod
+    def default_ranks(cls, options: FrontendOptions) -> tuple[int, int]:
+        rank = min(GDN2_RANK, options.hidden_size)
+        return rank, rank
+
+    def _init_gate_projections(self) -> None:
+        hidden_size, heads = self.hidden_size, self.num_heads
+        self.b_proj = nn.Linear(hidden_size, heads * self.head_dim, bias=False)
         self.w_proj = nn.Linear(hidden_size, heads * self.value_dim, bias=False)
-        rank = default_rank if decay_rank is None else decay_rank
-        self.decay = ChannelDecay(hidden_size, heads, head_dim, rank)
 
     def gate_projections(self) -> tuple[nn.Module, ...]:
         return (self.b_proj, self.w_proj, self.decay.f_proj)

@@ -9,9 +9,8 @@ Architecture" (arXiv:2510.26692).
 
 from __future__ import annotations
 
-from typing import Unpack
+from typing import Unpack, cast
 
-import torch
 from torch import nn
 
 from deltalab.layers.common import (
@@ -19,26 +18,22 @@ from deltalab.layers.common import (
     FrontendKeywords,
     FrontendOptions,
     frontend_options,
-    project,
 )
 from deltalab.layers.decay import ChannelDecay
-from deltalab.ops.log_decay import layer_backend
-from deltalab.ops.parametrize import DeltaRuleInputs, kda_inputs
+from deltalab.layers.deltanet import DecayedBetaGates
+from deltalab.ops.parametrize import kda_inputs
 
 __all__ = ["KimiDeltaAttention"]
 
 
-class KimiDeltaAttention(DeltaMixer):
-    """KDA: beta = sigmoid(W_b x) per head, channel decay, low-rank sigmoid output gate.
+class ChannelDecayMixer(DeltaMixer):
+    """The constructor KDA and GDN-2 share: the frontend with the output gate's rank, the
+    layer's own gate projections (`_init_gate_projections`), then the per-channel decay
+    (`ChannelDecay`), in that order. Each class gives its default ranks (`default_ranks`).
 
-    Gates: beta `[B, T, H]`, g `[B, T, H, K]`.
-
-    Args: options or the frontend keywords (`FrontendOptions`; output gate sigmoid by default);
-    decay_rank: rank of the decay projection (default head_dim); gate_rank: rank of the output
-    gate (default value_dim), both as fla's KDA.
+    Args: options or the frontend keywords (`FrontendOptions`); decay_rank: rank of the decay
+    projection; gate_rank: rank of the output gate.
     """
-
-    default_gate_activation = "sigmoid"
 
     def __init__(
         self,
@@ -49,21 +44,41 @@ class KimiDeltaAttention(DeltaMixer):
         **frontend: Unpack[FrontendKeywords],
     ) -> None:
         options = frontend_options(options, frontend, type(self))
-        super().__init__(options, gate_rank=options.value_dim if gate_rank is None else gate_rank)
-        heads, head_dim = self.num_heads, self.head_dim
-        self.b_proj = nn.Linear(self.hidden_size, heads, bias=False)
-        rank = head_dim if decay_rank is None else decay_rank
-        self.decay = ChannelDecay(self.hidden_size, heads, head_dim, rank)
+        default_decay_rank, default_gate_rank = self.default_ranks(options)
+        super().__init__(options, gate_rank=default_gate_rank if gate_rank is None else gate_rank)
+        self._init_gate_projections()
+        rank = default_decay_rank if decay_rank is None else decay_rank
+        self.decay = ChannelDecay(self.hidden_size, self.num_heads, self.head_dim, rank)
+
+    @classmethod
+    def default_ranks(cls, options: FrontendOptions) -> tuple[int, int]:
+        """(decay_rank, gate_rank) when not given."""
+        raise NotImplementedError
+
+    def _init_gate_projections(self) -> None:
+        """The projections of x into the layer's gates other than the decay."""
+        raise NotImplementedError
+
+
+class KimiDeltaAttention(DecayedBetaGates, ChannelDecayMixer):
+    """KDA: beta = sigmoid(W_b x) per head, channel decay, low-rank sigmoid output gate.
+
+    Gates: beta `[B, T, H]`, g `[B, T, H, K]`.
+
+    Args: options or the frontend keywords (`FrontendOptions`; output gate sigmoid by default);
+    decay_rank: rank of the decay projection (default head_dim); gate_rank: rank of the output
+    gate (default value_dim), both as fla's KDA.
+    """
+
+    default_gate_activation = "sigmoid"
+    parametrize = staticmethod(kda_inputs)
+
+    @classmethod
+    def default_ranks(cls, options: FrontendOptions) -> tuple[int, int]:
+        return options.head_dim, cast(int, options.value_dim)
+
+    def _init_gate_projections(self) -> None:
+        self.b_proj = nn.Linear(self.hidden_size, self.num_heads, bias=False)
 
     def gate_projections(self) -> tuple[nn.Module, ...]:
         return (self.b_proj, self.decay.f_proj)
-
-    def gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        # The decay follows the delta rule's backend, as the norms (Triton or the torch path).
-        g = self.decay(x, backend=layer_backend(self.backend))
-        return {"beta": torch.sigmoid(project(self.b_proj, x)), "g": g}
-
-    def inputs_from_gates(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]
-    ) -> DeltaRuleInputs:
-        return kda_inputs(q, k, v, gates["beta"], gates["g"])

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple, Unpack
 
@@ -173,6 +174,19 @@ class KDNState(RecurrentState):
     uncertainty: torch.Tensor = field(kw_only=True)
 
 
+class NoiseModel(NamedTuple):
+    """The filter's inputs among the gates (`KALMAN_GATES`): g `[B, T, H, K]` <= 0, q_noise
+    `[B, T, H(, K)]` >= 0, r `[B, T, H]` >= r_min."""
+
+    g: torch.Tensor
+    q_noise: torch.Tensor
+    r: torch.Tensor
+
+    @classmethod
+    def of(cls, gates: Mapping[str, torch.Tensor]) -> NoiseModel:
+        return cls(*(gates[name] for name in KALMAN_GATES))
+
+
 class Filtered(NamedTuple):
     """A filter's result: the delta rule's a (a write direction `[B, T, H, K]`, Diagonal, or
     strength `[B, T, H]`, Isotropic), the uncertainty after the last token, the gain gates (with
@@ -220,13 +234,7 @@ class KalmanMixer(DeltaMixer):
 
     @abc.abstractmethod
     def filter(
-        self,
-        k: torch.Tensor,
-        g: torch.Tensor,
-        q_noise: torch.Tensor,
-        r: torch.Tensor,
-        uncertainty: torch.Tensor | None,
-        trace: bool,
+        self, k: torch.Tensor, noise: NoiseModel, uncertainty: torch.Tensor | None, trace: bool
     ) -> Filtered:
         """Gains over the tokens: k `[B, T, H, K]`, the noise model of `gates`, the incoming
         uncertainty (None: the prior) -> `Filtered`."""
@@ -240,7 +248,7 @@ class KalmanMixer(DeltaMixer):
     ) -> DeltaRuleInputs:
         """The primitive's `(q, gain, k, v, g)` of a sequence that starts with these tokens
         (prior p_0), from the noise model of `gates`."""
-        filtered = self.filter(k, gates["g"], gates["q_noise"], gates["r"], None, False)
+        filtered = self.filter(k, NoiseModel.of(gates), None, False)
         return DeltaRuleInputs(self.read_query(q, gates), filtered.write, filtered.k, v, filtered.g)
 
     def _filtered(
@@ -259,11 +267,10 @@ class KalmanMixer(DeltaMixer):
             # either, the uncertainty passes them unchanged.
             for name in ("g", "q_noise"):
                 gates[name] = zero_at_padding(gates[name], mask)
-        g = gates["g"]
         # The gain's backward keeps g as the delta rule's does: both rebuild it instead
         # (`rebuildable`), or one keeping it would make the other's rebuild a cost, not a saving.
         with rebuilt_in_backward():
-            filtered = self.filter(k, g, gates["q_noise"], gates["r"], uncertainty, trace)
+            filtered = self.filter(k, NoiseModel.of(gates), uncertainty, trace)
         inputs = DeltaRuleInputs(
             self.read_query(q, gates), filtered.write, filtered.k, v, filtered.g
         )
@@ -404,14 +411,9 @@ class ScanFilter(KalmanMixer):
     diagonal_gain: ClassVar[bool]
 
     def filter(
-        self,
-        k: torch.Tensor,
-        g: torch.Tensor,
-        q_noise: torch.Tensor,
-        r: torch.Tensor,
-        uncertainty: torch.Tensor | None,
-        trace: bool,
+        self, k: torch.Tensor, noise: NoiseModel, uncertainty: torch.Tensor | None, trace: bool
     ) -> Filtered:
+        g, q_noise, r = noise
         # The prior p_0 `[H]`: kdn_gain_diag takes it per head for every channel too.
         prior = self.prior_variance()
         # The scan that goes with the memory's backend, as the kdn_iso/kdn_diag ops pair them.
@@ -476,14 +478,9 @@ class ExactKDN(KDNMixer):
     has_info_scale = False
 
     def filter(
-        self,
-        k: torch.Tensor,
-        g: torch.Tensor,
-        q_noise: torch.Tensor,
-        r: torch.Tensor,
-        uncertainty: torch.Tensor | None,
-        trace: bool,
+        self, k: torch.Tensor, noise: NoiseModel, uncertainty: torch.Tensor | None, trace: bool
     ) -> Filtered:
+        g, q_noise, r = noise
         batch, _, heads, key_dim = k.shape
         dtype = _checks.state_dtype(k, g, q_noise, r, uncertainty)
         given = (k, g)

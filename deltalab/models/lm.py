@@ -105,6 +105,9 @@ class DeltaLabPreTrainedModel(PreTrainedModel):
     config_class = DeltaLabConfig
     config: DeltaLabConfig
     base_model_prefix = "model"
+    # transformers' embedding accessors find the token table by this name (`DeltaLabModel.embed`,
+    # `CausalLM.model.embed`) and the output embeddings as `lm_head`.
+    _input_embed_layer = "embed"
     _no_split_modules: ClassVar[list[str]] = ["Block"]
     main_input_name = "input_ids"
 
@@ -163,12 +166,6 @@ class DeltaLabModel(DeltaLabPreTrainedModel):
         self.checkpoint_blocks = False
         self.recompute_ffn = False
         self.post_init()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embed
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embed = value
 
     def forward(
         self,
@@ -274,18 +271,6 @@ class CausalLM(DeltaLabPreTrainedModel, GenerationMixin):
         if problems:
             raise ValueError(f"the checkpoint's weights do not match its config: {problems}")
         return (model, info) if want_info else model
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.model.embed
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.model.embed = value
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.lm_head = value
 
     def forward(
         self,

@@ -33,6 +33,7 @@ from deltalab.ops._triton import require_triton, triton_available
 from deltalab.ops.delta_rule.chunk import delta_rule_chunk
 from deltalab.ops.delta_rule.naive import delta_rule_naive, delta_rule_token
 from deltalab.ops.options import DEFAULT_OPTIONS, KernelOptions
+from deltalab.ops.parametrize import DeltaRuleInputs
 
 __all__ = ["BACKENDS", "MAX_CHUNK_SIZE", "MIN_CHUNK_SIZE", "delta_rule", "delta_rule_step"]
 
@@ -229,12 +230,12 @@ def _validated_call(
         # Given the inputs' own dtype: it picks the precision of its matrix products.
         o, final = delta_rule_triton(q, a, b, u, g, state, cu_seqlens, chunk_size, scale, options)
     else:
-        inputs = [q.to(dtype) * scale, *(x.to(dtype) for x in (a, b, u, g))]
-        inputs[1] = directions(inputs[1], inputs[2])
+        q, a, b, u, g = (x.to(dtype) for x in (q, a, b, u, g))
+        inputs = DeltaRuleInputs(q * scale, directions(a, b), b, u, g)
         if backend == "naive":
-            o, final = delta_rule_naive(*inputs, state, cu_seqlens)
+            o, final = delta_rule_naive(inputs, state, cu_seqlens)
         else:
-            o, final = delta_rule_chunk(*inputs, state, cu_seqlens, chunk_size)
+            o, final = delta_rule_chunk(inputs, state, cu_seqlens, chunk_size)
     return o, final
 
 
@@ -311,9 +312,8 @@ def delta_rule_step(
         return delta_rule_step_triton(
             q, a, b, u, g, state, scale=scale, new_state=state if in_place else None
         )
-    o, new_state = delta_rule_token(
-        q.to(dtype) * scale, *(x.to(dtype) for x in (a, b, u, g)), state.to(dtype)
-    )
+    token = DeltaRuleInputs(q.to(dtype) * scale, *(x.to(dtype) for x in (a, b, u, g)))
+    o, new_state = delta_rule_token(token, state.to(dtype))
     if in_place:
         new_state = state.copy_(new_state)
     return o.to(q.dtype), new_state

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from deltalab.ops._varlen import max_seqlen, pad_packed, unpad_packed
+from deltalab.ops.parametrize import DeltaRuleInputs
 
 # Sub-block size: pairwise decays inside, one reference point between. 16 is the smallest
 # tile of a tensor-core matrix product, and keeps the pairwise [16, 16, K] tensors small.
@@ -221,33 +222,29 @@ def chunk_output(ops: ChunkOperators, states: torch.Tensor, residuals: torch.Ten
     return ops.read @ states + ops.attend @ residuals
 
 
-def _delta_rule_chunk_dense(q, a, b, u, g, initial_state, chunk_size):
-    length = q.shape[1]
-    ops = chunk_operators(*(to_chunks(x, chunk_size) for x in (q, a, b, u, g)))
+def _delta_rule_chunk_dense(inputs: DeltaRuleInputs, initial_state, chunk_size):
+    length = inputs.q.shape[1]
+    ops = chunk_operators(*(to_chunks(x, chunk_size) for x in inputs))
     residuals, states, final = state_pass(ops, initial_state)
     return from_chunks(chunk_output(ops, states, residuals), chunk_size, length), final
 
 
 def delta_rule_chunk(
-    q: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    u: torch.Tensor,
-    g: torch.Tensor,
+    inputs: DeltaRuleInputs,
     initial_state: torch.Tensor,
     cu_seqlens: torch.Tensor | None,
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunkwise evaluation over validated inputs already scaled and cast to the state dtype.
 
-    q, a, b: [B, T, H, K]; u: [B, T, H, V]; g: [B, T, H(, K)]; initial_state: [N, H, K, V];
+    inputs: q, a, b [B, T, H, K]; u [B, T, H, V]; g [B, T, H(, K)]. initial_state: [N, H, K, V];
     cu_seqlens: packed-sequence boundaries [N+1] (B == 1, int64 on the inputs' device) or None.
     Returns (o [B, T, H, V], final state [N, H, K, V]).
     """
     if cu_seqlens is None:
-        return _delta_rule_chunk_dense(q, a, b, u, g, initial_state, chunk_size)
-    length = q.shape[1]
+        return _delta_rule_chunk_dense(inputs, initial_state, chunk_size)
+    length = inputs.q.shape[1]
     max_len = max_seqlen(cu_seqlens, length)  # one device -> host sync (see max_seqlen)
-    padded = [pad_packed(x, cu_seqlens, max_len) for x in (q, a, b, u, g)]
-    o, state = _delta_rule_chunk_dense(*padded, initial_state, chunk_size)
+    padded = DeltaRuleInputs(*(pad_packed(x, cu_seqlens, max_len) for x in inputs))
+    o, state = _delta_rule_chunk_dense(padded, initial_state, chunk_size)
     return unpad_packed(o, cu_seqlens, length), state
