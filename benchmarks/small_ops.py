@@ -322,6 +322,8 @@ def short_conv_sweep(tiny: bool, device: str, repeats: int) -> list[dict]:
 
 
 def launch_sweep(x, weight, dy, tiny: bool, device: str, repeats: int) -> list[dict]:
+    from dataclasses import replace
+
     from deltalab.ops.short_conv import triton as kernels
 
     channels, width = weight.shape
@@ -329,35 +331,35 @@ def launch_sweep(x, weight, dy, tiny: bool, device: str, repeats: int) -> list[d
         TINY_SWEEP if tiny else (FORWARD_SWEEP, BACKWARD_SWEEP, PROGRAMS_SWEEP)
     )
     rows = []
+    default = kernels.LAUNCH
     forward_default = kernels.launch(channels, width, "forward")
     for launch in forward_sweep:
+        table = replace(default, forward=launch)
         ms = median_ms(
-            lambda c={"forward": launch}: kernels.short_conv_triton(x, weight, None, True, c),
+            lambda t=table: kernels.short_conv_triton(x, weight, None, True, table=t),
             device,
             repeats,
         )
-        effective = kernels.launch(channels, width, "forward", launch)
+        effective = kernels.launch(channels, width, "forward", table)
         rows.append({"kernel": "forward", "launch": list(effective), "programs": None, "ms": ms,
                      "default": effective == forward_default})  # fmt: skip
     backward_default = kernels.launch(channels, width, "backward")
-    programs_default = kernels.BACKWARD_PROGRAMS
+    programs_default = default.backward_programs
     xs, ws = x.detach().requires_grad_(), weight.detach().requires_grad_()
     configs = [(launch, programs_default) for launch in backward_sweep]
     configs += [(None, programs) for programs in programs_sweep]
-    try:
-        for launch, programs in configs:
-            kernels.BACKWARD_PROGRAMS = programs
-            config = {"backward": launch} if launch else None
+    for launch, programs in configs:
+        table = replace(default, backward_programs=programs)
+        if launch:  # the backward's launch at any width
+            table = replace(table, backward=launch, backward_wide=launch)
 
-            def train(c=config) -> None:
-                y, _ = kernels.short_conv_triton(xs, ws, None, True, c)
-                torch.autograd.grad(y, (xs, ws), dy)
+        def train(t=table) -> None:
+            y, _ = kernels.short_conv_triton(xs, ws, None, True, table=t)
+            torch.autograd.grad(y, (xs, ws), dy)
 
-            effective = kernels.launch(channels, width, "backward", launch)
-            rows.append({"kernel": "forward+backward", "launch": list(effective),
-                         "programs": programs, "ms": median_ms(train, device, repeats),
-                         "default": effective == backward_default
-                         and programs == programs_default})  # fmt: skip
-    finally:
-        kernels.BACKWARD_PROGRAMS = programs_default
+        effective = kernels.launch(channels, width, "backward", table)
+        rows.append({"kernel": "forward+backward", "launch": list(effective),
+                     "programs": programs, "ms": median_ms(train, device, repeats),
+                     "default": effective == backward_default
+                     and programs == programs_default})  # fmt: skip
     return rows

@@ -19,10 +19,11 @@ module's comment says why). On CPU (under the interpreter) it only proves the se
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import time
+from dataclasses import replace
+from functools import partial
 
 import torch
 import triton
@@ -44,18 +45,6 @@ from deltalab.ops.delta_rule.triton.chunk import (
     state_pass_triton_backward,
 )
 from deltalab.ops.delta_rule.triton.intra import Tokens
-
-
-@contextlib.contextmanager
-def patched(module, **values):
-    before = {k: getattr(module, k) for k in values}
-    for k, v in values.items():
-        setattr(module, k, v)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            setattr(module, k, v)
 
 
 def measure(fn, device):
@@ -115,71 +104,68 @@ def run(args: argparse.Namespace) -> dict:
     d_decay = torch.randn_like(ops.decay)
 
     # A row's `walk_dots` (the option, passed to the state passes), set for each row below; its
-    # other keys are launch constants of the stage's module.
+    # other keys are fields of the stage's launch table (its module's `LAUNCH` otherwise).
     walk = {"walk_dots": "operators"}
-
-    def warps(*counts):
-        return [{"num_warps": w, "num_stages": 1} for w in counts]
 
     cases = {
         "intra": (
-            intra_module,
-            [dict(INTRA_BLOCK_KD=k, INTRA_LAUNCH=launch)
-             for k in (64, 128, 32) for launch in warps(1, 2, 4)],
-            lambda: intra_module.intra_triton(q, a, b, g, precision, tokens),
-            lambda: intra_module.intra_triton_backward(
-                q, a, b, g, d_lower, d_attend, precision, tokens
+            intra_module.LAUNCH,
+            [dict(block=k, num_warps=w) for k in (64, 128, 32) for w in (1, 2, 4)],
+            lambda t: intra_module.intra_triton(q, a, b, g, precision, tokens, table=t),
+            lambda t: intra_module.intra_triton_backward(
+                q, a, b, g, d_lower, d_attend, precision, tokens, table=t
             ),
         ),
         "factors": (
-            factors_module,
-            [dict(BLOCK_KD=k, LAUNCH=launch) for k in (32, 64, 128) for launch in warps(4, 8, 2)],
-            lambda: factors_module.factors_triton(q, a, b, g, tokens),
-            lambda: factors_module.factors_triton_backward(
-                q, a, b, g, *chunked[:3], d_decay, *chunked[3:], tokens
+            factors_module.LAUNCH,
+            [dict(block=k, num_warps=w) for k in (32, 64, 128) for w in (4, 8, 2)],
+            lambda t: factors_module.factors_triton(q, a, b, g, tokens, table=t),
+            lambda t: factors_module.factors_triton_backward(
+                q, a, b, g, *chunked[:3], d_decay, *chunked[3:], tokens, table=t
             ),
         ),
         "solve": (
-            solve_module,
-            [dict(BLOCK_N=n, LAUNCH=launch) for n in (64, 128, 32) for launch in warps(4, 2, 8)],
-            lambda: solve_module.solve_triton(lower, u, precision, tokens),
-            lambda: [
-                solve_module.solve_triton_backward(lower, d_out, precision),
-                solve_module.lower_grad_triton(d_out, ops.target, d_out, ops.target, precision),
+            solve_module.LAUNCH,
+            [dict(block=n, num_warps=w) for n in (64, 128, 32) for w in (4, 2, 8)],
+            lambda t: solve_module.solve_triton(lower, u, precision, tokens, table=t),
+            lambda t: [
+                solve_module.solve_triton_backward(lower, d_out, precision, table=t),
+                solve_module.lower_grad_triton(d_out, ops.target, d_out, ops.target, precision,
+                                               t),
             ],
             # dL's blocks above the diagonal are never written (nothing reads them).
             lambda outputs: [*outputs[:-1], torch.tril(outputs[-1], -1)],
         ),
         "state_pass": (
-            state_module,
+            state_module.LAUNCH,
             # First the defaults (with 16-bit operators, products in their dtype, walk_dots),
             # then each setting as given with the products widened to float32: warps, row
-            # block, value columns and pipeline stages (NUM_STAGES: 16-bit operators only), the
+            # block, value columns and pipeline stages (num_stages: 16-bit operators only), the
             # narrow launch off (their outputs differ from the first row's by the rounding);
             # then the widened products at their default launch, and 16-bit products at some of
             # the same settings.
-            [{}] + [dict(NUM_WARPS=w, BLOCK_C=c, BLOCK_V=v, NUM_STAGES=s, NARROW_BLOCK_V=None,
+            [{}] + [dict(num_warps=w, block_c=c, block_v=v, num_stages=s, narrow_block_v=None,
                          walk_dots="float32")
                     for w, c, v, s in [(8, 64, 64, 1), (4, 64, 64, 1), (4, 64, 32, 1),
                                        (8, 64, 32, 1), (4, 32, 16, 1), (2, 64, 32, 1),
                                        (2, 32, 16, 1), (8, 64, 64, 2), (8, 64, 64, 3),
                                        (4, 64, 32, 2), (8, 64, 32, 2), (4, 64, 16, 2)]]
             + [{"walk_dots": "float32"}]  # the widened products at their own default launch
-            + [dict(NUM_WARPS=w, BLOCK_C=64, BLOCK_V=v, NUM_STAGES=s, NARROW_BLOCK_V=None,
-                    LOW_DOTS_NUM_WARPS=w, LOW_DOTS_NUM_STAGES=s, walk_dots="operators")
+            + [dict(num_warps=w, block_c=64, block_v=v, num_stages=s, narrow_block_v=None,
+                    low_dots_num_warps=w, low_dots_num_stages=s, walk_dots="operators")
                for w, v, s in [(8, 64, 1), (8, 64, 2), (4, 64, 2), (8, 128, 1), (4, 32, 2),
                                (8, 32, 2)]],
-            lambda: state_pass_triton(ops, state, precision, **walk),
-            lambda: state_pass_triton_backward(ops, d_out, state, precision, **walk),
+            lambda t: state_pass_triton(ops, state, precision, table=t, **walk),
+            lambda t: state_pass_triton_backward(ops, d_out, state, precision, table=t, **walk),
         ),
         # The split pass (the walk, then the outputs; the dO products, then the adjoint walk),
         # to time against state_pass's first (default) row: the walk's pipeline stages, value
         # block and warps, the parallel kernels' value block and warps. First row: the defaults.
         "state_pass_split": (
-            state_module,
+            state_module.LAUNCH,
             [{}]
-            + [dict(SPLIT_NUM_STAGES=s, SPLIT_WALK_BLOCK_V=v, SPLIT_WALK_NUM_WARPS=w,
-                    SPLIT_BLOCK_V=sv, SPLIT_NUM_WARPS=sw)
+            + [dict(split_num_stages=s, split_walk_block_v=v, split_walk_num_warps=w,
+                    split_block_v=sv, split_num_warps=sw)
                for s, v, w, sv, sw in [(2, 16, 2, 64, 8), (2, 32, 4, 64, 8), (1, 64, 8, 64, 8),
                                        (2, 16, 4, 64, 8), (2, 16, 1, 64, 8), (3, 16, 2, 64, 8),
                                        (2, 16, 2, 32, 4), (2, 16, 2, 128, 8), (3, 32, 4, 64, 8),
@@ -187,15 +173,16 @@ def run(args: argparse.Namespace) -> dict:
             # The walks' products widened to float32 (walk_dots; 16-bit products are the
             # default), at the defaults and with the walk at 32 columns and 4 warps.
             + [{"walk_dots": "float32"},
-               dict(SPLIT_WALK_BLOCK_V=32, SPLIT_WALK_NUM_WARPS=4, walk_dots="float32")],
-            lambda: state_pass_split_triton(ops, state, precision, **walk),
-            lambda: state_pass_split_triton_backward(ops, d_out, state, precision, **walk),
+               dict(split_walk_block_v=32, split_walk_num_warps=4, walk_dots="float32")],
+            lambda t: state_pass_split_triton(ops, state, precision, table=t, **walk),
+            lambda t: state_pass_split_triton_backward(ops, d_out, state, precision, table=t,
+                                                       **walk),
         ),
         "operator_grads": (
-            state_module,
-            [dict(NUM_WARPS=w, OPERATOR_BLOCK_V=v) for w in (8, 4, 2) for v in (32, 64, 16)],
-            lambda: operator_grads_triton(
-                states, residuals, d_out, d_residual, d_next, precision
+            state_module.LAUNCH,
+            [dict(num_warps=w, operator_block_v=v) for w in (8, 4, 2) for v in (32, 64, 16)],
+            lambda t: operator_grads_triton(
+                states, residuals, d_out, d_residual, d_next, precision, table=t
             ),
             None,
         ),
@@ -206,22 +193,22 @@ def run(args: argparse.Namespace) -> dict:
             raise UserError(f"--stages: unknown {sorted(unknown)}; known: {sorted(cases)}")
         cases = {k: v for k, v in cases.items() if k in args.stages}
     rows = []
-    for stage, (module, settings, forward, backward, *written) in cases.items():
+    for stage, (default, settings, forward, backward, *written) in cases.items():
         reference = None
         for setting in settings:
-            launch = dict(setting)
-            walk["walk_dots"] = launch.pop("walk_dots", "operators")
-            with patched(module, **launch):
-                try:
-                    outputs = flatten(forward()) + (flatten(backward()) if backward else [])
-                    outputs = written[0](outputs) if written else outputs
-                    reference = reference or outputs
-                    row = {"stage": stage, "setting": str(setting),
-                           "fwd_ms": measure(forward, device),
-                           "bwd_ms": measure(backward, device) if backward else None,
-                           "max_diff": max_diff(outputs, reference)}  # fmt: skip
-                except Exception as error:  # a setting that fails to compile is a result too
-                    row = {"stage": stage, "setting": str(setting), "error": repr(error)[:200]}
+            fields = dict(setting)
+            walk["walk_dots"] = fields.pop("walk_dots", "operators")
+            table = replace(default, **fields)
+            try:
+                outputs = flatten(forward(table)) + (flatten(backward(table)) if backward else [])
+                outputs = written[0](outputs) if written else outputs
+                reference = reference or outputs
+                row = {"stage": stage, "setting": str(setting),
+                       "fwd_ms": measure(partial(forward, table), device),
+                       "bwd_ms": measure(partial(backward, table), device) if backward else None,
+                       "max_diff": max_diff(outputs, reference)}  # fmt: skip
+            except Exception as error:  # a setting that fails to compile is a result too
+                row = {"stage": stage, "setting": str(setting), "error": repr(error)[:200]}
             rows.append(row)
             print(row, file=sys.stderr, flush=True)
     print_records(rows)

@@ -7,6 +7,8 @@ interpreter executes every tile operation in Python.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import random_delta_inputs
@@ -28,12 +30,17 @@ DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 F32 = TOLERANCE[torch.float32]
 
 
-def _run(inputs, state, backend, dtype, device, **kwargs):
-    """Output, final state and the gradients of every input and of the initial state."""
+def _run(inputs, state, backend, dtype, device, table=None, **kwargs):
+    """Output, final state and the gradients of every input and of the initial state. With a
+    launch `table`, by the Triton backend's entry launched by it (`backend` is then "triton")."""
     leaves = [x.detach().to(device, dtype).requires_grad_() for x in (*inputs, state)]
-    o, s = delta_rule(
-        *leaves[:5], initial_state=leaves[5], backend=backend, output_final_state=True, **kwargs
-    )
+    if table is None:
+        o, s = delta_rule(
+            *leaves[:5], initial_state=leaves[5], backend=backend, output_final_state=True,
+            **kwargs,
+        )  # fmt: skip
+    else:
+        o, s = _triton_launched_by(table, *leaves, **kwargs)
     weights = torch.linspace(-1, 1, o.numel(), dtype=torch.float64).reshape(o.shape)
     # One backward through both outputs (the interpreter is slow): every gradient then carries the
     # output's and the final state's contributions together.
@@ -41,27 +48,42 @@ def _run(inputs, state, backend, dtype, device, **kwargs):
     return [o, s, *(x.grad for x in leaves)]
 
 
-def _compare(inputs, state, chunk_size, cu_seqlens=None, options=None):
+def _triton_launched_by(table, q, a, b, u, g, state, chunk_size, options=None, cu_seqlens=None):
+    """`delta_rule_triton`, the entry `delta_rule` calls for backend="triton", launched by
+    `table` (with the defaults `delta_rule` gives it: scale K^-0.5, a float32 state)."""
+    from deltalab.ops.delta_rule.triton.chunk import delta_rule_triton
+
+    options = KernelOptions() if options is None else options
+    return delta_rule_triton(q, a, b, u, g, state.float(), cu_seqlens, chunk_size,
+                             q.shape[-1] ** -0.5, options, table=table)  # fmt: skip
+
+
+def _compare(inputs, state, chunk_size, cu_seqlens=None, options=None, table=None):
     kwargs = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
     reference = _run(inputs, state, "naive", torch.float64, "cpu", **kwargs)
     if cu_seqlens is not None:
         kwargs["cu_seqlens"] = cu_seqlens.to(DEVICE)
-    actual = _run(inputs, state, "triton", torch.float32, DEVICE, chunk_size=chunk_size,
+    actual = _run(inputs, state, "triton", torch.float32, DEVICE, table, chunk_size=chunk_size,
                   options=options, **kwargs)  # fmt: skip
     labels = ["o", "final state", "dq", "da", "db", "du", "dg", "d initial state"]
     for label, x, ref in zip(labels, actual, reference, strict=True):
         assert_close(x, ref, F32, label)
 
 
-def _compare_at(inputs, state, dtype, chunk_size, options=None):
+def _compare_at(inputs, state, dtype, chunk_size, options=None, table=None):
     """The Triton backend at `dtype` (an fp16 one: the interpreter's 16-bit float) with the
-    kernel `options` against the float64 loop: output, final state and every gradient within
-    `dtype`'s bound."""
+    kernel `options` (and launch `table`) against the float64 loop: output, final state and
+    every gradient within `dtype`'s bound."""
     reference = _run(inputs, state, "naive", torch.float64, "cpu")
-    actual = _run(inputs, state, "triton", dtype, DEVICE, chunk_size=chunk_size, options=options)
+    actual = _run(inputs, state, "triton", dtype, DEVICE, table, chunk_size=chunk_size,
+                  options=options)  # fmt: skip
     labels = ["o", "final state", "dq", "da", "db", "du", "dg", "d initial state"]
     for label, x, ref in zip(labels, actual, reference, strict=True):
         assert_close(x, ref, TOLERANCE[dtype], label)
+
+
+# The state pass's walks, forward and adjoint, fused and split.
+WALKS = ("_state_pass_fwd", "_state_pass_bwd", "_state_pass_split_fwd", "_state_pass_split_bwd")
 
 
 def _recorded_launches(monkeypatch, module, names) -> list:
@@ -111,9 +133,9 @@ def test_triton_gradients_under_strong_decays_where_stage_1_walks_its_diagonal(
     """Log decays down to -16 per token: the full diagonal sub-blocks exceed the factored form's bound
     and are walked row by row, in the forward and the adjoint; with stage 1's adjoint cut into
     channel blocks of 16, K = 20 takes two of them."""
-    from deltalab.ops.delta_rule.triton import intra
+    from deltalab.ops.delta_rule.triton import chunk, intra
 
-    monkeypatch.setattr(intra, "INTRA_BLOCK_KD", 16)
+    table = replace(chunk.LAUNCH, intra=replace(intra.LAUNCH, block=16))
     inputs = random_delta_inputs(
         generator, 1, 37, 1, 20, 8, channel_decay=channel_decay, min_log_decay=-16.0
     )
@@ -121,7 +143,9 @@ def test_triton_gradients_under_strong_decays_where_stage_1_walks_its_diagonal(
     depth = g[:, :32].unflatten(1, (-1, intra.SUB_BLOCK)).sum(2).abs().amax((-2, -1))
     assert (depth > intra.DIAGONAL_FACTOR_BOUND).all()  # every full sub-block walks
     state = torch.randn(1, 1, 20, 8, generator=generator, dtype=torch.float64)
-    _compare(inputs, state, 16)
+    recorded = _recorded_launches(monkeypatch, intra, ("_intra_bwd",))
+    _compare(inputs, state, 16, table=table)
+    assert [grid[1] for _, grid, _ in recorded] == [2]  # two channel blocks
 
 
 # a as one strength per token (a_t = beta_t b_t, formed on load): both decay layouts, chunks
@@ -141,10 +165,10 @@ def test_triton_per_token_write_strength_matches_the_loop_with_every_gradient(
     generator, poisoned_empty, monkeypatch, length, chunk_size, channel_decay, min_log_decay,
     packed,
 ):  # fmt: skip
-    from deltalab.ops.delta_rule.triton import factors, intra
+    from deltalab.ops.delta_rule.triton import chunk, factors, intra
 
-    monkeypatch.setattr(intra, "INTRA_BLOCK_KD", 16)
-    monkeypatch.setattr(factors, "BLOCK_KD", 16)
+    table = replace(chunk.LAUNCH, intra=replace(intra.LAUNCH, block=16),
+                    factors=replace(factors.LAUNCH, block=16))  # fmt: skip
     batch = 1 if packed else 2
     inputs = random_delta_inputs(
         generator, batch, length, 2, 20, 8, channel_decay=channel_decay,
@@ -153,7 +177,11 @@ def test_triton_per_token_write_strength_matches_the_loop_with_every_gradient(
     assert inputs[1].shape == (batch, length, 2)
     cu_seqlens = torch.tensor([0, 7, 30, length]) if packed else None
     state = torch.randn(3 if packed else 2, 2, 20, 8, generator=generator, dtype=torch.float64)
-    _compare(inputs, state, chunk_size, cu_seqlens=cu_seqlens)
+    adjoints = [_recorded_launches(monkeypatch, intra, ("_intra_bwd",)),
+                _recorded_launches(monkeypatch, factors, ("_factors_bwd",))]  # fmt: skip
+    _compare(inputs, state, chunk_size, cu_seqlens=cu_seqlens, table=table)
+    # Stage 1's adjoint and the factors' in two channel blocks each.
+    assert [[grid[1] for _, grid, _ in launches] for launches in adjoints] == [[2], [2]]
 
 
 def test_a_16_bit_write_strength_keeps_a_float32_call_in_float32(generator, poisoned_empty):
@@ -409,14 +437,14 @@ def test_triton_decay_factors_and_their_adjoint_match_autograd(generator, poison
 
 @pytest.mark.parametrize("min_log_decay", [-0.5, -16.0], ids=["factored", "walked"])
 def test_triton_stage_1_and_factors_take_a_strength_per_token_as_its_product_with_b(
-    generator, poisoned_empty, monkeypatch, min_log_decay
+    generator, poisoned_empty, min_log_decay
 ):
     """Stage 1 and the factors given a as one strength per token give what they give for the
     direction beta * b, and the factors' adjoint splits that direction's gradient da' into
     db + beta da' and d beta = sum_k b da' (two channel blocks: each writes its share)."""
     from deltalab.ops.delta_rule.triton import factors, intra
 
-    monkeypatch.setattr(factors, "BLOCK_KD", 16)
+    table = replace(factors.LAUNCH, block=16)
     shape = (2, 3, 32, 20)
     q, b = (torch.randn(*shape, generator=generator, dtype=torch.float64) for _ in range(2))
     beta = torch.rand(*shape[:-1], generator=generator, dtype=torch.float64)
@@ -431,14 +459,17 @@ def test_triton_stage_1_and_factors_take_a_strength_per_token_as_its_product_wit
         ("L", "M"), intra.intra_triton(q, beta, b, g), intra.intra_triton(q, a, b, g), strict=True
     ):
         assert_close(x, ref, F32, label)
-    got = factors.factors_triton(q, beta, b, g)
-    ref = factors.factors_triton(q, a, b, g)
+    got = factors.factors_triton(q, beta, b, g, table=table)
+    ref = factors.factors_triton(q, a, b, g, table=table)
     for label, x, r in zip(("read", "erase rhs", "write", "decay"), got, ref, strict=True):
         assert_close(x, r, F32, label)
     upstream = [f32(torch.randn_like(x, dtype=torch.float64)) for x in ref]
     stage1 = [f32(torch.randn(*shape, generator=generator, dtype=torch.float64)) for _ in "qab"]
-    dq, d_beta, db, dg = factors.factors_triton_backward(q, beta, b, g, *upstream, *stage1)
-    dq_ref, da_ref, db_ref, dg_ref = factors.factors_triton_backward(q, a, b, g, *upstream, *stage1)
+    dq, d_beta, db, dg = factors.factors_triton_backward(q, beta, b, g, *upstream, *stage1,
+                                                         table=table)  # fmt: skip
+    dq_ref, da_ref, db_ref, dg_ref = factors.factors_triton_backward(
+        q, a, b, g, *upstream, *stage1, table=table
+    )
     assert d_beta.shape == beta.shape
     assert_close(dq, dq_ref, F32, "dq")
     assert_close(dg, dg_ref, F32, "dg")
@@ -485,14 +516,16 @@ def test_triton_state_pass_keeping_every_kth_state_writes_those_of_the_full_pass
     from deltalab.ops.delta_rule.chunk import ChunkOperators, chunk_operators, to_chunks
     from deltalab.ops.delta_rule.triton import chunk as state_module
 
-    monkeypatch.setattr(state_module, "BLOCK_C", block_c)
+    table = replace(state_module.LAUNCH, block_c=block_c)
     inputs = random_delta_inputs(generator, 1, 150, 2, 16, 8, channel_decay=True)
     ops = chunk_operators(*(to_chunks(x, 32) for x in inputs))  # 5 chunks
     ops = ChunkOperators(*(x.to(DEVICE, torch.float32).contiguous() for x in ops))
     state = torch.randn(1, 2, 16, 8, generator=generator).to(DEVICE)
     run = state_module.PASS_FORMS[state_pass][0]
-    full = run(ops, state, "ieee")
-    kept = run(ops, state, "ieee", keep_every=2, keep_residuals=False)
+    recorded = _recorded_launches(monkeypatch, state_module, WALKS)
+    full = run(ops, state, "ieee", table=table)
+    kept = run(ops, state, "ieee", keep_every=2, keep_residuals=False, table=table)
+    assert recorded and {kwargs["BC"] for _, _, kwargs in recorded} == {block_c}
     assert kept[1] is None
     assert kept[2].shape[2] == 3
     assert torch.equal(kept[2], full[2][:, :, ::2])
@@ -544,7 +577,7 @@ def test_triton_split_state_pass_matches_the_fused_pass_and_the_pytorch_walk(
     from deltalab.ops.delta_rule.triton import chunk as state_module
     from deltalab.ops.delta_rule.triton.intra import Tokens
 
-    monkeypatch.setattr(state_module, "BLOCK_C", block_c)
+    table = replace(state_module.LAUNCH, block_c=block_c)
     batch, heads, key_dim, value_dim = 1, 2, 20, 12
     inputs = random_delta_inputs(
         generator, batch, length, heads, key_dim, value_dim, channel_decay=True
@@ -562,23 +595,25 @@ def test_triton_split_state_pass_matches_the_fused_pass_and_the_pytorch_walk(
 
     ops32 = ChunkOperators(*(f32(x) for x in ops))
     tokens = Tokens(ops.read.shape[2], heads, length, chunk_size)
+    recorded = _recorded_launches(monkeypatch, state_module, WALKS)
     got = {}
     for name in ("fused", "split"):
         state_pass, state_pass_backward, walk = state_module.PASS_FORMS[name]
         out = torch.empty(batch, length, heads, value_dim, device=DEVICE)
         got[name] = [
-            *state_pass(ops32, f32(state), out=out, tokens=tokens),
-            *state_pass_backward(ops32, f32(d_o), f32(d_final), tokens=tokens),
+            *state_pass(ops32, f32(state), out=out, tokens=tokens, table=table),
+            *state_pass_backward(ops32, f32(d_o), f32(d_final), tokens=tokens, table=table),
         ]
         # The walk a backward repeats (recompute_states) gives the forward's values exactly,
         # from the initial state alone (one segment) or from every chunk's start state (as
         # many segments as chunks, walked at once).
         states = got[name][2]
         for every in (1, states.shape[2]):
-            walked = walk(ops32, states[:, :, ::every].contiguous(), every)
+            walked = walk(ops32, states[:, :, ::every].contiguous(), every, table=table)
             for label, again, first in zip(("residuals", "chunk-start states"), walked,
                                            got[name][1:3], strict=True):  # fmt: skip
                 assert torch.equal(again, first), f"{label} walked again ({name}, {every})"
+    assert {kwargs["BC"] for _, _, kwargs in recorded} == {block_c}  # two row blocks a chunk
     labels = ["outputs", "residuals", "chunk-start states", "final state", "dN",
               "dS after each chunk", "d initial state"]  # fmt: skip
     for label, split, fused, ref in zip(labels, got["split"], got["fused"], forward + backward,
@@ -661,19 +696,19 @@ def test_auto_state_pass_takes_the_fused_pass_from_its_program_threshold(
     generator, monkeypatch, min_programs, chosen, other
 ):
     """state_pass="auto" (the default) runs the fused pass when its walks would launch at least
-    FUSED_PASS_MIN_PROGRAMS programs (here B * H * ceil(V / BLOCK_V) = 2 * 2 * 1 = 4) and the
+    fused_pass_min_programs programs (here B * H * ceil(V / block_v) = 2 * 2 * 1 = 4) and the
     split pass below that (the other made to fail if called), and the result is still exact."""
     from deltalab.ops.delta_rule.triton import chunk as state_module
 
     def fail(*args, **kwargs):
         raise AssertionError(f"the {other} state pass ran")
 
-    monkeypatch.setattr(state_module, "FUSED_PASS_MIN_PROGRAMS", min_programs)
+    table = replace(state_module.LAUNCH, fused_pass_min_programs=min_programs)
     monkeypatch.setitem(state_module.PASS_FORMS, other, (fail, fail, fail))
-    assert state_module.chosen_state_pass(2, 2, 16, 8) == chosen
+    assert state_module.chosen_state_pass(2, 2, 16, 8, table=table) == chosen
     inputs = random_delta_inputs(generator, 2, 21, 2, 16, 8, channel_decay=True)
     state = torch.randn(2, 2, 16, 8, generator=generator, dtype=torch.float64)
-    _compare(inputs, state, 16)
+    _compare(inputs, state, 16, table=table)
 
 
 @pytest.mark.parametrize(
@@ -688,31 +723,26 @@ def test_auto_takes_the_fused_launch_its_walks_earn_and_every_walk_of_the_op_tak
     generator, monkeypatch, dtype, walk_dots, threshold, chosen
 ):
     """With 16-bit chunk operators, "auto" runs the fused pass at the launch its walks' count
-    earns (here B * H * V / BV walks: 4 at NARROW_BLOCK_V = 32, 2 at BLOCK_V = 64, against
-    thresholds FUSED_PASS_MIN_PROGRAMS of 3 and 2), forward, the backward's walk from the
+    earns (here B * H * V / BV walks: 4 at narrow_block_v = 32, 2 at block_v = 64, against
+    thresholds fused_pass_min_programs of 3 and 2), forward, the backward's walk from the
     checkpoints and the adjoint walk: with the products in 16 bits (walk_dots "operators"),
-    BLOCK_V columns on LOW_DOTS_NUM_WARPS warps where they make enough walks, else
-    NARROW_BLOCK_V columns on NARROW_NUM_WARPS where those do; with them widened, the narrow
+    block_v columns on low_dots_num_warps warps where they make enough walks, else
+    narrow_block_v columns on narrow_num_warps where those do; with them widened, the narrow
     launch wherever it makes enough. Float32 operators take the split pass below the threshold
-    and the fused one at BLOCK_V columns from it. Either way the output, the final state and
+    and the fused one at block_v columns from it. Either way the output, the final state and
     every gradient are the loop's (fp16: the interpreter's 16-bit float)."""
     from deltalab.ops.delta_rule.triton import chunk as state_module
 
-    monkeypatch.setattr(state_module, "LOW_DOTS_NUM_WARPS", 1)
     # The backward's walk from every chunk's start: 3 segments at once, 3x the forward's walks,
     # yet the forward's launch (a launch chosen by its own count would pass the thresholds).
     options = KernelOptions(walk_dots=walk_dots, checkpoint_every=1)
 
-    recorded = _recorded_launches(monkeypatch, state_module, (
-        "_state_pass_fwd", "_state_pass_bwd", "_state_pass_split_fwd", "_state_pass_split_bwd",
-    ))  # fmt: skip
-    monkeypatch.setattr(state_module, "BLOCK_V", 64)
-    monkeypatch.setattr(state_module, "NARROW_BLOCK_V", 32)
-    monkeypatch.setattr(state_module, "NARROW_NUM_WARPS", 2)
-    monkeypatch.setattr(state_module, "FUSED_PASS_MIN_PROGRAMS", threshold)
+    recorded = _recorded_launches(monkeypatch, state_module, WALKS)
+    table = replace(state_module.LAUNCH, low_dots_num_warps=1, block_v=64, narrow_block_v=32,
+                    narrow_num_warps=2, fused_pass_min_programs=threshold)  # fmt: skip
     inputs = random_delta_inputs(generator, 1, 37, 2, 16, 64, channel_decay=True)
     state = torch.randn(1, 2, 16, 64, generator=generator, dtype=torch.float64)
-    _compare_at(inputs, state, dtype, chunk_size=16, options=options)
+    _compare_at(inputs, state, dtype, chunk_size=16, options=options, table=table)
     launches = [(name, kwargs["BV"], kwargs["num_warps"]) for name, _, kwargs in recorded]
     walks = ["_state_pass_fwd"] * 2 + ["_state_pass_bwd"]  # forward, from checkpoints, adjoint
     if chosen == "narrow":
@@ -720,7 +750,7 @@ def test_auto_takes_the_fused_launch_its_walks_earn_and_every_walk_of_the_op_tak
     elif chosen == "low_dots":
         assert launches == [(name, 64, 1) for name in walks]
     elif chosen == "fused":
-        assert launches == [(name, 64, state_module.NUM_WARPS) for name in walks]
+        assert launches == [(name, 64, table.num_warps) for name in walks]
     else:
         assert {launch[0] for launch in launches} == {
             "_state_pass_split_fwd",
@@ -744,40 +774,39 @@ def test_16bit_products_in_the_walks_keep_every_result_within_the_16bit_bound(
     walks = {"fused": ("_state_pass_fwd", "_state_pass_bwd"),
              "split": ("_state_pass_split_fwd", "_state_pass_split_bwd")}  # fmt: skip
     recorded = _recorded_launches(monkeypatch, state_module, walks[state_pass])
-    monkeypatch.setattr(state_module, "BLOCK_C", 16)  # two row blocks per chunk of 32
+    table = replace(state_module.LAUNCH, block_c=16)  # two row blocks per chunk of 32
     options = KernelOptions(state_pass=state_pass, walk_dots=walk_dots)
     inputs = random_delta_inputs(generator, 1, 45, 2, 16, 32, channel_decay=True)
     state = torch.randn(1, 2, 16, 32, generator=generator, dtype=torch.float64)
-    _compare_at(inputs, state, torch.float16, chunk_size=32, options=options)
+    _compare_at(inputs, state, torch.float16, chunk_size=32, options=options, table=table)
     flags = [kwargs["LOW_DOTS"] for _, _, kwargs in recorded]
     assert flags and set(flags) == {walk_dots == "operators"}
+    assert {kwargs["BC"] for _, _, kwargs in recorded} == {16}
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="bfloat16 kernels: CUDA only")
 @pytest.mark.parametrize("launch", ["wide", "narrow", "split"])
 def test_bf16_walks_stay_within_the_bf16_bound_of_the_loop(generator, monkeypatch, launch):
     """bf16 inputs as training gives them, the walks' products in bf16 (walk_dots, the
-    default), at each launch "auto" may take (the fused pass at BLOCK_V columns, at the narrow
+    default), at each launch "auto" may take (the fused pass at block_v columns, at the narrow
     launch, the split pass: chosen here by the walk threshold), K = V = 128 as the presets
     have, strong and weak decays over 5 chunks: the output, the final state and every gradient
     within the bf16 bound of the float64 loop (the interpreter checks fp16 the same way)."""
     from deltalab.ops.delta_rule.triton import chunk as state_module
 
-    recorded = _recorded_launches(monkeypatch, state_module, (
-        "_state_pass_fwd", "_state_pass_bwd", "_state_pass_split_fwd", "_state_pass_split_bwd",
-    ))  # fmt: skip
+    recorded = _recorded_launches(monkeypatch, state_module, WALKS)
     batch, heads = 2, 3
     threshold = {"wide": 2, "narrow": 4, "split": 5}[launch] * batch * heads
-    monkeypatch.setattr(state_module, "FUSED_PASS_MIN_PROGRAMS", threshold)
+    table = replace(state_module.LAUNCH, fused_pass_min_programs=threshold)
     inputs = random_delta_inputs(generator, batch, 300, heads, 128, 128, channel_decay=True,
                                  min_log_decay=-2.0)  # fmt: skip
     state = torch.randn(batch, heads, 128, 128, generator=generator, dtype=torch.float64)
-    _compare_at(inputs, state, torch.bfloat16, chunk_size=64)
+    _compare_at(inputs, state, torch.bfloat16, chunk_size=64, table=table)
     taken = {(name, kwargs.get("BV"), kwargs["LOW_DOTS"]) for name, _, kwargs in recorded}
     if launch == "split":
         assert {name for name, _, _ in taken} == {"_state_pass_split_fwd", "_state_pass_split_bwd"}
     else:
-        bv = {"wide": state_module.BLOCK_V, "narrow": state_module.NARROW_BLOCK_V}[launch]
+        bv = {"wide": table.block_v, "narrow": table.narrow_block_v}[launch]
         assert taken == {("_state_pass_fwd", bv, True), ("_state_pass_bwd", bv, True)}
 
 

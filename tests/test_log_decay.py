@@ -11,6 +11,8 @@ tiny: the interpreter runs every operation of a kernel in Python.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -42,6 +44,9 @@ needs_triton = pytest.mark.skipif(NO_TRITON is not None, reason=str(NO_TRITON))
 # float32 kernels against the float64 formula: a few float32 ulps, and sums over rows.
 F32_TOL = 1e-5
 NAMES = ("g", "dA_log", "draw", "ddt_bias")
+# A launch table of tiles of 2 x 8 and at most 3 backward programs a column block.
+SMALL_TABLE = {"forward_elements": 16, "backward_elements": 16, "max_columns": 8,
+               "backward_programs": 3}  # fmt: skip
 # (A_log, raw, dt_bias) shapes: scalar decay [H] / [B, T, H], channel decay [H, 1] / [B, T, H, K],
 # odd H and K, and other leading dims.
 LAYOUTS = {
@@ -63,11 +68,20 @@ def decay_inputs(generator, layout, scale=3.0):
     return a_log, scale * draw(*raw_shape), draw(*b_shape), draw(*raw_shape)
 
 
-def with_grads(inputs, backend, dtype, device=DEVICE):
-    """g and the gradients of A_log, raw, dt_bias of sum(g * dg), as float64 CPU tensors."""
+def with_grads(inputs, backend, dtype, device=DEVICE, table=None):
+    """g and the gradients of A_log, raw, dt_bias of sum(g * dg), as float64 CPU tensors; with
+    a launch `table`, by the Triton kernels launched by it."""
     a_log, raw, dt_bias, dg = inputs
     leaves = [t.detach().to(device, dtype).requires_grad_() for t in (a_log, raw, dt_bias)]
-    g = log_decay(*leaves, backend=backend)
+    if table is None:
+        g = log_decay(*leaves, backend=backend)
+    else:
+        from deltalab.ops.log_decay.triton import log_decay_triton
+
+        a, x, b = leaves
+        shape = torch.broadcast_shapes(a.shape, b.shape)  # the parameters' span of raw
+        a, b = (p.expand(shape).reshape(-1) for p in (a, b))
+        g = log_decay_triton(a, x, b, table=table)
     grads = torch.autograd.grad((g * dg.to(device, g.dtype)).sum(), leaves)
     return [t.detach().cpu().to(F64) for t in (g, *grads)]
 
@@ -136,17 +150,17 @@ def test_triton_is_finite_and_exact_in_the_limits_for_large_raw(generator, layou
 
 
 @needs_triton
-def test_triton_parameter_gradients_sum_over_many_programs(generator, poisoned_empty, monkeypatch):
+def test_triton_parameter_gradients_sum_over_many_programs(generator, poisoned_empty):
     """More row blocks than backward programs, programs whose last blocks run past the rows and
     several column blocks: each program's partial sums are added once."""
     from deltalab.ops.log_decay import triton as kernels
 
-    monkeypatch.setattr(kernels, "BLOCK_ELEMENTS", {"forward": 16, "backward": 16})
-    monkeypatch.setattr(kernels, "MAX_BLOCK_N", 8)
-    monkeypatch.setattr(kernels, "BACKWARD_PROGRAMS", 3)
+    table = dataclasses.replace(kernels.LAUNCH, **SMALL_TABLE)
     inputs = decay_inputs(generator, "channel")  # N = 21: three column blocks of 8
+    # 10 rows in blocks of 2: 5 row blocks over 3 programs of 2 each column block.
+    assert kernels.launch(10, 21, "backward", table).grid == (3, 3)
     assert_all_close(
-        with_grads(inputs, "triton", torch.float32),
+        with_grads(inputs, "triton", torch.float32, table=table),
         with_grads(inputs, "naive", F64, "cpu"),
         F32_TOL,
     )

@@ -11,6 +11,8 @@ tiny: the interpreter runs every operation of a kernel in Python.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -43,13 +45,20 @@ def norm_inputs(generator, shape):
     return draw(*shape), 1 + 0.3 * draw(shape[-1]), 2 * draw(*shape), draw(*shape)
 
 
-def rms_with_grads(inputs, backend, dtype, gated, activation, device=DEVICE, **kw):
-    """y and the gradients of x, weight (and gate) of sum(y * dy), as float64 CPU tensors."""
+def rms_with_grads(inputs, backend, dtype, gated, activation, device=DEVICE, table=None, **kw):
+    """y and the gradients of x, weight (and gate) of sum(y * dy), as float64 CPU tensors; with
+    a launch `table`, by the Triton kernels launched by it."""
     x, weight, gate, dy = inputs
     leaves = [t.detach().to(device, dtype).requires_grad_() for t in (x, weight, gate)]
     if not gated:
         leaves = leaves[:2]
-    y = rms_norm(*leaves[:2], 1e-5, *leaves[2:3] or [None], activation, backend=backend, **kw)
+    args = (*leaves[:2], 1e-5, *(leaves[2:3] or [None]), activation)
+    if table is None:
+        y = rms_norm(*args, backend=backend, **kw)
+    else:
+        from deltalab.ops.norms.triton import rms_norm_triton
+
+        y = rms_norm_triton(*args, None, table=table)
     grads = torch.autograd.grad((y * dy.to(device, y.dtype)).sum(), leaves)
     return [t.detach().cpu().to(F64) for t in (y, *grads)]
 
@@ -152,16 +161,18 @@ def test_triton_l2_normalize_matches_naive_float64_with_gradients(generator, poi
 
 
 @needs_triton
-def test_triton_weight_gradient_sums_over_many_programs(generator, poisoned_empty, monkeypatch):
+def test_triton_weight_gradient_sums_over_many_programs(generator, poisoned_empty):
     """More row blocks than backward programs, and programs whose last blocks run past the
     rows: each program's partial dweight is summed once."""
     from deltalab.ops.norms import triton as kernels
 
-    monkeypatch.setattr(kernels, "BLOCK_ELEMENTS", {"forward": 32, "backward": 32})
-    monkeypatch.setattr(kernels, "BACKWARD_PROGRAMS", 3)
+    small = {"forward_elements": 32, "backward_elements": 32, "backward_programs": 3}
+    table = dataclasses.replace(kernels.LAUNCH, **small)
+    # 21 rows of 16 in blocks of 2: 11 row blocks over 3 programs of 4 (the last one 3).
+    assert kernels.launch(21, 16, "backward", table)[0] == 2
     inputs = norm_inputs(generator, (7, 3, 16))
     expected = rms_with_grads(inputs, "naive", F64, True, "silu", "cpu")
-    actual = rms_with_grads(inputs, "triton", torch.float32, True, "silu")
+    actual = rms_with_grads(inputs, "triton", torch.float32, True, "silu", table=table)
     assert_all_close(actual, expected, F32_TOL)
 
 

@@ -12,6 +12,8 @@ tiny: the interpreter runs every operation of a kernel in Python.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -57,14 +59,21 @@ def read_inputs(generator, layout, dynamic=True, scale=3.0):
     return draw(*q_shape), draw(*r_shape), raw, draw(*q_shape)
 
 
-def with_grads(inputs, backend, dtype, device=DEVICE):
+def with_grads(inputs, backend, dtype, device=DEVICE, table=None):
     """The product and the gradients of q, read_log (and raw) of sum(out * dout), as float64
-    CPU tensors."""
+    CPU tensors; with a launch `table`, by the Triton kernels launched by it."""
     q, read_log, raw, dout = inputs
     leaves = [
         t.detach().to(device, dtype).requires_grad_() for t in (q, read_log, raw) if t is not None
     ]
-    out = read_query(*leaves, backend=backend)
+    if table is None:
+        out = read_query(*leaves, backend=backend)
+    else:
+        from deltalab.ops.read_gate.triton import read_query_triton
+
+        q, r, *raw = leaves  # read_log spans q's trailing dims
+        out = read_query_triton(q, r.expand(q.shape[q.dim() - r.dim():]).reshape(-1), *raw,
+                                table=table)  # fmt: skip
     grads = torch.autograd.grad((out * dout.to(device, out.dtype)).sum(), leaves)
     return [t.detach().cpu().to(F64) for t in (out, *grads)]
 
@@ -163,17 +172,20 @@ def test_triton_is_finite_where_rho_is_for_any_read_log(generator):
 
 
 @needs_triton
-def test_triton_read_log_gradient_sums_over_many_programs(generator, poisoned_empty, monkeypatch):
+def test_triton_read_log_gradient_sums_over_many_programs(generator, poisoned_empty):
     """More row blocks than backward programs, programs whose last blocks run past the rows and
     several column blocks: each program's partial sums are added once."""
-    from deltalab.ops.log_decay import triton as kernels  # the launch plan the read gate takes
+    from deltalab.ops.log_decay import triton as kernels  # the launch table the read gate takes
 
-    monkeypatch.setattr(kernels, "BLOCK_ELEMENTS", {"forward": 16, "backward": 16})
-    monkeypatch.setattr(kernels, "MAX_BLOCK_N", 8)
-    monkeypatch.setattr(kernels, "BACKWARD_PROGRAMS", 3)
+    small = {"forward_elements": 16, "backward_elements": 16, "max_columns": 8,
+             "backward_programs": 3}  # fmt: skip
+    table = dataclasses.replace(kernels.LAUNCH, **small)
     inputs = read_inputs(generator, "heads")  # N = 21: three column blocks of 8
+    rows = inputs[0].numel() // 21
+    assert kernels.launch(rows, 21, "backward", table).grid[1] == 3
+    assert -(-rows // 2) > 3  # more row blocks of 2 than the 3 programs
     assert_all_close(
-        with_grads(inputs, "triton", torch.float32),
+        with_grads(inputs, "triton", torch.float32, table=table),
         with_grads(inputs, "naive", F64, "cpu"),
         F32_TOL,
     )

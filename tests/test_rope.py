@@ -12,11 +12,13 @@ tiny: the interpreter runs every operation of a kernel in Python.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from deltalab.ops._triton import INTERPRET, triton_unavailable_reason
-from deltalab.ops.rope import ROPE_BASE, resolve_backend, rope
+from deltalab.ops.rope import ROPE_BASE, inverse_frequencies, resolve_backend, rope
 from deltalab.testing import TOLERANCE, assert_close, forward_tangent, relative_error
 
 pytestmark = pytest.mark.interpreter
@@ -35,10 +37,17 @@ def draw(generator, *shape):
     return torch.randn(*shape, generator=generator, dtype=F64)
 
 
-def with_grad(x, positions, dy, backend, dtype, device=DEVICE, base=ROPE_BASE):
-    """y and dx of sum(y * dy), as float64 CPU tensors."""
+def with_grad(x, positions, dy, backend, dtype, device=DEVICE, base=ROPE_BASE, table=None):
+    """y and dx of sum(y * dy), as float64 CPU tensors; with a launch `table`, by the Triton
+    kernel launched by it."""
     leaf = x.detach().to(device, dtype).requires_grad_()
-    y = rope(leaf, positions.to(device), base=base, backend=backend)
+    if table is None:
+        y = rope(leaf, positions.to(device), base=base, backend=backend)
+    else:
+        from deltalab.ops.rope.triton import rope_triton
+
+        freq = inverse_frequencies(x.shape[-1] // 2, base, torch.float32, device)
+        y = rope_triton(leaf, positions.to(device), freq, table=table)
     assert y.dtype == dtype and y.shape == x.shape
     (grad,) = torch.autograd.grad(y, leaf, dy.to(device, dtype))
     assert grad.dtype == dtype and grad.shape == x.shape
@@ -97,19 +106,18 @@ def test_triton_matches_naive_float64_and_the_torch_path(generator, poisoned_emp
 @needs_triton
 @pytest.mark.parametrize(("pairs", "blocks"), [(8, (1, 2, 4)), (32, (2, 4, 4))])
 def test_triton_runs_over_many_token_head_and_column_blocks(
-    generator, poisoned_empty, monkeypatch, pairs, blocks
+    generator, poisoned_empty, pairs, blocks
 ):
     """Programs of BT tokens x BH heads x 4 pairs over B T = 15 tokens, H = 3 heads, K/2 = 10
     pairs: blocks past each end masked off, every element of y and dx written once."""
     from deltalab.ops.rope import triton as kernels
 
-    monkeypatch.setattr(kernels, "BLOCK_PAIRS", pairs)
-    monkeypatch.setattr(kernels, "MAX_BLOCK_D", 4)
-    assert kernels.launch(15, 3, 10)[:3] == blocks
+    table = dataclasses.replace(kernels.LAUNCH, block_pairs=pairs, max_block_d=4)
+    assert kernels.launch(15, 3, 10, table)[:3] == blocks
     x, dy = draw(generator, 3, 5, 3, 20), draw(generator, 3, 5, 3, 20)
     positions = torch.arange(5)
     expected = with_grad(x, positions, dy, "naive", F64, "cpu")
-    assert_pair_close(with_grad(x, positions, dy, "triton", F32), expected, F32_TOL)
+    assert_pair_close(with_grad(x, positions, dy, "triton", F32, table=table), expected, F32_TOL)
 
 
 @needs_triton

@@ -50,7 +50,7 @@ def run_with_grads(inputs, backend, dtype, device, activation="silu", cache_grad
         return None if t is None else t.detach().to(device, dtype).requires_grad_(grad)
 
     leaves = [leaf(x), leaf(weight), leaf(cache, cache_grad)]
-    if backend == "config":
+    if backend == "table":
         from deltalab.ops.short_conv.triton import short_conv_triton
 
         y, new_cache = short_conv_triton(*leaves, activation == "silu", **kw)
@@ -166,18 +166,20 @@ def test_triton_without_activation_matches_naive(
 @needs_triton
 @pytest.mark.parametrize("programs", [4, 1024], ids=["chunks-per-split", "split-per-chunk"])
 def test_triton_chunks_splits_and_channel_blocks_carry_correctly(
-    generator, poisoned_empty, monkeypatch, programs
+    generator, poisoned_empty, programs
 ):
     """Chunks of 8 tokens and blocks of 32 channels: 5 chunks (the last 5/8 used), 2 channel
     blocks (the second 8/32 used), and the backward's token splits either several chunks long
     (its dw carried across chunks in registers) or one chunk each (dw summed across programs)."""
     from deltalab.ops.short_conv import triton as kernels
 
-    monkeypatch.setattr(kernels, "BACKWARD_PROGRAMS", programs)
+    table = kernels.ConvLaunch(forward=(8, 32, 1), backward=(8, 32, 1), backward_programs=programs)
+    # 2 sequences x 2 channel blocks: 1 program each over the 5 chunks, or a chunk each.
+    split = kernels.backward_split(2, 37, 2, 8, table)
+    assert split == (40 if programs == 4 else 8)
     inputs = conv_inputs(generator, 2, 37, 40, 4)
     expected = run_with_grads(inputs, "naive", F64, "cpu")
-    config = {"config": {"forward": (8, 32, 1), "backward": (8, 32, 1)}}
-    actual = run_with_grads(inputs, "config", torch.float32, DEVICE, **config)
+    actual = run_with_grads(inputs, "table", torch.float32, DEVICE, table=table)
     assert_all_close(actual, expected, TOLERANCE[torch.float32], f"{programs} programs")
 
 
@@ -283,10 +285,8 @@ def test_bad_inputs_are_refused_naming_the_argument(args, error, message):
 
 @needs_triton
 @pytest.mark.parametrize("launch", [(0, 32, 1), (8, 48, 1), (8, 32, 0)])
-def test_triton_refuses_launch_configs_it_cannot_run(generator, launch):
-    from deltalab.ops.short_conv.triton import short_conv_triton
+def test_triton_refuses_launch_tables_it_cannot_run(launch):
+    from deltalab.ops.short_conv.triton import ConvLaunch
 
-    x, weight, cache, _, _ = conv_inputs(generator, 1, 5, 4, 4)
-    x, weight, cache = (t.to(DEVICE, torch.float32) for t in (x, weight, cache))
-    with pytest.raises(ValueError, match=r"config\['backward'\] must be \(BT >= 1, BC a power"):
-        short_conv_triton(x, weight, cache, True, {"backward": launch})
+    with pytest.raises(ValueError, match=r"ConvLaunch\.backward must be \(BT >= 1, BC a power"):
+        ConvLaunch(backward=launch)

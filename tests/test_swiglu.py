@@ -11,6 +11,8 @@ tiny: the interpreter runs every operation of a kernel in Python.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -35,10 +37,16 @@ def draw(generator, *shape):
     return torch.randn(*shape, generator=generator, dtype=F64)
 
 
-def with_grad(gate_up, dh, backend, dtype, device=DEVICE):
-    """h and d(gate_up) of sum(h * dh), as float64 CPU tensors."""
+def with_grad(gate_up, dh, backend, dtype, device=DEVICE, table=None):
+    """h and d(gate_up) of sum(h * dh), as float64 CPU tensors; with a launch `table`, by the
+    Triton kernels launched by it."""
     leaf = gate_up.detach().to(device, dtype).requires_grad_()
-    h = swiglu(leaf, backend=backend)
+    if table is None:
+        h = swiglu(leaf, backend=backend)
+    else:
+        from deltalab.ops.swiglu.triton import swiglu_triton
+
+        h = swiglu_triton(leaf, table=table)
     assert h.dtype == dtype and h.shape == (*gate_up.shape[:-1], gate_up.shape[-1] // 2)
     (grad,) = torch.autograd.grad(h, leaf, dh.to(device, dtype))
     assert grad.dtype == dtype and grad.shape == gate_up.shape
@@ -87,16 +95,18 @@ def test_triton_matches_naive_float64_and_the_torch_path(generator, poisoned_emp
 
 
 @needs_triton
-def test_triton_runs_over_many_row_and_column_blocks(generator, poisoned_empty, monkeypatch):
+def test_triton_runs_over_many_row_and_column_blocks(generator, poisoned_empty):
     """Tiles of 4 x 8: row blocks and column blocks past M and F masked off, every element of
     h and d(gate_up) written once."""
     from deltalab.ops.swiglu import triton as kernels
 
-    monkeypatch.setattr(kernels, "BLOCK_ELEMENTS", {"forward": 32, "backward": 32})
-    monkeypatch.setattr(kernels, "BLOCK_COLUMNS", 8)
+    small = {"forward_elements": 32, "backward_elements": 32, "max_columns": 8}
+    table = dataclasses.replace(kernels.LAUNCH, **small)
+    assert kernels.launch(21, 21, "forward", table)[:2] == (4, 8)
     gate_up, dh = draw(generator, 7, 3, 2 * 21), draw(generator, 7, 3, 21)
     expected = with_grad(gate_up, dh, "naive", F64, "cpu")
-    assert_pair_close(with_grad(gate_up, dh, "triton", torch.float32), expected, F32_TOL)
+    actual = with_grad(gate_up, dh, "triton", torch.float32, table=table)
+    assert_pair_close(actual, expected, F32_TOL)
 
 
 @needs_triton

@@ -7,9 +7,9 @@ happened here). Compiling ahead of time for sm_90 needs no GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
-from unittest import mock
 
 import pytest
 import torch
@@ -89,14 +89,7 @@ def _assert_compiles_without_spills(
 def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chunk):
     from deltalab.ops.delta_rule.triton import chunk as state_pass
     from deltalab.ops.delta_rule.triton import factors, intra, solve
-    from deltalab.ops.delta_rule.triton.intra import (
-        BLOCK_KD,
-        DIAGONAL_FACTOR_BOUND,
-        INTRA_BLOCK_KD,
-        INTRA_LAUNCH,
-        SUB_BLOCK,
-        key_block,
-    )
+    from deltalab.ops.delta_rule.triton.intra import DIAGONAL_FACTOR_BOUND, SUB_BLOCK, key_block
 
     block_k = key_block(key_dim)
     for precision in ("ieee", "tf32"):
@@ -104,29 +97,29 @@ def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chu
         _, launch = state_pass._launch(key_dim, 1, chunk, key_dim, precision)
         options = {k: launch.pop(k) for k in ("num_warps", "num_stages")}
         shape = dict(K=key_dim, C=chunk, BT=SUB_BLOCK, PRECISION=precision)
-        block_kd = min(BLOCK_KD, block_k)
-        block_n = min(solve.BLOCK_N, block_k)
+        block_kd = min(factors.LAUNCH.block, block_k)
+        block_n = min(solve.LAUNCH.block, block_k)
         columns = dict(N=key_dim, C=chunk, BT=SUB_BLOCK, BN=block_n, PRECISION=precision)
         # Both decay layouts over the cases: one log decay per head at K = 3.
         g_head = {"G_HEAD": key_dim == 3}
         per_chunk = dict(K=key_dim, C=chunk, BKD=block_kd, **g_head)
         # Stage 1 with its own launch, channel block and factored-diagonal bound.
         stage_1 = {**shape, **g_head, "BOUND": DIAGONAL_FACTOR_BOUND}
-        intra_kd = min(INTRA_BLOCK_KD, block_k)
+        intra_kd = min(intra.LAUNCH.block, block_k)
         kernels = [
             (state_pass._state_pass_fwd, 11, {**launch, "HAS_INITIAL": True, **WIDENED}, options),
             (state_pass._state_pass_fwd, 11, {**launch, "HAS_INITIAL": True, "WRITE_OUT": False,
                                               **WIDENED},
              options),
             (state_pass._state_pass_bwd, 10, {**launch, "HAS_D_FINAL": True, **WIDENED}, options),
-            (intra._intra_fwd, 6, {**stage_1, "BK": block_k}, INTRA_LAUNCH),
-            (intra._intra_bwd, 9, {**stage_1, "BKD": intra_kd}, INTRA_LAUNCH),
-            (solve._solve_fwd, 3, columns, solve.LAUNCH),
-            (solve._solve_bwd, 4, {**columns, "TOKENS": True}, solve.LAUNCH),
+            (intra._intra_fwd, 6, {**stage_1, "BK": block_k}, intra.LAUNCH.options),
+            (intra._intra_bwd, 9, {**stage_1, "BKD": intra_kd}, intra.LAUNCH.options),
+            (solve._solve_fwd, 3, columns, solve.LAUNCH.options),
+            (solve._solve_bwd, 4, {**columns, "TOKENS": True}, solve.LAUNCH.options),
             (solve._lower_grad, 5, {**shape, "V": key_dim, "BK": block_n, "BV": block_n},
-             solve.LAUNCH),
-            (factors._factors_fwd, 8, per_chunk, intra.LAUNCH),
-            (factors._factors_bwd, 15, per_chunk, intra.LAUNCH),
+             solve.LAUNCH.options),
+            (factors._factors_fwd, 8, per_chunk, factors.LAUNCH.options),
+            (factors._factors_bwd, 15, per_chunk, factors.LAUNCH.options),
         ]  # fmt: skip
         # Stage 1 and the factors with a as a direction per token and as a strength per token
         # (A_ROW: DeltaNet, GDN, KDA, Isotropic KDN), each a variant of its own.
@@ -138,11 +131,11 @@ def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chu
             for row in (False, True)
         ]
         grads = dict(K=key_dim, V=key_dim, C=chunk, BK=block_k, PRECISION=precision,
-                     BV=min(state_pass.OPERATOR_BLOCK_V, block_k),
-                     BC=min(chunk, state_pass.BLOCK_C))  # fmt: skip
+                     BV=min(state_pass.LAUNCH.operator_block_v, block_k),
+                     BC=min(chunk, state_pass.LAUNCH.block_c))  # fmt: skip
         kernels += [
             (state_pass._operator_grads_kernel, 10, {**grads, "FROM_OUTPUT": from_output},
-             {"num_warps": state_pass.NUM_WARPS, "num_stages": 1})
+             {"num_warps": state_pass.LAUNCH.num_warps, "num_stages": 1})
             for from_output in (True, False)
         ]  # fmt: skip
         kernels += _split_state_pass_kernels(state_pass, key_dim, chunk, precision)
@@ -179,14 +172,13 @@ WIDENED = {"LOW_DOTS": False}
 OPERATOR_POINTERS = {"read", "attend", "erase", "target", "write", "rhs", "out"}
 
 
-def _walks_at_stages(module, setting: str, depths, launch, walks):
+def _walks_at_stages(table, field: str, depths, launch, walks):
     """Each walk of `walks` ((kernel, pointers, flag set True)) at the constants and options
-    `launch()` returns with `module.<setting>` set to each of `depths`: (kernel, pointers,
-    constants, options) as the test above takes them."""
+    `launch(table)` returns with the launch table's `field` set to each of `depths`: (kernel,
+    pointers, constants, options) as the test above takes them."""
     kernels = []
     for stages in depths:
-        with mock.patch.object(module, setting, stages):
-            constants = launch()
+        constants = launch(dataclasses.replace(table, **{field: stages}))
         options = {k: constants.pop(k) for k in ("num_warps", "num_stages")}
         kernels += [(kernel, n, {**constants, flag: True}, options) for kernel, n, flag in walks]
     return kernels
@@ -194,30 +186,31 @@ def _walks_at_stages(module, setting: str, depths, launch, walks):
 
 def _fused_16bit_kernels(state_pass, key_dim, chunk, precision):
     """The fused state pass's walks at the launches `_launch` gives 16-bit operators: at
-    BLOCK_V with every pipeline depth the tuner offers (NUM_STAGES 2 and 3; K > 128 keeps 1),
-    and the narrow launch (NARROW_BLOCK_V, NARROW_NUM_STAGES 2 and 3), made to apply by a
-    program threshold its walks reach and BLOCK_V's do not."""
+    block_v with every pipeline depth the tuner offers (num_stages 2 and 3; K > 128 keeps 1),
+    and the narrow launch (narrow_block_v, narrow_num_stages 2 and 3), made to apply by a
+    program threshold its walks reach and block_v's do not."""
     walks = [(state_pass._state_pass_fwd, 11, "HAS_INITIAL"),
              (state_pass._state_pass_bwd, 10, "HAS_D_FINAL")]  # fmt: skip
 
-    def launch():  # the launches widened products get (walk_dots "float32")
+    def launch(table):  # the launches widened products get (walk_dots "float32")
         return state_pass._launch(key_dim, 1, chunk, key_dim, precision, torch.bfloat16,
-                                  "float32")[1]  # fmt: skip
+                                  "float32", table)[1]  # fmt: skip
 
-    narrow = -(-key_dim // state_pass.NARROW_BLOCK_V)
-    kernels = _walks_at_stages(state_pass, "NUM_STAGES", (2, 3), launch, walks)
-    with mock.patch.object(state_pass, "FUSED_PASS_MIN_PROGRAMS", narrow):
-        kernels += _walks_at_stages(state_pass, "NARROW_NUM_STAGES", (2, 3), launch, walks)
+    table = state_pass.LAUNCH
+    kernels = _walks_at_stages(table, "num_stages", (2, 3), launch, walks)
+    narrow = dataclasses.replace(table, fused_pass_min_programs=-(-key_dim // table.narrow_block_v))
+    kernels += _walks_at_stages(narrow, "narrow_num_stages", (2, 3), launch, walks)
     return [(kernel, n, {**constants, **WIDENED}, options)
             for kernel, n, constants, options in kernels]  # fmt: skip
 
 
 def _split_state_pass_kernels(state_pass, key_dim, chunk, precision):
     """The split state pass's kernels at its launches, its walks with every pipeline depth the
-    tuner offers (SPLIT_NUM_STAGES 1 and 2; K > 128 keeps 1)."""
+    tuner offers (split_num_stages 1 and 2; K > 128 keeps 1)."""
     kernels = _walks_at_stages(
-        state_pass, "SPLIT_NUM_STAGES", (1, 2),
-        lambda: {**state_pass._split_launch(key_dim, chunk, key_dim, precision)[0], **WIDENED},
+        state_pass.LAUNCH, "split_num_stages", (1, 2),
+        lambda table: {**state_pass._split_launch(key_dim, chunk, key_dim, precision, table)[0],
+                       **WIDENED},
         [(state_pass._state_pass_split_fwd, 8, "HAS_INITIAL"),
          (state_pass._state_pass_split_bwd, 7, "HAS_D_FINAL")],
     )  # fmt: skip
@@ -233,8 +226,8 @@ def _split_state_pass_kernels(state_pass, key_dim, chunk, precision):
 @pytest.mark.parametrize("chunk", [64, 128])
 def test_16bit_products_keep_the_fused_walks_within_their_spill_bounds(chunk):
     """With bf16 operators and walk_dots "operators" (LOW_DOTS, the default), the fused state
-    pass's walks, forward and adjoint, at the launches "auto" gives them (BLOCK_V with
-    LOW_DOTS_NUM_WARPS and LOW_DOTS_NUM_STAGES where its walks are enough, the narrow launch
+    pass's walks, forward and adjoint, at the launches "auto" gives them (block_v with
+    low_dots_num_warps and low_dots_num_stages where its walks are enough, the narrow launch
     where only its own are) fit the SM's shared memory and spill nothing (K = V = 128), but
     what LOW_DOTS_SPILL_BOUND allows at chunks of 128. With
     the products widened to float32, Triton 3.9 spills 192 to 352 bytes a thread in the forward
@@ -244,17 +237,19 @@ def test_16bit_products_keep_the_fused_walks_within_their_spill_bounds(chunk):
     types = {p: "*bf16" for p in OPERATOR_POINTERS}
     walks = ((state_pass._state_pass_fwd, 11, "HAS_INITIAL"),
              (state_pass._state_pass_bwd, 10, "HAS_D_FINAL"))  # fmt: skip
-    # 96 sequences and heads: BLOCK_V's launch (192 walks); 24: the narrow one (96 walks at 32
+    # 96 sequences and heads: block_v's launch (192 walks); 24: the narrow one (96 walks at 32
     # columns, 48 at 64); asserted, so that the test compiles the launches it names.
+    table = state_pass.LAUNCH
+    counts = (table.fused_pass_min_programs, table.fused_pass_min_programs // 4)
     launches = []
-    for programs in (state_pass.FUSED_PASS_MIN_PROGRAMS, state_pass.FUSED_PASS_MIN_PROGRAMS // 4):
+    for programs in counts:
         _, launch = state_pass._launch(128, programs, chunk, 128, "tf32", torch.bfloat16)
         launches.append((launch["BV"], launch["num_warps"], launch["num_stages"]))
     assert launches == [
-        (state_pass.BLOCK_V, state_pass.LOW_DOTS_NUM_WARPS, state_pass.LOW_DOTS_NUM_STAGES),
-        (state_pass.NARROW_BLOCK_V, state_pass.NARROW_NUM_WARPS, state_pass.NARROW_NUM_STAGES),
+        (table.block_v, table.low_dots_num_warps, table.low_dots_num_stages),
+        (table.narrow_block_v, table.narrow_num_warps, table.narrow_num_stages),
     ]
-    for programs in (state_pass.FUSED_PASS_MIN_PROGRAMS, state_pass.FUSED_PASS_MIN_PROGRAMS // 4):
+    for programs in counts:
         _, launch = state_pass._launch(128, programs, chunk, 128, "tf32", torch.bfloat16)
         options = {k: launch.pop(k) for k in ("num_warps", "num_stages")}
         for kernel, n_pointers, flag in walks:
@@ -273,7 +268,7 @@ def test_16bit_products_keep_the_fused_walks_within_their_spill_bounds(chunk):
 
 
 # Bytes a thread the 16-bit walks may spill, by (kernel, chunk, value columns), as measured
-# (Triton 3.9, sm_90): at chunks of 128 the forward and adjoint walks at BLOCK_V's launch (64
+# (Triton 3.9, sm_90): at chunks of 128 the forward and adjoint walks at block_v's launch (64
 # columns, 4 warps, 2 stages) spill 40 and 24; that launch was timed at chunks of 64, the
 # presets' size, where nothing spills.
 LOW_DOTS_SPILL_BOUND = {("_state_pass_fwd", 128, 64): 40, ("_state_pass_bwd", 128, 64): 24}
@@ -283,7 +278,7 @@ LOW_DOTS_SPILL_BOUND = {("_state_pass_fwd", 128, 64): 40, ("_state_pass_bwd", 12
 @pytest.mark.parametrize("key_dim", [128, 256])
 def test_split_state_pass_parallel_kernels_compile_for_hopper_without_spills(key_dim, operators):
     """The split state pass's kernels parallel over chunks (the outputs forward, P and Q
-    backward) at their launch (SPLIT_BLOCK_V, SPLIT_NUM_WARPS), with TF32 products and the
+    backward) at their launch (split_block_v, split_num_warps), with TF32 products and the
     chunk operators in float32 or bf16, at the presets' K = 128 and at K = 256: no spill to
     local memory."""
     from deltalab.ops.delta_rule.triton import chunk as state_pass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -114,6 +115,32 @@ def row_tiles(
     block_m = max(1, min(elements // block_n, _power_of_2_at_least(max(rows, 1))))
     warps = max(1, min(max_warps, block_m * block_n // (32 * per_thread)))
     return block_m, block_n, warps
+
+
+@dataclass(frozen=True)
+class RowLaunch:
+    """The launch table of a row-wise kernel pair over `[M, N]` rows (`row_tiles`): per kernel
+    ("forward", "backward") the elements a program holds and the elements a thread holds; the
+    most warps, the widest column block (None: the power of 2 covering the whole row) and the
+    most backward programs that each keep a partial sum (`spread_row_blocks`). Each
+    elementwise op keeps one in its kernel module, private; its launch functions take another
+    as an argument (tests reach at tiny shapes the tilings of large ones with small tables)."""
+
+    forward_elements: int
+    backward_elements: int
+    forward_per_thread: int
+    backward_per_thread: int
+    max_warps: int
+    max_columns: int | None = None
+    backward_programs: int = 1024
+
+    def tiles(self, rows: int, width: int, kernel: str) -> tuple[int, int, int]:
+        """(BM rows, BN columns, warps) of a `kernel` ("forward" or "backward") program."""
+        forward = kernel == "forward"
+        elements = self.forward_elements if forward else self.backward_elements
+        per_thread = self.forward_per_thread if forward else self.backward_per_thread
+        columns = self.max_columns or _power_of_2_at_least(width)
+        return row_tiles(rows, width, elements, columns, per_thread, self.max_warps)
 
 
 def spread_row_blocks(rows: int, block_m: int, max_programs: int) -> tuple[int, int]:

@@ -39,29 +39,27 @@ import triton
 import triton.language as tl
 
 from deltalab.ops._triton import (
+    RowLaunch,
     as_rows,
     opaque_to_compiler,
     row_stride,
-    row_tiles,
     spread_row_blocks,
 )
 from deltalab.ops.log_decay.reference import compute_dtype
 
 # torch's softplus threshold (beta = 1): above it softplus(x) = x.
 THRESHOLD = 20.0
-# Elements (BM rows x BN columns) a program holds, BN at most MAX_BLOCK_N, and the elements a
-# thread holds (which sets the warps, at most MAX_WARPS). Compiled for sm_90 (ptxas, no GPU):
+# Elements (BM rows x BN columns) a program holds, BN at most 1024, and the elements a
+# thread holds (which sets the warps, at most 8). Compiled for sm_90 (ptxas, no GPU):
 # the backward with float32 raw at N = 1024 put 8 bytes a thread on the stack at 8 warps (4096
 # or 2048 elements), none at 2048 elements and 4 warps (16 a thread), bfloat16 none either way.
 # First guesses otherwise; to be tuned on the GPU (python -m benchmarks small_ops --ops log_decay).
-# The read gate's kernels (read_gate/triton.py) launch by this plan too.
-BLOCK_ELEMENTS = {"forward": 4096, "backward": 2048}
-MAX_BLOCK_N = 1024
-PER_THREAD = {"forward": 16, "backward": 16}
-MAX_WARPS = 8
-# Row blocks of a column block are spread over at most this many backward programs (each keeps
-# two float32 rows `[BN]`): the partial sums are then at most 2 x 1024 x N x 4 bytes.
-BACKWARD_PROGRAMS = 1024
+# The read gate's kernels (read_gate/triton.py) launch by this table too. Row blocks of a
+# column block are spread over at most 1024 backward programs (each keeps two float32 rows
+# `[BN]`): the partial sums are then at most 2 x 1024 x N x 4 bytes.
+LAUNCH = RowLaunch(forward_elements=4096, backward_elements=2048, forward_per_thread=16,
+                   backward_per_thread=16, max_warps=8, max_columns=1024,
+                   backward_programs=1024)  # fmt: skip
 
 
 @triton.jit
@@ -134,7 +132,7 @@ def _log_decay_bwd(RAW, A, B, DG, DRAW, DA, DB, M, N, stride_raw, stride_dg, BLO
 class Launch(NamedTuple):
     """A kernel's launch: the grid, (BM rows, BN columns, warps) of a program, and the row blocks
     each program walks (1 forward; backward, spread so that the column blocks have at most
-    BACKWARD_PROGRAMS programs each, whose partial sums torch adds)."""
+    the table's `backward_programs` programs each, whose partial sums torch adds)."""
 
     grid: tuple[int, int]
     block_m: int
@@ -143,14 +141,13 @@ class Launch(NamedTuple):
     per_program: int
 
 
-def launch(rows: int, width: int, kernel: str) -> Launch:
+def launch(rows: int, width: int, kernel: str, table: RowLaunch = LAUNCH) -> Launch:
     """The launch of a `kernel` ("forward" or "backward") over M rows of N = width (`row_tiles`
-    with this module's sizes)."""
-    elements, per_thread = BLOCK_ELEMENTS[kernel], PER_THREAD[kernel]
-    block_m, block_n, warps = row_tiles(rows, width, elements, MAX_BLOCK_N, per_thread, MAX_WARPS)
+    with `table`'s sizes)."""
+    block_m, block_n, warps = table.tiles(rows, width, kernel)
     per_program, programs = 1, triton.cdiv(rows, block_m)
     if kernel == "backward":
-        per_program, programs = spread_row_blocks(rows, block_m, BACKWARD_PROGRAMS)
+        per_program, programs = spread_row_blocks(rows, block_m, table.backward_programs)
     return Launch((programs, triton.cdiv(width, block_n)), block_m, block_n, warps, per_program)
 
 
@@ -164,18 +161,19 @@ def _jvp_terms(raw: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
 class _LogDecay(torch.autograd.Function):
     """The kernels on a `[N]`, raw `[M, N]` (unit column stride), b `[N]`; g `[M, N]` in
     `out_dtype`. Saves raw (its dtype) and the parameters; the jvp is computed with torch ops
-    from those (gate-sensitivity probes switch the layers to the torch path anyway)."""
+    from those (gate-sensitivity probes switch the layers to the torch path anyway). `table`:
+    the launch table."""
 
     @staticmethod
-    def forward(ctx, a, raw, b, out_dtype):
+    def forward(ctx, a, raw, b, out_dtype, table):
         rows, width = raw.shape
-        plan = launch(rows, width, "forward")
+        plan = launch(rows, width, "forward", table)
         g = torch.empty(rows, width, dtype=out_dtype, device=raw.device)
         _log_decay_fwd[plan.grid](
             raw, a, b, g, rows, width, row_stride(raw), BM=plan.block_m, BN=plan.block_n,
             num_warps=plan.warps,
         )  # fmt: skip
-        ctx.out_dtype = out_dtype
+        ctx.out_dtype, ctx.table = out_dtype, table
         ctx.save_for_backward(a, raw, b)
         ctx.save_for_forward(a, raw, b)
         return g
@@ -185,7 +183,7 @@ class _LogDecay(torch.autograd.Function):
     def backward(ctx, dg):
         a, raw, b = ctx.saved_tensors
         rows, width = raw.shape
-        plan = launch(rows, width, "backward")
+        plan = launch(rows, width, "backward", ctx.table)
         dg = as_rows(dg)
         want_da, want_draw, want_db = ctx.needs_input_grad[:3]
         draw = torch.empty(rows, width, dtype=raw.dtype, device=raw.device) if want_draw else None
@@ -203,10 +201,10 @@ class _LogDecay(torch.autograd.Function):
         )  # fmt: skip
         da = da_parts.sum(0).to(a.dtype) if want_da else None
         db = db_parts.sum(0).to(b.dtype) if want_db else None
-        return da, draw, db, None
+        return da, draw, db, None, None
 
     @staticmethod
-    def jvp(ctx, ta, traw, tb, _):
+    def jvp(ctx, ta, traw, tb, *_):
         """Forward-mode derivative: tg = g ta + (-exp(a) sigmoid(x)) (traw + tb)."""
         a, raw, b = ctx.saved_tensors
         g, slope = _jvp_terms(raw, a, b)
@@ -221,11 +219,13 @@ class _LogDecay(torch.autograd.Function):
 
 
 @opaque_to_compiler
-def log_decay_triton(a: torch.Tensor, raw: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def log_decay_triton(
+    a: torch.Tensor, raw: torch.Tensor, b: torch.Tensor, *, table: RowLaunch = LAUNCH
+) -> torch.Tensor:
     """-exp(a) softplus(raw + b) by the kernels, validated inputs: a, b `[N]` (the parameters
     expanded to raw's trailing dims and flattened), raw `[..., trailing dims]`; the result in
     raw's shape and `compute_dtype(raw)`, computed in float32. raw must hold an element (the
-    dispatcher sends empty ones to the torch path)."""
+    dispatcher sends empty ones to the torch path). `table`: the launch table."""
     width = a.shape[0]
-    g = _LogDecay.apply(a, as_rows(raw.reshape(-1, width)), b, compute_dtype(raw))
+    g = _LogDecay.apply(a, as_rows(raw.reshape(-1, width)), b, compute_dtype(raw), table)
     return g.view(raw.shape)

@@ -6,7 +6,7 @@
 Layout. x (and the gate, dy) are taken as `[M, N]` rows, each row N contiguous elements with a
 row stride (a view when the caller's tensor allows it, else a copy). A program owns BM rows of
 BN = next_power_of_2(N) columns, the whole row: the row's sum of squares is one `tl.sum` in
-registers, no second pass over memory. BM grows as N shrinks (BLOCK_ELEMENTS elements a program),
+registers, no second pass over memory. BM grows as N shrinks (a fixed number of elements a program, `LAUNCH`),
 so a head_dim-128 row and a 1024-wide row keep the same number of loads in flight (the
 backward, which holds more per element, at half the tile).
 
@@ -26,7 +26,7 @@ y = xhat instead of x (XHAT_GIVEN; `reference._L2NormFunction` says why) and rea
 dw is reduced over rows without atomics, so it is deterministic: a program walks a contiguous
 run of row blocks, sums dz xhat over them in one float32 row of registers, and writes it once to
 a partial-sum buffer `[programs, N]` that torch sums. The programs are at most
-BACKWARD_PROGRAMS, so the buffer stays small against the rows.
+`LAUNCH.backward_programs`, so the buffer stays small against the rows.
 
 Precision: README.md in this folder.
 """
@@ -39,26 +39,24 @@ import triton.language as tl
 
 from deltalab.ops._recompute import rebuildable_as
 from deltalab.ops._triton import (
+    RowLaunch,
     as_rows,
     opaque_to_compiler,
     row_stride,
-    row_tiles,
     spread_row_blocks,
 )
 from deltalab.ops.norms.reference import compute_dtype, l2_normalize_naive, rms_norm_naive
 
 # Elements (BM rows x BN columns) a program holds in its tile, and the elements a thread holds
-# (which sets the warps, at most MAX_WARPS), per kernel. Compiled for sm_90 (ptxas, no GPU): the
+# (which sets the warps, at most 16), per kernel. Compiled for sm_90 (ptxas, no GPU): the
 # forward at 16 a thread takes 64-80 registers; the backward at 16 took 159-209 (head_dim 128,
 # gated, bfloat16: one program of 8 warps an SM), at 8 it takes 74-105, no spills. To be tuned
 # on the GPU (python -m benchmarks small_ops --ops norms).
-BLOCK_ELEMENTS = {"forward": 4096, "backward": 2048}
-PER_THREAD = {"forward": 16, "backward": 8}
-MAX_WARPS = 16
-# Row blocks are spread over at most this many backward programs (each keeps a float32 dw row):
+# Row blocks are spread over at most 1024 backward programs (each keeps a float32 dw row):
 # about 8 programs of 8 warps an SM on an H200's 132 SMs, one wave; the partial-sum buffer is
-# then 1024 x N x 4 bytes (4 MiB at N = 1024).
-BACKWARD_PROGRAMS = 1024
+# then 1024 x N x 4 bytes (4 MiB at N = 1024). BN covers the whole row.
+LAUNCH = RowLaunch(forward_elements=4096, backward_elements=2048, forward_per_thread=16,
+                   backward_per_thread=8, max_warps=16, backward_programs=1024)  # fmt: skip
 # The gate's activation, a constexpr of the kernels.
 NO_GATE, SIGMOID, SILU = 0, 1, 2
 GATES = {None: NO_GATE, "sigmoid": SIGMOID, "silu": SILU}
@@ -153,23 +151,23 @@ def _norm_bwd(X, WEIGHT, GATE, RSTD, DY, DX, DGATE, DW, M, N, stride_x, stride_g
         tl.store(DW + pid.to(tl.int64) * N + cols, dw, mask=col_ok)
 
 
-def launch(rows: int, dim: int, kernel: str) -> tuple[int, int, int]:
+def launch(rows: int, dim: int, kernel: str, table: RowLaunch = LAUNCH) -> tuple[int, int, int]:
     """(BM rows, BN columns, warps) of a `kernel` ("forward" or "backward") program for M rows
-    of N = dim (`row_tiles` with this module's sizes; BN covers the whole row)."""
-    elements, per_thread = BLOCK_ELEMENTS[kernel], PER_THREAD[kernel]
-    return row_tiles(rows, dim, elements, triton.next_power_of_2(dim), per_thread, MAX_WARPS)
+    of N = dim (`row_tiles` with `table`'s sizes; BN covers the whole row)."""
+    return table.tiles(rows, dim, kernel)
 
 
 class _Norm(torch.autograd.Function):
     """The kernels on rows `[M, N]`: x, the gate (or None) and the weight `[N]` (or None) as
     given; y `[M, N]` in `out_dtype`. Saves x and the gate in their own dtypes and 1/rms per
     row (float32), or with `keep_output` (no weight, no gate: the L2 normalization) y in place
-    of x; the jvp is computed with torch ops from those."""
+    of x; the jvp is computed with torch ops from those. `table`: the launch table."""
 
     @staticmethod
-    def forward(ctx, x, weight, gate, eps: float, mean: bool, activation, out_dtype, keep_output):
+    def forward(ctx, x, weight, gate, eps: float, mean: bool, activation, out_dtype, keep_output,
+                table):  # fmt: skip
         rows, dim = x.shape
-        block_m, block_n, warps = launch(rows, dim, "forward")
+        block_m, block_n, warps = launch(rows, dim, "forward", table)
         y = torch.empty(rows, dim, dtype=out_dtype, device=x.device)
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
         gate_act = GATES[activation if gate is not None else None]
@@ -180,7 +178,7 @@ class _Norm(torch.autograd.Function):
             num_warps=warps,
         )  # fmt: skip
         ctx.mean, ctx.gate_act, ctx.out_dtype = mean, gate_act, out_dtype
-        ctx.keep_output, ctx.x_dtype = keep_output, x.dtype
+        ctx.keep_output, ctx.x_dtype, ctx.table = keep_output, x.dtype, table
         kept = y if keep_output else x
         ctx.save_for_backward(kept, weight, gate, rstd)
         ctx.save_for_forward(kept, weight, gate, rstd)
@@ -191,8 +189,8 @@ class _Norm(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, gate, rstd = ctx.saved_tensors  # x: y with keep_output
         rows, dim = x.shape
-        block_m, block_n, warps = launch(rows, dim, "backward")
-        per_program, programs = spread_row_blocks(rows, block_m, BACKWARD_PROGRAMS)
+        block_m, block_n, warps = launch(rows, dim, "backward", ctx.table)
+        per_program, programs = spread_row_blocks(rows, block_m, ctx.table.backward_programs)
         dy = as_rows(dy)
         dx = torch.empty(rows, dim, dtype=ctx.x_dtype, device=x.device)
         want_dgate = gate is not None and ctx.needs_input_grad[2]
@@ -209,7 +207,7 @@ class _Norm(torch.autograd.Function):
             XHAT_GIVEN=ctx.keep_output, num_warps=warps,
         )  # fmt: skip
         dw = dw_parts.sum(0).to(weight.dtype) if want_dw else None
-        return dx, dw, dgate, None, None, None, None, None
+        return dx, dw, dgate, None, None, None, None, None, None
 
     @staticmethod
     def jvp(ctx, tx, tw, tg, *_):
@@ -247,10 +245,12 @@ def rms_norm_triton(
     gate: torch.Tensor | None,
     activation: str,
     out_dtype: torch.dtype | None,
+    *,
+    table: RowLaunch = LAUNCH,
 ) -> torch.Tensor:
     """The RMS norm (gated when `gate` is given) by the kernels, validated inputs: x and gate
     `[..., N]`, weight `[N]`; the result `[..., N]` in `out_dtype` (None: the compute dtype,
-    as the torch path returns), computed in float32."""
+    as the torch path returns), computed in float32. `table`: the launch table."""
     out_dtype = compute_dtype(x) if out_dtype is None else out_dtype
     if x.numel() == 0:
         return rms_norm_naive(x, weight, eps, gate, activation).to(out_dtype)
@@ -258,7 +258,7 @@ def rms_norm_triton(
     # Contiguous (as the layers' gates are already): dgate is written in the same layout. A
     # gate the backward makes again stays so in rows (`rebuildable_as`).
     gate2 = None if gate is None else rebuildable_as(as_rows(gate).contiguous(), gate)
-    y = _Norm.apply(x2, weight, gate2, float(eps), True, activation, out_dtype, False)
+    y = _Norm.apply(x2, weight, gate2, float(eps), True, activation, out_dtype, False, table)
     return y.view(x.shape)
 
 
@@ -268,5 +268,5 @@ def l2_normalize_triton(x: torch.Tensor, eps: float) -> torch.Tensor:
     dtype out. Keeps y, not x, for the backward (`reference._L2NormFunction` says why)."""
     if x.numel() == 0:
         return l2_normalize_naive(x, eps)
-    y = _Norm.apply(as_rows(x), None, None, float(eps), False, None, x.dtype, True)
+    y = _Norm.apply(as_rows(x), None, None, float(eps), False, None, x.dtype, True, LAUNCH)
     return y.view(x.shape)

@@ -40,12 +40,12 @@ import torch
 import triton
 import triton.language as tl
 
-from deltalab.ops._triton import as_rows, opaque_to_compiler, row_stride
+from deltalab.ops._triton import RowLaunch, as_rows, opaque_to_compiler, row_stride
 
-# The launch plan is the log decay's (the same rows of elementwise work; the backward holds q,
+# The launch table is the log decay's (the same rows of elementwise work; the backward holds q,
 # raw and dout per element and keeps one float32 row `[BN]` a program): first guesses for
 # both, to be tuned on the GPU (`python -m benchmarks small_ops --ops read_gate`).
-from deltalab.ops.log_decay.triton import launch
+from deltalab.ops.log_decay.triton import LAUNCH, launch
 
 # Where rho leaves the direct form for the log domain (module docstring): exp(80) and
 # exp(-80) are normal float32 numbers with room to spare. (constexpr: the compiled kernels may
@@ -186,13 +186,14 @@ class _ReadGate(torch.autograd.Function):
     sigmoid(raw): `sigmoid_gate`, the read at the vector 1/2, with no vector to read, exp or
     sum), raw `[M, N]` or None (unit column strides); the product `[M, N]` in q's dtype. Saves
     q, raw (their dtypes) and r; the jvp is computed with torch ops from those
-    (gate-sensitivity probes switch the layers to the torch path anyway)."""
+    (gate-sensitivity probes switch the layers to the torch path anyway). `table`: the launch
+    table."""
 
     @staticmethod
-    def forward(ctx, q, r, raw):
+    def forward(ctx, q, r, raw, table):
         rows, width = q.shape
         r32, rate = _read_vector(r)
-        plan = launch(rows, width, "forward")
+        plan = launch(rows, width, "forward", table)
         out = torch.empty(rows, width, dtype=q.dtype, device=q.device)
         has_raw = raw is not None
         _read_gate_fwd[plan.grid](
@@ -202,6 +203,7 @@ class _ReadGate(torch.autograd.Function):
         )  # fmt: skip
         ctx.save_for_backward(q, r, raw)
         ctx.save_for_forward(q, r, raw)
+        ctx.table = table
         return out
 
     @staticmethod
@@ -210,7 +212,7 @@ class _ReadGate(torch.autograd.Function):
         q, r, raw = ctx.saved_tensors
         rows, width = q.shape
         r32, rate = _read_vector(r)
-        plan = launch(rows, width, "backward")
+        plan = launch(rows, width, "backward", ctx.table)
         dout = as_rows(dout)
         has_raw = raw is not None
         want_dq, want_dr, want_draw = ctx.needs_input_grad[:3]
@@ -226,10 +228,10 @@ class _ReadGate(torch.autograd.Function):
             WANT_DRAW=want_draw, WANT_DR=want_dr, SIGMOID=r is None, num_warps=plan.warps,
         )  # fmt: skip
         dr = dr_parts.sum(0).to(r.dtype) if want_dr else None
-        return dq, dr, draw
+        return dq, dr, draw, None
 
     @staticmethod
-    def jvp(ctx, tq, tr, traw):
+    def jvp(ctx, tq, tr, traw, _):
         """Forward-mode derivative: t_out = rho tq + q rho tr + q rho (1 - s) traw."""
         q, r, raw = ctx.saved_tensors
         rho, q_rho, q_rho_sc = _jvp_terms(q, r, raw)
@@ -245,16 +247,17 @@ class _ReadGate(torch.autograd.Function):
 
 @opaque_to_compiler
 def read_query_triton(
-    q: torch.Tensor, r: torch.Tensor | None, raw: torch.Tensor | None
-) -> torch.Tensor:
+    q: torch.Tensor, r: torch.Tensor | None, raw: torch.Tensor | None, *,
+    table: RowLaunch = LAUNCH,
+) -> torch.Tensor:  # fmt: skip
     """q * exp(r) (* 2 sigmoid(raw)) by the kernels, validated inputs: r `[N]` (read_log
     expanded to q's trailing dims and flattened; None: rho = sigmoid(raw), `sigmoid_gate_triton`
     with raw of q's shape), q and raw `[..., trailing dims]`; the result in q's shape and dtype,
     computed in float32. q must hold an element (the dispatcher sends empty ones to the torch
-    path)."""
+    path). `table`: the launch table."""
     width = q.shape[-1] if r is None else r.shape[0]
     rows_raw = None if raw is None else as_rows(raw.reshape(-1, width))
-    out = _ReadGate.apply(as_rows(q.reshape(-1, width)), r, rows_raw)
+    out = _ReadGate.apply(as_rows(q.reshape(-1, width)), r, rows_raw, table)
     return out.view(q.shape)
 
 

@@ -33,23 +33,34 @@ rounding (of cos, sin and the products; `x1 cos - x2 sin` may be contracted to a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from deltalab.ops._triton import opaque_to_compiler
 
+
 # Pairs (BT tokens x BH heads x BD columns) a program holds, the widest column block, and the
-# pairs a thread holds (which sets the warps, at most MAX_WARPS). At the 340M Transformer (H = 8,
+# pairs a thread holds (which sets the warps, at most 8). At the 340M Transformer (H = 8,
 # K = 128) a program is 4 tokens x 8 heads x 64 pairs at 4 warps. Compiled for sm_90 (ptxas, no
 # GPU): 86-90 registers, no spill (8 pairs a thread at 8 warps spilled 4 bytes at H = 3, K =
 # 48); the 32-byte stack frame is libdevice's cos/sin range reduction (its table for |theta| >
 # 105615). First guesses otherwise, to be tuned on the GPU
 # (python -m benchmarks small_ops --ops rope).
-BLOCK_PAIRS = 2048
-MAX_BLOCK_D = 128
-PER_THREAD = 16
-MAX_WARPS = 8
+@dataclass(frozen=True)
+class RopeLaunch:
+    """The kernel's launch table (`launch`); the functions that launch it take another as an
+    argument (tests reach at tiny shapes the blocks of large ones with small tables)."""
+
+    block_pairs: int = 2048
+    max_block_d: int = 128
+    per_thread: int = 16
+    max_warps: int = 8
+
+
+LAUNCH = RopeLaunch()
 
 
 @triton.jit
@@ -83,31 +94,36 @@ def _rope_kernel(X, POS, FREQ, Y, TOKENS, T, H, HALF, stride_b, stride_t, stride
     tl.store(Y + out + HALF, y2.to(Y.dtype.element_ty), mask=mask)
 
 
-def launch(tokens: int, heads: int, half: int) -> tuple[int, int, int, int]:
+def launch(
+    tokens: int, heads: int, half: int, table: RopeLaunch = LAUNCH
+) -> tuple[int, int, int, int]:
     """(BT tokens, BH heads, BD columns, warps) of a program for `tokens` = B T, H heads and
-    K/2 = half pairs a head: BD the power of 2 covering half (at most MAX_BLOCK_D), BH the
-    heads' power of 2 (within BLOCK_PAIRS), BT the rest of BLOCK_PAIRS (at least 1, at most the
-    tokens' power of 2); warps for PER_THREAD pairs a thread (1 to MAX_WARPS)."""
-    block_d = min(MAX_BLOCK_D, triton.next_power_of_2(half))
-    block_h = min(triton.next_power_of_2(heads), max(1, BLOCK_PAIRS // block_d))
-    room = BLOCK_PAIRS // (block_d * block_h)
+    K/2 = half pairs a head: BD the power of 2 covering half (at most `table.max_block_d`), BH
+    the heads' power of 2 (within `table.block_pairs`), BT the rest of the block's pairs (at
+    least 1, at most the tokens' power of 2); warps for `table.per_thread` pairs a thread (1 to
+    `table.max_warps`)."""
+    block_d = min(table.max_block_d, triton.next_power_of_2(half))
+    block_h = min(triton.next_power_of_2(heads), max(1, table.block_pairs // block_d))
+    room = table.block_pairs // (block_d * block_h)
     block_t = max(1, min(room, triton.next_power_of_2(max(tokens, 1))))
-    warps = max(1, min(MAX_WARPS, block_t * block_h * block_d // (32 * PER_THREAD)))
+    pairs = block_t * block_h * block_d
+    warps = max(1, min(table.max_warps, pairs // (32 * table.per_thread)))
     return block_t, block_h, block_d, warps
 
 
 @opaque_to_compiler
 def rotate(
-    x: torch.Tensor, positions: torch.Tensor, freq: torch.Tensor, inverse: bool
-) -> torch.Tensor:
+    x: torch.Tensor, positions: torch.Tensor, freq: torch.Tensor, inverse: bool,
+    table: RopeLaunch = LAUNCH,
+) -> torch.Tensor:  # fmt: skip
     """The kernel on x `[B, T, H, K]` (non-empty): x rotated by theta = positions * freq
-    (`inverse`: by -theta), contiguous, in x's dtype."""
+    (`inverse`: by -theta), contiguous, in x's dtype, launched by `table`."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     batch, length, heads, dim = x.shape
     half = dim // 2
     y = torch.empty(batch, length, heads, dim, dtype=x.dtype, device=x.device)
-    block_t, block_h, block_d, warps = launch(batch * length, heads, half)
+    block_t, block_h, block_d, warps = launch(batch * length, heads, half, table)
     grid = (
         triton.cdiv(batch * length, block_t),
         triton.cdiv(heads, block_h),
@@ -124,29 +140,32 @@ def rotate(
 class _Rope(torch.autograd.Function):
     """x rotated by theta (`inverse`: by -theta). Saves positions and freq only. The backward
     is the kernel the other way (the inverse rotation of dy), the jvp the same rotation of the
-    tangent (a linear map is its own derivative)."""
+    tangent (a linear map is its own derivative). Each launched by `table`."""
 
     @staticmethod
-    def forward(ctx, x, positions, freq, inverse):
-        ctx.inverse = inverse
+    def forward(ctx, x, positions, freq, inverse, table):
+        ctx.inverse, ctx.table = inverse, table
         ctx.save_for_backward(positions, freq)
         ctx.save_for_forward(positions, freq)
-        return rotate(x, positions, freq, inverse)
+        return rotate(x, positions, freq, inverse, table)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         positions, freq = ctx.saved_tensors
-        return rotate(dy, positions, freq, not ctx.inverse), None, None, None
+        return rotate(dy, positions, freq, not ctx.inverse, ctx.table), None, None, None, None
 
     @staticmethod
     def jvp(ctx, t_x, *_):
         positions, freq = ctx.saved_tensors
-        return rotate(t_x, positions, freq, ctx.inverse)
+        return rotate(t_x, positions, freq, ctx.inverse, ctx.table)
 
 
 @opaque_to_compiler
-def rope_triton(x: torch.Tensor, positions: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
+def rope_triton(
+    x: torch.Tensor, positions: torch.Tensor, freq: torch.Tensor, *, table: RopeLaunch = LAUNCH
+) -> torch.Tensor:
     """RoPE by the kernel, validated non-empty x `[B, T, H, K]` and positions `[T]`, freq the
-    float32 inverse frequencies `[K/2]`; x's dtype out, computed in float32."""
-    return _Rope.apply(x, positions, freq, False)
+    float32 inverse frequencies `[K/2]`; x's dtype out, computed in float32. `table`: the
+    launch table."""
+    return _Rope.apply(x, positions, freq, False, table)

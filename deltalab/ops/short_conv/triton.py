@@ -36,7 +36,7 @@ halos (2 (W-1) / BT of x and (W-1) / BT of dy, mostly L2 hits); the SiLU is reco
 dw is reduced over tokens without atomics, so it is deterministic: a program walks a split of
 the sequence chunk by chunk, keeps dw for its BC channels in W float32 rows of registers, and
 writes them once to a partial-sum buffer `[B * n_splits, W, C]`; torch sums it. The splits are
-only as many as fill the GPU (BACKWARD_PROGRAMS), so the buffer stays small (below).
+only as many as fill the GPU (`ConvLaunch.backward_programs`), so the buffer stays small (below).
 
 Precision. Every product and sum is float32 whatever x's dtype (bfloat16 x and dy are widened at
 load; the weight is used at float32, not rounded to x's dtype as the conv1d path does), and y
@@ -55,11 +55,14 @@ same limits (0, then 1): no inf * 0, no cancellation that a float64 reference wo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from deltalab.ops._triton import opaque_to_compiler
+
 
 # (BT tokens per chunk, BC channels per program, warps): BC / (32 warps) elements of a row per
 # thread; BT rows unrolled per chunk. Compiled for sm_90 in bfloat16 at W = 4 (ptxas, no GPU
@@ -68,15 +71,38 @@ from deltalab.ops._triton import opaque_to_compiler
 # is narrower. The compiler hoists a chunk's row loads, which is what the registers go to: many
 # loads in flight per thread, as a bandwidth-bound kernel wants. To be tuned on the GPU
 # (python -m benchmarks small_ops --ops short_conv --sweep).
-FORWARD_CONFIG = (16, 1024, 4)
-BACKWARD_CONFIG = (16, 512, 4)
-# Above W = 4 the backward holds twice the rows: 8 warps (2 elements a thread), 144 registers at
-# W = 8 in bfloat16 (4 elements a thread spilled 80 bytes in float32).
-BACKWARD_CONFIG_WIDE = (16, 512, 8)
-# Programs the backward aims for: at 132 registers three of its programs fit on an SM, so 1024
-# are 2.6 waves on an H200's 132 SMs; the partial-sum buffer is then 1024 x W x BC x 4 bytes
-# (8 MiB), against the 200 MB the backward moves at B=4, T=4096, C=2048.
-BACKWARD_PROGRAMS = 1024
+@dataclass(frozen=True)
+class ConvLaunch:
+    """The kernels' launch table: (BT, BC, warps) of the forward and of the backward (at
+    W <= 4, and above), and the programs the backward aims for. The functions that launch them
+    take another as an argument (benchmarks sweep them; tests reach at tiny shapes what large
+    ones do)."""
+
+    forward: tuple[int, int, int] = (16, 1024, 4)
+    backward: tuple[int, int, int] = (16, 512, 4)
+    # Above W = 4 the backward holds twice the rows: 8 warps (2 elements a thread), 144
+    # registers at W = 8 in bfloat16 (4 elements a thread spilled 80 bytes in float32).
+    backward_wide: tuple[int, int, int] = (16, 512, 8)
+    # At 132 registers three backward programs fit on an SM, so 1024 are 2.6 waves on an H200's
+    # 132 SMs; the partial-sum buffer is then 1024 x W x BC x 4 bytes (8 MiB), against the
+    # 200 MB the backward moves at B=4, T=4096, C=2048.
+    backward_programs: int = 1024
+
+    def __post_init__(self):
+        for name in ("forward", "backward", "backward_wide"):
+            block_t, block_c, warps = getattr(self, name)
+            if block_t < 1 or block_c < 1 or block_c & (block_c - 1) or warps < 1:
+                raise ValueError(
+                    f"ConvLaunch.{name} must be (BT >= 1, BC a power of 2, warps >= 1), got "
+                    f"{(block_t, block_c, warps)}"
+                )
+        if self.backward_programs < 1:
+            raise ValueError(
+                f"ConvLaunch.backward_programs must be >= 1, got {self.backward_programs}"
+            )
+
+
+LAUNCH = ConvLaunch()
 
 
 @triton.jit
@@ -215,25 +241,30 @@ def _short_conv_bwd(X, WEIGHT, CACHE, DY, DX, DW, DCACHE, T, C, N_CB, SPLIT,
                            HAS_CACHE, SILU)  # fmt: skip
 
 
-def launch(channels: int, width: int, kernel: str, config=None) -> tuple[int, int, int]:
-    """(BT, BC, warps) of `kernel` ("forward" or "backward") for C channels and width W: the
-    config's, else the default (the backward above W = 4 with half the elements a thread, as it
+def launch(
+    channels: int, width: int, kernel: str, table: ConvLaunch = LAUNCH
+) -> tuple[int, int, int]:
+    """(BT, BC, warps) of `kernel` ("forward" or "backward") for C channels and width W, from
+    `table` (the backward above W = 4 its wide launch, with half the elements a thread, as it
     holds twice the rows); BC no wider than the power of 2 covering C (>= 32), and no more warps
     than give every thread a channel."""
-    if config is None:
-        config = FORWARD_CONFIG if kernel == "forward" else BACKWARD_CONFIG
-        if kernel == "backward" and width > 4:
-            config = BACKWARD_CONFIG_WIDE
+    config = table.forward if kernel == "forward" else table.backward
+    if kernel == "backward" and width > 4:
+        config = table.backward_wide
     block_t, block_c, warps = config
     block_c = min(block_c, max(32, triton.next_power_of_2(channels)))
     return block_t, block_c, max(1, min(warps, block_c // 32))
 
 
-def backward_split(batch: int, length: int, channel_blocks: int, block_t: int) -> int:
+def backward_split(
+    batch: int, length: int, channel_blocks: int, block_t: int, table: ConvLaunch = LAUNCH
+) -> int:
     """Tokens per backward program, a multiple of block_t: T split in as many pieces as make
-    about BACKWARD_PROGRAMS programs (one piece when the batch and channels already do)."""
+    about `table.backward_programs` programs (one piece when the batch and channels already
+    do)."""
     chunks = triton.cdiv(length, block_t)
-    pieces = max(1, min(chunks, BACKWARD_PROGRAMS // max(1, batch * channel_blocks)))
+    programs = table.backward_programs
+    pieces = max(1, min(chunks, programs // max(1, batch * channel_blocks)))
     return triton.cdiv(chunks, pieces) * block_t
 
 
@@ -242,10 +273,10 @@ class _ShortConv(torch.autograd.Function):
     `[W, C]`, the cache as `[B, W-1, C]` in x's dtype (or None). Their gradients in the same."""
 
     @staticmethod
-    def forward(ctx, x, weight, cache, silu, config):
+    def forward(ctx, x, weight, cache, silu, table):
         batch, length, channels = x.shape
         width = weight.shape[0]
-        block_t, block_c, warps = launch(channels, width, "forward", (config or {}).get("forward"))
+        block_t, block_c, warps = launch(channels, width, "forward", table)
         n_cb = triton.cdiv(channels, block_c)
         y = torch.empty_like(x)
         grid = (n_cb * triton.cdiv(length, block_t), batch)
@@ -256,7 +287,7 @@ class _ShortConv(torch.autograd.Function):
         )  # fmt: skip
         ctx.save_for_backward(x, weight, cache)
         ctx.silu = silu
-        ctx.config = config
+        ctx.table = table
         return y
 
     @staticmethod
@@ -265,10 +296,9 @@ class _ShortConv(torch.autograd.Function):
         x, weight, cache = ctx.saved_tensors
         batch, length, channels = x.shape
         width = weight.shape[0]
-        config = (ctx.config or {}).get("backward")
-        block_t, block_c, warps = launch(channels, width, "backward", config)
+        block_t, block_c, warps = launch(channels, width, "backward", ctx.table)
         n_cb = triton.cdiv(channels, block_c)
-        split = backward_split(batch, length, n_cb, block_t)
+        split = backward_split(batch, length, n_cb, block_t, ctx.table)
         n_splits = triton.cdiv(length, split)
         dx = torch.empty_like(x)
         dw_parts = x.new_empty(batch * n_splits, width, channels, dtype=torch.float32)
@@ -289,23 +319,17 @@ def short_conv_triton(
     weight: torch.Tensor,
     cache: torch.Tensor | None,
     silu: bool,
-    config: dict[str, tuple[int, int, int]] | None = None,
+    *,
+    table: ConvLaunch = LAUNCH,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The convolution by the Triton kernels: x `[B, T, C]`, weight `[C, W]` (1 <= W <=
     MAX_TRITON_WIDTH), cache `[B, C, W-1]` or None, validated. Returns (y `[B, T, C]` in x's
     dtype, new cache `[B, C, W-1]` in x's dtype).
 
-    `config` overrides the launches: {"forward": (BT, BC, warps), "backward": (BT, BC, warps)}
-    (BC a power of 2; benchmarks sweep them).
+    `table`: the launch table (benchmarks sweep it).
     """
     from deltalab.ops.short_conv.reference import conv_cache
 
-    for name, (block_t, block_c, warps) in (config or {}).items():
-        if block_t < 1 or block_c < 1 or block_c & (block_c - 1) or warps < 1:
-            raise ValueError(
-                f"config[{name!r}] must be (BT >= 1, BC a power of 2, warps >= 1), got "
-                f"{(block_t, block_c, warps)}"
-            )
     width = weight.shape[-1]
     new_cache = conv_cache(x, cache, width)
     if x.numel() == 0:
@@ -318,5 +342,5 @@ def short_conv_triton(
     cache_t = None
     if cache is not None and width > 1:
         cache_t = cache.to(x.dtype).transpose(1, 2).contiguous()
-    y = _ShortConv.apply(x.contiguous(), weight_t, cache_t, silu, config)
+    y = _ShortConv.apply(x.contiguous(), weight_t, cache_t, silu, table)
     return y, new_cache

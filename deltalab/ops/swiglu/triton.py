@@ -7,9 +7,10 @@
 Layout. gate_up (and dh) are taken as rows `[M, 2F]` (`[M, F]`), each row's elements contiguous
 with a row stride (a view when the caller's tensor allows it, else a copy). A program owns a
 tile of BM rows x BF columns of h: it reads those columns of the gate and, F elements further
-on, of up. The columns are split in blocks of at most BLOCK_COLUMNS (F = 2400 in the 340M GDN-2
+on, of up. The columns are split in blocks of at most 256 (F = 2400 in the 340M GDN-2
 model: 10 blocks of 256 cover it with 6% masked, where a power-of-2 row would mask 41%; 3232 in
-the Transformer: 3%), the rows in blocks of BM so that a tile holds BLOCK_ELEMENTS elements.
+the Transformer: 3%), the rows in blocks of BM so that a tile holds a fixed number of elements
+(`LAUNCH`).
 
 Traffic. Forward: one read of gate_up, one write of h in gate_up's dtype; only gate_up is saved
 for the backward (as the torch path's activation checkpointing keeps it). Backward: one read of
@@ -25,17 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-from deltalab.ops._triton import as_rows, opaque_to_compiler, row_stride, row_tiles
+from deltalab.ops._triton import RowLaunch, as_rows, opaque_to_compiler, row_stride
 from deltalab.ops.swiglu.reference import swiglu_naive
 
 # Elements (BM rows x BF columns) a program holds in its tile, and the elements a thread holds
-# (which sets the warps, at most MAX_WARPS), per kernel; the widest column block. First guesses
+# (which sets the warps, at most 16), per kernel; the widest column block. First guesses
 # for a bandwidth-bound elementwise kernel, to be tuned on the GPU
 # (python -m benchmarks small_ops --ops swiglu).
-BLOCK_ELEMENTS = {"forward": 4096, "backward": 2048}
-PER_THREAD = {"forward": 16, "backward": 8}
-BLOCK_COLUMNS = 256
-MAX_WARPS = 16
+LAUNCH = RowLaunch(forward_elements=4096, backward_elements=2048, forward_per_thread=16,
+                   backward_per_thread=8, max_warps=16, max_columns=256)  # fmt: skip
 
 
 @triton.jit
@@ -74,11 +73,10 @@ def _swiglu_bwd(GU, DH, DGU, M, F, stride_gu, stride_dh, BM: tl.constexpr, BF: t
     tl.store(DGU + out + F, du.to(DGU.dtype.element_ty), mask=mask)
 
 
-def launch(rows: int, width: int, kernel: str) -> tuple[int, int, int]:
+def launch(rows: int, width: int, kernel: str, table: RowLaunch = LAUNCH) -> tuple[int, int, int]:
     """(BM rows, BF columns, warps) of a `kernel` ("forward" or "backward") program for M rows
-    of h's F = width columns (`row_tiles` with this module's sizes, BF at most BLOCK_COLUMNS)."""
-    elements, per_thread = BLOCK_ELEMENTS[kernel], PER_THREAD[kernel]
-    return row_tiles(rows, width, elements, BLOCK_COLUMNS, per_thread, MAX_WARPS)
+    of h's F = width columns (`row_tiles` with `table`'s sizes)."""
+    return table.tiles(rows, width, kernel)
 
 
 def _grid(rows: int, width: int, block_m: int, block_f: int) -> tuple[int, int]:
@@ -87,12 +85,12 @@ def _grid(rows: int, width: int, block_m: int, block_f: int) -> tuple[int, int]:
 
 class _SwiGLU(torch.autograd.Function):
     """The kernels on rows gate_up `[M, 2F]` -> h `[M, F]` in gate_up's dtype. Saves gate_up
-    only; the jvp is computed with torch ops from it."""
+    only; the jvp is computed with torch ops from it. `table`: the launch table."""
 
     @staticmethod
-    def forward(ctx, gate_up):
+    def forward(ctx, gate_up, table):
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
-        block_m, block_f, warps = launch(rows, width, "forward")
+        block_m, block_f, warps = launch(rows, width, "forward", table)
         h = torch.empty(rows, width, dtype=gate_up.dtype, device=gate_up.device)
         _swiglu_fwd[_grid(rows, width, block_m, block_f)](
             gate_up, h, rows, width, row_stride(gate_up), BM=block_m, BF=block_f,
@@ -100,6 +98,7 @@ class _SwiGLU(torch.autograd.Function):
         )  # fmt: skip
         ctx.save_for_backward(gate_up)
         ctx.save_for_forward(gate_up)
+        ctx.table = table
         return h
 
     @staticmethod
@@ -107,17 +106,17 @@ class _SwiGLU(torch.autograd.Function):
     def backward(ctx, dh):
         (gate_up,) = ctx.saved_tensors
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
-        block_m, block_f, warps = launch(rows, width, "backward")
+        block_m, block_f, warps = launch(rows, width, "backward", ctx.table)
         dh = as_rows(dh)
         d_gate_up = torch.empty(rows, 2 * width, dtype=gate_up.dtype, device=gate_up.device)
         _swiglu_bwd[_grid(rows, width, block_m, block_f)](
             gate_up, dh, d_gate_up, rows, width, row_stride(gate_up), row_stride(dh),
             BM=block_m, BF=block_f, num_warps=warps,
         )  # fmt: skip
-        return d_gate_up
+        return d_gate_up, None
 
     @staticmethod
-    def jvp(ctx, t_gate_up):
+    def jvp(ctx, t_gate_up, _):
         """Forward-mode derivative, in float32 torch ops from the saved gate_up:
         t_h = t_gate up silu'(gate) + t_up silu(gate)."""
         (gate_up,) = ctx.saved_tensors
@@ -129,10 +128,10 @@ class _SwiGLU(torch.autograd.Function):
 
 
 @opaque_to_compiler
-def swiglu_triton(gate_up: torch.Tensor) -> torch.Tensor:
+def swiglu_triton(gate_up: torch.Tensor, *, table: RowLaunch = LAUNCH) -> torch.Tensor:
     """silu(gate) * up by the kernels, validated gate_up `[..., 2F]`; `[..., F]` in gate_up's
-    dtype, computed in float32."""
+    dtype, computed in float32. `table`: the launch table."""
     if gate_up.numel() == 0:
         return swiglu_naive(gate_up)
-    h = _SwiGLU.apply(as_rows(gate_up))
+    h = _SwiGLU.apply(as_rows(gate_up), table)
     return h.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)

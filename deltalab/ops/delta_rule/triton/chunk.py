@@ -40,6 +40,8 @@ stage 1.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -47,8 +49,11 @@ import triton.language as tl
 from deltalab.ops._triton import opaque_to_compiler
 from deltalab.ops._varlen import max_seqlen, pad_packed, unpad_packed
 from deltalab.ops.delta_rule.chunk import ChunkOperators
+from deltalab.ops.delta_rule.triton.factors import LAUNCH as FACTORS_LAUNCH
 from deltalab.ops.delta_rule.triton.factors import factors_triton, factors_triton_backward
+from deltalab.ops.delta_rule.triton.intra import LAUNCH as INTRA_LAUNCH
 from deltalab.ops.delta_rule.triton.intra import (
+    TileLaunch,
     Tokens,
     _load_rows,
     _operand,
@@ -57,6 +62,7 @@ from deltalab.ops.delta_rule.triton.intra import (
     intra_triton_backward,
     key_block,
 )
+from deltalab.ops.delta_rule.triton.solve import LAUNCH as SOLVE_LAUNCH
 from deltalab.ops.delta_rule.triton.solve import (
     lower_grad_triton,
     solve_triton,
@@ -64,75 +70,141 @@ from deltalab.ops.delta_rule.triton.solve import (
 )
 from deltalab.ops.options import DEFAULT_OPTIONS, KernelOptions
 
-# Value columns per program: S [K, BV] float32 stays in registers, and B * H * V / BV programs
-# fill the GPU's SMs (one sequence and head alone is sequential). Measured on the H200 at K = 128
-# (benchmarks/tune_triton.py): 64 columns with 8 warps beat 32 with 4 (0.78 / 0.86 ms forward /
-# backward against 0.88 / 1.19: half the programs reload each chunk's operators); K = 256 keeps 32.
-BLOCK_V = 64
-BLOCK_V_WIDE_K = 32
-# Rows of a chunk per tile: a 64 x 64 float32 tile of `attend` is 16 KiB; a whole 256 x 256 chunk
-# is 256 KiB, past the 227 KiB of shared memory of an H100/H200 SM (measured: chunk 256 failed
-# to compile as one tile).
-BLOCK_C = 64
-# Warps per program of the state pass (with BLOCK_V above; the narrow launch below takes its
-# own) and of the operator gradients.
-NUM_WARPS = 8
-# Pipeline stages of the fused walks' chunk loop, with 16-bit operators and K <= 128 (`_launch`
-# takes 1 otherwise). Software pipelining keeps the next chunk's tiles in shared memory while
-# this one's products run: with float32 operators 2 stages overflowed the SM's 227 KiB
-# (2026-12-02). 16-bit operators (`KernelOptions.operator_dtype`) halve the
-# operator tiles; compiled for sm_90 (Triton 3.9, BV 64, 8 warps), forward / backward at chunk
-# 64 take
-# 64 / 64 KiB with 1 stage, 64 / 128 with 2, 64 / 160 with 3 (chunk 128: 64 / 64, 84 / 80,
-# 100 / 96; tests/test_triton_compile.py checks 2 and 3 fit). With the products widened
-# (`walk_dots` "float32") it stays 1 at BLOCK_V: 2 stages at BV 64 were slower backward on the
-# H200 (below), and where the fused walks make enough programs the narrow launch below is
-# faster than either; 16-bit products take LOW_DOTS_NUM_STAGES instead.
-NUM_STAGES = 1
-# The fused walks with 16-bit operators (K <= 128) and widened products (with 16-bit products,
-# see LOW_DOTS_NUM_WARPS below): NARROW_BLOCK_V columns, NARROW_NUM_STAGES
-# stages and NARROW_NUM_WARPS warps wherever that makes FUSED_PASS_MIN_PROGRAMS walks (else
-# BLOCK_V's launch or the split pass; NARROW_BLOCK_V None: never). Half the columns double the
-# walks, and the pipeline hides the operator loads of each chunk behind the products of the one
-# before. Measured on the H200, B=4 T=4096 K=V=128, bf16 (`tune_triton.py --shape 4xTx{8,16}x128
-# --stages state_pass state_pass_split`, 2026-12-02), forward / backward ms
-# per layer:
-#
-#                                                   H=8 (340M preset)   H=16
-#   fused, BV 64, 8 warps, 1 stage                  0.56 / 0.57         0.63 / 0.61
-#   fused, BV 64, 8 warps, 2 stages                 0.48 / 0.59         0.51 / 0.60
-#   fused, BV 32, 8 warps, 2 stages                 0.36 / 0.33         0.73 / 0.66
-#   fused, BV 32, 4 warps, 2 stages (this launch)   0.32 / 0.39         0.47 / 0.58
-#   split, its launch                               0.37 / 0.45         0.68 / 0.83
-#
-# At H=8 it replaced the split pass (0.82 -> 0.71 ms a layer: the 340M step's delta-rule kernels
-# 76.8 -> 74.4 ms), at H=16 the fused pass at BLOCK_V (1.24 -> 1.05). With
-# one sequence of 16K tokens at H=8 (32 walks even at 32 columns) the split pass stays.
-# With the products widened to float32 the forward walk spills registers at each of these
-# launches (compiled for sm_90; the figures at `low_dots`, the choice that removes them).
-NARROW_BLOCK_V = 32
-NARROW_NUM_STAGES = 2
-NARROW_NUM_WARPS = 4
-# With the walks' products in the operators' 16-bit dtype (`walk_dots` "operators", the
-# default) the operand registers halve and the order above changes: BLOCK_V's 64 columns on
-# LOW_DOTS_NUM_WARPS warps with LOW_DOTS_NUM_STAGES stages wherever they make
-# FUSED_PASS_MIN_PROGRAMS walks, else the narrow launch where its walks do, else the split
-# pass. Measured on the H200, B=4 T=4096 K=V=128, bf16, products in bf16 (`tune_triton.py
-# --shape 4x4096x{16,8}x128 --stages state_pass`, 2026-12-02), forward /
-# backward ms per layer:
-#
-#                                                   H=8 (340M preset)   H=16
-#   fused, BV 64, 4 warps, 2 stages (this launch)   0.24 / 0.25         0.28 / 0.31
-#   fused, BV 64, 8 warps, 2 stages                 0.26 / 0.26         0.30 / 0.29
-#   fused, BV 32, 4 warps, 2 stages (narrow)        0.20 / 0.19         0.38 / 0.38
-#   (products widened to float32, the narrow launch 0.32 / 0.39         0.47 / 0.57)
-#
-# so H=16 takes this launch (128 walks) and H=8 at B=4 the narrow one (64 walks at 64 columns).
-LOW_DOTS_NUM_WARPS = 4
-LOW_DOTS_NUM_STAGES = 2
-# Value columns per step of the operator-gradient kernel: its [C, K] accumulators stay in
-# registers, the [K, BV] state blocks stream through.
-OPERATOR_BLOCK_V = 32
+
+@dataclass(frozen=True)
+class DeltaRuleLaunch:
+    """The Triton delta rule's launch table: the state pass's value columns, row blocks, warps
+    and pipeline stages, the threshold between its fused and split forms, and the tables of
+    the kernels of stages 1-2 (`TileLaunch`: the factors, stage 1, the solve). `LAUNCH` holds
+    the settings measured best (below); `delta_rule_triton` and the stages' launch functions
+    take another as an argument (`tune_triton.py` sweeps them; tests reach at tiny shapes the
+    paths of large ones)."""
+
+    # Value columns per program: S [K, BV] float32 stays in registers, and B * H * V / BV programs
+    # fill the GPU's SMs (one sequence and head alone is sequential). Measured on the H200 at
+    # K = 128 (benchmarks/tune_triton.py): 64 columns with 8 warps beat 32 with 4 (0.78 / 0.86 ms
+    # forward / backward against 0.88 / 1.19: half the programs reload each chunk's operators);
+    # K = 256 keeps 32.
+    block_v: int = 64
+    block_v_wide_k: int = 32
+    # Rows of a chunk per tile: a 64 x 64 float32 tile of `attend` is 16 KiB; a whole 256 x 256
+    # chunk is 256 KiB, past the 227 KiB of shared memory of an H100/H200 SM (measured: chunk 256
+    # failed to compile as one tile).
+    block_c: int = 64
+    # Warps per program of the state pass (with block_v above; the narrow launch below takes its
+    # own) and of the operator gradients.
+    num_warps: int = 8
+    # Pipeline stages of the fused walks' chunk loop, with 16-bit operators and K <= 128 (`_launch`
+    # takes 1 otherwise). Software pipelining keeps the next chunk's tiles in shared memory while
+    # this one's products run: with float32 operators 2 stages overflowed the SM's 227 KiB
+    # (2026-12-02). 16-bit operators (`KernelOptions.operator_dtype`) halve the operator tiles;
+    # compiled for sm_90 (Triton 3.9, BV 64, 8 warps), forward / backward at chunk 64 take 64 / 64
+    # KiB with 1 stage, 64 / 128 with 2, 64 / 160 with 3 (chunk 128: 64 / 64, 84 / 80, 100 / 96;
+    # tests/test_triton_compile.py checks 2 and 3 fit). With the products widened (`walk_dots`
+    # "float32") it stays 1 at block_v: 2 stages at BV 64 were slower backward on the H200 (below),
+    # and where the fused walks make enough programs the narrow launch below is faster than either;
+    # 16-bit products take low_dots_num_stages instead.
+    num_stages: int = 1
+    # The fused walks with 16-bit operators (K <= 128) and widened products (with 16-bit products,
+    # see low_dots_num_warps below): narrow_block_v columns, narrow_num_stages stages and
+    # narrow_num_warps warps wherever that makes fused_pass_min_programs walks (else block_v's
+    # launch or the split pass; narrow_block_v None: never). Half the columns double the walks, and
+    # the pipeline hides the operator loads of each chunk behind the products of the one before.
+    # Measured on the H200, B=4 T=4096 K=V=128, bf16 (`tune_triton.py --shape 4xTx{8,16}x128
+    # --stages state_pass state_pass_split`, 2026-12-02), forward / backward ms per layer:
+    #
+    #                                                   H=8 (340M preset)   H=16
+    #   fused, BV 64, 8 warps, 1 stage                  0.56 / 0.57         0.63 / 0.61
+    #   fused, BV 64, 8 warps, 2 stages                 0.48 / 0.59         0.51 / 0.60
+    #   fused, BV 32, 8 warps, 2 stages                 0.36 / 0.33         0.73 / 0.66
+    #   fused, BV 32, 4 warps, 2 stages (this launch)   0.32 / 0.39         0.47 / 0.58
+    #   split, its launch                               0.37 / 0.45         0.68 / 0.83
+    #
+    # At H=8 it replaced the split pass (0.82 -> 0.71 ms a layer: the 340M step's delta-rule kernels
+    # 76.8 -> 74.4 ms), at H=16 the fused pass at block_v (1.24 -> 1.05). With one sequence of 16K
+    # tokens at H=8 (32 walks even at 32 columns) the split pass stays. With the products widened to
+    # float32 the forward walk spills registers at each of these launches (compiled for sm_90; the
+    # figures at `low_dots`, the choice that removes them).
+    narrow_block_v: int | None = 32
+    narrow_num_stages: int = 2
+    narrow_num_warps: int = 4
+    # With the walks' products in the operators' 16-bit dtype (`walk_dots` "operators", the default)
+    # the operand registers halve and the order above changes: block_v's 64 columns on
+    # low_dots_num_warps warps with low_dots_num_stages stages wherever they make
+    # fused_pass_min_programs walks, else the narrow launch where its walks do, else the split pass.
+    # Measured on the H200, B=4 T=4096 K=V=128, bf16, products in bf16 (`tune_triton.py --shape
+    # 4x4096x{16,8}x128 --stages state_pass`, 2026-12-02), forward / backward ms per layer:
+    #
+    #                                                   H=8 (340M preset)   H=16
+    #   fused, BV 64, 4 warps, 2 stages (this launch)   0.24 / 0.25         0.28 / 0.31
+    #   fused, BV 64, 8 warps, 2 stages                 0.26 / 0.26         0.30 / 0.29
+    #   fused, BV 32, 4 warps, 2 stages (narrow)        0.20 / 0.19         0.38 / 0.38
+    #   (products widened to float32, the narrow launch 0.32 / 0.39         0.47 / 0.57)
+    #
+    # so H=16 takes this launch (128 walks) and H=8 at B=4 the narrow one (64 walks at 64 columns).
+    low_dots_num_warps: int = 4
+    low_dots_num_stages: int = 2
+    # Value columns per step of the operator-gradient kernel: its [C, K] accumulators stay in
+    # registers, the [K, BV] state blocks stream through.
+    operator_block_v: int = 32
+    # Pipeline stages of the split walks' chunk loop (forward and backward), at K <= 128 (K = 256
+    # takes 1). The fused walks need 1 (2 overflowed shared memory); the split walks hold fewer
+    # tiles per step, and 2 stages overlap the next chunk's loads with this one's products. Compiled
+    # for sm_90 (tests/test_triton_compile.py's way, TF32, 8 warps, BV = 64): forward / backward
+    # walk 80 / 80 KiB of shared memory with 1 stage, 208 / 192 KiB with 2 (the SM has 227), 288 /
+    # 256 with 3; at K = 256, chunk 128 (BV = 32) 104 / 104 KiB with 1, 312 / 304 with 2 (too many).
+    split_num_stages: int = 2
+    # Value columns and warps per program of the split walks. The walk is latency-bound (one chunk
+    # after another, a few small products each), so more programs of fewer columns win. Measured on
+    # the H200 at the 340M preset's heads, H=8 K=V=128 chunk 64, bf16 inputs (benchmarks/
+    # tune_triton.py --stages state_pass_split), forward / backward ms per layer:
+    #
+    #   walk setting (2 stages unless said)   B=4 T=4096     B=1 T=16384
+    #   BV 16, 2 warps                         0.46 / 0.59    1.00 / 1.38
+    #   BV 32, 4 warps                         0.49 / 0.56    1.40 / 1.56
+    #   BV 64, 8 warps, 1 stage                0.66 / 0.76    2.06 / 2.33
+    #   fused pass, its default (BV 64)        0.72 / 0.84    2.72 / 3.23
+    #
+    # (3 stages at BV 32 ran out of shared memory: 240 of 227 KiB.) K = 256 keeps block_v_wide_k.
+    split_walk_block_v: int = 16
+    split_walk_num_warps: int = 2
+    # Value columns and warps per program of the split pass's parallel kernels (outputs forward, P
+    # and Q backward): B * H * n * V / BV programs (times the row blocks forward), no registers
+    # carried across chunks. Compiled for sm_90 at K = 128 and 256 (tests/test_triton_compile.py), 4
+    # warps of 32 columns spill no registers (an earlier backward spilled 176 bytes a thread in its
+    # Q [K, BV] at 4 warps of 64 columns; today's does not). Measured on the H200 with bf16
+    # operators (`tune_triton.py --stages state_pass_split`, 2026-12-02), the split pass forward /
+    # backward ms per layer:
+    #
+    #   parallel kernels                B=4 T=4096 H=8   B=1 T=16384 H=8
+    #   BV 64, 8 warps                  0.37 / 0.45      0.77 / 1.09
+    #   BV 32, 4 warps                  0.33 / 0.43      0.71 / 1.07
+    #   BV 128, 8 warps                 0.45 / 0.49      0.84 / 1.13
+    split_block_v: int = 32
+    split_num_warps: int = 4
+    # The state pass `_DeltaRuleTriton` runs, `KernelOptions.state_pass`: "fused" (stages 3-4 in one
+    # walk, `state_pass_triton`), "split" (the walk reduced to the state recurrence,
+    # `state_pass_split_triton`), or "auto", the default: the fused pass from
+    # fused_pass_min_programs programs (B * H * V / BV at the launch `_launch` picks), the split
+    # pass below (96: a threshold between the two measured points, 64 and 128 programs, not itself
+    # measured). The backward takes the forward's form. Measured on the H200 (`tune_triton.py`, per
+    # layer, forward / backward ms):
+    #   B=4 T=4096 H=16 (128 fused programs): fused 0.78 / 0.86, split 0.91 / 1.25;
+    #   B=4 T=4096 H=8 (64): fused 0.72 / 0.84, split 0.46 / 0.59;
+    #   B=1 T=16384 H=8 (16): fused 2.72 / 3.23, split 1.00 / 1.38.
+    # (Those with float32 operators; with 16-bit ones the fused pass's launches are counted as
+    # `_launch` picks them: at B=4, BV 64 at H=16 and the narrow launch at H=8, see
+    # low_dots_num_warps.) The split walk has 4x the programs of the fused one (16 value columns,
+    # not 64) and leaves the outputs to kernels parallel over chunks: it wins while the fused walks
+    # leave SMs idle (132 on the H200), and loses by its extra kernels and traffic once they do not.
+    fused_pass_min_programs: int = 96
+    # The kernels of stages 1-2.
+    factors: TileLaunch = FACTORS_LAUNCH
+    intra: TileLaunch = INTRA_LAUNCH
+    solve: TileLaunch = SOLVE_LAUNCH
+
+
+LAUNCH = DeltaRuleLaunch()
 
 
 @triton.jit
@@ -324,42 +396,6 @@ def _state_pass_bwd(
 # barrier: the value stored at each element is computed from the value loaded there (dN = P +
 # ..., dS = Q + ...), so whichever thread stores an element has already received what was
 # loaded from it.
-
-# Pipeline stages of the split walks' chunk loop (forward and backward), at K <= 128 (K = 256
-# takes 1). The fused walks need 1 (2 overflowed shared memory); the split walks hold fewer tiles
-# per step, and 2 stages overlap the next chunk's loads with this one's products. Compiled for
-# sm_90 (tests/test_triton_compile.py's way, TF32, 8 warps, BV = 64): forward / backward walk
-# 80 / 80 KiB of shared memory with 1 stage, 208 / 192 KiB with 2 (the SM has 227), 288 / 256
-# with 3; at K = 256, chunk 128 (BV = 32) 104 / 104 KiB with 1, 312 / 304 with 2 (too many).
-SPLIT_NUM_STAGES = 2
-# Value columns and warps per program of the split walks. The walk is latency-bound (one chunk
-# after another, a few small products each), so more programs of fewer columns win. Measured on
-# the H200 at the 340M preset's heads, H=8 K=V=128 chunk 64, bf16 inputs (benchmarks/
-# tune_triton.py --stages state_pass_split), forward / backward ms per layer:
-#
-#   walk setting (2 stages unless said)   B=4 T=4096     B=1 T=16384
-#   BV 16, 2 warps                         0.46 / 0.59    1.00 / 1.38
-#   BV 32, 4 warps                         0.49 / 0.56    1.40 / 1.56
-#   BV 64, 8 warps, 1 stage                0.66 / 0.76    2.06 / 2.33
-#   fused pass, its default (BV 64)        0.72 / 0.84    2.72 / 3.23
-#
-# (3 stages at BV 32 ran out of shared memory: 240 of 227 KiB.) K = 256 keeps BLOCK_V_WIDE_K.
-SPLIT_WALK_BLOCK_V = 16
-SPLIT_WALK_NUM_WARPS = 2
-# Value columns and warps per program of the split pass's parallel kernels (outputs forward,
-# P and Q backward): B * H * n * V / BV programs (times the row blocks forward), no registers
-# carried across chunks. Compiled for sm_90 at K = 128 and 256 (tests/test_triton_compile.py),
-# 4 warps of 32 columns spill no registers (an earlier backward spilled 176 bytes a thread in
-# its Q [K, BV] at 4 warps of 64 columns; today's does not). Measured on the H200 with bf16
-# operators (`tune_triton.py --stages state_pass_split`, 2026-12-02), the split
-# pass forward / backward ms per layer:
-#
-#   parallel kernels                B=4 T=4096 H=8   B=1 T=16384 H=8
-#   BV 64, 8 warps                  0.37 / 0.45      0.77 / 1.09
-#   BV 32, 4 warps                  0.33 / 0.43      0.71 / 1.07
-#   BV 128, 8 warps                 0.45 / 0.49      0.84 / 1.13
-SPLIT_BLOCK_V = 32
-SPLIT_NUM_WARPS = 4
 
 
 @triton.jit
@@ -569,7 +605,8 @@ def _operator_grads_kernel(
 # 352 / 0 against 0 / 0 (shared memory 64 -> 40 KiB); tests/test_triton_compile.py keeps
 # "operators" spill-free (but 40 and 24 bytes at chunks of 128, see there). On the H200 the
 # walks took 0.59 instead of 1.04 ms a layer at H=16 and 0.39 instead of 0.71 at H=8 (forward
-# and backward, the new launches against the widened defaults then, see LOW_DOTS_NUM_WARPS).
+# and backward, the new launches against the widened defaults then, see
+# `DeltaRuleLaunch.low_dots_num_warps`).
 # The state stays float32 and only its copy for each product is rounded (bf16 keeps 8 bits
 # against TF32's 11), so the rounding does not compound from chunk to chunk: each chunk's
 # products carry a relative error of about 2^-9, as every other bf16 product of the layer
@@ -588,28 +625,30 @@ def low_dots(operators: torch.dtype, walk_dots: str = "operators") -> bool:
 
 
 def _launch(value_dim: int, programs: int, size: int, key_dim: int, precision: str,
-            operators: torch.dtype = torch.float32, walk_dots: str = "operators"):  # fmt: skip
-    """Grid and the shape constants shared by both kernels; `operators`: the dtype the chunk
-    operators are stored in, `walk_dots` their products' (16-bit operators take a pipelined
-    launch: with 16-bit products
-    LOW_DOTS_NUM_WARPS and LOW_DOTS_NUM_STAGES at BLOCK_V where its walks are enough, else the
-    narrow launch where its own are; widened, the narrow launch where its walks are enough,
-    else NUM_STAGES at BLOCK_V)."""
-    block_v = BLOCK_V if key_dim <= 128 else BLOCK_V_WIDE_K
+            operators: torch.dtype = torch.float32, walk_dots: str = "operators",
+            table: DeltaRuleLaunch = LAUNCH):  # fmt: skip
+    """Grid and the shape constants shared by both kernels, from `table`; `operators`: the
+    dtype the chunk operators are stored in, `walk_dots` their products' (16-bit operators take
+    a pipelined launch: with 16-bit products low_dots_num_warps and low_dots_num_stages at
+    block_v where its walks are enough, else the narrow launch where its own are; widened, the
+    narrow launch where its walks are enough, else num_stages at block_v)."""
+    block_v = table.block_v if key_dim <= 128 else table.block_v_wide_k
     pipelined = operators.itemsize == 2 and key_dim <= 128
     low = pipelined and low_dots(operators, walk_dots)
-    stages, warps = (NUM_STAGES if pipelined else 1), NUM_WARPS
+    stages, warps = (table.num_stages if pipelined else 1), table.num_warps
     if low:
-        stages, warps = LOW_DOTS_NUM_STAGES, LOW_DOTS_NUM_WARPS
-    enough = triton.cdiv(value_dim, block_v) * programs >= FUSED_PASS_MIN_PROGRAMS
-    if pipelined and NARROW_BLOCK_V and not (enough and low):
-        narrow = triton.cdiv(value_dim, NARROW_BLOCK_V) * programs
-        if narrow >= FUSED_PASS_MIN_PROGRAMS:
-            block_v, stages, warps = NARROW_BLOCK_V, NARROW_NUM_STAGES, NARROW_NUM_WARPS
+        stages, warps = table.low_dots_num_stages, table.low_dots_num_warps
+    threshold = table.fused_pass_min_programs
+    enough = triton.cdiv(value_dim, block_v) * programs >= threshold
+    if pipelined and table.narrow_block_v and not (enough and low):
+        narrow = triton.cdiv(value_dim, table.narrow_block_v) * programs
+        if narrow >= threshold:
+            block_v, stages = table.narrow_block_v, table.narrow_num_stages
+            warps = table.narrow_num_warps
     grid = (triton.cdiv(value_dim, block_v) * programs,)  # `_offsets` splits it
     consts = {
         "K": key_dim, "V": value_dim, "C": size, "BK": key_block(key_dim),
-        "BV": block_v, "BC": min(size, BLOCK_C), "PRECISION": precision,
+        "BV": block_v, "BC": min(size, table.block_c), "PRECISION": precision,
         "num_warps": warps, "num_stages": stages,
     }  # fmt: skip
     return grid, consts
@@ -618,7 +657,8 @@ def _launch(value_dim: int, programs: int, size: int, key_dim: int, precision: s
 def state_pass_triton(ops, initial_state: torch.Tensor | None, precision: str = "ieee",
                       out: torch.Tensor | None = None, tokens: Tokens | None = None,
                       write_out: bool = True, keep_every: int = 1,
-                      keep_residuals: bool = True, walk_dots: str = "operators"):  # fmt: skip
+                      keep_residuals: bool = True, walk_dots: str = "operators",
+                      table: DeltaRuleLaunch = LAUNCH):  # fmt: skip
     """Stages 3-4 of `chunk.py` in one kernel: (outputs, residuals [B, H, n, C, V], chunk-start
     states [B, H, n, K, V], final state [B, H, K, V]). With keep_every > 1 only the states of
     chunks 0, keep_every, 2 keep_every, ... [B, H, ceil(n / keep_every), K, V] (what the
@@ -630,19 +670,20 @@ def state_pass_triton(ops, initial_state: torch.Tensor | None, precision: str = 
     `operator_dtype` stores them; decay float32); initial_state:
     [B, H, K, V] or None; precision: "ieee" (float32 products) or "tf32". The outputs go to
     `out`, token-major [B, T, H, V] as `tokens` maps it, in its dtype; without it, to a new
-    chunked float32 [B, H, n, C, V]. write_out=False: no outputs (returned as None).
+    chunked float32 [B, H, n, C, V]. write_out=False: no outputs (returned as None). `table`:
+    the launch table.
     """
     start = None if initial_state is None else initial_state[:, :, None]
     out, residual, states, ends = _walk_fused(
         ops, start, ops.read.shape[2], precision, out, tokens, write_out, keep_every,
-        keep_residuals, walk_dots,
+        keep_residuals, walk_dots, table,
     )  # fmt: skip
     return out, residual, states, ends[:, :, 0]
 
 
 def _walk_fused(ops, starts, every: int, precision: str, out=None, tokens=None,
                 write_out: bool = True, keep_every: int = 1, keep_residuals: bool = True,
-                walk_dots: str = "operators"):  # fmt: skip
+                walk_dots: str = "operators", table: DeltaRuleLaunch = LAUNCH):  # fmt: skip
     """`_state_pass_fwd` over segments of `every` chunks, all at once, each from its start state
     in `starts` [B, H, n_seg, K, V] float32 (None: one segment, from zero): (outputs or None,
     residuals or None, chunk-start states (every keep_every-th), each segment's end state
@@ -655,10 +696,10 @@ def _walk_fused(ops, starts, every: int, precision: str, out=None, tokens=None,
     # programs: the segments' walk then does each chunk's products as the forward did, the same
     # values bit for bit, where a launch picked by the segments' count could differ.
     _, consts = _launch(value_dim, batch * heads, size, key_dim, precision, ops.read.dtype,
-                        walk_dots)  # fmt: skip
+                        walk_dots, table)  # fmt: skip
     grid = (triton.cdiv(value_dim, consts["BV"]) * batch * heads * n_seg,)
     # Residuals are written where they are kept or where the pass reads them back (row blocks
-    # after the first read the earlier blocks' residuals: chunks past BLOCK_C rows).
+    # after the first read the earlier blocks' residuals: chunks past block_c rows).
     store_residual = keep_residuals or size > consts["BC"]
     residual = (
         torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
@@ -684,11 +725,11 @@ def _walk_fused(ops, starts, every: int, precision: str, out=None, tokens=None,
 
 def state_pass_triton_backward(
     ops, d_out: torch.Tensor, d_final: torch.Tensor | None, precision: str = "ieee",
-    tokens: Tokens | None = None, walk_dots: str = "operators",
+    tokens: Tokens | None = None, walk_dots: str = "operators", table: DeltaRuleLaunch = LAUNCH,
 ):  # fmt: skip
     """The adjoint walk: (dN [B, H, n, C, V], dS after each chunk [B, H, n, K, V],
     d initial state [B, H, K, V]). d_out: token-major [B, T, H, V] as `tokens` maps it, or
-    chunked [B, H, n, C, V] float32 (tokens=None)."""
+    chunked [B, H, n, C, V] float32 (tokens=None). `table`: the launch table."""
     batch, heads, n_chunks, size, key_dim = ops.read.shape
     value_dim = d_out.shape[-1]
     tokens = Tokens.of_chunks(d_out) if tokens is None else tokens
@@ -697,7 +738,7 @@ def state_pass_triton_backward(
     d_next = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
     d_initial = torch.empty(batch, heads, key_dim, value_dim, device=device)
     grid, consts = _launch(value_dim, batch * heads, size, key_dim, precision, ops.read.dtype,
-                           walk_dots)  # fmt: skip
+                           walk_dots, table)  # fmt: skip
     _state_pass_bwd[grid](
         ops.read, ops.attend, ops.erase, ops.write, ops.decay, d_out,
         d_final if d_final is not None else d_initial, d_residual, d_next, d_initial, n_chunks,
@@ -707,18 +748,21 @@ def state_pass_triton_backward(
     return d_residual, d_next, d_initial
 
 
-def _split_launch(value_dim: int, size: int, key_dim: int, precision: str):
-    """The split pass's launch constants: (walk's, parallel kernels'), each with its options."""
-    _, walk = _launch(value_dim, 1, size, key_dim, precision)
+def _split_launch(value_dim: int, size: int, key_dim: int, precision: str,
+                  table: DeltaRuleLaunch = LAUNCH):  # fmt: skip
+    """The split pass's launch constants from `table`: (walk's, parallel kernels'), each with
+    its options."""
+    _, walk = _launch(value_dim, 1, size, key_dim, precision, table=table)
     if key_dim <= 128:
-        walk.update(BV=SPLIT_WALK_BLOCK_V, num_warps=SPLIT_WALK_NUM_WARPS,
-                    num_stages=SPLIT_NUM_STAGES)  # fmt: skip
-    parallel = {**walk, "BV": min(SPLIT_BLOCK_V, key_block(value_dim)),
-                "num_warps": SPLIT_NUM_WARPS, "num_stages": 1}  # fmt: skip
+        walk.update(BV=table.split_walk_block_v, num_warps=table.split_walk_num_warps,
+                    num_stages=table.split_num_stages)  # fmt: skip
+    parallel = {**walk, "BV": min(table.split_block_v, key_block(value_dim)),
+                "num_warps": table.split_num_warps, "num_stages": 1}  # fmt: skip
     return walk, parallel
 
 
-def _walk_split(ops, starts, every: int, precision: str, walk_dots: str = "operators"):
+def _walk_split(ops, starts, every: int, precision: str, walk_dots: str = "operators",
+                table: DeltaRuleLaunch = LAUNCH):  # fmt: skip
     """`_state_pass_split_fwd` over segments of `every` chunks, as `_walk_fused` (no outputs):
     (residuals, chunk-start states, each segment's end state)."""
     batch, heads, n_chunks, size, key_dim = ops.read.shape
@@ -728,7 +772,7 @@ def _walk_split(ops, starts, every: int, precision: str, walk_dots: str = "opera
     residual = torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
     states = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
     ends = torch.empty(batch, heads, n_seg, key_dim, value_dim, device=device)
-    walk, _ = _split_launch(value_dim, size, key_dim, precision)
+    walk, _ = _split_launch(value_dim, size, key_dim, precision, table)
     _state_pass_split_fwd[(triton.cdiv(value_dim, walk["BV"]) * batch * heads * n_seg,)](
         ops.erase, ops.target, ops.write, ops.decay, starts if starts is not None else ends,
         residual, states, ends, n_chunks, every, n_seg, HAS_INITIAL=starts is not None,
@@ -738,30 +782,34 @@ def _walk_split(ops, starts, every: int, precision: str, walk_dots: str = "opera
 
 
 def state_walk_split_triton(ops, starts: torch.Tensor, every: int, precision: str = "ieee",
-                            walk_dots: str = "operators"):  # fmt: skip
+                            walk_dots: str = "operators",
+                            table: DeltaRuleLaunch = LAUNCH):  # fmt: skip
     """What the backward recomputes when it does not keep the split pass's states and residuals
     (`KernelOptions.recompute_states`): (residuals [B, H, n, C, V], chunk-start states
     [B, H, n, K, V]) from `starts` [B, H, ceil(n / every), K, V], the chunk-start states of
     chunks 0, every, 2 every, ... The segments between them are walked at once, one program
     each (per value block), with the forward walk's operations: the same values, bit for bit.
-    walk_dots: the products' dtype, as the forward took them (`low_dots`)."""
-    residual, states, _ = _walk_split(ops, starts, every, precision, walk_dots)
+    walk_dots: the products' dtype, as the forward took them (`low_dots`); `table`, its launch
+    table."""
+    residual, states, _ = _walk_split(ops, starts, every, precision, walk_dots, table)
     return residual, states
 
 
 def state_walk_fused_triton(ops, starts: torch.Tensor, every: int, precision: str = "ieee",
-                            walk_dots: str = "operators"):  # fmt: skip
+                            walk_dots: str = "operators",
+                            table: DeltaRuleLaunch = LAUNCH):  # fmt: skip
     """`state_walk_split_triton` for the fused pass (`_state_pass_fwd` with WRITE_OUT=False):
     the values its forward gave."""
     _, residual, states, _ = _walk_fused(ops, starts, every, precision, write_out=False,
-                                         walk_dots=walk_dots)  # fmt: skip
+                                         walk_dots=walk_dots, table=table)  # fmt: skip
     return residual, states
 
 
 def state_pass_split_triton(ops, initial_state: torch.Tensor | None, precision: str = "ieee",
                             out: torch.Tensor | None = None, tokens: Tokens | None = None,
                             keep_every: int = 1, keep_residuals: bool = True,
-                            walk_dots: str = "operators"):  # fmt: skip
+                            walk_dots: str = "operators",
+                            table: DeltaRuleLaunch = LAUNCH):  # fmt: skip
     """`state_pass_triton` split in two kernels (the walk, then the outputs in parallel over
     chunks; see above `_state_pass_split_fwd`): the same arguments and returns. The output
     kernel reads every chunk-start state and residual, so the walk writes them all; keep_every
@@ -769,11 +817,11 @@ def state_pass_split_triton(ops, initial_state: torch.Tensor | None, precision: 
     batch, heads, n_chunks, size, key_dim = ops.read.shape
     value_dim = ops.target.shape[-1]
     start = None if initial_state is None else initial_state[:, :, None]
-    residual, states, ends = _walk_split(ops, start, n_chunks, precision, walk_dots)
+    residual, states, ends = _walk_split(ops, start, n_chunks, precision, walk_dots, table)
     final = ends[:, :, 0]
     if out is None:
         out, tokens = torch.empty_like(residual), Tokens.of_chunks(residual)
-    _, parallel = _split_launch(value_dim, size, key_dim, precision)
+    _, parallel = _split_launch(value_dim, size, key_dim, precision, table)
     blocks = triton.cdiv(value_dim, parallel["BV"]) * batch * heads * n_chunks
     _state_pass_split_out[(blocks, size // parallel["BC"])](
         ops.read, ops.attend, residual, states, out, *tokens.args(), **parallel
@@ -785,7 +833,7 @@ def state_pass_split_triton(ops, initial_state: torch.Tensor | None, precision: 
 
 def state_pass_split_triton_backward(
     ops, d_out: torch.Tensor, d_final: torch.Tensor | None, precision: str = "ieee",
-    tokens: Tokens | None = None, walk_dots: str = "operators",
+    tokens: Tokens | None = None, walk_dots: str = "operators", table: DeltaRuleLaunch = LAUNCH,
 ):  # fmt: skip
     """`state_pass_triton_backward` split in two kernels (attend^T dO and read^T dO in parallel
     over chunks, then the walk; see above `_state_pass_split_fwd`): the same arguments and
@@ -797,7 +845,7 @@ def state_pass_split_triton_backward(
     d_residual = torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
     d_next = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
     d_initial = torch.empty(batch, heads, key_dim, value_dim, device=device)
-    walk, parallel = _split_launch(value_dim, size, key_dim, precision)
+    walk, parallel = _split_launch(value_dim, size, key_dim, precision, table)
     _state_pass_split_dout[(triton.cdiv(value_dim, parallel["BV"]) * batch * heads * n_chunks,)](
         ops.read, ops.attend, d_out, d_residual, d_next, d_initial, n_chunks, *tokens.args(),
         **parallel,
@@ -810,23 +858,6 @@ def state_pass_split_triton_backward(
     return d_residual, d_next, d_initial
 
 
-# The state pass `_DeltaRuleTriton` runs, `KernelOptions.state_pass`: "fused" (stages 3-4 in one
-# walk, `state_pass_triton`), "split" (the walk reduced to the state recurrence,
-# `state_pass_split_triton`), or "auto", the default: the fused pass from
-# FUSED_PASS_MIN_PROGRAMS programs (B * H * V / BV at the launch `_launch` picks), the split pass
-# below (96: a threshold between the two measured points, 64 and 128 programs, not itself
-# measured). The backward takes the forward's form. Measured on the H200 (`tune_triton.py`, per
-# layer, forward / backward ms):
-#   B=4 T=4096 H=16 (128 fused programs): fused 0.78 / 0.86, split 0.91 / 1.25;
-#   B=4 T=4096 H=8 (64): fused 0.72 / 0.84, split 0.46 / 0.59;
-#   B=1 T=16384 H=8 (16): fused 2.72 / 3.23, split 1.00 / 1.38.
-# (Those with float32 operators; with 16-bit ones the fused pass's launches are counted as
-# `_launch` picks them: at B=4, BV 64 at H=16 and the narrow launch at H=8, see
-# LOW_DOTS_NUM_WARPS.) The split walk has 4x the programs of the fused one (16 value
-# columns, not 64) and leaves the outputs to kernels parallel over chunks: it wins while the
-# fused walks leave SMs idle (132 on the H200), and loses by its extra kernels and traffic
-# once they do not.
-FUSED_PASS_MIN_PROGRAMS = 96
 # Per state pass: its forward, its backward, and the walk that gives the residuals and the
 # chunk-start states again (`KernelOptions.recompute_states`).
 PASS_FORMS = {
@@ -837,14 +868,16 @@ PASS_FORMS = {
 
 def chosen_state_pass(batch: int, heads: int, key_dim: int, value_dim: int,
                       operators: torch.dtype = torch.float32,
-                      options: KernelOptions = DEFAULT_OPTIONS) -> str:  # fmt: skip
+                      options: KernelOptions = DEFAULT_OPTIONS,
+                      table: DeltaRuleLaunch = LAUNCH) -> str:  # fmt: skip
     """The state pass `options.state_pass` names for inputs of this shape whose chunk operators
-    are stored in `operators` (see above; 16-bit ones may take the narrow fused launch)."""
+    are stored in `operators` (`DeltaRuleLaunch.fused_pass_min_programs`; 16-bit ones may take
+    the narrow fused launch), launched by `table`."""
     if options.state_pass != "auto":
         return options.state_pass
     (programs,), _ = _launch(value_dim, batch * heads, 1, key_dim, "ieee", operators,
-                             options.walk_dots)  # fmt: skip
-    return "fused" if programs >= FUSED_PASS_MIN_PROGRAMS else "split"
+                             options.walk_dots, table)  # fmt: skip
+    return "fused" if programs >= table.fused_pass_min_programs else "split"
 
 
 # `KernelOptions.recompute_states` (default on): the backward walks the chunks again for the
@@ -870,10 +903,11 @@ def chosen_state_pass(batch: int, heads: int, key_dim: int, value_dim: int,
 
 
 def operator_grads_triton(states, residuals, d_out, d_residual, d_next, precision: str = "ieee",
-                          tokens: Tokens | None = None) -> ChunkOperators:  # fmt: skip
+                          tokens: Tokens | None = None,
+                          table: DeltaRuleLaunch = LAUNCH) -> ChunkOperators:  # fmt: skip
     """`_operator_grads` in Triton (erase and target as in the twin; d_out token-major as
     `tokens` maps it, or chunked float32 with tokens=None). Returns chunked float32 tensors
-    shaped as the operators [B, H, n, C, *]."""
+    shaped as the operators [B, H, n, C, *]. `table`: the launch table."""
     batch, heads, n_chunks, key_dim, value_dim = states.shape
     size = residuals.shape[-2]
     tokens = Tokens.of_chunks(d_out) if tokens is None else tokens
@@ -881,14 +915,14 @@ def operator_grads_triton(states, residuals, d_out, d_residual, d_next, precisio
     d_read, d_erase, d_write = (states.new_empty(*lead, size, key_dim) for _ in range(3))
     d_attend = states.new_empty(*lead, size, size)
     d_decay = states.new_empty(*lead, key_dim)
-    block_v = min(OPERATOR_BLOCK_V, key_block(value_dim))
+    block_v = min(table.operator_block_v, key_block(value_dim))
     for from_output in (True, False):
-        block_c = min(size, BLOCK_C)
+        block_c = min(size, table.block_c)
         _operator_grads_kernel[(batch * heads * n_chunks, size // block_c)](
             d_out, states, residuals, d_residual, d_next, d_read, d_attend, d_erase, d_write,
             d_decay, *tokens.args(), K=key_dim, V=value_dim, C=size, BK=key_block(key_dim),
             BV=block_v, BC=block_c, FROM_OUTPUT=from_output, PRECISION=precision,
-            num_warps=NUM_WARPS, num_stages=1,
+            num_warps=table.num_warps, num_stages=1,
         )  # fmt: skip
     return ChunkOperators(d_read, d_attend, d_erase, d_residual, d_write, d_decay)
 
@@ -950,14 +984,17 @@ def _low_precision(*inputs: torch.Tensor) -> torch.dtype | None:
 
 
 def _operators_triton(q, a, b, u, g, precision: str, tokens: Tokens, scale: float,
-                      dtype: torch.dtype = torch.float32):  # fmt: skip
+                      dtype: torch.dtype = torch.float32,
+                      table: DeltaRuleLaunch = LAUNCH):  # fmt: skip
     """Stages 1-2 in Triton over token-major inputs as `tokens` maps them (q times `scale`):
-    (the chunk operators [B, H, n, C, *] in `dtype`, the decays float32; L float32). The twin
-    of `chunk.chunk_operators`."""
-    read, erase_rhs, write, decay = factors_triton(q, a, b, g, tokens, scale, dtype)
-    lower, attend = intra_triton(q, a, b, g, precision, tokens, scale, attend_dtype=dtype)
-    erase = solve_triton(lower, erase_rhs, precision, dtype=dtype)
-    target = solve_triton(lower, u, precision, tokens, dtype=dtype)
+    (the chunk operators [B, H, n, C, *] in `dtype`, the decays float32; L float32), launched
+    by `table`. The twin of `chunk.chunk_operators`."""
+    read, erase_rhs, write, decay = factors_triton(q, a, b, g, tokens, scale, dtype,
+                                                   table.factors)  # fmt: skip
+    lower, attend = intra_triton(q, a, b, g, precision, tokens, scale, attend_dtype=dtype,
+                                 table=table.intra)  # fmt: skip
+    erase = solve_triton(lower, erase_rhs, precision, dtype=dtype, table=table.solve)
+    target = solve_triton(lower, u, precision, tokens, dtype=dtype, table=table.solve)
     lead = (q.shape[0], tokens.heads, tokens.chunks)
     ops = ChunkOperators(read, attend, erase, target, write, decay)
     return ChunkOperators(*(x.view(*lead, *x.shape[1:]) for x in ops)), lower
@@ -975,11 +1012,11 @@ class _DeltaRuleTriton(torch.autograd.Function):
     Saved for backward: the inputs themselves, and (with `options.recompute_states`, the
     default) the chunk-start states of every `options.checkpoint_every`-th chunk, from which the
     backward walks the others and the residuals again; without it, all chunk-start states and
-    the residuals. The backward runs with the forward's options.
+    the residuals. The backward runs with the forward's options and launch table.
     """
 
     @staticmethod
-    def forward(ctx, q, a, b, u, g, initial_state, chunk_size, scale, precision, options):
+    def forward(ctx, q, a, b, u, g, initial_state, chunk_size, scale, precision, options, table):
         ctx.set_materialize_grads(False)
         batch, length, heads, key_dim = q.shape
         # Read once: the backward recomputes the operators as the forward made them.
@@ -987,12 +1024,14 @@ class _DeltaRuleTriton(torch.autograd.Function):
             *_precision_inputs(q, a, b, u), stored=options.operator_dtype
         )
         chosen = chosen_state_pass(batch, heads, key_dim, u.shape[-1], ctx.operator_dtype,
-                                   options)  # fmt: skip
+                                   options, table)  # fmt: skip
+        ctx.table = table
         state_pass, ctx.state_pass_backward, ctx.walk = PASS_FORMS[chosen]
         q, a, b, u, g = (x.contiguous() for x in (q, a, b, u, g))
         initial_state = initial_state.contiguous()
         tokens = Tokens(-(-length // chunk_size), heads, length, chunk_size)
-        ops, _ = _operators_triton(q, a, b, u, g, precision, tokens, scale, ctx.operator_dtype)
+        ops, _ = _operators_triton(q, a, b, u, g, precision, tokens, scale, ctx.operator_dtype,
+                                   table)  # fmt: skip
         out = q.new_empty(u.shape)
         recompute, ctx.walk_dots = options.recompute_states, options.walk_dots
         ctx.recompute_states, ctx.every = recompute, options.checkpoint_every
@@ -1001,7 +1040,7 @@ class _DeltaRuleTriton(torch.autograd.Function):
         _, residuals, states, final = state_pass(
             ops, initial_state, precision, out=out, tokens=tokens,
             keep_every=ctx.every if recompute else 1, keep_residuals=not recompute,
-            walk_dots=ctx.walk_dots,
+            walk_dots=ctx.walk_dots, table=table,
         )  # fmt: skip
         if recompute:
             ctx.save_for_backward(q, a, b, u, g, states)
@@ -1014,45 +1053,52 @@ class _DeltaRuleTriton(torch.autograd.Function):
     def backward(ctx, d_o, d_final):
         precision, tokens, scale = ctx.precision, ctx.tokens, ctx.scale
         q, a, b, u, g, *kept = ctx.saved_tensors
-        ops, lower = _operators_triton(q, a, b, u, g, precision, tokens, scale, ctx.operator_dtype)
+        table = ctx.table
+        ops, lower = _operators_triton(q, a, b, u, g, precision, tokens, scale, ctx.operator_dtype,
+                                       table)  # fmt: skip
         if ctx.recompute_states:
-            residuals, states = ctx.walk(ops, kept[0], ctx.every, precision, ctx.walk_dots)
+            residuals, states = ctx.walk(ops, kept[0], ctx.every, precision, ctx.walk_dots, table)
         else:
             states, residuals = kept
         # The output's gradient is read token-major where it lies, like the inputs.
         d_out = torch.zeros_like(u) if d_o is None else d_o.contiguous()
         d_final = None if d_final is None else d_final.contiguous()
         d_residual, d_next, d_initial = ctx.state_pass_backward(
-            ops, d_out, d_final, precision, tokens, ctx.walk_dots
+            ops, d_out, d_final, precision, tokens, ctx.walk_dots, table
         )
         grads = operator_grads_triton(
-            states, residuals, d_out, d_residual, d_next, precision, tokens
+            states, residuals, d_out, d_residual, d_next, precision, tokens, table
         )
         # Each tensor is dropped once its last use is behind: the peak of the backward is the
         # sum of what is alive at its fullest point, not of everything it makes.
         erase, target = ops.erase, ops.target
         del ops, d_out, d_residual, d_next
         # Stage 2 back: R = [exp(G) B | U] through the solve, then L's share; du token-major.
-        d_erase_rhs = solve_triton_backward(lower, grads.erase.contiguous(), precision)
-        d_target_rhs, du = solve_triton_backward(
-            lower, grads.target.contiguous(), precision, tokens_like=u, tokens=tokens
+        d_erase_rhs = solve_triton_backward(
+            lower, grads.erase.contiguous(), precision, table=table.solve
         )
+        d_target_rhs, du = solve_triton_backward(
+            lower, grads.target.contiguous(), precision, tokens_like=u, tokens=tokens,
+            table=table.solve,
+        )  # fmt: skip
         grads = grads._replace(erase=None, target=None)
-        d_lower = lower_grad_triton(d_erase_rhs, erase, d_target_rhs, target, precision)
+        d_lower = lower_grad_triton(d_erase_rhs, erase, d_target_rhs, target, precision,
+                                    table.solve)  # fmt: skip
         del erase, target, d_target_rhs
         # Stage 1 back, then the factors (which also form dg for both, and write dq, da, db,
         # dg token-major in the inputs' dtypes).
         dq1, da1, db1 = intra_triton_backward(
-            q, a, b, g, d_lower, grads.attend.contiguous(), precision, tokens, scale
-        )
+            q, a, b, g, d_lower, grads.attend.contiguous(), precision, tokens, scale,
+            table=table.intra,
+        )  # fmt: skip
         del d_lower, lower
         dq, da, db, dg = factors_triton_backward(
             q, a, b, g, grads.read.contiguous(), d_erase_rhs, grads.write.contiguous(),
-            grads.decay.contiguous(), dq1, da1, db1, tokens, scale,
+            grads.decay.contiguous(), dq1, da1, db1, tokens, scale, table.factors,
         )  # fmt: skip
         needed = ctx.needs_input_grad
         grads = [d if need else None for d, need in zip((dq, da, db, du, dg), needed, strict=False)]
-        return (*grads, d_initial, None, None, None, None)
+        return (*grads, d_initial, None, None, None, None, None)
 
 
 @opaque_to_compiler
@@ -1067,6 +1113,8 @@ def delta_rule_triton(
     chunk_size: int,
     scale: float,
     options: KernelOptions = DEFAULT_OPTIONS,
+    *,
+    table: DeltaRuleLaunch = LAUNCH,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated inputs in their own dtype (bf16, fp16 or fp32); computes in float32 with float32
     state and accumulators, and stores the chunk operators between kernels as
@@ -1077,7 +1125,8 @@ def delta_rule_triton(
     coarser than TF32's), but for the state pass's walks, which multiply the 16-bit operators
     as stored (`options.walk_dots`), and for float32 inputs only when PyTorch is allowed TF32
     for float32 matrix products (`torch.set_float32_matmul_precision("high")`), as its own
-    matmuls are.
+    matmuls are. `table`: the launch table (tests pass small ones to reach at tiny shapes the
+    paths of large ones).
     """
     # Any input in bf16/fp16 (a float32 gate times a bf16 projection still carries its rounding).
     low_precision = _low_precision(*_precision_inputs(q, a, b, u)) is not None
@@ -1090,6 +1139,6 @@ def delta_rule_triton(
         max_len = max_seqlen(cu_seqlens, length)  # one device -> host sync (see max_seqlen)
         q, a, b, u, g = (pad_packed(x, cu_seqlens, max_len) for x in (q, a, b, u, g))
     o, state = _DeltaRuleTriton.apply(
-        q, a, b, u, g, initial_state, chunk_size, scale, precision, options
+        q, a, b, u, g, initial_state, chunk_size, scale, precision, options, table
     )
     return (o, state) if cu_seqlens is None else (unpad_packed(o, cu_seqlens, length), state)

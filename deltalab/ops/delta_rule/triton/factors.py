@@ -40,8 +40,7 @@ import triton.language as tl
 
 from deltalab.ops.delta_rule.chunk import padded_chunk_size
 from deltalab.ops.delta_rule.triton.intra import (
-    BLOCK_KD,
-    LAUNCH,
+    TileLaunch,
     Tokens,
     _a_layout,
     _a_row,
@@ -52,6 +51,9 @@ from deltalab.ops.delta_rule.triton.intra import (
     _token_layout,
     key_block,
 )
+
+# Channels per program of both kernels, 4 warps.
+LAUNCH = TileLaunch(block=32, num_warps=4)
 
 
 @triton.jit
@@ -156,28 +158,28 @@ def _factors_bwd(
     tl.store(db + outer, db_t.to(db.dtype.element_ty), mask=present)
 
 
-def _grid(q: torch.Tensor, tokens: Tokens):
+def _grid(q: torch.Tensor, tokens: Tokens, table: TileLaunch):
     key_dim = q.shape[-1]
-    block = min(BLOCK_KD, key_block(key_dim))
+    block = min(table.block, key_block(key_dim))
     return (tokens.programs(q), triton.cdiv(key_dim, block)), block
 
 
 def factors_triton(q, a, b, g, tokens: Tokens | None = None, scale: float = 1.0,
-                   dtype: torch.dtype = torch.float32):  # fmt: skip
+                   dtype: torch.dtype = torch.float32, table: TileLaunch = LAUNCH):  # fmt: skip
     """(read, exp(G) b, write [chunks, C, K] in `dtype`, decay [chunks, K] float32) of
     token-major inputs as `tokens` maps them (see `intra.Tokens`; read of q times `scale`), or,
     with tokens=None, of chunked inputs [..., C, K] (g per channel), shaped [..., C, K] and
     [..., K]. Formed in float32, stored in `dtype` (`KernelOptions.operator_dtype`). The twin of the
-    factor lines of `chunk.chunk_operators`."""
+    factor lines of `chunk.chunk_operators`. `table`: the launch table."""
     chunked = tokens is None
     tokens = Tokens.of_chunks(q) if chunked else tokens
     size, key_dim = padded_chunk_size(tokens.chunk_size), q.shape[-1]
-    grid, block = _grid(q, tokens)
+    grid, block = _grid(q, tokens, table)
     read, rhs, write = (q.new_empty(grid[0], size, key_dim, dtype=dtype) for _ in "rhw")
     decay = q.new_empty(grid[0], key_dim, dtype=torch.float32)
     _factors_fwd[grid](
         q, a, b, g, read, rhs, write, decay, *tokens.args(), scale, K=key_dim, C=size,
-        BKD=block, G_HEAD=_g_head(q, g), A_ROW=_a_row(q, a), **LAUNCH,
+        BKD=block, G_HEAD=_g_head(q, g), A_ROW=_a_row(q, a), **table.options,
     )  # fmt: skip
     if chunked:
         return (*(x.view(q.shape) for x in (read, rhs, write)), decay.view(*q.shape[:-2], key_dim))
@@ -185,16 +187,18 @@ def factors_triton(q, a, b, g, tokens: Tokens | None = None, scale: float = 1.0,
 
 
 def factors_triton_backward(q, a, b, g, d_read, d_rhs, d_write, d_decay, dq1, da1, db1,
-                            tokens: Tokens | None = None, scale: float = 1.0):  # fmt: skip
+                            tokens: Tokens | None = None, scale: float = 1.0,
+                            table: TileLaunch = LAUNCH):  # fmt: skip
     """(dq, da, db, dg): the gradients of q, a, b, g through the factors and, given stage 1's
     dq1, da1, db1 (chunked float32; dq1 that of the scaled q, da1 that of the write direction),
     through stage 1 too. Laid out and typed as q, a, b and g are (dg of a per-head g summed over
-    channels, da of a per-token a over channels); dq of the unscaled q."""
+    channels, da of a per-token a over channels); dq of the unscaled q. `table`: the launch
+    table."""
     tokens = Tokens.of_chunks(q) if tokens is None else tokens
     size = padded_chunk_size(tokens.chunk_size)
     head = _g_head(q, g)
     row = _a_row(q, a)
-    grid, block = _grid(q, tokens)
+    grid, block = _grid(q, tokens, table)
     dq, db = torch.empty_like(q), torch.empty_like(b)
     # A per-token a: each channel block's share of its gradient, summed below (as dg's channels
     # for a per-head g): a deterministic sum, where atomic additions would not be.
@@ -205,7 +209,7 @@ def factors_triton_backward(q, a, b, g, d_read, d_rhs, d_write, d_decay, dq1, da
     _factors_bwd[grid](
         q, a, b, g, d_read, d_rhs, d_write, d_decay, dq1, da1, db1, dq, da, db, dg,
         *tokens.args(), scale, a.numel(), K=q.shape[-1], C=size, BKD=block, G_HEAD=head,
-        A_ROW=row, **LAUNCH,
+        A_ROW=row, **table.options,
     )  # fmt: skip
     da = da.sum(dim=0).to(a.dtype) if row else da
     return dq, da, db, (dg.sum(dim=-1).to(g.dtype) if head else dg)

@@ -60,6 +60,7 @@ a reverse cumulative sum: every pair (t, s) with s, t >= j appears in both sums 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -71,21 +72,35 @@ from deltalab.ops.delta_rule.chunk import padded_chunk_size
 # Tokens per sub-block: the smallest tile of a tensor-core product, and the number of rows a
 # diagonal sub-block walks one at a time.
 SUB_BLOCK = 16
-# Channels per program of the adjoint.
-BLOCK_KD = 32
 # Largest |cumulative log decay| inside a diagonal sub-block for which it is factored (module
 # docstring); 0 forces the walk everywhere (the tests run both).
 DIAGONAL_FACTOR_BOUND = 80.0
-# One pipeline stage: the loops are short and their tiles change every iteration.
-LAUNCH = {"num_warps": 4, "num_stages": 1}
-# Stage 1's own launch: one warp, and the adjoint with 64 channels per program (the
+
+
+@dataclass(frozen=True)
+class TileLaunch:
+    """The launch table of a kernel of stages 1-2 (stage 1, the factors, the solve): its block
+    (channels or columns per program) and its options. Each such module keeps one, private,
+    `LAUNCH`; its launch functions take another as an argument (`tune_triton.py` sweeps them,
+    tests reach at tiny shapes the blocks of large ones)."""
+
+    block: int
+    num_warps: int
+    # One pipeline stage: the loops are short and their tiles change every iteration.
+    num_stages: int = 1
+
+    @property
+    def options(self) -> dict[str, int]:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+# Stage 1's launch: one warp, and the adjoint with 64 channels per program (the
 # sub-block tiles are 16 rows: more warps only split them thinner). Measured on the H200
 # (`tune_triton.py`, B=4 T=4096 H=16 K=128, chunk 64, mild decays, 2026-12-01): forward 0.357 ms
 # with 1 warp against 0.487 with 2 and 0.773 with 4 (whatever the channel block); adjoint 0.850
 # ms at 64 channels with 1 warp against 0.944 at 128 with 2 (the setting before), 1.175 at 64 with
 # 2 and 1.856 at 128 with 1.
-INTRA_LAUNCH = {"num_warps": 1, "num_stages": 1}
-INTRA_BLOCK_KD = 64
+LAUNCH = TileLaunch(block=64, num_warps=1)
 # Stage 1's products widen every operand to float32 (TF32 or IEEE products). Products in the
 # inputs' 16-bit dtype (79df509) were measured on the H200 and deleted: the GDN-2 form's forward
 # and backward 5.66 -> 5.61 ms at B=4 T=4096 H=16, within the spread of two runs of one setting
@@ -472,14 +487,15 @@ def _a_row(q: torch.Tensor, a: torch.Tensor) -> bool:
 
 def intra_triton(q, a, b, g, precision: str = "ieee", tokens: Tokens | None = None,
                  scale: float = 1.0, factor_bound: float = DIAGONAL_FACTOR_BOUND,
-                 attend_dtype: torch.dtype = torch.float32):  # fmt: skip
+                 attend_dtype: torch.dtype = torch.float32,
+                 table: TileLaunch = LAUNCH):  # fmt: skip
     """(L, M) [chunks, C, C]: of token-major inputs q, b [B, T, H, K], a [B, T, H, K] or
     [B, T, H] (a per-token strength: a_t = a_t b_t) and g ([B, T, H, K] or [B, T, H]) as `tokens`
     maps them into chunks of C = the padded chunk size, q times `scale`; or, with tokens=None,
     of chunked inputs [..., C, K] (a also [..., C], g per channel),
     returned as [..., C, C]. `factor_bound`: see DIAGONAL_FACTOR_BOUND. L is float32 (the
     solve's matrix); M is formed in float32 and stored in `attend_dtype` (the state pass's
-    operators, `KernelOptions.operator_dtype`)."""
+    operators, `KernelOptions.operator_dtype`). `table`: the launch table."""
     chunked = tokens is None
     tokens = Tokens.of_chunks(q) if chunked else tokens
     size = padded_chunk_size(tokens.chunk_size)
@@ -490,7 +506,7 @@ def intra_triton(q, a, b, g, precision: str = "ieee", tokens: Tokens | None = No
     _intra_fwd[(chunks, size // SUB_BLOCK)](
         q, a, b, g, lower, attend, *tokens.args(), scale, K=key_dim, C=size,
         BK=key_block(key_dim), BT=SUB_BLOCK, G_HEAD=_g_head(q, g), PRECISION=precision,
-        BOUND=factor_bound, A_ROW=_a_row(q, a), **INTRA_LAUNCH,
+        BOUND=factor_bound, A_ROW=_a_row(q, a), **table.options,
     )  # fmt: skip
     # Chunked inputs: their own leading shape. (Not told by one chunk of one head: token-major
     # inputs of one head and T <= C are that too, and were reshaped as chunks.)
@@ -502,20 +518,22 @@ def intra_triton(q, a, b, g, precision: str = "ieee", tokens: Tokens | None = No
 
 def intra_triton_backward(q, a, b, g, d_lower, d_attend, precision: str = "ieee",
                           tokens: Tokens | None = None, scale: float = 1.0,
-                          factor_bound: float = DIAGONAL_FACTOR_BOUND):  # fmt: skip
+                          factor_bound: float = DIAGONAL_FACTOR_BOUND,
+                          table: TileLaunch = LAUNCH):  # fmt: skip
     """(dq, da, db) [chunks, C, K] float32 through L and M (the log decays' share is formed by
     the caller: see the module docstring); dq is the gradient of the scaled q, da that of the
     write direction a_t (b_t times its strength when a is one per token). Only the blocks
-    on and below the diagonal of d_lower, d_attend are read."""
+    on and below the diagonal of d_lower, d_attend are read. `table`: the launch table (its
+    block: channels per program)."""
     tokens = Tokens.of_chunks(q) if tokens is None else tokens
     size = padded_chunk_size(tokens.chunk_size)
     key_dim = q.shape[-1]
     chunks = tokens.programs(q)
     dq, da, db = (q.new_empty(chunks, size, key_dim, dtype=torch.float32) for _ in range(3))
-    block_kd = min(INTRA_BLOCK_KD, key_block(key_dim))
+    block_kd = min(table.block, key_block(key_dim))
     _intra_bwd[(chunks, triton.cdiv(key_dim, block_kd), size // SUB_BLOCK)](
         q, a, b, g, d_lower, d_attend, dq, da, db, *tokens.args(), scale, K=key_dim, C=size,
         BKD=block_kd, BT=SUB_BLOCK, G_HEAD=_g_head(q, g), PRECISION=precision,
-        BOUND=factor_bound, A_ROW=_a_row(q, a), **INTRA_LAUNCH,
+        BOUND=factor_bound, A_ROW=_a_row(q, a), **table.options,
     )  # fmt: skip
     return dq, da, db

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from deltalab.ops.delta_rule.triton.intra import (
     SUB_BLOCK,
+    TileLaunch,
     Tokens,
     _token_offset,
     chunk_count,
@@ -35,11 +36,10 @@ from deltalab.ops.delta_rule.triton.intra import (
 # Columns per program: a [16, 128] float32 tile of X and its right-hand side per row block.
 # Measured on the H200 at K = V = 128 (benchmarks/tune_triton.py): 128 columns 0.20 ms per
 # solve, 64 columns 0.28 ms (each program rebuilds the diagonal inverses), 32 columns 0.45 ms.
-BLOCK_N = 128
 # Two warps for the solve, its adjoint and dL: a program's tiles are 16-row blocks. Measured on
 # the H200 (`tune_triton.py`, B=4 T=4096 H=16 K=128, chunk 64, 128 columns, 2026-12-01): solve
 # 0.122 ms against 0.197 with 4 warps and 0.322 with 8; its adjoint and dL 0.363 against 0.522.
-LAUNCH = {"num_warps": 2, "num_stages": 1}
+LAUNCH = TileLaunch(block=128, num_warps=2)
 
 
 @triton.jit
@@ -163,57 +163,59 @@ def _lower_grad(
             tl.store(d_lower + (i * BT + rt)[:, None] * C + j * BT + rt[None, :], -acc)
 
 
-def _grid(lower: torch.Tensor, columns: int):
+def _grid(lower: torch.Tensor, columns: int, table: TileLaunch):
     chunks = chunk_count(lower)
-    block = min(BLOCK_N, key_block(columns))
+    block = min(table.block, key_block(columns))
     return (chunks, triton.cdiv(columns, block)), block
 
 
 def solve_triton(lower: torch.Tensor, rhs: torch.Tensor, precision: str = "ieee",
-                 tokens: Tokens | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
+                 tokens: Tokens | None = None, dtype: torch.dtype = torch.float32,
+                 table: TileLaunch = LAUNCH) -> torch.Tensor:  # fmt: skip
     """(I + L)^-1 R per chunk: lower [..., C, C] float32 (strictly lower; the upper triangle is
     not read), rhs chunked [..., C, N] (tokens=None) or token-major [B, T, H, N] as `tokens`
     maps it, in any float dtype. Returns X like lower's chunks, [..., C, N] in `dtype`
     (`KernelOptions.operator_dtype`; the substitution itself is float32). Twin of
-    `unit_lower_inverse(L) @ R`."""
+    `unit_lower_inverse(L) @ R`. `table`: the launch table."""
     size, columns = lower.shape[-1], rhs.shape[-1]
     tokens = Tokens.of_chunks(rhs) if tokens is None else tokens
     out = lower.new_empty(*lower.shape[:-1], columns, dtype=dtype)
-    grid, block = _grid(lower, columns)
+    grid, block = _grid(lower, columns, table)
     _solve_fwd[grid](lower, rhs, out, *tokens.args(), N=columns, C=size, BT=SUB_BLOCK, BN=block,
-                     PRECISION=precision, **LAUNCH)  # fmt: skip
+                     PRECISION=precision, **table.options)  # fmt: skip
     return out
 
 
 def solve_triton_backward(lower: torch.Tensor, d_out: torch.Tensor, precision: str = "ieee",
                           tokens_like: torch.Tensor | None = None,
-                          tokens: Tokens | None = None):  # fmt: skip
+                          tokens: Tokens | None = None, table: TileLaunch = LAUNCH):  # fmt: skip
     """dR = (I + L)^-T dX per chunk (the gradient of `solve_triton` with respect to R), chunked
     float32 like d_out; with `tokens_like` (a token-major rhs), also (dR, dR laid out and typed
-    as `tokens_like`)."""
+    as `tokens_like`). `table`: the launch table."""
     size, columns = lower.shape[-1], d_out.shape[-1]
     d_rhs = torch.empty_like(d_out)
-    grid, block = _grid(lower, columns)
+    grid, block = _grid(lower, columns, table)
     as_tokens = tokens_like is not None
     d_tokens = torch.empty_like(tokens_like) if as_tokens else d_rhs
     tokens = tokens if as_tokens else Tokens.of_chunks(d_out)
     _solve_bwd[grid](lower, d_out, d_rhs, d_tokens, *tokens.args(), N=columns, C=size,
                      BT=SUB_BLOCK, BN=block, PRECISION=precision, TOKENS=as_tokens,
-                     **LAUNCH)  # fmt: skip
+                     **table.options)  # fmt: skip
     return (d_rhs, d_tokens) if as_tokens else d_rhs
 
 
-def lower_grad_triton(d_erase_rhs, erase, d_target_rhs, target, precision: str = "ieee"):
+def lower_grad_triton(d_erase_rhs, erase, d_target_rhs, target, precision: str = "ieee",
+                      table: TileLaunch = LAUNCH):  # fmt: skip
     """dL = -(dR_b X_b^T + dR_u X_u^T) on the strict lower triangle of each chunk's [C, C]
     (blocks above the diagonal are left unwritten: nothing reads them), float32 whatever the
-    dtype the solve stored X in."""
+    dtype the solve stored X in. `table`: the launch table (the solve's)."""
     *lead, size, key_dim = erase.shape
     value_dim = target.shape[-1]
     d_lower = erase.new_empty(*lead, size, size, dtype=torch.float32)
     chunks = chunk_count(erase)
     _lower_grad[(chunks,)](
         d_erase_rhs, erase, d_target_rhs, target, d_lower, K=key_dim, V=value_dim, C=size,
-        BT=SUB_BLOCK, BK=min(BLOCK_N, key_block(key_dim)),
-        BV=min(BLOCK_N, key_block(value_dim)), PRECISION=precision, **LAUNCH,
+        BT=SUB_BLOCK, BK=min(table.block, key_block(key_dim)),
+        BV=min(table.block, key_block(value_dim)), PRECISION=precision, **table.options,
     )  # fmt: skip
     return d_lower
