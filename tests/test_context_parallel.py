@@ -1,0 +1,199 @@
+"""Context parallelism: sequences split over gloo processes give the one-process outputs and
+gradients for every mixer; the span compositions it rests on equal one run of the whole span."""
+
+from __future__ import annotations
+
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from deltalab.catalog import MIXER_CLASSES
+from deltalab.models.mixers import mixer_class
+from deltalab.ops import delta_rule, mobius_scan
+from deltalab.ops.context_parallel import (
+    affine_span,
+    context_parallel,
+    span_outputs,
+    start_states,
+)
+from deltalab.ops.mobius.parallel import apply_map, compose, span_map
+from deltalab.testing import relative_error
+
+TOL = 1e-10
+BATCH, HIDDEN, HEADS, HEAD_DIM, PER_RANK = 2, 16, 2, 8, 8
+
+
+def _run(q, a, b, u, g, initial_state, backend="chunk"):
+    return delta_rule(
+        q, a, b, u, g, initial_state=initial_state, output_final_state=True, chunk_size=16,
+        backend=backend,
+    )  # fmt: skip
+
+
+def _random_inputs(length: int, strength: bool):
+    gen = torch.Generator().manual_seed(3)
+    B, H, K, V = 2, 2, 8, 6
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, b = randn(B, length, H, K), torch.nn.functional.normalize(randn(B, length, H, K), dim=-1)
+    a = randn(B, length, H).sigmoid() if strength else 0.5 * randn(B, length, H, K)
+    u, g = randn(B, length, H, V), -torch.rand(B, length, H, K, generator=gen).double()
+    return q, a, b, u, g
+
+
+@pytest.mark.parametrize("strength", [False, True], ids=["direction", "strength"])
+@pytest.mark.parametrize("backend", ["chunk", "naive"])
+def test_composed_affine_spans_equal_one_run_of_the_whole_span(strength, backend):
+    q, a, b, u, g = _random_inputs(40, strength)
+    initial = torch.randn(2, 2, 8, 6, dtype=torch.float64)
+    expected_o, expected_final = _run(q, a, b, u, g, initial, backend)
+
+    def run(*args):
+        return _run(*args, backend)
+
+    bounds = [(0, 7), (7, 24), (24, 40)]
+    spans = [affine_span(run, *(x[:, s:e] for x in (q, a, b, u, g))) for s, e in bounds]
+    # The initial state enters as a span of its own: no transition from zero, offset `initial`.
+    maps = torch.stack([torch.zeros(2, 2, 8, 8, dtype=torch.float64), *(s[2] for s in spans)])
+    offsets = torch.stack([initial, *(s[3] for s in spans)])
+    states = start_states(maps, offsets)
+    outputs = [span_outputs(o0, read, states[i + 1]) for i, (o0, read, _, _) in enumerate(spans)]
+    assert relative_error(torch.cat(outputs, dim=1), expected_o) < TOL
+    assert relative_error(states[-1], expected_final) < TOL
+
+
+def test_composed_mobius_spans_equal_one_scan_of_the_whole_span():
+    gen = torch.Generator().manual_seed(5)
+    steps = 37
+    A, B, C = (torch.rand(3, 4, steps, generator=gen, dtype=torch.float64) for _ in range(3))
+    D = 1 + B * C / A + torch.rand(3, 4, steps, generator=gen, dtype=torch.float64)
+    x0 = torch.rand(3, 4, generator=gen, dtype=torch.float64)
+    expected = mobius_scan(A, B, C, D, x0, backend="sequential")[..., -1]
+    first, second = (
+        span_map(tuple(x[..., s] for x in (A, B, C, D)))  # type: ignore[arg-type]
+        for s in (slice(0, 16), slice(16, None))
+    )
+    assert relative_error(apply_map(compose(second, first), x0), expected) < TOL
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _layer(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    sizes = {"hidden_size": HIDDEN, "num_heads": HEADS, "head_dim": HEAD_DIM}
+    if kind == "attention":
+        layer = mixer_class(kind)(**sizes, backend="torch")
+    else:
+        layer = mixer_class(kind)(**sizes, chunk_size=16, backend="chunk")
+    layer = layer.double()
+    with torch.no_grad():
+        # Away from the initialization's zeros and ones, so that every gradient path is used.
+        for p in layer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return layer
+
+
+def _split_errors(kind: str, group, rank: int, world: int) -> dict[str, float]:
+    """The relative errors of this rank's outputs, input gradient and (summed over ranks)
+    parameter gradients against the one-process run of the whole sequences."""
+    layer = _layer(kind)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, PER_RANK * world, HIDDEN, generator=gen, dtype=torch.float64)
+    weight = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    whole = x.clone().requires_grad_()
+    y, _ = layer(whole)
+    (y * weight).sum().backward()
+    expected = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    layer.zero_grad()
+    piece = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    local = x[:, piece].clone().requires_grad_()
+    with context_parallel(group):
+        y_local, _ = layer(local)
+    (y_local * weight[:, piece]).sum().backward()
+    errors = {
+        "output": relative_error(y_local, y[:, piece]),
+        "x grad": relative_error(local.grad, whole.grad[:, piece]),
+    }
+    for name, p in layer.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=group)
+        errors[f"{name} grad"] = relative_error(grad, expected[name])
+    return errors
+
+
+def _layer_ranks(rank: int, world: int, port: int, kinds: list[str], queue) -> None:
+    torch.set_num_threads(1)
+    try:
+        init = f"tcp://127.0.0.1:{port}"
+        dist.init_process_group("gloo", rank=rank, world_size=world, init_method=init)
+        group = dist.new_group(list(range(world)))
+        report: dict[str, object] = {}
+        for kind in kinds:
+            if kind == "kdn_exact":
+                try:
+                    with context_parallel(group):
+                        _layer(kind)(torch.zeros(BATCH, PER_RANK, HIDDEN, dtype=torch.float64))
+                    report[kind] = "no error"
+                except ValueError as error:
+                    report[kind] = str(error)
+                continue
+            report[kind] = _split_errors(kind, group, rank, world)
+        queue.put((rank, report))
+        dist.destroy_process_group()
+    except Exception:
+        queue.put((rank, traceback.format_exc()))
+
+
+def _spawn(target, world: int, *args) -> dict[int, object]:
+    # Forked: the ranks share the test process's imports (spawned ones import torch and
+    # deltalab again, each, tens of seconds on two cores); each rank runs on one thread.
+    context = mp.get_context("fork")
+    queue = context.Queue()
+    port = _free_port()
+    processes = [
+        context.Process(target=target, args=(rank, world, port, *args, queue))
+        for rank in range(world)
+    ]
+    for p in processes:
+        p.start()
+    reports = dict(queue.get(timeout=120) for _ in processes)
+    for p in processes:
+        p.join(timeout=30)
+    return reports
+
+
+# Every mixer kind, in two groups of about equal cost (one group of processes each).
+KIND_GROUPS = {
+    "delta": ["deltanet", "gdn", "kda", "gdn2", "muir"],
+    "kalman_attention": ["kdn_iso", "kdn_diag", "kdn_exact", "kdn_muir", "attention"],
+}
+
+
+def test_the_kind_groups_hold_every_mixer():
+    assert sorted(kind for group in KIND_GROUPS.values() for kind in group) == sorted(MIXER_CLASSES)
+
+
+@pytest.mark.parametrize("kinds", list(KIND_GROUPS))
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_mixer_split_over_ranks_gives_the_one_process_outputs_and_gradients(world, kinds):
+    kinds = KIND_GROUPS[kinds]
+    reports = _spawn(_layer_ranks, world, kinds)
+    for rank, report in sorted(reports.items()):
+        assert isinstance(report, dict), f"rank {rank} failed:\n{report}"
+        if "kdn_exact" in kinds:
+            assert "ExactKDN does not run under context parallelism" in str(report["kdn_exact"])
+        for kind in kinds:
+            if kind == "kdn_exact":
+                continue
+            worst = max(report[kind].items(), key=lambda item: item[1])
+            assert worst[1] < TOL, f"{kind} on rank {rank}: {worst[0]} off by {worst[1]:.2e}"
