@@ -12,8 +12,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from deltalab.catalog import MIXER_CLASSES
+from deltalab.errors import ConfigError
 from deltalab.models.mixers import mixer_class
 from deltalab.ops import delta_rule, mobius_scan
+from deltalab.ops._triton import HAS_TRITON, INTERPRET
 from deltalab.ops.context_parallel import (
     affine_span,
     context_parallel,
@@ -21,7 +23,9 @@ from deltalab.ops.context_parallel import (
     start_states,
 )
 from deltalab.ops.mobius.parallel import apply_map, compose, span_map
-from deltalab.testing import relative_error
+from deltalab.testing import TOLERANCE, assert_close, relative_error
+from deltalab.train.context import split_context
+from deltalab.train.distributed import Distributed
 
 TOL = 1e-10
 BATCH, HIDDEN, HEADS, HEAD_DIM, PER_RANK = 2, 16, 2, 8, 8
@@ -47,25 +51,60 @@ def _random_inputs(length: int, strength: bool):
     return q, a, b, u, g
 
 
+def _composed(run, inputs, initial, bounds):
+    """Outputs and final state of `inputs` (q, a, b, u, g) from `initial`, each span of
+    `bounds` run alone from `[0, I]` (`affine_span`) and the spans composed."""
+    spans = [affine_span(run, *(x[:, s:e] for x in inputs)) for s, e in bounds]
+    # The initial state enters as a span of its own: no transition, offset `initial`.
+    maps = torch.stack([torch.zeros_like(spans[0][2]), *(s[2] for s in spans)])
+    offsets = torch.stack([initial.to(maps.dtype), *(s[3] for s in spans)])
+    states = start_states(maps, offsets)
+    outputs = [span_outputs(o0, read, states[i + 1]) for i, (o0, read, _, _) in enumerate(spans)]
+    return torch.cat(outputs, dim=1), states[-1]
+
+
 @pytest.mark.parametrize("strength", [False, True], ids=["direction", "strength"])
 @pytest.mark.parametrize("backend", ["chunk", "naive"])
 def test_composed_affine_spans_equal_one_run_of_the_whole_span(strength, backend):
-    q, a, b, u, g = _random_inputs(40, strength)
+    inputs = _random_inputs(40, strength)
     initial = torch.randn(2, 2, 8, 6, dtype=torch.float64)
-    expected_o, expected_final = _run(q, a, b, u, g, initial, backend)
+    expected = _run(*inputs, initial, backend)
 
     def run(*args):
         return _run(*args, backend)
 
-    bounds = [(0, 7), (7, 24), (24, 40)]
-    spans = [affine_span(run, *(x[:, s:e] for x in (q, a, b, u, g))) for s, e in bounds]
-    # The initial state enters as a span of its own: no transition from zero, offset `initial`.
-    maps = torch.stack([torch.zeros(2, 2, 8, 8, dtype=torch.float64), *(s[2] for s in spans)])
-    offsets = torch.stack([initial, *(s[3] for s in spans)])
-    states = start_states(maps, offsets)
-    outputs = [span_outputs(o0, read, states[i + 1]) for i, (o0, read, _, _) in enumerate(spans)]
-    assert relative_error(torch.cat(outputs, dim=1), expected_o) < TOL
-    assert relative_error(states[-1], expected_final) < TOL
+    actual = _composed(run, inputs, initial, [(0, 7), (7, 24), (24, 40)])
+    for x, ref in zip(actual, expected, strict=True):
+        assert relative_error(x, ref) < TOL
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(
+    not (HAS_TRITON and (INTERPRET or torch.cuda.is_available())),
+    reason="needs Triton on a CUDA GPU, or TRITON_INTERPRET=1 on CPU",
+)
+def test_composed_affine_spans_on_the_triton_kernels_give_the_loops_outputs_and_gradients():
+    device = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+    inputs = _random_inputs(40, strength=True)
+
+    def gradients(dtype, where, compute):
+        leaves = [x.detach().to(where, dtype).requires_grad_() for x in inputs]
+        o, final = compute(leaves)
+        weight = torch.linspace(-1, 1, o.numel(), dtype=torch.float64).reshape(o.shape)
+        ((o * weight.to(where, o.dtype)).sum() + final.sum()).backward()
+        return [o, final, *(x.grad for x in leaves)]
+
+    def triton(*args):
+        return _run(*args, "triton")
+
+    zero = torch.zeros(2, 2, 8, 6, dtype=torch.float32, device=device)
+    actual = gradients(
+        torch.float32, device, lambda x: _composed(triton, x, zero, [(0, 19), (19, 40)])
+    )
+    expected = gradients(torch.float64, "cpu", lambda x: _run(*x, None, "naive"))
+    labels = ["o", "final state", "dq", "da", "db", "du", "dg"]
+    for label, x, ref in zip(labels, actual, expected, strict=True):
+        assert_close(x, ref, TOLERANCE[torch.float32], label)
 
 
 def test_composed_mobius_spans_equal_one_scan_of_the_whole_span():
@@ -197,3 +236,12 @@ def test_every_mixer_split_over_ranks_gives_the_one_process_outputs_and_gradient
                 continue
             worst = max(report[kind].items(), key=lambda item: item[1])
             assert worst[1] < TOL, f"{kind} on rank {rank}: {worst[0]} off by {worst[1]:.2e}"
+
+
+def test_a_split_that_does_not_divide_the_ranks_or_leaves_no_carry_is_refused_by_name():
+    ranks = Distributed(rank=0, world_size=3, local_rank=0, device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"^train\.context_parallel \(2\) must divide the 3"):
+        split_context(ranks, 2, seq_len=64, conv_size=4)
+    ranks = Distributed(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"leaves 2 tokens per rank, fewer than .* = 3"):
+        split_context(ranks, 2, seq_len=4, conv_size=4)

@@ -19,6 +19,9 @@ cross rank boundaries are carried by composing spans, each rank's computed local
 - KDN's variance scan: a span of Mobius maps is one map (a 2x2 matrix per lane, the product of
   the span's); each rank composes the earlier ranks' maps and applies them to the prior.
 
+Softmax attention (`layers/attention.py`) all-gathers the keys and values. Exact KDN's dense
+covariance has no span map here; it refuses the split.
+
 Every exchange is an all-gather whose backward all-reduces the gathered gradient
 (`gather_ranks`), so gradients cross ranks: the backward of the whole group equals the
 single-process backward. The layers read the group from `context_parallel(group)`, which the
