@@ -53,7 +53,8 @@ def split_context(ctx: Distributed, size: int, seq_len: int, conv_size: int) -> 
         return ContextSplit(None, 0, 1, ctx)
     if ctx.world_size % size:
         raise ConfigError(
-            f"train.context_parallel ({size}) must divide the {ctx.world_size} ranks evenly"
+            f"train.context_parallel ({size}) must divide the number of ranks evenly, got "
+            f"{ctx.world_size} (torchrun's processes)"
         )
     if seq_len // size < conv_size - 1:
         raise ConfigError(
