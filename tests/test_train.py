@@ -305,12 +305,14 @@ def _join(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
-def _spawn_ranks(target, config, *, world: int = 2, timeout: float = 300) -> tuple[list, list]:
-    """Runs `target(rank, world, port, overrides, queue)` in `world` spawned processes with the
-    flattened `config`; returns what each put on the queue (in arrival order) and the exit
-    codes."""
+def _spawn_ranks(
+    target, config, *, world: int = 2, timeout: float = 300, start: str = "spawn"
+) -> tuple[list, list]:
+    """Runs `target(rank, world, port, overrides, queue)` in `world` processes (started by
+    the multiprocessing method `start`) with the flattened `config`; returns what each put on
+    the queue (in arrival order) and the exit codes."""
     overrides = [f"{k}={v}" for k, v in _flatten(config.to_dict())]
-    context = mp.get_context("spawn")
+    context = mp.get_context(start)
     queue = context.Queue()
     port = _free_port()
     processes = [
@@ -342,6 +344,25 @@ def test_two_gloo_processes_follow_the_single_process_loss_curve(tmp_path, corpu
     assert results[0] == results[1]
     assert torch.allclose(
         torch.tensor(results[0]), torch.tensor(single.losses), rtol=1e-4, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_steps_split_over_two_context_parallel_ranks_have_the_one_process_losses(
+    tmp_path, corpus, parallel
+):
+    # One window per step: two ranks can only share it by splitting its tokens.
+    short = ("train.steps=2", "train.batch_size=1", "eval.every=2", "checkpoint.every=2")
+    single = train(run_config(tmp_path / "one", corpus, *short))
+    split = ("train.context_parallel=2", f"train.parallel={parallel}")
+    config = run_config(tmp_path / "two", corpus, *short, *split)
+    # Forked: the ranks share this process's imports (each rank runs on one thread).
+    reports, exit_codes = _spawn_ranks(_rank_main, config, start="fork")
+    results = dict(reports)
+    assert exit_codes == [0, 0]
+    assert results[0] == results[1]
+    assert torch.allclose(
+        torch.tensor(results[0]), torch.tensor(single.losses), rtol=1e-5, atol=1e-6
     )
 
 

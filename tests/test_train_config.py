@@ -51,6 +51,8 @@ INVALID_OVERRIDES = [
     ("train.seed=-1", "train.seed"),
     ("train.nan_policy=ignore", "train.nan_policy"),
     ("train.parallel=tp", "train.parallel"),
+    ("train.context_parallel=0", "train.context_parallel"),
+    ("train.context_parallel=3", "train.context_parallel"),
     ("train.device=tpu", "train.device"),
     ("eval.every=-1", "eval.every"),
     ("eval.batches=0", "eval.batches"),
@@ -210,6 +212,12 @@ def test_cuda_graphs_and_compile_together_are_refused_naming_both() -> None:
     with pytest.raises(ValueError, match=r"train\.cuda_graphs=true and train\.compile=true"):
         load_run_config(None, ["train.cuda_graphs=true", "train.compile=true"])
     assert load_run_config(None, ["train.cuda_graphs=true"]).train.cuda_graphs is True
+
+
+def test_context_parallel_and_compile_together_are_refused_naming_both() -> None:
+    with pytest.raises(ValueError, match=r"train\.context_parallel=2 and train\.compile=true"):
+        load_run_config(None, ["train.context_parallel=2", "train.compile=true"])
+    assert load_run_config(None, ["train.context_parallel=2"]).train.context_parallel == 2
 
 
 def test_cuda_graphs_default_to_null_which_leaves_compiled_runs_alone() -> None:

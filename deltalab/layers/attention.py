@@ -20,6 +20,12 @@ from deltalab.layers.common import (
     sharing_autocast_input,
 )
 from deltalab.ops._checks import require_choice
+from deltalab.ops.context_parallel import (
+    context_group,
+    gather_ranks,
+    group_rank,
+    require_fresh_sequences,
+)
 from deltalab.ops.rope import BACKENDS as ROPE_BACKENDS
 from deltalab.ops.rope import ROPE_BASE, rope
 
@@ -107,6 +113,13 @@ class Attention(nn.Module):
         mask = check_mask(mask, x)
         length = x.shape[1]
         offset = 0 if state is None else state.offset
+        group = context_group()
+        if group is not None:
+            # This rank's piece of sequences split over the group: its queries attend to the
+            # keys of every earlier rank's piece and its own (all-gathered).
+            require_fresh_sequences(state, mask)
+            rank, _ = group_rank(group)
+            offset = rank * length
         positions = torch.arange(offset, offset + length, device=x.device)
         key_shape = (self.num_heads, self.head_dim)
         # One autocast copy of x kept for the three projections, instead of one by each, and one
@@ -116,6 +129,10 @@ class Attention(nn.Module):
             k = self.rotate(project(self.k_proj, x).unflatten(-1, key_shape), positions)
             v = project(self.v_proj, x).unflatten(-1, (self.num_heads, self.value_dim))
         key_mask = mask
+        if group is not None:
+            # All of them, the later ranks' hidden by the causal mask: every rank builds the
+            # same graph (`gather_ranks`).
+            k, v = (gather_ranks(t, group).movedim(0, 1).flatten(1, 2) for t in (k, v))
         if state is not None:
             k = torch.cat([state.key.to(k.dtype), k], dim=1)
             v = torch.cat([state.value.to(v.dtype), v], dim=1)
@@ -123,9 +140,16 @@ class Attention(nn.Module):
                 old = state.key_mask if state.key_mask is not None else _ones(state.key)
                 key_mask = torch.cat([old, mask if mask is not None else _ones(x)], dim=1)
         attn_mask = None
-        if state is not None or self.window is not None or key_mask is not None:
+        if (
+            state is not None
+            or group is not None
+            or self.window is not None
+            or key_mask is not None
+        ):
             cached = k.shape[1]
-            key_positions = torch.arange(offset + length - cached, offset + length, device=x.device)
+            # The cached keys end at the last query; the gathered ones start at 0.
+            first = 0 if group is not None else offset + length - cached
+            key_positions = torch.arange(first, first + cached, device=x.device)
             attn_mask = sliding_window_mask(positions, key_positions, self.window)
             if key_mask is not None:
                 # Padding keys are hidden; a padding query still sees itself, so that no row

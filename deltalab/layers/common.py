@@ -47,6 +47,12 @@ from deltalab.ops._checks import (
     require_shape,
 )
 from deltalab.ops._recompute import rebuildable, rebuilding, rebuilt_in_backward, recomputed
+from deltalab.ops.context_parallel import (
+    context_group,
+    context_parallel_delta_rule,
+    previous_tail,
+    require_fresh_sequences,
+)
 from deltalab.ops.delta_rule import (
     BACKENDS,
     delta_rule,
@@ -594,19 +600,27 @@ def run_delta_rule(
             *(x[:, 0] for x in inputs), memory, backend=step_backend(backend), in_place=in_place
         )
         return o.unsqueeze(1), memory
-    # Inputs that a cheap op made from tensors its backward keeps (the gate products, the log
-    # decay) are made again in the backward instead of kept a second time (`rebuildable`).
-    with rebuilt_in_backward():
+
+    def run(q, a, b, u, g, initial_state):
+        # output_final_state=True always returns the state.
         o, final = delta_rule(
-            *inputs,
-            initial_state=memory,
+            q, a, b, u, g,
+            initial_state=initial_state,
             output_final_state=True,
             chunk_size=chunk_size,
             backend=backend,
             options=options,
-        )
-    # output_final_state=True always returns the state.
-    return o, cast(torch.Tensor, final)
+        )  # fmt: skip
+        return o, cast(torch.Tensor, final)
+
+    # Inputs that a cheap op made from tensors its backward keeps (the gate products, the log
+    # decay) are made again in the backward instead of kept a second time (`rebuildable`).
+    with rebuilt_in_backward():
+        group = context_group()
+        if group is not None:
+            # This rank's piece of sequences split over the group (mixers refuse a state then).
+            return context_parallel_delta_rule(run, *inputs, group)
+        return run(*inputs, memory)
 
 
 def zero_at_padding(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -806,11 +820,10 @@ class DeltaMixer(nn.Module, abc.ABC):
             # them along): Triton where it runs, PyTorch with "chunk" or "naive".
             conv_backend = short_conv_backend(self.backend, x.dtype)
             norm_backend = layer_backend(self.backend)
-            caches = (None,) * 3 if state is None else (state.conv_q, state.conv_k, state.conv_v)
+            xs = [projected(p) for p in (self.q_proj, self.k_proj, self.v_proj)]
             q, k, v, conv = self.convolved(
-                [projected(p) for p in (self.q_proj, self.k_proj, self.v_proj)],
-                caches, conv_backend, norm_backend,
-            )  # fmt: skip
+                xs, self.conv_caches(xs, state, mask), conv_backend, norm_backend
+            )
             o, new_state = self.recurrence(x, q, k, v, state, conv, return_gates, mask)
             gate = self.output_gate(x)
             # The norm keeps the gate for its backward unless the gate is made again there
@@ -818,6 +831,22 @@ class DeltaMixer(nn.Module, abc.ABC):
             with rebuilt_in_backward():
                 normed = self.o_norm(o, gate, backend=norm_backend)
             return self.o_proj(normed.flatten(-2)), new_state
+
+    def conv_caches(
+        self,
+        xs: list[torch.Tensor],
+        state: RecurrentState | None,
+        mask: torch.Tensor | None,
+    ) -> Sequence[torch.Tensor | None]:
+        """The short convolutions' caches for the projected q, k, v `xs`: the state's (None:
+        zeros), or under context parallelism (`deltalab.ops.context_parallel`) the previous
+        rank's last inputs."""
+        group = context_group()
+        if group is None:
+            return (None,) * 3 if state is None else (state.conv_q, state.conv_k, state.conv_v)
+        require_fresh_sequences(state, mask)
+        width = self.q_conv.kernel_size - 1
+        return [previous_tail(x, width, group) for x in xs]
 
     def convolved(
         self,

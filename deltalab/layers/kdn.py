@@ -50,6 +50,7 @@ from deltalab.layers.common import (
 from deltalab.layers.decay import ChannelDecay
 from deltalab.ops import _checks
 from deltalab.ops._recompute import rebuilt_in_backward
+from deltalab.ops.context_parallel import context_group, kdn_span_maps, kdn_start_prior
 from deltalab.ops.kdn import kdn_gain_diag, kdn_gain_iso, scan_backend
 from deltalab.ops.kdn.exact import exact_gain
 from deltalab.ops.kdn.gains import write_dtype
@@ -420,6 +421,13 @@ class ScanFilter(KalmanMixer):
         backend = scan_backend(self.backend, k.device)
         # Diagonal's write in k's dtype on the Triton route, as the kdn_diag op passes it.
         dtype = _checks.state_dtype(k, g, q_noise, r, prior, uncertainty)
+        group = context_group()
+        if group is not None and uncertainty is None:
+            # This rank's piece of a sequence split over the group: the variance at its start,
+            # per sequence, from the earlier ranks' composed variance maps.
+            spans = kdn_span_maps(k, g, q_noise, r, self.info_scale, self.diagonal_gain, dtype)
+            per_lane = prior.unsqueeze(-1) if self.diagonal_gain else prior
+            prior = kdn_start_prior(per_lane, spans, group)
         written = write_dtype(backend, k, dtype)
         scan = kdn_gain_diag if self.diagonal_gain else kdn_gain_iso
         options = {"gain_dtype": written} if self.diagonal_gain else {}
@@ -480,6 +488,11 @@ class ExactKDN(KDNMixer):
     def filter(
         self, k: torch.Tensor, noise: NoiseModel, uncertainty: torch.Tensor | None, trace: bool
     ) -> Filtered:
+        if context_group() is not None:
+            raise ValueError(
+                "ExactKDN does not run under context parallelism (train.context_parallel > 1): "
+                "its covariance map over a span is not formed"
+            )
         g, q_noise, r = noise
         batch, _, heads, key_dim = k.shape
         dtype = _checks.state_dtype(k, g, q_noise, r, uncertainty)

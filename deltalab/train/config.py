@@ -260,6 +260,9 @@ class TrainSection(_Section):
     seed: seed of initialization and data order, >= 0.
     nan_policy: on a non-finite loss, "stop" the run or "skip" the step.
     parallel: multi-GPU strategy, "ddp" or "fsdp".
+    context_parallel: ranks each sequence is split over (deltalab/train/context.py): the
+        world_size ranks form world_size / context_parallel data-parallel groups of this many;
+        must divide the ranks and seq_len, not with compile. 1: no split.
     device: "auto" (CUDA when available), "cpu" or "cuda".
     """
 
@@ -277,6 +280,7 @@ class TrainSection(_Section):
     seed: int = 0
     nan_policy: str = "stop"
     parallel: str = "ddp"
+    context_parallel: int = 1
     device: str = "auto"
 
     def validate(self) -> None:
@@ -288,6 +292,18 @@ class TrainSection(_Section):
         require_choice(self.dotted("nan_policy"), self.nan_policy, NAN_POLICIES)
         require_choice(self.dotted("parallel"), self.parallel, PARALLEL_MODES)
         require_choice(self.dotted("device"), self.device, DEVICES)
+        cp = self.context_parallel
+        require(cp > 0, self.dotted("context_parallel"), "> 0", cp)
+        if self.seq_len % cp:
+            raise ValueError(
+                f"{self.dotted('seq_len')} ({self.seq_len}) must divide evenly over "
+                f"{self.dotted('context_parallel')} ({cp}) ranks"
+            )
+        if cp > 1 and self.compile:
+            raise ValueError(
+                f"{self.dotted('context_parallel')}={cp} and {self.dotted('compile')}=true: "
+                "choose one (the layers read the context-parallel group outside the graph)"
+            )
         if self.cuda_graphs is True and self.compile:
             raise ValueError(
                 f"{self.dotted('cuda_graphs')}=true and {self.dotted('compile')}=true: choose "

@@ -61,6 +61,7 @@ from deltalab.train.checkpoint import (
     save_checkpoint,
 )
 from deltalab.train.config import RunConfig, config_changes, resume_changes, save_run_config
+from deltalab.train.context import ContextParallelLoss, ContextSplit, split_context
 from deltalab.train.distributed import Distributed, all_reduce_mean, setup_distributed, wrap_model
 from deltalab.train.graphs import StepGraph
 from deltalab.train.lock import hold_run_directory
@@ -150,17 +151,22 @@ def _loss(model, window: torch.Tensor, autocast) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model, held_out: PackedSequences, count: int, micro: int, ctx, autocast) -> float:
-    """Mean held-out loss over the first `count` windows (dealt evenly over ranks), in order."""
+def evaluate(
+    model, held_out: PackedSequences, count: int, micro: int, ctx, autocast, data=None
+) -> float:
+    """Mean held-out loss over the first `count` windows (dealt evenly over the data-parallel
+    ranks `data`, by default every rank; a context-parallel group shares its windows), in
+    order."""
+    data = ctx if data is None else data
     was_training = model.training
     model.eval()
-    used = min(count, len(held_out)) // ctx.world_size * ctx.world_size
+    used = min(count, len(held_out)) // data.world_size * data.world_size
     if used == 0:
         raise DataError(
-            f"the held-out split has {len(held_out)} windows, fewer than the {ctx.world_size} "
+            f"the held-out split has {len(held_out)} windows, fewer than the {data.world_size} "
             "ranks; raise data.held_out_fraction or lower train.seq_len"
         )
-    indices = list(range(used))[ctx.rank :: ctx.world_size]
+    indices = list(range(used))[data.rank :: data.world_size]
     total = torch.zeros((), dtype=torch.float64, device=ctx.device)
     for start in range(0, len(indices), micro):
         window = torch.stack([held_out[i] for i in indices[start : start + micro]]).to(ctx.device)
@@ -169,7 +175,8 @@ def evaluate(model, held_out: PackedSequences, count: int, micro: int, ctx, auto
         except NonFiniteError:
             # A diverged model: its held-out loss is NaN, which the caller reports.
             total += math.nan
-    total = all_reduce_mean(total, ctx) * ctx.world_size
+    # The ranks of a context-parallel group hold the same total (their group's mean loss).
+    total = all_reduce_mean(total, ctx) * data.world_size
     model.train(was_training)
     return (total / used).item()
 
@@ -183,6 +190,7 @@ class TrainState:
     forward: what the steps call (model, compiled with train.compile).
     graph: the step's CUDA graph (train.cuda_graphs), or None for eager steps.
     micro: windows per forward on each rank; eval_windows: held-out windows per evaluation.
+    split: the ranks' context-parallel groups (train.context_parallel).
     history: {"train": step records, "eval": {"step", "loss"} records}, checkpointed with the
     rest.
     done: the steps done of train.steps (skipped ones included); skipped: those skipped as
@@ -206,6 +214,7 @@ class TrainState:
     micro: int
     eval_windows: int
     autocast: Any
+    split: ContextSplit
     history: dict[str, list[dict[str, Any]]] = field(
         default_factory=lambda: {"train": [], "eval": []}
     )
@@ -217,9 +226,13 @@ class TrainState:
 
     def held_out_loss(self) -> float:
         """The held-out loss now (`evaluate` over `eval_windows` windows)."""
+        model = self.core
+        if self.split.group is not None:
+            model = ContextParallelLoss(model, self.split).train(model.training)
         return evaluate(
-            self.core, self.held_out, self.eval_windows, self.micro, self.ctx, self.autocast
-        )
+            model, self.held_out, self.eval_windows, self.micro, self.ctx, self.autocast,
+            self.split.data,
+        )  # fmt: skip
 
     def payload(self, step: int) -> dict[str, Any]:
         """Everything a resume needs after `step` (`PAYLOAD_KEYS`)."""
@@ -547,10 +560,14 @@ def _setup(config: RunConfig, ctx: Distributed) -> TrainState:
     torch.manual_seed(config.train.seed)
     tokenizer = load_tokenizer(config.data.tokenizer)
     model_config = preflight.model_config(config, tokenizer, ctx.device)
-    micro = config.train.micro_batch(ctx.world_size)
+    split = split_context(
+        ctx, config.train.context_parallel, config.train.seq_len, model_config.conv_size
+    )
+    # The data is dealt over the data-parallel replicas: a context-parallel group reads one.
+    micro = config.train.micro_batch(split.data.world_size)
     train_data = _sequences(config, tokenizer, "train", ctx)
     held_out = _sequences(config, tokenizer, "held_out", ctx)
-    eval_windows = preflight.check_batch_sizes(config, train_data, held_out, micro, ctx)
+    eval_windows = preflight.check_batch_sizes(config, train_data, held_out, micro, split.data)
 
     # The seed again: building the model on the meta device above draws nothing, but the
     # initialization must not depend on what the checks did.
@@ -561,6 +578,8 @@ def _setup(config: RunConfig, ctx: Distributed) -> TrainState:
     exempt = no_decay_names(core)
     model = wrap_model(core, ctx, config.train.parallel)
     forward = torch.compile(model) if config.train.compile else model
+    if split.group is not None:
+        forward = ContextParallelLoss(forward, split)
     optimizer = build_optimizer(core, config.optim, exempt)
     graph = _step_graph(config, ctx, core, forward, micro)
     return TrainState(
@@ -571,7 +590,10 @@ def _setup(config: RunConfig, ctx: Distributed) -> TrainState:
         optimizer=optimizer,
         scheduler=build_scheduler(optimizer, config.schedule, config.train.steps),
         sampler=ResumableSampler(
-            len(train_data), seed=config.train.seed, rank=ctx.rank, world_size=ctx.world_size
+            len(train_data),
+            seed=config.train.seed,
+            rank=split.data.rank,
+            world_size=split.data.world_size,
         ),
         model=model,
         forward=forward,
@@ -582,6 +604,7 @@ def _setup(config: RunConfig, ctx: Distributed) -> TrainState:
         micro=micro,
         eval_windows=eval_windows,
         autocast=_autocast(config, ctx),
+        split=split,
     )
 
 

@@ -70,9 +70,36 @@ def mobius_scan_parallel(
     A, B, C, D: `[..., T]` (validated, non-negative, one dtype); x0: `[...]` (>= 0).
     Returns x_1..x_T `[..., T]`.
     """
-    a, b, c, d = _prefix_products(_normalize((A, B, C, D)))
+    prefixes = _prefix_products(_normalize((A, B, C, D)))
+    return apply_map(prefixes, x0.unsqueeze(-1))
+
+
+def apply_map(maps: Maps, x0: torch.Tensor) -> torch.Tensor:
+    """The maps `(a, b, c, d)` applied to x0 (>= 0, broadcast against them)."""
+    a, b, c, d = maps
     # (x0, 1) scaled to entries <= 1 (again exact for gradients), so that a huge x0 cannot
-    # overflow and x0 = 0 needs no special case: x_t = (a v0 + b v1) / (c v0 + d v1).
+    # overflow and x0 = 0 needs no special case: x = (a v0 + b v1) / (c v0 + d v1).
     size = x0.detach().clamp_min(1.0)
-    v0, v1 = (x0 / size).unsqueeze(-1), (1.0 / size).unsqueeze(-1)
+    v0, v1 = x0 / size, 1.0 / size
     return (a * v0 + b * v1) / (c * v0 + d * v1)
+
+
+def compose(later: Maps, earlier: Maps) -> Maps:
+    """The map `later o earlier`, renormalized (entries >= 0)."""
+    return _compose(later, earlier)
+
+
+def span_map(maps: Maps) -> Maps:
+    """The composed map `M_T ... M_1` of the steps along the last axis `[..., T]`, renormalized:
+    pairs of neighbours composed until one is left (O(T) work, log2(T) rounds)."""
+    maps = _normalize(maps)
+    while maps[0].shape[-1] > 1:
+        length = maps[0].shape[-1]
+        even, odd = _take(maps, slice(0, None, 2)), _take(maps, slice(1, None, 2))
+        paired = _compose(odd, _take(even, slice(0, length // 2)))
+        if length % 2:
+            last = _take(even, slice(-1, None))
+            paired = tuple(torch.cat([p, x], dim=-1) for p, x in zip(paired, last, strict=True))
+        maps = paired  # type: ignore[assignment]
+    a, b, c, d = (x[..., 0] for x in maps)
+    return a, b, c, d
