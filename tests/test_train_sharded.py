@@ -118,7 +118,7 @@ def test_an_unfinished_save_is_never_loaded_and_the_previous_checkpoint_resumes(
     assert not list((copy / "checkpoints").glob(".*"))
 
 
-def test_a_damaged_shard_is_skipped_by_its_digest(tmp_path, four_rank_run):
+def test_a_damaged_shard_fails_its_digest_and_is_never_pruned(tmp_path, four_rank_run):
     run, _ = four_rank_run
     copy = _resumable_copy(run, tmp_path, keep_newest=True)
     newest = list_checkpoints(copy)[-1]

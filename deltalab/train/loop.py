@@ -3,7 +3,8 @@
 One function, `train(config)`: data -> model -> AdamW steps with accumulation, clipping and the
 schedule -> held-out evaluation -> atomic checkpoints (every N steps, on SIGINT/SIGTERM, at the
 end) -> a Hugging Face export, a metrics JSON, a loss-curve PNG and a generated sample. Under
-`torchrun` the same function trains with DDP or FSDP2; only rank 0 writes.
+`torchrun` the same function trains with DDP or FSDP2; every rank writes its shard of a
+checkpoint, only rank 0 writes the rest.
 """
 
 from __future__ import annotations
@@ -326,7 +327,8 @@ def _stop_everywhere(stop, ctx: Distributed) -> bool:
     return bool(all_reduce_mean(flag, ctx).item() > 0)
 
 
-# What `TrainState.resume` reads from a payload; one without them is skipped like a damaged file.
+# What `TrainState.resume` reads from a payload (a sharded checkpoint's "model" and the optimizer's
+# state are in its shards); one without them is skipped like a damaged file.
 PAYLOAD_KEYS = ("step", "model", "optimizer", "scheduler", "sampler", "rng", "config", "history")
 
 
