@@ -1,4 +1,4 @@
-"""The `deltalab` command: train, check, presets, generate, eval, study.
+"""The `deltalab` command: train, export, check, presets, generate, eval, study.
 
 Exit status: 0 done; 2 a user error (a config, data, checkpoint or argument problem), printed as
 one line on stderr; 128 + the signal number (130 SIGINT, 143 SIGTERM) for a training run stopped
@@ -32,6 +32,14 @@ def _train(args: argparse.Namespace) -> int:
         )
         return 128 + (result.stop_signal or 15)
     print(f"held-out perplexity {change}; outputs in {result.out_dir}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from deltalab.train.export import export_checkpoint
+
+    source = export_checkpoint(args.checkpoint, args.out)
+    print(f"exported {source} to {args.out}")
     return 0
 
 
@@ -142,6 +150,18 @@ def _main(argv: list[str] | None) -> int:
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
     train.set_defaults(run=_train)
+
+    export = commands.add_parser(
+        "export",
+        help="write a training checkpoint as a Hugging Face model directory",
+        description="Write the model of a training checkpoint (a single file or a sharded "
+        "directory) as a Hugging Face directory: weights, config and the run's tokenizer.",
+    )
+    export.add_argument(
+        "checkpoint", help="a run directory (its newest complete checkpoint) or one checkpoint"
+    )
+    export.add_argument("out", help="the directory to write (new or empty)")
+    export.set_defaults(run=_export)
 
     check = commands.add_parser(
         "check", help="run the delta-rule backends against each other and print errors and timings"

@@ -20,8 +20,14 @@ matching digest, so a tampered file loads wrong numbers, never code.
 Pruning deletes only checkpoints it verified (complete ones older than the newest `keep`):
 files it cannot verify, such as checkpoints copied without their `.sha256`, are left for the user.
 
-One process writes a run's checkpoints (rank 0 in a distributed run): `prune_checkpoints` deletes
-temporary files it finds, which would break a save running concurrently in another process.
+A distributed run writes sharded checkpoints instead, directories `step_00001000/` with the
+same guarantees (`deltalab.train.sharded`); the functions here list, verify, load the state of
+and prune both kinds. A single process writes single files, readable by `sha256sum -c` and
+loadable whole; either kind resumes on any number of ranks.
+
+One process prunes a run's checkpoints (rank 0 in a distributed run), after the save:
+`prune_checkpoints` deletes temporary files it finds, which would break a save running
+concurrently.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import hashlib
 import os
 import random
 import re
+import shutil
 import signal
 import threading
 import uuid
@@ -51,12 +58,14 @@ __all__ = [
     "load_latest_checkpoint",
     "prune_checkpoints",
     "restore_rng_state",
+    "sampler_state_for",
     "save_checkpoint",
 ]
 
 CHECKPOINT_DIR = "checkpoints"
 DIGEST_SUFFIX = ".sha256"
 _CHECKPOINT_NAME = re.compile(r"step_(\d+)\.pt")
+_SHARDED_NAME = re.compile(r"step_(\d+)")
 _TEMP_GLOB = ".step_*.tmp"
 # What a NumPy array unpickles through: checkpoints written before the RNG state was stored as
 # tensors hold NumPy's key array. These build arrays of plain data only (an object array's items
@@ -109,16 +118,18 @@ def save_checkpoint(run_dir: str | Path, step: int, payload: dict[str, Any]) -> 
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Checkpoint files of a run, sorted by step ascending; complete or not, temp files excluded."""
+    """Checkpoints of a run, files and sharded directories, sorted by step ascending (a file
+    before a directory of the same step); complete or not, temporary ones excluded."""
     directory = Path(run_dir) / CHECKPOINT_DIR
     if not directory.is_dir():
         return []
-    found = [
-        (int(match.group(1)), path)
-        for path in directory.iterdir()
-        if (match := _CHECKPOINT_NAME.fullmatch(path.name)) and path.is_file()
-    ]
-    return [path for _, path in sorted(found)]
+    found = []
+    for path in directory.iterdir():
+        if (match := _CHECKPOINT_NAME.fullmatch(path.name)) and path.is_file():
+            found.append((int(match.group(1)), 0, path))
+        elif (match := _SHARDED_NAME.fullmatch(path.name)) and path.is_dir():
+            found.append((int(match.group(1)), 1, path))
+    return [path for *_, path in sorted(found)]
 
 
 def find_latest_checkpoint(
@@ -129,24 +140,33 @@ def find_latest_checkpoint(
 ) -> tuple[tuple[Path, dict[str, Any]] | None, list[tuple[Path, str]]]:
     """The newest usable checkpoint as `(path, payload)` (or None), and the newer ones skipped.
 
-    A checkpoint is usable when its digest matches, `torch.load(weights_only=True)` reads it, and
-    its payload is a dict holding every key in `required`. The second item lists each skipped
-    checkpoint (newest first) with the reason; when the first is None, it lists every checkpoint
-    file of the run.
+    A checkpoint is usable when its digests match, `torch.load(weights_only=True)` reads it, and
+    its payload is a dict holding every key in `required`. The payload of a sharded checkpoint
+    (a directory) is its state file: the tensors stay in the shards (`sharded.ARRAY_KEYS`),
+    for `sharded.load_sharded_arrays`. The second item lists each skipped checkpoint (newest
+    first) with the reason; when the first is None, it lists every checkpoint of the run.
     """
+    from deltalab.train import sharded
+
     skipped: list[tuple[Path, str]] = []
     for path in reversed(list_checkpoints(run_dir)):
         problem = _completeness_problem(path)
+        needed = [key for key in required if not (path.is_dir() and key == "model")]
         if problem is None:
             try:
-                with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
-                    payload = torch.load(path, map_location=map_location, weights_only=True)
+                if path.is_dir():
+                    payload = sharded.load_sharded_state(path, map_location)
+                else:
+                    with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
+                        payload = torch.load(path, map_location=map_location, weights_only=True)
+            except sharded.UnsafeMetadataError as error:
+                problem = str(error)
             except Exception as error:
                 problem = _load_problem(error)
             else:
                 if not isinstance(payload, dict):
                     problem = f"payload is a {type(payload).__name__}, not a dict"
-                elif missing := [key for key in required if key not in payload]:
+                elif missing := [key for key in needed if key not in payload]:
                     problem = f"payload lacks {missing}"
                 else:
                     return (path, payload), skipped
@@ -218,7 +238,10 @@ def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
     doomed += directory.glob(_TEMP_GLOB)
     deleted = []
     for path in sorted(set(doomed)):
-        if path.is_file():
+        if path.is_dir():
+            shutil.rmtree(path)
+            deleted.append(path)
+        elif path.is_file():
             path.unlink()
             deleted.append(path)
     return deleted
@@ -268,6 +291,30 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         )
     for device, device_state in enumerate(saved[:present]):
         torch.cuda.set_rng_state(device_state.cpu(), device)
+
+
+def sampler_state_for(state: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """A `ResumableSampler` state saved at `state["world_size"]` ranks, for `world_size` ranks.
+
+    The ranks' draws interleave one epoch's permutation (rank r takes every world_size-th index
+    from r), so after `position` draws per rank the run has used the permutation's first
+    `position * world_size` indices, whatever the world size: the other world size continues
+    from there and each step draws the same windows as the uninterrupted run, up to the end of
+    the epoch. There each world size drops the permutation's last `num_windows % world_size`
+    indices, so a run resumed on another world size differs from then by those few windows.
+    Raises ValueError where the indices used do not split evenly over `world_size` ranks.
+    """
+    saved = int(state["world_size"])
+    if saved == world_size:
+        return state
+    used = int(state["position"]) * saved
+    if used % world_size:
+        raise ValueError(
+            f"the checkpoint's data position ({used} windows of epoch {state['epoch']}) does not "
+            f"split over {world_size} ranks; resume on a world size that divides it "
+            f"(it was saved on {saved})"
+        )
+    return {**state, "world_size": world_size, "position": used // world_size}
 
 
 class GracefulStop:
@@ -348,15 +395,28 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def _completeness_problem(path: Path) -> str | None:
-    """Why `path` is not a complete checkpoint, or None if its sidecar names its digest."""
-    sidecar = _sidecar(path)
+def read_digest_file(path: Path) -> tuple[str, str | None]:
+    """The text of the digest file `path`, and why it cannot be read (None if it can)."""
     try:
-        fields = sidecar.read_text().split()
+        return path.read_text(), None
     except FileNotFoundError:
-        return f"missing digest file {sidecar.name}"
+        return "", f"missing digest file {path.name}"
     except (OSError, UnicodeDecodeError) as error:
-        return f"unreadable digest file {sidecar.name} ({error})"
+        return "", f"unreadable digest file {path.name} ({error})"
+
+
+def _completeness_problem(path: Path) -> str | None:
+    """Why `path` is not a complete checkpoint, or None if its sidecar names its digest (a
+    sharded checkpoint: if its SHA256SUMS names every file's)."""
+    if path.is_dir():
+        from deltalab.train.sharded import sharded_problem
+
+        return sharded_problem(path)
+    sidecar = _sidecar(path)
+    text, problem = read_digest_file(sidecar)
+    if problem is not None:
+        return problem
+    fields = text.split()
     if not fields:
         return f"empty digest file {sidecar.name}"
     try:

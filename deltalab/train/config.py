@@ -132,6 +132,9 @@ class ModelSection(_Section):
     preset: named model preset of `deltalab.models.PRESETS` (tiny, 166M, 340M, 750M, 1.3B).
     mixer: token mixer of every block, one of `deltalab.models.MIXER_KINDS`.
     overrides: further `DeltaLabConfig` fields, e.g. {num_layers: 2, mixer_options: {...}}.
+    init_from: a Hugging Face model directory (a run's model/, `deltalab export` output) whose
+        weights start the run instead of a random initialization; its config must give this
+        model's parameter shapes (null: random initialization).
     """
 
     key: ClassVar[str] = "model"
@@ -139,9 +142,12 @@ class ModelSection(_Section):
     preset: str = "tiny"
     mixer: str = "muir"
     overrides: dict[str, Any] = field(default_factory=dict)
+    init_from: str | None = None
 
     def validate(self) -> None:
         _require_text(self, "preset", "mixer")
+        if self.init_from is not None:
+            _require_text(self, "init_from")
         if "mixer" in self.overrides:
             raise ValueError("model.overrides.mixer is not allowed: set model.mixer instead")
 
@@ -610,6 +616,7 @@ RESUMABLE_CHANGES = {
     "train.recompute_ffn",
     "train.cuda_graphs",
     "train.nan_policy",
+    "train.parallel",
     "eval.every",
     "eval.sample_tokens",
     "eval.sample_prompt",

@@ -3,7 +3,8 @@
 One function, `train(config)`: data -> model -> AdamW steps with accumulation, clipping and the
 schedule -> held-out evaluation -> atomic checkpoints (every N steps, on SIGINT/SIGTERM, at the
 end) -> a Hugging Face export, a metrics JSON, a loss-curve PNG and a generated sample. Under
-`torchrun` the same function trains with DDP or FSDP2; only rank 0 writes.
+`torchrun` the same function trains with DDP or FSDP2; every rank writes its shard of a
+checkpoint, only rank 0 writes the rest.
 """
 
 from __future__ import annotations
@@ -58,11 +59,13 @@ from deltalab.train.checkpoint import (
     list_checkpoints,
     prune_checkpoints,
     restore_rng_state,
+    sampler_state_for,
     save_checkpoint,
 )
 from deltalab.train.config import RunConfig, config_changes, resume_changes, save_run_config
 from deltalab.train.context import ContextParallelLoss, ContextSplit, split_context
 from deltalab.train.distributed import Distributed, all_reduce_mean, setup_distributed, wrap_model
+from deltalab.train.export import load_initial_weights
 from deltalab.train.graphs import StepGraph
 from deltalab.train.lock import hold_run_directory
 from deltalab.train.optim import (
@@ -72,6 +75,7 @@ from deltalab.train.optim import (
     with_step_implementation,
 )
 from deltalab.train.report import RunLogger, plot_loss_curve
+from deltalab.train.sharded import load_sharded_arrays, save_sharded_checkpoint
 
 __all__ = ["TrainResult", "train"]
 
@@ -235,11 +239,9 @@ class TrainState:
         )  # fmt: skip
 
     def payload(self, step: int) -> dict[str, Any]:
-        """Everything a resume needs after `step` (`PAYLOAD_KEYS`)."""
+        """Everything a resume needs after `step` but the model's and optimizer's state."""
         return {
             "step": step,
-            "model": get_model_state_dict(self.core, options=FULL_STATE),
-            "optimizer": get_optimizer_state_dict(self.core, self.optimizer, options=FULL_STATE),
             "scheduler": self.scheduler.state_dict(),
             "sampler": self.sampler.state_dict(),
             "rng": capture_rng_state(),
@@ -248,11 +250,25 @@ class TrainState:
         }
 
     def checkpoint(self, step: int) -> None:
-        """Rank 0 saves the payload of `step` and prunes old checkpoints; all ranks take part
-        in gathering it (FSDP) and wait for the file."""
-        payload = self.payload(step)
-        if self.ctx.is_main:
+        """Saves the state after `step` and prunes old checkpoints (rank 0), all ranks waiting
+        for the save. A distributed run writes a sharded checkpoint, each rank its shard; one
+        process writes one file (`deltalab.train.checkpoint`). Either resumes on any number of
+        ranks."""
+        if self.ctx.active:
+            # The model's first: its state dict puts back FSDP2's sharded parameters, which an
+            # evaluation's forward (no backward to reshard the root) leaves unsharded, and the
+            # optimizer's state is mapped to names through them.
+            model = get_model_state_dict(self.core)
+            optimizer = get_optimizer_state_dict(self.core, self.optimizer)
+            arrays = {"model": model, "optimizer": optimizer["state"]}
+            state = {**self.payload(step), "optimizer": {"param_groups": optimizer["param_groups"]}}
+            save_sharded_checkpoint(self.out_dir, step, arrays, state)
+        else:
+            model = get_model_state_dict(self.core, options=FULL_STATE)
+            optimizer = get_optimizer_state_dict(self.core, self.optimizer, options=FULL_STATE)
+            payload = {**self.payload(step), "model": model, "optimizer": optimizer}
             save_checkpoint(self.out_dir, step, payload)
+        if self.ctx.is_main:
             prune_checkpoints(self.out_dir, self.config.checkpoint.keep)
         if self.ctx.active:
             dist.barrier()
@@ -281,18 +297,36 @@ class TrainState:
                 f"cannot resume {path}: the run config changed ({'; '.join(changed)}); restore "
                 "those fields or start a new run in another log.out_dir"
             )
-        set_model_state_dict(self.core, payload["model"], options=FULL_STATE)
+        try:
+            sampler = sampler_state_for(payload["sampler"], self.ctx.world_size)
+        except ValueError as error:
+            raise CheckpointError(f"cannot resume {path}: {error}") from error
+        model, optimizer, options = self._saved_arrays(path, payload)
+        set_model_state_dict(self.core, model, options=options)
         set_optimizer_state_dict(
             self.core,
             self.optimizer,
-            with_step_implementation(payload["optimizer"], self.optimizer),
-            options=FULL_STATE,
+            with_step_implementation(optimizer, self.optimizer),
+            options=options,
         )
         self.scheduler.load_state_dict(payload["scheduler"])
-        self.sampler.load_state_dict(payload["sampler"])
+        self.sampler.load_state_dict(sampler)
         restore_rng_state(payload["rng"])
         self.history = payload["history"]
         return int(payload["step"])
+
+    def _saved_arrays(self, path: Path, payload: dict[str, Any]):
+        """The model's and optimizer's state dicts of a checkpoint, with the options that load
+        them: a file holds them whole; a sharded checkpoint's are read into this process's
+        shapes of them (DTensor shards under FSDP2), every rank taking part."""
+        if not path.is_dir():
+            return payload["model"], payload["optimizer"], FULL_STATE
+        model = get_model_state_dict(self.core)
+        # Holds the optimizer's state tensors (created with zeros where it has taken no step).
+        optimizer = get_optimizer_state_dict(self.core, self.optimizer)
+        load_sharded_arrays(path, {"model": model, "optimizer": optimizer["state"]})
+        groups = payload["optimizer"]["param_groups"]
+        return model, {"state": optimizer["state"], "param_groups": groups}, None
 
     def initial_eval_loss(self, first_eval: float) -> float:
         """The held-out loss before training: step 0's evaluation when the history has it (a
@@ -306,7 +340,8 @@ def _stop_everywhere(stop, ctx: Distributed) -> bool:
     return bool(all_reduce_mean(flag, ctx).item() > 0)
 
 
-# What `TrainState.resume` reads from a payload; one without them is skipped like a damaged file.
+# What `TrainState.resume` reads from a payload (a sharded checkpoint's "model" and the optimizer's
+# state are in its shards); one without them is skipped like a damaged file.
 PAYLOAD_KEYS = ("step", "model", "optimizer", "scheduler", "sampler", "rng", "config", "history")
 
 
@@ -316,12 +351,17 @@ def _unusable_checkpoints(out_dir: Path, skipped: list[tuple[Path, str]]) -> Che
     listing = "; ".join(f"{path.name}: {problem}" for path, problem in reversed(skipped))
     directory = out_dir / "checkpoints"
     newest = skipped[0][0].name
+    # A sharded checkpoint without its digests is an unfinished save: nothing to trust.
+    advice = (
+        ""
+        if skipped[0][0].is_dir()
+        else f"If you trust a file that lacks its digest, write one (cd {directory} && "
+        f"sha256sum {newest} > {newest}.sha256) and resume again. "
+    )
     return CheckpointError(
-        f"cannot resume from log.out_dir {str(out_dir)!r}: it holds {len(skipped)} checkpoint "
-        f"file(s) and none can be used ({listing}). Nothing was changed. If you trust a file "
-        f"that lacks its digest, write one (cd {directory} && sha256sum {newest} > "
-        f"{newest}.sha256) and resume again; to start over, move {directory} away or choose "
-        "another log.out_dir"
+        f"cannot resume from log.out_dir {str(out_dir)!r}: it holds {len(skipped)} checkpoint(s) "
+        f"and none can be used ({listing}). Nothing was changed. {advice}To start over, move "
+        f"{directory} away or choose another log.out_dir"
     )
 
 
@@ -573,6 +613,8 @@ def _setup(config: RunConfig, ctx: Distributed) -> TrainState:
     # initialization must not depend on what the checks did.
     torch.manual_seed(config.train.seed)
     core = CausalLM(model_config).to(ctx.device)
+    if config.model.init_from is not None:
+        load_initial_weights(core, config.model.init_from)
     core.model.checkpoint_blocks = config.train.activation_checkpointing
     core.model.recompute_ffn = config.train.recompute_ffn
     exempt = no_decay_names(core)

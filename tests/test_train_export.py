@@ -1,0 +1,88 @@
+"""deltalab export (checkpoint -> Hugging Face directory) and model.init_from (the way back)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_train import make_corpus, run_config
+
+from deltalab.cli import main
+from deltalab.errors import CheckpointError, ConfigError
+from deltalab.train import train
+from deltalab.train.checkpoint import list_checkpoints
+from deltalab.train.export import export_checkpoint
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus):
+    folder = tmp_path_factory.mktemp("trained")
+    result = train(run_config(folder, corpus, "eval.sample_tokens=0"))
+    return folder, result
+
+
+def same_logits(a, b) -> bool:
+    """Whether the Hugging Face directories a and b give the same logits on random tokens."""
+    from transformers import AutoModelForCausalLM
+
+    tokens = torch.randint(0, 200, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = [AutoModelForCausalLM.from_pretrained(p)(tokens).logits for p in (a, b)]
+    return torch.equal(*logits)
+
+
+def test_an_exported_checkpoint_gives_the_trained_models_logits(tmp_path, trained, capsys):
+    folder, _ = trained
+    run = folder / "run"
+    assert main(["export", str(run), str(tmp_path / "out")]) == 0
+    assert "step_00000006.pt" in capsys.readouterr().out
+    assert same_logits(tmp_path / "out", run / "model")
+    assert (tmp_path / "out" / "tokenizer_config.json").is_file()
+    # An older checkpoint by its path: the weights after step 3, not the final ones.
+    older = list_checkpoints(run)[0]
+    assert main(["export", str(older), str(tmp_path / "older")]) == 0
+    assert not same_logits(tmp_path / "older", run / "model")
+
+
+def test_export_refuses_an_incomplete_checkpoint_and_a_used_out(tmp_path, trained, capsys):
+    import shutil
+
+    folder, _ = trained
+    run = tmp_path / "run"
+    shutil.copytree(folder / "run", run)
+    newest = list_checkpoints(run)[-1]
+    newest.with_name(newest.name + ".sha256").unlink()
+    with pytest.raises(CheckpointError, match=r"cannot export .*step_00000006\.pt.*missing digest"):
+        export_checkpoint(newest, tmp_path / "out")
+    assert main(["export", str(newest), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    with pytest.raises(CheckpointError, match=r"OUT .* is not an empty directory"):
+        export_checkpoint(run, run)
+
+
+def test_a_run_started_from_an_exported_model_starts_at_its_loss(tmp_path, trained, corpus):
+    folder, source = trained
+    out = tmp_path / "out"
+    main(["export", str(folder / "run"), str(out)])
+    seeded = train(run_config(tmp_path, corpus, f"model.init_from={out}", "eval.sample_tokens=0"))
+    assert seeded.initial_perplexity == source.final_perplexity
+
+
+def test_init_from_a_model_of_other_shapes_names_the_differing_field(tmp_path, trained, corpus):
+    folder, _ = trained
+    wider = run_config(
+        tmp_path,
+        corpus,
+        f"model.init_from={folder / 'run' / 'model'}",
+        "model.overrides={hidden_size: 64, num_layers: 2, num_heads: 2, head_dim: 16, "
+        "chunk_size: 16}",
+    )
+    with pytest.raises(ConfigError, match=r"hidden_size is 32 there, 64 here") as caught:
+        train(wider)
+    assert "\n" not in str(caught.value)
+    with pytest.raises(ConfigError, match=r"model\.init_from=.* \(no config\.json\)"):
+        train(run_config(tmp_path, corpus, f"model.init_from={tmp_path}"))
