@@ -300,12 +300,11 @@ def wilson_interval(successes: float, trials: int, z: float = 1.96) -> tuple[flo
 def source_tokens(text: TextSource, tokenizer: Any) -> Any:
     """The token stream of `text` (documents joined by EOS, as in training), through the data
     layer's shard cache; EvalError naming the source when it is missing or empty."""
-    from deltalab.data import CorpusConfig, prepare_tokens
+    from deltalab.data import CorpusConfig, prepare_tokens, resolve_source
 
-    source = text.source if text.source == "stdlib" else str(Path(text.source).resolve())
     try:
         corpus = CorpusConfig(
-            source=source,
+            source=resolve_source(text.source),
             split=text.split,
             held_out_fraction=text.held_out_fraction,
             max_bytes=text.max_bytes,
