@@ -333,9 +333,9 @@ def source_documents(text: TextSource) -> Any:
 
 
 def token_bytes(tokenizer: Any, ids: Any) -> int:
-    """UTF-8 bytes the tokens `ids` stand for (specials count 0)."""
-    from deltalab.data import ByteTokenizer
-
-    if isinstance(tokenizer, ByteTokenizer):
-        return int((torch.as_tensor(ids) < 256).sum())
+    """UTF-8 bytes the tokens `ids` stand for (specials count 0): exact, token by token, for a
+    byte-level tokenizer (`token_byte_lengths`); else the bytes of their decoded text."""
+    lengths = getattr(tokenizer, "token_byte_lengths", lambda: None)()
+    if lengths is not None:
+        return int(lengths[torch.as_tensor(ids).long().cpu()].sum())
     return len(tokenizer.decode([int(i) for i in ids]).encode("utf-8"))
