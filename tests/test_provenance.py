@@ -187,7 +187,7 @@ def test_a_study_refuses_to_resume_into_records_of_another_commit_unless_told(
         execute(plan_of(spec), launcher=FakeTrain({}), say=quiet)
     message = str(refused.value)
     assert "\n" not in message and "0123456789ab (gdn2.tiny.lr0.003.s0)" in message
-    assert f"this code is {current}" in message and "--allow-mixed-commits" in message
+    assert f"than this study's {current}" in message and "--allow-mixed-commits" in message
     launcher = FakeTrain({})
     assert execute(plan_of(spec), launcher=launcher, say=quiet, allow_mixed_commits=True) == 0
 
@@ -214,3 +214,44 @@ def test_the_report_names_the_device_the_records_name_not_the_planning_machines(
     assert collect(plan_of(spec))["device"] == "cuda: NVIDIA H100 80GB HBM3"
     markdown = (Path(spec["out_dir"]) / "study.md").read_text()
     assert "device cuda: NVIDIA H100 80GB HBM3," in markdown and "device cpu" not in markdown
+
+
+def fake_trained_data(spec: dict, names: list[str], train_sha: str) -> None:
+    """Gives the runs `names` a trainer's provenance.json naming train tokens `train_sha`."""
+    for name in names:
+        data = {"train": {"tokens_sha256": train_sha}, "held_out": {"tokens_sha256": "b" * 64}}
+        path = Path(spec["out_dir"]) / "runs" / name / "provenance.json"
+        path.write_text(json.dumps({"code": code_version(), "data": data}))
+
+
+def test_a_study_refuses_runs_trained_on_other_data_than_its_source_gives(tmp_path, corpus):
+    spec, _ = finished_study(tmp_path, corpus)
+    fake_trained_data(spec, ["gdn2.tiny.lr0.003.s0"], "a" * 64)
+    with pytest.raises(ConfigError) as refused:
+        execute(plan_of(spec), launcher=FakeTrain({}), say=quiet)
+    message = str(refused.value)
+    assert "\n" not in message and "records of other data" in message
+    assert "aaaaaaaaaaaa/bbbbbbbbbbbb (gdn2.tiny.lr0.003.s0)" in message
+    assert execute(plan_of(spec), launcher=FakeTrain({}), say=quiet, allow_mixed_data=True) == 0
+
+
+def test_aggregate_only_refuses_runs_of_two_token_streams(tmp_path, corpus, capsys):
+    spec, path = finished_study(tmp_path, corpus)
+    fake_trained_data(spec, ["gdn2.tiny.lr0.003.s0"], "a" * 64)
+    fake_trained_data(spec, ["gdn2.tiny.lr0.003.s1"], "c" * 64)
+    assert main(["study", str(path), "--aggregate-only"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "records of 2 different data" in err, err
+    assert main(["study", str(path), "--aggregate-only", "--allow-mixed-data"]) == 0
+
+
+def test_a_resumed_run_keeps_the_commits_of_its_earlier_starts(tmp_path):
+    from deltalab.provenance import record_identities, write_run_provenance
+
+    (tmp_path / "provenance.json").write_text(json.dumps({"code": OTHER}))
+    record = write_run_provenance(tmp_path, "cpu", {})
+    assert record["earlier_code"] == [OTHER]
+    assert record_identities(record) == [code_identity(code_version()), OTHER["commit"]]
+    # The same code again adds nothing.
+    again = write_run_provenance(tmp_path, "cpu", {})
+    assert again["earlier_code"] == [OTHER]

@@ -6,7 +6,9 @@ wrote (provenance.json in the run directory: code, packages, device, the fingerp
 train and held-out token streams); a task job's is the study's own, with the device it planned.
 A study refuses to resume or extend a directory whose records name other code than the code
 running, and to aggregate records that name more than one, unless `allow_mixed` is set
-(`--allow-mixed-commits`): results of different code would be compared as if they were one.
+(`--allow-mixed-commits`): results of different code would be compared as if they were one. The
+same holds for the token streams the runs trained and evaluated on (`check_data`,
+`--allow-mixed-data`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ from deltalab.provenance import (
 )
 from deltalab.study.plan import StudyPlan
 
-__all__ = ["check_commits", "job_provenance", "recorded_devices", "recorded_identities"]
+__all__ = [
+    "check_commits",
+    "check_data",
+    "job_provenance",
+    "recorded_data",
+    "recorded_devices",
+    "recorded_identities",
+]
 
 RECORD_NAME = "study_run.json"
 
@@ -74,29 +83,65 @@ def _listing(found: dict[str, list[str]]) -> str:
     return ", ".join(parts)
 
 
+def _refuse_mixed(
+    out_dir: Path, found: dict[str, list[str]], current: str | None, what: str, flag: str
+) -> None:
+    """One line naming the `what` (e.g. "commits") the records hold and their jobs: those
+    other than `current` (what this study would add), or, with `current` None, all of them
+    when there are several."""
+    if current is not None:
+        other = {key: names for key, names in found.items() if key != current}
+        if other:
+            raise ConfigError(
+                f"{out_dir} holds records of other {what}, {_listing(other)}, than this study's "
+                f"{_short(current)}; restore that, choose another out_dir, or pass {flag} to "
+                "mix them"
+            )
+    elif len(found) > 1:
+        raise ConfigError(
+            f"{out_dir} holds records of {len(found)} different {what}: {_listing(found)}; "
+            f"pass {flag} to report them together"
+        )
+
+
 def check_commits(plan: StudyPlan, *, aggregate: bool, allow_mixed: bool = False) -> None:
     """Refuse, in one line naming the commits, records of other code: when running (`aggregate`
     False), any record whose code is not the running code; when aggregating, records of more
     than one code. `allow_mixed` lets both through."""
-    if allow_mixed:
-        return
-    found = recorded_identities(plan)
-    out_dir = plan.spec.out_dir
-    if aggregate:
-        if len(found) > 1:
-            raise ConfigError(
-                f"{out_dir} holds records of {len(found)} different commits: {_listing(found)}; "
-                "rerun them at one commit, or pass --allow-mixed-commits to report them together"
-            )
-        return
-    current = code_identity(code_version())
-    other = {identity: names for identity, names in found.items() if identity != current}
-    if other:
-        raise ConfigError(
-            f"{out_dir} holds records of commit {_listing(other)}, this code is "
-            f"{_short(current)}; check out that commit, choose another out_dir, or pass "
-            "--allow-mixed-commits to mix them"
-        )
+    if not allow_mixed:
+        current = None if aggregate else code_identity(code_version())
+        found = recorded_identities(plan)
+        _refuse_mixed(plan.spec.out_dir, found, current, "commits", "--allow-mixed-commits")
+
+
+def _data_key(data: dict[str, Any]) -> str:
+    """The data a record names, as one string: the SHA-256 of its train and held-out tokens."""
+    hashes = [(data.get(split) or {}).get("tokens_sha256") for split in ("train", "held_out")]
+    return "/".join(str(h)[:12] for h in hashes)
+
+
+def recorded_data(plan: StudyPlan) -> dict[str, list[str]]:
+    """Data key (the train and held-out tokens' SHA-256, 12 digits each) -> the runs whose
+    trainer recorded it."""
+    found: dict[str, list[str]] = {}
+    for name, directory in _directories(plan):
+        data = (read_json(directory / PROVENANCE_NAME) or {}).get("data")
+        if data:
+            found.setdefault(_data_key(data), []).append(name)
+    return found
+
+
+def check_data(
+    plan: StudyPlan, current: dict[str, Any] | None = None, *, allow_mixed: bool = False
+) -> None:
+    """Refuse, in one line, runs trained on different token streams (the train or held-out
+    split of one source differs between machines: the stdlib of another Python, an edited
+    file), or on other data than `current` (what this study prepares now), unless
+    `allow_mixed` (`--allow-mixed-data`)."""
+    if not allow_mixed:
+        key = None if current is None else _data_key(current)
+        what = "data (train/held-out tokens sha256)"
+        _refuse_mixed(plan.spec.out_dir, recorded_data(plan), key, what, "--allow-mixed-data")
 
 
 def job_provenance(directory: Path, device: str) -> dict[str, Any]:
