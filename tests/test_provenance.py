@@ -255,3 +255,18 @@ def test_a_resumed_run_keeps_the_commits_of_its_earlier_starts(tmp_path):
     # The same code again adds nothing.
     again = write_run_provenance(tmp_path, "cpu", {})
     assert again["earlier_code"] == [OTHER]
+
+
+def test_a_run_trains_on_a_file_list_and_records_the_list_as_its_source(tmp_path):
+    texts = write_documents(tmp_path / "files")
+    for i in range(30, 60):
+        name = f"sub/doc_{i:02d}.py"
+        (tmp_path / "files" / name).write_text(f"value_{i} = {i} * {i}\n" * 12)
+        texts[name] = ""
+    listing = tmp_path / "files" / "list.txt"
+    listing.write_text("\n".join(texts) + "\n")
+    extra = ["train.steps=2", "eval.sample_tokens=0"]
+    train(run_config(tmp_path, f"@{listing}", *extra))
+    record = json.loads((tmp_path / "run" / "provenance.json").read_text())
+    assert record["data"]["train"]["source"] == f"@{listing} (train)"
+    assert record["data"]["held_out"]["documents"] > 0
