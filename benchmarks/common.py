@@ -8,7 +8,6 @@ import datetime
 import importlib.util
 import json
 import platform
-import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch
 
 from deltalab.benchmarking import phase_times
 from deltalab.ops.options import DEFAULT_OPTIONS, KernelOptions
+from deltalab.provenance import code_version
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,19 +29,8 @@ def machine() -> str:
 
 def commit() -> dict[str, object]:
     """The checkout's commit and whether its tracked files differ from it (None outside git)."""
-
-    def git(*args: str) -> str | None:
-        try:
-            done = subprocess.run(
-                ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30
-            )
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    head = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no") if head else None
-    return {"commit": head, "dirty": None if status is None else bool(status)}
+    code = code_version()
+    return {"commit": code.get("commit"), "dirty": code.get("dirty")}
 
 
 def header(argv: Sequence[str]) -> dict[str, object]:

@@ -16,9 +16,11 @@ __all__ = [
     "MIXER_CLASSES",
     "MIXER_KINDS",
     "PRESETS",
+    "PRESET_MIXERS",
     "PRESET_TRAINING",
     "RECURRENT_KINDS",
     "TrainingDefaults",
+    "preset_mixers",
     "stored_preset_table",
 ]
 
@@ -62,9 +64,21 @@ PRESET_TRAINING = {
     "340M": TrainingDefaults(lr=1e-3, warmup_steps=1000),
     "750M": TrainingDefaults(lr=7e-4, warmup_steps=1000),
     "1.3B": TrainingDefaults(lr=4e-4, warmup_steps=1000),
+    # The KDN authors' recipe: a peak of 4e-4, warmup over 1B tokens, 1907 steps of their
+    # 128 x 4096-token batches (docs/MATH.md sec. 3.6).
+    "kdn-authors-1.3B": TrainingDefaults(lr=4e-4, warmup_steps=1907),
 }
-# The named presets: tiny for CPU, then the papers' scales (`deltalab.models.presets.SCALES`).
+# The named presets: tiny for CPU, the papers' scales (`deltalab.models.presets.SCALES`), then
+# the KDN authors' 1.3B configuration.
 PRESETS = tuple(PRESET_TRAINING)
+# Presets made for some mixers only; the others take every mixer kind.
+PRESET_MIXERS = {"kdn-authors-1.3B": ("kdn_iso", "kdn_diag")}
+
+
+def preset_mixers(preset: str, mixers: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of `mixers` that `preset` can build, in their order."""
+    allowed = PRESET_MIXERS.get(preset)
+    return mixers if allowed is None else tuple(m for m in mixers if m in allowed)
 
 PRESET_TABLE = Path(__file__).with_name("preset_table.json")
 
@@ -72,4 +86,4 @@ PRESET_TABLE = Path(__file__).with_name("preset_table.json")
 def stored_preset_table(mixers: tuple[str, ...] = MIXER_KINDS) -> list[list[object]]:
     """`deltalab.models.presets.preset_table(mixers)` as stored in preset_table.json."""
     rows = {tuple(row[:2]): row for row in json.loads(PRESET_TABLE.read_text(encoding="utf-8"))}
-    return [rows[preset, mixer] for preset in PRESETS for mixer in mixers]
+    return [rows[p, m] for p in PRESETS for m in preset_mixers(p, mixers)]

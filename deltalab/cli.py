@@ -1,4 +1,4 @@
-"""The `deltalab` command: train, export, check, presets, generate, eval, study.
+"""The `deltalab` command: train, export, check, presets, generate, eval, study, tokenizer.
 
 Exit status: 0 done; 2 a user error (a config, data, checkpoint or argument problem), printed as
 one line on stderr; 128 + the signal number (130 SIGINT, 143 SIGTERM) for a training run stopped
@@ -199,6 +199,9 @@ def _main(argv: list[str] | None) -> int:
     from deltalab.study.cli import add_parser as add_study_parser
 
     add_study_parser(commands)
+    from deltalab.bpe import add_parser as add_tokenizer_parser
+
+    add_tokenizer_parser(commands)
 
     raw = list(sys.argv[1:] if argv is None else argv)
     args, extra = parser.parse_known_args(raw)

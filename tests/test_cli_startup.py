@@ -70,7 +70,10 @@ def test_presets_prints_the_stored_table_rows():
     _, code, output = run_command(["presets", "--mixer", "kdn_diag"])
     assert code == 0
     rows = [line.split() for line in output.splitlines() if "kdn_diag" in line]
-    assert [row[0] for row in rows] == ["tiny", "166M", "340M", "750M", "1.3B"]
+    assert [row[0] for row in rows] == ["tiny", "166M", "340M", "750M", "1.3B", "kdn-authors-1.3B"]
+    # The KDN authors' preset is listed with the mixers it is made for only.
+    _, code, output = run_command(["presets", "--mixer", "gdn2"])
+    assert code == 0 and "kdn-authors" not in output
 
 
 def test_the_stored_preset_table_is_the_models_own_count():

@@ -24,10 +24,13 @@ from deltalab.data.corpus import (
     read_jsonl,
     read_parquet,
     read_text_file,
+    resolve_source,
     source_fingerprint,
+    source_path,
     stdlib_files,
     stdlib_root,
 )
+from deltalab.data.pinned import ARCHIVE_SUFFIXES, archive_stdlib, is_file_set
 from deltalab.data.sampler import (
     PackedSequences,
     ResumableSampler,
@@ -54,6 +57,7 @@ from deltalab.data.tokenizer import (
 )
 
 __all__ = [
+    "ARCHIVE_SUFFIXES",
     "DEFAULT_MAX_BYTES",
     "MANIFEST_NAME",
     "STDLIB_SOURCE",
@@ -67,11 +71,13 @@ __all__ = [
     "TokenShards",
     "TokenStream",
     "Tokenizer",
+    "archive_stdlib",
     "batches",
     "build_shards",
     "document_files",
     "held_out_score",
     "in_split",
+    "is_file_set",
     "iter_documents",
     "load_tokenizer",
     "open_shards",
@@ -82,8 +88,10 @@ __all__ = [
     "read_jsonl",
     "read_parquet",
     "read_text_file",
+    "resolve_source",
     "save_tokenizer",
     "source_fingerprint",
+    "source_path",
     "stdlib_files",
     "stdlib_root",
     "token_dtype",

@@ -14,6 +14,9 @@ Sources:
   its last `held_out_fraction` of bytes, from a line start, is held out, the rest is trained on.
 - a directory saved by Hugging Face `datasets` (`save_to_disk`): column `text_field`.
 - any other directory: every `.txt`, `.jsonl` and `.parquet` file below it, in path order.
+- a pinned file set (`deltalab.data.pinned`): an archive (`.tar`, `.tar.gz`, `.tgz`, `.tar.bz2`,
+  `.tar.xz`, `.zip`) or a file list `@LIST`; each file is one document, split by its name as
+  the stdlib's files are.
 """
 
 from __future__ import annotations
@@ -23,11 +26,17 @@ import hashlib
 import json
 import os
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from deltalab.data._validate import require_choice, require_fraction, require_int
+from deltalab.data.pinned import (
+    FILE_LIST_PREFIX,
+    file_set_documents,
+    file_set_files,
+    is_file_set,
+)
 from deltalab.errors import DataError
 
 STDLIB_SOURCE = "stdlib"
@@ -54,7 +63,8 @@ _HASH_CHUNK = 1 << 20
 class CorpusConfig:
     """Which documents to read.
 
-    source: `"stdlib"` or a path (file, directory, or a saved Hugging Face dataset).
+    source: `"stdlib"`, a path (file, directory, or a saved Hugging Face dataset), an archive or
+        `@LIST` (a pinned file set, `deltalab.data.pinned`).
     split: `"train"`, `"held_out"` or `"all"`. A stdlib file belongs to the held-out split when
         the hash of its relative path falls below `held_out_fraction`; a user document when the
         hash of its text does, so duplicated documents never straddle the split. A source that
@@ -121,8 +131,14 @@ def stdlib_files(config: CorpusConfig) -> list[str]:
             path = Path(directory, name)
             if name.endswith(".py") and path.stat().st_size <= config.stdlib_max_file_bytes:
                 found.append(path.relative_to(root).as_posix())
-    chosen = [p for p in found if in_split(p, config.split, config.held_out_fraction)]
-    return sorted(chosen, key=lambda p: (held_out_score(p), p))
+    return split_by_name(found, config)
+
+
+def split_by_name(names: Iterable[str], config: CorpusConfig) -> list[str]:
+    """The names of `config.split`, in the corpus order: that of `held_out_score`, a pure
+    function of the name (the stdlib's files and a pinned file set's documents)."""
+    chosen = [n for n in names if in_split(n, config.split, config.held_out_fraction)]
+    return sorted(chosen, key=lambda n: (held_out_score(n), n))
 
 
 def read_text_file(path: str | Path) -> Iterator[str]:
@@ -323,6 +339,8 @@ def iter_documents(config: CorpusConfig) -> Iterator[str]:
         )
         # Stdlib files are split by path, above; user documents by their text, below.
         return _capped(texts, config, split_by_text=False)
+    if is_file_set(config.source):
+        return _capped(_file_set_texts(config), config, split_by_text=False)
     path = _require_path(config.source)
     if _is_text_file(path):
         texts = read_text_range(path, config.split, config.held_out_fraction, config.max_bytes)
@@ -332,6 +350,31 @@ def iter_documents(config: CorpusConfig) -> Iterator[str]:
         )
         return _capped(texts, config, split_by_text=False, why=why)
     return _capped(_read_source(path, config), config, split_by_text=True)
+
+
+def _file_set_texts(config: CorpusConfig) -> Iterator[str]:
+    """The documents of a pinned file set (`deltalab.data.pinned`), split and ordered by name as
+    the stdlib's files are, decoded as they are."""
+    documents = file_set_documents(config.source)
+    for name in split_by_name(documents, config):
+        yield documents[name].decode("utf-8", errors="replace")
+
+
+def resolve_source(source: str) -> str:
+    """`source` with its path made absolute (`"stdlib"` as is; `@LIST` keeps its `@`): one cache
+    entry per source however its path is spelled."""
+    if source == STDLIB_SOURCE:
+        return source
+    if source.startswith(FILE_LIST_PREFIX):
+        return FILE_LIST_PREFIX + str(Path(source[len(FILE_LIST_PREFIX) :]).resolve())
+    return str(Path(source).resolve())
+
+
+def source_path(source: str) -> Path | None:
+    """The file or directory `source` reads (the list of `@LIST`); None for `"stdlib"`."""
+    if source == STDLIB_SOURCE:
+        return None
+    return Path(source[len(FILE_LIST_PREFIX) :] if source.startswith(FILE_LIST_PREFIX) else source)
 
 
 def _is_text_file(path: Path) -> bool:
@@ -417,6 +460,8 @@ def _source_files(config: CorpusConfig) -> list[tuple[str, Path]]:
         root = stdlib_root()
         everything = dataclasses.replace(config, split="all")
         return [(name, root / name) for name in sorted(stdlib_files(everything))]
+    if is_file_set(config.source):
+        return file_set_files(config.source)
     path = _require_path(config.source)
     if not path.is_dir():
         return [(path.name, path)]

@@ -31,7 +31,8 @@ from deltalab.errors import DataError
 
 MANIFEST_NAME = "manifest.json"
 SHARD_NAME = "shard_{:05d}.bin"
-FORMAT_VERSION = 1
+# 2: the manifest carries the sha256 of the token stream and of the text (older sets rebuild).
+FORMAT_VERSION = 2
 # 64 Mi tokens: 128 MiB shards at uint16, few enough files for any corpus that fits on a disk.
 DEFAULT_SHARD_TOKENS = 1 << 26
 # uint16 holds the ids 0..65535.
@@ -46,7 +47,10 @@ class ShardManifest:
 
     dtype: `"uint16"` or `"uint32"`. shard_files / shard_tokens: file names and token counts,
     in stream order. tokenizer: the spec given to `load_tokenizer`. The fingerprints identify the
-    source documents and the tokenizer, for cache reuse.
+    source documents and the tokenizer, for cache reuse. text_bytes: the UTF-8 bytes of the
+    documents (what per-byte losses divide by); text_sha256: SHA-256 of the documents, each
+    followed by a NUL byte; tokens_sha256: SHA-256 of the token stream as stored (the shards'
+    bytes in order). The last three are what a run records of the data it used.
     """
 
     dtype: str
@@ -59,11 +63,27 @@ class ShardManifest:
     num_documents: int
     shard_files: tuple[str, ...]
     shard_tokens: tuple[int, ...]
+    text_bytes: int
+    text_sha256: str
+    tokens_sha256: str
     format_version: int = FORMAT_VERSION
 
     @property
     def num_tokens(self) -> int:
         return sum(self.shard_tokens)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a run records of this token stream (its provenance): the source, the sizes and
+        the SHA-256 of the text and of the tokens."""
+        return {
+            "source": self.source,
+            "tokenizer": self.tokenizer,
+            "documents": self.num_documents,
+            "text_bytes": self.text_bytes,
+            "text_sha256": self.text_sha256,
+            "tokens": self.num_tokens,
+            "tokens_sha256": self.tokens_sha256,
+        }
 
     def to_json(self) -> str:
         record: dict[str, Any] = asdict(self)
@@ -137,9 +157,12 @@ def build_shards(
         raise ValueError(f"tokenizer eos_id must be in [0, {vocab_size}), got {eos}")
     dtype = token_dtype(vocab_size)
     writer = _ShardWriter(out, dtype, shard_tokens)
-    num_documents = 0
+    num_documents, text_bytes, text_hash = 0, 0, hashlib.sha256()
     try:
         for number, document in enumerate(documents):
+            raw = document.encode("utf-8")
+            text_bytes += len(raw)
+            text_hash.update(raw + b"\0")
             ids = np.asarray(tokenizer.encode(document), dtype=np.int64)
             if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
                 raise ValueError(
@@ -164,6 +187,9 @@ def build_shards(
         num_documents=num_documents,
         shard_files=tuple(writer.files),
         shard_tokens=tuple(writer.counts),
+        text_bytes=text_bytes,
+        text_sha256=text_hash.hexdigest(),
+        tokens_sha256=writer.digest.hexdigest(),
     )
     _write_atomically(out / MANIFEST_NAME, manifest.to_json())
     return manifest
@@ -318,6 +344,8 @@ class _ShardWriter:
         self.files: list[str] = []
         self.counts: list[int] = []
         self._handle: IO[bytes] | None = None
+        # Of the bytes written, in order: the stream's fingerprint, without reading it back.
+        self.digest = hashlib.sha256()
 
     def write(self, tokens: np.ndarray) -> None:
         tokens = tokens.astype(self.dtype.newbyteorder("<"), copy=False)
@@ -327,7 +355,9 @@ class _ShardWriter:
             if handle is None or self.counts[-1] == self.shard_tokens:
                 handle = self._next_file()
             room = self.shard_tokens - self.counts[-1]
-            handle.write(tokens[:room].tobytes())
+            piece = tokens[:room].tobytes()
+            handle.write(piece)
+            self.digest.update(piece)
             self.counts[-1] += min(room, tokens.size)
             tokens = tokens[room:]
 

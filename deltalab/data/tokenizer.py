@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+import torch
+
 from deltalab.errors import DataError
 
 BYTE_SPEC = "byte"
@@ -108,6 +110,12 @@ class ByteTokenizer:
         pieces.append(run.decode("utf-8", errors="replace"))
         return "".join(pieces)
 
+    def token_byte_lengths(self) -> torch.Tensor:
+        """`[vocab_size]`: 1 for each byte token, 0 for the specials."""
+        lengths = torch.zeros(self.vocab_size, dtype=torch.int64)
+        lengths[:NUM_BYTES] = 1
+        return lengths
+
     def to_transformers(self) -> Any:
         """The same tokenizer as a `transformers` fast tokenizer (`tokenizers`-backed).
 
@@ -117,7 +125,6 @@ class ByteTokenizer:
         U+FFFD). No BOS is prepended by default, as training streams carry none.
         """
         import tokenizers
-        from transformers import PreTrainedTokenizerFast
 
         unicode_of = _gpt2_byte_alphabet()
         # A BPE without merges over the byte alphabet: one token per byte, id = byte value.
@@ -131,21 +138,28 @@ class ByteTokenizer:
         raw.add_special_tokens(
             [tokenizers.AddedToken(t, special=True, normalized=False) for t in self.SPECIAL_TOKENS]
         )
-        bos, eos, pad = self.SPECIAL_TOKENS
-        return PreTrainedTokenizerFast(
-            tokenizer_object=raw,
-            bos_token=bos,
-            eos_token=eos,
-            pad_token=pad,
-            # The text "<|eos|>" is seven bytes here, as in `encode`, not the EOS token.
-            split_special_tokens=True,
-            # transformers would otherwise rewrite " ." as "." etc. when decoding.
-            clean_up_tokenization_spaces=False,
-        )
+        return byte_level_fast(raw, self.SPECIAL_TOKENS)
 
     def save_pretrained(self, path: str | os.PathLike[str]) -> None:
         """Writes `tokenizer.json` and `tokenizer_config.json` (see `to_transformers`) to `path`."""
         self.to_transformers().save_pretrained(path)
+
+
+def byte_level_fast(raw: Any, specials: tuple[str, str, str]) -> Any:
+    """The `tokenizers.Tokenizer` `raw` (byte-level, holding the `specials` BOS, EOS, PAD) as a
+    `transformers` fast tokenizer that encodes and decodes text exactly: the text "<|eos|>" in a
+    document is its bytes, not the EOS that ends documents, and decoding rewrites no spaces."""
+    from transformers import PreTrainedTokenizerFast
+
+    bos, eos, pad = specials
+    return PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=pad,
+        split_special_tokens=True,
+        clean_up_tokenization_spaces=False,
+    )
 
 
 def _gpt2_byte_alphabet() -> dict[int, str]:
@@ -184,6 +198,7 @@ class HuggingFaceTokenizer:
         bos, pad = tokenizer.bos_token_id, tokenizer.pad_token_id
         self._bos = self._eos if bos is None else int(bos)
         self._pad = self._eos if pad is None else int(pad)
+        self._byte_lengths: torch.Tensor | None = None
 
     @property
     def spec(self) -> str:
@@ -205,6 +220,29 @@ class HuggingFaceTokenizer:
     @property
     def pad_id(self) -> int:
         return self._pad
+
+    def token_byte_lengths(self) -> torch.Tensor | None:
+        """`[vocab_size]`: the UTF-8 bytes each id stands for (0 for special tokens), when the
+        tokenizer is byte-level (its decoder `tokenizers`' ByteLevel: every token a fixed byte
+        string, one alphabet character a byte); None for any other tokenizer, whose tokens
+        need not be whole bytes."""
+        if self._byte_lengths is not None:
+            return self._byte_lengths
+        import tokenizers
+
+        backend = getattr(self._tokenizer, "backend_tokenizer", None)
+        if backend is None or not isinstance(backend.decoder, tokenizers.decoders.ByteLevel):
+            return None
+        lengths = torch.zeros(self.vocab_size, dtype=torch.int64)
+        added = backend.get_added_tokens_decoder()
+        for token, index in backend.get_vocab(with_added_tokens=True).items():
+            if index in added:
+                special = added[index].special
+                lengths[index] = 0 if special else len(added[index].content.encode("utf-8"))
+            else:
+                lengths[index] = len(token)
+        self._byte_lengths = lengths
+        return lengths
 
     def save_pretrained(self, path: str | os.PathLike[str]) -> None:
         """Writes the tokenizer's files to `path`, so a checkpoint carries its tokenizer."""

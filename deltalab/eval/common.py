@@ -311,12 +311,11 @@ def wilson_interval(successes: float, trials: int, z: float = 1.96) -> tuple[flo
 def source_tokens(text: TextSource, tokenizer: Any) -> Any:
     """The token stream of `text` (documents joined by EOS, as in training), through the data
     layer's shard cache; EvalError naming the source when it is missing or empty."""
-    from deltalab.data import CorpusConfig, prepare_tokens
+    from deltalab.data import CorpusConfig, prepare_tokens, resolve_source
 
-    source = text.source if text.source == "stdlib" else str(Path(text.source).resolve())
     try:
         corpus = CorpusConfig(
-            source=source,
+            source=resolve_source(text.source),
             split=text.split,
             held_out_fraction=text.held_out_fraction,
             max_bytes=text.max_bytes,
@@ -345,9 +344,9 @@ def source_documents(text: TextSource) -> Any:
 
 
 def token_bytes(tokenizer: Any, ids: Any) -> int:
-    """UTF-8 bytes the tokens `ids` stand for (specials count 0)."""
-    from deltalab.data import ByteTokenizer
-
-    if isinstance(tokenizer, ByteTokenizer):
-        return int((torch.as_tensor(ids) < 256).sum())
+    """UTF-8 bytes the tokens `ids` stand for (specials count 0): exact, token by token, for a
+    byte-level tokenizer (`token_byte_lengths`); else the bytes of their decoded text."""
+    lengths = getattr(tokenizer, "token_byte_lengths", lambda: None)()
+    if lengths is not None:
+        return int(lengths[torch.as_tensor(ids).long().cpu()].sum())
     return len(tokenizer.decode([int(i) for i in ids]).encode("utf-8"))

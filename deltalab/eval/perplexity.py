@@ -1,4 +1,4 @@
-"""Perplexity and bits per byte on held-out text.
+"""Perplexity (per token) and the loss per byte (nats and bits) on held-out text.
 
 The text is the data layer's token stream (the built-in corpus's held-out split by default, or
 the user's files), cut into windows exactly as the training loop's evaluation cuts it
@@ -49,9 +49,13 @@ def perplexity(settings: PerplexitySettings, ctx: TaskContext) -> TaskOutcome:
         bar.update(nll.numel())
     bar.close()
     loss = total_nll / total_tokens
-    bpb = total_nll / math.log(2) / total_bytes if total_bytes else float("nan")
+    # Per byte: the same summed loss over the UTF-8 bytes the predicted tokens stand for, so
+    # nats_per_byte = loss * tokens / bytes, comparable across tokenizers.
+    npb = total_nll / total_bytes if total_bytes else float("nan")
+    bpb = npb / math.log(2)
     metrics = {
         "loss": loss,
+        "nats_per_byte": npb,
         "perplexity": math.exp(loss),
         "bits_per_byte": bpb,
         "tokens": total_tokens,

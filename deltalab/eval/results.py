@@ -8,27 +8,15 @@ import os
 import platform
 import sys
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from deltalab.eval.common import EvalError
+from deltalab.provenance import package_versions
 
 __all__ = ["RESULTS_NAME", "compare_table", "load_results", "package_versions", "write_results"]
 
 RESULTS_NAME = "results.json"
-_PACKAGES = ("deltalab", "torch", "transformers", "numpy", "lm_eval")
-
-
-def package_versions() -> dict[str, str]:
-    """Versions of the packages a result depends on (those installed) and of Python."""
-    found = {"python": platform.python_version()}
-    for name in _PACKAGES:
-        try:
-            found[name] = metadata.version(name.replace("_", "-"))
-        except metadata.PackageNotFoundError:
-            continue
-    return found
 
 
 def write_results(

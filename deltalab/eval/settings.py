@@ -38,7 +38,8 @@ class TextSource:
     """Where text comes from (see `deltalab.data.CorpusConfig`); the tokens are cached under
     `cache_dir` as for training.
 
-    source: "stdlib" (the built-in corpus) or a path: a file, a directory of .txt/.jsonl/.parquet.
+    source: "stdlib" (the built-in corpus), an archive or @LIST of files, or a path: a file, a
+        directory of .txt/.jsonl/.parquet.
     split: "held_out" (documents the training run did not see), "train" or "all".
     held_out_fraction: the fraction of documents in the held-out split (as in training).
     max_bytes: stop reading documents after this many bytes (null: all of the split).

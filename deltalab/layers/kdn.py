@@ -99,6 +99,14 @@ Q_BIAS_INIT = inverse_softplus(Q_INIT)
 R_BIAS_INIT = inverse_softplus(R_INIT - R_MIN)
 
 
+def _finite_number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
 def observation_noise(raw: torch.Tensor, r_min: float) -> torch.Tensor:
     """r = r_min + softplus(raw) `[B, T, H]` > 0, in at least float32 (docs/MATH.md sec. 3.5)."""
     return r_min + F.softplus(raw.to(compute_dtype(raw)))
@@ -107,10 +115,16 @@ def observation_noise(raw: torch.Tensor, r_min: float) -> torch.Tensor:
 class FreeProcessNoise(nn.Module):
     """q = softplus(proj(x)): per head `hidden -> H` (Isotropic), or per head-channel through a
     low-rank `hidden -> rank -> H*K` whose second factor starts at zero (docs/MATH.md sec. 3.5), so
-    every channel starts from q = Q_INIT."""
+    every channel starts from q = softplus(bias) (Q_INIT at the default `bias`, Q_BIAS_INIT)."""
 
     def __init__(
-        self, hidden_size: int, num_heads: int, head_dim: int, channel: bool, rank: int
+        self,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        channel: bool,
+        rank: int,
+        bias_init: float = Q_BIAS_INIT,
     ) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.channel = num_heads, head_dim, channel
@@ -123,7 +137,7 @@ class FreeProcessNoise(nn.Module):
         else:
             linear = nn.Linear(hidden_size, num_heads)
             self.proj, bias = linear, linear.bias
-        nn.init.constant_(no_weight_decay(bias), Q_BIAS_INIT)
+        nn.init.constant_(no_weight_decay(bias), bias_init)
 
     def forward(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """x `[B, T, D]`, g (unused) -> q `[B, T, H, K]` (channel) or `[B, T, H]`, >= 0."""
@@ -330,7 +344,10 @@ class KDNMixer(KalmanMixer):
     projection (default head_dim; not for `IsotropicKDN`, whose noise is per head);
     process_noise: "free" or "tied"; info_scale: evidence scale s > 0 (default K, as the
     reference; not for `ExactKDN`, which is exact, s = 1); r_min: floor of the observation
-    noise (> 0).
+    noise (> 0); r_bias, q_bias: initial biases of the observation- and (free) process-noise
+    projections, before their softplus (None: R_BIAS_INIT and Q_BIAS_INIT, r = 1 and q = 0.1
+    for a zero input; the reference's are 0, r = r_min + ln 2 and q = ln 2: the
+    `kdn-authors-1.3B` preset, docs/MATH.md sec. 3.6).
     """
 
     @classmethod
@@ -353,10 +370,14 @@ class KDNMixer(KalmanMixer):
         process_noise: str = "free",
         info_scale: float | None = None,
         r_min: float = R_MIN,
+        r_bias: float | None = None,
+        q_bias: float | None = None,
         **frontend: Unpack[FrontendKeywords],
     ) -> None:
         options = frontend_options(options, frontend, type(self))
         name = type(self).__name__
+        if q_bias is not None and process_noise == "tied":
+            raise TypeError(f"{name} got q_bias, but process_noise='tied' has no projection")
         # Refused by name rather than ignored: the option has no meaning for this variant.
         if noise_rank is not None and not self.channel_noise:
             raise TypeError(f"{name} got noise_rank, but its process noise is per head (no rank)")
@@ -373,14 +394,16 @@ class KDNMixer(KalmanMixer):
         rank = head_dim if decay_rank is None else decay_rank
         self.decay = ChannelDecay(hidden_size, num_heads, head_dim, rank)
         self.r_proj = nn.Linear(hidden_size, num_heads)
-        nn.init.constant_(no_weight_decay(self.r_proj.bias), R_BIAS_INIT)
+        r_bias = R_BIAS_INIT if r_bias is None else _finite_number("r_bias", r_bias)
+        nn.init.constant_(no_weight_decay(self.r_proj.bias), r_bias)
         self._init_prior()
         self.process: FreeProcessNoise | TiedProcessNoise
         if process_noise == "tied":
             self.process = TiedProcessNoise(num_heads, self.channel_noise)
         else:
+            q_bias = Q_BIAS_INIT if q_bias is None else _finite_number("q_bias", q_bias)
             self.process = FreeProcessNoise(
-                hidden_size, num_heads, head_dim, self.channel_noise, noise_rank
+                hidden_size, num_heads, head_dim, self.channel_noise, noise_rank, q_bias
             )
         if self.has_info_scale:
             scale = float(head_dim) if info_scale is None else info_scale

@@ -12,6 +12,11 @@ eval settings); nothing trains unless all of it passes. Runs already finished ar
 interrupted one resumes from its checkpoint. The report is written to the study directory:
 study.json, study.md and figures.
 
+Each run's study_run.json records the code's git commit (or installed version), the package
+versions, the device and the SHA-256 of the train and held-out data it read. A study refuses to
+resume into, or aggregate, records of another commit unless --allow-mixed-commits is given, nor
+runs trained on other data (another Python's stdlib, an edited file) unless --allow-mixed-data.
+
 Ctrl-C (SIGINT) or SIGTERM stops the study: nothing new starts, the running jobs get SIGTERM,
 checkpoint and exit (after --grace seconds, or a second Ctrl-C, they are killed), and are
 recorded "interrupted" once they have exited. A run directory takes one trainer at a time:
@@ -75,6 +80,19 @@ def add_parser(commands: Any) -> None:
         metavar="SECONDS",
         help="on Ctrl-C or SIGTERM, how long to wait for the running jobs to checkpoint and exit "
         "before killing them (default 120; a second Ctrl-C kills them at once)",
+    )
+    parser.add_argument(
+        "--allow-mixed-commits",
+        action="store_true",
+        help="resume, extend or aggregate a study whose records were written by other code "
+        "(another git commit or installed version) than the code running now; refused by default",
+    )
+    parser.add_argument(
+        "--allow-mixed-data",
+        action="store_true",
+        help="resume, extend or aggregate a study whose runs recorded other train or held-out "
+        "token streams (SHA-256) than each other or than the spec's source gives now; refused "
+        "by default",
     )
     parser.set_defaults(run=run_study)
 
@@ -151,9 +169,10 @@ def _exclusive(out_dir: Path) -> Iterator[None]:
         yield
 
 
-def _prepare_data(plan: Any) -> None:
+def _prepare_data(plan: Any) -> dict[str, Any]:
     """Tokenize the shared data once, before any run starts (a bad source fails here, and the
-    runs do not tokenize it side by side)."""
+    runs do not tokenize it side by side); returns its fingerprint by split, as the runs record
+    it."""
     from deltalab.data import load_tokenizer
     from deltalab.train.distributed import Distributed
     from deltalab.train.loop import _sequences
@@ -163,8 +182,10 @@ def _prepare_data(plan: Any) -> None:
     import torch
 
     ctx = Distributed(0, 1, 0, torch.device("cpu"))
-    for split in ("train", "held_out"):
-        _sequences(config, tokenizer, split, ctx)
+    return {
+        split: _sequences(config, tokenizer, split, ctx).tokens.manifest.fingerprint()
+        for split in ("train", "held_out")
+    }
 
 
 def _note_invocation(out_dir: Path, **fields: Any) -> None:
@@ -206,17 +227,23 @@ def execute(
     say: Any = _say,
     only: list[str] | None = None,
     grace: float | None = None,
+    allow_mixed_commits: bool = False,
+    allow_mixed_data: bool = False,
 ) -> int:
     """Runs the plan's pending jobs (those matching `only`, if given) and writes the report of
     the whole plan; the exit status of the module docstring. `grace`: seconds a stopped study
-    waits for its children before SIGKILL (default `runner.DEFAULT_GRACE`)."""
+    waits for its children before SIGKILL (default `runner.DEFAULT_GRACE`);
+    `allow_mixed_commits`: run even where records of other code are (`records.check_commits`);
+    `allow_mixed_data`: even where runs trained on other data are (`records.check_data`)."""
+    from deltalab.study.records import check_commits, check_data
     from deltalab.study.report import write_report
     from deltalab.study.runner import DEFAULT_GRACE, StudyRunner, check_finished_runs, signal_name
 
     out_dir = plan.spec.out_dir
     with _exclusive(out_dir):
         check_finished_runs(plan)
-        _prepare_data(plan)
+        check_commits(plan, aggregate=False, allow_mixed=allow_mixed_commits)
+        check_data(plan, _prepare_data(plan), allow_mixed=allow_mixed_data)
         started = time.perf_counter()
         _note_invocation(out_dir, started=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         runner = StudyRunner(
@@ -280,10 +307,20 @@ def run_study(args: argparse.Namespace) -> int:
         # Finished runs are held to the spec as when the study runs: a report of runs trained
         # otherwise would describe settings they never had.
         check_finished_runs(plan)
+        from deltalab.study.records import check_commits, check_data
+
+        check_commits(plan, aggregate=True, allow_mixed=args.allow_mixed_commits)
+        check_data(plan, allow_mixed=args.allow_mixed_data)
         written = write_report(plan, stem=stem)
         print(f"report: {written['markdown']}")
         return 0
     if args.only:
         select(plan, args.only)  # refuses patterns that match nothing, before any work
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    return execute(plan, only=args.only, grace=args.grace)
+    return execute(
+        plan,
+        only=args.only,
+        grace=args.grace,
+        allow_mixed_commits=args.allow_mixed_commits,
+        allow_mixed_data=args.allow_mixed_data,
+    )

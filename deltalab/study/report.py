@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from deltalab.study.plan import PlannedRun, PlannedTask, StudyPlan, lr_text
+from deltalab.study.records import recorded_devices, recorded_identities
 from deltalab.study.runner import RECORD_NAME, _read_json, _write_json, run_state, task_state
 from deltalab.study.stats import paired_difference, summarize
 
@@ -263,7 +264,9 @@ def collect(plan: StudyPlan) -> dict[str, Any]:
         "out_dir": str(spec.out_dir),
         "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "device": plan.device,
+        # What the runs ran on, as their records say (the plan's guess only before any ran).
+        "device": ", ".join(recorded_devices(plan)) or plan.device,
+        "code": list(recorded_identities(plan)),
         "parallel": spec.parallel,
         "threads_per_run": plan.threads,
         "baseline": spec.baseline,
@@ -445,7 +448,8 @@ def _markdown(plan: StudyPlan, data: dict[str, Any], figures: list[str]) -> str:
         "",
         f"Spec `{spec_name}`, run with `deltalab study {spec_name}`; written {data['written']} on "
         f"{data['machine']['platform']} ({data['machine']['cpus']} CPUs), device "
-        f"{data['device']}, {spec.parallel} run(s) at a time, {plan.threads} CPU thread(s) each.",
+        f"{data['device']}, {spec.parallel} run(s) at a time, {plan.threads} CPU thread(s) each; "
+        f"code {', '.join(data['code']) or 'not recorded'}.",
     ]
     for invocation in data["invocations"]:
         lines.append(

@@ -35,7 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from deltalab.errors import ConfigError
+from deltalab.provenance import read_json as _read_json
 from deltalab.study.plan import EvalStep, PlannedRun, PlannedTask, StudyPlan
+from deltalab.study.records import job_provenance
 
 __all__ = [
     "DEFAULT_GRACE",
@@ -147,14 +149,6 @@ def signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -390,6 +384,8 @@ class StudyRunner:
                 self._record(directory, status=status, stage="train", error=error, returncode=code)
                 self.say(f"{run.name}: {status}: {error}")
                 return Outcome(run.name, status, error)
+        # The trainer's record of code, packages, device and data (or the study's own).
+        self._record(directory, provenance=job_provenance(directory, self.plan.device))
         failures = []
         for step in run.evals:
             if eval_done(directory, step):
@@ -429,7 +425,14 @@ class StudyRunner:
         log = directory / "study.log"
         started = time.perf_counter()
         base = dict(name=task.name, variant=task.variant.name, seed=task.seed, task=task.step.task)
-        self._record(directory, **base, status="running", stage=task.step.task, error="")
+        self._record(
+            directory,
+            **base,
+            status="running",
+            stage=task.step.task,
+            error="",
+            provenance=job_provenance(directory, self.plan.device),
+        )
         self.say(f"{task.name}: running")
         code = self._launch(self._eval_args(task.step, directory, None, task.seed), worker, log)
         if code != 0:

@@ -129,7 +129,8 @@ def _require_text(section: _Section, *names: str) -> None:
 class ModelSection(_Section):
     """Which model to train.
 
-    preset: named model preset of `deltalab.models.PRESETS` (tiny, 166M, 340M, 750M, 1.3B).
+    preset: named model preset of `deltalab.models.PRESETS` (tiny, 166M, 340M, 750M, 1.3B, and
+        kdn-authors-1.3B for kdn_iso and kdn_diag: the KDN authors' configuration).
     mixer: token mixer of every block, one of `deltalab.models.MIXER_KINDS`.
     overrides: further `DeltaLabConfig` fields, e.g. {num_layers: 2, mixer_options: {...}}.
     init_from: a Hugging Face model directory (a run's model/, `deltalab export` output) whose
@@ -156,11 +157,13 @@ class ModelSection(_Section):
 class DataSection(_Section):
     """What to train on (see `deltalab.data.CorpusConfig`).
 
-    source: "stdlib" (the Python standard library) or a path: a file, a directory of .txt,
-        .jsonl and .parquet files, or a dataset saved by Hugging Face `datasets`. A single
+    source: "stdlib" (the Python standard library), an archive or @LIST of files (pinned; split
+        by file name as the stdlib is), or a path: a file, a directory of .txt, .jsonl and
+        .parquet files, or a dataset saved by Hugging Face `datasets`. A single
         text file is one document, split by position: its last held_out_fraction (from a line
         start) is held out.
-    tokenizer: "byte", or a directory holding a Hugging Face tokenizer.
+    tokenizer: "byte", or a directory holding a Hugging Face tokenizer (`deltalab tokenizer
+        train` writes one).
     cache_dir: directory of the tokenized shards, reused until the source changes.
     max_bytes: stop reading the source after this many UTF-8 bytes (null: read it all).
     held_out_fraction: fraction of the documents held out for evaluation, in (0, 1); of a

@@ -37,6 +37,7 @@ from deltalab.data import (
     batches,
     load_tokenizer,
     prepare_tokens,
+    resolve_source,
     save_tokenizer,
 )
 from deltalab.errors import (
@@ -50,6 +51,7 @@ from deltalab.generate import printable
 from deltalab.models import CausalLM
 from deltalab.models.lm import check_token_ids
 from deltalab.ops._checks import NonFiniteError, one_host_read
+from deltalab.provenance import write_run_provenance
 from deltalab.train import preflight
 from deltalab.train.checkpoint import (
     CheckpointWarning,
@@ -102,11 +104,8 @@ class TrainResult:
 
 
 def _sequences(config: RunConfig, tokenizer, split: str, ctx: Distributed) -> PackedSequences:
-    source = config.data.source
-    # One cache entry per source, however its path is spelled (`data`, `./data/`, absolute).
-    source = source if source == "stdlib" else str(Path(source).resolve())
     corpus = CorpusConfig(
-        source=source,
+        source=resolve_source(config.data.source),
         split=split,
         held_out_fraction=config.data.held_out_fraction,
         max_bytes=config.data.max_bytes,
@@ -219,6 +218,8 @@ class TrainState:
     eval_windows: int
     autocast: Any
     split: ContextSplit
+    # What the run's record says of its code, packages, device and data (deltalab.provenance).
+    provenance: dict[str, Any] = field(default_factory=dict)
     history: dict[str, list[dict[str, Any]]] = field(
         default_factory=lambda: {"train": [], "eval": []}
     )
@@ -569,6 +570,12 @@ def train(config: RunConfig) -> TrainResult:
 def _train(config: RunConfig, ctx: Distributed) -> TrainResult:
     state = _setup(config, ctx)
     start = state.resume() if config.checkpoint.resume else 0
+    if ctx.is_main:
+        data = {
+            "train": state.train_data.tokens.manifest.fingerprint(),
+            "held_out": state.held_out.tokens.manifest.fingerprint(),
+        }
+        state.provenance = write_run_provenance(state.out_dir, ctx.device, data)
     state.done = start
     state.logger = RunLogger(state.out_dir, config, enabled=ctx.is_main, resume_step=start or None)
     if ctx.is_main:
@@ -837,7 +844,7 @@ def _export(
         "sample": sample,
         "config": state.config.to_dict(),
         "history": history,
-        "versions": {"torch": torch.__version__},
+        "provenance": state.provenance,
     }
     path = out_dir / "metrics.json"
     tmp = path.with_suffix(".json.tmp")

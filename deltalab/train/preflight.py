@@ -27,9 +27,12 @@ __all__ = [
 
 def check_outside_source(config: RunConfig) -> None:
     """The run's own files must not become training data on the next run."""
-    if config.data.source == "stdlib":
+    from deltalab.data import source_path
+
+    path = source_path(config.data.source)
+    if path is None:
         return
-    source = Path(config.data.source).resolve()
+    source = path.resolve()
     for name, value in (
         ("log.out_dir", config.log.out_dir),
         ("data.cache_dir", config.data.cache_dir),

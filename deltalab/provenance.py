@@ -1,0 +1,146 @@
+"""Where a result came from: the code's commit, the package versions, the device and the data.
+
+    record = provenance(torch.device("cuda"), data={"train": manifest_fingerprint(train)})
+    code_identity(record["code"])   # "3f2c1e0..." or "deltalab 0.1.0 (installed)"
+
+The code is read with `git` when the imported `deltalab` package is the `deltalab/` folder of a
+git work tree (a checkout, editable installs included): its HEAD commit, and whether its tracked
+files differ from it ("dirty"; untracked files such as run directories do not count). Otherwise
+the installed distribution's version stands for it, stated as such (`"from": "installed"`).
+
+`deltalab train` writes the record to its run directory as provenance.json (and into
+metrics.json); `deltalab study` keeps each run's record in its study_run.json and refuses to mix
+records of different code (`--allow-mixed-commits`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "PACKAGES",
+    "PROVENANCE_NAME",
+    "code_identity",
+    "code_version",
+    "device_name",
+    "package_versions",
+    "provenance",
+    "read_json",
+    "record_identities",
+    "write_run_provenance",
+]
+
+PROVENANCE_NAME = "provenance.json"
+# The distributions a result depends on; absent ones are recorded as None.
+PACKAGES = ("deltalab", "torch", "triton", "transformers", "tokenizers", "numpy", "lm_eval")
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def _git(root: Path, *args: str) -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", *args], cwd=root, capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+@functools.cache
+def code_version(package_dir: Path = PACKAGE_DIR) -> dict[str, Any]:
+    """The code of `package_dir` (this `deltalab` package by default): `{"from": "git",
+    "commit", "dirty"}` when it is the `deltalab/` folder of a git work tree, else `{"from":
+    "installed", "version"}`. Cached: the code of a running process does not change."""
+    top = _git(package_dir, "rev-parse", "--show-toplevel")
+    # A package copied into site-packages inside some other repository is not that repository's.
+    if top is not None and Path(top).resolve() / package_dir.name == package_dir.resolve():
+        head = _git(package_dir, "rev-parse", "HEAD")
+        if head:
+            status = _git(Path(top), "status", "--porcelain", "--untracked-files=no")
+            return {"from": "git", "commit": head, "dirty": bool(status)}
+    return {"from": "installed", "version": _version("deltalab")}
+
+
+def code_identity(code: dict[str, Any] | None) -> str:
+    """What two records must share to count as the same code: the commit, or the installed
+    version ("deltalab 0.1.0 (installed)"); "unknown" for a record without one."""
+    if not code:
+        return "unknown"
+    if code.get("from") == "git" and code.get("commit"):
+        return str(code["commit"])
+    return f"deltalab {code.get('version')} (installed)"
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def package_versions() -> dict[str, str | None]:
+    """Python's version and those of `PACKAGES` (None where one is not installed)."""
+    return {"python": platform.python_version(), **{name: _version(name) for name in PACKAGES}}
+
+
+def device_name(device: Any) -> str:
+    """`"cuda: NVIDIA H100 80GB HBM3"` for a CUDA device, else the device type (`"cpu"`)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    return device.type
+
+
+def provenance(device: Any, data: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The record: code, package versions, device, and `data` (what the run read, by split)."""
+    return {
+        "code": code_version(),
+        "versions": package_versions(),
+        "device": device_name(device),
+        "data": data or {},
+    }
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in `path`; None when it is missing, unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def record_identities(record: dict[str, Any] | None) -> list[str]:
+    """The code identities a provenance record names: its own and those of earlier starts."""
+    if not record:
+        return []
+    codes = [record.get("code"), *(record.get("earlier_code") or [])]
+    return list(dict.fromkeys(code_identity(code) for code in codes if code))
+
+
+def write_run_provenance(out_dir: Path, device: Any, data: dict[str, Any]) -> dict[str, Any]:
+    """Writes `out_dir/provenance.json` for a training that starts (or resumes) now and returns
+    the record. A resumed run whose earlier starts ran other code keeps their `code` records
+    under `earlier_code`, so that a mix of commits stays visible."""
+    record = provenance(device, data)
+    previous = read_json(out_dir / PROVENANCE_NAME)
+    if previous is not None:
+        earlier = [previous.get("code"), *(previous.get("earlier_code") or [])]
+        identity = code_identity(record["code"])
+        kept = [c for c in earlier if c and code_identity(c) != identity]
+        if kept:
+            record["earlier_code"] = list({code_identity(c): c for c in kept}.values())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    temporary = out_dir / f".{PROVENANCE_NAME}.tmp"
+    temporary.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(temporary, out_dir / PROVENANCE_NAME)
+    return record
