@@ -191,7 +191,11 @@ class MQARTrainSettings:
     test: (seq_len, num_pairs) settings measured after training (may be longer, unseen).
     train_examples: training examples generated per training setting.
     test_examples: test examples per test setting.
-    lrs: learning rates swept; each setting reports the best one.
+    validation_examples: validation examples per test setting (generated apart from the test
+        examples); the learning rate is chosen on them.
+    lrs: learning rates swept; each mixer reports its test accuracy at the one rate with the
+        best mean validation accuracy over the test settings (the test examples choose
+        nothing).
     steps: optimizer steps per model.
     batch_size: examples per step.
     weight_decay: AdamW weight decay.
@@ -208,6 +212,7 @@ class MQARTrainSettings:
     test: tuple[tuple[int, ...], ...] = ((64, 4), (128, 8), (256, 8), (256, 16))
     train_examples: int = 4000
     test_examples: int = 200
+    validation_examples: int = 200
     lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2)
     steps: int = 400
     batch_size: int = 32
@@ -241,6 +246,7 @@ class MQARTrainSettings:
             "num_heads",
             "train_examples",
             "test_examples",
+            "validation_examples",
             "steps",
             "batch_size",
         ):
