@@ -4,6 +4,7 @@ minute on two cores."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -187,6 +188,15 @@ def test_perplexity_averages_over_tokens_not_batches(tmp_path):
     expected = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item()
     assert outcome.metrics["tokens"] == 300
     assert outcome.metrics["loss"] == pytest.approx(expected, rel=1e-5)
+    # A third of the windows as validation: the first window is scored apart, the test is the
+    # other two.
+    split = perplexity(
+        dataclasses.replace(settings, validation_fraction=1 / 3), context(tmp_path, loaded)
+    )
+    nll = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten(), reduction="none")
+    assert split.summary["validation_loss"] == pytest.approx(nll[:100].mean().item(), rel=1e-5)
+    assert split.metrics["tokens"] == 200
+    assert split.summary["loss"] == pytest.approx(nll[100:].mean().item(), rel=1e-5)
 
 
 @pytest.mark.parametrize("mixer", ["gdn2", "muir", "kdn_diag"])

@@ -62,12 +62,17 @@ class PerplexitySettings(TextSource):
     max_tokens: score at most this many tokens (whole windows; null: every window).
     batch_size: windows per forward pass.
     segment_len: longer windows are read in segments of this many tokens through the cache.
+    validation_fraction: the first this fraction of the scored windows is the validation part,
+        reported apart (`validation_loss`, `validation_bits_per_byte`); the loss, perplexity and
+        bits per byte are the other windows', the test part. 0 (the default): every window is
+        the test part. A study sets it when it chooses a learning rate.
     """
 
     seq_len: int | None = None
     max_tokens: int | None = 262144
     batch_size: int = 8
     segment_len: int = 4096
+    validation_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "max_tokens"):
@@ -75,6 +80,8 @@ class PerplexitySettings(TextSource):
             require(value is None or value > 0, name, "a positive int or null", value)
         require(self.batch_size > 0, "batch_size", "a positive int", self.batch_size)
         require(self.segment_len > 0, "segment_len", "a positive int", self.segment_len)
+        fraction = self.validation_fraction
+        require(0 <= fraction < 1, "validation_fraction", "a number in [0, 1)", fraction)
 
 
 @dataclass(frozen=True)
