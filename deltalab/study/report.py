@@ -116,6 +116,8 @@ def _task_entry(plan: StudyPlan, task: PlannedTask) -> dict[str, Any]:
         "metrics": {},
     }
     results = _read_json(task.directory / "results.json")
+    if results is not None:
+        entry["lrs"] = (results.get("settings") or {}).get("lrs")
     if status == "completed" and results is not None:
         # One mixer per job: "gdn2@64x4" is the setting "64x4".
         strip = f"{task.variant.mixer}@"
@@ -580,6 +582,9 @@ def _task_rate_lines(plan: StudyPlan, data: dict[str, Any], task: str) -> list[s
         if entry["task"] != task or entry["status"] != "completed":
             continue
         lr = entry["metrics"].get(f"{task}.lr")
+        lrs = entry.get("lrs") or []
+        if lr is None and len(lrs) == 1:
+            lr = lrs[0]  # one rate: nothing to choose, in records of any age
         if lr is None:
             legacy = True
             continue
@@ -601,7 +606,7 @@ def _task_rate_lines(plan: StudyPlan, data: dict[str, Any], task: str) -> list[s
     return [
         "",
         f"{task} trains its own models at each of its rates and chooses one per job on "
-        "validation examples generated apart from the test ones:",
+        "validation examples generated apart from the test ones (with one rate, that rate):",
         "",
         *_table(["variant", f"{task} rate chosen (seeds)"], rows),
     ]
