@@ -64,8 +64,9 @@ class PerplexitySettings(TextSource):
     segment_len: longer windows are read in segments of this many tokens through the cache.
     validation_fraction: the first this fraction of the scored windows is the validation part,
         reported apart (`validation_loss`, `validation_bits_per_byte`); the loss, perplexity and
-        bits per byte are the other windows', the test part. 0 (the default): every window is
-        the test part. A study sets it when it chooses a learning rate.
+        bits per byte are the other windows', the test part (windows follow the text's order,
+        so only a document across the boundary window is in both). 0 (the default): every
+        window is the test part. A study sets it when it chooses a learning rate.
     """
 
     seq_len: int | None = None
