@@ -4,6 +4,7 @@ minute on two cores."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from deltalab.eval.mqar import (
     MQARConfig,
     MQARTrainSettings,
     _model,
+    choose_by_validation,
     generate_mqar,
     recall_accuracy,
     train_mqar,
@@ -186,6 +188,15 @@ def test_perplexity_averages_over_tokens_not_batches(tmp_path):
     expected = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item()
     assert outcome.metrics["tokens"] == 300
     assert outcome.metrics["loss"] == pytest.approx(expected, rel=1e-5)
+    # A third of the windows as validation: the first window is scored apart, the test is the
+    # other two.
+    split = perplexity(
+        dataclasses.replace(settings, validation_fraction=1 / 3), context(tmp_path, loaded)
+    )
+    nll = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten(), reduction="none")
+    assert split.summary["validation_loss"] == pytest.approx(nll[:100].mean().item(), rel=1e-5)
+    assert split.metrics["tokens"] == 200
+    assert split.summary["loss"] == pytest.approx(nll[100:].mean().item(), rel=1e-5)
 
 
 @pytest.mark.parametrize("mixer", ["gdn2", "muir", "kdn_diag"])
@@ -603,3 +614,31 @@ def test_no_progress_silences_every_bar(tmp_path):
     result = run_cli(str(path), *perplexity_words(tmp_path, "seq_len=32"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
+
+
+def test_mqar_chooses_the_learning_rate_on_validation_even_where_test_disagrees():
+    def run(lr, validation, test):
+        return {
+            "mixer": "gdn2", "lr": lr,
+            "validation": {"16x2": {"accuracy": validation}},
+            "accuracy": {"16x2": {"accuracy": test, "ci95": None, "answers": 4}},
+        }  # fmt: skip
+
+    # 1e-2 is better on the test examples, 1e-3 on the validation ones: 1e-3 is chosen.
+    runs = [run(1e-3, 0.9, 0.5), run(1e-2, 0.6, 0.95)]
+    chosen = choose_by_validation(runs, ("gdn2",), ["16x2"])["gdn2"]
+    assert chosen["lr"] == 1e-3 and chosen["16x2"]["accuracy"] == 0.5
+    assert chosen["validation"] == 0.9
+
+
+def test_mqar_reports_the_chosen_rate_and_evaluates_validation_apart_from_test():
+    settings = MQARTrainSettings(
+        mixers=("gdn",), vocab_size=16, train=((16, 2),), test=((16, 2),), steps=2,
+        lrs=(1e-3, 1e-2), train_examples=16, test_examples=8, validation_examples=6,
+    )  # fmt: skip
+    context = TaskContext(None, seed=0, device="cpu", out_dir=Path("."), progress=False)
+    outcome = train_mqar(settings, context)
+    assert outcome.summary["gdn@lr"] in (1e-3, 1e-2)
+    run = outcome.metrics["runs"][0]
+    # 6 validation examples of 2 answers, 8 test examples of 2 answers.
+    assert run["validation"]["16x2"]["answers"] == 12 and run["accuracy"]["16x2"]["answers"] == 16

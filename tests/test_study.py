@@ -27,7 +27,13 @@ from deltalab.study.plan import make_plan
 from deltalab.study.report import collect
 from deltalab.study.runner import SubprocessLauncher, run_state
 from deltalab.study.spec import parse_spec
-from deltalab.study.stats import NO_DIFFERENCE, paired_difference, summarize, t_quantile
+from deltalab.study.stats import (
+    NOT_DISTINGUISHABLE,
+    paired_difference,
+    summarize,
+    t_quantile,
+    verdict,
+)
 from deltalab.train import preflight
 from deltalab.train.checkpoint import list_checkpoints
 
@@ -218,8 +224,11 @@ def test_learning_rates_that_print_alike_get_runs_of_their_own(tmp_path, corpus)
     assert [r.config.optim.lr for r in plan.runs] == [0.0030000001, 0.003, 1e-5]
     assert execute(plan, launcher=FakeTrain({r.name: 1.0 for r in plan.runs}), say=quiet) == 0
     markdown = (tmp_path / "study" / "study.md").read_text()
-    assert "## Language modeling: size tiny, lr 0.0030000001" in markdown
-    assert "## Language modeling: size tiny, lr 0.003\n" in markdown
+    # Each rate its own column of the learning-rate table; without validation numbers (the fake
+    # writes none) no rate is chosen, and the report says so.
+    assert "| variant | size | chosen | 0.0030000001 | 0.003 | 1e-05 |" in markdown
+    assert "| gdn2 | tiny | – | – | – | – |" in markdown
+    assert "gdn2 (size tiny): no rate chosen" in markdown
 
 
 def test_grid_points_that_would_share_a_directory_are_refused_at_plan_time(tmp_path, corpus):
@@ -450,7 +459,7 @@ def test_paired_interval_by_hand():
     half = 4.302652729749464 * 0.05 / math.sqrt(3)
     assert paired.n == 3 and paired.mean == pytest.approx(0.55) and paired.sd == pytest.approx(0.05)
     assert (paired.low, paired.high) == (pytest.approx(0.55 - half), pytest.approx(0.55 + half))
-    assert paired.verdict == "higher"
+    assert verdict(paired.low, paired.high) == "higher"
     # A seed missing on one side is not paired; a NaN (a diverged run) neither.
     assert paired_difference({0: 1.0, 1: math.nan, 2: 2.0}, {0: 2.0, 2: 2.5, 3: 1.0}).n == 2
     assert summarize([1.0, 2.0, 4.0]).sd == pytest.approx(math.sqrt(7 / 3))
@@ -503,20 +512,31 @@ def test_the_report_holds_means_sds_and_paired_intervals_computed_by_hand(tmp_pa
     assert execute(plan, launcher=FakeTrain(losses), say=quiet) == 0
     report = collect(plan)
     (group,) = report["groups"]
+    assert group["rates"]["transformer"]["lr"] == 0.003
     transformer = group["statistics"]["transformer"]["held_out_loss"]
     assert transformer["n"] == 3 and transformer["mean"] == pytest.approx(7.4 / 3)
     assert transformer["sd"] == pytest.approx(
         math.sqrt(((1.5 - 7.4 / 3) ** 2 + (2.1 - 7.4 / 3) ** 2 + (3.8 - 7.4 / 3) ** 2) / 2)
     )
-    paired = transformer["paired"]
-    sd = math.sqrt(((0.5 - 1.4 / 3) ** 2 + (0.1 - 1.4 / 3) ** 2 + (0.8 - 1.4 / 3) ** 2) / 2)
+    # The test loss in nats per byte is compared (the fake bits per byte are loss + 0.25), the
+    # training loop's held-out loss only shown; one comparison, so Holm's level is 0.05.
+    assert "paired" not in transformer
+    paired = group["statistics"]["transformer"]["perplexity.nats_per_byte"]["paired"]
+    ln2 = math.log(2)
+    mean = 1.4 / 3 * ln2
+    sd = ln2 * math.sqrt(((0.5 - 1.4 / 3) ** 2 + (0.1 - 1.4 / 3) ** 2 + (0.8 - 1.4 / 3) ** 2) / 2)
     half = 4.302652729749464 * sd / math.sqrt(3)
-    assert paired["mean"] == pytest.approx(1.4 / 3) and paired["sd"] == pytest.approx(sd)
-    assert paired["ci95"] == [pytest.approx(1.4 / 3 - half), pytest.approx(1.4 / 3 + half)]
-    assert paired["verdict"] == NO_DIFFERENCE
-    assert "paired" not in group["statistics"]["gdn2"]["held_out_loss"]
+    assert paired["mean"] == pytest.approx(mean) and paired["sd"] == pytest.approx(sd)
+    assert paired["interval"] == [pytest.approx(mean - half), pytest.approx(mean + half)]
+    assert paired["level"] == pytest.approx(0.05) and report["family"]["size"] == 1
+    assert paired["verdict"].startswith(NOT_DISTINGUISHABLE)
+    assert "paired" not in group["statistics"]["gdn2"]["perplexity.nats_per_byte"]
     markdown = (tmp_path / "study" / "study.md").read_text()
-    row = f"| transformer | 3 | +{1.4 / 3:.4g} | [{1.4 / 3 - half:+.4g}, {1.4 / 3 + half:+.4g}] | no difference detected |"
+    row = (
+        f"| transformer | 3 | +{mean:.4g} | [{mean - half:+.4g}, {mean + half:+.4g}] (0.95) | "
+        f"{paired['p_holm']:.3g} | {paired['seeds_needed']} | {NOT_DISTINGUISHABLE} (interval "
+        f"[{mean - half:+.4g}, {mean + half:+.4g}]) |"
+    )
     assert row in markdown
     assert (tmp_path / "study" / "loss_curves.png").stat().st_size > 0
 
@@ -541,8 +561,12 @@ def test_aggregate_only_rebuilds_the_report_without_running(tmp_path, corpus, ca
     path.write_text(yaml.safe_dump(spec))
     assert main(["study", str(path), "--aggregate-only"]) == 0
     markdown = (tmp_path / "study" / "study.md").read_text()
-    # Differences of exactly -0.3 at every seed: sd 0, an interval of one point, below zero.
-    assert "| transformer | 2 | -0.3 | [-0.3, -0.3] | lower |" in markdown
+    # Differences of exactly -0.3 nats a token (-0.2079 a byte) at every seed: sd 0, an
+    # interval of one point, below zero: the Transformer's test loss is lower, better.
+    assert (
+        "| transformer | 2 | -0.2079 | [-0.2079, -0.2079] (0.95) | < 0.0001 | 2 | better |"
+        in markdown
+    )
 
 
 def test_aggregate_only_refuses_runs_trained_with_another_config_than_the_spec(
@@ -647,7 +671,12 @@ def test_aggregate_only_pairs_against_another_baseline_beside_the_studys_own_rep
         == "transformer"
     )
     markdown = (tmp_path / "study" / "study_vs_transformer.md").read_text()
-    assert "| gdn2 | 2 | +0.3 | [+0.3, +0.3] | higher |" in markdown
+    # GDN-2's test loss is 0.3 nats a token above the Transformer's at every seed: worse, in
+    # nats per byte, at 0.3 ln 2 (the fake bits per byte are the loss plus 0.25).
+    assert (
+        f"| gdn2 | 2 | +{0.3 * math.log(2):.4g} | [+0.2079, +0.2079] (0.95) | < 0.0001 | 2 | worse |"
+        in (markdown)
+    )
     assert main(["study", str(path), "--baseline", "transformer"]) == 2
     assert "--baseline goes with --aggregate-only" in capsys.readouterr().err
     assert main(["study", str(path), "--aggregate-only", "--baseline", "gdn"]) == 2

@@ -4,8 +4,8 @@ A sequence opens with key-value pairs, then asks for the keys again, each query 
 drawn from a power law; the model must answer each query with the value that followed that key.
 `generate_mqar` makes the data as a pure function of (settings, seed); `train_mqar` (`deltalab
 eval --task mqar-train`) trains small models of any mixer on a mixture of (length, pairs)
-settings, sweeps the learning rate and reports the best accuracy per setting, including
-settings it was not trained on.
+settings, sweeps the learning rate, chooses one rate per mixer on validation examples and
+reports the test accuracy at that rate per setting, including settings it was not trained on.
 """
 
 from __future__ import annotations
@@ -23,9 +23,20 @@ from deltalab.eval.settings import MQARConfig, MQARTrainSettings
 from deltalab.eval.tasks import TaskContext, TaskOutcome
 from deltalab.ops._checks import NonFiniteError
 
-__all__ = ["IGNORE", "MQARConfig", "MQARData", "MQARTrainSettings", "generate_mqar", "train_mqar"]
+__all__ = [
+    "IGNORE",
+    "MQARConfig",
+    "MQARData",
+    "MQARTrainSettings",
+    "choose_by_validation",
+    "generate_mqar",
+    "train_mqar",
+]
 
 IGNORE = -100
+# Seed offsets of the evaluation sets: the test and validation examples are neither the
+# training examples nor each other.
+TEST_SEED, VALIDATION_SEED = 1_000_003, 2_000_003
 
 
 @dataclass(frozen=True)
@@ -178,15 +189,51 @@ def train_one(
     return model
 
 
+def _accuracy(model: Any, sets: dict[tuple[int, int], MQARData]) -> dict[str, Any]:
+    accuracy = {}
+    for (s, p), data in sets.items():
+        correct, total = recall_accuracy(model, data)
+        low, high = wilson_interval(correct, total)
+        accuracy[f"{s}x{p}"] = {"accuracy": correct / total, "ci95": [low, high], "answers": total}
+    return accuracy
+
+
+def choose_by_validation(
+    runs: list[dict[str, Any]], mixers: tuple[str, ...], keys: list[str]
+) -> dict[str, dict[str, Any]]:
+    """Per mixer, its run with the best mean validation accuracy over the settings `keys` (the
+    first in the sweep's order on a tie) and that run's test accuracy per setting: mixer ->
+    {"lr", "validation", and per setting the test accuracy entry}. The test accuracies choose
+    nothing."""
+    chosen: dict[str, dict[str, Any]] = {}
+    for mixer in mixers:
+        ours = [r for r in runs if r["mixer"] == mixer]
+
+        def validation(run: dict[str, Any]) -> float:
+            return sum(run["validation"][k]["accuracy"] for k in keys) / len(keys)
+
+        top = max(ours, key=validation)  # max keeps the first of equals
+        chosen[mixer] = {"lr": top["lr"], "validation": validation(top)}
+        chosen[mixer].update({key: top["accuracy"][key] for key in keys})
+    return chosen
+
+
 def train_mqar(settings: MQARTrainSettings, ctx: TaskContext) -> TaskOutcome:
-    """Every mixer at every learning rate; best-of accuracy per test setting."""
-    # Distinct seeds per setting, so that test examples are not the training examples.
+    """Every mixer at every learning rate; per mixer, the test accuracy per setting at the rate
+    chosen on the validation examples."""
+    # Distinct seeds per set, so that neither evaluation set holds training examples.
     train_sets = [
         generate_mqar(settings.config(s, p, settings.train_examples), ctx.seed)
         for s, p in settings.train
     ]
     test_sets = {
-        (s, p): generate_mqar(settings.config(s, p, settings.test_examples), ctx.seed + 1_000_003)
+        (s, p): generate_mqar(settings.config(s, p, settings.test_examples), ctx.seed + TEST_SEED)
+        for s, p in settings.test
+    }
+    validation_sets = {
+        (s, p): generate_mqar(
+            settings.config(s, p, settings.validation_examples), ctx.seed + VALIDATION_SEED
+        )
         for s, p in settings.test
     }
     runs = []
@@ -202,42 +249,38 @@ def train_mqar(settings: MQARTrainSettings, ctx: TaskContext) -> TaskOutcome:
             except NonFiniteError as error:
                 # A learning rate that diverges is a result of the sweep (no recall), reported
                 # with the others, not the end of the sweep.
-                runs.append({"mixer": mixer, "lr": lr, "diverged": str(error), "accuracy": {
+                nothing = {
                     f"{s}x{p}": {"accuracy": 0.0, "ci95": None, "answers": 0}
                     for s, p in settings.test
-                }})  # fmt: skip
-                continue
-            accuracy = {}
-            for (s, p), data in test_sets.items():
-                correct, total = recall_accuracy(model, data)
-                low, high = wilson_interval(correct, total)
-                accuracy[f"{s}x{p}"] = {
-                    "accuracy": correct / total,
-                    "ci95": [low, high],
-                    "answers": total,
                 }
-            runs.append({"mixer": mixer, "lr": lr, "accuracy": accuracy})
+                runs.append({"mixer": mixer, "lr": lr, "diverged": str(error),
+                             "accuracy": nothing, "validation": nothing})  # fmt: skip
+                continue
+            runs.append({"mixer": mixer, "lr": lr, "accuracy": _accuracy(model, test_sets),
+                         "validation": _accuracy(model, validation_sets)})  # fmt: skip
     bar.close()
     trained = {f"{s}x{p}" for s, p in settings.train}
-    best: dict[str, dict[str, Any]] = {}
-    for mixer in settings.mixers:
-        best[mixer] = {}
-        for key in (f"{s}x{p}" for s, p in settings.test):
-            top = max(
-                (r for r in runs if r["mixer"] == mixer),
-                key=lambda r: r["accuracy"][key]["accuracy"],
-            )
-            best[mixer][key] = {**top["accuracy"][key], "lr": top["lr"]}
     keys = [f"{s}x{p}" for s, p in settings.test]
-    header = ["mixer", *[f"{k}{'' if k in trained else ' (unseen)'}" for k in keys]]
+    chosen = choose_by_validation(runs, settings.mixers, keys)
+    header = [
+        "mixer",
+        "lr (validation)",
+        *[f"{k}{'' if k in trained else ' (unseen)'}" for k in keys],
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for mixer in settings.mixers:
-        cells = [f"{best[mixer][k]['accuracy']:.3f} (lr {best[mixer][k]['lr']:g})" for k in keys]
+        cells = [f"{chosen[mixer]['lr']:g} ({chosen[mixer]['validation']:.3f})"]
+        cells += [f"{chosen[mixer][k]['accuracy']:.3f}" for k in keys]
         lines.append(f"| {mixer} | " + " | ".join(cells) + " |")
     table = (
-        "best-of-lr accuracy per (seq_len x pairs); 95% Wilson intervals in results.json\n\n"
+        "test accuracy per (seq_len x pairs) at the learning rate chosen on validation examples "
+        "(mean validation accuracy in parentheses); 95% Wilson intervals in results.json\n\n"
         + "\n".join(lines)
     )
-    summary = {f"{m}@{k}": best[m][k]["accuracy"] for m in settings.mixers for k in keys}
-    metrics = {"best": best, "runs": runs, "trained_settings": sorted(trained)}
+    summary: dict[str, float] = {}
+    for mixer in settings.mixers:
+        summary.update({f"{mixer}@{k}": chosen[mixer][k]["accuracy"] for k in keys})
+        summary[f"{mixer}@lr"] = chosen[mixer]["lr"]
+        summary[f"{mixer}@validation"] = chosen[mixer]["validation"]
+    metrics = {"chosen": chosen, "runs": runs, "trained_settings": sorted(trained)}
     return TaskOutcome(metrics=metrics, summary=summary, table=table)

@@ -3,7 +3,9 @@
 The text is the data layer's token stream (the built-in corpus's held-out split by default, or
 the user's files), cut into windows exactly as the training loop's evaluation cuts it
 (`PackedSequences`: every token but the first is predicted once). The loss is the sum of all
-token losses divided by the number of tokens, not a mean of batch means.
+token losses divided by the number of tokens, not a mean of batch means. With
+`validation_fraction`, the first windows are a validation part scored apart from the others
+(the test part), so that what is chosen on one is measured on the other.
 """
 
 from __future__ import annotations
@@ -17,6 +19,22 @@ from deltalab.eval.settings import PerplexitySettings
 from deltalab.eval.tasks import TaskContext, TaskOutcome
 
 __all__ = ["PerplexitySettings", "perplexity"]
+
+
+def _score(loaded, windows, start: int, stop: int, settings, bar) -> tuple[float, int, int]:
+    """(summed loss in nats, tokens, bytes) of windows[start:stop]."""
+    total_nll, total_tokens, total_bytes = 0.0, 0, 0
+    for first in range(start, stop, settings.batch_size):
+        batch = torch.stack(
+            [windows[i] for i in range(first, min(first + settings.batch_size, stop))]
+        )
+        nll = stream_token_nll(loaded.model, batch, settings.segment_len)
+        # Sums in float64: over a million tokens a float32 running sum loses digits.
+        total_nll += nll.double().sum().item()
+        total_tokens += nll.numel()
+        total_bytes += token_bytes(loaded.tokenizer, batch[:, 1:].flatten())
+        bar.update(nll.numel())
+    return total_nll, total_tokens, total_bytes
 
 
 @torch.no_grad()
@@ -35,19 +53,20 @@ def perplexity(settings: PerplexitySettings, ctx: TaskContext) -> TaskOutcome:
     count = len(windows)
     if settings.max_tokens is not None:
         count = min(count, max(1, settings.max_tokens // seq_len))
-    total_nll, total_tokens, total_bytes = 0.0, 0, 0
-    bar = ctx.bar(total=count * seq_len, unit="tok", desc="perplexity")
-    for start in range(0, count, settings.batch_size):
-        batch = torch.stack(
-            [windows[i] for i in range(start, min(start + settings.batch_size, count))]
+    validation = round(count * settings.validation_fraction)
+    if settings.validation_fraction and not 0 < validation < count:
+        raise EvalError(
+            f"validation_fraction={settings.validation_fraction} of {count} windows leaves no "
+            "validation or no test window; score more windows (max_tokens) or change the fraction"
         )
-        nll = stream_token_nll(loaded.model, batch, settings.segment_len)
-        # Sums in float64: over a million tokens a float32 running sum loses digits.
-        total_nll += nll.double().sum().item()
-        total_tokens += nll.numel()
-        total_bytes += token_bytes(loaded.tokenizer, batch[:, 1:].flatten())
-        bar.update(nll.numel())
+    bar = ctx.bar(total=count * seq_len, unit="tok", desc="perplexity")
+    parts = [
+        _score(loaded, windows, start, stop, settings, bar)
+        for start, stop in ((0, validation), (validation, count))
+    ]
     bar.close()
+    (valid_nll, _, valid_bytes), (total_nll, total_tokens, total_bytes) = parts
+    count -= validation
     loss = total_nll / total_tokens
     # Per byte: the same summed loss over the UTF-8 bytes the predicted tokens stand for, so
     # nats_per_byte = loss * tokens / bytes, comparable across tokenizers.
@@ -68,4 +87,8 @@ def perplexity(settings: PerplexitySettings, ctx: TaskContext) -> TaskOutcome:
         f"| {total_tokens} | {seq_len} | {loss:.4f} | {math.exp(loss):.3f} | {bpb:.4f} |"
     )
     summary = {"loss": loss, "perplexity": math.exp(loss), "bits_per_byte": bpb}
+    if validation:
+        summary["validation_loss"] = valid_nll / parts[0][1]
+        summary["validation_bits_per_byte"] = valid_nll / math.log(2) / valid_bytes
+        metrics.update(validation_windows=validation, **summary)
     return TaskOutcome(metrics=metrics, summary=summary, table=table)

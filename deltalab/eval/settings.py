@@ -63,12 +63,18 @@ class PerplexitySettings(TextSource):
     max_tokens: score at most this many tokens (whole windows; null: every window).
     batch_size: windows per forward pass.
     segment_len: longer windows are read in segments of this many tokens through the cache.
+    validation_fraction: the first this fraction of the scored windows is the validation part,
+        reported apart (`validation_loss`, `validation_bits_per_byte`); the loss, perplexity and
+        bits per byte are the other windows', the test part (windows follow the text's order,
+        so only a document across the boundary window is in both). 0 (the default): every
+        window is the test part. A study sets it when it chooses a learning rate.
     """
 
     seq_len: int | None = None
     max_tokens: int | None = 262144
     batch_size: int = 8
     segment_len: int = 4096
+    validation_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "max_tokens"):
@@ -76,6 +82,8 @@ class PerplexitySettings(TextSource):
             require(value is None or value > 0, name, "a positive int or null", value)
         require(self.batch_size > 0, "batch_size", "a positive int", self.batch_size)
         require(self.segment_len > 0, "segment_len", "a positive int", self.segment_len)
+        fraction = self.validation_fraction
+        require(0 <= fraction < 1, "validation_fraction", "a number in [0, 1)", fraction)
 
 
 @dataclass(frozen=True)
@@ -192,7 +200,11 @@ class MQARTrainSettings:
     test: (seq_len, num_pairs) settings measured after training (may be longer, unseen).
     train_examples: training examples generated per training setting.
     test_examples: test examples per test setting.
-    lrs: learning rates swept; each setting reports the best one.
+    validation_examples: validation examples per test setting (generated apart from the test
+        examples); the learning rate is chosen on them.
+    lrs: learning rates swept; each mixer reports its test accuracy at the one rate with the
+        best mean validation accuracy over the test settings (the test examples choose
+        nothing).
     steps: optimizer steps per model.
     batch_size: examples per step.
     weight_decay: AdamW weight decay.
@@ -209,6 +221,7 @@ class MQARTrainSettings:
     test: tuple[tuple[int, ...], ...] = ((64, 4), (128, 8), (256, 8), (256, 16))
     train_examples: int = 4000
     test_examples: int = 200
+    validation_examples: int = 200
     lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2)
     steps: int = 400
     batch_size: int = 32
@@ -242,6 +255,7 @@ class MQARTrainSettings:
             "num_heads",
             "train_examples",
             "test_examples",
+            "validation_examples",
             "steps",
             "batch_size",
         ):

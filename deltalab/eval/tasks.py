@@ -150,7 +150,8 @@ _TASKS: dict[str, Task] = {
         ),
         Task(
             "mqar-train",
-            "train small models on multi-query associative recall, best-of-lr accuracy per setting",
+            "train small models on multi-query associative recall; test accuracy per setting at the "
+            "learning rate chosen on validation examples",
             MQARTrainSettings,
             "deltalab.eval.mqar:train_mqar",
             needs_checkpoint=False,

@@ -4,8 +4,10 @@ matched parameter counts, the `deltalab eval` tasks of each, and one report (`de
 spec.py reads and checks the YAML spec; plan.py expands the grid, matches parameter counts and
 checks every run's config before anything trains; runner.py runs the jobs as subprocesses,
 several at a time, skipping finished runs and resuming interrupted ones; stats.py has the
-means, standard deviations and paired t-intervals; report.py writes study.json, study.md and
-the figures.
+means, standard deviations, paired t-intervals, Holm's correction and the seeds an effect
+needs; compare.py chooses each variant's learning rate on validation numbers and corrects the
+report's comparisons as one family; report.py writes study.json and study.md, figures.py the
+figures.
 """
 
 from deltalab._lazy import lazy_attributes

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from deltalab.errors import ConfigError, UserError
-from deltalab.study.spec import EvalSpec, StudySpec, Variant
+from deltalab.study.spec import SELECTION_TASK, EvalSpec, StudySpec, Variant
 
 __all__ = ["EvalStep", "PlannedRun", "PlannedTask", "StudyPlan", "lr_text", "make_plan"]
 
@@ -208,6 +208,9 @@ def _checkpoint_step(spec: StudySpec, entry: EvalSpec, run_config: Any) -> EvalS
     for name in DATA_FIELDS:
         if name in names and name not in settings:
             settings[name] = getattr(run_config.data, name)
+    if spec.sweeps and entry.task == SELECTION_TASK:
+        # The rate is chosen on these windows; the report's test numbers are the others'.
+        settings["validation_fraction"] = spec.selection.validation_fraction
     return _step(spec, entry, settings, f"eval/{_slug(entry.task)}")
 
 

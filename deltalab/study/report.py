@@ -1,6 +1,7 @@
-"""The aggregate of a study: `study.json` (every run and what it measured), `study.md` (mean
-and standard deviation over seeds, paired differences against the baseline with 95% t-intervals,
-every run that did not complete) and the figures.
+"""The aggregate of a study: `study.json` (every run and what it measured), `study.md` (each
+variant's chosen learning rate, mean and standard deviation over seeds at it, paired differences
+against the baseline with Holm-corrected t-intervals, every run that did not complete) and the
+figures.
 
 Nothing is dropped: a run that diverged or failed stays in study.json and in the markdown with
 its error line; the means count the runs that completed (n is printed), and a paired difference
@@ -9,7 +10,6 @@ counts the seeds where both the variant and the baseline completed.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
@@ -19,6 +19,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from deltalab.study.compare import (
+    HELD_OUT,
+    add_derived,
+    choose_rates,
+    compared,
+    correct_family,
+)
+from deltalab.study.figures import loss_figure, scaling_figure, task_figure
 from deltalab.study.plan import PlannedRun, PlannedTask, StudyPlan, lr_text
 from deltalab.study.records import recorded_devices, recorded_identities
 from deltalab.study.runner import RECORD_NAME, _read_json, _write_json, run_state, task_state
@@ -27,9 +35,8 @@ from deltalab.study.stats import paired_difference, summarize
 __all__ = ["INVOCATIONS_NAME", "collect", "write_report"]
 
 INVOCATIONS_NAME = "invocations.json"
-HELD_OUT = "held_out_loss"
-# Measured but not compared: how fast a run was says nothing of the model's quality.
-NOT_PAIRED = ("tokens_per_s",)
+# Listed last in the tables: how fast a run was says nothing of the model's quality.
+SPEED = ("tokens_per_s",)
 GATE_TASK = "gate-sensitivity"
 # The two quantities the gate-sensitivity analysis measures a gate's effect on.
 SENSITIVITY_OF = {"state": "final memory", "loss": "loss"}
@@ -77,6 +84,7 @@ def _run_entry(plan: StudyPlan, run: PlannedRun) -> dict[str, Any]:
         "ffn_width": run.ffn_width,
         "directory": os.path.relpath(run.directory, plan.spec.out_dir),
         "elapsed_s": record.get("elapsed_s"),
+        "device": ((metrics.get("config") or {}).get("train") or {}).get("device"),
         "steps_done": metrics.get("steps_done"),
         "skipped_steps": metrics.get("skipped_steps"),
         "metrics": {},
@@ -90,6 +98,7 @@ def _run_entry(plan: StudyPlan, run: PlannedRun) -> dict[str, Any]:
             results = _read_json(run.directory / step.out / "results.json")
             if results is not None:
                 found.update(_numbers(results.get("summary") or {}, step.task))
+        add_derived(found)
     return entry
 
 
@@ -108,6 +117,8 @@ def _task_entry(plan: StudyPlan, task: PlannedTask) -> dict[str, Any]:
         "metrics": {},
     }
     results = _read_json(task.directory / "results.json")
+    if results is not None:
+        entry["lrs"] = (results.get("settings") or {}).get("lrs")
     if status == "completed" and results is not None:
         # One mixer per job: "gdn2@64x4" is the setting "64x4".
         strip = f"{task.variant.mixer}@"
@@ -127,7 +138,8 @@ def _by_variant(entries: Iterable[dict[str, Any]]) -> dict[str, dict[int, dict[s
 def _statistics(
     plan: StudyPlan, entries: list[dict[str, Any]], metrics: list[str]
 ) -> dict[str, Any]:
-    """Per variant and metric: n, mean, sd; paired difference against the baseline."""
+    """Per variant and metric: n, mean, sd; for a compared metric, the paired differences against
+    the baseline (n, mean, sd, the t-test's p-value; `correct_family` adds the rest)."""
     table = _by_variant(entries)
     baseline = table.get(plan.spec.baseline, {})
     out: dict[str, Any] = {}
@@ -138,15 +150,15 @@ def _statistics(
             values = {s: m[metric] for s, m in seeds.items() if m.get(metric) is not None}
             summary = summarize(list(values.values()))
             item: dict[str, Any] = {"n": summary.n, "mean": summary.mean, "sd": summary.sd}
-            if variant != plan.spec.baseline and metric not in NOT_PAIRED:
+            if variant != plan.spec.baseline and compared(metric, metrics):
                 base = {s: m[metric] for s, m in baseline.items() if m.get(metric) is not None}
                 paired = paired_difference(values, base)
                 item["paired"] = {
                     "n": paired.n,
                     "mean": paired.mean,
                     "sd": paired.sd,
-                    "ci95": None if paired.low is None else [paired.low, paired.high],
-                    "verdict": paired.verdict,
+                    "p": paired.p_value,
+                    "verdict": "too few pairs for an interval",
                 }
             out[variant][metric] = item
     return out
@@ -162,57 +174,62 @@ def _gate_results(run: PlannedRun) -> dict[str, Any] | None:
     return None
 
 
-def _gate_sensitivity(plan: StudyPlan, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (size, lr) group and variant, the gate-sensitivity analysis layer by layer: the
-    erase/write ratios (of the final memory's and of the loss's sensitivity) at initialization
-    and after training, one value per seed, and the ranks `allocate_ranks` gives the trained
-    model's gates beside the layer's own. Only layers with both an erase and a write gate (the
-    ratio's layers) and runs that completed count."""
-    completed = {e["name"] for e in runs if e["status"] == "completed"}
+def _gate_sensitivity(plan: StudyPlan, chosen: set[str]) -> list[dict[str, Any]]:
+    """Per size and variant (its completed runs at its chosen rate, the names in `chosen`), the
+    gate-sensitivity analysis layer by layer: the erase/write ratios (of the final memory's and
+    of the loss's sensitivity) at initialization and after training, one value per seed; the
+    same ratio over all layers, defined as the ratio of the summed sensitivities (the
+    evaluation's own summary), one value per seed; and the ranks `allocate_ranks` gives the
+    trained model's gates beside the layer's own. Only layers with both an erase and a write
+    gate (the ratio's layers) count."""
     groups = []
     for size in plan.sizes:
-        for lr in plan.lrs:
-            variants: dict[str, Any] = {}
-            for run in plan.runs:
-                if run.size != size or run.lr != lr or run.name not in completed:
-                    continue
-                metrics = _gate_results(run)
-                if not metrics:
-                    continue
-                variant = variants.setdefault(
-                    run.variant.name, {"seeds": [], "layers": {}, "ranks": {}}
-                )
-                variant["seeds"].append(run.seed)
-                for phase in ("init", "trained"):
-                    layers = (metrics.get(phase) or {}).get("layers") or {}
-                    for name, layer in layers.items():
-                        ratio = {
-                            of: value
-                            for of, value in (layer.get("erase_write") or {}).items()
-                            if value is not None
-                        }
-                        if ratio:
-                            slot = variant["layers"].setdefault(name, {})
-                            for of, value in ratio.items():
-                                # Keyed by the seed as a string, as study.json writes it.
-                                slot.setdefault(f"{phase}_{of}", {})[str(run.seed)] = value
-                        if phase != "trained":
+        variants: dict[str, Any] = {}
+        for run in plan.runs:
+            if run.size != size or run.name not in chosen:
+                continue
+            metrics = _gate_results(run)
+            if not metrics:
+                continue
+            variant = variants.setdefault(
+                run.variant.name,
+                {"lr": run.lr, "seeds": [], "layers": {}, "summed": {}, "ranks": {}},
+            )
+            variant["seeds"].append(run.seed)
+            for phase in ("init", "trained"):
+                summed = ((metrics.get(phase) or {}).get("mean") or {}).get("erase_write")
+                for of, value in (summed or {}).items():
+                    if value is not None:
+                        variant["summed"].setdefault(f"{phase}_{of}", {})[str(run.seed)] = value
+                layers = (metrics.get(phase) or {}).get("layers") or {}
+                for name, layer in layers.items():
+                    ratio = {
+                        of: value
+                        for of, value in (layer.get("erase_write") or {}).items()
+                        if value is not None
+                    }
+                    if ratio:
+                        slot = variant["layers"].setdefault(name, {})
+                        for of, value in ratio.items():
+                            # Keyed by the seed as a string, as study.json writes it.
+                            slot.setdefault(f"{phase}_{of}", {})[str(run.seed)] = value
+                    if phase != "trained":
+                        continue
+                    for of, allocation in (layer.get("ranks") or {}).items():
+                        if not allocation:  # no budget to allocate (not a low-rank layer)
                             continue
-                        for of, allocation in (layer.get("ranks") or {}).items():
-                            if not allocation:  # no budget to allocate (not a low-rank layer)
-                                continue
-                            ranks = variant["ranks"].setdefault(
-                                of,
-                                {
-                                    "reference": allocation["reference"],
-                                    "source": allocation.get("source", ""),
-                                    "allocated": [],
-                                },
-                            )
-                            ranks["allocated"].append(allocation["allocated"])
-            variants = {n: v for n, v in variants.items() if v["layers"] or v["ranks"]}
-            if variants:
-                groups.append({"size": size, "lr": lr, "variants": variants})
+                        ranks = variant["ranks"].setdefault(
+                            of,
+                            {
+                                "reference": allocation["reference"],
+                                "source": allocation.get("source", ""),
+                                "allocated": [],
+                            },
+                        )
+                        ranks["allocated"].append(allocation["allocated"])
+        variants = {n: v for n, v in variants.items() if v["layers"] or v["ranks"]}
+        if variants:
+            groups.append({"size": size, "variants": variants})
     return groups
 
 
@@ -221,12 +238,8 @@ def _metric_names(entries: list[dict[str, Any]]) -> list[str]:
     for entry in entries:
         names += [m for m in entry["metrics"] if m not in names]
     # In the order the tasks report them (MQAR: its test settings as listed), speed last.
-    last = [m for m in NOT_PAIRED if m in names]
+    last = [m for m in SPEED if m in names]
     return [m for m in names if m not in last] + last
-
-
-def _group_label(size: str, lr: float) -> str:
-    return f"size {size}, lr {lr_text(lr)}"
 
 
 def collect(plan: StudyPlan) -> dict[str, Any]:
@@ -235,19 +248,19 @@ def collect(plan: StudyPlan) -> dict[str, Any]:
     tasks = [_task_entry(plan, task) for task in plan.tasks]
     groups = []
     for size in plan.sizes:
-        for lr in plan.lrs:
-            members = [e for e in runs if e["size"] == size and e["lr"] == lr]
-            if not members:
-                continue
-            metrics = _metric_names(members)
-            groups.append(
-                {
-                    "size": size,
-                    "lr": lr,
-                    "metrics": metrics,
-                    "statistics": _statistics(plan, members, metrics),
-                }
-            )
+        members = [e for e in runs if e["size"] == size]
+        rates = choose_rates(plan.spec, members, plan.lrs)
+        # Each variant's runs at its chosen rate, paired with the baseline's at its own.
+        chosen = [e for e in members if e["lr"] == rates[e["variant"]]["lr"]]
+        metrics = _metric_names(chosen)
+        groups.append(
+            {
+                "size": size,
+                "rates": rates,
+                "metrics": metrics,
+                "statistics": _statistics(plan, chosen, metrics),
+            }
+        )
     task_groups = []
     for name in dict.fromkeys(t["task"] for t in tasks):
         members = [t for t in tasks if t["task"] == name]
@@ -255,10 +268,19 @@ def collect(plan: StudyPlan) -> dict[str, Any]:
         task_groups.append(
             {"task": name, "metrics": metrics, "statistics": _statistics(plan, members, metrics)}
         )
+    family = correct_family(groups + task_groups)
     spec = plan.spec
     first = plan.runs[0].config
     invocations = _read_json(spec.out_dir / INVOCATIONS_NAME) or {"invocations": []}
-    gates = _gate_sensitivity(plan, runs)
+    chosen = {
+        e["name"]
+        for group in groups
+        for e in runs
+        if e["size"] == group["size"]
+        and e["status"] == "completed"
+        and e["lr"] == group["rates"][e["variant"]]["lr"]
+    }
+    gates = _gate_sensitivity(plan, chosen)
     return {
         "spec": str(spec.path) if spec.path else None,
         "out_dir": str(spec.out_dir),
@@ -270,6 +292,13 @@ def collect(plan: StudyPlan) -> dict[str, Any]:
         "parallel": spec.parallel,
         "threads_per_run": plan.threads,
         "baseline": spec.baseline,
+        "selection": {
+            "metric": spec.selection.metric,
+            "goal": spec.selection.goal,
+            "validation_fraction": spec.selection.validation_fraction,
+            "lrs": plan.lrs,
+        },
+        "family": family,
         "params": {"match": spec.match, "tolerance": spec.tolerance, "targets": plan.targets},
         "budget": {
             "steps": first.train.steps,
@@ -337,17 +366,22 @@ def _mean_table(plan: StudyPlan, group: dict[str, Any], params: dict[str, int] |
     return _table(header, rows)
 
 
+def _p_text(p: float | None) -> str:
+    if p is None:
+        return "–"
+    return "< 0.0001" if p < 1e-4 else f"{p:.3g}"
+
+
 def _paired_tables(plan: StudyPlan, group: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     for metric in group["metrics"]:
-        if metric in NOT_PAIRED:
-            continue
         rows = []
         for variant, stats in group["statistics"].items():
             paired = stats[metric].get("paired")
             if paired is None or paired["n"] == 0:
-                continue  # the baseline, or a variant the metric does not apply to
-            interval = paired["ci95"]
+                continue  # the baseline, a metric not compared, or one the variant lacks
+            interval = paired.get("interval")
+            seeds = paired.get("seeds_needed")
             rows.append(
                 [
                     variant,
@@ -355,16 +389,61 @@ def _paired_tables(plan: StudyPlan, group: dict[str, Any]) -> list[str]:
                     _number(paired["mean"], signed=True),
                     "–"
                     if interval is None
-                    else f"[{_number(interval[0], True)}, {_number(interval[1], True)}]",
+                    else f"[{_number(interval[0], True)}, {_number(interval[1], True)}] "
+                    f"({1 - paired['level']:.4g})",
+                    _p_text(paired.get("p_holm")),
+                    "–" if interval is None else (f"{seeds}" if seeds else "more than 10,000"),
                     paired["verdict"],
                 ]
             )
         if rows:
             lines += ["", f"**{_label(metric)}**, variant − {plan.spec.baseline}:", ""]
             lines += _table(
-                ["variant", "pairs", "mean difference", "95% interval", "verdict"], rows
+                [
+                    "variant",
+                    "pairs",
+                    "mean difference",
+                    "Holm-corrected interval (confidence)",
+                    "Holm p",
+                    "seeds for 80% power",
+                    "reading",
+                ],
+                rows,
             )
     return lines
+
+
+def _family_lines(data: dict[str, Any]) -> list[str]:
+    """What the paired tables' intervals, p-values, seed counts and words mean."""
+    family = data["family"]
+    if not family["size"]:
+        return []
+    return [
+        "",
+        "## How the comparisons are read",
+        "",
+        f"Each paired table row is variant − {data['baseline']} over the seeds both completed "
+        "(same seed: same initialization seed and the same data in the same order). The "
+        f"family is every row of this report's paired tables, {family['size']} comparisons: "
+        "the test loss in nats per byte of each variant (at its chosen learning rate) and "
+        "each other evaluation's numbers of each variant. Speed, gate sensitivities and the "
+        "other spellings of the test loss are described, not compared. Holm's step-down "
+        f"procedure corrects the family at level {family['alpha']}: each row's interval is "
+        "the Student-t interval at the level Holm tests that row at, so it excludes 0 exactly "
+        "when Holm rejects no difference (the intervals of the rejected rows are not "
+        'simultaneous confidence intervals); "Holm p" is the adjusted p-value of the '
+        'paired t-test. "better"/"worse" (or "higher"/"lower" for a number '
+        'without a direction) only when that interval excludes 0; otherwise "not '
+        'distinguishable at this budget" with the interval, which leaves every effect inside '
+        "it possible.",
+        "",
+        '"Seeds for 80% power": the seeds at which a paired t-test at level '
+        f"{family['strictest_level']:.3g} (the family's strictest Holm level, "
+        f"{family['alpha']} / {family['size']}) would detect the row's observed mean "
+        f"difference with probability {family['power']:.0%}, if that were the true difference, "
+        "the differences were normal with the observed standard deviation, and the family "
+        "kept its size (the noncentral t approximated by t quantiles).",
+    ]
 
 
 def _finite(values: Iterable[float | None]) -> list[float]:
@@ -395,24 +474,26 @@ def _ratio_cells(slots: Iterable[dict[str, Any]]) -> list[str]:
 def _gate_lines(group: dict[str, Any]) -> list[str]:
     """The markdown of `_gate_sensitivity`'s group: per variant, a row per layer, then the
     ranks."""
-    lines = ["", f"## Gate sensitivity: {_group_label(group['size'], group['lr'])}"]
+    lines = ["", f"## Gate sensitivity: size {group['size']}"]
     if any(found["layers"] for found in group["variants"].values()):
         lines += [
             "",
             "Erase/write: the erase gate's sensitivity over the write gate's, of the final memory "
-            "and of the loss, per layer, mean ± sd over seeds at initialization and after "
-            'training; "erase < write" counts the seeds (on the "every layer" row, the '
-            "layer-seeds) where the trained ratio is below 1.",
+            "and of the loss, mean ± sd over seeds at initialization and after training, per "
+            'layer and, on the "all layers" row, as the ratio of the sensitivities summed over '
+            "layers (one ratio per seed; the one definition of a ratio over layers in this "
+            'report and in the evaluation\'s summary); "erase < write" counts the seeds whose '
+            "trained ratio is below 1. Described, not compared.",
         ]
     for variant, found in group["variants"].items():
         layers = found["layers"]
         rows = [[layer, *_ratio_cells([slot])] for layer, slot in layers.items()]
-        if len(rows) > 1:
-            rows.append(["every layer", *_ratio_cells(layers.values())])
+        if len(rows) > 1 and found.get("summed"):
+            rows.append(["all layers", *_ratio_cells([found["summed"]])])
         header = ["layer"]
         for of in SENSITIVITY_OF.values():
             header += [f"{of}: init", f"{of}: trained", f"{of}: erase < write"]
-        lines += ["", f"**{variant}** (seeds {sorted(found['seeds'])}):"]
+        lines += ["", f"**{variant}** (lr {lr_text(found['lr'])}, seeds {sorted(found['seeds'])}):"]
         if rows:
             lines += ["", *_table(header, rows)]
         if found["ranks"]:
@@ -439,6 +520,88 @@ def _gate_lines(group: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _rate_lines(plan: StudyPlan, data: dict[str, Any]) -> list[str]:
+    """The learning rate each variant is reported at, and how it was chosen."""
+    selection = data["selection"]
+    lines = ["", "## Learning rates", ""]
+    if len(selection["lrs"]) == 1:
+        lines.append(
+            f"One learning rate for every variant, {lr_text(selection['lrs'][0])}: nothing is "
+            "chosen, and every perplexity number is the test windows'."
+        )
+    else:
+        lines += [
+            f"Each variant trained at {', '.join(lr_text(lr) for lr in selection['lrs'])}; its "
+            f"results are given at the rate with the {'lowest' if selection['goal'] == 'min' else 'highest'} "
+            f"mean {selection['metric']} over seeds, measured on the first "
+            f"{selection['validation_fraction']:.0%} of the perplexity windows (validation); "
+            "the test numbers are the other windows'. Validation means per rate:",
+            "",
+        ]
+        for group in data["groups"]:
+            header = ["variant", "size", "chosen", *(lr_text(lr) for lr in selection["lrs"])]
+            rows = []
+            for variant, rate in group["rates"].items():
+                cells = [variant, group["size"], "–" if rate["lr"] is None else lr_text(rate["lr"])]
+                for lr in selection["lrs"]:
+                    found = rate["validation"].get(repr(lr)) or {}
+                    cells.append(
+                        "–"
+                        if found.get("mean") is None
+                        else f"{found['mean']:.4g} (n={found['n']})"
+                    )
+                rows.append(cells)
+            lines += _table(header, rows)
+            unchosen = [v for v, rate in group["rates"].items() if rate["lr"] is None]
+            if unchosen:
+                lines += [
+                    "",
+                    f"{', '.join(unchosen)} (size {group['size']}): no rate chosen, no completed "
+                    f"run measured {selection['metric']}; no results are given for them.",
+                ]
+    for group in data["task_groups"]:
+        lines += _task_rate_lines(plan, data, group["task"])
+    return lines
+
+
+def _task_rate_lines(plan: StudyPlan, data: dict[str, Any], task: str) -> list[str]:
+    """The rate a task that sweeps its own (mqar-train) chose per variant and seed."""
+    chosen: dict[str, dict[str, list[int]]] = {}
+    legacy = False
+    for entry in data["tasks"]:
+        if entry["task"] != task or entry["status"] != "completed":
+            continue
+        lr = entry["metrics"].get(f"{task}.lr")
+        lrs = entry.get("lrs") or []
+        if lr is None and len(lrs) == 1:
+            lr = lrs[0]  # one rate: nothing to choose, in records of any age
+        if lr is None:
+            legacy = True
+            continue
+        chosen.setdefault(entry["variant"], {}).setdefault(lr_text(lr), []).append(entry["seed"])
+    if legacy:
+        return [
+            "",
+            f"{task}: these records predate the validation examples: each test setting reports "
+            "the better of the task's learning rates on the test examples themselves, a choice "
+            "that favors every variant by the test examples' noise. Rerun the task to choose on "
+            "validation examples.",
+        ]
+    if not chosen:
+        return []
+    rows = [
+        [variant, "; ".join(f"{lr} (seeds {seeds})" for lr, seeds in rates.items())]
+        for variant, rates in chosen.items()
+    ]
+    return [
+        "",
+        f"{task} trains its own models at each of its rates and chooses one per job on "
+        "validation examples generated apart from the test ones (with one rate, that rate):",
+        "",
+        *_table(["variant", f"{task} rate chosen (seeds)"], rows),
+    ]
+
+
 def _markdown(plan: StudyPlan, data: dict[str, Any], figures: list[str]) -> str:
     spec = plan.spec
     budget = data["budget"]
@@ -447,8 +610,8 @@ def _markdown(plan: StudyPlan, data: dict[str, Any], figures: list[str]) -> str:
         f"# Study: {Path(spec_name).name}",
         "",
         f"Spec `{spec_name}`, run with `deltalab study {spec_name}`; written {data['written']} on "
-        f"{data['machine']['platform']} ({data['machine']['cpus']} CPUs), device "
-        f"{data['device']}, {spec.parallel} run(s) at a time, {plan.threads} CPU thread(s) each; "
+        f"{data['machine']['platform']} ({data['machine']['cpus']} CPUs); the runs trained on "
+        f"{data['device']} (their records), {spec.parallel} run(s) at a time; "
         f"code {', '.join(data['code']) or 'not recorded'}.",
     ]
     for invocation in data["invocations"]:
@@ -470,27 +633,22 @@ def _markdown(plan: StudyPlan, data: dict[str, Any], figures: list[str]) -> str:
         + ", ".join(f"{count} {status}" for status, count in data["counts"].items() if count)
         + ".",
     ]
-    params = {r.variant.name: r.params for r in plan.runs}
+    lines += _rate_lines(plan, data)
     for group in data["groups"]:
-        sized = {
-            r.variant.name: r.params
-            for r in plan.runs
-            if r.size == group["size"] and r.lr == group["lr"]
-        }
+        if not group["metrics"]:
+            continue  # no variant has a chosen rate (said under "Learning rates")
+        sized = {r.variant.name: r.params for r in plan.runs if r.size == group["size"]}
         lines += [
             "",
-            f"## Language modeling: {_group_label(group['size'], group['lr'])}",
+            f"## Language modeling: size {group['size']}",
             "",
-            f"Mean ± standard deviation over the seeds that completed (n of {len(spec.seeds)}).",
+            "Each variant at its chosen learning rate: mean ± standard deviation over the seeds "
+            f"that completed (n of {len(spec.seeds)}); perplexity numbers are the test "
+            "windows'. Paired differences in nats per byte of test text (for a byte-level "
+            "tokenizer, nats per token).",
             "",
         ]
-        lines += _mean_table(plan, group, sized or params)
-        lines += [
-            "",
-            f"Paired differences against {spec.baseline} at the same seed, mean and 95% "
-            'Student-t interval over seeds; "no difference detected" when the interval covers '
-            "zero.",
-        ]
+        lines += _mean_table(plan, group, sized)
         lines += _paired_tables(plan, group)
     for group in data["task_groups"]:
         lines += [
@@ -501,8 +659,8 @@ def _markdown(plan: StudyPlan, data: dict[str, Any], figures: list[str]) -> str:
             "",
         ]
         lines += _mean_table(plan, group, None)
-        lines += ["", f"Paired differences against {spec.baseline} at the same seed:"]
         lines += _paired_tables(plan, group)
+    lines += _family_lines(data)
     for group in data["gate_sensitivity"]:
         lines += _gate_lines(group)
     incomplete = [e for e in data["runs"] + data["tasks"] if e["status"] != "completed"]
@@ -538,189 +696,6 @@ def _markdown(plan: StudyPlan, data: dict[str, Any], figures: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# --- figures ------------------------------------------------------------------------------------
-
-
-def _curve(run_dir: Path, kind: str) -> tuple[list[int], list[float]]:
-    """(steps, losses) of a run's `log.jsonl` records of `kind` ("train" or "eval")."""
-    steps, losses = [], []
-    try:
-        lines = (run_dir / "log.jsonl").read_text(errors="replace").splitlines()
-    except OSError:
-        return steps, losses
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and record.get("kind") == kind:
-            steps.append(int(record["step"]))
-            losses.append(float(record["loss"]))
-    return steps, losses
-
-
-def _smooth(values: list[float], window: int) -> list[float]:
-    out, total = [], 0.0
-    for i, value in enumerate(values):
-        total += value
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
-
-
-def _colors(plan: StudyPlan) -> dict[str, Any]:
-    from matplotlib import colormaps
-
-    palette = colormaps["tab10" if len(plan.spec.variants) <= 10 else "tab20"]
-    return {v.name: palette(i % palette.N) for i, v in enumerate(plan.spec.variants)}
-
-
-def _loss_figure(plan: StudyPlan, data: dict[str, Any], path: Path) -> Path | None:
-    from deltalab.analysis._plot import new_figure, save_figure
-
-    groups = [(g["size"], g["lr"]) for g in data["groups"]]
-    if not groups:
-        return None
-    colors = _colors(plan)
-    figure = new_figure(figsize=(7.5, 4.5 * len(groups)))
-    entries = {e["name"]: e for e in data["runs"]}
-    for index, (size, lr) in enumerate(groups):
-        axes = figure.add_subplot(len(groups), 1, index + 1)
-        for variant in plan.spec.variants:
-            runs = [
-                r for r in plan.runs if r.variant.name == variant.name and r.group == (size, lr)
-            ]
-            curves = []
-            for run in runs:
-                steps, losses = _curve(run.directory, "train")
-                if not steps:
-                    continue
-                window = max(1, run.config.train.steps // 20)
-                if entries[run.name]["status"] == "completed":
-                    curves.append((steps, _smooth(losses, window)))
-                else:
-                    # A run that did not complete is drawn alone, dashed, to where it stopped.
-                    axes.plot(
-                        steps, _smooth(losses, window), "--", color=colors[variant.name], lw=0.8
-                    )
-                    axes.plot(
-                        steps[-1:], _smooth(losses, window)[-1:], "x", color=colors[variant.name]
-                    )
-            if not curves:
-                continue
-            length = min(len(c[0]) for c in curves)
-            steps = curves[0][0][:length]
-            columns = list(zip(*(c[1][:length] for c in curves), strict=True))
-            mean = [sum(c) / len(c) for c in columns]
-            axes.plot(
-                steps,
-                mean,
-                color=colors[variant.name],
-                lw=1.4,
-                label=f"{variant.name} ({len(curves)})",
-            )
-            if len(curves) > 1:
-                axes.fill_between(
-                    steps, [min(c) for c in columns], [max(c) for c in columns],
-                    color=colors[variant.name], alpha=0.18, lw=0,
-                )  # fmt: skip
-        axes.set_title(
-            f"training loss, mean over seeds (band: min to max), {_group_label(size, lr)}"
-        )
-        axes.set_xlabel("step")
-        axes.set_ylabel("loss (nats / token), moving average")
-        axes.grid(alpha=0.3)
-        if axes.get_legend_handles_labels()[0]:
-            axes.legend(fontsize=7, ncols=2)
-        tops = [
-            _smooth(_curve(r.directory, "train")[1], max(1, r.config.train.steps // 20))
-            for r in plan.runs
-            if r.group == (size, lr)
-        ]
-        ends = [t[len(t) // 4] for t in tops if t and math.isfinite(t[len(t) // 4])]
-        lows = [min(x for x in t if math.isfinite(x)) for t in tops if any(map(math.isfinite, t))]
-        if ends and lows and max(ends) > min(lows):
-            # The first quarter is the steep descent every model shares; the comparison is below.
-            axes.set_ylim(min(lows) - 0.05 * (max(ends) - min(lows)), max(ends))
-    return save_figure(figure, path)
-
-
-def _task_figure(plan: StudyPlan, group: dict[str, Any], path: Path) -> Path | None:
-    from deltalab.analysis._plot import new_figure, save_figure
-
-    metrics = group["metrics"]
-    if not metrics:
-        return None
-    colors = _colors(plan)
-    variants = [v.name for v in plan.spec.variants]
-    figure = new_figure(figsize=(max(6.0, 1.2 * len(metrics) + 2), 4.0))
-    axes = figure.add_subplot(1, 1, 1)
-    width = 0.8 / len(variants)
-    for i, variant in enumerate(variants):
-        stats = group["statistics"][variant]
-        means = [stats[m]["mean"] if stats[m]["mean"] is not None else 0.0 for m in metrics]
-        errors = [stats[m]["sd"] or 0.0 for m in metrics]
-        positions = [j + (i - (len(variants) - 1) / 2) * width for j in range(len(metrics))]
-        axes.bar(
-            positions, means, width, yerr=errors, color=colors[variant], label=variant, capsize=2
-        )
-    prefix = f"{group['task']}."
-    axes.set_xticks(range(len(metrics)), [m.removeprefix(prefix) for m in metrics])
-    axes.set_ylabel(f"{group['task']} (mean over seeds, bar: sd)")
-    axes.set_xlabel("setting")
-    axes.grid(alpha=0.3, axis="y")
-    axes.legend(fontsize=7, ncols=2)
-    return save_figure(figure, path)
-
-
-def _scaling_figure(plan: StudyPlan, data: dict[str, Any], path: Path) -> Path | None:
-    from deltalab.analysis._plot import new_figure, save_figure
-
-    if len(plan.sizes) < 2:
-        return None
-    colors = _colors(plan)
-    figure = new_figure(figsize=(6.5, 4.5))
-    axes = figure.add_subplot(1, 1, 1)
-    for lr in plan.lrs:
-        for variant in plan.spec.variants:
-            xs, ys, errors = [], [], []
-            for group in data["groups"]:
-                if group["lr"] != lr:
-                    continue
-                stats = group["statistics"][variant.name]
-                metric = "perplexity.perplexity" if "perplexity.perplexity" in stats else HELD_OUT
-                item = stats.get(metric)
-                if item is None or item["mean"] is None:
-                    continue
-                runs = [
-                    r
-                    for r in plan.runs
-                    if r.variant.name == variant.name and r.group == (group["size"], lr)
-                ]
-                xs.append(runs[0].params)
-                value = item["mean"] if metric != HELD_OUT else math.exp(item["mean"])
-                ys.append(value)
-                errors.append((item["sd"] or 0.0) if metric != HELD_OUT else 0.0)
-            if xs:
-                label = variant.name + (f", lr {lr_text(lr)}" if len(plan.lrs) > 1 else "")
-                axes.errorbar(
-                    xs,
-                    ys,
-                    yerr=errors,
-                    marker="o",
-                    color=colors[variant.name],
-                    label=label,
-                    capsize=2,
-                )
-    axes.set_xscale("log")
-    axes.set_xlabel("non-embedding parameters")
-    axes.set_ylabel("held-out perplexity (mean over seeds)")
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=7)
-    return save_figure(figure, path)
-
-
 def write_report(plan: StudyPlan, stem: str = "study") -> dict[str, Path]:
     """Writes STEM.json, STEM.md and the figures into the study directory; returns their
     paths by name. (`deltalab study --aggregate-only --baseline V` writes study_vs_V, the
@@ -729,17 +704,17 @@ def write_report(plan: StudyPlan, stem: str = "study") -> dict[str, Path]:
     data = collect(plan)
     written: dict[str, Path] = {}
     figures = []
-    loss = _loss_figure(plan, data, out / "loss_curves.png")
+    loss = loss_figure(plan, data, out / "loss_curves.png")
     if loss is not None:
         written["loss_curves"] = loss
         figures.append(loss.name)
     for group in data["task_groups"]:
         name = "".join(c if c.isalnum() or c in "._-" else "_" for c in group["task"])
-        figure = _task_figure(plan, group, out / f"{name}.png")
+        figure = task_figure(plan, group, out / f"{name}.png")
         if figure is not None:
             written[group["task"]] = figure
             figures.append(figure.name)
-    scaling = _scaling_figure(plan, data, out / "perplexity_vs_params.png")
+    scaling = scaling_figure(plan, data, out / "perplexity_vs_params.png")
     if scaling is not None:
         written["perplexity_vs_params"] = scaling
         figures.append(scaling.name)

@@ -12,12 +12,17 @@ that follow each.
     grid:
       mixers: [transformer, gdn2, {name: muir-static, mixer: muir, options: {read_gate: static}}]
       seeds: [0, 1, 2]
-      lrs: [3e-3]                       # optional: optim.lr of the run config (or its preset's)
+      lrs: [1e-3, 3e-3]                 # optional: optim.lr of the run config (or its preset's)
       sizes: {tiny: {}, wide: {hidden_size: 192}}   # optional: model overrides per size
     evals:
       - {task: perplexity, settings: {max_tokens: 65536}}
       - {task: mqar-train, settings: {steps: 150}}
+    selection: {metric: perplexity.validation_loss, goal: min, validation_fraction: 0.5}
 
+With several grid.lrs, every variant trains at each, and the report gives each variant's test
+results at the one rate whose mean `selection.metric` over seeds is best: a number the
+perplexity evaluation measures on its validation windows (the first `validation_fraction` of the
+windows it scores), never on the test windows.
 Every key is checked here, before anything is planned: an unknown one is named with the closest
 valid name. Variants may change the model only (mixer, its options, model overrides): training
 settings are shared by construction, so no mixer is tuned in a way the others are not.
@@ -38,7 +43,7 @@ from deltalab.catalog import MIXER_KINDS
 from deltalab.config_parse import check_keys, coerce, require, require_choice
 from deltalab.errors import ConfigError, UserError, closest
 
-__all__ = ["EvalSpec", "StudySpec", "Variant", "load_spec", "parse_spec"]
+__all__ = ["EvalSpec", "Selection", "StudySpec", "Variant", "load_spec", "parse_spec"]
 
 DEVICES = ("auto", "cpu", "cuda")
 LONG_CONTEXT = ("refuse", "window")
@@ -52,7 +57,13 @@ TOP_KEYS = (
     "run",
     "grid",
     "evals",
+    "selection",
 )
+SELECTION_KEYS = ("metric", "goal", "validation_fraction")
+GOALS = ("min", "max")
+# The task whose validation windows choose a learning rate, and what it measures there.
+SELECTION_TASK = "perplexity"
+SELECTION_METRICS = ("validation_loss", "validation_bits_per_byte")
 PARAMS_KEYS = ("match", "tolerance", "ffn_multiple")
 GRID_KEYS = ("mixers", "seeds", "lrs", "sizes")
 VARIANT_KEYS = ("name", "mixer", "options", "overrides")
@@ -95,6 +106,17 @@ class EvalSpec:
 
 
 @dataclass(frozen=True)
+class Selection:
+    """How a learning rate is chosen per variant when grid.lrs holds several: the mean over
+    seeds of `metric` (a perplexity validation number), lowest (`goal` "min") or highest;
+    `validation_fraction` of the perplexity windows are the validation part."""
+
+    metric: str = f"{SELECTION_TASK}.validation_loss"
+    goal: str = "min"
+    validation_fraction: float = 0.5
+
+
+@dataclass(frozen=True)
 class StudySpec:
     """A validated study spec (see the module docstring for the file format)."""
 
@@ -113,6 +135,12 @@ class StudySpec:
     lrs: tuple[float, ...] | None
     sizes: dict[str, dict[str, Any]] | None
     evals: tuple[EvalSpec, ...]
+    selection: Selection = Selection()
+
+    @property
+    def sweeps(self) -> bool:
+        """Whether a learning rate is chosen (grid.lrs holds several)."""
+        return self.lrs is not None and len(self.lrs) > 1
 
     def variant(self, name: str) -> Variant:
         return next(v for v in self.variants if v.name == name)
@@ -222,6 +250,49 @@ def _evals(value: Any, where: str) -> tuple[EvalSpec, ...]:
     return tuple(found)
 
 
+def _selection(
+    value: Any, lrs: tuple[float, ...] | None, evals: tuple[EvalSpec, ...], where: str
+) -> Selection:
+    data = _mapping(value, "selection")
+    check_keys(data, SELECTION_KEYS, "selection.")
+    default = Selection()
+    metric = data.get("metric", default.metric)
+    names = [f"{SELECTION_TASK}.{name}" for name in SELECTION_METRICS]
+    if metric not in names:
+        raise _fail(
+            where,
+            f"selection.metric must be one of {names} (measured on validation windows, apart "
+            f"from the test ones), got {metric!r}{closest(str(metric), names)}",
+        )
+    goal = data.get("goal", default.goal)
+    require_choice("selection.goal", goal, GOALS)
+    fraction = coerce(
+        "selection.validation_fraction",
+        data.get("validation_fraction", default.validation_fraction),
+        float,
+    )
+    if not 0 < fraction < 1:
+        raise _fail(where, f"selection.validation_fraction must be in (0, 1), got {fraction}")
+    sweeps = lrs is not None and len(lrs) > 1
+    task = next((e for e in evals if e.task == SELECTION_TASK), None)
+    if sweeps and task is None:
+        raise _fail(
+            where,
+            f"grid.lrs holds {len(lrs)} rates but evals has no {SELECTION_TASK} task, whose "
+            f"validation windows choose one (selection.metric {metric!r}); add "
+            f"{{task: {SELECTION_TASK}}} or give grid.lrs one rate",
+        )
+    if task is not None and task.skip and sweeps:
+        raise _fail(where, f"evals {SELECTION_TASK} may not skip variants: it chooses their rates")
+    if task is not None and "validation_fraction" in task.settings:
+        raise _fail(
+            where,
+            f"evals {SELECTION_TASK}: validation_fraction is set by the study; give "
+            "selection.validation_fraction",
+        )
+    return Selection(metric, goal, fraction)
+
+
 def parse_spec(data: Any, path: str | os.PathLike[str] | None = None) -> StudySpec:
     """The `StudySpec` of `data` (a spec file's parsed YAML); ConfigError naming the key."""
     where = str(path) if path is not None else "(given as data)"
@@ -301,6 +372,7 @@ def _parse(data: Any, path: str | os.PathLike[str] | None, where: str) -> StudyS
             f"params.tolerance must be in [0, {DEFAULT_TOLERANCE}] (parameter counts are matched "
             f"within 2% at most), got {tolerance}",
         )
+    selection = _selection(spec.get("selection"), lrs, evals, where)
     run = copy.deepcopy(_mapping(spec.get("run"), "run"))
     _check_run(run, lrs is not None, where)
     device = spec.get("device", "auto")
@@ -328,6 +400,7 @@ def _parse(data: Any, path: str | os.PathLike[str] | None, where: str) -> StudyS
         lrs=lrs,
         sizes=sizes,
         evals=evals,
+        selection=selection,
     )
 
 
