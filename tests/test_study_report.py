@@ -27,12 +27,21 @@ def test_the_report_names_the_device_the_records_trained_on(tmp_path, corpus, ca
         data = json.loads(metrics.read_text())
         data["config"]["train"]["device"] = "cuda"
         metrics.write_text(json.dumps(data))
+    for record in (tmp_path / "study" / "runs").glob("*/provenance.json"):
+        data = json.loads(record.read_text())
+        data["device"] = "cuda: NVIDIA H100 80GB HBM3"
+        record.write_text(json.dumps(data))
+    for record in (tmp_path / "study" / "runs").glob("*/study_run.json"):
+        data = json.loads(record.read_text())
+        data.get("provenance", {})["device"] = "cuda: NVIDIA H100 80GB HBM3"
+        record.write_text(json.dumps(data))
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
     assert main(["study", str(path), "--aggregate-only"]) == 0
     capsys.readouterr()
     header = (tmp_path / "study" / "study.md").read_text().splitlines()[2]
-    assert "the runs trained on cuda (their records)" in header and "device cpu" not in header
+    assert "the runs trained on cuda: NVIDIA H100 80GB HBM3 (their records)" in header
+    assert "cpu" not in header.split("trained on")[1]
 
 
 class TwoLayerGates(FakeTrain):

@@ -455,3 +455,14 @@ def test_tensorboard_logging_is_off_unless_asked_and_refused_where_not_installed
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
     with pytest.raises(ConfigError, match=r"log\.tensorboard must be false where tensorboard"):
         load_run_config(None, ["log.tensorboard=true"])
+
+
+def test_a_config_saved_before_a_field_existed_counts_it_at_its_default():
+    from deltalab.train.config import RunConfig, resume_changes
+
+    current = RunConfig().to_dict()
+    saved = {section: dict(fields) for section, fields in current.items()}
+    del saved["train"]["seed"]  # as if the field had been added after the run was saved
+    assert resume_changes(saved, current) == []
+    current["train"]["seed"] = 5
+    assert resume_changes(saved, current) == ["train.seed: 0 -> 5"]

@@ -287,7 +287,11 @@ def collect(plan: StudyPlan) -> dict[str, Any]:
         "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         # What the runs ran on, as their records say (the plan's guess only before any ran).
-        "device": ", ".join(recorded_devices(plan)) or plan.device,
+        # Records older than provenance name the device in their run config.
+        "device": ", ".join(
+            recorded_devices(plan) or sorted({e["device"] for e in runs if e.get("device")})
+        )
+        or plan.device,
         "code": list(recorded_identities(plan)),
         "parallel": spec.parallel,
         "threads_per_run": plan.threads,

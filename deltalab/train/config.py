@@ -632,11 +632,15 @@ RESUMABLE_CHANGES = {
 
 def resume_changes(saved: dict, current: dict) -> list[str]:
     """The fields of the config dict `current` that differ from `saved` (a checkpoint's), as
-    `section.field: old -> new`, leaving out those a resumed run may change."""
+    `section.field: old -> new`, leaving out those a resumed run may change. A field the saved
+    config lacks (it predates the field) counts as its default, which keeps the behaviour of
+    the code that saved it."""
+    defaults = RunConfig().to_dict()
     changed = []
     for section, fields in current.items():
         for name, value in fields.items():
             key = f"{section}.{name}"
-            if key not in RESUMABLE_CHANGES and saved.get(section, {}).get(name) != value:
-                changed.append(f"{key}: {saved.get(section, {}).get(name)!r} -> {value!r}")
+            old = saved.get(section, {}).get(name, defaults.get(section, {}).get(name))
+            if key not in RESUMABLE_CHANGES and old != value:
+                changed.append(f"{key}: {old!r} -> {value!r}")
     return changed
