@@ -32,6 +32,7 @@ from deltalab.ops._checks import (
 from deltalab.ops._triton import require_triton, triton_available
 from deltalab.ops.delta_rule.chunk import delta_rule_chunk
 from deltalab.ops.delta_rule.naive import delta_rule_naive, delta_rule_token
+from deltalab.ops.norms import L2_EPS, l2_normalize
 from deltalab.ops.options import DEFAULT_OPTIONS, KernelOptions
 
 __all__ = ["BACKENDS", "MAX_CHUNK_SIZE", "MIN_CHUNK_SIZE", "delta_rule", "delta_rule_step"]
@@ -75,6 +76,28 @@ def require_chunk_size(chunk_size: object) -> int:
             f"chunk_size must be in [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}], got {chunk_size}"
         )
     return chunk_size
+
+
+def require_bool(name: str, value: object) -> bool:
+    """`value` as a bool; else a TypeError naming the argument."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+# The norm before the rule where the rule's own path does not normalize q and b (`qk_l2norm`):
+# the formula left to autograd for the definition, the norms' torch path (its output and one
+# 1/norm per row kept) for the chunked PyTorch path, the norms' kernel for the Triton decoding
+# step (the Triton chunked path normalizes inside its kernels).
+_UNIT_QK_BACKEND = {"naive": "naive", "chunk": "torch", "triton": "triton"}
+
+
+def unit_qk(q: torch.Tensor, b: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and b made unit-norm over K (`qk_l2norm`), `l2_normalize`d (x / sqrt(|x|^2 + eps)) in
+    their dtypes by the norm op's path paired with the delta rule's `backend`."""
+    norm_backend = _UNIT_QK_BACKEND[backend]
+    unit_q, unit_b = (l2_normalize(x, L2_EPS, backend=norm_backend) for x in (q, b))
+    return unit_q, unit_b
 
 
 def require_options(options: object) -> KernelOptions:
@@ -129,6 +152,7 @@ def delta_rule(
     chunk_size: int = 64,
     backend: str = "auto",
     options: KernelOptions | None = None,
+    qk_l2norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Runs the generalized delta rule over whole sequences.
 
@@ -148,6 +172,10 @@ def delta_rule(
             is installed, else "chunk").
         options: the Triton kernels' `deltalab.ops.options.KernelOptions` (None: the defaults,
             which measured best); the other backends ignore them.
+        qk_l2norm: make q and b unit-norm over K first, `x / sqrt(|x|^2 + 1e-6)` as
+            `deltalab.ops.norms.l2_normalize`, with gradients through it (a write strength `a`
+            then scales the unit b; a write direction is used as given). The Triton kernels
+            normalize the rows as they load them and keep one inverse norm per row.
 
     Returns:
         `(o [B, T, H, V] in q's dtype, final state [N, H, K, V] or None)`. The state is kept in
@@ -165,14 +193,14 @@ def delta_rule(
         require_nonpositive("g", g, "a log decay")
         o, final = _validated_call(
             q, a, b, u, g, scale, initial_state, cu_seqlens, chunk_size, backend,
-            output_final_state, options,
+            output_final_state, options, qk_l2norm,
         )  # fmt: skip
     return o.to(q.dtype), (final if output_final_state else None)
 
 
 def _validated_call(
     q, a, b, u, g, scale, initial_state, cu_seqlens, chunk_size, backend, output_final_state,
-    options,
+    options, qk_l2norm,
 ):  # fmt: skip
     """delta_rule past its gates' checks: the other arguments', then the backend's call."""
     batch, length, heads, key_dim = q.shape
@@ -192,10 +220,8 @@ def _validated_call(
     )
     chunk_size = require_chunk_size(chunk_size)
     options = require_options(options)
-    if not isinstance(output_final_state, bool):
-        raise TypeError(
-            f"output_final_state must be a bool, got {type(output_final_state).__name__}"
-        )
+    require_bool("output_final_state", output_final_state)
+    require_bool("qk_l2norm", qk_l2norm)
     if cu_seqlens is not None:
         # The backends take the validated offsets as an int64 tensor on q's device.
         cu_seqlens = check_cu_seqlens(cu_seqlens, batch, length, q.device)
@@ -227,8 +253,12 @@ def _validated_call(
         from deltalab.ops.delta_rule.triton.chunk import delta_rule_triton
 
         # Given the inputs' own dtype: it picks the precision of its matrix products.
-        o, final = delta_rule_triton(q, a, b, u, g, state, cu_seqlens, chunk_size, scale, options)
+        o, final = delta_rule_triton(
+            q, a, b, u, g, state, cu_seqlens, chunk_size, scale, options, qk_l2norm
+        )
     else:
+        if qk_l2norm:
+            q, b = unit_qk(q, b, backend)
         inputs = [q.to(dtype) * scale, *(x.to(dtype) for x in (a, b, u, g))]
         inputs[1] = directions(inputs[1], inputs[2])
         if backend == "naive":
@@ -249,6 +279,7 @@ def delta_rule_step(
     scale: float | None = None,
     backend: str = "auto",
     in_place: bool = False,
+    qk_l2norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoding step of the generalized delta rule, one token per sequence.
 
@@ -262,6 +293,8 @@ def delta_rule_step(
         in_place: write the new state into `state` and return it (`state` must already be in
             the state dtype). The static-cache decoder uses it: its state buffers stay where
             a captured CUDA graph reads them, and the step makes no copy of the state.
+        qk_l2norm: make q and b unit-norm over K first, as `delta_rule` does (by the norm
+            op before the step: `unit_qk`).
 
     Returns:
         `(o [B, H, V] in q's dtype, new state [B, H, K, V] in float32, or float64 when any
@@ -279,8 +312,8 @@ def delta_rule_step(
     require_same_device({"q": q, "a": a, "b": b, "u": u, "g": g, "state": state})
     scale = key_dim**-0.5 if scale is None else require_positive_number("scale", scale)
     require_choice("backend", backend, ("auto", "naive", "triton"))
-    if not isinstance(in_place, bool):
-        raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
+    require_bool("in_place", in_place)
+    require_bool("qk_l2norm", qk_l2norm)
     dtype = state_dtype(q, a, b, u, g, state)
     if in_place and state.dtype != dtype:
         raise ValueError(f"in_place=True needs state in {dtype}, got {state.dtype}")
@@ -304,6 +337,8 @@ def delta_rule_step(
                 '(use backend="naive" for float64)'
             )
 
+    if qk_l2norm:
+        q, b = unit_qk(q, b, backend)
     a = directions(a, b)
     if backend == "triton":
         from deltalab.ops.delta_rule.triton.step import delta_rule_step_triton

@@ -30,6 +30,12 @@ stage 1's factors as in `intra.py`'s docstring,
 
 a reverse cumulative sum plus per-chunk totals (the write term's sum over t < j written as the
 total minus the sum over t >= j).
+
+With `qk_l2norm` the q and b rows are made unit-norm as they are loaded, by the inverse norms
+r = 1 / sqrt(|x|^2 + eps) that stage 1's forward wrote (it loads whole rows; these kernels load
+channel blocks). The adjoint above is then that of the unit rows x' = r x, and closes the
+chain here: dx = r (dx' - x' (x' . dx')), a dot product over the whole row, so with unit rows
+the adjoint's programs take all channels of a row (one channel block).
 """
 
 from __future__ import annotations
@@ -49,7 +55,10 @@ from deltalab.ops.delta_rule.triton.intra import (
     _load_g_rows,
     _load_per_row,
     _load_rows,
+    _norm_args,
+    _norm_layout,
     _token_layout,
+    _unit_rows,
     key_block,
 )
 
@@ -87,17 +96,20 @@ def _load_a_beside(a, b_t, chunk, n_chunks, H, T, CS, offset, rs, rc, rk, valid,
 
 @triton.jit
 def _factors_fwd(
-    q, a, b, g, read, rhs, write, decay, n_chunks, H, T, CS, scale,
+    q, a, b, g, q_norm, b_norm, read, rhs, write, decay, n_chunks, H, T, CS, scale,
     K: tl.constexpr, C: tl.constexpr, BKD: tl.constexpr, G_HEAD: tl.constexpr,
-    A_ROW: tl.constexpr,
+    A_ROW: tl.constexpr, UNIT: tl.constexpr,
 ):  # fmt: skip
     chunk, offset, valid, rs, rc, rk, mk, from_start, to_end, g_t = _chunk_decays(
         g, n_chunks, H, T, CS, K, C, BKD, G_HEAD
     )
     out = chunk * C * K + rc[:, None] * K + rk[None, :]
     mask = mk[None, :]
-    q_t = _load_rows(q + offset, rc, rs, rk, 1, valid, mk) * scale
+    qn, bn, nrs = _norm_layout(q_norm, b_norm, chunk, n_chunks, H, T, CS)
+    q_t = _load_rows(q + offset, rc, rs, rk, 1, valid, mk)
+    q_t = _unit_rows(q_t, qn, rc, nrs, valid, UNIT, False) * scale
     b_t = _load_rows(b + offset, rc, rs, rk, 1, valid, mk)
+    b_t = _unit_rows(b_t, bn, rc, nrs, valid, UNIT, False)
     a_t, _, _ = _load_a_beside(a, b_t, chunk, n_chunks, H, T, CS, offset, rs, rc, rk, valid, mk,
                                A_ROW)  # fmt: skip
     tl.store(read + out, (from_start * q_t).to(read.dtype.element_ty), mask=mask)
@@ -108,24 +120,29 @@ def _factors_fwd(
 
 @triton.jit
 def _factors_bwd(
-    q, a, b, g, d_read, d_rhs, d_write, d_decay, dq1, da1, db1, dq, da, db, dg,
+    q, a, b, g, q_norm, b_norm, d_read, d_rhs, d_write, d_decay, dq1, da1, db1, dq, da, db, dg,
     n_chunks, H, T, CS, scale, a_parts,
     K: tl.constexpr, C: tl.constexpr, BKD: tl.constexpr, G_HEAD: tl.constexpr,
-    A_ROW: tl.constexpr,
+    A_ROW: tl.constexpr, UNIT: tl.constexpr,
 ):  # fmt: skip
     """dq1, da1, db1: stage 1's gradients, chunked [chunks, C, K] (dq1 that of the scaled q).
     dq, da, db, dg: the totals, laid out as q (dg per channel), in their tensors' dtypes; dq
     of the unscaled q. Rows past the chunk's tokens are not written. With A_ROW (a_t = beta_t
     b_t) the gradient of the direction, da', splits: db gains beta da', and da holds this
     program's channels' share of d beta = sum_k b da', float32, `a_parts` elements after the
-    share of the channel block before."""
+    share of the channel block before. With UNIT (one channel block: BKD >= K) q and b are the
+    unit rows and the chain closes through their norms (module docstring)."""
     chunk, offset, valid, rs, rc, rk, mk, from_start, to_end, g_t = _chunk_decays(
         g, n_chunks, H, T, CS, K, C, BKD, G_HEAD
     )
     inner = chunk * C * K + rc[:, None] * K + rk[None, :]
     mask = mk[None, :]
-    q_t = _load_rows(q + offset, rc, rs, rk, 1, valid, mk) * scale
+    qn, bn, nrs = _norm_layout(q_norm, b_norm, chunk, n_chunks, H, T, CS)
+    q_u = _unit_rows(_load_rows(q + offset, rc, rs, rk, 1, valid, mk), qn, rc, nrs, valid, UNIT,
+                     False)  # fmt: skip
+    q_t = q_u * scale
     b_t = _load_rows(b + offset, rc, rs, rk, 1, valid, mk)
+    b_t = _unit_rows(b_t, bn, rc, nrs, valid, UNIT, False)
     a_t, a_offset, ars = _load_a_beside(a, b_t, chunk, n_chunks, H, T, CS, offset, rs, rc, rk,
                                         valid, mk, A_ROW)  # fmt: skip
     dq_t = tl.load(dq1 + inner, mask=mask, other=0.0)
@@ -143,6 +160,8 @@ def _factors_bwd(
     dg_t = tl.cumsum(terms, axis=0, reverse=True) + total[None, :]
     tl.store(dg + outer, dg_t.to(dg.dtype.element_ty), mask=present)
     dq_t = (dq_t + from_start * dr_t) * scale
+    if UNIT:
+        dq_t = _unit_adjoint(q_u, dq_t, qn, rc, nrs, valid)
     tl.store(dq + outer, dq_t.to(dq.dtype.element_ty), mask=present)
     db_t += from_start * dh_t
     da_t += to_end * dw_t
@@ -153,31 +172,46 @@ def _factors_bwd(
         tl.store(share, tl.sum(b_t * da_t, axis=1), mask=rc < valid)
     else:
         tl.store(da + outer, da_t.to(da.dtype.element_ty), mask=present)
+    if UNIT:
+        db_t = _unit_adjoint(b_t, db_t, bn, rc, nrs, valid)
     tl.store(db + outer, db_t.to(db.dtype.element_ty), mask=present)
 
 
-def _grid(q: torch.Tensor, tokens: Tokens):
+@triton.jit
+def _unit_adjoint(unit, d_unit, norms, rows, nrs, valid):
+    """The gradient of rows x from that of their unit rows `unit` = r x (whole rows):
+    r (d_unit - unit (unit . d_unit)), r read from `norms`."""
+    along = tl.sum(unit * d_unit, axis=1)
+    return (d_unit - unit * along[:, None]) * _load_per_row(norms, rows, nrs, valid)[:, None]
+
+
+def _grid(q: torch.Tensor, tokens: Tokens, whole_rows: bool = False):
+    """The factor kernels' grid (chunks, channel blocks) and channels per block: all of them
+    with `whole_rows` (the adjoint of unit rows)."""
     key_dim = q.shape[-1]
-    block = min(BLOCK_KD, key_block(key_dim))
+    block = key_block(key_dim) if whole_rows else min(BLOCK_KD, key_block(key_dim))
     return (tokens.programs(q), triton.cdiv(key_dim, block)), block
 
 
 def factors_triton(q, a, b, g, tokens: Tokens | None = None, scale: float = 1.0,
-                   dtype: torch.dtype = torch.float32):  # fmt: skip
+                   dtype: torch.dtype = torch.float32,
+                   norms: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
     """(read, exp(G) b, write [chunks, C, K] in `dtype`, decay [chunks, K] float32) of
     token-major inputs as `tokens` maps them (see `intra.Tokens`; read of q times `scale`), or,
     with tokens=None, of chunked inputs [..., C, K] (g per channel), shaped [..., C, K] and
     [..., K]. Formed in float32, stored in `dtype` (`KernelOptions.operator_dtype`). The twin of the
-    factor lines of `chunk.chunk_operators`."""
+    factor lines of `chunk.chunk_operators`. With `norms` (written by `intra.intra_triton`), of
+    the unit-norm q and b rows (`qk_l2norm`)."""
     chunked = tokens is None
     tokens = Tokens.of_chunks(q) if chunked else tokens
     size, key_dim = padded_chunk_size(tokens.chunk_size), q.shape[-1]
     grid, block = _grid(q, tokens)
     read, rhs, write = (q.new_empty(grid[0], size, key_dim, dtype=dtype) for _ in "rhw")
     decay = q.new_empty(grid[0], key_dim, dtype=torch.float32)
+    q_norm, b_norm, unit = _norm_args(q, b, norms)
     _factors_fwd[grid](
-        q, a, b, g, read, rhs, write, decay, *tokens.args(), scale, K=key_dim, C=size,
-        BKD=block, G_HEAD=_g_head(q, g), A_ROW=_a_row(q, a), **LAUNCH,
+        q, a, b, g, q_norm, b_norm, read, rhs, write, decay, *tokens.args(), scale, K=key_dim,
+        C=size, BKD=block, G_HEAD=_g_head(q, g), A_ROW=_a_row(q, a), UNIT=unit, **LAUNCH,
     )  # fmt: skip
     if chunked:
         return (*(x.view(q.shape) for x in (read, rhs, write)), decay.view(*q.shape[:-2], key_dim))
@@ -185,16 +219,19 @@ def factors_triton(q, a, b, g, tokens: Tokens | None = None, scale: float = 1.0,
 
 
 def factors_triton_backward(q, a, b, g, d_read, d_rhs, d_write, d_decay, dq1, da1, db1,
-                            tokens: Tokens | None = None, scale: float = 1.0):  # fmt: skip
+                            tokens: Tokens | None = None, scale: float = 1.0,
+                            norms: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
     """(dq, da, db, dg): the gradients of q, a, b, g through the factors and, given stage 1's
     dq1, da1, db1 (chunked float32; dq1 that of the scaled q, da1 that of the write direction),
     through stage 1 too. Laid out and typed as q, a, b and g are (dg of a per-head g summed over
-    channels, da of a per-token a over channels); dq of the unscaled q."""
+    channels, da of a per-token a over channels); dq of the unscaled q. With `norms`, stage 1's
+    gradients are those of the unit rows, and dq, db those of the raw q, b."""
     tokens = Tokens.of_chunks(q) if tokens is None else tokens
     size = padded_chunk_size(tokens.chunk_size)
     head = _g_head(q, g)
     row = _a_row(q, a)
-    grid, block = _grid(q, tokens)
+    q_norm, b_norm, unit = _norm_args(q, b, norms)
+    grid, block = _grid(q, tokens, whole_rows=unit)
     dq, db = torch.empty_like(q), torch.empty_like(b)
     # A per-token a: each channel block's share of its gradient, summed below (as dg's channels
     # for a per-head g): a deterministic sum, where atomic additions would not be.
@@ -203,9 +240,9 @@ def factors_triton_backward(q, a, b, g, d_read, d_rhs, d_write, d_decay, dq1, da
         torch.empty_like(g)
     )  # fmt: skip
     _factors_bwd[grid](
-        q, a, b, g, d_read, d_rhs, d_write, d_decay, dq1, da1, db1, dq, da, db, dg,
-        *tokens.args(), scale, a.numel(), K=q.shape[-1], C=size, BKD=block, G_HEAD=head,
-        A_ROW=row, **LAUNCH,
+        q, a, b, g, q_norm, b_norm, d_read, d_rhs, d_write, d_decay, dq1, da1, db1, dq, da, db,
+        dg, *tokens.args(), scale, a.numel(), K=q.shape[-1], C=size, BKD=block, G_HEAD=head,
+        A_ROW=row, UNIT=unit, **LAUNCH,
     )  # fmt: skip
     da = da.sum(dim=0).to(a.dtype) if row else da
     return dq, da, db, (dg.sum(dim=-1).to(g.dtype) if head else dg)
