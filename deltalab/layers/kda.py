@@ -39,6 +39,8 @@ class KimiDeltaAttention(DeltaMixer):
     """
 
     default_gate_activation = "sigmoid"
+    # q and k are the rule's q and b as they are: it normalizes them.
+    normalizes_in_rule = True
 
     def __init__(
         self,
