@@ -122,20 +122,34 @@ def _check_gates(q, a, b, u, g, leading: str) -> None:
     # scale K^-1/2, V = 0 would return empty outputs instead of saying what went wrong.
     if q.shape[-1] == 0:
         raise ValueError(f"q must have K >= 1 (last axis of [{leading}, K]), got {tuple(q.shape)}")
-    require_rank("a", a, (rank - 1, rank), f"[{leading}, K] or [{leading}]")
-    if a.dim() == rank:
-        require_shape("a", a, q.shape, f"[{leading}, K]", "to match q")
-    else:
-        require_shape("a", a, q.shape[:-1], f"[{leading}]", "(a strength per token) to match q")
     require_shape("b", b, q.shape, f"[{leading}, K]", "to match q")
     require_rank("u", u, (rank,), f"[{leading}, V]")
-    require_shape("u", u, (*q.shape[:-1], u.shape[-1]), f"[{leading}, V]", "to match q")
+    # Grouped value heads: u may have a multiple of q's heads; a, u and g have u's.
+    heads = u.shape[-2] if u.shape[-2] % max(q.shape[-2], 1) == 0 else q.shape[-2]
+    per_token = (*q.shape[:-2], heads)
+    require_shape("u", u, (*per_token, u.shape[-1]), f"[{leading}, V]",
+                  "to match q (H: q's heads or a multiple of them, grouped value heads)")  # fmt: skip
     if u.shape[-1] == 0:
         raise ValueError(f"u must have V >= 1 (last axis of [{leading}, V]), got {tuple(u.shape)}")
+    require_rank("a", a, (rank - 1, rank), f"[{leading}, K] or [{leading}]")
+    if a.dim() == rank:
+        require_shape("a", a, (*per_token, q.shape[-1]), f"[{leading}, K]", "to match q and u")
+    else:
+        require_shape("a", a, per_token, f"[{leading}]", "(a strength per token) to match q and u")
     require_rank("g", g, (rank - 1, rank), f"[{leading}] or [{leading}, K]")
-    expected_g = q.shape[:-1] if g.dim() == rank - 1 else q.shape
+    expected_g = per_token if g.dim() == rank - 1 else (*per_token, q.shape[-1])
     layout = f"[{leading}]" if g.dim() == rank - 1 else f"[{leading}, K]"
-    require_shape("g", g, expected_g, layout, "to match q")
+    require_shape("g", g, expected_g, layout, "to match q and u")
+
+
+def grouped_keys(q: torch.Tensor, b: torch.Tensor, value_heads: int):
+    """q and b with every head repeated for the value heads that read it (head h of u reads
+    head h // G of q and b, G = value_heads / q's heads), for the PyTorch paths; as they are
+    without grouping."""
+    group = value_heads // q.shape[-2]
+    if group == 1:
+        return q, b
+    return tuple(x.repeat_interleave(group, dim=-2) for x in (q, b))
 
 
 def delta_rule(
@@ -157,11 +171,13 @@ def delta_rule(
     """Runs the generalized delta rule over whole sequences.
 
     Args:
-        q: queries `[B, T, H, K]`.
+        q: queries `[B, T, H_k, K]`.
         a: write directions `[B, T, H, K]`, or write strengths `[B, T, H]`, one per token:
             a_t = a_t b_t (the DeltaNet family's beta; the Triton kernels form it on load).
-        b: erase keys `[B, T, H, K]`.
-        u: target values `[B, T, H, V]`.
+        b: erase keys `[B, T, H_k, K]`.
+        u: target values `[B, T, H, V]`; H = H_k, or grouped value heads H = G H_k (as GQA):
+            value head h reads q's and b's head h // G (the Triton kernels index it so; the
+            PyTorch paths repeat q and b).
         g: log decays (<= 0), per channel `[B, T, H, K]` or one per head `[B, T, H]`.
         scale: output scale; defaults to `K ** -0.5`.
         initial_state: `[N, H, K, V]` (N = B, or the number of packed sequences); zeros if None.
@@ -203,8 +219,8 @@ def _validated_call(
     options, qk_l2norm,
 ):  # fmt: skip
     """delta_rule past its gates' checks: the other arguments', then the backend's call."""
-    batch, length, heads, key_dim = q.shape
-    value_dim = u.shape[-1]
+    batch, length, _, key_dim = q.shape
+    heads, value_dim = u.shape[-2:]
     if length == 0:
         raise ValueError("q must hold at least one token (T >= 1), got T = 0")
     require_same_device(
@@ -259,6 +275,7 @@ def _validated_call(
     else:
         if qk_l2norm:
             q, b = unit_qk(q, b, backend)
+        q, b = grouped_keys(q, b, heads)
         inputs = [q.to(dtype) * scale, *(x.to(dtype) for x in (a, b, u, g))]
         inputs[1] = directions(inputs[1], inputs[2])
         if backend == "naive":
@@ -284,7 +301,8 @@ def delta_rule_step(
     """One decoding step of the generalized delta rule, one token per sequence.
 
     Args:
-        q, b: `[B, H, K]`; a: `[B, H, K]` or `[B, H]` (a strength: a b); u: `[B, H, V]`;
+        q, b: `[B, H_k, K]`; a: `[B, H, K]` or `[B, H]` (a strength: a b); u: `[B, H, V]`
+            (H = H_k, or grouped value heads G H_k as for `delta_rule`);
         g: `[B, H, K]` or `[B, H]` (log decay <= 0);
         state: `[B, H, K, V]`; scale: defaults to `K ** -0.5`.
         backend: "naive" (`delta_rule_token`), "triton" (one fused kernel; float32 state math,
@@ -304,7 +322,8 @@ def delta_rule_step(
 
     _check_gates(q, a, b, u, g, "B, H")
     require_nonpositive("g", g, "a log decay")
-    batch, heads, key_dim = q.shape
+    batch, _, key_dim = q.shape
+    heads = u.shape[1]
     require_float("state", state)
     require_shape(
         "state", state, (batch, heads, key_dim, u.shape[-1]), "[B, H, K, V]", "to match q, u"
@@ -339,6 +358,7 @@ def delta_rule_step(
 
     if qk_l2norm:
         q, b = unit_qk(q, b, backend)
+    q, b = grouped_keys(q, b, heads)
     a = directions(a, b)
     if backend == "triton":
         from deltalab.ops.delta_rule.triton.step import delta_rule_step_triton

@@ -987,7 +987,8 @@ class _DeltaRuleTriton(torch.autograd.Function):
     def forward(ctx, q, a, b, u, g, initial_state, chunk_size, scale, precision, options,
                 qk_l2norm=False):  # fmt: skip
         ctx.set_materialize_grads(False)
-        batch, length, heads, key_dim = q.shape
+        batch, length, key_heads, key_dim = q.shape
+        heads = u.shape[2]  # grouped value heads: a multiple of q's
         # Read once: the backward recomputes the operators as the forward made them.
         ctx.operator_dtype = operator_dtype(
             *_precision_inputs(q, a, b, u), stored=options.operator_dtype
@@ -997,8 +998,8 @@ class _DeltaRuleTriton(torch.autograd.Function):
         state_pass, ctx.state_pass_backward, ctx.walk = PASS_FORMS[chosen]
         q, a, b, u, g = (x.contiguous() for x in (q, a, b, u, g))
         initial_state = initial_state.contiguous()
-        tokens = Tokens(-(-length // chunk_size), heads, length, chunk_size)
-        norms = unit_norms(q) if qk_l2norm else None
+        tokens = Tokens(-(-length // chunk_size), heads, length, chunk_size, heads // key_heads)
+        norms = unit_norms(u) if qk_l2norm else None
         ops, _ = _operators_triton(q, a, b, u, g, precision, tokens, scale, ctx.operator_dtype,
                                    norms)  # fmt: skip
         out = q.new_empty(u.shape)

@@ -52,6 +52,7 @@ from deltalab.ops.delta_rule.triton.intra import (
     _a_layout,
     _a_row,
     _g_head,
+    _key_layout,
     _load_g_rows,
     _load_per_row,
     _load_rows,
@@ -96,7 +97,7 @@ def _load_a_beside(a, b_t, chunk, n_chunks, H, T, CS, offset, rs, rc, rk, valid,
 
 @triton.jit
 def _factors_fwd(
-    q, a, b, g, q_norm, b_norm, read, rhs, write, decay, n_chunks, H, T, CS, scale,
+    q, a, b, g, q_norm, b_norm, read, rhs, write, decay, n_chunks, H, T, CS, scale, GROUP,
     K: tl.constexpr, C: tl.constexpr, BKD: tl.constexpr, G_HEAD: tl.constexpr,
     A_ROW: tl.constexpr, UNIT: tl.constexpr,
 ):  # fmt: skip
@@ -106,9 +107,10 @@ def _factors_fwd(
     out = chunk * C * K + rc[:, None] * K + rk[None, :]
     mask = mk[None, :]
     qn, bn, nrs = _norm_layout(q_norm, b_norm, chunk, n_chunks, H, T, CS)
-    q_t = _load_rows(q + offset, rc, rs, rk, 1, valid, mk)
+    key_offset, krs = _key_layout(chunk, n_chunks, H, T, CS, K, GROUP)
+    q_t = _load_rows(q + key_offset, rc, krs, rk, 1, valid, mk)
     q_t = _unit_rows(q_t, qn, rc, nrs, valid, UNIT, False) * scale
-    b_t = _load_rows(b + offset, rc, rs, rk, 1, valid, mk)
+    b_t = _load_rows(b + key_offset, rc, krs, rk, 1, valid, mk)
     b_t = _unit_rows(b_t, bn, rc, nrs, valid, UNIT, False)
     a_t, _, _ = _load_a_beside(a, b_t, chunk, n_chunks, H, T, CS, offset, rs, rc, rk, valid, mk,
                                A_ROW)  # fmt: skip
@@ -121,7 +123,7 @@ def _factors_fwd(
 @triton.jit
 def _factors_bwd(
     q, a, b, g, q_norm, b_norm, d_read, d_rhs, d_write, d_decay, dq1, da1, db1, dq, da, db, dg,
-    n_chunks, H, T, CS, scale, a_parts,
+    n_chunks, H, T, CS, scale, GROUP, a_parts,
     K: tl.constexpr, C: tl.constexpr, BKD: tl.constexpr, G_HEAD: tl.constexpr,
     A_ROW: tl.constexpr, UNIT: tl.constexpr,
 ):  # fmt: skip
@@ -138,10 +140,11 @@ def _factors_bwd(
     inner = chunk * C * K + rc[:, None] * K + rk[None, :]
     mask = mk[None, :]
     qn, bn, nrs = _norm_layout(q_norm, b_norm, chunk, n_chunks, H, T, CS)
-    q_u = _unit_rows(_load_rows(q + offset, rc, rs, rk, 1, valid, mk), qn, rc, nrs, valid, UNIT,
-                     False)  # fmt: skip
+    key_offset, krs = _key_layout(chunk, n_chunks, H, T, CS, K, GROUP)
+    q_u = _load_rows(q + key_offset, rc, krs, rk, 1, valid, mk)
+    q_u = _unit_rows(q_u, qn, rc, nrs, valid, UNIT, False)
     q_t = q_u * scale
-    b_t = _load_rows(b + offset, rc, rs, rk, 1, valid, mk)
+    b_t = _load_rows(b + key_offset, rc, krs, rk, 1, valid, mk)
     b_t = _unit_rows(b_t, bn, rc, nrs, valid, UNIT, False)
     a_t, a_offset, ars = _load_a_beside(a, b_t, chunk, n_chunks, H, T, CS, offset, rs, rc, rk,
                                         valid, mk, A_ROW)  # fmt: skip
@@ -210,8 +213,8 @@ def factors_triton(q, a, b, g, tokens: Tokens | None = None, scale: float = 1.0,
     decay = q.new_empty(grid[0], key_dim, dtype=torch.float32)
     q_norm, b_norm, unit = _norm_args(q, b, norms)
     _factors_fwd[grid](
-        q, a, b, g, q_norm, b_norm, read, rhs, write, decay, *tokens.args(), scale, K=key_dim,
-        C=size, BKD=block, G_HEAD=_g_head(q, g), A_ROW=_a_row(q, a), UNIT=unit, **LAUNCH,
+        q, a, b, g, q_norm, b_norm, read, rhs, write, decay, *tokens.args(), scale, tokens.group,
+        K=key_dim, C=size, BKD=block, G_HEAD=_g_head(q, g), A_ROW=_a_row(q, a), UNIT=unit, **LAUNCH,
     )  # fmt: skip
     if chunked:
         return (*(x.view(q.shape) for x in (read, rhs, write)), decay.view(*q.shape[:-2], key_dim))
@@ -225,24 +228,32 @@ def factors_triton_backward(q, a, b, g, d_read, d_rhs, d_write, d_decay, dq1, da
     dq1, da1, db1 (chunked float32; dq1 that of the scaled q, da1 that of the write direction),
     through stage 1 too. Laid out and typed as q, a, b and g are (dg of a per-head g summed over
     channels, da of a per-token a over channels); dq of the unscaled q. With `norms`, stage 1's
-    gradients are those of the unit rows, and dq, db those of the raw q, b."""
+    gradients are those of the unit rows, and dq, db those of the raw q, b. With grouped value
+    heads (`tokens.group` G > 1) each head writes its share of dq and db, float32, summed over
+    the G heads of a group below."""
     tokens = Tokens.of_chunks(q) if tokens is None else tokens
     size = padded_chunk_size(tokens.chunk_size)
     head = _g_head(q, g)
     row = _a_row(q, a)
     q_norm, b_norm, unit = _norm_args(q, b, norms)
     grid, block = _grid(q, tokens, whole_rows=unit)
-    dq, db = torch.empty_like(q), torch.empty_like(b)
+    group = tokens.group
+    # Per head of u: q's layout with G heads for each of q's.
+    shape = (*q.shape[:-2], q.shape[-2] * group, q.shape[-1])
+    if group == 1:
+        dq, db = torch.empty_like(q), torch.empty_like(b)
+    else:
+        dq, db = (q.new_empty(shape, dtype=torch.float32) for _ in "qb")
     # A per-token a: each channel block's share of its gradient, summed below (as dg's channels
     # for a per-head g): a deterministic sum, where atomic additions would not be.
     da = a.new_empty(grid[1], *a.shape, dtype=torch.float32) if row else torch.empty_like(a)
-    dg = torch.empty(q.shape, dtype=torch.float32, device=q.device) if head else (
-        torch.empty_like(g)
-    )  # fmt: skip
+    dg = q.new_empty(shape, dtype=torch.float32) if head else torch.empty_like(g)
     _factors_bwd[grid](
         q, a, b, g, q_norm, b_norm, d_read, d_rhs, d_write, d_decay, dq1, da1, db1, dq, da, db,
-        dg, *tokens.args(), scale, a.numel(), K=q.shape[-1], C=size, BKD=block, G_HEAD=head,
-        A_ROW=row, UNIT=unit, **LAUNCH,
+        dg, *tokens.args(), scale, group, a.numel(), K=q.shape[-1], C=size, BKD=block,
+        G_HEAD=head, A_ROW=row, UNIT=unit, **LAUNCH,
     )  # fmt: skip
+    if group > 1:
+        dq, db = (d.unflatten(-2, (-1, group)).sum(-2).to(q.dtype) for d in (dq, db))
     da = da.sum(dim=0).to(a.dtype) if row else da
     return dq, da, db, (dg.sum(dim=-1).to(g.dtype) if head else dg)

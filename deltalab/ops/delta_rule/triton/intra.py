@@ -112,14 +112,17 @@ class Tokens(NamedTuple):
     heads: int  # H
     length: int  # T
     chunk_size: int  # tokens per chunk (<= the tile's C, which is padded to 16 * 2^m)
+    # G: heads per head of q and b (grouped value heads: q, b [B, T, H / G, K], head h reading
+    # their head h // G; a, u, g have H heads).
+    group: int = 1
 
     @classmethod
     def of_chunks(cls, x: torch.Tensor) -> Tokens:
         return cls(1, 1, x.shape[-2], x.shape[-2])
 
     def programs(self, q: torch.Tensor) -> int:
-        """Chunks in all, one program each (q: [B, T, H, K], or chunked [..., C, K])."""
-        return q.numel() // (self.length * q.shape[-1]) * self.chunks
+        """Chunks in all, one program each (q: [B, T, H / G, K], or chunked [..., C, K])."""
+        return q.numel() // (self.length * q.shape[-1]) * self.chunks * self.group
 
     def args(self) -> tuple[int, int, int, int]:
         """The kernels' runtime arguments n_chunks, H, T, CS."""
@@ -134,6 +137,16 @@ def _token_offset(chunk, n_chunks, H, T, CS, X: tl.constexpr):
     bh = chunk // n_chunks
     first = j * CS
     return ((bh // H) * T + first) * H * X + (bh % H) * X, tl.minimum(CS, T - first)
+
+
+@triton.jit
+def _key_layout(chunk, n_chunks, H, T, CS, K: tl.constexpr, GROUP):
+    """Where chunk `chunk` (ordered b, h, j over the H heads of u) starts in q, b
+    [B, T, H / GROUP, K], whose head h // GROUP head h reads, and their row stride."""
+    j = chunk % n_chunks
+    bh = chunk // n_chunks
+    heads = H // GROUP
+    return ((bh // H) * T + j * CS) * heads * K + ((bh % H) // GROUP) * K, heads * K
 
 
 @triton.jit
@@ -206,13 +219,14 @@ def _a_layout(chunk, n_chunks, H, T, CS, offset, rs, A_ROW: tl.constexpr):
 
 
 @triton.jit
-def _chunk_inputs(q, a, b, g, chunk, n_chunks, H, T, CS, K: tl.constexpr, G_HEAD: tl.constexpr,
-                  A_ROW: tl.constexpr):  # fmt: skip
-    """q, a, b and g moved to chunk `chunk`'s first token (`_token_layout`, `_a_layout`), its
-    tokens, and the row strides of q and b, of a and of g."""
+def _chunk_inputs(q, a, b, g, chunk, n_chunks, H, T, CS, GROUP, K: tl.constexpr,
+                  G_HEAD: tl.constexpr, A_ROW: tl.constexpr):  # fmt: skip
+    """q, a, b and g moved to chunk `chunk`'s first token (`_key_layout`, `_token_layout`,
+    `_a_layout`), its tokens, and the row strides of q and b, of a and of g."""
     offset, valid, rs, g_offset, grs = _token_layout(chunk, n_chunks, H, T, CS, K, G_HEAD)
     a_offset, ars = _a_layout(chunk, n_chunks, H, T, CS, offset, rs, A_ROW)
-    return q + offset, a + a_offset, b + offset, g + g_offset, valid, rs, ars, grs
+    key_offset, krs = _key_layout(chunk, n_chunks, H, T, CS, K, GROUP)
+    return q + key_offset, a + a_offset, b + key_offset, g + g_offset, valid, krs, ars, grs
 
 
 @triton.jit
@@ -378,7 +392,7 @@ def _column_factor(g, cols, rt, rk, mk, between, grs, valid, BT: tl.constexpr,
 
 @triton.jit
 def _intra_fwd(
-    q, a, b, g, q_norm, b_norm, lower, attend, n_chunks, H, T, CS, scale,
+    q, a, b, g, q_norm, b_norm, lower, attend, n_chunks, H, T, CS, scale, GROUP,
     K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, G_HEAD: tl.constexpr,
     PRECISION: tl.constexpr, BOUND: tl.constexpr, A_ROW: tl.constexpr, UNIT: tl.constexpr,
 ):  # fmt: skip
@@ -391,7 +405,7 @@ def _intra_fwd(
     chunk = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1)
     q, a, b, g, valid, rs, ars, grs = _chunk_inputs(
-        q, a, b, g, chunk, n_chunks, H, T, CS, K, G_HEAD, A_ROW
+        q, a, b, g, chunk, n_chunks, H, T, CS, GROUP, K, G_HEAD, A_ROW
     )
     rows = i * BT
     lower += chunk * C * C + rows * C
@@ -445,7 +459,7 @@ def _intra_fwd(
 
 @triton.jit
 def _intra_bwd(
-    q, a, b, g, q_norm, b_norm, d_lower, d_attend, dq, da, db, n_chunks, H, T, CS, scale,
+    q, a, b, g, q_norm, b_norm, d_lower, d_attend, dq, da, db, n_chunks, H, T, CS, scale, GROUP,
     K: tl.constexpr, C: tl.constexpr, BKD: tl.constexpr, BT: tl.constexpr, G_HEAD: tl.constexpr,
     PRECISION: tl.constexpr, BOUND: tl.constexpr, A_ROW: tl.constexpr, UNIT: tl.constexpr,
 ):  # fmt: skip
@@ -459,7 +473,7 @@ def _intra_bwd(
     kb = tl.program_id(1)
     i = tl.program_id(2)
     q, a, b, g, valid, rs, ars, grs = _chunk_inputs(
-        q, a, b, g, chunk, n_chunks, H, T, CS, K, G_HEAD, A_ROW
+        q, a, b, g, chunk, n_chunks, H, T, CS, GROUP, K, G_HEAD, A_ROW
     )
     qn, bn, nrs = _norm_layout(q_norm, b_norm, chunk, n_chunks, H, T, CS)
     d_lower += chunk * C * C
@@ -541,10 +555,10 @@ def _a_row(q: torch.Tensor, a: torch.Tensor) -> bool:
     return a.dim() == q.dim() - 1
 
 
-def unit_norms(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Buffers for the inverse norms of q's and b's rows (`qk_l2norm`): one float32 per token,
-    q's shape without its last axis."""
-    return tuple(q.new_empty(q.shape[:-1], dtype=torch.float32) for _ in "qb")
+def unit_norms(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffers for the inverse norms of q's and b's rows (`qk_l2norm`): one float32 per token
+    and head of u [B, T, H, V] (with grouped value heads each head has its own copy)."""
+    return tuple(u.new_empty(u.shape[:-1], dtype=torch.float32) for _ in "qb")
 
 
 def _norm_args(q, b, norms):
@@ -556,13 +570,14 @@ def intra_triton(q, a, b, g, precision: str = "ieee", tokens: Tokens | None = No
                  scale: float = 1.0, factor_bound: float = DIAGONAL_FACTOR_BOUND,
                  attend_dtype: torch.dtype = torch.float32,
                  norms: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
-    """(L, M) [chunks, C, C]: of token-major inputs q, b [B, T, H, K], a [B, T, H, K] or
+    """(L, M) [chunks, C, C]: of token-major inputs q, b [B, T, H / G, K], a [B, T, H, K] or
     [B, T, H] (a per-token strength: a_t = a_t b_t) and g ([B, T, H, K] or [B, T, H]) as `tokens`
-    maps them into chunks of C = the padded chunk size, q times `scale`; or, with tokens=None,
+    maps them into chunks of C = the padded chunk size (G = `tokens.group`), q times `scale`;
+    or, with tokens=None,
     of chunked inputs [..., C, K] (a also [..., C], g per channel),
     returned as [..., C, C]. `factor_bound`: see DIAGONAL_FACTOR_BOUND. L is float32 (the
     solve's matrix); M is formed in float32 and stored in `attend_dtype` (the state pass's
-    operators, `KernelOptions.operator_dtype`). With `norms` (`unit_norms(q)`), q and b are made
+    operators, `KernelOptions.operator_dtype`). With `norms` (`unit_norms(u)`), q and b are made
     unit-norm on load (`qk_l2norm`) and their rows' inverse norms written there."""
     chunked = tokens is None
     tokens = Tokens.of_chunks(q) if chunked else tokens
@@ -573,9 +588,9 @@ def intra_triton(q, a, b, g, precision: str = "ieee", tokens: Tokens | None = No
     attend = q.new_empty(chunks, size, size, dtype=attend_dtype)
     q_norm, b_norm, unit = _norm_args(q, b, norms)
     _intra_fwd[(chunks, size // SUB_BLOCK)](
-        q, a, b, g, q_norm, b_norm, lower, attend, *tokens.args(), scale, K=key_dim, C=size,
-        BK=key_block(key_dim), BT=SUB_BLOCK, G_HEAD=_g_head(q, g), PRECISION=precision,
-        BOUND=factor_bound, A_ROW=_a_row(q, a), UNIT=unit, **INTRA_LAUNCH,
+        q, a, b, g, q_norm, b_norm, lower, attend, *tokens.args(), scale, tokens.group,
+        K=key_dim, C=size, BK=key_block(key_dim), BT=SUB_BLOCK, G_HEAD=_g_head(q, g),
+        PRECISION=precision, BOUND=factor_bound, A_ROW=_a_row(q, a), UNIT=unit, **INTRA_LAUNCH,
     )  # fmt: skip
     # Chunked inputs: their own leading shape. (Not told by one chunk of one head: token-major
     # inputs of one head and T <= C are that too, and were reshaped as chunks.)
@@ -603,7 +618,7 @@ def intra_triton_backward(q, a, b, g, d_lower, d_attend, precision: str = "ieee"
     q_norm, b_norm, unit = _norm_args(q, b, norms)
     _intra_bwd[(chunks, triton.cdiv(key_dim, block_kd), size // SUB_BLOCK)](
         q, a, b, g, q_norm, b_norm, d_lower, d_attend, dq, da, db, *tokens.args(), scale,
-        K=key_dim, C=size, BKD=block_kd, BT=SUB_BLOCK, G_HEAD=_g_head(q, g),
+        tokens.group, K=key_dim, C=size, BKD=block_kd, BT=SUB_BLOCK, G_HEAD=_g_head(q, g),
         PRECISION=precision, BOUND=factor_bound, A_ROW=_a_row(q, a), UNIT=unit, **INTRA_LAUNCH,
     )  # fmt: skip
     return dq, da, db
