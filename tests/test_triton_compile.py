@@ -130,18 +130,15 @@ def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chu
         ]  # fmt: skip
         # Stage 1 and the factors with a as a direction per token and as a strength per token
         # (A_ROW: DeltaNet, GDN, KDA, Isotropic KDN), and with q and b made unit-norm on load
-        # (UNIT: qk_l2norm; the factors' adjoint then takes whole rows), each a variant of its
-        # own.
+        # (UNIT: qk_l2norm), each a variant of its own.
         reads_a = {intra._intra_fwd, intra._intra_bwd, factors._factors_fwd, factors._factors_bwd}
-        whole_rows = {factors._factors_bwd: {"BKD": block_k}}
         kernels = [case for case in kernels if case[0] not in reads_a] + [
-            (kernel, n, {**constants, "A_ROW": row, "UNIT": unit,
-                         **(whole_rows.get(kernel, {}) if unit else {})}, kernel_options)
+            (kernel, n, {**constants, "A_ROW": row, "UNIT": unit}, kernel_options)
             for kernel, n, constants, kernel_options in kernels
             if kernel in reads_a
             for row in (False, True)
             for unit in (False, True)
-        ]  # fmt: skip
+        ]
         grads = dict(K=key_dim, V=key_dim, C=chunk, BK=block_k, PRECISION=precision,
                      BV=min(state_pass.OPERATOR_BLOCK_V, block_k),
                      BC=min(chunk, state_pass.BLOCK_C))  # fmt: skip
