@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import random_delta_inputs
 
-from deltalab.ops import delta_rule
+from deltalab.ops import delta_rule, delta_rule_step
 from deltalab.ops._triton import HAS_TRITON, INTERPRET
 from deltalab.testing import TOLERANCE, assert_close
 
@@ -92,3 +92,15 @@ def test_value_heads_that_are_no_multiple_of_q_heads_are_refused_naming_u(genera
     q, a, b, u, g = inputs
     with pytest.raises(ValueError, match=r"u must have shape .*grouped value heads"):
         delta_rule(q[:, :, :1].expand(-1, -1, 4, -1), a, b[:, :, :1].expand(-1, -1, 4, -1), u, g)
+
+
+@pytest.mark.parametrize("qk_l2norm", [False, True], ids=["raw", "qk_l2norm"])
+def test_a_decoding_step_with_grouped_value_heads_equals_repeating_q_and_b(generator, qk_l2norm):
+    inputs, state = grouped_inputs(generator, 1, 16, channel_decay=False, strengths=True)
+    q, a, b, u, g = (x[:, 0] for x in inputs)
+    o, new = delta_rule_step(q, a, b, u, g, state, backend="naive", qk_l2norm=qk_l2norm)
+    q_all, b_all = (x.repeat_interleave(GROUP, dim=1) for x in (q, b))
+    o_ref, new_ref = delta_rule_step(
+        q_all, a, b_all, u, g, state, backend="naive", qk_l2norm=qk_l2norm
+    )
+    assert torch.equal(o, o_ref) and torch.equal(new, new_ref)

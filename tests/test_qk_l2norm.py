@@ -14,7 +14,7 @@ import torch
 from conftest import random_delta_inputs
 from test_kdn import kdn_inputs
 
-from deltalab.ops import delta_rule, kdn_diag, kdn_iso
+from deltalab.ops import delta_rule, delta_rule_step, kdn_diag, kdn_iso
 from deltalab.ops._triton import HAS_TRITON, INTERPRET
 from deltalab.ops.norms import L2_EPS
 from deltalab.ops.norms.reference import l2_normalize_naive
@@ -155,3 +155,13 @@ def test_kdn_pytorch_backends_with_qk_l2norm_equal_normalizing_first(generator, 
 @pytest.mark.parametrize("variant", ["iso", "diag"])
 def test_kdn_triton_with_qk_l2norm_equals_normalizing_first(generator, poisoned_empty, variant):
     compare_kdn(variant, "triton", torch.float32, DEVICE, generator)
+
+
+def test_a_decoding_step_with_qk_l2norm_equals_normalizing_first(generator):
+    q, a, b, u, g = (x[:, 0] for x in raw_inputs(generator, 1, 16, channel_decay=True,
+                                                  strengths=True))  # fmt: skip
+    state = torch.randn(2, 2, 16, 8, generator=generator, dtype=torch.float64)
+    o, new = delta_rule_step(q, a, b, u, g, state, backend="naive", qk_l2norm=True)
+    unit_q, unit_b = (l2_normalize_naive(x, L2_EPS) for x in (q, b))
+    o_ref, new_ref = delta_rule_step(unit_q, a, unit_b, u, g, state, backend="naive")
+    assert torch.equal(o, o_ref) and torch.equal(new, new_ref)
