@@ -3,6 +3,8 @@
     python -m benchmarks ops                                   # GPU: both shapes, every part
     python -m benchmarks ops --parts time --shapes 4x4096x16x128 \
         --only kda_c64 gdn2_c64 kdn_iso_c64 kdn_diag_c64 fla_kda fla_gdn2 sdpa   # against fla
+    python -m benchmarks ops --parts time --shapes 4x4096x16x128 \
+        --only kda_qk kda_l2first gdn_qk gdn_l2first fla_kda_qk fla_gdn_qk   # q, k norms
     TRITON_INTERPRET=1 python -m benchmarks ops --tiny          # CPU smoke run
 
 fla is a yardstick, not a dependency: its rows (fla_kda, fla_gdn2) appear where it imports
@@ -15,7 +17,10 @@ Four parts, all on fresh random inputs (never zeros), bf16 inputs unless said:
    next to fla's `chunk_kda` (fixed chunk 64) on the same inputs;
 3. time: median ms of forward and forward+backward and peak GiB of forward+backward, per form
    (KDA: a = beta per token, b = k, and `kda_product` with the direction beta k formed first; GDN-2: a = k, b = beta_e * k, u = w * v; GDN: one decay per head;
-   Isotropic / Diagonal KDN), with ratios to fla's `chunk_kda` / `chunk_gdn2` of the same run;
+   Isotropic / Diagonal KDN; KDA and GDN with q and k made unit-norm inside the rule,
+   `_qk` (`qk_l2norm=True`), or by the norm op before it, `_l2first`, against fla's
+   `use_qk_l2norm_in_kernel=True`), with ratios to fla's `chunk_kda` / `chunk_gdn2` of the same
+   run;
 4. overhead (CUDA): wall time beyond the kernels' own, split into the value checks' read-backs
    and the host's launching, per form (`--parts overhead`, not in the default parts).
 """
@@ -41,14 +46,16 @@ from benchmarks.common import (
 from deltalab.benchmarking import format_table, median_seconds
 from deltalab.ops import delta_rule as _delta_rule
 from deltalab.ops import kdn_diag, kdn_iso
+from deltalab.ops.norms import l2_normalize, layer_backend
 from deltalab.ops.options import DEFAULT_OPTIONS, KernelOptions
 from deltalab.testing import relative_error
 
 try:  # fla is a yardstick, not a dependency: its rows are skipped where it does not import.
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.gdn2 import chunk_gdn2
     from fla.ops.kda import chunk_kda
 except ImportError:
-    chunk_kda = chunk_gdn2 = None
+    chunk_kda = chunk_gdn2 = chunk_gated_delta_rule = None
 
 
 def draw_inputs(batch, length, heads, dim, device, dtype, gmax=1.0, seed=0):
@@ -104,6 +111,18 @@ def forms(backend: str, chunk_size: int, options: KernelOptions = DEFAULT_OPTION
     def gdn(q, k, v, g_head, beta, **_):
         return delta_rule(q, beta, k, v, g_head, chunk_size=chunk_size, backend=backend)[0]
 
+    # KDA (decay "g") or GDN ("g_head") with q and k unit-norm: inside the rule (its kernels
+    # normalize rows as they load them), or by the norm op before it (what the layers did
+    # before `qk_l2norm`).
+    def unit_keys(decay: str, first: bool):
+        def form(q, k, v, beta, **x):
+            if first:
+                q, k = (l2_normalize(t, backend=layer_backend(backend)) for t in (q, k))
+            return delta_rule(q, beta, k, v, x[decay], chunk_size=chunk_size, backend=backend,
+                              qk_l2norm=not first)[0]  # fmt: skip
+
+        return form, ("q", "k", "v", decay, "beta")
+
     def iso(q, k, v, g, q_noise, r, **_):
         p0 = torch.ones(q.shape[2], device=q.device)
         return iso_op(q, k, v, g, q_noise, r, p0, chunk_size=chunk_size, backend=backend)[0]
@@ -117,6 +136,10 @@ def forms(backend: str, chunk_size: int, options: KernelOptions = DEFAULT_OPTION
         "kda_product": (kda_product, ("q", "k", "v", "g", "beta")),
         "gdn2": (gdn2, ("q", "k", "v", "g", "erase_gate", "write_gate")),
         "gdn": (gdn, ("q", "k", "v", "g_head", "beta")),
+        "kda_qk": unit_keys("g", first=False),
+        "kda_l2first": unit_keys("g", first=True),
+        "gdn_qk": unit_keys("g_head", first=False),
+        "gdn_l2first": unit_keys("g_head", first=True),
         "kdn_iso": (iso, ("q", "k", "v", "g", "q_noise", "r")),
         "kdn_diag": (diag, ("q", "k", "v", "g", "q_noise_k", "r")),
     }
@@ -132,9 +155,18 @@ def fla_forms():
     def gdn2(q, k, v, g, erase_gate, write_gate, **_):
         return chunk_gdn2(q, k, v, g.float(), erase_gate, write_gate)[0]
 
+    def kda_qk(q, k, v, g, beta, **_):
+        return chunk_kda(q, k, v, g.float(), beta, use_qk_l2norm_in_kernel=True)[0]
+
+    def gdn_qk(q, k, v, g_head, beta, **_):
+        g = g_head.float()
+        return chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+
     return {
         "fla_kda": (kda, ("q", "k", "v", "g", "beta")),
         "fla_gdn2": (gdn2, ("q", "k", "v", "g", "erase_gate", "write_gate")),
+        "fla_kda_qk": (kda_qk, ("q", "k", "v", "g", "beta")),
+        "fla_gdn_qk": (gdn_qk, ("q", "k", "v", "g_head", "beta")),
     }
 
 

@@ -112,23 +112,25 @@ def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chu
                                               **WIDENED},
              options),
             (state_pass._state_pass_bwd, 10, {**launch, "HAS_D_FINAL": True, **WIDENED}, options),
-            (intra._intra_fwd, 6, {**stage_1, "BK": block_k}, intra.LAUNCH.options),
-            (intra._intra_bwd, 9, {**stage_1, "BKD": intra_kd}, intra.LAUNCH.options),
+            (intra._intra_fwd, 8, {**stage_1, "BK": block_k}, intra.LAUNCH.options),
+            (intra._intra_bwd, 11, {**stage_1, "BKD": intra_kd}, intra.LAUNCH.options),
             (solve._solve_fwd, 3, columns, solve.LAUNCH.options),
             (solve._solve_bwd, 4, {**columns, "TOKENS": True}, solve.LAUNCH.options),
             (solve._lower_grad, 5, {**shape, "V": key_dim, "BK": block_n, "BV": block_n},
              solve.LAUNCH.options),
-            (factors._factors_fwd, 8, per_chunk, factors.LAUNCH.options),
-            (factors._factors_bwd, 15, per_chunk, factors.LAUNCH.options),
+            (factors._factors_fwd, 10, per_chunk, factors.LAUNCH.options),
+            (factors._factors_bwd, 17, per_chunk, factors.LAUNCH.options),
         ]  # fmt: skip
         # Stage 1 and the factors with a as a direction per token and as a strength per token
-        # (A_ROW: DeltaNet, GDN, KDA, Isotropic KDN), each a variant of its own.
+        # (A_ROW: DeltaNet, GDN, KDA, Isotropic KDN), and with q and b made unit-norm on load
+        # (UNIT: qk_l2norm), each a variant of its own.
         reads_a = {intra._intra_fwd, intra._intra_bwd, factors._factors_fwd, factors._factors_bwd}
         kernels = [case for case in kernels if case[0] not in reads_a] + [
-            (kernel, n, {**constants, "A_ROW": row}, kernel_options)
+            (kernel, n, {**constants, "A_ROW": row, "UNIT": unit}, kernel_options)
             for kernel, n, constants, kernel_options in kernels
             if kernel in reads_a
             for row in (False, True)
+            for unit in (False, True)
         ]
         grads = dict(K=key_dim, V=key_dim, C=chunk, BK=block_k, PRECISION=precision,
                      BV=min(state_pass.LAUNCH.operator_block_v, block_k),

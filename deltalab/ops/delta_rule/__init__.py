@@ -32,6 +32,7 @@ from deltalab.ops._checks import (
 from deltalab.ops._triton import require_triton, triton_available
 from deltalab.ops.delta_rule.chunk import delta_rule_chunk
 from deltalab.ops.delta_rule.naive import delta_rule_naive, delta_rule_token
+from deltalab.ops.norms import L2_EPS, l2_normalize
 from deltalab.ops.options import DEFAULT_OPTIONS, KernelOptions
 from deltalab.ops.parametrize import DeltaRuleInputs
 
@@ -78,6 +79,28 @@ def require_chunk_size(chunk_size: object) -> int:
     return chunk_size
 
 
+def require_bool(name: str, value: object) -> bool:
+    """`value` as a bool; else a TypeError naming the argument."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+# The norm before the rule where the rule's own path does not normalize q and b (`qk_l2norm`):
+# the formula left to autograd for the definition, the norms' torch path (its output and one
+# 1/norm per row kept) for the chunked PyTorch path, the norms' kernel for the Triton decoding
+# step (the Triton chunked path normalizes inside its kernels).
+_UNIT_QK_BACKEND = {"naive": "naive", "chunk": "torch", "triton": "triton"}
+
+
+def unit_qk(q: torch.Tensor, b: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and b made unit-norm over K (`qk_l2norm`), `l2_normalize`d (x / sqrt(|x|^2 + eps)) in
+    their dtypes by the norm op's path paired with the delta rule's `backend`."""
+    norm_backend = _UNIT_QK_BACKEND[backend]
+    unit_q, unit_b = (l2_normalize(x, L2_EPS, backend=norm_backend) for x in (q, b))
+    return unit_q, unit_b
+
+
 def require_options(options: object) -> KernelOptions:
     """`options` as a `KernelOptions` (None: the defaults)."""
     if options is None:
@@ -100,20 +123,34 @@ def _check_gates(q, a, b, u, g, leading: str) -> None:
     # scale K^-1/2, V = 0 would return empty outputs instead of saying what went wrong.
     if q.shape[-1] == 0:
         raise ValueError(f"q must have K >= 1 (last axis of [{leading}, K]), got {tuple(q.shape)}")
-    require_rank("a", a, (rank - 1, rank), f"[{leading}, K] or [{leading}]")
-    if a.dim() == rank:
-        require_shape("a", a, q.shape, f"[{leading}, K]", "to match q")
-    else:
-        require_shape("a", a, q.shape[:-1], f"[{leading}]", "(a strength per token) to match q")
     require_shape("b", b, q.shape, f"[{leading}, K]", "to match q")
     require_rank("u", u, (rank,), f"[{leading}, V]")
-    require_shape("u", u, (*q.shape[:-1], u.shape[-1]), f"[{leading}, V]", "to match q")
+    # Grouped value heads: u may have a multiple of q's heads; a, u and g have u's.
+    heads = u.shape[-2] if u.shape[-2] % max(q.shape[-2], 1) == 0 else q.shape[-2]
+    per_token = (*q.shape[:-2], heads)
+    require_shape("u", u, (*per_token, u.shape[-1]), f"[{leading}, V]",
+                  "to match q (H: q's heads or a multiple of them, grouped value heads)")  # fmt: skip
     if u.shape[-1] == 0:
         raise ValueError(f"u must have V >= 1 (last axis of [{leading}, V]), got {tuple(u.shape)}")
+    require_rank("a", a, (rank - 1, rank), f"[{leading}, K] or [{leading}]")
+    if a.dim() == rank:
+        require_shape("a", a, (*per_token, q.shape[-1]), f"[{leading}, K]", "to match q and u")
+    else:
+        require_shape("a", a, per_token, f"[{leading}]", "(a strength per token) to match q and u")
     require_rank("g", g, (rank - 1, rank), f"[{leading}] or [{leading}, K]")
-    expected_g = q.shape[:-1] if g.dim() == rank - 1 else q.shape
+    expected_g = per_token if g.dim() == rank - 1 else (*per_token, q.shape[-1])
     layout = f"[{leading}]" if g.dim() == rank - 1 else f"[{leading}, K]"
-    require_shape("g", g, expected_g, layout, "to match q")
+    require_shape("g", g, expected_g, layout, "to match q and u")
+
+
+def grouped_keys(q: torch.Tensor, b: torch.Tensor, value_heads: int):
+    """q and b with every head repeated for the value heads that read it (head h of u reads
+    head h // G of q and b, G = value_heads / q's heads), for the PyTorch paths; as they are
+    without grouping."""
+    group = value_heads // q.shape[-2]
+    if group == 1:
+        return q, b
+    return tuple(x.repeat_interleave(group, dim=-2) for x in (q, b))
 
 
 def delta_rule(
@@ -130,15 +167,18 @@ def delta_rule(
     chunk_size: int = 64,
     backend: str = "auto",
     options: KernelOptions | None = None,
+    qk_l2norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Runs the generalized delta rule over whole sequences.
 
     Args:
-        q: queries `[B, T, H, K]`.
+        q: queries `[B, T, H_k, K]`.
         a: write directions `[B, T, H, K]`, or write strengths `[B, T, H]`, one per token:
             a_t = a_t b_t (the DeltaNet family's beta; the Triton kernels form it on load).
-        b: erase keys `[B, T, H, K]`.
-        u: target values `[B, T, H, V]`.
+        b: erase keys `[B, T, H_k, K]`.
+        u: target values `[B, T, H, V]`; H = H_k, or grouped value heads H = G H_k (as GQA):
+            value head h reads q's and b's head h // G (the Triton kernels index it so; the
+            PyTorch paths repeat q and b).
         g: log decays (<= 0), per channel `[B, T, H, K]` or one per head `[B, T, H]`.
         scale: output scale; defaults to `K ** -0.5`.
         initial_state: `[N, H, K, V]` (N = B, or the number of packed sequences); zeros if None.
@@ -149,6 +189,10 @@ def delta_rule(
             is installed, else "chunk").
         options: the Triton kernels' `deltalab.ops.options.KernelOptions` (None: the defaults,
             which measured best); the other backends ignore them.
+        qk_l2norm: make q and b unit-norm over K first, `x / sqrt(|x|^2 + 1e-6)` as
+            `deltalab.ops.norms.l2_normalize`, with gradients through it (a write strength `a`
+            then scales the unit b; a write direction is used as given). The Triton kernels
+            normalize the rows as they load them and keep one inverse norm per row.
 
     Returns:
         `(o [B, T, H, V] in q's dtype, final state [N, H, K, V] or None)`. The state is kept in
@@ -166,18 +210,18 @@ def delta_rule(
         require_nonpositive("g", g, "a log decay")
         o, final = _validated_call(
             q, a, b, u, g, scale, initial_state, cu_seqlens, chunk_size, backend,
-            output_final_state, options,
+            output_final_state, options, qk_l2norm,
         )  # fmt: skip
     return o.to(q.dtype), (final if output_final_state else None)
 
 
 def _validated_call(
     q, a, b, u, g, scale, initial_state, cu_seqlens, chunk_size, backend, output_final_state,
-    options,
+    options, qk_l2norm,
 ):  # fmt: skip
     """delta_rule past its gates' checks: the other arguments', then the backend's call."""
-    batch, length, heads, key_dim = q.shape
-    value_dim = u.shape[-1]
+    batch, length, _, key_dim = q.shape
+    heads, value_dim = u.shape[-2:]
     if length == 0:
         raise ValueError("q must hold at least one token (T >= 1), got T = 0")
     require_same_device(
@@ -193,10 +237,8 @@ def _validated_call(
     )
     chunk_size = require_chunk_size(chunk_size)
     options = require_options(options)
-    if not isinstance(output_final_state, bool):
-        raise TypeError(
-            f"output_final_state must be a bool, got {type(output_final_state).__name__}"
-        )
+    require_bool("output_final_state", output_final_state)
+    require_bool("qk_l2norm", qk_l2norm)
     if cu_seqlens is not None:
         # The backends take the validated offsets as an int64 tensor on q's device.
         cu_seqlens = check_cu_seqlens(cu_seqlens, batch, length, q.device)
@@ -228,8 +270,13 @@ def _validated_call(
         from deltalab.ops.delta_rule.triton.chunk import delta_rule_triton
 
         # Given the inputs' own dtype: it picks the precision of its matrix products.
-        o, final = delta_rule_triton(q, a, b, u, g, state, cu_seqlens, chunk_size, scale, options)
+        o, final = delta_rule_triton(
+            q, a, b, u, g, state, cu_seqlens, chunk_size, scale, options, qk_l2norm
+        )
     else:
+        if qk_l2norm:
+            q, b = unit_qk(q, b, backend)
+        q, b = grouped_keys(q, b, heads)
         q, a, b, u, g = (x.to(dtype) for x in (q, a, b, u, g))
         inputs = DeltaRuleInputs(q * scale, directions(a, b), b, u, g)
         if backend == "naive":
@@ -250,11 +297,13 @@ def delta_rule_step(
     scale: float | None = None,
     backend: str = "auto",
     in_place: bool = False,
+    qk_l2norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoding step of the generalized delta rule, one token per sequence.
 
     Args:
-        q, b: `[B, H, K]`; a: `[B, H, K]` or `[B, H]` (a strength: a b); u: `[B, H, V]`;
+        q, b: `[B, H_k, K]`; a: `[B, H, K]` or `[B, H]` (a strength: a b); u: `[B, H, V]`
+            (H = H_k, or grouped value heads G H_k as for `delta_rule`);
         g: `[B, H, K]` or `[B, H]` (log decay <= 0);
         state: `[B, H, K, V]`; scale: defaults to `K ** -0.5`.
         backend: "naive" (`delta_rule_token`), "triton" (one fused kernel; float32 state math,
@@ -263,6 +312,8 @@ def delta_rule_step(
         in_place: write the new state into `state` and return it (`state` must already be in
             the state dtype). The static-cache decoder uses it: its state buffers stay where
             a captured CUDA graph reads them, and the step makes no copy of the state.
+        qk_l2norm: make q and b unit-norm over K first, as `delta_rule` does (by the norm
+            op before the step: `unit_qk`).
 
     Returns:
         `(o [B, H, V] in q's dtype, new state [B, H, K, V] in float32, or float64 when any
@@ -272,7 +323,8 @@ def delta_rule_step(
 
     _check_gates(q, a, b, u, g, "B, H")
     require_nonpositive("g", g, "a log decay")
-    batch, heads, key_dim = q.shape
+    batch, _, key_dim = q.shape
+    heads = u.shape[1]
     require_float("state", state)
     require_shape(
         "state", state, (batch, heads, key_dim, u.shape[-1]), "[B, H, K, V]", "to match q, u"
@@ -280,8 +332,8 @@ def delta_rule_step(
     require_same_device({"q": q, "a": a, "b": b, "u": u, "g": g, "state": state})
     scale = key_dim**-0.5 if scale is None else require_positive_number("scale", scale)
     require_choice("backend", backend, ("auto", "naive", "triton"))
-    if not isinstance(in_place, bool):
-        raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
+    require_bool("in_place", in_place)
+    require_bool("qk_l2norm", qk_l2norm)
     dtype = state_dtype(q, a, b, u, g, state)
     if in_place and state.dtype != dtype:
         raise ValueError(f"in_place=True needs state in {dtype}, got {state.dtype}")
@@ -305,6 +357,9 @@ def delta_rule_step(
                 '(use backend="naive" for float64)'
             )
 
+    if qk_l2norm:
+        q, b = unit_qk(q, b, backend)
+    q, b = grouped_keys(q, b, heads)
     a = directions(a, b)
     if backend == "triton":
         from deltalab.ops.delta_rule.triton.step import delta_rule_step_triton

@@ -17,7 +17,13 @@ from deltalab.ops._checks import (
     state_dtype,
 )
 from deltalab.ops._varlen import max_seqlen, pad_packed, unpad_packed
-from deltalab.ops.delta_rule import BACKENDS, delta_rule
+from deltalab.ops.delta_rule import (
+    BACKENDS,
+    _resolve_backend,
+    delta_rule,
+    require_bool,
+    unit_qk,
+)
 from deltalab.ops.kdn._validate import (
     check_decay,
     check_info_scale,
@@ -97,6 +103,7 @@ def _kdn(
     chunk_size: int,
     backend: str,
     options: KernelOptions | None,
+    qk_l2norm: bool,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     diagonal = variant == "diag"
     # One block holds the checks and the work they guard (the gain and the delta rule). The
@@ -127,6 +134,7 @@ def _kdn(
         g = check_decay(g, k, "B, T, H")
         check_noise(q_noise, r, k, "B, T, H", per_channel_process=diagonal)
         require_choice("backend", backend, BACKENDS)
+        require_bool("qk_l2norm", qk_l2norm)
         batch, length, heads, key_dim = k.shape
         # Validated as an int64 tensor on k's device: the variance scan takes it as it is.
         cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, batch, length, k.device)
@@ -156,6 +164,10 @@ def _kdn(
             **written,
         )
         send_answers()
+        if qk_l2norm:
+            # The gains read k before the delta rule (the evidence is k's square): q and k are
+            # made unit-norm once, by the norm op paired with the delta rule's backend, for both.
+            q, k = unit_qk(q, k, _resolve_backend(backend, k.device, dtype, key_dim))
         gain, p_last, k_rule, g_rule = _packed_gains(gain_fn, k, g, q_noise, r, cu)
         o, final_memory = delta_rule(
             q,
@@ -193,6 +205,7 @@ def kdn_iso(
     chunk_size: int = 64,
     backend: str = "auto",
     options: KernelOptions | None = None,
+    qk_l2norm: bool = False,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Isotropic KDN: KDA (or GDN) whose beta comes from a per-head variance scan.
 
@@ -217,6 +230,9 @@ def kdn_iso(
             the Triton scan on CUDA when Triton is installed, else the parallel scan.
         options: the Triton delta rule's choices (`deltalab.ops.options.KernelOptions`), passed
             on to `delta_rule`; None: the defaults.
+        qk_l2norm: make q and k unit-norm over K first (`x / sqrt(|x|^2 + 1e-6)`, as
+            `deltalab.ops.norms.l2_normalize`), with gradients through it; the gain then sees
+            the unit k.
 
     N = B, or the number of sequences in cu_seqlens.
 
@@ -245,6 +261,7 @@ def kdn_diag(
     chunk_size: int = 64,
     backend: str = "auto",
     options: KernelOptions | None = None,
+    qk_l2norm: bool = False,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Diagonal KDN: the delta rule with write direction gain_t from a per-channel variance scan.
 
@@ -265,6 +282,7 @@ def kdn_diag(
         chunk_size: tokens per chunk of the "chunk" backend of `delta_rule`, 16..256.
         backend: "auto", "naive", "chunk" or "triton" (as for `kdn_iso`).
         options: the Triton delta rule's choices, as for `kdn_iso`.
+        qk_l2norm: make q and k unit-norm first, as for `kdn_iso`.
 
     N = B, or the number of sequences in cu_seqlens.
 

@@ -61,6 +61,7 @@ from deltalab.ops.delta_rule.triton.intra import (
     intra_triton,
     intra_triton_backward,
     key_block,
+    unit_norms,
 )
 from deltalab.ops.delta_rule.triton.solve import LAUNCH as SOLVE_LAUNCH
 from deltalab.ops.delta_rule.triton.solve import (
@@ -984,15 +985,17 @@ def _low_precision(*inputs: torch.Tensor) -> torch.dtype | None:
 
 
 def _operators_triton(q, a, b, u, g, precision: str, tokens: Tokens, scale: float,
-                      dtype: torch.dtype = torch.float32,
+                      dtype: torch.dtype = torch.float32, norms=None,
                       table: DeltaRuleLaunch = LAUNCH):  # fmt: skip
     """Stages 1-2 in Triton over token-major inputs as `tokens` maps them (q times `scale`):
     (the chunk operators [B, H, n, C, *] in `dtype`, the decays float32; L float32), launched
-    by `table`. The twin of `chunk.chunk_operators`."""
-    read, erase_rhs, write, decay = factors_triton(q, a, b, g, tokens, scale, dtype,
-                                                   table.factors)  # fmt: skip
+    by `table`. The twin of `chunk.chunk_operators`. With `norms` (`intra.unit_norms`), of
+    unit-norm q and b rows: stage 1, which loads whole rows, writes their inverse norms there
+    for the factors."""
     lower, attend = intra_triton(q, a, b, g, precision, tokens, scale, attend_dtype=dtype,
-                                 table=table.intra)  # fmt: skip
+                                 norms=norms, table=table.intra)  # fmt: skip
+    read, erase_rhs, write, decay = factors_triton(q, a, b, g, tokens, scale, dtype, norms,
+                                                   table.factors)  # fmt: skip
     erase = solve_triton(lower, erase_rhs, precision, dtype=dtype, table=table.solve)
     target = solve_triton(lower, u, precision, tokens, dtype=dtype, table=table.solve)
     lead = (q.shape[0], tokens.heads, tokens.chunks)
@@ -1012,13 +1015,17 @@ class _DeltaRuleTriton(torch.autograd.Function):
     Saved for backward: the inputs themselves, and (with `options.recompute_states`, the
     default) the chunk-start states of every `options.checkpoint_every`-th chunk, from which the
     backward walks the others and the residuals again; without it, all chunk-start states and
-    the residuals. The backward runs with the forward's options and launch table.
+    the residuals. The backward runs with the forward's options and launch table. With
+    `qk_l2norm` the kernels make q and b unit-norm as they load them, and the inverse norms (one
+    float32 per token) are saved too, not normalized copies.
     """
 
     @staticmethod
-    def forward(ctx, q, a, b, u, g, initial_state, chunk_size, scale, precision, options, table):
+    def forward(ctx, q, a, b, u, g, initial_state, chunk_size, scale, precision, options, table,
+                qk_l2norm=False):  # fmt: skip
         ctx.set_materialize_grads(False)
-        batch, length, heads, key_dim = q.shape
+        batch, length, key_heads, key_dim = q.shape
+        heads = u.shape[2]  # grouped value heads: a multiple of q's
         # Read once: the backward recomputes the operators as the forward made them.
         ctx.operator_dtype = operator_dtype(
             *_precision_inputs(q, a, b, u), stored=options.operator_dtype
@@ -1029,9 +1036,10 @@ class _DeltaRuleTriton(torch.autograd.Function):
         state_pass, ctx.state_pass_backward, ctx.walk = PASS_FORMS[chosen]
         q, a, b, u, g = (x.contiguous() for x in (q, a, b, u, g))
         initial_state = initial_state.contiguous()
-        tokens = Tokens(-(-length // chunk_size), heads, length, chunk_size)
+        tokens = Tokens(-(-length // chunk_size), heads, length, chunk_size, heads // key_heads)
+        norms = unit_norms(u) if qk_l2norm else None
         ops, _ = _operators_triton(q, a, b, u, g, precision, tokens, scale, ctx.operator_dtype,
-                                   table)  # fmt: skip
+                                   norms, table)  # fmt: skip
         out = q.new_empty(u.shape)
         recompute, ctx.walk_dots = options.recompute_states, options.walk_dots
         ctx.recompute_states, ctx.every = recompute, options.checkpoint_every
@@ -1042,10 +1050,12 @@ class _DeltaRuleTriton(torch.autograd.Function):
             keep_every=ctx.every if recompute else 1, keep_residuals=not recompute,
             walk_dots=ctx.walk_dots, table=table,
         )  # fmt: skip
+        ctx.unit = qk_l2norm
+        kept_norms = norms if qk_l2norm else ()
         if recompute:
-            ctx.save_for_backward(q, a, b, u, g, states)
+            ctx.save_for_backward(q, a, b, u, g, *kept_norms, states)
         else:
-            ctx.save_for_backward(q, a, b, u, g, states, residuals)
+            ctx.save_for_backward(q, a, b, u, g, *kept_norms, states, residuals)
         ctx.precision, ctx.tokens, ctx.scale = precision, tokens, scale
         return out, final
 
@@ -1054,8 +1064,10 @@ class _DeltaRuleTriton(torch.autograd.Function):
         precision, tokens, scale = ctx.precision, ctx.tokens, ctx.scale
         q, a, b, u, g, *kept = ctx.saved_tensors
         table = ctx.table
+        norms = (kept.pop(0), kept.pop(0)) if ctx.unit else None
+        # The recomputed stage 1 writes the same inverse norms over the saved ones.
         ops, lower = _operators_triton(q, a, b, u, g, precision, tokens, scale, ctx.operator_dtype,
-                                       table)  # fmt: skip
+                                       norms, table)  # fmt: skip
         if ctx.recompute_states:
             residuals, states = ctx.walk(ops, kept[0], ctx.every, precision, ctx.walk_dots, table)
         else:
@@ -1089,16 +1101,16 @@ class _DeltaRuleTriton(torch.autograd.Function):
         # dg token-major in the inputs' dtypes).
         dq1, da1, db1 = intra_triton_backward(
             q, a, b, g, d_lower, grads.attend.contiguous(), precision, tokens, scale,
-            table=table.intra,
+            norms=norms, table=table.intra,
         )  # fmt: skip
         del d_lower, lower
         dq, da, db, dg = factors_triton_backward(
             q, a, b, g, grads.read.contiguous(), d_erase_rhs, grads.write.contiguous(),
-            grads.decay.contiguous(), dq1, da1, db1, tokens, scale, table.factors,
+            grads.decay.contiguous(), dq1, da1, db1, tokens, scale, norms, table.factors,
         )  # fmt: skip
         needed = ctx.needs_input_grad
         grads = [d if need else None for d, need in zip((dq, da, db, du, dg), needed, strict=False)]
-        return (*grads, d_initial, None, None, None, None, None)
+        return (*grads, d_initial, None, None, None, None, None, None)
 
 
 @opaque_to_compiler
@@ -1113,13 +1125,15 @@ def delta_rule_triton(
     chunk_size: int,
     scale: float,
     options: KernelOptions = DEFAULT_OPTIONS,
+    qk_l2norm: bool = False,
     *,
     table: DeltaRuleLaunch = LAUNCH,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated inputs in their own dtype (bf16, fp16 or fp32); computes in float32 with float32
     state and accumulators, and stores the chunk operators between kernels as
     `options.operator_dtype` says (by default in the inputs' dtype when that is bf16 or fp16,
-    else float32). Returns (o [B, T, H, V] in q's dtype, final state [N, H, K, V]).
+    else float32). With `qk_l2norm`, q and b are made unit-norm inside the kernels. Returns
+    (o [B, T, H, V] in q's dtype, final state [N, H, K, V]).
 
     Matrix products take TF32 operands when an input is bf16/fp16 (its rounding is already
     coarser than TF32's), but for the state pass's walks, which multiply the 16-bit operators
@@ -1139,6 +1153,6 @@ def delta_rule_triton(
         max_len = max_seqlen(cu_seqlens, length)  # one device -> host sync (see max_seqlen)
         q, a, b, u, g = (pad_packed(x, cu_seqlens, max_len) for x in (q, a, b, u, g))
     o, state = _DeltaRuleTriton.apply(
-        q, a, b, u, g, initial_state, chunk_size, scale, precision, options, table
+        q, a, b, u, g, initial_state, chunk_size, scale, precision, options, table, qk_l2norm
     )
     return (o, state) if cu_seqlens is None else (unpad_packed(o, cu_seqlens, length), state)

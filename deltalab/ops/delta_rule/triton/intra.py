@@ -68,6 +68,7 @@ import triton
 import triton.language as tl
 
 from deltalab.ops.delta_rule.chunk import padded_chunk_size
+from deltalab.ops.norms import L2_EPS
 
 # Tokens per sub-block: the smallest tile of a tensor-core product, and the number of rows a
 # diagonal sub-block walks one at a time.
@@ -101,6 +102,8 @@ class TileLaunch:
 # ms at 64 channels with 1 warp against 0.944 at 128 with 2 (the setting before), 1.175 at 64 with
 # 2 and 1.856 at 128 with 1.
 LAUNCH = TileLaunch(block=64, num_warps=1)
+# eps inside the square root of q's and b's norms with `qk_l2norm` (`deltalab.ops.norms.l2_normalize`).
+UNIT_EPS: tl.constexpr = tl.constexpr(L2_EPS)
 # Stage 1's products widen every operand to float32 (TF32 or IEEE products). Products in the
 # inputs' 16-bit dtype (79df509) were measured on the H200 and deleted: the GDN-2 form's forward
 # and backward 5.66 -> 5.61 ms at B=4 T=4096 H=16, within the spread of two runs of one setting
@@ -124,14 +127,17 @@ class Tokens(NamedTuple):
     heads: int  # H
     length: int  # T
     chunk_size: int  # tokens per chunk (<= the tile's C, which is padded to 16 * 2^m)
+    # G: heads per head of q and b (grouped value heads: q, b [B, T, H / G, K], head h reading
+    # their head h // G; a, u, g have H heads).
+    group: int = 1
 
     @classmethod
     def of_chunks(cls, x: torch.Tensor) -> Tokens:
         return cls(1, 1, x.shape[-2], x.shape[-2])
 
     def programs(self, q: torch.Tensor) -> int:
-        """Chunks in all, one program each (q: [B, T, H, K], or chunked [..., C, K])."""
-        return q.numel() // (self.length * q.shape[-1]) * self.chunks
+        """Chunks in all, one program each (q: [B, T, H / G, K], or chunked [..., C, K])."""
+        return q.numel() // (self.length * q.shape[-1]) * self.chunks * self.group
 
     def args(self) -> tuple[int, int, int, int]:
         """The kernels' runtime arguments n_chunks, H, T, CS."""
@@ -146,6 +152,16 @@ def _token_offset(chunk, n_chunks, H, T, CS, X: tl.constexpr):
     bh = chunk // n_chunks
     first = j * CS
     return ((bh // H) * T + first) * H * X + (bh % H) * X, tl.minimum(CS, T - first)
+
+
+@triton.jit
+def _key_layout(chunk, n_chunks, H, T, CS, K: tl.constexpr, GROUP):
+    """Where chunk `chunk` (ordered b, h, j over the H heads of u) starts in q, b
+    [B, T, H / GROUP, K], whose head h // GROUP head h reads, and their row stride."""
+    j = chunk % n_chunks
+    bh = chunk // n_chunks
+    heads = H // GROUP
+    return ((bh // H) * T + j * CS) * heads * K + ((bh % H) // GROUP) * K, heads * K
 
 
 @triton.jit
@@ -218,25 +234,66 @@ def _a_layout(chunk, n_chunks, H, T, CS, offset, rs, A_ROW: tl.constexpr):
 
 
 @triton.jit
-def _chunk_inputs(q, a, b, g, chunk, n_chunks, H, T, CS, K: tl.constexpr, G_HEAD: tl.constexpr,
-                  A_ROW: tl.constexpr):  # fmt: skip
-    """q, a, b and g moved to chunk `chunk`'s first token (`_token_layout`, `_a_layout`), its
-    tokens, and the row strides of q and b, of a and of g."""
+def _chunk_inputs(q, a, b, g, chunk, n_chunks, H, T, CS, GROUP, K: tl.constexpr,
+                  G_HEAD: tl.constexpr, A_ROW: tl.constexpr):  # fmt: skip
+    """q, a, b and g moved to chunk `chunk`'s first token (`_key_layout`, `_token_layout`,
+    `_a_layout`), its tokens, and the row strides of q and b, of a and of g."""
     offset, valid, rs, g_offset, grs = _token_layout(chunk, n_chunks, H, T, CS, K, G_HEAD)
     a_offset, ars = _a_layout(chunk, n_chunks, H, T, CS, offset, rs, A_ROW)
-    return q + offset, a + a_offset, b + offset, g + g_offset, valid, rs, ars, grs
+    key_offset, krs = _key_layout(chunk, n_chunks, H, T, CS, K, GROUP)
+    return q + key_offset, a + a_offset, b + key_offset, g + g_offset, valid, krs, ars, grs
 
 
 @triton.jit
-def _load_a(a, b, rows, ars, rs, cols, valid, mk, A_ROW: tl.constexpr):
+def _load_a(a, b, rows, ars, rs, cols, valid, mk, A_ROW: tl.constexpr, b_norm, nrs,
+            UNIT: tl.constexpr, WHOLE: tl.constexpr):  # fmt: skip
     """a[rows, cols] as float32 [len(rows), len(cols)], zero past the chunk's tokens and K; with
-    A_ROW formed on load as each row's strength times b's row (b offset as a's rows are): the
-    product a = beta b is never written to memory, and its gradient splits into b's and
-    beta's where the adjoint ends (`factors._factors_bwd`)."""
+    A_ROW formed on load as each row's strength times b's row (b offset as a's rows are; made
+    unit-norm with UNIT, `_unit_rows`): the product a = beta b is never written to memory, and
+    its gradient splits into b's and beta's where the adjoint ends (`factors._factors_bwd`)."""
     if A_ROW:
         strength = _load_per_row(a, rows, ars, valid)
-        return _load_rows(b, rows, rs, cols, 1, valid, mk) * strength[:, None]
+        b_rows = _load_rows(b, rows, rs, cols, 1, valid, mk)
+        return _unit_rows(b_rows, b_norm, rows, nrs, valid, UNIT, WHOLE) * strength[:, None]
     return _load_rows(a, rows, ars, cols, 1, valid, mk)
+
+
+@triton.jit
+def _inverse_norms(x):
+    """1 / sqrt(|x_r|^2 + eps) of every row r of x [R, channels] (whole rows)."""
+    return tl.rsqrt(tl.sum(x * x, axis=1) + UNIT_EPS)
+
+
+@triton.jit
+def _unit_rows(x, norms, rows, nrs, valid, UNIT: tl.constexpr, WHOLE: tl.constexpr):
+    """Rows of q or b x [R, channels] made unit-norm when UNIT (`qk_l2norm`): with WHOLE, x
+    holds whole rows and their inverse norms are formed from it; else read from `norms`, one
+    float32 per token at row stride `nrs` (stage 1's forward wrote them)."""
+    if UNIT:
+        if WHOLE:
+            x = x * _inverse_norms(x)[:, None]
+        else:
+            x = x * _load_per_row(norms, rows, nrs, valid)[:, None]
+    return x
+
+
+@triton.jit
+def _unit_row(x, norms, row, nrs, valid, UNIT: tl.constexpr, WHOLE: tl.constexpr):
+    """One row x [channels] of q or b as `_unit_rows` makes it."""
+    if UNIT:
+        if WHOLE:
+            x = x * tl.rsqrt(tl.sum(x * x, axis=0) + UNIT_EPS)
+        else:
+            x = x * tl.load(norms + row * nrs, mask=row < valid, other=0.0)
+    return x
+
+
+@triton.jit
+def _norm_layout(q_norm, b_norm, chunk, n_chunks, H, T, CS):
+    """The inverse norms of q and b (one float32 per token [B, T, H], `qk_l2norm`) moved to
+    chunk `chunk`'s first token, and their row stride."""
+    offset, _ = _token_offset(chunk, n_chunks, H, T, CS, 1)
+    return q_norm + offset, b_norm + offset, H
 
 
 def key_block(key_dim: int) -> int:
@@ -270,19 +327,21 @@ def _next_segment(seg, g, row, rt, rk, mk, t, grs, valid, G_HEAD: tl.constexpr):
 @triton.jit
 def _diag_fwd(q, a, b, g, lower, attend, rows, rs, ars, grs, valid, scale, K: tl.constexpr,
               C: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, A_ROW: tl.constexpr,
-              G_HEAD: tl.constexpr):  # fmt: skip
-    """L and M of diagonal sub-block `rows`, one row t at a time with exact pairwise factors."""
+              G_HEAD: tl.constexpr, UNIT: tl.constexpr):  # fmt: skip
+    """L and M of diagonal sub-block `rows`, one row t at a time with exact pairwise factors
+    (whole rows: with UNIT, q and b are made unit-norm from them)."""
     rt = tl.arange(0, BT)
     rk = tl.arange(0, BK)
     mk = rk < K
-    a_d = _load_a(a, b, rows + rt, ars, rs, rk, valid, mk, A_ROW)
+    a_d = _load_a(a, b, rows + rt, ars, rs, rk, valid, mk, A_ROW, b, 0, UNIT, True)
     seg = tl.full([BT, BK], float("-inf"), dtype=tl.float32)
     for t in range(BT):
         row = rows + t
         seg = _next_segment(seg, g, row, rt, rk, mk, t, grs, valid, G_HEAD)
         a_f = tl.exp(seg) * a_d
-        b_t = _load_row(b, row, rs, rk, 1, valid, mk)
-        q_t = _load_row(q, row, rs, rk, 1, valid, mk) * scale
+        b_t = _unit_row(_load_row(b, row, rs, rk, 1, valid, mk), b, row, 0, valid, UNIT, True)
+        q_t = _unit_row(_load_row(q, row, rs, rk, 1, valid, mk), q, row, 0, valid, UNIT, True)
+        q_t *= scale
         l_t = tl.where(rt < t, tl.sum(a_f * b_t[None, :], axis=1), 0.0)
         m_t = tl.sum(a_f * q_t[None, :], axis=1)
         tl.store(lower + row * C + rows + rt, l_t)
@@ -290,12 +349,13 @@ def _diag_fwd(q, a, b, g, lower, attend, rows, rs, ars, grs, valid, scale, K: tl
 
 
 @triton.jit
-def _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, ars, grs, valid, scale,
-              C: tl.constexpr, BKD: tl.constexpr, BT: tl.constexpr, A_ROW: tl.constexpr,
-              G_HEAD: tl.constexpr):  # fmt: skip
-    """The diagonal sub-block's share of (dq, db, da) [BT, BKD] for channels rkd."""
+def _diag_bwd(q, a, b, g, qn, bn, nrs, d_lower, d_attend, rows, rkd, mkd, rs, ars, grs, valid,
+              scale, C: tl.constexpr, BKD: tl.constexpr, BT: tl.constexpr, A_ROW: tl.constexpr,
+              G_HEAD: tl.constexpr, UNIT: tl.constexpr):  # fmt: skip
+    """The diagonal sub-block's share of (dq, db, da) [BT, BKD] for channels rkd (with UNIT,
+    of the unit-norm q and b, their inverse norms read from qn, bn)."""
     rt = tl.arange(0, BT)
-    a_d = _load_a(a, b, rows + rt, ars, rs, rkd, valid, mkd, A_ROW)
+    a_d = _load_a(a, b, rows + rt, ars, rs, rkd, valid, mkd, A_ROW, bn, nrs, UNIT, False)
     seg = tl.full([BT, BKD], float("-inf"), dtype=tl.float32)
     dq_d = tl.zeros([BT, BKD], dtype=tl.float32)
     db_d = tl.zeros([BT, BKD], dtype=tl.float32)
@@ -306,8 +366,10 @@ def _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, ars, grs, valid
         f = tl.exp(seg)
         dm_t = tl.load(d_attend + row * C + rows + rt, mask=rt <= t, other=0.0)
         dl_t = tl.load(d_lower + row * C + rows + rt, mask=rt < t, other=0.0)
-        q_t = _load_row(q, row, rs, rkd, 1, valid, mkd) * scale
-        b_t = _load_row(b, row, rs, rkd, 1, valid, mkd)
+        q_t = _unit_row(_load_row(q, row, rs, rkd, 1, valid, mkd), qn, row, nrs, valid, UNIT,
+                        False) * scale  # fmt: skip
+        b_t = _unit_row(_load_row(b, row, rs, rkd, 1, valid, mkd), bn, row, nrs, valid, UNIT,
+                        False)  # fmt: skip
         a_f = f * a_d
         at_t = rt[:, None] == t
         dq_d = tl.where(at_t, tl.sum(dm_t[:, None] * a_f, axis=0)[None, :], dq_d)
@@ -345,17 +407,20 @@ def _column_factor(g, cols, rt, rk, mk, between, grs, valid, BT: tl.constexpr,
 
 @triton.jit
 def _intra_fwd(
-    q, a, b, g, lower, attend, n_chunks, H, T, CS, scale,
+    q, a, b, g, q_norm, b_norm, lower, attend, n_chunks, H, T, CS, scale, GROUP,
     K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, G_HEAD: tl.constexpr,
-    PRECISION: tl.constexpr, BOUND: tl.constexpr, A_ROW: tl.constexpr,
+    PRECISION: tl.constexpr, BOUND: tl.constexpr, A_ROW: tl.constexpr, UNIT: tl.constexpr,
 ):  # fmt: skip
     """Row sub-block i = program_id(1) of L and M: its blocks left of, on and right of (zeros)
     the diagonal. One program per sub-block rather than per chunk: four times the programs,
-    each a quarter of the serial chain (chunk 64)."""
+    each a quarter of the serial chain (chunk 64). With UNIT (`qk_l2norm`) every q and b row is
+    made unit-norm as it is loaded (whole rows: the norms are formed here), and the program
+    writes the inverse norms of its rows to q_norm, b_norm for the kernels that load rows in
+    channel blocks."""
     chunk = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1)
     q, a, b, g, valid, rs, ars, grs = _chunk_inputs(
-        q, a, b, g, chunk, n_chunks, H, T, CS, K, G_HEAD, A_ROW
+        q, a, b, g, chunk, n_chunks, H, T, CS, GROUP, K, G_HEAD, A_ROW
     )
     rows = i * BT
     lower += chunk * C * C + rows * C
@@ -366,12 +431,21 @@ def _intra_fwd(
     tile = rt[:, None] * C + rt[None, :]
     cum = tl.cumsum(_load_g_rows(g, rows + rt, grs, rk, valid, mk, G_HEAD), axis=0)
     row_f = tl.exp(cum)
-    b_i = _load_rows(b, rows + rt, rs, rk, 1, valid, mk) * row_f
-    q_i = _load_rows(q, rows + rt, rs, rk, 1, valid, mk) * (row_f * scale)
+    b_i = _load_rows(b, rows + rt, rs, rk, 1, valid, mk)
+    q_i = _load_rows(q, rows + rt, rs, rk, 1, valid, mk)
+    if UNIT:
+        qn, bn, nrs = _norm_layout(q_norm, b_norm, chunk, n_chunks, H, T, CS)
+        q_r, b_r = _inverse_norms(q_i), _inverse_norms(b_i)
+        tl.store(qn + (rows + rt) * nrs, q_r, mask=rows + rt < valid)
+        tl.store(bn + (rows + rt) * nrs, b_r, mask=rows + rt < valid)
+        q_i *= q_r[:, None]
+        b_i *= b_r[:, None]
+    b_i *= row_f
+    q_i *= row_f * scale
     between = tl.zeros([BK], dtype=tl.float32)
     for jj in range(i):
         cols = (i - 1 - jj) * BT
-        a_j = _load_a(a, b, cols + rt, ars, rs, rk, valid, mk, A_ROW)
+        a_j = _load_a(a, b, cols + rt, ars, rs, rk, valid, mk, A_ROW, b, 0, UNIT, True)
         a_j *= _column_factor(g, cols, rt, rk, mk, between, grs, valid, BT, G_HEAD)
         tl.store(lower + cols + tile, tl.dot(b_i, tl.trans(a_j), input_precision=PRECISION))
         m_ij = tl.dot(q_i, tl.trans(a_j), input_precision=PRECISION)
@@ -379,9 +453,11 @@ def _intra_fwd(
         between += tl.sum(_load_g_rows(g, cols + rt, grs, rk, valid, mk, G_HEAD), axis=0)
     if tl.max(tl.abs(cum)) < BOUND:  # mild decays: the factored diagonal (docstring)
         up, down = _midpoint_factors(cum)
-        a_i = _load_a(a, b, rows + rt, ars, rs, rk, valid, mk, A_ROW) * down
-        b_d = _load_rows(b, rows + rt, rs, rk, 1, valid, mk) * up
-        q_d = _load_rows(q, rows + rt, rs, rk, 1, valid, mk) * (up * scale)
+        a_i = _load_a(a, b, rows + rt, ars, rs, rk, valid, mk, A_ROW, b, 0, UNIT, True) * down
+        b_d = _unit_rows(_load_rows(b, rows + rt, rs, rk, 1, valid, mk), b, rows, 0, valid, UNIT,
+                         True) * up  # fmt: skip
+        q_d = _unit_rows(_load_rows(q, rows + rt, rs, rk, 1, valid, mk), q, rows, 0, valid, UNIT,
+                         True) * (up * scale)  # fmt: skip
         l_ii = tl.dot(b_d, tl.trans(a_i), input_precision=PRECISION)
         m_ii = tl.dot(q_d, tl.trans(a_i), input_precision=PRECISION)
         tl.store(lower + rows + tile, tl.where(rt[:, None] > rt[None, :], l_ii, 0.0))
@@ -389,7 +465,7 @@ def _intra_fwd(
         tl.store(attend + rows + tile, m_ii.to(attend.dtype.element_ty))
     else:
         _diag_fwd(q, a, b, g, lower - rows * C, attend - rows * C, rows, rs, ars, grs,
-                  valid, scale, K, C, BK, BT, A_ROW, G_HEAD)  # fmt: skip
+                  valid, scale, K, C, BK, BT, A_ROW, G_HEAD, UNIT)  # fmt: skip
     zero = tl.zeros([BT, BT], dtype=tl.float32)
     for j in range(i + 1, C // BT):
         tl.store(lower + j * BT + tile, zero)
@@ -398,20 +474,23 @@ def _intra_fwd(
 
 @triton.jit
 def _intra_bwd(
-    q, a, b, g, d_lower, d_attend, dq, da, db, n_chunks, H, T, CS, scale,
+    q, a, b, g, q_norm, b_norm, d_lower, d_attend, dq, da, db, n_chunks, H, T, CS, scale, GROUP,
     K: tl.constexpr, C: tl.constexpr, BKD: tl.constexpr, BT: tl.constexpr, G_HEAD: tl.constexpr,
-    PRECISION: tl.constexpr, BOUND: tl.constexpr, A_ROW: tl.constexpr,
+    PRECISION: tl.constexpr, BOUND: tl.constexpr, A_ROW: tl.constexpr, UNIT: tl.constexpr,
 ):  # fmt: skip
     """dq, da, db [chunks, C, K] float32, chunked (what `_factors_bwd` adds its share to), of
     sub-block i = program_id(2) and channels program_id(1): dq, db of its rows (columns s <= t)
     and da of its columns (rows t >= s), the diagonal block shared by both. dq is the gradient
-    of the scaled q (the caller applies the scale once, at the end)."""
+    of the scaled q (the caller applies the scale once, at the end). With UNIT, q and b rows
+    are made unit-norm on load from the inverse norms the forward wrote, and the gradients are
+    those of the unit-norm rows (`factors._factors_bwd` closes the chain)."""
     chunk = tl.program_id(0).to(tl.int64)
     kb = tl.program_id(1)
     i = tl.program_id(2)
     q, a, b, g, valid, rs, ars, grs = _chunk_inputs(
-        q, a, b, g, chunk, n_chunks, H, T, CS, K, G_HEAD, A_ROW
+        q, a, b, g, chunk, n_chunks, H, T, CS, GROUP, K, G_HEAD, A_ROW
     )
+    qn, bn, nrs = _norm_layout(q_norm, b_norm, chunk, n_chunks, H, T, CS)
     d_lower += chunk * C * C
     d_attend += chunk * C * C
     rt = tl.arange(0, BT)
@@ -427,7 +506,7 @@ def _intra_bwd(
     between = tl.zeros([BKD], dtype=tl.float32)
     for jj in range(i):
         cols = (i - 1 - jj) * BT
-        a_j = _load_a(a, b, cols + rt, ars, rs, rkd, valid, mkd, A_ROW)
+        a_j = _load_a(a, b, cols + rt, ars, rs, rkd, valid, mkd, A_ROW, bn, nrs, UNIT, False)
         a_j *= _column_factor(g, cols, rt, rkd, mkd, between, grs, valid, BT, G_HEAD)
         dm = tl.load(d_attend + rows * C + cols + tile)
         dl = tl.load(d_lower + rows * C + cols + tile)
@@ -437,9 +516,12 @@ def _intra_bwd(
     # The diagonal block: its share of all three.
     if tl.max(tl.abs(cum)) < BOUND:  # mild decays: the factored diagonal (docstring)
         up, down = _midpoint_factors(cum)
-        a_i = _load_a(a, b, rows + rt, ars, rs, rkd, valid, mkd, A_ROW) * down
-        q_i = _load_rows(q, rows + rt, rs, rkd, 1, valid, mkd) * (up * scale)
-        b_i = _load_rows(b, rows + rt, rs, rkd, 1, valid, mkd) * up
+        a_i = _load_a(a, b, rows + rt, ars, rs, rkd, valid, mkd, A_ROW, bn, nrs, UNIT, False)
+        a_i *= down
+        q_i = _unit_rows(_load_rows(q, rows + rt, rs, rkd, 1, valid, mkd), qn, rows + rt, nrs,
+                         valid, UNIT, False) * (up * scale)  # fmt: skip
+        b_i = _unit_rows(_load_rows(b, rows + rt, rs, rkd, 1, valid, mkd), bn, rows + rt, nrs,
+                         valid, UNIT, False) * up  # fmt: skip
         d_diag = rows * C + rows + tile
         dm = tl.where(rt[:, None] >= rt[None, :], tl.load(d_attend + d_diag), 0.0)
         dl = tl.where(rt[:, None] > rt[None, :], tl.load(d_lower + d_diag), 0.0)
@@ -449,8 +531,9 @@ def _intra_bwd(
         dq_i = acc_q * row_f + up * tl.dot(dm, a_i, input_precision=PRECISION)
         db_i = acc_b * row_f + up * tl.dot(dl, a_i, input_precision=PRECISION)
     else:
-        dq_d, db_d, acc_a = _diag_bwd(q, a, b, g, d_lower, d_attend, rows, rkd, mkd, rs, ars,
-                                      grs, valid, scale, C, BKD, BT, A_ROW, G_HEAD)  # fmt: skip
+        dq_d, db_d, acc_a = _diag_bwd(q, a, b, g, qn, bn, nrs, d_lower, d_attend, rows, rkd, mkd,
+                                      rs, ars, grs, valid, scale, C, BKD, BT, A_ROW, G_HEAD,
+                                      UNIT)  # fmt: skip
         dq_i = acc_q * row_f + dq_d
         db_i = acc_b * row_f + db_d
     # Columns: da of sub-block i from the rows t >= start(i + 1).
@@ -460,8 +543,10 @@ def _intra_bwd(
         later = r * BT
         g_r = _load_g_rows(g, later + rt, grs, rkd, valid, mkd, G_HEAD)
         later_f = tl.exp(tl.cumsum(g_r, axis=0))
-        q_r = _load_rows(q, later + rt, rs, rkd, 1, valid, mkd) * (later_f * scale)
-        b_r = _load_rows(b, later + rt, rs, rkd, 1, valid, mkd) * later_f
+        q_r = _unit_rows(_load_rows(q, later + rt, rs, rkd, 1, valid, mkd), qn, later + rt, nrs,
+                         valid, UNIT, False) * (later_f * scale)  # fmt: skip
+        b_r = _unit_rows(_load_rows(b, later + rt, rs, rkd, 1, valid, mkd), bn, later + rt, nrs,
+                         valid, UNIT, False) * later_f  # fmt: skip
         dm = tl.load(d_attend + later * C + rows + tile)
         dl = tl.load(d_lower + later * C + rows + tile)
         part = tl.dot(tl.trans(dm), q_r, input_precision=PRECISION)
@@ -485,17 +570,32 @@ def _a_row(q: torch.Tensor, a: torch.Tensor) -> bool:
     return a.dim() == q.dim() - 1
 
 
+def unit_norms(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffers for the inverse norms of q's and b's rows (`qk_l2norm`): one float32 per token
+    and head of u [B, T, H, V] (with grouped value heads each head has its own copy)."""
+    return tuple(u.new_empty(u.shape[:-1], dtype=torch.float32) for _ in "qb")
+
+
+def _norm_args(q, b, norms):
+    """The kernels' (q_norm, b_norm) pointers and UNIT: placeholders when there are none."""
+    return (q, b, False) if norms is None else (*norms, True)
+
+
 def intra_triton(q, a, b, g, precision: str = "ieee", tokens: Tokens | None = None,
                  scale: float = 1.0, factor_bound: float = DIAGONAL_FACTOR_BOUND,
                  attend_dtype: torch.dtype = torch.float32,
+                 norms: tuple[torch.Tensor, torch.Tensor] | None = None,
                  table: TileLaunch = LAUNCH):  # fmt: skip
-    """(L, M) [chunks, C, C]: of token-major inputs q, b [B, T, H, K], a [B, T, H, K] or
+    """(L, M) [chunks, C, C]: of token-major inputs q, b [B, T, H / G, K], a [B, T, H, K] or
     [B, T, H] (a per-token strength: a_t = a_t b_t) and g ([B, T, H, K] or [B, T, H]) as `tokens`
-    maps them into chunks of C = the padded chunk size, q times `scale`; or, with tokens=None,
+    maps them into chunks of C = the padded chunk size (G = `tokens.group`), q times `scale`;
+    or, with tokens=None,
     of chunked inputs [..., C, K] (a also [..., C], g per channel),
     returned as [..., C, C]. `factor_bound`: see DIAGONAL_FACTOR_BOUND. L is float32 (the
     solve's matrix); M is formed in float32 and stored in `attend_dtype` (the state pass's
-    operators, `KernelOptions.operator_dtype`). `table`: the launch table."""
+    operators, `KernelOptions.operator_dtype`). With `norms` (`unit_norms(u)`), q and b are made
+    unit-norm on load (`qk_l2norm`) and their rows' inverse norms written there. `table`: the
+    launch table."""
     chunked = tokens is None
     tokens = Tokens.of_chunks(q) if chunked else tokens
     size = padded_chunk_size(tokens.chunk_size)
@@ -503,10 +603,11 @@ def intra_triton(q, a, b, g, precision: str = "ieee", tokens: Tokens | None = No
     chunks = tokens.programs(q)
     lower = q.new_empty(chunks, size, size, dtype=torch.float32)
     attend = q.new_empty(chunks, size, size, dtype=attend_dtype)
+    q_norm, b_norm, unit = _norm_args(q, b, norms)
     _intra_fwd[(chunks, size // SUB_BLOCK)](
-        q, a, b, g, lower, attend, *tokens.args(), scale, K=key_dim, C=size,
-        BK=key_block(key_dim), BT=SUB_BLOCK, G_HEAD=_g_head(q, g), PRECISION=precision,
-        BOUND=factor_bound, A_ROW=_a_row(q, a), **table.options,
+        q, a, b, g, q_norm, b_norm, lower, attend, *tokens.args(), scale, tokens.group,
+        K=key_dim, C=size, BK=key_block(key_dim), BT=SUB_BLOCK, G_HEAD=_g_head(q, g),
+        PRECISION=precision, BOUND=factor_bound, A_ROW=_a_row(q, a), UNIT=unit, **table.options,
     )  # fmt: skip
     # Chunked inputs: their own leading shape. (Not told by one chunk of one head: token-major
     # inputs of one head and T <= C are that too, and were reshaped as chunks.)
@@ -519,21 +620,24 @@ def intra_triton(q, a, b, g, precision: str = "ieee", tokens: Tokens | None = No
 def intra_triton_backward(q, a, b, g, d_lower, d_attend, precision: str = "ieee",
                           tokens: Tokens | None = None, scale: float = 1.0,
                           factor_bound: float = DIAGONAL_FACTOR_BOUND,
+                          norms: tuple[torch.Tensor, torch.Tensor] | None = None,
                           table: TileLaunch = LAUNCH):  # fmt: skip
     """(dq, da, db) [chunks, C, K] float32 through L and M (the log decays' share is formed by
     the caller: see the module docstring); dq is the gradient of the scaled q, da that of the
     write direction a_t (b_t times its strength when a is one per token). Only the blocks
-    on and below the diagonal of d_lower, d_attend are read. `table`: the launch table (its
-    block: channels per program)."""
+    on and below the diagonal of d_lower, d_attend are read. With `norms` (those the forward
+    wrote), the gradients of the unit-norm q and b rows. `table`: the launch table (its block:
+    channels per program)."""
     tokens = Tokens.of_chunks(q) if tokens is None else tokens
     size = padded_chunk_size(tokens.chunk_size)
     key_dim = q.shape[-1]
     chunks = tokens.programs(q)
     dq, da, db = (q.new_empty(chunks, size, key_dim, dtype=torch.float32) for _ in range(3))
     block_kd = min(table.block, key_block(key_dim))
+    q_norm, b_norm, unit = _norm_args(q, b, norms)
     _intra_bwd[(chunks, triton.cdiv(key_dim, block_kd), size // SUB_BLOCK)](
-        q, a, b, g, d_lower, d_attend, dq, da, db, *tokens.args(), scale, K=key_dim, C=size,
-        BKD=block_kd, BT=SUB_BLOCK, G_HEAD=_g_head(q, g), PRECISION=precision,
-        BOUND=factor_bound, A_ROW=_a_row(q, a), **table.options,
+        q, a, b, g, q_norm, b_norm, d_lower, d_attend, dq, da, db, *tokens.args(), scale,
+        tokens.group, K=key_dim, C=size, BKD=block_kd, BT=SUB_BLOCK, G_HEAD=_g_head(q, g),
+        PRECISION=precision, BOUND=factor_bound, A_ROW=_a_row(q, a), UNIT=unit, **table.options,
     )  # fmt: skip
     return dq, da, db
