@@ -56,10 +56,15 @@ __all__ = ["DECAYS", "READS", "RULES", "StepForm", "fused_layer_step"]
 DECAYS = ("none", "head", "channel")
 RULES = ("beta", "erase_write", "kdn_iso", "kdn_diag")
 READS = ("none", "static", "dynamic")
-# Largest state tile (rows x columns) one program holds at once: a 128 x 128 head in one block,
-# so its output norm needs no second pass. The warps grow with the tile, 32 float32 values a
-# thread (the plain step's 4096 over 4 warps), from 4 to 16. First choices, not yet timed.
-MAX_TILE = 16384
+# The state tile (rows x columns) one program holds at once: a head of up to ONE_BLOCK_TILE
+# values in one block (so its output norm needs no second pass) over up to 16 warps, 32
+# float32 values a thread; a larger head in blocks of LOOP_TILE over 8 warps, 32 a thread.
+# Compiled for sm_90: a 128 x 128 head spills 0 to 48 bytes a thread (by the form) in one block
+# of 16 warps (the plain step's kernel 232 there), 200 to 400 at 8 warps; a V = 256 head in
+# blocks of 128 x 64 spills 0 (beta) to 190 bytes, in blocks of 128 x 128 about 390. First
+# choices, not yet timed on a GPU.
+ONE_BLOCK_TILE = 16384
+LOOP_TILE = 8192
 VALUES_PER_WARP = 32 * 32
 MIN_WARPS, MAX_WARPS = 4, 16
 MIN_BLOCK = 16
@@ -173,12 +178,15 @@ def _value_block(start, V_IN, stride_v, WV, CV, WRITE, stride_write, MEMORY, q, 
     if RULE == 1:
         write = tl.load(WRITE + b * stride_write + vch, mask=col_ok, other=0.0).to(tl.float32)
         u = u * tl.sigmoid(write)
-    tile = bh * K * V + rows[:, None] * V + cols[None, :]
+    # The head's base pointer once, the tile's offsets in 32 bits (fewer registers than 64-bit
+    # addresses; a head holds far fewer than 2^31 values).
+    head = MEMORY + bh * K * V
+    tile = rows[:, None] * V + cols[None, :]
     tile_ok = row_ok[:, None] & col_ok[None, :]
-    s = tl.load(MEMORY + tile, mask=tile_ok, other=0.0) * decay[:, None]
+    s = tl.load(head + tile, mask=tile_ok, other=0.0) * decay[:, None]
     nu = u - tl.sum(bk[:, None] * s, axis=0)
     s = s + a[:, None] * nu[None, :]
-    tl.store(MEMORY + tile, s, mask=tile_ok)
+    tl.store(head + tile, s, mask=tile_ok)
     o = tl.sum(q[:, None] * s, axis=0)
     return cols, col_ok, o.to(OUT.dtype.element_ty).to(tl.float32)
 
@@ -206,9 +214,11 @@ def _fused_step_kernel(
     DECAY: tl.constexpr, RULE: tl.constexpr, READ_FORM: tl.constexpr, TIED: tl.constexpr,
     GATE_ACT: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):  # fmt: skip
+    # 64-bit bases (a sequence's rows, a head's state) and 32-bit offsets within them: fewer
+    # registers for the address tensors.
     bh = tl.program_id(0).to(tl.int64)
     b = bh // H
-    h = bh % H
+    h = (bh % H).to(tl.int32)
     rows = tl.arange(0, BK)
     row_ok = rows < K
     kch = h * K + rows
@@ -243,14 +253,14 @@ def _fused_step_kernel(
                   norm_eps, GATE_ACT)  # fmt: skip
     else:
         sumsq = tl.sum(tl.zeros([BV], dtype=tl.float32))
-        for start in tl.range(0, V, BV):
+        for start in tl.range(0, V, BV, num_stages=1):
             cols, col_ok, o = _value_block(start, V_IN, stride_v, WV, CV, WRITE, stride_write,
                                            MEMORY, q, a, bk, decay, OUT, b, h, bh, rows, row_ok, H,
                                            K, V, RULE, W, BW, BV)  # fmt: skip
             tl.store(OUT + bh * V + cols, o.to(OUT.dtype.element_ty), mask=col_ok)
             sumsq += tl.sum(o * o)
         tl.debug_barrier()
-        for start in tl.range(0, V, BV):
+        for start in tl.range(0, V, BV, num_stages=1):
             cols = start + tl.arange(0, BV)
             col_ok = cols < V
             o = tl.load(OUT + bh * V + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -268,13 +278,17 @@ def _row(x: torch.Tensor | None, fallback: torch.Tensor) -> tuple[torch.Tensor, 
     return x, x.stride(0)
 
 
-def value_block(key_dim: int, value_dim: int, block_v: int | None = None) -> int:
-    """BV: every value column at once where the state tile fits MAX_TILE, else the widest power
-    of two that does; block_v (a power of two >= 16) overrides it."""
-    if block_v is not None:
-        return block_v
+def launch(key_dim: int, value_dim: int, block_v: int | None = None) -> tuple[int, int, int]:
+    """(BK, BV, warps): all key rows; every value column at once where the state tile fits
+    ONE_BLOCK_TILE, else blocks of LOOP_TILE (block_v, a power of two >= 16, overrides it);
+    warps by the tile's size."""
     block_k = max(MIN_BLOCK, triton.next_power_of_2(key_dim))
-    return max(MIN_BLOCK, min(triton.next_power_of_2(value_dim), MAX_TILE // block_k))
+    if block_v is None:
+        block_v = triton.next_power_of_2(value_dim)
+        if block_k * block_v > ONE_BLOCK_TILE:
+            block_v = max(MIN_BLOCK, LOOP_TILE // block_k)
+    warps = min(MAX_WARPS, max(MIN_WARPS, block_k * block_v // VALUES_PER_WARP))
+    return block_k, block_v, warps
 
 
 @opaque_to_compiler
@@ -308,12 +322,11 @@ def fused_layer_step(
     "noise" (`[B, H]` kdn_iso, `[B, H*K]` kdn_diag), "obs" `[B, H]`. params: "A_log" `[H]`,
     "dt_bias" (`[H]` or `[H, K]`), "read_log" `[H, K]`, "p_inf_raw" `[H]`, "precision" (the KDN
     scan state `[B, H]` or `[B, H, K]` float32, updated in place). None where the form reads
-    none. block_v: the value columns a block holds (None: `value_block`'s).
+    none. block_v: the value columns a block holds (None: `launch`'s).
     """
     batch, heads, key_dim, value_dim = memory.shape
     width = conv_weights[0].shape[-1]
-    block_k = max(MIN_BLOCK, triton.next_power_of_2(key_dim))
-    block_v = value_block(key_dim, value_dim, block_v)
+    block_k, block_v, warps = launch(key_dim, value_dim, block_v)
     rows = {name: _row(gates.get(name), memory) for name in RULE_INPUTS}
     q, k, v = (_row(x, memory) for x in qkv)
     placeholder = {name: memory if params.get(name) is None else params[name] for name in PARAMS}
@@ -329,7 +342,7 @@ def fused_layer_step(
         DECAY=DECAYS.index(form.decay), RULE=RULES.index(form.rule),
         READ_FORM=READS.index(form.read), TIED=form.tied, GATE_ACT=GATES[form.gate_activation],
         ONE_BLOCK=block_v >= value_dim,
-        num_warps=min(MAX_WARPS, max(MIN_WARPS, block_k * block_v // VALUES_PER_WARP)),
+        num_warps=warps,
     )  # fmt: skip
     return out
 
