@@ -36,6 +36,8 @@ CASES = [
     ("kdn_iso", {"process_noise": "tied"}, {}),
     ("kdn_diag", {}, {"value_dim": 32}),
     ("kdn_diag", {"process_noise": "tied"}, {}),
+    ("kdn_exact", {}, {}),
+    ("kdn_exact", {"process_noise": "tied"}, {"value_dim": 32}),
     ("kdn_muir", {}, {}),
 ]
 
@@ -92,6 +94,7 @@ FUSED_STEP_OPERATORS_PER_LAYER = {
     "gdn2": 5,
     "kdn_iso": 5,
     "kdn_diag": 5,
+    "kdn_exact": 5,
     "muir": 5,
     "kdn_muir": 5,
 }

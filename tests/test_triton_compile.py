@@ -549,8 +549,11 @@ def test_rope_kernel_compiles_for_hopper_without_spills(heads, dim, dtype, inver
 # and the KDN precision; the rest come in the model's dtype.
 FUSED_STEP_FLOAT32 = ("MEMORY", "PRECISION")
 # Bytes a thread of the fused step may spill at a 128 x 128 head: 0 to 48 by the form (measured),
-# where 16 warps spill 232 in the plain step's kernel and 8 warps 200 to 400 in this one.
-FUSED_STEP_STACK = 64
+# where 16 warps spill 232 in the plain step's kernel and 8 warps 200 to 400 in this one. Exact
+# KDN's covariance update (a second 128 x 128 tile) spills about 1.2 KB: a bound to lower, not a
+# target.
+FUSED_STEP_STACK = {"kdn_exact": 1280}
+FUSED_STEP_STACK_DEFAULT = 64
 
 
 @pytest.mark.parametrize(
@@ -560,12 +563,13 @@ FUSED_STEP_STACK = 64
         ("channel", "erase_write", "dynamic", False),
         ("channel", "kdn_iso", "none", True),
         ("channel", "kdn_diag", "dynamic", False),
+        ("channel", "kdn_exact", "none", False),
     ],
-    ids=["gdn", "muir", "kdn_iso-tied", "kdn_muir"],
+    ids=["gdn", "muir", "kdn_iso-tied", "kdn_muir", "kdn_exact"],
 )
 def test_fused_decode_step_compiles_for_hopper_within_its_spills(decay, rule, read, tied):
     """At the launch the 340M presets' heads (K = V = 128, one block) give the fused step in
-    bfloat16: within shared memory, at most FUSED_STEP_STACK bytes spilled a thread."""
+    bfloat16: within shared memory, at most FUSED_STEP_STACK's bytes spilled a thread."""
     from deltalab.ops.delta_rule.triton import fused_step as fs
     from deltalab.ops.norms.triton import GATES
 
@@ -600,4 +604,5 @@ def test_fused_decode_step_compiles_for_hopper_within_its_spills(decay, rule, re
     )
     assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
     stack = _stack_bytes(compiled)
-    assert stack is None or stack <= FUSED_STEP_STACK, f"{rule}: {stack} bytes spilled per thread"
+    bound = FUSED_STEP_STACK.get(rule, FUSED_STEP_STACK_DEFAULT)
+    assert stack is None or stack <= bound, f"{rule}: {stack} bytes spilled per thread"

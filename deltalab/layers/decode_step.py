@@ -33,7 +33,7 @@ from deltalab.layers.common import DeltaMixer, RecurrentState
 from deltalab.layers.deltanet import DeltaNet, GatedDeltaNet
 from deltalab.layers.gdn2 import GatedDeltaNet2
 from deltalab.layers.kda import KimiDeltaAttention
-from deltalab.layers.kdn import DiagonalKDN, FreeProcessNoise, IsotropicKDN, KDNMixer
+from deltalab.layers.kdn import DiagonalKDN, ExactKDN, FreeProcessNoise, IsotropicKDN, KDNMixer
 from deltalab.layers.kdn_muir import KDNMuir
 from deltalab.layers.muir import FusedGateProjection, Muir
 from deltalab.layers.projections import _concatenated, _kept, fusable
@@ -117,6 +117,9 @@ def _kdn_plan(mixer: KDNMixer, rule: str, activation: str) -> tuple[StepForm, di
     return StepForm("channel", rule, tied=tied, gate_activation=activation), sources, params
 
 
+KDN_RULES = {IsotropicKDN: "kdn_iso", DiagonalKDN: "kdn_diag", ExactKDN: "kdn_exact"}
+
+
 def _plan_of(mixer: DeltaMixer) -> StepPlan | None:
     """The plan of a mixer of a class known exactly, before its maps are checked."""
     kind = type(mixer)
@@ -149,10 +152,10 @@ def _plan_of(mixer: DeltaMixer) -> StepPlan | None:
         form = StepForm("channel", rule, read=mixer.read_gate, gate_activation=activation)  # type: ignore[attr-defined]
         if not muir:
             constants = {"r_min": mixer.r_min, "info_scale": mixer.info_scale}  # type: ignore[attr-defined]
-    elif kind in (IsotropicKDN, DiagonalKDN):
-        rule = "kdn_iso" if kind is IsotropicKDN else "kdn_diag"
-        form, modules, params = _kdn_plan(mixer, rule, activation)  # type: ignore[arg-type]
-        constants = {"r_min": mixer.r_min, "info_scale": mixer.info_scale}  # type: ignore[attr-defined]
+    elif kind in KDN_RULES:
+        form, modules, params = _kdn_plan(mixer, KDN_RULES[kind], activation)  # type: ignore[arg-type]
+        # Exact KDN has no information scale: it is exact, s = 1.
+        constants = {"r_min": mixer.r_min, "info_scale": getattr(mixer, "info_scale", 1.0)}  # type: ignore[attr-defined]
     else:
         return None
     for key, module in {"gate": mixer.g_proj, **modules}.items():

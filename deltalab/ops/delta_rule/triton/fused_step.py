@@ -20,7 +20,9 @@ Write rules (`RULES`), from the gates' pre-activations, by the formulas of
     "kdn_iso"      p_bar = mean(exp(2g)) / prec + q_noise,  a = p_bar k / (p_bar |k|^2 + r),
                    prec <- 1 / p_bar + s |k|^2 / (K r)                     (Isotropic KDN)
     "kdn_diag"     p_bar = exp(2g) / prec + q_noise,  a = p_bar k / (k^T (p_bar k) + r),
-                   prec <- 1 / p_bar + s k^2 / r          (Diagonal KDN, KDN-Muir; b = k, u = v)
+                   prec <- 1 / p_bar + s k^2 / r                    (Diagonal KDN, KDN-Muir)
+    "kdn_exact"    P_bar = D P D + diag(q_noise),  a = P_bar k / (k^T P_bar k + r),
+                   P <- the Joseph form (`_exact_gain`)       (Exact KDN; every KDN: b = k, u = v)
 
 with r = r_min + softplus(raw_r) and q_noise = softplus(raw_q), or tied to the decay,
 (1 - exp(2g)) p_inf (its mean over K for "kdn_iso"), p_inf = softplus(raw). The read gate rho is
@@ -54,7 +56,7 @@ from deltalab.ops.norms.triton import GATES, _gate_terms
 __all__ = ["DECAYS", "READS", "RULES", "StepForm", "fused_layer_step"]
 
 DECAYS = ("none", "head", "channel")
-RULES = ("beta", "erase_write", "kdn_iso", "kdn_diag")
+RULES = ("beta", "erase_write", "kdn_iso", "kdn_diag", "kdn_exact")
 READS = ("none", "static", "dynamic")
 # The state tile (rows x columns) one program holds at once: a head of up to ONE_BLOCK_TILE
 # values in one block (so its output norm needs no second pass) over up to 16 warps, 32
@@ -130,27 +132,34 @@ def _log_decay(RAW, stride_raw, A_LOG, DT_BIAS, b, h, kch, row_ok, DECAY: tl.con
 
 @triton.jit
 def _kalman_gain(k, g, NOISE, stride_noise, OBS, stride_obs, P_INF, PRECISION, b, h, bh, kch,
-                 rows, row_ok, K, r_min, info_scale, DIAGONAL: tl.constexpr,
+                 rows, row_ok, K, r_min, info_scale, FILTER: tl.constexpr,
                  TIED: tl.constexpr):  # fmt: skip
-    """The KDN write direction a `[BK]` from the scan state (precision, updated in place) and
-    the noise model (module docstring)."""
+    """The KDN write direction a `[BK]` from the filter's state (updated in place) and the noise
+    model (module docstring). FILTER: 0 isotropic (precision `[B, H]`), 1 diagonal (precision
+    `[B, H, K]`), 2 exact (covariance `[B, H, K, K]`); the process noise is per channel but
+    for the isotropic filter."""
     sp_r, _ = _softplus_terms(tl.load(OBS + b * stride_obs + h).to(tl.float32))
     r = r_min + sp_r
     decay2 = tl.where(row_ok, tl.exp(2.0 * g), 0.0)
     if TIED:
         p_inf, _ = _softplus_terms(tl.load(P_INF + h).to(tl.float32))
         restore = tl.where(row_ok, -_expm1(2.0 * g), 0.0)
-        if DIAGONAL:
-            q_noise = restore * p_inf
-        else:
+        if FILTER == 0:
             q_noise = tl.sum(restore) / K * p_inf
-    else:
-        if DIAGONAL:
-            raw = tl.load(NOISE + b * stride_noise + kch, mask=row_ok, other=0.0)
         else:
+            q_noise = restore * p_inf
+    else:
+        if FILTER == 0:
             raw = tl.load(NOISE + b * stride_noise + h)
+        else:
+            raw = tl.load(NOISE + b * stride_noise + kch, mask=row_ok, other=0.0)
         q_noise, _ = _softplus_terms(raw.to(tl.float32))
-    if DIAGONAL:
+    if FILTER == 0:
+        p_bar = tl.sum(decay2) / K / tl.load(PRECISION + bh) + q_noise
+        norm2 = tl.sum(k * k)
+        tl.store(PRECISION + bh, 1.0 / p_bar + info_scale * norm2 / (K * r))
+        a = p_bar / (p_bar * norm2 + r) * k
+    elif FILTER == 1:
         at = PRECISION + bh * K + rows
         p_bar = decay2 / tl.load(at, mask=row_ok, other=1.0) + q_noise
         weighted = tl.where(row_ok, p_bar * k, 0.0)
@@ -158,11 +167,34 @@ def _kalman_gain(k, g, NOISE, stride_noise, OBS, stride_obs, P_INF, PRECISION, b
         tl.store(at, 1.0 / p_bar + info_scale * k * k / r, mask=row_ok)
         a = weighted / (predictive + r)
     else:
-        p_bar = tl.sum(decay2) / K / tl.load(PRECISION + bh) + q_noise
-        norm2 = tl.sum(k * k)
-        tl.store(PRECISION + bh, 1.0 / p_bar + info_scale * norm2 / (K * r))
-        a = p_bar / (p_bar * norm2 + r) * k
+        a = _exact_gain(k, g, q_noise, r, PRECISION, bh, rows, row_ok, K)
     return a
+
+
+@triton.jit
+def _exact_gain(k, g, q_noise, r, COVARIANCE, bh, rows, row_ok, K):
+    """Exact KDN's gain, its covariance P updated in place by the Joseph form (`exact_gain`):
+    P_bar = D P D + diag(q_noise), P_bar k, gain = P_bar k / (k^T P_bar k + r), and
+    P = P_bar - gain (P_bar k)^T - (P_bar k) gain^T + (k^T P_bar k + r) gain gain^T, symmetric
+    term by term, as `exact_gain`'s average of P and P^T makes it."""
+    head = COVARIANCE + bh * K * K
+    tile = rows[:, None] * K + rows[None, :]
+    tile_ok = row_ok[:, None] & row_ok[None, :]
+    d = tl.where(row_ok, tl.exp(g), 0.0)
+    p = tl.load(head + tile, mask=tile_ok, other=0.0) * d[:, None] * d[None, :]
+    p = p + tl.where(rows[:, None] == rows[None, :], tl.where(row_ok, q_noise, 0.0)[:, None], 0.0)
+    # P_bar is symmetric (P is, to rounding): one product serves as its rows' and columns'.
+    pk = tl.sum(p * k[None, :], axis=1)
+    denominator = tl.sum(pk * k) + r
+    gain = pk / denominator
+    p = (
+        p
+        + (denominator * gain[:, None] - pk[:, None]) * gain[None, :]
+        - gain[:, None] * pk[None, :]
+    )
+    tl.store(head + tile, p, mask=tile_ok)
+    tl.debug_barrier()
+    return gain
 
 
 @triton.jit
@@ -243,7 +275,7 @@ def _fused_step_kernel(
         bk = tl.sigmoid(erase) * k
     else:
         a = _kalman_gain(k, g, NOISE, stride_noise, OBS, stride_obs, P_INF, PRECISION, b, h, bh,
-                         kch, rows, row_ok, K, r_min, info_scale, RULE == 3, TIED)  # fmt: skip
+                         kch, rows, row_ok, K, r_min, info_scale, RULE - 2, TIED)  # fmt: skip
     decay = tl.exp(g)
     if ONE_BLOCK:
         cols, col_ok, o = _value_block(0, V_IN, stride_v, WV, CV, WRITE, stride_write, MEMORY, q,
@@ -319,9 +351,10 @@ def fused_layer_step(
     pre-activation `[B, H*V]`; norm_weight `[V]`; out `[B, H*V]`, written. gates: the form's
     pre-activations by name, `[B, width]` rows: "beta" (`[B, H]`; with "erase_write" the erase
     logits `[B, H*K]`), "write" `[B, H*V]`, "decay" (`[B, H]` or `[B, H*K]`), "read" `[B, H*K]`,
-    "noise" (`[B, H]` kdn_iso, `[B, H*K]` kdn_diag), "obs" `[B, H]`. params: "A_log" `[H]`,
+    "noise" (`[B, H]` kdn_iso, else `[B, H*K]`), "obs" `[B, H]`. params: "A_log" `[H]`,
     "dt_bias" (`[H]` or `[H, K]`), "read_log" `[H, K]`, "p_inf_raw" `[H]`, "precision" (the KDN
-    scan state `[B, H]` or `[B, H, K]` float32, updated in place). None where the form reads
+    filter's state: precision `[B, H]` or `[B, H, K]`, covariance `[B, H, K, K]`; float32,
+    contiguous, updated in place). None where the form reads
     none. block_v: the value columns a block holds (None: `launch`'s).
     """
     batch, heads, key_dim, value_dim = memory.shape
