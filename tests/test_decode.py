@@ -198,10 +198,11 @@ def counted_step(model: CausalLM, generator) -> dict[str, list[float]]:
 # its projections, one short convolution of q, k and v, one norm of q and k, one RoPE of
 # attention's q and k: Transformer 63, DeltaNet 69, GDN 74, KDA 76, GDN-2 79, Isotropic KDN
 # 145, Diagonal KDN 144, exact KDN 101, Muir 88, KDN-Muir 152; before the FFN's residual sum
-# went into its down projection's product, one more each. Where Triton runs, the delta-rule
+# went into its down projection's product, one more each (two for attention's output
+# projection, likewise). Where Triton runs, the delta-rule
 # layers take the fused step instead (tests/test_decode_fused.py holds its counts).
 STEP_OPERATORS_PER_LAYER = {
-    "transformer": 46,
+    "transformer": 45,
     "deltanet": 53,
     "gdn": 57,
     "kda": 60,

@@ -90,10 +90,15 @@ def _static_kv(state: AttentionState, length: int) -> StaticKV:
 
 
 def attention_step(
-    layer: Attention, x: torch.Tensor, kv: StaticKV, position: torch.Tensor
+    layer: Attention,
+    x: torch.Tensor,
+    kv: StaticKV,
+    position: torch.Tensor,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`Attention.forward` for one token `x [B, 1, D]` at `position [1]` (a device tensor), its
-    key and value written into `kv`; attends over every slot, the unfilled ones masked."""
+    key and value written into `kv`; attends over every slot, the unfilled ones masked. Plus
+    `residual` when given, summed in the output projection's product (`add_projected`)."""
     projected = project_together(x, [layer.q_proj, layer.k_proj, layer.v_proj])
     # Queries and keys rotated together, as heads of one tensor: one RoPE instead of two.
     qk = torch.cat([projected[layer.q_proj], projected[layer.k_proj]], dim=-1)
@@ -112,7 +117,7 @@ def attention_step(
         kv.value.to(v.dtype).transpose(1, 2),
         attn_mask=visible[:, None, None, :],
     )
-    return layer.o_proj(o.transpose(1, 2).flatten(-2))
+    return add_projected(residual, o.transpose(1, 2).flatten(-2), layer.o_proj)
 
 
 class StaticDecoder:
@@ -310,7 +315,8 @@ class StaticDecoder:
         x = core.embed(self.token)
         for block, state in zip(core.blocks, self.states, strict=True):
             if isinstance(state, StaticKV):
-                x = x + attention_step(block.mixer, block.mixer_norm(x), state, self.position)
+                normed = block.mixer_norm(x)
+                x = attention_step(block.mixer, normed, state, self.position, residual=x)
             elif runs_fused(block.mixer, x, state):
                 normed = block.mixer_norm(x)
                 x = fused_step(block.mixer, normed, state, self.weights, residual=x)
