@@ -195,11 +195,14 @@ def runs_fused(mixer: nn.Module, x: torch.Tensor, state: object) -> bool:
         ready = triton_available(x.device)
     else:
         ready = mixer.backend == "triton" and triton_unavailable_reason(x.device) is None
-    memory = state.memory
+    # The kernel updates these in place, indexing them as contiguous buffers (the memory and
+    # the KDN filter's state in float32), as the decoder's own are.
+    buffers = [state.memory, getattr(state, "uncertainty", state.memory)]
+    caches = (state.conv_q, state.conv_k, state.conv_v)
     return (
         ready
-        and memory.dtype == torch.float32
-        and memory.is_contiguous()
+        and all(t.dtype == torch.float32 and t.is_contiguous() for t in buffers)
+        and all(t.is_contiguous() for t in caches)
         and step_plan(mixer) is not None
     )
 
