@@ -193,22 +193,25 @@ def counted_step(model: CausalLM, generator) -> dict[str, list[float]]:
     return counter.totals
 
 
-# What a decoding step of one layer dispatches at most (CPU paths, `OperatorCounter`):
+# What a decoding step of one layer dispatches at most on the unfused path (CPU, `OperatorCounter`):
 # block norms, mixer and FFN. Before the step skipped its value checks and made one product of
 # its projections, one short convolution of q, k and v, one norm of q and k, one RoPE of
 # attention's q and k: Transformer 63, DeltaNet 69, GDN 74, KDA 76, GDN-2 79, Isotropic KDN
-# 145, Diagonal KDN 144, exact KDN 101, Muir 88, KDN-Muir 152.
+# 145, Diagonal KDN 144, exact KDN 101, Muir 88, KDN-Muir 152; before the FFN's residual sum
+# went into its down projection's product, one more each (two for attention's output
+# projection, likewise). Where Triton runs, the delta-rule
+# layers take the fused step instead (tests/test_decode_fused.py holds its counts).
 STEP_OPERATORS_PER_LAYER = {
-    "transformer": 47,
-    "deltanet": 54,
-    "gdn": 58,
-    "kda": 61,
-    "gdn2": 63,
-    "kdn_iso": 108,
-    "kdn_diag": 108,
-    "kdn_exact": 87,
-    "muir": 74,
-    "kdn_muir": 117,
+    "transformer": 45,
+    "deltanet": 53,
+    "gdn": 57,
+    "kda": 60,
+    "gdn2": 62,
+    "kdn_iso": 107,
+    "kdn_diag": 107,
+    "kdn_exact": 86,
+    "muir": 73,
+    "kdn_muir": 116,
 }
 
 

@@ -231,8 +231,8 @@ def test_a_model_keeps_at_most_its_few_latest_decoders(generator):
 @pytest.mark.skipif(not INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1 set before import")
 @pytest.mark.parametrize("mixer", ["gdn2", "kdn_diag", "transformer"])
 def test_the_static_step_on_triton_kernels_gives_the_tokens_of_the_loop(generator, mixer):
-    """The step's joint kernels (one short convolution over q, k and v, one norm over q's and
-    k's heads, one RoPE of attention's q and k) on the Triton path, under the interpreter."""
+    """The step on the Triton path under the interpreter: the delta-rule layers' fused step
+    (`deltalab.layers.decode_step`), attention's one RoPE of q and k."""
     torch.manual_seed(0)
     model = CausalLM(build_config("tiny", mixer=mixer, backend="triton", **TINY)).eval()
     ids, mask = left_padded(generator, [5, 7])

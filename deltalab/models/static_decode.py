@@ -12,7 +12,10 @@ Here:
 - one decoding step (embedding, blocks, norm, head, choice of the next token) reads and writes
   only those buffers and a few device tensors (the last token, its position), so it is captured
   in a CUDA graph once and replayed for every token. Recurrent memories are updated in place
-  (`RecurrentState.in_place`), so the step copies no state.
+  (`RecurrentState.in_place`), so the step copies no state;
+- where Triton runs, a delta-rule layer's step is two matrix products, one kernel for all of
+  its recurrent work and the output projection (`deltalab.layers.decode_step`): at batch 1 a
+  step costs its kernel launches, and the unfused layer makes some fifty.
 
 Without CUDA (or with `cuda_graph=False`) the same step runs eagerly, which is how the CPU tests
 check that it produces the tokens of `model.generate`. Greedy decoding gives exactly those
@@ -31,10 +34,12 @@ import torch.nn.functional as F
 
 from deltalab.layers.attention import Attention, sliding_window_mask
 from deltalab.layers.common import AttentionState, RecurrentState, compute_dtype
+from deltalab.layers.decode_step import add_projected, fused_step, runs_fused
 from deltalab.layers.projections import concatenated_weights, project_together
 from deltalab.models.cache import RecurrentCache
-from deltalab.models.lm import Block, CausalLM
+from deltalab.models.lm import CausalLM
 from deltalab.ops._checks import unchecked_values
+from deltalab.ops.swiglu import swiglu
 
 __all__ = ["StaticDecoder", "StaticKV", "static_generate"]
 
@@ -85,10 +90,15 @@ def _static_kv(state: AttentionState, length: int) -> StaticKV:
 
 
 def attention_step(
-    layer: Attention, x: torch.Tensor, kv: StaticKV, position: torch.Tensor
+    layer: Attention,
+    x: torch.Tensor,
+    kv: StaticKV,
+    position: torch.Tensor,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`Attention.forward` for one token `x [B, 1, D]` at `position [1]` (a device tensor), its
-    key and value written into `kv`; attends over every slot, the unfilled ones masked."""
+    key and value written into `kv`; attends over every slot, the unfilled ones masked. Plus
+    `residual` when given, summed in the output projection's product (`add_projected`)."""
     projected = project_together(x, [layer.q_proj, layer.k_proj, layer.v_proj])
     # Queries and keys rotated together, as heads of one tensor: one RoPE instead of two.
     qk = torch.cat([projected[layer.q_proj], projected[layer.k_proj]], dim=-1)
@@ -107,7 +117,7 @@ def attention_step(
         kv.value.to(v.dtype).transpose(1, 2),
         attn_mask=visible[:, None, None, :],
     )
-    return layer.o_proj(o.transpose(1, 2).flatten(-2))
+    return add_projected(residual, o.transpose(1, 2).flatten(-2), layer.o_proj)
 
 
 class StaticDecoder:
@@ -305,23 +315,27 @@ class StaticDecoder:
         x = core.embed(self.token)
         for block, state in zip(core.blocks, self.states, strict=True):
             if isinstance(state, StaticKV):
-                x = self._attention_block(block, x, state)
+                normed = block.mixer_norm(x)
+                x = attention_step(block.mixer, normed, state, self.position, residual=x)
+            elif runs_fused(block.mixer, x, state):
+                normed = block.mixer_norm(x)
+                x = fused_step(block.mixer, normed, state, self.weights, residual=x)
             else:
-                x, new_state = block(x, state)
+                y, new_state = block.mixer(block.mixer_norm(x), state)
+                x = x + y
                 # The memory was updated in place; conv caches (and KDN uncertainties) are new.
                 for name, tensor in _tensor_fields(new_state).items():
                     buffer = getattr(state, name)
                     if tensor is not buffer:
                         buffer.copy_(tensor)
+            # Block.forward's FFN branch, its residual sum in the down projection's product.
+            ffn = block.ffn
+            hidden = swiglu(ffn.gate_up(block.ffn_norm(x)), backend=ffn.backend)
+            x = add_projected(x, hidden, ffn.down)
         logits = self.model.lm_head(core.norm(x))[:, -1]
         logits = logits.to(compute_dtype(logits))
         self.position += 1
         self._choose(logits)
-
-    def _attention_block(self, block: Block, x: torch.Tensor, kv: StaticKV) -> torch.Tensor:
-        # Block.forward with the static attention step as the mixer.
-        x = x + attention_step(block.mixer, block.mixer_norm(x), kv, self.position)
-        return x + block.ffn(block.ffn_norm(x))
 
     def _capture(self) -> None:
         side = torch.cuda.Stream()
