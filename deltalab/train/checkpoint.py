@@ -296,13 +296,15 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 def sampler_state_for(state: dict[str, Any], world_size: int) -> dict[str, Any]:
     """A `ResumableSampler` state saved at `state["world_size"]` ranks, for `world_size` ranks.
 
-    The ranks' draws interleave one epoch's permutation (rank r takes every world_size-th index
-    from r), so after `position` draws per rank the run has used the permutation's first
-    `position * world_size` indices, whatever the world size: the other world size continues
-    from there and each step draws the same windows as the uninterrupted run, up to the end of
-    the epoch. There each world size drops the permutation's last `num_windows % world_size`
-    indices, so a run resumed on another world size differs from then by those few windows.
-    Raises ValueError where the indices used do not split evenly over `world_size` ranks.
+    The ranks are those that deal the data: a run's data-parallel ranks (its processes over
+    train.context_parallel), whose samplers these are. The ranks' draws interleave one epoch's
+    permutation (rank r takes every world_size-th index from r), so after `position` draws per
+    rank the run has used the permutation's first `position * world_size` indices, whatever the
+    world size: the other world size continues from there and each step draws the same windows
+    as the uninterrupted run, up to the end of the epoch. There each world size drops the
+    permutation's last `num_windows % world_size` indices, so a run resumed on another world
+    size differs from then by those few windows. Raises ValueError where the indices used do
+    not split evenly over `world_size` ranks.
     """
     saved = int(state["world_size"])
     if saved == world_size:
@@ -311,8 +313,9 @@ def sampler_state_for(state: dict[str, Any], world_size: int) -> dict[str, Any]:
     if used % world_size:
         raise ValueError(
             f"the checkpoint's data position ({used} windows of epoch {state['epoch']}) does not "
-            f"split over {world_size} ranks; resume on a world size that divides it "
-            f"(it was saved on {saved})"
+            f"split over {world_size} data-parallel ranks (the ranks over "
+            f"train.context_parallel); resume on a number that divides it (it was saved on "
+            f"{saved})"
         )
     return {**state, "world_size": world_size, "position": used // world_size}
 

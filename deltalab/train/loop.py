@@ -298,7 +298,9 @@ class TrainState:
                 "those fields or start a new run in another log.out_dir"
             )
         try:
-            sampler = sampler_state_for(payload["sampler"], self.ctx.world_size)
+            # Converted for the data-parallel ranks, which deal the data: a context-parallel
+            # group reads one rank's share.
+            sampler = sampler_state_for(payload["sampler"], self.split.data.world_size)
         except ValueError as error:
             raise CheckpointError(f"cannot resume {path}: {error}") from error
         model, optimizer, options = self._saved_arrays(path, payload)
@@ -416,7 +418,7 @@ def _announce(
         f"{train_windows} train / {held_out_windows} held-out windows of {config.train.seq_len}"
         f" tokens; {ctx.world_size} process(es) on {ctx.device}"
     )
-    if eval_windows < config.eval.batches * micro * ctx.world_size:
+    if eval_windows < config.eval.batches * micro * state.split.data.world_size:
         logger.print(
             f"eval.batches={config.eval.batches} asks for more windows than the "
             f"{held_out_windows} held-out ones; each evaluation uses all {eval_windows}"
