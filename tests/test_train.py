@@ -349,7 +349,7 @@ def test_two_gloo_processes_follow_the_single_process_loss_curve(tmp_path, corpu
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_steps_split_over_two_context_parallel_ranks_have_the_one_process_losses(
-    tmp_path, corpus, parallel
+    tmp_path, corpus, parallel, capfd
 ):
     # One window per step: two ranks can only share it by splitting its tokens.
     short = ("train.steps=2", "train.batch_size=1", "eval.every=2", "checkpoint.every=2")
@@ -364,6 +364,8 @@ def test_steps_split_over_two_context_parallel_ranks_have_the_one_process_losses
     assert torch.allclose(
         torch.tensor(results[0]), torch.tensor(single.losses), rtol=1e-5, atol=1e-6
     )
+    # Each evaluation reads the one-process run's windows, which eval.batches asks for.
+    assert "asks for more windows" not in capfd.readouterr().out
 
 
 def _flatten(tree: dict, prefix: str = "") -> list[tuple[str, str]]:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_train import _rank_main, _spawn_ranks, make_corpus, run_config
 from test_train_export import same_logits
+from torch.distributed.checkpoint import FileSystemReader
 
 from deltalab.data import ResumableSampler
 from deltalab.errors import CheckpointError
@@ -39,6 +40,20 @@ def four_rank_run(tmp_path_factory, corpus) -> tuple[Path, list[float]]:
     reports, exit_codes = _spawn_ranks(_rank_main, _config(folder, corpus), world=4)
     assert exit_codes == [0, 0, 0, 0]
     return folder / "run", dict(reports)[0]
+
+
+@pytest.fixture(scope="module")
+def context_parallel_run(tmp_path_factory, corpus) -> tuple[Path, list[float]]:
+    """The DDP run of `four_rank_run` on 4 gloo ranks in two context-parallel groups of 2: two
+    data-parallel replicas, each splitting its windows over 2 ranks."""
+    folder = tmp_path_factory.mktemp("split")
+    config = _config(folder, corpus, "train.context_parallel=2")
+    # Forked: the ranks share this process's imports (each rank runs on one thread).
+    reports, exit_codes = _spawn_ranks(_rank_main, config, world=4, start="fork")
+    assert exit_codes == [0, 0, 0, 0]
+    results = dict(reports)
+    assert all(results[rank] == results[0] for rank in range(4))
+    return folder / "run", results[0]
 
 
 def _resumable_copy(run: Path, folder: Path, *, keep_newest: bool = False) -> Path:
@@ -84,6 +99,54 @@ def test_a_four_rank_checkpoint_resumes_on_fewer_ranks_with_the_same_losses(
     # gradient buckets) and the later ones (buckets rebuilt in the order gradients arrived).
     assert losses[:3] == reference[:3]
     assert torch.allclose(torch.tensor(losses), torch.tensor(reference), **LOSS_TOLERANCE)
+
+
+@pytest.mark.parametrize("context_parallel", [2, 1])
+def test_a_context_parallel_checkpoint_resumes_split_or_not_with_the_same_losses(
+    tmp_path, corpus, context_parallel_run, context_parallel
+):
+    # Saved by 2 replicas of 2 ranks; resumed on 2 ranks as 1 replica (the data position is
+    # converted from 2 data-parallel ranks to 1) or as 2 replicas of 1 rank.
+    run, reference = context_parallel_run
+    _resumable_copy(run, tmp_path)
+    split = f"train.context_parallel={context_parallel}"
+    config = _config(tmp_path, corpus, "checkpoint.resume=true", split)
+    reports, exit_codes = _spawn_ranks(_rank_main, config, world=2, start="fork")
+    assert exit_codes == [0, 0]
+    losses = dict(reports)[0]
+    assert losses[:3] == reference[:3]
+    assert torch.allclose(torch.tensor(losses), torch.tensor(reference), **LOSS_TOLERANCE)
+
+
+def test_a_context_parallel_save_writes_each_replicated_tensor_once(context_parallel_run):
+    # Under DDP all 4 ranks hold the same full tensors: DCP keeps one writer per tensor.
+    run, _ = context_parallel_run
+    newest = list_checkpoints(run)[-1]
+    metadata = FileSystemReader(newest).read_metadata()
+    for name, entry in metadata.state_dict_metadata.items():
+        assert [chunk.sizes for chunk in entry.chunks] == [entry.size], name
+    # The shards hold exactly the chunks the metadata lists: replicas written by every rank
+    # would leave unlisted copies in the other ranks' files.
+    stored = sum(info.length for info in metadata.storage_data.values())
+    assert sum(path.stat().st_size for path in newest.glob("__*.distcp")) == stored
+
+
+def test_a_context_parallel_fsdp2_checkpoint_resumes_unsplit_under_ddp_with_the_same_losses(
+    tmp_path, corpus, context_parallel_run
+):
+    # FSDP2 shards every parameter over all 4 ranks, across the context-parallel groups.
+    _, reference = context_parallel_run
+    split = ("train.context_parallel=2", "train.parallel=fsdp")
+    reports, exit_codes = _spawn_ranks(
+        _rank_main, _config(tmp_path / "fsdp", corpus, *split), world=4, start="fork"
+    )
+    assert exit_codes == [0, 0, 0, 0]
+    assert torch.allclose(torch.tensor(dict(reports)[0]), torch.tensor(reference), **LOSS_TOLERANCE)
+    _resumable_copy(tmp_path / "fsdp" / "run", tmp_path)
+    config = _config(tmp_path, corpus, "checkpoint.resume=true")
+    reports, exit_codes = _spawn_ranks(_rank_main, config, world=2, start="fork")
+    assert exit_codes == [0, 0]
+    assert torch.allclose(torch.tensor(dict(reports)[0]), torch.tensor(reference), **LOSS_TOLERANCE)
 
 
 def test_a_single_process_checkpoint_resumes_on_two_fsdp2_ranks(tmp_path, corpus):
@@ -199,5 +262,7 @@ def test_a_sampler_state_continues_the_same_windows_on_another_world_size():
         sampler.load_state_dict(sampler_state_for(four[0].state_dict(), 2))
     # The same windows in the same order up to the end of the 4 ranks' epoch.
     assert _drawn(two, 4) == _drawn(four, 2)
-    with pytest.raises(ValueError, match=r"\(15 windows of epoch 0\) does not split over 2 ranks"):
+    with pytest.raises(
+        ValueError, match=r"\(15 windows of epoch 0\) does not split over 2 data-parallel ranks"
+    ):
         sampler_state_for({**four[0].state_dict(), "world_size": 3}, 2)

@@ -49,7 +49,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from deltalab.errors import CheckpointError
+from deltalab.train.config import resume_changes
+
 __all__ = [
+    "PAYLOAD_KEYS",
     "CheckpointWarning",
     "GracefulStop",
     "capture_rng_state",
@@ -58,6 +62,7 @@ __all__ = [
     "load_latest_checkpoint",
     "prune_checkpoints",
     "restore_rng_state",
+    "resumable_checkpoint",
     "sampler_state_for",
     "save_checkpoint",
 ]
@@ -296,13 +301,15 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 def sampler_state_for(state: dict[str, Any], world_size: int) -> dict[str, Any]:
     """A `ResumableSampler` state saved at `state["world_size"]` ranks, for `world_size` ranks.
 
-    The ranks' draws interleave one epoch's permutation (rank r takes every world_size-th index
-    from r), so after `position` draws per rank the run has used the permutation's first
-    `position * world_size` indices, whatever the world size: the other world size continues
-    from there and each step draws the same windows as the uninterrupted run, up to the end of
-    the epoch. There each world size drops the permutation's last `num_windows % world_size`
-    indices, so a run resumed on another world size differs from then by those few windows.
-    Raises ValueError where the indices used do not split evenly over `world_size` ranks.
+    The ranks are those that deal the data: a run's data-parallel ranks (its processes over
+    train.context_parallel), whose samplers these are. The ranks' draws interleave one epoch's
+    permutation (rank r takes every world_size-th index from r), so after `position` draws per
+    rank the run has used the permutation's first `position * world_size` indices, whatever the
+    world size: the other world size continues from there and each step draws the same windows
+    as the uninterrupted run, up to the end of the epoch. There each world size drops the
+    permutation's last `num_windows % world_size` indices, so a run resumed on another world
+    size differs from then by those few windows. Raises ValueError where the indices used do
+    not split evenly over `world_size` ranks.
     """
     saved = int(state["world_size"])
     if saved == world_size:
@@ -311,10 +318,77 @@ def sampler_state_for(state: dict[str, Any], world_size: int) -> dict[str, Any]:
     if used % world_size:
         raise ValueError(
             f"the checkpoint's data position ({used} windows of epoch {state['epoch']}) does not "
-            f"split over {world_size} ranks; resume on a world size that divides it "
-            f"(it was saved on {saved})"
+            f"split over {world_size} data-parallel ranks (the ranks over "
+            f"train.context_parallel); resume on a number that divides it (it was saved on "
+            f"{saved})"
         )
     return {**state, "world_size": world_size, "position": used // world_size}
+
+
+# What `resumable_checkpoint` requires of a payload (a sharded checkpoint's "model" and the
+# optimizer's state are in its shards); one without them is skipped like a damaged file.
+PAYLOAD_KEYS = ("step", "model", "optimizer", "scheduler", "sampler", "rng", "config", "history")
+
+
+def resumable_checkpoint(
+    run_dir: str | Path, config: dict[str, Any], data_world_size: int
+) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint a run resumes from: the newest usable one of `run_dir` as `(path,
+    payload)`, its sampler state converted for the run's `data_world_size` data-parallel ranks
+    (`sampler_state_for`), or None where the run has no checkpoint.
+
+    config: the resuming run's config (`RunConfig.to_dict()`), which may differ from the
+    checkpoint's only in the fields that do not change what is computed (`resume_changes`).
+    Newer checkpoints that cannot be used are skipped with a `CheckpointWarning`. Raises
+    CheckpointError where there are checkpoints and none can be used, where the config changed,
+    and where the data position does not split over the data-parallel ranks.
+    """
+    run_dir = Path(run_dir)
+    found, skipped = find_latest_checkpoint(run_dir, required=PAYLOAD_KEYS)
+    if found is None:
+        if skipped:
+            raise _unusable_checkpoints(run_dir, skipped)
+        return None
+    for skipped_path, problem in skipped:
+        # Not deleted: pruning leaves files it cannot verify, and a save of the same step
+        # replaces it only once the run has recomputed that step.
+        warnings.warn(
+            f"skipping checkpoint {skipped_path}: {problem}; resuming from {found[0].name}",
+            CheckpointWarning,
+            stacklevel=2,
+        )
+    path, payload = found
+    changed = resume_changes(payload["config"], config)
+    if changed:
+        raise CheckpointError(
+            f"cannot resume {path}: the run config changed ({'; '.join(changed)}); restore "
+            "those fields or start a new run in another log.out_dir"
+        )
+    try:
+        sampler = sampler_state_for(payload["sampler"], data_world_size)
+    except ValueError as error:
+        raise CheckpointError(f"cannot resume {path}: {error}") from error
+    return path, {**payload, "sampler": sampler}
+
+
+def _unusable_checkpoints(run_dir: Path, skipped: list[tuple[Path, str]]) -> CheckpointError:
+    """Why a resume stops rather than start over: step 0 would prune the files at its first
+    save and truncate the log, losing a run that may only need its digests back."""
+    listing = "; ".join(f"{path.name}: {problem}" for path, problem in reversed(skipped))
+    directory = run_dir / CHECKPOINT_DIR
+    newest = skipped[0][0].name
+    # A sharded checkpoint without its digests is an unfinished save: nothing to trust.
+    advice = (
+        ""
+        if skipped[0][0].is_dir()
+        else f"If you trust a file that lacks its digest, write one (cd {directory} && "
+        f"sha256sum {newest} > {newest}.sha256) and resume again. "
+    )
+    return CheckpointError(
+        f"cannot resume from log.out_dir {str(run_dir)!r}: it holds {len(skipped)} checkpoint(s) "
+        f"and none can be used ({listing}). Nothing was changed. {advice}To start over, move "
+        f"{directory} away or choose another log.out_dir"
+    )
 
 
 class GracefulStop:

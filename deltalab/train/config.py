@@ -620,6 +620,7 @@ RESUMABLE_CHANGES = {
     "train.cuda_graphs",
     "train.nan_policy",
     "train.parallel",
+    "train.context_parallel",
     "eval.every",
     "eval.sample_tokens",
     "eval.sample_prompt",

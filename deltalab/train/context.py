@@ -43,6 +43,13 @@ class ContextSplit:
         length = tokens.shape[1] // self.size
         return tokens[:, self.rank * length : (self.rank + 1) * length]
 
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """`model`, or where the windows are split, `ContextParallelLoss` around it (in its
+        training mode)."""
+        if self.group is None:
+            return model
+        return ContextParallelLoss(model, self).train(model.training)
+
 
 def split_context(ctx: Distributed, size: int, seq_len: int, conv_size: int) -> ContextSplit:
     """The split of `ctx.world_size` ranks into groups of `size` (train.context_parallel) over

@@ -15,20 +15,13 @@ import math
 import os
 import signal
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from deltalab.data import (
     CorpusConfig,
@@ -40,13 +33,7 @@ from deltalab.data import (
     resolve_source,
     save_tokenizer,
 )
-from deltalab.errors import (
-    CheckpointError,
-    ConfigError,
-    DataError,
-    DivergenceError,
-    UserError,
-)
+from deltalab.errors import ConfigError, DataError, DivergenceError, UserError
 from deltalab.generate import printable
 from deltalab.models import CausalLM
 from deltalab.models.lm import check_token_ids
@@ -54,34 +41,24 @@ from deltalab.ops._checks import NonFiniteError, one_host_read
 from deltalab.provenance import write_run_provenance
 from deltalab.train import preflight
 from deltalab.train.checkpoint import (
-    CheckpointWarning,
     GracefulStop,
     capture_rng_state,
-    find_latest_checkpoint,
     list_checkpoints,
     prune_checkpoints,
     restore_rng_state,
-    sampler_state_for,
-    save_checkpoint,
+    resumable_checkpoint,
 )
-from deltalab.train.config import RunConfig, config_changes, resume_changes, save_run_config
-from deltalab.train.context import ContextParallelLoss, ContextSplit, split_context
+from deltalab.train.config import RunConfig, config_changes, save_run_config
+from deltalab.train.context import ContextSplit, split_context
 from deltalab.train.distributed import Distributed, all_reduce_mean, setup_distributed, wrap_model
 from deltalab.train.export import load_initial_weights
 from deltalab.train.graphs import StepGraph
 from deltalab.train.lock import hold_run_directory
-from deltalab.train.optim import (
-    build_optimizer,
-    build_scheduler,
-    no_decay_names,
-    with_step_implementation,
-)
+from deltalab.train.optim import build_optimizer, build_scheduler, no_decay_names
 from deltalab.train.report import RunLogger, plot_loss_curve
-from deltalab.train.sharded import load_sharded_arrays, save_sharded_checkpoint
+from deltalab.train.sharded import FULL_STATE, load_training_arrays, save_training_checkpoint
 
 __all__ = ["TrainResult", "train"]
-
-FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 @dataclass
@@ -231,12 +208,9 @@ class TrainState:
 
     def held_out_loss(self) -> float:
         """The held-out loss now (`evaluate` over `eval_windows` windows)."""
-        model = self.core
-        if self.split.group is not None:
-            model = ContextParallelLoss(model, self.split).train(model.training)
         return evaluate(
-            model, self.held_out, self.eval_windows, self.micro, self.ctx, self.autocast,
-            self.split.data,
+            self.split.wrap(self.core), self.held_out, self.eval_windows, self.micro, self.ctx,
+            self.autocast, self.split.data,
         )  # fmt: skip
 
     def payload(self, step: int) -> dict[str, Any]:
@@ -253,81 +227,33 @@ class TrainState:
     def checkpoint(self, step: int) -> None:
         """Saves the state after `step` and prunes old checkpoints (rank 0), all ranks waiting
         for the save. A distributed run writes a sharded checkpoint, each rank its shard; one
-        process writes one file (`deltalab.train.checkpoint`). Either resumes on any number of
+        process writes one file (`save_training_checkpoint`). Either resumes on any number of
         ranks."""
-        if self.ctx.active:
-            # The model's first: its state dict puts back FSDP2's sharded parameters, which an
-            # evaluation's forward (no backward to reshard the root) leaves unsharded, and the
-            # optimizer's state is mapped to names through them.
-            model = get_model_state_dict(self.core)
-            optimizer = get_optimizer_state_dict(self.core, self.optimizer)
-            arrays = {"model": model, "optimizer": optimizer["state"]}
-            state = {**self.payload(step), "optimizer": {"param_groups": optimizer["param_groups"]}}
-            save_sharded_checkpoint(self.out_dir, step, arrays, state)
-        else:
-            model = get_model_state_dict(self.core, options=FULL_STATE)
-            optimizer = get_optimizer_state_dict(self.core, self.optimizer, options=FULL_STATE)
-            payload = {**self.payload(step), "model": model, "optimizer": optimizer}
-            save_checkpoint(self.out_dir, step, payload)
+        save_training_checkpoint(
+            self.out_dir, step, self.core, self.optimizer, self.payload(step),
+            sharded=self.ctx.active,
+        )  # fmt: skip
         if self.ctx.is_main:
             prune_checkpoints(self.out_dir, self.config.checkpoint.keep)
         if self.ctx.active:
             dist.barrier()
 
     def resume(self) -> int:
-        """Loads the newest usable checkpoint of `out_dir` into the state; returns its step
-        (0, and the state as it was, when there is none)."""
-        out_dir, config = self.out_dir, self.config
-        found, skipped = find_latest_checkpoint(out_dir, required=PAYLOAD_KEYS)
-        if found is None:
-            if skipped:
-                raise _unusable_checkpoints(out_dir, skipped)
-            return 0
-        for skipped_path, problem in skipped:
-            # Not deleted: pruning leaves files it cannot verify, and a save of the same step
-            # replaces it only once the run has recomputed that step.
-            warnings.warn(
-                f"skipping checkpoint {skipped_path}: {problem}; resuming from {found[0].name}",
-                CheckpointWarning,
-                stacklevel=2,
-            )
-        path, payload = found
-        changed = resume_changes(payload["config"], config.to_dict())
-        if changed:
-            raise CheckpointError(
-                f"cannot resume {path}: the run config changed ({'; '.join(changed)}); restore "
-                "those fields or start a new run in another log.out_dir"
-            )
-        try:
-            sampler = sampler_state_for(payload["sampler"], self.ctx.world_size)
-        except ValueError as error:
-            raise CheckpointError(f"cannot resume {path}: {error}") from error
-        model, optimizer, options = self._saved_arrays(path, payload)
-        set_model_state_dict(self.core, model, options=options)
-        set_optimizer_state_dict(
-            self.core,
-            self.optimizer,
-            with_step_implementation(optimizer, self.optimizer),
-            options=options,
+        """Loads the newest usable checkpoint of `out_dir` into the state (`resumable_checkpoint`:
+        its data position converted for this run's data-parallel ranks, which deal the data);
+        returns its step (0, and the state as it was, when there is none)."""
+        found = resumable_checkpoint(
+            self.out_dir, self.config.to_dict(), self.split.data.world_size
         )
+        if found is None:
+            return 0
+        path, payload = found
+        load_training_arrays(path, payload, self.core, self.optimizer)
         self.scheduler.load_state_dict(payload["scheduler"])
-        self.sampler.load_state_dict(sampler)
+        self.sampler.load_state_dict(payload["sampler"])
         restore_rng_state(payload["rng"])
         self.history = payload["history"]
         return int(payload["step"])
-
-    def _saved_arrays(self, path: Path, payload: dict[str, Any]):
-        """The model's and optimizer's state dicts of a checkpoint, with the options that load
-        them: a file holds them whole; a sharded checkpoint's are read into this process's
-        shapes of them (DTensor shards under FSDP2), every rank taking part."""
-        if not path.is_dir():
-            return payload["model"], payload["optimizer"], FULL_STATE
-        model = get_model_state_dict(self.core)
-        # Holds the optimizer's state tensors (created with zeros where it has taken no step).
-        optimizer = get_optimizer_state_dict(self.core, self.optimizer)
-        load_sharded_arrays(path, {"model": model, "optimizer": optimizer["state"]})
-        groups = payload["optimizer"]["param_groups"]
-        return model, {"state": optimizer["state"], "param_groups": groups}, None
 
     def initial_eval_loss(self, first_eval: float) -> float:
         """The held-out loss before training: step 0's evaluation when the history has it (a
@@ -339,31 +265,6 @@ def _stop_everywhere(stop, ctx: Distributed) -> bool:
     """Whether any rank was signalled: ranks must checkpoint and leave at the same step."""
     flag = torch.tensor(float(stop.stop_requested), device=ctx.device)
     return bool(all_reduce_mean(flag, ctx).item() > 0)
-
-
-# What `TrainState.resume` reads from a payload (a sharded checkpoint's "model" and the optimizer's
-# state are in its shards); one without them is skipped like a damaged file.
-PAYLOAD_KEYS = ("step", "model", "optimizer", "scheduler", "sampler", "rng", "config", "history")
-
-
-def _unusable_checkpoints(out_dir: Path, skipped: list[tuple[Path, str]]) -> CheckpointError:
-    """Why a resume stops rather than start over: step 0 would prune the files at its first
-    save and truncate the log, losing a run that may only need its digests back."""
-    listing = "; ".join(f"{path.name}: {problem}" for path, problem in reversed(skipped))
-    directory = out_dir / "checkpoints"
-    newest = skipped[0][0].name
-    # A sharded checkpoint without its digests is an unfinished save: nothing to trust.
-    advice = (
-        ""
-        if skipped[0][0].is_dir()
-        else f"If you trust a file that lacks its digest, write one (cd {directory} && "
-        f"sha256sum {newest} > {newest}.sha256) and resume again. "
-    )
-    return CheckpointError(
-        f"cannot resume from log.out_dir {str(out_dir)!r}: it holds {len(skipped)} checkpoint(s) "
-        f"and none can be used ({listing}). Nothing was changed. {advice}To start over, move "
-        f"{directory} away or choose another log.out_dir"
-    )
 
 
 def _grad_norm(core, max_norm: float) -> float:
@@ -417,7 +318,7 @@ def _announce(
         f"{train_windows} train / {held_out_windows} held-out windows of {config.train.seq_len}"
         f" tokens; {ctx.world_size} process(es) on {ctx.device}"
     )
-    if eval_windows < config.eval.batches * micro * ctx.world_size:
+    if eval_windows < config.eval.batches * micro * state.split.data.world_size:
         logger.print(
             f"eval.batches={config.eval.batches} asks for more windows than the "
             f"{held_out_windows} held-out ones; each evaluation uses all {eval_windows}"
@@ -626,9 +527,7 @@ def _setup(config: RunConfig, ctx: Distributed) -> TrainState:
     core.model.recompute_ffn = config.train.recompute_ffn
     exempt = no_decay_names(core)
     model = wrap_model(core, ctx, config.train.parallel)
-    forward = torch.compile(model) if config.train.compile else model
-    if split.group is not None:
-        forward = ContextParallelLoss(forward, split)
+    forward = split.wrap(torch.compile(model) if config.train.compile else model)
     optimizer = build_optimizer(core, config.optim, exempt)
     graph = _step_graph(config, ctx, core, forward, micro)
     return TrainState(

@@ -22,7 +22,13 @@ the DCP planner's `torch.load(weights_only=False)` of non-tensor values is repla
 refusal (the shards hold tensors only). So loading a checkpoint never runs code from it.
 
 Resharding: tensors are stored by parameter name with their global shapes, so a checkpoint of
-N ranks under DDP or FSDP2 loads into M ranks under either, or into one process.
+N ranks under DDP or FSDP2 loads into M ranks under either, or into one process. Tensors that
+ranks hold alike (every parameter under DDP, the ranks of a context-parallel group included)
+are written once: DCP's save planner gives each to one rank.
+
+A run saves and loads its model and optimizer through `save_training_checkpoint` and
+`load_training_arrays`, which take either kind: sharded in a distributed run, a single file
+(`deltalab.train.checkpoint.save_checkpoint`) in one process.
 """
 
 from __future__ import annotations
@@ -41,6 +47,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from deltalab.train.checkpoint import (
     _NUMPY_ARRAY_GLOBALS,
@@ -49,16 +62,21 @@ from deltalab.train.checkpoint import (
     _sha256,
     _write_atomically,
     read_digest_file,
+    save_checkpoint,
 )
+from deltalab.train.optim import with_step_implementation
 
 __all__ = [
     "ARRAY_KEYS",
     "DIGESTS_FILE",
+    "FULL_STATE",
     "STATE_FILE",
     "UnsafeMetadataError",
     "load_sharded_arrays",
     "load_sharded_state",
+    "load_training_arrays",
     "save_sharded_checkpoint",
+    "save_training_checkpoint",
     "sharded_problem",
 ]
 
@@ -68,6 +86,55 @@ __all__ = [
 ARRAY_KEYS = ("model", "optimizer")
 STATE_FILE = "state.pt"
 DIGESTS_FILE = "SHA256SUMS"
+# State dicts gathered whole onto the CPU: what a single checkpoint file and an export hold.
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def save_training_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    payload: dict[str, Any],
+    *,
+    sharded: bool,
+) -> Path:
+    """Saves the state of `model` (unwrapped: its DDP or FSDP2 wrapper's module) and
+    `optimizer` after `step` with `payload`, the rest a resume needs: `sharded`, as a sharded
+    checkpoint, every rank writing its shard (collective); else as one file. Returns its path."""
+    if not sharded:
+        weights = get_model_state_dict(model, options=FULL_STATE)
+        moments = get_optimizer_state_dict(model, optimizer, options=FULL_STATE)
+        return save_checkpoint(run_dir, step, {**payload, "model": weights, "optimizer": moments})
+    # The model's first: its state dict puts back FSDP2's sharded parameters, which an
+    # evaluation's forward (no backward to reshard the root) leaves unsharded, and the
+    # optimizer's state is mapped to names through them.
+    weights = get_model_state_dict(model)
+    moments = get_optimizer_state_dict(model, optimizer)
+    arrays = {"model": weights, "optimizer": moments["state"]}
+    state = {**payload, "optimizer": {"param_groups": moments["param_groups"]}}
+    return save_sharded_checkpoint(run_dir, step, arrays, state)
+
+
+def load_training_arrays(
+    path: Path, payload: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
+    """Loads into `model` and `optimizer` their state in the checkpoint `path`, whose `payload`
+    `find_latest_checkpoint` read: a file holds them whole; a sharded checkpoint's are read
+    into this process's shapes of them (DTensor shards under FSDP2), every rank taking part.
+    The optimizer keeps its step implementation (`with_step_implementation`)."""
+    if path.is_dir():
+        weights = get_model_state_dict(model)
+        # Holds the optimizer's state tensors (created with zeros where it has taken no step).
+        moments = get_optimizer_state_dict(model, optimizer)
+        load_sharded_arrays(path, {"model": weights, "optimizer": moments["state"]})
+        groups = payload["optimizer"]["param_groups"]
+        moments, options = {"state": moments["state"], "param_groups": groups}, None
+    else:
+        weights, moments, options = payload["model"], payload["optimizer"], FULL_STATE
+    set_model_state_dict(model, weights, options=options)
+    moments = with_step_implementation(moments, optimizer)
+    set_optimizer_state_dict(model, optimizer, moments, options=options)
 
 
 def save_sharded_checkpoint(
