@@ -195,8 +195,9 @@ def _layer_ranks(rank: int, world: int, port: int, kinds: list[str], queue) -> N
 
 def _spawn(target, world: int, *args) -> dict[int, object]:
     # Forked: the ranks share the test process's imports (spawned ones import torch and
-    # deltalab again, each, tens of seconds on two cores); each rank runs on one thread.
-    context = mp.get_context("fork")
+    # deltalab again, each, tens of seconds on two cores); each rank runs on one thread. A
+    # process that has initialized CUDA cannot fork children that touch it: they are spawned.
+    context = mp.get_context("spawn" if torch.cuda.is_initialized() else "fork")
     queue = context.Queue()
     port = _free_port()
     processes = [
