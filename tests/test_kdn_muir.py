@@ -18,8 +18,13 @@ from torch import nn
 from deltalab.analysis import allocate_ranks
 from deltalab.layers.common import l2_normalize
 from deltalab.layers.kdn import Q_INIT, R_MIN, DiagonalKDN, KDNState
-from deltalab.layers.kdn_muir import KDNMuir, KDNMuirRanks
-from deltalab.layers.muir import READ_GATES, matched_filter
+from deltalab.layers.kdn_muir import (
+    KDNMuir,
+    KDNMuirRanks,
+    kalman_matched_filter,
+    stationary_predicted_variance,
+)
+from deltalab.layers.muir import READ_GATES, initial_log_decay, matched_filter
 from deltalab.models import CausalLM, build_config, count_parameters
 from deltalab.models.presets import SCALES
 from deltalab.ops import delta_rule, kdn_diag
@@ -246,9 +251,57 @@ def test_initialization_matches_diagonal_kdn_and_the_matched_filter(generator):
     assert_close(layer.prior_variance(), torch.ones(H, dtype=torch.float64), F32_INIT, "p0")
     q_noise = state.gates["q_noise"]
     assert_close(q_noise, torch.full_like(q_noise, Q_INIT), F32_INIT, "q_noise")
-    filter_ = matched_filter(layer.A_log, layer.dt_bias).expand(2, 9, H, K)
-    assert_close(state.gates["read"], filter_, F32_INIT, "read")
+    # The read gate at the matched filter of the gain's writes: q = 0.1, evidence s / (K r) = 1.
+    process = torch.full((H, K), Q_INIT, dtype=torch.float64)
+    evidence = torch.ones(H, 1, dtype=torch.float64)
+    filter_ = kalman_matched_filter(layer.A_log, layer.dt_bias, process, evidence)
+    assert_close(state.gates["read"], filter_.expand(2, 9, H, K), F32_INIT, "read")
     assert layer.info_scale == K and layer.r_min == R_MIN
+    unit = build(read_init="unit").double()
+    assert_close(unit.read_log.exp(), matched_filter(unit.A_log, unit.dt_bias), F32_INIT, "unit")
+
+
+def test_stationary_predicted_variance_is_the_fixed_point_of_the_variance_scan():
+    decay = torch.tensor([0.0, 0.3, 0.9, 0.999, 1.0], dtype=torch.float64)
+    process, evidence = torch.tensor(0.1, dtype=torch.float64), torch.tensor(1.0).double()
+    p_bar = stationary_predicted_variance(decay, process, evidence)
+    # One step of sec. 3.1 (update, then predict) leaves it where it is.
+    assert_close(decay * p_bar / (1 + evidence * p_bar) + process, p_bar, F64, "fixed point")
+    # The limits of docs/MATH.md sec. 4.8: eta when nothing is kept (a = 0), and at a = 1 the
+    # positive root of c p^2 - eta c p - eta = 0, (eta + sqrt(eta^2 + 4 eta / c)) / 2 at c = 1.
+    assert_close(p_bar[0], process, F64, "no memory")
+    no_decay = torch.tensor((0.1 + (0.01 + 0.4) ** 0.5) / 2, dtype=torch.float64)
+    assert_close(p_bar[-1], no_decay, F64, "no decay")
+
+
+@torch.no_grad()
+def test_writes_per_unit_key_follow_the_stationary_predicted_variance_not_a_unit_variance():
+    """docs/MATH.md sec. 4.8: at initialization the gain writes channel i with strength p_bar_i
+    per unit of key (gain_i (predictive + r) = p_bar_i k_i), and p_bar_i settles at the fixed
+    point of the variance scan under the initial decay, eta = 0.1 and the evidence s / (K r) = 1:
+    about 0.1 in fast channels and 0.37 in slow ones. Measured on random inputs after the prior
+    has been forgotten, the rms write per unit key of each channel is that fixed point (median
+    error ~3%), where the unit-variance assumption of Muir's read gate (one level for every
+    channel) is off by ~36%."""
+    layer = build().double()
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(48, 96, D, generator=generator, dtype=torch.float64)
+    _, state = layer(x, return_gates=True)
+    gates = state.gates
+    _, k, _ = frontend(layer, x)
+    settled = slice(32, None)  # the prior's p_0 = 1 is forgotten within ~10 tokens
+    write = gates["gain"] * (gates["predictive"] + gates["r"]).unsqueeze(-1)
+    energy = write[:, settled].pow(2).sum((0, 1)) / k[:, settled].pow(2).sum((0, 1))
+    measured = energy.sqrt()
+    g0 = initial_log_decay(layer.A_log.double(), layer.dt_bias.double())
+    process, evidence = torch.tensor(Q_INIT).double(), torch.tensor(1.0).double()
+    derived = stationary_predicted_variance(torch.exp(2 * g0), process, evidence)
+    kalman_error = (measured / derived).log().abs().median()
+    unit_error = (measured / measured.mean(-1, keepdim=True)).log().abs().median()
+    assert kalman_error < 0.15 and unit_error > 0.2, (kalman_error, unit_error)
+    # The read gates of the two assumptions differ by more than a factor 2 between channels.
+    ratio = layer.read_log.exp() / matched_filter(layer.A_log, layer.dt_bias)
+    assert (ratio.amax(-1) / ratio.amin(-1) > 2).all(), ratio
 
 
 def test_fused_projection_ranks_follow_allocate_ranks():
@@ -304,6 +357,7 @@ def test_parameter_count_matches_hand_count(read_gate):
         ({"ranks": KDNMuirRanks(33, 4, 2, 4, 16)}, "ranks.decay"),
         ({"ranks": {"decay": 4}}, "ranks has unknown gates"),
         ({"read_gate": "matched"}, "read_gate"),
+        ({"read_init": "matched"}, "read_init"),
         ({"r_min": 0.0}, "r_min"),
         ({"info_scale": -1.0}, "info_scale"),
     ],

@@ -6,15 +6,16 @@ one primitive, `S_t = D_t S_{t-1} + gain_t (v_t - (D_t S_{t-1})^T k_t)^T`. Per t
 
     g_t   = -exp(A_log) * softplus(f_proj(x_t) + dt_bias)        per channel, as KDA
     r_t   = r_min + softplus(w_r^T x_t + b_r)                      observation noise, per head
-    q_t   = softplus(w_q^T x_t + b_q)                              process noise, per head (Iso)
+    eta_t = softplus(w_q^T x_t + b_q)                              process noise, per head (Iso)
           = softplus(up(down(x_t)) + b_q)                          per head-channel, `up` zero-
                                                                    initialized (Diagonal, Exact)
     1/p_0 = 0.1 + softplus(rho)                                    prior precision, per head
 
-so r > 0, q >= 0 and 0 < p_0 <= 10 hold for every parameter value (q_min = 0, as the reference).
-With `process_noise="tied"` the process noise follows the decay instead, `q_t = (1 - exp(2 g_t))
+so r > 0, eta >= 0 and 0 < p_0 <= 10 hold for every parameter value (eta floored at 0, as the
+reference; eta is `q_noise` in the gates, q the query).
+With `process_noise="tied"` the process noise follows the decay instead, `eta_t = (1 - exp(2 g_t))
 * p_inf` with a learned `p_inf = softplus(.) >= 0` per head: forgetting restores the variance
-towards p_inf. The isotropic variant projects this by the trace, `q_t = (1 - a_t) p_inf` with
+towards p_inf. The isotropic variant projects this by the trace, `eta_t = (1 - a_t) p_inf` with
 `a_t = mean_i exp(2 g_t,i)`, the same contraction its variance scan uses.
 
 Paper: "Kalman Delta Networks: uncertainty-aware associative memory" (no arXiv identifier known;

@@ -247,8 +247,17 @@ def matched_filter(A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
     the matched filter weighs it by 1 - alpha^2 = 1 - exp(2 g0), with the input-independent
     decay g0 = -exp(A_log) * softplus(dt_bias) (A_log `[H]`, dt_bias `[H, K]`).
     """
-    g0 = -A_log.exp().unsqueeze(-1) * F.softplus(dt_bias)
-    weight = -torch.expm1(2.0 * g0)
+    return read_weights(-torch.expm1(2.0 * initial_log_decay(A_log, dt_bias)))
+
+
+def initial_log_decay(A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """g0 = -exp(A_log) * softplus(dt_bias) `[H, K]`: the log decay for a zero gate input."""
+    return -A_log.exp().unsqueeze(-1) * F.softplus(dt_bias)
+
+
+def read_weights(weight: torch.Tensor) -> torch.Tensor:
+    """Unnormalized read weights `[H, K]` > 0 -> the static read vector: mean 1 per head,
+    floored at READ_WEIGHT_FLOOR (so that its log is finite)."""
     weight = weight / weight.mean(dim=-1, keepdim=True)
     return weight.clamp_min(READ_WEIGHT_FLOOR)
 
@@ -313,13 +322,17 @@ class FusedGateMixer(DeltaMixer):
             if read_proj.bias is not None:
                 nn.init.zeros_(read_proj.bias)
 
+    def initial_read_weights(self) -> torch.Tensor:
+        """The static read vector `[H, K]` (float64) `reset_read_gate` sets: the matched filter
+        of the current A_log, dt_bias (docs/MATH.md sec. 4.5); KDN-Muir weighs in its gain."""
+        return matched_filter(self.A_log.double(), self.dt_bias.double())
+
     @torch.no_grad()
     def reset_read_gate(self) -> None:
-        """Sets the static read vector to the matched filter of the current A_log, dt_bias."""
+        """Sets the static read vector to `initial_read_weights()`."""
         if self.read_gate != "none":
             # In float64 whatever the parameters' dtype: the weights span orders of magnitude.
-            weight = matched_filter(self.A_log.double(), self.dt_bias.double())
-            self.read_log.copy_(weight.log())
+            self.read_log.copy_(self.initial_read_weights().log())
 
     def decay_from(self, raw: dict[str, torch.Tensor]) -> torch.Tensor:
         """g `[B, T, H, K]` (at least float32) from the fused projection's output `raw`."""
