@@ -54,6 +54,7 @@ CATEGORIES = (
             "_operator_grads",
             "_lower_grad",
             "_step_kernel",
+            "_fused_step_kernel",
             "_mobius_",
             "_kdn_",
         ),

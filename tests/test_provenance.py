@@ -213,7 +213,8 @@ def test_the_report_names_the_device_the_records_name_not_the_planning_machines(
     assert main(["study", str(path), "--aggregate-only"]) == 0
     assert collect(plan_of(spec))["device"] == "cuda: NVIDIA H100 80GB HBM3"
     markdown = (Path(spec["out_dir"]) / "study.md").read_text()
-    assert "device cuda: NVIDIA H100 80GB HBM3," in markdown and "device cpu" not in markdown
+    assert "trained on cuda: NVIDIA H100 80GB HBM3 (their records)" in markdown
+    assert "device cpu" not in markdown and "trained on cpu" not in markdown
 
 
 def fake_trained_data(spec: dict, names: list[str], train_sha: str) -> None:
