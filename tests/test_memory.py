@@ -165,10 +165,8 @@ def test_project_hands_out_the_shared_copy_only_for_the_shared_input():
     assert project(proj, x) is x
 
 
-# The mixers whose unit k reaches the delta rule through `deltalab.ops.parametrize` (DeltaNet,
-# GDN and KDA hand it the short convolution's output, which the rule normalizes and nothing
-# else keeps: `normalizes_in_rule`).
-PARAMETRIZED = (GatedDeltaNet2, Muir)
+# The mixers whose k reaches the delta rule through `deltalab.ops.parametrize`.
+PARAMETRIZED = (DeltaNet, GatedDeltaNet, KimiDeltaAttention, GatedDeltaNet2, Muir)
 
 
 @pytest.mark.parametrize("cls", PARAMETRIZED, ids=lambda cls: cls.__name__)
@@ -183,7 +181,8 @@ def test_the_key_the_delta_rule_keeps_is_the_one_the_gate_product_keeps(cls):
 
     with mock.patch.object(common, "delta_rule", spy):
         saved = saved_tensors(layer, x)
-    ((_, key, _, _, _),) = calls
+    ((_, a, b, _, _),) = calls
+    key = a if cls in (GatedDeltaNet2, Muir) else b
     # Contiguous, so the Triton kernel keeps k itself rather than a copy, and the same storage
     # as the k the layer's graph keeps.
     assert key.is_contiguous()

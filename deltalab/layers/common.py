@@ -586,22 +586,19 @@ def run_delta_rule(
     backend: str = "auto",
     in_place: bool = False,
     options: KernelOptions | None = None,
-    qk_l2norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The one place where a mixer's recurrent-vs-chunked choice is made.
 
     inputs: q, b `[B, T, H, K]`, a `[B, T, H(, K)]`, u `[B, T, H, V]`, g `[B, T, H(, K)]`;
-    memory `[B, H, K, V]` or None (zeros); options: `delta_rule`'s for whole sequences;
-    qk_l2norm: the rule makes q and b unit-norm (`delta_rule`'s and the step's).
+    memory `[B, H, K, V]` or None (zeros); options: `delta_rule`'s for whole sequences.
     Returns (o `[B, T, H, V]`, new memory `[B, H, K, V]`). One token continuing a state is a
     decoding step: the token update, with none of the chunked path's padding; with `in_place`
     it overwrites `memory` (see `RecurrentState.in_place`).
     """
     if memory is not None and inputs.q.shape[1] == 1:
         o, memory = delta_rule_step(
-            *(x[:, 0] for x in inputs), memory, backend=step_backend(backend), in_place=in_place,
-            qk_l2norm=qk_l2norm,
-        )  # fmt: skip
+            *(x[:, 0] for x in inputs), memory, backend=step_backend(backend), in_place=in_place
+        )
         return o.unsqueeze(1), memory
 
     def run(q, a, b, u, g, initial_state):
@@ -613,7 +610,6 @@ def run_delta_rule(
             chunk_size=chunk_size,
             backend=backend,
             options=options,
-            qk_l2norm=qk_l2norm,
         )  # fmt: skip
         return o, cast(torch.Tensor, final)
 
@@ -673,12 +669,6 @@ class DeltaMixer(nn.Module, abc.ABC):
 
     # The output gate's activation when the options leave it None.
     default_gate_activation: ClassVar[str] = "silu"
-    # Whether q and k reach the primitive as they are, as its q and b (no gate or gain made
-    # from them between): then the delta rule makes them unit-norm itself over whole sequences
-    # (`qk_l2norm`: on the Triton path as its kernels load them, no normalized copies written or
-    # kept) instead of a norm before the gates (`rule_normalizes_qk`). Mixers that scale q or k
-    # (a read gate, an erase gate) or derive a gain from k normalize first.
-    normalizes_in_rule: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -710,13 +700,6 @@ class DeltaMixer(nn.Module, abc.ABC):
         # An OrderedDict, as nn.Module's own hooks: RemovableHandle holds a weak reference to it.
         self._gate_hooks: OrderedDict[int, GateHook] = OrderedDict()
 
-    def rule_normalizes_qk(self, state: RecurrentState | None, length: int) -> bool:
-        """Whether the delta rule makes q and k unit-norm on a call of `length` tokens from
-        `state` (`normalizes_in_rule`): over whole sequences. A decoding step (one token
-        continuing a state) normalizes them before, as every mixer does: one norm over q's and
-        k's heads together in the static decoder's step, not two inside the step."""
-        return self.normalizes_in_rule and not (state is not None and length == 1)
-
     def projections_of_x(self) -> tuple[nn.Module, ...]:
         """Every projection of the input x this mixer makes: q, k, v, the output gate's, then
         `gate_projections()`. They are computed together (`sharing_autocast_input`): one
@@ -738,8 +721,7 @@ class DeltaMixer(nn.Module, abc.ABC):
     def inputs_from_gates(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor]
     ) -> DeltaRuleInputs:
-        """q, k `[B, T, H, K]` (unit-norm, unless the rule normalizes them:
-        `normalizes_in_rule`), v `[B, T, H, V]` and `gates(x)` -> the primitive's
+        """Unit-norm q, k `[B, T, H, K]`, v `[B, T, H, V]` and `gates(x)` -> the primitive's
         `(q, a, b, u, g)`."""
         raise NotImplementedError(f"{type(self).__name__} does not define inputs_from_gates")
 
@@ -797,7 +779,7 @@ class DeltaMixer(nn.Module, abc.ABC):
         memory, in_place = (None, False) if state is None else (state.memory, state.in_place)
         o, memory = run_delta_rule(
             inputs, memory, chunk_size=self.chunk_size, backend=self.backend, in_place=in_place,
-            options=self.kernel_options, qk_l2norm=self.rule_normalizes_qk(state, q.shape[1]),
+            options=self.kernel_options,
         )  # fmt: skip
         reported = self.reported_gates(gates) if return_gates else None
         return o, RecurrentState(memory, *conv, reported)
@@ -839,10 +821,8 @@ class DeltaMixer(nn.Module, abc.ABC):
             conv_backend = short_conv_backend(self.backend, x.dtype)
             norm_backend = layer_backend(self.backend)
             xs = [projected(p) for p in (self.q_proj, self.k_proj, self.v_proj)]
-            # q and k unit-norm here, or inside the delta rule.
-            norm = None if self.rule_normalizes_qk(state, x.shape[1]) else norm_backend
             q, k, v, conv = self.convolved(
-                xs, self.conv_caches(xs, state, mask), conv_backend, norm
+                xs, self.conv_caches(xs, state, mask), conv_backend, norm_backend
             )
             o, new_state = self.recurrence(x, q, k, v, state, conv, return_gates, mask)
             gate = self.output_gate(x)
@@ -873,11 +853,10 @@ class DeltaMixer(nn.Module, abc.ABC):
         xs: list[torch.Tensor],
         caches: Sequence[torch.Tensor | None],
         conv_backend: str,
-        norm_backend: str | None,
+        norm_backend: str,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
         """The projected q, k, v `xs [B, T, H*K or H*V]` through their short convolutions
-        continuing `caches`, q and k made unit-norm per head by the norms' `norm_backend` (None:
-        left as they are, the delta rule normalizes them) -> (q, k `[B, T, H, K]`,
+        continuing `caches`, q and k made unit-norm per head -> (q, k `[B, T, H, K]`,
         v `[B, T, H, V]`, the new caches (conv_q, conv_k, conv_v)). Without gradients inside
         `concatenated_weights` (the static decoder's step), one convolution over the three's
         channels and one norm over q's and k's heads: the same numbers, per channel and per
@@ -889,9 +868,7 @@ class DeltaMixer(nn.Module, abc.ABC):
             y, new = convolve_together(convs, xs, caches, store, conv_backend)  # type: ignore[arg-type]
             # q and k are neighbours in the joint output: one norm over their 2 H heads.
             qk = y[..., : 2 * heads * key_dim].unflatten(-1, (2 * heads, key_dim))
-            if norm_backend is not None:
-                qk = l2_normalize(qk, backend=norm_backend)
-            q, k = qk.split(heads, dim=-2)
+            q, k = l2_normalize(qk, backend=norm_backend).split(heads, dim=-2)
             v = y[..., 2 * heads * key_dim :].unflatten(-1, (heads, self.value_dim))
             return q, k, v, tuple(new)
         pairs = [
@@ -899,9 +876,8 @@ class DeltaMixer(nn.Module, abc.ABC):
             for conv, x, cache in zip(convs, xs, caches, strict=True)
         ]
         q, k, v = (y for y, _ in pairs)
-        q, k = (x.unflatten(-1, (heads, key_dim)) for x in (q, k))
-        if norm_backend is not None:
-            q, k = (l2_normalize(x, backend=norm_backend) for x in (q, k))
+        q = l2_normalize(q.unflatten(-1, (heads, key_dim)), backend=norm_backend)
+        k = l2_normalize(k.unflatten(-1, (heads, key_dim)), backend=norm_backend)
         return q, k, v.unflatten(-1, (heads, self.value_dim)), tuple(c for _, c in pairs)
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:

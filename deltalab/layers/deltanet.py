@@ -31,9 +31,6 @@ class DeltaNet(DeltaMixer):
     gate_rank: rank of the output gate, None for full rank.
     """
 
-    # q and k are the rule's q and b as they are: it normalizes them.
-    normalizes_in_rule = True
-
     def __init__(
         self,
         options: FrontendOptions | None = None,

@@ -71,8 +71,6 @@ class KimiDeltaAttention(DecayedBetaGates, ChannelDecayMixer):
     """
 
     default_gate_activation = "sigmoid"
-    # q and k are the rule's q and b as they are: it normalizes them.
-    normalizes_in_rule = True
     parametrize = staticmethod(kda_inputs)
 
     @classmethod
