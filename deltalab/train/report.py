@@ -7,13 +7,13 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from deltalab._files import write_text_atomically
 from deltalab.train.config import config_changes, save_run_config
 
 if TYPE_CHECKING:
@@ -121,18 +121,7 @@ def truncate_log(path: Path, step: int) -> None:
                 and record["step"] <= step
             ):
                 kept.append(line if line.endswith("\n") else line + "\n")
-    _write_atomically(path, "".join(kept))
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """`text` to `path` through a temporary file and `os.replace`: a reader never sees half a
-    file."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        temporary.write_text(text, encoding="utf-8")
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+    write_text_atomically(path, "".join(kept))
 
 
 def plot_loss_curve(history: dict[str, list[dict[str, Any]]], path: Path) -> Path:
@@ -241,5 +230,5 @@ def write_metrics(
         "history": history,
         "provenance": state.provenance,
     }
-    _write_atomically(out_dir / "metrics.json", json.dumps(metrics, indent=2))
+    write_text_atomically(out_dir / "metrics.json", json.dumps(metrics, indent=2))
     plot_loss_curve(history, out_dir / "loss_curve.png")
