@@ -499,6 +499,22 @@ def test_by_default_the_trainer_records_wherever_it_can_and_a_failed_recording_s
     assert failures == [1]
 
 
+def test_graphs_are_recorded_in_one_process_and_asked_for_in_several_they_are_refused():
+    """train.cuda_graphs decides whether a run's steps go through a StepGraph: by default
+    wherever a run can record them (one CUDA process), and asked for in a run of several
+    processes, whose gradient all-reduce no graph records, it is refused naming the setting."""
+    from deltalab.errors import ConfigError
+    from deltalab.train.distributed import Distributed
+    from deltalab.train.graphs import records_steps
+
+    one, two = (Distributed(0, n, 0, torch.device("cuda", 0)) for n in (1, 2))
+    default, asked = load_run_config(None, []), load_run_config(None, ["train.cuda_graphs=true"])
+    assert records_steps(default, one) and records_steps(asked, one)
+    assert not records_steps(default, two)
+    with pytest.raises(ConfigError, match=r"has 2 processes .*: set train\.cuda_graphs=false"):
+        records_steps(asked, two)
+
+
 @pytest.mark.parametrize("mixer", MIXER_KINDS)
 def test_a_training_steps_passes_read_nothing_back_while_a_graph_records(mixer, monkeypatch):
     """What a CUDA graph's capture forbids, on CPU: with the value checks told a capture is
