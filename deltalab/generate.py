@@ -13,7 +13,14 @@ import torch
 
 from deltalab.errors import CheckpointError, ConfigError, DataError, UserError
 
-__all__ = ["ContextLengthWarning", "GenerateConfig", "generate_text", "load_model", "printable"]
+__all__ = [
+    "ContextLengthWarning",
+    "GenerateConfig",
+    "continuation",
+    "generate_text",
+    "load_model",
+    "printable",
+]
 
 
 @dataclass(frozen=True)
@@ -165,21 +172,40 @@ def generate_text(config: GenerateConfig) -> str:
     model, tokenizer = load_model(
         config.checkpoint, tokenizer=config.tokenizer, device=config.device
     )
-    ids = torch.tensor(
-        [tokenizer.encode(config.prompt) or [tokenizer.bos_id]], device=config.device
-    )
-    _warn_past_trained_length(model, config.checkpoint, ids.shape[1] + config.max_new_tokens)
+    ids = tokenizer.encode(config.prompt) or [tokenizer.bos_id]
+    _warn_past_trained_length(model, config.checkpoint, len(ids) + config.max_new_tokens)
     torch.manual_seed(config.seed)
-    sampling = config.temperature > 0
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=config.max_new_tokens,
-            do_sample=sampling,
-            temperature=config.temperature if sampling else None,
-            top_k=config.top_k if sampling else None,
-            eos_token_id=tokenizer.eos_id,
-            pad_token_id=tokenizer.pad_id,
-        )
-    return tokenizer.decode(out[0, ids.shape[1] :].tolist())
+    return continuation(
+        model, tokenizer, ids, config.device, max_new_tokens=config.max_new_tokens,
+        temperature=config.temperature, top_k=config.top_k, eos_token_id=tokenizer.eos_id,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def continuation(
+    model: Any,
+    tokenizer: Any,
+    ids: list[int],
+    device: str | torch.device,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None = None,
+    eos_token_id: int | None = None,
+) -> str:
+    """The text `model.generate` continues the token ids `ids` with on `device`: greedy at
+    temperature 0, else sampled (from the `top_k` likeliest tokens when given) from torch's
+    generator; it stops at `eos_token_id` when given, else after `max_new_tokens`."""
+    prompt = torch.tensor([ids], device=device)
+    sampling = temperature > 0
+    out = model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=max_new_tokens,
+        do_sample=sampling,
+        temperature=temperature if sampling else None,
+        top_k=top_k if sampling else None,
+        eos_token_id=eos_token_id,
+        pad_token_id=tokenizer.pad_id,
+    )
+    return tokenizer.decode(out[0, prompt.shape[1] :].tolist())

@@ -58,14 +58,15 @@ def run_in_pieces(mixer, x: torch.Tensor, pieces: list[int], state=None):
     return torch.cat(outputs, dim=1), state
 
 
-def built_and_default_adamw_steps(model, generator: torch.Generator, steps: int = 3):
-    """`build_optimizer`'s AdamW on `model` and, on a copy, the same with torch's default step
-    (fused off), stepped with the same drawn gradients: (the built optimizer, [(name, its
-    parameter, the copy's)]). Gradients are drawn, not taken from a backward: the GPU's is not
-    bit-reproducible, and Adam's first steps turn the sign flip of a near-zero gradient into a
-    whole learning-rate step."""
+def built_and_default_adamw_steps(
+    model, generator: torch.Generator, steps: int = 3, fused: bool | None = None
+):
+    """`build_optimizer`'s AdamW on `model` (`fused` passed on) and, on a copy, the same with
+    torch's default step (fused off), stepped with the same drawn gradients: (the built
+    optimizer, [(name, its parameter, the copy's)]). Gradients are drawn, not taken from a
+    backward: the GPU's is not bit-reproducible, and Adam's first steps turn the sign flip of a
+    near-zero gradient into a whole learning-rate step."""
     import copy
-    from unittest import mock
 
     from deltalab.train import optim
     from deltalab.train.config import OptimSection
@@ -73,9 +74,8 @@ def built_and_default_adamw_steps(model, generator: torch.Generator, steps: int 
     # The copy's groups by the original's names: deepcopy drops the parameters' no-decay marks.
     twin, exempt = copy.deepcopy(model), optim.no_decay_names(model)
     settings = OptimSection(lr=1e-3)
-    built = optim.build_optimizer(model, settings)
-    with mock.patch.object(optim, "fused_adamw_applies", lambda params: False):
-        default = optim.build_optimizer(twin, settings, exempt)
+    built = optim.build_optimizer(model, settings, fused=fused)
+    default = optim.build_optimizer(twin, settings, exempt, fused=False)
     pairs = list(zip(model.parameters(), twin.parameters(), strict=True))
     for _ in range(steps):
         for p, q in pairs:

@@ -484,7 +484,6 @@ def test_by_default_the_trainer_records_wherever_it_can_and_a_failed_recording_s
     train.cuda_graphs=false (a failed recording leaves the CUDA random generator unusable, so
     the run cannot go on eagerly)."""
     import deltalab.train.graphs as graphs
-    import deltalab.train.loop as loop
 
     plain = train(run_config(tmp_path / "plain", corpus, "train.cuda_graphs=false"))
     default = train(run_config(tmp_path / "default", corpus))
@@ -493,11 +492,27 @@ def test_by_default_the_trainer_records_wherever_it_can_and_a_failed_recording_s
     metrics = json.loads((tmp_path / "default" / "run" / "metrics.json").read_text())
     assert metrics["cuda_graphs"] is False
     failures = _failing_recording(monkeypatch, graphs)
-    monkeypatch.setattr(loop, "_graphable", lambda config, ctx: True)
+    monkeypatch.setattr(graphs, "graphable", lambda config, ctx: True)
     with pytest.raises(RuntimeError, match=r"set train\.cuda_graphs=false to train eagerly"):
         train(run_config(tmp_path / "recorded", corpus))
     assert "CUDA graphs: each step after the first two replays" in capsys.readouterr().out
     assert failures == [1]
+
+
+def test_graphs_are_recorded_in_one_process_and_asked_for_in_several_they_are_refused():
+    """train.cuda_graphs decides whether a run's steps go through a StepGraph: by default
+    wherever a run can record them (one CUDA process), and asked for in a run of several
+    processes, whose gradient all-reduce no graph records, it is refused naming the setting."""
+    from deltalab.errors import ConfigError
+    from deltalab.train.distributed import Distributed
+    from deltalab.train.graphs import records_steps
+
+    one, two = (Distributed(0, n, 0, torch.device("cuda", 0)) for n in (1, 2))
+    default, asked = load_run_config(None, []), load_run_config(None, ["train.cuda_graphs=true"])
+    assert records_steps(default, one) and records_steps(asked, one)
+    assert not records_steps(default, two)
+    with pytest.raises(ConfigError, match=r"has 2 processes .*: set train\.cuda_graphs=false"):
+        records_steps(asked, two)
 
 
 @pytest.mark.parametrize("mixer", MIXER_KINDS)
@@ -665,26 +680,24 @@ def test_adamw_is_fused_only_when_every_parameter_is_a_plain_cuda_tensor(monkeyp
     assert build_optimizer(model, OptimSection(lr=1e-3)).defaults["fused"] is None
 
 
-def test_fused_adamw_as_built_steps_as_the_default_step(generator, monkeypatch):
-    """The fused AdamW `build_optimizer` takes on CUDA, forced here on CPU (torch has the fused
-    step there too): its groups and settings move the parameters as the default step does
-    (test_cuda.py runs the same on the GPU)."""
+def test_fused_adamw_as_built_steps_as_the_default_step(generator):
+    """The fused AdamW `build_optimizer` takes on CUDA, asked for here on CPU (torch has the
+    fused step there too): its groups and settings move the parameters as the default step
+    does (test_cuda.py runs the same on the GPU)."""
     from conftest import built_and_default_adamw_steps
 
     from deltalab.models import CausalLM, build_config
-    from deltalab.train import optim
 
-    monkeypatch.setattr(optim, "fused_adamw_applies", lambda params: True)
     model = CausalLM(build_config("tiny", mixer="gdn2", num_layers=1))
-    built, params = built_and_default_adamw_steps(model, generator)
+    built, params = built_and_default_adamw_steps(model, generator, fused=True)
     assert built.defaults["fused"] is True
     for name, p, q in params:
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_a_state_saved_by_the_default_step_resumes_on_the_fused_step(generator, monkeypatch):
+def test_a_state_saved_by_the_default_step_resumes_on_the_fused_step(generator):
     """A checkpoint written by AdamW's default step (a CPU run, or one before AdamW was fused on
-    CUDA), loaded into the fused AdamW `build_optimizer` makes on CUDA (forced here on CPU):
+    CUDA), loaded into the fused AdamW `build_optimizer` makes on CUDA (asked for on CPU here):
     the fused step stays, the moments come back, and it steps."""
     from deltalab.models import CausalLM, build_config
     from deltalab.train import optim
@@ -697,8 +710,7 @@ def test_a_state_saved_by_the_default_step_resumes_on_the_fused_step(generator, 
     default.step()
     saved = default.state_dict()
     assert saved["param_groups"][0]["fused"] is None
-    monkeypatch.setattr(optim, "fused_adamw_applies", lambda params: True)
-    fused = optim.build_optimizer(model, OptimSection(lr=1e-3))
+    fused = optim.build_optimizer(model, OptimSection(lr=1e-3), fused=True)
     fused.load_state_dict(optim.with_step_implementation(saved, fused))
     assert all(group["fused"] is True for group in fused.param_groups)
     first = next(iter(model.parameters()))

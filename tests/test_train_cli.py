@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import deltalab.train.loop as loop
+import deltalab.train.data as train_data
 from deltalab.cli import main
 from deltalab.errors import ConfigError
 from deltalab.ops._triton import INTERPRET
@@ -123,7 +123,7 @@ def test_model_config_errors_come_before_any_data_is_tokenized(
     def no_tokenizing(*args, **kwargs):
         raise AssertionError("tokenized data before checking the model config")
 
-    monkeypatch.setattr(loop, "prepare_tokens", no_tokenizing)
+    monkeypatch.setattr(train_data, "prepare_tokens", no_tokenizing)
     overrides = (override,) if isinstance(override, str) else override
     err = _one_line_error(capsys, _train_args(tmp_path, corpus, *overrides))
     assert message in err

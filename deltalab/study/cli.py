@@ -174,8 +174,8 @@ def _prepare_data(plan: Any) -> dict[str, Any]:
     runs do not tokenize it side by side); returns its fingerprint by split, as the runs record
     it."""
     from deltalab.data import load_tokenizer
+    from deltalab.train.data import prepare_sequences
     from deltalab.train.distributed import Distributed
-    from deltalab.train.loop import _sequences
 
     config = plan.runs[0].config
     tokenizer = load_tokenizer(config.data.tokenizer)
@@ -183,7 +183,7 @@ def _prepare_data(plan: Any) -> dict[str, Any]:
 
     ctx = Distributed(0, 1, 0, torch.device("cpu"))
     return {
-        split: _sequences(config, tokenizer, split, ctx).tokens.manifest.fingerprint()
+        split: prepare_sequences(config, tokenizer, split, ctx).tokens.manifest.fingerprint()
         for split in ("train", "held_out")
     }
 

@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Self
 
 import yaml
 
+from deltalab._files import write_text_atomically
 from deltalab.catalog import PRESET_TRAINING
 from deltalab.config_parse import (
     check_keys,
@@ -556,12 +557,7 @@ def save_run_config(config: RunConfig, path: str | os.PathLike[str]) -> Path:
     else:
         text = yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        temporary.write_text(text, encoding="utf-8")
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+    write_text_atomically(path, text)
     return path
 
 

@@ -1,5 +1,6 @@
 """Between training checkpoints and Hugging Face directories: `deltalab export CKPT OUT`, and
-`model.init_from`, a Hugging Face directory whose weights start a run.
+`model.init_from`, a Hugging Face directory whose weights start a run; the run's own `model/`
+directory is written the same way (`save_model_directory`).
 
 A checkpoint (a single file or a sharded directory, `deltalab.train.checkpoint`) holds the run
 config; the model is rebuilt from it, its weights read in one process (a sharded checkpoint of
@@ -17,7 +18,7 @@ import torch
 from deltalab.errors import CheckpointError, ConfigError
 from deltalab.models import CausalLM
 
-__all__ = ["export_checkpoint", "load_initial_weights"]
+__all__ = ["export_checkpoint", "load_initial_weights", "save_model_directory"]
 
 # DeltaLabConfig entries that describe the file rather than the model.
 _FILE_FIELDS = {"_name_or_path", "architectures", "transformers_version", "torch_dtype", "dtype"}
@@ -30,7 +31,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     checkpoint: a run directory (its newest complete checkpoint), a checkpoint file
     `step_*.pt` or a sharded checkpoint directory `step_*`. `out` must not hold files.
     """
-    from deltalab.data import load_tokenizer, save_tokenizer
+    from deltalab.data import load_tokenizer
     from deltalab.train import preflight
     from deltalab.train.config import RunConfig
     from deltalab.train.sharded import load_sharded_arrays
@@ -48,9 +49,19 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     else:
         weights = payload["model"]
     model.load_state_dict(weights)
-    model.save_pretrained(out)
-    save_tokenizer(tokenizer, out)
+    save_model_directory(model, tokenizer, out)
     return path
+
+
+def save_model_directory(
+    model: CausalLM, tokenizer, out: Path, weights: dict[str, Any] | None = None
+) -> None:
+    """`model` (`save_pretrained`: safetensors and config, from `weights` when given, else its
+    own state) and the files of its `tokenizer`, to the directory `out`."""
+    from deltalab.data import save_tokenizer
+
+    model.save_pretrained(out, state_dict=weights)
+    save_tokenizer(tokenizer, out)
 
 
 def _read_checkpoint(path: Path) -> tuple[Path, dict[str, Any]]:

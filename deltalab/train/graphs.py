@@ -42,6 +42,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from deltalab.errors import ConfigError
+
 # Eager steps before the capture: the first compiles the Triton kernels and creates cuBLAS's
 # workspace for the capture stream, the second runs with everything in place.
 WARMUP_STEPS = 2
@@ -140,3 +142,25 @@ class StepGraph:
             ) from error
         self.graph = graph
         self.captured = True
+
+
+def graphable(config, ctx) -> bool:
+    """Whether the steps of the run of `config` on `ctx` (a `Distributed`) can be recorded as a
+    CUDA graph: on CUDA, in one process (the gradient all-reduce of DDP and FSDP is not
+    recorded), not compiled."""
+    return ctx.device.type == "cuda" and not ctx.active and not config.train.compile
+
+
+def records_steps(config, ctx) -> bool:
+    """Whether the run's steps go through a `StepGraph` (`train.cuda_graphs`): where the
+    setting is true, or null (the default) and the run can record them (`graphable`). True in
+    a run of several processes is refused, naming train.cuda_graphs=false."""
+    wanted = config.train.cuda_graphs
+    if wanted is False or (wanted is None and not graphable(config, ctx)):
+        return False
+    if ctx.active:
+        raise ConfigError(
+            f"train.cuda_graphs=true trains in one process; this run has {ctx.world_size} "
+            f"processes (train.parallel={config.train.parallel}): set train.cuda_graphs=false"
+        )
+    return True

@@ -10,9 +10,7 @@ checkpoint, only rank 0 writes the rest.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -23,23 +21,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from deltalab.data import (
-    CorpusConfig,
-    PackedSequences,
-    ResumableSampler,
-    batches,
-    load_tokenizer,
-    prepare_tokens,
-    resolve_source,
-    save_tokenizer,
-)
-from deltalab.errors import ConfigError, DataError, DivergenceError, UserError
-from deltalab.generate import printable
+from deltalab.data import PackedSequences, ResumableSampler, batches, load_tokenizer
+from deltalab.errors import DataError, DivergenceError
+from deltalab.generate import continuation, printable
 from deltalab.models import CausalLM
 from deltalab.models.lm import check_token_ids
 from deltalab.ops._checks import NonFiniteError, one_host_read
 from deltalab.provenance import write_run_provenance
-from deltalab.train import preflight
+from deltalab.train import graphs, preflight
 from deltalab.train.checkpoint import (
     GracefulStop,
     capture_rng_state,
@@ -48,14 +37,15 @@ from deltalab.train.checkpoint import (
     restore_rng_state,
     resumable_checkpoint,
 )
-from deltalab.train.config import RunConfig, config_changes, save_run_config
+from deltalab.train.config import RunConfig
 from deltalab.train.context import ContextSplit, split_context
+from deltalab.train.data import prepare_sequences
 from deltalab.train.distributed import Distributed, all_reduce_mean, setup_distributed, wrap_model
-from deltalab.train.export import load_initial_weights
+from deltalab.train.export import load_initial_weights, save_model_directory
 from deltalab.train.graphs import StepGraph
 from deltalab.train.lock import hold_run_directory
 from deltalab.train.optim import build_optimizer, build_scheduler, no_decay_names
-from deltalab.train.report import RunLogger, plot_loss_curve
+from deltalab.train.report import RunLogger, announce, write_metrics
 from deltalab.train.sharded import FULL_STATE, load_training_arrays, save_training_checkpoint
 
 __all__ = ["TrainResult", "train"]
@@ -78,37 +68,6 @@ class TrainResult:
     interrupted: bool = False
     last_step: int = 0
     stop_signal: int | None = None
-
-
-def _sequences(config: RunConfig, tokenizer, split: str, ctx: Distributed) -> PackedSequences:
-    corpus = CorpusConfig(
-        source=resolve_source(config.data.source),
-        split=split,
-        held_out_fraction=config.data.held_out_fraction,
-        max_bytes=config.data.max_bytes,
-        text_field=config.data.text_field,
-    )
-    # Rank 0 tokenizes; the others then find the finished cache entry. Rank 0's failure is
-    # shared (instead of a barrier the others would wait at forever) so every rank stops.
-    failure = None
-    if ctx.is_main:
-        try:
-            tokens = prepare_tokens(corpus, tokenizer, config.data.cache_dir)
-        except Exception as error:
-            failure = error
-    if ctx.active:
-        # 0: ready; 1: a user error (the others report one too, in one line); 2: anything else.
-        code = 0 if failure is None else 1 if isinstance(failure, UserError) else 2
-        failed = torch.tensor(float(code), device=ctx.device)
-        dist.all_reduce(failed)
-        if failed.item() and failure is None:
-            kind = DataError if failed.item() == 1 else RuntimeError
-            raise kind("rank 0 could not prepare the training data; see its error")
-    if failure is not None:
-        raise failure
-    if not ctx.is_main:
-        tokens = prepare_tokens(corpus, tokenizer, config.data.cache_dir)
-    return PackedSequences(tokens, config.train.seq_len)
 
 
 def _autocast(config: RunConfig, ctx: Distributed, cache: bool = True):
@@ -296,60 +255,6 @@ def _nonfinite_hint(out_dir: Path, step: int, config: RunConfig, cause: str) -> 
     )
 
 
-def _announce(
-    state: TrainState, logger: RunLogger, sizes: tuple[int, int], eval_windows: int, micro: int
-) -> None:
-    """Rank 0's opening lines: the saved config, the model and data, the optimizer, and what
-    of the config will not do what it says (too few held-out windows, warmup past the end)."""
-    config, ctx, out_dir = state.config, state.ctx, state.out_dir
-    train_windows, held_out_windows = sizes
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_run_config(config, out_dir / "config.yaml")
-    changes = config_changes(config)
-    logger.print(
-        f"run config saved to {out_dir / 'config.yaml'}; "
-        + ("its fields are the defaults" if not changes else "apart from the defaults:")
-    )
-    for change in changes:
-        logger.print(f"  {change}")
-    logger.print(
-        f"model: {config.model.preset} {config.model.mixer}, "
-        f"{sum(p.numel() for p in state.core.parameters()) / 1e6:.2f}M parameters; "
-        f"{train_windows} train / {held_out_windows} held-out windows of {config.train.seq_len}"
-        f" tokens; {ctx.world_size} process(es) on {ctx.device}"
-    )
-    if eval_windows < config.eval.batches * micro * state.split.data.world_size:
-        logger.print(
-            f"eval.batches={config.eval.batches} asks for more windows than the "
-            f"{held_out_windows} held-out ones; each evaluation uses all {eval_windows}"
-        )
-    logger.print(
-        f"optimizer: peak optim.lr={config.optim.lr:g} after "
-        f"schedule.warmup_steps={config.schedule.warmup_steps} ({config.schedule.kind})"
-    )
-    if config.schedule.warmup_steps >= config.train.steps:
-        logger.print(
-            f"note: schedule.warmup_steps={config.schedule.warmup_steps} >= train.steps="
-            f"{config.train.steps}: the learning rate never reaches its peak; set "
-            "schedule.warmup_steps lower for a short run"
-        )
-    if config.train.cuda_graphs is None and _graphable(config, ctx):
-        logger.print(
-            "CUDA graphs: each step after the first two replays one recording of its passes "
-            "(train.cuda_graphs=null, the default; false trains eagerly)"
-        )
-    if config.train.cuda_graphs and ctx.device.type != "cuda":
-        logger.print(
-            f"note: train.cuda_graphs=true on {ctx.device.type}: there are no CUDA graphs, the "
-            "step's passes run eagerly"
-        )
-    if config.train.recompute_ffn and config.train.activation_checkpointing:
-        logger.print(
-            "note: train.recompute_ffn=true does nothing with train.activation_checkpointing="
-            "true, which recomputes each whole block"
-        )
-
-
 def _forward_checks(checkpointing: bool):
     """The context of a training forward's value checks (each op's refusal of bad gates, e.g.
     a log decay > 0): their answers read back once, at the end of the forward
@@ -421,25 +326,12 @@ def _accumulate(
     return all_reduce_mean(total, ctx).item(), cause
 
 
-def _graphable(config: RunConfig, ctx: Distributed) -> bool:
-    """Whether this run's steps can be recorded as a CUDA graph: on CUDA, in one process (the
-    gradient all-reduce of DDP and FSDP is not recorded), not compiled."""
-    return ctx.device.type == "cuda" and not ctx.active and not config.train.compile
-
-
 def _step_graph(config: RunConfig, ctx: Distributed, core, forward, micro: int) -> StepGraph | None:
-    """The step's passes as a `StepGraph` (`train.cuda_graphs`), every micro-batch in one
-    graph, or None for eager steps: where the setting is false, or null (the default) and the
-    run cannot record them (`_graphable`). A recording that fails stops the run, naming
-    train.cuda_graphs=false."""
-    wanted = config.train.cuda_graphs
-    if wanted is False or (wanted is None and not _graphable(config, ctx)):
+    """The step's passes as a `StepGraph`, every micro-batch in one graph, where the run
+    records its steps (`graphs.records_steps`: train.cuda_graphs), else None for eager steps.
+    A recording that fails stops the run, naming train.cuda_graphs=false."""
+    if not graphs.records_steps(config, ctx):
         return None
-    if ctx.active:
-        raise ConfigError(
-            f"train.cuda_graphs=true trains in one process; this run has {ctx.world_size} "
-            f"processes (train.parallel={config.train.parallel}): set train.cuda_graphs=false"
-        )
     accum = config.train.grad_accum
     # No autocast cache, as PyTorch asks of code a CUDA graph records (a cast cached by one
     # autocast region and read in another would hold the capture's values); here each micro-
@@ -480,8 +372,7 @@ def _train(config: RunConfig, ctx: Distributed) -> TrainResult:
     state.done = start
     state.logger = RunLogger(state.out_dir, config, enabled=ctx.is_main, resume_step=start or None)
     if ctx.is_main:
-        sizes = (len(state.train_data), len(state.held_out))
-        _announce(state, state.logger, sizes, state.eval_windows, state.micro)
+        announce(state)
     first_eval = state.held_out_loss()
     if start == 0:
         state.history["eval"].append({"step": 0, "loss": first_eval})
@@ -513,8 +404,8 @@ def _setup(config: RunConfig, ctx: Distributed) -> TrainState:
     )
     # The data is dealt over the data-parallel replicas: a context-parallel group reads one.
     micro = config.train.micro_batch(split.data.world_size)
-    train_data = _sequences(config, tokenizer, "train", ctx)
-    held_out = _sequences(config, tokenizer, "held_out", ctx)
+    train_data = prepare_sequences(config, tokenizer, "train", ctx)
+    held_out = prepare_sequences(config, tokenizer, "held_out", ctx)
     eval_windows = preflight.check_batch_sizes(config, train_data, held_out, micro, split.data)
 
     # The seed again: building the model on the meta device above draws nothing, but the
@@ -658,7 +549,8 @@ def _finish(state: TrainState, first_eval: float) -> TrainResult:
     if ctx.is_main:
         if config.eval.sample_tokens > 0 and math.isfinite(final_eval):
             logger.print(f"sample:\n{config.eval.sample_prompt}{printable(sample)}")
-        _export(state, weights, state.tokenizer, (initial_eval, final_eval), sample, status)
+        save_model_directory(state.core, state.tokenizer, state.out_dir / "model", weights)
+        write_metrics(state, (initial_eval, final_eval), sample, status)
     logger.close()
     if ctx.active:
         dist.barrier()
@@ -675,7 +567,6 @@ def _finish(state: TrainState, first_eval: float) -> TrainResult:
     )
 
 
-@torch.no_grad()
 def _sample(core: CausalLM, tokenizer, config: RunConfig, ctx: Distributed) -> str:
     """A continuation of `eval.sample_prompt`: sampled at `eval.sample_temperature` from a
     generator seeded by `train.seed` (the same tokens on every rank, which all take part under
@@ -684,69 +575,11 @@ def _sample(core: CausalLM, tokenizer, config: RunConfig, ctx: Distributed) -> s
         return ""
     core.eval()
     ids = tokenizer.encode(config.eval.sample_prompt) or [tokenizer.bos_id]
-    prompt = torch.tensor([ids], device=ctx.device)
-    temperature = config.eval.sample_temperature
     with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
         torch.manual_seed(config.train.seed)
-        out = core.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=config.eval.sample_tokens,
-            do_sample=temperature > 0,
-            temperature=temperature if temperature > 0 else None,
-            top_k=None,
-            eos_token_id=None,
-            pad_token_id=tokenizer.pad_id,
-        )
+        sample = continuation(
+            core, tokenizer, ids, ctx.device, max_new_tokens=config.eval.sample_tokens,
+            temperature=config.eval.sample_temperature,
+        )  # fmt: skip
     core.train()
-    return tokenizer.decode(out[0, prompt.shape[1] :].tolist())
-
-
-def _export(
-    state: TrainState,
-    weights: dict[str, Any],
-    tokenizer,
-    eval_losses: tuple[float, float],
-    sample: str,
-    status: dict[str, Any],
-) -> None:
-    """Rank 0's outputs: HF model (from the gathered `weights`), metrics JSON, loss curve.
-
-    eval_losses: the held-out loss before and after training. `status` leads the metrics:
-    "completed", or "interrupted" with the steps done of those planned, so an interrupted run's
-    outputs are never mistaken for a finished one's.
-    """
-    core, out_dir, history = state.core, state.out_dir, state.history
-    initial_eval, final_eval = eval_losses
-    model_dir = out_dir / "model"
-    core.save_pretrained(model_dir, state_dict=weights)
-    save_tokenizer(tokenizer, model_dir)
-    speeds = [r["tokens_per_s"] for r in history["train"]]
-    metrics = {
-        **status,
-        "steps": len(history["train"]),
-        "initial_eval_loss": initial_eval,
-        "final_eval_loss": final_eval,
-        "initial_perplexity": math.exp(initial_eval),
-        "final_perplexity": math.exp(final_eval),
-        "median_tokens_per_s": sorted(speeds)[len(speeds) // 2] if speeds else None,
-        "parameters": sum(p.numel() for p in core.parameters()),
-        "peak_memory_bytes": torch.cuda.max_memory_allocated()
-        if torch.cuda.is_available()
-        else None,
-        # What the allocator held at most, its cached blocks and a CUDA graph's pool included:
-        # a replay allocates nothing, so only this counts the memory a graph keeps between
-        # steps beside the tensors live at the capture's peak.
-        "peak_reserved_bytes": torch.cuda.max_memory_reserved()
-        if torch.cuda.is_available()
-        else None,
-        "sample": sample,
-        "config": state.config.to_dict(),
-        "history": history,
-        "provenance": state.provenance,
-    }
-    path = out_dir / "metrics.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(metrics, indent=2))
-    os.replace(tmp, path)
-    plot_loss_curve(history, out_dir / "loss_curve.png")
+    return sample

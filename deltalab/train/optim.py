@@ -74,11 +74,15 @@ def with_step_implementation(saved: dict, optimizer: torch.optim.Optimizer) -> d
     return {**saved, "param_groups": groups}
 
 
-def build_optimizer(model: nn.Module, optim, exempt: set[str] | None = None) -> torch.optim.AdamW:
-    """AdamW over `parameter_groups`; `optim` is the run config's OptimSection. Fused on CUDA
-    (`fused_adamw_applies`)."""
+def build_optimizer(
+    model: nn.Module, optim, exempt: set[str] | None = None, fused: bool | None = None
+) -> torch.optim.AdamW:
+    """AdamW over `parameter_groups`; `optim` is the run config's OptimSection. fused: whether
+    AdamW takes its fused step; None (the default) where it applies (`fused_adamw_applies`: on
+    CUDA, not under FSDP2)."""
     groups = parameter_groups(model, optim.weight_decay, exempt)
-    fused = fused_adamw_applies([p for group in groups for p in group["params"]])
+    if fused is None:
+        fused = fused_adamw_applies([p for group in groups for p in group["params"]])
     return torch.optim.AdamW(
         groups,
         lr=optim.lr,

@@ -1,17 +1,25 @@
-"""What a run tells its user: printed lines, a progress bar, JSONL and TensorBoard logs, and the
-loss-curve PNG. Only rank 0's logger writes (`enabled=False` elsewhere)."""
+"""What a run tells its user: its opening lines, a progress bar, JSONL and TensorBoard logs,
+the metrics JSON and the loss-curve PNG. Only rank 0's logger writes (`enabled=False`
+elsewhere)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["RunLogger", "plot_loss_curve", "truncate_log"]
+import torch
+
+from deltalab._files import write_text_atomically
+from deltalab.train.config import config_changes, save_run_config
+
+if TYPE_CHECKING:
+    from deltalab.train.loop import TrainState
+
+__all__ = ["RunLogger", "announce", "plot_loss_curve", "truncate_log", "write_metrics"]
 
 
 class _Progress:
@@ -113,12 +121,7 @@ def truncate_log(path: Path, step: int) -> None:
                 and record["step"] <= step
             ):
                 kept.append(line if line.endswith("\n") else line + "\n")
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        temporary.write_text("".join(kept), encoding="utf-8")
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+    write_text_atomically(path, "".join(kept))
 
 
 def plot_loss_curve(history: dict[str, list[dict[str, Any]]], path: Path) -> Path:
@@ -138,3 +141,94 @@ def plot_loss_curve(history: dict[str, list[dict[str, Any]]], path: Path) -> Pat
     ax.legend()
     ax.grid(alpha=0.3)
     return save_figure(fig, path)
+
+
+def announce(state: TrainState) -> None:
+    """Rank 0's opening lines: the saved config, the model and data, the optimizer, and what
+    of the config will not do what it says (too few held-out windows, warmup past the end)."""
+    config, ctx, out_dir, logger = state.config, state.ctx, state.out_dir, state.logger
+    held_out_windows = len(state.held_out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_run_config(config, out_dir / "config.yaml")
+    changes = config_changes(config)
+    logger.print(
+        f"run config saved to {out_dir / 'config.yaml'}; "
+        + ("its fields are the defaults" if not changes else "apart from the defaults:")
+    )
+    for change in changes:
+        logger.print(f"  {change}")
+    logger.print(
+        f"model: {config.model.preset} {config.model.mixer}, "
+        f"{sum(p.numel() for p in state.core.parameters()) / 1e6:.2f}M parameters; "
+        f"{len(state.train_data)} train / {held_out_windows} held-out windows of "
+        f"{config.train.seq_len} tokens; {ctx.world_size} process(es) on {ctx.device}"
+    )
+    if state.eval_windows < config.eval.batches * state.micro * state.split.data.world_size:
+        logger.print(
+            f"eval.batches={config.eval.batches} asks for more windows than the "
+            f"{held_out_windows} held-out ones; each evaluation uses all {state.eval_windows}"
+        )
+    logger.print(
+        f"optimizer: peak optim.lr={config.optim.lr:g} after "
+        f"schedule.warmup_steps={config.schedule.warmup_steps} ({config.schedule.kind})"
+    )
+    if config.schedule.warmup_steps >= config.train.steps:
+        logger.print(
+            f"note: schedule.warmup_steps={config.schedule.warmup_steps} >= train.steps="
+            f"{config.train.steps}: the learning rate never reaches its peak; set "
+            "schedule.warmup_steps lower for a short run"
+        )
+    if config.train.cuda_graphs is None and state.graph is not None:
+        logger.print(
+            "CUDA graphs: each step after the first two replays one recording of its passes "
+            "(train.cuda_graphs=null, the default; false trains eagerly)"
+        )
+    if config.train.cuda_graphs and ctx.device.type != "cuda":
+        logger.print(
+            f"note: train.cuda_graphs=true on {ctx.device.type}: there are no CUDA graphs, the "
+            "step's passes run eagerly"
+        )
+    if config.train.recompute_ffn and config.train.activation_checkpointing:
+        logger.print(
+            "note: train.recompute_ffn=true does nothing with train.activation_checkpointing="
+            "true, which recomputes each whole block"
+        )
+
+
+def write_metrics(
+    state: TrainState, eval_losses: tuple[float, float], sample: str, status: dict[str, Any]
+) -> None:
+    """Rank 0's `metrics.json` and `loss_curve.png` in the run directory.
+
+    eval_losses: the held-out loss before and after training. `status` leads the metrics:
+    "completed", or "interrupted" with the steps done of those planned, so an interrupted run's
+    outputs are never mistaken for a finished one's.
+    """
+    out_dir, history = state.out_dir, state.history
+    initial_eval, final_eval = eval_losses
+    speeds = [r["tokens_per_s"] for r in history["train"]]
+    metrics = {
+        **status,
+        "steps": len(history["train"]),
+        "initial_eval_loss": initial_eval,
+        "final_eval_loss": final_eval,
+        "initial_perplexity": math.exp(initial_eval),
+        "final_perplexity": math.exp(final_eval),
+        "median_tokens_per_s": sorted(speeds)[len(speeds) // 2] if speeds else None,
+        "parameters": sum(p.numel() for p in state.core.parameters()),
+        "peak_memory_bytes": torch.cuda.max_memory_allocated()
+        if torch.cuda.is_available()
+        else None,
+        # What the allocator held at most, its cached blocks and a CUDA graph's pool included:
+        # a replay allocates nothing, so only this counts the memory a graph keeps between
+        # steps beside the tensors live at the capture's peak.
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved()
+        if torch.cuda.is_available()
+        else None,
+        "sample": sample,
+        "config": state.config.to_dict(),
+        "history": history,
+        "provenance": state.provenance,
+    }
+    write_text_atomically(out_dir / "metrics.json", json.dumps(metrics, indent=2))
+    plot_loss_curve(history, out_dir / "loss_curve.png")
