@@ -261,10 +261,7 @@ def kdn_gain_diag(
     """Diagonal KDN gains: one variance per head and key channel, scanned over time.
 
     Args:
-        k: keys `[B, T, H, K]`.
-        g: log decays (<= 0), per channel `[B, T, H, K]` or per head `[B, T, H]`.
-        q_noise: process-noise variances (>= 0) `[B, T, H, K]`.
-        r: observation-noise variances (> 0) `[B, T, H]`.
+        k, g, q_noise, r: keys `[B, T, H, K]` and the noise model, as for `kdn_diag`.
         p0: prior variances (> 0): per head `[H]` (the same for every channel), shared
             `[H, K]` or per sequence `[B, H, K]`.
         info_scale: evidence scale s (> 0); defaults to K.
