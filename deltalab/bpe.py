@@ -24,6 +24,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from deltalab.cli import add_command, argument_type, positive_int
+
 __all__ = ["SPECIAL_TOKENS", "TRAINING_NAME", "add_parser", "train_tokenizer"]
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
@@ -98,25 +100,11 @@ def train_tokenizer(
 
 def _max_bytes(text: str) -> int | None:
     """argparse type: a byte count > 0, or `none` for the whole split."""
-    if text.lower() in ("none", "null"):
-        return None
-    value = int(text)
-    if value <= 0:
-        raise ValueError(text)
-    return value
+    return None if text.lower() in ("none", "null") else positive_int(text)
 
 
 _max_bytes.__name__ = "byte count > 0 or none"
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value < 1:
-        raise ValueError(text)
-    return value
-
-
-_fraction.__name__ = "fraction in (0, 1)"
+_fraction = argument_type(float, lambda value: 0 < value < 1, "fraction in (0, 1)")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -152,11 +140,11 @@ def _run(args: argparse.Namespace) -> int:
 def add_parser(commands: Any) -> None:
     tokenizer = commands.add_parser("tokenizer", help="train a byte-level BPE tokenizer offline")
     actions = tokenizer.add_subparsers(dest="action", required=True)
-    train = actions.add_parser(
+    train = add_command(
+        actions,
         "train",
-        help="train a byte-level BPE on a data source (as data.source takes it)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "train a byte-level BPE on a data source (as data.source takes it)",
+        __doc__,
     )
     train.add_argument("source", help="stdlib, a file, a directory, an archive or @LIST")
     train.add_argument(

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 USER_ERROR = 2
+T = TypeVar("T")
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -97,25 +100,36 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an int > 0 (argparse turns the ValueError into a usage error)."""
-    value = int(text)
-    if value <= 0:
-        raise ValueError(text)
-    return value
+def argument_type(parse: Callable[[str], T], valid: Callable[[T], bool], name: str):
+    """An argparse type: `parse(text)`, refused unless `valid` holds for the value. argparse
+    turns the ValueError into a usage error that names the argument and `name`."""
+
+    def convert(text: str) -> T:
+        value = parse(text)
+        if not valid(value):
+            raise ValueError(text)
+        return value
+
+    convert.__name__ = name
+    return convert
 
 
-_positive_int.__name__ = "positive int"
+def add_command(commands: Any, name: str, summary: str, description: str | None, **kwargs: Any):
+    """A subcommand's parser: `summary` in the command list, `description` (a module docstring,
+    its line breaks kept) atop its --help."""
+    return commands.add_parser(
+        name,
+        help=summary,
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **kwargs,
+    )
 
 
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(text)
-    return value
-
-
-_non_negative_float.__name__ = "finite number >= 0"
+positive_int = argument_type(int, lambda value: value > 0, "positive int")
+_non_negative_float = argument_type(
+    float, lambda value: value >= 0 and value != float("inf"), "finite number >= 0"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,18 +147,18 @@ def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog="deltalab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     commands = parser.add_subparsers(dest="command", required=True)
 
     from deltalab.train.config import config_help
 
-    train = commands.add_parser(
+    train = add_command(
+        commands,
         "train",
-        help="train a language model (default: a tiny Muir on the Python standard library)",
-        description="Train a language model. Fields are set by a YAML/JSON file and dotted "
-        "overrides (section.field=value, values in YAML syntax), later ones winning.",
+        "train a language model (default: a tiny Muir on the Python standard library)",
+        "Train a language model. Fields are set by a YAML/JSON file and dotted overrides "
+        "(section.field=value, values in YAML syntax), later ones winning.",
         epilog="fields:\n" + config_help(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--config", default=None, help="a YAML or JSON run config")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
@@ -182,11 +196,11 @@ def _main(argv: list[str] | None) -> int:
     generate = commands.add_parser("generate", help="continue a prompt with a saved checkpoint")
     generate.add_argument("checkpoint", help="a save_pretrained directory")
     generate.add_argument("prompt")
-    generate.add_argument("--max-new-tokens", type=_positive_int, default=200)
+    generate.add_argument("--max-new-tokens", type=positive_int, default=200)
     generate.add_argument(
         "--temperature", type=_non_negative_float, default=0.0, help=">= 0; 0: greedy"
     )
-    generate.add_argument("--top-k", type=_positive_int, default=None)
+    generate.add_argument("--top-k", type=positive_int, default=None)
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--tokenizer", default=None, help='"byte" or a local tokenizer path')
     generate.add_argument("--device", default="cpu")

@@ -24,16 +24,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from deltalab.cli import add_command
+
 __all__ = ["add_parser", "run_eval"]
 
 
 def add_parser(commands: Any) -> None:
     """Adds the `eval` subcommand to the `deltalab` parser's subcommands."""
-    parser = commands.add_parser(
+    parser = add_command(
+        commands,
         "eval",
-        help="evaluate checkpoints: perplexity, streaming, MQAR, passkey, needles, lm-eval",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "evaluate checkpoints: perplexity, streaming, MQAR, passkey, needles, lm-eval",
+        __doc__,
     )
     parser.add_argument(
         "overrides", nargs="*", metavar="CHECKPOINT|name=value", help="checkpoints and settings"

@@ -208,7 +208,7 @@ def _tables(results: dict[str, Any]) -> str:
 
 def plot_erase_write(results: dict[str, Any], path: Path) -> Path:
     """The erase/write sensitivity ratio per layer (state and loss; trained and at init)."""
-    from deltalab.analysis._plot import new_figure, save_figure
+    from deltalab.analysis._plot import finish_figure, new_figure
 
     figure = new_figure(figsize=(7, 4))
     ax = figure.add_subplot(1, 1, 1)
@@ -224,9 +224,7 @@ def plot_erase_write(results: dict[str, Any], path: Path) -> Path:
     ax.set_xticks(range(len(layers)), layers, rotation=30, ha="right")
     ax.set_ylabel("erase / write sensitivity")
     ax.set_title("erase vs write gate sensitivity per layer (below 1: erase matters less)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return save_figure(figure, path)
+    return finish_figure(figure, ax, path, legend_size=8)
 
 
 def gate_sensitivity(settings: GateSensitivitySettings, ctx: TaskContext) -> TaskOutcome:

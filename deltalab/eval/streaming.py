@@ -110,7 +110,7 @@ def streaming(settings: StreamingSettings, ctx: TaskContext) -> TaskOutcome:
 def plot_streaming(runs: list[tuple[str, dict[str, Any]]], path: Path) -> Path:
     """Loss against position (log scale) for every run on one figure; a dotted line marks each
     run's trained length."""
-    from deltalab.analysis._plot import new_figure, save_figure
+    from deltalab.analysis._plot import finish_figure, new_figure
 
     fig = new_figure(figsize=(7, 4))
     ax = fig.add_subplot(1, 1, 1)
@@ -128,6 +128,4 @@ def plot_streaming(runs: list[tuple[str, dict[str, Any]]], path: Path) -> Path:
     ax.set_xlabel("position in the stream (tokens)")
     ax.set_ylabel("loss (nats / token)")
     ax.set_title("streaming extrapolation (dotted: trained length)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return save_figure(fig, path)
+    return finish_figure(fig, ax, path, legend_size=8)

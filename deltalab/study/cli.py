@@ -42,15 +42,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from deltalab.cli import add_command
+
 __all__ = ["add_parser", "format_plan", "run_study"]
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser(
+    parser = add_command(
+        commands,
         "study",
-        help="a grid of runs (mixers x seeds x lrs x sizes), their evals, one report",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "a grid of runs (mixers x seeds x lrs x sizes), their evals, one report",
+        __doc__,
     )
     parser.add_argument("spec", help="a study spec (YAML)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan; run nothing")

@@ -159,7 +159,7 @@ def task_figure(plan: StudyPlan, group: dict[str, Any], path: Path) -> Path | No
 
 
 def scaling_figure(plan: StudyPlan, data: dict[str, Any], path: Path) -> Path | None:
-    from deltalab.analysis._plot import new_figure, save_figure
+    from deltalab.analysis._plot import finish_figure, new_figure
 
     if len(plan.sizes) < 2:
         return None
@@ -187,6 +187,4 @@ def scaling_figure(plan: StudyPlan, data: dict[str, Any], path: Path) -> Path | 
     axes.set_xscale("log")
     axes.set_xlabel("non-embedding parameters")
     axes.set_ylabel("test perplexity (mean over seeds, each variant at its chosen rate)")
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=7)
-    return save_figure(figure, path)
+    return finish_figure(figure, axes, path, legend_size=7)

@@ -241,24 +241,7 @@ def kdn_gain_iso(
         p_bar_t / (predictive_t + r_t)). Float64 when any input is float64, else float32.
         With `route_inputs`, then k and g for the delta rule (`routed_inputs`), as given.
     """
-    # One block holds the checks and the work they guard, as in the mixers (mixers._kdn has
-    # the reasoning): the answers are sent before the work and read once after it.
-    with one_host_read():
-        k = check_keys(k, "B, T, H")
-        g = check_decay(g, k, "B, T, H")
-        check_noise(q_noise, r, k, "B, T, H", per_channel_process=False)
-        batch, _, heads, key_dim = k.shape
-        p_prior = prior_variance(p0, initial_precision, batch, (heads,))
-        scale = check_info_scale(info_scale, key_dim)
-        named = {"k": k, "g": g, "q_noise": q_noise, "r": r, "p0": p0}
-        require_same_device({**named, "initial_precision": initial_precision})
-        scan = resolve_backend(require_choice("backend", backend, BACKENDS), k.device)
-        # In the state dtype: p_prior's (the rest may come in 16-bit, read as it is by the
-        # kernels and cast by the PyTorch path).
-        dtype = state_dtype(*named.values(), initial_precision)
-        send_answers()
-        gains = iso_gain(k, g, q_noise, r, p_prior.to(dtype), scale, scan)
-    return _returned(gains, output_predictive, (k, g) if route_inputs else None)
+    return _checked_gains(False, **locals())
 
 
 def kdn_gain_diag(
@@ -278,10 +261,7 @@ def kdn_gain_diag(
     """Diagonal KDN gains: one variance per head and key channel, scanned over time.
 
     Args:
-        k: keys `[B, T, H, K]`.
-        g: log decays (<= 0), per channel `[B, T, H, K]` or per head `[B, T, H]`.
-        q_noise: process-noise variances (>= 0) `[B, T, H, K]`.
-        r: observation-noise variances (> 0) `[B, T, H]`.
+        k, g, q_noise, r: keys `[B, T, H, K]` and the noise model, as for `kdn_diag`.
         p0: prior variances (> 0): per head `[H]` (the same for every channel), shared
             `[H, K]` or per sequence `[B, H, K]`.
         info_scale: evidence scale s (> 0); defaults to K.
@@ -301,12 +281,34 @@ def kdn_gain_diag(
         `gain_dtype` when given). With `route_inputs`, then k and g for the delta rule
         (`routed_inputs`), as given.
     """
-    with one_host_read():  # checks and work in one block, as in kdn_gain_iso
+    return _checked_gains(True, **locals())
+
+
+def _checked_gains(
+    diagonal: bool,
+    *,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    q_noise: torch.Tensor,
+    r: torch.Tensor,
+    p0: torch.Tensor,
+    info_scale: float | None,
+    initial_precision: torch.Tensor | None,
+    backend: str,
+    output_predictive: bool,
+    route_inputs: bool,
+    gain_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """`kdn_gain_diag` (diagonal) or `kdn_gain_iso`, their arguments by name. One block holds
+    the checks and the work they guard, as in the mixers (mixers._kdn has the reasoning): the
+    answers are sent before the work and read once after it."""
+    with one_host_read():
         k = check_keys(k, "B, T, H")
         g = check_decay(g, k, "B, T, H")
-        check_noise(q_noise, r, k, "B, T, H", per_channel_process=True)
+        check_noise(q_noise, r, k, "B, T, H", per_channel_process=diagonal)
         batch, _, heads, key_dim = k.shape
-        p_prior = prior_variance(p0, initial_precision, batch, (heads, key_dim), per_head=True)
+        tail = (heads, key_dim) if diagonal else (heads,)
+        p_prior = prior_variance(p0, initial_precision, batch, tail, per_head=diagonal)
         scale = check_info_scale(info_scale, key_dim)
         named = {"k": k, "g": g, "q_noise": q_noise, "r": r, "p0": p0}
         require_same_device({**named, "initial_precision": initial_precision})
@@ -315,7 +317,10 @@ def kdn_gain_diag(
         # kernels and cast by the PyTorch path).
         dtype = state_dtype(*named.values(), initial_precision)
         send_answers()
-        gains = diag_gain(k, g, q_noise, r, p_prior.to(dtype), scale, scan, gain_dtype=gain_dtype)
+        if diagonal:
+            gains = diag_gain(k, g, q_noise, r, p_prior.to(dtype), scale, scan, gain_dtype)
+        else:
+            gains = iso_gain(k, g, q_noise, r, p_prior.to(dtype), scale, scan)
     return _returned(gains, output_predictive, (k, g) if route_inputs else None)
 
 

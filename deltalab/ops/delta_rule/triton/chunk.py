@@ -236,6 +236,39 @@ def _offsets(K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr
 
 
 @triton.jit
+def _state_or_zeros(at, mask, PRESENT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """A walk's first [BK, BV] float32 block: loaded at `at` when PRESENT (an initial state, a
+    final state's gradient), else zeros."""
+    if PRESENT:
+        return tl.load(at, mask=mask, other=0.0).to(tl.float32)
+    return tl.zeros([BK, BV], dtype=tl.float32)
+
+
+@triton.jit
+def _decayed(decay, chunk, rk, mk, s, K: tl.constexpr):
+    """decay_i * S: the chunk's decays [K] (float32) scaling the rows of S."""
+    d = tl.load(decay + chunk * K + rk, mask=mk, other=0.0)
+    return d[:, None] * s
+
+
+@triton.jit
+def _residual_rows(erase, target, s, rows, ck, cv, mk, mv, K: tl.constexpr, V: tl.constexpr,
+                   PRECISION: tl.constexpr, LOW_DOTS: tl.constexpr):  # fmt: skip
+    """N = target - erase S over the chunk rows at `rows` [BC, BV], float32."""
+    e = _operand(tl.load(erase + rows * K + ck, mask=mk[None, :], other=0.0), erase, LOW_DOTS)
+    t = tl.load(target + rows * V + cv, mask=mv[None, :], other=0.0).to(tl.float32)
+    return t - tl.dot(e, s.to(e.dtype), input_precision=PRECISION)
+
+
+@triton.jit
+def _written(write, n, rows, ck, mk, K: tl.constexpr, PRECISION: tl.constexpr,
+             LOW_DOTS: tl.constexpr):  # fmt: skip
+    """write^T N over the chunk rows at `rows`: their share of the next state [BK, BV]."""
+    w = _operand(tl.load(write + rows * K + ck, mask=mk[None, :], other=0.0), write, LOW_DOTS)
+    return tl.dot(tl.trans(w), n.to(w.dtype), input_precision=PRECISION)
+
+
+@triton.jit
 def _state_pass_fwd(
     read, attend, erase, target, write, decay, initial, out, residual, states, final,
     n_chunks, seg_len, n_seg, keep_every, TN, H, T, CS,
@@ -259,10 +292,7 @@ def _state_pass_fwd(
     walk, rk, rv, rc, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
     bh = walk // n_seg
     start = (walk % n_seg) * seg_len
-    if HAS_INITIAL:
-        s = tl.load(initial + walk * K * V + kv, mask=mkv, other=0.0).to(tl.float32)
-    else:
-        s = tl.zeros([BK, BV], dtype=tl.float32)
+    s = _state_or_zeros(initial + walk * K * V + kv, mkv, HAS_INITIAL, BK, BV)
     n_kept = tl.cdiv(n_chunks, keep_every)
     for i in range(start, tl.minimum(start + seg_len, n_chunks)):
         chunk = bh * n_chunks + i
@@ -270,17 +300,12 @@ def _state_pass_fwd(
         kept = (bh * n_kept + i // keep_every).to(tl.int64)
         # (kv * 0 + ...: the condition as a tile, which the interpreter's masks require.)
         tl.store(states + kept * K * V + kv, s, mask=mkv & (kv * 0 + i % keep_every == 0))
-        d = tl.load(decay + chunk * K + rk, mask=mk, other=0.0)
-        s_next = d[:, None] * s
+        s_next = _decayed(decay, chunk, rk, mk, s, K)
         # Row blocks in order: block rb's outputs need the residuals of blocks <= rb, which
         # this program wrote to `residual` before the barrier (same CTA: visible after it).
         for rb in range(C // BC):
             rows = chunk * C + rb * BC
-            e = _operand(
-                tl.load(erase + rows * K + ck, mask=mk[None, :], other=0.0), erase, LOW_DOTS
-            )
-            t = tl.load(target + rows * V + cv, mask=mv[None, :], other=0.0).to(tl.float32)
-            n = t - tl.dot(e, s.to(e.dtype), input_precision=PRECISION)
+            n = _residual_rows(erase, target, s, rows, ck, cv, mk, mv, K, V, PRECISION, LOW_DOTS)
             if STORE_RESIDUAL:
                 tl.store(residual + rows * V + cv, n, mask=mv[None, :])
             if WRITE_OUT:
@@ -300,10 +325,7 @@ def _state_pass_fwd(
                 tokens = out_offset + (rb * BC + rc)[:, None] * (H * V) + rv[None, :]
                 present = ((rb * BC + rc) < valid)[:, None] & mv[None, :]
                 tl.store(out + tokens, o.to(out.dtype.element_ty), mask=present)
-            w = _operand(
-                tl.load(write + rows * K + ck, mask=mk[None, :], other=0.0), write, LOW_DOTS
-            )
-            s_next += tl.dot(tl.trans(w), n.to(w.dtype), input_precision=PRECISION)
+            s_next += _written(write, n, rows, ck, mk, K, PRECISION, LOW_DOTS)
         s = s_next
     tl.store(final + walk * K * V + kv, s, mask=mkv)
 
@@ -320,16 +342,12 @@ def _state_pass_bwd(
     dtype; everything else chunked float32. LOW_DOTS as `_state_pass_fwd`'s (dS, dN and dO
     rounded to the operators' dtype in the products)."""
     bh, rk, rv, rc, mk, mv, kv, mkv, ck, cv, cc = _offsets(K, V, C, BK, BV, BC)
-    if HAS_D_FINAL:
-        ds = tl.load(d_final + bh * K * V + kv, mask=mkv, other=0.0).to(tl.float32)
-    else:
-        ds = tl.zeros([BK, BV], dtype=tl.float32)
+    ds = _state_or_zeros(d_final + bh * K * V + kv, mkv, HAS_D_FINAL, BK, BV)
     for j in range(n_chunks):
         chunk = bh * n_chunks + (n_chunks - 1 - j)
         out_offset, valid = _token_offset(chunk, TN, H, T, CS, V)
         tl.store(d_next + chunk * K * V + kv, ds, mask=mkv)
-        d = tl.load(decay + chunk * K + rk, mask=mk, other=0.0)
-        ds_before = d[:, None] * ds
+        ds_before = _decayed(decay, chunk, rk, mk, ds, K)
         for cb in range(C // BC):
             cols = chunk * C + cb * BC
             # dN of column block cb: attend^T dO over row blocks rb >= cb (attend is lower
@@ -413,27 +431,16 @@ def _state_pass_split_fwd(
     walk, rk, _, _, mk, mv, kv, mkv, ck, cv, _ = _offsets(K, V, C, BK, BV, BC)
     bh = walk // n_seg
     start = (walk % n_seg) * seg_len
-    if HAS_INITIAL:
-        s = tl.load(initial + walk * K * V + kv, mask=mkv, other=0.0).to(tl.float32)
-    else:
-        s = tl.zeros([BK, BV], dtype=tl.float32)
+    s = _state_or_zeros(initial + walk * K * V + kv, mkv, HAS_INITIAL, BK, BV)
     for i in range(start, tl.minimum(start + seg_len, n_chunks)):
         chunk = bh * n_chunks + i
         tl.store(states + chunk * K * V + kv, s, mask=mkv)
-        d = tl.load(decay + chunk * K + rk, mask=mk, other=0.0)
-        s_next = d[:, None] * s
+        s_next = _decayed(decay, chunk, rk, mk, s, K)
         for rb in range(C // BC):
             rows = chunk * C + rb * BC
-            e = _operand(
-                tl.load(erase + rows * K + ck, mask=mk[None, :], other=0.0), erase, LOW_DOTS
-            )
-            t = tl.load(target + rows * V + cv, mask=mv[None, :], other=0.0).to(tl.float32)
-            n = t - tl.dot(e, s.to(e.dtype), input_precision=PRECISION)
+            n = _residual_rows(erase, target, s, rows, ck, cv, mk, mv, K, V, PRECISION, LOW_DOTS)
             tl.store(residual + rows * V + cv, n, mask=mv[None, :])
-            w = _operand(
-                tl.load(write + rows * K + ck, mask=mk[None, :], other=0.0), write, LOW_DOTS
-            )
-            s_next += tl.dot(tl.trans(w), n.to(w.dtype), input_precision=PRECISION)
+            s_next += _written(write, n, rows, ck, mk, K, PRECISION, LOW_DOTS)
         s = s_next
     tl.store(final + walk * K * V + kv, s, mask=mkv)
 
@@ -507,10 +514,7 @@ def _state_pass_split_bwd(
     P and turns into dN; the slot of dS_i (d_next of chunk i - 1, or d_initial) holds Q_i and
     turns into dS_i; d_next of the last chunk is dS_n = d_final (or 0)."""
     bh, rk, _, _, mk, mv, kv, mkv, ck, cv, _ = _offsets(K, V, C, BK, BV, BC)
-    if HAS_D_FINAL:
-        ds = tl.load(d_final + bh * K * V + kv, mask=mkv, other=0.0).to(tl.float32)
-    else:
-        ds = tl.zeros([BK, BV], dtype=tl.float32)
+    ds = _state_or_zeros(d_final + bh * K * V + kv, mkv, HAS_D_FINAL, BK, BV)
     tl.store(d_next + (bh * n_chunks + n_chunks - 1) * K * V + kv, ds, mask=mkv)
     for j in range(n_chunks):
         i = n_chunks - 1 - j
@@ -724,6 +728,20 @@ def _walk_fused(ops, starts, every: int, precision: str, out=None, tokens=None,
     return out, residual if keep_residuals else None, states, ends
 
 
+def _adjoint_buffers(ops, d_out: torch.Tensor, tokens: Tokens | None):
+    """The adjoint walks' token map (`tokens`, or d_out's chunks when None) and their outputs,
+    uninitialized: dN [B, H, n, C, V], dS after each chunk [B, H, n, K, V], d initial
+    state [B, H, K, V]."""
+    batch, heads, n_chunks, size, key_dim = ops.read.shape
+    value_dim = d_out.shape[-1]
+    tokens = Tokens.of_chunks(d_out) if tokens is None else tokens
+    device = d_out.device
+    d_residual = torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
+    d_next = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
+    d_initial = torch.empty(batch, heads, key_dim, value_dim, device=device)
+    return tokens, d_residual, d_next, d_initial
+
+
 def state_pass_triton_backward(
     ops, d_out: torch.Tensor, d_final: torch.Tensor | None, precision: str = "ieee",
     tokens: Tokens | None = None, walk_dots: str = "operators", table: DeltaRuleLaunch = LAUNCH,
@@ -733,11 +751,7 @@ def state_pass_triton_backward(
     chunked [B, H, n, C, V] float32 (tokens=None). `table`: the launch table."""
     batch, heads, n_chunks, size, key_dim = ops.read.shape
     value_dim = d_out.shape[-1]
-    tokens = Tokens.of_chunks(d_out) if tokens is None else tokens
-    device = d_out.device
-    d_residual = torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
-    d_next = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
-    d_initial = torch.empty(batch, heads, key_dim, value_dim, device=device)
+    tokens, d_residual, d_next, d_initial = _adjoint_buffers(ops, d_out, tokens)
     grid, consts = _launch(value_dim, batch * heads, size, key_dim, precision, ops.read.dtype,
                            walk_dots, table)  # fmt: skip
     _state_pass_bwd[grid](
@@ -841,11 +855,7 @@ def state_pass_split_triton_backward(
     returns, and no memory beyond them."""
     batch, heads, n_chunks, size, key_dim = ops.read.shape
     value_dim = d_out.shape[-1]
-    tokens = Tokens.of_chunks(d_out) if tokens is None else tokens
-    device = d_out.device
-    d_residual = torch.empty(batch, heads, n_chunks, size, value_dim, device=device)
-    d_next = torch.empty(batch, heads, n_chunks, key_dim, value_dim, device=device)
-    d_initial = torch.empty(batch, heads, key_dim, value_dim, device=device)
+    tokens, d_residual, d_next, d_initial = _adjoint_buffers(ops, d_out, tokens)
     walk, parallel = _split_launch(value_dim, size, key_dim, precision, table)
     _state_pass_split_dout[(triton.cdiv(value_dim, parallel["BV"]) * batch * heads * n_chunks,)](
         ops.read, ops.attend, d_out, d_residual, d_next, d_initial, n_chunks, *tokens.args(),
