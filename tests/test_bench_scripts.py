@@ -5,11 +5,13 @@ file whose header says on what machine and at what commit it was measured."""
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -122,8 +124,6 @@ SMOKE = {
     "ops": (["ops", "--tiny", "--parts", "time", "--chunk-sizes", "64", "--only", "gdn2_c64",
              "sdpa", "--shapes", "1x16x1x16"], True, "time"),
     "kdn": (["kdn", "--tiny", "--gain-chunks"], True, "gain_chunks"),
-    "tune": (["tune", "--device", "cpu", "--shape", "1x32x1x16", "--stages", "intra"], True,
-             "rows"),
     "small_ops sweep": (["small_ops", "--tiny", "--ops", "short_conv", "--sweep"], True,
                         "short_conv_sweep"),
     "decode latency": (["decode", "latency", "--tiny", "--mixers", "gdn2"], False, "results"),
@@ -159,6 +159,58 @@ def test_suite_smoke_run_writes_its_results_under_the_header(name, tmp_path):
         report["header"]
     )
     assert report[key], f"{name}: nothing under {key!r}"
+
+
+def test_tune_writes_its_best_table_which_the_lookup_reads_back(tmp_path):
+    """The tuner's CPU smoke run: its best table, written to --table-dir as the card's file, is
+    the table the lookup then takes for that card, and its JSON holds the shipped table's time
+    over the best one's, per stage and over the stages."""
+    needs_triton()
+    from benchmarks.tune_triton import card
+    from deltalab.ops.delta_rule.triton.chunk import LAUNCH, LAUNCH_TABLES
+    from deltalab.ops.launch_tables import table_from_dict
+
+    argv = ["tune", "--device", "cpu", "--shape", "1x32x1x16", "--stages", "intra",
+            "--table-dir", str(tmp_path / "tables")]  # fmt: skip
+    report = run_suite(argv, tmp_path / "out.json")
+    assert {"machine", "torch", "commit", "command"} <= set(report["header"])
+    assert report["table_file"] == str(tmp_path / "tables" / f"{report['device_key']}.json")
+    read_back = LAUNCH_TABLES.resolve(card("cpu"), tmp_path / "tables")
+    assert read_back == table_from_dict(LAUNCH, report["table"], "table")
+    rows = [r for r in report["rows"] if "error" not in r]
+    assert rows[0]["setting"] == "{}"  # the shipped table first
+    times = [r["fwd_ms"] + r["bwd_ms"] for r in rows]
+    intra = report["stages"]["intra"]
+    assert intra["shipped_ms"] == times[0] and intra["best_ms"] == min(times)
+    assert report["shipped_over_best"] == pytest.approx(times[0] / min(times))
+    # On a CPU the shipped table is the default one; the best row's fields applied to it.
+    assert read_back.intra == replace(LAUNCH.intra, **ast.literal_eval(intra["best"]))
+
+
+def test_the_best_table_takes_each_stages_fastest_candidate_and_reports_conflicts():
+    """Rows that widen the products or change the result are no candidates; a field two stages'
+    winners set differently keeps the first stage's, reported."""
+    pytest.importorskip("triton")
+    from benchmarks.tune_triton import best_table
+    from deltalab.ops.delta_rule.triton.chunk import LAUNCH
+
+    settings = [{}, {"block": 128}, {}, {"num_warps": 4, "block_v": 32},
+                {"num_warps": 2, "walk_dots": "float32"}, {"num_warps": 2, "block_v": 16},
+                {}, {"num_warps": 2, "operator_block_v": 64}]  # fmt: skip
+    timing = [("intra", 2.0, 0), ("intra", 1.0, 0), ("state_pass", 4.0, 0),
+              ("state_pass", 3.0, 0), ("state_pass", 1.0, 0), ("state_pass", 0.5, 0.5),
+              ("operator_grads", 2.0, 0), ("operator_grads", 1.0, 0)]  # fmt: skip
+    rows = [{"stage": stage, "setting": str(s), "fwd_ms": ms, "bwd_ms": None, "max_diff": diff}
+            for (stage, ms, diff), s in zip(timing, settings, strict=True)]  # fmt: skip
+    table, stages, conflicts = best_table(LAUNCH, rows, dict(enumerate(settings)))
+    assert table.intra.block == 128 and table.block_v == 32 and table.num_warps == 4
+    assert table.operator_block_v == 64
+    assert conflicts == ["num_warps: operator_grads chose 2, state_pass kept 4"]
+    assert {k: s["ratio"] for k, s in stages.items()} == {
+        "intra": 2.0,
+        "state_pass": 4.0 / 3.0,
+        "operator_grads": 2.0,
+    }
 
 
 def test_train_smoke_run_reports_each_mixer_throughput(tmp_path):

@@ -5,6 +5,7 @@ Skipped where no GPU is present (CI); everything checked here has a CPU test bes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -347,3 +348,19 @@ def test_cuda_graphed_training_follows_the_eager_loss_curve(tmp_path, capsys, mi
     torch.testing.assert_close(
         torch.tensor(graphed.losses), torch.tensor(eager.losses), rtol=0, atol=2e-3
     )
+
+
+def test_cuda_an_h100_or_h200_takes_the_launch_tables_shipped_for_its_own_name():
+    """The shipped files are named by the keys these cards' CUDA names give (else they would
+    take their family's table, silently)."""
+    pytest.importorskip("triton")
+    from deltalab.ops.delta_rule.triton.chunk import LAUNCH_TABLES
+    from deltalab.ops.launch_tables import BUILTIN_DIRECTORY, device_properties, read_table_file
+
+    card = device_properties(torch.device("cuda"))
+    if not any(name in card.name for name in ("H100", "H200")):
+        pytest.skip(f"no table is shipped for {card.name}")
+    path = BUILTIN_DIRECTORY / f"{card.key}.json"
+    assert path.exists(), f"{card.name}: no {path.name} among the shipped tables"
+    shipped = read_table_file(path)["tables"]["delta_rule"]
+    assert dataclasses.asdict(LAUNCH_TABLES.builtin(card)) == shipped

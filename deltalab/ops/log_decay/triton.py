@@ -45,6 +45,7 @@ from deltalab.ops._triton import (
     row_stride,
     spread_row_blocks,
 )
+from deltalab.ops.launch_tables import LaunchRegistry
 from deltalab.ops.log_decay.reference import compute_dtype
 
 # torch's softplus threshold (beta = 1): above it softplus(x) = x.
@@ -60,6 +61,8 @@ THRESHOLD = 20.0
 LAUNCH = RowLaunch(forward_elements=4096, backward_elements=2048, forward_per_thread=16,
                    backward_per_thread=16, max_warps=8, max_columns=1024,
                    backward_programs=1024)  # fmt: skip
+# The table per card (`deltalab.ops.launch_tables`), for calls given none.
+LAUNCH_TABLES = LaunchRegistry("log_decay", LAUNCH)
 
 
 @triton.jit
@@ -220,12 +223,14 @@ class _LogDecay(torch.autograd.Function):
 
 @opaque_to_compiler
 def log_decay_triton(
-    a: torch.Tensor, raw: torch.Tensor, b: torch.Tensor, *, table: RowLaunch = LAUNCH
+    a: torch.Tensor, raw: torch.Tensor, b: torch.Tensor, *, table: RowLaunch | None = None
 ) -> torch.Tensor:
     """-exp(a) softplus(raw + b) by the kernels, validated inputs: a, b `[N]` (the parameters
     expanded to raw's trailing dims and flattened), raw `[..., trailing dims]`; the result in
     raw's shape and `compute_dtype(raw)`, computed in float32. raw must hold an element (the
-    dispatcher sends empty ones to the torch path). `table`: the launch table."""
+    dispatcher sends empty ones to the torch path). `table`: the launch table (None: raw's
+    device's)."""
+    table = LAUNCH_TABLES.launch_table_for(raw.device) if table is None else table
     width = a.shape[0]
     g = _LogDecay.apply(a, as_rows(raw.reshape(-1, width)), b, compute_dtype(raw), table)
     return g.view(raw.shape)

@@ -45,6 +45,7 @@ from deltalab.ops._triton import (
     row_stride,
     spread_row_blocks,
 )
+from deltalab.ops.launch_tables import LaunchRegistry
 from deltalab.ops.norms.reference import compute_dtype, l2_normalize_naive, rms_norm_naive
 
 # Elements (BM rows x BN columns) a program holds in its tile, and the elements a thread holds
@@ -57,6 +58,8 @@ from deltalab.ops.norms.reference import compute_dtype, l2_normalize_naive, rms_
 # then 1024 x N x 4 bytes (4 MiB at N = 1024). BN covers the whole row.
 LAUNCH = RowLaunch(forward_elements=4096, backward_elements=2048, forward_per_thread=16,
                    backward_per_thread=8, max_warps=16, backward_programs=1024)  # fmt: skip
+# The table per card (`deltalab.ops.launch_tables`), for calls given none.
+LAUNCH_TABLES = LaunchRegistry("norms", LAUNCH)
 # The gate's activation, a constexpr of the kernels.
 NO_GATE, SIGMOID, SILU = 0, 1, 2
 GATES = {None: NO_GATE, "sigmoid": SIGMOID, "silu": SILU}
@@ -246,11 +249,13 @@ def rms_norm_triton(
     activation: str,
     out_dtype: torch.dtype | None,
     *,
-    table: RowLaunch = LAUNCH,
+    table: RowLaunch | None = None,
 ) -> torch.Tensor:
     """The RMS norm (gated when `gate` is given) by the kernels, validated inputs: x and gate
     `[..., N]`, weight `[N]`; the result `[..., N]` in `out_dtype` (None: the compute dtype,
-    as the torch path returns), computed in float32. `table`: the launch table."""
+    as the torch path returns), computed in float32. `table`: the launch table (None: x's
+    device's)."""
+    table = LAUNCH_TABLES.launch_table_for(x.device) if table is None else table
     out_dtype = compute_dtype(x) if out_dtype is None else out_dtype
     if x.numel() == 0:
         return rms_norm_naive(x, weight, eps, gate, activation).to(out_dtype)
@@ -268,5 +273,6 @@ def l2_normalize_triton(x: torch.Tensor, eps: float) -> torch.Tensor:
     dtype out. Keeps y, not x, for the backward (`reference._L2NormFunction` says why)."""
     if x.numel() == 0:
         return l2_normalize_naive(x, eps)
-    y = _Norm.apply(as_rows(x), None, None, float(eps), False, None, x.dtype, True, LAUNCH)
+    table = LAUNCH_TABLES.launch_table_for(x.device)
+    y = _Norm.apply(as_rows(x), None, None, float(eps), False, None, x.dtype, True, table)
     return y.view(x.shape)

@@ -45,7 +45,7 @@ from deltalab.ops._triton import RowLaunch, as_rows, opaque_to_compiler, row_str
 # The launch table is the log decay's (the same rows of elementwise work; the backward holds q,
 # raw and dout per element and keeps one float32 row `[BN]` a program): first guesses for
 # both, to be tuned on the GPU (`python -m benchmarks small_ops --ops read_gate`).
-from deltalab.ops.log_decay.triton import LAUNCH, launch
+from deltalab.ops.log_decay.triton import LAUNCH_TABLES, launch
 
 # Where rho leaves the direct form for the log domain (module docstring): exp(80) and
 # exp(-80) are normal float32 numbers with room to spare. (constexpr: the compiled kernels may
@@ -248,13 +248,14 @@ class _ReadGate(torch.autograd.Function):
 @opaque_to_compiler
 def read_query_triton(
     q: torch.Tensor, r: torch.Tensor | None, raw: torch.Tensor | None, *,
-    table: RowLaunch = LAUNCH,
+    table: RowLaunch | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """q * exp(r) (* 2 sigmoid(raw)) by the kernels, validated inputs: r `[N]` (read_log
     expanded to q's trailing dims and flattened; None: rho = sigmoid(raw), `sigmoid_gate_triton`
     with raw of q's shape), q and raw `[..., trailing dims]`; the result in q's shape and dtype,
     computed in float32. q must hold an element (the dispatcher sends empty ones to the torch
-    path). `table`: the launch table."""
+    path). `table`: the launch table (None: q's device's, the log decay's)."""
+    table = LAUNCH_TABLES.launch_table_for(q.device) if table is None else table
     width = q.shape[-1] if r is None else r.shape[0]
     rows_raw = None if raw is None else as_rows(raw.reshape(-1, width))
     out = _ReadGate.apply(as_rows(q.reshape(-1, width)), r, rows_raw, table)

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from deltalab.ops._triton import RowLaunch, as_rows, opaque_to_compiler, row_stride
+from deltalab.ops.launch_tables import LaunchRegistry
 from deltalab.ops.swiglu.reference import swiglu_naive
 
 # Elements (BM rows x BF columns) a program holds in its tile, and the elements a thread holds
@@ -35,6 +36,8 @@ from deltalab.ops.swiglu.reference import swiglu_naive
 # (python -m benchmarks small_ops --ops swiglu).
 LAUNCH = RowLaunch(forward_elements=4096, backward_elements=2048, forward_per_thread=16,
                    backward_per_thread=8, max_warps=16, max_columns=256)  # fmt: skip
+# The table per card (`deltalab.ops.launch_tables`), for calls given none.
+LAUNCH_TABLES = LaunchRegistry("swiglu", LAUNCH)
 
 
 @triton.jit
@@ -128,9 +131,10 @@ class _SwiGLU(torch.autograd.Function):
 
 
 @opaque_to_compiler
-def swiglu_triton(gate_up: torch.Tensor, *, table: RowLaunch = LAUNCH) -> torch.Tensor:
+def swiglu_triton(gate_up: torch.Tensor, *, table: RowLaunch | None = None) -> torch.Tensor:
     """silu(gate) * up by the kernels, validated gate_up `[..., 2F]`; `[..., F]` in gate_up's
-    dtype, computed in float32. `table`: the launch table."""
+    dtype, computed in float32. `table`: the launch table (None: gate_up's device's)."""
+    table = LAUNCH_TABLES.launch_table_for(gate_up.device) if table is None else table
     if gate_up.numel() == 0:
         return swiglu_naive(gate_up)
     h = _SwiGLU.apply(as_rows(gate_up), table)

@@ -69,6 +69,7 @@ from deltalab.ops.delta_rule.triton.solve import (
     solve_triton,
     solve_triton_backward,
 )
+from deltalab.ops.launch_tables import LaunchRegistry
 from deltalab.ops.options import DEFAULT_OPTIONS, KernelOptions
 
 
@@ -206,6 +207,9 @@ class DeltaRuleLaunch:
 
 
 LAUNCH = DeltaRuleLaunch()
+# The table per card (`deltalab.ops.launch_tables`): `delta_rule_triton` takes the one for its
+# inputs' device when given none.
+LAUNCH_TABLES = LaunchRegistry("delta_rule", LAUNCH)
 
 
 @triton.jit
@@ -1137,7 +1141,7 @@ def delta_rule_triton(
     options: KernelOptions = DEFAULT_OPTIONS,
     qk_l2norm: bool = False,
     *,
-    table: DeltaRuleLaunch = LAUNCH,
+    table: DeltaRuleLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated inputs in their own dtype (bf16, fp16 or fp32); computes in float32 with float32
     state and accumulators, and stores the chunk operators between kernels as
@@ -1149,9 +1153,10 @@ def delta_rule_triton(
     coarser than TF32's), but for the state pass's walks, which multiply the 16-bit operators
     as stored (`options.walk_dots`), and for float32 inputs only when PyTorch is allowed TF32
     for float32 matrix products (`torch.set_float32_matmul_precision("high")`), as its own
-    matmuls are. `table`: the launch table (tests pass small ones to reach at tiny shapes the
-    paths of large ones).
+    matmuls are. `table`: the launch table (None: the one for q's device, `LAUNCH_TABLES`; tests
+    pass small ones to reach at tiny shapes the paths of large ones).
     """
+    table = LAUNCH_TABLES.launch_table_for(q.device) if table is None else table
     # Any input in bf16/fp16 (a float32 gate times a bf16 projection still carries its rounding).
     low_precision = _low_precision(*_precision_inputs(q, a, b, u)) is not None
     allowed = torch.get_float32_matmul_precision() != "highest"
