@@ -130,8 +130,10 @@ def _run(args: argparse.Namespace) -> int:
     )
     train_tokenizer(corpus, args.vocab, out, min_frequency=args.min_frequency)
     record = json.loads((out / TRAINING_NAME).read_text())
+    size = record["vocab_size"]
+    short = "" if size >= args.vocab else f" (asked {args.vocab}: the corpus gave no more merges)"
     print(
-        f"{record['vocab_size']} tokens learned from {record['documents']} documents "
+        f"vocabulary of {size}{short} from {record['documents']} documents "
         f"({record['text_bytes']:,} bytes) of {args.source}; use data.tokenizer={out}"
     )
     return 0

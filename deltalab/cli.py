@@ -172,9 +172,11 @@ def _main(argv: list[str] | None) -> int:
         "directory) as a Hugging Face directory: weights, config and the run's tokenizer.",
     )
     export.add_argument(
-        "checkpoint", help="a run directory (its newest complete checkpoint) or one checkpoint"
+        "checkpoint",
+        metavar="CKPT",
+        help="a run directory (its newest complete checkpoint) or one checkpoint",
     )
-    export.add_argument("out", help="the directory to write (new or empty)")
+    export.add_argument("out", metavar="OUT", help="the directory to write (new or empty)")
     export.set_defaults(run=_export)
 
     check = commands.add_parser(

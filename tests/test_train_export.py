@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from test_train import make_corpus, run_config
@@ -70,6 +72,25 @@ def test_a_run_started_from_an_exported_model_starts_at_its_loss(tmp_path, train
     main(["export", str(folder / "run"), str(out)])
     seeded = train(run_config(tmp_path, corpus, f"model.init_from={out}", "eval.sample_tokens=0"))
     assert seeded.initial_perplexity == source.final_perplexity
+
+
+def test_a_seeded_run_resumes_from_its_checkpoint_after_its_seed_is_gone(
+    tmp_path, trained, corpus
+):
+    folder, _ = trained
+    out = tmp_path / "out"
+    main(["export", str(folder / "run"), str(out)])
+    settings = (f"model.init_from={out}", "eval.sample_tokens=0")
+    whole = train(run_config(tmp_path, corpus, *settings))
+    # Back to step 3: the later checkpoint gone, then the seed directory too.
+    for path in list_checkpoints(tmp_path / "run")[1:]:
+        path.unlink()
+    shutil.rmtree(out)
+    resumed = train(run_config(tmp_path, corpus, *settings, "checkpoint.resume=true"))
+    assert resumed.final_perplexity == pytest.approx(whole.final_perplexity, rel=1e-5)
+    # Dropping the vanished seed from the config on resume is allowed too.
+    again = train(run_config(tmp_path, corpus, "eval.sample_tokens=0", "checkpoint.resume=true"))
+    assert again.final_perplexity == pytest.approx(whole.final_perplexity, rel=1e-5)
 
 
 def test_init_from_a_model_of_other_shapes_names_the_differing_field(tmp_path, trained, corpus):

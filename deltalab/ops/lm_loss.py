@@ -15,7 +15,7 @@ tokens go through in chunks of `chunk` rows, and per chunk
   logits' range), and from it the loss at the target, -log_softmax[target];
 - with a gradient wanted, the gradient of the chunk's summed loss w.r.t. its logits,
   softmax - onehot(target) = exp(log_softmax) - onehot, written in the logits' dtype straight
-  into the logits' buffer (exp reads float32 and rounds once to bf16, as today's backward
+  into the logits' buffer (exp reads float32 and rounds once to bf16, as the unfused backward
   rounds the float32 logit gradient once to bf16 for the LM head's bf16 products). The target
   column is written from float32 separately: exp(log p_t) - 1 in float32, then rounded, since
   p_t rounded to bf16 first and then minus 1 would lose the gradient for p_t near 1
@@ -40,7 +40,7 @@ autocast dtype when autocast is on for hidden's device, else hidden's dtype, whi
 weight's), autocast is switched off inside the forward, and the casts are explicit. The
 Function takes the uncast (fp32) weight and hidden and returns their gradients in their own
 dtypes: d W in float32 from the float32 accumulator (no bf16 copy of it, no cast node), d
-hidden rounded through bf16 as the LM head's product gives it today. The backward is a scalar
+hidden rounded through bf16 as the LM head's product gives it. The backward is a scalar
 multiplication of stored tensors and needs no autocast state.
 
 Numbers differ from the reference by rounding only: the float32 log-softmax of the same bf16

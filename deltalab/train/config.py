@@ -606,6 +606,7 @@ def config_help() -> str:
 
 # Fields a resumed run may change: they do not change what is computed.
 RESUMABLE_CHANGES = {
+    "model.init_from",  # read only when a run starts, never on resume
     "checkpoint.resume",
     "checkpoint.every",
     "checkpoint.keep",

@@ -412,7 +412,10 @@ def _setup(config: RunConfig, ctx: Distributed) -> TrainState:
     # initialization must not depend on what the checks did.
     torch.manual_seed(config.train.seed)
     core = CausalLM(model_config).to(ctx.device)
-    if config.model.init_from is not None:
+    # A resumed run's weights come from its checkpoint: the seed directory is not read again
+    # (it may be gone by then).
+    resuming = config.checkpoint.resume and list_checkpoints(config.log.out_dir)
+    if config.model.init_from is not None and not resuming:
         load_initial_weights(core, config.model.init_from)
     core.model.checkpoint_blocks = config.train.activation_checkpointing
     core.model.recompute_ffn = config.train.recompute_ffn

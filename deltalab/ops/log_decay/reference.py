@@ -1,4 +1,4 @@
-"""The PyTorch forms of the log decay: the definition and today's path of the layers.
+"""The PyTorch forms of the log decay: the definition and the layers' PyTorch path.
 
     g = -exp(A_log) * softplus(raw + dt_bias)  <= 0
 

@@ -1,4 +1,4 @@
-"""The PyTorch forms of the norms: the definitions and today's paths of the layers.
+"""The PyTorch forms of the norms: the definitions and the layers' PyTorch paths.
 
     rms_norm(x, w, eps, gate)  = x / sqrt(mean(x^2) + eps) * w  (* act(gate))
     l2_normalize(x, eps)       = x / sqrt(sum(x^2) + eps)

@@ -3,7 +3,7 @@
     short_conv(x, weight, cache=None, *, activation="silu", backend="auto") -> (y, new_cache)
 
 Backends: "naive" (one shifted product per tap: the definition, float64 when given float64),
-"torch" (today's `ShortConvolution` path: transposes and a grouped F.conv1d), "triton" (a
+"torch" (`ShortConvolution`'s PyTorch path: transposes and a grouped F.conv1d), "triton" (a
 Triton kernel each way, SiLU fused: CUDA, or CPU under TRITON_INTERPRET=1; widths W <= 8).
 "auto" picks "triton" on CUDA when Triton is installed and W <= 8, else "torch". README.md in
 this folder has the math.

@@ -1,4 +1,4 @@
-"""The two PyTorch forms of the short causal convolution: the definition and today's conv1d path.
+"""The two PyTorch forms of the short causal convolution: the definition and the conv1d path.
 
     z[b, t, c] = sum_{j < W} weight[c, j] * xpad[b, t + j, c],    xpad = [cache; x] along time
     y = silu(z) (or z),    new cache = the last W - 1 rows of xpad, as [B, C, W-1]

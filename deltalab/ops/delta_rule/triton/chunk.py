@@ -174,7 +174,7 @@ class DeltaRuleLaunch:
     # and Q backward): B * H * n * V / BV programs (times the row blocks forward), no registers
     # carried across chunks. Compiled for sm_90 at K = 128 and 256 (tests/test_triton_compile.py), 4
     # warps of 32 columns spill no registers (an earlier backward spilled 176 bytes a thread in its
-    # Q [K, BV] at 4 warps of 64 columns; today's does not). Measured on the H200 with bf16
+    # Q [K, BV] at 4 warps of 64 columns; the current one does not). Measured on the H200 with bf16
     # operators (`tune_triton.py --stages state_pass_split`, 2026-12-02), the split pass forward /
     # backward ms per layer:
     #
