@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import platform
 import subprocess
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from deltalab._files import write_text_atomically
 
 __all__ = [
     "PACKAGES",
@@ -140,7 +141,5 @@ def write_run_provenance(out_dir: Path, device: Any, data: dict[str, Any]) -> di
         if kept:
             record["earlier_code"] = list({code_identity(c): c for c in kept}.values())
     out_dir.mkdir(parents=True, exist_ok=True)
-    temporary = out_dir / f".{PROVENANCE_NAME}.tmp"
-    temporary.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(temporary, out_dir / PROVENANCE_NAME)
+    write_text_atomically(out_dir / PROVENANCE_NAME, json.dumps(record, indent=2) + "\n")
     return record

@@ -53,11 +53,11 @@ class ChannelDecayMixer(DeltaMixer):
     @classmethod
     def default_ranks(cls, options: FrontendOptions) -> tuple[int, int]:
         """(decay_rank, gate_rank) when not given."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{cls.__name__} does not define default_ranks")
 
     def _init_gate_projections(self) -> None:
         """The projections of x into the layer's gates other than the decay."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not define _init_gate_projections")
 
 
 class KimiDeltaAttention(DecayedBetaGates, ChannelDecayMixer):
