@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import deltalab.models  # noqa: F401  (registers the model with transformers' Auto classes)
-from deltalab.layers.common import RMSNorm
+from deltalab.layers.common import GatedRMSNorm, RMSNorm
 from deltalab.models import MIXER_KINDS, CausalLM, RecurrentCache, build_config, count_parameters
 from deltalab.models.presets import SCALES
 from deltalab.ops.options import KernelOptions
@@ -85,6 +85,74 @@ def test_save_pretrained_round_trip_gives_identical_logits(tmp_path, generator, 
     ids = token_ids(generator, 2, 23)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+@pytest.mark.parametrize("mixer", MIXER_KINDS)
+def test_from_pretrained_keeps_every_loaded_weight(tmp_path, mixer):
+    # An untied head, so that the LM head is a weight of its own that loading must not draw again.
+    model = tiny_model(mixer, tie_word_embeddings=False)
+    model.save_pretrained(tmp_path)
+    loaded = CausalLM.from_pretrained(tmp_path).state_dict()
+    saved = model.state_dict()
+    assert loaded.keys() == saved.keys()
+    assert not [key for key in saved if not torch.equal(loaded[key], saved[key])]
+
+
+def initialized_model(mixer: str, hidden_size: int) -> CausalLM:
+    """A seeded 2-block model of tiny's sizes at `hidden_size`, its LM head untied (drawn)."""
+    torch.manual_seed(0)
+    config = build_config(
+        "tiny", mixer=mixer, hidden_size=hidden_size, num_layers=2, tie_word_embeddings=False
+    )
+    return CausalLM(config)
+
+
+# Tiny's width and a wider one: PyTorch's default init of a linear map has std 1/sqrt(3 fan_in),
+# 0.051 and 0.036 for the FFN's input map at these widths, 0.029 and 0.022 for its output map.
+@pytest.mark.parametrize("hidden_size", [128, 256])
+@pytest.mark.parametrize("mixer", MIXER_KINDS)
+def test_embedding_ffn_and_lm_head_start_at_the_initializer_range_and_norms_at_one(
+    mixer, hidden_size
+):
+    model = initialized_model(mixer, hidden_size)
+    std = model.config.initializer_range
+    drawn = {
+        name: p
+        for name, p in model.named_parameters()
+        if name in ("model.embed.weight", "lm_head.weight") or ".ffn." in name
+    }
+    assert len(drawn) == 2 + 2 * model.config.num_layers
+    moments = {
+        name: (float(p.detach().mean()), float(p.detach().std())) for name, p in drawn.items()
+    }
+    off = {
+        name: (round(mean, 4), round(sd, 4))
+        for name, (mean, sd) in moments.items()
+        if not (abs(mean) < 0.05 * std and abs(sd / std - 1) < 0.05)
+    }
+    assert not off, f"(mean, std) not (0, {std}): {off}"
+    norms = [m.weight for m in model.modules() if isinstance(m, (RMSNorm, GatedRMSNorm))]
+    assert len(norms) >= 2 * model.config.num_layers + 1
+    assert all(torch.equal(w, torch.ones_like(w)) for w in norms)
+
+
+@pytest.mark.parametrize("hidden_size", [128, 256])
+@pytest.mark.parametrize("mixer", MIXER_KINDS)
+def test_mixer_maps_keep_their_own_initialization(mixer, hidden_size):
+    # Every linear map and short convolution of a mixer keeps PyTorch's default init, uniform in
+    # +-1/sqrt(fan_in) (std 1/sqrt(3 fan_in), checked where 256 draws or more give it to a few
+    # percent), unless its constructor zeroes it: the model's init draws none of them again.
+    model = initialized_model(mixer, hidden_size)
+    off = {}
+    for i, block in enumerate(model.model.blocks):
+        for name, p in block.mixer.named_parameters():
+            if not name.endswith("weight") or p.dim() < 2 or not p.any():
+                continue
+            bound = p[0].numel() ** -0.5
+            std = float(p.detach().std())
+            if p.abs().max() > bound or (p.numel() >= 256 and abs(std * 3**0.5 / bound - 1) > 0.1):
+                off[f"{i}.{name}"] = (round(std, 4), round(bound / 3**0.5, 4))
+    assert not off, f"(std, PyTorch default): {off}"
 
 
 def test_saved_weights_follow_the_umask_like_every_other_file(tmp_path):

@@ -4,11 +4,19 @@ tests/data/make_refactor_fixture.py recorded, from the code before issue 12's re
 model of every mixer kind (and of the options that switch code paths) as a `save_pretrained`
 directory, with its logits and the parameters after one AdamW step. The claim is that a refactor
 may move code, not change what it computes. On the CPU that recorded the fixture (CPU float32,
-one thread) that held bit for bit (`torch.equal`). Other CPUs round differently in their matrix
-products and vectorized math: on an AMD EPYC (AVX-512) the same code gives logits within 6e-7
-relative, initial weights within one ulp, and one AdamW step within 2.4e-6. So `same` accepts
-equality to float32 rounding (1e-5, relative and absolute), which still fails on any change of
-formula, of initialization order or of a parameter's role (differences of order 1e-3 to 1).
+one thread) that holds bit for bit (`torch.equal`). Other CPUs round differently in their matrix
+products and vectorized math: between the first recording's CPU and an AMD EPYC (AVX-512) the
+same code gives logits within 6e-7 relative, initial weights within one ulp, and one AdamW step
+within 2.4e-6. So `same` accepts equality to float32 rounding (1e-5, relative and absolute),
+which still fails on any change of formula, of initialization order or of a parameter's role
+(differences of order 1e-3 to 1).
+
+The initialization changed on purpose once: the FFN's weights are drawn from
+normal(0, initializer_range), as `_init_weights` documents, where transformers' init had left
+them at PyTorch's default. The fixture was recorded again then, on an AMD EPYC, from code that
+reproduced the first recording's logits and step on its checkpoints: its FFN weights, and so its
+logits and step, are new; every other weight is the first recording's (the decay biases to one
+ulp); the config.json files are the first recording's.
 """
 
 from __future__ import annotations
@@ -28,8 +36,8 @@ sys.path.insert(0, str(DATA))
 import make_refactor_fixture as fixture  # noqa: E402
 
 REFERENCE = torch.load(fixture.HERE / "reference.pt", weights_only=True)
-# Mixer kinds added after the fixture was recorded: they had no behaviour to keep then. The
-# fixture is not re-recorded for them (that would need the code from before issue 12).
+# Mixer kinds added after the fixture was first recorded: they had no behaviour from before
+# issue 12's refactors to keep, which is what the fixture traces.
 ADDED_AFTER_THE_FIXTURE = {"kdn_muir"}
 
 

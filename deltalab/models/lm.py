@@ -6,6 +6,10 @@
 `from_pretrained` and `generate()` work as for any Hugging Face causal LM. Generation keeps a
 `RecurrentCache`: per block the mixer's state (memory and short-conv buffers for recurrent
 mixers, keys and values for attention), so a pure recurrent model decodes in constant memory.
+
+Initialization: the embedding, both maps of every FFN and the LM head are drawn from
+normal(0, `initializer_range`); the norms start at one and each mixer keeps its own
+initialization (docs/MATH.md sec. 5).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from deltalab.layers.common import RMSNorm, compute_dtype
@@ -130,16 +135,30 @@ class DeltaLabPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        # Mixers keep their own initializations (decay rates, zero-initialized gate projections);
-        # embeddings, FFNs and the LM head get the usual normal(0, initializer_range).
+        """The model-level initialization: the embedding, both maps of every FFN and the LM head
+        from normal(0, initializer_range). Everything else keeps what its constructor set:
+        the mixers' own initializations (PyTorch's default on their linear maps and short
+        convolutions, decay rates, zero-initialized gate projections, noise biases) and the
+        norms' unit weights. `transformers.initialization`'s functions leave a tensor that
+        `from_pretrained` loaded as it is."""
         std = self.config.initializer_range
         if isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, std=std)
+            init.normal_(module.weight, std=std)
         elif isinstance(module, SwiGLU):
-            nn.init.normal_(module.gate_up.weight, std=std)
-            nn.init.normal_(module.down.weight, std=std)
+            init.normal_(module.gate_up.weight, std=std)
+            init.normal_(module.down.weight, std=std)
         elif isinstance(module, CausalLM):
-            nn.init.normal_(module.lm_head.weight, std=std)
+            init.normal_(module.lm_head.weight, std=std)
+
+    def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
+        # Every module not yet initialized goes to `_init_weights`. For a model defined outside
+        # the transformers package (`is_custom_code`), transformers 5.23 instead marks a module
+        # initialized, without calling `_init_weights`, when each parameter of its own carries
+        # the loaded flag: vacuously true of a module with no parameters of its own, as
+        # `SwiGLU` and `CausalLM` (their weights are their child Linears'), which left the FFN
+        # and an untied LM head at PyTorch's default init. That shortcut serves code that writes
+        # weights in place; the functions `_init_weights` calls skip loaded tensors themselves.
+        super()._initialize_weights(module)
 
 
 class DeltaLabModel(DeltaLabPreTrainedModel):

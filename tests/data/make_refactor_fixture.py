@@ -1,5 +1,6 @@
 """Writes the behaviour fixture of tests/test_refactor_fixture.py: run it only to record a new
-reference, from code whose behaviour is the one to keep (it was run before issue 12's refactors).
+reference, from code whose behaviour is the one to keep (it was run before issue 12's refactors,
+and again when the FFN's initialization changed: tests/test_refactor_fixture.py).
 
 For every variant (each mixer kind, plus options that change a mixer's code path): a tiny
 `save_pretrained` directory under `refactor_fixture/<name>/` (config.json and the weights the
