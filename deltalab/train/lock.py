@@ -63,16 +63,18 @@ def hold_run_directory(
             yield
         except BaseException:
             if created is not None:
-                _remove_created(out_dir, created, discardable(out_dir))
+                _remove_created(out_dir, created, discardable)
             raise
 
 
-def _remove_created(out_dir: Path, created: Path, discardable: list[Path]) -> None:
-    """Removes `discardable`, then the lock file and the directories from `out_dir` up to
+def _remove_created(
+    out_dir: Path, created: Path, discardable: Callable[[Path], list[Path]]
+) -> None:
+    """Removes `discardable(out_dir)`, then the lock file and the directories from `out_dir` up to
     `created` while only the lock is left; anything else keeps them all. Best effort: the
     run's own error is the one reported."""
     try:
-        for path in discardable:
+        for path in discardable(out_dir):
             if path.is_dir():
                 shutil.rmtree(path)
             else:
