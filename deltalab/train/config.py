@@ -43,7 +43,9 @@ __all__ = [
     "RunConfig",
     "ScheduleSection",
     "TrainSection",
+    "checked_sections",
     "resume_changes",
+    "section_class",
 ]
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -431,7 +433,7 @@ class RunConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RunConfig:
         """The config from a mapping by section (as `to_dict` writes); missing parts default."""
-        tree = _check_names(data)
+        tree = checked_sections(data)
         return cls(**{name: SECTIONS[name].from_dict(fields) for name, fields in tree.items()})
 
     def to_dict(self) -> dict[str, Any]:
@@ -444,17 +446,18 @@ SECTIONS: dict[str, type[_Section]] = {
 }
 
 
-def _section(name: str) -> type[_Section]:
+def section_class(name: str) -> type[_Section]:
+    """The section class of `name`, refused with the closest known section's name."""
     if name not in SECTIONS:
         raise ValueError(f"unknown config section {name!r}{closest(name, list(SECTIONS))}")
     return SECTIONS[name]
 
 
-def _check_names(data: Any) -> dict[str, dict[str, Any]]:
+def checked_sections(data: Any) -> dict[str, dict[str, Any]]:
     """`data` as {section: {field: value}}, refusing unknown sections and fields."""
     if not isinstance(data, Mapping):
         raise TypeError(f"a run config must be a mapping by section, got {data!r}")
-    return {str(name): _section(str(name)).check_names(value) for name, value in data.items()}
+    return {str(name): section_class(str(name)).check_names(value) for name, value in data.items()}
 
 
 # Fields a resumed run may change: they do not change what is computed.

@@ -28,7 +28,7 @@ from deltalab._files import write_text_atomically
 from deltalab.catalog import PRESET_TRAINING
 from deltalab.config_parse import field_docs, plain, read_value, type_hints
 from deltalab.errors import ConfigError, ConfigTypeError, UserError
-from deltalab.train.config import SECTIONS, ModelSection, RunConfig, _check_names, _section
+from deltalab.train.config import SECTIONS, ModelSection, RunConfig, checked_sections, section_class
 
 __all__ = ["config_changes", "config_help", "load_run_config", "save_run_config"]
 
@@ -40,7 +40,7 @@ def _apply_override(tree: dict[str, dict[str, Any]], override: str) -> None:
     parts = key.split(".")
     if not equals or len(parts) < 2 or not all(parts):
         raise ValueError(f"override {override!r} must be section.field=value, e.g. train.steps=10")
-    section = _section(parts[0])
+    section = section_class(parts[0])
     section.check_names({parts[1]: None})
     hint = type_hints(section)[parts[1]]
     if len(parts) > 2 and typing.get_origin(hint) is not dict:
@@ -99,7 +99,7 @@ def _read_config_file(path: Path) -> dict[str, dict[str, Any]]:
         ) from None
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-        return _check_names({} if data is None else data)
+        return checked_sections({} if data is None else data)
     except TypeError as error:
         raise ConfigTypeError(f"{path}: {error}") from error
     except (ValueError, yaml.YAMLError) as error:
