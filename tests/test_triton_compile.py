@@ -564,9 +564,13 @@ FUSED_STEP_STACK_DEFAULT = 64
     ],
     ids=["gdn", "muir", "kdn_iso-tied", "kdn_muir", "kdn_exact"],
 )
-def test_fused_decode_step_compiles_for_hopper_within_its_spills(decay, rule, read, tied):
+@pytest.mark.parametrize("sizes", ["multiples_of_16", "any"])
+def test_fused_decode_step_compiles_for_hopper_within_its_spills(decay, rule, read, tied, sizes):
     """At the launch the 340M presets' heads (K = V = 128, one block) give the fused step in
-    bfloat16: within shared memory, at most FUSED_STEP_STACK's bytes spilled a thread."""
+    bfloat16: within shared memory, no bytes spilled where the sizes are multiples of 16 and
+    at most FUSED_STEP_STACK's where they are not. Both variants Triton's launcher compiles: K,
+    V and the row strides declared multiples of 16 (as it declares them at the 340M shapes),
+    and declared nothing (the variant for other sizes)."""
     from deltalab.ops.delta_rule.triton import fused_step as fs
     from deltalab.ops.norms.triton import GATES
 
@@ -594,7 +598,9 @@ def test_fused_decode_step_compiles_for_hopper_within_its_spills(decay, rule, re
     from triton.compiler import ASTSource
 
     constexprs = {(kernel.arg_names.index(k),): v for k, v in constants.items()}
-    attrs = {(kernel.arg_names.index(p),): [["tt.divisibility", 16]] for p in pointers}
+    sized = ["K", "V", *(a for a in kernel.arg_names if a.startswith("stride_"))]
+    aligned = pointers + (sized if sizes == "multiples_of_16" else [])
+    attrs = {(kernel.arg_names.index(p),): [["tt.divisibility", 16]] for p in aligned}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(
         source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}
@@ -602,4 +608,6 @@ def test_fused_decode_step_compiles_for_hopper_within_its_spills(decay, rule, re
     assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
     stack = _stack_bytes(compiled)
     bound = FUSED_STEP_STACK.get(rule, FUSED_STEP_STACK_DEFAULT)
-    assert stack is None or stack <= bound, f"{rule}: {stack} bytes spilled per thread"
+    # At the 340M shapes no form spills (Exact KDN's covariance tile included).
+    bound = 0 if sizes == "multiples_of_16" else bound
+    assert stack is None or stack <= bound, f"{rule}, {sizes}: {stack} bytes spilled per thread"
