@@ -33,9 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from deltalab.layers.attention import Attention, sliding_window_mask
-from deltalab.layers.common import AttentionState, RecurrentState, compute_dtype
+from deltalab.layers.common import compute_dtype
 from deltalab.layers.decode_step import add_projected, fused_step, runs_fused
 from deltalab.layers.projections import concatenated_weights, project_together
+from deltalab.layers.states import AttentionState, RecurrentState
 from deltalab.models.cache import RecurrentCache
 from deltalab.models.lm import CausalLM
 from deltalab.ops._checks import unchecked_values
