@@ -3,6 +3,11 @@
 The interpreter runs the kernels' arithmetic but not NVIDIA's compiler, which refuses what the
 interpreter accepts (a tl.dot inner dimension below 8; more shared memory than an SM has: both
 happened here). Compiling ahead of time for sm_90 needs no GPU.
+
+With any Triton from the range pyproject.toml allows, every kernel must compile and fit the
+SM's shared memory. The spill bounds are measurements of the Triton constraints.txt pins: other
+releases allocate registers otherwise (3.6 spills 16 to 80 bytes a thread in a few kernels
+these bounds hold at 0 to 24), so with them a spill past its bound is a warning, not a failure.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,22 +30,41 @@ pytestmark = pytest.mark.skipif(
 # Shared memory per SM usable by one block on an H100/H200 (227 KiB).
 HOPPER_SHARED_BYTES = 232448
 
+# The Triton release the spill bounds were measured on: the one constraints.txt pins.
+PINNED_TRITON = re.search(
+    r"^triton==(\S+)$",
+    (Path(__file__).resolve().parent.parent / "constraints.txt").read_text(encoding="utf-8"),
+    re.MULTILINE,
+).group(1)
+
 
 def _compile_for_hopper(kernel, pointers, scalars, constants, options, types=None, aligned=()):
     """`types` overrides a pointer's "*fp32"; the arguments in `aligned` are declared multiples
-    of 16 (pointers: 16-byte aligned), as Triton's launcher declares them for such values."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    of 16 (pointers: 16-byte aligned), as Triton's launcher declares them for such values.
+    The constexprs `constants` leaves out take their defaults, as the launcher gives them."""
+    constants = {
+        **{p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default},
+        **constants,
+    }
     signature = {
         **{p: "*fp32" for p in pointers},
         **(types or {}),
         **{s: "fp32" if s in ("scale", "eps", "E") else "i32" for s in scalars},
         **{k: "constexpr" for k in constants},
     }
-    constexprs = {(kernel.arg_names.index(k),): v for k, v in constants.items()}
-    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    return _compile_signature(kernel, signature, constants, options, aligned)
+
+
+def _compile_signature(kernel, signature, constants, options, aligned):
+    """Compiles `kernel` for sm_90 with `signature` (every argument's type, "constexpr" for
+    those in `constants`), the arguments in `aligned` declared multiples of 16."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    index = kernel.arg_names.index
+    constexprs = {(index(k),): v for k, v in constants.items()}
+    attrs = {(index(a),): [["tt.divisibility", 16]] for a in aligned}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
@@ -64,6 +90,22 @@ def _stack_bytes(compiled) -> int | None:
     return int(re.search(r"STACK:(\d+)", usage).group(1))
 
 
+def _assert_spills_within(compiled, bound: int, what: str) -> None:
+    """Asserts a thread of `compiled` uses at most `bound` bytes of stack (spilled registers)
+    with the pinned Triton (PINNED_TRITON); with another release, warns past the bound."""
+    import triton
+
+    stack = _stack_bytes(compiled)
+    if stack is None or stack <= bound:
+        return
+    message = f"{what}: {stack} bytes of stack per thread, bound {bound}"
+    if triton.__version__ == PINNED_TRITON:
+        raise AssertionError(message)
+    warnings.warn(
+        f"Triton {triton.__version__}: {message} (measured on {PINNED_TRITON})", stacklevel=2
+    )
+
+
 def _assert_compiles_without_spills(
     kernel, n_pointers, constants, warps, activations=None, *, aligned_scalars=False, what=""
 ):
@@ -80,8 +122,7 @@ def _assert_compiles_without_spills(
         kernel, pointers, scalars, constants, {"num_warps": warps}, types, aligned=aligned
     )
     assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, what
-    stack = _stack_bytes(compiled)
-    assert stack in (None, 0), f"{what}: {stack} bytes spilled per thread"
+    _assert_spills_within(compiled, 0, what)
     return compiled
 
 
@@ -170,7 +211,7 @@ def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chu
 
 
 # The fused walks' products widened to float32, as walk_dots "float32" launches them (a
-# constexpr left out of the constants would be compiled as a runtime scalar).
+# default of LOW_DOTS, named for the cases that set it otherwise).
 WIDENED = {"LOW_DOTS": False}
 
 # The delta rule's kernels' pointers to the chunk operators, stored in the inputs' 16-bit dtype
@@ -278,17 +319,17 @@ def test_16bit_products_keep_the_fused_walks_within_their_spill_bounds(chunk):
                 {p: t for p, t in types.items() if p in pointers}, aligned=pointers,
             )  # fmt: skip
             assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
-            spilled = _stack_bytes(compiled)
             what = f"{kernel.fn.__name__} at {options}, BV {launch['BV']}"
             allowed = LOW_DOTS_SPILL_BOUND.get((kernel.fn.__name__, chunk, launch["BV"]), 0)
-            assert (spilled or 0) <= allowed, f"{what}: {spilled} bytes spilled"
+            _assert_spills_within(compiled, allowed, what)
 
 
 # Bytes a thread the 16-bit walks may spill, by (kernel, chunk, value columns), as measured
 # (Triton 3.9, sm_90): at chunks of 128 the forward and adjoint walks at block_v's launch (64
-# columns, 4 warps, 2 stages) spill 40 and 24; that launch was timed at chunks of 64, the
-# presets' size, where nothing spills.
-LOW_DOTS_SPILL_BOUND = {("_state_pass_fwd", 128, 64): 40, ("_state_pass_bwd", 128, 64): 24}
+# columns, 4 warps, 2 stages) spill 80 and 24 (the forward writing its outputs and residuals,
+# WRITE_OUT and STORE_RESIDUAL constexprs as the launcher passes them); that launch was timed at
+# chunks of 64, the presets' size, where nothing spills.
+LOW_DOTS_SPILL_BOUND = {("_state_pass_fwd", 128, 64): 80, ("_state_pass_bwd", 128, 64): 24}
 
 
 @pytest.mark.parametrize("operators", ["fp32", "bf16"])
@@ -556,8 +597,7 @@ def test_rope_kernel_compiles_for_hopper_without_spills(heads, dim, dtype, inver
     # __nv_cosf / __nv_sinf keep the table of their Payne-Hanek range reduction (|theta| >
     # 105615) in local memory: 28 bytes, a 32-byte stack frame; anything beyond is a spill.
     assert re.findall(r"__local_depot\d+\[(\d+)\]", ptx) == ["28"]
-    stack = _stack_bytes(compiled)
-    assert stack in (None, 32), f"K={dim} {dtype}: {stack - 32} bytes spilled per thread"
+    _assert_spills_within(compiled, 32, f"K={dim} {dtype}")
 
 
 # The fused decoding step's pointers (`fused_step._fused_step_kernel`) held in float32: the state
@@ -611,21 +651,11 @@ def test_fused_decode_step_compiles_for_hopper_within_its_spills(decay, rule, re
         else ("fp32" if a in floats else "i32")
         for a in kernel.arg_names
     }
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    constexprs = {(kernel.arg_names.index(k),): v for k, v in constants.items()}
     sized = ["K", "V", *(a for a in kernel.arg_names if a.startswith("stride_"))]
     aligned = pointers + (sized if sizes == "multiples_of_16" else [])
-    attrs = {(kernel.arg_names.index(p),): [["tt.divisibility", 16]] for p in aligned}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}
-    )
+    compiled = _compile_signature(kernel, signature, constants, {"num_warps": warps}, aligned)
     assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
-    stack = _stack_bytes(compiled)
     bound = FUSED_STEP_STACK.get(rule, FUSED_STEP_STACK_DEFAULT)
     # At the 340M shapes no form spills (Exact KDN's covariance tile included).
     bound = 0 if sizes == "multiples_of_16" else bound
-    assert stack is None or stack <= bound, f"{rule}, {sizes}: {stack} bytes spilled per thread"
+    _assert_spills_within(compiled, bound, f"{rule}, {sizes}")
