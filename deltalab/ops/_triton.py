@@ -8,13 +8,30 @@ is an error that says why.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
+import re
 from dataclasses import dataclass
 
 import torch
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _installed_triton() -> str | None:
+    """The installed Triton release, read from its metadata without importing it; None without
+    Triton or when another distribution (PyTorch's nightly `pytorch-triton`) provides it."""
+    try:
+        return importlib.metadata.version("triton") if HAS_TRITON else None
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+TRITON_VERSION = _installed_triton()
+# The oldest release whose compiler builds every kernel: 3.2 and 3.3 fail on the state pass's
+# 16-bit walks at 8 warps (README's "Triton versions"). Their interpreter runs the kernels.
+OLDEST_COMPILING_TRITON = (3, 4)
 # Read once: triton.jit decides at decoration time whether a kernel is compiled or interpreted.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -36,6 +53,16 @@ def opaque_to_compiler(fn):
     return torch.compiler.disable(fn, recursive=True)
 
 
+def compiler_too_old_reason(version: str | None) -> str | None:
+    """None when Triton `version` (e.g. "3.4.0", "3.5.0+git1a2b") compiles every kernel, else a
+    sentence naming it and the oldest release that does. None for an unreadable version."""
+    parsed = re.match(r"(\d+)\.(\d+)", version or "")
+    if parsed is None or (int(parsed[1]), int(parsed[2])) >= OLDEST_COMPILING_TRITON:
+        return None
+    oldest = ".".join(map(str, OLDEST_COMPILING_TRITON))
+    return f"Triton {version} is installed; the compiled kernels need {oldest} or later"
+
+
 def triton_unavailable_reason(device: torch.device) -> str | None:
     """None when a Triton kernel can run on `device`, else a sentence saying why not."""
     if not HAS_TRITON:
@@ -43,7 +70,7 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     if device.type == "cuda":
         if INTERPRET:
             return "TRITON_INTERPRET=1 is set, which runs kernels on CPU tensors only"
-        return None
+        return compiler_too_old_reason(TRITON_VERSION)
     if device.type == "cpu":
         if INTERPRET:
             return None
