@@ -16,7 +16,7 @@ import torch
 
 from deltalab.benchmarking import format_table, median_seconds
 from deltalab.ops import delta_rule
-from deltalab.ops._triton import triton_available
+from deltalab.ops._triton import triton_available, triton_unavailable_reason
 from deltalab.testing import TOLERANCE, relative_error
 
 
@@ -189,7 +189,9 @@ def main(config: CheckConfig = CheckConfig()) -> int:
     rows, ok = run_check(config)
     print(format_table(HEADERS, rows))
     device = torch.device("cuda") if torch.cuda.is_available() else None
-    if device is not None and triton_available(device):
+    if device is not None and not triton_available(device):
+        print(f"backend='triton' not checked: {triton_unavailable_reason(device)}")
+    elif device is not None:
         print("backend='triton' on the GPU (float32, TF32 off) vs the float64 loop on the CPU:")
         torch.backends.cuda.matmul.allow_tf32 = False
         triton_rows, triton_ok = run_triton_check(config, device)

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from deltalab.ops._triton import HAS_TRITON, TRITON_VERSION, compiler_too_old_reason
+from deltalab.ops._triton import (
+    HAS_TRITON,
+    INTERPRET,
+    TRITON_VERSION,
+    compiler_too_old_reason,
+    triton_unavailable_reason,
+)
 
 
 @pytest.mark.parametrize("version", ["3.2.0", "3.3.0", "3.3.1", "3.3.0+git1a2b3c4"])
@@ -20,8 +27,21 @@ def test_releases_from_3_4_on_and_unreadable_versions_are_not_refused(version):
     assert compiler_too_old_reason(version) is None
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
-def test_the_installed_release_is_read_without_importing_triton_and_matches_it():
+@pytest.mark.skipif(INTERPRET, reason="the compiled path's check: run without the interpreter")
+@pytest.mark.parametrize("version", ["3.3.1", "3.3.1+gitc8757738"])
+def test_on_cuda_a_release_older_than_3_4_is_the_reason_triton_cannot_run(version):
+    # A CUDA device object needs no GPU: the check reads only its type.
+    reason = triton_unavailable_reason(torch.device("cuda"), triton_version=version)
+    if not HAS_TRITON:
+        assert reason == "Triton is not installed (pip install triton)"
+        return
+    assert reason is not None and version in reason
+    assert triton_unavailable_reason(torch.device("cuda"), triton_version="3.4.0") is None
+
+
+@pytest.mark.skipif(TRITON_VERSION is None, reason="no Triton distribution's metadata here")
+def test_the_installed_release_is_read_from_its_package_metadata():
     import triton
 
-    assert TRITON_VERSION == triton.__version__
+    # A build from source adds a "+git<sha>" local version to the metadata only.
+    assert TRITON_VERSION.split("+")[0] == triton.__version__.split("+")[0]

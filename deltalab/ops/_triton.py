@@ -19,13 +19,22 @@ import torch
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
+# The distributions that install the `triton` module: PyPI's, then PyTorch's own builds
+# (nightlies, ROCm, XPU), whose versions carry a "+git<sha>" suffix.
+TRITON_DISTRIBUTIONS = ("triton", "pytorch-triton", "pytorch-triton-rocm", "pytorch-triton-xpu")
+
+
 def _installed_triton() -> str | None:
-    """The installed Triton release, read from its metadata without importing it; None without
-    Triton or when another distribution (PyTorch's nightly `pytorch-triton`) provides it."""
-    try:
-        return importlib.metadata.version("triton") if HAS_TRITON else None
-    except importlib.metadata.PackageNotFoundError:
+    """The installed Triton release, read from its package metadata without importing it; None
+    without Triton or when no distribution of TRITON_DISTRIBUTIONS provides it."""
+    if not HAS_TRITON:
         return None
+    for name in TRITON_DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 TRITON_VERSION = _installed_triton()
@@ -63,14 +72,17 @@ def compiler_too_old_reason(version: str | None) -> str | None:
     return f"Triton {version} is installed; the compiled kernels need {oldest} or later"
 
 
-def triton_unavailable_reason(device: torch.device) -> str | None:
-    """None when a Triton kernel can run on `device`, else a sentence saying why not."""
+def triton_unavailable_reason(
+    device: torch.device, triton_version: str | None = TRITON_VERSION
+) -> str | None:
+    """None when a Triton kernel can run on `device`, else a sentence saying why not.
+    `triton_version`: the installed release (the compiled kernels need OLDEST_COMPILING_TRITON)."""
     if not HAS_TRITON:
         return "Triton is not installed (pip install triton)"
     if device.type == "cuda":
         if INTERPRET:
             return "TRITON_INTERPRET=1 is set, which runs kernels on CPU tensors only"
-        return compiler_too_old_reason(TRITON_VERSION)
+        return compiler_too_old_reason(triton_version)
     if device.type == "cpu":
         if INTERPRET:
             return None
