@@ -31,6 +31,7 @@ __all__ = [
     "code_identity",
     "code_version",
     "device_name",
+    "installed_version",
     "package_versions",
     "provenance",
     "read_json",
@@ -42,6 +43,11 @@ PROVENANCE_NAME = "provenance.json"
 # The distributions a result depends on; absent ones are recorded as None.
 PACKAGES = ("deltalab", "torch", "triton", "transformers", "tokenizers", "numpy", "lm_eval")
 PACKAGE_DIR = Path(__file__).resolve().parent
+# A package some distributions install under other names: PyTorch's own Triton builds (nightlies,
+# ROCm, XPU) are `pytorch-triton*`, with a "+git<sha>" suffix on the version.
+DISTRIBUTIONS = {
+    "triton": ("triton", "pytorch-triton", "pytorch-triton-rocm", "pytorch-triton-xpu"),
+}
 
 
 def _git(root: Path, *args: str) -> str | None:
@@ -64,7 +70,7 @@ def code_version(package_dir: Path = PACKAGE_DIR) -> dict[str, Any]:
         if head:
             status = _git(Path(top), "status", "--porcelain", "--untracked-files=no")
             return {"from": "git", "commit": head, "dirty": bool(status)}
-    return {"from": "installed", "version": _version("deltalab")}
+    return {"from": "installed", "version": installed_version("deltalab")}
 
 
 def code_identity(code: dict[str, Any] | None) -> str:
@@ -77,16 +83,24 @@ def code_identity(code: dict[str, Any] | None) -> str:
     return f"deltalab {code.get('version')} (installed)"
 
 
-def _version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
+def installed_version(name: str, distributions: tuple[str, ...] | None = None) -> str | None:
+    """The installed version of package `name`, read without importing it from the metadata of
+    the first of `distributions` that is installed (default `DISTRIBUTIONS[name]`, or `name`
+    alone); None where none is."""
+    for distribution in distributions or DISTRIBUTIONS.get(name, (name,)):
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def package_versions() -> dict[str, str | None]:
     """Python's version and those of `PACKAGES` (None where one is not installed)."""
-    return {"python": platform.python_version(), **{name: _version(name) for name in PACKAGES}}
+    return {
+        "python": platform.python_version(),
+        **{name: installed_version(name) for name in PACKAGES},
+    }
 
 
 def device_name(device: Any) -> str:

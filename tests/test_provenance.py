@@ -9,6 +9,7 @@ import json
 import subprocess
 import tarfile
 import zipfile
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,14 @@ from deltalab.data import (
     source_fingerprint,
 )
 from deltalab.errors import ConfigError
-from deltalab.provenance import code_identity, code_version
+from deltalab.ops._triton import TRITON_VERSION
+from deltalab.provenance import (
+    DISTRIBUTIONS,
+    code_identity,
+    code_version,
+    installed_version,
+    package_versions,
+)
 from deltalab.study.cli import execute
 from deltalab.study.report import collect
 from deltalab.train import train
@@ -72,6 +80,15 @@ def test_a_package_outside_a_git_checkout_is_recorded_by_its_installed_version(t
     # A repository around the folder is not the package's checkout unless deltalab/ is its own.
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     assert code_version(tmp_path / "site-packages" / "deltalab")["from"] == "installed"
+
+
+def test_a_package_installed_under_another_distribution_name_is_recorded_by_that_version():
+    # PyTorch's nightly, ROCm and XPU builds install the `triton` module as `pytorch-triton*`.
+    assert set(DISTRIBUTIONS["triton"]) >= {"triton", "pytorch-triton", "pytorch-triton-rocm"}
+    torch_version = metadata.version("torch")
+    assert installed_version("not-installed", ("not-installed", "torch")) == torch_version
+    assert installed_version("not-installed") is None
+    assert package_versions()["triton"] == TRITON_VERSION
 
 
 # --- pinned data sources --------------------------------------------------------------------------

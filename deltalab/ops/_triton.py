@@ -8,7 +8,6 @@ is an error that says why.
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import os
 import re
@@ -16,28 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
+from deltalab.provenance import installed_version
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-
-# The distributions that install the `triton` module: PyPI's, then PyTorch's own builds
-# (nightlies, ROCm, XPU), whose versions carry a "+git<sha>" suffix.
-TRITON_DISTRIBUTIONS = ("triton", "pytorch-triton", "pytorch-triton-rocm", "pytorch-triton-xpu")
-
-
-def _installed_triton() -> str | None:
-    """The installed Triton release, read from its package metadata without importing it; None
-    without Triton or when no distribution of TRITON_DISTRIBUTIONS provides it."""
-    if not HAS_TRITON:
-        return None
-    for name in TRITON_DISTRIBUTIONS:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-TRITON_VERSION = _installed_triton()
+# The installed release, read from whichever distribution provides the module (PyPI's `triton` or
+# PyTorch's `pytorch-triton*` builds) without importing it; None without Triton.
+TRITON_VERSION = installed_version("triton") if HAS_TRITON else None
 # The oldest release whose compiler builds every kernel: 3.2 and 3.3 fail on the state pass's
 # 16-bit walks at 8 warps (README's "Triton versions"). Their interpreter runs the kernels.
 OLDEST_COMPILING_TRITON = (3, 4)
