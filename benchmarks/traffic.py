@@ -426,6 +426,7 @@ def _triton_stub(recorder: Recorder) -> Callable[..., None]:
 def triton_stubbed(recorder: Recorder) -> Iterator[None]:
     """`backend="auto"` takes Triton on CPU tensors, and every launch only records its bytes."""
     import triton.runtime.autotuner as autotuner
+    import triton.runtime.interpreter as interpreter
     import triton.runtime.jit as jit
 
     import deltalab.ops._triton as availability
@@ -444,7 +445,12 @@ def triton_stubbed(recorder: Recorder) -> Iterator[None]:
                         patched.append((module, attr, value))
                         setattr(module, attr, replacement)
     stub = _triton_stub(recorder)
-    launchers = [(jit.JITFunction, "run"), (autotuner.Autotuner, "run")]
+    # Under TRITON_INTERPRET=1 `triton.jit` makes InterpretedFunctions instead of JITFunctions.
+    launchers = [
+        (jit.JITFunction, "run"),
+        (interpreter.InterpretedFunction, "run"),
+        (autotuner.Autotuner, "run"),
+    ]
     saved = [(cls, attr, getattr(cls, attr)) for cls, attr in launchers]
     for cls, attr in launchers:
         setattr(cls, attr, stub)
