@@ -8,7 +8,7 @@ docs/MATH.md sec. 4.4), on a batch of held-out windows; with `at_init`, the same
 as it was initialized, so training's effect shows. Per layer also the erase/write ratio (where
 the mixer has both gates) and, from the measured numbers, the ranks `allocate_ranks` gives the
 fused gate projection against the ranks the model (Muir, KDN-Muir) or the fused preset of its
-family uses (`deltalab.analysis.gate_sensitivity.rank_allocation`).
+family uses (`deltalab.analysis.rank_allocation`).
 
 A model without delta-rule layers (a Transformer) has no gates and is refused.
 """
@@ -95,7 +95,8 @@ def _initial_model(loaded: LoadedCheckpoint, seed: int) -> Any:
 def _measure(model: Any, batch: torch.Tensor, settings: GateSensitivitySettings, seed: int):
     """Per layer and gate the state and loss sensitivity, the erase/write ratios and the rank
     allocations, and the same for the mean over layers."""
-    from deltalab.analysis.gate_sensitivity import gate_sensitivity, rank_allocation
+    from deltalab.analysis.gate_sensitivity import gate_sensitivity
+    from deltalab.analysis.rank_allocation import rank_allocation
 
     def loss_fn(model: Any, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids, labels=ids).loss
