@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -120,6 +122,22 @@ def poisoned_empty(monkeypatch):
         return nan_empty(*size, **{"dtype": self.dtype, "device": self.device, **kwargs})
 
     monkeypatch.setattr(torch.Tensor, "new_empty", nan_new_empty)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """`make_corpus`'s documents, made once per test module: a training run's data."""
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def make_corpus(folder: Path) -> str:
+    """A directory of 60 small documents: repetitive enough to learn in a few steps."""
+    folder.mkdir(parents=True, exist_ok=True)
+    words = ["def", "return", "self", "value", "for", "in", "range", "if", "else", "print"]
+    for i in range(60):
+        lines = [f"{words[i % 10]} item_{j} = {words[(i + j) % 10]}({j})" for j in range(12)]
+        (folder / f"doc_{i:02d}.txt").write_text("\n".join(lines) + "\n")
+    return str(folder)
 
 
 def check_ffn_recompute(mixer: str, backend: str, monkeypatch) -> None:

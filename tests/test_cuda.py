@@ -332,7 +332,8 @@ def test_cuda_graphed_training_follows_the_eager_loss_curve(tmp_path, capsys, mi
     accumulation: the step records without reading anything back, and its replays follow the
     losses of the eager run (train.cuda_graphs=false; the kernels are the same, cuBLAS may pick
     other algorithms inside a capture)."""
-    from test_train import make_corpus, run_config
+    from conftest import make_corpus
+    from test_train import run_config
 
     corpus = make_corpus(tmp_path / "corpus")
     settings = (f"model.mixer={mixer}", "train.device=cuda", "train.steps=7", *extra)

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import make_corpus
 from test_study import FakeTrain, micro_spec, plan_of, quiet, write_corpus
-from test_train import make_corpus, run_config
+from test_train import run_config
 
 from deltalab.cli import main
 from deltalab.data import (

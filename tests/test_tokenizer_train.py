@@ -9,8 +9,9 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import make_corpus
 from test_study import InProcess, micro_spec, plan_of, quiet
-from test_train import make_corpus, run_config
+from test_train import run_config
 
 from deltalab.cli import main
 from deltalab.data import CorpusConfig, load_tokenizer, prepare_tokens

@@ -224,7 +224,7 @@ def test_context_parallel_and_compile_together_are_refused_naming_both() -> None
 
 def test_cuda_graphs_default_to_null_which_leaves_compiled_runs_alone() -> None:
     """null ("wherever it can run") is the default, and with compile it is not refused: the
-    trainer then simply steps eagerly (tests/test_train.py)."""
+    trainer then simply steps eagerly (tests/test_train_graphs.py)."""
     assert load_run_config(None, []).train.cuda_graphs is None
     config = load_run_config(None, ["train.compile=true"])
     assert config.train.cuda_graphs is None

@@ -6,18 +6,13 @@ import shutil
 
 import pytest
 import torch
-from test_train import make_corpus, run_config, run_overrides
+from test_train import run_config, run_overrides
 
 from deltalab.cli import main
 from deltalab.errors import CheckpointError, ConfigError
 from deltalab.train import train
 from deltalab.train.checkpoint import list_checkpoints
 from deltalab.train.export import export_checkpoint
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import _rank_main, _spawn_ranks, make_corpus, run_config
+from test_train import run_config
+from test_train_distributed import _rank_main, _spawn_ranks
 from test_train_export import same_logits
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -22,11 +23,6 @@ from deltalab.train.sharded import DIGESTS_FILE, sharded_problem
 
 # Losses of runs on different world sizes: the same windows per step, summed in another order.
 LOSS_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def _config(folder: Path, corpus: str, *extra: str):

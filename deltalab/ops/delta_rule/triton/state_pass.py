@@ -80,7 +80,7 @@ from deltalab.ops.options import DEFAULT_OPTIONS, KernelOptions
 # against TF32's 11), so the rounding does not compound from chunk to chunk: each chunk's
 # products carry a relative error of about 2^-9, as every other bf16 product of the layer
 # does. Checked against the float64 loop: fp16 under the interpreter within the fp16 bound
-# (tests/test_delta_rule_triton.py), bf16 on the H200 by its
+# (tests/test_delta_rule_state_pass_triton.py), bf16 on the H200 by its
 # test_bf16_walks_stay_within_the_bf16_bound_of_the_loop (2026-12-02). The
 # H200 runs' outputs with bf16 products
 # differed from widened ones by at most 2.7e-3 (`tune_triton.py`). With fp16 operators the
@@ -366,7 +366,8 @@ def chosen_state_pass(batch: int, heads: int, key_dim: int, value_dim: int,
 # forward) at 16K. Those figures are for the walk from the initial state; walking from
 # checkpoints (below), the 16K step's delta-rule kernels took 112.8 ms against 135.2
 # (2026-12-02). The walk gives the forward's values bit for bit, both passes, compiled on the
-# H200 (Triton 3.6, bf16 and float32) and under the interpreter (tests/test_delta_rule_triton.py).
+# H200 (Triton 3.6, bf16 and float32) and under the interpreter
+# (tests/test_delta_rule_state_pass_triton.py).
 #
 # `KernelOptions.checkpoint_every` (default 8): the forward keeps the chunk-start states of chunks
 # 0, 8, 16, ... (1/8 of them: 1 KB per token and layer at the 340M preset, against 12 KB for all
