@@ -6,13 +6,16 @@ convolutions, norms, each gate's activation, the delta rule, the gated norm), ea
 launch on a GPU: at batch 1 their launches, not the weights' bytes, set the cost of a token.
 Here the same step is
 
-    p1 = x [W_q; W_k; W_v; full-rank gate maps; low-rank first factors]^T (+ biases)
+    p1 = norm(x) [W_q; W_k; W_v; full-rank gate maps; low-rank first factors]^T (+ biases)
     p2 = p1[first factors] blockdiag(second factors)^T (+ biases)     (mixers with low-rank gates)
     `deltalab.ops.delta_rule.triton.fused_step.fused_layer_step`        (one kernel, in place)
     x' = x + o_proj(out)                        (the residual sum in the product: `add_projected`)
 
 with the weights concatenated once into the decoder's store (remade when a weight changes, as
-`deltalab.layers.projections.concatenated_weights` does). The block-diagonal second product
+`deltalab.layers.projections.concatenated_weights` does), and the block's RMSNorm computed in
+the first product's launch (`deltalab.ops.normed_linear`) when it is given. The FFN's norm,
+gate_up product and gating, and the final norm and the head, are one launch each the same way
+(`normed_projection`, where `runs_normed`). The block-diagonal second product
 reads the zeros between its blocks: a few hundred KB a layer, against one launch per gate.
 
 Each mixer's parametrization (`StepForm`, which of its maps feed which gate, its parameters)
@@ -29,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltalab.layers.common import DeltaMixer, RecurrentState
+from deltalab.layers.common import DeltaMixer, RecurrentState, RMSNorm
 from deltalab.layers.deltanet import DeltaNet, GatedDeltaNet
 from deltalab.layers.gdn2 import GatedDeltaNet2
 from deltalab.layers.kda import KimiDeltaAttention
@@ -39,9 +42,19 @@ from deltalab.layers.muir import FusedGateProjection, Muir
 from deltalab.layers.projections import _concatenated, _kept, fusable
 from deltalab.ops._triton import triton_available, triton_unavailable_reason
 from deltalab.ops.delta_rule.triton.fused_step import StepForm
+from deltalab.ops.normed_linear import normed_linear
 from deltalab.ops.norms import L2_EPS
 
-__all__ = ["LowRank", "StepPlan", "add_projected", "fused_step", "runs_fused", "step_plan"]
+__all__ = [
+    "LowRank",
+    "StepPlan",
+    "add_projected",
+    "fused_step",
+    "normed_projection",
+    "runs_fused",
+    "runs_normed",
+    "step_plan",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -180,6 +193,53 @@ def step_plan(mixer: nn.Module) -> StepPlan | None:
     return plan if all(fusable(m) for m in maps) else None
 
 
+def _triton_runs(backend: str, device: torch.device) -> bool:
+    """Whether a module on `backend` takes Triton kernels on `device`: "auto" compiled on CUDA,
+    "triton" also under the interpreter."""
+    if backend == "auto":
+        return triton_available(device)
+    return backend == "triton" and triton_unavailable_reason(device) is None
+
+
+def runs_normed(norm: nn.Module, x: torch.Tensor, linear: nn.Module | None = None) -> bool:
+    """Whether the decoder computes `norm(x)` (and `linear` of it, when given) in one
+    `normed_linear` launch: a plain hook-free `RMSNorm` (and `fusable` linear map), a 16-bit
+    or float32 x, and Triton where the norm's backend takes it (as `runs_fused`)."""
+    # A norm with hooks, or another class, keeps its own call (which runs them).
+    plain = type(norm) is RMSNorm and not (norm._forward_hooks or norm._forward_pre_hooks)
+    return (
+        plain
+        and (linear is None or fusable(linear))
+        and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and _triton_runs(norm.backend, x.device)  # type: ignore[arg-type]
+    )
+
+
+def _product_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of a product of x: autocast's where it is on (float64 left alone), else x's."""
+    if torch.is_autocast_enabled(x.device.type) and x.dtype != torch.float64:
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def normed_projection(
+    norm: RMSNorm, linear: nn.Linear, x: torch.Tensor, store: dict, *, epilogue: str = "none"
+) -> torch.Tensor:
+    """linear(norm(x)) of the last token of x `[B, T, D]` -> `[B, 1, N]` in one `normed_linear`
+    launch (where `runs_normed`); with epilogue "swiglu" (linear: the FFN's gate_up) the gating
+    of it `[B, 1, N/2]`. The product in `_product_dtype`: linear's own weight when it has that
+    dtype, else a copy kept in `store`."""
+    dtype = _product_dtype(x)
+    params = [p for p in (linear.weight, linear.bias) if p is not None]
+    if all(p.dtype == dtype for p in params):
+        weight, bias = linear.weight, linear.bias
+    else:
+        weight, bias = _kept(store, params, dtype, lambda: _concatenated([linear], dtype))
+    y = normed_linear(x[:, -1], weight, norm_weight=norm.weight, eps=norm.eps, bias=bias,
+                      epilogue=epilogue, backend="triton")  # fmt: skip
+    return y.unsqueeze(1)
+
+
 def runs_fused(mixer: nn.Module, x: torch.Tensor, state: object) -> bool:
     """Whether the static decoder's step of `mixer` on x `[B, 1, D]` continuing `state` (its
     own buffers, `in_place`) takes the fused kernel: a planned mixer without gate hooks, a
@@ -191,10 +251,7 @@ def runs_fused(mixer: nn.Module, x: torch.Tensor, state: object) -> bool:
         return False
     if not isinstance(mixer, DeltaMixer) or mixer._gate_hooks:
         return False
-    if mixer.backend == "auto":
-        ready = triton_available(x.device)
-    else:
-        ready = mixer.backend == "triton" and triton_unavailable_reason(x.device) is None
+    ready = _triton_runs(mixer.backend, x.device)
     # The kernel updates these in place, indexing them as contiguous buffers (the memory and
     # the KDN filter's state in float32), as the decoder's own are.
     buffers = [state.memory, getattr(state, "uncertainty", state.memory)]
@@ -247,12 +304,18 @@ def _block_diagonal(layout: _Layout, dtype: torch.dtype):
     return weight, torch.cat(biases).to(dtype)
 
 
-def _product(x, maps, store, dtype, make) -> tuple[torch.Tensor, dict[nn.Linear, torch.Tensor]]:
-    """The product of x with the maps' weights concatenated (`make()`, kept in `store`) and
-    {map: its columns}."""
+def _product(
+    x, maps, store, dtype, make, norm: RMSNorm | None = None
+) -> tuple[torch.Tensor, dict[nn.Linear, torch.Tensor]]:
+    """The product of x (`norm(x)` when a norm is given, in the same launch) with the maps'
+    weights concatenated (`make()`, kept in `store`) and {map: its columns}."""
     params = [p for m in maps for p in (m.weight, m.bias) if p is not None]
     weight, bias = _kept(store, params, dtype, make)
-    y = F.linear(x, weight, bias)
+    if norm is None:
+        y = F.linear(x, weight, bias)
+    else:
+        y = normed_linear(x, weight, norm_weight=norm.weight, eps=norm.eps, bias=bias,
+                          backend="triton")  # fmt: skip
     return y, dict(zip(maps, y.split([m.out_features for m in maps], -1), strict=True))
 
 
@@ -276,23 +339,25 @@ def add_projected(
 
 def fused_step(
     mixer: DeltaMixer, x: torch.Tensor, state: RecurrentState, store: dict, *,
-    residual: torch.Tensor | None = None, block_v: int | None = None,
+    residual: torch.Tensor | None = None, norm: RMSNorm | None = None,
+    block_v: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """`mixer(x, state)[0]` for one token x `[B, 1, D]` (plus `residual` when given, in the
-    output projection's product: `add_projected`), the state's buffers updated in place, on the
-    fused kernel (where `runs_fused`). store: the decoder's dict that keeps the concatenated
-    weights. block_v: the kernel's value block (None: its own choice)."""
+    """`mixer(x, state)[0]` for one token x `[B, 1, D]` (`mixer(norm(x), state)[0]` with a
+    `norm`, computed in the first product's launch: where `runs_normed`; plus `residual` when
+    given, in the output projection's product: `add_projected`), the state's buffers updated in
+    place, on the fused kernel (where `runs_fused`). store: the decoder's dict that keeps the
+    concatenated weights. block_v: the kernel's value block (None: its own choice)."""
     from deltalab.ops.delta_rule.triton.fused_step import fused_layer_step
 
     plan = step_plan(mixer)
     assert plan is not None  # runs_fused checked it
     layout = _layout(mixer, plan)
-    dtype = x.dtype
-    if torch.is_autocast_enabled(x.device.type) and dtype != torch.float64:
-        dtype = torch.get_autocast_dtype(x.device.type)
-    x = x[:, 0].to(dtype)
+    dtype = _product_dtype(x)
+    # The normed row is rounded to x's dtype, then to the product's, in the kernel.
+    x = x[:, 0] if norm is not None else x[:, 0].to(dtype)
     product, first = _product(x, layout.first + layout.downs, store, dtype,
-                              lambda: _concatenated(layout.first + layout.downs, dtype))  # fmt: skip
+                              lambda: _concatenated(layout.first + layout.downs, dtype),
+                              norm)  # fmt: skip
     outputs: dict[Source, torch.Tensor] = dict(first)
     low = [s for s in plan.sources.values() if isinstance(s, LowRank)]
     if low:

@@ -13,9 +13,11 @@ Here:
   only those buffers and a few device tensors (the last token, its position), so it is captured
   in a CUDA graph once and replayed for every token. Recurrent memories are updated in place
   (`RecurrentState.in_place`), so the step copies no state;
-- where Triton runs, a delta-rule layer's step is two matrix products, one kernel for all of
-  its recurrent work and the output projection (`deltalab.layers.decode_step`): at batch 1 a
-  step costs its kernel launches, and the unfused layer makes some fifty.
+- where Triton runs, a delta-rule layer's step is two matrix products (the first with the
+  block's norm in its launch), one kernel for all of its recurrent work and the output
+  projection (`deltalab.layers.decode_step`): at batch 1 a step costs its kernel launches, and
+  the unfused layer makes some fifty. Every block's FFN norm, gate_up product and gating are
+  one launch there, and so are the final norm and the head (`normed_projection`).
 
 Without CUDA (or with `cuda_graph=False`) the same step runs eagerly, which is how the CPU tests
 check that it produces the tokens of `model.generate`. Greedy decoding gives exactly those
@@ -34,7 +36,13 @@ import torch.nn.functional as F
 
 from deltalab.layers.attention import Attention, sliding_window_mask
 from deltalab.layers.common import AttentionState, RecurrentState, compute_dtype
-from deltalab.layers.decode_step import add_projected, fused_step, runs_fused
+from deltalab.layers.decode_step import (
+    add_projected,
+    fused_step,
+    normed_projection,
+    runs_fused,
+    runs_normed,
+)
 from deltalab.layers.projections import concatenated_weights, project_together
 from deltalab.models.cache import RecurrentCache
 from deltalab.models.lm import CausalLM
@@ -318,8 +326,10 @@ class StaticDecoder:
                 normed = block.mixer_norm(x)
                 x = attention_step(block.mixer, normed, state, self.position, residual=x)
             elif runs_fused(block.mixer, x, state):
-                normed = block.mixer_norm(x)
-                x = fused_step(block.mixer, normed, state, self.weights, residual=x)
+                # The block's norm in the first product's launch where it can be.
+                norm = block.mixer_norm if runs_normed(block.mixer_norm, x) else None
+                normed = x if norm is not None else block.mixer_norm(x)
+                x = fused_step(block.mixer, normed, state, self.weights, residual=x, norm=norm)
             else:
                 y, new_state = block.mixer(block.mixer_norm(x), state)
                 x = x + y
@@ -328,11 +338,21 @@ class StaticDecoder:
                     buffer = getattr(state, name)
                     if tensor is not buffer:
                         buffer.copy_(tensor)
-            # Block.forward's FFN branch, its residual sum in the down projection's product.
+            # Block.forward's FFN branch, its residual sum in the down projection's product;
+            # its norm, gate_up product and gating one launch where Triton runs.
             ffn = block.ffn
-            hidden = swiglu(ffn.gate_up(block.ffn_norm(x)), backend=ffn.backend)
+            if runs_normed(block.ffn_norm, x, ffn.gate_up):
+                hidden = normed_projection(
+                    block.ffn_norm, ffn.gate_up, x, self.weights, epilogue="swiglu"
+                )
+            else:
+                hidden = swiglu(ffn.gate_up(block.ffn_norm(x)), backend=ffn.backend)
             x = add_projected(x, hidden, ffn.down)
-        logits = self.model.lm_head(core.norm(x))[:, -1]
+        head = self.model.lm_head
+        if runs_normed(core.norm, x, head):
+            logits = normed_projection(core.norm, head, x, self.weights)[:, -1]
+        else:
+            logits = head(core.norm(x))[:, -1]
         logits = logits.to(compute_dtype(logits))
         self.position += 1
         self._choose(logits)
