@@ -102,7 +102,7 @@ def run_cases(
 def time_backends(
     backends: Sequence[str],
     forward: Callable[[str], object],
-    with_grads: Callable[[str], list[torch.Tensor]],
+    with_grads: Callable[[str], list[torch.Tensor]] | None,
     reference: list[torch.Tensor],
     names: Sequence[str],
     device: str,
@@ -111,21 +111,23 @@ def time_backends(
     """Per backend: the median ms of `forward(backend)` without autograd and of
     `with_grads(backend)` (the outputs and their gradients; `phase_times`, with the kernels'
     own time on CUDA), and the relative error of each of with_grads' tensors against
-    `reference` (float64), by `names`."""
+    `reference` (float64), by `names`. A forward-only op has no `with_grads` (None): its
+    forward alone is timed, and its outputs (`forward`'s list) are checked."""
     from deltalab.testing import relative_error
 
     result = {}
     for backend in backends:
 
-        def run_forward(backend=backend) -> None:
+        def run_forward(backend=backend) -> object:
             with torch.no_grad():
-                forward(backend)
+                return forward(backend)
 
-        got = with_grads(backend)
+        if with_grads is None:
+            got, train = run_forward(), None
+        else:
+            got, train = with_grads(backend), lambda backend=backend: with_grads(backend)
         result[backend] = {
-            **phase_times(
-                run_forward, lambda backend=backend: with_grads(backend), device, repeats
-            ),
+            **phase_times(run_forward, train, device, repeats),
             "errors": {
                 n: relative_error(a, e) for n, a, e in zip(names, got, reference, strict=True)
             },

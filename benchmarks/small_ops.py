@@ -17,10 +17,15 @@ interpreter, float32, which has no bfloat16):
   read_gate   dynamic (rho = exp(read_log) 2 sigmoid(raw)), static (rho = exp(read_log)): q and
               raw bf16 `[4, 4096, 8, 128]`, read_log float32 `[8, 128]`;
   log_decay   channel: raw bf16 `[4, 4096, 8, 128]`, A_log `[8, 1]`, dt_bias `[8, 128]`;
-              scalar: raw bf16 `[4, 4096, 8]`, A_log and dt_bias `[8]`.
+              scalar: raw bf16 `[4, 4096, 8]`, A_log and dt_bias `[8]`;
+  normed_linear  the static decoder's products at 1 and 64 rows (forward only), x bf16
+              `[M, 1024]`: p1 (the GDN-2 layer's first product, norm first, N = 5376), gate_up
+              (norm, N = 2 * 2400, SwiGLU gating), o_proj (N = 1024, no norm, the residual
+              added), head (norm, N = 32000); "torch" is the decoder's unfused step (the norm's
+              and the gating's kernels, cuBLAS between them, addmm for the residual).
 
 Per case and backend ("torch": the layers' old path; "triton"), the median ms of the forward (no
-autograd) and of forward + backward (every input's gradient by `torch.autograd.grad` with a random
+autograd) and, for ops with a backward, of forward + backward (every input's gradient by `torch.autograd.grad` with a random
 output gradient), by `triton.testing.do_bench` on the GPU, with the kernels' own time alone
 (torch.profiler); torch / triton; and each backend's normwise relative error against the float64
 definition ("naive") on the same inputs, of the output and of every gradient. Where a case gives
@@ -31,6 +36,7 @@ zeros (parameters as the layers initialize them).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,7 +54,8 @@ class Case:
     """One shape of one op. `inputs(shape, dtype, device)` gives the differentiable inputs
     (None where absent), the other arguments and the output's gradient; `call(backend, *leaves,
     **others)` the output; `names` the output's and the gradients' names; `moved(shape, dtype)`,
-    where given, the bytes the kernels must move forward and forward+backward."""
+    where given, the bytes the kernels must move forward and forward+backward (None without a
+    backward); `backward`: False for a forward-only op (timed and checked forward only)."""
 
     shape: tuple[int, ...]
     tiny: tuple[int, ...]
@@ -56,7 +63,8 @@ class Case:
     inputs: Callable[..., tuple[list, dict, torch.Tensor]]
     call: Callable[..., torch.Tensor]
     names: tuple[str, ...]
-    moved: Callable[[tuple[int, ...], torch.dtype], tuple[int, int]] | None = None
+    moved: Callable[[tuple[int, ...], torch.dtype], tuple[int, int | None]] | None = None
+    backward: bool = True
 
 
 def _randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
@@ -194,6 +202,71 @@ def _swiglu_bytes(shape, dtype):
     return 3 * size, 8 * size  # forward: gate_up in, h out; backward: gate_up, dh in, d(gate_up)
 
 
+def _gemv_inputs(norm: bool, residual: bool, epilogue: str):
+    def inputs(shape, dtype, device):
+        rows, width, dim = shape
+        gen = torch.Generator().manual_seed(0)
+        x = _randn(gen, rows, dim).to(device, dtype)
+        weight = (_randn(gen, width, dim) / math.sqrt(dim)).to(device, dtype)
+        norm_weight = (1 + 0.1 * _randn(gen, dim)).to(device) if norm else None
+        out = width // 2 if epilogue == "swiglu" else width
+        res = _randn(gen, rows, out).to(device, dtype) if residual else None
+        return [x, weight, norm_weight, res], {"epilogue": epilogue}, torch.zeros(rows, out)
+
+    return inputs
+
+
+def _gemv(backend, x, weight, norm_weight=None, residual=None, epilogue="none"):
+    """The "torch" row: the decoder's unfused step (the norm's and the gating's kernels under "auto",
+    cuBLAS between them, addmm for the residual); else `normed_linear` on `backend`."""
+    if backend != "torch":
+        from deltalab.ops.normed_linear import normed_linear
+
+        return normed_linear(x, weight, norm_weight=norm_weight, residual=residual,
+                             epilogue=epilogue, backend=backend)  # fmt: skip
+    h = x if norm_weight is None else _rms("auto", x, norm_weight)
+    if residual is not None:
+        return torch.addmm(residual, h, weight.t())
+    y = torch.nn.functional.linear(h, weight)
+    return _swiglu("auto", y) if epilogue == "swiglu" else y
+
+
+def _gemv_bytes(shape, dtype):
+    rows, width, dim = shape
+    return (width * dim + rows * (dim + width)) * dtype.itemsize, None
+
+
+# The decoding step's normed products at the 340M GDN-2 shapes: (norm, residual, epilogue) of
+# the layer's first product, the FFN's gate_up with the gating, the output projection with the
+# residual, the head.
+GEMV = {"p1": (True, False, "none"), "gate_up": (True, False, "swiglu"),
+        "o_proj": (False, True, "none"), "head": (True, False, "none")}  # fmt: skip
+
+
+@functools.cache
+def _gemv_shapes() -> tuple[int, dict[str, int]]:
+    """D and each product's N at the 340M GDN-2 preset (p1's from the layer's step plan)."""
+    from deltalab.layers.decode_step import _layout, step_plan
+    from deltalab.models import build_config
+    from deltalab.models.mixers import build_mixer
+
+    config = build_config("340M", mixer="gdn2")
+    with torch.device("meta"):
+        mixer = build_mixer(config, "gdn2")
+    layout = _layout(mixer, step_plan(mixer))
+    widths = {"p1": sum(m.out_features for m in layout.first + layout.downs),
+              "gate_up": 2 * config.ffn_width, "o_proj": config.hidden_size,
+              "head": config.vocab_size}  # fmt: skip
+    return config.hidden_size, widths
+
+
+def _gemv_case(name: str, rows: int) -> Case:
+    dim, widths = _gemv_shapes()
+    tiny = (1 if rows == 1 else 9, 36, 40)  # one row on the broadcast product, 9 on tl.dot
+    return Case((rows, widths[name], dim), tiny, BF16, _gemv_inputs(*GEMV[name]), _gemv,
+                ("y",), _gemv_bytes, backward=False)  # fmt: skip
+
+
 BF16 = torch.bfloat16
 HEADS = (4, 4096, 8, 128)
 # op -> case -> Case. Shapes at the 340M training step (`_swiglu_shape` reads the preset).
@@ -234,6 +307,11 @@ OPS: dict[str, dict[str, Callable[[], Case]]] = {
         "scalar": lambda: Case((4, 4096, 8), (2, 9, 3), BF16, _decay_inputs, _decay,
                                ("g", "dA_log", "draw", "ddt_bias")),
     },
+    "normed_linear": {
+        f"{name}_m{rows}": lambda name=name, rows=rows: _gemv_case(name, rows)
+        for name in GEMV
+        for rows in (1, 64)
+    },
 }  # fmt: skip
 
 
@@ -250,23 +328,23 @@ def bench_case(op: str, name: str, case: Case, tiny: bool, device: str, repeats:
     leaves, others, d_out = case.inputs(shape, dtype, device)
     result = {"op": op, "case": name, "shape": list(shape), "dtype": str(dtype)[6:]}
     wide = [None if t is None else t.double() for t in leaves]
-    reference = outputs(case, "naive", wide, others, d_out.double())
-    result |= time_backends(
-        BACKENDS,
-        lambda backend: case.call(backend, *leaves, **others),
-        lambda backend: outputs(case, backend, leaves, others, d_out),
-        reference,
-        case.names,
-        device,
-        repeats,
-    )
+
+    def forward(backend: str, leaves=leaves) -> list:
+        return [case.call(backend, *leaves, **others)]
+
+    if case.backward:
+        reference = outputs(case, "naive", wide, others, d_out.double())
+        with_grads = lambda backend: outputs(case, backend, leaves, others, d_out)  # noqa: E731
+    else:
+        reference = forward("naive", wide)
+        with_grads = None
+    result |= time_backends(BACKENDS, forward, with_grads, reference, case.names, device, repeats)
     if case.moved is not None:
-        forward, train = case.moved(shape, dtype)
-        result["kernel_bytes"] = {"forward": forward, "train": train}
+        moved = dict(zip(("forward", "train"), case.moved(shape, dtype), strict=True))
+        result["kernel_bytes"] = moved
         for backend in BACKENDS:
             row = result[backend]
-            row["gb_per_s"] = {"forward": forward / row["forward_ms"] / 1e6,
-                               "train": train / row["train_ms"] / 1e6}  # fmt: skip
+            row["gb_per_s"] = {p: n / row[f"{p}_ms"] / 1e6 for p, n in moved.items() if n}
     return add_speedups(result)
 
 

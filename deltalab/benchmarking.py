@@ -97,27 +97,36 @@ def kernel_ms(fn: Callable[[], object], device: str, repeats: int) -> float:
 
 
 def phase_times(
-    forward: Callable[[], object], train: Callable[[], object], device: str, repeats: int
+    forward: Callable[[], object],
+    train: Callable[[], object] | None,
+    device: str,
+    repeats: int,
 ) -> dict[str, float]:
     """ "forward_ms" and "train_ms" (`median_ms`: wall clock) of a forward and of a forward and
-    backward; on CUDA also "forward_kernel_ms" and "train_kernel_ms" (`kernel_ms`: the kernels
-    alone), so that small kernels are compared without the host's share."""
-    times = {
-        "forward_ms": median_ms(forward, device, repeats),
-        "train_ms": median_ms(train, device, repeats),
-    }
+    backward (None: an op without one, forward alone); on CUDA also "forward_kernel_ms" and
+    "train_kernel_ms" (`kernel_ms`: the kernels alone), so that small kernels are compared
+    without the host's share."""
+    phases = {"forward": forward} if train is None else {"forward": forward, "train": train}
+    times = {f"{name}_ms": median_ms(fn, device, repeats) for name, fn in phases.items()}
     if device == "cuda":
-        times["forward_kernel_ms"] = kernel_ms(forward, device, repeats)
-        times["train_kernel_ms"] = kernel_ms(train, device, repeats)
+        times |= {
+            f"{name}_kernel_ms": kernel_ms(fn, device, repeats) for name, fn in phases.items()
+        }
     return times
+
+
+def _phases(entry: dict) -> tuple[str, ...]:
+    """The phases ("forward", "train") a backend's results hold."""
+    return tuple(p for p in ("forward", "train") if f"{p}_ms" in entry)
 
 
 def add_speedups(result: dict, slow: str = "torch", fast: str = "triton") -> dict:
     """`result[slow]` and `result[fast]` hold "forward_ms" and "train_ms" (and, from
     `phase_times` on CUDA, "forward_kernel_ms" and "train_kernel_ms"): adds their ratios, slow
     / fast, as "speedup_forward" and "speedup_train" (and "speedup_forward_kernel",
-    "speedup_train_kernel")."""
-    for phase in ("forward", "train"):
+    "speedup_train_kernel"); a phase the results lack (a forward-only op's "train") is left
+    out."""
+    for phase in _phases(result[slow]):
         result[f"speedup_{phase}"] = result[slow][f"{phase}_ms"] / result[fast][f"{phase}_ms"]
         key = f"{phase}_kernel_ms"
         if key in result[slow] and key in result[fast] and result[fast][key] > 0:
@@ -135,26 +144,29 @@ def print_backend_case(
     (`result[backend]["errors"]`, name -> value), then `add_speedups`' ratios."""
     print(f"\n{title}")
     names = list(result[backends[0]]["errors"])
+    phases = _phases(result[backends[0]])
+    label = {"forward": "fwd", "train": "fwd+bwd"}
     rates = "gb_per_s" in result[backends[0]]
     kernels = all("forward_kernel_ms" in result[b] for b in backends)
-    kernel_keys = ("forward_kernel_ms", "train_kernel_ms") if kernels else ()
+    kernel_keys = tuple(f"{p}_kernel_ms" for p in phases) if kernels else ()
     rows = [
-        [backend, result[backend]["forward_ms"], result[backend]["train_ms"]]
+        [backend, *(result[backend][f"{p}_ms"] for p in phases)]
         + [result[backend][k] for k in kernel_keys]
-        + ([result[backend]["gb_per_s"][k] for k in ("forward", "train")] if rates else [])
+        + ([result[backend]["gb_per_s"][p] for p in phases] if rates else [])
         + [result[backend]["errors"][n] for n in names]
         for backend in backends
     ]
-    headers = ["backend", "fwd ms", "fwd+bwd ms"]
-    headers += ["fwd kernels ms", "fwd+bwd kernels ms"] if kernels else []
-    headers += ["fwd GB/s*", "fwd+bwd GB/s*"] if rates else []
+    headers = ["backend", *(f"{label[p]} ms" for p in phases)]
+    headers += [f"{label[p]} kernels ms" for p in phases] if kernels else []
+    headers += [f"{label[p]} GB/s*" for p in phases] if rates else []
     print(format_table(headers + [f"err {n}" for n in names], rows))
     note = f"  (* {bytes_note})" if rates and bytes_note else ""
-    print(f"{backends[0]} / {backends[-1]}: forward {result['speedup_forward']:.2f}x, "
-          f"forward+backward {result['speedup_train']:.2f}x{note}")  # fmt: skip
-    if "speedup_forward_kernel" in result and "speedup_train_kernel" in result:
-        print(f"  kernels alone: forward {result['speedup_forward_kernel']:.2f}x, "
-              f"forward+backward {result['speedup_train_kernel']:.2f}x")  # fmt: skip
+    names_of = {"forward": "forward", "train": "forward+backward"}
+    ratios = ", ".join(f"{names_of[p]} {result[f'speedup_{p}']:.2f}x" for p in phases)
+    print(f"{backends[0]} / {backends[-1]}: {ratios}{note}")
+    if all(f"speedup_{p}_kernel" in result for p in phases):
+        alone = ", ".join(f"{names_of[p]} {result[f'speedup_{p}_kernel']:.2f}x" for p in phases)
+        print(f"  kernels alone: {alone}")
 
 
 # Operators that only make views, read metadata or allocate (no kernel on a GPU).

@@ -54,3 +54,16 @@ def test_speedups_and_the_table_show_the_kernel_times_when_measured(kernels, cap
     out = capsys.readouterr().out
     assert ("fwd kernels ms" in out) == kernels
     assert ("kernels alone: forward 2.00x, forward+backward 2.00x" in out) == kernels
+
+
+def test_a_forward_only_result_shows_and_compares_its_forward_alone(capsys):
+    result = _result(kernels=True)
+    for entry in result.values():
+        del entry["train_ms"], entry["train_kernel_ms"]
+    result = benchmarking.add_speedups(result)
+    assert result["speedup_forward"] == result["speedup_forward_kernel"] == 2.0
+    assert "speedup_train" not in result
+    benchmarking.print_backend_case("case", result, ("torch", "triton"))
+    out = capsys.readouterr().out
+    assert "fwd kernels ms" in out and "fwd+bwd" not in out
+    assert "torch / triton: forward 2.00x\n" in out and "kernels alone: forward 2.00x\n" in out

@@ -22,7 +22,7 @@ from deltalab.ops._triton import INTERPRET, triton_unavailable_reason
 from deltalab.ops.normed_linear import normed_linear, resolve_backend
 from deltalab.ops.normed_linear.triton import LAUNCH, NormedLinearLaunch, ProductLaunch
 from deltalab.ops.swiglu import swiglu
-from deltalab.testing import TOLERANCE, assert_close
+from deltalab.testing import TOLERANCE, assert_close, relative_error
 
 pytestmark = pytest.mark.interpreter
 
@@ -128,6 +128,23 @@ def test_torch_path_matches_the_unfused_modules(generator, dtype, epilogue):
     if bare is not None:
         assert torch.equal(bare, y)
     assert_close(call(args, dtype, "torch"), expected, TOLERANCE[dtype])
+
+
+@pytest.mark.skipif(not CUDA, reason="bfloat16 kernels need a CUDA GPU (the interpreter has none)")
+@pytest.mark.parametrize("rows", [1, 64])
+@pytest.mark.parametrize(("width", "epilogue"), [(5376, "none"), (4800, "swiglu")])
+def test_bfloat16_at_decoding_shapes_is_as_close_to_float64_as_the_unfused_path(
+    generator, rows, width, epilogue
+):
+    """The 340M GDN-2 layer's first product and gate_up at D = 1024, on the card's own table:
+    within a bfloat16 rounding of the torch path, and no farther from the float64 definition."""
+    args = {"x": draw(generator, rows, 1024), "weight": draw(generator, width, 1024) / 32,
+            "norm_weight": 1 + 0.1 * draw(generator, 1024), "epilogue": epilogue}  # fmt: skip
+    got = call(args, torch.bfloat16, "triton", "cuda").cpu()
+    torch_path = call(args, torch.bfloat16, "torch", "cuda").cpu()
+    definition = call(args, F64, "naive")
+    assert_close(got, torch_path, 4e-3)  # 2^-8: one bfloat16 rounding
+    assert relative_error(got, definition) <= 1.1 * relative_error(torch_path, definition)
 
 
 def test_torch_path_under_autocast_rounds_as_the_modules(generator):

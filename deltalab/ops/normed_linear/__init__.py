@@ -24,12 +24,17 @@ The static-cache decoder runs a block's norm and the projections after it with t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from deltalab.ops._checks import require_choice, require_float, require_same_device, require_shape
 from deltalab.ops._triton import ELEMENTWISE_BACKENDS as BACKENDS
 from deltalab.ops._triton import require_triton, triton_available
 from deltalab.ops.normed_linear.reference import normed_linear_naive, normed_linear_torch
+
+if TYPE_CHECKING:  # the kernel module imports Triton, which the other backends do without
+    from deltalab.ops.normed_linear.triton import NormedLinearLaunch
 
 __all__ = ["BACKENDS", "EPILOGUES", "normed_linear", "resolve_backend"]
 
@@ -107,7 +112,7 @@ def normed_linear(
     residual: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     backend: str = "auto",
-    table=None,
+    table: NormedLinearLaunch | None = None,
 ) -> torch.Tensor:
     """[swiglu](rms_norm(x) W^T + bias) + residual (module docstring).
 
