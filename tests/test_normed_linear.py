@@ -215,3 +215,33 @@ def test_a_dot_table_with_blocks_under_16_is_refused_naming_the_table():
     with pytest.raises(ValueError, match=r"table: tl\.dot needs"):
         launch(64, narrow)
     assert launch(1, narrow)[2] is False  # one row takes the broadcast, which has no minimum
+
+
+@pytest.mark.skipif(INTERPRET, reason="compiles the kernel for sm_90 (not interpreted)")
+@pytest.mark.parametrize("x_dtype", ["bf16", "fp32"], ids=["bf16_stream", "fp32_stream"])
+@pytest.mark.parametrize("epilogue", ["none", "swiglu"])
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_the_kernel_compiles_for_hopper_without_spills_at_its_launches(rows, epilogue, x_dtype):
+    """The shipped table's launches at 1, 3 (the broadcast) and 64 rows (tl.dot), every term
+    on, bfloat16 weights and a bfloat16 or float32 residual stream; float32 weights too at 64
+    rows (the widest operands)."""
+    pytest.importorskip("triton")
+    from test_triton_compile import HOPPER_SHARED_BYTES, _compile_for_hopper, _stack_bytes
+
+    from deltalab.ops.normed_linear import triton as kernels
+
+    kernel = kernels._normed_linear
+    block_m, product, dot = kernels.launch(rows)
+    options = {"num_warps": product.num_warps, "num_stages": product.num_stages}
+    pointers = kernel.arg_names[:6]
+    for w_dtype in ["bf16", "fp32"] if rows == 64 else ["bf16"]:
+        types = {"X": f"*{x_dtype}", **{p: f"*{w_dtype}" for p in ("W", "BIAS", "RES", "Y")}}
+        constants = {"BM": block_m, "BN": product.block_n, "BK": product.block_k,
+                     "HAS_NORM": True, "HAS_BIAS": True, "HAS_RES": True,
+                     "SWIGLU": epilogue == "swiglu", "DOT": dot, "IEEE": w_dtype == "fp32"}  # fmt: skip
+        scalars = [a for a in kernel.arg_names[6:] if a not in constants]
+        compiled = _compile_for_hopper(kernel, pointers, scalars, constants, options,
+                                       {"NORM_W": "*fp32", **types}, aligned=pointers)  # fmt: skip
+        what = f"M={rows} {epilogue} x {x_dtype} W {w_dtype}"
+        assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, what
+        assert _stack_bytes(compiled) in (None, 0), f"{what}: spills to local memory"

@@ -65,12 +65,15 @@ class NormedLinearLaunch:
 # First choices, not yet timed on a GPU (python -m benchmarks small_ops --ops normed_linear).
 # M = 1: 16 columns a program, so that the 340M projections (N = 2400 to 32000 columns) give
 # 150 to 2000 programs for the 132 SMs; BK = 256 bfloat16 = 512 bytes of each row of W a step.
-# M >= 8: tl.dot on 32 columns, BK 64, M up to 64 in one program.
+# M >= 8: tl.dot on 32 columns, BK 64, M up to 64 in one program, 8 warps: compiled for sm_90
+# (ptxas, no GPU) at 4 warps it spilled 176-304 bytes a thread with the SwiGLU epilogue, at 8
+# it takes 128-186 registers and spills nothing; the broadcast at M = 1 takes 56 (no gating)
+# and 148 (SwiGLU) registers (tests/test_normed_linear.py compiles them).
 LAUNCH = NormedLinearLaunch(
     dot_rows=8,
     block_m=64,
     broadcast=ProductLaunch(block_n=16, block_k=256, num_warps=4, num_stages=2),
-    dot=ProductLaunch(block_n=32, block_k=64, num_warps=4, num_stages=3),
+    dot=ProductLaunch(block_n=32, block_k=64, num_warps=8, num_stages=3),
 )
 # The table per card (`deltalab.ops.launch_tables`), for calls given none.
 LAUNCH_TABLES = LaunchRegistry("normed_linear", LAUNCH)
@@ -98,14 +101,14 @@ def launch(rows: int, table: NormedLinearLaunch = LAUNCH) -> tuple[int, ProductL
 
 
 @triton.jit
-def _row_rstd(x_rows, row_ok, D, eps, BM: tl.constexpr, BK: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of each row `[BM]` (x_rows: the rows' first elements), float32,
-    as the norms' kernel computes it."""
+def _row_rstd(X, x_at, row_ok, D, eps, BM: tl.constexpr, BK: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of each row `[BM]` (x_at: the rows' first elements' offsets
+    from X), float32, as the norms' kernel computes it."""
     ks = tl.arange(0, BK)
     ss = tl.zeros([BM], dtype=tl.float32)
     for k0 in range(0, D, BK):
         k = k0 + ks
-        xk = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < D)[None, :], other=0.0)
+        xk = tl.load(X + x_at + k[None, :], mask=row_ok[:, None] & (k < D)[None, :], other=0.0)
         xk = xk.to(tl.float32)
         ss += tl.sum(xk * xk, axis=1)
     return 1.0 / tl.sqrt(ss / D + eps)
@@ -131,32 +134,40 @@ def _normed_linear(X, NORM_W, W, BIAS, RES, Y, M, N, D, stride_x, stride_w, stri
                    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                    SWIGLU: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
     # N: the output's columns (h's F with SWIGLU: W has 2N rows, the gate's then up's).
-    rows = tl.program_id(1) * BM + tl.arange(0, BM)
-    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    # The program's first row of x and of W by int64 scalars, the offsets within its tiles int32
+    # (BM or 2 BN rows of D: half the registers of int64 addresses).
+    first_row = tl.program_id(1) * BM
+    first_col = tl.program_id(0) * BN
+    X += first_row.to(tl.int64) * stride_x
+    W += first_col.to(tl.int64) * stride_w
+    W_UP = W + N.to(tl.int64) * stride_w  # the up half's rows (SWIGLU)
+    lane_m = tl.arange(0, BM)
+    lane_n = tl.arange(0, BN)
+    rows = first_row + lane_m
+    cols = first_col + lane_n
     row_ok = rows < M
     col_ok = cols < N
-    rows64 = rows.to(tl.int64)
-    x_rows = X + rows64[:, None] * stride_x
-    w_rows = W + cols.to(tl.int64)[:, None] * stride_w
+    x_at = lane_m[:, None] * stride_x
+    w_at = lane_n[:, None] * stride_w
     if HAS_NORM:
-        rstd = _row_rstd(x_rows, row_ok, D, eps, BM, BK)
+        rstd = _row_rstd(X, x_at, row_ok, D, eps, BM, BK)
     ks = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     acc_up = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, D, BK):
         k = k0 + ks
         k_ok = k < D
-        xk = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        xk = tl.load(X + x_at + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if HAS_NORM:
             nw = tl.load(NORM_W + k, mask=k_ok, other=0.0).to(tl.float32)
             # (x r) w, in the norm's order, rounded to x's dtype as the module returns it.
             xk = ((xk.to(tl.float32) * rstd[:, None]) * nw[None, :]).to(X.dtype.element_ty)
         xk = xk.to(W.dtype.element_ty)
         w_mask = col_ok[:, None] & k_ok[None, :]
-        w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)
+        w = tl.load(W + w_at + k[None, :], mask=w_mask, other=0.0)
         acc = _accumulate(acc, xk, w, DOT, IEEE)
         if SWIGLU:
-            wu = tl.load(w_rows + N * stride_w + k[None, :], mask=w_mask, other=0.0)
+            wu = tl.load(W_UP + w_at + k[None, :], mask=w_mask, other=0.0)
             acc_up = _accumulate(acc_up, xk, wu, DOT, IEEE)
     if HAS_BIAS:
         acc += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -169,6 +180,7 @@ def _normed_linear(X, NORM_W, W, BIAS, RES, Y, M, N, D, stride_x, stride_w, stri
         # sigmoid(g) is 0 once exp(-g) overflows (g < -88): h = g * 0 * u, finite.
         acc = g * tl.sigmoid(g) * u
     mask = row_ok[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)
     if HAS_RES:
         res = tl.load(RES + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
         acc += res.to(tl.float32)
