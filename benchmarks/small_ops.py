@@ -356,7 +356,10 @@ def print_case(result: dict) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_case_arguments(parser, "--ops", OPS)
     parser.add_argument(
-        "--sweep", action="store_true", help="also time short_conv's kernels at other launches"
+        "--sweep",
+        action="store_true",
+        help="also time the kernels of short_conv and normed_linear (those in --ops) at other "
+        "launches",
     )
 
 
@@ -368,10 +371,53 @@ def run(args: argparse.Namespace) -> dict:
             results["cases"].append(bench_case(op, name, make(), args.tiny, device, repeats))
             print_case(results["cases"][-1])
             save(args, results)
-    if args.sweep:
-        results["short_conv_sweep"] = short_conv_sweep(args.tiny, device, repeats)
-        save(args, results)
+    sweeps = {"short_conv": short_conv_sweep, "normed_linear": normed_linear_sweep}
+    for op, sweep in sweeps.items():
+        if args.sweep and op in args.ops:
+            results[f"{op}_sweep"] = sweep(args.tiny, device, repeats)
+            save(args, results)
     return results
+
+
+# normed_linear's launches tried by --sweep: (BN, BK, warps, stages) of the broadcast product
+# at one row and of tl.dot at 64 (the shipped table's first), and the tiny run's.
+GEMV_SWEEP = {
+    "broadcast": [(16, 256, 4, 2), (8, 256, 4, 2), (32, 128, 4, 2), (16, 512, 4, 2),
+                  (16, 256, 8, 2), (16, 128, 2, 2), (16, 256, 4, 3), (8, 512, 8, 2)],
+    "dot": [(32, 64, 8, 3), (16, 64, 4, 3), (32, 32, 4, 3), (64, 64, 8, 3), (32, 128, 8, 2),
+            (16, 128, 4, 2), (64, 32, 8, 3)],
+}  # fmt: skip
+TINY_GEMV_SWEEP = {"broadcast": [(16, 16, 1, 1), (16, 32, 2, 1)], "dot": [(16, 16, 1, 1)]}
+
+
+def normed_linear_sweep(tiny: bool, device: str, repeats: int) -> list[dict]:
+    """normed_linear's kernel at each launch of the sweep, on the p1, gate_up and head cases
+    (the broadcast's at one row, tl.dot's at 64)."""
+    from dataclasses import replace
+
+    from deltalab.ops.normed_linear.triton import LAUNCH, ProductLaunch, normed_linear_triton
+
+    rows = []
+    for form, launches in (TINY_GEMV_SWEEP if tiny else GEMV_SWEEP).items():
+        for name in ("p1", "gate_up", "head"):
+            case = _gemv_case(name, 1 if form == "broadcast" else 64)
+            shape, dtype = (case.tiny, torch.float32) if tiny else (case.shape, case.dtype)
+            (x, weight, norm_weight, _), others, _ = case.inputs(shape, dtype, device)
+            call = functools.partial(normed_linear_triton, x, weight, norm_weight, 1e-5,
+                                     others["epilogue"], None, None)  # fmt: skip
+            for launch in launches:
+                table = replace(LAUNCH, **{form: ProductLaunch(*launch)})
+                ms = median_ms(functools.partial(call, table=table), device, repeats)
+                rows.append({"case": name, "shape": list(shape), "form": form,
+                             "launch": list(launch), "ms": ms,
+                             "gb_per_s": _gemv_bytes(shape, dtype)[0] / ms / 1e6,
+                             "default": table == LAUNCH})  # fmt: skip
+    print(f"\nnormed_linear's launches, {'tiny shapes' if tiny else 'the cases above'}")
+    headers = ["case", "shape", "form", "BN", "BK", "warps", "stages", "ms", "GB/s"]
+    table = [[r["case"], "x".join(map(str, r["shape"])), r["form"] + (" (default)" if r["default"]
+              else ""), *r["launch"], r["ms"], r["gb_per_s"]] for r in rows]  # fmt: skip
+    print(format_table(headers, table))
+    return rows
 
 
 # short_conv's launches tried by --sweep: (BT tokens per chunk, BC channels per program, warps)

@@ -129,6 +129,8 @@ SMOKE = {
     "kdn": (["kdn", "--tiny", "--gain-chunks"], True, "gain_chunks"),
     "small_ops sweep": (["small_ops", "--tiny", "--ops", "short_conv", "--sweep"], True,
                         "short_conv_sweep"),
+    "small_ops normed_linear sweep": (["small_ops", "--tiny", "--ops", "normed_linear",
+                                      "--sweep"], True, "normed_linear_sweep"),
     "decode latency": (["decode", "latency", "--tiny", "--mixers", "gdn2"], False, "results"),
     "decode context": (["decode", "context", "--mixers", "gdn2", "--contexts", "8", "16",
                         "--steps", "2", "--repeats", "1"], False, "rows"),
