@@ -9,12 +9,36 @@ failed (each recorded in its report). Anything else is a bug and keeps its trace
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 USER_ERROR = 2
 T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def _transformers_bars_off() -> Iterator[None]:
+    """While open, transformers' progress bars ("Loading weights", "Writing model shards") are
+    off: a command's output is its own lines and bar. On exit the switch is as it was found, so
+    a program that runs a command in-process keeps its bars; the library functions leave it
+    alone."""
+    from huggingface_hub import utils as hub
+    from transformers.utils import logging
+
+    if not logging.is_progress_bar_enabled():
+        yield
+        return
+    # transformers' switch turns the hub's bars off and on with its own.
+    hub_off = hub.are_progress_bars_disabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.enable_progress_bar()
+        if hub_off:
+            hub.disable_progress_bars()
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -24,7 +48,8 @@ def _train(args: argparse.Namespace) -> int:
     config = load_run_config(args.config, overrides)
     from deltalab.train import train  # torch: after the config is checked
 
-    result = train(config)
+    with _transformers_bars_off():
+        result = train(config)
     change = f"{result.initial_perplexity:.3f} -> {result.final_perplexity:.3f}"
     if result.interrupted:
         print(
@@ -41,7 +66,8 @@ def _train(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from deltalab.train.export import export_checkpoint
 
-    source = export_checkpoint(args.checkpoint, args.out)
+    with _transformers_bars_off():
+        source = export_checkpoint(args.checkpoint, args.out)
     print(f"exported {source} to {args.out}")
     return 0
 

@@ -42,7 +42,12 @@ def make_corpus(folder: Path) -> str:
 
 
 def run_config(tmp_path, corpus, *extra: str):
-    overrides = [
+    return load_run_config(None, run_overrides(tmp_path, corpus, *extra))
+
+
+def run_overrides(tmp_path, corpus, *extra: str) -> list[str]:
+    """The overrides of `run_config`, as `deltalab train` takes them."""
+    return [
         f"data.source={corpus}",
         f"data.cache_dir={tmp_path / 'cache'}",
         "data.max_bytes=null",
@@ -64,7 +69,6 @@ def run_config(tmp_path, corpus, *extra: str):
         f"log.out_dir={tmp_path / 'run'}",
         *extra,
     ]
-    return load_run_config(None, overrides)
 
 
 def poison_loss_at(monkeypatch, call: int) -> dict[str, int]:

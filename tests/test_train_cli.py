@@ -241,3 +241,52 @@ def test_a_run_directory_takes_one_trainer_and_a_killed_one_leaves_no_lock(
         first.kill()
         first.wait()
     assert main(_train_args(tmp_path, corpus)) == 0
+
+
+def _crash_at_optimizer_step(monkeypatch, call: int) -> None:
+    original = torch.optim.AdamW.step
+    calls = {"n": 0}
+
+    def crashing(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == call:
+            raise RuntimeError("simulated crash")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", crashing)
+
+
+def test_a_run_refused_before_its_first_step_removes_the_directories_it_created(
+    tmp_path, corpus, capsys
+):
+    out_dir = tmp_path / "runs" / "run"
+    late = (f"log.out_dir={out_dir}", "train.batch_size=100000")
+    assert main(_train_args(tmp_path, corpus, *late)) == 2
+    assert not (tmp_path / "runs").exists()
+    # A directory that was there before stays, with what it held.
+    out_dir.mkdir(parents=True)
+    (out_dir / "notes.txt").write_text("mine")
+    assert main(_train_args(tmp_path, corpus, *late)) == 2
+    assert (out_dir / "notes.txt").read_text() == "mine"
+
+
+def test_a_run_that_fails_in_its_first_step_leaves_no_directory_and_no_lock(
+    tmp_path, corpus, monkeypatch
+):
+    _crash_at_optimizer_step(monkeypatch, 1)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        main(_train_args(tmp_path, corpus, "log.tensorboard=true"))
+    # Its config, provenance, empty log and event file were written, then removed with it.
+    assert not (tmp_path / "run").exists()
+    monkeypatch.undo()
+    assert main(_train_args(tmp_path, corpus)) == 0
+
+
+def test_a_failed_run_keeps_its_directory_once_it_holds_a_checkpoint(tmp_path, corpus, monkeypatch):
+    _crash_at_optimizer_step(monkeypatch, 2)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        main(_train_args(tmp_path, corpus, "checkpoint.every=1"))
+    assert (tmp_path / "run" / "checkpoints" / "step_00000001.pt").is_file()
+    assert (tmp_path / "run" / "log.jsonl").stat().st_size > 0
+    monkeypatch.undo()
+    assert main(_train_args(tmp_path, corpus, "checkpoint.every=1", "--resume")) == 0

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from test_train import make_corpus, run_config
+from test_train import make_corpus, run_config, run_overrides
 
 from deltalab.cli import main
 from deltalab.errors import CheckpointError, ConfigError
@@ -107,3 +107,20 @@ def test_init_from_a_model_of_other_shapes_names_the_differing_field(tmp_path, t
     assert "\n" not in str(caught.value)
     with pytest.raises(ConfigError, match=r"model\.init_from=.* \(no config\.json\)"):
         train(run_config(tmp_path, corpus, f"model.init_from={tmp_path}"))
+
+
+def test_export_and_train_print_no_transformers_bars_and_leave_them_on_for_the_caller(
+    tmp_path, trained, corpus, capsys
+):
+    from transformers.utils import logging as transformers_logging
+
+    folder, _ = trained
+    out = tmp_path / "out"
+    assert main(["export", str(folder / "run"), str(out)]) == 0
+    seeded = run_overrides(tmp_path, corpus, f"model.init_from={out}", "train.steps=2")
+    assert main(["train", *seeded, "eval.sample_tokens=0"]) == 0
+    err = capsys.readouterr().err
+    assert "Writing model shards" not in err and "Loading weights" not in err
+    # The commands silence transformers for their own work only: a program that imported
+    # deltalab keeps its bars.
+    assert transformers_logging.is_progress_bar_enabled()

@@ -10,6 +10,12 @@ The lock is `flock(2)` on an open file, which the kernel drops when the process 
 ends (SIGKILL and the out-of-memory killer included): a killed trainer leaves no stale lock to
 clear by hand. The file holds the holder's pid for the refusal message; the file being there
 means nothing by itself.
+
+A trainer that created its directory and fails before it records anything removes what it
+created, so a failed start leaves nothing that looks like a run: the files the run names as
+discardable, the lock file (still held, so no second trainer can come between), then each
+directory it created, by `rmdir` alone. A directory holding anything else (a checkpoint, metrics)
+is not empty and stays whole; a directory that was there before is never removed.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-from collections.abc import Iterator
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from deltalab.errors import CheckpointError
@@ -28,9 +35,13 @@ LOCK_NAME = ".train.lock"
 
 
 @contextlib.contextmanager
-def hold_run_directory(out_dir: Path) -> Iterator[None]:
+def hold_run_directory(
+    out_dir: Path, discardable: Callable[[Path], list[Path]] = lambda out_dir: []
+) -> Iterator[None]:
     """Holds `out_dir`'s trainer lock (creating the directory); CheckpointError naming the pid
-    of the process that holds it already."""
+    of the process that holds it already. A block that raises removes the directories this call
+    created when nothing but `discardable(out_dir)` and the lock file is left in them."""
+    created = next((p for p in (*reversed(out_dir.parents), out_dir) if not p.exists()), None)
     out_dir.mkdir(parents=True, exist_ok=True)
     # "a+", not "w": opening must not erase the holder's pid before the lock is known to be ours.
     with open(out_dir / LOCK_NAME, "a+", encoding="utf-8") as handle:
@@ -48,4 +59,32 @@ def hold_run_directory(out_dir: Path) -> Iterator[None]:
         handle.truncate()
         handle.write(f"{os.getpid()}\n")
         handle.flush()
-        yield
+        try:
+            yield
+        except BaseException:
+            if created is not None:
+                _remove_created(out_dir, created, discardable)
+            raise
+
+
+def _remove_created(
+    out_dir: Path, created: Path, discardable: Callable[[Path], list[Path]]
+) -> None:
+    """Removes `discardable(out_dir)`, then the lock file and the directories from `out_dir` up to
+    `created` while only the lock is left; anything else keeps them all. Best effort: the
+    run's own error is the one reported."""
+    try:
+        for path in discardable(out_dir):
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+        if [p.name for p in out_dir.iterdir()] != [LOCK_NAME]:
+            return
+        (out_dir / LOCK_NAME).unlink()
+        for directory in (out_dir, *out_dir.parents):
+            directory.rmdir()
+            if directory == created:
+                return
+    except OSError:
+        return

@@ -45,7 +45,7 @@ from deltalab.train.export import load_initial_weights, save_model_directory
 from deltalab.train.graphs import StepGraph
 from deltalab.train.lock import hold_run_directory
 from deltalab.train.optim import build_optimizer, build_scheduler, no_decay_names
-from deltalab.train.report import RunLogger, announce, write_metrics
+from deltalab.train.report import RunLogger, announce, unrecorded_files, write_metrics
 from deltalab.train.sharded import FULL_STATE, load_training_arrays, save_training_checkpoint
 
 __all__ = ["TrainResult", "train"]
@@ -351,11 +351,16 @@ def _step_graph(config: RunConfig, ctx: Distributed, core, forward, micro: int) 
 
 def train(config: RunConfig) -> TrainResult:
     """Trains the configured model; returns its perplexities, losses and sample. Holds the run
-    directory's trainer lock throughout (deltalab/train/lock.py): one trainer per log.out_dir."""
+    directory's trainer lock throughout (deltalab/train/lock.py): one trainer per log.out_dir; a
+    run that fails before it logs a step removes the directory it created."""
     ctx = setup_distributed(config.train.device)
     preflight.check_directories(config)
     # The ranks of one run share its directory: the main rank holds the lock for them all.
-    held = hold_run_directory(Path(config.log.out_dir)) if ctx.is_main else contextlib.nullcontext()
+    held = (
+        hold_run_directory(Path(config.log.out_dir), unrecorded_files)
+        if ctx.is_main
+        else contextlib.nullcontext()
+    )
     with held:
         return _train(config, ctx)
 

@@ -14,12 +14,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from deltalab._files import write_text_atomically
+from deltalab.provenance import PROVENANCE_NAME
 from deltalab.train.config import config_changes, save_run_config
 
 if TYPE_CHECKING:
     from deltalab.train.loop import TrainState
 
-__all__ = ["RunLogger", "announce", "plot_loss_curve", "truncate_log", "write_metrics"]
+__all__ = [
+    "RunLogger",
+    "announce",
+    "plot_loss_curve",
+    "truncate_log",
+    "unrecorded_files",
+    "write_metrics",
+]
 
 
 class _Progress:
@@ -97,6 +105,17 @@ class RunLogger:
             self.jsonl.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def unrecorded_files(out_dir: Path) -> list[Path]:
+    """While `log.jsonl` holds no record (no step done), the files a run has written: its config,
+    provenance, the empty log and TensorBoard's empty event files, none worth keeping from a run
+    that fails there (deltalab/train/lock.py removes them with the directory it created); none
+    once a step is logged."""
+    log = out_dir / "log.jsonl"
+    if log.is_file() and log.stat().st_size > 0:
+        return []
+    return [out_dir / name for name in ("config.yaml", PROVENANCE_NAME, "log.jsonl", "tb")]
 
 
 def truncate_log(path: Path, step: int) -> None:
