@@ -16,6 +16,12 @@ from deltalab.layers.decode_step import fused_step, runs_fused, runs_normed, ste
 from deltalab.models import CausalLM, build_config
 from deltalab.models.static_decode import StaticDecoder, _static_recurrent
 from deltalab.ops._triton import INTERPRET
+from deltalab.ops.delta_rule.triton.fused_step import (
+    FusedStepLaunch,
+    StepForm,
+    fused_layer_step,
+    split_launch,
+)
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -80,10 +86,98 @@ def test_the_fused_step_equals_the_unfused_step(generator, case, block_v, normed
         expected, after = mixer(norm(x) if normed else x, state)
         got = fused_step(mixer, x, buffers, {}, block_v=block_v, norm=norm if normed else None)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
-    for f in dataclasses.fields(after):
-        value = getattr(after, f.name)
+    _assert_same_state(buffers, after, rtol=1e-4, atol=1e-5)
+
+
+def _assert_same_state(got, expected, **tolerance) -> None:
+    for f in dataclasses.fields(expected):
+        value = getattr(expected, f.name)
         if f.name != "gates" and isinstance(value, torch.Tensor):
-            torch.testing.assert_close(getattr(buffers, f.name), value, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(getattr(got, f.name), value, **tolerance)
+
+
+# (kind, mixer options, value_dim, programs_per_head): every rule, decay form and read form,
+# each head split over 2 or 4 programs; V = 48 in blocks of 32 and of 16 (a last block partly
+# past V; 3 programs where 4 were asked).
+SPLIT_CASES = [
+    ("deltanet", {}, 64, 4),
+    ("gdn", {}, 48, 2),
+    ("kda", {}, 64, 4),
+    ("muir", {}, 48, 4),
+    ("muir", {"read_gate": "static"}, 32, 2),
+    ("kdn_iso", {"process_noise": "tied"}, 32, 2),
+    ("kdn_diag", {}, 64, 4),
+    ("kdn_exact", {}, 48, 2),
+    ("kdn_muir", {}, 32, 2),
+]
+
+
+def _split_case_id(case) -> str:
+    kind, options, value_dim, programs = case
+    return "-".join([kind, *map(str, options.values()), f"V{value_dim}", f"NV{programs}"])
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=_split_case_id)
+def test_the_step_split_over_programs_equals_the_whole_step_and_the_unfused_step(generator, case):
+    """Over three consecutive tokens (the caches shifted, the head's counter reset between
+    them), output and state of the step split over programs a head equal one program's
+    and the mixer's own step's."""
+    kind, options, value_dim, programs = case
+    mixer = tiny_mixer(kind, options, {"value_dim": value_dim}, generator)
+    split = FusedStepLaunch(programs_per_head=programs)
+    with torch.no_grad():
+        _, state = mixer(torch.randn(2, 5, 32, generator=generator))
+        whole, parted = _static_recurrent(state), _static_recurrent(state)
+        assert split_launch(parted.memory, split)[3] == min(programs, -(-value_dim // 16))
+        store: dict = {}
+        for _ in range(3):
+            x = torch.randn(2, 1, 32, generator=generator)
+            expected, state = mixer(x, state)
+            one = fused_step(mixer, x, whole, {}, table=FusedStepLaunch())
+            got = fused_step(mixer, x, parted, store, table=split)
+            torch.testing.assert_close(got, one, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+            _assert_same_state(parted, whole, rtol=1e-5, atol=1e-6)
+            _assert_same_state(parted, state, rtol=1e-4, atol=1e-5)
+
+
+def test_the_split_steps_counters_are_back_to_zero_after_each_step(generator):
+    """The counters of a head's finished programs end every step at 0, ready for the next one
+    (and for a CUDA graph's replay)."""
+    mixer = tiny_mixer("gdn", {}, {"value_dim": 64}, generator)
+    split = FusedStepLaunch(programs_per_head=4)
+    with torch.no_grad():
+        _, state = mixer(torch.randn(2, 5, 32, generator=generator))
+        buffers, store = _static_recurrent(state), {}
+        for _ in range(2):
+            fused_step(mixer, torch.randn(2, 1, 32, generator=generator), buffers, store,
+                       table=split)  # fmt: skip
+            (workspace,) = [v for k, v in store.items() if k[0] == "fused_step_workspace"]
+            assert workspace.shape == (2 * 2, 1 + 4)
+            assert workspace[:, 0].tolist() == [0] * 4
+
+
+def test_the_default_launch_keeps_one_program_a_head_and_a_table_splits_up_to_its_heads():
+    """At the 340M presets' heads (K = V = 128): one program of 16 warps by default; a table's
+    split takes blocks of V / NV columns over warps by their tile, up to split_max_heads."""
+    heads = [torch.empty(batch, 8, 128, 128, device="meta") for batch in (1, 2)]
+    assert split_launch(heads[0]) == (128, 128, 16, 1)
+    for programs, block_v, warps in ((2, 64, 8), (4, 32, 4), (8, 16, 4)):
+        table = FusedStepLaunch(programs_per_head=programs, split_max_heads=8)
+        assert split_launch(heads[0], table) == (128, block_v, warps, programs)
+        assert split_launch(heads[1], table) == (128, 128, 16, 1)
+    exact = split_launch(heads[0], FusedStepLaunch(programs_per_head=4), covariance=True)
+    assert exact == (128, 32, 16, 4)
+
+
+def test_a_split_launch_without_its_workspace_is_refused_naming_it():
+    memory, placeholder = torch.zeros(1, 2, 16, 64), torch.zeros(32, 1, 4)
+    with pytest.raises(ValueError, match=r"^workspace: the launch splits each head over 4"):
+        fused_layer_step(
+            StepForm("head", "beta"), (placeholder,) * 3, (placeholder,) * 3, (placeholder,) * 3,
+            memory, placeholder, placeholder, placeholder, scale=1.0, l2_eps=1e-6, norm_eps=1e-6,
+            gates={}, params={}, table=FusedStepLaunch(programs_per_head=4),
+        )  # fmt: skip
 
 
 # What the interpreter does with a launch's arguments (copies to and from the host), which no

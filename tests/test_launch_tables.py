@@ -143,7 +143,7 @@ def test_a_block_that_is_not_a_power_of_2_is_refused_naming_the_nested_field(tmp
 
 def test_every_shipped_file_holds_a_valid_table_of_each_op_for_its_card():
     pytest.importorskip("triton")
-    from deltalab.ops.delta_rule.triton import chunk
+    from deltalab.ops.delta_rule.triton import chunk, fused_step
     from deltalab.ops.log_decay import triton as log_decay
     from deltalab.ops.norms import triton as norms
     from deltalab.ops.swiglu import triton as swiglu
@@ -155,7 +155,7 @@ def test_every_shipped_file_holds_a_valid_table_of_each_op_for_its_card():
         card = DeviceProperties(data["device"], tuple(data["capability"]),
                                 data["multiprocessors"])  # fmt: skip
         assert card.key == path.stem
-        for module in (chunk, norms, swiglu, log_decay):
+        for module in (chunk, norms, swiglu, log_decay, fused_step):
             tables = module.LAUNCH_TABLES
             shipped = tables.builtin(card)
             assert table_as_dict(shipped) == data["tables"][tables.op], (path.name, tables.op)

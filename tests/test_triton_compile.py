@@ -546,13 +546,14 @@ def test_rope_kernel_compiles_for_hopper_without_spills(heads, dim, dtype, inver
 # and the KDN precision; the rest come in the model's dtype.
 FUSED_STEP_FLOAT32 = ("MEMORY", "PRECISION")
 # Bytes a thread of the fused step may spill at a 128 x 128 head: 0 to 48 by the form (measured),
-# where 16 warps spill 232 in the plain step's kernel and 8 warps 200 to 400 in this one. Exact
-# KDN's covariance update (a second 128 x 128 tile) spills about 1.2 KB: a bound to lower, not a
-# target.
+# where 16 warps spill 232 in the plain step's kernel and 8 warps 200 to 400 in this one; split
+# over 4 programs (128 x 32 at 4 warps) 0. Exact KDN's covariance update (a second 128 x 128
+# tile) spills about 1.2 KB (0.9 split, at 16 warps): a bound to lower, not a target.
 FUSED_STEP_STACK = {"kdn_exact": 1280}
 FUSED_STEP_STACK_DEFAULT = 64
 
 
+@pytest.mark.parametrize("programs", [1, 4], ids=["one_program_a_head", "split_over_4"])
 @pytest.mark.parametrize(
     ("decay", "rule", "read", "tied"),
     [
@@ -564,19 +565,24 @@ FUSED_STEP_STACK_DEFAULT = 64
     ],
     ids=["gdn", "muir", "kdn_iso-tied", "kdn_muir", "kdn_exact"],
 )
-def test_fused_decode_step_compiles_for_hopper_within_its_spills(decay, rule, read, tied):
-    """At the launch the 340M presets' heads (K = V = 128, one block) give the fused step in
-    bfloat16: within shared memory, at most FUSED_STEP_STACK's bytes spilled a thread."""
+def test_fused_decode_step_compiles_for_hopper_within_its_spills(decay, rule, read, tied,
+                                                                programs):  # fmt: skip
+    """At the launch the 340M presets' heads (K = V = 128) give the fused step in bfloat16, one
+    program a head (one block) and split over 4 (blocks of 32 columns, 4 warps; Exact KDN 16,
+    by its covariance tile): within shared
+    memory, at most FUSED_STEP_STACK's bytes spilled a thread."""
     from deltalab.ops.delta_rule.triton import fused_step as fs
     from deltalab.ops.norms.triton import GATES
 
     kernel = fs._fused_step_kernel
     value_dim = 128
-    block_k, block_v, warps = fs.launch(128, value_dim)
+    exact = rule == "kdn_exact"
+    block_k, block_v, warps = fs.launch(128, value_dim, programs=programs, covariance=exact)
     constants = {
         "W": 4, "BW": 4, "BK": block_k, "BV": block_v, "DECAY": fs.DECAYS.index(decay),
         "RULE": fs.RULES.index(rule), "READ_FORM": fs.READS.index(read), "TIED": tied,
         "GATE_ACT": GATES["sigmoid"], "ONE_BLOCK": block_v >= value_dim,
+        "NV": -(-value_dim // block_v),
     }  # fmt: skip
     floats = ("scale", "l2_eps", "norm_eps", "r_min", "info_scale")
     pointers = [a for a in kernel.arg_names if a.isupper() and a not in constants]
@@ -584,7 +590,7 @@ def test_fused_decode_step_compiles_for_hopper_within_its_spills(decay, rule, re
     signature = {
         a: "constexpr"
         if a in constants
-        else ("*fp32" if a in FUSED_STEP_FLOAT32 else "*bf16")
+        else ("*fp32" if a in FUSED_STEP_FLOAT32 else "*i32" if a == "WORKSPACE" else "*bf16")
         if a in pointers
         else ("fp32" if a in floats else "i32")
         for a in kernel.arg_names

@@ -41,7 +41,7 @@ from deltalab.layers.kdn_muir import KDNMuir
 from deltalab.layers.muir import FusedGateProjection, Muir
 from deltalab.layers.projections import _concatenated, _kept, fusable
 from deltalab.ops._triton import triton_available, triton_unavailable_reason
-from deltalab.ops.delta_rule.triton.fused_step import StepForm
+from deltalab.ops.delta_rule.triton.fused_step import FusedStepLaunch, StepForm
 from deltalab.ops.normed_linear import normed_linear
 from deltalab.ops.norms import L2_EPS
 
@@ -337,16 +337,36 @@ def add_projected(
     return torch.addmm(residual.flatten(0, -2), inputs.flatten(0, -2), weight.t()).view_as(residual)
 
 
+def _split_workspace(
+    store: dict, memory: torch.Tensor, table: FusedStepLaunch | None, block_v: int | None
+) -> torch.Tensor | None:
+    """The fused kernel's workspace for the layer of state `memory` where its launch splits
+    heads (`split_workspace`), None where it does not; kept in `store` by the state's address
+    and the launch: zeroed once, its counters back to zero after every step, so later steps
+    and CUDA graph replays reuse it as it is."""
+    from deltalab.ops.delta_rule.triton.fused_step import split_launch, split_workspace
+
+    programs = split_launch(memory, table, block_v)[3]
+    if programs == 1:
+        return None
+    key = ("fused_step_workspace", memory.data_ptr(), memory.shape[0] * memory.shape[1], programs)
+    if key not in store:
+        store[key] = split_workspace(memory, table, block_v)
+    return store[key]
+
+
 def fused_step(
     mixer: DeltaMixer, x: torch.Tensor, state: RecurrentState, store: dict, *,
     residual: torch.Tensor | None = None, norm: RMSNorm | None = None,
-    block_v: int | None = None,
+    block_v: int | None = None, table: FusedStepLaunch | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`mixer(x, state)[0]` for one token x `[B, 1, D]` (`mixer(norm(x), state)[0]` with a
     `norm`, computed in the first product's launch: where `runs_normed`; plus `residual` when
     given, in the output projection's product: `add_projected`), the state's buffers updated in
     place, on the fused kernel (where `runs_fused`). store: the decoder's dict that keeps the
-    concatenated weights. block_v: the kernel's value block (None: its own choice)."""
+    concatenated weights, and the kernel's workspace where its launch splits heads
+    (`_split_workspace`). block_v: the kernel's value block (None: its own choice); table: its
+    launch table (None: the one for the state's device)."""
     from deltalab.ops.delta_rule.triton.fused_step import fused_layer_step
 
     plan = step_plan(mixer)
@@ -390,5 +410,7 @@ def fused_step(
         r_min=plan.r_min,
         info_scale=plan.info_scale,
         block_v=block_v,
+        table=table,
+        workspace=_split_workspace(store, state.memory, table, block_v),
     )
     return add_projected(residual, out, mixer.o_proj)

@@ -1,10 +1,11 @@
 """Launch tables chosen by the device: each Triton op's block sizes, warps and thresholds per card.
 
 Each op with a launch table (the delta rule, the norms, SwiGLU, the log decay, the read gate,
-which launches by the log decay's, and the normed linear map) keeps its default table in its kernel module and a
-`LaunchRegistry` beside it; its public Triton function takes the registry's table for the
-input's device when no `table=` is given (`LaunchRegistry.launch_table_for`: the first call on a
-device resolves it, later calls are one dict lookup, and nothing reads back from the device).
+which launches by the log decay's, the normed linear map and the fused decoding step) keeps
+its default table in its kernel module and a `LaunchRegistry` beside it; its public Triton
+function takes the registry's table for the input's device when no `table=` is given
+(`LaunchRegistry.launch_table_for`: the first call on a device resolves it, later calls are
+one dict lookup, and nothing reads back from the device).
 
 A table file is JSON, one per card, named by the card's key (`DeviceProperties.key`, the CUDA
 device name in lower case with runs of other characters as "-": "nvidia-h200"):
@@ -61,7 +62,7 @@ __all__ = [
 ]
 
 # The sections a table file may hold: one per op with a registry.
-OPS = ("delta_rule", "norms", "swiglu", "log_decay", "normed_linear")
+OPS = ("delta_rule", "norms", "swiglu", "log_decay", "normed_linear", "fused_step")
 BUILTIN_DIRECTORY = Path(__file__).resolve().parent
 ENV_DIRECTORY = "DELTALAB_LAUNCH_DIR"
 
