@@ -364,3 +364,41 @@ def test_cuda_an_h100_or_h200_takes_the_launch_tables_shipped_for_its_own_name()
     assert path.exists(), f"{card.name}: no {path.name} among the shipped tables"
     shipped = read_table_file(path)["tables"]["delta_rule"]
     assert dataclasses.asdict(LAUNCH_TABLES.builtin(card)) == shipped
+
+
+def split_and_whole_steps(kind: str, programs: int, batch: int, generator, device="cuda"):
+    """Four fused steps of a mixer of 128 x 128 heads from a prefilled state, one program a
+    head and split over `programs`: (outputs, final states) of each."""
+    from deltalab.layers.decode_step import fused_step
+    from deltalab.models.static_decode import _static_recurrent
+    from deltalab.ops.delta_rule.triton.fused_step import FusedStepLaunch
+
+    torch.manual_seed(0)
+    config = build_config("tiny", mixer=kind, backend="triton", hidden_size=256, num_layers=1,
+                          num_heads=2, head_dim=128, vocab_size=67)  # fmt: skip
+    mixer = CausalLM(config).model.blocks[0].mixer.to(device).eval()
+    outputs, states = ([], []), []
+    with torch.no_grad():
+        _, state = mixer(torch.randn(batch, 5, 256, generator=generator).to(device))
+        whole, parted, store = _static_recurrent(state), _static_recurrent(state), {}
+        for _ in range(4):
+            x = torch.randn(batch, 1, 256, generator=generator).to(device)
+            outputs[0].append(fused_step(mixer, x, whole, {}, table=FusedStepLaunch()))
+            split = FusedStepLaunch(programs_per_head=programs)
+            outputs[1].append(fused_step(mixer, x, parted, store, table=split))
+        states = [{f.name: getattr(s, f.name) for f in dataclasses.fields(s)
+                   if isinstance(getattr(s, f.name), torch.Tensor)} for s in (whole, parted)]  # fmt: skip
+    return outputs, states
+
+
+@pytest.mark.parametrize("programs", [2, 4, 8])
+@pytest.mark.parametrize("kind", ["gdn", "muir", "kdn_iso", "kdn_diag", "kdn_exact"])
+def test_cuda_fused_step_split_over_programs_equals_one_program_a_head(generator, kind, programs):
+    """The split's programs of a head run concurrently here (the interpreter runs them one by
+    one): over consecutive tokens, at 1 and 64 sequences, the same outputs and state."""
+    for batch in (1, 64):
+        (whole, parted), states = split_and_whole_steps(kind, programs, batch, generator)
+        for got, expected in zip(parted, whole, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+        for name, value in states[0].items():
+            torch.testing.assert_close(states[1][name], value, rtol=1e-4, atol=1e-5)
