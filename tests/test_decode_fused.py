@@ -1,7 +1,8 @@
 """The static decoder's fused layer step (`deltalab.layers.decode_step`, one Triton kernel for a
 layer's recurrent work) against its PyTorch twin, the mixer's own one-token forward, for every
-mixer it serves, and its normed products (`deltalab.ops.normed_linear`: a block's norm in the
-product after it) against the model's forward, under the Triton interpreter."""
+mixer it serves, whole and split over programs a head, and its normed products
+(`deltalab.ops.normed_linear`: a block's norm in the product after it) against the model's
+forward, under the Triton interpreter."""
 
 from __future__ import annotations
 
