@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch import nn
 
 from deltalab.benchmarking import HOST_READS, OperatorCounter
 from deltalab.layers.common import RMSNorm
@@ -263,6 +264,18 @@ def test_the_static_step_with_normed_products_gives_the_logits_of_the_forward(ge
         expected = model(ids).logits[:, 6:]
     x = torch.zeros(2, 1, 32)
     block = model.model.blocks[0]
-    assert runs_normed(block.ffn_norm, x, block.ffn.gate_up)
-    assert runs_normed(model.model.norm, x, model.lm_head)
+    with torch.no_grad():
+        assert runs_normed(block.ffn_norm, x, block.ffn.gate_up, backend=block.ffn.backend)
+        assert runs_normed(model.model.norm, x, model.lm_head)
     torch.testing.assert_close(torch.stack(decoder.logits, 1), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_normed_product_is_taken_only_without_gradients_and_where_its_consumer_runs_triton():
+    """normed_linear has no backward: with gradients on, the norm runs as a module; and an FFN
+    whose gating is on the torch path keeps it there though its norm would run on Triton."""
+    norm, linear = RMSNorm(32, backend="triton"), nn.Linear(32, 8, bias=False)
+    x = torch.zeros(2, 1, 32)
+    with torch.no_grad():
+        assert runs_normed(norm, x, linear) and runs_normed(norm, x, linear, backend="triton")
+        assert not runs_normed(norm, x, linear, backend="torch")
+    assert not runs_normed(norm, x, linear)

@@ -95,6 +95,30 @@ def test_triton_on_the_devices_own_table_matches_the_definition(generator, rows)
 
 @needs_triton
 @pytest.mark.parametrize("epilogue", ["none", "swiglu"])
+def test_triton_with_one_output_column_matches_the_definition(generator, epilogue):
+    """N = 1 (one column, or one gated column from two weight rows): compiled, Triton would
+    make an int argument equal to 1 a constant, which the kernel must not take apart."""
+    args = {"x": draw(generator, 3, D), "weight": draw(generator, 1 + (epilogue == "swiglu"), D),
+            "norm_weight": 1 + 0.1 * draw(generator, D), "epilogue": epilogue}  # fmt: skip
+    got = call(args, torch.float32, "triton", DEVICE)
+    assert got.shape == (3, 1)
+    assert_close(got.cpu(), call(args, F64, "naive"), F32_TOL)
+
+
+@needs_triton
+def test_triton_reads_rows_of_x_a_long_sequence_apart(generator):
+    """x = h[:, -1] of h [B, T, D]: rows T * D apart (past 2^31 elements at long prompts
+    and large batches, so the kernel's row offsets are 64-bit)."""
+    h = draw(generator, 17, 5, D)
+    args = {"x": h[:, -1], "weight": draw(generator, WIDTH, D), "epilogue": "none",
+            "norm_weight": 1 + 0.1 * draw(generator, D)}  # fmt: skip
+    assert args["x"].stride(0) == 5 * D
+    got = call(args, torch.float32, "triton", DEVICE, table=TABLES["dot"])
+    assert_close(got.cpu(), call(args, F64, "naive"), F32_TOL)
+
+
+@needs_triton
+@pytest.mark.parametrize("epilogue", ["none", "swiglu"])
 def test_triton_on_float16_weights_rounds_where_the_torch_path_does(generator, epilogue):
     """float32 x and float16 weights (a model under autocast): the normed x rounded to float32
     then float16, the gating on the float16 product, as the unfused modules. The two differ by

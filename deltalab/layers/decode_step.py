@@ -201,15 +201,20 @@ def _triton_runs(backend: str, device: torch.device) -> bool:
     return backend == "triton" and triton_unavailable_reason(device) is None
 
 
-def runs_normed(norm: nn.Module, x: torch.Tensor, linear: nn.Module | None = None) -> bool:
+def runs_normed(
+    norm: nn.Module, x: torch.Tensor, linear: nn.Module | None = None, backend: str | None = None
+) -> bool:
     """Whether the decoder computes `norm(x)` (and `linear` of it, when given) in one
-    `normed_linear` launch: a plain hook-free `RMSNorm` (and `fusable` linear map), a 16-bit
-    or float32 x, and Triton where the norm's backend takes it (as `runs_fused`)."""
+    `normed_linear` launch: no gradient asked for (the kernel has no backward), a plain
+    hook-free `RMSNorm` (and `fusable` linear map), a 16-bit or float32 x, and Triton where the
+    norm's backend takes it, and `backend` (the consumer's, as the FFN's gating) too."""
     # A norm with hooks, or another class, keeps its own call (which runs them).
     plain = type(norm) is RMSNorm and not (norm._forward_hooks or norm._forward_pre_hooks)
     return (
         plain
+        and not torch.is_grad_enabled()
         and (linear is None or fusable(linear))
+        and (backend is None or _triton_runs(backend, x.device))
         and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
         and _triton_runs(norm.backend, x.device)  # type: ignore[arg-type]
     )

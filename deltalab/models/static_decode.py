@@ -341,7 +341,7 @@ class StaticDecoder:
             # Block.forward's FFN branch, its residual sum in the down projection's product;
             # its norm, gate_up product and gating one launch where Triton runs.
             ffn = block.ffn
-            if runs_normed(block.ffn_norm, x, ffn.gate_up):
+            if runs_normed(block.ffn_norm, x, ffn.gate_up, backend=ffn.backend):
                 hidden = normed_projection(
                     block.ffn_norm, ffn.gate_up, x, self.weights, epilogue="swiglu"
                 )

@@ -128,7 +128,8 @@ def _accumulate(acc, x, w, DOT: tl.constexpr, IEEE: tl.constexpr):
     return acc
 
 
-@triton.jit
+# N not specialized: Triton makes an int argument equal to 1 a constant, which has no `.to`.
+@triton.jit(do_not_specialize=["N"])
 def _normed_linear(X, NORM_W, W, BIAS, RES, Y, M, N, D, stride_x, stride_w, stride_r, eps,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
@@ -147,7 +148,8 @@ def _normed_linear(X, NORM_W, W, BIAS, RES, Y, M, N, D, stride_x, stride_w, stri
     cols = first_col + lane_n
     row_ok = rows < M
     col_ok = cols < N
-    x_at = lane_m[:, None] * stride_x
+    # int64: x may be a view of a longer sequence (x[:, -1] of [B, T, D]), rows T*D apart.
+    x_at = lane_m[:, None].to(tl.int64) * stride_x
     w_at = lane_n[:, None] * stride_w
     if HAS_NORM:
         rstd = _row_rstd(X, x_at, row_ok, D, eps, BM, BK)
