@@ -80,6 +80,7 @@ def preset_mixers(preset: str, mixers: tuple[str, ...]) -> tuple[str, ...]:
     allowed = PRESET_MIXERS.get(preset)
     return mixers if allowed is None else tuple(m for m in mixers if m in allowed)
 
+
 PRESET_TABLE = Path(__file__).with_name("preset_table.json")
 
 

@@ -176,7 +176,7 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    from deltalab.train.config import config_help
+    from deltalab.train.config_io import config_help
 
     train = add_command(
         commands,

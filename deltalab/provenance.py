@@ -46,9 +46,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 
 def _git(root: Path, *args: str) -> str | None:
     try:
-        done = subprocess.run(
-            ["git", *args], cwd=root, capture_output=True, text=True, timeout=30
-        )
+        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip() if done.returncode == 0 else None

@@ -150,7 +150,9 @@ def test_triton_gradients_under_strong_decays_where_stage_1_walks_its_diagonal(
 
 # a as one strength per token (a_t = beta_t b_t, formed on load): both decay layouts, chunks
 # of 16, 64 and 128, the walked diagonal (log decays to -16) with two channel blocks in the
-# adjoint (each writes its share of d beta), and packed sequences.
+# adjoint (each writes its share of d beta), and packed sequences. At chunk 128 one sequence of
+# one head, as in the direction form's chunk-128 test: the batch and head offsets do not depend
+# on the chunk size, and the shorter cases cover them (2 x 2 heads took the interpreter ~30 s).
 @pytest.mark.parametrize(
     ("length", "chunk_size", "channel_decay", "min_log_decay", "packed"),
     [
@@ -169,14 +171,15 @@ def test_triton_per_token_write_strength_matches_the_loop_with_every_gradient(
 
     table = replace(chunk.LAUNCH, intra=replace(intra.LAUNCH, block=16),
                     factors=replace(factors.LAUNCH, block=16))  # fmt: skip
-    batch = 1 if packed else 2
+    batch, heads = (1, 1) if chunk_size == 128 else (1 if packed else 2, 2)
     inputs = random_delta_inputs(
-        generator, batch, length, 2, 20, 8, channel_decay=channel_decay,
+        generator, batch, length, heads, 20, 8, channel_decay=channel_decay,
         min_log_decay=min_log_decay, strengths=True,
     )  # fmt: skip
-    assert inputs[1].shape == (batch, length, 2)
+    assert inputs[1].shape == (batch, length, heads)
     cu_seqlens = torch.tensor([0, 7, 30, length]) if packed else None
-    state = torch.randn(3 if packed else 2, 2, 20, 8, generator=generator, dtype=torch.float64)
+    sequences = 3 if packed else batch
+    state = torch.randn(sequences, heads, 20, 8, generator=generator, dtype=torch.float64)
     adjoints = [_recorded_launches(monkeypatch, intra, ("_intra_bwd",)),
                 _recorded_launches(monkeypatch, factors, ("_factors_bwd",))]  # fmt: skip
     _compare(inputs, state, chunk_size, cu_seqlens=cu_seqlens, table=table)
@@ -651,25 +654,24 @@ def test_triton_each_state_pass_matches_float64_loop_with_every_gradient(
     ],
     ids=["fp32", "bf16"],
 )
-@pytest.mark.parametrize("every", [2, 8], ids=["segments-of-2-and-1", "one-segment"])
 @pytest.mark.parametrize("state_pass", ["split", "fused"])
 def test_triton_backward_walking_the_states_again_keeps_less_and_gives_the_same_gradients(
-    generator, state_pass, every, dtype
+    generator, state_pass, dtype
 ):
     """With recompute_states the forward keeps the chunk-start states of every `every`-th chunk
     instead of all of them and the residuals (float32 [B, H, n, K, V] and [B, H, n, C, V]), and
-    the backward's second walk (3 chunks: segments of 2 and 1 walked at once, or one segment)
-    gives every gradient bit for bit (on the GPU also with bf16 inputs, the precision of
-    training)."""
+    the backward's second walk (3 chunks: every 2, segments of 2 and 1 walked at once; every 8,
+    one segment) gives every gradient bit for bit (on the GPU also with bf16 inputs, the
+    precision of training). Both against one run that keeps every state."""
     batch, length, heads, key_dim, value_dim, chunk = 2, 37, 2, 16, 8, 16
     inputs = random_delta_inputs(generator, batch, length, heads, key_dim, value_dim,
                                  channel_decay=True)  # fmt: skip
     state = torch.randn(batch, heads, key_dim, value_dim, generator=generator, dtype=torch.float64)
     results, kept = {}, {}
-    for recompute in (False, True):
-        options = KernelOptions(
-            state_pass=state_pass, recompute_states=recompute, checkpoint_every=every
-        )
+    for every in (None, 2, 8):  # None: every state kept
+        options = KernelOptions(state_pass=state_pass, recompute_states=every is not None)
+        if every is not None:
+            options = replace(options, checkpoint_every=every)
         saved: list[torch.Tensor] = []
 
         def pack(t, saved=saved):
@@ -677,16 +679,17 @@ def test_triton_backward_walking_the_states_again_keeps_less_and_gives_the_same_
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            results[recompute] = _run(inputs, state, "triton", dtype, DEVICE,
-                                      chunk_size=chunk, options=options)  # fmt: skip
-        kept[recompute] = sum(t.numel() * t.element_size() for t in saved)
+            results[every] = _run(inputs, state, "triton", dtype, DEVICE,
+                                  chunk_size=chunk, options=options)  # fmt: skip
+        kept[every] = sum(t.numel() * t.element_size() for t in saved)
     labels = ["o", "final state", "dq", "da", "db", "du", "dg", "d initial state"]
-    for label, again, first in zip(labels, results[True], results[False], strict=True):
-        assert torch.equal(again, first), label
     chunks = -(-length // chunk)
     walked = batch * heads * chunks * (key_dim + chunk) * value_dim * 4
-    checkpoints = batch * heads * -(-chunks // every) * key_dim * value_dim * 4
-    assert kept[False] - kept[True] == walked - checkpoints
+    for every in (2, 8):
+        for label, again, first in zip(labels, results[every], results[None], strict=True):
+            assert torch.equal(again, first), f"every {every}: {label}"
+        checkpoints = batch * heads * -(-chunks // every) * key_dim * value_dim * 4
+        assert kept[None] - kept[every] == walked - checkpoints, f"every {every}"
 
 
 @pytest.mark.parametrize(
@@ -940,7 +943,9 @@ def test_triton_16bit_inputs_store_the_operators_as_told_and_stay_close_to_the_l
     assert seen == [(state_pass, expected)] * 3
 
 
-@pytest.mark.parametrize("mixer", ["gdn2", "muir", "kdn_diag"])
+# Muir's layer launches every kernel GDN-2's does and its read query, Diagonal KDN's the gain's;
+# each mixer's layer alone is compared with its chunk path in tests/test_layers_triton.py.
+@pytest.mark.parametrize("mixer", ["muir", "kdn_diag"])
 def test_model_trains_identically_on_the_triton_backend(mixer):
     from deltalab.models import CausalLM, build_config
 

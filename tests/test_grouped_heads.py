@@ -4,7 +4,8 @@ final state and every gradient (q's and b's summed over each group by autograd),
 backend, with and without qk_l2norm.
 
 The Triton cases run where its kernels can run (a CUDA GPU, or CPU tensors under
-TRITON_INTERPRET=1) at tiny shapes.
+TRITON_INTERPRET=1) at tiny shapes; only they are marked `interpreter` (the PyTorch cases would
+run the same again).
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from conftest import random_delta_inputs
 from deltalab.ops import delta_rule, delta_rule_step
 from deltalab.ops._triton import HAS_TRITON, INTERPRET
 from deltalab.testing import TOLERANCE, assert_close
-
-pytestmark = pytest.mark.interpreter
 
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 needs_triton = pytest.mark.skipif(
@@ -70,6 +69,7 @@ def test_pytorch_backends_with_grouped_value_heads_equal_repeating_q_and_b(
     compare(inputs, state, backend, dtype, "cpu", qk_l2norm=qk_l2norm)
 
 
+@pytest.mark.interpreter
 @needs_triton
 @pytest.mark.parametrize(
     ("channel_decay", "strengths", "qk_l2norm"),

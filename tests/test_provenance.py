@@ -174,9 +174,7 @@ def rewrite_records(spec: dict, names: list[str], **provenance) -> None:
 OTHER = {"from": "git", "commit": "0123456789ab" + "0" * 28, "dirty": False}
 
 
-def test_a_study_refuses_to_resume_into_records_of_another_commit_unless_told(
-    tmp_path, corpus
-):
+def test_a_study_refuses_to_resume_into_records_of_another_commit_unless_told(tmp_path, corpus):
     spec, _ = finished_study(tmp_path, corpus)
     records = Path(spec["out_dir"]) / "runs"
     record = json.loads((records / "gdn2.tiny.lr0.003.s0" / "study_run.json").read_text())
@@ -204,9 +202,7 @@ def test_aggregate_only_refuses_records_of_two_commits_in_one_line_naming_them(
     assert main(["study", str(path), "--aggregate-only", "--allow-mixed-commits"]) == 0
 
 
-def test_the_report_names_the_device_the_records_name_not_the_planning_machines(
-    tmp_path, corpus
-):
+def test_the_report_names_the_device_the_records_name_not_the_planning_machines(tmp_path, corpus):
     spec, path = finished_study(tmp_path, corpus)
     names = [p.name for p in (Path(spec["out_dir"]) / "runs").iterdir()]
     rewrite_records(spec, names, device="cuda: NVIDIA H100 80GB HBM3")

@@ -4,7 +4,8 @@ delta_rule, kdn_iso and kdn_diag.
 
 The reference is the float64 token loop on `l2_normalize`d inputs, with the gradients reaching
 the raw q and b through the normalization by autograd. The Triton cases run where its kernels
-can run (a CUDA GPU, or CPU tensors under TRITON_INTERPRET=1) at tiny shapes.
+can run (a CUDA GPU, or CPU tensors under TRITON_INTERPRET=1) at tiny shapes; only they are
+marked `interpreter` (the PyTorch cases would run the same again).
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from deltalab.ops._triton import HAS_TRITON, INTERPRET
 from deltalab.ops.norms import L2_EPS
 from deltalab.ops.norms.reference import l2_normalize_naive
 from deltalab.testing import TOLERANCE, assert_close
-
-pytestmark = pytest.mark.interpreter
 
 TRITON_RUNS = HAS_TRITON and (INTERPRET or torch.cuda.is_available())
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -74,6 +73,7 @@ def test_pytorch_backends_with_qk_l2norm_equal_normalizing_first(generator, back
 
 # Both a layouts and both g layouts; K = 80 cuts stage 1's adjoint into two channel blocks and
 # the factors' forward into three, which read the norms stage 1's forward wrote.
+@pytest.mark.interpreter
 @needs_triton
 @pytest.mark.parametrize(
     ("length", "key_dim", "channel_decay", "strengths"),
@@ -92,6 +92,7 @@ def test_triton_with_qk_l2norm_equals_normalizing_first(
     compare(inputs, state, "triton", torch.float32, DEVICE, chunk_size=16)
 
 
+@pytest.mark.interpreter
 @needs_triton
 def test_triton_with_qk_l2norm_on_packed_sequences_equals_normalizing_first(
     generator, poisoned_empty
@@ -151,6 +152,7 @@ def test_kdn_pytorch_backends_with_qk_l2norm_equal_normalizing_first(generator, 
     compare_kdn(variant, backend, dtype, "cpu", generator)
 
 
+@pytest.mark.interpreter
 @needs_triton
 @pytest.mark.parametrize("variant", ["iso", "diag"])
 def test_kdn_triton_with_qk_l2norm_equals_normalizing_first(generator, poisoned_empty, variant):

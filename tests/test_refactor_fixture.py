@@ -1,7 +1,7 @@
 """Checkpoints written before a refactor load after it and compute exactly what they computed.
 
-tests/data/make_refactor_fixture.py recorded, from the code before issue 12's refactors, a tiny
-model of every mixer kind (and of the options that switch code paths) as a `save_pretrained`
+tests/data/make_refactor_fixture.py recorded at commit `d6804f7`, before the refactors it guards,
+a tiny model of every mixer kind (and of the options that switch code paths) as a `save_pretrained`
 directory, with its logits and the parameters after one AdamW step. The claim is that a refactor
 may move code, not change what it computes. On the CPU that recorded the fixture (CPU float32,
 one thread) that holds bit for bit (`torch.equal`). Other CPUs round differently in their matrix
@@ -37,7 +37,7 @@ import make_refactor_fixture as fixture  # noqa: E402
 
 REFERENCE = torch.load(fixture.HERE / "reference.pt", weights_only=True)
 # Mixer kinds added after the fixture was first recorded: they had no behaviour from before
-# issue 12's refactors to keep, which is what the fixture traces.
+# those refactors to keep, which is what the fixture traces.
 ADDED_AFTER_THE_FIXTURE = {"kdn_muir"}
 
 

@@ -310,12 +310,18 @@ def _join(rank: int, world: int, port: int) -> None:
 
 
 def _spawn_ranks(
-    target, config, *, world: int = 2, timeout: float = 300, start: str = "spawn"
+    target, config, *, world: int = 2, timeout: float = 300, start: str | None = None
 ) -> tuple[list, list]:
     """Runs `target(rank, world, port, overrides, queue)` in `world` processes (started by
     the multiprocessing method `start`) with the flattened `config`; returns what each put on
-    the queue (in arrival order) and the exit codes."""
+    the queue (in arrival order) and the exit codes.
+
+    By default forked: the ranks share this process's imports (spawned ones import torch and
+    deltalab again, each, seconds to a minute on two busy cores); each rank runs on one thread.
+    A process that has initialized CUDA cannot fork children that touch it: they are spawned."""
     overrides = [f"{k}={v}" for k, v in _flatten(config.to_dict())]
+    if start is None:
+        start = "spawn" if torch.cuda.is_initialized() else "fork"
     context = mp.get_context(start)
     queue = context.Queue()
     port = _free_port()
@@ -338,11 +344,15 @@ def _rank_main(rank: int, world: int, port: int, overrides: list[str], queue) ->
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_gloo_processes_follow_the_single_process_loss_curve(tmp_path, corpus, parallel):
+# DDP's ranks are spawned, as torchrun starts them: fresh interpreters that import deltalab
+# themselves and inherit nothing from this process; every other multi-rank test forks its ranks.
+@pytest.mark.parametrize(
+    ("parallel", "start"), [("ddp", "spawn"), ("fsdp", None)], ids=["ddp-spawned", "fsdp"]
+)
+def test_two_gloo_processes_follow_the_single_process_loss_curve(tmp_path, corpus, parallel, start):
     single = train(run_config(tmp_path / "one", corpus))
     config = run_config(tmp_path / "two", corpus, f"train.parallel={parallel}")
-    reports, exit_codes = _spawn_ranks(_rank_main, config)
+    reports, exit_codes = _spawn_ranks(_rank_main, config, start=start)
     results = dict(reports)
     assert exit_codes == [0, 0]
     assert results[0] == results[1]
@@ -360,8 +370,7 @@ def test_steps_split_over_two_context_parallel_ranks_have_the_one_process_losses
     single = train(run_config(tmp_path / "one", corpus, *short))
     split = ("train.context_parallel=2", f"train.parallel={parallel}")
     config = run_config(tmp_path / "two", corpus, *short, *split)
-    # Forked: the ranks share this process's imports (each rank runs on one thread).
-    reports, exit_codes = _spawn_ranks(_rank_main, config, start="fork")
+    reports, exit_codes = _spawn_ranks(_rank_main, config)
     results = dict(reports)
     assert exit_codes == [0, 0]
     assert results[0] == results[1]

@@ -13,7 +13,7 @@ import torch
 
 import deltalab.train.data as train_data
 from deltalab.cli import main
-from deltalab.errors import ConfigError
+from deltalab.errors import CheckpointError, ConfigError
 from deltalab.ops._triton import INTERPRET
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -290,3 +290,58 @@ def test_a_failed_run_keeps_its_directory_once_it_holds_a_checkpoint(tmp_path, c
     assert (tmp_path / "run" / "log.jsonl").stat().st_size > 0
     monkeypatch.undo()
     assert main(_train_args(tmp_path, corpus, "checkpoint.every=1", "--resume")) == 0
+
+
+def _fail_inside(out_dir, discardable) -> None:
+    from deltalab.train.lock import hold_run_directory
+
+    with pytest.raises(RuntimeError, match="failed run"):
+        with hold_run_directory(out_dir, discardable):
+            raise RuntimeError("failed run")
+
+
+def test_a_failed_run_with_a_checkpoint_but_no_logged_step_keeps_every_file(tmp_path):
+    # A run whose first steps were skipped (train.nan_policy=skip) logs nothing, yet it may
+    # have checkpointed: its config, provenance and log stay beside the checkpoint.
+    from deltalab.train.report import unrecorded_files
+
+    out_dir = tmp_path / "run"
+
+    def written(out_dir):
+        (out_dir / "config.yaml").write_text("model: {}\n")
+        (out_dir / "log.jsonl").touch()
+        (out_dir / "checkpoints").mkdir()
+        (out_dir / "checkpoints" / "step_00000001.pt").write_bytes(b"weights")
+        return unrecorded_files(out_dir)
+
+    _fail_inside(out_dir, written)
+    assert (out_dir / "config.yaml").read_text() == "model: {}\n"
+    assert (out_dir / "log.jsonl").is_file()
+    assert (out_dir / "checkpoints" / "step_00000001.pt").read_bytes() == b"weights"
+
+
+def test_a_failed_run_never_removes_a_directory_reached_through_dot_dot(tmp_path, monkeypatch):
+    # "typo/../old_run": "typo" is missing, but the run writes to old_run, which was there.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "old_run").mkdir()
+    (tmp_path / "old_run" / "config.yaml").write_text("kept")
+    _fail_inside(Path("typo/../old_run"), lambda out_dir: [out_dir / "config.yaml"])
+    assert (tmp_path / "old_run" / "config.yaml").read_text() == "kept"
+
+
+def test_a_lock_taken_on_a_lock_file_removed_meanwhile_is_refused(tmp_path):
+    # A failed trainer unlinks its lock file while holding it; a trainer that opened that file
+    # before and locks it after holds a lock on nothing, and is refused.
+    import fcntl
+
+    from deltalab.train.lock import LOCK_NAME, _lock
+
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    with open(out_dir / LOCK_NAME, "a+", encoding="utf-8") as stale:
+        (out_dir / LOCK_NAME).unlink()
+        with pytest.raises(CheckpointError, match="in use by another trainer"):
+            _lock(stale, out_dir)
+    with open(out_dir / LOCK_NAME, "a+", encoding="utf-8") as fresh:
+        _lock(fresh, out_dir)
+        fcntl.flock(fresh, fcntl.LOCK_UN)

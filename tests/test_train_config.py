@@ -17,6 +17,8 @@ from deltalab.train.config import (
     OptimSection,
     RunConfig,
     TrainSection,
+)
+from deltalab.train.config_io import (
     config_changes,
     config_help,
     load_run_config,
@@ -385,7 +387,7 @@ def test_config_help_lists_every_field_with_type_default_and_description() -> No
 
 
 def test_string_overrides_keep_the_text_as_written_and_null_clears_a_mapping():
-    from deltalab.train.config import load_run_config
+    from deltalab.train.config_io import load_run_config
 
     config = load_run_config(
         None, ["log.out_dir=runs/exp #2", "data.source=2024", "model.overrides=null"]

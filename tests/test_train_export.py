@@ -74,9 +74,7 @@ def test_a_run_started_from_an_exported_model_starts_at_its_loss(tmp_path, train
     assert seeded.initial_perplexity == source.final_perplexity
 
 
-def test_a_seeded_run_resumes_from_its_checkpoint_after_its_seed_is_gone(
-    tmp_path, trained, corpus
-):
+def test_a_seeded_run_resumes_from_its_checkpoint_after_its_seed_is_gone(tmp_path, trained, corpus):
     folder, _ = trained
     out = tmp_path / "out"
     main(["export", str(folder / "run"), str(out)])

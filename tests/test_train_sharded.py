@@ -48,8 +48,7 @@ def context_parallel_run(tmp_path_factory, corpus) -> tuple[Path, list[float]]:
     data-parallel replicas, each splitting its windows over 2 ranks."""
     folder = tmp_path_factory.mktemp("split")
     config = _config(folder, corpus, "train.context_parallel=2")
-    # Forked: the ranks share this process's imports (each rank runs on one thread).
-    reports, exit_codes = _spawn_ranks(_rank_main, config, world=4, start="fork")
+    reports, exit_codes = _spawn_ranks(_rank_main, config, world=4)
     assert exit_codes == [0, 0, 0, 0]
     results = dict(reports)
     assert all(results[rank] == results[0] for rank in range(4))
@@ -111,7 +110,7 @@ def test_a_context_parallel_checkpoint_resumes_split_or_not_with_the_same_losses
     _resumable_copy(run, tmp_path)
     split = f"train.context_parallel={context_parallel}"
     config = _config(tmp_path, corpus, "checkpoint.resume=true", split)
-    reports, exit_codes = _spawn_ranks(_rank_main, config, world=2, start="fork")
+    reports, exit_codes = _spawn_ranks(_rank_main, config, world=2)
     assert exit_codes == [0, 0]
     losses = dict(reports)[0]
     assert losses[:3] == reference[:3]
@@ -138,13 +137,13 @@ def test_a_context_parallel_fsdp2_checkpoint_resumes_unsplit_under_ddp_with_the_
     _, reference = context_parallel_run
     split = ("train.context_parallel=2", "train.parallel=fsdp")
     reports, exit_codes = _spawn_ranks(
-        _rank_main, _config(tmp_path / "fsdp", corpus, *split), world=4, start="fork"
+        _rank_main, _config(tmp_path / "fsdp", corpus, *split), world=4
     )
     assert exit_codes == [0, 0, 0, 0]
     assert torch.allclose(torch.tensor(dict(reports)[0]), torch.tensor(reference), **LOSS_TOLERANCE)
     _resumable_copy(tmp_path / "fsdp" / "run", tmp_path)
     config = _config(tmp_path, corpus, "checkpoint.resume=true")
-    reports, exit_codes = _spawn_ranks(_rank_main, config, world=2, start="fork")
+    reports, exit_codes = _spawn_ranks(_rank_main, config, world=2)
     assert exit_codes == [0, 0]
     assert torch.allclose(torch.tensor(dict(reports)[0]), torch.tensor(reference), **LOSS_TOLERANCE)
 

@@ -565,12 +565,16 @@ FUSED_STEP_STACK_DEFAULT = 64
     ],
     ids=["gdn", "muir", "kdn_iso-tied", "kdn_muir", "kdn_exact"],
 )
+@pytest.mark.parametrize("sizes", ["multiples_of_16", "any"])
 def test_fused_decode_step_compiles_for_hopper_within_its_spills(decay, rule, read, tied,
-                                                                programs):  # fmt: skip
+                                                                programs, sizes):  # fmt: skip
     """At the launch the 340M presets' heads (K = V = 128) give the fused step in bfloat16, one
     program a head (one block) and split over 4 (blocks of 32 columns, 4 warps; Exact KDN 16,
-    by its covariance tile): within shared
-    memory, at most FUSED_STEP_STACK's bytes spilled a thread."""
+    by its covariance tile): within shared memory, no bytes spilled where the sizes are
+    multiples of 16 (16 split Exact KDN) and at most FUSED_STEP_STACK's where they are not.
+    Both variants Triton's launcher compiles: K, V and the row strides declared multiples of 16
+    (as it declares them at the 340M shapes), and declared nothing (the variant for other
+    sizes)."""
     from deltalab.ops.delta_rule.triton import fused_step as fs
     from deltalab.ops.norms.triton import GATES
 
@@ -600,7 +604,9 @@ def test_fused_decode_step_compiles_for_hopper_within_its_spills(decay, rule, re
     from triton.compiler import ASTSource
 
     constexprs = {(kernel.arg_names.index(k),): v for k, v in constants.items()}
-    attrs = {(kernel.arg_names.index(p),): [["tt.divisibility", 16]] for p in pointers}
+    sized = ["K", "V", *(a for a in kernel.arg_names if a.startswith("stride_"))]
+    aligned = pointers + (sized if sizes == "multiples_of_16" else [])
+    attrs = {(kernel.arg_names.index(p),): [["tt.divisibility", 16]] for p in aligned}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(
         source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}
@@ -608,4 +614,8 @@ def test_fused_decode_step_compiles_for_hopper_within_its_spills(decay, rule, re
     assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
     stack = _stack_bytes(compiled)
     bound = FUSED_STEP_STACK.get(rule, FUSED_STEP_STACK_DEFAULT)
-    assert stack is None or stack <= bound, f"{rule}: {stack} bytes spilled per thread"
+    # At the 340M shapes no form spills one program a head (Exact KDN's covariance tile
+    # included); split over 4, Exact KDN spills 16 bytes (measured).
+    if sizes == "multiples_of_16":
+        bound = 16 if exact and programs > 1 else 0
+    assert stack is None or stack <= bound, f"{rule}, {sizes}: {stack} bytes spilled per thread"

@@ -80,7 +80,9 @@ def _batch(settings: GateSensitivitySettings, loaded: LoadedCheckpoint, seq_len:
 def _initial_model(loaded: LoadedCheckpoint, seed: int) -> Any:
     """The checkpoint's architecture with the weights `deltalab train` draws for `seed`
     (`torch.manual_seed(seed)`, then `CausalLM(config)`), on the checkpoint's device and dtype;
-    the global random state is left as it was."""
+    the global random state is left as it was. The weights this code draws: for a checkpoint
+    trained before commit `4cb261d` (whose FFN started at PyTorch's default init, not at
+    normal(0, initializer_range)) they are not the ones its run started from."""
     from deltalab.models import CausalLM
 
     reference = next(loaded.model.parameters())

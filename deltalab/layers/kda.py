@@ -9,6 +9,7 @@ Architecture" (arXiv:2510.26692).
 
 from __future__ import annotations
 
+import abc
 from typing import Unpack, cast
 
 from torch import nn
@@ -51,13 +52,13 @@ class ChannelDecayMixer(DeltaMixer):
         self.decay = ChannelDecay(self.hidden_size, self.num_heads, self.head_dim, rank)
 
     @classmethod
+    @abc.abstractmethod
     def default_ranks(cls, options: FrontendOptions) -> tuple[int, int]:
         """(decay_rank, gate_rank) when not given."""
-        raise NotImplementedError(f"{cls.__name__} does not define default_ranks")
 
+    @abc.abstractmethod
     def _init_gate_projections(self) -> None:
         """The projections of x into the layer's gates other than the decay."""
-        raise NotImplementedError(f"{type(self).__name__} does not define _init_gate_projections")
 
 
 class KimiDeltaAttention(DecayedBetaGates, ChannelDecayMixer):

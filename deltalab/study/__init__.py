@@ -6,8 +6,8 @@ checks every run's config before anything trains; runner.py runs the jobs as sub
 several at a time, skipping finished runs and resuming interrupted ones; stats.py has the
 means, standard deviations, paired t-intervals, Holm's correction and the seeds an effect
 needs; compare.py chooses each variant's learning rate on validation numbers and corrects the
-report's comparisons as one family; report.py writes study.json and study.md, figures.py the
-figures.
+report's comparisons as one family; report.py gathers study.json's data and writes the report's
+files, markdown.py renders study.md, figures.py the figures.
 """
 
 from deltalab._lazy import lazy_attributes

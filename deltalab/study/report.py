@@ -1,7 +1,7 @@
-"""The aggregate of a study: `study.json` (every run and what it measured), `study.md` (each
-variant's chosen learning rate, mean and standard deviation over seeds at it, paired differences
-against the baseline with Holm-corrected t-intervals, every run that did not complete) and the
-figures.
+"""The aggregate of a study: `collect` gathers every run and task, what it measured, the
+learning rate each variant is reported at, the per-seed statistics and paired differences against
+the baseline (Holm-corrected t-intervals) and the gate sensitivities, as the data study.json
+holds; `write_report` writes study.json, study.md (rendered by markdown.py) and the figures.
 
 Nothing is dropped: a run that diverged or failed stays in study.json and in the markdown with
 its error line; the means count the runs that completed (n is printed), and a paired difference
@@ -10,7 +10,6 @@ counts the seeds where both the variant and the baseline completed.
 
 from __future__ import annotations
 
-import math
 import os
 import platform
 import time
@@ -27,7 +26,8 @@ from deltalab.study.compare import (
     correct_family,
 )
 from deltalab.study.figures import loss_figure, scaling_figure, task_figure
-from deltalab.study.plan import PlannedRun, PlannedTask, StudyPlan, lr_text
+from deltalab.study.markdown import render_markdown
+from deltalab.study.plan import PlannedRun, PlannedTask, StudyPlan
 from deltalab.study.records import recorded_devices, recorded_identities
 from deltalab.study.runner import RECORD_NAME, _read_json, _write_json, run_state, task_state
 from deltalab.study.stats import paired_difference, summarize
@@ -38,8 +38,6 @@ INVOCATIONS_NAME = "invocations.json"
 # Listed last in the tables: how fast a run was says nothing of the model's quality.
 SPEED = ("tokens_per_s",)
 GATE_TASK = "gate-sensitivity"
-# The two quantities the gate-sensitivity analysis measures a gate's effect on.
-SENSITIVITY_OF = {"state": "final memory", "loss": "loss"}
 
 
 def _numbers(summary: dict[str, Any], prefix: str, strip: str = "") -> dict[str, float]:
@@ -329,377 +327,6 @@ def collect(plan: StudyPlan) -> dict[str, Any]:
     }
 
 
-# --- markdown -----------------------------------------------------------------------------------
-
-
-def _number(value: float | None, signed: bool = False) -> str:
-    if value is None or not math.isfinite(value):
-        return "–"
-    if abs(value) >= 1000:
-        return f"{value:+,.0f}" if signed else f"{value:,.0f}"
-    return f"{value:+.4g}" if signed else f"{value:.4g}"
-
-
-def _label(metric: str) -> str:
-    return "held-out loss (end of training)" if metric == HELD_OUT else metric
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return lines + ["| " + " | ".join(row) + " |" for row in rows]
-
-
-def _mean_table(plan: StudyPlan, group: dict[str, Any], params: dict[str, int] | None) -> list[str]:
-    metrics = group["metrics"]
-    header = ["variant", *(["non-embedding params"] if params else []), "n"]
-    header += [_label(m) for m in metrics]
-    rows = []
-    for variant, stats in group["statistics"].items():
-        n = max((item["n"] for item in stats.values()), default=0)
-        cells = [variant + (" (baseline)" if variant == plan.spec.baseline else "")]
-        if params:
-            cells.append(f"{params[variant]:,}")
-        cells.append(f"{n}/{len(plan.spec.seeds)}")
-        for metric in metrics:
-            item = stats[metric]
-            cell = _number(item["mean"])
-            if item["sd"] is not None:
-                cell += f" ± {_number(item['sd'])}"
-            cells.append(cell)
-        rows.append(cells)
-    return _table(header, rows)
-
-
-def _p_text(p: float | None) -> str:
-    if p is None:
-        return "–"
-    return "< 0.0001" if p < 1e-4 else f"{p:.3g}"
-
-
-def _paired_tables(plan: StudyPlan, group: dict[str, Any]) -> list[str]:
-    lines: list[str] = []
-    for metric in group["metrics"]:
-        rows = []
-        for variant, stats in group["statistics"].items():
-            paired = stats[metric].get("paired")
-            if paired is None or paired["n"] == 0:
-                continue  # the baseline, a metric not compared, or one the variant lacks
-            interval = paired.get("interval")
-            seeds = paired.get("seeds_needed")
-            rows.append(
-                [
-                    variant,
-                    str(paired["n"]),
-                    _number(paired["mean"], signed=True),
-                    "–"
-                    if interval is None
-                    else f"[{_number(interval[0], True)}, {_number(interval[1], True)}] "
-                    f"({1 - paired['level']:.4g})",
-                    _p_text(paired.get("p_holm")),
-                    "–" if interval is None else (f"{seeds}" if seeds else "more than 10,000"),
-                    paired["verdict"],
-                ]
-            )
-        if rows:
-            lines += ["", f"**{_label(metric)}**, variant − {plan.spec.baseline}:", ""]
-            lines += _table(
-                [
-                    "variant",
-                    "pairs",
-                    "mean difference",
-                    "Holm-corrected interval (confidence)",
-                    "Holm p",
-                    "seeds for 80% power",
-                    "reading",
-                ],
-                rows,
-            )
-    return lines
-
-
-def _family_lines(data: dict[str, Any]) -> list[str]:
-    """What the paired tables' intervals, p-values, seed counts and words mean."""
-    family = data["family"]
-    if not family["size"]:
-        return []
-    return [
-        "",
-        "## How the comparisons are read",
-        "",
-        f"Each paired table row is variant − {data['baseline']} over the seeds both completed "
-        "(same seed: same initialization seed and the same data in the same order). The "
-        f"family is every row of this report's paired tables, {family['size']} comparisons: "
-        "the test loss in nats per byte of each variant (at its chosen learning rate) and "
-        "each other evaluation's numbers of each variant. Speed, gate sensitivities and the "
-        "other spellings of the test loss are described, not compared. Holm's step-down "
-        f"procedure corrects the family at level {family['alpha']}: each row's interval is "
-        "the Student-t interval at the level Holm tests that row at, so it excludes 0 exactly "
-        "when Holm rejects no difference (the intervals of the rejected rows are not "
-        'simultaneous confidence intervals); "Holm p" is the adjusted p-value of the '
-        'paired t-test. "better"/"worse" (or "higher"/"lower" for a number '
-        'without a direction) only when that interval excludes 0; otherwise "not '
-        'distinguishable at this budget" with the interval, which leaves every effect inside '
-        "it possible.",
-        "",
-        '"Seeds for 80% power": the seeds at which a paired t-test at level '
-        f"{family['strictest_level']:.3g} (the family's strictest Holm level, "
-        f"{family['alpha']} / {family['size']}) would detect the row's observed mean "
-        f"difference with probability {family['power']:.0%}, if that were the true difference, "
-        "the differences were normal with the observed standard deviation, and the family "
-        "kept its size (the noncentral t approximated by t quantiles).",
-    ]
-
-
-def _finite(values: Iterable[float | None]) -> list[float]:
-    return [v for v in values if v is not None and math.isfinite(v)]
-
-
-def _mean_sd(values: Iterable[float | None]) -> str:
-    summary = summarize(_finite(values))
-    if summary.n == 0:
-        return "–"
-    return _number(summary.mean) + ("" if summary.n < 2 else f" ± {_number(summary.sd)}")
-
-
-def _ratio_cells(slots: Iterable[dict[str, Any]]) -> list[str]:
-    """The cells of one row of `_gate_lines` from the layer slots it pools (one layer's, or every
-    layer's): per quantity, the mean ± sd at initialization and after training, and how many
-    trained ratios are below 1."""
-    slots = list(slots)
-    cells = []
-    for of in SENSITIVITY_OF:
-        init = [v for slot in slots for v in slot.get(f"init_{of}", {}).values()]
-        trained = _finite(v for slot in slots for v in slot.get(f"trained_{of}", {}).values())
-        below = sum(1 for v in trained if v < 1)
-        cells += [_mean_sd(init), _mean_sd(trained), f"{below}/{len(trained)}"]
-    return cells
-
-
-def _gate_lines(group: dict[str, Any]) -> list[str]:
-    """The markdown of `_gate_sensitivity`'s group: per variant, a row per layer, then the
-    ranks."""
-    lines = ["", f"## Gate sensitivity: size {group['size']}"]
-    if any(found["layers"] for found in group["variants"].values()):
-        lines += [
-            "",
-            "Erase/write: the erase gate's sensitivity over the write gate's, of the final memory "
-            "and of the loss, mean ± sd over seeds at initialization and after training, per "
-            'layer and, on the "all layers" row, as the ratio of the sensitivities summed over '
-            "layers (one ratio per seed; the one definition of a ratio over layers in this "
-            'report and in the evaluation\'s summary); "erase < write" counts the seeds whose '
-            "trained ratio is below 1. Described, not compared.",
-        ]
-    for variant, found in group["variants"].items():
-        layers = found["layers"]
-        rows = [[layer, *_ratio_cells([slot])] for layer, slot in layers.items()]
-        if len(rows) > 1 and found.get("summed"):
-            rows.append(["all layers", *_ratio_cells([found["summed"]])])
-        header = ["layer"]
-        for of in SENSITIVITY_OF.values():
-            header += [f"{of}: init", f"{of}: trained", f"{of}: erase < write"]
-        lines += ["", f"**{variant}** (lr {lr_text(found['lr'])}, seeds {sorted(found['seeds'])}):"]
-        if rows:
-            lines += ["", *_table(header, rows)]
-        if found["ranks"]:
-            gates = list(next(iter(found["ranks"].values()))["reference"])
-            rank_rows = []
-            for of, ranks in found["ranks"].items():
-                allocated = ranks["allocated"]
-                rank_rows.append(
-                    [f"by the {SENSITIVITY_OF.get(of, of)}'s sensitivity"]
-                    + [
-                        f"{_mean_sd(a.get(g) for a in allocated)} ({ranks['reference'][g]})"
-                        for g in gates
-                    ]
-                )
-            source = next(iter(found["ranks"].values()))["source"]
-            lines += [
-                "",
-                f"Ranks `allocate_ranks` gives the trained {variant}'s gates within the "
-                f"reference's budget, mean ± sd over layers and seeds (in parentheses the "
-                f"reference: the {source}'s):",
-                "",
-            ]
-            lines += _table(["allocated", *gates], rank_rows)
-    return lines
-
-
-def _rate_lines(plan: StudyPlan, data: dict[str, Any]) -> list[str]:
-    """The learning rate each variant is reported at, and how it was chosen."""
-    selection = data["selection"]
-    lines = ["", "## Learning rates", ""]
-    if len(selection["lrs"]) == 1:
-        lines.append(
-            f"One learning rate for every variant, {lr_text(selection['lrs'][0])}: nothing is "
-            "chosen, and every perplexity number is the test windows'."
-        )
-    else:
-        lines += [
-            f"Each variant trained at {', '.join(lr_text(lr) for lr in selection['lrs'])}; its "
-            f"results are given at the rate with the {'lowest' if selection['goal'] == 'min' else 'highest'} "
-            f"mean {selection['metric']} over seeds, measured on the first "
-            f"{selection['validation_fraction']:.0%} of the perplexity windows (validation); "
-            "the test numbers are the other windows'. Validation means per rate:",
-            "",
-        ]
-        for group in data["groups"]:
-            header = ["variant", "size", "chosen", *(lr_text(lr) for lr in selection["lrs"])]
-            rows = []
-            for variant, rate in group["rates"].items():
-                cells = [variant, group["size"], "–" if rate["lr"] is None else lr_text(rate["lr"])]
-                for lr in selection["lrs"]:
-                    found = rate["validation"].get(repr(lr)) or {}
-                    cells.append(
-                        "–"
-                        if found.get("mean") is None
-                        else f"{found['mean']:.4g} (n={found['n']})"
-                    )
-                rows.append(cells)
-            lines += _table(header, rows)
-            unchosen = [v for v, rate in group["rates"].items() if rate["lr"] is None]
-            if unchosen:
-                lines += [
-                    "",
-                    f"{', '.join(unchosen)} (size {group['size']}): no rate chosen, no completed "
-                    f"run measured {selection['metric']}; no results are given for them.",
-                ]
-    for group in data["task_groups"]:
-        lines += _task_rate_lines(plan, data, group["task"])
-    return lines
-
-
-def _task_rate_lines(plan: StudyPlan, data: dict[str, Any], task: str) -> list[str]:
-    """The rate a task that sweeps its own (mqar-train) chose per variant and seed."""
-    chosen: dict[str, dict[str, list[int]]] = {}
-    legacy = False
-    for entry in data["tasks"]:
-        if entry["task"] != task or entry["status"] != "completed":
-            continue
-        lr = entry["metrics"].get(f"{task}.lr")
-        lrs = entry.get("lrs") or []
-        if lr is None and len(lrs) == 1:
-            lr = lrs[0]  # one rate: nothing to choose, in records of any age
-        if lr is None:
-            legacy = True
-            continue
-        chosen.setdefault(entry["variant"], {}).setdefault(lr_text(lr), []).append(entry["seed"])
-    if legacy:
-        return [
-            "",
-            f"{task}: these records predate the validation examples: each test setting reports "
-            "the better of the task's learning rates on the test examples themselves, a choice "
-            "that favors every variant by the test examples' noise. Rerun the task to choose on "
-            "validation examples.",
-        ]
-    if not chosen:
-        return []
-    rows = [
-        [variant, "; ".join(f"{lr} (seeds {seeds})" for lr, seeds in rates.items())]
-        for variant, rates in chosen.items()
-    ]
-    return [
-        "",
-        f"{task} trains its own models at each of its rates and chooses one per job on "
-        "validation examples generated apart from the test ones (with one rate, that rate):",
-        "",
-        *_table(["variant", f"{task} rate chosen (seeds)"], rows),
-    ]
-
-
-def _markdown(plan: StudyPlan, data: dict[str, Any], figures: list[str]) -> str:
-    spec = plan.spec
-    budget = data["budget"]
-    spec_name = data["spec"] or "(given as data)"
-    lines = [
-        f"# Study: {Path(spec_name).name}",
-        "",
-        f"Spec `{spec_name}`, run with `deltalab study {spec_name}`; written {data['written']} on "
-        f"{data['machine']['platform']} ({data['machine']['cpus']} CPUs); the runs trained on "
-        f"{data['device']} (their records), {spec.parallel} run(s) at a time; "
-        f"code {', '.join(data['code']) or 'not recorded'}.",
-    ]
-    for invocation in data["invocations"]:
-        lines.append(
-            f"Invocation {invocation['started']}: {invocation.get('wall_s', 0):.0f} s wall, "
-            f"{invocation.get('launched', 0)} command(s) launched."
-        )
-    lines += [
-        "",
-        f"Every run: {budget['steps']} steps x {budget['batch_size']} sequences x "
-        f"{budget['seq_len']} tokens = {budget['tokens_per_run']:,} training tokens, the same "
-        f"data in the same order for every variant at a given seed (data.source="
-        f"{budget['data']['source']!r}, held-out fraction {budget['data']['held_out_fraction']}). "
-        f"Seeds {list(spec.seeds)}. Non-embedding parameters matched to {spec.match}'s "
-        f"({', '.join(f'{s}: {t:,}' for s, t in plan.targets.items())}) within "
-        f"{spec.tolerance:.0%} by the FFN width.",
-        "",
-        "Status: "
-        + ", ".join(f"{count} {status}" for status, count in data["counts"].items() if count)
-        + ".",
-    ]
-    lines += _rate_lines(plan, data)
-    for group in data["groups"]:
-        if not group["metrics"]:
-            continue  # no variant has a chosen rate (said under "Learning rates")
-        sized = {r.variant.name: r.params for r in plan.runs if r.size == group["size"]}
-        lines += [
-            "",
-            f"## Language modeling: size {group['size']}",
-            "",
-            "Each variant at its chosen learning rate: mean ± standard deviation over the seeds "
-            f"that completed (n of {len(spec.seeds)}); perplexity numbers are the test "
-            "windows'. Paired differences in nats per byte of test text (for a byte-level "
-            "tokenizer, nats per token).",
-            "",
-        ]
-        lines += _mean_table(plan, group, sized)
-        lines += _paired_tables(plan, group)
-    for group in data["task_groups"]:
-        lines += [
-            "",
-            f"## {group['task']} (its own models, one per variant and seed)",
-            "",
-            "Mean ± standard deviation over seeds.",
-            "",
-        ]
-        lines += _mean_table(plan, group, None)
-        lines += _paired_tables(plan, group)
-    lines += _family_lines(data)
-    for group in data["gate_sensitivity"]:
-        lines += _gate_lines(group)
-    incomplete = [e for e in data["runs"] + data["tasks"] if e["status"] != "completed"]
-    lines += ["", "## Runs that did not complete", ""]
-    if incomplete:
-        lines += _table(
-            ["run", "status", "stage", "error"],
-            [[e["name"], e["status"], e.get("stage", ""), e["error"] or "–"] for e in incomplete],
-        )
-    else:
-        lines.append("None: every run completed.")
-    lines += ["", "## Every run", ""]
-    rows = []
-    for entry in data["runs"]:
-        metrics = entry["metrics"]
-        rows.append(
-            [
-                entry["name"],
-                entry["status"],
-                f"{entry['params']:,}",
-                str(entry["ffn_width"]),
-                _number(metrics.get(HELD_OUT)),
-                _number(metrics.get("perplexity.perplexity")),
-                _number(entry["elapsed_s"]),
-            ]
-        )
-    lines += _table(
-        ["run", "status", "params", "ffn", "held-out loss", "perplexity", "wall s"], rows
-    )
-    if figures:
-        lines += ["", "## Figures", ""]
-        lines += [f"![{Path(f).stem}]({f})" for f in figures]
-    return "\n".join(lines) + "\n"
-
-
 def write_report(plan: StudyPlan, stem: str = "study") -> dict[str, Path]:
     """Writes STEM.json, STEM.md and the figures into the study directory; returns their
     paths by name. (`deltalab study --aggregate-only --baseline V` writes study_vs_V, the
@@ -727,7 +354,7 @@ def write_report(plan: StudyPlan, stem: str = "study") -> dict[str, Path]:
     written["json"] = out / f"{stem}.json"
     markdown = out / f"{stem}.md"
     temporary = markdown.with_name(f".{markdown.name}.{os.getpid()}.tmp")
-    temporary.write_text(_markdown(plan, data, figures), encoding="utf-8")
+    temporary.write_text(render_markdown(plan, data, figures), encoding="utf-8")
     os.replace(temporary, markdown)
     written["markdown"] = markdown
     return written

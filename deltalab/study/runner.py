@@ -344,7 +344,7 @@ class StudyRunner:
         return "failed", error_line(log)
 
     def run_one(self, run: PlannedRun, worker: int) -> Outcome:
-        from deltalab.train.config import save_run_config
+        from deltalab.train.config_io import save_run_config
 
         state = run_state(run)
         if state in ("done", "diverged"):

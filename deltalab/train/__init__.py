@@ -9,7 +9,7 @@ __getattr__ = lazy_attributes(
     __name__,
     {
         "RunConfig": "deltalab.train.config",
-        "load_run_config": "deltalab.train.config",
+        "load_run_config": "deltalab.train.config_io",
         "TrainResult": "deltalab.train.loop",
         "train": "deltalab.train.loop",
     },

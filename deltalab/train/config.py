@@ -1,11 +1,8 @@
-"""The run configuration of `deltalab train`: typed sections, a file, and dotted overrides.
+"""The run configuration of `deltalab train` as typed sections: one frozen dataclass per
+section, each field's type, default and checks, `RunConfig` (the sections, with optim.lr and
+schedule.warmup_steps filled from the model's preset) and the fields a resumed run may change.
+Reading a file and dotted overrides, writing a file and the --help text are config_io.py's.
 
-    config = load_run_config("run.yaml", ["train.steps=10", "model.overrides.num_layers=2"])
-    save_run_config(config, "runs/default/config.yaml")
-
-A file (YAML or JSON) is a mapping by section, e.g. `{"train": {"steps": 10}}`; an override is
-`section.field=value` with the value read as YAML (`optim.betas=[0.9,0.99]`,
-`data.max_bytes=null`), or deeper under a mapping field (`model.overrides.mixer_options.x=1`).
 Every value is checked against its field's type when the sections are built, and every error
 names the dotted field. The model's own fields (preset, mixer, overrides) are checked later, by
 `deltalab.models.build_config`.
@@ -15,31 +12,20 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import inspect
-import json
-import math
-import os
-import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar, Self
 
-import yaml
-
-from deltalab._files import write_text_atomically
 from deltalab.catalog import PRESET_TRAINING
 from deltalab.config_parse import (
     check_keys,
     coerce,
-    field_docs,
     plain,
-    read_value,
     require,
     require_choice,
     type_hints,
 )
-from deltalab.errors import ConfigError, ConfigTypeError, UserError, closest
+from deltalab.errors import closest
 
 __all__ = [
     "DEVICES",
@@ -57,10 +43,9 @@ __all__ = [
     "RunConfig",
     "ScheduleSection",
     "TrainSection",
-    "config_help",
-    "load_run_config",
+    "checked_sections",
     "resume_changes",
-    "save_run_config",
+    "section_class",
 ]
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -448,7 +433,7 @@ class RunConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RunConfig:
         """The config from a mapping by section (as `to_dict` writes); missing parts default."""
-        tree = _check_names(data)
+        tree = checked_sections(data)
         return cls(**{name: SECTIONS[name].from_dict(fields) for name, fields in tree.items()})
 
     def to_dict(self) -> dict[str, Any]:
@@ -461,147 +446,18 @@ SECTIONS: dict[str, type[_Section]] = {
 }
 
 
-def _section(name: str) -> type[_Section]:
+def section_class(name: str) -> type[_Section]:
+    """The section class of `name`, refused with the closest known section's name."""
     if name not in SECTIONS:
         raise ValueError(f"unknown config section {name!r}{closest(name, list(SECTIONS))}")
     return SECTIONS[name]
 
 
-def _check_names(data: Any) -> dict[str, dict[str, Any]]:
+def checked_sections(data: Any) -> dict[str, dict[str, Any]]:
     """`data` as {section: {field: value}}, refusing unknown sections and fields."""
     if not isinstance(data, Mapping):
         raise TypeError(f"a run config must be a mapping by section, got {data!r}")
-    return {str(name): _section(str(name)).check_names(value) for name, value in data.items()}
-
-
-def _apply_override(tree: dict[str, dict[str, Any]], override: str) -> None:
-    """Set `section.field[.key...]=value` in `tree`, the value read as YAML."""
-    key, equals, text = override.partition("=")
-    key = key.strip()
-    parts = key.split(".")
-    if not equals or len(parts) < 2 or not all(parts):
-        raise ValueError(f"override {override!r} must be section.field=value, e.g. train.steps=10")
-    section = _section(parts[0])
-    section.check_names({parts[1]: None})
-    hint = type_hints(section)[parts[1]]
-    if len(parts) > 2 and typing.get_origin(hint) is not dict:
-        raise ValueError(f"cannot set {key!r}: {section.dotted(parts[1])} is not a mapping")
-    value = read_value(key, text, hint)
-    if typing.get_origin(hint) is dict and len(parts) == 2 and value is None:
-        value = {}
-    node = tree.setdefault(parts[0], {})
-    for depth in range(1, len(parts) - 1):
-        child = node.get(parts[depth])
-        node[parts[depth]] = child = {} if child is None else child
-        if not isinstance(child, dict):
-            raise ValueError(
-                f"cannot set {key!r}: {'.'.join(parts[: depth + 1])} is {child!r}, not a mapping"
-            )
-        node = child
-    node[parts[-1]] = value
-
-
-def load_run_config(path: str | os.PathLike[str] | None, overrides: Sequence[str]) -> RunConfig:
-    """The config of an optional YAML or JSON file (`.json` is read as JSON), then `overrides`
-    (`section.field=value`, later ones win).
-
-    Raises `ConfigError` (a ValueError) or `ConfigTypeError` (a TypeError) naming the file or the
-    dotted field: a missing or unreadable file, text that is not UTF-8 (with its line), an
-    unknown section or field (with the closest valid name), a malformed override, a value of the
-    wrong type or out of range.
-    """
-    try:
-        tree: dict[str, dict[str, Any]] = {} if path is None else _read_config_file(Path(path))
-        for override in overrides:
-            _apply_override(tree, override)
-        return RunConfig.from_dict(tree)
-    except UserError:
-        raise
-    except TypeError as error:
-        raise ConfigTypeError(str(error)) from error
-    except ValueError as error:
-        raise ConfigError(str(error)) from error
-
-
-def _read_config_file(path: Path) -> dict[str, dict[str, Any]]:
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(path)!r} does not exist") from None
-    except OSError as error:
-        raise ConfigError(f"cannot read config file {str(path)!r}: {error.strerror}") from error
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = raw.count(b"\n", 0, error.start) + 1
-        raise ConfigError(
-            f"{path}:{line} is not valid UTF-8 (byte {raw[error.start]:#04x} at offset "
-            f"{error.start}); save the config file as UTF-8"
-        ) from None
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-        return _check_names({} if data is None else data)
-    except TypeError as error:
-        raise ConfigTypeError(f"{path}: {error}") from error
-    except (ValueError, yaml.YAMLError) as error:
-        raise ConfigError(f"{path}: {error}") from error
-
-
-def save_run_config(config: RunConfig, path: str | os.PathLike[str]) -> Path:
-    """Write `config` as YAML (JSON for a `.json` path) atomically: a temporary file, then
-    `os.replace`, so a reader never sees half a file. Returns the path."""
-    path = Path(path)
-    data = config.to_dict()
-    if path.suffix == ".json":
-        text = json.dumps(data, indent=2) + "\n"
-    else:
-        text = yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomically(path, text)
-    return path
-
-
-def config_changes(config: RunConfig) -> list[str]:
-    """The fields of `config` that differ from the defaults, as `section.field=value` overrides
-    (values in YAML) that rebuild it from them; optim.lr and schedule.warmup_steps are compared
-    with its preset's values (`PRESET_TRAINING`), which they default to."""
-    defaults = RunConfig.from_dict({"model": {"preset": config.model.preset}}).to_dict()
-    defaults["model"]["preset"] = ModelSection().preset
-    changes = []
-    for name, fields in config.to_dict().items():
-        for key, value in fields.items():
-            if value != defaults[name][key]:
-                text = yaml.safe_dump(value, default_flow_style=True, width=math.inf)
-                # A scalar's document ends with "...".
-                changes.append(f"{name}.{key}=" + text.removesuffix("...\n").strip())
-    return changes
-
-
-# Fields whose null default means the preset's value (`PRESET_TRAINING`).
-PRESET_FIELDS = ("optim.lr", "schedule.warmup_steps")
-
-
-def config_help() -> str:
-    """Every field as `section.field (type, default X): description`, grouped by section."""
-    lines = [
-        "run configuration: a YAML/JSON file by section, then section.field=value overrides"
-        " (values in YAML):"
-    ]
-    for name, section in SECTIONS.items():
-        summary = inspect.cleandoc(section.__doc__ or "").partition("\n")[0]
-        lines.append(f"\n{name}: {summary}")
-        defaults, docs = section(), field_docs(section)
-        for f in dataclasses.fields(section):
-            default = json.dumps(plain(f.name, getattr(defaults, f.name)))
-            doc = docs.get(f.name, "")
-            if f"{name}.{f.name}" in PRESET_FIELDS:
-                values = ", ".join(
-                    f"{preset} {getattr(training, f.name):g}"
-                    for preset, training in PRESET_TRAINING.items()
-                )
-                doc += f" Preset values: {values}."
-            lines.append(f"  {name}.{f.name} ({f.type}, default {default}): {doc}")
-    return "\n".join(lines)
+    return {str(name): section_class(str(name)).check_names(value) for name, value in data.items()}
 
 
 # Fields a resumed run may change: they do not change what is computed.

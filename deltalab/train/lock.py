@@ -35,26 +35,18 @@ LOCK_NAME = ".train.lock"
 
 
 @contextlib.contextmanager
-def hold_run_directory(
-    out_dir: Path, discardable: Callable[[Path], list[Path]] = lambda out_dir: []
-) -> Iterator[None]:
+def hold_run_directory(out_dir: Path, discardable: Callable[[Path], list[Path]]) -> Iterator[None]:
     """Holds `out_dir`'s trainer lock (creating the directory); CheckpointError naming the pid
     of the process that holds it already. A block that raises removes the directories this call
-    created when nothing but `discardable(out_dir)` and the lock file is left in them."""
+    created when nothing but `discardable(out_dir)` and the lock file is in them."""
+    # Absolute and without "..": the directories created are then exactly the missing ancestors
+    # of the directory the run writes to (with "typo/../run", "typo" is not one of them).
+    out_dir = Path(os.path.abspath(out_dir))
     created = next((p for p in (*reversed(out_dir.parents), out_dir) if not p.exists()), None)
     out_dir.mkdir(parents=True, exist_ok=True)
     # "a+", not "w": opening must not erase the holder's pid before the lock is known to be ours.
     with open(out_dir / LOCK_NAME, "a+", encoding="utf-8") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            # Empty while the holder is between taking the lock and writing its pid.
-            holder = handle.read().strip() or "unknown"
-            raise CheckpointError(
-                f"log.out_dir {str(out_dir)!r} is in use by another trainer (pid {holder}); "
-                f"wait for it to finish or stop it (kill {holder}), or choose another log.out_dir"
-            ) from None
+        _lock(handle, out_dir)
         handle.seek(0)
         handle.truncate()
         handle.write(f"{os.getpid()}\n")
@@ -67,14 +59,39 @@ def hold_run_directory(
             raise
 
 
+def _lock(handle, out_dir: Path) -> None:
+    """flock on `handle`, refused with the holder's pid. A lock taken on a file that a failed
+    trainer removed meanwhile (it unlinks its lock file while holding it) is a lock on nothing:
+    refused too, as in use, since the directory is being taken down."""
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        current = os.stat(out_dir / LOCK_NAME).st_ino
+    except (BlockingIOError, FileNotFoundError):
+        current = None
+    if current is not None and current == os.fstat(handle.fileno()).st_ino:
+        return
+    handle.seek(0)
+    # Empty while the holder is between taking the lock and writing its pid.
+    holder = handle.read().strip() or "unknown"
+    raise CheckpointError(
+        f"log.out_dir {str(out_dir)!r} is in use by another trainer (pid {holder}); "
+        f"wait for it to finish or stop it (kill {holder}), or choose another log.out_dir"
+    )
+
+
 def _remove_created(
     out_dir: Path, created: Path, discardable: Callable[[Path], list[Path]]
 ) -> None:
-    """Removes `discardable(out_dir)`, then the lock file and the directories from `out_dir` up to
-    `created` while only the lock is left; anything else keeps them all. Best effort: the
-    run's own error is the one reported."""
+    """When `out_dir` holds nothing but `discardable(out_dir)` and the lock file, removes them
+    (the lock file last) and the directories from `out_dir` up to `created`; anything else in it
+    (a checkpoint a run made before logging a step, say) keeps them all. Best effort: the run's
+    own error is the one reported."""
     try:
-        for path in discardable(out_dir):
+        removable = discardable(out_dir)
+        kept = {p.name for p in removable} | {LOCK_NAME}
+        if any(entry.name not in kept for entry in out_dir.iterdir()):
+            return
+        for path in removable:
             if path.is_dir():
                 shutil.rmtree(path)
             else:

@@ -15,7 +15,7 @@ import torch
 
 from deltalab._files import write_text_atomically
 from deltalab.provenance import PROVENANCE_NAME
-from deltalab.train.config import config_changes, save_run_config
+from deltalab.train.config_io import config_changes, save_run_config
 
 if TYPE_CHECKING:
     from deltalab.train.loop import TrainState

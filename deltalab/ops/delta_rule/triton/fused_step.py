@@ -82,8 +82,10 @@ READS = ("none", "static", "dynamic")
 # The state tile (rows x columns) one program holds at once: a head of up to ONE_BLOCK_TILE
 # values in one block (so its output norm needs no second pass) over up to 16 warps, 32
 # float32 values a thread; a larger head in blocks of LOOP_TILE over 8 warps, 32 a thread.
-# Compiled for sm_90: a 128 x 128 head spills 0 to 48 bytes a thread (by the form) in one block
-# of 16 warps (the plain step's kernel 232 there), 200 to 400 at 8 warps; a V = 256 head in
+# Compiled for sm_90: a 128 x 128 head in one block of 16 warps spills nothing where K, V and
+# the row strides are multiples of 16 (the 340M shapes, Exact KDN included), 0 to 48 bytes a
+# thread by the form otherwise (Exact KDN 1248; the plain step's kernel 232 there), 200 to 400
+# at 8 warps (sizes not multiples of 16, as the spills below); a V = 256 head in
 # blocks of 128 x 64 spills 0 (beta) to 190 bytes, in blocks of 128 x 128 about 390. First
 # choices, not yet timed on a GPU.
 ONE_BLOCK_TILE = 16384
