@@ -306,14 +306,11 @@ def timings(device, shapes, chunk_sizes, repeats, with_chunk_backend, only, gmax
 def stages(device, shape, chunk_size, options=DEFAULT_OPTIONS):
     """Forward time of each stage of the Triton path (KDA form): where the time goes."""
     from deltalab.ops.delta_rule.chunk import chunk_operators, intra_chunk, to_chunks
-    from deltalab.ops.delta_rule.triton.chunk import (
-        _operators_triton,
-        operator_dtype,
-        state_pass_triton,
-    )
+    from deltalab.ops.delta_rule.triton.chunk import _operators_triton, operator_dtype
     from deltalab.ops.delta_rule.triton.factors import factors_triton
     from deltalab.ops.delta_rule.triton.intra import Tokens, intra_triton
     from deltalab.ops.delta_rule.triton.solve import solve_triton
+    from deltalab.ops.delta_rule.triton.state_pass import state_pass_triton
 
     x = draw_inputs(*shape, device, torch.bfloat16 if device == "cuda" else torch.float32)
     raw = (x["q"], x["beta"][..., None] * x["k"], x["k"], x["v"], x["g"])

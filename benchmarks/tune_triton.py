@@ -49,18 +49,16 @@ from deltalab.errors import UserError
 from deltalab.ops.delta_rule.triton import factors as factors_module
 from deltalab.ops.delta_rule.triton import intra as intra_module
 from deltalab.ops.delta_rule.triton import solve as solve_module
-from deltalab.ops.delta_rule.triton.chunk import (
-    LAUNCH_TABLES,
-    DeltaRuleLaunch,
-    _operators_triton,
-    operator_dtype,
+from deltalab.ops.delta_rule.triton.chunk import _operators_triton, operator_dtype
+from deltalab.ops.delta_rule.triton.intra import Tokens
+from deltalab.ops.delta_rule.triton.launch import LAUNCH_TABLES, DeltaRuleLaunch
+from deltalab.ops.delta_rule.triton.state_pass import (
     operator_grads_triton,
     state_pass_split_triton,
     state_pass_split_triton_backward,
     state_pass_triton,
     state_pass_triton_backward,
 )
-from deltalab.ops.delta_rule.triton.intra import Tokens
 from deltalab.ops.launch_tables import (
     DeviceProperties,
     device_properties,

@@ -172,7 +172,7 @@ def test_tune_writes_its_best_table_which_the_lookup_reads_back(tmp_path):
     over the best one's, per stage and over the stages."""
     needs_triton()
     from benchmarks.tune_triton import card
-    from deltalab.ops.delta_rule.triton.chunk import LAUNCH, LAUNCH_TABLES
+    from deltalab.ops.delta_rule.triton.launch import LAUNCH, LAUNCH_TABLES
     from deltalab.ops.launch_tables import table_from_dict
 
     argv = ["tune", "--device", "cpu", "--shape", "1x32x1x16", "--stages", "intra",
@@ -197,7 +197,7 @@ def test_the_best_table_takes_each_stages_fastest_candidate_and_reports_conflict
     winners set differently keeps the first stage's, reported."""
     pytest.importorskip("triton")
     from benchmarks.tune_triton import best_table
-    from deltalab.ops.delta_rule.triton.chunk import LAUNCH
+    from deltalab.ops.delta_rule.triton.launch import LAUNCH
 
     settings = [{}, {"block": 128}, {}, {"num_warps": 4, "block_v": 32},
                 {"num_warps": 2, "walk_dots": "float32"}, {"num_warps": 2, "block_v": 16},

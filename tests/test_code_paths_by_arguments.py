@@ -84,8 +84,9 @@ SETTING = {
     "a dotted string": 'def test(monkeypatch):\n'
                        '    monkeypatch.setattr("deltalab.ops.swiglu.triton.BLOCK_COLUMNS", 8)\n',
     "mock.patch.object": 'from unittest import mock\n'
-                         'from deltalab.ops.delta_rule.triton import chunk\n'
-                         'with mock.patch.object(chunk, "FUSED_PASS_MIN_PROGRAMS", 4):\n    pass\n',
+                         'from deltalab.ops.delta_rule.triton import state_pass\n'
+                         'with mock.patch.object(state_pass, "FUSED_PASS_MIN_PROGRAMS", 4):\n'
+                         '    pass\n',
     "an assignment": "import deltalab.ops.short_conv.triton as kernels\n"
                      "kernels.BACKWARD_PROGRAMS = 8\n",
     "setattr": 'from deltalab.ops.rope import triton\nsetattr(triton, "MAX_BLOCK_D", 4)\n',

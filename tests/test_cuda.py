@@ -354,7 +354,7 @@ def test_cuda_an_h100_or_h200_takes_the_launch_tables_shipped_for_its_own_name()
     """The shipped files are named by the keys these cards' CUDA names give (else they would
     take their family's table, silently)."""
     pytest.importorskip("triton")
-    from deltalab.ops.delta_rule.triton.chunk import LAUNCH_TABLES
+    from deltalab.ops.delta_rule.triton.launch import LAUNCH_TABLES
     from deltalab.ops.launch_tables import BUILTIN_DIRECTORY, device_properties, read_table_file
 
     card = device_properties(torch.device("cuda"))

@@ -87,8 +87,9 @@ WALKS = ("_state_pass_fwd", "_state_pass_bwd", "_state_pass_split_fwd", "_state_
 
 
 def _recorded_launches(monkeypatch, module, names) -> list:
-    """Every launch of `module`'s kernels `names` from now on, as (kernel name, grid, keyword
-    arguments), each launch run as it was."""
+    """Every launch of the kernels `names` by `module`'s functions from now on (replaced in
+    `module`, where those look them up), as (kernel name, grid, keyword arguments), each launch
+    run as it was."""
     launches = []
 
     class Recorded:
@@ -133,9 +134,9 @@ def test_triton_gradients_under_strong_decays_where_stage_1_walks_its_diagonal(
     """Log decays down to -16 per token: the full diagonal sub-blocks exceed the factored form's bound
     and are walked row by row, in the forward and the adjoint; with stage 1's adjoint cut into
     channel blocks of 16, K = 20 takes two of them."""
-    from deltalab.ops.delta_rule.triton import chunk, intra
+    from deltalab.ops.delta_rule.triton import intra, launch
 
-    table = replace(chunk.LAUNCH, intra=replace(intra.LAUNCH, block=16))
+    table = replace(launch.LAUNCH, intra=replace(intra.LAUNCH, block=16))
     inputs = random_delta_inputs(
         generator, 1, 37, 1, 20, 8, channel_decay=channel_decay, min_log_decay=-16.0
     )
@@ -167,9 +168,9 @@ def test_triton_per_token_write_strength_matches_the_loop_with_every_gradient(
     generator, poisoned_empty, monkeypatch, length, chunk_size, channel_decay, min_log_decay,
     packed,
 ):  # fmt: skip
-    from deltalab.ops.delta_rule.triton import chunk, factors, intra
+    from deltalab.ops.delta_rule.triton import factors, intra, launch
 
-    table = replace(chunk.LAUNCH, intra=replace(intra.LAUNCH, block=16),
+    table = replace(launch.LAUNCH, intra=replace(intra.LAUNCH, block=16),
                     factors=replace(factors.LAUNCH, block=16))  # fmt: skip
     batch, heads = (1, 1) if chunk_size == 128 else (1 if packed else 2, 2)
     inputs = random_delta_inputs(
@@ -488,7 +489,7 @@ def test_triton_state_pass_matches_its_pytorch_twin(generator):
         state_pass,
         to_chunks,
     )
-    from deltalab.ops.delta_rule.triton.chunk import state_pass_triton
+    from deltalab.ops.delta_rule.triton.state_pass import state_pass_triton
 
     inputs = random_delta_inputs(generator, 1, 90, 2, 16, 8, channel_decay=True)
     ops = chunk_operators(*(to_chunks(x, 32) for x in inputs))
@@ -517,9 +518,10 @@ def test_triton_state_pass_keeping_every_kth_state_writes_those_of_the_full_pass
     where it reads them back). Buffers are NaN-filled before launch: an unwritten kept state
     fails."""
     from deltalab.ops.delta_rule.chunk import ChunkOperators, chunk_operators, to_chunks
-    from deltalab.ops.delta_rule.triton import chunk as state_module
+    from deltalab.ops.delta_rule.triton import state_pass as state_module
+    from deltalab.ops.delta_rule.triton.launch import LAUNCH
 
-    table = replace(state_module.LAUNCH, block_c=block_c)
+    table = replace(LAUNCH, block_c=block_c)
     inputs = random_delta_inputs(generator, 1, 150, 2, 16, 8, channel_decay=True)
     ops = chunk_operators(*(to_chunks(x, 32) for x in inputs))  # 5 chunks
     ops = ChunkOperators(*(x.to(DEVICE, torch.float32).contiguous() for x in ops))
@@ -577,10 +579,11 @@ def test_triton_split_state_pass_matches_the_fused_pass_and_the_pytorch_walk(
         from_chunks,
         to_chunks,
     )
-    from deltalab.ops.delta_rule.triton import chunk as state_module
+    from deltalab.ops.delta_rule.triton import state_pass as state_module
     from deltalab.ops.delta_rule.triton.intra import Tokens
+    from deltalab.ops.delta_rule.triton.launch import LAUNCH
 
-    table = replace(state_module.LAUNCH, block_c=block_c)
+    table = replace(LAUNCH, block_c=block_c)
     batch, heads, key_dim, value_dim = 1, 2, 20, 12
     inputs = random_delta_inputs(
         generator, batch, length, heads, key_dim, value_dim, channel_decay=True
@@ -632,7 +635,7 @@ def test_triton_each_state_pass_matches_float64_loop_with_every_gradient(
     """delta_rule(backend="triton", options=KernelOptions(state_pass=...)) runs that form, forward
     and backward (the other made to fail if called): output, final state and every gradient
     against the float64 token loop, over a partial last chunk."""
-    from deltalab.ops.delta_rule.triton import chunk as state_module
+    from deltalab.ops.delta_rule.triton import state_pass as state_module
 
     def fail(*args, **kwargs):
         raise AssertionError(f"the {other} state pass ran")
@@ -701,12 +704,13 @@ def test_auto_state_pass_takes_the_fused_pass_from_its_program_threshold(
     """state_pass="auto" (the default) runs the fused pass when its walks would launch at least
     fused_pass_min_programs programs (here B * H * ceil(V / block_v) = 2 * 2 * 1 = 4) and the
     split pass below that (the other made to fail if called), and the result is still exact."""
-    from deltalab.ops.delta_rule.triton import chunk as state_module
+    from deltalab.ops.delta_rule.triton import state_pass as state_module
+    from deltalab.ops.delta_rule.triton.launch import LAUNCH
 
     def fail(*args, **kwargs):
         raise AssertionError(f"the {other} state pass ran")
 
-    table = replace(state_module.LAUNCH, fused_pass_min_programs=min_programs)
+    table = replace(LAUNCH, fused_pass_min_programs=min_programs)
     monkeypatch.setitem(state_module.PASS_FORMS, other, (fail, fail, fail))
     assert state_module.chosen_state_pass(2, 2, 16, 8, table=table) == chosen
     inputs = random_delta_inputs(generator, 2, 21, 2, 16, 8, channel_decay=True)
@@ -734,14 +738,15 @@ def test_auto_takes_the_fused_launch_its_walks_earn_and_every_walk_of_the_op_tak
     launch wherever it makes enough. Float32 operators take the split pass below the threshold
     and the fused one at block_v columns from it. Either way the output, the final state and
     every gradient are the loop's (fp16: the interpreter's 16-bit float)."""
-    from deltalab.ops.delta_rule.triton import chunk as state_module
+    from deltalab.ops.delta_rule.triton import state_pass as state_module
+    from deltalab.ops.delta_rule.triton.launch import LAUNCH
 
     # The backward's walk from every chunk's start: 3 segments at once, 3x the forward's walks,
     # yet the forward's launch (a launch chosen by its own count would pass the thresholds).
     options = KernelOptions(walk_dots=walk_dots, checkpoint_every=1)
 
     recorded = _recorded_launches(monkeypatch, state_module, WALKS)
-    table = replace(state_module.LAUNCH, low_dots_num_warps=1, block_v=64, narrow_block_v=32,
+    table = replace(LAUNCH, low_dots_num_warps=1, block_v=64, narrow_block_v=32,
                     narrow_num_warps=2, fused_pass_min_programs=threshold)  # fmt: skip
     inputs = random_delta_inputs(generator, 1, 37, 2, 16, 64, channel_decay=True)
     state = torch.randn(1, 2, 16, 64, generator=generator, dtype=torch.float64)
@@ -772,12 +777,13 @@ def test_16bit_products_in_the_walks_keep_every_result_within_the_16bit_bound(
     the final state and every gradient stay within the 16-bit bound of the float64 loop (fp16:
     the interpreter's 16-bit float; bf16 is timed and checked on the GPU), over two row blocks
     per chunk and, fused, both passes through the residuals of earlier row blocks."""
-    from deltalab.ops.delta_rule.triton import chunk as state_module
+    from deltalab.ops.delta_rule.triton import state_pass as state_module
+    from deltalab.ops.delta_rule.triton.launch import LAUNCH
 
     walks = {"fused": ("_state_pass_fwd", "_state_pass_bwd"),
              "split": ("_state_pass_split_fwd", "_state_pass_split_bwd")}  # fmt: skip
     recorded = _recorded_launches(monkeypatch, state_module, walks[state_pass])
-    table = replace(state_module.LAUNCH, block_c=16)  # two row blocks per chunk of 32
+    table = replace(LAUNCH, block_c=16)  # two row blocks per chunk of 32
     options = KernelOptions(state_pass=state_pass, walk_dots=walk_dots)
     inputs = random_delta_inputs(generator, 1, 45, 2, 16, 32, channel_decay=True)
     state = torch.randn(1, 2, 16, 32, generator=generator, dtype=torch.float64)
@@ -795,12 +801,13 @@ def test_bf16_walks_stay_within_the_bf16_bound_of_the_loop(generator, monkeypatc
     launch, the split pass: chosen here by the walk threshold), K = V = 128 as the presets
     have, strong and weak decays over 5 chunks: the output, the final state and every gradient
     within the bf16 bound of the float64 loop (the interpreter checks fp16 the same way)."""
-    from deltalab.ops.delta_rule.triton import chunk as state_module
+    from deltalab.ops.delta_rule.triton import state_pass as state_module
+    from deltalab.ops.delta_rule.triton.launch import LAUNCH
 
     recorded = _recorded_launches(monkeypatch, state_module, WALKS)
     batch, heads = 2, 3
     threshold = {"wide": 2, "narrow": 4, "split": 5}[launch] * batch * heads
-    table = replace(state_module.LAUNCH, fused_pass_min_programs=threshold)
+    table = replace(LAUNCH, fused_pass_min_programs=threshold)
     inputs = random_delta_inputs(generator, batch, 300, heads, 128, 128, channel_decay=True,
                                  min_log_decay=-2.0)  # fmt: skip
     state = torch.randn(batch, heads, 128, 128, generator=generator, dtype=torch.float64)
@@ -821,7 +828,7 @@ def test_state_pass_grids_count_chunks_and_walks_on_their_first_axis(
     bounds that one by 2^31 - 1, the others by 65535, which B * H * chunks passes at B * H = 32,
     T = 128K, chunks of 64): the other axes of every launch, forward and backward, stay as small
     as a chunk's row blocks, whatever the number of chunks."""
-    from deltalab.ops.delta_rule.triton import chunk as state_module
+    from deltalab.ops.delta_rule.triton import state_pass as state_module
 
     recorded = _recorded_launches(monkeypatch, state_module, (
         "_state_pass_fwd", "_state_pass_bwd", "_state_pass_split_fwd", "_state_pass_split_out",
@@ -871,8 +878,8 @@ def test_triton_operator_gradients_match_their_pytorch_twin(generator, poisoned_
     dO token-major over a length that is not a multiple of the chunk (its padding rows read as
     zero), K and V that need masking."""
     from deltalab.ops.delta_rule.chunk import ChunkOperators, to_chunks
-    from deltalab.ops.delta_rule.triton.chunk import _operator_grads, operator_grads_triton
     from deltalab.ops.delta_rule.triton.intra import Tokens
+    from deltalab.ops.delta_rule.triton.state_pass import _operator_grads, operator_grads_triton
 
     batch, length, heads, key_dim, value_dim, size = 2, 50, 3, 20, 12, 32
     n = -(-length // size)
@@ -918,7 +925,8 @@ def test_triton_16bit_inputs_store_the_operators_as_told_and_stay_close_to_the_l
     operator_dtype="inputs" every chunk operator but the decays reaches the state pass (each
     form) in fp16, forward and backward, with "float32" in float32; either way the output, the
     final state and every gradient stay within fp16's tolerance of the float64 loop."""
-    from deltalab.ops.delta_rule.triton import chunk as state_module
+    from deltalab.ops.delta_rule.chunk import ChunkOperators
+    from deltalab.ops.delta_rule.triton import state_pass as state_module
 
     options = KernelOptions(operator_dtype=operators, state_pass=state_pass)
     seen = []
@@ -936,7 +944,7 @@ def test_triton_16bit_inputs_store_the_operators_as_told_and_stay_close_to_the_l
     state = torch.randn(2, 2, 16, 8, generator=generator, dtype=torch.float64)
     _compare_at(inputs, state, torch.float16, chunk_size=16, options=options)
     stored = torch.float16 if operators == "inputs" else torch.float32
-    expected = {field: stored for field in state_module.ChunkOperators._fields}
+    expected = {field: stored for field in ChunkOperators._fields}
     expected["decay"] = torch.float32
     # The forward's pass, the backward's walk again from the checkpoints, its adjoint pass,
     # each of the form set.

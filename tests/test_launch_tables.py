@@ -130,7 +130,7 @@ def test_a_malformed_file_header_is_refused_naming_the_field(tmp_path, change, f
 
 def test_a_block_that_is_not_a_power_of_2_is_refused_naming_the_nested_field(tmp_path):
     pytest.importorskip("triton")
-    from deltalab.ops.delta_rule.triton.chunk import LAUNCH
+    from deltalab.ops.delta_rule.triton.launch import LAUNCH
 
     table = table_as_dict(LAUNCH)
     table["factors"]["block"] = 48
@@ -143,7 +143,7 @@ def test_a_block_that_is_not_a_power_of_2_is_refused_naming_the_nested_field(tmp
 
 def test_every_shipped_file_holds_a_valid_table_of_each_op_for_its_card():
     pytest.importorskip("triton")
-    from deltalab.ops.delta_rule.triton import chunk, fused_step
+    from deltalab.ops.delta_rule.triton import fused_step, launch
     from deltalab.ops.log_decay import triton as log_decay
     from deltalab.ops.norms import triton as norms
     from deltalab.ops.swiglu import triton as swiglu
@@ -155,7 +155,7 @@ def test_every_shipped_file_holds_a_valid_table_of_each_op_for_its_card():
         card = DeviceProperties(data["device"], tuple(data["capability"]),
                                 data["multiprocessors"])  # fmt: skip
         assert card.key == path.stem
-        for module in (chunk, norms, swiglu, log_decay, fused_step):
+        for module in (launch, norms, swiglu, log_decay, fused_step):
             tables = module.LAUNCH_TABLES
             shipped = tables.builtin(card)
             assert table_as_dict(shipped) == data["tables"][tables.op], (path.name, tables.op)
@@ -195,14 +195,14 @@ def _calls():
 def test_a_call_given_no_table_takes_its_ops_table_for_the_inputs_device(op, monkeypatch):
     pytest.importorskip("triton")
     from deltalab.ops._triton import INTERPRET
-    from deltalab.ops.delta_rule.triton import chunk
+    from deltalab.ops.delta_rule.triton import launch
     from deltalab.ops.log_decay import triton as log_decay
     from deltalab.ops.norms import triton as norms
     from deltalab.ops.swiglu import triton as swiglu
 
     if not INTERPRET:
         pytest.skip("runs the kernels on CPU tensors: needs TRITON_INTERPRET=1")
-    tables = {m.LAUNCH_TABLES.op: m.LAUNCH_TABLES for m in (chunk, norms, swiglu, log_decay)}
+    tables = {m.LAUNCH_TABLES.op: m.LAUNCH_TABLES for m in (launch, norms, swiglu, log_decay)}
     devices = []
 
     def spy(device):

@@ -49,7 +49,7 @@ def test_matrix_products_and_kernels_are_not_glue(gdn2_ops):
     # The delta rule ran as the Triton kernels (stubs), both ways, not the PyTorch chunk path:
     # the state pass chosen for the tiny model's shape (B=2, H=2, K=V=64), its walks and its
     # parallel kernels, and not the other.
-    from deltalab.ops.delta_rule.triton.chunk import chosen_state_pass
+    from deltalab.ops.delta_rule.triton.state_pass import chosen_state_pass
 
     kernels = {o.op for o in gdn2_ops if o.category == traffic.DELTA}
     passes = {"split": {"_state_pass_split_fwd", "_state_pass_split_out",

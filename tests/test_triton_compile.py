@@ -87,14 +87,20 @@ def _assert_compiles_without_spills(
 
 @pytest.mark.parametrize(("key_dim", "chunk"), [(3, 256), (128, 64), (256, 128)])
 def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chunk):
-    from deltalab.ops.delta_rule.triton import chunk as state_pass
     from deltalab.ops.delta_rule.triton import factors, intra, solve
     from deltalab.ops.delta_rule.triton.intra import DIAGONAL_FACTOR_BOUND, SUB_BLOCK, key_block
+    from deltalab.ops.delta_rule.triton.launch import LAUNCH
+    from deltalab.ops.delta_rule.triton.state_pass import _launch
+    from deltalab.ops.delta_rule.triton.state_pass_kernels import (
+        _operator_grads_kernel,
+        _state_pass_bwd,
+        _state_pass_fwd,
+    )
 
     block_k = key_block(key_dim)
     for precision in ("ieee", "tf32"):
         # The state pass's own launch constants and options, as `state_pass_triton` uses them.
-        _, launch = state_pass._launch(key_dim, 1, chunk, key_dim, precision)
+        _, launch = _launch(key_dim, 1, chunk, key_dim, precision)
         options = {k: launch.pop(k) for k in ("num_warps", "num_stages")}
         shape = dict(K=key_dim, C=chunk, BT=SUB_BLOCK, PRECISION=precision)
         block_kd = min(factors.LAUNCH.block, block_k)
@@ -107,11 +113,10 @@ def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chu
         stage_1 = {**shape, **g_head, "BOUND": DIAGONAL_FACTOR_BOUND}
         intra_kd = min(intra.LAUNCH.block, block_k)
         kernels = [
-            (state_pass._state_pass_fwd, 11, {**launch, "HAS_INITIAL": True, **WIDENED}, options),
-            (state_pass._state_pass_fwd, 11, {**launch, "HAS_INITIAL": True, "WRITE_OUT": False,
-                                              **WIDENED},
+            (_state_pass_fwd, 11, {**launch, "HAS_INITIAL": True, **WIDENED}, options),
+            (_state_pass_fwd, 11, {**launch, "HAS_INITIAL": True, "WRITE_OUT": False, **WIDENED},
              options),
-            (state_pass._state_pass_bwd, 10, {**launch, "HAS_D_FINAL": True, **WIDENED}, options),
+            (_state_pass_bwd, 10, {**launch, "HAS_D_FINAL": True, **WIDENED}, options),
             (intra._intra_fwd, 8, {**stage_1, "BK": block_k}, intra.LAUNCH.options),
             (intra._intra_bwd, 11, {**stage_1, "BKD": intra_kd}, intra.LAUNCH.options),
             (solve._solve_fwd, 3, columns, solve.LAUNCH.options),
@@ -133,21 +138,21 @@ def test_delta_rule_kernels_compile_for_hopper_within_shared_memory(key_dim, chu
             for unit in (False, True)
         ]
         grads = dict(K=key_dim, V=key_dim, C=chunk, BK=block_k, PRECISION=precision,
-                     BV=min(state_pass.LAUNCH.operator_block_v, block_k),
-                     BC=min(chunk, state_pass.LAUNCH.block_c))  # fmt: skip
+                     BV=min(LAUNCH.operator_block_v, block_k),
+                     BC=min(chunk, LAUNCH.block_c))  # fmt: skip
         kernels += [
-            (state_pass._operator_grads_kernel, 10, {**grads, "FROM_OUTPUT": from_output},
-             {"num_warps": state_pass.LAUNCH.num_warps, "num_stages": 1})
+            (_operator_grads_kernel, 10, {**grads, "FROM_OUTPUT": from_output},
+             {"num_warps": LAUNCH.num_warps, "num_stages": 1})
             for from_output in (True, False)
         ]  # fmt: skip
-        kernels += _split_state_pass_kernels(state_pass, key_dim, chunk, precision)
+        kernels += _split_state_pass_kernels(key_dim, chunk, precision)
         # TF32 is what 16-bit inputs get: with 16-bit operators (operator_dtype "inputs", the
         # default) and with float32 ones.
         operators = ["*fp32", "*bf16"] if precision == "tf32" else ["*fp32"]
         cases = list(itertools.product(kernels, operators))
         if precision == "tf32":
-            cases += [(kernel, "*bf16") for kernel in _fused_16bit_kernels(state_pass, key_dim,
-                                                                           chunk, precision)]  # fmt: skip
+            cases += [(kernel, "*bf16")
+                      for kernel in _fused_16bit_kernels(key_dim, chunk, precision)]  # fmt: skip
             # The walks as bf16 operators run them by default: products in bf16 (walk_dots).
             cases += [((kernel, n, {**constants, "LOW_DOTS": True}, kernel_options), "*bf16")
                       for kernel, n, constants, kernel_options in kernels
@@ -186,19 +191,21 @@ def _walks_at_stages(table, field: str, depths, launch, walks):
     return kernels
 
 
-def _fused_16bit_kernels(state_pass, key_dim, chunk, precision):
+def _fused_16bit_kernels(key_dim, chunk, precision):
     """The fused state pass's walks at the launches `_launch` gives 16-bit operators: at
     block_v with every pipeline depth the tuner offers (num_stages 2 and 3; K > 128 keeps 1),
     and the narrow launch (narrow_block_v, narrow_num_stages 2 and 3), made to apply by a
     program threshold its walks reach and block_v's do not."""
-    walks = [(state_pass._state_pass_fwd, 11, "HAS_INITIAL"),
-             (state_pass._state_pass_bwd, 10, "HAS_D_FINAL")]  # fmt: skip
+    from deltalab.ops.delta_rule.triton.launch import LAUNCH
+    from deltalab.ops.delta_rule.triton.state_pass import _launch
+    from deltalab.ops.delta_rule.triton.state_pass_kernels import _state_pass_bwd, _state_pass_fwd
+
+    walks = [(_state_pass_fwd, 11, "HAS_INITIAL"), (_state_pass_bwd, 10, "HAS_D_FINAL")]
 
     def launch(table):  # the launches widened products get (walk_dots "float32")
-        return state_pass._launch(key_dim, 1, chunk, key_dim, precision, torch.bfloat16,
-                                  "float32", table)[1]  # fmt: skip
+        return _launch(key_dim, 1, chunk, key_dim, precision, torch.bfloat16, "float32", table)[1]
 
-    table = state_pass.LAUNCH
+    table = LAUNCH
     kernels = _walks_at_stages(table, "num_stages", (2, 3), launch, walks)
     narrow = dataclasses.replace(table, fused_pass_min_programs=-(-key_dim // table.narrow_block_v))
     kernels += _walks_at_stages(narrow, "narrow_num_stages", (2, 3), launch, walks)
@@ -206,21 +213,28 @@ def _fused_16bit_kernels(state_pass, key_dim, chunk, precision):
             for kernel, n, constants, options in kernels]  # fmt: skip
 
 
-def _split_state_pass_kernels(state_pass, key_dim, chunk, precision):
+def _split_state_pass_kernels(key_dim, chunk, precision):
     """The split state pass's kernels at its launches, its walks with every pipeline depth the
     tuner offers (split_num_stages 1 and 2; K > 128 keeps 1)."""
+    from deltalab.ops.delta_rule.triton.launch import LAUNCH
+    from deltalab.ops.delta_rule.triton.state_pass import _split_launch
+    from deltalab.ops.delta_rule.triton.state_pass_kernels import (
+        _state_pass_split_bwd,
+        _state_pass_split_dout,
+        _state_pass_split_fwd,
+        _state_pass_split_out,
+    )
+
     kernels = _walks_at_stages(
-        state_pass.LAUNCH, "split_num_stages", (1, 2),
-        lambda table: {**state_pass._split_launch(key_dim, chunk, key_dim, precision, table)[0],
-                       **WIDENED},
-        [(state_pass._state_pass_split_fwd, 8, "HAS_INITIAL"),
-         (state_pass._state_pass_split_bwd, 7, "HAS_D_FINAL")],
+        LAUNCH, "split_num_stages", (1, 2),
+        lambda table: {**_split_launch(key_dim, chunk, key_dim, precision, table)[0], **WIDENED},
+        [(_state_pass_split_fwd, 8, "HAS_INITIAL"), (_state_pass_split_bwd, 7, "HAS_D_FINAL")],
     )  # fmt: skip
-    _, parallel = state_pass._split_launch(key_dim, chunk, key_dim, precision)
+    _, parallel = _split_launch(key_dim, chunk, key_dim, precision)
     options = {k: parallel.pop(k) for k in ("num_warps", "num_stages")}
     kernels += [
-        (state_pass._state_pass_split_out, 5, parallel, options),
-        (state_pass._state_pass_split_dout, 6, parallel, options),
+        (_state_pass_split_out, 5, parallel, options),
+        (_state_pass_split_dout, 6, parallel, options),
     ]
     return kernels
 
@@ -234,25 +248,26 @@ def test_16bit_products_keep_the_fused_walks_within_their_spill_bounds(chunk):
     what LOW_DOTS_SPILL_BOUND allows at chunks of 128. With
     the products widened to float32, Triton 3.9 spills 192 to 352 bytes a thread in the forward
     walk at such launches: what KernelOptions.walk_dots "operators" avoids."""
-    from deltalab.ops.delta_rule.triton import chunk as state_pass
+    from deltalab.ops.delta_rule.triton.launch import LAUNCH
+    from deltalab.ops.delta_rule.triton.state_pass import _launch
+    from deltalab.ops.delta_rule.triton.state_pass_kernels import _state_pass_bwd, _state_pass_fwd
 
     types = {p: "*bf16" for p in OPERATOR_POINTERS}
-    walks = ((state_pass._state_pass_fwd, 11, "HAS_INITIAL"),
-             (state_pass._state_pass_bwd, 10, "HAS_D_FINAL"))  # fmt: skip
+    walks = ((_state_pass_fwd, 11, "HAS_INITIAL"), (_state_pass_bwd, 10, "HAS_D_FINAL"))
     # 96 sequences and heads: block_v's launch (192 walks); 24: the narrow one (96 walks at 32
     # columns, 48 at 64); asserted, so that the test compiles the launches it names.
-    table = state_pass.LAUNCH
+    table = LAUNCH
     counts = (table.fused_pass_min_programs, table.fused_pass_min_programs // 4)
     launches = []
     for programs in counts:
-        _, launch = state_pass._launch(128, programs, chunk, 128, "tf32", torch.bfloat16)
+        _, launch = _launch(128, programs, chunk, 128, "tf32", torch.bfloat16)
         launches.append((launch["BV"], launch["num_warps"], launch["num_stages"]))
     assert launches == [
         (table.block_v, table.low_dots_num_warps, table.low_dots_num_stages),
         (table.narrow_block_v, table.narrow_num_warps, table.narrow_num_stages),
     ]
     for programs in counts:
-        _, launch = state_pass._launch(128, programs, chunk, 128, "tf32", torch.bfloat16)
+        _, launch = _launch(128, programs, chunk, 128, "tf32", torch.bfloat16)
         options = {k: launch.pop(k) for k in ("num_warps", "num_stages")}
         for kernel, n_pointers, flag in walks:
             pointers = kernel.arg_names[:n_pointers]
@@ -283,14 +298,17 @@ def test_split_state_pass_parallel_kernels_compile_for_hopper_without_spills(key
     backward) at their launch (split_block_v, split_num_warps), with TF32 products and the
     chunk operators in float32 or bf16, at the presets' K = 128 and at K = 256: no spill to
     local memory."""
-    from deltalab.ops.delta_rule.triton import chunk as state_pass
+    from deltalab.ops.delta_rule.triton.state_pass import _split_launch
+    from deltalab.ops.delta_rule.triton.state_pass_kernels import (
+        _state_pass_split_dout,
+        _state_pass_split_out,
+    )
 
-    _, parallel = state_pass._split_launch(key_dim, 64, key_dim, "tf32")
+    _, parallel = _split_launch(key_dim, 64, key_dim, "tf32")
     warps = parallel.pop("num_warps")
     parallel.pop("num_stages")
     types = {p: f"*{operators}" for p in OPERATOR_POINTERS}
-    for kernel, n_pointers in ((state_pass._state_pass_split_out, 5),
-                               (state_pass._state_pass_split_dout, 6)):  # fmt: skip
+    for kernel, n_pointers in ((_state_pass_split_out, 5), (_state_pass_split_dout, 6)):
         _assert_compiles_without_spills(
             kernel, n_pointers, parallel, warps, types, what=f"{kernel.fn.__name__} K={key_dim}"
         )
