@@ -17,7 +17,7 @@ import argparse
 
 import torch
 
-from deltalab.layers.common import DeltaMixer
+from deltalab.layers.delta_mixer import DeltaMixer
 from deltalab.ops.delta_rule.triton.intra import DIAGONAL_FACTOR_BOUND, SUB_BLOCK
 
 

@@ -45,8 +45,8 @@ import torch.nn.functional as F
 
 import deltalab
 import deltalab.layers.attention as attention_module
-import deltalab.layers.common as common
 import deltalab.layers.kdn as kdn_layers
+import deltalab.layers.recurrence as recurrence
 from deltalab.errors import UserError
 from deltalab.models.lm import CausalLM
 from deltalab.models.presets import build_config
@@ -169,7 +169,7 @@ class Audit:
     def patched(self, chunk_size: int):
         """delta_rule and SDPA charged as their CUDA kernels save (delta_rule with the
         `KernelOptions` the layer passes it); the blocks named."""
-        real_delta_rule = common.delta_rule
+        real_delta_rule = recurrence.delta_rule
         real_sdpa = F.scaled_dot_product_attention
 
         def delta_rule(q, a, b, u, g, **kwargs):
@@ -223,12 +223,12 @@ class Audit:
             enter = block.register_forward_pre_hook(lambda *_, n=name: setattr(self, "block", n))
             leave = block.register_forward_hook(lambda *_: setattr(self, "block", "head"))
             handles += [enter, leave]
-        common.delta_rule = delta_rule
+        recurrence.delta_rule = delta_rule
         attention_module.F = _Functional(sdpa)
         try:
             yield
         finally:
-            common.delta_rule = real_delta_rule
+            recurrence.delta_rule = real_delta_rule
             attention_module.F = F
             _recompute._pack, _recompute._unpack = real_pack, real_unpack
             for handle in handles:

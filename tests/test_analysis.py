@@ -30,7 +30,7 @@ from deltalab.analysis import (
     unit_directions,
 )
 from deltalab.analysis._plot import new_figure
-from deltalab.layers.common import DeltaMixer
+from deltalab.layers.delta_mixer import DeltaMixer
 from deltalab.layers.deltanet import DeltaNet, GatedDeltaNet
 from deltalab.layers.gdn2 import GatedDeltaNet2
 from deltalab.layers.kda import KimiDeltaAttention

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from deltalab.benchmarking import HOST_READS, OperatorCounter
-from deltalab.layers.common import RMSNorm
 from deltalab.layers.decode_step import fused_step, runs_fused, runs_normed, step_plan
+from deltalab.layers.norms import RMSNorm
 from deltalab.models import CausalLM, build_config
 from deltalab.models.static_decode import StaticDecoder, _static_recurrent
 from deltalab.ops._triton import INTERPRET

@@ -16,7 +16,6 @@ from conftest import run_in_pieces
 from torch import nn
 
 from deltalab.analysis import allocate_ranks
-from deltalab.layers.common import l2_normalize
 from deltalab.layers.kdn import Q_INIT, R_MIN, DiagonalKDN, KDNState
 from deltalab.layers.kdn_muir import (
     KDNMuir,
@@ -25,6 +24,7 @@ from deltalab.layers.kdn_muir import (
     stationary_predicted_variance,
 )
 from deltalab.layers.muir import READ_GATES, initial_log_decay, matched_filter
+from deltalab.layers.norms import l2_normalize
 from deltalab.models import CausalLM, build_config, count_parameters
 from deltalab.models.presets import SCALES
 from deltalab.ops import delta_rule, kdn_diag

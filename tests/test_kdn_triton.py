@@ -768,17 +768,17 @@ def test_kdn_layers_on_triton_hand_the_delta_rule_k_and_g_through_the_gain_rebui
     (so its backward sums both gradients), each carrying the recipe that rebuilds g in the
     backward (else the delta rule would keep the routed g, and with it the tensor the rebuild
     spares); on the chunk path, k and g themselves."""
-    from deltalab.layers import common
+    from deltalab.layers import recurrence
     from deltalab.ops._recompute import recipe_of
 
     seen = []
-    original = common.delta_rule
+    original = recurrence.delta_rule
 
     def spy(q, a, b, u, g, **kwargs):
         seen.append((b.grad_fn, g.grad_fn, recipe_of(g)))
         return original(q, a, b, u, g, **kwargs)
 
-    monkeypatch.setattr(common, "delta_rule", spy)
+    monkeypatch.setattr(recurrence, "delta_rule", spy)
     for backend in ("triton", "chunk"):
         torch.manual_seed(0)
         layer = layer_class(**LAYER, backend=backend).to(DEVICE)

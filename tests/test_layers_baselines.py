@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from conftest import run_in_pieces
 from torch import nn
 
-import deltalab.layers.common as common
+import deltalab.layers.recurrence as recurrence
 from deltalab.layers import (
     Attention,
     AttentionState,
@@ -335,13 +335,13 @@ def test_window_of_one_attends_only_to_itself(generator):
 
 def test_mode_helper_takes_the_step_path_only_for_one_token_with_state(generator, monkeypatch):
     calls = []
-    step = common.delta_rule_step
+    step = recurrence.delta_rule_step
 
     def counted_step(*args, **kwargs):
         calls.append(1)
         return step(*args, **kwargs)
 
-    monkeypatch.setattr(common, "delta_rule_step", counted_step)
+    monkeypatch.setattr(recurrence, "delta_rule_step", counted_step)
     mixer = build("kda").double()
     x = hidden(generator, 4)
     _, state = mixer(x[:, :1])

@@ -20,7 +20,7 @@ from deltalab.layers import (
     KimiDeltaAttention,
     Muir,
 )
-from deltalab.layers.common import FRONTEND_FIELDS, FrontendKeywords, FrontendOptions
+from deltalab.layers.frontend import FRONTEND_FIELDS, FrontendKeywords, FrontendOptions
 from deltalab.models import CausalLM, DeltaLabConfig
 from deltalab.ops import delta_rule
 
@@ -176,21 +176,21 @@ def test_a_decoding_step_runs_on_the_step_backend_of_the_layer_backend(
 ):
     """One token continuing a state takes `delta_rule_step` with the layer's backend mapped to
     the step's (the PyTorch paths to the token loop), not "auto" whatever the layer runs on."""
-    from deltalab.layers import common
+    from deltalab.layers import recurrence
     from deltalab.ops.parametrize import DeltaRuleInputs
 
-    seen, original = [], common.delta_rule_step
+    seen, original = [], recurrence.delta_rule_step
 
     def step(*args, backend, in_place):
         seen.append(backend)
         return original(*args, backend="naive", in_place=in_place)
 
-    monkeypatch.setattr(common, "delta_rule_step", step)
+    monkeypatch.setattr(recurrence, "delta_rule_step", step)
     q, a, b = (torch.randn(2, 1, 3, 4, generator=generator) for _ in range(3))
     u = torch.randn(2, 1, 3, 5, generator=generator)
     g = -torch.rand(2, 1, 3, generator=generator)
     memory = torch.randn(2, 3, 4, 5, generator=generator)
-    o, new = common.run_delta_rule(
+    o, new = recurrence.run_delta_rule(
         DeltaRuleInputs(q, a, b, u, g), memory, chunk_size=16, backend=layer_backend
     )
     assert seen == [expected]

@@ -17,7 +17,6 @@ from matplotlib.figure import Figure
 from torch import nn
 
 from deltalab.analysis.uncertainty import UncertaintyTrace, plot_uncertainty, uncertainty_trace
-from deltalab.layers.common import RecurrentState, l2_normalize
 from deltalab.layers.kda import KimiDeltaAttention
 from deltalab.layers.kdn import (
     PRECISION_FLOOR,
@@ -29,6 +28,8 @@ from deltalab.layers.kdn import (
     KDNMixer,
     KDNState,
 )
+from deltalab.layers.norms import l2_normalize
+from deltalab.layers.states import RecurrentState
 from deltalab.ops import delta_rule, kdn_diag, kdn_exact, kdn_iso
 from deltalab.testing import TOLERANCE, assert_close
 

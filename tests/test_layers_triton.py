@@ -28,7 +28,8 @@ from deltalab.layers import (
     KimiDeltaAttention,
     Muir,
 )
-from deltalab.layers.common import DeltaMixer, ShortConvolution, short_conv_backend
+from deltalab.layers.delta_mixer import DeltaMixer
+from deltalab.layers.short_conv import ShortConvolution, short_conv_backend
 from deltalab.models import CausalLM, build_config
 from deltalab.ops import short_conv
 from deltalab.ops._triton import INTERPRET, triton_unavailable_reason
@@ -73,7 +74,7 @@ def spy_short_conv(monkeypatch) -> list[str]:
         calls.append(backend)
         return short_conv(*args, backend=backend, **kwargs)
 
-    monkeypatch.setattr("deltalab.layers.common.short_conv", spy)
+    monkeypatch.setattr("deltalab.layers.short_conv.short_conv", spy)
     return calls
 
 

@@ -26,8 +26,8 @@ from deltalab.layers import (
     KimiDeltaAttention,
     Muir,
 )
-from deltalab.layers.common import DeltaMixer
 from deltalab.layers.decay import ChannelDecay, ScalarDecay
+from deltalab.layers.delta_mixer import DeltaMixer
 from deltalab.ops import log_decay as op
 from deltalab.ops._recompute import recomputed
 from deltalab.ops._triton import INTERPRET, triton_unavailable_reason

@@ -15,8 +15,11 @@ import pytest
 import torch
 from conftest import check_ffn_recompute
 
-import deltalab.layers.common as common
+import deltalab.layers.norms as norms
 import deltalab.layers.projections as projections
+import deltalab.layers.recurrence as recurrence
+import deltalab.layers.shared_input as shared_input
+import deltalab.layers.short_conv as short_conv
 from deltalab.layers import (
     Attention,
     DeltaNet,
@@ -29,15 +32,8 @@ from deltalab.layers import (
     KimiDeltaAttention,
     Muir,
 )
-from deltalab.layers.common import (
-    GatedRMSNorm,
-    RMSNorm,
-    project,
-    rms_norm,
-    rms_norm_reference,
-    shared_autocast_input,
-    sharing_autocast_input,
-)
+from deltalab.layers.norms import GatedRMSNorm, RMSNorm, rms_norm, rms_norm_reference
+from deltalab.layers.shared_input import project, shared_autocast_input, sharing_autocast_input
 
 DELTA_MIXERS = (
     DeltaNet,
@@ -118,7 +114,7 @@ def unshared(active: bool = True):
     """The layers with `separate` in place of `shared_autocast_input` (when active)."""
     with contextlib.ExitStack() as stack:
         if active:
-            stack.enter_context(mock.patch.object(common, "shared_autocast_input", separate))
+            stack.enter_context(mock.patch.object(shared_input, "shared_autocast_input", separate))
         yield
 
 
@@ -129,7 +125,7 @@ def separately(active: bool = True):
     with contextlib.ExitStack() as stack:
         if active:
             stack.enter_context(
-                mock.patch.object(common, "project_together", lambda x, linears: {})
+                mock.patch.object(shared_input, "project_together", lambda x, linears: {})
             )
         yield
 
@@ -173,13 +169,13 @@ PARAMETRIZED = (DeltaNet, GatedDeltaNet, KimiDeltaAttention, GatedDeltaNet2, Mui
 def test_the_key_the_delta_rule_keeps_is_the_one_the_gate_product_keeps(cls):
     layer, x = build(cls), hidden()
     calls = []
-    real = common.delta_rule
+    real = recurrence.delta_rule
 
     def spy(*inputs, **kwargs):
         calls.append(inputs)
         return real(*inputs, **kwargs)
 
-    with mock.patch.object(common, "delta_rule", spy):
+    with mock.patch.object(recurrence, "delta_rule", spy):
         saved = saved_tensors(layer, x)
     ((_, a, b, _, _),) = calls
     key = a if cls in (GatedDeltaNet2, Muir) else b
@@ -312,7 +308,7 @@ def test_a_model_trained_through_the_norm_adjoints_gets_the_formulas_gradients(m
         return {n: p.grad for n, p in model.named_parameters()}
 
     ours = gradients()
-    monkeypatch.setattr(common, "rms_norm", common.rms_norm_reference)
+    monkeypatch.setattr(norms, "rms_norm", norms.rms_norm_reference)
     formula = gradients()
     for name, grad in ours.items():
         scale = formula[name].abs().max().clamp_min(1e-12)
@@ -320,8 +316,8 @@ def test_a_model_trained_through_the_norm_adjoints_gets_the_formulas_gradients(m
 
 
 def _pieces():
-    from deltalab.layers.common import ShortConvolution
     from deltalab.layers.decay import log_decay
+    from deltalab.layers.short_conv import ShortConvolution
     from deltalab.models.lm import SwiGLU
 
     torch.manual_seed(0)
@@ -357,7 +353,7 @@ def test_recomputed_pieces_keep_less_and_give_the_same_gradients_bit_for_bit(nam
         return sum(kept.values()), x.grad
 
     kept, grad = run()
-    monkeypatch.setattr(common, "recomputed", lambda f, *args: f(*args))
+    monkeypatch.setattr(short_conv, "recomputed", lambda f, *args: f(*args))
     import deltalab.ops.log_decay.reference as decay_reference
     import deltalab.ops.swiglu.reference as swiglu_reference
 
@@ -391,7 +387,7 @@ def test_every_projection_of_the_input_comes_from_the_layers_shared_products(cls
         if isinstance(module, (torch.nn.Linear, torch.nn.Sequential)) and inputs[0] is x:
             calls.append(module)
 
-    real = common.project_together
+    real = shared_input.project_together
 
     def spy(x_in, linears):
         together.append(len(linears))
@@ -400,7 +396,7 @@ def test_every_projection_of_the_input_comes_from_the_layers_shared_products(cls
     # A module-wide hook: a hook on a projection itself would make it unfusable (`fusable`).
     handle = torch.nn.modules.module.register_module_forward_pre_hook(record)
     try:
-        with mock.patch.object(common, "project_together", spy):
+        with mock.patch.object(shared_input, "project_together", spy):
             layer(x)[0].sum().backward()
     finally:
         handle.remove()
@@ -449,7 +445,7 @@ def project_grads(linears, x, upstream, together: bool, autocast: bool = False, 
     _, x_op = non_leaf(x)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         if together:
-            outputs = common.project_together(x_op, linears)
+            outputs = projections.project_together(x_op, linears)
         else:
             outputs = {lin: lin(x_op) for lin in linears}
     loss = sum((outputs[linears[i]].double() * upstream[i]).sum() for i in used)

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import deltalab.models  # noqa: F401  (registers the model with transformers' Auto classes)
-from deltalab.layers.common import GatedRMSNorm, RMSNorm
+from deltalab.layers.norms import GatedRMSNorm, RMSNorm
 from deltalab.models import MIXER_KINDS, CausalLM, RecurrentCache, build_config, count_parameters
 from deltalab.models.presets import SCALES
 from deltalab.ops.options import KernelOptions
@@ -403,7 +403,7 @@ def test_config_backend_reaches_every_recurrent_mixer_and_round_trips(tmp_path):
 def test_config_kernel_options_reach_every_recurrent_mixer_and_round_trip(tmp_path):
     """kernel_options, a mapping in the config (config.json), reach every recurrent layer as a
     KernelOptions (the fields left out at their defaults) and come back from a saved model."""
-    from deltalab.layers.common import DeltaMixer
+    from deltalab.layers.delta_mixer import DeltaMixer
 
     given = {"walk_dots": "float32", "recompute_states": False}
     config = build_config("tiny", mixer="gdn2", attention_every=2, kernel_options=given)

@@ -12,7 +12,6 @@ import torch
 from conftest import run_in_pieces
 from torch import nn
 
-from deltalab.layers.common import RecurrentState
 from deltalab.layers.gdn2 import GatedDeltaNet2
 from deltalab.layers.muir import (
     READ_GATES,
@@ -21,6 +20,7 @@ from deltalab.layers.muir import (
     matched_filter,
     muir_ffn_width,
 )
+from deltalab.layers.states import RecurrentState
 from deltalab.testing import TOLERANCE, assert_close
 
 F64 = TOLERANCE[torch.float64]

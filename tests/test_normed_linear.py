@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from deltalab.layers.common import RMSNorm
+from deltalab.layers.norms import RMSNorm
 from deltalab.ops._triton import INTERPRET, triton_unavailable_reason
 from deltalab.ops.normed_linear import normed_linear, resolve_backend
 from deltalab.ops.normed_linear.triton import LAUNCH, NormedLinearLaunch, ProductLaunch

@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 import torch
 
-from deltalab.layers import common
+from deltalab.layers import norms as layer_norms
 from deltalab.ops import norms
 from deltalab.ops._triton import INTERPRET, triton_unavailable_reason
 from deltalab.ops.norms import l2_normalize, layer_backend, resolve_backend, rms_norm
@@ -85,7 +85,7 @@ def test_torch_path_is_the_layers_rms_norm_bit_for_bit(generator, gated, activat
     inputs = norm_inputs(generator, (2, 5, 16))
     ours = rms_with_grads(inputs, "torch", torch.float32, gated, activation, "cpu")
     x, weight, gate, dy = (t.float().requires_grad_() for t in inputs)
-    y = common.rms_norm(x, weight, 1e-5, gate if gated else None, activation)
+    y = layer_norms.rms_norm(x, weight, 1e-5, gate if gated else None, activation)
     grads = torch.autograd.grad((y * dy).sum(), [x, weight, gate] if gated else [x, weight])
     for a, b in zip(ours, (y, *grads), strict=True):
         assert torch.equal(a, b.double())
@@ -280,7 +280,7 @@ def test_models_give_their_norms_the_configs_backend():
             chunk_size=16, backend=backend, attention_layers=[0],
         )  # fmt: skip
         model = CausalLM(config)
-        found = {m.backend for m in model.modules() if isinstance(m, common.RMSNorm)}
+        found = {m.backend for m in model.modules() if isinstance(m, layer_norms.RMSNorm)}
         assert found == {expected}
 
 
@@ -369,7 +369,7 @@ def test_gate_sensitivity_probes_run_every_norm_on_the_torch_path_and_restore_th
         model = CausalLM(config).to(DEVICE).eval()
         loss = lambda m, b: m(input_ids=b, labels=b).loss  # noqa: E731
         result = gate_sensitivity(model, ids.to(DEVICE), probes=1, seed=0, loss_fn=loss)
-        norm_backends = {m.backend for m in model.modules() if isinstance(m, common.RMSNorm)}
+        norm_backends = {m.backend for m in model.modules() if isinstance(m, layer_norms.RMSNorm)}
         assert norm_backends == {norms.layer_backend(backend)}
         return result
 

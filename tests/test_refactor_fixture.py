@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import deltalab.layers.common as common
+import deltalab.layers.norms as norms
 from deltalab.models import CausalLM, DeltaLabConfig
 
 DATA = Path(__file__).parent / "data"
@@ -74,7 +74,7 @@ def test_one_training_step_from_the_old_checkpoint_gives_the_same_parameters(nam
     # autograd through their formula, which the fixture recorded: the norms run as that formula
     # here so that everything else is still checked as recorded. The adjoint is checked against
     # the formula in tests/test_memory.py.
-    monkeypatch.setattr(common, "rms_norm", common.rms_norm_reference)
+    monkeypatch.setattr(norms, "rms_norm", norms.rms_norm_reference)
     model = CausalLM.from_pretrained(fixture.HERE / name)
     trained = fixture.train_step(model)
     expected = REFERENCE["reference"][name]["trained"]

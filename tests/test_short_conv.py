@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltalab.layers.common import ShortConvolution
+from deltalab.layers.short_conv import ShortConvolution
 from deltalab.ops import short_conv
 from deltalab.ops._triton import INTERPRET, triton_unavailable_reason
 from deltalab.ops.short_conv import resolve_backend

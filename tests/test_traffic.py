@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks import traffic
-from deltalab.layers.common import RMSNorm
+from deltalab.layers.norms import RMSNorm
 
 
 @pytest.fixture(scope="module")

@@ -44,10 +44,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from deltalab.analysis._plot import new_figure, save_figure
 from deltalab.benchmarking import format_table
 from deltalab.layers.attention import Attention
-from deltalab.layers.common import DeltaMixer, RMSNorm, require_positive_int
+from deltalab.layers.common import require_positive_int
+from deltalab.layers.delta_mixer import DeltaMixer
 from deltalab.layers.kdn import KalmanMixer
 from deltalab.layers.kdn_muir import KDNMuirRanks
 from deltalab.layers.muir import FusedGateMixer, GateRanks, MuirRanks
+from deltalab.layers.norms import RMSNorm
 from deltalab.models.lm import SwiGLU
 from deltalab.ops.parametrize import DeltaRuleInputs
 
@@ -367,19 +369,19 @@ def _probe(
 
 @contextlib.contextmanager
 def _formula_norms() -> Iterator[None]:
-    """Inside the block the norms' torch path (`deltalab.layers.common.rms_norm`) is the formula
+    """Inside the block the norms' torch path (`deltalab.layers.norms.rms_norm`) is the formula
     (`rms_norm_reference`), left to autograd. torch.func's transforms (`_batched_probes`) go
     only through autograd Functions written with `setup_context`, which the torch path's
     `_RMSNormFunction` is not; the formula computes the same output bit for bit (its tangent
     through torch's own derivatives: the same up to rounding). Restored on exit."""
-    from deltalab.layers import common
+    from deltalab.layers import norms
 
-    original = common.rms_norm
-    common.rms_norm = common.rms_norm_reference
+    original = norms.rms_norm
+    norms.rms_norm = norms.rms_norm_reference
     try:
         yield
     finally:
-        common.rms_norm = original
+        norms.rms_norm = original
 
 
 def _batched_probes(

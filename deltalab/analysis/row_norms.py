@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from deltalab.analysis._plot import new_figure, save_figure
-from deltalab.layers.common import DeltaMixer, RecurrentState
+from deltalab.layers.delta_mixer import DeltaMixer
+from deltalab.layers.states import RecurrentState
 
 __all__ = ["RowNormReport", "plot_row_norms", "row_norms", "spearman"]
 

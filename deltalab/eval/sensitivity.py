@@ -45,7 +45,7 @@ def erase_write_ratio(per_gate: dict[str, float]) -> float | None:
 
 
 def _delta_layers(loaded: LoadedCheckpoint) -> dict[str, Any]:
-    from deltalab.layers.common import DeltaMixer
+    from deltalab.layers.delta_mixer import DeltaMixer
 
     layers = {n: m for n, m in loaded.model.named_modules() if isinstance(m, DeltaMixer)}
     if not layers:

@@ -3,20 +3,16 @@
 (see `deltalab.layers.common`)."""
 
 from deltalab.layers.attention import Attention
-from deltalab.layers.common import (
-    AttentionState,
-    DeltaMixer,
-    GatedRMSNorm,
-    RecurrentState,
-    RMSNorm,
-    ShortConvolution,
-)
+from deltalab.layers.delta_mixer import DeltaMixer
 from deltalab.layers.deltanet import DeltaNet, GatedDeltaNet
 from deltalab.layers.gdn2 import GatedDeltaNet2
 from deltalab.layers.kda import KimiDeltaAttention
 from deltalab.layers.kdn import DiagonalKDN, ExactKDN, IsotropicKDN, KDNState
 from deltalab.layers.kdn_muir import KDNMuir, KDNMuirRanks
 from deltalab.layers.muir import Muir, MuirRanks, muir_ffn_width
+from deltalab.layers.norms import GatedRMSNorm, RMSNorm
+from deltalab.layers.short_conv import ShortConvolution
+from deltalab.layers.states import AttentionState, RecurrentState
 
 __all__ = [
     "Attention",

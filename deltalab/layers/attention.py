@@ -10,15 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltalab.layers.common import (
-    AttentionState,
-    check_hidden,
-    check_mask,
-    check_state_batch,
-    project,
-    require_positive_int,
-    sharing_autocast_input,
-)
+from deltalab.layers.common import check_hidden, check_mask, check_state_batch, require_positive_int
+from deltalab.layers.shared_input import project, sharing_autocast_input
+from deltalab.layers.states import AttentionState
 from deltalab.ops._checks import require_choice
 from deltalab.ops.context_parallel import (
     context_group,

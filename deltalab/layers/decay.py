@@ -17,7 +17,8 @@ import math
 import torch
 from torch import nn
 
-from deltalab.layers.common import no_weight_decay, project, require_positive_int
+from deltalab.layers.common import no_weight_decay, require_positive_int
+from deltalab.layers.shared_input import project
 from deltalab.ops import log_decay as _op
 
 __all__ = ["ChannelDecay", "ScalarDecay", "init_A_log", "init_dt_bias", "log_decay"]

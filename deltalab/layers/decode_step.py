@@ -32,14 +32,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltalab.layers.common import DeltaMixer, RecurrentState, RMSNorm
+from deltalab.layers.delta_mixer import DeltaMixer
 from deltalab.layers.deltanet import DeltaNet, GatedDeltaNet
 from deltalab.layers.gdn2 import GatedDeltaNet2
 from deltalab.layers.kda import KimiDeltaAttention
 from deltalab.layers.kdn import DiagonalKDN, ExactKDN, FreeProcessNoise, IsotropicKDN, KDNMixer
 from deltalab.layers.kdn_muir import KDNMuir
 from deltalab.layers.muir import FusedGateProjection, Muir
+from deltalab.layers.norms import RMSNorm
 from deltalab.layers.projections import _concatenated, _kept, fusable
+from deltalab.layers.states import RecurrentState
 from deltalab.ops._triton import triton_available, triton_unavailable_reason
 from deltalab.ops.delta_rule.triton.fused_step import FusedStepLaunch, StepForm
 from deltalab.ops.normed_linear import normed_linear

@@ -16,8 +16,10 @@ from typing import ClassVar, Unpack
 import torch
 from torch import nn
 
-from deltalab.layers.common import DeltaMixer, FrontendKeywords, FrontendOptions, project
 from deltalab.layers.decay import ScalarDecay
+from deltalab.layers.delta_mixer import DeltaMixer
+from deltalab.layers.frontend import FrontendKeywords, FrontendOptions
+from deltalab.layers.shared_input import project
 from deltalab.ops.log_decay import layer_backend
 from deltalab.ops.parametrize import DeltaRuleInputs, deltanet_inputs, gated_deltanet_inputs
 

@@ -16,8 +16,9 @@ import inspect
 import torch
 from torch import nn
 
-from deltalab.layers.common import FrontendOptions, project
+from deltalab.layers.frontend import FrontendOptions
 from deltalab.layers.kda import ChannelDecayMixer
+from deltalab.layers.shared_input import project
 from deltalab.ops import read_gate
 from deltalab.ops.log_decay import layer_backend
 from deltalab.ops.parametrize import DeltaRuleInputs, gdn2_inputs, gdn2_inputs_from_logits

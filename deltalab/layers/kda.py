@@ -14,14 +14,10 @@ from typing import Unpack, cast
 
 from torch import nn
 
-from deltalab.layers.common import (
-    DeltaMixer,
-    FrontendKeywords,
-    FrontendOptions,
-    frontend_options,
-)
 from deltalab.layers.decay import ChannelDecay
+from deltalab.layers.delta_mixer import DeltaMixer
 from deltalab.layers.deltanet import DecayedBetaGates
+from deltalab.layers.frontend import FrontendKeywords, FrontendOptions, frontend_options
 from deltalab.ops.parametrize import kda_inputs
 
 __all__ = ["KimiDeltaAttention"]

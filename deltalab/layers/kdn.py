@@ -34,21 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltalab.layers.common import (
-    DeltaMixer,
-    FrontendKeywords,
-    FrontendOptions,
-    RecurrentState,
-    compute_dtype,
-    frontend_options,
-    identity_at_padding,
-    no_weight_decay,
-    project,
-    require_positive_int,
-    run_delta_rule,
-    zero_at_padding,
-)
+from deltalab.layers.common import compute_dtype, no_weight_decay, require_positive_int
 from deltalab.layers.decay import ChannelDecay
+from deltalab.layers.delta_mixer import DeltaMixer
+from deltalab.layers.frontend import FrontendKeywords, FrontendOptions, frontend_options
+from deltalab.layers.recurrence import identity_at_padding, run_delta_rule, zero_at_padding
+from deltalab.layers.shared_input import project
+from deltalab.layers.states import RecurrentState
 from deltalab.ops import _checks
 from deltalab.ops._recompute import rebuilt_in_backward
 from deltalab.ops.context_parallel import context_group, kdn_span_maps, kdn_start_prior

@@ -34,12 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltalab.layers.common import (
-    FrontendKeywords,
-    FrontendOptions,
-    compute_dtype,
-    frontend_options,
-)
+from deltalab.layers.common import compute_dtype
+from deltalab.layers.frontend import FrontendKeywords, FrontendOptions, frontend_options
 from deltalab.layers.kdn import (
     Q_BIAS_INIT,
     R_BIAS_INIT,

@@ -30,17 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltalab.layers.common import (
-    DeltaMixer,
-    FrontendKeywords,
-    FrontendOptions,
-    compute_dtype,
-    frontend_options,
-    no_weight_decay,
-    project,
-    require_positive_int,
-)
+from deltalab.layers.common import compute_dtype, no_weight_decay, require_positive_int
 from deltalab.layers.decay import init_A_log, init_dt_bias, log_decay
+from deltalab.layers.delta_mixer import DeltaMixer
+from deltalab.layers.frontend import FrontendKeywords, FrontendOptions, frontend_options
 from deltalab.layers.gdn2 import (
     GatedDeltaNet2,
     erase_write_gates,
@@ -49,6 +42,7 @@ from deltalab.layers.gdn2 import (
     gdn2_inputs_of,
     products_fuse,
 )
+from deltalab.layers.shared_input import project
 from deltalab.ops import read_gate
 from deltalab.ops._checks import require_choice
 from deltalab.ops.log_decay import layer_backend

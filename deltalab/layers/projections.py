@@ -24,8 +24,8 @@ Only plain, hook-free `nn.Linear` maps are computed from their weights (`fusable
 is called as a module. An output no loss reaches gives its weight no gradient, as autograd
 would; forward-mode AD goes through the Function's jvp.
 
-`project_together` is the op; `deltalab.layers.common.sharing_autocast_input` applies it to a
-layer's declared projections, and `project` hands each one its output.
+`project_together` is the op; `deltalab.layers.shared_input.sharing_autocast_input` applies it to
+a layer's declared projections, and `project` hands each one its output.
 
 Inside `concatenated_weights(store)`, without gradients, the forward is one product too: x times
 the maps' weights concatenated (made once, kept in `store`, made again when a weight changes),

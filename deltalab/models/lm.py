@@ -26,7 +26,8 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from deltalab.layers.common import RMSNorm, compute_dtype
+from deltalab.layers.common import compute_dtype
+from deltalab.layers.norms import RMSNorm
 from deltalab.models.cache import RecurrentCache
 from deltalab.models.config import DeltaLabConfig
 from deltalab.models.mixers import build_mixer

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from deltalab.catalog import MIXER_CLASSES
-from deltalab.layers.common import FRONTEND_FIELDS, FrontendOptions
+from deltalab.layers.frontend import FRONTEND_FIELDS, FrontendOptions
 from deltalab.ops.norms import layer_backend
 from deltalab.ops.options import KernelOptions
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from deltalab.layers.attention import Attention, sliding_window_mask
-from deltalab.layers.common import AttentionState, RecurrentState, compute_dtype
+from deltalab.layers.common import compute_dtype
 from deltalab.layers.decode_step import (
     add_projected,
     fused_step,
@@ -44,6 +44,7 @@ from deltalab.layers.decode_step import (
     runs_normed,
 )
 from deltalab.layers.projections import concatenated_weights, project_together
+from deltalab.layers.states import AttentionState, RecurrentState
 from deltalab.models.cache import RecurrentCache
 from deltalab.models.lm import CausalLM
 from deltalab.ops._checks import unchecked_values

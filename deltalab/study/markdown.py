@@ -295,7 +295,8 @@ def _task_rate_lines(plan: StudyPlan, data: dict[str, Any], task: str) -> list[s
     ]
 
 
-def render_markdown(plan: StudyPlan, data: dict[str, Any], figures: list[str]) -> str:
+def _header_lines(plan: StudyPlan, data: dict[str, Any]) -> list[str]:
+    """The title, where and how the study ran, the budget of every run and the status counts."""
     spec = plan.spec
     budget = data["budget"]
     spec_name = data["spec"] or "(given as data)"
@@ -326,6 +327,46 @@ def render_markdown(plan: StudyPlan, data: dict[str, Any], figures: list[str]) -
         + ", ".join(f"{count} {status}" for status, count in data["counts"].items() if count)
         + ".",
     ]
+    return lines
+
+
+def _run_lines(data: dict[str, Any]) -> list[str]:
+    """The runs that did not complete, then every run with its size and results."""
+    incomplete = [e for e in data["runs"] + data["tasks"] if e["status"] != "completed"]
+    lines = ["", "## Runs that did not complete", ""]
+    if incomplete:
+        lines += _table(
+            ["run", "status", "stage", "error"],
+            [[e["name"], e["status"], e.get("stage", ""), e["error"] or "–"] for e in incomplete],
+        )
+    else:
+        lines.append("None: every run completed.")
+    lines += ["", "## Every run", ""]
+    rows = []
+    for entry in data["runs"]:
+        metrics = entry["metrics"]
+        rows.append(
+            [
+                entry["name"],
+                entry["status"],
+                f"{entry['params']:,}",
+                str(entry["ffn_width"]),
+                _number(metrics.get(HELD_OUT)),
+                _number(metrics.get("perplexity.perplexity")),
+                _number(entry["elapsed_s"]),
+            ]
+        )
+    lines += _table(
+        ["run", "status", "params", "ffn", "held-out loss", "perplexity", "wall s"], rows
+    )
+    return lines
+
+
+def render_markdown(plan: StudyPlan, data: dict[str, Any], figures: list[str]) -> str:
+    """The study's report: header, learning rates, each size's and task's tables, families,
+    gate sensitivity, the runs, then the figures."""
+    spec = plan.spec
+    lines = _header_lines(plan, data)
     lines += _rate_lines(plan, data)
     for group in data["groups"]:
         if not group["metrics"]:
@@ -356,33 +397,7 @@ def render_markdown(plan: StudyPlan, data: dict[str, Any], figures: list[str]) -
     lines += _family_lines(data)
     for group in data["gate_sensitivity"]:
         lines += _gate_lines(group)
-    incomplete = [e for e in data["runs"] + data["tasks"] if e["status"] != "completed"]
-    lines += ["", "## Runs that did not complete", ""]
-    if incomplete:
-        lines += _table(
-            ["run", "status", "stage", "error"],
-            [[e["name"], e["status"], e.get("stage", ""), e["error"] or "–"] for e in incomplete],
-        )
-    else:
-        lines.append("None: every run completed.")
-    lines += ["", "## Every run", ""]
-    rows = []
-    for entry in data["runs"]:
-        metrics = entry["metrics"]
-        rows.append(
-            [
-                entry["name"],
-                entry["status"],
-                f"{entry['params']:,}",
-                str(entry["ffn_width"]),
-                _number(metrics.get(HELD_OUT)),
-                _number(metrics.get("perplexity.perplexity")),
-                _number(entry["elapsed_s"]),
-            ]
-        )
-    lines += _table(
-        ["run", "status", "params", "ffn", "held-out loss", "perplexity", "wall s"], rows
-    )
+    lines += _run_lines(data)
     if figures:
         lines += ["", "## Figures", ""]
         lines += [f"![{Path(f).stem}]({f})" for f in figures]

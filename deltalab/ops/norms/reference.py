@@ -5,7 +5,7 @@
 
 over the last dim, computed in at least float32 (`compute_dtype`). "naive" is the formula left
 to autograd (float64 when given float64); "torch" keeps less for backward: `_RMSNormFunction`
-(what `deltalab.layers.common` ran before this op existed, operation for operation: a
+(what the layers' RMSNorm ran before this op existed, operation for operation: a
 hand-written backward that keeps x, the gate and one 1/rms per row) and `_L2NormFunction` (the
 L2 formula's forward, operation for operation, keeping its output and 1/norm per row).
 """

@@ -48,9 +48,10 @@ def short_conv_naive(
 def short_conv_torch(
     x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor | None, silu: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Today's path of `deltalab.layers.common.ShortConvolution`, operation for operation (the
-    transposes, the concatenation, a grouped F.conv1d in x's dtype, the weight cast to it), so
-    the layers can switch to `short_conv` without a change in a bit. Returns (y `[B, T, C]`, a
+    """The PyTorch path of `deltalab.layers.short_conv.ShortConvolution`, operation for
+    operation as the layer ran it before this op existed (the transposes, the concatenation, a
+    grouped F.conv1d in x's dtype, the weight cast to it), so the layer's outputs are bit for
+    bit what they were. Returns (y `[B, T, C]`, a
     transposed view; new cache `[B, C, W-1]`, a view of the padded input)."""
     batch, length, channels = x.shape
     width = weight.shape[-1]

@@ -38,10 +38,11 @@ class DeltaRuleLaunch:
     # Warps per program of the state pass (with block_v above; the narrow launch below takes its
     # own) and of the operator gradients.
     num_warps: int = 8
-    # Pipeline stages of the fused walks' chunk loop, with 16-bit operators and K <= 128 (`_launch`
-    # takes 1 otherwise). Software pipelining keeps the next chunk's tiles in shared memory while
-    # this one's products run: with float32 operators 2 stages overflowed the SM's 227 KiB
-    # (2026-12-02). 16-bit operators (`KernelOptions.operator_dtype`) halve the operator tiles;
+    # Pipeline stages of the fused walks' chunk loop, with 16-bit operators and K <= 128
+    # (`state_pass._launch` takes 1 otherwise). Software pipelining keeps the next chunk's tiles
+    # in shared memory while this one's products run: with float32 operators 2 stages
+    # overflowed the SM's 227 KiB (2026-12-02). 16-bit operators
+    # (`KernelOptions.operator_dtype`) halve the operator tiles;
     # compiled for sm_90 (Triton 3.9, BV 64, 8 warps), forward / backward at chunk 64 take 64 / 64
     # KiB with 1 stage, 64 / 128 with 2, 64 / 160 with 3 (chunk 128: 64 / 64, 84 / 80, 100 / 96;
     # tests/test_triton_compile.py checks 2 and 3 fit). With the products widened (`walk_dots`
@@ -68,7 +69,7 @@ class DeltaRuleLaunch:
     # 76.8 -> 74.4 ms), at H=16 the fused pass at block_v (1.24 -> 1.05). With one sequence of 16K
     # tokens at H=8 (32 walks even at 32 columns) the split pass stays. With the products widened to
     # float32 the forward walk spills registers at each of these launches (compiled for sm_90; the
-    # figures at `low_dots`, the choice that removes them).
+    # figures at `state_pass.low_dots`, the choice that removes them).
     narrow_block_v: int | None = 32
     narrow_num_stages: int = 2
     narrow_num_warps: int = 4
@@ -129,10 +130,10 @@ class DeltaRuleLaunch:
     # The state pass `_DeltaRuleTriton` runs, `KernelOptions.state_pass`: "fused" (stages 3-4 in one
     # walk, `state_pass_triton`), "split" (the walk reduced to the state recurrence,
     # `state_pass_split_triton`), or "auto", the default: the fused pass from
-    # fused_pass_min_programs programs (B * H * V / BV at the launch `_launch` picks), the split
-    # pass below (96: a threshold between the two measured points, 64 and 128 programs, not itself
-    # measured). The backward takes the forward's form. Measured on the H200 (`tune_triton.py`, per
-    # layer, forward / backward ms):
+    # fused_pass_min_programs programs (B * H * V / BV at the launch `state_pass._launch`
+    # picks), the split pass below (96: a threshold between the two measured points, 64 and 128
+    # programs, not itself measured). The backward takes the forward's form. Measured on the
+    # H200 (`tune_triton.py`, per layer, forward / backward ms):
     #   B=4 T=4096 H=16 (128 fused programs): fused 0.78 / 0.86, split 0.91 / 1.25;
     #   B=4 T=4096 H=8 (64): fused 0.72 / 0.84, split 0.46 / 0.59;
     #   B=1 T=16384 H=8 (16): fused 2.72 / 3.23, split 1.00 / 1.38.
