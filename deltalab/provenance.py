@@ -19,6 +19,7 @@ import functools
 import json
 import platform
 import subprocess
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 from deltalab._files import write_text_atomically
 
 __all__ = [
+    "DISTRIBUTIONS",
     "PACKAGES",
     "PROVENANCE_NAME",
     "code_identity",
@@ -85,9 +87,11 @@ def code_identity(code: dict[str, Any] | None) -> str:
 
 def installed_version(name: str, distributions: tuple[str, ...] | None = None) -> str | None:
     """The installed version of package `name`, read without importing it from the metadata of
-    the first of `distributions` that is installed (default `DISTRIBUTIONS[name]`, or `name`
-    alone); None where none is."""
-    for distribution in distributions or DISTRIBUTIONS.get(name, (name,)):
+    the first installed one of `distributions`, the names it is distributed under (default
+    `DISTRIBUTIONS[name]`, or `name` alone); None where none is."""
+    if distributions is None:
+        distributions = DISTRIBUTIONS.get(name, (name,))
+    for distribution in distributions:
         try:
             return metadata.version(distribution)
         except metadata.PackageNotFoundError:
@@ -95,12 +99,16 @@ def installed_version(name: str, distributions: tuple[str, ...] | None = None) -
     return None
 
 
-def package_versions() -> dict[str, str | None]:
-    """Python's version and those of `PACKAGES` (None where one is not installed)."""
-    return {
-        "python": platform.python_version(),
-        **{name: installed_version(name) for name in PACKAGES},
+def package_versions(
+    distributions: Mapping[str, tuple[str, ...]] = DISTRIBUTIONS,
+) -> dict[str, str | None]:
+    """Python's version and those of `PACKAGES` (None where one is not installed), each read from
+    the first installed one of `distributions[package]` (default `DISTRIBUTIONS`; the package's
+    own name where it has no entry)."""
+    versions = {
+        name: installed_version(name, distributions.get(name, (name,))) for name in PACKAGES
     }
+    return {"python": platform.python_version(), **versions}
 
 
 def device_name(device: Any) -> str:

@@ -89,7 +89,11 @@ def test_a_package_installed_under_another_distribution_name_is_recorded_by_that
     torch_version = metadata.version("torch")
     assert installed_version("not-installed", ("not-installed", "torch")) == torch_version
     assert installed_version("not-installed") is None
+    assert installed_version("not-installed", ()) is None
     assert package_versions()["triton"] == TRITON_VERSION
+    # package_versions reads a package under each of its distributions' names.
+    moved = package_versions(distributions={"triton": ("not-installed", "torch")})
+    assert moved["triton"] == torch_version
 
 
 # --- pinned data sources --------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from deltalab.analysis.gate_sensitivity import (
     plot_gate_sensitivity,
     unit_directions,
 )
-from deltalab.analysis.rank_allocation import allocate_ranks, rank_allocation
+from deltalab.analysis.rank_allocation import allocate_ranks
 from deltalab.analysis.row_norms import RowNormReport, plot_row_norms, row_norms, spearman
 
 __all__ = [
@@ -22,7 +22,6 @@ __all__ = [
     "perturb_gate",
     "plot_gate_sensitivity",
     "plot_row_norms",
-    "rank_allocation",
     "row_norms",
     "save_figure",
     "spearman",
