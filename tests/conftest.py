@@ -7,9 +7,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from deltalab.ops._triton import HAS_TRITON, INTERPRET
+
 # Test shapes are tiny: one thread is faster than two, and a busy second core (CI neighbours,
 # a background job) cannot stall every parallel region at a thread barrier.
 torch.set_num_threads(1)
+
+# Triton kernels run here: compiled on a CUDA GPU, or on CPU tensors under TRITON_INTERPRET=1.
+TRITON_RUNS = HAS_TRITON and (INTERPRET or torch.cuda.is_available())
+needs_triton = pytest.mark.skipif(
+    not TRITON_RUNS, reason="needs Triton on a CUDA GPU, or TRITON_INTERPRET=1 on CPU"
+)
 
 
 def random_delta_inputs(

@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import needs_triton
 
 from deltalab.catalog import MIXER_CLASSES
 from deltalab.errors import ConfigError
 from deltalab.models.mixers import mixer_class
 from deltalab.ops import delta_rule, mobius_scan
-from deltalab.ops._triton import HAS_TRITON, INTERPRET
+from deltalab.ops._triton import INTERPRET
 from deltalab.ops.context_parallel import (
     affine_span,
     context_parallel,
@@ -79,10 +80,7 @@ def test_composed_affine_spans_equal_one_run_of_the_whole_span(strength, backend
 
 
 @pytest.mark.interpreter
-@pytest.mark.skipif(
-    not (HAS_TRITON and (INTERPRET or torch.cuda.is_available())),
-    reason="needs Triton on a CUDA GPU, or TRITON_INTERPRET=1 on CPU",
-)
+@needs_triton
 def test_composed_affine_spans_on_the_triton_kernels_give_the_loops_outputs_and_gradients():
     device = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
     inputs = _random_inputs(40, strength=True)

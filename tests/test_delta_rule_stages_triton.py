@@ -3,9 +3,7 @@ within a chunk, each diagonal sub-block factored or walked row by row), stage 2'
 adjoint, the decay factors and their adjoint, and stage 1 and the factors given a write
 strength per token.
 
-Runs where Triton kernels can run: on a CUDA GPU, or on CPU tensors under TRITON_INTERPRET=1
-(README's test command runs this file a second time with it set). Shapes are tiny: the
-interpreter executes every tile operation in Python.
+Runs where tests/test_delta_rule_triton.py runs, at its tiny shapes.
 """
 
 from __future__ import annotations
@@ -14,18 +12,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import needs_triton
 from test_delta_rule_triton import DEVICE, F32
 
-from deltalab.ops._triton import HAS_TRITON, INTERPRET
 from deltalab.testing import assert_close
 
-pytestmark = [
-    pytest.mark.interpreter,
-    pytest.mark.skipif(
-        not (HAS_TRITON and (INTERPRET or torch.cuda.is_available())),
-        reason="needs Triton on a CUDA GPU, or TRITON_INTERPRET=1 on CPU",
-    ),
-]
+pytestmark = [pytest.mark.interpreter, needs_triton]
 
 
 def _stage_1_and_twin(q, a, b, g, bound):

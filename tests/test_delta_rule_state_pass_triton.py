@@ -4,9 +4,7 @@ and launch state_pass="auto" takes, the walks' 16-bit products, the kernels' gri
 operator-gradient kernel; through delta_rule against the float64 token loop where a form or a
 launch is chosen.
 
-Runs where Triton kernels can run: on a CUDA GPU, or on CPU tensors under TRITON_INTERPRET=1
-(README's test command runs this file a second time with it set). Shapes are tiny: the
-interpreter executes every tile operation in Python.
+Runs where tests/test_delta_rule_triton.py runs, at its tiny shapes.
 """
 
 from __future__ import annotations
@@ -15,20 +13,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import random_delta_inputs
+from conftest import needs_triton, random_delta_inputs
 from test_delta_rule_triton import DEVICE, F32, _compare, _compare_at, _recorded_launches, _run
 
-from deltalab.ops._triton import HAS_TRITON, INTERPRET
 from deltalab.ops.options import KernelOptions
 from deltalab.testing import assert_close
 
-pytestmark = [
-    pytest.mark.interpreter,
-    pytest.mark.skipif(
-        not (HAS_TRITON and (INTERPRET or torch.cuda.is_available())),
-        reason="needs Triton on a CUDA GPU, or TRITON_INTERPRET=1 on CPU",
-    ),
-]
+pytestmark = [pytest.mark.interpreter, needs_triton]
 
 
 # The state pass's walks, forward and adjoint, fused and split.

@@ -15,20 +15,14 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import random_delta_inputs
+from conftest import needs_triton, random_delta_inputs
 
 from deltalab.ops import delta_rule
-from deltalab.ops._triton import HAS_TRITON, INTERPRET
+from deltalab.ops._triton import INTERPRET
 from deltalab.ops.options import KernelOptions
 from deltalab.testing import TOLERANCE, assert_close
 
-pytestmark = [
-    pytest.mark.interpreter,
-    pytest.mark.skipif(
-        not (HAS_TRITON and (INTERPRET or torch.cuda.is_available())),
-        reason="needs Triton on a CUDA GPU, or TRITON_INTERPRET=1 on CPU",
-    ),
-]
+pytestmark = [pytest.mark.interpreter, needs_triton]
 
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 F32 = TOLERANCE[torch.float32]

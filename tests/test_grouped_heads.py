@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_delta_inputs
+from conftest import needs_triton, random_delta_inputs
 
 from deltalab.ops import delta_rule, delta_rule_step
-from deltalab.ops._triton import HAS_TRITON, INTERPRET
+from deltalab.ops._triton import INTERPRET
 from deltalab.testing import TOLERANCE, assert_close
 
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
-needs_triton = pytest.mark.skipif(
-    not (HAS_TRITON and (INTERPRET or torch.cuda.is_available())),
-    reason="needs Triton on a CUDA GPU, or TRITON_INTERPRET=1 on CPU",
-)
 LABELS = ["o", "final state", "dq", "da", "db", "du", "dg", "d initial state"]
 KEY_HEADS, GROUP = 2, 3
 

@@ -12,20 +12,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_delta_inputs
+from conftest import needs_triton, random_delta_inputs
 from test_kdn import kdn_inputs
 
 from deltalab.ops import delta_rule, delta_rule_step, kdn_diag, kdn_iso
-from deltalab.ops._triton import HAS_TRITON, INTERPRET
+from deltalab.ops._triton import INTERPRET
 from deltalab.ops.norms import L2_EPS
 from deltalab.ops.norms.reference import l2_normalize_naive
 from deltalab.testing import TOLERANCE, assert_close
 
-TRITON_RUNS = HAS_TRITON and (INTERPRET or torch.cuda.is_available())
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
-needs_triton = pytest.mark.skipif(
-    not TRITON_RUNS, reason="needs Triton on a CUDA GPU, or TRITON_INTERPRET=1 on CPU"
-)
 LABELS = ["o", "final state", "dq", "da", "db", "du", "dg", "d initial state"]
 
 

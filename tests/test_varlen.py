@@ -8,16 +8,14 @@ import itertools
 
 import pytest
 import torch
-from conftest import random_delta_inputs
+from conftest import needs_triton, random_delta_inputs
 
 from deltalab.ops import _checks, delta_rule, kdn_diag, kdn_iso
-from deltalab.ops._triton import HAS_TRITON, INTERPRET
 from deltalab.ops._varlen import max_seqlen, pad_packed, unpad_packed
 from deltalab.ops.parametrize import DeltaRuleInputs
 from deltalab.testing import TOLERANCE, assert_close
 
 F64 = TOLERANCE[torch.float64]
-TRITON_RUNS = HAS_TRITON and (INTERPRET or torch.cuda.is_available())
 # One sequence of one token, and sequences longer than the chunk size (16) used below.
 LENGTHS = [1, 37, 5, 20]
 # sys.modules' entry: `deltalab.ops.delta_rule` as an attribute is the function.
@@ -75,7 +73,7 @@ BACKEND_PARAMS = [
     "chunk",
     pytest.param(
         "triton",
-        marks=pytest.mark.skipif(not TRITON_RUNS, reason="needs Triton (or TRITON_INTERPRET=1)"),
+        marks=needs_triton,
     ),
 ]
 
