@@ -623,18 +623,24 @@ FUSED_STEP_STACK_DEFAULT = 64
     ids=["gdn", "muir", "kdn_iso-tied", "kdn_muir", "kdn_exact"],
 )
 @pytest.mark.parametrize("sizes", ["multiples_of_16", "any"])
-def test_fused_decode_step_compiles_for_hopper_within_its_spills(decay, rule, read, tied, sizes):
-    """At the launch the 340M presets' heads (K = V = 128, one block) give the fused step in
-    bfloat16: within shared memory, no bytes spilled where the sizes are multiples of 16 and
-    at most FUSED_STEP_STACK's where they are not. Both variants Triton's launcher compiles: K,
-    V and the row strides declared multiples of 16 (as it declares them at the 340M shapes),
-    and declared nothing (the variant for other sizes)."""
+@pytest.mark.parametrize("programs", ["few", "many"])
+def test_fused_decode_step_compiles_for_hopper_within_its_spills(
+    decay, rule, read, tied, sizes, programs
+):
+    """At the launches `table_launch` gives the 340M presets' heads (K = V = 128) in bfloat16
+    by the default table, below and from its `many_programs`: within shared memory, no bytes
+    spilled where the sizes are multiples of 16 and at most FUSED_STEP_STACK's where they are
+    not. Both variants Triton's launcher compiles: K, V and the row strides declared multiples
+    of 16 (as it declares them at the 340M shapes; the table's launches), and declared nothing
+    (the variant for other sizes; one block of 16 warps)."""
     from deltalab.ops.delta_rule.triton import fused_step as fs
     from deltalab.ops.norms.triton import GATES
 
     kernel = fs._fused_step_kernel
     value_dim = 128
-    block_k, block_v, warps = fs.launch(128, value_dim)
+    count = 1 if programs == "few" else fs.LAUNCH.many_programs
+    aligned = sizes == "multiples_of_16"
+    block_k, block_v, warps = fs.table_launch(fs.LAUNCH, rule, count, 128, value_dim, aligned)
     constants = {
         "W": 4, "BW": 4, "BK": block_k, "BV": block_v, "DECAY": fs.DECAYS.index(decay),
         "RULE": fs.RULES.index(rule), "READ_FORM": fs.READS.index(read), "TIED": tied,

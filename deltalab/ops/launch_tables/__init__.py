@@ -1,8 +1,8 @@
 """Launch tables chosen by the device: each Triton op's block sizes, warps and thresholds per card.
 
 Each op with a launch table (the delta rule, the norms, SwiGLU, the log decay and the read gate,
-which launches by the log decay's) keeps its default table in its kernel module and a
-`LaunchRegistry` beside it; its public Triton function takes the registry's table for the
+which launches by the log decay's, and the decoder's fused layer step) keeps its default table
+in its kernel module and a `LaunchRegistry` beside it; its public Triton function takes the registry's table for the
 input's device when no `table=` is given (`LaunchRegistry.launch_table_for`: the first call on a
 device resolves it, later calls are one dict lookup, and nothing reads back from the device).
 
@@ -10,7 +10,8 @@ A table file is JSON, one per card, named by the card's key (`DeviceProperties.k
 device name in lower case with runs of other characters as "-": "nvidia-h200"):
 
     {"device": "NVIDIA H200", "capability": [9, 0], "multiprocessors": 132,
-     "tables": {"delta_rule": {...}, "norms": {...}, "swiglu": {...}, "log_decay": {...}}}
+     "tables": {"delta_rule": {...}, "norms": {...}, "swiglu": {...}, "log_decay": {...},
+                "fused_step": {...}}}
 
 Each section holds every field of its op's table (nested tables as objects); a file may leave
 out whole sections. The tables of a CUDA device, in order:
@@ -61,7 +62,7 @@ __all__ = [
 ]
 
 # The sections a table file may hold: one per op with a registry.
-OPS = ("delta_rule", "norms", "swiglu", "log_decay")
+OPS = ("delta_rule", "norms", "swiglu", "log_decay", "fused_step")
 BUILTIN_DIRECTORY = Path(__file__).resolve().parent
 ENV_DIRECTORY = "DELTALAB_LAUNCH_DIR"
 
