@@ -2,9 +2,10 @@
 
 Each op with a launch table (the delta rule, the norms, SwiGLU, the log decay and the read gate,
 which launches by the log decay's, and the decoder's fused layer step) keeps its default table
-in its kernel module and a `LaunchRegistry` beside it; its public Triton function takes the registry's table for the
-input's device when no `table=` is given (`LaunchRegistry.launch_table_for`: the first call on a
-device resolves it, later calls are one dict lookup, and nothing reads back from the device).
+in its kernel module and a `LaunchRegistry` beside it; its public Triton function takes the
+registry's table for the input's device when no `table=` is given
+(`LaunchRegistry.launch_table_for`: the first call on a device resolves it, later calls are one
+dict lookup, and nothing reads back from the device).
 
 A table file is JSON, one per card, named by the card's key (`DeviceProperties.key`, the CUDA
 device name in lower case with runs of other characters as "-": "nvidia-h200"):
