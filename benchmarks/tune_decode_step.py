@@ -6,7 +6,8 @@
 
 For each batch and each candidate launch of `fused_layer_step` (blocks of 16 to 128 value
 columns, a whole 128-column head among them, over 1 to 16 warps), the median us of one layer's
-step, summed over the write rules of `--rules` (the GDN-2 and Diagonal KDN forms by default), and
+step, summed over the write rules of `--rules` (by default the GDN-2 form and the Diagonal KDN one
+with tied process noise), and
 the largest difference of its outputs and state from the shipped table's. On a GPU a layer's
 step is timed as the decoder runs it: `--layers` launches on distinct buffers (no layer finds its
 state in L2) in one CUDA graph, replayed. On CPU (under the interpreter) it only proves the
@@ -44,7 +45,7 @@ from deltalab.ops.launch_tables import table_as_dict, user_table_directory, writ
 FORMS = {
     "erase_write": StepForm("channel", "erase_write"),
     "beta": StepForm("head", "beta"),
-    "kdn_diag": StepForm("channel", "kdn_diag", tied=True),
+    "kdn_diag": StepForm("channel", "kdn_diag", tied=True),  # process noise tied to the decay
     "kdn_iso": StepForm("channel", "kdn_iso", tied=True),
 }
 # (value columns a block, warps) tried.
@@ -186,19 +187,23 @@ def best_table(rows: list[dict], heads: int) -> FusedStepLaunch:
     """The table of the module docstring from the candidates' `rows` (not the shipped table's)."""
     ok = [r for r in rows if r["max_diff"] <= SAME_RESULT and not r["shipped"]]
     batches = sorted({r["batch"] for r in ok})
+    if not batches:
+        raise ValueError(f"rows: no launch gave the shipped table's result (within {SAME_RESULT})")
 
     def fastest(batch):
         return min((r for r in ok if r["batch"] == batch), key=lambda r: r["us"])["setting"]
 
     def us(batch, setting):
-        return next(r["us"] for r in ok if r["batch"] == batch and r["setting"] == setting)
+        return next((r["us"] for r in ok if r["batch"] == batch and r["setting"] == setting), None)
 
     small, large = fastest(batches[0]), fastest(batches[-1])
     table = FusedStepLaunch(small["block_v"], small["num_warps"], None)
     if large == small:
         return table
     for batch in batches:
-        if us(batch, large) < us(batch, small):
+        wide, narrow = us(batch, large), us(batch, small)
+        # A batch where either launch gave another result (max_diff) decides nothing.
+        if wide is not None and narrow is not None and wide < narrow:
             return FusedStepLaunch(small["block_v"], small["num_warps"], batch * heads,
                                    large["block_v"], large["num_warps"])  # fmt: skip
     return table

@@ -251,6 +251,9 @@ def test_the_tuned_step_table_switches_launch_from_the_first_batch_the_wide_one_
     # Where the first batch's launch is fastest at the last batch too, there is one launch.
     same = [r for r in rows if r["setting"]["block_v"] == 64]
     assert best_table(same, heads=8) == FusedStepLaunch(64, 4, None)
+    # A batch where the wide launch gave another result decides nothing.
+    wrong_at_32 = [r for r in rows if not (r["batch"] == 32 and r["setting"]["block_v"] == 32)]
+    assert best_table(wrong_at_32, heads=8) == FusedStepLaunch(64, 4, 64 * 8, 32, 2)
 
 
 def test_train_smoke_run_reports_each_mixer_throughput(tmp_path):

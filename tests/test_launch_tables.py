@@ -226,3 +226,18 @@ def test_a_call_given_no_table_takes_its_ops_table_for_the_inputs_device(op, mon
     _calls()[op]()
     calls = {"norms": 2, "log_decay": 2}.get(op, 1)
     assert devices == [torch.device("cpu")] * calls
+
+
+@pytest.mark.parametrize("field", ["num_warps", "many_num_warps", "block_v"])
+def test_a_fused_step_table_with_warps_or_a_block_not_a_power_of_2_is_refused_naming_it(
+    tmp_path, field
+):
+    pytest.importorskip("triton")
+    from deltalab.ops.delta_rule.triton.fused_step import LAUNCH
+
+    table = table_as_dict(LAUNCH) | {field: 6}
+    path = tmp_path / f"{H100.key}.json"
+    header = {"device": H100.name, "capability": [9, 0], "multiprocessors": 132}
+    path.write_text(json.dumps({**header, "tables": {"fused_step": table}}))
+    with pytest.raises(ValueError, match=rf"tables\.fused_step\.{field}: expected a power of 2"):
+        LaunchRegistry("fused_step", LAUNCH).resolve(H100, tmp_path)

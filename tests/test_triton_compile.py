@@ -603,10 +603,11 @@ def test_rope_kernel_compiles_for_hopper_without_spills(heads, dim, dtype, inver
 # The fused decoding step's pointers (`fused_step._fused_step_kernel`) held in float32: the state
 # and the KDN precision; the rest come in the model's dtype.
 FUSED_STEP_FLOAT32 = ("MEMORY", "PRECISION")
-# Bytes a thread of the fused step may spill at a 128 x 128 head: 0 to 48 by the form (measured),
-# where 16 warps spill 232 in the plain step's kernel and 8 warps 200 to 400 in this one. Exact
-# KDN's covariance update (a second 128 x 128 tile) spills about 1.2 KB: a bound to lower, not a
-# target.
+# Bytes a thread of the fused step may spill at a 128 x 128 head where the sizes are not declared
+# multiples of 16 (one block of 16 warps, `table_launch`'s fallback): 0 to 48 by the form
+# (measured); Exact KDN's covariance update (a second 128 x 128 tile) about 1.2 KB, a bound to
+# lower, not a target. Where they are, every form spills nothing at the table's blocks (64
+# columns over 4 warps, 32 over 2) as in one block.
 FUSED_STEP_STACK = {"kdn_exact": 1280}
 FUSED_STEP_STACK_DEFAULT = 64
 

@@ -114,7 +114,8 @@ def _is_int(value: Any) -> bool:
 
 def table_from_dict(default: Table, data: Any, where: str) -> Table:
     """A table of `default`'s type from a JSON object, every field checked: present, no other
-    keys, an int > 0 (a power of 2 where the field is a block; None where the type allows it),
+    keys, an int > 0 (a power of 2 where the field is a block or a number of warps; None where
+    the type allows it),
     nested tables in turn. Errors are ValueErrors naming `where`.field."""
     cls = type(default)
     _require(isinstance(data, dict), where, "an object of the table's fields", data)
@@ -135,7 +136,8 @@ def table_from_dict(default: Table, data: Any, where: str) -> Table:
         else:
             _require(_is_int(value) and value > 0, field, "an int > 0", value)
             power = value & (value - 1) == 0
-            _require("block" not in name or power, field, "a power of 2", value)
+            counted = "block" in name or "warps" in name  # Triton takes powers of 2 only
+            _require(not counted or power, field, "a power of 2", value)
         values[name] = value
     return cls(**values)
 

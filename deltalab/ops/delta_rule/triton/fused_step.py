@@ -56,7 +56,17 @@ from deltalab.ops.launch_tables import LaunchRegistry
 from deltalab.ops.log_decay.triton import _softplus_terms
 from deltalab.ops.norms.triton import GATES, _gate_terms
 
-__all__ = ["DECAYS", "READS", "RULES", "StepForm", "fused_layer_step"]
+__all__ = [
+    "DECAYS",
+    "LAUNCH",
+    "LAUNCH_TABLES",
+    "READS",
+    "RULES",
+    "FusedStepLaunch",
+    "StepForm",
+    "fused_layer_step",
+    "table_launch",
+]
 
 DECAYS = ("none", "head", "channel")
 RULES = ("beta", "erase_write", "kdn_iso", "kdn_diag", "kdn_exact")
@@ -80,8 +90,8 @@ class FusedStepLaunch:
     of `many_block_v` over `many_num_warps`. A head of at most a block's columns is one block.
 
     The default is the H100's measured table (`python -m benchmarks decode tune`; 8 heads of
-    128 x 128, bf16, a layer's step as the decoder runs it, us a layer for the GDN-2 / Diagonal
-    KDN forms): 64 columns over 4 warps at every batch, 7.1 / 7.5 us at 1 sequence against
+    128 x 128, bf16, a layer's step as the decoder runs it, us a layer for the GDN-2 form and the
+    Diagonal KDN one with tied process noise): 64 columns over 4 warps below 512 programs, 7.1 / 7.5 us at 1 sequence against
     12.2 / 13.0 for the whole head over 16 warps, 35.5 / 35.9 against 65.0 / 68.0 at 64. Small
     programs, several to an SM: one's reads overlap another's arithmetic, where a 16-warp
     program holds an SM alone and waits on each of its reads in turn. From 512 programs (64
@@ -360,10 +370,11 @@ def table_launch(
     aligned: bool = True,
 ) -> tuple[int, int, int]:  # fmt: skip
     """(BK, BV, warps) of `programs` programs by `table`, where the table was measured: a form
-    whose state is the memory alone, K, V and the inputs' row strides multiples of 16 (`aligned`,
-    which Triton's launcher compiles for). Elsewhere `launch`'s whole head: compiled for sm_90 at
-    the table's 2-4 warps, Exact KDN's K x K covariance spills 0.1-2 KB a thread, other sizes
-    2.5-2.9 KB (against 0 to 48 bytes in one 16-warp block)."""
+    whose state is the memory alone, K and V multiples of 16 and every tensor's address a
+    multiple of 16 bytes (`aligned`: what Triton's launcher declares to the compiler). Elsewhere
+    `launch`'s whole head: compiled for sm_90 at the table's 2-4 warps, Exact KDN's K x K
+    covariance spills 0.1-2 KB a thread, other sizes or addresses 2.5-3.1 KB (against 0 to 48
+    bytes in one 16-warp block). The inputs' row strides change no spill."""
     if rule == "kdn_exact" or not aligned:
         return launch(key_dim, value_dim)
     if table.many_programs is not None and programs >= table.many_programs:
@@ -411,15 +422,21 @@ def fused_layer_step(
     width = conv_weights[0].shape[-1]
     rows = {name: _row(gates.get(name), memory) for name in RULE_INPUTS}
     q, k, v = (_row(x, memory) for x in qkv)
+    placeholder = {name: memory if params.get(name) is None else params[name] for name in PARAMS}
     if block_v is not None:
+        if table is not None:
+            raise ValueError(
+                "block_v and table: give one of them (block_v launches without a table)"
+            )
         block_k, block_v, warps = launch(key_dim, value_dim, block_v)
     else:
         table = LAUNCH_TABLES.launch_table_for(memory.device) if table is None else table
-        strides = [x[1] for x in (q, k, v, _row(gate, memory), *rows.values())]
-        aligned = all(n % 16 == 0 for n in (key_dim, value_dim, *strides))
+        tensors = [*qkv, *conv_weights, *caches, gate, norm_weight, out, memory,
+                   *(x for x in gates.values() if x is not None), *placeholder.values()]  # fmt: skip
+        aligned = key_dim % 16 == 0 and value_dim % 16 == 0
+        aligned = aligned and all(t.data_ptr() % 16 == 0 for t in tensors)
         block_k, block_v, warps = table_launch(table, form.rule, batch * heads, key_dim,
                                                value_dim, aligned)  # fmt: skip
-    placeholder = {name: memory if params.get(name) is None else params[name] for name in PARAMS}
     _fused_step_kernel[(batch * heads,)](
         q[0], k[0], v[0], q[1], k[1], v[1], *conv_weights, *caches,
         *_row(gate, memory), *rows["beta"], *rows["write"], *rows["decay"],
