@@ -18,9 +18,15 @@ SUITES: dict[str, tuple[str | dict[str, str], str]] = {
     "kdn": ("bench_kdn_triton", "KDN's Triton gains and the Mobius scan against PyTorch (GPU)"),
     "train": ("bench_train", "training throughput and peak memory of each mixer"),
     "decode": (
-        {"latency": "bench_decode_gpu", "context": "bench_decode", "generate": "bench_generate"},
+        {
+            "latency": "bench_decode_gpu",
+            "context": "bench_decode",
+            "generate": "bench_generate",
+            "tune": "tune_decode_step",
+        },
         "decoding: per-token latency eager and CUDA-graphed, tokens/s against context length, "
-        "model.generate per token against transformers' loop and the static step",
+        "model.generate per token against transformers' loop and the static step, the fused "
+        "step's launch settings (GPU)",
     ),
     "tune": ("tune_triton", "launch settings of each Triton stage of the delta rule (GPU)"),
     "profile": (

@@ -213,6 +213,49 @@ def test_the_best_table_takes_each_stages_fastest_candidate_and_reports_conflict
     }
 
 
+def test_decode_tune_writes_its_best_table_which_the_lookup_reads_back(tmp_path):
+    """The fused step's tuner, a CPU smoke run: every launch tried at each batch, its best table
+    written to --table-dir as the card's fused_step section, which the lookup then takes."""
+    needs_triton()
+    from benchmarks.tune_decode_step import candidates
+    from benchmarks.tune_triton import card
+    from deltalab.ops.delta_rule.triton.fused_step import LAUNCH, LAUNCH_TABLES
+    from deltalab.ops.launch_tables import table_from_dict
+
+    argv = ["decode", "tune", "--device", "cpu", "--heads", "1", "--head-dim", "32",
+            "--batches", "1", "2", "--layers", "1", "--rules", "beta",
+            "--table-dir", str(tmp_path / "tables")]  # fmt: skip
+    report = run_suite(argv, tmp_path / "out.json")
+    assert report["table_file"] == str(tmp_path / "tables" / f"{report['device_key']}.json")
+    read_back = LAUNCH_TABLES.resolve(card("cpu"), tmp_path / "tables")
+    assert read_back == table_from_dict(LAUNCH, report["table"], "table")
+    rows = report["rows"]
+    assert len(rows) == 2 * (1 + len(candidates(32)))  # the shipped table, then each launch
+    assert all(r["max_diff"] < 1e-5 for r in rows)
+    assert set(report["shipped_over_best"]) == {"1", "2"}
+
+
+def test_the_tuned_step_table_switches_launch_from_the_first_batch_the_wide_one_wins():
+    from benchmarks.tune_decode_step import best_table
+    from deltalab.ops.delta_rule.triton.fused_step import FusedStepLaunch
+
+    def row(batch, block_v, warps, us, diff=0.0):
+        setting = {"block_v": block_v, "num_warps": warps, "many_programs": None,
+                   "many_block_v": 32, "many_num_warps": 2}  # fmt: skip
+        return {"batch": batch, "setting": setting, "shipped": False, "us": us, "max_diff": diff}
+
+    rows = [row(1, 64, 4, 7.0), row(1, 32, 2, 9.0), row(16, 64, 4, 14.0), row(16, 32, 2, 15.0),
+            row(32, 64, 4, 20.0), row(32, 32, 2, 19.0), row(64, 64, 4, 36.0),
+            row(64, 32, 2, 34.0), row(64, 16, 1, 1.0, diff=1.0)]  # fmt: skip
+    assert best_table(rows, heads=8) == FusedStepLaunch(64, 4, 32 * 8, 32, 2)
+    # Where the first batch's launch is fastest at the last batch too, there is one launch.
+    same = [r for r in rows if r["setting"]["block_v"] == 64]
+    assert best_table(same, heads=8) == FusedStepLaunch(64, 4, None)
+    # A batch where the wide launch gave another result decides nothing.
+    wrong_at_32 = [r for r in rows if not (r["batch"] == 32 and r["setting"]["block_v"] == 32)]
+    assert best_table(wrong_at_32, heads=8) == FusedStepLaunch(64, 4, 64 * 8, 32, 2)
+
+
 def test_train_smoke_run_reports_each_mixer_throughput(tmp_path):
     from benchmarks.bench_train import SKIPPED_STEPS
 

@@ -365,3 +365,37 @@ def test_cuda_an_h100_or_h200_takes_the_launch_tables_shipped_for_its_own_name()
     assert path.exists(), f"{card.name}: no {path.name} among the shipped tables"
     shipped = read_table_file(path)["tables"]["delta_rule"]
     assert dataclasses.asdict(LAUNCH_TABLES.builtin(card)) == shipped
+
+
+@pytest.mark.parametrize("mixer", ["gdn2", "kdn_diag", "kdn_exact"])
+@pytest.mark.parametrize("many_programs", [None, 1], ids=["few_programs", "many_programs"])
+def test_cuda_fused_step_at_the_tables_launches_equals_the_unfused_step(
+    generator, mixer, many_programs
+):
+    """Compiled, at the 340M heads (K = V = 128) in float32: the fused step at each launch of
+    the shipped default table (`FusedStepLaunch`: its blocks below `many_programs`, its wide
+    batch blocks from it) equals the mixer's own step, output and state."""
+    pytest.importorskip("triton")
+    from deltalab.layers.decode_step import fused_step, runs_fused
+    from deltalab.models.static_decode import _static_recurrent
+    from deltalab.ops.delta_rule.triton.fused_step import LAUNCH
+
+    torch.manual_seed(0)
+    config = build_config("tiny", mixer=mixer, hidden_size=256, num_layers=1, num_heads=2,
+                          head_dim=128, vocab_size=67)  # fmt: skip
+    layer = CausalLM(config).model.blocks[0].mixer.cuda().eval()
+    with torch.no_grad():
+        for p in layer.parameters():  # off their initial values, which zero some maps
+            p.add_(0.1 * torch.randn(p.shape, generator=generator).cuda())
+        _, state = layer(torch.randn(3, 9, 256, generator=generator).cuda())
+        x = torch.randn(3, 1, 256, generator=generator).cuda()
+        buffers = _static_recurrent(state)
+        assert runs_fused(layer, x, buffers)
+        expected, after = layer(x, state)
+        table = dataclasses.replace(LAUNCH, many_programs=many_programs)
+        got = fused_step(layer, x, buffers, {}, table=table)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    for f in dataclasses.fields(after):
+        value = getattr(after, f.name)
+        if f.name != "gates" and isinstance(value, torch.Tensor):
+            torch.testing.assert_close(getattr(buffers, f.name), value, rtol=1e-4, atol=1e-5)

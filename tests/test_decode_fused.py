@@ -135,3 +135,69 @@ def test_a_fused_decoding_step_dispatches_at_most_its_operator_count_per_layer(g
     assert not HOST_READS & set(two)
     total = [sum(n for n, _ in counts.values()) for counts in (one, two)]
     assert total[1] - total[0] <= FUSED_STEP_OPERATORS_PER_LAYER[kind]
+
+
+def test_the_launch_table_picks_its_blocks_by_the_number_of_programs_and_the_shapes():
+    """Below `many_programs` the table's blocks, from it the wide-batch ones; a block no wider
+    than the head; Exact KDN and sizes that are not multiples of 16 the whole head in one block
+    (where the table's few warps spill)."""
+    from deltalab.ops.delta_rule.triton.fused_step import FusedStepLaunch, launch, table_launch
+
+    table = FusedStepLaunch(block_v=64, num_warps=4, many_programs=512, many_block_v=32,
+                            many_num_warps=2)  # fmt: skip
+    assert table_launch(table, "erase_write", 511, 128, 128) == (128, 64, 4)
+    assert table_launch(table, "kdn_diag", 512, 128, 128) == (128, 32, 2)
+    assert table_launch(table, "beta", 8, 128, 32) == (128, 32, 4)
+    whole = launch(128, 128)
+    assert whole == (128, 128, 16)
+    assert table_launch(table, "kdn_exact", 8, 128, 128) == whole
+    assert table_launch(table, "erase_write", 8, 128, 128, aligned=False) == whole
+    never = FusedStepLaunch(block_v=64, num_warps=4, many_programs=None)
+    assert table_launch(never, "beta", 10**6, 128, 128) == (128, 64, 4)
+
+
+@pytest.mark.parametrize("kind", ["muir", "kdn_diag", "kda"])
+@pytest.mark.parametrize("many_programs", [8, 4], ids=["few_programs", "many_programs"])
+def test_the_fused_step_equals_the_unfused_step_at_each_launch_of_a_table(
+    generator, monkeypatch, kind, many_programs
+):
+    """A step (value_dim 32, 2 sequences x 2 heads: 4 programs) by a table whose launches
+    differ: blocks of 16 over 1 warp below `many_programs`, one block of 32 over 2 from it; the
+    launch taken is the table's (observed, not changed)."""
+    from deltalab.ops.delta_rule.triton import fused_step as kernel_module
+
+    launches = []
+
+    def observed(*args, **kwargs):
+        launches.append(table_launch(*args, **kwargs))
+        return launches[-1]
+
+    table_launch = kernel_module.table_launch
+    monkeypatch.setattr(kernel_module, "table_launch", observed)
+    table = kernel_module.FusedStepLaunch(block_v=16, num_warps=1, many_programs=many_programs,
+                                          many_block_v=32, many_num_warps=2)  # fmt: skip
+    mixer = tiny_mixer(kind, {}, {"value_dim": 32}, generator)
+    with torch.no_grad():
+        _, state = mixer(torch.randn(2, 5, 32, generator=generator))
+        x = torch.randn(2, 1, 32, generator=generator)
+        buffers = _static_recurrent(state)
+        expected, after = mixer(x, state)
+        got = fused_step(mixer, x, buffers, {}, table=table)
+    assert launches == [(16, 16, 1) if many_programs > 4 else (16, 32, 2)]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    for f in dataclasses.fields(after):
+        value = getattr(after, f.name)
+        if f.name != "gates" and isinstance(value, torch.Tensor):
+            torch.testing.assert_close(getattr(buffers, f.name), value, rtol=1e-4, atol=1e-5)
+
+
+def test_a_step_given_both_a_value_block_and_a_table_is_refused_naming_them(generator):
+    from deltalab.ops.delta_rule.triton.fused_step import LAUNCH
+
+    mixer = tiny_mixer("gdn2", {}, {}, generator)
+    with torch.no_grad():
+        _, state = mixer(torch.randn(2, 5, 32, generator=generator))
+        buffers = _static_recurrent(state)
+        with pytest.raises(ValueError, match="block_v and table"):
+            fused_step(mixer, torch.randn(2, 1, 32, generator=generator), buffers, {},
+                       block_v=16, table=LAUNCH)  # fmt: skip

@@ -143,7 +143,7 @@ def test_a_block_that_is_not_a_power_of_2_is_refused_naming_the_nested_field(tmp
 
 def test_every_shipped_file_holds_a_valid_table_of_each_op_for_its_card():
     pytest.importorskip("triton")
-    from deltalab.ops.delta_rule.triton import launch
+    from deltalab.ops.delta_rule.triton import fused_step, launch
     from deltalab.ops.log_decay import triton as log_decay
     from deltalab.ops.norms import triton as norms
     from deltalab.ops.swiglu import triton as swiglu
@@ -155,10 +155,12 @@ def test_every_shipped_file_holds_a_valid_table_of_each_op_for_its_card():
         card = DeviceProperties(data["device"], tuple(data["capability"]),
                                 data["multiprocessors"])  # fmt: skip
         assert card.key == path.stem
-        for module in (launch, norms, swiglu, log_decay):
+        for module in (launch, norms, swiglu, log_decay, fused_step):
             tables = module.LAUNCH_TABLES
             shipped = tables.builtin(card)
-            assert table_as_dict(shipped) == data["tables"][tables.op], (path.name, tables.op)
+            # A file without an op's section ships that op's default table for its card.
+            expected = data["tables"].get(tables.op, table_as_dict(tables.default))
+            assert table_as_dict(shipped) == expected, (path.name, tables.op)
 
 
 def _calls():
@@ -182,8 +184,18 @@ def _calls():
         log_decay_triton(w, x, w)
         read_query_triton(x, w, None)
 
+    def fused_step():
+        from benchmarks.tune_decode_step import FORMS, step_inputs
+        from deltalab.ops.delta_rule.triton.fused_step import fused_layer_step
+
+        x = step_inputs(FORMS["beta"], 1, 1, 16, "cpu", torch.float32, torch.Generator())
+        fused_layer_step(FORMS["beta"], x["qkv"], x["conv_weights"], x["caches"], x["memory"],
+                         x["gate"], x["norm_weight"], x["out"], scale=0.25, l2_eps=1e-6,
+                         norm_eps=1e-5, gates=x["gates"], params=x["params"])  # fmt: skip
+
     return {
         "delta_rule": lambda: delta_rule_triton(q, a, b, u, g, state, None, 16, 1.0),
+        "fused_step": fused_step,
         "norms": norms,
         "swiglu": lambda: swiglu_triton(x),
         "log_decay": log_decay,
@@ -191,18 +203,19 @@ def _calls():
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("op", ["delta_rule", "norms", "swiglu", "log_decay"])
+@pytest.mark.parametrize("op", ["delta_rule", "norms", "swiglu", "log_decay", "fused_step"])
 def test_a_call_given_no_table_takes_its_ops_table_for_the_inputs_device(op, monkeypatch):
     pytest.importorskip("triton")
     from deltalab.ops._triton import INTERPRET
-    from deltalab.ops.delta_rule.triton import launch
+    from deltalab.ops.delta_rule.triton import fused_step, launch
     from deltalab.ops.log_decay import triton as log_decay
     from deltalab.ops.norms import triton as norms
     from deltalab.ops.swiglu import triton as swiglu
 
     if not INTERPRET:
         pytest.skip("runs the kernels on CPU tensors: needs TRITON_INTERPRET=1")
-    tables = {m.LAUNCH_TABLES.op: m.LAUNCH_TABLES for m in (launch, norms, swiglu, log_decay)}
+    tables = {m.LAUNCH_TABLES.op: m.LAUNCH_TABLES
+              for m in (launch, norms, swiglu, log_decay, fused_step)}  # fmt: skip
     devices = []
 
     def spy(device):
@@ -213,3 +226,18 @@ def test_a_call_given_no_table_takes_its_ops_table_for_the_inputs_device(op, mon
     _calls()[op]()
     calls = {"norms": 2, "log_decay": 2}.get(op, 1)
     assert devices == [torch.device("cpu")] * calls
+
+
+@pytest.mark.parametrize("field", ["num_warps", "many_num_warps", "block_v"])
+def test_a_fused_step_table_with_warps_or_a_block_not_a_power_of_2_is_refused_naming_it(
+    tmp_path, field
+):
+    pytest.importorskip("triton")
+    from deltalab.ops.delta_rule.triton.fused_step import LAUNCH
+
+    table = table_as_dict(LAUNCH) | {field: 6}
+    path = tmp_path / f"{H100.key}.json"
+    header = {"device": H100.name, "capability": [9, 0], "multiprocessors": 132}
+    path.write_text(json.dumps({**header, "tables": {"fused_step": table}}))
+    with pytest.raises(ValueError, match=rf"tables\.fused_step\.{field}: expected a power of 2"):
+        LaunchRegistry("fused_step", LAUNCH).resolve(H100, tmp_path)

@@ -603,10 +603,11 @@ def test_rope_kernel_compiles_for_hopper_without_spills(heads, dim, dtype, inver
 # The fused decoding step's pointers (`fused_step._fused_step_kernel`) held in float32: the state
 # and the KDN precision; the rest come in the model's dtype.
 FUSED_STEP_FLOAT32 = ("MEMORY", "PRECISION")
-# Bytes a thread of the fused step may spill at a 128 x 128 head: 0 to 48 by the form (measured),
-# where 16 warps spill 232 in the plain step's kernel and 8 warps 200 to 400 in this one. Exact
-# KDN's covariance update (a second 128 x 128 tile) spills about 1.2 KB: a bound to lower, not a
-# target.
+# Bytes a thread of the fused step may spill at a 128 x 128 head where the sizes are not declared
+# multiples of 16 (one block of 16 warps, `table_launch`'s fallback): 0 to 48 by the form
+# (measured); Exact KDN's covariance update (a second 128 x 128 tile) about 1.2 KB, a bound to
+# lower, not a target. Where they are, every form spills nothing at the table's blocks (64
+# columns over 4 warps, 32 over 2) as in one block.
 FUSED_STEP_STACK = {"kdn_exact": 1280}
 FUSED_STEP_STACK_DEFAULT = 64
 
@@ -623,18 +624,24 @@ FUSED_STEP_STACK_DEFAULT = 64
     ids=["gdn", "muir", "kdn_iso-tied", "kdn_muir", "kdn_exact"],
 )
 @pytest.mark.parametrize("sizes", ["multiples_of_16", "any"])
-def test_fused_decode_step_compiles_for_hopper_within_its_spills(decay, rule, read, tied, sizes):
-    """At the launch the 340M presets' heads (K = V = 128, one block) give the fused step in
-    bfloat16: within shared memory, no bytes spilled where the sizes are multiples of 16 and
-    at most FUSED_STEP_STACK's where they are not. Both variants Triton's launcher compiles: K,
-    V and the row strides declared multiples of 16 (as it declares them at the 340M shapes),
-    and declared nothing (the variant for other sizes)."""
+@pytest.mark.parametrize("programs", ["few", "many"])
+def test_fused_decode_step_compiles_for_hopper_within_its_spills(
+    decay, rule, read, tied, sizes, programs
+):
+    """At the launches `table_launch` gives the 340M presets' heads (K = V = 128) in bfloat16
+    by the default table, below and from its `many_programs`: within shared memory, no bytes
+    spilled where the sizes are multiples of 16 and at most FUSED_STEP_STACK's where they are
+    not. Both variants Triton's launcher compiles: K, V and the row strides declared multiples
+    of 16 (as it declares them at the 340M shapes; the table's launches), and declared nothing
+    (the variant for other sizes; one block of 16 warps)."""
     from deltalab.ops.delta_rule.triton import fused_step as fs
     from deltalab.ops.norms.triton import GATES
 
     kernel = fs._fused_step_kernel
     value_dim = 128
-    block_k, block_v, warps = fs.launch(128, value_dim)
+    count = 1 if programs == "few" else fs.LAUNCH.many_programs
+    aligned = sizes == "multiples_of_16"
+    block_k, block_v, warps = fs.table_launch(fs.LAUNCH, rule, count, 128, value_dim, aligned)
     constants = {
         "W": 4, "BW": 4, "BK": block_k, "BV": block_v, "DECAY": fs.DECAYS.index(decay),
         "RULE": fs.RULES.index(rule), "READ_FORM": fs.READS.index(read), "TIED": tied,

@@ -39,7 +39,7 @@ from deltalab.layers.muir import FusedGateProjection, Muir
 from deltalab.layers.projections import _concatenated, _kept, fusable
 from deltalab.layers.states import RecurrentState
 from deltalab.ops._triton import triton_available, triton_unavailable_reason
-from deltalab.ops.delta_rule.triton.fused_step import StepForm
+from deltalab.ops.delta_rule.triton.fused_step import FusedStepLaunch, StepForm
 from deltalab.ops.norms import L2_EPS
 
 __all__ = ["LowRank", "StepPlan", "add_projected", "fused_step", "runs_fused", "step_plan"]
@@ -278,11 +278,13 @@ def add_projected(
 def fused_step(
     mixer: DeltaMixer, x: torch.Tensor, state: RecurrentState, store: dict, *,
     residual: torch.Tensor | None = None, block_v: int | None = None,
+    table: FusedStepLaunch | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`mixer(x, state)[0]` for one token x `[B, 1, D]` (plus `residual` when given, in the
     output projection's product: `add_projected`), the state's buffers updated in place, on the
     fused kernel (where `runs_fused`). store: the decoder's dict that keeps the concatenated
-    weights. block_v: the kernel's value block (None: its own choice)."""
+    weights. block_v, table: the kernel's value block, or its launch table (None: the card's;
+    `fused_layer_step`)."""
     from deltalab.ops.delta_rule.triton.fused_step import fused_layer_step
 
     plan = step_plan(mixer)
@@ -326,5 +328,6 @@ def fused_step(
         r_min=plan.r_min,
         info_scale=plan.info_scale,
         block_v=block_v,
+        table=table,
     )
     return add_projected(residual, out, mixer.o_proj)

@@ -1,16 +1,18 @@
 """Launch tables chosen by the device: each Triton op's block sizes, warps and thresholds per card.
 
 Each op with a launch table (the delta rule, the norms, SwiGLU, the log decay and the read gate,
-which launches by the log decay's) keeps its default table in its kernel module and a
-`LaunchRegistry` beside it; its public Triton function takes the registry's table for the
-input's device when no `table=` is given (`LaunchRegistry.launch_table_for`: the first call on a
-device resolves it, later calls are one dict lookup, and nothing reads back from the device).
+which launches by the log decay's, and the decoder's fused layer step) keeps its default table
+in its kernel module and a `LaunchRegistry` beside it; its public Triton function takes the
+registry's table for the input's device when no `table=` is given
+(`LaunchRegistry.launch_table_for`: the first call on a device resolves it, later calls are one
+dict lookup, and nothing reads back from the device).
 
 A table file is JSON, one per card, named by the card's key (`DeviceProperties.key`, the CUDA
 device name in lower case with runs of other characters as "-": "nvidia-h200"):
 
     {"device": "NVIDIA H200", "capability": [9, 0], "multiprocessors": 132,
-     "tables": {"delta_rule": {...}, "norms": {...}, "swiglu": {...}, "log_decay": {...}}}
+     "tables": {"delta_rule": {...}, "norms": {...}, "swiglu": {...}, "log_decay": {...},
+                "fused_step": {...}}}
 
 Each section holds every field of its op's table (nested tables as objects); a file may leave
 out whole sections. The tables of a CUDA device, in order:
@@ -61,7 +63,7 @@ __all__ = [
 ]
 
 # The sections a table file may hold: one per op with a registry.
-OPS = ("delta_rule", "norms", "swiglu", "log_decay")
+OPS = ("delta_rule", "norms", "swiglu", "log_decay", "fused_step")
 BUILTIN_DIRECTORY = Path(__file__).resolve().parent
 ENV_DIRECTORY = "DELTALAB_LAUNCH_DIR"
 
@@ -112,7 +114,8 @@ def _is_int(value: Any) -> bool:
 
 def table_from_dict(default: Table, data: Any, where: str) -> Table:
     """A table of `default`'s type from a JSON object, every field checked: present, no other
-    keys, an int > 0 (a power of 2 where the field is a block; None where the type allows it),
+    keys, an int > 0 (a power of 2 where the field is a block or a number of warps; None where
+    the type allows it),
     nested tables in turn. Errors are ValueErrors naming `where`.field."""
     cls = type(default)
     _require(isinstance(data, dict), where, "an object of the table's fields", data)
@@ -133,7 +136,8 @@ def table_from_dict(default: Table, data: Any, where: str) -> Table:
         else:
             _require(_is_int(value) and value > 0, field, "an int > 0", value)
             power = value & (value - 1) == 0
-            _require("block" not in name or power, field, "a power of 2", value)
+            counted = "block" in name or "warps" in name  # Triton takes powers of 2 only
+            _require(not counted or power, field, "a power of 2", value)
         values[name] = value
     return cls(**values)
 

@@ -30,7 +30,8 @@ with r = r_min + softplus(raw_r) and q_noise = softplus(raw_q), or tied to the d
 
 Layout. Every gate input is a row of a `[B, width]` matrix (a column slice of one of the layer's
 two projection products, read through its row stride); parameters are contiguous per head. A
-program owns one (sequence, head): all K key rows and the V value columns in blocks of BV. With
+program owns one (sequence, head): all K key rows and the V value columns in blocks of BV (the
+card's launch table, `FusedStepLaunch`, by the number of programs). With
 one block the output norm is taken in registers; with several the raw outputs go to the output
 buffer first and are normalized in a second pass (a barrier between: other threads wrote them).
 Caches and the state are read before they are written by the same program; a barrier separates
@@ -43,6 +44,7 @@ cache entries are the projected inputs as they came.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -50,28 +52,61 @@ import triton
 import triton.language as tl
 
 from deltalab.ops._triton import opaque_to_compiler
+from deltalab.ops.launch_tables import LaunchRegistry
 from deltalab.ops.log_decay.triton import _softplus_terms
 from deltalab.ops.norms.triton import GATES, _gate_terms
 
-__all__ = ["DECAYS", "READS", "RULES", "StepForm", "fused_layer_step"]
+__all__ = [
+    "DECAYS",
+    "LAUNCH",
+    "LAUNCH_TABLES",
+    "READS",
+    "RULES",
+    "FusedStepLaunch",
+    "StepForm",
+    "fused_layer_step",
+    "table_launch",
+]
 
 DECAYS = ("none", "head", "channel")
 RULES = ("beta", "erase_write", "kdn_iso", "kdn_diag", "kdn_exact")
 READS = ("none", "static", "dynamic")
-# The state tile (rows x columns) one program holds at once: a head of up to ONE_BLOCK_TILE
-# values in one block (so its output norm needs no second pass) over up to 16 warps, 32
-# float32 values a thread; a larger head in blocks of LOOP_TILE over 8 warps, 32 a thread.
-# Compiled for sm_90: a 128 x 128 head in one block of 16 warps spills nothing where K, V and
-# the row strides are multiples of 16 (the 340M shapes, Exact KDN included), 0 to 48 bytes a
-# thread by the form otherwise (Exact KDN 1248; the plain step's kernel 232 there), 200 to 400
-# at 8 warps (sizes not multiples of 16, as the spills below); a V = 256 head in
-# blocks of 128 x 64 spills 0 (beta) to 190 bytes, in blocks of 128 x 128 about 390. First
-# choices, not yet timed on a GPU.
+# Without a table (`launch`, as tests call it with block_v): the whole head in one block where
+# it fits ONE_BLOCK_TILE values (its output norm then needs no second pass), else blocks of
+# LOOP_TILE, over 32 float32 values a thread (4 to 16 warps). Compiled for sm_90: a 128 x 128
+# head in one block of 16 warps spills nothing where K, V and the row strides are multiples of
+# 16, 0 to 48 bytes a thread by the form otherwise (Exact KDN 1248).
 ONE_BLOCK_TILE = 16384
 LOOP_TILE = 8192
 VALUES_PER_WARP = 32 * 32
 MIN_WARPS, MAX_WARPS = 4, 16
 MIN_BLOCK = 16
+
+
+@dataclass(frozen=True)
+class FusedStepLaunch:
+    """The fused step's launch on a card (`LAUNCH_TABLES`): blocks of `block_v` value columns
+    over `num_warps`, and from `many_programs` programs (sequences x heads; None: never) blocks
+    of `many_block_v` over `many_num_warps`. A head of at most a block's columns is one block.
+
+    The default is the H100's measured table (`python -m benchmarks decode tune`; 8 heads of
+    128 x 128, bf16, a layer's step as the decoder runs it, us a layer for the GDN-2 form and the
+    Diagonal KDN one with tied process noise): 64 columns over 4 warps below 512 programs, 7.1 / 7.5 us at 1 sequence against
+    12.2 / 13.0 for the whole head over 16 warps, 35.5 / 35.9 against 65.0 / 68.0 at 64. Small
+    programs, several to an SM: one's reads overlap another's arithmetic, where a 16-warp
+    program holds an SM alone and waits on each of its reads in turn. From 512 programs (64
+    sequences) 32 columns over 2 warps, 34.3 / 34.9 us."""
+
+    block_v: int = 64
+    num_warps: int = 4
+    many_programs: int | None = 512
+    many_block_v: int = 32
+    many_num_warps: int = 2
+
+
+LAUNCH = FusedStepLaunch()
+# The table per card (`deltalab.ops.launch_tables`), for calls given none.
+LAUNCH_TABLES = LaunchRegistry("fused_step", LAUNCH)
 
 
 class StepForm(NamedTuple):
@@ -312,17 +347,39 @@ def _row(x: torch.Tensor | None, fallback: torch.Tensor) -> tuple[torch.Tensor, 
     return x, x.stride(0)
 
 
-def launch(key_dim: int, value_dim: int, block_v: int | None = None) -> tuple[int, int, int]:
+def launch(
+    key_dim: int, value_dim: int, block_v: int | None = None, num_warps: int | None = None
+) -> tuple[int, int, int]:
     """(BK, BV, warps): all key rows; every value column at once where the state tile fits
-    ONE_BLOCK_TILE, else blocks of LOOP_TILE (block_v, a power of two >= 16, overrides it);
-    warps by the tile's size."""
+    ONE_BLOCK_TILE, else blocks of LOOP_TILE (block_v, a power of two >= 16, overrides it, and
+    is cut to the head); warps by the tile's size (num_warps overrides it)."""
     block_k = max(MIN_BLOCK, triton.next_power_of_2(key_dim))
+    whole = max(MIN_BLOCK, triton.next_power_of_2(value_dim))
     if block_v is None:
-        block_v = triton.next_power_of_2(value_dim)
-        if block_k * block_v > ONE_BLOCK_TILE:
-            block_v = max(MIN_BLOCK, LOOP_TILE // block_k)
-    warps = min(MAX_WARPS, max(MIN_WARPS, block_k * block_v // VALUES_PER_WARP))
-    return block_k, block_v, warps
+        block_v = (
+            whole if block_k * whole <= ONE_BLOCK_TILE else max(MIN_BLOCK, LOOP_TILE // block_k)
+        )
+    block_v = min(block_v, whole)
+    if num_warps is None:
+        num_warps = min(MAX_WARPS, max(MIN_WARPS, block_k * block_v // VALUES_PER_WARP))
+    return block_k, block_v, num_warps
+
+
+def table_launch(
+    table: FusedStepLaunch, rule: str, programs: int, key_dim: int, value_dim: int,
+    aligned: bool = True,
+) -> tuple[int, int, int]:  # fmt: skip
+    """(BK, BV, warps) of `programs` programs by `table`, where the table was measured: a form
+    whose state is the memory alone, K and V multiples of 16 and every tensor's address a
+    multiple of 16 bytes (`aligned`: what Triton's launcher declares to the compiler). Elsewhere
+    `launch`'s whole head: compiled for sm_90 at the table's 2-4 warps, Exact KDN's K x K
+    covariance spills 0.1-2 KB a thread, other sizes or addresses 2.5-3.1 KB (against 0 to 48
+    bytes in one 16-warp block). The inputs' row strides change no spill."""
+    if rule == "kdn_exact" or not aligned:
+        return launch(key_dim, value_dim)
+    if table.many_programs is not None and programs >= table.many_programs:
+        return launch(key_dim, value_dim, table.many_block_v, table.many_num_warps)
+    return launch(key_dim, value_dim, table.block_v, table.num_warps)
 
 
 @opaque_to_compiler
@@ -344,6 +401,7 @@ def fused_layer_step(
     r_min: float = 0.0,
     info_scale: float = 1.0,
     block_v: int | None = None,
+    table: FusedStepLaunch | None = None,
 ) -> torch.Tensor:
     """One token of a delta-rule layer (module docstring), everything but its projections.
 
@@ -357,14 +415,28 @@ def fused_layer_step(
     "dt_bias" (`[H]` or `[H, K]`), "read_log" `[H, K]`, "p_inf_raw" `[H]`, "precision" (the KDN
     filter's state: precision `[B, H]` or `[B, H, K]`, covariance `[B, H, K, K]`; float32,
     contiguous, updated in place). None where the form reads
-    none. block_v: the value columns a block holds (None: `launch`'s).
+    none. block_v: the value columns a block holds, at `launch`'s warps (None: by `table`, the
+    launch table, through `table_launch`; None: the card's, `LAUNCH_TABLES`).
     """
     batch, heads, key_dim, value_dim = memory.shape
     width = conv_weights[0].shape[-1]
-    block_k, block_v, warps = launch(key_dim, value_dim, block_v)
     rows = {name: _row(gates.get(name), memory) for name in RULE_INPUTS}
     q, k, v = (_row(x, memory) for x in qkv)
     placeholder = {name: memory if params.get(name) is None else params[name] for name in PARAMS}
+    if block_v is not None:
+        if table is not None:
+            raise ValueError(
+                "block_v and table: give one of them (block_v launches without a table)"
+            )
+        block_k, block_v, warps = launch(key_dim, value_dim, block_v)
+    else:
+        table = LAUNCH_TABLES.launch_table_for(memory.device) if table is None else table
+        tensors = [*qkv, *conv_weights, *caches, gate, norm_weight, out, memory,
+                   *(x for x in gates.values() if x is not None), *placeholder.values()]  # fmt: skip
+        aligned = key_dim % 16 == 0 and value_dim % 16 == 0
+        aligned = aligned and all(t.data_ptr() % 16 == 0 for t in tensors)
+        block_k, block_v, warps = table_launch(table, form.rule, batch * heads, key_dim,
+                                               value_dim, aligned)  # fmt: skip
     _fused_step_kernel[(batch * heads,)](
         q[0], k[0], v[0], q[1], k[1], v[1], *conv_weights, *caches,
         *_row(gate, memory), *rows["beta"], *rows["write"], *rows["decay"],
