@@ -668,7 +668,9 @@ def test_fused_decode_step_compiles_for_hopper_within_its_spills(
     _assert_spills_within(compiled, bound, f"{rule}, {sizes}")
 
 
-@pytest.mark.parametrize(("bias", "residual"), [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize(
+    ("bias", "residual"), [(False, False), (True, False), (False, True), (True, True)]
+)
 @pytest.mark.parametrize("width", [1024, 2400])
 def test_row_linear_compiles_for_hopper_without_spills(bias, residual, width):
     """`row_linear`'s kernel at its launch for a 340M layer's products (bf16; K = 1024: blocks of

@@ -40,7 +40,7 @@ from deltalab.layers.states import RecurrentState
 from deltalab.ops._triton import triton_available, triton_unavailable_reason
 from deltalab.ops.delta_rule.triton.fused_step import FusedStepLaunch, StepForm
 from deltalab.ops.norms import L2_EPS
-from deltalab.ops.row_linear import row_linear
+from deltalab.ops.row_linear import products_backend, row_linear
 
 __all__ = ["LowRank", "StepPlan", "add_projected", "fused_step", "runs_fused", "step_plan"]
 
@@ -252,20 +252,21 @@ def _product(
     x, maps, store, dtype, make, backend
 ) -> tuple[torch.Tensor, dict[nn.Linear, torch.Tensor]]:
     """The product of x with the maps' weights concatenated (`make()`, kept in `store`) by
-    `row_linear` on `backend`, and {map: its columns}."""
+    `row_linear` (`products_backend` of the layer's `backend`), and {map: its columns}."""
     params = [p for m in maps for p in (m.weight, m.bias) if p is not None]
     weight, bias = _kept(store, params, dtype, make)
-    y = row_linear(x, weight, bias, backend=backend)
+    y = row_linear(x, weight, bias, backend=products_backend(backend, x))
     return y, dict(zip(maps, y.split([m.out_features for m in maps], -1), strict=True))
 
 
 def add_projected(
     residual: torch.Tensor | None, inputs: torch.Tensor, linear: nn.Linear, backend: str = "auto"
 ) -> torch.Tensor:
-    """residual + linear(inputs) `[B, 1, D]` (linear(inputs) when residual is None): one
-    `row_linear`, the sum in the product (one launch, not two), where nothing casts between them
-    (no autocast, one dtype); else the module and a sum. inputs `[B, n]` or `[B, 1, n]`.
-    backend: `row_linear`'s."""
+    """residual + linear(inputs) `[B, 1, D]` (linear(inputs) when residual is None) by
+    `row_linear` on its backend for a layer on `backend` (`products_backend`), the sum in the
+    product where nothing casts between them (no autocast, one dtype); else the module's
+    forward and a sum. inputs `[B, n]` or `[B, 1, n]`. The maps are plain `nn.Linear`s
+    (`fusable`): their forward is the product."""
     rows = inputs.flatten(0, -2)
     weight, bias = linear.weight, linear.bias
     dtypes = {t.dtype for t in (rows, weight, bias, residual) if t is not None}
@@ -273,7 +274,8 @@ def add_projected(
         y = linear(inputs).view(inputs.shape[0], 1, -1)
         return y if residual is None else residual + y.view_as(residual)
     flat = None if residual is None else residual.flatten(0, -2)
-    return row_linear(rows, weight, bias, flat, backend=backend).view(inputs.shape[0], 1, -1)
+    y = row_linear(rows, weight, bias, flat, backend=products_backend(backend, rows))
+    return y.view(inputs.shape[0], 1, -1)
 
 
 def fused_step(
@@ -295,8 +297,7 @@ def fused_step(
     if torch.is_autocast_enabled(x.device.type) and dtype != torch.float64:
         dtype = torch.get_autocast_dtype(x.device.type)
     x = x[:, 0].to(dtype)
-    # The products on the kernels where the mixer's step is ("triton": also interpreted).
-    products = "triton" if mixer.backend == "triton" else "auto"
+    products = mixer.backend  # the products follow the layer's backend (`products_backend`)
     product, first = _product(x, layout.first + layout.downs, store, dtype,
                               lambda: _concatenated(layout.first + layout.downs, dtype),
                               products)  # fmt: skip

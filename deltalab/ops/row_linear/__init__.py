@@ -25,7 +25,14 @@ import torch.nn.functional as F
 from deltalab.ops._checks import require_choice, require_float, require_same_device, require_shape
 from deltalab.ops._triton import require_triton, triton_available
 
-__all__ = ["BACKENDS", "MAX_TRITON_ROWS", "resolve_backend", "row_linear", "row_linear_naive"]
+__all__ = [
+    "BACKENDS",
+    "MAX_TRITON_ROWS",
+    "products_backend",
+    "resolve_backend",
+    "row_linear",
+    "row_linear_naive",
+]
 
 BACKENDS = ("auto", "naive", "torch", "triton")
 # Each row streams the whole weight again: past a few rows cuBLAS's tiles, which read it once
@@ -41,6 +48,18 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
     if backend == "triton":
         require_triton("backend", x.device)
     return backend
+
+
+def products_backend(layer_backend: str, x: torch.Tensor) -> str:
+    """The backend of a decoding step's products of x `[M, K]` in a layer on `layer_backend` (a
+    layer's: "auto", "triton", "chunk", "torch" or "naive"): the kernel where the layer asks for
+    Triton and the op offers it (at most MAX_TRITON_ROWS rows, not float64; how the
+    interpreter's tests reach it on CPU), torch's product where the layer asks for a PyTorch
+    path (the product `nn.Linear` runs, not the float64 definition), else "auto"."""
+    if layer_backend in ("chunk", "torch", "naive"):
+        return "torch"
+    few = x.shape[0] <= MAX_TRITON_ROWS and x.dtype != torch.float64
+    return "triton" if layer_backend == "triton" and few else "auto"
 
 
 def row_linear_naive(x, weight, bias=None, residual=None) -> torch.Tensor:
@@ -88,6 +107,8 @@ def row_linear(
         if t is not None and t.dtype != x.dtype:
             raise TypeError(f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
     backend = resolve_backend(backend, x)
+    if min(rows, width, outputs) == 0 and backend == "triton":
+        backend = "torch"  # nothing to stream: torch's product makes the empty or zero result
     if backend == "naive":
         return row_linear_naive(x, weight, bias, residual)
     if backend == "triton":

@@ -63,7 +63,10 @@ def row_linear_triton(
     outputs = weight.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
+    # The kernel reads the weight's rows and the bias as packed (the decoder's always are: a
+    # module's parameters, or its concatenation of them); anything else is packed first.
     weight = weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
     y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
