@@ -93,22 +93,15 @@ def test_the_fused_step_equals_the_unfused_step(generator, case, block_v):
 # What the interpreter does with a launch's arguments (copies to and from the host), which no
 # GPU launch does: left out of the counts below.
 INTERPRETER_OPS = {"aten::new_empty", "aten::set_", "aten::copy_"}
-# ATen operators of one layer's fused decoding step (its products: x's projections, the low-rank
-# gates' second factors, the output projection with the residual sum, the FFN's two), besides
-# its four Triton kernels (the block's two norms, the fused step, SwiGLU's gating): on a GPU
-# 8 launches a layer, 9 with low-rank gates, where the unfused step makes 54 to 117
-# (tests/test_decode.py).
-FUSED_STEP_OPERATORS_PER_LAYER = {
-    "deltanet": 4,
-    "gdn": 4,
-    "kda": 5,
-    "gdn2": 5,
-    "kdn_iso": 5,
-    "kdn_diag": 5,
-    "kdn_exact": 5,
-    "muir": 5,
-    "kdn_muir": 5,
-}
+# ATen operators of one layer's fused decoding step besides its Triton kernels (the block's two
+# norms; its products by `row_linear`: x's projections, the low-rank gates' second factors, the
+# output projection with the residual sum, the FFN's two; the fused step; SwiGLU's gating):
+# none. On a GPU 8 launches a layer, 9 with low-rank gates, where the unfused step makes 54 to
+# 117 (tests/test_decode.py); past `row_linear.MAX_TRITON_ROWS` sequences the products are
+# cuBLAS's, the same launches.
+FUSED_STEP_OPERATORS_PER_LAYER = 0
+FUSED_KINDS = ["deltanet", "gdn", "kda", "gdn2", "kdn_iso", "kdn_diag", "kdn_exact", "muir",
+               "kdn_muir"]  # fmt: skip
 
 
 def counted_fused_step(kind: str, layers: int, generator) -> dict[str, list[float]]:
@@ -127,14 +120,14 @@ def counted_fused_step(kind: str, layers: int, generator) -> dict[str, list[floa
     return {name: v for name, v in counter.totals.items() if name not in INTERPRETER_OPS}
 
 
-@pytest.mark.parametrize("kind", list(FUSED_STEP_OPERATORS_PER_LAYER))
+@pytest.mark.parametrize("kind", FUSED_KINDS)
 def test_a_fused_decoding_step_dispatches_at_most_its_operator_count_per_layer(generator, kind):
     """A two-layer model's step less a one-layer model's: one layer's operators. None reads a
     value back to the host."""
     one, two = (counted_fused_step(kind, layers, generator) for layers in (1, 2))
     assert not HOST_READS & set(two)
     total = [sum(n for n, _ in counts.values()) for counts in (one, two)]
-    assert total[1] - total[0] <= FUSED_STEP_OPERATORS_PER_LAYER[kind]
+    assert total[1] - total[0] <= FUSED_STEP_OPERATORS_PER_LAYER
 
 
 def test_the_launch_table_picks_its_blocks_by_the_number_of_programs_and_the_shapes():

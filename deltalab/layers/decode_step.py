@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltalab.layers.delta_mixer import DeltaMixer
@@ -41,6 +40,7 @@ from deltalab.layers.states import RecurrentState
 from deltalab.ops._triton import triton_available, triton_unavailable_reason
 from deltalab.ops.delta_rule.triton.fused_step import FusedStepLaunch, StepForm
 from deltalab.ops.norms import L2_EPS
+from deltalab.ops.row_linear import products_backend, row_linear
 
 __all__ = ["LowRank", "StepPlan", "add_projected", "fused_step", "runs_fused", "step_plan"]
 
@@ -248,31 +248,34 @@ def _block_diagonal(layout: _Layout, dtype: torch.dtype):
     return weight, torch.cat(biases).to(dtype)
 
 
-def _product(x, maps, store, dtype, make) -> tuple[torch.Tensor, dict[nn.Linear, torch.Tensor]]:
-    """The product of x with the maps' weights concatenated (`make()`, kept in `store`) and
-    {map: its columns}."""
+def _product(
+    x, maps, store, dtype, make, backend
+) -> tuple[torch.Tensor, dict[nn.Linear, torch.Tensor]]:
+    """The product of x with the maps' weights concatenated (`make()`, kept in `store`) by
+    `row_linear` (`products_backend` of the layer's `backend`), and {map: its columns}."""
     params = [p for m in maps for p in (m.weight, m.bias) if p is not None]
     weight, bias = _kept(store, params, dtype, make)
-    y = F.linear(x, weight, bias)
+    y = row_linear(x, weight, bias, backend=products_backend(backend, x))
     return y, dict(zip(maps, y.split([m.out_features for m in maps], -1), strict=True))
 
 
 def add_projected(
-    residual: torch.Tensor | None, inputs: torch.Tensor, linear: nn.Linear
+    residual: torch.Tensor | None, inputs: torch.Tensor, linear: nn.Linear, backend: str = "auto"
 ) -> torch.Tensor:
-    """residual + linear(inputs) `[B, 1, D]` (linear(inputs) when residual is None): one addmm,
-    the sum in the product's epilogue (one launch, not two), where nothing casts between them
-    (no autocast, one dtype, no bias); else the two ops. inputs `[B, n]` or `[B, 1, n]`."""
-    if residual is None:
-        return linear(inputs).view(inputs.shape[0], 1, -1)
-    weight = linear.weight
-    if (
-        linear.bias is not None
-        or torch.is_autocast_enabled(residual.device.type)
-        or not residual.dtype == inputs.dtype == weight.dtype
-    ):
-        return residual + linear(inputs).view_as(residual)
-    return torch.addmm(residual.flatten(0, -2), inputs.flatten(0, -2), weight.t()).view_as(residual)
+    """residual + linear(inputs) `[B, 1, D]` (linear(inputs) when residual is None) by
+    `row_linear` on its backend for a layer on `backend` (`products_backend`), the sum in the
+    product where nothing casts between them (no autocast, one dtype); else the module's
+    forward and a sum. inputs `[B, n]` or `[B, 1, n]`. The maps are plain `nn.Linear`s
+    (`fusable`): their forward is the product."""
+    rows = inputs.flatten(0, -2)
+    weight, bias = linear.weight, linear.bias
+    dtypes = {t.dtype for t in (rows, weight, bias, residual) if t is not None}
+    if torch.is_autocast_enabled(rows.device.type) or len(dtypes) > 1:
+        y = linear(inputs).view(inputs.shape[0], 1, -1)
+        return y if residual is None else residual + y.view_as(residual)
+    flat = None if residual is None else residual.flatten(0, -2)
+    y = row_linear(rows, weight, bias, flat, backend=products_backend(backend, rows))
+    return y.view(inputs.shape[0], 1, -1)
 
 
 def fused_step(
@@ -294,15 +297,17 @@ def fused_step(
     if torch.is_autocast_enabled(x.device.type) and dtype != torch.float64:
         dtype = torch.get_autocast_dtype(x.device.type)
     x = x[:, 0].to(dtype)
+    products = mixer.backend  # the products follow the layer's backend (`products_backend`)
     product, first = _product(x, layout.first + layout.downs, store, dtype,
-                              lambda: _concatenated(layout.first + layout.downs, dtype))  # fmt: skip
+                              lambda: _concatenated(layout.first + layout.downs, dtype),
+                              products)  # fmt: skip
     outputs: dict[Source, torch.Tensor] = dict(first)
     low = [s for s in plan.sources.values() if isinstance(s, LowRank)]
     if low:
         # The first factors end product 1: their outputs are one view, product 2's input.
         start = sum(m.out_features for m in layout.first)
         _, second = _product(product[:, start:], layout.ups, store, dtype,
-                             lambda: _block_diagonal(layout, dtype))  # fmt: skip
+                             lambda: _block_diagonal(layout, dtype), products)  # fmt: skip
         outputs |= {s: second[s.up] for s in low}
     batch = x.shape[0]
     out = torch.empty(batch, mixer.num_heads * mixer.value_dim, dtype=dtype, device=x.device)
@@ -330,4 +335,4 @@ def fused_step(
         block_v=block_v,
         table=table,
     )
-    return add_projected(residual, out, mixer.o_proj)
+    return add_projected(residual, out, mixer.o_proj, products)

@@ -118,7 +118,7 @@ def attention_step(
         kv.value.to(v.dtype).transpose(1, 2),
         attn_mask=visible[:, None, None, :],
     )
-    return add_projected(residual, o.transpose(1, 2).flatten(-2), layer.o_proj)
+    return add_projected(residual, o.transpose(1, 2).flatten(-2), layer.o_proj, layer.backend)
 
 
 class StaticDecoder:
@@ -331,8 +331,11 @@ class StaticDecoder:
                         buffer.copy_(tensor)
             # Block.forward's FFN branch, its residual sum in the down projection's product.
             ffn = block.ffn
-            hidden = swiglu(ffn.gate_up(block.ffn_norm(x)), backend=ffn.backend)
-            x = add_projected(x, hidden, ffn.down)
+            products = ffn.backend  # its products follow it (`products_backend`)
+            hidden = swiglu(
+                add_projected(None, block.ffn_norm(x), ffn.gate_up, products), backend=ffn.backend
+            )
+            x = add_projected(x, hidden, ffn.down, products)
         logits = self.model.lm_head(core.norm(x))[:, -1]
         logits = logits.to(compute_dtype(logits))
         self.position += 1

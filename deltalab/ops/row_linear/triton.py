@@ -1,0 +1,80 @@
+"""`row_linear`'s kernel: each program owns BN outputs (BN rows of the weight) of one row of x
+and walks K in blocks of BK, keeping a `[BN, BK]` float32 partial sum it reduces once at the
+end; x's block is read once a program and broadcast over the weight's rows.
+
+Launch (H100, 2026-12-07, bf16, a 340M layer's five one-row products, 24 distinct weights in
+one CUDA graph; the sweep of 8 to 32 rows, blocks of 512 or 1024, 1 or 2 pipeline stages, 4 or
+8 warps): 8 rows a program over 4 warps, 2 stages, blocks of 512 where K <= 1024 and of 1024
+above (5.9 us at 5376 x 1024 against cuBLAS's 6.5; 5.0 at 1024 x 2400 against 6.2). Many small
+programs keep enough reads in flight on every SM.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltalab.ops._triton import opaque_to_compiler
+
+BLOCK_N = 8
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+def block_k(width: int) -> int:
+    """The columns a step of the walk reads: 512 up to K = 1024, else 1024 (fewer steps)."""
+    return min(512 if width <= 1024 else 1024, triton.next_power_of_2(width))
+
+
+@triton.jit
+def _row_linear_kernel(X, W, B, R, Y, N, K, stride_x, stride_r, HAS_BIAS: tl.constexpr,
+                       HAS_RESIDUAL: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       STAGES: tl.constexpr):  # fmt: skip
+    row = tl.program_id(1).to(tl.int64)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    n_ok = n < N
+    cols = tl.arange(0, BK)
+    partial = tl.zeros([BN, BK], dtype=tl.float32)
+    for start in tl.range(0, K, BK, num_stages=STAGES):
+        k = start + cols
+        k_ok = k < K
+        x = tl.load(X + row * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(W + n[:, None].to(tl.int64) * K + k[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        partial += w.to(tl.float32) * x[None, :]
+    y = tl.sum(partial, axis=1)
+    if HAS_BIAS:
+        y += tl.load(B + n, mask=n_ok, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        y += tl.load(R + row * stride_r + n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(Y + row * N + n, y.to(Y.dtype.element_ty), mask=n_ok)
+
+
+@opaque_to_compiler
+def row_linear_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    """`row_linear` by the kernel, validated inputs (the module docstring of the op)."""
+    rows, width = x.shape
+    outputs = weight.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    # The kernel reads the weight's rows and the bias as packed (the decoder's always are: a
+    # module's parameters, or its concatenation of them); anything else is packed first.
+    weight = weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(outputs, BLOCK_N), rows)
+    _row_linear_kernel[grid](
+        x, weight, bias, residual, y, outputs, width, x.stride(0),
+        0 if residual is None else residual.stride(0),
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BN=BLOCK_N,
+        BK=block_k(width), STAGES=NUM_STAGES, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return y

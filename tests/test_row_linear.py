@@ -1,0 +1,98 @@
+"""`deltalab.ops.row_linear`: the kernel and the torch path against the float64 definition on
+fresh random inputs, and its argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import needs_triton
+
+from deltalab.ops._triton import triton_unavailable_reason
+from deltalab.ops.row_linear import MAX_TRITON_ROWS, products_backend, resolve_backend, row_linear
+from deltalab.testing import relative_error
+
+# (rows, outputs, K): one row as a decoding step makes, rows past one, a K of several blocks
+# (1100: two blocks of 1024, the second partial) and outputs not a multiple of the block.
+SHAPES = [(1, 40, 48), (3, 17, 1100), (2, 64, 256)]
+
+
+def inputs(shape, generator, bias: bool, residual: bool):
+    """x a column slice of a wider product (row stride 2K), as the decoder's second product is;
+    the bias a strided view and the residual rows of a wider tensor, which the kernel must read
+    by their strides or pack."""
+    rows, outputs, width = shape
+    x = torch.randn(rows, 2 * width, generator=generator)[:, :width]
+    weight = torch.randn(outputs, width, generator=generator) / width**0.5
+    b = torch.randn(2 * outputs, generator=generator)[::2] if bias else None
+    r = torch.randn(rows, outputs + 3, generator=generator)[:, 3:] if residual else None
+    return x, weight, b, r
+
+
+@pytest.mark.parametrize("backend", [
+    "torch", pytest.param("triton", marks=[pytest.mark.interpreter, needs_triton])
+])  # fmt: skip
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(("bias", "residual"), [(False, False), (True, False), (False, True),
+                                                (True, True)])  # fmt: skip
+def test_row_linear_matches_the_float64_definition(generator, backend, shape, bias, residual):
+    x, weight, b, r = inputs(shape, generator, bias, residual)
+    got = row_linear(x, weight, b, r, backend=backend)
+    as64 = [None if t is None else t.double() for t in (b, r)]
+    expected = row_linear(x.double(), weight.double(), *as64, backend="naive")
+    assert got.dtype == x.dtype and got.shape == expected.shape
+    assert relative_error(got, expected) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_row_linear_of_no_columns_is_the_bias_and_the_residual(backend):
+    x, weight = torch.zeros(2, 0), torch.zeros(3, 0)
+    bias, residual = torch.ones(3), torch.full((2, 3), 2.0)
+    assert torch.equal(row_linear(x, weight, bias, residual, backend=backend),
+                       torch.full((2, 3), 3.0))  # fmt: skip
+
+
+def test_auto_takes_the_kernel_on_cuda_for_a_few_rows_only():
+    x = torch.zeros(1, 8)
+    assert resolve_backend("auto", x) == "torch"  # CPU: the interpreter is asked for by name
+    assert resolve_backend("auto", x.double()) == "torch"
+    if torch.cuda.is_available() and triton_unavailable_reason(torch.device("cuda")) is None:
+        assert resolve_backend("auto", x.cuda()) == "triton"
+        many = torch.zeros(MAX_TRITON_ROWS + 1, 8, device="cuda")
+        assert resolve_backend("auto", many) == "torch"
+        assert resolve_backend("auto", x.cuda().double()) == "torch"
+
+
+@pytest.mark.parametrize(
+    ("layer", "rows", "dtype", "expected"),
+    [
+        ("triton", 1, torch.float32, "triton"),
+        ("triton", MAX_TRITON_ROWS + 1, torch.float32, "auto"),
+        ("triton", 1, torch.float64, "auto"),
+        ("auto", 1, torch.bfloat16, "auto"),
+        ("chunk", 1, torch.float32, "torch"),
+        ("naive", 1, torch.float32, "torch"),
+    ],
+)
+def test_a_layers_products_take_the_kernel_only_where_the_op_offers_it(
+    layer, rows, dtype, expected
+):
+    assert products_backend(layer, torch.zeros(rows, 8, dtype=dtype)) == expected
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"x": torch.zeros(2, 1, 8)}, "x must be"),
+        ({"weight": torch.zeros(4, 7)}, "weight must have shape"),
+        ({"bias": torch.zeros(5)}, "bias"),
+        ({"residual": torch.zeros(2, 5)}, "residual"),
+        ({"bias": torch.zeros(4, dtype=torch.float64)}, "bias must have x's dtype"),
+        ({"backend": "cublas"}, "backend must be one of"),
+    ],
+)
+def test_row_linear_refuses_bad_arguments_naming_them(change, match):
+    arguments = {"x": torch.zeros(2, 8), "weight": torch.zeros(4, 8), "bias": None,
+                 "residual": None, "backend": "torch"} | change  # fmt: skip
+    backend = arguments.pop("backend")
+    with pytest.raises((ValueError, TypeError), match=match):
+        row_linear(**arguments, backend=backend)
