@@ -63,7 +63,7 @@ CATEGORIES = (
     ("attention", (), ("flash", "fmha", "attention", "sdpa")),
     (
         "matrix products",
-        (),
+        ("_row_linear_",),
         (
             "gemm",
             "xmma",

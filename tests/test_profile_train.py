@@ -39,8 +39,8 @@ def test_kernel_names_fall_in_their_categories(name, expected):
 def test_every_launched_triton_kernel_of_the_project_falls_in_its_category():
     """A kernel added later without a matching prefix would be counted as elementwise work: the
     short convolution's kernels are convolution, the norms' and SwiGLU's "normalization,
-    SwiGLU", the log decay's, the read gate's and RoPE's elementwise (glue they replace), every other
-    one a delta-rule or KDN kernel."""
+    SwiGLU", the log decay's, the read gate's and RoPE's elementwise (glue they replace),
+    `row_linear`'s matrix products, every other one a delta-rule or KDN kernel."""
     expected = {}
     for path in (_ROOT / "deltalab" / "ops").rglob("*.py"):
         text = path.read_text()
@@ -51,6 +51,7 @@ def test_every_launched_triton_kernel_of_the_project_falls_in_its_category():
         label = profile_train.NORMS_SWIGLU if glue_side else label
         elementwise = {"log_decay", "read_gate", "rope"} & set(path.parts)
         label = profile_train.OTHER if elementwise else label
+        label = "matrix products" if "row_linear" in path.parts else label
         expected.update(dict.fromkeys(launched & jitted, label))
     assert len(expected) >= 12 and "convolution" in expected.values()
     assert {k: profile_train.category(k) for k in expected} == expected
