@@ -24,13 +24,12 @@ batch, the shipped table's time over the best setting's.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from functools import partial
 from pathlib import Path
 
 import torch
 
+from benchmarks.bench_decode_gpu import kernel_seconds
 from benchmarks.tune_triton import card
 from deltalab.ops.delta_rule.triton.fused_step import (
     LAUNCH_TABLES,
@@ -123,34 +122,14 @@ def step(form: StepForm, inputs: dict, table: FusedStepLaunch, dim: int) -> None
 
 
 def us_per_layer(calls: list, device: str) -> float:
-    """Median us of one call of `calls` (one a layer): on CUDA all of them in one graph,
-    replayed; elsewhere the calls' wall time."""
-    if device != "cuda":
-        start = time.perf_counter()
+    """Median us of one call of `calls` (one a layer), all of them in turn timed as one function
+    (`kernel_seconds`: on CUDA from a graph of 10 rounds of them, replayed)."""
+
+    def every_layer() -> None:
         for call in calls:
             call()
-        return 1e6 * (time.perf_counter() - start) / len(calls)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / 10 / len(calls))
-    return statistics.median(times)
+
+    return 1e6 * kernel_seconds(every_layer, torch.device(device), calls=10) / len(calls)
 
 
 def difference(got: dict, expected: dict) -> float:

@@ -68,6 +68,17 @@ def run_in_pieces(mixer, x: torch.Tensor, pieces: list[int], state=None):
     return torch.cat(outputs, dim=1), state
 
 
+def assert_same_recurrent_state(buffers, expected, rtol: float = 1e-4, atol: float = 1e-5):
+    """Every tensor field of a recurrent state dataclass (memory, conv caches, KDN filter
+    state; not the gates a forward records) of `buffers` close to `expected`'s."""
+    import dataclasses
+
+    for f in dataclasses.fields(expected):
+        value = getattr(expected, f.name)
+        if f.name != "gates" and isinstance(value, torch.Tensor):
+            torch.testing.assert_close(getattr(buffers, f.name), value, rtol=rtol, atol=atol)
+
+
 def built_and_default_adamw_steps(
     model, generator: torch.Generator, steps: int = 3, fused: bool | None = None
 ):

@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from conftest import built_and_default_adamw_steps, random_delta_inputs
+from conftest import assert_same_recurrent_state, built_and_default_adamw_steps, random_delta_inputs
 
 from deltalab.models import MIXER_KINDS, CausalLM, build_config
 from deltalab.models.static_decode import StaticDecoder, static_generate
@@ -395,7 +395,4 @@ def test_cuda_fused_step_at_the_tables_launches_equals_the_unfused_step(
         table = dataclasses.replace(LAUNCH, many_programs=many_programs)
         got = fused_step(layer, x, buffers, {}, table=table)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
-    for f in dataclasses.fields(after):
-        value = getattr(after, f.name)
-        if f.name != "gates" and isinstance(value, torch.Tensor):
-            torch.testing.assert_close(getattr(buffers, f.name), value, rtol=1e-4, atol=1e-5)
+    assert_same_recurrent_state(buffers, after)

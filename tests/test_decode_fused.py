@@ -4,10 +4,9 @@ mixer it serves, under the Triton interpreter."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
+from conftest import assert_same_recurrent_state
 
 from deltalab.benchmarking import HOST_READS, OperatorCounter
 from deltalab.layers.decode_step import fused_step, runs_fused, step_plan
@@ -84,10 +83,7 @@ def test_the_fused_step_equals_the_unfused_step(generator, case, block_v):
         expected, after = mixer(x, state)
         got = fused_step(mixer, x, buffers, {}, block_v=block_v)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
-    for f in dataclasses.fields(after):
-        value = getattr(after, f.name)
-        if f.name != "gates" and isinstance(value, torch.Tensor):
-            torch.testing.assert_close(getattr(buffers, f.name), value, rtol=1e-4, atol=1e-5)
+    assert_same_recurrent_state(buffers, after)
 
 
 # What the interpreter does with a launch's arguments (copies to and from the host), which no
@@ -178,10 +174,7 @@ def test_the_fused_step_equals_the_unfused_step_at_each_launch_of_a_table(
         got = fused_step(mixer, x, buffers, {}, table=table)
     assert launches == [(16, 16, 1) if many_programs > 4 else (16, 32, 2)]
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
-    for f in dataclasses.fields(after):
-        value = getattr(after, f.name)
-        if f.name != "gates" and isinstance(value, torch.Tensor):
-            torch.testing.assert_close(getattr(buffers, f.name), value, rtol=1e-4, atol=1e-5)
+    assert_same_recurrent_state(buffers, after)
 
 
 def test_a_step_given_both_a_value_block_and_a_table_is_refused_naming_them(generator):

@@ -32,14 +32,19 @@ LAYER = dict(hidden_size=32, num_heads=2, head_dim=16, value_dim=8, conv_size=4,
 
 
 @needs_triton
-def test_diagonal_kdn_layer_on_triton_matches_chunk_with_parameter_gradients(monkeypatch):
+@pytest.mark.parametrize(
+    ("layer_class", "spy"),
+    [(DiagonalKDN, spy_fused), (IsotropicKDN, spy_iso_gain)],
+    ids=["diagonal", "isotropic"],
+)
+def test_kdn_layer_on_triton_matches_chunk_with_parameter_gradients(monkeypatch, layer_class, spy):
     """The same parameters on both backends: outputs and every parameter's gradient to 1e-5,
     the Triton layer's gains on the fused kernels (20 tokens, two tiles of 16)."""
-    calls = spy_fused(monkeypatch)
+    calls = spy(monkeypatch)
     layers = {}
     for backend in ("chunk", "triton"):
         torch.manual_seed(0)
-        layers[backend] = DiagonalKDN(**LAYER, backend=backend).to(DEVICE)
+        layers[backend] = layer_class(**LAYER, backend=backend).to(DEVICE)
     layers["triton"].load_state_dict(layers["chunk"].state_dict(), strict=True)
     x = torch.randn(2, 20, LAYER["hidden_size"], device=DEVICE)
     dy = torch.randn(2, 20, LAYER["hidden_size"], device=DEVICE)
@@ -214,27 +219,6 @@ def test_kdn_layers_on_triton_hand_the_delta_rule_k_and_g_through_the_gain_rebui
         gain = {"_KDNIsoTermsBackward", "_KDNDiagGainBackward"}
         assert bool(routed & gain) == (backend == "triton"), routed
         assert recipe is not None
-
-
-@needs_triton
-def test_isotropic_kdn_layer_on_triton_matches_chunk_with_parameter_gradients(monkeypatch):
-    calls = spy_iso_gain(monkeypatch)
-    layers = {}
-    for backend in ("chunk", "triton"):
-        torch.manual_seed(0)
-        layers[backend] = IsotropicKDN(**LAYER, backend=backend).to(DEVICE)
-    layers["triton"].load_state_dict(layers["chunk"].state_dict(), strict=True)
-    x = torch.randn(2, 20, LAYER["hidden_size"], device=DEVICE)
-    dy = torch.randn(2, 20, LAYER["hidden_size"], device=DEVICE)
-    results = {}
-    for backend, layer in layers.items():
-        y, _ = layer(x)
-        (y * dy).sum().backward()
-        grads = torch.cat([p.grad.flatten() for p in layer.parameters()])
-        results[backend] = (y.detach(), grads)
-    assert calls == [(2, 20, 2, 16)]
-    assert_close(results["triton"][0], results["chunk"][0], 1e-5, "y")
-    assert_close(results["triton"][1], results["chunk"][1], 1e-5, "parameter gradients")
 
 
 # 16-bit inputs on the Triton route: float16 under the interpreter (numpy has it), bf16 too on
