@@ -7,8 +7,15 @@ import pytest
 import torch
 from conftest import needs_triton
 
+from deltalab.layers.norms import RMSNorm
 from deltalab.ops._triton import triton_unavailable_reason
-from deltalab.ops.row_linear import MAX_TRITON_ROWS, products_backend, resolve_backend, row_linear
+from deltalab.ops.row_linear import (
+    MAX_TRITON_ROWS,
+    products_backend,
+    resolve_backend,
+    row_linear,
+    row_linear_naive,
+)
 from deltalab.testing import relative_error
 
 # (rows, outputs, K): one row as a decoding step makes, rows past one, a K of several blocks
@@ -79,6 +86,51 @@ def test_a_layers_products_take_the_kernel_only_where_the_op_offers_it(
     assert products_backend(layer, torch.zeros(rows, 8, dtype=dtype)) == expected
 
 
+X = torch.zeros(2, 8)
+
+
+@pytest.mark.parametrize("backend", [
+    "torch", pytest.param("triton", marks=[pytest.mark.interpreter, needs_triton])
+])  # fmt: skip
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_norm_in_the_product_matches_the_float64_definition(generator, backend, shape):
+    x, weight, b, r = inputs(shape, generator, bias=True, residual=True)
+    x = 3.0 * x + 0.5  # a mean square far from 1, so a missing norm cannot pass
+    scale = 1.0 + torch.rand(shape[2], generator=generator)
+    got = row_linear(x, weight, b, r, norm_weight=scale, norm_eps=1e-3, backend=backend)
+    expected = row_linear_naive(x.double(), weight.double(), b.double(), r.double(),
+                                scale.double(), 1e-3)  # fmt: skip
+    by_parts = RMSNorm(shape[2], eps=1e-3, backend="naive")
+    by_parts.weight.data.copy_(scale)
+    assert relative_error(got, expected) < 1e-5
+    assert relative_error(got, row_linear(by_parts(x), weight, b, r, backend="torch")) < 1e-5
+
+
+@pytest.mark.parametrize("backend", [
+    "torch", "naive", pytest.param("triton", marks=[pytest.mark.interpreter, needs_triton])
+])  # fmt: skip
+@pytest.mark.parametrize("bias", [False, True])
+def test_out_equal_to_the_residual_sums_into_it_in_place(generator, backend, bias):
+    x, weight, b, r = inputs((3, 17, 1100), generator, bias, residual=True)
+    residual = r.clone()  # packed rows, as the decoder's residual stream is
+    expected = row_linear(x, weight, b, residual, backend=backend)
+    got = row_linear(x, weight, b, residual, out=residual, backend=backend)
+    assert got.data_ptr() == residual.data_ptr()
+    assert relative_error(got, expected) < 1e-6
+
+
+@pytest.mark.parametrize("backend", [
+    "torch", pytest.param("triton", marks=[pytest.mark.interpreter, needs_triton])
+])  # fmt: skip
+@pytest.mark.parametrize("bias", [False, True])
+def test_out_without_a_residual_receives_the_product(generator, backend, bias):
+    x, weight, b, _ = inputs((2, 40, 48), generator, bias, residual=False)
+    out = torch.full((2, 40), float("nan"))
+    got = row_linear(x, weight, b, out=out, backend=backend)
+    assert got.data_ptr() == out.data_ptr()
+    assert relative_error(got, row_linear(x, weight, b, backend="naive")) < 1e-5
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [
@@ -88,10 +140,15 @@ def test_a_layers_products_take_the_kernel_only_where_the_op_offers_it(
         ({"residual": torch.zeros(2, 5)}, "residual"),
         ({"bias": torch.zeros(4, dtype=torch.float64)}, "bias must have x's dtype"),
         ({"backend": "cublas"}, "backend must be one of"),
+        ({"norm_weight": torch.zeros(7)}, "norm_weight must have shape"),
+        ({"out": torch.zeros(2, 5)}, "out must have shape"),
+        ({"out": torch.zeros(2, 4, dtype=torch.float64)}, "out must have x's dtype"),
+        ({"out": torch.zeros(4, 2).t()}, "out must have unit column stride"),
+        ({"out": X[:, :4]}, "out shares memory with x"),
     ],
 )
 def test_row_linear_refuses_bad_arguments_naming_them(change, match):
-    arguments = {"x": torch.zeros(2, 8), "weight": torch.zeros(4, 8), "bias": None,
+    arguments = {"x": X, "weight": torch.zeros(4, 8), "bias": None,
                  "residual": None, "backend": "torch"} | change  # fmt: skip
     backend = arguments.pop("backend")
     with pytest.raises((ValueError, TypeError), match=match):
