@@ -8,7 +8,7 @@ import torch
 from conftest import needs_triton
 
 from deltalab.layers.norms import RMSNorm
-from deltalab.ops._triton import triton_unavailable_reason
+from deltalab.ops._triton import INTERPRET, triton_unavailable_reason
 from deltalab.ops.row_linear import (
     MAX_TRITON_ROWS,
     products_backend,
@@ -21,6 +21,8 @@ from deltalab.testing import relative_error
 # (rows, outputs, K): one row as a decoding step makes, rows past one, a K of several blocks
 # (1100: two blocks of 1024, the second partial) and outputs not a multiple of the block.
 SHAPES = [(1, 40, 48), (3, 17, 1100), (2, 64, 256)]
+# The kernel's tensors: CUDA's where it compiles, else CPU's for the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 
 
 def inputs(shape, generator, bias: bool, residual: bool):
@@ -32,7 +34,7 @@ def inputs(shape, generator, bias: bool, residual: bool):
     weight = torch.randn(outputs, width, generator=generator) / width**0.5
     b = torch.randn(2 * outputs, generator=generator)[::2] if bias else None
     r = torch.randn(rows, outputs + 3, generator=generator)[:, 3:] if residual else None
-    return x, weight, b, r
+    return tuple(None if t is None else t.to(DEVICE) for t in (x, weight, b, r))
 
 
 @pytest.mark.parametrize("backend", [
@@ -52,9 +54,9 @@ def test_row_linear_matches_the_float64_definition(generator, backend, shape, bi
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
 def test_row_linear_of_no_columns_is_the_bias_and_the_residual(backend):
-    x, weight = torch.zeros(2, 0), torch.zeros(3, 0)
-    bias, residual = torch.ones(3), torch.full((2, 3), 2.0)
-    assert torch.equal(row_linear(x, weight, bias, residual, backend=backend),
+    x, weight = torch.zeros(2, 0, device=DEVICE), torch.zeros(3, 0, device=DEVICE)
+    bias, residual = torch.ones(3, device=DEVICE), torch.full((2, 3), 2.0, device=DEVICE)
+    assert torch.equal(row_linear(x, weight, bias, residual, backend=backend).cpu(),
                        torch.full((2, 3), 3.0))  # fmt: skip
 
 
@@ -96,11 +98,11 @@ X = torch.zeros(2, 8)
 def test_the_norm_in_the_product_matches_the_float64_definition(generator, backend, shape):
     x, weight, b, r = inputs(shape, generator, bias=True, residual=True)
     x = 3.0 * x + 0.5  # a mean square far from 1, so a missing norm cannot pass
-    scale = 1.0 + torch.rand(shape[2], generator=generator)
+    scale = 1.0 + torch.rand(shape[2], generator=generator).to(DEVICE)
     got = row_linear(x, weight, b, r, norm_weight=scale, norm_eps=1e-3, backend=backend)
     expected = row_linear_naive(x.double(), weight.double(), b.double(), r.double(),
                                 scale.double(), 1e-3)  # fmt: skip
-    by_parts = RMSNorm(shape[2], eps=1e-3, backend="naive")
+    by_parts = RMSNorm(shape[2], eps=1e-3, backend="naive").to(DEVICE)
     by_parts.weight.data.copy_(scale)
     assert relative_error(got, expected) < 1e-5
     assert relative_error(got, row_linear(by_parts(x), weight, b, r, backend="torch")) < 1e-5
@@ -125,7 +127,7 @@ def test_out_equal_to_the_residual_sums_into_it_in_place(generator, backend, bia
 @pytest.mark.parametrize("bias", [False, True])
 def test_out_without_a_residual_receives_the_product(generator, backend, bias):
     x, weight, b, _ = inputs((2, 40, 48), generator, bias, residual=False)
-    out = torch.full((2, 40), float("nan"))
+    out = torch.full((2, 40), float("nan"), device=DEVICE)
     got = row_linear(x, weight, b, out=out, backend=backend)
     assert got.data_ptr() == out.data_ptr()
     assert relative_error(got, row_linear(x, weight, b, backend="naive")) < 1e-5

@@ -40,7 +40,7 @@ from deltalab.layers.states import RecurrentState
 from deltalab.ops._triton import triton_available, triton_unavailable_reason
 from deltalab.ops.delta_rule.triton.fused_step import FusedStepLaunch, StepForm
 from deltalab.ops.norms import L2_EPS
-from deltalab.ops.row_linear import products_backend, row_linear
+from deltalab.ops.row_linear import products_backend, resolve_backend, row_linear
 
 __all__ = ["LowRank", "StepPlan", "add_projected", "fused_step", "runs_fused", "step_plan"]
 
@@ -275,7 +275,8 @@ def step_rows(
     left. The fused norm rounds its output to x's dtype as the module does, so the two differ
     by the order of a sum only."""
     rows = x[:, 0]
-    if norm is not None and (rows.dtype != dtype or products_backend(backend, rows) != "triton"):
+    kernel = resolve_backend(products_backend(backend, rows), rows) == "triton"
+    if norm is not None and (rows.dtype != dtype or not kernel):
         rows, norm = norm(x)[:, 0], None
     return rows.to(dtype), norm
 
