@@ -9,6 +9,7 @@ from conftest import needs_triton
 
 from deltalab.layers.norms import RMSNorm
 from deltalab.ops._triton import INTERPRET, triton_unavailable_reason
+from deltalab.ops.norms.reference import rms_norm_torch
 from deltalab.ops.row_linear import (
     MAX_TRITON_ROWS,
     products_backend,
@@ -89,6 +90,7 @@ def test_a_layers_products_take_the_kernel_only_where_the_op_offers_it(
 
 
 X = torch.zeros(2, 8)
+SHARED = torch.zeros(2, 8)  # one memory for two operands
 
 
 @pytest.mark.parametrize("backend", [
@@ -127,10 +129,31 @@ def test_out_equal_to_the_residual_sums_into_it_in_place(generator, backend, bia
 @pytest.mark.parametrize("bias", [False, True])
 def test_out_without_a_residual_receives_the_product(generator, backend, bias):
     x, weight, b, _ = inputs((2, 40, 48), generator, bias, residual=False)
-    out = torch.full((2, 40), float("nan"), device=DEVICE)
+    out = torch.full((2, 45), float("nan"), device=DEVICE)[:, 5:]  # rows apart by 45
     got = row_linear(x, weight, b, out=out, backend=backend)
-    assert got.data_ptr() == out.data_ptr()
+    assert got.data_ptr() == out.data_ptr() and not out.isnan().any()
     assert relative_error(got, row_linear(x, weight, b, backend="naive")) < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="bfloat16: a CUDA GPU")
+def test_the_norm_in_the_product_rounds_the_normalized_row_to_xs_dtype(generator):
+    """Each output adds two normalized columns (weight rows e_2i + e_2i+1), so the sum of the
+    rounded columns, what the norm module's output gives the product, differs from the sum of
+    unrounded ones in a share of the outputs; the kernel gives the former (up to the rare
+    rounding that the order of the mean square's sum may flip)."""
+    width = 512
+    x = torch.randn(4, width, generator=generator).to(DEVICE, torch.bfloat16)
+    scale = (1.0 + torch.rand(width, generator=generator)).to(DEVICE, torch.bfloat16)
+    weight = torch.zeros(width // 2, width, device=DEVICE, dtype=torch.bfloat16)
+    pairs = torch.arange(width // 2, device=DEVICE)
+    weight[pairs, 2 * pairs] = weight[pairs, 2 * pairs + 1] = 1.0
+    normed = rms_norm_torch(x, scale, 1e-5)  # float32, the module's before its rounding
+    rounded = normed.to(torch.bfloat16).float()
+    expected = (rounded[:, 0::2] + rounded[:, 1::2]).to(torch.bfloat16)
+    unrounded = (normed[:, 0::2] + normed[:, 1::2]).to(torch.bfloat16)
+    got = row_linear(x, weight, norm_weight=scale, norm_eps=1e-5, backend="triton")
+    assert (expected != unrounded).float().mean() > 0.05  # the two are told apart here
+    assert (got != expected).float().mean() < 0.01
 
 
 @pytest.mark.parametrize(
@@ -147,6 +170,9 @@ def test_out_without_a_residual_receives_the_product(generator, backend, bias):
         ({"out": torch.zeros(2, 4, dtype=torch.float64)}, "out must have x's dtype"),
         ({"out": torch.zeros(4, 2).t()}, "out must have unit column stride"),
         ({"out": X[:, :4]}, "out shares memory with x"),
+        ({"out": torch.zeros(1, 4).expand(2, 4)}, "out's rows overlap"),
+        ({"residual": SHARED[:, :4], "out": SHARED[:, 1:5]}, "out shares memory with residual"),
+        ({"norm_weight": SHARED[0], "out": SHARED[1].view(2, 4)}, "out shares memory with norm_w"),
     ],
 )
 def test_row_linear_refuses_bad_arguments_naming_them(change, match):

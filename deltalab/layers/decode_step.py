@@ -35,6 +35,7 @@ from deltalab.layers.kda import KimiDeltaAttention
 from deltalab.layers.kdn import DiagonalKDN, ExactKDN, FreeProcessNoise, IsotropicKDN, KDNMixer
 from deltalab.layers.kdn_muir import KDNMuir
 from deltalab.layers.muir import FusedGateProjection, Muir
+from deltalab.layers.norms import RMSNorm
 from deltalab.layers.projections import _concatenated, _kept, fusable
 from deltalab.layers.states import RecurrentState
 from deltalab.ops._triton import triton_available, triton_unavailable_reason
@@ -42,7 +43,15 @@ from deltalab.ops.delta_rule.triton.fused_step import FusedStepLaunch, StepForm
 from deltalab.ops.norms import L2_EPS
 from deltalab.ops.row_linear import products_backend, resolve_backend, row_linear
 
-__all__ = ["LowRank", "StepPlan", "add_projected", "fused_step", "runs_fused", "step_plan"]
+__all__ = [
+    "LowRank",
+    "StepPlan",
+    "add_projected",
+    "fused_step",
+    "runs_fused",
+    "step_plan",
+    "step_rows",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -268,15 +277,15 @@ def step_rows(
     x: torch.Tensor, norm: nn.Module | None, dtype: torch.dtype, backend: str
 ) -> tuple[torch.Tensor, nn.Module | None]:
     """A one-token step's input x `[B, 1, D]` as the rows `[B, D]` of `dtype` that a product
-    takes, and the pre-norm `norm` (an `RMSNorm` or None) left for that product to apply: the
+    takes, and the pre-norm `norm` (a norm module or None) left for that product to apply: the
     product's kernel normalizes its rows itself where the layer's products take `row_linear`'s
-    kernel (`products_backend` of `backend`, the layer's) and no cast comes between the norm
-    and the product; else the module runs here, as the block's forward runs it, and None is
-    left. The fused norm rounds its output to x's dtype as the module does, so the two differ
+    kernel (`products_backend` of `backend`, the layer's), no cast comes between the norm and
+    the product and the norm is a plain `RMSNorm` without hooks (`fusable`); else the module
+    runs here, as the block's forward runs it, and None is left. The fused norm rounds its output to x's dtype as the module does, so the two differ
     by the order of a sum only."""
     rows = x[:, 0]
     kernel = resolve_backend(products_backend(backend, rows), rows) == "triton"
-    if norm is not None and (rows.dtype != dtype or not kernel):
+    if norm is not None and (rows.dtype != dtype or not kernel or not fusable(norm, RMSNorm)):
         rows, norm = norm(x)[:, 0], None
     return rows.to(dtype), norm
 
@@ -293,9 +302,10 @@ def add_projected(
     """residual + linear(norm(inputs)) `[B, 1, D]` (no residual: none; no norm: inputs as they
     are) by `row_linear` on its backend for a layer on `backend` (`products_backend`), the sum
     and the norm in the product where nothing casts between them (no autocast, one dtype);
-    else the modules' forwards and a sum. inputs `[B, n]` or `[B, 1, n]`. in_place: the sum is
-    written into `residual` (which must not be needed after), so no copy of it is made. The
-    maps are plain `nn.Linear`s (`fusable`): their forward is the product."""
+    else the modules' forwards and a sum. inputs `[B, n]` or `[B, 1, n]`. in_place: the sum may
+    be written into `residual` (which must not be needed after), so that no copy of it is made;
+    the result is the returned tensor. The maps are plain `nn.Linear`s (`fusable`): their
+    forward is the product."""
     weight, bias = linear.weight, linear.bias
     dtypes = {t.dtype for t in (inputs, weight, bias, residual) if t is not None}
     if torch.is_autocast_enabled(inputs.device.type) or len(dtypes) > 1:

@@ -115,17 +115,24 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
-def _require_out(out, rows, outputs, x, operands) -> None:
-    """out: `[M, N]` of x's dtype and device, unit column stride; it may be the residual
-    itself, and shares no memory with the other operands."""
+def _require_out(out, rows, outputs, x, residual, operands) -> None:
+    """out: `[M, N]` of x's dtype and device, unit column stride, rows apart (no two outputs in
+    one place); it may be the residual itself but no other view of its memory, and shares no
+    memory with the other operands."""
     require_shape("out", out, (rows, outputs), "[M, N]", "(x's rows, weight's N)")
     if out.dtype != x.dtype or out.device != x.device:
         raise TypeError(f"out must have x's dtype and device, got {out.dtype} on {out.device}")
     if outputs > 1 and out.stride(1) != 1:
         raise ValueError(f"out must have unit column stride, got strides {out.stride()}")
+    if rows > 1 and out.stride(0) < outputs:
+        raise ValueError(f"out's rows overlap (row stride {out.stride(0)} < N = {outputs})")
+    storage = out.untyped_storage().data_ptr()
+    if residual is not None and residual.untyped_storage().data_ptr() == storage:
+        if not _same_view(out, residual):
+            raise ValueError("out shares memory with residual: give out = residual or new memory")
     for name, t in operands.items():
-        if t is not None and t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
-            raise ValueError(f"out shares memory with {name}: give out = residual or new memory")
+        if t is not None and t.untyped_storage().data_ptr() == storage:
+            raise ValueError(f"out shares memory with {name}: give new memory")
 
 
 def row_linear(
@@ -162,7 +169,8 @@ def row_linear(
         {"x": x, "weight": weight, "bias": bias, "residual": residual, "norm_weight": norm_weight}
     )
     if out is not None:
-        _require_out(out, rows, outputs, x, {"x": x, "weight": weight, "bias": bias})
+        operands = {"x": x, "weight": weight, "bias": bias, "norm_weight": norm_weight}
+        _require_out(out, rows, outputs, x, residual, operands)
     for name, t in {"weight": weight, "bias": bias, "residual": residual}.items():
         if t is not None and t.dtype != x.dtype:
             raise TypeError(f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
