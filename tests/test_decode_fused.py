@@ -10,6 +10,7 @@ from conftest import assert_same_recurrent_state
 
 from deltalab.benchmarking import HOST_READS, OperatorCounter
 from deltalab.layers.decode_step import fused_step, runs_fused, step_plan
+from deltalab.layers.norms import RMSNorm
 from deltalab.models import CausalLM, build_config
 from deltalab.models.static_decode import StaticDecoder, _static_recurrent
 from deltalab.ops._triton import INTERPRET
@@ -86,15 +87,62 @@ def test_the_fused_step_equals_the_unfused_step(generator, case, block_v):
     assert_same_recurrent_state(buffers, after)
 
 
+@pytest.mark.parametrize(
+    ("kind", "hooked"), [("gdn2", False), ("kdn_diag", False), ("muir", False), ("gdn2", True)]
+)
+def test_the_fused_step_with_the_blocks_norm_and_residual_equals_the_blocks_mixer_branch(
+    generator, kind, hooked
+):
+    """x + mixer(norm(x)): the norm in the first product's kernel, the sum written into x. A
+    norm with a hook of its own is run as a module, its hook with it (`fusable`)."""
+    mixer = tiny_mixer(kind, {}, {}, generator)
+    norm = RMSNorm(32, eps=1e-3, backend="torch")
+    if hooked:
+        norm.register_forward_hook(lambda module, inputs, output: -3.0 * output)
+    with torch.no_grad():
+        norm.weight.copy_(1.0 + torch.rand(32, generator=generator))
+        _, state = mixer(torch.randn(2, 5, 32, generator=generator))
+        x = 3.0 * torch.randn(2, 1, 32, generator=generator)
+        buffers = _static_recurrent(state)
+        y, after = mixer(norm(x), state)
+        expected = x + y
+        got = fused_step(mixer, x, buffers, {}, residual=x, norm=norm, in_place=True)
+    assert got.data_ptr() == x.data_ptr()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert_same_recurrent_state(buffers, after)
+
+
+def test_a_decoding_step_on_the_kernels_runs_no_norm_module_but_the_heads(generator, monkeypatch):
+    """At a few rows the blocks' norms are computed by the products after them. (A spy on the
+    class's forward: a hook of the modules' own would make them run as modules.)"""
+    torch.manual_seed(0)
+    model = CausalLM(build_config("tiny", mixer="gdn2", backend="triton", **TINY)).eval()
+    with torch.no_grad():
+        out = model(torch.randint(0, 67, (2, 7), generator=generator), use_cache=True)
+    decoder = StaticDecoder(model, out.past_key_values, 4, cuda_graph=False)
+    decoder.start(out.logits[:, -1])
+    calls = []
+    forward = RMSNorm.forward
+
+    def counted(module, x):
+        calls.append(module)
+        return forward(module, x)
+
+    monkeypatch.setattr(RMSNorm, "forward", counted)
+    decoder.step()
+    assert calls == [model.model.norm]
+
+
 # What the interpreter does with a launch's arguments (copies to and from the host), which no
 # GPU launch does: left out of the counts below.
 INTERPRETER_OPS = {"aten::new_empty", "aten::set_", "aten::copy_"}
-# ATen operators of one layer's fused decoding step besides its Triton kernels (the block's two
-# norms; its products by `row_linear`: x's projections, the low-rank gates' second factors, the
-# output projection with the residual sum, the FFN's two; the fused step; SwiGLU's gating):
-# none. On a GPU 8 launches a layer, 9 with low-rank gates, where the unfused step makes 54 to
-# 117 (tests/test_decode.py); past `row_linear.MAX_TRITON_ROWS` sequences the products are
-# cuBLAS's, the same launches.
+# ATen operators of one layer's fused decoding step besides its Triton kernels (its products
+# by `row_linear`: x's projections after the block's first norm, the low-rank gates' second
+# factors, the output projection with the residual sum, the FFN's two, the first after the
+# second norm; the fused step; SwiGLU's gating): none. On a GPU 6 launches a layer, 7 with
+# low-rank gates, where the unfused step makes 54 to 117 (tests/test_decode.py); past
+# `row_linear.MAX_TRITON_ROWS` sequences the products are cuBLAS's and the two norms their
+# own launches.
 FUSED_STEP_OPERATORS_PER_LAYER = 0
 FUSED_KINDS = ["deltanet", "gdn", "kda", "gdn2", "kdn_iso", "kdn_diag", "kdn_exact", "muir",
                "kdn_muir"]  # fmt: skip

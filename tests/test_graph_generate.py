@@ -229,14 +229,18 @@ def test_a_model_keeps_at_most_its_few_latest_decoders(generator):
 
 @pytest.mark.interpreter
 @pytest.mark.skipif(not INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1 set before import")
-@pytest.mark.parametrize("mixer", ["kdn_diag", "transformer"])
-def test_the_static_step_on_triton_kernels_gives_the_tokens_of_the_loop(generator, mixer):
+@pytest.mark.parametrize(
+    ("mixer", "extra"),
+    [("kdn_diag", {}), ("transformer", {}), ("gdn2", {"attention_layers": [0]})],
+    ids=["kdn_diag", "transformer", "hybrid"],
+)
+def test_the_static_step_on_triton_kernels_gives_the_tokens_of_the_loop(generator, mixer, extra):
     """The step on the Triton path under the interpreter: the delta-rule layers' fused step
     (`deltalab.layers.decode_step`), attention's one RoPE of q and k. Diagonal KDN's state
     (memory, precision, conv caches) is the widest the fused step carries from token to token;
     every mixer's step against its unfused step is in tests/test_decode_fused.py."""
     torch.manual_seed(0)
-    model = CausalLM(build_config("tiny", mixer=mixer, backend="triton", **TINY)).eval()
+    model = CausalLM(build_config("tiny", mixer=mixer, backend="triton", **TINY, **extra)).eval()
     ids, mask = left_padded(generator, [5, 7])
     settings = dict(max_new_tokens=8, do_sample=False, eos_token_id=None)
     expected = generate(model, ids, mask, static_decoding=False, **settings)

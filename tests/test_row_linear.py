@@ -7,13 +7,23 @@ import pytest
 import torch
 from conftest import needs_triton
 
-from deltalab.ops._triton import triton_unavailable_reason
-from deltalab.ops.row_linear import MAX_TRITON_ROWS, products_backend, resolve_backend, row_linear
+from deltalab.layers.norms import RMSNorm
+from deltalab.ops._triton import INTERPRET, triton_unavailable_reason
+from deltalab.ops.norms.reference import rms_norm_torch
+from deltalab.ops.row_linear import (
+    MAX_TRITON_ROWS,
+    products_backend,
+    resolve_backend,
+    row_linear,
+    row_linear_naive,
+)
 from deltalab.testing import relative_error
 
 # (rows, outputs, K): one row as a decoding step makes, rows past one, a K of several blocks
 # (1100: two blocks of 1024, the second partial) and outputs not a multiple of the block.
 SHAPES = [(1, 40, 48), (3, 17, 1100), (2, 64, 256)]
+# The kernel's tensors: CUDA's where it compiles, else CPU's for the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 
 
 def inputs(shape, generator, bias: bool, residual: bool):
@@ -25,7 +35,7 @@ def inputs(shape, generator, bias: bool, residual: bool):
     weight = torch.randn(outputs, width, generator=generator) / width**0.5
     b = torch.randn(2 * outputs, generator=generator)[::2] if bias else None
     r = torch.randn(rows, outputs + 3, generator=generator)[:, 3:] if residual else None
-    return x, weight, b, r
+    return tuple(None if t is None else t.to(DEVICE) for t in (x, weight, b, r))
 
 
 @pytest.mark.parametrize("backend", [
@@ -45,9 +55,9 @@ def test_row_linear_matches_the_float64_definition(generator, backend, shape, bi
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
 def test_row_linear_of_no_columns_is_the_bias_and_the_residual(backend):
-    x, weight = torch.zeros(2, 0), torch.zeros(3, 0)
-    bias, residual = torch.ones(3), torch.full((2, 3), 2.0)
-    assert torch.equal(row_linear(x, weight, bias, residual, backend=backend),
+    x, weight = torch.zeros(2, 0, device=DEVICE), torch.zeros(3, 0, device=DEVICE)
+    bias, residual = torch.ones(3, device=DEVICE), torch.full((2, 3), 2.0, device=DEVICE)
+    assert torch.equal(row_linear(x, weight, bias, residual, backend=backend).cpu(),
                        torch.full((2, 3), 3.0))  # fmt: skip
 
 
@@ -79,6 +89,73 @@ def test_a_layers_products_take_the_kernel_only_where_the_op_offers_it(
     assert products_backend(layer, torch.zeros(rows, 8, dtype=dtype)) == expected
 
 
+X = torch.zeros(2, 8)
+SHARED = torch.zeros(2, 8)  # one memory for two operands
+
+
+@pytest.mark.parametrize("backend", [
+    "torch", pytest.param("triton", marks=[pytest.mark.interpreter, needs_triton])
+])  # fmt: skip
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_norm_in_the_product_matches_the_float64_definition(generator, backend, shape):
+    x, weight, b, r = inputs(shape, generator, bias=True, residual=True)
+    x = 3.0 * x + 0.5  # a mean square far from 1, so a missing norm cannot pass
+    scale = 1.0 + torch.rand(shape[2], generator=generator).to(DEVICE)
+    got = row_linear(x, weight, b, r, norm_weight=scale, norm_eps=1e-3, backend=backend)
+    expected = row_linear_naive(x.double(), weight.double(), b.double(), r.double(),
+                                scale.double(), 1e-3)  # fmt: skip
+    by_parts = RMSNorm(shape[2], eps=1e-3, backend="naive").to(DEVICE)
+    by_parts.weight.data.copy_(scale)
+    assert relative_error(got, expected) < 1e-5
+    assert relative_error(got, row_linear(by_parts(x), weight, b, r, backend="torch")) < 1e-5
+
+
+@pytest.mark.parametrize("backend", [
+    "torch", "naive", pytest.param("triton", marks=[pytest.mark.interpreter, needs_triton])
+])  # fmt: skip
+@pytest.mark.parametrize("bias", [False, True])
+def test_out_equal_to_the_residual_sums_into_it_in_place(generator, backend, bias):
+    x, weight, b, r = inputs((3, 17, 1100), generator, bias, residual=True)
+    residual = r.clone()  # packed rows, as the decoder's residual stream is
+    expected = row_linear(x, weight, b, residual, backend=backend)
+    got = row_linear(x, weight, b, residual, out=residual, backend=backend)
+    assert got.data_ptr() == residual.data_ptr()
+    assert relative_error(got, expected) < 1e-6
+
+
+@pytest.mark.parametrize("backend", [
+    "torch", pytest.param("triton", marks=[pytest.mark.interpreter, needs_triton])
+])  # fmt: skip
+@pytest.mark.parametrize("bias", [False, True])
+def test_out_without_a_residual_receives_the_product(generator, backend, bias):
+    x, weight, b, _ = inputs((2, 40, 48), generator, bias, residual=False)
+    out = torch.full((2, 45), float("nan"), device=DEVICE)[:, 5:]  # rows apart by 45
+    got = row_linear(x, weight, b, out=out, backend=backend)
+    assert got.data_ptr() == out.data_ptr() and not out.isnan().any()
+    assert relative_error(got, row_linear(x, weight, b, backend="naive")) < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="bfloat16: a CUDA GPU")
+def test_the_norm_in_the_product_rounds_the_normalized_row_to_xs_dtype(generator):
+    """Each output adds two normalized columns (weight rows e_2i + e_2i+1), so the sum of the
+    rounded columns, what the norm module's output gives the product, differs from the sum of
+    unrounded ones in a share of the outputs; the kernel gives the former (up to the rare
+    rounding that the order of the mean square's sum may flip)."""
+    width = 512
+    x = torch.randn(4, width, generator=generator).to(DEVICE, torch.bfloat16)
+    scale = (1.0 + torch.rand(width, generator=generator)).to(DEVICE, torch.bfloat16)
+    weight = torch.zeros(width // 2, width, device=DEVICE, dtype=torch.bfloat16)
+    pairs = torch.arange(width // 2, device=DEVICE)
+    weight[pairs, 2 * pairs] = weight[pairs, 2 * pairs + 1] = 1.0
+    normed = rms_norm_torch(x, scale, 1e-5)  # float32, the module's before its rounding
+    rounded = normed.to(torch.bfloat16).float()
+    expected = (rounded[:, 0::2] + rounded[:, 1::2]).to(torch.bfloat16)
+    unrounded = (normed[:, 0::2] + normed[:, 1::2]).to(torch.bfloat16)
+    got = row_linear(x, weight, norm_weight=scale, norm_eps=1e-5, backend="triton")
+    assert (expected != unrounded).float().mean() > 0.05  # the two are told apart here
+    assert (got != expected).float().mean() < 0.01
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [
@@ -88,10 +165,18 @@ def test_a_layers_products_take_the_kernel_only_where_the_op_offers_it(
         ({"residual": torch.zeros(2, 5)}, "residual"),
         ({"bias": torch.zeros(4, dtype=torch.float64)}, "bias must have x's dtype"),
         ({"backend": "cublas"}, "backend must be one of"),
+        ({"norm_weight": torch.zeros(7)}, "norm_weight must have shape"),
+        ({"out": torch.zeros(2, 5)}, "out must have shape"),
+        ({"out": torch.zeros(2, 4, dtype=torch.float64)}, "out must have x's dtype"),
+        ({"out": torch.zeros(4, 2).t()}, "out must have unit column stride"),
+        ({"out": X[:, :4]}, "out shares memory with x"),
+        ({"out": torch.zeros(1, 4).expand(2, 4)}, "out's rows overlap"),
+        ({"residual": SHARED[:, :4], "out": SHARED[:, 1:5]}, "out shares memory with residual"),
+        ({"norm_weight": SHARED[0], "out": SHARED[1].view(2, 4)}, "out shares memory with norm_w"),
     ],
 )
 def test_row_linear_refuses_bad_arguments_naming_them(change, match):
-    arguments = {"x": torch.zeros(2, 8), "weight": torch.zeros(4, 8), "bias": None,
+    arguments = {"x": X, "weight": torch.zeros(4, 8), "bias": None,
                  "residual": None, "backend": "torch"} | change  # fmt: skip
     backend = arguments.pop("backend")
     with pytest.raises((ValueError, TypeError), match=match):

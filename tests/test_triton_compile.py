@@ -672,23 +672,25 @@ def test_fused_decode_step_compiles_for_hopper_within_its_spills(
     ("bias", "residual"), [(False, False), (True, False), (False, True), (True, True)]
 )
 @pytest.mark.parametrize("width", [1024, 2400])
-def test_row_linear_compiles_for_hopper_without_spills(bias, residual, width):
+@pytest.mark.parametrize("norm", [False, True], ids=["no_norm", "norm"])
+def test_row_linear_compiles_for_hopper_without_spills(bias, residual, width, norm):
     """`row_linear`'s kernel at its launch for a 340M layer's products (bf16; K = 1024: blocks of
-    512, K = 2400: of 1024), with and without a bias and a residual: no bytes spilled, within
-    shared memory."""
+    512, K = 2400: of 1024), with and without a bias, a residual and the norm of x: no bytes
+    spilled, within shared memory."""
     from deltalab.ops.row_linear import triton as rl
 
     kernel = rl._row_linear_kernel
-    constants = {"HAS_BIAS": bias, "HAS_RESIDUAL": residual, "BN": rl.BLOCK_N,
+    constants = {"HAS_BIAS": bias, "HAS_RESIDUAL": residual, "HAS_NORM": norm, "BN": rl.BLOCK_N,
                  "BK": rl.block_k(width), "STAGES": rl.NUM_STAGES}  # fmt: skip
-    if not bias:
-        constants["B"] = None
-    if not residual:
-        constants["R"] = None
-    signature = {a: "constexpr" if a in constants else "*bf16" if a in ("X", "W", "B", "R", "Y")
-                 else "i32" for a in kernel.arg_names}  # fmt: skip
-    pointers = [a for a in ("X", "W", "B", "R", "Y") if a not in constants]
-    compiled = _compile_signature(kernel, signature, constants,
-                                  {"num_warps": rl.NUM_WARPS}, [*pointers, "K", "stride_x"])  # fmt: skip
+    for flag, pointer in (("HAS_BIAS", "B"), ("HAS_RESIDUAL", "R"), ("HAS_NORM", "NORM_W")):
+        if not constants[flag]:
+            constants[pointer] = None
+    tensors = ("X", "W", "B", "R", "NORM_W", "Y")
+    signature = {a: "constexpr" if a in constants else "*bf16" if a in tensors
+                 else "fp32" if a == "norm_eps" else "i32" for a in kernel.arg_names}  # fmt: skip
+    pointers = [a for a in tensors if a not in constants]
+    compiled = _compile_signature(kernel, signature, constants, {"num_warps": rl.NUM_WARPS},
+                                  [*pointers, "K", "stride_x", "stride_y"])  # fmt: skip
     assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
-    _assert_spills_within(compiled, 0, f"row_linear K={width} bias={bias} residual={residual}")
+    _assert_spills_within(compiled, 0, f"row_linear K={width} bias={bias} residual={residual} "
+                          f"norm={norm}")  # fmt: skip

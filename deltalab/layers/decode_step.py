@@ -35,14 +35,23 @@ from deltalab.layers.kda import KimiDeltaAttention
 from deltalab.layers.kdn import DiagonalKDN, ExactKDN, FreeProcessNoise, IsotropicKDN, KDNMixer
 from deltalab.layers.kdn_muir import KDNMuir
 from deltalab.layers.muir import FusedGateProjection, Muir
+from deltalab.layers.norms import RMSNorm
 from deltalab.layers.projections import _concatenated, _kept, fusable
 from deltalab.layers.states import RecurrentState
 from deltalab.ops._triton import triton_available, triton_unavailable_reason
 from deltalab.ops.delta_rule.triton.fused_step import FusedStepLaunch, StepForm
 from deltalab.ops.norms import L2_EPS
-from deltalab.ops.row_linear import products_backend, row_linear
+from deltalab.ops.row_linear import products_backend, resolve_backend, row_linear
 
-__all__ = ["LowRank", "StepPlan", "add_projected", "fused_step", "runs_fused", "step_plan"]
+__all__ = [
+    "LowRank",
+    "StepPlan",
+    "add_projected",
+    "fused_step",
+    "runs_fused",
+    "step_plan",
+    "step_rows",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -249,45 +258,80 @@ def _block_diagonal(layout: _Layout, dtype: torch.dtype):
 
 
 def _product(
-    x, maps, store, dtype, make, backend
+    x, maps, store, dtype, make, backend, norm=None
 ) -> tuple[torch.Tensor, dict[nn.Linear, torch.Tensor]]:
     """The product of x with the maps' weights concatenated (`make()`, kept in `store`) by
-    `row_linear` (`products_backend` of the layer's `backend`), and {map: its columns}."""
+    `row_linear` (`products_backend` of the layer's `backend`), and {map: its columns}. norm:
+    an `RMSNorm` the product applies to x first (`step_rows` gives it where it may)."""
     params = [p for m in maps for p in (m.weight, m.bias) if p is not None]
     weight, bias = _kept(store, params, dtype, make)
-    y = row_linear(x, weight, bias, backend=products_backend(backend, x))
+    y = row_linear(x, weight, bias, backend=products_backend(backend, x), **_norm_arguments(norm))
     return y, dict(zip(maps, y.split([m.out_features for m in maps], -1), strict=True))
 
 
+def _norm_arguments(norm: nn.Module | None) -> dict:
+    return {} if norm is None else {"norm_weight": norm.weight, "norm_eps": norm.eps}
+
+
+def step_rows(
+    x: torch.Tensor, norm: nn.Module | None, dtype: torch.dtype, backend: str
+) -> tuple[torch.Tensor, nn.Module | None]:
+    """A one-token step's input x `[B, 1, D]` as the rows `[B, D]` of `dtype` that a product
+    takes, and the pre-norm `norm` (a norm module or None) left for that product to apply: the
+    product's kernel normalizes its rows itself where the layer's products take `row_linear`'s
+    kernel (`products_backend` of `backend`, the layer's), no cast comes between the norm and
+    the product and the norm is a plain `RMSNorm` without hooks (`fusable`); else the module
+    runs here, as the block's forward runs it, and None is left. The fused norm rounds its output to x's dtype as the module does, so the two differ
+    by the order of a sum only."""
+    rows = x[:, 0]
+    kernel = resolve_backend(products_backend(backend, rows), rows) == "triton"
+    if norm is not None and (rows.dtype != dtype or not kernel or not fusable(norm, RMSNorm)):
+        rows, norm = norm(x)[:, 0], None
+    return rows.to(dtype), norm
+
+
 def add_projected(
-    residual: torch.Tensor | None, inputs: torch.Tensor, linear: nn.Linear, backend: str = "auto"
+    residual: torch.Tensor | None,
+    inputs: torch.Tensor,
+    linear: nn.Linear,
+    backend: str = "auto",
+    *,
+    norm: nn.Module | None = None,
+    in_place: bool = False,
 ) -> torch.Tensor:
-    """residual + linear(inputs) `[B, 1, D]` (linear(inputs) when residual is None) by
-    `row_linear` on its backend for a layer on `backend` (`products_backend`), the sum in the
-    product where nothing casts between them (no autocast, one dtype); else the module's
-    forward and a sum. inputs `[B, n]` or `[B, 1, n]`. The maps are plain `nn.Linear`s
-    (`fusable`): their forward is the product."""
-    rows = inputs.flatten(0, -2)
+    """residual + linear(norm(inputs)) `[B, 1, D]` (no residual: none; no norm: inputs as they
+    are) by `row_linear` on its backend for a layer on `backend` (`products_backend`), the sum
+    and the norm in the product where nothing casts between them (no autocast, one dtype);
+    else the modules' forwards and a sum. inputs `[B, n]` or `[B, 1, n]`. in_place: the sum may
+    be written into `residual` (which must not be needed after), so that no copy of it is made;
+    the result is the returned tensor. The maps are plain `nn.Linear`s (`fusable`): their
+    forward is the product."""
     weight, bias = linear.weight, linear.bias
-    dtypes = {t.dtype for t in (rows, weight, bias, residual) if t is not None}
-    if torch.is_autocast_enabled(rows.device.type) or len(dtypes) > 1:
-        y = linear(inputs).view(inputs.shape[0], 1, -1)
+    dtypes = {t.dtype for t in (inputs, weight, bias, residual) if t is not None}
+    if torch.is_autocast_enabled(inputs.device.type) or len(dtypes) > 1:
+        y = linear(inputs if norm is None else norm(inputs)).view(inputs.shape[0], 1, -1)
         return y if residual is None else residual + y.view_as(residual)
+    if norm is not None:
+        rows, norm = step_rows(inputs.view(inputs.shape[0], 1, -1), norm, inputs.dtype, backend)
+    else:
+        rows = inputs.flatten(0, -2)
     flat = None if residual is None else residual.flatten(0, -2)
-    y = row_linear(rows, weight, bias, flat, backend=products_backend(backend, rows))
+    y = row_linear(rows, weight, bias, flat, out=flat if in_place else None,
+                   backend=products_backend(backend, rows), **_norm_arguments(norm))  # fmt: skip
     return y.view(inputs.shape[0], 1, -1)
 
 
 def fused_step(
     mixer: DeltaMixer, x: torch.Tensor, state: RecurrentState, store: dict, *,
-    residual: torch.Tensor | None = None, block_v: int | None = None,
-    table: FusedStepLaunch | None = None,
+    residual: torch.Tensor | None = None, norm: nn.Module | None = None,
+    in_place: bool = False, block_v: int | None = None, table: FusedStepLaunch | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """`mixer(x, state)[0]` for one token x `[B, 1, D]` (plus `residual` when given, in the
-    output projection's product: `add_projected`), the state's buffers updated in place, on the
-    fused kernel (where `runs_fused`). store: the decoder's dict that keeps the concatenated
-    weights. block_v, table: the kernel's value block, or its launch table (None: the card's;
-    `fused_layer_step`)."""
+    """`mixer(norm(x), state)[0]` for one token x `[B, 1, D]` (no norm: x as it is; the norm in
+    the first product where `step_rows` lets it), plus `residual` when given, in the output
+    projection's product (`add_projected`; in_place: summed into `residual`), the state's
+    buffers updated in place, on the fused kernel (where `runs_fused`). store: the decoder's
+    dict that keeps the concatenated weights. block_v, table: the kernel's value block, or its
+    launch table (None: the card's; `fused_layer_step`)."""
     from deltalab.ops.delta_rule.triton.fused_step import fused_layer_step
 
     plan = step_plan(mixer)
@@ -296,11 +340,11 @@ def fused_step(
     dtype = x.dtype
     if torch.is_autocast_enabled(x.device.type) and dtype != torch.float64:
         dtype = torch.get_autocast_dtype(x.device.type)
-    x = x[:, 0].to(dtype)
     products = mixer.backend  # the products follow the layer's backend (`products_backend`)
+    x, norm = step_rows(x, norm, dtype, products)
     product, first = _product(x, layout.first + layout.downs, store, dtype,
                               lambda: _concatenated(layout.first + layout.downs, dtype),
-                              products)  # fmt: skip
+                              products, norm)  # fmt: skip
     outputs: dict[Source, torch.Tensor] = dict(first)
     low = [s for s in plan.sources.values() if isinstance(s, LowRank)]
     if low:
@@ -335,4 +379,4 @@ def fused_step(
         block_v=block_v,
         table=table,
     )
-    return add_projected(residual, out, mixer.o_proj, products)
+    return add_projected(residual, out, mixer.o_proj, products, in_place=in_place)

@@ -146,18 +146,19 @@ def input_linears(module: nn.Module) -> list[nn.Linear]:
     )
 
 
-def fusable(linear: nn.Module) -> bool:
-    """Whether `project_together` may compute this map from its weight and bias: a plain
-    `nn.Linear` (not a subclass with a forward of its own: quantized, LoRA-style, parametrized)
-    with no hook of its own (forward, forward pre-, backward: pruning's mask is a pre-hook),
-    which only calling the module would run. Any other map is called as a module, with its own
-    gradient product. Module-wide hooks (`nn.modules.module.register_module_forward_hook`) see
-    no call of a fused map."""
-    return type(linear) is nn.Linear and not (
-        linear._forward_hooks
-        or linear._forward_pre_hooks
-        or linear._backward_hooks
-        or linear._backward_pre_hooks
+def fusable(module: nn.Module, kind: type[nn.Module] = nn.Linear) -> bool:
+    """Whether a fused kernel may compute this module from its parameters: a plain `kind` (by
+    default `nn.Linear`; not a subclass with a forward of its own: quantized, LoRA-style,
+    parametrized) with no hook of its own (forward, forward pre-, backward: pruning's mask is a
+    pre-hook), which only calling the module would run. `project_together` calls any other map
+    as a module, with its own gradient product; the decoding step runs any other norm as a
+    module (`deltalab.layers.decode_step.step_rows`). Module-wide hooks
+    (`nn.modules.module.register_module_forward_hook`) see no call of a fused module."""
+    return type(module) is kind and not (
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
     )
 
 

@@ -96,10 +96,12 @@ def attention_step(
     kv: StaticKV,
     position: torch.Tensor,
     residual: torch.Tensor | None = None,
+    in_place: bool = False,
 ) -> torch.Tensor:
     """`Attention.forward` for one token `x [B, 1, D]` at `position [1]` (a device tensor), its
     key and value written into `kv`; attends over every slot, the unfilled ones masked. Plus
-    `residual` when given, summed in the output projection's product (`add_projected`)."""
+    `residual` when given, summed in the output projection's product (`add_projected`;
+    in_place: into `residual`)."""
     projected = project_together(x, [layer.q_proj, layer.k_proj, layer.v_proj])
     # Queries and keys rotated together, as heads of one tensor: one RoPE instead of two.
     qk = torch.cat([projected[layer.q_proj], projected[layer.k_proj]], dim=-1)
@@ -118,7 +120,8 @@ def attention_step(
         kv.value.to(v.dtype).transpose(1, 2),
         attn_mask=visible[:, None, None, :],
     )
-    return add_projected(residual, o.transpose(1, 2).flatten(-2), layer.o_proj, layer.backend)
+    o = o.transpose(1, 2).flatten(-2)
+    return add_projected(residual, o, layer.o_proj, layer.backend, in_place=in_place)
 
 
 class StaticDecoder:
@@ -317,10 +320,11 @@ class StaticDecoder:
         for block, state in zip(core.blocks, self.states, strict=True):
             if isinstance(state, StaticKV):
                 normed = block.mixer_norm(x)
-                x = attention_step(block.mixer, normed, state, self.position, residual=x)
+                x = attention_step(block.mixer, normed, state, self.position, residual=x,
+                                   in_place=True)  # fmt: skip
             elif runs_fused(block.mixer, x, state):
-                normed = block.mixer_norm(x)
-                x = fused_step(block.mixer, normed, state, self.weights, residual=x)
+                x = fused_step(block.mixer, x, state, self.weights, residual=x,
+                               norm=block.mixer_norm, in_place=True)  # fmt: skip
             else:
                 y, new_state = block.mixer(block.mixer_norm(x), state)
                 x = x + y
@@ -329,13 +333,13 @@ class StaticDecoder:
                     buffer = getattr(state, name)
                     if tensor is not buffer:
                         buffer.copy_(tensor)
-            # Block.forward's FFN branch, its residual sum in the down projection's product.
+            # Block.forward's FFN branch, its norm in the first product where the kernel runs
+            # it, the residual summed into x in the down projection's product.
             ffn = block.ffn
             products = ffn.backend  # its products follow it (`products_backend`)
-            hidden = swiglu(
-                add_projected(None, block.ffn_norm(x), ffn.gate_up, products), backend=ffn.backend
-            )
-            x = add_projected(x, hidden, ffn.down, products)
+            gate_up = add_projected(None, x, ffn.gate_up, products, norm=block.ffn_norm)
+            hidden = swiglu(gate_up, backend=ffn.backend)
+            x = add_projected(x, hidden, ffn.down, products, in_place=True)
         logits = self.model.lm_head(core.norm(x))[:, -1]
         logits = logits.to(compute_dtype(logits))
         self.position += 1

@@ -28,18 +28,30 @@ def block_k(width: int) -> int:
 
 
 @triton.jit
-def _row_linear_kernel(X, W, B, R, Y, N, K, stride_x, stride_r, HAS_BIAS: tl.constexpr,
-                       HAS_RESIDUAL: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       STAGES: tl.constexpr):  # fmt: skip
+def _row_linear_kernel(X, W, B, R, NORM_W, Y, N, K, stride_x, stride_r, stride_y, norm_eps,
+                       HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_NORM: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
     row = tl.program_id(1).to(tl.int64)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = n < N
     cols = tl.arange(0, BK)
+    if HAS_NORM:
+        # The row's mean square first (`_norm_fwd`'s float32 formula), then each block of x
+        # normalized and rounded to x's dtype as the norm module's output is.
+        squares = tl.zeros([BK], dtype=tl.float32)
+        for start in tl.range(0, K, BK, num_stages=1):
+            x = tl.load(X + row * stride_x + start + cols, mask=start + cols < K, other=0.0)
+            x = x.to(tl.float32)
+            squares += x * x
+        rstd = 1.0 / tl.sqrt(tl.sum(squares) / K + norm_eps)
     partial = tl.zeros([BN, BK], dtype=tl.float32)
     for start in tl.range(0, K, BK, num_stages=STAGES):
         k = start + cols
         k_ok = k < K
         x = tl.load(X + row * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            scale = tl.load(NORM_W + k, mask=k_ok, other=0.0).to(tl.float32)
+            x = (x * rstd * scale).to(X.dtype.element_ty).to(tl.float32)
         w = tl.load(W + n[:, None].to(tl.int64) * K + k[None, :],
                     mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
         partial += w.to(tl.float32) * x[None, :]
@@ -48,7 +60,7 @@ def _row_linear_kernel(X, W, B, R, Y, N, K, stride_x, stride_r, HAS_BIAS: tl.con
         y += tl.load(B + n, mask=n_ok, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         y += tl.load(R + row * stride_r + n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(Y + row * N + n, y.to(Y.dtype.element_ty), mask=n_ok)
+    tl.store(Y + row * stride_y + n, y.to(Y.dtype.element_ty), mask=n_ok)
 
 
 @opaque_to_compiler
@@ -57,8 +69,12 @@ def row_linear_triton(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     residual: torch.Tensor | None,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-5,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`row_linear` by the kernel, validated inputs (the module docstring of the op)."""
+    """`row_linear` by the kernel, validated inputs (the module docstring of the op). out may
+    be residual itself: each output is read from it and written back by one program."""
     rows, width = x.shape
     outputs = weight.shape[0]
     if x.stride(1) != 1:
@@ -67,14 +83,16 @@ def row_linear_triton(
     # module's parameters, or its concatenation of them); anything else is packed first.
     weight = weight.contiguous()
     bias = None if bias is None else bias.contiguous()
+    norm_weight = None if norm_weight is None else norm_weight.contiguous()
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
-    y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
+    y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device) if out is None else out
     grid = (triton.cdiv(outputs, BLOCK_N), rows)
     _row_linear_kernel[grid](
-        x, weight, bias, residual, y, outputs, width, x.stride(0),
-        0 if residual is None else residual.stride(0),
-        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BN=BLOCK_N,
-        BK=block_k(width), STAGES=NUM_STAGES, num_warps=NUM_WARPS,
+        x, weight, bias, residual, norm_weight, y, outputs, width, x.stride(0),
+        0 if residual is None else residual.stride(0), y.stride(0), float(norm_eps),
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        HAS_NORM=norm_weight is not None, BN=BLOCK_N, BK=block_k(width), STAGES=NUM_STAGES,
+        num_warps=NUM_WARPS,
     )  # fmt: skip
     return y
