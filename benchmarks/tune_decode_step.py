@@ -7,7 +7,7 @@
 For each batch and each candidate launch of `fused_layer_step` (blocks of 16 to 128 value
 columns, a whole 128-column head among them, over 1 to 16 warps), the median us of one layer's
 step, summed over the write rules of `--rules` (by default the GDN-2 form and the Diagonal KDN one
-with tied process noise), and
+with its own process noise, as the presets run them), and
 the largest difference of its outputs and state from the shipped table's. On a GPU a layer's
 step is timed as the decoder runs it: `--layers` launches on distinct buffers (no layer finds its
 state in L2) in one CUDA graph, replayed. On CPU (under the interpreter) it only proves the
@@ -44,8 +44,9 @@ from deltalab.ops.launch_tables import table_as_dict, user_table_directory, writ
 FORMS = {
     "erase_write": StepForm("channel", "erase_write"),
     "beta": StepForm("head", "beta"),
-    "kdn_diag": StepForm("channel", "kdn_diag", tied=True),  # process noise tied to the decay
-    "kdn_iso": StepForm("channel", "kdn_iso", tied=True),
+    # The KDN layers' default: process noise of their own (`process_noise="free"`), a gate input.
+    "kdn_diag": StepForm("channel", "kdn_diag"),
+    "kdn_iso": StepForm("channel", "kdn_iso"),
 }
 # (value columns a block, warps) tried.
 LAUNCHES = ((128, (8, 16)), (64, (4, 8)), (32, (1, 2, 4)), (16, (1, 2)))
@@ -89,9 +90,9 @@ def step_inputs(form: StepForm, batch: int, heads: int, dim: int, device: str, d
         gates = {"decay": draw(batch, heads), "beta": draw(batch, heads)}
         params["dt_bias"] = draw(heads, kind=f32)
     else:
-        gates["obs"] = draw(batch, heads)
-        params["p_inf_raw"] = draw(heads, kind=f32)
-        shape = (batch, heads) if form.rule == "kdn_iso" else (batch, heads, dim)
+        iso = form.rule == "kdn_iso"
+        gates |= {"obs": draw(batch, heads), "noise": draw(batch, heads if iso else width)}
+        shape = (batch, heads) if iso else (batch, heads, dim)
         params["precision"] = 1 + draw(*shape, kind=f32).abs()
     return {
         "qkv": tuple(draw(batch, width) for _ in range(3)),
