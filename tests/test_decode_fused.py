@@ -127,22 +127,47 @@ def test_a_fused_decoding_step_dispatches_at_most_its_operator_count_per_layer(g
 
 
 def test_the_launch_table_picks_its_blocks_by_the_number_of_programs_and_the_shapes():
-    """Below `many_programs` the table's blocks, from it the wide-batch ones; a block no wider
-    than the head; Exact KDN and sizes that are not multiples of 16 the whole head in one block
-    (where the table's few warps spill)."""
+    """Below `split_programs` each head's columns over `splits` programs, in blocks cut to a
+    program's share (the splits cut so each owns columns); below `many_programs` the table's
+    blocks, from it the wide-batch ones; a block no wider than the head; Exact KDN and sizes
+    that are not multiples of 16 the whole head in one block (where the table's few warps
+    spill), unsplit."""
     from deltalab.ops.delta_rule.triton.fused_step import FusedStepLaunch, launch, table_launch
 
     table = FusedStepLaunch(block_v=64, num_warps=4, many_programs=512, many_block_v=32,
-                            many_num_warps=2)  # fmt: skip
-    assert table_launch(table, "erase_write", 511, 128, 128) == (128, 64, 4)
-    assert table_launch(table, "kdn_diag", 512, 128, 128) == (128, 32, 2)
-    assert table_launch(table, "beta", 8, 128, 32) == (128, 32, 4)
+                            many_num_warps=2, splits=8, split_programs=64,
+                            split_num_warps=2)  # fmt: skip
+    assert table_launch(table, "erase_write", 8, 128, 128) == (128, 16, 2, 8)
+    assert table_launch(table, "kdn_diag", 63, 128, 128) == (128, 16, 2, 8)
+    assert table_launch(table, "kdn_iso", 8, 128, 48) == (128, 16, 2, 3)
+    assert table_launch(table, "beta", 8, 128, 16) == (128, 16, 4, 1)
+    assert table_launch(table, "erase_write", 64, 128, 128) == (128, 64, 4, 1)
+    assert table_launch(table, "kdn_diag", 512, 128, 128) == (128, 32, 2, 1)
+    assert table_launch(table, "beta", 64, 128, 32) == (128, 32, 4, 1)
     whole = launch(128, 128)
     assert whole == (128, 128, 16)
-    assert table_launch(table, "kdn_exact", 8, 128, 128) == whole
-    assert table_launch(table, "erase_write", 8, 128, 128, aligned=False) == whole
-    never = FusedStepLaunch(block_v=64, num_warps=4, many_programs=None)
-    assert table_launch(never, "beta", 10**6, 128, 128) == (128, 64, 4)
+    assert table_launch(table, "kdn_exact", 8, 128, 128) == (*whole, 1)
+    assert table_launch(table, "erase_write", 8, 128, 128, aligned=False) == (*whole, 1)
+    never = FusedStepLaunch(block_v=64, num_warps=4, many_programs=None, splits=1)
+    assert table_launch(never, "beta", 10**6, 128, 128) == (128, 64, 4, 1)
+    assert table_launch(never, "beta", 1, 128, 128) == (128, 64, 4, 1)
+    always = FusedStepLaunch(block_v=32, num_warps=4, splits=2, split_programs=None)
+    assert table_launch(always, "beta", 10**6, 128, 128) == (128, 32, 2, 2)
+
+
+def observed_launches(monkeypatch) -> list:
+    """The launches `fused_layer_step` takes from `table_launch` from now on (observed, not
+    changed)."""
+    from deltalab.ops.delta_rule.triton import fused_step as kernel_module
+
+    launches, table_launch = [], kernel_module.table_launch
+
+    def observed(*args, **kwargs):
+        launches.append(table_launch(*args, **kwargs))
+        return launches[-1]
+
+    monkeypatch.setattr(kernel_module, "table_launch", observed)
+    return launches
 
 
 @pytest.mark.parametrize("kind", ["muir", "kdn_diag", "kda"])
@@ -152,19 +177,12 @@ def test_the_fused_step_equals_the_unfused_step_at_each_launch_of_a_table(
 ):
     """A step (value_dim 32, 2 sequences x 2 heads: 4 programs) by a table whose launches
     differ: blocks of 16 over 1 warp below `many_programs`, one block of 32 over 2 from it; the
-    launch taken is the table's (observed, not changed)."""
-    from deltalab.ops.delta_rule.triton import fused_step as kernel_module
+    launch taken is the table's."""
+    from deltalab.ops.delta_rule.triton.fused_step import FusedStepLaunch
 
-    launches = []
-
-    def observed(*args, **kwargs):
-        launches.append(table_launch(*args, **kwargs))
-        return launches[-1]
-
-    table_launch = kernel_module.table_launch
-    monkeypatch.setattr(kernel_module, "table_launch", observed)
-    table = kernel_module.FusedStepLaunch(block_v=16, num_warps=1, many_programs=many_programs,
-                                          many_block_v=32, many_num_warps=2)  # fmt: skip
+    launches = observed_launches(monkeypatch)
+    table = FusedStepLaunch(block_v=16, num_warps=1, many_programs=many_programs,
+                            many_block_v=32, many_num_warps=2, splits=1)  # fmt: skip
     mixer = tiny_mixer(kind, {}, {"value_dim": 32}, generator)
     with torch.no_grad():
         _, state = mixer(torch.randn(2, 5, 32, generator=generator))
@@ -172,9 +190,48 @@ def test_the_fused_step_equals_the_unfused_step_at_each_launch_of_a_table(
         buffers = _static_recurrent(state)
         expected, after = mixer(x, state)
         got = fused_step(mixer, x, buffers, {}, table=table)
-    assert launches == [(16, 16, 1) if many_programs > 4 else (16, 32, 2)]
+    assert launches == [(16, 16, 1, 1) if many_programs > 4 else (16, 32, 2, 1)]
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     assert_same_recurrent_state(buffers, after)
+
+
+# (kind, value_dim, heads): the forms whose step splits a head's columns; value_dim 48 is no
+# multiple of 2 x 16 (the last program's second block is past the head) nor of 4 x 16 (three
+# programs). Isotropic KDN at 4 heads: its per-head gates then keep the projection's later
+# columns 16-byte aligned, where the table launches (`table_launch`).
+SPLIT_CASES = [("muir", 48, 2), ("kdn_diag", 64, 2), ("kdn_iso", 64, 4), ("kda", 64, 2),
+               ("gdn2", 48, 2)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "value_dim", "heads"), SPLIT_CASES,
+                         ids=[k for k, *_ in SPLIT_CASES])  # fmt: skip
+@pytest.mark.parametrize("splits", [2, 4])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_fused_step_split_over_programs_equals_the_unfused_step_step_after_step(
+    generator, monkeypatch, kind, value_dim, heads, splits, batch
+):
+    """Two consecutive steps with each head's value columns over `splits` programs (blocks of
+    16: at 64 columns 2 blocks a program of 2, 1 of 4; at 48 columns 2 and 1, the last program
+    holding the columns past the head, or 3 programs of 1): after each, the output, memory,
+    conv caches and KDN filter state equal the mixer's own step's. The second step starts from
+    the arrival counters the first left (every head's last program resets its own)."""
+    from deltalab.ops.delta_rule.triton.fused_step import FusedStepLaunch, split_columns
+
+    launches = observed_launches(monkeypatch)
+    table = FusedStepLaunch(block_v=16, num_warps=1, splits=splits, split_programs=None,
+                            split_num_warps=1)  # fmt: skip
+    mixer = tiny_mixer(kind, {}, {"value_dim": value_dim, "num_heads": heads}, generator)
+    with torch.no_grad():
+        _, state = mixer(torch.randn(batch, 5, 32, generator=generator))
+        buffers = _static_recurrent(state)
+        for _ in range(2):
+            x = torch.randn(batch, 1, 32, generator=generator)
+            expected, state = mixer(x, state)
+            got = fused_step(mixer, x, buffers, {}, table=table)
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+            assert_same_recurrent_state(buffers, state)
+    taken = split_columns(value_dim, 16, splits)[1]
+    assert taken > 1 and launches == [(16, 16, 1, taken)] * 2
 
 
 def test_a_step_given_both_a_value_block_and_a_table_is_refused_naming_them(generator):

@@ -228,16 +228,21 @@ def test_a_call_given_no_table_takes_its_ops_table_for_the_inputs_device(op, mon
     assert devices == [torch.device("cpu")] * calls
 
 
-@pytest.mark.parametrize("field", ["num_warps", "many_num_warps", "block_v"])
-def test_a_fused_step_table_with_warps_or_a_block_not_a_power_of_2_is_refused_naming_it(
-    tmp_path, field
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [("num_warps", 6, "a power of 2"), ("many_num_warps", 6, "a power of 2"),
+     ("block_v", 6, "a power of 2"), ("split_num_warps", 6, "a power of 2"),
+     ("splits", 0, "an int > 0"), ("split_programs", "all", "an int > 0")],
+)  # fmt: skip
+def test_a_fused_step_table_with_a_field_out_of_its_range_is_refused_naming_it(
+    tmp_path, field, value, expected
 ):
     pytest.importorskip("triton")
     from deltalab.ops.delta_rule.triton.fused_step import LAUNCH
 
-    table = table_as_dict(LAUNCH) | {field: 6}
+    table = table_as_dict(LAUNCH) | {field: value}
     path = tmp_path / f"{H100.key}.json"
     header = {"device": H100.name, "capability": [9, 0], "multiprocessors": 132}
     path.write_text(json.dumps({**header, "tables": {"fused_step": table}}))
-    with pytest.raises(ValueError, match=rf"tables\.fused_step\.{field}: expected a power of 2"):
+    with pytest.raises(ValueError, match=rf"tables\.fused_step\.{field}: expected {expected}"):
         LaunchRegistry("fused_step", LAUNCH).resolve(H100, tmp_path)

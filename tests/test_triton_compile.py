@@ -600,14 +600,16 @@ def test_rope_kernel_compiles_for_hopper_without_spills(heads, dim, dtype, inver
     _assert_spills_within(compiled, 32, f"K={dim} {dtype}")
 
 
-# The fused decoding step's pointers (`fused_step._fused_step_kernel`) held in float32: the state
-# and the KDN precision; the rest come in the model's dtype.
-FUSED_STEP_FLOAT32 = ("MEMORY", "PRECISION")
+# The fused decoding step's pointers (`fused_step._fused_step_kernel`) held in float32: the state,
+# the KDN precision and the split step's sums of squares; its arrival counters are int32; the
+# rest come in the model's dtype.
+FUSED_STEP_FLOAT32 = ("MEMORY", "PRECISION", "SUMSQ")
 # Bytes a thread of the fused step may spill at a 128 x 128 head where the sizes are not declared
 # multiples of 16 (one block of 16 warps, `table_launch`'s fallback): 0 to 48 by the form
 # (measured); Exact KDN's covariance update (a second 128 x 128 tile) about 1.2 KB, a bound to
 # lower, not a target. Where they are, every form spills nothing at the table's blocks (64
-# columns over 4 warps, 32 over 2) as in one block.
+# columns over 4 warps, 32 over 2, a head split over 8 programs of 16 columns over 2) as in one
+# block.
 FUSED_STEP_STACK = {"kdn_exact": 1280}
 FUSED_STEP_STACK_DEFAULT = 64
 
@@ -624,12 +626,14 @@ FUSED_STEP_STACK_DEFAULT = 64
     ids=["gdn", "muir", "kdn_iso-tied", "kdn_muir", "kdn_exact"],
 )
 @pytest.mark.parametrize("sizes", ["multiples_of_16", "any"])
-@pytest.mark.parametrize("programs", ["few", "many"])
+@pytest.mark.parametrize("programs", ["split", "few", "many"])
 def test_fused_decode_step_compiles_for_hopper_within_its_spills(
     decay, rule, read, tied, sizes, programs
 ):
     """At the launches `table_launch` gives the 340M presets' heads (K = V = 128) in bfloat16
-    by the default table, below and from its `many_programs`: within shared memory, no bytes
+    by the default table, below its `split_programs` (each head over `splits` programs; Exact
+    KDN and the unaligned sizes on one), from it and from its `many_programs`: within shared
+    memory, no bytes
     spilled where the sizes are multiples of 16 and at most FUSED_STEP_STACK's where they are
     not. Both variants Triton's launcher compiles: K, V and the row strides declared multiples
     of 16 (as it declares them at the 340M shapes; the table's launches), and declared nothing
@@ -639,13 +643,15 @@ def test_fused_decode_step_compiles_for_hopper_within_its_spills(
 
     kernel = fs._fused_step_kernel
     value_dim = 128
-    count = 1 if programs == "few" else fs.LAUNCH.many_programs
+    count = {"split": 1, "few": fs.LAUNCH.split_programs, "many": fs.LAUNCH.many_programs}
     aligned = sizes == "multiples_of_16"
-    block_k, block_v, warps = fs.table_launch(fs.LAUNCH, rule, count, 128, value_dim, aligned)
+    launch = fs.table_launch(fs.LAUNCH, rule, count[programs], 128, value_dim, aligned)
+    assert (launch.splits > 1) == (programs == "split" and aligned and rule != "kdn_exact")
     constants = {
-        "W": 4, "BW": 4, "BK": block_k, "BV": block_v, "DECAY": fs.DECAYS.index(decay),
-        "RULE": fs.RULES.index(rule), "READ_FORM": fs.READS.index(read), "TIED": tied,
-        "GATE_ACT": GATES["sigmoid"], "ONE_BLOCK": block_v >= value_dim,
+        "W": 4, "BW": 4, "BK": launch.block_k, "BV": launch.block_v,
+        "DECAY": fs.DECAYS.index(decay), "RULE": fs.RULES.index(rule),
+        "READ_FORM": fs.READS.index(read), "TIED": tied, "GATE_ACT": GATES["sigmoid"],
+        "ONE_BLOCK": launch.block_v >= value_dim, "SPLITS": launch.splits,
     }  # fmt: skip
     floats = ("scale", "l2_eps", "norm_eps", "r_min", "info_scale")
     pointers = [a for a in kernel.arg_names if a.isupper() and a not in constants]
@@ -653,14 +659,15 @@ def test_fused_decode_step_compiles_for_hopper_within_its_spills(
     signature = {
         a: "constexpr"
         if a in constants
-        else ("*fp32" if a in FUSED_STEP_FLOAT32 else "*bf16")
+        else ("*fp32" if a in FUSED_STEP_FLOAT32 else "*i32" if a == "ARRIVED" else "*bf16")
         if a in pointers
         else ("fp32" if a in floats else "i32")
         for a in kernel.arg_names
     }
     sized = ["K", "V", *(a for a in kernel.arg_names if a.startswith("stride_"))]
     aligned = pointers + (sized if sizes == "multiples_of_16" else [])
-    compiled = _compile_signature(kernel, signature, constants, {"num_warps": warps}, aligned)
+    options = {"num_warps": launch.num_warps}
+    compiled = _compile_signature(kernel, signature, constants, options, aligned)
     assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
     bound = FUSED_STEP_STACK.get(rule, FUSED_STEP_STACK_DEFAULT)
     # At the 340M shapes no form spills (Exact KDN's covariance tile included).

@@ -37,6 +37,25 @@ buffer first and are normalized in a second pass (a barrier between: other threa
 Caches and the state are read before they are written by the same program; a barrier separates
 a cache's reads from its shifted write, which another thread of the program may make.
 
+Split step (SPLITS > 1, where few programs would leave most of the card idle): the grid is
+(B*H, SPLITS) and program (bh, s) owns a span of the head's value columns (`split_columns`).
+Each program recomputes the head's cheap part (q, k, the gates, the gain a) from the caches and
+the filter state as they were, and owns its columns' memory tile, v cache and raw outputs
+(stored to OUT, rounded). Written by one program only, after every program of the head has
+read them: the q/k caches, the filter's state and the normalized outputs. Each program stores
+its sum of o^2 in SUMSQ[bh, s], then (a CTA barrier, then one thread's `atomic_add` on
+ARRIVED[bh], acq_rel at gpu scope) arrives; the program that counts SPLITS - 1 earlier
+arrivals is the head's last: it sums SUMSQ[bh, :] in index order (the same sum at every run),
+normalizes the head's V outputs, shifts the q/k caches, stores the filter's state and sets
+ARRIVED[bh] back to 0, so the next launch (a CUDA graph's replay too) starts from zeros. Why
+this is race-free on a GPU (the interpreter runs programs one by one and proves none of it):
+a program's stores and reads precede the barrier, which precedes its release; the atomic adds
+on one counter form a release sequence, so the last program's acquire synchronizes with every
+earlier arrival, and its threads read after a second barrier (Triton puts one after a scalar
+atomic, which one thread performs and broadcasts through shared memory). No program waits for
+another: programs of a grid need not be resident together. Exact KDN is never split: its
+covariance update is a K x K tile each program would repeat (`table_launch`).
+
 Numerics: float32 throughout (16-bit inputs widened at load), the raw output rounded to the
 output's dtype before its norm, as the unfused step rounds the delta rule's output; the new
 cache entries are the projected inputs as they came.
@@ -64,7 +83,10 @@ __all__ = [
     "RULES",
     "FusedStepLaunch",
     "StepForm",
+    "StepLaunch",
     "fused_layer_step",
+    "split_columns",
+    "split_scratch",
     "table_launch",
 ]
 
@@ -95,18 +117,38 @@ class FusedStepLaunch:
     12.2 / 13.0 for the whole head over 16 warps, 35.5 / 35.9 against 65.0 / 68.0 at 64. Small
     programs, several to an SM: one's reads overlap another's arithmetic, where a 16-warp
     program holds an SM alone and waits on each of its reads in turn. From 512 programs (64
-    sequences) 32 columns over 2 warps, 34.3 / 34.9 us."""
+    sequences) 32 columns over 2 warps, 34.3 / 34.9 us.
+
+    Below `split_programs` programs (None: at any number) each head's value columns are split
+    over `splits` programs (1: never), each walking its share in blocks of `block_v` cut to the
+    share, over `split_num_warps` (`split_columns`; the module docstring: the split step): at
+    1 sequence of 8 heads the whole head's step on 8 SMs, split it runs on 8 x `splits`. The
+    split fields are an estimate until the tuner remakes them on the card: 8 splits (16
+    columns a program) over 2 warps below 128 programs."""
 
     block_v: int = 64
     num_warps: int = 4
     many_programs: int | None = 512
     many_block_v: int = 32
     many_num_warps: int = 2
+    splits: int = 8
+    split_programs: int | None = 128
+    split_num_warps: int = 2
 
 
 LAUNCH = FusedStepLaunch()
 # The table per card (`deltalab.ops.launch_tables`), for calls given none.
 LAUNCH_TABLES = LaunchRegistry("fused_step", LAUNCH)
+
+
+class StepLaunch(NamedTuple):
+    """A launch of the fused step: all key rows in BK (`block_k`), value columns in blocks of
+    `block_v` over `num_warps`, each head's columns over `splits` programs."""
+
+    block_k: int
+    block_v: int
+    num_warps: int
+    splits: int = 1
 
 
 class StepForm(NamedTuple):
@@ -121,21 +163,40 @@ class StepForm(NamedTuple):
 
 
 @triton.jit
-def _conv_silu(X, stride_x, WEIGHT, CACHE, b, ch, ch_ok, C, W: tl.constexpr, BW: tl.constexpr):
-    """silu of one token's short convolution on channels `ch` of sequence b (float32), the
-    cache `[B, C, W-1]` shifted in place to end with the token."""
+def _conv_cache(X, stride_x, CACHE, b, ch, ch_ok, C, W: tl.constexpr, BW: tl.constexpr):
+    """(the token x on channels `ch` of sequence b, its cache's addresses `[len(ch), BW]` and
+    their mask) of a cache `[B, C, W-1]`."""
     x = tl.load(X + b * stride_x + ch, mask=ch_ok, other=0.0)
     taps = tl.arange(0, BW)
     held = ch_ok[:, None] & (taps[None, :] < W - 1)
     at = CACHE + b * C * (W - 1) + ch[:, None] * (W - 1) + taps[None, :]
-    cache = tl.load(at, mask=held, other=0.0).to(tl.float32)
-    w = tl.load(WEIGHT + ch[:, None] * W + taps[None, :], mask=held, other=0.0).to(tl.float32)
-    w_last = tl.load(WEIGHT + ch * W + (W - 1), mask=ch_ok, other=0.0).to(tl.float32)
-    z = tl.sum(cache * w, axis=1) + w_last * x.to(tl.float32)
+    return x, at, held
+
+
+@triton.jit
+def _shift(x, at, held, W: tl.constexpr, BW: tl.constexpr):
+    """The cache at `at` shifted in place to end with the token x (after a barrier: another
+    thread of the program may have read the entries it overwrites)."""
+    taps = tl.arange(0, BW)
     later = tl.load(at + 1, mask=held & (taps[None, :] < W - 2), other=0.0)
     shifted = tl.where(taps[None, :] == W - 2, x[:, None].to(later.dtype), later)
     tl.debug_barrier()
     tl.store(at, shifted, mask=held)
+
+
+@triton.jit
+def _conv_silu(X, stride_x, WEIGHT, CACHE, b, ch, ch_ok, C, W: tl.constexpr, BW: tl.constexpr,
+               SHIFT: tl.constexpr = True):  # fmt: skip
+    """silu of one token's short convolution on channels `ch` of sequence b (float32), the
+    cache `[B, C, W-1]` shifted in place to end with the token where SHIFT."""
+    x, at, held = _conv_cache(X, stride_x, CACHE, b, ch, ch_ok, C, W, BW)
+    taps = tl.arange(0, BW)
+    cache = tl.load(at, mask=held, other=0.0).to(tl.float32)
+    w = tl.load(WEIGHT + ch[:, None] * W + taps[None, :], mask=held, other=0.0).to(tl.float32)
+    w_last = tl.load(WEIGHT + ch * W + (W - 1), mask=ch_ok, other=0.0).to(tl.float32)
+    z = tl.sum(cache * w, axis=1) + w_last * x.to(tl.float32)
+    if SHIFT:
+        _shift(x, at, held, W, BW)
     return z * tl.sigmoid(z)
 
 
@@ -169,12 +230,13 @@ def _log_decay(RAW, stride_raw, A_LOG, DT_BIAS, b, h, kch, row_ok, DECAY: tl.con
 
 @triton.jit
 def _kalman_gain(k, g, NOISE, stride_noise, OBS, stride_obs, P_INF, PRECISION, b, h, bh, kch,
-                 rows, row_ok, K, r_min, info_scale, FILTER: tl.constexpr,
-                 TIED: tl.constexpr):  # fmt: skip
-    """The KDN write direction a `[BK]` from the filter's state (updated in place) and the noise
-    model (module docstring). FILTER: 0 isotropic (precision `[B, H]`), 1 diagonal (precision
-    `[B, H, K]`), 2 exact (covariance `[B, H, K, K]`); the process noise is per channel but
-    for the isotropic filter."""
+                 rows, row_ok, K, r_min, info_scale, FILTER: tl.constexpr, TIED: tl.constexpr,
+                 STORE: tl.constexpr):  # fmt: skip
+    """(the KDN write direction a `[BK]`, the filter's new state) from the filter's state and
+    the noise model (module docstring); the new state stored in place where STORE (always for
+    the exact filter, whose state is stored by `_exact_gain`). FILTER: 0 isotropic (precision
+    `[B, H]`), 1 diagonal (precision `[B, H, K]`), 2 exact (covariance `[B, H, K, K]`); the
+    process noise is per channel but for the isotropic filter."""
     sp_r, _ = _softplus_terms(tl.load(OBS + b * stride_obs + h).to(tl.float32))
     r = r_min + sp_r
     decay2 = tl.where(row_ok, tl.exp(2.0 * g), 0.0)
@@ -194,18 +256,31 @@ def _kalman_gain(k, g, NOISE, stride_noise, OBS, stride_obs, P_INF, PRECISION, b
     if FILTER == 0:
         p_bar = tl.sum(decay2) / K / tl.load(PRECISION + bh) + q_noise
         norm2 = tl.sum(k * k)
-        tl.store(PRECISION + bh, 1.0 / p_bar + info_scale * norm2 / (K * r))
+        state = 1.0 / p_bar + info_scale * norm2 / (K * r)
+        if STORE:
+            _store_filter(PRECISION, state, bh, rows, row_ok, K, FILTER)
         a = p_bar / (p_bar * norm2 + r) * k
     elif FILTER == 1:
-        at = PRECISION + bh * K + rows
-        p_bar = decay2 / tl.load(at, mask=row_ok, other=1.0) + q_noise
+        p_bar = decay2 / tl.load(PRECISION + bh * K + rows, mask=row_ok, other=1.0) + q_noise
         weighted = tl.where(row_ok, p_bar * k, 0.0)
         predictive = tl.sum(weighted * k)
-        tl.store(at, 1.0 / p_bar + info_scale * k * k / r, mask=row_ok)
+        state = 1.0 / p_bar + info_scale * k * k / r
+        if STORE:
+            _store_filter(PRECISION, state, bh, rows, row_ok, K, FILTER)
         a = weighted / (predictive + r)
     else:
         a = _exact_gain(k, g, q_noise, r, PRECISION, bh, rows, row_ok, K)
-    return a
+        state = a
+    return a, state
+
+
+@triton.jit
+def _store_filter(PRECISION, state, bh, rows, row_ok, K, FILTER: tl.constexpr):
+    """Stores the isotropic (FILTER 0, one value) or diagonal (1, `[BK]`) filter's state."""
+    if FILTER == 0:
+        tl.store(PRECISION + bh, state)
+    else:
+        tl.store(PRECISION + bh * K + rows, state, mask=row_ok)
 
 
 @triton.jit
@@ -277,11 +352,11 @@ def _fused_step_kernel(
     Q, K_IN, V_IN, stride_q, stride_k, stride_v, WQ, WK, WV, CQ, CK, CV,
     GATE, stride_gate, BETA, stride_beta, WRITE, stride_write,
     DECAY_RAW, stride_decay, A_LOG, DT_BIAS, READ, stride_read, READ_LOG,
-    NOISE, stride_noise, OBS, stride_obs, P_INF, PRECISION, MEMORY, NORM_W, OUT,
+    NOISE, stride_noise, OBS, stride_obs, P_INF, PRECISION, MEMORY, NORM_W, OUT, ARRIVED, SUMSQ,
     H, K, V, scale, l2_eps, norm_eps, r_min, info_scale,
     W: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DECAY: tl.constexpr, RULE: tl.constexpr, READ_FORM: tl.constexpr, TIED: tl.constexpr,
-    GATE_ACT: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    GATE_ACT: tl.constexpr, ONE_BLOCK: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
     # 64-bit bases (a sequence's rows, a head's state) and 32-bit offsets within them: fewer
     # registers for the address tensors.
@@ -291,8 +366,11 @@ def _fused_step_kernel(
     rows = tl.arange(0, BK)
     row_ok = rows < K
     kch = h * K + rows
-    q = _conv_silu(Q, stride_q, WQ, CQ, b, kch, row_ok, H * K, W, BW)
-    k = _conv_silu(K_IN, stride_k, WK, CK, b, kch, row_ok, H * K, W, BW)
+    # Split, the q/k caches and the filter's state are written by the head's last program; the
+    # exact filter's covariance is updated by `_exact_gain` in place: one program a head.
+    tl.static_assert(SPLITS == 1 or RULE != 4)
+    q = _conv_silu(Q, stride_q, WQ, CQ, b, kch, row_ok, H * K, W, BW, SPLITS == 1)
+    k = _conv_silu(K_IN, stride_k, WK, CK, b, kch, row_ok, H * K, W, BW, SPLITS == 1)
     q = q / tl.sqrt(tl.sum(q * q) + l2_eps)
     k = k / tl.sqrt(tl.sum(k * k) + l2_eps)
     if READ_FORM != 0:
@@ -304,6 +382,7 @@ def _fused_step_kernel(
     q = q * scale
     g = _log_decay(DECAY_RAW, stride_decay, A_LOG, DT_BIAS, b, h, kch, row_ok, DECAY, BK)
     bk = k
+    filter_state = k
     if RULE == 0:
         a = tl.sigmoid(tl.load(BETA + b * stride_beta + h).to(tl.float32)) * k
     elif RULE == 1:
@@ -311,30 +390,78 @@ def _fused_step_kernel(
         a = k
         bk = tl.sigmoid(erase) * k
     else:
-        a = _kalman_gain(k, g, NOISE, stride_noise, OBS, stride_obs, P_INF, PRECISION, b, h, bh,
-                         kch, rows, row_ok, K, r_min, info_scale, RULE - 2, TIED)  # fmt: skip
+        a, filter_state = _kalman_gain(k, g, NOISE, stride_noise, OBS, stride_obs, P_INF,
+                                       PRECISION, b, h, bh, kch, rows, row_ok, K, r_min,
+                                       info_scale, RULE - 2, TIED, SPLITS == 1)  # fmt: skip
     decay = tl.exp(g)
-    if ONE_BLOCK:
+    if SPLITS > 1:
+        # This program's share of the columns: `span`, a multiple of BV (`split_columns`).
+        part = tl.program_id(1)
+        span = tl.cdiv(tl.cdiv(V, SPLITS), BV) * BV
+        sumsq = _raw_outputs(part * span, part * span + span, V_IN, stride_v, WV, CV, WRITE,
+                             stride_write, MEMORY, q, a, bk, decay, OUT, b, h, bh, rows, row_ok,
+                             H, K, V, RULE, W, BW, BV)  # fmt: skip
+        tl.store(SUMSQ + bh * SPLITS + part, sumsq)
+        # The arrival (module docstring, "Split step"): every thread's stores (OUT, SUMSQ, the
+        # memory tile, the v cache) and reads (the q/k caches, the filter state) come before
+        # this barrier, the barrier before one thread's release at gpu scope; the last
+        # arrival's acquire sees them all, and it alone writes what the others read.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(ARRIVED + bh, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            total = tl.load(SUMSQ + bh * SPLITS)
+            for i in tl.static_range(1, SPLITS):
+                total += tl.load(SUMSQ + bh * SPLITS + i)
+            _norm_outputs(total, GATE, stride_gate, NORM_W, OUT, b, h, bh, V, norm_eps, GATE_ACT,
+                          BV)  # fmt: skip
+            x, at, held = _conv_cache(Q, stride_q, CQ, b, kch, row_ok, H * K, W, BW)
+            _shift(x, at, held, W, BW)
+            x, at, held = _conv_cache(K_IN, stride_k, CK, b, kch, row_ok, H * K, W, BW)
+            _shift(x, at, held, W, BW)
+            if RULE == 2 or RULE == 3:
+                _store_filter(PRECISION, filter_state, bh, rows, row_ok, K, RULE - 2)
+            tl.store(ARRIVED + bh, 0)
+    elif ONE_BLOCK:
         cols, col_ok, o = _value_block(0, V_IN, stride_v, WV, CV, WRITE, stride_write, MEMORY, q,
                                        a, bk, decay, OUT, b, h, bh, rows, row_ok, H, K, V, RULE,
                                        W, BW, BV)  # fmt: skip
         _norm_out(o, tl.sum(o * o), cols, col_ok, GATE, stride_gate, NORM_W, OUT, b, h, bh, V,
                   norm_eps, GATE_ACT)  # fmt: skip
     else:
-        sumsq = tl.sum(tl.zeros([BV], dtype=tl.float32))
-        for start in tl.range(0, V, BV, num_stages=1):
-            cols, col_ok, o = _value_block(start, V_IN, stride_v, WV, CV, WRITE, stride_write,
-                                           MEMORY, q, a, bk, decay, OUT, b, h, bh, rows, row_ok, H,
-                                           K, V, RULE, W, BW, BV)  # fmt: skip
-            tl.store(OUT + bh * V + cols, o.to(OUT.dtype.element_ty), mask=col_ok)
-            sumsq += tl.sum(o * o)
+        sumsq = _raw_outputs(0, V, V_IN, stride_v, WV, CV, WRITE, stride_write, MEMORY, q, a, bk,
+                             decay, OUT, b, h, bh, rows, row_ok, H, K, V, RULE, W, BW,
+                             BV)  # fmt: skip
         tl.debug_barrier()
-        for start in tl.range(0, V, BV, num_stages=1):
-            cols = start + tl.arange(0, BV)
-            col_ok = cols < V
-            o = tl.load(OUT + bh * V + cols, mask=col_ok, other=0.0).to(tl.float32)
-            _norm_out(o, sumsq, cols, col_ok, GATE, stride_gate, NORM_W, OUT, b, h, bh, V,
-                      norm_eps, GATE_ACT)  # fmt: skip
+        _norm_outputs(sumsq, GATE, stride_gate, NORM_W, OUT, b, h, bh, V, norm_eps, GATE_ACT, BV)
+
+
+@triton.jit
+def _raw_outputs(first, end, V_IN, stride_v, WV, CV, WRITE, stride_write, MEMORY, q, a, bk,
+                 decay, OUT, b, h, bh, rows, row_ok, H, K, V, RULE: tl.constexpr,
+                 W: tl.constexpr, BW: tl.constexpr, BV: tl.constexpr):  # fmt: skip
+    """Value columns first..end (past V masked) in blocks of BV: the state's update, the raw
+    outputs stored to OUT (rounded); returns their sum of squares."""
+    sumsq = tl.sum(tl.zeros([BV], dtype=tl.float32))
+    for start in tl.range(first, end, BV, num_stages=1):
+        cols, col_ok, o = _value_block(start, V_IN, stride_v, WV, CV, WRITE, stride_write,
+                                       MEMORY, q, a, bk, decay, OUT, b, h, bh, rows, row_ok, H,
+                                       K, V, RULE, W, BW, BV)  # fmt: skip
+        tl.store(OUT + bh * V + cols, o.to(OUT.dtype.element_ty), mask=col_ok)
+        sumsq += tl.sum(o * o)
+    return sumsq
+
+
+@triton.jit
+def _norm_outputs(sumsq, GATE, stride_gate, NORM_W, OUT, b, h, bh, V, norm_eps,
+                  GATE_ACT: tl.constexpr, BV: tl.constexpr):  # fmt: skip
+    """The gated output norm of the head's raw outputs in OUT (sumsq: their sum of squares), in
+    place, in blocks of BV."""
+    for start in tl.range(0, V, BV, num_stages=1):
+        cols = start + tl.arange(0, BV)
+        col_ok = cols < V
+        o = tl.load(OUT + bh * V + cols, mask=col_ok, other=0.0).to(tl.float32)
+        _norm_out(o, sumsq, cols, col_ok, GATE, stride_gate, NORM_W, OUT, b, h, bh, V, norm_eps,
+                  GATE_ACT)  # fmt: skip
 
 
 def _row(x: torch.Tensor | None, fallback: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -365,21 +492,65 @@ def launch(
     return block_k, block_v, num_warps
 
 
+def split_columns(value_dim: int, block_v: int, splits: int) -> tuple[int, int, int]:
+    """(block, splits, span): a head's `value_dim` columns over `splits` programs, each owning
+    `span` columns (the last program's cut at value_dim) in blocks of `block` (block_v cut to a
+    program's share, a power of 2 >= MIN_BLOCK), the splits cut so that every program owns
+    columns. The kernel takes span again from the (cut) splits and the block: the same."""
+    share = triton.cdiv(value_dim, splits)
+    block = min(block_v, max(MIN_BLOCK, triton.next_power_of_2(share)))
+    span = triton.cdiv(share, block) * block
+    return block, triton.cdiv(value_dim, span), span
+
+
 def table_launch(
     table: FusedStepLaunch, rule: str, programs: int, key_dim: int, value_dim: int,
     aligned: bool = True,
-) -> tuple[int, int, int]:  # fmt: skip
-    """(BK, BV, warps) of `programs` programs by `table`, where the table was measured: a form
-    whose state is the memory alone, K and V multiples of 16 and every tensor's address a
-    multiple of 16 bytes (`aligned`: what Triton's launcher declares to the compiler). Elsewhere
-    `launch`'s whole head: compiled for sm_90 at the table's 2-4 warps, Exact KDN's K x K
+) -> StepLaunch:  # fmt: skip
+    """The launch of `programs` programs (sequences x heads) by `table`, where the table was
+    measured: a form whose state is the memory alone or a diagonal or isotropic filter's
+    precision, K and V multiples of 16 and every tensor's address a multiple of 16 bytes
+    (`aligned`: what Triton's launcher declares to the compiler). Elsewhere `launch`'s whole
+    head on one program: compiled for sm_90 at the table's 2-4 warps, Exact KDN's K x K
     covariance spills 0.1-2 KB a thread, other sizes or addresses 2.5-3.1 KB (against 0 to 48
-    bytes in one 16-warp block). The inputs' row strides change no spill."""
+    bytes in one 16-warp block); the inputs' row strides change no spill. Exact KDN is not
+    split either: each of a head's programs would repeat its covariance update, a K x K tile
+    as large as the memory's, which needs the whole program's 16 warps."""
     if rule == "kdn_exact" or not aligned:
-        return launch(key_dim, value_dim)
+        return StepLaunch(*launch(key_dim, value_dim))
+    few = table.split_programs is None or programs < table.split_programs
+    if table.splits > 1 and few:
+        block, splits, _ = split_columns(value_dim, table.block_v, table.splits)
+        if splits > 1:
+            return StepLaunch(*launch(key_dim, value_dim, block, table.split_num_warps), splits)
     if table.many_programs is not None and programs >= table.many_programs:
-        return launch(key_dim, value_dim, table.many_block_v, table.many_num_warps)
-    return launch(key_dim, value_dim, table.block_v, table.num_warps)
+        return StepLaunch(*launch(key_dim, value_dim, table.many_block_v, table.many_num_warps))
+    return StepLaunch(*launch(key_dim, value_dim, table.block_v, table.num_warps))
+
+
+# {(device, programs, splits): (arrivals `[programs]` int32, sums of squares `[programs,
+# splits]` float32)}: the split step's scratch, one per size, kept while the process runs (a
+# CUDA graph captured with it holds its address; the kernel leaves the arrivals zero).
+_SCRATCH: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def split_scratch(device: torch.device, programs: int, splits: int) -> tuple[torch.Tensor, ...]:
+    """The split step's scratch for `programs` heads over `splits` programs each on `device`,
+    made zero on first use. Two steps of one size share it, so they may not run at once (on
+    two streams); it is made outside CUDA graph captures (a capture records its zero fill
+    without running it): an eager step of that size first, as the static decoder's warm-up
+    steps are."""
+    key = (device, programs, splits)
+    if key not in _SCRATCH:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"fused_layer_step: the split step's scratch for {programs} heads x {splits} "
+                "splits is made outside a CUDA graph capture: run one step of this batch "
+                "before capturing"
+            )
+        _SCRATCH[key] = (torch.zeros(programs, dtype=torch.int32, device=device),
+                         torch.empty(programs, splits, dtype=torch.float32, device=device))  # fmt: skip
+    return _SCRATCH[key]
 
 
 @opaque_to_compiler
@@ -428,28 +599,30 @@ def fused_layer_step(
             raise ValueError(
                 "block_v and table: give one of them (block_v launches without a table)"
             )
-        block_k, block_v, warps = launch(key_dim, value_dim, block_v)
+        step = StepLaunch(*launch(key_dim, value_dim, block_v))
     else:
         table = LAUNCH_TABLES.launch_table_for(memory.device) if table is None else table
         tensors = [*qkv, *conv_weights, *caches, gate, norm_weight, out, memory,
                    *(x for x in gates.values() if x is not None), *placeholder.values()]  # fmt: skip
         aligned = key_dim % 16 == 0 and value_dim % 16 == 0
         aligned = aligned and all(t.data_ptr() % 16 == 0 for t in tensors)
-        block_k, block_v, warps = table_launch(table, form.rule, batch * heads, key_dim,
-                                               value_dim, aligned)  # fmt: skip
-    _fused_step_kernel[(batch * heads,)](
+        step = table_launch(table, form.rule, batch * heads, key_dim, value_dim, aligned)
+    scratch = (memory, memory)  # read by no program of an unsplit launch
+    if step.splits > 1:
+        scratch = split_scratch(memory.device, batch * heads, step.splits)
+    _fused_step_kernel[(batch * heads, step.splits)](
         q[0], k[0], v[0], q[1], k[1], v[1], *conv_weights, *caches,
         *_row(gate, memory), *rows["beta"], *rows["write"], *rows["decay"],
         placeholder["A_log"], placeholder["dt_bias"], *rows["read"], placeholder["read_log"],
         *rows["noise"], *rows["obs"], placeholder["p_inf_raw"], placeholder["precision"],
-        memory, norm_weight, out,
+        memory, norm_weight, out, *scratch,
         heads, key_dim, value_dim, float(scale), float(l2_eps), float(norm_eps), float(r_min),
         float(info_scale),
-        W=width, BW=max(1, triton.next_power_of_2(max(width - 1, 1))), BK=block_k, BV=block_v,
-        DECAY=DECAYS.index(form.decay), RULE=RULES.index(form.rule),
+        W=width, BW=max(1, triton.next_power_of_2(max(width - 1, 1))), BK=step.block_k,
+        BV=step.block_v, DECAY=DECAYS.index(form.decay), RULE=RULES.index(form.rule),
         READ_FORM=READS.index(form.read), TIED=form.tied, GATE_ACT=GATES[form.gate_activation],
-        ONE_BLOCK=block_v >= value_dim,
-        num_warps=warps,
+        ONE_BLOCK=step.block_v >= value_dim, SPLITS=step.splits,
+        num_warps=step.num_warps,
     )  # fmt: skip
     return out
 
