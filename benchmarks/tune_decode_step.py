@@ -15,7 +15,12 @@ settings run.
 
 Then the best table: the launch fastest at the smallest batch (`block_v`, `num_warps`), and the
 one fastest at the largest batch from the smallest batch where it beats the first
-(`many_programs`, in programs: sequences x heads; None where it never does). It is written as
+(`many_programs`, in programs: sequences x heads; None where it never does). On that table each
+head's columns are then split over 2 to 16 programs (`SPLITS`, 16 columns a program at the
+least) over 1 to 4 warps, timed at every batch against the table unsplit: the split fastest at
+the smallest batch, if it beats the unsplit table there (`splits`, `split_num_warps`; else
+`splits` 1), below the smallest batch where the unsplit table is faster (`split_programs`;
+None where there is none). It is written as
 this card's section "fused_step" of `<--table-dir>/<card key>.json` (default: the directory the
 lookup reads, which every later process on this card then takes). Printed and in the JSON: per
 batch, the shipped table's time over the best setting's.
@@ -24,6 +29,7 @@ batch, the shipped table's time over the best setting's.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -36,6 +42,7 @@ from deltalab.ops.delta_rule.triton.fused_step import (
     FusedStepLaunch,
     StepForm,
     fused_layer_step,
+    split_columns,
     table_launch,
 )
 from deltalab.ops.launch_tables import table_as_dict, user_table_directory, write_table_file
@@ -49,6 +56,9 @@ FORMS = {
 }
 # (value columns a block, warps) tried.
 LAUNCHES = ((128, (8, 16)), (64, (4, 8)), (32, (1, 2, 4)), (16, (1, 2)))
+# Programs a head's value columns are split over, and their warps, tried on the best blocks.
+SPLITS = (2, 4, 8, 16)
+SPLIT_WARPS = (1, 2, 4)
 # A setting whose outputs differ more than this from the shipped one's is wrong, not a candidate.
 SAME_RESULT = 1e-3
 CONV_WIDTH = 4
@@ -69,8 +79,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def candidates(head_dim: int) -> list[FusedStepLaunch]:
     """Every launch tried, at any batch (a block no wider than the head)."""
-    return [FusedStepLaunch(block_v=v, num_warps=w, many_programs=None)
+    return [FusedStepLaunch(block_v=v, num_warps=w, many_programs=None, splits=1)
             for v, warps in LAUNCHES if v <= max(16, head_dim) for w in warps]  # fmt: skip
+
+
+def split_candidates(table: FusedStepLaunch, head_dim: int) -> list[FusedStepLaunch]:
+    """`table` with each head split at every batch, for each split count the head's columns
+    take as asked (`split_columns`: none cut to fewer) and each of SPLIT_WARPS."""
+    counts = [n for n in SPLITS if split_columns(head_dim, table.block_v, n)[1] == n]
+    return [replace(table, splits=n, split_programs=None, split_num_warps=w)
+            for n in counts for w in SPLIT_WARPS]  # fmt: skip
 
 
 def step_inputs(form: StepForm, batch: int, heads: int, dim: int, device: str, dtype, generator):
@@ -163,7 +181,8 @@ def time_batch(args, batch: int, settings: list[FusedStepLaunch], dtype) -> list
 
 
 def best_table(rows: list[dict], heads: int) -> FusedStepLaunch:
-    """The table of the module docstring from the candidates' `rows` (not the shipped table's)."""
+    """The unsplit table of the module docstring from the candidates' `rows` (not the shipped
+    table's)."""
     ok = [r for r in rows if r["max_diff"] <= SAME_RESULT and not r["shipped"]]
     batches = sorted({r["batch"] for r in ok})
     if not batches:
@@ -172,20 +191,47 @@ def best_table(rows: list[dict], heads: int) -> FusedStepLaunch:
     def fastest(batch):
         return min((r for r in ok if r["batch"] == batch), key=lambda r: r["us"])["setting"]
 
+    small, large = fastest(batches[0]), fastest(batches[-1])
+    table = FusedStepLaunch(small["block_v"], small["num_warps"], None, splits=1)
+    if large == small:
+        return table
+    batch = _first_batch(ok, batches, large, small)
+    if batch is None:
+        return table
+    return FusedStepLaunch(small["block_v"], small["num_warps"], batch * heads,
+                           large["block_v"], large["num_warps"], splits=1)  # fmt: skip
+
+
+def _first_batch(ok: list[dict], batches: list[int], faster: dict, than: dict) -> int | None:
+    """The smallest of `batches` where setting `faster` took less time than setting `than`
+    (rows `ok`; a batch where either gave another result, and so has no row, decides
+    nothing); None where there is none."""
+
     def us(batch, setting):
         return next((r["us"] for r in ok if r["batch"] == batch and r["setting"] == setting), None)
 
-    small, large = fastest(batches[0]), fastest(batches[-1])
-    table = FusedStepLaunch(small["block_v"], small["num_warps"], None)
-    if large == small:
-        return table
     for batch in batches:
-        wide, narrow = us(batch, large), us(batch, small)
-        # A batch where either launch gave another result (max_diff) decides nothing.
-        if wide is not None and narrow is not None and wide < narrow:
-            return FusedStepLaunch(small["block_v"], small["num_warps"], batch * heads,
-                                   large["block_v"], large["num_warps"])  # fmt: skip
-    return table
+        a, b = us(batch, faster), us(batch, than)
+        if a is not None and b is not None and a < b:
+            return batch
+    return None
+
+
+def best_splits(rows: list[dict], table: FusedStepLaunch, heads: int) -> FusedStepLaunch:
+    """`table` with the split fields of the module docstring from `rows`: the unsplit `table`
+    and its split candidates (`split_candidates`) timed at each batch."""
+    ok = [r for r in rows if r["max_diff"] <= SAME_RESULT]
+    batches = sorted({r["batch"] for r in ok})
+    unsplit = table_as_dict(table)
+    split = [r for r in ok if r["batch"] == batches[0] and r["setting"]["splits"] > 1]
+    if not split:
+        return table
+    best = min(split, key=lambda r: r["us"])["setting"]
+    if _first_batch(ok, batches[:1], best, unsplit) is None:
+        return replace(table, splits=1, split_programs=None)
+    loses = _first_batch(ok, batches, unsplit, best)
+    return replace(table, splits=best["splits"], split_num_warps=best["split_num_warps"],
+                   split_programs=None if loses is None else loses * heads)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -197,6 +243,13 @@ def run(args: argparse.Namespace) -> dict:
         # The shipped table as it launches at this batch, then every candidate.
         rows += time_batch(args, batch, [shipped, *settings], dtype)
     table = best_table(rows, args.heads)
+    # The best unsplit table (the reference of these rows' differences), then its splits.
+    splits = [table, *split_candidates(table, args.head_dim)]
+    split_rows = []
+    for batch in args.batches:
+        split_rows += [r | {"shipped": False} for r in time_batch(args, batch, splits, dtype)]
+    table = best_splits(split_rows, table, args.heads)
+    rows += split_rows
     properties = card(args.device)
     directory = user_table_directory() if args.table_dir is None else args.table_dir
     path = Path(directory) / f"{properties.key}.json"
@@ -204,14 +257,15 @@ def run(args: argparse.Namespace) -> dict:
     ratios = {}
     for batch in args.batches:
         here = [r for r in rows if r["batch"] == batch and r["max_diff"] <= SAME_RESULT]
-        shipped_us, best_us = here[0]["us"], min(r["us"] for r in here)
+        shipped_us = next(r["us"] for r in here if r["shipped"])
+        best_us = min(r["us"] for r in here)
         ratios[batch] = shipped_us / best_us
         launched = table_launch(
             table, args.rules[0], batch * args.heads, args.head_dim, args.head_dim
         )
         print(
             f"B={batch:4d}: shipped {shipped_us:8.2f} us a layer, best {best_us:8.2f}, "
-            f"shipped/best {ratios[batch]:.2f}; the new table's (BK, BV, warps) {launched}"
+            f"shipped/best {ratios[batch]:.2f}; the new table's launch {launched}"
         )
     print(f"table {table_as_dict(table)} -> {path}")
     return {"device_key": properties.key, "table_file": str(path), "table": table_as_dict(table),

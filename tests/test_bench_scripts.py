@@ -217,7 +217,7 @@ def test_decode_tune_writes_its_best_table_which_the_lookup_reads_back(tmp_path)
     """The fused step's tuner, a CPU smoke run: every launch tried at each batch, its best table
     written to --table-dir as the card's fused_step section, which the lookup then takes."""
     needs_triton()
-    from benchmarks.tune_decode_step import candidates
+    from benchmarks.tune_decode_step import best_table, candidates, split_candidates
     from benchmarks.tune_triton import card
     from deltalab.ops.delta_rule.triton.fused_step import LAUNCH, LAUNCH_TABLES
     from deltalab.ops.launch_tables import table_from_dict
@@ -230,9 +230,22 @@ def test_decode_tune_writes_its_best_table_which_the_lookup_reads_back(tmp_path)
     read_back = LAUNCH_TABLES.resolve(card("cpu"), tmp_path / "tables")
     assert read_back == table_from_dict(LAUNCH, report["table"], "table")
     rows = report["rows"]
-    assert len(rows) == 2 * (1 + len(candidates(32)))  # the shipped table, then each launch
+    # The shipped table, then each launch; the best of them unsplit, then split over 2 programs.
+    launches = 1 + len(candidates(32))
+    unsplit = best_table(rows[: 2 * launches], heads=1)
+    assert [s.splits for s in split_candidates(unsplit, 32)] == [2] * 3
+    assert len(rows) == 2 * launches + 2 * (1 + 3)
     assert all(r["max_diff"] < 1e-5 for r in rows)
     assert set(report["shipped_over_best"]) == {"1", "2"}
+
+
+def _tuner_row(batch, us, diff=0.0, **setting):
+    """A row of the step tuner's timings: `setting` over the default table's fields."""
+    from deltalab.ops.delta_rule.triton.fused_step import FusedStepLaunch
+    from deltalab.ops.launch_tables import table_as_dict
+
+    setting = table_as_dict(FusedStepLaunch(many_programs=None, splits=1)) | setting
+    return {"batch": batch, "setting": setting, "shipped": False, "us": us, "max_diff": diff}
 
 
 def test_the_tuned_step_table_switches_launch_from_the_first_batch_the_wide_one_wins():
@@ -240,20 +253,47 @@ def test_the_tuned_step_table_switches_launch_from_the_first_batch_the_wide_one_
     from deltalab.ops.delta_rule.triton.fused_step import FusedStepLaunch
 
     def row(batch, block_v, warps, us, diff=0.0):
-        setting = {"block_v": block_v, "num_warps": warps, "many_programs": None,
-                   "many_block_v": 32, "many_num_warps": 2}  # fmt: skip
-        return {"batch": batch, "setting": setting, "shipped": False, "us": us, "max_diff": diff}
+        return _tuner_row(batch, us, diff, block_v=block_v, num_warps=warps)
 
     rows = [row(1, 64, 4, 7.0), row(1, 32, 2, 9.0), row(16, 64, 4, 14.0), row(16, 32, 2, 15.0),
             row(32, 64, 4, 20.0), row(32, 32, 2, 19.0), row(64, 64, 4, 36.0),
             row(64, 32, 2, 34.0), row(64, 16, 1, 1.0, diff=1.0)]  # fmt: skip
-    assert best_table(rows, heads=8) == FusedStepLaunch(64, 4, 32 * 8, 32, 2)
+    assert best_table(rows, heads=8) == FusedStepLaunch(64, 4, 32 * 8, 32, 2, splits=1)
     # Where the first batch's launch is fastest at the last batch too, there is one launch.
     same = [r for r in rows if r["setting"]["block_v"] == 64]
-    assert best_table(same, heads=8) == FusedStepLaunch(64, 4, None)
+    assert best_table(same, heads=8) == FusedStepLaunch(64, 4, None, splits=1)
     # A batch where the wide launch gave another result decides nothing.
     wrong_at_32 = [r for r in rows if not (r["batch"] == 32 and r["setting"]["block_v"] == 32)]
-    assert best_table(wrong_at_32, heads=8) == FusedStepLaunch(64, 4, 64 * 8, 32, 2)
+    assert best_table(wrong_at_32, heads=8) == FusedStepLaunch(64, 4, 64 * 8, 32, 2, splits=1)
+
+
+def test_the_tuned_step_table_splits_heads_below_the_first_batch_the_unsplit_launch_wins():
+    """The split fastest at the smallest batch, below the first batch where the unsplit table
+    is faster (in programs); none where it loses at the smallest batch; at every batch where
+    it never loses."""
+    from dataclasses import replace
+
+    from benchmarks.tune_decode_step import best_splits
+    from deltalab.ops.delta_rule.triton.fused_step import FusedStepLaunch
+    from deltalab.ops.launch_tables import table_as_dict
+
+    table = FusedStepLaunch(64, 4, None, splits=1, split_programs=None)
+
+    def row(batch, splits, warps, us, diff=0.0):
+        if splits == 1:  # the unsplit table
+            return _tuner_row(batch, us, diff, **table_as_dict(table))
+        return _tuner_row(batch, us, diff, splits=splits, split_num_warps=warps,
+                          split_programs=None)  # fmt: skip
+
+    rows = [row(1, 1, 2, 9.0), row(1, 8, 2, 3.0), row(1, 4, 2, 4.0), row(1, 8, 1, 2.0, 1.0),
+            row(4, 1, 2, 12.0), row(4, 8, 2, 10.0), row(16, 1, 2, 20.0), row(16, 8, 2, 21.0),
+            row(64, 1, 2, 50.0), row(64, 8, 2, 49.0)]  # fmt: skip
+    expected = replace(table, splits=8, split_num_warps=2, split_programs=16 * 8)
+    assert best_splits(rows, table, heads=8) == expected
+    never_loses = [r for r in rows if r["batch"] != 16]
+    assert best_splits(never_loses, table, heads=8) == replace(expected, split_programs=None)
+    slower = [r | {"us": 10.0} if r["setting"]["splits"] > 1 else r for r in rows]
+    assert best_splits(slower, table, heads=8) == replace(table, split_programs=None)
 
 
 def test_train_smoke_run_reports_each_mixer_throughput(tmp_path):
