@@ -143,6 +143,22 @@ def poisoned_empty(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "new_empty", nan_new_empty)
 
 
+@pytest.fixture
+def fused_step_launches(monkeypatch) -> list:
+    """The launches `fused_layer_step` takes from `table_launch` during the test (observed, not
+    changed)."""
+    from deltalab.ops.delta_rule.triton import fused_step
+
+    launches, table_launch = [], fused_step.table_launch
+
+    def observed(*args, **kwargs):
+        launches.append(table_launch(*args, **kwargs))
+        return launches[-1]
+
+    monkeypatch.setattr(fused_step, "table_launch", observed)
+    return launches
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
     """`make_corpus`'s documents, made once per test module: a training run's data."""

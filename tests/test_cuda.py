@@ -367,32 +367,74 @@ def test_cuda_an_h100_or_h200_takes_the_launch_tables_shipped_for_its_own_name()
     assert dataclasses.asdict(LAUNCH_TABLES.builtin(card)) == shipped
 
 
-@pytest.mark.parametrize("mixer", ["gdn2", "kdn_diag", "kdn_exact"])
-@pytest.mark.parametrize("many_programs", [None, 1], ids=["few_programs", "many_programs"])
-def test_cuda_fused_step_at_the_tables_launches_equals_the_unfused_step(
-    generator, mixer, many_programs
-):
-    """Compiled, at the 340M heads (K = V = 128) in float32: the fused step at each launch of
-    the shipped default table (`FusedStepLaunch`: its blocks below `many_programs`, its wide
-    batch blocks from it) equals the mixer's own step, output and state."""
-    pytest.importorskip("triton")
-    from deltalab.layers.decode_step import fused_step, runs_fused
-    from deltalab.models.static_decode import _static_recurrent
-    from deltalab.ops.delta_rule.triton.fused_step import LAUNCH
-
+def cuda_step_layer(mixer: str, generator, heads: int = 2):
+    """A mixer layer of 128 x 128 heads on the GPU in float32, off its initial values."""
     torch.manual_seed(0)
-    config = build_config("tiny", mixer=mixer, hidden_size=256, num_layers=1, num_heads=2,
+    config = build_config("tiny", mixer=mixer, hidden_size=256, num_layers=1, num_heads=heads,
                           head_dim=128, vocab_size=67)  # fmt: skip
     layer = CausalLM(config).model.blocks[0].mixer.cuda().eval()
     with torch.no_grad():
         for p in layer.parameters():  # off their initial values, which zero some maps
             p.add_(0.1 * torch.randn(p.shape, generator=generator).cuda())
+    return layer
+
+
+@pytest.mark.parametrize("mixer", ["gdn2", "kdn_diag", "kdn_exact"])
+@pytest.mark.parametrize("programs", ["split", "few", "many"])
+def test_cuda_fused_step_at_the_tables_launches_equals_the_unfused_step(generator, mixer, programs):
+    """Compiled, at the 340M heads (K = V = 128) in float32: the fused step at each launch of
+    the shipped default table (`FusedStepLaunch`: each head split over `splits` programs, its
+    blocks below `many_programs`, its wide batch blocks from it) equals the mixer's own step,
+    output and state."""
+    pytest.importorskip("triton")
+    from deltalab.layers.decode_step import fused_step, runs_fused
+    from deltalab.models.static_decode import _static_recurrent
+    from deltalab.ops.delta_rule.triton.fused_step import LAUNCH
+
+    layer = cuda_step_layer(mixer, generator)
+    with torch.no_grad():
         _, state = layer(torch.randn(3, 9, 256, generator=generator).cuda())
         x = torch.randn(3, 1, 256, generator=generator).cuda()
         buffers = _static_recurrent(state)
         assert runs_fused(layer, x, buffers)
         expected, after = layer(x, state)
-        table = dataclasses.replace(LAUNCH, many_programs=many_programs)
+        table = {"split": LAUNCH,
+                 "few": dataclasses.replace(LAUNCH, splits=1, many_programs=None),
+                 "many": dataclasses.replace(LAUNCH, splits=1, many_programs=1)}[programs]  # fmt: skip
         got = fused_step(layer, x, buffers, {}, table=table)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     assert_same_recurrent_state(buffers, after)
+
+
+@pytest.mark.parametrize("mixer", ["gdn2", "muir", "kdn_diag", "kdn_iso"])
+def test_cuda_graph_replays_of_the_split_fused_step_equal_the_unfused_steps(
+    generator, fused_step_launches, mixer
+):
+    """One sequence of 4 heads (K = V = 128, float32), each head over the default table's
+    `splits` programs: a CUDA graph of the fused step, replayed on 5 tokens one after another,
+    gives after each replay the output and state of the mixer's own steps. Each replay starts
+    from the arrival counters the last left (every head's last program resets its own), and
+    the graph holds the scratch an eager step of that size made before the capture."""
+    pytest.importorskip("triton")
+    from deltalab.layers.decode_step import fused_step
+    from deltalab.models.static_decode import _static_recurrent
+    from deltalab.ops.delta_rule.triton.fused_step import LAUNCH
+
+    layer = cuda_step_layer(mixer, generator, heads=4)
+    store: dict = {}
+    with torch.no_grad():
+        _, state = layer(torch.randn(1, 9, 256, generator=generator).cuda())
+        token = torch.zeros(1, 1, 256, device="cuda")
+        fused_step(layer, token, _static_recurrent(state), store, table=LAUNCH)  # the warm-up
+        buffers = _static_recurrent(state)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused_step(layer, token, buffers, store, table=LAUNCH)
+        for _ in range(5):
+            x = torch.randn(1, 1, 256, generator=generator).cuda()
+            token.copy_(x)
+            graph.replay()
+            expected, state = layer(x, state)
+            torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+            assert_same_recurrent_state(buffers, state)
+    assert fused_step_launches[0].splits == LAUNCH.splits > 1

@@ -155,32 +155,16 @@ def test_the_launch_table_picks_its_blocks_by_the_number_of_programs_and_the_sha
     assert table_launch(always, "beta", 10**6, 128, 128) == (128, 32, 2, 2)
 
 
-def observed_launches(monkeypatch) -> list:
-    """The launches `fused_layer_step` takes from `table_launch` from now on (observed, not
-    changed)."""
-    from deltalab.ops.delta_rule.triton import fused_step as kernel_module
-
-    launches, table_launch = [], kernel_module.table_launch
-
-    def observed(*args, **kwargs):
-        launches.append(table_launch(*args, **kwargs))
-        return launches[-1]
-
-    monkeypatch.setattr(kernel_module, "table_launch", observed)
-    return launches
-
-
 @pytest.mark.parametrize("kind", ["muir", "kdn_diag", "kda"])
 @pytest.mark.parametrize("many_programs", [8, 4], ids=["few_programs", "many_programs"])
 def test_the_fused_step_equals_the_unfused_step_at_each_launch_of_a_table(
-    generator, monkeypatch, kind, many_programs
+    generator, fused_step_launches, kind, many_programs
 ):
     """A step (value_dim 32, 2 sequences x 2 heads: 4 programs) by a table whose launches
     differ: blocks of 16 over 1 warp below `many_programs`, one block of 32 over 2 from it; the
     launch taken is the table's."""
     from deltalab.ops.delta_rule.triton.fused_step import FusedStepLaunch
 
-    launches = observed_launches(monkeypatch)
     table = FusedStepLaunch(block_v=16, num_warps=1, many_programs=many_programs,
                             many_block_v=32, many_num_warps=2, splits=1)  # fmt: skip
     mixer = tiny_mixer(kind, {}, {"value_dim": 32}, generator)
@@ -190,7 +174,7 @@ def test_the_fused_step_equals_the_unfused_step_at_each_launch_of_a_table(
         buffers = _static_recurrent(state)
         expected, after = mixer(x, state)
         got = fused_step(mixer, x, buffers, {}, table=table)
-    assert launches == [(16, 16, 1, 1) if many_programs > 4 else (16, 32, 2, 1)]
+    assert fused_step_launches == [(16, 16, 1, 1) if many_programs > 4 else (16, 32, 2, 1)]
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     assert_same_recurrent_state(buffers, after)
 
@@ -208,7 +192,7 @@ SPLIT_CASES = [("muir", 48, 2), ("kdn_diag", 64, 2), ("kdn_iso", 64, 4), ("kda",
 @pytest.mark.parametrize("splits", [2, 4])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_the_fused_step_split_over_programs_equals_the_unfused_step_step_after_step(
-    generator, monkeypatch, kind, value_dim, heads, splits, batch
+    generator, fused_step_launches, kind, value_dim, heads, splits, batch
 ):
     """Two consecutive steps with each head's value columns over `splits` programs (blocks of
     16: at 64 columns 2 blocks a program of 2, 1 of 4; at 48 columns 2 and 1, the last program
@@ -217,7 +201,6 @@ def test_the_fused_step_split_over_programs_equals_the_unfused_step_step_after_s
     the arrival counters the first left (every head's last program resets its own)."""
     from deltalab.ops.delta_rule.triton.fused_step import FusedStepLaunch, split_columns
 
-    launches = observed_launches(monkeypatch)
     table = FusedStepLaunch(block_v=16, num_warps=1, splits=splits, split_programs=None,
                             split_num_warps=1)  # fmt: skip
     mixer = tiny_mixer(kind, {}, {"value_dim": value_dim, "num_heads": heads}, generator)
@@ -231,7 +214,7 @@ def test_the_fused_step_split_over_programs_equals_the_unfused_step_step_after_s
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
             assert_same_recurrent_state(buffers, state)
     taken = split_columns(value_dim, 16, splits)[1]
-    assert taken > 1 and launches == [(16, 16, 1, taken)] * 2
+    assert taken > 1 and fused_step_launches == [(16, 16, 1, taken)] * 2
 
 
 def test_a_step_given_both_a_value_block_and_a_table_is_refused_naming_them(generator):
