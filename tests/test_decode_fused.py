@@ -46,10 +46,11 @@ def _case_id(case) -> str:
     return "-".join([kind, *map(str, options.values()), *(f"V{v}" for v in overrides.values())])
 
 
-# Every case in the kernel's default block, and the value_dim 32 cases again in blocks of 16 (two
-# blocks). At value_dim 16 a block of 16 is the default block: the same launch.
+# Every case at the default table's launch (the interpreter's: one block, at value_dim 32 each
+# head's columns over 2 programs of 16 but for Exact KDN), and the value_dim 32 cases again in
+# blocks of 16 on one program (two blocks). At value_dim 16 a block of 16 is the default launch.
 BLOCKS = [
-    *(pytest.param(case, None, id=f"{_case_id(case)}-one_block") for case in CASES),
+    *(pytest.param(case, None, id=f"{_case_id(case)}-table") for case in CASES),
     *(
         pytest.param(case, 16, id=f"{_case_id(case)}-blocks_of_16")
         for case in CASES
