@@ -409,18 +409,9 @@ def _fused_step_kernel(
         tl.debug_barrier()
         arrived = tl.atomic_add(ARRIVED + bh, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLITS - 1:
-            total = tl.load(SUMSQ + bh * SPLITS)
-            for i in tl.static_range(1, SPLITS):
-                total += tl.load(SUMSQ + bh * SPLITS + i)
-            _norm_outputs(total, GATE, stride_gate, NORM_W, OUT, b, h, bh, V, norm_eps, GATE_ACT,
-                          BV)  # fmt: skip
-            x, at, held = _conv_cache(Q, stride_q, CQ, b, kch, row_ok, H * K, W, BW)
-            _shift(x, at, held, W, BW)
-            x, at, held = _conv_cache(K_IN, stride_k, CK, b, kch, row_ok, H * K, W, BW)
-            _shift(x, at, held, W, BW)
-            if RULE == 2 or RULE == 3:
-                _store_filter(PRECISION, filter_state, bh, rows, row_ok, K, RULE - 2)
-            tl.store(ARRIVED + bh, 0)
+            _last_arrival(Q, K_IN, stride_q, stride_k, CQ, CK, GATE, stride_gate, PRECISION,
+                          filter_state, NORM_W, OUT, ARRIVED, SUMSQ, b, h, bh, kch, rows, row_ok,
+                          H, K, V, norm_eps, W, BW, BV, RULE, GATE_ACT, SPLITS)  # fmt: skip
     elif ONE_BLOCK:
         cols, col_ok, o = _value_block(0, V_IN, stride_v, WV, CV, WRITE, stride_write, MEMORY, q,
                                        a, bk, decay, OUT, b, h, bh, rows, row_ok, H, K, V, RULE,
@@ -433,6 +424,28 @@ def _fused_step_kernel(
                              BV)  # fmt: skip
         tl.debug_barrier()
         _norm_outputs(sumsq, GATE, stride_gate, NORM_W, OUT, b, h, bh, V, norm_eps, GATE_ACT, BV)
+
+
+@triton.jit
+def _last_arrival(Q, K_IN, stride_q, stride_k, CQ, CK, GATE, stride_gate, PRECISION,
+                  filter_state, NORM_W, OUT, ARRIVED, SUMSQ, b, h, bh, kch, rows, row_ok, H, K, V,
+                  norm_eps, W: tl.constexpr, BW: tl.constexpr, BV: tl.constexpr,
+                  RULE: tl.constexpr, GATE_ACT: tl.constexpr,
+                  SPLITS: tl.constexpr):  # fmt: skip
+    """A split head's last program: the head's outputs normalized by the sum of the programs'
+    sums of squares (in index order), the q/k caches shifted, the filter's state stored, the
+    arrival counter back to 0."""
+    total = tl.load(SUMSQ + bh * SPLITS)
+    for i in tl.static_range(1, SPLITS):
+        total += tl.load(SUMSQ + bh * SPLITS + i)
+    _norm_outputs(total, GATE, stride_gate, NORM_W, OUT, b, h, bh, V, norm_eps, GATE_ACT, BV)
+    x, at, held = _conv_cache(Q, stride_q, CQ, b, kch, row_ok, H * K, W, BW)
+    _shift(x, at, held, W, BW)
+    x, at, held = _conv_cache(K_IN, stride_k, CK, b, kch, row_ok, H * K, W, BW)
+    _shift(x, at, held, W, BW)
+    if RULE == 2 or RULE == 3:
+        _store_filter(PRECISION, filter_state, bh, rows, row_ok, K, RULE - 2)
+    tl.store(ARRIVED + bh, 0)
 
 
 @triton.jit
