@@ -149,7 +149,12 @@ SMOKE = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("name", list(SMOKE))
+# The runs of Triton kernels are the interpreter's (CI's interpreter pass), the others CPU's.
+SMOKE_PARAMS = [pytest.param(name, marks=pytest.mark.interpreter) if SMOKE[name][1] else name
+                for name in SMOKE]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", SMOKE_PARAMS)
 def test_suite_smoke_run_writes_its_results_under_the_header(name, tmp_path):
     argv, triton_kernels, key = SMOKE[name]
     if triton_kernels:
@@ -161,6 +166,7 @@ def test_suite_smoke_run_writes_its_results_under_the_header(name, tmp_path):
     assert report[key], f"{name}: nothing under {key!r}"
 
 
+@pytest.mark.interpreter
 def test_tune_writes_its_best_table_which_the_lookup_reads_back(tmp_path):
     """The tuner's CPU smoke run: its best table, written to --table-dir as the card's file, is
     the table the lookup then takes for that card, and its JSON holds the shipped table's time
@@ -213,6 +219,7 @@ def test_the_best_table_takes_each_stages_fastest_candidate_and_reports_conflict
     }
 
 
+@pytest.mark.interpreter
 def test_decode_tune_writes_its_best_table_which_the_lookup_reads_back(tmp_path):
     """The fused step's tuner, a CPU smoke run: every launch tried at each batch, its best table
     written to --table-dir as the card's fused_step section, which the lookup then takes."""

@@ -53,7 +53,9 @@ def test_row_linear_matches_the_float64_definition(generator, backend, shape, bi
     assert relative_error(got, expected) < 1e-5
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("backend", [
+    "torch", pytest.param("triton", marks=[pytest.mark.interpreter, needs_triton])
+])  # fmt: skip
 def test_row_linear_of_no_columns_is_the_bias_and_the_residual(backend):
     x, weight = torch.zeros(2, 0, device=DEVICE), torch.zeros(3, 0, device=DEVICE)
     bias, residual = torch.ones(3, device=DEVICE), torch.full((2, 3), 2.0, device=DEVICE)

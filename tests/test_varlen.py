@@ -71,10 +71,7 @@ def _spy(monkeypatch, module, name, position, seen):
 BACKEND_PARAMS = [
     "naive",
     "chunk",
-    pytest.param(
-        "triton",
-        marks=needs_triton,
-    ),
+    pytest.param("triton", marks=[needs_triton, pytest.mark.interpreter]),
 ]
 
 
