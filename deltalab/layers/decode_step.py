@@ -281,8 +281,8 @@ def step_rows(
     product's kernel normalizes its rows itself where the layer's products take `row_linear`'s
     kernel (`products_backend` of `backend`, the layer's), no cast comes between the norm and
     the product and the norm is a plain `RMSNorm` without hooks (`fusable`); else the module
-    runs here, as the block's forward runs it, and None is left. The fused norm rounds its output to x's dtype as the module does, so the two differ
-    by the order of a sum only."""
+    runs here, as the block's forward runs it, and None is left. The fused norm rounds its
+    output to x's dtype as the module does, so the two differ by the order of a sum only."""
     rows = x[:, 0]
     kernel = resolve_backend(products_backend(backend, rows), rows) == "triton"
     if norm is not None and (rows.dtype != dtype or not kernel or not fusable(norm, RMSNorm)):
