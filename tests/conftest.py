@@ -216,3 +216,20 @@ def check_ffn_recompute(mixer: str, backend: str, monkeypatch) -> None:
     assert grads.keys() == grads_plain.keys()
     for name, grad in grads.items():
         assert torch.equal(grad, grads_plain[name]), name
+
+
+@pytest.fixture
+def norm_calls(monkeypatch) -> list:
+    """The `RMSNorm` modules called from here on, in order: a spy on the class's forward (a
+    hook of a module's own would make the decoding step run it as a module, `fusable`)."""
+    from deltalab.layers.norms import RMSNorm
+
+    calls = []
+    forward = RMSNorm.forward
+
+    def counted(module, x):
+        calls.append(module)
+        return forward(module, x)
+
+    monkeypatch.setattr(RMSNorm, "forward", counted)
+    return calls

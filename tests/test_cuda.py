@@ -129,30 +129,22 @@ def test_cuda_graph_decoding_gives_the_tokens_of_generate(generator, mixer, over
 
 @pytest.mark.parametrize("batch", [2, MAX_TRITON_ROWS + 1])
 def test_cuda_static_step_normalizes_in_its_products_at_a_few_sequences_only(
-    generator, monkeypatch, batch
+    generator, norm_calls, batch
 ):
     """The default ("auto") layers: the blocks' norms go into `row_linear`'s kernel at up to
-    MAX_TRITON_ROWS sequences; past that every norm module runs (a spy on the class's forward:
-    a hook of the modules' own would make them run as modules)."""
+    MAX_TRITON_ROWS sequences; past that every norm module runs (`norm_calls`)."""
     model = cuda_tiny_model("gdn2", dtype=torch.bfloat16)
     with torch.no_grad():
         out = model(torch.randint(0, 256, (batch, 9), generator=generator).cuda(), use_cache=True)
     decoder = StaticDecoder(model, out.past_key_values, 4, cuda_graph=False)
     decoder.start(out.logits[:, -1])
-    calls = []
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
-    forward = RMSNorm.forward
-
-    def counted(module, x):
-        calls.append(module)
-        return forward(module, x)
-
-    monkeypatch.setattr(RMSNorm, "forward", counted)
+    norm_calls.clear()
     decoder.step()
     if batch <= MAX_TRITON_ROWS:
-        assert calls == [model.model.norm]
+        assert norm_calls == [model.model.norm]
     else:
-        assert sorted(map(id, calls)) == sorted(map(id, norms))
+        assert sorted(map(id, norm_calls)) == sorted(map(id, norms))
 
 
 @pytest.mark.parametrize("mixer", ["gdn2", "kdn_diag", "transformer"])

@@ -112,25 +112,17 @@ def test_the_fused_step_with_the_blocks_norm_and_residual_equals_the_blocks_mixe
     assert_same_recurrent_state(buffers, after)
 
 
-def test_a_decoding_step_on_the_kernels_runs_no_norm_module_but_the_heads(generator, monkeypatch):
-    """At a few rows the blocks' norms are computed by the products after them. (A spy on the
-    class's forward: a hook of the modules' own would make them run as modules.)"""
+def test_a_decoding_step_on_the_kernels_runs_no_norm_module_but_the_heads(generator, norm_calls):
+    """At a few rows the blocks' norms are computed by the products after them (`norm_calls`)."""
     torch.manual_seed(0)
     model = CausalLM(build_config("tiny", mixer="gdn2", backend="triton", **TINY)).eval()
     with torch.no_grad():
         out = model(torch.randint(0, 67, (2, 7), generator=generator), use_cache=True)
     decoder = StaticDecoder(model, out.past_key_values, 4, cuda_graph=False)
     decoder.start(out.logits[:, -1])
-    calls = []
-    forward = RMSNorm.forward
-
-    def counted(module, x):
-        calls.append(module)
-        return forward(module, x)
-
-    monkeypatch.setattr(RMSNorm, "forward", counted)
+    norm_calls.clear()
     decoder.step()
-    assert calls == [model.model.norm]
+    assert norm_calls == [model.model.norm]
 
 
 # What the interpreter does with a launch's arguments (copies to and from the host), which no
