@@ -1,8 +1,8 @@
-"""A delta-rule layer's whole one-token recurrent step as one Triton kernel.
+"""A delta-rule layer's whole one-token recurrent step as one Triton kernel (two for Exact KDN).
 
 Between the layer's two matrix products (its projections of x before, the output projection
 after) a decoding step of every delta-rule mixer does the same few things per (sequence, head),
-which are here one program of one kernel:
+which are here one program of one kernel (Exact KDN's covariance: below):
 
     q, k, v  = silu(short convolution of the projected token with the cached ones)
                (each cache `[B, C, W-1]` shifted in place: the token enters, the oldest leaves)
@@ -43,8 +43,9 @@ from the old P, reading only; then the step's grid gets a second axis whose prog
 first update P's rows blocks in place (`_covariance_rows`), each reading only its own rows and
 the first kernel's P_bar k, while program 0 of the axis runs the head's step with the gain
 from the same P_bar k. The step's program holds no K x K tile, so it runs at the table's blocks
-as the other forms do; with the whole covariance in it (`fae8b0e`) the step was one 16-warp
-block a head, the covariance's 64 KB read and written by that one program.
+as the other forms do. With the whole covariance in it (up to `fae8b0e`) the step was one
+16-warp block a head, the covariance's 64 KB read and written by that one program: 1.19 ms a
+token at one sequence and 3.31 at 64 for the 340M model on an H100, against 1.04 and 3.09 now.
 
 Numerics: float32 throughout (16-bit inputs widened at load), the raw output rounded to the
 output's dtype before its norm, as the unfused step rounds the delta rule's output; the new
@@ -84,7 +85,7 @@ READS = ("none", "static", "dynamic")
 # it fits ONE_BLOCK_TILE values (its output norm then needs no second pass), else blocks of
 # LOOP_TILE, over 32 float32 values a thread (4 to 16 warps). Compiled for sm_90: a 128 x 128
 # head in one block of 16 warps spills nothing where K, V and the row strides are multiples of
-# 16, 0 to 48 bytes a thread by the form otherwise (Exact KDN 288).
+# 16, 0 to 56 bytes a thread by the form otherwise (Exact KDN 288).
 ONE_BLOCK_TILE = 16384
 LOOP_TILE = 8192
 VALUES_PER_WARP = 32 * 32
@@ -214,22 +215,23 @@ def _kalman_gain(k, g, NOISE, stride_noise, OBS, stride_obs, P_INF, PRECISION, P
     sp_r, _ = _softplus_terms(tl.load(OBS + b * stride_obs + h).to(tl.float32))
     r = r_min + sp_r
     if FILTER == 2:
-        gain, _, _ = _exact_terms(PREDICTED, bh, rows, row_ok, K, r)
-        return gain
-    q_noise = _process_noise(g, NOISE, stride_noise, P_INF, b, h, kch, row_ok, K, FILTER, TIED)
-    decay2 = tl.where(row_ok, tl.exp(2.0 * g), 0.0)
-    if FILTER == 0:
-        p_bar = tl.sum(decay2) / K / tl.load(PRECISION + bh) + q_noise
-        norm2 = tl.sum(k * k)
-        tl.store(PRECISION + bh, 1.0 / p_bar + info_scale * norm2 / (K * r))
-        a = p_bar / (p_bar * norm2 + r) * k
+        a, _, _ = _exact_terms(PREDICTED, bh, rows, row_ok, K, r)
     else:
-        at = PRECISION + bh * K + rows
-        p_bar = decay2 / tl.load(at, mask=row_ok, other=1.0) + q_noise
-        weighted = tl.where(row_ok, p_bar * k, 0.0)
-        predictive = tl.sum(weighted * k)
-        tl.store(at, 1.0 / p_bar + info_scale * k * k / r, mask=row_ok)
-        a = weighted / (predictive + r)
+        q_noise = _process_noise(g, NOISE, stride_noise, P_INF, b, h, kch, row_ok, K, FILTER,
+                                 TIED)  # fmt: skip
+        decay2 = tl.where(row_ok, tl.exp(2.0 * g), 0.0)
+        if FILTER == 0:
+            p_bar = tl.sum(decay2) / K / tl.load(PRECISION + bh) + q_noise
+            norm2 = tl.sum(k * k)
+            tl.store(PRECISION + bh, 1.0 / p_bar + info_scale * norm2 / (K * r))
+            a = p_bar / (p_bar * norm2 + r) * k
+        else:
+            at = PRECISION + bh * K + rows
+            p_bar = decay2 / tl.load(at, mask=row_ok, other=1.0) + q_noise
+            weighted = tl.where(row_ok, p_bar * k, 0.0)
+            predictive = tl.sum(weighted * k)
+            tl.store(at, 1.0 / p_bar + info_scale * k * k / r, mask=row_ok)
+            a = weighted / (predictive + r)
     return a
 
 
@@ -285,9 +287,10 @@ def _covariance_rows(start, DECAY_RAW, stride_decay, A_LOG, DT_BIAS, NOISE, stri
                      DECAY: tl.constexpr, TIED: tl.constexpr, BK: tl.constexpr,
                      BR: tl.constexpr):  # fmt: skip
     """Exact KDN's covariance on rows start..start+BR of head bh by the Joseph form, in place:
-    P = P_bar - gain (P_bar k)^T - (P_bar k) gain^T + (k^T P_bar k + r) gain gain^T, whose
-    every term is symmetric as `exact_gain`'s average of P and P^T makes it. Only this block's
-    rows of P are read: P_bar k and k come from PREDICTED."""
+    P = P_bar - gain (P_bar k)^T - (P_bar k) gain^T + (k^T P_bar k + r) gain gain^T, every
+    term symmetric, so P stays symmetric to rounding (P_ij and P_ji are rounded apart;
+    `exact_gain` averages P and P^T, this does not). Only this block's rows of P are read:
+    P_bar k and k come from PREDICTED."""
     sp_r, _ = _softplus_terms(tl.load(OBS + b * stride_obs + h).to(tl.float32))
     gain, pk, denominator = _exact_terms(PREDICTED, bh, rows, row_ok, K, r_min + sp_r)
     block = start + tl.arange(0, BR)
@@ -404,17 +407,18 @@ def _fused_step_kernel(
                              RULE - 2, TIED)  # fmt: skip
         decay = tl.exp(g)
         if ONE_BLOCK:
-            cols, col_ok, o = _value_block(0, V_IN, stride_v, WV, CV, WRITE, stride_write, MEMORY, q,
-                                           a, bk, decay, OUT, b, h, bh, rows, row_ok, H, K, V, RULE,
-                                           W, BW, BV)  # fmt: skip
+            cols, col_ok, o = _value_block(0, V_IN, stride_v, WV, CV, WRITE, stride_write,
+                                           MEMORY, q, a, bk, decay, OUT, b, h, bh, rows, row_ok,
+                                           H, K, V, RULE, W, BW, BV)  # fmt: skip
             _norm_out(o, tl.sum(o * o), cols, col_ok, GATE, stride_gate, NORM_W, OUT, b, h, bh, V,
                       norm_eps, GATE_ACT)  # fmt: skip
         else:
             sumsq = tl.sum(tl.zeros([BV], dtype=tl.float32))
             for start in tl.range(0, V, BV, num_stages=1):
-                cols, col_ok, o = _value_block(start, V_IN, stride_v, WV, CV, WRITE, stride_write,
-                                               MEMORY, q, a, bk, decay, OUT, b, h, bh, rows, row_ok, H,
-                                               K, V, RULE, W, BW, BV)  # fmt: skip
+                cols, col_ok, o = _value_block(start, V_IN, stride_v, WV, CV, WRITE,
+                                               stride_write, MEMORY, q, a, bk, decay, OUT, b, h,
+                                               bh, rows, row_ok, H, K, V, RULE, W, BW,
+                                               BV)  # fmt: skip
                 tl.store(OUT + bh * V + cols, o.to(OUT.dtype.element_ty), mask=col_ok)
                 sumsq += tl.sum(o * o)
             tl.debug_barrier()
@@ -455,12 +459,13 @@ def launch(
 
 
 def table_launch(
-    table: FusedStepLaunch, rule: str, programs: int, key_dim: int, value_dim: int,
-    aligned: bool = True,
-) -> tuple[int, int, int]:  # fmt: skip
-    """(BK, BV, warps) of `programs` programs by `table`, where the table was measured: a form
-    whose state is the memory alone, K and V multiples of 16 and every tensor's address a
-    multiple of 16 bytes (`aligned`: what Triton's launcher declares to the compiler). Elsewhere
+    table: FusedStepLaunch, programs: int, key_dim: int, value_dim: int, aligned: bool = True
+) -> tuple[int, int, int]:
+    """(BK, BV, warps) of `programs` programs by `table`, where the table was measured: K and V
+    multiples of 16 and every tensor's address a multiple of 16 bytes (`aligned`: what Triton's
+    launcher declares to the compiler). Every form takes the same launch: the table was
+    measured on the GDN-2 and Diagonal KDN forms, and Exact KDN's step holds no more than they
+    do (its covariance is other programs' work). Elsewhere
     `launch`'s whole head: compiled for sm_90 at the table's 2-4 warps, other sizes or
     addresses spill 2.5-3.1 KB a thread (against 0 to 48 bytes in one 16-warp block). The
     inputs' row strides change no spill."""
@@ -524,8 +529,7 @@ def fused_layer_step(
                    *(x for x in gates.values() if x is not None), *placeholder.values()]  # fmt: skip
         aligned = key_dim % 16 == 0 and value_dim % 16 == 0
         aligned = aligned and all(t.data_ptr() % 16 == 0 for t in tensors)
-        block_k, block_v, warps = table_launch(table, form.rule, batch * heads, key_dim,
-                                               value_dim, aligned)  # fmt: skip
+        block_k, block_v, warps = table_launch(table, batch * heads, key_dim, value_dim, aligned)
     constants = dict(W=width, BW=max(1, triton.next_power_of_2(max(width - 1, 1))), BK=block_k,
                      DECAY=DECAYS.index(form.decay), TIED=form.tied, BR=COVARIANCE_ROWS)  # fmt: skip
     predicted, parts = memory, 1
