@@ -235,11 +235,24 @@ def _exact_gain(k, g, q_noise, r, COVARIANCE, bh, rows, row_ok, K):
 
 
 @triton.jit
-def _value_block(start, V_IN, stride_v, WV, CV, WRITE, stride_write, MEMORY, q, a, bk, decay,
-                 OUT, b, h, bh, rows, row_ok, H, K, V, RULE: tl.constexpr, W: tl.constexpr,
-                 BW: tl.constexpr, BV: tl.constexpr):  # fmt: skip
-    """Value columns start..start+BV of the head: v's convolution (and write gate), the state
-    tile's update in place; returns (cols, col_ok, o rounded to the output dtype, as float32)."""
+def _state_tile(MEMORY, bh, rows, row_ok, start, K, V, BV: tl.constexpr):
+    """The state's value columns start..start+BV of the head (zeros past V: a block past the
+    head loads nothing)."""
+    # The head's base pointer once, the tile's offsets in 32 bits (fewer registers than 64-bit
+    # addresses; a head holds far fewer than 2^31 values).
+    cols = start + tl.arange(0, BV)
+    tile = rows[:, None] * V + cols[None, :]
+    return tl.load(MEMORY + bh * K * V + tile, mask=row_ok[:, None] & (cols < V)[None, :],
+                   other=0.0)  # fmt: skip
+
+
+@triton.jit
+def _value_block(start, s, V_IN, stride_v, WV, CV, WRITE, stride_write, MEMORY, q, a, bk,
+                 decay, OUT, b, h, bh, rows, row_ok, H, K, V, RULE: tl.constexpr,
+                 W: tl.constexpr, BW: tl.constexpr, BV: tl.constexpr):  # fmt: skip
+    """Value columns start..start+BV of the head, their state tile s (`_state_tile`): v's
+    convolution (and write gate), the tile's update stored in place; returns (cols, col_ok, o
+    rounded to the output dtype, as float32)."""
     cols = start + tl.arange(0, BV)
     col_ok = cols < V
     vch = h * V + cols
@@ -247,12 +260,10 @@ def _value_block(start, V_IN, stride_v, WV, CV, WRITE, stride_write, MEMORY, q, 
     if RULE == 1:
         write = tl.load(WRITE + b * stride_write + vch, mask=col_ok, other=0.0).to(tl.float32)
         u = u * tl.sigmoid(write)
-    # The head's base pointer once, the tile's offsets in 32 bits (fewer registers than 64-bit
-    # addresses; a head holds far fewer than 2^31 values).
     head = MEMORY + bh * K * V
     tile = rows[:, None] * V + cols[None, :]
     tile_ok = row_ok[:, None] & col_ok[None, :]
-    s = tl.load(head + tile, mask=tile_ok, other=0.0) * decay[:, None]
+    s = s * decay[:, None]
     nu = u - tl.sum(bk[:, None] * s, axis=0)
     s = s + a[:, None] * nu[None, :]
     tl.store(head + tile, s, mask=tile_ok)
@@ -315,15 +326,21 @@ def _fused_step_kernel(
                          kch, rows, row_ok, K, r_min, info_scale, RULE - 2, TIED)  # fmt: skip
     decay = tl.exp(g)
     if ONE_BLOCK:
-        cols, col_ok, o = _value_block(0, V_IN, stride_v, WV, CV, WRITE, stride_write, MEMORY, q,
-                                       a, bk, decay, OUT, b, h, bh, rows, row_ok, H, K, V, RULE,
-                                       W, BW, BV)  # fmt: skip
+        s = _state_tile(MEMORY, bh, rows, row_ok, 0, K, V, BV)
+        cols, col_ok, o = _value_block(0, s, V_IN, stride_v, WV, CV, WRITE, stride_write, MEMORY,
+                                       q, a, bk, decay, OUT, b, h, bh, rows, row_ok, H, K, V,
+                                       RULE, W, BW, BV)  # fmt: skip
         _norm_out(o, tl.sum(o * o), cols, col_ok, GATE, stride_gate, NORM_W, OUT, b, h, bh, V,
                   norm_eps, GATE_ACT)  # fmt: skip
     else:
         sumsq = tl.sum(tl.zeros([BV], dtype=tl.float32))
+        # Each block's state tile is loaded one block ahead: the next tile's read is in flight
+        # while this one is updated (Triton does not pipeline this walk by num_stages).
+        ahead = _state_tile(MEMORY, bh, rows, row_ok, 0, K, V, BV)
         for start in tl.range(0, V, BV, num_stages=1):
-            cols, col_ok, o = _value_block(start, V_IN, stride_v, WV, CV, WRITE, stride_write,
+            s = ahead
+            ahead = _state_tile(MEMORY, bh, rows, row_ok, start + BV, K, V, BV)
+            cols, col_ok, o = _value_block(start, s, V_IN, stride_v, WV, CV, WRITE, stride_write,
                                            MEMORY, q, a, bk, decay, OUT, b, h, bh, rows, row_ok, H,
                                            K, V, RULE, W, BW, BV)  # fmt: skip
             tl.store(OUT + bh * V + cols, o.to(OUT.dtype.element_ty), mask=col_ok)
