@@ -55,6 +55,7 @@ CATEGORIES = (
             "_lower_grad",
             "_step_kernel",
             "_fused_step_kernel",
+            "_exact_predict_kernel",
             "_mobius_",
             "_kdn_",
         ),

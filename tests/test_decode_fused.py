@@ -38,13 +38,16 @@ CASES = [
     ("kdn_diag", {"process_noise": "tied"}, {}),
     ("kdn_exact", {}, {}),
     ("kdn_exact", {"process_noise": "tied"}, {"value_dim": 32}),
+    ("kdn_exact", {}, {"head_dim": 20}),
+    ("kdn_exact", {"process_noise": "tied"}, {"head_dim": 48}),
     ("kdn_muir", {}, {}),
 ]
 
 
 def _case_id(case) -> str:
     kind, options, overrides = case
-    return "-".join([kind, *map(str, options.values()), *(f"V{v}" for v in overrides.values())])
+    sizes = (f"{'V' if name == 'value_dim' else 'K'}{v}" for name, v in overrides.items())
+    return "-".join([kind, *map(str, options.values()), *sizes])
 
 
 # Every case in the kernel's default block, and the value_dim 32 cases again in blocks of 16 (two
@@ -131,8 +134,10 @@ INTERPRETER_OPS = {"aten::new_empty", "aten::set_", "aten::copy_"}
 # ATen operators of one layer's fused decoding step besides its Triton kernels (its products
 # by `row_linear`: x's projections after the block's first norm, the low-rank gates' second
 # factors, the output projection with the residual sum, the FFN's two, the first after the
-# second norm; the fused step; SwiGLU's gating): none. On a GPU 6 launches a layer, 7 with
-# low-rank gates, where the unfused step makes 54 to 117 (tests/test_decode.py); past
+# second norm; the fused step; SwiGLU's gating): none but Exact KDN's buffer for P_bar k, an
+# allocation without a launch (`aten::new_empty`, among the interpreter's here). On a GPU 6
+# launches a layer, 7 with low-rank gates, 8 for Exact KDN (low-rank gates and the covariance's
+# first stage), where the unfused step makes 54 to 117 (tests/test_decode.py); past
 # `row_linear.MAX_TRITON_ROWS` sequences the products are cuBLAS's and the two norms their
 # own launches.
 FUSED_STEP_OPERATORS_PER_LAYER = 0
@@ -168,21 +173,20 @@ def test_a_fused_decoding_step_dispatches_at_most_its_operator_count_per_layer(g
 
 def test_the_launch_table_picks_its_blocks_by_the_number_of_programs_and_the_shapes():
     """Below `many_programs` the table's blocks, from it the wide-batch ones; a block no wider
-    than the head; Exact KDN and sizes that are not multiples of 16 the whole head in one block
-    (where the table's few warps spill)."""
+    than the head; sizes that are not multiples of 16 the whole head in one block (where the
+    table's few warps spill)."""
     from deltalab.ops.delta_rule.triton.fused_step import FusedStepLaunch, launch, table_launch
 
     table = FusedStepLaunch(block_v=64, num_warps=4, many_programs=512, many_block_v=32,
                             many_num_warps=2)  # fmt: skip
-    assert table_launch(table, "erase_write", 511, 128, 128) == (128, 64, 4)
-    assert table_launch(table, "kdn_diag", 512, 128, 128) == (128, 32, 2)
-    assert table_launch(table, "beta", 8, 128, 32) == (128, 32, 4)
+    assert table_launch(table, 511, 128, 128) == (128, 64, 4)
+    assert table_launch(table, 512, 128, 128) == (128, 32, 2)
+    assert table_launch(table, 8, 128, 32) == (128, 32, 4)
     whole = launch(128, 128)
     assert whole == (128, 128, 16)
-    assert table_launch(table, "kdn_exact", 8, 128, 128) == whole
-    assert table_launch(table, "erase_write", 8, 128, 128, aligned=False) == whole
+    assert table_launch(table, 8, 128, 128, aligned=False) == whole
     never = FusedStepLaunch(block_v=64, num_warps=4, many_programs=None)
-    assert table_launch(never, "beta", 10**6, 128, 128) == (128, 64, 4)
+    assert table_launch(never, 10**6, 128, 128) == (128, 64, 4)
 
 
 @pytest.mark.parametrize("kind", ["muir", "kdn_diag", "kda"])

@@ -600,16 +600,32 @@ def test_rope_kernel_compiles_for_hopper_without_spills(heads, dim, dtype, inver
     _assert_spills_within(compiled, 32, f"K={dim} {dtype}")
 
 
-# The fused decoding step's pointers (`fused_step._fused_step_kernel`) held in float32: the state
-# and the KDN precision; the rest come in the model's dtype.
-FUSED_STEP_FLOAT32 = ("MEMORY", "PRECISION")
+# The fused decoding step's pointers (`fused_step._fused_step_kernel`) held in float32: the state,
+# the KDN precision (Exact KDN's covariance) and Exact KDN's P_bar k; the rest come in the
+# model's dtype.
+FUSED_STEP_FLOAT32 = ("MEMORY", "PRECISION", "PREDICTED", "COVARIANCE")
 # Bytes a thread of the fused step may spill at a 128 x 128 head where the sizes are not declared
-# multiples of 16 (one block of 16 warps, `table_launch`'s fallback): 0 to 48 by the form
-# (measured); Exact KDN's covariance update (a second 128 x 128 tile) about 1.2 KB, a bound to
-# lower, not a target. Where they are, every form spills nothing at the table's blocks (64
-# columns over 4 warps, 32 over 2) as in one block.
-FUSED_STEP_STACK = {"kdn_exact": 1280}
+# multiples of 16 (one block of 16 warps, `table_launch`'s fallback): 0 to 56 by the form, Exact
+# KDN 288 (measured). Where they are, every form spills nothing at the table's blocks (64 columns
+# over 4 warps, 32 over 2).
+FUSED_STEP_STACK = {"kdn_exact": 320}
 FUSED_STEP_STACK_DEFAULT = 64
+
+
+def _fused_step_signature(kernel, constants: dict) -> dict:
+    """A fused-step kernel's Triton signature: its upper-case arguments pointers (float32 the
+    FUSED_STEP_FLOAT32 ones, else bf16), the eps and noise floats fp32, other scalars i32."""
+    floats = ("scale", "l2_eps", "norm_eps", "r_min", "info_scale")
+    pointers = [a for a in kernel.arg_names if a.isupper() and a not in constants]
+    pointers = [p for p in pointers if p not in ("H", "K", "V")]
+    return {
+        a: "constexpr"
+        if a in constants
+        else ("*fp32" if a in FUSED_STEP_FLOAT32 else "*bf16")
+        if a in pointers
+        else ("fp32" if a in floats else "i32")
+        for a in kernel.arg_names
+    }
 
 
 @pytest.mark.parametrize(
@@ -641,31 +657,44 @@ def test_fused_decode_step_compiles_for_hopper_within_its_spills(
     value_dim = 128
     count = 1 if programs == "few" else fs.LAUNCH.many_programs
     aligned = sizes == "multiples_of_16"
-    block_k, block_v, warps = fs.table_launch(fs.LAUNCH, rule, count, 128, value_dim, aligned)
+    block_k, block_v, warps = fs.table_launch(fs.LAUNCH, count, 128, value_dim, aligned)
     constants = {
         "W": 4, "BW": 4, "BK": block_k, "BV": block_v, "DECAY": fs.DECAYS.index(decay),
         "RULE": fs.RULES.index(rule), "READ_FORM": fs.READS.index(read), "TIED": tied,
         "GATE_ACT": GATES["sigmoid"], "ONE_BLOCK": block_v >= value_dim,
+        "BR": fs.COVARIANCE_ROWS,
     }  # fmt: skip
-    floats = ("scale", "l2_eps", "norm_eps", "r_min", "info_scale")
-    pointers = [a for a in kernel.arg_names if a.isupper() and a not in constants]
-    pointers = [p for p in pointers if p not in ("H", "K", "V")]
-    signature = {
-        a: "constexpr"
-        if a in constants
-        else ("*fp32" if a in FUSED_STEP_FLOAT32 else "*bf16")
-        if a in pointers
-        else ("fp32" if a in floats else "i32")
-        for a in kernel.arg_names
-    }
+    signature = _fused_step_signature(kernel, constants)
+    pointers = [a for a, kind in signature.items() if kind.startswith("*")]
     sized = ["K", "V", *(a for a in kernel.arg_names if a.startswith("stride_"))]
     aligned = pointers + (sized if sizes == "multiples_of_16" else [])
     compiled = _compile_signature(kernel, signature, constants, {"num_warps": warps}, aligned)
     assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
-    bound = FUSED_STEP_STACK.get(rule, FUSED_STEP_STACK_DEFAULT)
-    # At the 340M shapes no form spills (Exact KDN's covariance tile included).
-    bound = 0 if sizes == "multiples_of_16" else bound
+    # At the 340M shapes no form spills (Exact KDN's covariance rows included).
+    bound = (
+        0 if sizes == "multiples_of_16" else FUSED_STEP_STACK.get(rule, FUSED_STEP_STACK_DEFAULT)
+    )
     _assert_spills_within(compiled, bound, f"{rule}, {sizes}")
+
+
+@pytest.mark.parametrize("decay", ["head", "channel"])
+@pytest.mark.parametrize("tied", [False, True], ids=["free", "tied"])
+@pytest.mark.parametrize("warps", [2, 4])
+def test_exact_kdn_predict_kernel_compiles_for_hopper_without_spills(decay, tied, warps):
+    """Exact KDN's first stage (`_exact_predict_kernel`, P_bar k over blocks of the covariance's
+    rows) at a 340M head (K = 128, bf16 inputs) and the table's warps: no bytes spilled."""
+    from deltalab.ops.delta_rule.triton import fused_step as fs
+
+    kernel = fs._exact_predict_kernel
+    constants = {"W": 4, "BW": 4, "BK": 128, "BR": fs.COVARIANCE_ROWS,
+                 "DECAY": fs.DECAYS.index(decay), "TIED": tied}  # fmt: skip
+    signature = _fused_step_signature(kernel, constants)
+    pointers = [a for a, kind in signature.items() if kind.startswith("*")]
+    sized = ["K", *(a for a in kernel.arg_names if a.startswith("stride_"))]
+    compiled = _compile_signature(kernel, signature, constants, {"num_warps": warps},
+                                  pointers + sized)  # fmt: skip
+    assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
+    _assert_spills_within(compiled, 0, f"{decay}, {tied}, {warps} warps")
 
 
 @pytest.mark.parametrize(

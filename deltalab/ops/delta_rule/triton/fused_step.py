@@ -1,8 +1,8 @@
-"""A delta-rule layer's whole one-token recurrent step as one Triton kernel.
+"""A delta-rule layer's whole one-token recurrent step as one Triton kernel (two for Exact KDN).
 
 Between the layer's two matrix products (its projections of x before, the output projection
 after) a decoding step of every delta-rule mixer does the same few things per (sequence, head),
-which are here one program of one kernel:
+which are here one program of one kernel (Exact KDN's covariance: below):
 
     q, k, v  = silu(short convolution of the projected token with the cached ones)
                (each cache `[B, C, W-1]` shifted in place: the token enters, the oldest leaves)
@@ -22,7 +22,7 @@ Write rules (`RULES`), from the gates' pre-activations, by the formulas of
     "kdn_diag"     p_bar = exp(2g) / prec + q_noise,  a = p_bar k / (k^T (p_bar k) + r),
                    prec <- 1 / p_bar + s k^2 / r                    (Diagonal KDN, KDN-Muir)
     "kdn_exact"    P_bar = D P D + diag(q_noise),  a = P_bar k / (k^T P_bar k + r),
-                   P <- the Joseph form (`_exact_gain`)       (Exact KDN; every KDN: b = k, u = v)
+                   P <- the Joseph form (`_covariance_rows`)  (Exact KDN; every KDN: b = k, u = v)
 
 with r = r_min + softplus(raw_r) and q_noise = softplus(raw_q), or tied to the decay,
 (1 - exp(2g)) p_inf (its mean over K for "kdn_iso"), p_inf = softplus(raw). The read gate rho is
@@ -36,6 +36,16 @@ one block the output norm is taken in registers; with several the raw outputs go
 buffer first and are normalized in a second pass (a barrier between: other threads wrote them).
 Caches and the state are read before they are written by the same program; a barrier separates
 a cache's reads from its shifted write, which another thread of the program may make.
+
+Exact KDN's K x K covariance is spread over programs, not held by the head's: a first kernel
+(`_exact_predict_kernel`, one program per block of COVARIANCE_ROWS rows) computes P_bar k and k
+from the old P, reading only; then the step's grid gets a second axis whose programs after the
+first update P's rows blocks in place (`_covariance_rows`), each reading only its own rows and
+the first kernel's P_bar k, while program 0 of the axis runs the head's step with the gain
+from the same P_bar k. The step's program holds no K x K tile, so it runs at the table's blocks
+as the other forms do. With the whole covariance in it (up to `fae8b0e`) the step was one
+16-warp block a head, the covariance's 64 KB read and written by that one program: 1.19 ms a
+token at one sequence and 3.31 at 64 for the 340M model on an H100, against 1.04 and 3.09 now.
 
 Numerics: float32 throughout (16-bit inputs widened at load), the raw output rounded to the
 output's dtype before its norm, as the unfused step rounds the delta rule's output; the new
@@ -75,12 +85,15 @@ READS = ("none", "static", "dynamic")
 # it fits ONE_BLOCK_TILE values (its output norm then needs no second pass), else blocks of
 # LOOP_TILE, over 32 float32 values a thread (4 to 16 warps). Compiled for sm_90: a 128 x 128
 # head in one block of 16 warps spills nothing where K, V and the row strides are multiples of
-# 16, 0 to 48 bytes a thread by the form otherwise (Exact KDN 1248).
+# 16, 0 to 56 bytes a thread by the form otherwise (Exact KDN 288).
 ONE_BLOCK_TILE = 16384
 LOOP_TILE = 8192
 VALUES_PER_WARP = 32 * 32
 MIN_WARPS, MAX_WARPS = 4, 16
 MIN_BLOCK = 16
+# Exact KDN's covariance is read and updated in blocks of this many rows, each its own program
+# (`_exact_predict_kernel`, `_covariance_rows`): 8 programs a 128-key head.
+COVARIANCE_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -121,9 +134,11 @@ class StepForm(NamedTuple):
 
 
 @triton.jit
-def _conv_silu(X, stride_x, WEIGHT, CACHE, b, ch, ch_ok, C, W: tl.constexpr, BW: tl.constexpr):
+def _conv_silu(X, stride_x, WEIGHT, CACHE, b, ch, ch_ok, C, W: tl.constexpr, BW: tl.constexpr,
+               SHIFT: tl.constexpr = True):  # fmt: skip
     """silu of one token's short convolution on channels `ch` of sequence b (float32), the
-    cache `[B, C, W-1]` shifted in place to end with the token."""
+    cache `[B, C, W-1]` shifted in place to end with the token (with SHIFT; without it only
+    read, as a kernel launched before the step's reads it)."""
     x = tl.load(X + b * stride_x + ch, mask=ch_ok, other=0.0)
     taps = tl.arange(0, BW)
     held = ch_ok[:, None] & (taps[None, :] < W - 1)
@@ -132,10 +147,11 @@ def _conv_silu(X, stride_x, WEIGHT, CACHE, b, ch, ch_ok, C, W: tl.constexpr, BW:
     w = tl.load(WEIGHT + ch[:, None] * W + taps[None, :], mask=held, other=0.0).to(tl.float32)
     w_last = tl.load(WEIGHT + ch * W + (W - 1), mask=ch_ok, other=0.0).to(tl.float32)
     z = tl.sum(cache * w, axis=1) + w_last * x.to(tl.float32)
-    later = tl.load(at + 1, mask=held & (taps[None, :] < W - 2), other=0.0)
-    shifted = tl.where(taps[None, :] == W - 2, x[:, None].to(later.dtype), later)
-    tl.debug_barrier()
-    tl.store(at, shifted, mask=held)
+    if SHIFT:
+        later = tl.load(at + 1, mask=held & (taps[None, :] < W - 2), other=0.0)
+        shifted = tl.where(taps[None, :] == W - 2, x[:, None].to(later.dtype), later)
+        tl.debug_barrier()
+        tl.store(at, shifted, mask=held)
     return z * tl.sigmoid(z)
 
 
@@ -168,16 +184,11 @@ def _log_decay(RAW, stride_raw, A_LOG, DT_BIAS, b, h, kch, row_ok, DECAY: tl.con
 
 
 @triton.jit
-def _kalman_gain(k, g, NOISE, stride_noise, OBS, stride_obs, P_INF, PRECISION, b, h, bh, kch,
-                 rows, row_ok, K, r_min, info_scale, FILTER: tl.constexpr,
-                 TIED: tl.constexpr):  # fmt: skip
-    """The KDN write direction a `[BK]` from the filter's state (updated in place) and the noise
-    model (module docstring). FILTER: 0 isotropic (precision `[B, H]`), 1 diagonal (precision
-    `[B, H, K]`), 2 exact (covariance `[B, H, K, K]`); the process noise is per channel but
-    for the isotropic filter."""
-    sp_r, _ = _softplus_terms(tl.load(OBS + b * stride_obs + h).to(tl.float32))
-    r = r_min + sp_r
-    decay2 = tl.where(row_ok, tl.exp(2.0 * g), 0.0)
+def _process_noise(g, NOISE, stride_noise, P_INF, b, h, kch, row_ok, K,
+                   FILTER: tl.constexpr, TIED: tl.constexpr):  # fmt: skip
+    """The KDN process noise of channels `kch` (g: their log decays): softplus of the given
+    pre-activation, or tied to the decay, (1 - exp(2g)) p_inf; one per head (its mean over the
+    head's K channels) for the isotropic filter (FILTER 0), else per channel."""
     if TIED:
         p_inf, _ = _softplus_terms(tl.load(P_INF + h).to(tl.float32))
         restore = tl.where(row_ok, -_expm1(2.0 * g), 0.0)
@@ -191,47 +202,117 @@ def _kalman_gain(k, g, NOISE, stride_noise, OBS, stride_obs, P_INF, PRECISION, b
         else:
             raw = tl.load(NOISE + b * stride_noise + kch, mask=row_ok, other=0.0)
         q_noise, _ = _softplus_terms(raw.to(tl.float32))
-    if FILTER == 0:
-        p_bar = tl.sum(decay2) / K / tl.load(PRECISION + bh) + q_noise
-        norm2 = tl.sum(k * k)
-        tl.store(PRECISION + bh, 1.0 / p_bar + info_scale * norm2 / (K * r))
-        a = p_bar / (p_bar * norm2 + r) * k
-    elif FILTER == 1:
-        at = PRECISION + bh * K + rows
-        p_bar = decay2 / tl.load(at, mask=row_ok, other=1.0) + q_noise
-        weighted = tl.where(row_ok, p_bar * k, 0.0)
-        predictive = tl.sum(weighted * k)
-        tl.store(at, 1.0 / p_bar + info_scale * k * k / r, mask=row_ok)
-        a = weighted / (predictive + r)
+    return q_noise
+
+
+@triton.jit
+def _kalman_gain(k, g, NOISE, stride_noise, OBS, stride_obs, P_INF, PRECISION, PREDICTED, b, h,
+                 bh, kch, rows, row_ok, K, r_min, info_scale, FILTER: tl.constexpr,
+                 TIED: tl.constexpr):  # fmt: skip
+    """The KDN write direction a `[BK]` from the filter's state and the noise model (module
+    docstring). FILTER: 0 isotropic (precision `[B, H]`), 1 diagonal (precision `[B, H, K]`),
+    both updated in place; 2 exact, from `_exact_predict_kernel`'s P_bar k and k (PREDICTED)."""
+    sp_r, _ = _softplus_terms(tl.load(OBS + b * stride_obs + h).to(tl.float32))
+    r = r_min + sp_r
+    if FILTER == 2:
+        a, _, _ = _exact_terms(PREDICTED, bh, rows, row_ok, K, r)
     else:
-        a = _exact_gain(k, g, q_noise, r, PRECISION, bh, rows, row_ok, K)
+        q_noise = _process_noise(g, NOISE, stride_noise, P_INF, b, h, kch, row_ok, K, FILTER,
+                                 TIED)  # fmt: skip
+        decay2 = tl.where(row_ok, tl.exp(2.0 * g), 0.0)
+        if FILTER == 0:
+            p_bar = tl.sum(decay2) / K / tl.load(PRECISION + bh) + q_noise
+            norm2 = tl.sum(k * k)
+            tl.store(PRECISION + bh, 1.0 / p_bar + info_scale * norm2 / (K * r))
+            a = p_bar / (p_bar * norm2 + r) * k
+        else:
+            at = PRECISION + bh * K + rows
+            p_bar = decay2 / tl.load(at, mask=row_ok, other=1.0) + q_noise
+            weighted = tl.where(row_ok, p_bar * k, 0.0)
+            predictive = tl.sum(weighted * k)
+            tl.store(at, 1.0 / p_bar + info_scale * k * k / r, mask=row_ok)
+            a = weighted / (predictive + r)
     return a
 
 
 @triton.jit
-def _exact_gain(k, g, q_noise, r, COVARIANCE, bh, rows, row_ok, K):
-    """Exact KDN's gain, its covariance P updated in place by the Joseph form (`exact_gain`):
-    P_bar = D P D + diag(q_noise), P_bar k, gain = P_bar k / (k^T P_bar k + r), and
-    P = P_bar - gain (P_bar k)^T - (P_bar k) gain^T + (k^T P_bar k + r) gain gain^T, symmetric
-    term by term, as `exact_gain`'s average of P and P^T makes it."""
-    head = COVARIANCE + bh * K * K
-    tile = rows[:, None] * K + rows[None, :]
-    tile_ok = row_ok[:, None] & row_ok[None, :]
-    d = tl.where(row_ok, tl.exp(g), 0.0)
-    p = tl.load(head + tile, mask=tile_ok, other=0.0) * d[:, None] * d[None, :]
-    p = p + tl.where(rows[:, None] == rows[None, :], tl.where(row_ok, q_noise, 0.0)[:, None], 0.0)
-    # P_bar is symmetric (P is, to rounding): one product serves as its rows' and columns'.
-    pk = tl.sum(p * k[None, :], axis=1)
+def _exact_terms(PREDICTED, bh, rows, row_ok, K, r):
+    """(gain, P_bar k, k^T P_bar k + r) of Exact KDN's head bh on rows `rows`, from P_bar k and
+    k as `_exact_predict_kernel` left them in PREDICTED `[B*H, 2, K]`."""
+    pk = tl.load(PREDICTED + bh * 2 * K + rows, mask=row_ok, other=0.0)
+    k = tl.load(PREDICTED + bh * 2 * K + K + rows, mask=row_ok, other=0.0)
     denominator = tl.sum(pk * k) + r
-    gain = pk / denominator
+    return pk / denominator, pk, denominator
+
+
+@triton.jit
+def _exact_predict_kernel(
+    K_IN, stride_k, WK, CK, DECAY_RAW, stride_decay, A_LOG, DT_BIAS, NOISE, stride_noise, P_INF,
+    COVARIANCE, PREDICTED, H, K, l2_eps,
+    W: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, DECAY: tl.constexpr,
+    TIED: tl.constexpr,
+):  # fmt: skip
+    """Exact KDN's first stage, program (head bh, rows block): P_bar k on BR rows of the
+    predicted covariance P_bar = D P D + diag(q_noise), and k, into PREDICTED `[B*H, 2, K]`.
+    It only reads (the k cache included): the step's kernel, launched after it, updates P."""
+    bh = tl.program_id(0).to(tl.int64)
+    b = bh // H
+    h = (bh % H).to(tl.int32)
+    rows = tl.arange(0, BK)
+    row_ok = rows < K
+    k = _conv_silu(K_IN, stride_k, WK, CK, b, h * K + rows, row_ok, H * K, W, BW, SHIFT=False)
+    k = k / tl.sqrt(tl.sum(k * k) + l2_eps)
+    g = _log_decay(DECAY_RAW, stride_decay, A_LOG, DT_BIAS, b, h, h * K + rows, row_ok, DECAY, BK)
+    block = tl.program_id(1) * BR + tl.arange(0, BR)
+    block_ok = block < K
+    g_block = _log_decay(DECAY_RAW, stride_decay, A_LOG, DT_BIAS, b, h, h * K + block, block_ok,
+                         DECAY, BR)  # fmt: skip
+    q_block = _process_noise(g_block, NOISE, stride_noise, P_INF, b, h, h * K + block, block_ok,
+                             K, 2, TIED)  # fmt: skip
+    # k on the block's rows, selected from the head's k in registers (no tensor indexing).
+    k_block = tl.sum(tl.where(block[:, None] == rows[None, :], k[None, :], 0.0), axis=1)
+    tile_ok = block_ok[:, None] & row_ok[None, :]
+    p = tl.load(COVARIANCE + bh * K * K + block[:, None] * K + rows[None, :], mask=tile_ok,
+                other=0.0)  # fmt: skip
+    # (D P D + diag(q)) k on the block = d_i sum_j P_ij (d_j k_j) + q_i k_i.
+    dk = tl.where(row_ok, tl.exp(g) * k, 0.0)
+    pk = tl.exp(g_block) * tl.sum(p * dk[None, :], axis=1) + q_block * k_block
+    tl.store(PREDICTED + bh * 2 * K + block, pk, mask=block_ok)
+    tl.store(PREDICTED + bh * 2 * K + K + block, k_block, mask=block_ok)
+
+
+@triton.jit
+def _covariance_rows(start, DECAY_RAW, stride_decay, A_LOG, DT_BIAS, NOISE, stride_noise, OBS,
+                     stride_obs, P_INF, COVARIANCE, PREDICTED, b, h, bh, rows, row_ok, K, r_min,
+                     DECAY: tl.constexpr, TIED: tl.constexpr, BK: tl.constexpr,
+                     BR: tl.constexpr):  # fmt: skip
+    """Exact KDN's covariance on rows start..start+BR of head bh by the Joseph form, in place:
+    P = P_bar - gain (P_bar k)^T - (P_bar k) gain^T + (k^T P_bar k + r) gain gain^T, every
+    term symmetric, so P stays symmetric to rounding (P_ij and P_ji are rounded apart;
+    `exact_gain` averages P and P^T, this does not). Only this block's rows of P are read:
+    P_bar k and k come from PREDICTED."""
+    sp_r, _ = _softplus_terms(tl.load(OBS + b * stride_obs + h).to(tl.float32))
+    gain, pk, denominator = _exact_terms(PREDICTED, bh, rows, row_ok, K, r_min + sp_r)
+    block = start + tl.arange(0, BR)
+    block_ok = block < K
+    g = _log_decay(DECAY_RAW, stride_decay, A_LOG, DT_BIAS, b, h, h * K + rows, row_ok, DECAY, BK)
+    g_block = _log_decay(DECAY_RAW, stride_decay, A_LOG, DT_BIAS, b, h, h * K + block, block_ok,
+                         DECAY, BR)  # fmt: skip
+    q_block = _process_noise(g_block, NOISE, stride_noise, P_INF, b, h, h * K + block, block_ok,
+                             K, 2, TIED)  # fmt: skip
+    pk_block = tl.load(PREDICTED + bh * 2 * K + block, mask=block_ok, other=0.0)
+    gain_block = pk_block / denominator
+    at = COVARIANCE + bh * K * K + block[:, None] * K + rows[None, :]
+    tile_ok = block_ok[:, None] & row_ok[None, :]
+    d = tl.where(row_ok, tl.exp(g), 0.0)
+    p = tl.load(at, mask=tile_ok, other=0.0) * tl.exp(g_block)[:, None] * d[None, :]
+    p = p + tl.where(block[:, None] == rows[None, :], q_block[:, None], 0.0)
     p = (
         p
-        + (denominator * gain[:, None] - pk[:, None]) * gain[None, :]
-        - gain[:, None] * pk[None, :]
+        + (denominator * gain_block[:, None] - pk_block[:, None]) * gain[None, :]
+        - gain_block[:, None] * pk[None, :]
     )
-    tl.store(head + tile, p, mask=tile_ok)
-    tl.debug_barrier()
-    return gain
+    tl.store(at, p, mask=tile_ok)
 
 
 @triton.jit
@@ -277,11 +358,11 @@ def _fused_step_kernel(
     Q, K_IN, V_IN, stride_q, stride_k, stride_v, WQ, WK, WV, CQ, CK, CV,
     GATE, stride_gate, BETA, stride_beta, WRITE, stride_write,
     DECAY_RAW, stride_decay, A_LOG, DT_BIAS, READ, stride_read, READ_LOG,
-    NOISE, stride_noise, OBS, stride_obs, P_INF, PRECISION, MEMORY, NORM_W, OUT,
+    NOISE, stride_noise, OBS, stride_obs, P_INF, PRECISION, PREDICTED, MEMORY, NORM_W, OUT,
     H, K, V, scale, l2_eps, norm_eps, r_min, info_scale,
     W: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DECAY: tl.constexpr, RULE: tl.constexpr, READ_FORM: tl.constexpr, TIED: tl.constexpr,
-    GATE_ACT: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    GATE_ACT: tl.constexpr, ONE_BLOCK: tl.constexpr, BR: tl.constexpr,
 ):  # fmt: skip
     # 64-bit bases (a sequence's rows, a head's state) and 32-bit offsets within them: fewer
     # registers for the address tensors.
@@ -290,51 +371,63 @@ def _fused_step_kernel(
     h = (bh % H).to(tl.int32)
     rows = tl.arange(0, BK)
     row_ok = rows < K
-    kch = h * K + rows
-    q = _conv_silu(Q, stride_q, WQ, CQ, b, kch, row_ok, H * K, W, BW)
-    k = _conv_silu(K_IN, stride_k, WK, CK, b, kch, row_ok, H * K, W, BW)
-    q = q / tl.sqrt(tl.sum(q * q) + l2_eps)
-    k = k / tl.sqrt(tl.sum(k * k) + l2_eps)
-    if READ_FORM != 0:
-        rho = tl.exp(tl.load(READ_LOG + kch, mask=row_ok, other=0.0).to(tl.float32))
-        if READ_FORM == 2:
-            raw = tl.load(READ + b * stride_read + kch, mask=row_ok, other=0.0)
-            rho = rho * (2.0 * tl.sigmoid(raw.to(tl.float32)))
-        q = q * rho
-    q = q * scale
-    g = _log_decay(DECAY_RAW, stride_decay, A_LOG, DT_BIAS, b, h, kch, row_ok, DECAY, BK)
-    bk = k
-    if RULE == 0:
-        a = tl.sigmoid(tl.load(BETA + b * stride_beta + h).to(tl.float32)) * k
-    elif RULE == 1:
-        erase = tl.load(BETA + b * stride_beta + kch, mask=row_ok, other=0.0).to(tl.float32)
-        a = k
-        bk = tl.sigmoid(erase) * k
+    # Exact KDN's grid has a second axis: 0 the head's step, i > 0 its covariance's rows block
+    # i - 1 (`_covariance_rows`), which the step does not read.
+    covariance_rows = False
+    if RULE == 4:
+        covariance_rows = tl.program_id(1) > 0
+    if covariance_rows:
+        _covariance_rows((tl.program_id(1) - 1) * BR, DECAY_RAW, stride_decay, A_LOG, DT_BIAS,
+                         NOISE, stride_noise, OBS, stride_obs, P_INF, PRECISION, PREDICTED, b, h,
+                         bh, rows, row_ok, K, r_min, DECAY, TIED, BK, BR)  # fmt: skip
     else:
-        a = _kalman_gain(k, g, NOISE, stride_noise, OBS, stride_obs, P_INF, PRECISION, b, h, bh,
-                         kch, rows, row_ok, K, r_min, info_scale, RULE - 2, TIED)  # fmt: skip
-    decay = tl.exp(g)
-    if ONE_BLOCK:
-        cols, col_ok, o = _value_block(0, V_IN, stride_v, WV, CV, WRITE, stride_write, MEMORY, q,
-                                       a, bk, decay, OUT, b, h, bh, rows, row_ok, H, K, V, RULE,
-                                       W, BW, BV)  # fmt: skip
-        _norm_out(o, tl.sum(o * o), cols, col_ok, GATE, stride_gate, NORM_W, OUT, b, h, bh, V,
-                  norm_eps, GATE_ACT)  # fmt: skip
-    else:
-        sumsq = tl.sum(tl.zeros([BV], dtype=tl.float32))
-        for start in tl.range(0, V, BV, num_stages=1):
-            cols, col_ok, o = _value_block(start, V_IN, stride_v, WV, CV, WRITE, stride_write,
-                                           MEMORY, q, a, bk, decay, OUT, b, h, bh, rows, row_ok, H,
-                                           K, V, RULE, W, BW, BV)  # fmt: skip
-            tl.store(OUT + bh * V + cols, o.to(OUT.dtype.element_ty), mask=col_ok)
-            sumsq += tl.sum(o * o)
-        tl.debug_barrier()
-        for start in tl.range(0, V, BV, num_stages=1):
-            cols = start + tl.arange(0, BV)
-            col_ok = cols < V
-            o = tl.load(OUT + bh * V + cols, mask=col_ok, other=0.0).to(tl.float32)
-            _norm_out(o, sumsq, cols, col_ok, GATE, stride_gate, NORM_W, OUT, b, h, bh, V,
+        kch = h * K + rows
+        q = _conv_silu(Q, stride_q, WQ, CQ, b, kch, row_ok, H * K, W, BW)
+        k = _conv_silu(K_IN, stride_k, WK, CK, b, kch, row_ok, H * K, W, BW)
+        q = q / tl.sqrt(tl.sum(q * q) + l2_eps)
+        k = k / tl.sqrt(tl.sum(k * k) + l2_eps)
+        if READ_FORM != 0:
+            rho = tl.exp(tl.load(READ_LOG + kch, mask=row_ok, other=0.0).to(tl.float32))
+            if READ_FORM == 2:
+                raw = tl.load(READ + b * stride_read + kch, mask=row_ok, other=0.0)
+                rho = rho * (2.0 * tl.sigmoid(raw.to(tl.float32)))
+            q = q * rho
+        q = q * scale
+        g = _log_decay(DECAY_RAW, stride_decay, A_LOG, DT_BIAS, b, h, kch, row_ok, DECAY, BK)
+        bk = k
+        if RULE == 0:
+            a = tl.sigmoid(tl.load(BETA + b * stride_beta + h).to(tl.float32)) * k
+        elif RULE == 1:
+            erase = tl.load(BETA + b * stride_beta + kch, mask=row_ok, other=0.0).to(tl.float32)
+            a = k
+            bk = tl.sigmoid(erase) * k
+        else:
+            a = _kalman_gain(k, g, NOISE, stride_noise, OBS, stride_obs, P_INF, PRECISION,
+                             PREDICTED, b, h, bh, kch, rows, row_ok, K, r_min, info_scale,
+                             RULE - 2, TIED)  # fmt: skip
+        decay = tl.exp(g)
+        if ONE_BLOCK:
+            cols, col_ok, o = _value_block(0, V_IN, stride_v, WV, CV, WRITE, stride_write,
+                                           MEMORY, q, a, bk, decay, OUT, b, h, bh, rows, row_ok,
+                                           H, K, V, RULE, W, BW, BV)  # fmt: skip
+            _norm_out(o, tl.sum(o * o), cols, col_ok, GATE, stride_gate, NORM_W, OUT, b, h, bh, V,
                       norm_eps, GATE_ACT)  # fmt: skip
+        else:
+            sumsq = tl.sum(tl.zeros([BV], dtype=tl.float32))
+            for start in tl.range(0, V, BV, num_stages=1):
+                cols, col_ok, o = _value_block(start, V_IN, stride_v, WV, CV, WRITE,
+                                               stride_write, MEMORY, q, a, bk, decay, OUT, b, h,
+                                               bh, rows, row_ok, H, K, V, RULE, W, BW,
+                                               BV)  # fmt: skip
+                tl.store(OUT + bh * V + cols, o.to(OUT.dtype.element_ty), mask=col_ok)
+                sumsq += tl.sum(o * o)
+            tl.debug_barrier()
+            for start in tl.range(0, V, BV, num_stages=1):
+                cols = start + tl.arange(0, BV)
+                col_ok = cols < V
+                o = tl.load(OUT + bh * V + cols, mask=col_ok, other=0.0).to(tl.float32)
+                _norm_out(o, sumsq, cols, col_ok, GATE, stride_gate, NORM_W, OUT, b, h, bh, V,
+                          norm_eps, GATE_ACT)  # fmt: skip
 
 
 def _row(x: torch.Tensor | None, fallback: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -366,16 +459,17 @@ def launch(
 
 
 def table_launch(
-    table: FusedStepLaunch, rule: str, programs: int, key_dim: int, value_dim: int,
-    aligned: bool = True,
-) -> tuple[int, int, int]:  # fmt: skip
-    """(BK, BV, warps) of `programs` programs by `table`, where the table was measured: a form
-    whose state is the memory alone, K and V multiples of 16 and every tensor's address a
-    multiple of 16 bytes (`aligned`: what Triton's launcher declares to the compiler). Elsewhere
-    `launch`'s whole head: compiled for sm_90 at the table's 2-4 warps, Exact KDN's K x K
-    covariance spills 0.1-2 KB a thread, other sizes or addresses 2.5-3.1 KB (against 0 to 48
-    bytes in one 16-warp block). The inputs' row strides change no spill."""
-    if rule == "kdn_exact" or not aligned:
+    table: FusedStepLaunch, programs: int, key_dim: int, value_dim: int, aligned: bool = True
+) -> tuple[int, int, int]:
+    """(BK, BV, warps) of `programs` programs by `table`, where the table was measured: K and V
+    multiples of 16 and every tensor's address a multiple of 16 bytes (`aligned`: what Triton's
+    launcher declares to the compiler). Every form takes the same launch: the table was
+    measured on the GDN-2 and Diagonal KDN forms, and Exact KDN's step holds no more than they
+    do (its covariance is other programs' work). Elsewhere
+    `launch`'s whole head: compiled for sm_90 at the table's 2-4 warps, other sizes or
+    addresses spill 2.5-3.1 KB a thread (against 0 to 48 bytes in one 16-warp block). The
+    inputs' row strides change no spill."""
+    if not aligned:
         return launch(key_dim, value_dim)
     if table.many_programs is not None and programs >= table.many_programs:
         return launch(key_dim, value_dim, table.many_block_v, table.many_num_warps)
@@ -435,21 +529,32 @@ def fused_layer_step(
                    *(x for x in gates.values() if x is not None), *placeholder.values()]  # fmt: skip
         aligned = key_dim % 16 == 0 and value_dim % 16 == 0
         aligned = aligned and all(t.data_ptr() % 16 == 0 for t in tensors)
-        block_k, block_v, warps = table_launch(table, form.rule, batch * heads, key_dim,
-                                               value_dim, aligned)  # fmt: skip
-    _fused_step_kernel[(batch * heads,)](
+        block_k, block_v, warps = table_launch(table, batch * heads, key_dim, value_dim, aligned)
+    constants = dict(W=width, BW=max(1, triton.next_power_of_2(max(width - 1, 1))), BK=block_k,
+                     DECAY=DECAYS.index(form.decay), TIED=form.tied, BR=COVARIANCE_ROWS)  # fmt: skip
+    predicted, parts = memory, 1
+    if form.rule == "kdn_exact":
+        # P_bar k of the whole head first, over the rows of P: the step's second axis then
+        # updates P's rows blocks in place while the head's step writes the memory.
+        predicted = memory.new_empty(batch * heads, 2, key_dim)
+        blocks = triton.cdiv(key_dim, COVARIANCE_ROWS)
+        _exact_predict_kernel[(batch * heads, blocks)](
+            k[0], k[1], conv_weights[1], caches[1], *rows["decay"], placeholder["A_log"],
+            placeholder["dt_bias"], *rows["noise"], placeholder["p_inf_raw"],
+            placeholder["precision"], predicted, heads, key_dim, float(l2_eps),
+            **constants, num_warps=warps,
+        )  # fmt: skip
+        parts += blocks
+    _fused_step_kernel[(batch * heads, parts)](
         q[0], k[0], v[0], q[1], k[1], v[1], *conv_weights, *caches,
         *_row(gate, memory), *rows["beta"], *rows["write"], *rows["decay"],
         placeholder["A_log"], placeholder["dt_bias"], *rows["read"], placeholder["read_log"],
         *rows["noise"], *rows["obs"], placeholder["p_inf_raw"], placeholder["precision"],
-        memory, norm_weight, out,
+        predicted, memory, norm_weight, out,
         heads, key_dim, value_dim, float(scale), float(l2_eps), float(norm_eps), float(r_min),
-        float(info_scale),
-        W=width, BW=max(1, triton.next_power_of_2(max(width - 1, 1))), BK=block_k, BV=block_v,
-        DECAY=DECAYS.index(form.decay), RULE=RULES.index(form.rule),
-        READ_FORM=READS.index(form.read), TIED=form.tied, GATE_ACT=GATES[form.gate_activation],
-        ONE_BLOCK=block_v >= value_dim,
-        num_warps=warps,
+        float(info_scale), **constants, BV=block_v, RULE=RULES.index(form.rule),
+        READ_FORM=READS.index(form.read), GATE_ACT=GATES[form.gate_activation],
+        ONE_BLOCK=block_v >= value_dim, num_warps=warps,
     )  # fmt: skip
     return out
 
