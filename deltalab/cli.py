@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 USER_ERROR = 2
+# The --device of the commands that load a checkpoint (`deltalab.generate.require_device`).
+DEVICE_HELP = "auto (default: the first CUDA GPU where torch finds one, else the CPU), cpu, cuda, cuda:N or mps"
 T = TypeVar("T")
 
 
@@ -231,7 +233,7 @@ def _main(argv: list[str] | None) -> int:
     generate.add_argument("--top-k", type=positive_int, default=None)
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--tokenizer", default=None, help='"byte" or a local tokenizer path')
-    generate.add_argument("--device", default="cpu")
+    generate.add_argument("--device", default="auto", help=DEVICE_HELP)
     generate.set_defaults(run=_generate)
 
     from deltalab.eval.cli import add_parser as add_eval_parser

@@ -35,7 +35,7 @@ class GenerateConfig:
     top_k: int | None = None
     seed: int = 0
     tokenizer: str | None = None
-    device: str = "cpu"
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         checks = (
@@ -75,14 +75,18 @@ def _is_temp(config: GenerateConfig) -> bool:
 
 
 def require_device(device: object, name: str = "device") -> torch.device:
-    """`device` as a torch device this machine has (cpu, cuda, cuda:N, mps); ConfigError naming
-    `name` otherwise, before anything is loaded onto it."""
+    """`device` as a torch device this machine has (cpu, cuda, cuda:N, mps; "auto": the first
+    CUDA GPU where torch finds one, else the CPU); ConfigError naming `name` otherwise, before
+    anything is loaded onto it."""
+    if device == "auto":
+        found = torch.cuda.is_available() and torch.cuda.device_count() > 0
+        return torch.device("cuda" if found else "cpu")
     try:
         parsed = torch.device(device)  # type: ignore[arg-type]
     except (RuntimeError, TypeError, ValueError):
         parsed = None
     if parsed is None or parsed.type not in ("cpu", "cuda", "mps"):
-        raise ConfigError(f"{name} must be cpu, cuda, cuda:N or mps, got {device!r}")
+        raise ConfigError(f"{name} must be auto, cpu, cuda, cuda:N or mps, got {device!r}")
     if parsed.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
@@ -103,8 +107,9 @@ def _reason(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def load_model(checkpoint: str, *, tokenizer: str | None = None, device: str = "cpu"):
-    """(model in eval mode on `device`, tokenizer) of a `save_pretrained` directory; the
+def load_model(checkpoint: str, *, tokenizer: str | None = None, device: str = "auto"):
+    """(model in eval mode on `device` (`require_device`), tokenizer) of a `save_pretrained`
+    directory; the
     tokenizer is `tokenizer` ("byte" or a local path), else the one saved beside the model,
     else bytes. A device this machine lacks is a ConfigError, a checkpoint or tokenizer that
     does not load a CheckpointError or DataError naming its path."""
@@ -113,7 +118,7 @@ def load_model(checkpoint: str, *, tokenizer: str | None = None, device: str = "
     import deltalab.models  # noqa: F401  (registers the model type)
     from deltalab.data import load_tokenizer
 
-    require_device(device)
+    device = require_device(device)
     path = Path(checkpoint)
     if not (path / "config.json").exists():
         raise CheckpointError(
@@ -169,14 +174,13 @@ def _warn_past_trained_length(model: Any, checkpoint: str, total: int) -> None:
 def generate_text(config: GenerateConfig) -> str:
     """The prompt's continuation (greedy at temperature 0, else sampled) by `model.generate`,
     which on CUDA replays its static-cache step as a CUDA graph (`CausalLM.generate`)."""
-    model, tokenizer = load_model(
-        config.checkpoint, tokenizer=config.tokenizer, device=config.device
-    )
+    device = require_device(config.device, "generate device")
+    model, tokenizer = load_model(config.checkpoint, tokenizer=config.tokenizer, device=device)
     ids = tokenizer.encode(config.prompt) or [tokenizer.bos_id]
     _warn_past_trained_length(model, config.checkpoint, len(ids) + config.max_new_tokens)
     torch.manual_seed(config.seed)
     return continuation(
-        model, tokenizer, ids, config.device, max_new_tokens=config.max_new_tokens,
+        model, tokenizer, ids, device, max_new_tokens=config.max_new_tokens,
         temperature=config.temperature, top_k=config.top_k, eos_token_id=tokenizer.eos_id,
     )  # fmt: skip
 

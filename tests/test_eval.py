@@ -438,6 +438,8 @@ def test_passkey_command_writes_grid_and_heatmap(tmp_path):
     record = json.loads((out / "results.json").read_text())
     assert len(record["metrics"]["grid"]) == 2 and len(record["metrics"]["grid"][0]) == 2
     assert len(record["metrics"]["examples"]) == 4 and (out / "passkey.png").stat().st_size > 0
+    # No --device: "auto", recorded as the device it resolved to.
+    assert record["settings"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_streaming_several_checkpoints_share_one_plot_and_recurrent_memory_stays_flat(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deltalab.cli import main
-from deltalab.generate import GenerateConfig, generate_text
+from deltalab.generate import GenerateConfig, generate_text, require_device
 from deltalab.models import CausalLM, DeltaLabConfig
 
 
@@ -60,6 +60,11 @@ def _missing_gpu(tmp_path: Path) -> tuple[Path, list[str]]:
 
 def _bogus_device(tmp_path: Path) -> tuple[Path, list[str]]:
     return save_tiny(tmp_path / "model"), ["--device", "bogus"]
+
+
+def test_device_auto_is_the_first_cuda_gpu_where_torch_finds_one_else_the_cpu():
+    expected = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() else "cpu"
+    assert require_device("auto") == torch.device(expected)
 
 
 @pytest.mark.parametrize(

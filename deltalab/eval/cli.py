@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deltalab.cli import add_command
+from deltalab.cli import DEVICE_HELP, add_command
 
 __all__ = ["add_parser", "run_eval"]
 
@@ -50,7 +50,7 @@ def add_parser(commands: Any) -> None:
         "--overwrite", action="store_true", help="replace the results an --out already holds"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of every random choice (>= 0)")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
     parser.add_argument("--tokenizer", default=None, help='"byte" or a local tokenizer path')
     parser.add_argument(
         "--trained-length",
@@ -198,7 +198,8 @@ def _evaluate(args: argparse.Namespace) -> str:
         raise EvalError(f"--seed must be an int >= 0, got {args.seed}")
     from deltalab.generate import require_device  # torch: past the checks of the words above
 
-    require_device(args.device, "--device")
+    # Resolved once ("auto"), so that the results record the device the task ran on.
+    args.device = str(require_device(args.device, "--device"))
     if task.needs_checkpoint and not checkpoints:
         raise EvalError(f"task {task.name!r} needs a CHECKPOINT directory (a run's model/)")
     if not task.needs_checkpoint and checkpoints:
