@@ -47,6 +47,7 @@ FORMS = {
     # The KDN layers' default: process noise of their own (`process_noise="free"`), a gate input.
     "kdn_diag": StepForm("channel", "kdn_diag"),
     "kdn_iso": StepForm("channel", "kdn_iso"),
+    "kdn_exact": StepForm("channel", "kdn_exact"),
 }
 # (value columns a block, warps) tried.
 LAUNCHES = ((128, (8, 16)), (64, (4, 8)), (32, (1, 2, 4)), (16, (1, 2)))
@@ -92,8 +93,12 @@ def step_inputs(form: StepForm, batch: int, heads: int, dim: int, device: str, d
     else:
         iso = form.rule == "kdn_iso"
         gates |= {"obs": draw(batch, heads), "noise": draw(batch, heads if iso else width)}
-        shape = (batch, heads) if iso else (batch, heads, dim)
-        params["precision"] = 1 + draw(*shape, kind=f32).abs()
+        if form.rule == "kdn_exact":  # a covariance: symmetric positive definite
+            root = draw(batch, heads, dim, dim, scale=dim**-0.5, kind=f32)
+            params["precision"] = root @ root.mT + torch.eye(dim, device=device)
+        else:
+            shape = (batch, heads) if iso else (batch, heads, dim)
+            params["precision"] = 1 + draw(*shape, kind=f32).abs()
     return {
         "qkv": tuple(draw(batch, width) for _ in range(3)),
         "conv_weights": tuple(draw(width, 1, CONV_WIDTH, scale=0.5) for _ in range(3)),

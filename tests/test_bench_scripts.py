@@ -221,7 +221,8 @@ def test_the_best_table_takes_each_stages_fastest_candidate_and_reports_conflict
 
 @pytest.mark.interpreter
 def test_decode_tune_writes_its_best_table_which_the_lookup_reads_back(tmp_path):
-    """The fused step's tuner, a CPU smoke run: every launch tried at each batch, its best table
+    """The fused step's tuner, a CPU smoke run (a form of one state, one with a covariance):
+    every launch tried at each batch, each giving the same result, its best table
     written to --table-dir as the card's fused_step section, which the lookup then takes."""
     needs_triton()
     from benchmarks.tune_decode_step import candidates
@@ -230,7 +231,7 @@ def test_decode_tune_writes_its_best_table_which_the_lookup_reads_back(tmp_path)
     from deltalab.ops.launch_tables import table_from_dict
 
     argv = ["decode", "tune", "--device", "cpu", "--heads", "1", "--head-dim", "32",
-            "--batches", "1", "2", "--layers", "1", "--rules", "beta",
+            "--batches", "1", "2", "--layers", "1", "--rules", "beta", "kdn_exact",
             "--table-dir", str(tmp_path / "tables")]  # fmt: skip
     report = run_suite(argv, tmp_path / "out.json")
     assert report["table_file"] == str(tmp_path / "tables" / f"{report['device_key']}.json")
