@@ -212,9 +212,7 @@ def run(args: argparse.Namespace) -> dict:
         here = [r for r in rows if r["batch"] == batch and r["max_diff"] <= SAME_RESULT]
         shipped_us, best_us = here[0]["us"], min(r["us"] for r in here)
         ratios[batch] = shipped_us / best_us
-        launched = table_launch(
-            table, args.rules[0], batch * args.heads, args.head_dim, args.head_dim
-        )
+        launched = table_launch(table, batch * args.heads, args.head_dim, args.head_dim)
         print(
             f"B={batch:4d}: shipped {shipped_us:8.2f} us a layer, best {best_us:8.2f}, "
             f"shipped/best {ratios[batch]:.2f}; the new table's (BK, BV, warps) {launched}"
