@@ -64,6 +64,7 @@ import contextlib
 import os
 import re
 import sys
+import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -483,6 +484,11 @@ def recording(
     recorder = Recorder(model)
     recorder.recording = True
     with contextlib.ExitStack() as stack:
+        # deltalab keys what it keeps by tensor address (`data_ptr`: the concatenated decoder
+        # weights, the checks done once per tensor); a fake tensor's address is meaningless
+        # but harmless there, and PyTorch warns at each read of one.
+        stack.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor", UserWarning)
         stack.enter_context(cuda_autocast())
         stack.enter_context(triton_stubbed(recorder))
         stack.enter_context(_phases(recorder, optimizer))
