@@ -484,9 +484,9 @@ def recording(
     recorder = Recorder(model)
     recorder.recording = True
     with contextlib.ExitStack() as stack:
-        # deltalab keys what it keeps by tensor address (`data_ptr`: the concatenated decoder
-        # weights, the checks done once per tensor); a fake tensor's address is meaningless
-        # but harmless there, and PyTorch warns at each read of one.
+        # deltalab reads tensor addresses (`data_ptr`: keys of what it keeps, aliasing checks);
+        # every fake tensor's is 0, so those checks see one address, which changes no byte
+        # counted here; PyTorch warns at each read of one.
         stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor", UserWarning)
         stack.enter_context(cuda_autocast())

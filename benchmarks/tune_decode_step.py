@@ -139,8 +139,12 @@ def us_per_layer(calls: list, device: str) -> float:
 
 
 def difference(got: dict, expected: dict) -> float:
-    """The largest difference of the output and state, relative to each one's largest element."""
+    """The largest difference of what a step writes (the output, the memory, the convolution
+    caches and a KDN filter's state), relative to each one's largest element."""
     pairs = [(got["out"], expected["out"]), (got["memory"], expected["memory"])]
+    pairs += list(zip(got["caches"], expected["caches"], strict=True))
+    if got["params"].get("precision") is not None:
+        pairs.append((got["params"]["precision"], expected["params"]["precision"]))
     return max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
                for a, b in pairs)  # fmt: skip
 

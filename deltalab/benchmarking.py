@@ -161,8 +161,8 @@ def print_backend_case(
 NOT_KERNELS = set(
     "view _unsafe_view reshape _reshape_alias expand unsqueeze squeeze permute transpose t "
     "select slice as_strided alias detach unflatten flatten split split_with_sizes unbind chunk "
-    "narrow lift_fresh empty empty_strided empty_like new_empty resolve_conj resolve_neg to result_type "
-    "promote_types resize_ is_same_size".split()
+    "narrow lift_fresh empty empty_strided empty_like new_empty resolve_conj resolve_neg to "
+    "result_type promote_types resize_ is_same_size".split()
 )
 
 

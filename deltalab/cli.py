@@ -16,7 +16,10 @@ from typing import Any, TypeVar
 
 USER_ERROR = 2
 # The --device of the commands that load a checkpoint (`deltalab.generate.require_device`).
-DEVICE_HELP = "auto (default: the first CUDA GPU where torch finds one, else the CPU), cpu, cuda, cuda:N or mps"
+DEVICE_HELP = (
+    "auto (default: the first CUDA GPU where torch finds one, else the CPU), cpu, cuda, cuda:N "
+    "or mps"
+)
 T = TypeVar("T")
 
 

@@ -35,7 +35,7 @@ class GenerateConfig:
     top_k: int | None = None
     seed: int = 0
     tokenizer: str | None = None
-    device: str = "auto"
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         checks = (
@@ -107,11 +107,10 @@ def _reason(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def load_model(checkpoint: str, *, tokenizer: str | None = None, device: str = "auto"):
-    """(model in eval mode on `device` (`require_device`), tokenizer) of a `save_pretrained`
-    directory; the
-    tokenizer is `tokenizer` ("byte" or a local path), else the one saved beside the model,
-    else bytes. A device this machine lacks is a ConfigError, a checkpoint or tokenizer that
+def load_model(checkpoint: str, *, tokenizer: str | None = None, device: str = "cpu"):
+    """(model in eval mode on `device` (`require_device`: "auto" too), tokenizer) of a
+    `save_pretrained` directory; the tokenizer is `tokenizer` ("byte" or a local path), else the
+    one saved beside the model, else bytes. A device this machine lacks is a ConfigError, a checkpoint or tokenizer that
     does not load a CheckpointError or DataError naming its path."""
     from transformers import AutoModelForCausalLM
 

@@ -134,7 +134,7 @@ def load_checkpoint(
     checkpoint: str,
     *,
     tokenizer: str | None = None,
-    device: str = "auto",
+    device: str = "cpu",
     trained_length: int | None = None,
 ) -> LoadedCheckpoint:
     """A deltalab checkpoint directory (a run's `model/` or a `save_pretrained` folder), in eval

@@ -59,7 +59,7 @@ class DeltaLabLM(TemplateLM):
         *,
         loaded: LoadedCheckpoint | None = None,
         tokenizer: str | None = None,
-        device: str | None = "cpu",
+        device: str | None = "auto",
         batch_size: int | str | None = 8,
         max_batch_size: int | None = None,
         segment_len: int | str = 2048,
@@ -76,8 +76,10 @@ class DeltaLabLM(TemplateLM):
                     "model_args needs pretrained=CHECKPOINT (a deltalab checkpoint directory)"
                 )
             length = None if trained_length is None else _int("trained_length", trained_length, 0)
-            device = device or "cpu"
-            # lm_eval's --device defaults to "cuda"; like its HF model, fall back to the CPU.
+            # None (lm_eval's --device not given): "auto", the first CUDA GPU where torch finds
+            # one, else the CPU. A CUDA device asked for without a GPU falls back to the CPU,
+            # as lm_eval's HF model does.
+            device = device or "auto"
             if device.startswith("cuda") and not torch.cuda.is_available():
                 device = "cpu"
             loaded = load_checkpoint(

@@ -8,7 +8,8 @@ Here the same step is
 
     p1 = x [W_q; W_k; W_v; full-rank gate maps; low-rank first factors]^T (+ biases)
     p2 = p1[first factors] blockdiag(second factors)^T (+ biases)     (mixers with low-rank gates)
-    `deltalab.ops.delta_rule.triton.fused_step.fused_layer_step`        (one kernel, in place; two for Exact KDN)
+    `deltalab.ops.delta_rule.triton.fused_step.fused_layer_step`        (one kernel, in place;
+                                                                         two for Exact KDN)
     x' = x + o_proj(out)                        (the residual sum in the product: `add_projected`)
 
 with the weights concatenated once into the decoder's store (remade when a weight changes, as

@@ -530,8 +530,9 @@ def fused_layer_step(
         aligned = key_dim % 16 == 0 and value_dim % 16 == 0
         aligned = aligned and all(t.data_ptr() % 16 == 0 for t in tensors)
         block_k, block_v, warps = table_launch(table, batch * heads, key_dim, value_dim, aligned)
-    constants = dict(W=width, BW=max(1, triton.next_power_of_2(max(width - 1, 1))), BK=block_k,
-                     DECAY=DECAYS.index(form.decay), TIED=form.tied, BR=COVARIANCE_ROWS)  # fmt: skip
+    taps = max(1, triton.next_power_of_2(max(width - 1, 1)))
+    constants = dict(W=width, BW=taps, BK=block_k, DECAY=DECAYS.index(form.decay), TIED=form.tied,
+                     BR=COVARIANCE_ROWS)  # fmt: skip
     predicted, parts = memory, 1
     if form.rule == "kdn_exact":
         # P_bar k of the whole head first, over the rows of P: the step's second axis then
