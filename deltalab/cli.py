@@ -117,8 +117,9 @@ def _generate(args: argparse.Namespace) -> int:
     import dataclasses
     import warnings
 
-    from deltalab.generate import GenerateConfig, generate_text, printable
+    from deltalab.generate import GenerateConfig, generate_text, printable, require_device
 
+    require_device(args.device, "--device")  # an error that names the option, not the field
     # The command's arguments are the config's fields, by the same names.
     fields = dataclasses.fields(GenerateConfig)
     config = GenerateConfig(**{field.name: getattr(args, field.name) for field in fields})

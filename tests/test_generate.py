@@ -74,7 +74,7 @@ def test_device_auto_is_the_first_cuda_gpu_where_torch_finds_one_else_the_cpu():
         (_broken_config, r"checkpoint .*model' does not load: .*config"),
         (_tokenizer_file, r"tokenizer .*tokenizer\.txt' is a file"),
         (_missing_gpu, r"device 'cuda(:\d+)?' .*CUDA"),
-        (_bogus_device, r"device must be .*cpu.*got 'bogus'"),
+        (_bogus_device, r"--device must be .*cpu.*got 'bogus'"),
     ],
 )
 def test_a_checkpoint_or_device_that_cannot_be_used_is_one_line_and_exit_2(
