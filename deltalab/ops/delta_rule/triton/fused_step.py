@@ -38,14 +38,15 @@ Caches and the state are read before they are written by the same program; a bar
 a cache's reads from its shifted write, which another thread of the program may make.
 
 Exact KDN's K x K covariance is spread over programs, not held by the head's: a first kernel
-(`_exact_predict_kernel`, one program per block of COVARIANCE_ROWS rows) computes P_bar k and k
-from the old P, reading only; then the step's grid gets a second axis whose programs after the
-first update P's rows blocks in place (`_covariance_rows`), each reading only its own rows and
-the first kernel's P_bar k, while program 0 of the axis runs the head's step with the gain
-from the same P_bar k. The step's program holds no K x K tile, so it runs at the table's blocks
-as the other forms do. With the whole covariance in it (up to `fae8b0e`) the step was one
-16-warp block a head, the covariance's 64 KB read and written by that one program: 1.19 ms a
-token at one sequence and 3.31 at 64 for the 340M model on an H100, against 1.04 and 3.09 now.
+(`_exact_predict_kernel`, one program per block of COVARIANCE_ROWS rows of P_bar,
+`_predicted_rows`) computes P_bar k and k from the old P, reading only; then the step's grid
+gets a second axis whose programs after the first update P's rows blocks in place
+(`_covariance_rows`, from the same P_bar rows), each reading only its own rows and the first
+kernel's P_bar k, while program 0 of the axis runs the head's step with the gain from the same
+P_bar k. The step's program holds no K x K tile, so it runs at the table's blocks as the other
+forms do. With the whole covariance in it (up to `fae8b0e`) the step was one 16-warp block a
+head, the covariance's 64 KB read and written by that one program: 1.19 ms a token at one
+sequence and 3.31 at 64 for the 340M model on an H100, against 1.04 and 3.09 now.
 
 Numerics: float32 throughout (16-bit inputs widened at load), the raw output rounded to the
 output's dtype before its norm, as the unfused step rounds the delta rule's output; the new
@@ -206,14 +207,20 @@ def _process_noise(g, NOISE, stride_noise, P_INF, b, h, kch, row_ok, K,
 
 
 @triton.jit
+def _observation_noise(OBS, stride_obs, b, h, r_min):
+    """r = r_min + softplus(raw_r), the head's observation-noise variance for sequence b."""
+    sp_r, _ = _softplus_terms(tl.load(OBS + b * stride_obs + h).to(tl.float32))
+    return r_min + sp_r
+
+
+@triton.jit
 def _kalman_gain(k, g, NOISE, stride_noise, OBS, stride_obs, P_INF, PRECISION, PREDICTED, b, h,
                  bh, kch, rows, row_ok, K, r_min, info_scale, FILTER: tl.constexpr,
                  TIED: tl.constexpr):  # fmt: skip
     """The KDN write direction a `[BK]` from the filter's state and the noise model (module
     docstring). FILTER: 0 isotropic (precision `[B, H]`), 1 diagonal (precision `[B, H, K]`),
     both updated in place; 2 exact, from `_exact_predict_kernel`'s P_bar k and k (PREDICTED)."""
-    sp_r, _ = _softplus_terms(tl.load(OBS + b * stride_obs + h).to(tl.float32))
-    r = r_min + sp_r
+    r = _observation_noise(OBS, stride_obs, b, h, r_min)
     if FILTER == 2:
         a, _, _ = _exact_terms(PREDICTED, bh, rows, row_ok, K, r)
     else:
@@ -246,14 +253,36 @@ def _exact_terms(PREDICTED, bh, rows, row_ok, K, r):
 
 
 @triton.jit
+def _predicted_rows(start, DECAY_RAW, stride_decay, A_LOG, DT_BIAS, NOISE, stride_noise, P_INF,
+                    COVARIANCE, b, h, bh, rows, row_ok, K, DECAY: tl.constexpr,
+                    TIED: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):  # fmt: skip
+    """Rows start..start+BR of Exact KDN's predicted covariance P_bar = D P D + diag(q_noise)
+    of head bh, from P's rows as they are: (P_bar's rows `[BR, BK]`, their pointers into P and
+    mask, the rows' indices and mask)."""
+    block = start + tl.arange(0, BR)
+    block_ok = block < K
+    g = _log_decay(DECAY_RAW, stride_decay, A_LOG, DT_BIAS, b, h, h * K + rows, row_ok, DECAY, BK)
+    g_block = _log_decay(DECAY_RAW, stride_decay, A_LOG, DT_BIAS, b, h, h * K + block, block_ok,
+                         DECAY, BR)  # fmt: skip
+    q_block = _process_noise(g_block, NOISE, stride_noise, P_INF, b, h, h * K + block, block_ok,
+                             K, 2, TIED)  # fmt: skip
+    at = COVARIANCE + bh * K * K + block[:, None] * K + rows[None, :]
+    tile_ok = block_ok[:, None] & row_ok[None, :]
+    d = tl.where(row_ok, tl.exp(g), 0.0)
+    p = tl.load(at, mask=tile_ok, other=0.0) * tl.exp(g_block)[:, None] * d[None, :]
+    p = p + tl.where(block[:, None] == rows[None, :], q_block[:, None], 0.0)
+    return p, at, tile_ok, block, block_ok
+
+
+@triton.jit
 def _exact_predict_kernel(
     K_IN, stride_k, WK, CK, DECAY_RAW, stride_decay, A_LOG, DT_BIAS, NOISE, stride_noise, P_INF,
     COVARIANCE, PREDICTED, H, K, l2_eps,
     W: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, DECAY: tl.constexpr,
     TIED: tl.constexpr,
 ):  # fmt: skip
-    """Exact KDN's first stage, program (head bh, rows block): P_bar k on BR rows of the
-    predicted covariance P_bar = D P D + diag(q_noise), and k, into PREDICTED `[B*H, 2, K]`.
+    """Exact KDN's first stage, program (head bh, rows block i): P_bar k on rows block i of the
+    predicted covariance (`_predicted_rows`), and (block 0) k, into PREDICTED `[B*H, 2, K]`.
     It only reads (the k cache included): the step's kernel, launched after it, updates P."""
     bh = tl.program_id(0).to(tl.int64)
     b = bh // H
@@ -262,23 +291,13 @@ def _exact_predict_kernel(
     row_ok = rows < K
     k = _conv_silu(K_IN, stride_k, WK, CK, b, h * K + rows, row_ok, H * K, W, BW, SHIFT=False)
     k = k / tl.sqrt(tl.sum(k * k) + l2_eps)
-    g = _log_decay(DECAY_RAW, stride_decay, A_LOG, DT_BIAS, b, h, h * K + rows, row_ok, DECAY, BK)
-    block = tl.program_id(1) * BR + tl.arange(0, BR)
-    block_ok = block < K
-    g_block = _log_decay(DECAY_RAW, stride_decay, A_LOG, DT_BIAS, b, h, h * K + block, block_ok,
-                         DECAY, BR)  # fmt: skip
-    q_block = _process_noise(g_block, NOISE, stride_noise, P_INF, b, h, h * K + block, block_ok,
-                             K, 2, TIED)  # fmt: skip
-    # k on the block's rows, selected from the head's k in registers (no tensor indexing).
-    k_block = tl.sum(tl.where(block[:, None] == rows[None, :], k[None, :], 0.0), axis=1)
-    tile_ok = block_ok[:, None] & row_ok[None, :]
-    p = tl.load(COVARIANCE + bh * K * K + block[:, None] * K + rows[None, :], mask=tile_ok,
-                other=0.0)  # fmt: skip
-    # (D P D + diag(q)) k on the block = d_i sum_j P_ij (d_j k_j) + q_i k_i.
-    dk = tl.where(row_ok, tl.exp(g) * k, 0.0)
-    pk = tl.exp(g_block) * tl.sum(p * dk[None, :], axis=1) + q_block * k_block
-    tl.store(PREDICTED + bh * 2 * K + block, pk, mask=block_ok)
-    tl.store(PREDICTED + bh * 2 * K + K + block, k_block, mask=block_ok)
+    p, _, _, block, block_ok = _predicted_rows(
+        tl.program_id(1) * BR, DECAY_RAW, stride_decay, A_LOG, DT_BIAS, NOISE, stride_noise,
+        P_INF, COVARIANCE, b, h, bh, rows, row_ok, K, DECAY, TIED, BK, BR,
+    )  # fmt: skip
+    tl.store(PREDICTED + bh * 2 * K + block, tl.sum(p * k[None, :], axis=1), mask=block_ok)
+    if tl.program_id(1) == 0:
+        tl.store(PREDICTED + bh * 2 * K + K + rows, k, mask=row_ok)
 
 
 @triton.jit
@@ -291,22 +310,14 @@ def _covariance_rows(start, DECAY_RAW, stride_decay, A_LOG, DT_BIAS, NOISE, stri
     term symmetric, so P stays symmetric to rounding (P_ij and P_ji are rounded apart;
     `exact_gain` averages P and P^T, this does not). Only this block's rows of P are read:
     P_bar k and k come from PREDICTED."""
-    sp_r, _ = _softplus_terms(tl.load(OBS + b * stride_obs + h).to(tl.float32))
-    gain, pk, denominator = _exact_terms(PREDICTED, bh, rows, row_ok, K, r_min + sp_r)
-    block = start + tl.arange(0, BR)
-    block_ok = block < K
-    g = _log_decay(DECAY_RAW, stride_decay, A_LOG, DT_BIAS, b, h, h * K + rows, row_ok, DECAY, BK)
-    g_block = _log_decay(DECAY_RAW, stride_decay, A_LOG, DT_BIAS, b, h, h * K + block, block_ok,
-                         DECAY, BR)  # fmt: skip
-    q_block = _process_noise(g_block, NOISE, stride_noise, P_INF, b, h, h * K + block, block_ok,
-                             K, 2, TIED)  # fmt: skip
+    r = _observation_noise(OBS, stride_obs, b, h, r_min)
+    gain, pk, denominator = _exact_terms(PREDICTED, bh, rows, row_ok, K, r)
+    p, at, tile_ok, block, block_ok = _predicted_rows(
+        start, DECAY_RAW, stride_decay, A_LOG, DT_BIAS, NOISE, stride_noise, P_INF, COVARIANCE,
+        b, h, bh, rows, row_ok, K, DECAY, TIED, BK, BR,
+    )  # fmt: skip
     pk_block = tl.load(PREDICTED + bh * 2 * K + block, mask=block_ok, other=0.0)
     gain_block = pk_block / denominator
-    at = COVARIANCE + bh * K * K + block[:, None] * K + rows[None, :]
-    tile_ok = block_ok[:, None] & row_ok[None, :]
-    d = tl.where(row_ok, tl.exp(g), 0.0)
-    p = tl.load(at, mask=tile_ok, other=0.0) * tl.exp(g_block)[:, None] * d[None, :]
-    p = p + tl.where(block[:, None] == rows[None, :], q_block[:, None], 0.0)
     p = (
         p
         + (denominator * gain_block[:, None] - pk_block[:, None]) * gain[None, :]
@@ -465,10 +476,9 @@ def table_launch(
     multiples of 16 and every tensor's address a multiple of 16 bytes (`aligned`: what Triton's
     launcher declares to the compiler). Every form takes the same launch: the table was
     measured on the GDN-2 and Diagonal KDN forms, and Exact KDN's step holds no more than they
-    do (its covariance is other programs' work). Elsewhere
-    `launch`'s whole head: compiled for sm_90 at the table's 2-4 warps, other sizes or
-    addresses spill 2.5-3.1 KB a thread (against 0 to 48 bytes in one 16-warp block). The
-    inputs' row strides change no spill."""
+    do (its covariance is other programs' work). Elsewhere `launch`'s whole head: compiled for
+    sm_90 at the table's 2-4 warps, other sizes or addresses spill 2.5-3.1 KB a thread (against
+    0 to 56 bytes in one 16-warp block). The inputs' row strides change no spill."""
     if not aligned:
         return launch(key_dim, value_dim)
     if table.many_programs is not None and programs >= table.many_programs:
