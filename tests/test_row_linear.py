@@ -20,8 +20,9 @@ from deltalab.ops.row_linear import (
 from deltalab.testing import relative_error
 
 # (rows, outputs, K): one row as a decoding step makes, rows past one, a K of several blocks
-# (1100: two blocks of 1024, the second partial) and outputs not a multiple of the block.
-SHAPES = [(1, 40, 48), (3, 17, 1100), (2, 64, 256)]
+# (1100: two blocks of 1024, the second partial) and outputs not a multiple of the block; from
+# DOT_ROWS rows the tiles' kernel, with rows, outputs and K not multiples of its tiles.
+SHAPES = [(1, 40, 48), (3, 17, 1100), (2, 64, 256), (20, 40, 300), (64, 70, 1100)]
 # The kernel's tensors: CUDA's where it compiles, else CPU's for the interpreter.
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 
@@ -183,3 +184,23 @@ def test_row_linear_refuses_bad_arguments_naming_them(change, match):
     backend = arguments.pop("backend")
     with pytest.raises((ValueError, TypeError), match=match):
         row_linear(**arguments, backend=backend)
+
+
+@pytest.mark.interpreter
+@needs_triton
+@pytest.mark.parametrize("launch", [
+    dict(block_m=16, block_n=16, block_k=16, stages=1, num_warps=1),
+    dict(block_m=64, block_n=64, block_k=256, stages=4, num_warps=8),
+], ids=["smallest", "widest"])  # fmt: skip
+def test_every_launch_of_the_tiles_kernel_gives_the_float64_product(generator, launch):
+    """The tiles' kernel at launches other than its shipped one (tiles smaller than the rows and
+    outputs, a column block wider than K), the norm and the residual in: the definition's
+    result, to float32 rounding."""
+    from deltalab.ops.row_linear.triton import DotLaunch, row_linear_triton
+
+    x, weight, b, r = inputs((40, 50, 200), generator, True, True)
+    norm_weight = (1 + 0.1 * torch.randn(200, generator=generator)).to(DEVICE)
+    got = row_linear_triton(x, weight, b, r, norm_weight, 1e-5, None, DotLaunch(**launch))
+    as64 = [t.double() for t in (x, weight, b, r)]
+    expected = row_linear_naive(*as64, norm_weight.double(), 1e-5)
+    assert relative_error(got, expected) < 1e-5
