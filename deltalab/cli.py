@@ -20,6 +20,11 @@ DEVICE_HELP = (
     "auto (default: the first CUDA GPU where torch finds one, else the CPU), cpu, cuda, cuda:N "
     "or mps"
 )
+# Their --dtype (`deltalab.generate.require_dtype`).
+DTYPE_HELP = (
+    "the dtype the model's weights are cast to: auto (default: bfloat16 on a CUDA GPU that "
+    "supports it, else float32), float32, bfloat16 or float16"
+)
 T = TypeVar("T")
 
 
@@ -117,9 +122,16 @@ def _generate(args: argparse.Namespace) -> int:
     import dataclasses
     import warnings
 
-    from deltalab.generate import GenerateConfig, generate_text, printable, require_device
+    from deltalab.generate import (
+        GenerateConfig,
+        generate_text,
+        printable,
+        require_device,
+        require_dtype,
+    )
 
-    require_device(args.device, "--device")  # an error that names the option, not the field
+    # Errors that name the options, not the config's fields.
+    require_dtype(args.dtype, require_device(args.device, "--device"), "--dtype")
     # The command's arguments are the config's fields, by the same names.
     fields = dataclasses.fields(GenerateConfig)
     config = GenerateConfig(**{field.name: getattr(args, field.name) for field in fields})
@@ -238,6 +250,7 @@ def _main(argv: list[str] | None) -> int:
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--tokenizer", default=None, help='"byte" or a local tokenizer path')
     generate.add_argument("--device", default="auto", help=DEVICE_HELP)
+    generate.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     generate.set_defaults(run=_generate)
 
     from deltalab.eval.cli import add_parser as add_eval_parser

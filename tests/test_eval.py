@@ -312,6 +312,24 @@ def test_eval_command_writes_results_and_compares_runs(tmp_path, capsys):
     assert len(table) == 4
 
 
+def test_eval_dtype_casts_the_weights_and_is_recorded(tmp_path):
+    """--dtype bfloat16 evaluates the bfloat16 model: its loss is the float32 one's to bfloat16
+    rounding, not equal to it, and the record says which dtype ran."""
+    path = save_tiny(tmp_path, "gdn2")
+    (tmp_path / "text.txt").write_text(TEXT)
+    settings = [f"source={tmp_path / 'text.txt'}", "split=all", f"cache_dir={tmp_path / 'c'}"]
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        out = tmp_path / dtype
+        argv = ["eval", str(path), "--task", "perplexity", *settings, "--dtype", dtype]
+        assert main([*argv, "--device", "cpu", "--out", str(out), "--no-progress"]) == 0
+        record = json.loads((out / "results.json").read_text())
+        assert record["settings"]["dtype"] == dtype
+        losses[dtype] = record["metrics"]["loss"]
+    assert losses["bfloat16"] != losses["float32"]
+    assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=0.02)
+
+
 # --- needles ---------------------------------------------------------------------------------
 
 NEEDLE_NAMES = [*NEEDLE_TASKS, "variable-tracking"]
@@ -438,8 +456,10 @@ def test_passkey_command_writes_grid_and_heatmap(tmp_path):
     record = json.loads((out / "results.json").read_text())
     assert len(record["metrics"]["grid"]) == 2 and len(record["metrics"]["grid"][0]) == 2
     assert len(record["metrics"]["examples"]) == 4 and (out / "passkey.png").stat().st_size > 0
-    # No --device: "auto", recorded as the device it resolved to.
+    # No --device or --dtype: "auto", recorded as the device and dtype they resolved to.
     assert record["settings"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    assert record["settings"]["dtype"] == ("bfloat16" if cuda_bf16 else "float32")
 
 
 def test_streaming_several_checkpoints_share_one_plot_and_recurrent_memory_stays_flat(tmp_path):

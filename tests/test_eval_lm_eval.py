@@ -74,6 +74,14 @@ def test_lm_eval_loglikelihoods_equal_a_direct_forward(tmp_path, mixer):
         assert greedy == bool((rows.argmax(-1) == torch.tensor(target)).all())
 
 
+def test_lm_eval_model_args_dtype_casts_the_weights(tmp_path):
+    path = save_tiny(tmp_path, "gdn2")
+    lm = DeltaLabLM(pretrained=str(path), device="cpu", dtype="bfloat16")
+    assert {p.dtype for p in lm.model.parameters()} == {torch.bfloat16}
+    lm = DeltaLabLM(pretrained=str(path), device="cpu")
+    assert {p.dtype for p in lm.model.parameters()} == {torch.float32}
+
+
 def test_lm_eval_rolling_loglikelihood_is_the_whole_text_after_eos(tmp_path):
     loaded = load_checkpoint(str(save_tiny(tmp_path, "muir")))
     lm = DeltaLabLM(loaded=loaded, batch_size=2, segment_len=7)

@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from deltalab.cli import main
-from deltalab.generate import GenerateConfig, generate_text, require_device
+from deltalab.generate import (
+    GenerateConfig,
+    generate_text,
+    load_model,
+    require_device,
+    require_dtype,
+)
 from deltalab.models import CausalLM, DeltaLabConfig
 
 
@@ -62,9 +68,38 @@ def _bogus_device(tmp_path: Path) -> tuple[Path, list[str]]:
     return save_tiny(tmp_path / "model"), ["--device", "bogus"]
 
 
+def _bogus_dtype(tmp_path: Path) -> tuple[Path, list[str]]:
+    return save_tiny(tmp_path / "model"), ["--dtype", "float64"]
+
+
 def test_device_auto_is_the_first_cuda_gpu_where_torch_finds_one_else_the_cpu():
     expected = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() else "cpu"
     assert require_device("auto") == torch.device(expected)
+
+
+def test_dtype_auto_is_bfloat16_on_a_cuda_gpu_that_computes_it_else_float32():
+    assert require_dtype("auto", torch.device("cpu")) == torch.float32
+    if torch.cuda.is_available():
+        expected = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+        assert require_dtype("auto", torch.device("cuda")) == expected
+    assert require_dtype("float16", torch.device("cpu")) == torch.float16
+    assert require_dtype(torch.bfloat16, torch.device("cpu")) == torch.bfloat16
+
+
+def test_a_loaded_model_is_in_the_dtype_asked_for_and_greedy_text_follows_its_forward(tmp_path):
+    """load_model casts every weight to `dtype`, and `generate` in bfloat16 continues a prompt
+    with the argmax of the bfloat16 model's own forward, token after token."""
+    path = save_tiny(tmp_path / "model")
+    model, _ = load_model(str(path), dtype="bfloat16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in load_model(str(path))[0].parameters()} == {torch.float32}
+    ids = torch.tensor([[5, 17, 99, 3, 42]])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                         do_sample=False, pad_token_id=0)  # fmt: skip
+    with torch.no_grad():
+        for t in range(ids.shape[1], out.shape[1]):
+            logits = model(input_ids=out[:, :t]).logits[:, -1].float()
+            assert int(logits.argmax(-1)) == int(out[0, t])
 
 
 @pytest.mark.parametrize(
@@ -75,6 +110,7 @@ def test_device_auto_is_the_first_cuda_gpu_where_torch_finds_one_else_the_cpu():
         (_tokenizer_file, r"tokenizer .*tokenizer\.txt' is a file"),
         (_missing_gpu, r"device 'cuda(:\d+)?' .*CUDA"),
         (_bogus_device, r"--device must be .*cpu.*got 'bogus'"),
+        (_bogus_dtype, r"--dtype must be auto, float32, bfloat16, float16, got 'float64'"),
     ],
 )
 def test_a_checkpoint_or_device_that_cannot_be_used_is_one_line_and_exit_2(

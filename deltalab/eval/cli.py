@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deltalab.cli import DEVICE_HELP, add_command
+from deltalab.cli import DEVICE_HELP, DTYPE_HELP, add_command
 
 __all__ = ["add_parser", "run_eval"]
 
@@ -51,6 +51,7 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of every random choice (>= 0)")
     parser.add_argument("--device", default="auto", help=DEVICE_HELP)
+    parser.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     parser.add_argument("--tokenizer", default=None, help='"byte" or a local tokenizer path')
     parser.add_argument(
         "--trained-length",
@@ -196,10 +197,13 @@ def _evaluate(args: argparse.Namespace) -> str:
     settings = parse_settings(task.settings, settings_words)
     if args.seed < 0:
         raise EvalError(f"--seed must be an int >= 0, got {args.seed}")
-    from deltalab.generate import require_device  # torch: past the checks of the words above
+    # torch: past the checks of the words above
+    from deltalab.generate import require_device, require_dtype
 
-    # Resolved once ("auto"), so that the results record the device the task ran on.
-    args.device = str(require_device(args.device, "--device"))
+    # Resolved once ("auto"), so that the results record the device and dtype the task ran in.
+    device = require_device(args.device, "--device")
+    args.device = str(device)
+    args.dtype = str(require_dtype(args.dtype, device, "--dtype")).removeprefix("torch.")
     if task.needs_checkpoint and not checkpoints:
         raise EvalError(f"task {task.name!r} needs a CHECKPOINT directory (a run's model/)")
     if not task.needs_checkpoint and checkpoints:
@@ -236,6 +240,7 @@ def _run_all(
                     checkpoint,
                     tokenizer=args.tokenizer,
                     device=args.device,
+                    dtype=args.dtype,
                     trained_length=args.trained_length,
                 )
             ctx = TaskContext(
@@ -252,6 +257,9 @@ def _run_all(
             record_settings = {
                 **dataclasses.asdict(settings),
                 "device": args.device,
+                # The weights' dtype of a loaded checkpoint (a task that trains its own models
+                # keeps its own).
+                "dtype": None if loaded is None else args.dtype,
                 "long_context": args.long_context,
                 "tokenizer": None if loaded is None else loaded.tokenizer.spec,
             }

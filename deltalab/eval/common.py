@@ -135,10 +135,12 @@ def load_checkpoint(
     *,
     tokenizer: str | None = None,
     device: str = "cpu",
+    dtype: str = "auto",
     trained_length: int | None = None,
 ) -> LoadedCheckpoint:
     """A deltalab checkpoint directory (a run's `model/` or a `save_pretrained` folder), in eval
-    mode, with its tokenizer; EvalError naming the path when it does not load."""
+    mode on `device` with its weights in `dtype` (`deltalab.generate.load_model`), with its
+    tokenizer; EvalError naming the path when it does not load."""
     from deltalab.generate import load_model
 
     path = Path(checkpoint)
@@ -147,7 +149,7 @@ def load_checkpoint(
     try:
         # Refuses a device this machine lacks, and names the checkpoint or tokenizer with the
         # reason when either does not load.
-        model, tok = load_model(str(path), tokenizer=tokenizer, device=device)
+        model, tok = load_model(str(path), tokenizer=tokenizer, device=device, dtype=dtype)
     except UserError as error:
         raise EvalError(str(error)) from error
     config_hash = _config_hash(path)

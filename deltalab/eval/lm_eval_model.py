@@ -49,7 +49,7 @@ def _int(name: str, value: Any, default: int) -> int:
 @register_model("deltalab")
 class DeltaLabLM(TemplateLM):
     """model_args: pretrained (a checkpoint directory), tokenizer ("byte" or a path; default the
-    checkpoint's), device, batch_size, segment_len (tokens per forward pass), long_context
+    checkpoint's), device, dtype (as `deltalab eval --dtype`; default auto), batch_size, segment_len (tokens per forward pass), long_context
     ("refuse" or "window"), trained_length, max_gen_toks (default of generate_until), seed (of
     sampled generation)."""
 
@@ -60,6 +60,7 @@ class DeltaLabLM(TemplateLM):
         loaded: LoadedCheckpoint | None = None,
         tokenizer: str | None = None,
         device: str | None = "auto",
+        dtype: str | None = "auto",
         batch_size: int | str | None = 8,
         max_batch_size: int | None = None,
         segment_len: int | str = 2048,
@@ -83,7 +84,11 @@ class DeltaLabLM(TemplateLM):
             if device.startswith("cuda") and not torch.cuda.is_available():
                 device = "cpu"
             loaded = load_checkpoint(
-                str(pretrained), tokenizer=tokenizer, device=device, trained_length=length
+                str(pretrained),
+                tokenizer=tokenizer,
+                device=device,
+                dtype=dtype or "auto",
+                trained_length=length,
             )
         self.loaded = loaded
         self.model = loaded.model
