@@ -122,6 +122,28 @@ def test_mqar_training_learns_recall():
     assert correct / total > 0.9
 
 
+def test_mqar_transformer_solves_64x4_with_its_head_untied():
+    """The harness's attention model binds values to keys (Zoology's result at 64x4): with the
+    output head tied to the embedding the keys' rows collapse and it stays near 0.3."""
+    settings = MQARTrainSettings(mixers=("transformer",), train=((64, 4),), test=((64, 4),),
+                                 steps=1000, lrs=(3e-3,))  # fmt: skip
+    assert (
+        not settings.tie_embeddings
+        and not _model(settings, "transformer", 0).config.tie_word_embeddings
+    )
+    train = [generate_mqar(settings.config(64, 4, settings.train_examples), 0)]
+    model = train_one(settings, "transformer", 3e-3, 0, train)
+    correct, total = recall_accuracy(model, generate_mqar(settings.config(64, 4, 200), 1))
+    assert correct / total > 0.9
+
+
+def test_mqar_tie_embeddings_shares_the_head_with_the_embedding_only_when_asked():
+    for tie in (False, True):
+        model = _model(MQARTrainSettings(mixers=("transformer",), tie_embeddings=tie), "gdn2", 0)
+        shared = model.lm_head.weight.data_ptr() == model.model.embed.weight.data_ptr()
+        assert shared is tie
+
+
 def test_mqar_models_take_the_mixer_options():
     settings = parse_settings(
         MQARTrainSettings, ["mixers=[muir, transformer]", "mixer_options={read_gate: none}"]

@@ -101,6 +101,7 @@ def _model(settings: MQARTrainSettings, mixer: str, seed: int) -> Any:
         num_heads=settings.num_heads,
         head_dim=settings.hidden_size // settings.num_heads,
         vocab_size=settings.vocab_size,
+        tie_word_embeddings=settings.tie_embeddings,
         # Chunks no longer than the shortest sequence keep the chunked kernels' work small.
         chunk_size=max(16, min(64, min(s[0] for s in settings.train))),
         mixer_options=dict(settings.mixer_options) if mixer != "transformer" else None,
