@@ -27,7 +27,7 @@ from benchmarks.bench_decode_gpu import kernel_seconds
 from deltalab.layers import decode_step
 from deltalab.models import CausalLM, build_config
 from deltalab.models.static_decode import StaticDecoder
-from deltalab.ops.norms.reference import rms_norm_torch
+from deltalab.ops.norms import rms_norm
 from deltalab.ops.row_linear import row_linear
 from deltalab.ops.row_linear.triton import DOT_LAUNCH, DotLaunch, row_linear_triton
 
@@ -83,11 +83,11 @@ def operands(product: dict, rows: int, dtype, device, generator) -> dict:
 
 
 def torch_product(o: dict) -> torch.Tensor:
-    """What the decoder runs at many rows: the norm's own kernel, then torch's product (into
-    the residual in place)."""
+    """What the decoder runs at many rows: the `RMSNorm` module's path (its Triton kernel on
+    CUDA), then torch's product (into the residual in place)."""
     x = o["x"]
     if o["norm_weight"] is not None:
-        x = rms_norm_torch(x, o["norm_weight"], 1e-5).to(x.dtype)
+        x = rms_norm(x, o["norm_weight"], 1e-5, out_dtype=x.dtype, backend="auto")
     residual = o["residual"]
     return row_linear(x, o["weight"], o["bias"], residual, out=residual, backend="torch")
 

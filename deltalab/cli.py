@@ -23,7 +23,7 @@ DEVICE_HELP = (
 # Their --dtype (`deltalab.generate.require_dtype`).
 DTYPE_HELP = (
     "the dtype the model's weights are cast to: auto (default: bfloat16 on a CUDA GPU that "
-    "supports it, else float32), float32, bfloat16 or float16"
+    "computes it, else float32), float32 or bfloat16"
 )
 T = TypeVar("T")
 

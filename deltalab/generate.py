@@ -26,7 +26,7 @@ __all__ = [
 # What `dtype="auto"` gives on each device type: bfloat16 where a CUDA GPU computes it (the
 # precision training runs its products in, about twice float32's speed of decoding and
 # prefill), float32 elsewhere (a CPU's bfloat16 is slower than its float32).
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -110,17 +110,19 @@ def require_device(device: object, name: str = "device") -> torch.device:
 
 
 def require_dtype(dtype: object, device: torch.device, name: str = "dtype") -> torch.dtype:
-    """`dtype` ("auto", "float32", "bfloat16", "float16" or a torch dtype of those) as the torch
-    dtype a model on `device` computes in ("auto": `DTYPES`'s comment); ConfigError naming
-    `name` otherwise."""
+    """`dtype` ("auto", "float32", "bfloat16" or a torch dtype of those) as the torch dtype a
+    model on `device` computes in ("auto": `DTYPES`'s comment); ConfigError naming `name`
+    otherwise. No float16: a model trained under bfloat16 autocast may hold activations past
+    float16's range."""
     if dtype == "auto":
-        cuda = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        # bfloat16 arithmetic from compute capability 8.0 (Ampere) on, of `device` itself.
+        cuda = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
         return torch.bfloat16 if cuda else torch.float32
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
     if isinstance(dtype, str) and dtype in DTYPES:
         return DTYPES[dtype]
-    raise ConfigError(f"{name} must be auto, {', '.join(DTYPES)}, got {dtype!r}")
+    raise ConfigError(f"{name} must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
 
 
 def _reason(error: BaseException) -> str:

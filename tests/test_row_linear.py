@@ -117,8 +117,9 @@ def test_the_norm_in_the_product_matches_the_float64_definition(generator, backe
     "torch", "naive", pytest.param("triton", marks=[pytest.mark.interpreter, needs_triton])
 ])  # fmt: skip
 @pytest.mark.parametrize("bias", [False, True])
-def test_out_equal_to_the_residual_sums_into_it_in_place(generator, backend, bias):
-    x, weight, b, r = inputs((3, 17, 1100), generator, bias, residual=True)
+@pytest.mark.parametrize("rows", [3, 40])  # the rows' kernel, the tiles' kernel
+def test_out_equal_to_the_residual_sums_into_it_in_place(generator, backend, bias, rows):
+    x, weight, b, r = inputs((rows, 17, 1100), generator, bias, residual=True)
     residual = r.clone()  # packed rows, as the decoder's residual stream is
     expected = row_linear(x, weight, b, residual, backend=backend)
     got = row_linear(x, weight, b, residual, out=residual, backend=backend)
@@ -130,22 +131,24 @@ def test_out_equal_to_the_residual_sums_into_it_in_place(generator, backend, bia
     "torch", pytest.param("triton", marks=[pytest.mark.interpreter, needs_triton])
 ])  # fmt: skip
 @pytest.mark.parametrize("bias", [False, True])
-def test_out_without_a_residual_receives_the_product(generator, backend, bias):
-    x, weight, b, _ = inputs((2, 40, 48), generator, bias, residual=False)
-    out = torch.full((2, 45), float("nan"), device=DEVICE)[:, 5:]  # rows apart by 45
+@pytest.mark.parametrize("rows", [2, 40])  # the rows' kernel, the tiles' kernel
+def test_out_without_a_residual_receives_the_product(generator, backend, bias, rows):
+    x, weight, b, _ = inputs((rows, 40, 48), generator, bias, residual=False)
+    out = torch.full((rows, 45), float("nan"), device=DEVICE)[:, 5:]  # rows apart by 45
     got = row_linear(x, weight, b, out=out, backend=backend)
     assert got.data_ptr() == out.data_ptr() and not out.isnan().any()
     assert relative_error(got, row_linear(x, weight, b, backend="naive")) < 1e-5
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="bfloat16: a CUDA GPU")
-def test_the_norm_in_the_product_rounds_the_normalized_row_to_xs_dtype(generator):
+@pytest.mark.parametrize("rows", [4, 64])  # the rows' kernel, the tiles' kernel
+def test_the_norm_in_the_product_rounds_the_normalized_row_to_xs_dtype(generator, rows):
     """Each output adds two normalized columns (weight rows e_2i + e_2i+1), so the sum of the
     rounded columns, what the norm module's output gives the product, differs from the sum of
     unrounded ones in a share of the outputs; the kernel gives the former (up to the rare
     rounding that the order of the mean square's sum may flip)."""
     width = 512
-    x = torch.randn(4, width, generator=generator).to(DEVICE, torch.bfloat16)
+    x = torch.randn(rows, width, generator=generator).to(DEVICE, torch.bfloat16)
     scale = (1.0 + torch.rand(width, generator=generator)).to(DEVICE, torch.bfloat16)
     weight = torch.zeros(width // 2, width, device=DEVICE, dtype=torch.bfloat16)
     pairs = torch.arange(width // 2, device=DEVICE)
@@ -192,7 +195,7 @@ def test_row_linear_refuses_bad_arguments_naming_them(change, match):
     dict(block_m=16, block_n=16, block_k=16, stages=1, num_warps=1),
     dict(block_m=64, block_n=64, block_k=256, stages=4, num_warps=8),
 ], ids=["smallest", "widest"])  # fmt: skip
-def test_every_launch_of_the_tiles_kernel_gives_the_float64_product(generator, launch):
+def test_other_launches_of_the_tiles_kernel_give_the_float64_product(generator, launch):
     """The tiles' kernel at launches other than its shipped one (tiles smaller than the rows and
     outputs, a column block wider than K), the norm and the residual in: the definition's
     result, to float32 rounding."""
@@ -204,3 +207,12 @@ def test_every_launch_of_the_tiles_kernel_gives_the_float64_product(generator, l
     as64 = [t.double() for t in (x, weight, b, r)]
     expected = row_linear_naive(*as64, norm_weight.double(), 1e-5)
     assert relative_error(got, expected) < 1e-5
+
+
+def test_a_launch_of_the_tiles_kernel_is_refused_where_tl_dot_cannot_take_it():
+    from deltalab.ops.row_linear.triton import DotLaunch
+
+    with pytest.raises(ValueError, match="block_n must be a power of 2 >= 16"):
+        DotLaunch(block_n=8)
+    with pytest.raises(ValueError, match="block_k must be a power of 2 >= 16"):
+        DotLaunch(block_k=48)

@@ -51,7 +51,7 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of every random choice (>= 0)")
     parser.add_argument("--device", default="auto", help=DEVICE_HELP)
-    parser.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    parser.add_argument("--dtype", default=None, help=DTYPE_HELP)
     parser.add_argument("--tokenizer", default=None, help='"byte" or a local tokenizer path')
     parser.add_argument(
         "--trained-length",
@@ -203,11 +203,14 @@ def _evaluate(args: argparse.Namespace) -> str:
     # Resolved once ("auto"), so that the results record the device and dtype the task ran in.
     device = require_device(args.device, "--device")
     args.device = str(device)
-    args.dtype = str(require_dtype(args.dtype, device, "--dtype")).removeprefix("torch.")
     if task.needs_checkpoint and not checkpoints:
         raise EvalError(f"task {task.name!r} needs a CHECKPOINT directory (a run's model/)")
     if not task.needs_checkpoint and checkpoints:
         raise EvalError(f"task {task.name!r} trains its own models; got checkpoints {checkpoints}")
+    if not task.needs_checkpoint and args.dtype is not None:
+        raise EvalError(f"task {task.name!r} trains its own models; --dtype is for a checkpoint")
+    dtype = require_dtype(args.dtype or "auto", device, "--dtype")
+    args.dtype = str(dtype).removeprefix("torch.")
     out_dirs, created = _result_dirs(task.name, checkpoints, args)
     try:
         return _run_all(args, task, settings, checkpoints, out_dirs)

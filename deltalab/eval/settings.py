@@ -153,7 +153,6 @@ class MQARConfig:
     num_pairs: int = 4
     num_examples: int = 100
     power_a: float = 0.01
-    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "num_pairs", "num_examples"):

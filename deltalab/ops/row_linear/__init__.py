@@ -20,7 +20,7 @@ benchmarks decode products` times it against cuBLAS after the norm's own kernel,
 "auto" runs there.
 
 Backends: "naive" (the definition in float64), "torch" (`torch.addmm` / `F.linear`, what
-`nn.Linear` runs), "triton" (one kernel; CUDA, or CPU under TRITON_INTERPRET=1; float32
+`nn.Linear` runs), "triton" (the kernels; CUDA, or CPU under TRITON_INTERPRET=1; float32
 accumulation, rounded once to x's dtype), "auto" ("triton" on CUDA for at most MAX_TRITON_ROWS
 rows of a 16-bit or float32 x, else "torch"). No autograd: a decoding step's products run
 under `torch.no_grad`.

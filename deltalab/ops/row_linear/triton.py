@@ -1,6 +1,9 @@
-"""`row_linear`'s kernel: each program owns BN outputs (BN rows of the weight) of one row of x
-and walks K in blocks of BK, keeping a `[BN, BK]` float32 partial sum it reduces once at the
-end; x's block is read once a program and broadcast over the weight's rows.
+"""`row_linear`'s kernels. The rows' kernel (`_row_linear_kernel`, up to DOT_ROWS rows): each
+program owns BN outputs (BN rows of the weight) of one row of x and walks K in blocks of BK,
+keeping a `[BN, BK]` float32 partial sum it reduces once at the end; x's block is read once a
+program and broadcast over the weight's rows. The tiles' kernel (`_rows_dot_kernel`, from
+DOT_ROWS rows): each program multiplies a tile of rows by a tile of outputs with `tl.dot`, so
+that a block of the weight is read once for the tile's rows, not once a row.
 
 Launch (H100, 2026-12-07, bf16, a 340M layer's five one-row products, 24 distinct weights in
 one CUDA graph; the sweep of 8 to 32 rows, blocks of 512 or 1024, 1 or 2 pipeline stages, 4 or
@@ -36,6 +39,16 @@ class DotLaunch:
     block_k: int = 128
     stages: int = 3
     num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of 2 >= 16 (tl.dot's tile), got {value}")
+        if self.stages < 1 or self.num_warps < 1:
+            raise ValueError(
+                f"stages and num_warps must be >= 1, got {self.stages}, {self.num_warps}"
+            )
 
 
 DOT_LAUNCH = DotLaunch()
@@ -150,7 +163,9 @@ def row_linear_triton(
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
     y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device) if out is None else out
-    if rows >= DOT_ROWS:
+    # float64 (the naive backend's dtype, reachable by an explicit backend) takes the rows'
+    # kernel, which computes in float32: tl.dot's float32 accumulator does not take it.
+    if rows >= DOT_ROWS and x.dtype != torch.float64:
         _rows_dot(x, weight, bias, residual, norm_weight, norm_eps, y, launch)
         return y
     grid = (triton.cdiv(outputs, BLOCK_N), rows)
@@ -176,6 +191,8 @@ def _rows_dot(x, weight, bias, residual, norm_weight, norm_eps, y, launch) -> No
         0 if residual is None else residual.stride(0), y.stride(0), float(norm_eps),
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         HAS_NORM=norm_weight is not None,
+        # float32 rows multiply in full precision (tf32 would round them to 10 mantissa
+        # bits); for 16-bit rows the setting is moot.
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BM=block_m,
         BN=launch.block_n, BK=block_k, STAGES=launch.stages, num_warps=launch.num_warps,
     )  # fmt: skip
