@@ -133,8 +133,10 @@ def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     # One sequence on the Triton products (the interpreter's on CPU), so that a product with
     # a pre-norm takes it inside and the recording sees it.
+    shape = {"num_layers": 1} if args.tiny else {}  # the smoke run: one block's products
     with torch.device(device):
-        model = CausalLM(build_config(preset, mixer=args.mixer, backend="triton")).to(dtype)
+        config = build_config(preset, mixer=args.mixer, backend="triton", **shape)
+        model = CausalLM(config).to(dtype)
     products = record_products(model.eval())
     del model
     if args.tiny:  # the smoke run: the widest product with a norm and one without
