@@ -24,8 +24,8 @@ __all__ = [
 ]
 
 # What `dtype="auto"` gives on each device type: bfloat16 where a CUDA GPU computes it (the
-# precision training runs its products in, about twice float32's speed of decoding and
-# prefill), float32 elsewhere (a CPU's bfloat16 is slower than its float32).
+# precision training runs its products in, and the one docs/PERFORMANCE.md's decoding figures
+# are measured in), float32 elsewhere (the CPU paths' tests and figures are float32's).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
