@@ -8,7 +8,7 @@ The products are the ones the static decoder runs for one token of `--mixer` at 
 shapes, recorded from one eager step of one sequence (each call of `row_linear` the layer step
 makes: the weight's shape, and whether it adds a bias, a residual, a pre-norm), each distinct one
 once. Each is then timed at `--rows` rows as the decoder runs it: `--layers` distinct weights,
-one product after another, in one CUDA graph, replayed; on CPU (under the interpreter) it only
+one product after another, in one CUDA graph, replayed (`tune_decode_step.us_per_layer`); on CPU (under the interpreter) it only
 proves the launches run and agree. Printed per product and for a token's (each product as many
 times as the step makes it): torch's us, the
 tiles' kernel's (`_rows_dot_kernel`, from `DOT_ROWS` rows) at its shipped launch and at its best
@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from functools import partial
 from unittest import mock
 
 import torch
 
-from benchmarks.bench_decode_gpu import kernel_seconds
+from benchmarks.tune_decode_step import us_per_layer
 from deltalab.layers import decode_step
 from deltalab.models import CausalLM, build_config
 from deltalab.models.static_decode import StaticDecoder
@@ -108,11 +109,7 @@ def time_product(product: dict, args, dtype, device, launches) -> dict:
     expected = torch_product(fresh(layers[0], kept[0])).float()
 
     def us(call) -> float:
-        def every_layer() -> None:
-            for o in layers:
-                call(o)
-
-        return 1e6 * kernel_seconds(every_layer, device, calls=4) / len(layers)
+        return us_per_layer([partial(call, o) for o in layers], device.type)
 
     row = {**product, "torch_us": us(torch_product), "launches": []}
     for launch in launches:

@@ -139,9 +139,10 @@ def load_model(
     dtype: str | torch.dtype = "auto",
 ):
     """(model in eval mode on `device` (`require_device`: "auto" too) with its weights in
-    `dtype` (`require_dtype`), tokenizer) of a `save_pretrained` directory; the tokenizer is `tokenizer` ("byte" or a local path), else the
-    one saved beside the model, else bytes. A device this machine lacks is a ConfigError, a checkpoint or tokenizer that
-    does not load a CheckpointError or DataError naming its path."""
+    `dtype` (`require_dtype`), tokenizer) of a `save_pretrained` directory; the tokenizer is
+    `tokenizer` ("byte" or a local path), else the one saved beside the model, else bytes. A
+    device this machine lacks is a ConfigError, a checkpoint or tokenizer that does not load a
+    CheckpointError or DataError naming its path."""
     from transformers import AutoModelForCausalLM
 
     import deltalab.models  # noqa: F401  (registers the model type)

@@ -49,9 +49,9 @@ def _int(name: str, value: Any, default: int) -> int:
 @register_model("deltalab")
 class DeltaLabLM(TemplateLM):
     """model_args: pretrained (a checkpoint directory), tokenizer ("byte" or a path; default the
-    checkpoint's), device, dtype (as `deltalab eval --dtype`; default auto), batch_size, segment_len (tokens per forward pass), long_context
-    ("refuse" or "window"), trained_length, max_gen_toks (default of generate_until), seed (of
-    sampled generation)."""
+    checkpoint's), device, dtype (as `deltalab eval --dtype`; default auto), batch_size,
+    segment_len (tokens per forward pass), long_context ("refuse" or "window"),
+    trained_length, max_gen_toks (default of generate_until), seed (of sampled generation)."""
 
     def __init__(
         self,
