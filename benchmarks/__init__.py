@@ -23,11 +23,10 @@ SUITES: dict[str, tuple[str | dict[str, str], str]] = {
             "context": "bench_decode",
             "generate": "bench_generate",
             "tune": "tune_decode_step",
-            "products": "bench_products",
         },
         "decoding: per-token latency eager and CUDA-graphed, tokens/s against context length, "
         "model.generate per token against transformers' loop and the static step, the fused "
-        "step's launch settings, a step's matrix products against cuBLAS (GPU)",
+        "step's launch settings (GPU)",
     ),
     "tune": ("tune_triton", "launch settings of each Triton stage of the delta rule (GPU)"),
     "profile": (

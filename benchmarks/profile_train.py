@@ -64,7 +64,7 @@ CATEGORIES = (
     ("attention", (), ("flash", "fmha", "attention", "sdpa")),
     (
         "matrix products",
-        ("_row_linear_", "_rows_dot_"),
+        ("_row_linear_",),
         (
             "gemm",
             "xmma",

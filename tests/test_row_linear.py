@@ -20,8 +20,8 @@ from deltalab.ops.row_linear import (
 from deltalab.testing import relative_error
 
 # (rows, outputs, K): one row as a decoding step makes, rows past one, a K of several blocks
-# (1100: two blocks of 1024, the second partial) and outputs not a multiple of the block; from
-# DOT_ROWS rows the tiles' kernel, with rows, outputs and K not multiples of its tiles.
+# (1100: two blocks of 1024, the second partial), outputs not a multiple of the block, and the
+# many rows of a batched decoding step (backend="triton" runs the same kernel at any rows).
 SHAPES = [(1, 40, 48), (3, 17, 1100), (2, 64, 256), (20, 40, 300), (64, 70, 1100)]
 # The kernel's tensors: CUDA's where it compiles, else CPU's for the interpreter.
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -117,7 +117,7 @@ def test_the_norm_in_the_product_matches_the_float64_definition(generator, backe
     "torch", "naive", pytest.param("triton", marks=[pytest.mark.interpreter, needs_triton])
 ])  # fmt: skip
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [3, 40])  # the rows' kernel, the tiles' kernel
+@pytest.mark.parametrize("rows", [3, 40])  # a few rows, many
 def test_out_equal_to_the_residual_sums_into_it_in_place(generator, backend, bias, rows):
     x, weight, b, r = inputs((rows, 17, 1100), generator, bias, residual=True)
     residual = r.clone()  # packed rows, as the decoder's residual stream is
@@ -131,7 +131,7 @@ def test_out_equal_to_the_residual_sums_into_it_in_place(generator, backend, bia
     "torch", pytest.param("triton", marks=[pytest.mark.interpreter, needs_triton])
 ])  # fmt: skip
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [2, 40])  # the rows' kernel, the tiles' kernel
+@pytest.mark.parametrize("rows", [2, 40])  # a few rows, many
 def test_out_without_a_residual_receives_the_product(generator, backend, bias, rows):
     x, weight, b, _ = inputs((rows, 40, 48), generator, bias, residual=False)
     out = torch.full((rows, 45), float("nan"), device=DEVICE)[:, 5:]  # rows apart by 45
@@ -141,7 +141,7 @@ def test_out_without_a_residual_receives_the_product(generator, backend, bias, r
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="bfloat16: a CUDA GPU")
-@pytest.mark.parametrize("rows", [4, 64])  # the rows' kernel, the tiles' kernel
+@pytest.mark.parametrize("rows", [4, 64])  # a few rows, many
 def test_the_norm_in_the_product_rounds_the_normalized_row_to_xs_dtype(generator, rows):
     """Each output adds two normalized columns (weight rows e_2i + e_2i+1), so the sum of the
     rounded columns, what the norm module's output gives the product, differs from the sum of
@@ -187,32 +187,3 @@ def test_row_linear_refuses_bad_arguments_naming_them(change, match):
     backend = arguments.pop("backend")
     with pytest.raises((ValueError, TypeError), match=match):
         row_linear(**arguments, backend=backend)
-
-
-@pytest.mark.interpreter
-@needs_triton
-@pytest.mark.parametrize("launch", [
-    dict(block_m=16, block_n=16, block_k=16, stages=1, num_warps=1),
-    dict(block_m=64, block_n=64, block_k=256, stages=4, num_warps=8),
-], ids=["smallest", "widest"])  # fmt: skip
-def test_other_launches_of_the_tiles_kernel_give_the_float64_product(generator, launch):
-    """The tiles' kernel at launches other than its shipped one (tiles smaller than the rows and
-    outputs, a column block wider than K), the norm and the residual in: the definition's
-    result, to float32 rounding."""
-    from deltalab.ops.row_linear.triton import DotLaunch, row_linear_triton
-
-    x, weight, b, r = inputs((40, 50, 200), generator, True, True)
-    norm_weight = (1 + 0.1 * torch.randn(200, generator=generator)).to(DEVICE)
-    got = row_linear_triton(x, weight, b, r, norm_weight, 1e-5, None, DotLaunch(**launch))
-    as64 = [t.double() for t in (x, weight, b, r)]
-    expected = row_linear_naive(*as64, norm_weight.double(), 1e-5)
-    assert relative_error(got, expected) < 1e-5
-
-
-def test_a_launch_of_the_tiles_kernel_is_refused_where_tl_dot_cannot_take_it():
-    from deltalab.ops.row_linear.triton import DotLaunch
-
-    with pytest.raises(ValueError, match="block_n must be a power of 2 >= 16"):
-        DotLaunch(block_n=8)
-    with pytest.raises(ValueError, match="block_k must be a power of 2 >= 16"):
-        DotLaunch(block_k=48)

@@ -11,16 +11,11 @@ At one row a product reads its whole weight once and does two flops a weight: it
 weight's bytes over the memory bandwidth the kernel reaches. cuBLAS's kernels for one row reach
 0.4-1.7 TB/s on an H100 at a 340M layer's shapes (5376 x 1024 down to 2048 x 256); the Triton
 kernel here streams each program's rows of the weight in wide blocks and measured 0.67-0.91x
-cuBLAS's time at those shapes (docs/PERFORMANCE.md, "Where a decoded token's time goes"). Past
-a few rows it streams the weight once a row, and "auto" takes torch's product:
-`MAX_TRITON_ROWS`. From `DOT_ROWS` rows (`row_linear.triton`) `backend="triton"` runs a
-second kernel that multiplies tiles of rows by `tl.dot`, reading each block of the weight once
-for a tile of up to 64 rows, with the norm inside as the first kernel has it; `python -m
-benchmarks decode products` times it against cuBLAS after the norm's own kernel, which is what
-"auto" runs there.
+cuBLAS's time at those shapes (docs/PERFORMANCE.md, "Where a decoded token's time goes"). At
+64 rows it has no gain over cuBLAS and is not offered: `MAX_TRITON_ROWS`.
 
 Backends: "naive" (the definition in float64), "torch" (`torch.addmm` / `F.linear`, what
-`nn.Linear` runs), "triton" (the kernels; CUDA, or CPU under TRITON_INTERPRET=1; float32
+`nn.Linear` runs), "triton" (one kernel; CUDA, or CPU under TRITON_INTERPRET=1; float32
 accumulation, rounded once to x's dtype), "auto" ("triton" on CUDA for at most MAX_TRITON_ROWS
 rows of a 16-bit or float32 x, else "torch"). No autograd: a decoding step's products run
 under `torch.no_grad`.
