@@ -213,23 +213,28 @@ def test_cuda_graph_decoder_reloaded_from_its_cache_decodes_the_same_tokens(gene
     assert torch.equal(runs[0], runs[1])
 
 
-def test_cuda_generate_command_gives_the_tokens_of_generate(tmp_path):
+@pytest.mark.parametrize(
+    ("dtype", "weights"), [("float32", torch.float32), ("auto", torch.bfloat16)]
+)
+def test_cuda_generate_command_gives_the_tokens_of_generate(tmp_path, dtype, weights):
+    """`deltalab generate` continues a prompt as `model.generate` does on the weights of the
+    dtype it loads (`auto` is bfloat16 on a GPU that computes it)."""
     from deltalab.data import ByteTokenizer
     from deltalab.generate import GenerateConfig, generate_text
 
     model = cuda_tiny_model("muir")
     model.save_pretrained(tmp_path)
-    config = GenerateConfig(str(tmp_path), "def f(", max_new_tokens=25, device="cuda")
+    config = GenerateConfig(str(tmp_path), "def f(", max_new_tokens=25, device="cuda", dtype=dtype)
     tokenizer = ByteTokenizer()
     prompt = torch.tensor([tokenizer.encode("def f(")], device="cuda")
     with torch.no_grad():
-        expected = model.generate(
+        expected = model.to(weights).generate(
             prompt,
+            attention_mask=torch.ones_like(prompt),
             max_new_tokens=25,
             do_sample=False,
             eos_token_id=tokenizer.eos_id,
             pad_token_id=tokenizer.pad_id,
-            static_decoding=False,
         )
     assert generate_text(config) == tokenizer.decode(expected[0, prompt.shape[1] :].tolist())
 
