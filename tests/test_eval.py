@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 from deltalab.cli import main
 from deltalab.data import ByteTokenizer
+from deltalab.data.corpus import CorpusConfig, iter_documents
 from deltalab.eval.common import EvalError, load_checkpoint, stream_token_nll
 from deltalab.eval.mqar import (
     IGNORE,
@@ -37,6 +39,7 @@ from deltalab.eval.needles import (
     make_variable_tracking_example,
     needle_examples,
     score_answer,
+    write_passkey_corpus,
 )
 from deltalab.eval.perplexity import PerplexitySettings, perplexity
 from deltalab.eval.tasks import TaskContext, parse_settings
@@ -437,6 +440,41 @@ def test_passkey_depth_places_the_needle(tmp_path):
     assert position[0] < 0.2 < 0.4 < position[1] < 0.6 < 0.85 < position[2]
     assert top.context.count(top.needles[0]) == 1 and top.answers[0] in top.needles[0]
     assert 1000 <= top.length <= 1124
+
+
+def test_passkey_corpus_examples_end_with_their_own_key_and_read_as_a_file_list(tmp_path):
+    tokenizer = ByteTokenizer()
+    listing = write_passkey_corpus(tmp_path / "pk", 12, tokenizer, lengths=(500, 700), seed=3)
+    documents = list(iter_documents(CorpusConfig(source=f"@{listing}", split="all")))
+    assert len(documents) == 12
+    keys, places = [], []
+    for document in documents:
+        needle = re.search(
+            r"The pass key is (\d{5})\. Remember it\. \1 is the pass key\.", document
+        )
+        assert needle is not None and document.count("The pass key is ") == 2
+        key = needle.group(1)
+        assert document.endswith(f"What is the pass key? The pass key is {key}.\n")
+        assert 500 <= len(tokenizer.encode(document)) <= 700 + 100
+        keys.append(key)
+        places.append(needle.start() / len(document))
+    assert len(set(keys)) == 12 and min(places) < 0.3 and max(places) > 0.7
+    again = write_passkey_corpus(tmp_path / "again", 12, tokenizer, lengths=(500, 700), seed=3)
+    other = write_passkey_corpus(tmp_path / "other", 12, tokenizer, lengths=(500, 700), seed=4)
+    assert again.read_text() == listing.read_text()
+    assert [(again.parent / n).read_text() for n in again.read_text().split()] == [
+        (listing.parent / n).read_text() for n in listing.read_text().split()
+    ]
+    assert (other.parent / "passkey-0000000.txt").read_text() != documents[0]
+
+
+@pytest.mark.parametrize(
+    ("examples", "lengths", "message"),
+    [(0, (500, 700), "examples must be at least 1"), (3, (700, 500), "lengths must be")],
+)
+def test_passkey_corpus_refuses_bad_arguments(tmp_path, examples, lengths, message):
+    with pytest.raises(EvalError, match=message):
+        write_passkey_corpus(tmp_path, examples, ByteTokenizer(), lengths=lengths)
 
 
 @pytest.mark.parametrize(

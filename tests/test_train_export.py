@@ -12,7 +12,7 @@ from deltalab.cli import main
 from deltalab.errors import CheckpointError, ConfigError
 from deltalab.train import train
 from deltalab.train.checkpoint import list_checkpoints
-from deltalab.train.export import export_checkpoint
+from deltalab.train.export import export_checkpoint, save_model_directory
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +43,30 @@ def test_an_exported_checkpoint_gives_the_trained_models_logits(tmp_path, traine
     older = list_checkpoints(run)[0]
     assert main(["export", str(older), str(tmp_path / "older")]) == 0
     assert not same_logits(tmp_path / "older", run / "model")
+
+
+def test_a_model_directory_is_replaced_whole_or_not_at_all(tmp_path, trained):
+    """A save that fails part way (here the tokenizer's files, after the weights) leaves the
+    directory as it was, or absent, and no partial sibling; a save that completes replaces it."""
+    from deltalab.data import ByteTokenizer
+    from deltalab.models import CausalLM
+
+    folder, _ = trained
+    model = CausalLM.from_pretrained(folder / "run" / "model")
+    out = tmp_path / "model"
+    save_model_directory(model, ByteTokenizer(), out)
+    files = sorted(p.name for p in out.iterdir())
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    for target in (out, tmp_path / "never"):
+        with pytest.raises(TypeError, match="save_pretrained"):
+            save_model_directory(model, object(), target)
+    assert sorted(p.name for p in out.iterdir()) == files
+    assert same_logits(out, folder / "run" / "model")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    save_model_directory(model, ByteTokenizer(), out)
+    assert not same_logits(out, folder / "run" / "model")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
 def test_export_refuses_an_incomplete_checkpoint_and_a_used_out(tmp_path, trained, capsys):

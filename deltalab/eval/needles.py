@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import string
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ __all__ = [
     "make_needle_example",
     "make_passkey_example",
     "score_answer",
+    "write_passkey_corpus",
 ]
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -170,6 +172,12 @@ def make_passkey_example(
     """A passkey of `digits` digits hidden at `depth` in repeated noise, `length` tokens in all
     (to within one noise paragraph)."""
     rng = np.random.default_rng([seed, length, round(depth * 1e6), 1])
+    return _passkey(length, depth, rng, tokenizer, digits)
+
+
+def _passkey(
+    length: int, depth: float, rng: np.random.Generator, tokenizer: Any, digits: int
+) -> Example:
     key = _number(rng, digits)
     needle = f"The pass key is {key}. Remember it. {key} is the pass key."
     question = "What is the pass key? The pass key is"
@@ -178,6 +186,43 @@ def make_passkey_example(
     haystack = _insert(_fill(noise_units(), 0, budget, tokenizer), [needle], [depth])
     context = f"{PASSKEY_PREFIX}\n{haystack}\n{question}"
     return Example(context, [key], [needle], _tokens(tokenizer, context), [depth])
+
+
+def write_passkey_corpus(
+    directory: str | Path,
+    examples: int,
+    tokenizer: Any,
+    *,
+    lengths: tuple[int, int] = (500, 1000),
+    seed: int = 0,
+    digits: int = 5,
+) -> Path:
+    """Training text for the passkey task: `examples` passkey examples, each one file in
+    `directory` that ends with its answer (" KEY.\n" after the question), and `list.txt` there
+    naming them, so that `data.source=@DIRECTORY/list.txt` trains on them (mixed with other text
+    by listing more files). Each example's length is drawn uniformly from `lengths` (tokens,
+    both ends included) and its depth from [0, 1]; the draws come from a random stream of their
+    own, so no example is one of the passkey task's, whose keys sit at other places. Returns the
+    list's path."""
+    low, high = lengths
+    if not 0 < low <= high:
+        raise EvalError(f"lengths must be (low, high) with 0 < low <= high, got {lengths}")
+    if examples < 1:
+        raise EvalError(f"examples must be at least 1, got {examples}")
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    # The task's examples draw from streams keyed [seed, length, depth, 1]; these from [seed, 2].
+    rng = np.random.default_rng([seed, 2])
+    names = []
+    for index in range(examples):
+        length = int(rng.integers(low, high + 1))
+        example = _passkey(length, float(rng.random()), rng, tokenizer, digits)
+        name = f"passkey-{index:07d}.txt"
+        (folder / name).write_text(f"{example.context} {example.answers[0]}.\n", encoding="utf-8")
+        names.append(name)
+    listing = folder / "list.txt"
+    listing.write_text("\n".join(names) + "\n", encoding="utf-8")
+    return listing
 
 
 def make_needle_example(

@@ -10,6 +10,7 @@ tokenizer, the layout of a run's own `model/` directory.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +58,30 @@ def save_model_directory(
     model: CausalLM, tokenizer, out: Path, weights: dict[str, Any] | None = None
 ) -> None:
     """`model` (`save_pretrained`: safetensors and config, from `weights` when given, else its
-    own state) and the files of its `tokenizer`, to the directory `out`."""
+    own state) and the files of its `tokenizer`, to the directory `out`.
+
+    The files are written to a hidden sibling directory and renamed to `out` when all are
+    there, so a save stopped part way (a kill, a full disk) leaves `out` as it was, never a
+    directory that has a config and no weights; a previous `out` is replaced only then."""
     from deltalab.data import save_tokenizer
 
-    model.save_pretrained(out, state_dict=weights)
-    save_tokenizer(tokenizer, out)
+    out = Path(out)
+    partial = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        model.save_pretrained(partial, state_dict=weights)
+        save_tokenizer(tokenizer, partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if out.exists():
+        previous = out.with_name(f".{out.name}.previous")
+        shutil.rmtree(previous, ignore_errors=True)
+        out.rename(previous)
+        partial.rename(out)
+        shutil.rmtree(previous)
+    else:
+        partial.rename(out)
 
 
 def _read_checkpoint(path: Path) -> tuple[Path, dict[str, Any]]:
