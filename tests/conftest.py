@@ -159,6 +159,18 @@ def make_corpus(folder: Path) -> str:
     return str(folder)
 
 
+def with_formula_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every RMS norm on its "naive" backend: the formula under autograd, whose
+    gradients round as recorded references' do (the torch path's hand-written adjoints round
+    otherwise; its outputs are the formula's bit for bit)."""
+    from deltalab.layers.norms import GatedRMSNorm, RMSNorm
+
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, GatedRMSNorm)):
+            module.backend = "naive"
+    return model
+
+
 def check_ffn_recompute(mixer: str, backend: str, monkeypatch) -> None:
     """A small model of `mixer` on `backend`, trained one step with and without
     `DeltaLabModel.recompute_ffn` (train.recompute_ffn): with it each block's FFN branch is

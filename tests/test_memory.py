@@ -13,9 +13,8 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import check_ffn_recompute
+from conftest import check_ffn_recompute, with_formula_norms
 
-import deltalab.layers.norms as norms
 import deltalab.layers.projections as projections
 import deltalab.layers.recurrence as recurrence
 import deltalab.layers.shared_input as shared_input
@@ -32,8 +31,9 @@ from deltalab.layers import (
     KimiDeltaAttention,
     Muir,
 )
-from deltalab.layers.norms import GatedRMSNorm, RMSNorm, rms_norm, rms_norm_reference
+from deltalab.layers.norms import GatedRMSNorm, RMSNorm
 from deltalab.layers.shared_input import project, shared_autocast_input, sharing_autocast_input
+from deltalab.ops.norms.reference import rms_norm_naive, rms_norm_torch
 
 DELTA_MIXERS = (
     DeltaNet,
@@ -246,12 +246,46 @@ def test_rms_norm_adjoints_are_the_formulas_derivatives(gated, activation):
     args = (x, weight, gate) if gated else (x, weight)
 
     def norm(x, weight, gate=None):
-        return rms_norm(x, weight, 1e-5, gate, activation)
+        return rms_norm_torch(x, weight, 1e-5, gate, activation)
 
     assert torch.autograd.gradcheck(norm, args)
     assert torch.autograd.gradcheck(
         norm, args, check_forward_ad=True, check_backward_ad=False, check_undefined_grad=False
     )
+
+
+def test_the_torch_rms_norms_second_output_has_its_derivatives():
+    """1/rms, the Function's second output (returned for torch.func), differentiated both ways
+    with the first, in float64."""
+    from deltalab.ops.norms.reference import _RMSNormFunction
+
+    gen = torch.Generator().manual_seed(3)
+    x, gate = (torch.randn(3, 5, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    weight = torch.randn(8, generator=gen, dtype=torch.float64)
+    args = tuple(t.requires_grad_() for t in (x, weight, gate))
+    both = lambda x, w, g: _RMSNormFunction.apply(x, w, g, 1e-5, "silu")  # noqa: E731
+    assert torch.autograd.gradcheck(both, args, check_forward_ad=True)
+
+
+@pytest.mark.parametrize(("gated", "activation"), NORM_CASES, ids=["plain", "sigmoid", "silu"])
+def test_the_torch_rms_norm_takes_vmap_of_jvp_with_the_formulas_tangents(gated, activation):
+    """What gate sensitivity's batched probes do to the norms: torch.func.vmap over
+    torch.func.jvp, four directions at once; the torch path's tangents are the formula's."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 5, 16, generator=gen)
+    weight = torch.randn(16, generator=gen)
+    gate = torch.randn(2, 5, 16, generator=gen) if gated else None
+    directions = torch.randn(4, 2, 5, 16, generator=gen)
+
+    def tangents(norm):
+        def one(d):
+            return torch.func.jvp(lambda x: norm(x, weight, 1e-5, gate, activation), (x,), (d,))[1]
+
+        return torch.func.vmap(one)(directions)
+
+    ours, formula = tangents(rms_norm_torch), tangents(rms_norm_naive)
+    assert ours.shape == (4, 2, 5, 16)
+    torch.testing.assert_close(ours, formula, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -262,8 +296,8 @@ def test_rms_norm_output_is_the_formulas_bit_for_bit(dtype, gated, activation):
     weight = torch.randn(16, generator=gen)
     gate = torch.randn(4, 7, 16, generator=gen).to(dtype) if gated else None
     assert torch.equal(
-        rms_norm(x, weight, 1e-5, gate, activation),
-        rms_norm_reference(x, weight, 1e-5, gate, activation),
+        rms_norm_torch(x, weight, 1e-5, gate, activation),
+        rms_norm_naive(x, weight, 1e-5, gate, activation),
     )
 
 
@@ -290,7 +324,7 @@ def test_rms_norms_keep_their_inputs_and_one_number_per_row(norm):
     assert x.grad is not None and norm.weight.grad is not None
 
 
-def test_a_model_trained_through_the_norm_adjoints_gets_the_formulas_gradients(monkeypatch):
+def test_a_model_trained_through_the_norm_adjoints_gets_the_formulas_gradients():
     """Every parameter's gradient of a small GDN-2 model, float32, with the hand-written norm
     adjoints against autograd through the formula: the same to float32 rounding."""
     from deltalab.models import CausalLM, DeltaLabConfig
@@ -301,15 +335,17 @@ def test_a_model_trained_through_the_norm_adjoints_gets_the_formulas_gradients(m
     )  # fmt: skip
     ids = torch.randint(0, 50, (2, 24), generator=torch.Generator().manual_seed(0))
 
-    def gradients():
+    def gradients(formula: bool):
         torch.manual_seed(0)
         model = CausalLM(config)
+        if formula:
+            with_formula_norms(model)
         model(ids, labels=ids).loss.backward()
         return {n: p.grad for n, p in model.named_parameters()}
 
-    ours = gradients()
-    monkeypatch.setattr(norms, "rms_norm", norms.rms_norm_reference)
-    formula = gradients()
+    ours = gradients(formula=False)
+    formula = gradients(formula=True)
+    assert any(not torch.equal(ours[n], formula[n]) for n in ours), "the paths rounded alike"
     for name, grad in ours.items():
         scale = formula[name].abs().max().clamp_min(1e-12)
         assert (grad - formula[name]).abs().max() / scale < 1e-5, name

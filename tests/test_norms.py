@@ -82,11 +82,23 @@ def assert_all_close(actual, expected, tol, what=""):
 
 @pytest.mark.parametrize(("gated", "activation"), GATED, ids=GATED_IDS)
 def test_torch_path_is_the_layers_rms_norm_bit_for_bit(generator, gated, activation):
+    """The op's "torch" backend and the norm modules' eager path (which calls the torch form
+    directly, without the op's checks): the same output and gradients, bit for bit."""
     inputs = norm_inputs(generator, (2, 5, 16))
     ours = rms_with_grads(inputs, "torch", torch.float32, gated, activation, "cpu")
     x, weight, gate, dy = (t.float().requires_grad_() for t in inputs)
-    y = layer_norms.rms_norm(x, weight, 1e-5, gate if gated else None, activation)
-    grads = torch.autograd.grad((y * dy).sum(), [x, weight, gate] if gated else [x, weight])
+    if gated:
+        module = layer_norms.GatedRMSNorm(16, activation=activation)
+        call = lambda x: module(x, gate, backend="torch")  # noqa: E731
+    else:
+        module = layer_norms.RMSNorm(16, backend="torch")
+        call = module
+    with torch.no_grad():
+        module.weight.copy_(weight)
+    y = call(x)
+    grads = torch.autograd.grad(
+        (y * dy).sum(), [x, module.weight, gate] if gated else [x, module.weight]
+    )
     for a, b in zip(ours, (y, *grads), strict=True):
         assert torch.equal(a, b.double())
 

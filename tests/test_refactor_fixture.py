@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import with_formula_norms
 
-import deltalab.layers.norms as norms
 from deltalab.models import CausalLM, DeltaLabConfig
 
 DATA = Path(__file__).parent / "data"
@@ -69,13 +69,12 @@ def test_checkpoint_written_before_the_refactor_reproduces_its_logits(name):
 
 
 @pytest.mark.parametrize("name", fixture.VARIANTS)
-def test_one_training_step_from_the_old_checkpoint_gives_the_same_parameters(name, monkeypatch):
-    # The RMS norms' hand-written adjoint (kept for memory, issue 10) rounds differently from
-    # autograd through their formula, which the fixture recorded: the norms run as that formula
-    # here so that everything else is still checked as recorded. The adjoint is checked against
-    # the formula in tests/test_memory.py.
-    monkeypatch.setattr(norms, "rms_norm", norms.rms_norm_reference)
-    model = CausalLM.from_pretrained(fixture.HERE / name)
+def test_one_training_step_from_the_old_checkpoint_gives_the_same_parameters(name):
+    # The RMS norms' hand-written adjoint (kept for memory) rounds differently from autograd
+    # through their formula, which the fixture recorded: the norms run as that formula here so
+    # that everything else is still checked as recorded. The adjoint is checked against the
+    # formula in tests/test_memory.py.
+    model = with_formula_norms(CausalLM.from_pretrained(fixture.HERE / name))
     trained = fixture.train_step(model)
     expected = REFERENCE["reference"][name]["trained"]
     sizes = [p.numel() for p in trained.values()]

@@ -349,23 +349,6 @@ def _probe(
     return state_sq / tokens, loss_sq / tokens
 
 
-@contextlib.contextmanager
-def _formula_norms() -> Iterator[None]:
-    """Inside the block the norms' torch path (`deltalab.layers.norms.rms_norm`) is the formula
-    (`rms_norm_reference`), left to autograd. torch.func's transforms (`_batched_probes`) go
-    only through autograd Functions written with `setup_context`, which the torch path's
-    `_RMSNormFunction` is not; the formula computes the same output bit for bit (its tangent
-    through torch's own derivatives: the same up to rounding). Restored on exit."""
-    from deltalab.layers import norms
-
-    original = norms.rms_norm
-    norms.rms_norm = norms.rms_norm_reference
-    try:
-        yield
-    finally:
-        norms.rms_norm = original
-
-
 def _batched_probes(
     probed: _Probed, jobs: Sequence[tuple[str, torch.Tensor]], tokens: int
 ) -> list[tuple[float, float]]:
@@ -376,8 +359,8 @@ def _batched_probes(
     tangents at once, where `_probe` computes the primal once per direction. Each direction
     perturbs its own gate only (the tangent of the pass's other gates is 0 for it), so each
     tangent is that of its `_probe` pass, up to rounding. Needs the layer called once per loss
-    and a model that vmap goes through (torch ops and autograd Functions with `setup_context`:
-    the norms run their formula, `_formula_norms`)."""
+    and a model that vmap goes through (torch ops and autograd Functions written with
+    `setup_context` and a vmap rule, as the norms' torch paths are)."""
     layer = probed.layer
     chosen = list(dict.fromkeys(gate for gate, _ in jobs))
     primals = tuple(torch.zeros_like(next(d for g, d in jobs if g == gate)) for gate in chosen)
@@ -402,7 +385,7 @@ def _batched_probes(
     def tangent_of(*directions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.func.jvp(run, primals, directions)[1]
 
-    with torch.no_grad(), _formula_norms():
+    with torch.no_grad():
         loss_tangents, memory_tangents = torch.func.vmap(tangent_of)(*tangents)
     return [
         (

@@ -9,7 +9,7 @@ from torch import nn
 from deltalab.ops import norms
 from deltalab.ops._checks import require_choice, require_positive_int
 from deltalab.ops.norms import L2_EPS
-from deltalab.ops.norms.reference import rms_norm_naive, rms_norm_torch
+from deltalab.ops.norms.reference import rms_norm_torch
 
 __all__ = ["GATE_ACTIVATIONS", "GatedRMSNorm", "RMSNorm", "l2_normalize"]
 
@@ -22,15 +22,6 @@ def l2_normalize(x: torch.Tensor, eps: float = L2_EPS, *, backend: str = "auto")
     return norms.l2_normalize(x, eps, backend=backend)
 
 
-# The norm modules' torch path (`_dispatch_rms_norm` looks `rms_norm` up here on each call, so
-# gate sensitivity can swap in the formula). `rms_norm_reference`: x / rms(x) * weight over the
-# last dim, times activation(gate) when a gate is given, in at least float32, left to autograd
-# (`deltalab.ops.norms`' "naive" backend); `rms_norm`: the same bit for bit, keeping less for
-# backward (`_RMSNormFunction`, the "torch" backend).
-rms_norm_reference = rms_norm_naive
-rms_norm = rms_norm_torch
-
-
 def _dispatch_rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -39,12 +30,11 @@ def _dispatch_rms_norm(
     activation: str,
     backend: str,
 ) -> torch.Tensor:
-    """The norm modules' path, x's dtype out: the Triton kernels or the formula when `backend`
-    resolves to them (`norms.resolve_backend`), else this module's `rms_norm` (the torch path,
-    looked up here so that tests can swap it for the formula)."""
+    """The norm modules' path, x's dtype out: `backend` as `norms.resolve_backend` resolves
+    it; the torch path called directly (the module's eager forward, without the op's checks)."""
     resolved = norms.resolve_backend(backend, x)
     if resolved == "torch":
-        return rms_norm(x, weight, eps, gate, activation).to(x.dtype)
+        return rms_norm_torch(x, weight, eps, gate, activation).to(x.dtype)
     return norms.rms_norm(x, weight, eps, gate, activation, out_dtype=x.dtype, backend=resolved)
 
 
@@ -69,17 +59,32 @@ class GatedRMSNorm(nn.Module):
     """Per-head RMSNorm of `o [..., dim]` multiplied by `activation(gate [..., dim])`.
 
     One weight `[dim]` shared by the heads (fla's `FusedRMSNormGated`).
+
+    backend: `deltalab.ops.norms`' for this norm whatever its caller passes; None (the default)
+    takes the caller's (a mixer passes its delta rule's, `layer_backend`). "naive" runs the
+    formula under autograd, whose gradients round as a reference's do.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-5, activation: str = "sigmoid") -> None:
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-5,
+        activation: str = "sigmoid",
+        *,
+        backend: str | None = None,
+    ) -> None:
         super().__init__()
         self.dim = require_positive_int("dim", dim)
         self.eps = eps
         self.activation = require_choice("gate_activation", activation, GATE_ACTIVATIONS)
+        self.backend = (
+            None if backend is None else require_choice("backend", backend, norms.BACKENDS)
+        )
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(
         self, o: torch.Tensor, gate: torch.Tensor, *, backend: str = "auto"
     ) -> torch.Tensor:
-        """backend: `deltalab.ops.norms`'; a mixer passes its delta rule's (`layer_backend`)."""
-        return _dispatch_rms_norm(o, self.weight, self.eps, gate, self.activation, backend)
+        """backend: the caller's, used unless the module has its own (`self.backend`)."""
+        chosen = backend if self.backend is None else self.backend
+        return _dispatch_rms_norm(o, self.weight, self.eps, gate, self.activation, chosen)

@@ -57,20 +57,31 @@ class _RMSNormFunction(torch.autograd.Function):
     the block norms kept 8.2 KB per token and block where this keeps 4.1 KB, the gated output
     norm 20.7 KB where this keeps 4.1 KB (benchmarks/memory_audit.py). The forward computes
     the same operations in the same order as the formula, so outputs are identical.
+
+    Written with `setup_context` and a generated vmap rule, so that torch.func's transforms go
+    through it (gate sensitivity's batched probes vmap over forward-mode derivatives); 1/rms is
+    a second output for that (the Function saves only what it returns or was given), with its
+    own derivative, d(1/rms)/dx = -x / (N rms^3).
     """
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, x, weight, gate, eps: float, activation: str):
+    def forward(x, weight, gate, eps: float, activation: str):
         xf = x.to(compute_dtype(x))
         rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
         y = xf * rstd * weight.to(xf.dtype)
+        if gate is not None:
+            gate = gate.to(y.dtype)
+            y = y * (torch.sigmoid(gate) if activation == "sigmoid" else F.silu(gate))
+        return y, rstd
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        x, weight, gate, _eps, activation = inputs
         ctx.activation = activation
-        ctx.save_for_backward(x, weight, gate, rstd)
-        ctx.save_for_forward(x, weight, gate, rstd)
-        if gate is None:
-            return y
-        gate = gate.to(y.dtype)
-        return y * (torch.sigmoid(gate) if activation == "sigmoid" else F.silu(gate))
+        ctx.save_for_backward(x, weight, gate, output[1])
+        ctx.save_for_forward(x, weight, gate, output[1])
 
     @staticmethod
     def _normalized(ctx):
@@ -79,41 +90,46 @@ class _RMSNormFunction(torch.autograd.Function):
         return x, weight, gate, rstd, x.to(rstd.dtype) * rstd, weight.to(rstd.dtype)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, drstd):
         x, weight, gate, rstd, xhat, w = _RMSNormFunction._normalized(ctx)
-        d_gate = None
-        if gate is not None:
-            act, slope = _activation_and_slope(gate.to(rstd.dtype), ctx.activation)
-            if ctx.needs_input_grad[2]:
-                d_gate = (dy * xhat * w * slope).to(gate.dtype)
-            dy = dy * act
-        d_weight = None
-        if ctx.needs_input_grad[1]:
-            d_weight = (dy * xhat).flatten(0, -2).sum(0).to(weight.dtype)
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dn = dy * w
-            # d(x r)/dx with r = rms(x)^-1: r (dn - xhat mean(xhat dn)).
-            dx = (rstd * (dn - xhat * (dn * xhat).mean(-1, keepdim=True))).to(x.dtype)
-        return dx, d_weight, d_gate, None, None
+        d_gate = d_weight = dx = None
+        if dy is not None:
+            if gate is not None:
+                act, slope = _activation_and_slope(gate.to(rstd.dtype), ctx.activation)
+                if ctx.needs_input_grad[2]:
+                    d_gate = (dy * xhat * w * slope).to(gate.dtype)
+                dy = dy * act
+            if ctx.needs_input_grad[1]:
+                d_weight = (dy * xhat).flatten(0, -2).sum(0).to(weight.dtype)
+            if ctx.needs_input_grad[0]:
+                dn = dy * w
+                # d(x r)/dx with r = rms(x)^-1: r (dn - xhat mean(xhat dn)).
+                dx = rstd * (dn - xhat * (dn * xhat).mean(-1, keepdim=True))
+        if drstd is not None and ctx.needs_input_grad[0]:
+            # A caller of the Function itself (the layers use its first output alone).
+            dr = -(rstd * rstd) * xhat * drstd / x.shape[-1]
+            dx = dr if dx is None else dx + dr
+        return (None if dx is None else dx.to(x.dtype)), d_weight, d_gate, None, None
 
     @staticmethod
     def jvp(ctx, tx, tw, tg, _eps, _activation):
         """Forward-mode derivative (gate-sensitivity probes run through the norms with it)."""
         _, _, gate, rstd, xhat, w = _RMSNormFunction._normalized(ctx)
         t_out = torch.zeros_like(xhat)
+        t_rstd = torch.zeros_like(rstd)
         if tx is not None:
             txf = tx.to(rstd.dtype)
-            t_out = t_out + rstd * (txf - xhat * (xhat * txf).mean(-1, keepdim=True)) * w
+            along = (xhat * txf).mean(-1, keepdim=True)
+            t_out = t_out + rstd * (txf - xhat * along) * w
+            t_rstd = -(rstd * rstd) * along
         if tw is not None:
             t_out = t_out + xhat * tw.to(rstd.dtype)
-        if gate is None:
-            return t_out
-        act, slope = _activation_and_slope(gate.to(rstd.dtype), ctx.activation)
-        t_out = t_out * act
-        if tg is not None:
-            t_out = t_out + xhat * w * slope * tg.to(rstd.dtype)
-        return t_out
+        if gate is not None:
+            act, slope = _activation_and_slope(gate.to(rstd.dtype), ctx.activation)
+            t_out = t_out * act
+            if tg is not None:
+                t_out = t_out + xhat * w * slope * tg.to(rstd.dtype)
+        return t_out, t_rstd
 
 
 def rms_norm_torch(
@@ -125,7 +141,7 @@ def rms_norm_torch(
 ) -> torch.Tensor:
     """What `rms_norm_naive` computes, bit for bit, keeping less for backward
     (`_RMSNormFunction`); the result in the compute dtype."""
-    return _RMSNormFunction.apply(x, weight, gate, eps, activation)
+    return _RMSNormFunction.apply(x, weight, gate, eps, activation)[0]
 
 
 def l2_normalize_naive(x: torch.Tensor, eps: float) -> torch.Tensor:
