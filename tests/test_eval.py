@@ -447,7 +447,7 @@ def test_passkey_corpus_examples_end_with_their_own_key_and_read_as_a_file_list(
     listing = write_passkey_corpus(tmp_path / "pk", 12, tokenizer, lengths=(500, 700), seed=3)
     documents = list(iter_documents(CorpusConfig(source=f"@{listing}", split="all")))
     assert len(documents) == 12
-    keys, places = [], []
+    keys, places, sizes = [], [], []
     for document in documents:
         needle = re.search(
             r"The pass key is (\d{5})\. Remember it\. \1 is the pass key\.", document
@@ -455,10 +455,13 @@ def test_passkey_corpus_examples_end_with_their_own_key_and_read_as_a_file_list(
         assert needle is not None and document.count("The pass key is ") == 2
         key = needle.group(1)
         assert document.endswith(f"What is the pass key? The pass key is {key}.\n")
-        assert 500 <= len(tokenizer.encode(document)) <= 700 + 100
+        size = len(tokenizer.encode(document))
+        assert 500 <= size <= 700 + 100
+        sizes.append(size)
         keys.append(key)
         places.append(needle.start() / len(document))
     assert len(set(keys)) == 12 and min(places) < 0.3 and max(places) > 0.7
+    assert min(sizes) < 560 and max(sizes) > 640  # lengths drawn across the range
     again = write_passkey_corpus(tmp_path / "again", 12, tokenizer, lengths=(500, 700), seed=3)
     other = write_passkey_corpus(tmp_path / "other", 12, tokenizer, lengths=(500, 700), seed=4)
     assert again.read_text() == listing.read_text()
@@ -469,12 +472,23 @@ def test_passkey_corpus_examples_end_with_their_own_key_and_read_as_a_file_list(
 
 
 @pytest.mark.parametrize(
-    ("examples", "lengths", "message"),
-    [(0, (500, 700), "examples must be at least 1"), (3, (700, 500), "lengths must be")],
+    ("arguments", "message"),
+    [
+        (dict(examples=0), "examples must be an int >= 1"),
+        (dict(examples=2.5), "examples must be an int >= 1"),
+        (dict(lengths=(700, 500)), "lengths must be"),
+        (dict(lengths=(500,)), "lengths must be two ints"),
+        (dict(lengths=(200, 400)), "lengths holds 200: passkey needs more than"),
+        (dict(seed=-1), "seed must be an int >= 0"),
+        (dict(digits=0), "digits must be an int in"),
+    ],
+    ids=["no-examples", "fractional", "reversed", "one-length", "too-short", "seed", "digits"],
 )
-def test_passkey_corpus_refuses_bad_arguments(tmp_path, examples, lengths, message):
+def test_passkey_corpus_refuses_bad_arguments_before_writing(tmp_path, arguments, message):
+    given = dict(examples=3, lengths=(500, 700)) | arguments
     with pytest.raises(EvalError, match=message):
-        write_passkey_corpus(tmp_path, examples, ByteTokenizer(), lengths=lengths)
+        write_passkey_corpus(tmp_path / "pk", tokenizer=ByteTokenizer(), **given)
+    assert not (tmp_path / "pk").exists()
 
 
 @pytest.mark.parametrize(

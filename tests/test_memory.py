@@ -18,7 +18,6 @@ from conftest import check_ffn_recompute, with_formula_norms
 import deltalab.layers.projections as projections
 import deltalab.layers.recurrence as recurrence
 import deltalab.layers.shared_input as shared_input
-import deltalab.layers.short_conv as short_conv
 from deltalab.layers import (
     Attention,
     DeltaNet,
@@ -352,29 +351,41 @@ def test_a_model_trained_through_the_norm_adjoints_gets_the_formulas_gradients()
 
 
 def _pieces():
+    """Each piece as the layers run it (its formula under `recomputed`) and its formula called
+    whole, on one set of parameters."""
     from deltalab.layers.decay import log_decay
-    from deltalab.layers.short_conv import ShortConvolution
+    from deltalab.layers.short_conv import ShortConvolution, _conv_silu
     from deltalab.models.lm import SwiGLU
+    from deltalab.ops.log_decay.reference import log_decay_naive
+    from deltalab.ops.swiglu.reference import swiglu_formula
 
     torch.manual_seed(0)
     conv, swiglu = ShortConvolution(8, 4), SwiGLU(8, 12)
     a_log, dt_bias = torch.randn(2, 1), torch.randn(2, 4)
+
+    def conv_whole(x):
+        padded = torch.cat([x.new_zeros(x.shape[0], 8, 3), x.transpose(1, 2)], dim=-1)
+        return _conv_silu(padded, conv.weight).transpose(1, 2)
+
     return {
-        "log_decay": (lambda x: log_decay(a_log, x.unflatten(-1, (2, 4)), dt_bias), (2, 9, 8)),
-        "short_convolution": (lambda x: conv(x)[0], (2, 9, 8)),
-        "swiglu": (swiglu, (2, 9, 8)),
+        "log_decay": (
+            lambda x: log_decay(a_log, x.unflatten(-1, (2, 4)), dt_bias),
+            lambda x: log_decay_naive(a_log, x.unflatten(-1, (2, 4)), dt_bias),
+        ),
+        "short_convolution": (lambda x: conv(x)[0], conv_whole),
+        "swiglu": (swiglu, lambda x: swiglu.down(swiglu_formula(swiglu.gate_up(x)))),
     }
 
 
 @pytest.mark.parametrize("name", ["log_decay", "short_convolution", "swiglu"])
-def test_recomputed_pieces_keep_less_and_give_the_same_gradients_bit_for_bit(name, monkeypatch):
+def test_recomputed_pieces_keep_less_and_give_the_same_gradients_bit_for_bit(name):
     """Under bf16 autocast on a bf16 input (a projection's output), as training runs: each
-    piece keeps fewer bytes for backward with its intermediates recomputed than without, and
-    every gradient is the same bit for bit."""
-    fn, shape = _pieces()[name]
+    piece keeps fewer bytes for backward with its intermediates recomputed than its formula
+    called whole, and every gradient is the same bit for bit."""
+    recomputing, whole = _pieces()[name]
 
-    def run():
-        x = torch.randn(*shape, generator=torch.Generator().manual_seed(2)).bfloat16()
+    def run(fn):
+        x = torch.randn(2, 9, 8, generator=torch.Generator().manual_seed(2)).bfloat16()
         x.requires_grad_()
         kept = {}
 
@@ -386,16 +397,11 @@ def test_recomputed_pieces_keep_less_and_give_the_same_gradients_bit_for_bit(nam
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 y = fn(x)
         y.float().square().sum().backward()
-        return sum(kept.values()), x.grad
+        return sum(kept.values()), x.grad, y
 
-    kept, grad = run()
-    monkeypatch.setattr(short_conv, "recomputed", lambda f, *args: f(*args))
-    import deltalab.ops.log_decay.reference as decay_reference
-    import deltalab.ops.swiglu.reference as swiglu_reference
-
-    monkeypatch.setattr(decay_reference, "recomputed", lambda f, *args: f(*args))
-    monkeypatch.setattr(swiglu_reference, "recomputed", lambda f, *args: f(*args))
-    kept_plain, grad_plain = run()
+    kept, grad, y = run(recomputing)
+    kept_plain, grad_plain, y_plain = run(whole)
+    assert torch.equal(y, y_plain)
     assert kept < kept_plain
     assert torch.equal(grad, grad_plain)
 

@@ -69,6 +69,35 @@ def test_a_model_directory_is_replaced_whole_or_not_at_all(tmp_path, trained):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
+def test_a_model_directory_save_follows_links_fills_empty_folders_and_clears_leftovers(
+    tmp_path, trained
+):
+    """A link to a directory is replaced through (the link stays, its target holds the new
+    model); an empty `out` is written into (its inode kept); a `.NAME.previous` left by a save
+    stopped between its two renames is removed by the next save."""
+    from deltalab.data import ByteTokenizer
+    from deltalab.models import CausalLM
+
+    folder, _ = trained
+    model = CausalLM.from_pretrained(folder / "run" / "model")
+    target, link = tmp_path / "disk" / "model", tmp_path / "model"
+    save_model_directory(model, ByteTokenizer(), target)
+    link.symlink_to(target, target_is_directory=True)
+    stale = tmp_path / "disk" / ".model.previous"
+    stale.mkdir()
+    (stale / "model.safetensors").write_text("left by a killed save")
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    save_model_directory(model, ByteTokenizer(), link)
+    assert link.is_symlink() and not same_logits(link, folder / "run" / "model")
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["model"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    inode = empty.stat().st_ino
+    save_model_directory(model, ByteTokenizer(), empty)
+    assert empty.stat().st_ino == inode and same_logits(empty, link)
+
+
 def test_export_refuses_an_incomplete_checkpoint_and_a_used_out(tmp_path, trained, capsys):
     import shutil
 

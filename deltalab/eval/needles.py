@@ -197,18 +197,29 @@ def write_passkey_corpus(
     seed: int = 0,
     digits: int = 5,
 ) -> Path:
-    """Training text for the passkey task: `examples` passkey examples, each one file in
-    `directory` that ends with its answer (" KEY.\n" after the question), and `list.txt` there
-    naming them, so that `data.source=@DIRECTORY/list.txt` trains on them (mixed with other text
-    by listing more files). Each example's length is drawn uniformly from `lengths` (tokens,
-    both ends included) and its depth from [0, 1]; the draws come from a random stream of their
-    own, so no example is one of the passkey task's, whose keys sit at other places. Returns the
-    list's path."""
+    """Training text in the passkey task's format: `examples` passkey examples, each one file
+    in `directory` that ends with its answer (" KEY.\n" after the task's question), and
+    `list.txt` there naming them, so that `data.source=@DIRECTORY/list.txt` trains on them
+    (mixed with other text by listing more files). Each example's length is drawn uniformly
+    from `lengths` (tokens, both ends included; a file runs past it by up to one noise
+    paragraph and the answer) and its depth from [0, 1). The draws come from a random stream
+    of their own, not the task's: keys recur (there are 90,000 of five digits), but a training
+    example equal to one of the task's would take its length, its needle's place and its key
+    to coincide. Returns the list's path; arguments that cannot make an example are refused
+    before anything is written."""
+    if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
+        raise EvalError(f"examples must be an int >= 1, got {examples!r}")
+    if len(tuple(lengths)) != 2 or not all(isinstance(n, int) for n in lengths):
+        raise EvalError(f"lengths must be two ints (low, high), got {lengths!r}")
     low, high = lengths
     if not 0 < low <= high:
         raise EvalError(f"lengths must be (low, high) with 0 < low <= high, got {lengths}")
-    if examples < 1:
-        raise EvalError(f"examples must be at least 1, got {examples}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise EvalError(f"seed must be an int >= 0, got {seed!r}")
+    if not isinstance(digits, int) or not 1 <= digits <= 18:
+        raise EvalError(f"digits must be an int in [1, 18], got {digits!r}")
+    # The shortest example, built and dropped: a length too short for the prompt fails here.
+    _passkey(low, 0.0, np.random.default_rng(0), tokenizer, digits)
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     # The task's examples draw from streams keyed [seed, length, depth, 1]; these from [seed, 2].

@@ -10,6 +10,7 @@ tokenizer, the layout of a run's own `model/` directory.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -60,13 +61,24 @@ def save_model_directory(
     """`model` (`save_pretrained`: safetensors and config, from `weights` when given, else its
     own state) and the files of its `tokenizer`, to the directory `out`.
 
-    The files are written to a hidden sibling directory and renamed to `out` when all are
-    there, so a save stopped part way (a kill, a full disk) leaves `out` as it was, never a
-    directory that has a config and no weights; a previous `out` is replaced only then."""
+    A missing `out`, or one that holds a previous model, is written whole or not at all: the
+    files go to a hidden sibling, `.NAME.partial`, renamed to `out` once all are there, so a
+    save stopped part way (a kill, a full disk) leaves `out` as it was, never a directory with
+    a config and no weights. A previous `out` is moved aside to `.NAME.previous` for the rename
+    and then removed (a save stopped between the two renames leaves it there, and the next
+    save removes it). An empty `out` (`deltalab export` accepts one) is written into; a link
+    to a directory is followed."""
     from deltalab.data import save_tokenizer
 
     out = Path(out)
-    partial = out.with_name(f".{out.name}.partial")
+    if out.is_symlink():
+        out = out.resolve()
+    if out.is_dir() and not any(out.iterdir()):
+        model.save_pretrained(out, state_dict=weights)
+        save_tokenizer(tokenizer, out)
+        return
+    out = Path(os.path.abspath(out))
+    partial, previous = (out.with_name(f".{out.name}.{part}") for part in ("partial", "previous"))
     shutil.rmtree(partial, ignore_errors=True)
     try:
         model.save_pretrained(partial, state_dict=weights)
@@ -75,13 +87,11 @@ def save_model_directory(
         shutil.rmtree(partial, ignore_errors=True)
         raise
     if out.exists():
-        previous = out.with_name(f".{out.name}.previous")
         shutil.rmtree(previous, ignore_errors=True)
         out.rename(previous)
-        partial.rename(out)
-        shutil.rmtree(previous)
-    else:
-        partial.rename(out)
+    partial.rename(out)
+    # The new model is in place: what is left of the previous one must not fail the save.
+    shutil.rmtree(previous, ignore_errors=True)
 
 
 def _read_checkpoint(path: Path) -> tuple[Path, dict[str, Any]]:

@@ -11,8 +11,11 @@ At one row a product reads its whole weight once and does two flops a weight: it
 weight's bytes over the memory bandwidth the kernel reaches. cuBLAS's kernels for one row reach
 0.4-1.7 TB/s on an H100 at a 340M layer's shapes (5376 x 1024 down to 2048 x 256); the Triton
 kernel here streams each program's rows of the weight in wide blocks and measured 0.67-0.91x
-cuBLAS's time at those shapes (docs/PERFORMANCE.md, "Where a decoded token's time goes"). At
-64 rows it has no gain over cuBLAS and is not offered: `MAX_TRITON_ROWS`.
+cuBLAS's time at those shapes (docs/PERFORMANCE.md, "Where a decoded token's time goes").
+Each row streams the whole weight again, where cuBLAS's tiles read it once for all rows, so
+"auto" takes the kernel for at most `MAX_TRITON_ROWS` rows; `backend="triton"` runs it at any
+number. At 64 rows no Triton product with `tl.dot` gained enough over cuBLAS to keep (the same
+page, and its "Variants that lost").
 
 Backends: "naive" (the definition in float64), "torch" (`torch.addmm` / `F.linear`, what
 `nn.Linear` runs), "triton" (one kernel; CUDA, or CPU under TRITON_INTERPRET=1; float32
@@ -50,7 +53,7 @@ __all__ = [
 
 BACKENDS = ("auto", "naive", "torch", "triton")
 # Each row streams the whole weight again: past a few rows cuBLAS's tiles, which read it once
-# for every row, win (at 64 rows it is 0.82-1.09x this kernel's time with `tl.dot`).
+# for all rows, win.
 MAX_TRITON_ROWS = 4
 
 
