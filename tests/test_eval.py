@@ -478,11 +478,23 @@ def test_passkey_corpus_examples_end_with_their_own_key_and_read_as_a_file_list(
         (dict(examples=2.5), "examples must be an int >= 1"),
         (dict(lengths=(700, 500)), "lengths must be"),
         (dict(lengths=(500,)), "lengths must be two ints"),
+        (dict(lengths=500), "lengths must be two ints"),
+        (dict(digits=True), "digits must be an int in"),
         (dict(lengths=(200, 400)), "lengths holds 200: passkey needs more than"),
         (dict(seed=-1), "seed must be an int >= 0"),
         (dict(digits=0), "digits must be an int in"),
     ],
-    ids=["no-examples", "fractional", "reversed", "one-length", "too-short", "seed", "digits"],
+    ids=[
+        "no-examples",
+        "fractional",
+        "reversed",
+        "one-length",
+        "not-a-pair",
+        "bool-digits",
+        "too-short",
+        "seed",
+        "digits",
+    ],
 )
 def test_passkey_corpus_refuses_bad_arguments_before_writing(tmp_path, arguments, message):
     given = dict(examples=3, lengths=(500, 700)) | arguments

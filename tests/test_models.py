@@ -392,9 +392,11 @@ def test_sampled_generation_is_reproducible_with_a_seed_and_respects_top_k(gener
 
 def test_config_backend_reaches_every_recurrent_mixer_and_round_trips(tmp_path):
     model = CausalLM(build_config("tiny", mixer="kdn_diag", attention_every=2, backend="chunk"))
-    backends = {m.backend for m in model.modules() if hasattr(m, "backend")}
-    # The block norms take the norms' name of the PyTorch path (deltalab.ops.norms.layer_backend).
+    backends = {m.backend for m in model.modules() if getattr(m, "backend", None) is not None}
+    # The block norms take the norms' name of the PyTorch path (deltalab.ops.norms.layer_backend);
+    # the mixers' output norms have none of their own (None: their mixer's).
     assert backends == {"chunk", "torch"}
+    assert {m.backend for m in model.modules() if isinstance(m, GatedRMSNorm)} == {None}
     assert {m.backend for m in model.modules() if isinstance(m, RMSNorm)} == {"torch"}
     model.save_pretrained(tmp_path)
     assert CausalLM.from_pretrained(tmp_path).config.backend == "chunk"

@@ -45,7 +45,7 @@ from deltalab.layers.attention import Attention
 from deltalab.layers.common import require_positive_int
 from deltalab.layers.delta_mixer import DeltaMixer
 from deltalab.layers.kdn import KalmanMixer
-from deltalab.layers.norms import RMSNorm
+from deltalab.layers.norms import GatedRMSNorm, RMSNorm
 from deltalab.models.lm import SwiGLU
 from deltalab.ops.parametrize import DeltaRuleInputs
 
@@ -446,6 +446,12 @@ def _forward_mode_paths(model: nn.Module) -> Iterator[None]:
         for module in model.modules()
         if isinstance(module, RMSNorm | SwiGLU | Attention)
         and module.backend not in ("torch", "naive")
+    ]
+    # An output norm with a backend of its own (else it follows its layer's, switched above).
+    switched += [
+        (module, module.backend, "torch")
+        for module in model.modules()
+        if isinstance(module, GatedRMSNorm) and module.backend not in (None, "torch", "naive")
     ]
     for layer, _, path in switched:
         layer.backend = path

@@ -209,16 +209,18 @@ def write_passkey_corpus(
     before anything is written."""
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
         raise EvalError(f"examples must be an int >= 1, got {examples!r}")
-    if len(tuple(lengths)) != 2 or not all(isinstance(n, int) for n in lengths):
+    pair = tuple(lengths) if isinstance(lengths, (tuple, list)) else ()
+    if len(pair) != 2 or not all(isinstance(n, (int, np.integer)) for n in pair):
         raise EvalError(f"lengths must be two ints (low, high), got {lengths!r}")
-    low, high = lengths
+    low, high = int(pair[0]), int(pair[1])
     if not 0 < low <= high:
         raise EvalError(f"lengths must be (low, high) with 0 < low <= high, got {lengths}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise EvalError(f"seed must be an int >= 0, got {seed!r}")
-    if not isinstance(digits, int) or not 1 <= digits <= 18:
+    if isinstance(digits, bool) or not isinstance(digits, int) or not 1 <= digits <= 18:
         raise EvalError(f"digits must be an int in [1, 18], got {digits!r}")
-    # The shortest example, built and dropped: a length too short for the prompt fails here.
+    # The shortest example, built and dropped: a length too short for the prompt fails here
+    # (with the byte tokenizer for every key; a subword tokenizer's count varies with the key).
     _passkey(low, 0.0, np.random.default_rng(0), tokenizer, digits)
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)

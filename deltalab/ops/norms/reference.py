@@ -80,6 +80,9 @@ class _RMSNormFunction(torch.autograd.Function):
     def setup_context(ctx, inputs, output) -> None:
         x, weight, gate, _eps, activation = inputs
         ctx.activation = activation
+        # An output nothing differentiates reaches backward as None, not zeros: the layers use
+        # y alone, and 1/rms's adjoint is then skipped.
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, weight, gate, output[1])
         ctx.save_for_forward(x, weight, gate, output[1])
 
@@ -106,7 +109,6 @@ class _RMSNormFunction(torch.autograd.Function):
                 # d(x r)/dx with r = rms(x)^-1: r (dn - xhat mean(xhat dn)).
                 dx = rstd * (dn - xhat * (dn * xhat).mean(-1, keepdim=True))
         if drstd is not None and ctx.needs_input_grad[0]:
-            # A caller of the Function itself (the layers use its first output alone).
             dr = -(rstd * rstd) * xhat * drstd / x.shape[-1]
             dx = dr if dx is None else dx + dr
         return (None if dx is None else dx.to(x.dtype)), d_weight, d_gate, None, None
@@ -192,6 +194,9 @@ class _L2NormFunction(torch.autograd.Function):
     def setup_context(ctx, inputs, output) -> None:
         y, rnorm = output
         ctx.x_dtype = inputs[0].dtype
+        # An output nothing differentiates reaches backward as None, not zeros (the layers use
+        # y alone, and 1/norm's adjoint is then skipped).
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(y, rnorm)
         ctx.save_for_forward(y, rnorm)
 
