@@ -87,10 +87,10 @@ def saved_tensors(layer, x):
 
 def saved_copies(cls, share: bool) -> int:
     """How many storages the layer saves holding x's bf16 cast."""
-    layer = build(cls)
+    layer = build(cls) if share else projected_apart(build(cls))
     _, x = non_leaf(hidden())
     copy = x.detach().bfloat16().flatten(0, 1)
-    with unshared(not share), separately(not share):
+    with unshared(not share):
         saved = saved_tensors(layer, x)
     return len(
         {
@@ -117,16 +117,14 @@ def unshared(active: bool = True):
         yield
 
 
-@contextlib.contextmanager
-def separately(active: bool = True):
-    """The layers' projections of x made one by one, each with its own gradient product, as
-    autograd makes them (`project_together` computing none of them), when active."""
-    with contextlib.ExitStack() as stack:
-        if active:
-            stack.enter_context(
-                mock.patch.object(shared_input, "project_together", lambda x, linears: {})
-            )
-        yield
+def projected_apart(layer: torch.nn.Module) -> torch.nn.Module:
+    """`layer` with each projection called as a module, with its own gradient product, as
+    autograd makes them: a forward pre-hook that does nothing makes a `nn.Linear` not
+    `fusable`, so `project_together` computes none of them."""
+    for module in layer.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(lambda module, inputs: None)
+    return layer
 
 
 @pytest.mark.parametrize("cls", (*DELTA_MIXERS, Attention), ids=lambda cls: cls.__name__)
@@ -452,9 +450,9 @@ def test_projecting_together_changes_no_output_and_every_gradient_by_rounding_on
     # float64: one product for the input gradient is the sum of the separate ones.
     def run(together: bool):
         layer = build(cls).double()
+        layer = layer if together else projected_apart(layer)
         leaf, x = non_leaf(hidden().double())
-        with separately(not together):
-            y, _ = layer(x)
+        y, _ = layer(x)
         y.square().sum().backward()
         return [y, leaf.grad, *(p.grad for p in layer.parameters())]
 
@@ -539,11 +537,11 @@ def test_a_projection_whose_gate_a_hook_replaced_gets_no_gradient_as_apart():
     # None, not zeros: AdamW's weight decay and DDP treat a zero gradient as a gradient.
     def grads(together: bool):
         layer, (_, x) = build(GatedDeltaNet2), non_leaf(hidden())
+        layer = layer if together else projected_apart(layer)
         layer.register_gate_hook(
             lambda gates: {**gates, "erase": torch.full_like(gates["erase"], 0.5)}
         )
-        with separately(not together):
-            layer(x)[0].sum().backward()
+        layer(x)[0].sum().backward()
         return layer.b_proj.weight.grad, layer.w_proj.weight.grad
 
     (erase, write), (erase_apart, write_apart) = grads(True), grads(False)
@@ -581,9 +579,10 @@ def test_projecting_together_has_the_forward_mode_derivative_of_the_maps_apart()
 
     def tangent(together: bool):
         layer = build(GatedDeltaNet2).double()
+        layer = layer if together else projected_apart(layer)
         x = hidden().double().requires_grad_()
         t = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
-        with separately(not together), fwAD.dual_level():
+        with fwAD.dual_level():
             y, _ = layer(fwAD.make_dual(x, t))
             return fwAD.unpack_dual(y).tangent
 
