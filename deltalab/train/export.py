@@ -69,29 +69,29 @@ def save_model_directory(
     save removes it). An empty `out` (`deltalab export` accepts one) is written into; a link
     to a directory is followed."""
     from deltalab.data import save_tokenizer
+    from deltalab.train.sharded import replace_directory
 
     out = Path(out)
     if out.is_symlink():
         out = out.resolve()
+
+    def write(directory: Path) -> None:
+        model.save_pretrained(directory, state_dict=weights)
+        save_tokenizer(tokenizer, directory)
+
     if out.is_dir() and not any(out.iterdir()):
-        model.save_pretrained(out, state_dict=weights)
-        save_tokenizer(tokenizer, out)
+        write(out)
         return
     out = Path(os.path.abspath(out))
     partial, previous = (out.with_name(f".{out.name}.{part}") for part in ("partial", "previous"))
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        model.save_pretrained(partial, state_dict=weights)
-        save_tokenizer(tokenizer, partial)
+        write(partial)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    if out.exists():
-        shutil.rmtree(previous, ignore_errors=True)
-        out.rename(previous)
-    partial.rename(out)
-    # The new model is in place: what is left of the previous one must not fail the save.
-    shutil.rmtree(previous, ignore_errors=True)
+    shutil.rmtree(previous, ignore_errors=True)  # left by a save stopped between its renames
+    replace_directory(partial, out, aside=previous)
 
 
 def _read_checkpoint(path: Path) -> tuple[Path, dict[str, Any]]:

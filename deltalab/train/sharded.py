@@ -180,18 +180,19 @@ def save_sharded_checkpoint(
         _fsync_directory(temp)
         _write_atomically(temp / DIGESTS_FILE, lines.encode())
         _fsync_directory(temp)
-        _replace_directory(temp, final)
+        replace_directory(temp, final)
         _fsync_directory(directory)
     return final
 
 
-def _replace_directory(source: Path, target: Path) -> None:
+def replace_directory(source: Path, target: Path, aside: Path | None = None) -> None:
     """Rename `source` to `target`; an existing `target` (an earlier save of the same step) is
-    moved aside first and deleted after, so the step is complete or absent at every moment."""
+    moved aside first (to `aside`, which must not hold files; by default a fresh hidden name)
+    and deleted after, so the step is complete or absent at every moment."""
     if not target.exists():
         os.replace(source, target)
         return
-    aside = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.old.tmp")
+    aside = aside or target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.old.tmp")
     os.replace(target, aside)
     os.replace(source, target)
     shutil.rmtree(aside, ignore_errors=True)
