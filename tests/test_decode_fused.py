@@ -134,12 +134,12 @@ INTERPRETER_OPS = {"aten::new_empty", "aten::set_", "aten::copy_"}
 # ATen operators of one layer's fused decoding step besides its Triton kernels (its products
 # by `row_linear`: x's projections after the block's first norm, the low-rank gates' second
 # factors, the output projection with the residual sum, the FFN's two, the first after the
-# second norm; the fused step; SwiGLU's gating): none but Exact KDN's buffer for P_bar k, an
-# allocation without a launch (`aten::new_empty`, among the interpreter's here). On a GPU 6
-# launches a layer, 7 with low-rank gates, 8 for Exact KDN (low-rank gates and the covariance's
-# first stage), where the unfused step makes 54 to 117 (tests/test_decode.py); past
-# `row_linear.MAX_TRITON_ROWS` sequences the products are cuBLAS's and the two norms their
-# own launches.
+# second norm, the second gating its input by SwiGLU; the fused step): none but Exact KDN's
+# buffer for P_bar k, an allocation without a launch (`aten::new_empty`, among the
+# interpreter's here). On a GPU 5 launches a layer, 6 with low-rank gates, 7 for Exact KDN
+# (low-rank gates and the covariance's first stage), where the unfused step makes 54 to 117
+# (tests/test_decode.py); past `row_linear.MAX_TRITON_ROWS` sequences the products are
+# cuBLAS's and the two norms and SwiGLU their own launches.
 FUSED_STEP_OPERATORS_PER_LAYER = 0
 FUSED_KINDS = ["deltanet", "gdn", "kda", "gdn2", "kdn_iso", "kdn_diag", "kdn_exact", "muir",
                "kdn_muir"]  # fmt: skip

@@ -29,6 +29,30 @@ OLDEST_COMPILING_TRITON = (3, 4)
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def dependent_launch(device: torch.device, requested: bool | None = None) -> bool:
+    """Whether a kernel launched on `device` starts before the kernel ahead of it has finished
+    (CUDA's programmatic dependent launch: a compiled kernel on compute capability 9.0 or later,
+    Hopper on). A kernel launched so waits (`gdc_wait`) before it touches anything an earlier
+    kernel may write, and lets the next one start as soon as all its programs run
+    (`gdc_launch_dependents`): the next launch, and whatever it reads that nothing writes (a
+    product's weights), overlap this kernel's tail. The wait orders every later access after
+    the whole previous kernel, so results are those of launches one after another.
+
+    requested: None, wherever it is supported; True where it is not is an error naming it
+    (the interpreter has no such instructions); False, never."""
+    if requested is not None and not isinstance(requested, bool):
+        raise TypeError(f"dependent_launch must be a bool or None, got {requested!r}")
+    supported = (
+        not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    )
+    if requested and not supported:
+        raise ValueError(
+            "dependent_launch=True needs compiled kernels on a CUDA GPU of compute capability 9.0 "
+            f"or later, got {device}" + (" under TRITON_INTERPRET=1" if INTERPRET else "")
+        )
+    return supported if requested is None else requested
+
+
 def opaque_to_compiler(fn):
     """fn, a function that launches Triton kernels, run as it is under `torch.compile`: Dynamo
     stops its graph at the call and resumes after it, and the compiler fuses the PyTorch code
