@@ -48,6 +48,9 @@ forms do. With the whole covariance in it (up to `fae8b0e`) the step was one 16-
 head, the covariance's 64 KB read and written by that one program: 1.19 ms a token at one
 sequence and 3.31 at 64 for the 340M model on an H100, against 1.04 and 3.09 now.
 
+Both kernels are launched dependent where the card supports it (`dependent_launch`), as the
+decoder's products are: each waits for the kernel ahead before any access.
+
 Numerics: float32 throughout (16-bit inputs widened at load), the raw output rounded to the
 output's dtype before its norm, as the unfused step rounds the delta rule's output; the new
 cache entries are the projected inputs as they came.
