@@ -123,8 +123,9 @@ def test_swiglu_in_the_product_matches_the_float64_definition(generator, backend
     up of other scales, so that a swapped half or a missing gate cannot pass)."""
     rows, outputs, width = shape
     gate_up = torch.cat([2.0 * torch.randn(rows, width, generator=generator),
-                         0.5 + torch.randn(rows, width, generator=generator)], 1)  # fmt: skip
-    gate_up = gate_up.to(DEVICE)
+                         0.5 + torch.randn(rows, width, generator=generator),
+                         torch.randn(rows, 5, generator=generator)], 1)  # fmt: skip
+    gate_up = gate_up.to(DEVICE)[:, : 2 * width]  # rows 2K + 5 apart: read by their stride
     _, weight, b, r = inputs(shape, generator, bias=True, residual=True)
     got = row_linear(gate_up, weight, b, r, swiglu=True, backend=backend)
     expected = row_linear_naive(gate_up.double(), weight.double(), b.double(), r.double(),
@@ -214,7 +215,7 @@ def test_swiglu_in_the_product_rounds_the_gated_row_to_xs_dtype(generator, rows)
     [
         ({"x": torch.zeros(2, 1, 8)}, "x must be"),
         ({"swiglu": True, "x": torch.zeros(2, 7)}, "swiglu: x must be"),
-        ({"swiglu": True, "norm_weight": torch.zeros(4)}, "norm_weight None"),
+        ({"swiglu": True, "norm_weight": torch.zeros(4)}, "give norm_weight=None"),
         ({"swiglu": True}, r"weight must have shape .*K = x.shape\[1\] / 2"),
         ({"swiglu": 1}, "swiglu must be a bool"),
         ({"weight": torch.zeros(4, 7)}, "weight must have shape"),
@@ -243,10 +244,10 @@ def test_row_linear_refuses_bad_arguments_naming_them(change, match):
 def test_dependent_launch_is_off_where_unsupported_and_refused_when_asked_for_there():
     cpu = torch.device("cpu")
     assert dependent_launch(cpu) is False and dependent_launch(cpu, False) is False
-    with pytest.raises(ValueError, match="dependent_launch=True needs"):
+    with pytest.raises(ValueError, match=r"dependent=True \(dependent launch\) needs"):
         dependent_launch(cpu, True)
-    with pytest.raises(TypeError, match="dependent_launch must be a bool or None"):
-        dependent_launch(cpu, 1)
+    with pytest.raises(TypeError, match="launch must be a bool or None"):
+        dependent_launch(cpu, 1, "launch")
 
 
 HOPPER = torch.cuda.is_available() and not INTERPRET and torch.cuda.get_device_capability()[0] >= 9

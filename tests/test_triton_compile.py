@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deltalab.ops import _triton
 from deltalab.ops._triton import HAS_TRITON, INTERPRET
 
 pytestmark = pytest.mark.skipif(
@@ -662,7 +663,7 @@ def test_fused_decode_step_compiles_for_hopper_within_its_spills(
         "W": 4, "BW": 4, "BK": block_k, "BV": block_v, "DECAY": fs.DECAYS.index(decay),
         "RULE": fs.RULES.index(rule), "READ_FORM": fs.READS.index(read), "TIED": tied,
         "GATE_ACT": GATES["sigmoid"], "ONE_BLOCK": block_v >= value_dim,
-        "BR": fs.COVARIANCE_ROWS,
+        "BR": fs.COVARIANCE_ROWS, "DEPENDENT": False,
     }  # fmt: skip
     signature = _fused_step_signature(kernel, constants)
     pointers = [a for a, kind in signature.items() if kind.startswith("*")]
@@ -687,7 +688,7 @@ def test_exact_kdn_predict_kernel_compiles_for_hopper_without_spills(decay, tied
 
     kernel = fs._exact_predict_kernel
     constants = {"W": 4, "BW": 4, "BK": 128, "BR": fs.COVARIANCE_ROWS,
-                 "DECAY": fs.DECAYS.index(decay), "TIED": tied}  # fmt: skip
+                 "DECAY": fs.DECAYS.index(decay), "TIED": tied, "DEPENDENT": False}  # fmt: skip
     signature = _fused_step_signature(kernel, constants)
     pointers = [a for a, kind in signature.items() if kind.startswith("*")]
     sized = ["K", *(a for a in kernel.arg_names if a.startswith("stride_"))]
@@ -703,7 +704,8 @@ def _assert_waits_before_any_access(compiled, what: str) -> None:
     ptx = compiled.asm["ptx"]
     wait = ptx.find("griddepcontrol.wait")
     assert wait >= 0 and "griddepcontrol.launch_dependents" in ptx, what
-    accesses = [i for op in ("ld.global", "st.global", "atom.global") if (i := ptx.find(op)) >= 0]
+    memory = ("ld.global", "st.global", "atom.global", "red.global", "cp.async", "prefetch.global")
+    accesses = [i for op in memory if (i := ptx.find(op)) >= 0]
     assert accesses and wait < min(accesses), f"{what}: a global access before the wait"
 
 
@@ -721,7 +723,7 @@ def test_row_linear_compiles_for_hopper_without_spills(bias, residual, width, gi
     kernel = rl._row_linear_kernel
     constants = {"HAS_BIAS": bias, "HAS_RESIDUAL": residual, "HAS_NORM": given == "norm",
                  "SWIGLU": given == "swiglu", "BN": rl.BLOCK_N, "BK": rl.block_k(width),
-                 "STAGES": rl.NUM_STAGES}  # fmt: skip
+                 "STAGES": rl.NUM_STAGES, "DEPENDENT": False}  # fmt: skip
     compiled = _compile_row_linear(kernel, constants, {"num_warps": rl.NUM_WARPS})
     assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
     _assert_spills_within(compiled, 0, f"row_linear K={width} bias={bias} residual={residual} "
@@ -742,7 +744,12 @@ def _compile_row_linear(kernel, constants: dict, options: dict):
                               [*pointers, "K", "stride_x", "stride_y"])  # fmt: skip
 
 
-@pytest.mark.parametrize("given", ["norm", "swiglu"])
+@pytest.mark.skipif(
+    _triton.TRITON_VERSION is None
+    or _triton._release(_triton.TRITON_VERSION) < _triton.OLDEST_DEPENDENT_TRITON,
+    reason="dependent launch needs Triton 3.5 or later",
+)
+@pytest.mark.parametrize("given", ["x", "norm", "swiglu"])
 def test_the_decoding_kernels_launched_dependent_wait_before_any_access(given):
     """With DEPENDENT (programmatic dependent launch), `row_linear`'s kernel and the fused
     step's two read and write nothing before `gdc_wait`: the kernel ahead of them may still be

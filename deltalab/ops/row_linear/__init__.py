@@ -29,8 +29,10 @@ The norm in the kernel: each program first walks its row of x for the mean squar
 few KB, read from cache by every program), then scales each block of x as it streams the
 weight. At one row a norm's own launch costs about 2 us on an H100 for a 1024-wide row, which
 is 40% of the product after it.
-SwiGLU in the kernel: each block of x is the gate's block times silu, times up's block K
-columns on; one launch fewer a layer, as for the norm.
+
+SwiGLU in the kernel: each block of the product's input is silu of the gate's block times
+up's block, K columns on, rounded to x's dtype; one launch fewer a layer, as for the norm.
+The torch backend gates the same way (in float32, rounded once) before its product.
 
 On cards of compute capability 9.0 and later the kernel is launched dependent
 (`deltalab.ops._triton.dependent_launch`): it waits for the kernel ahead of it before touching
@@ -50,7 +52,7 @@ import torch.nn.functional as F
 from deltalab.ops._checks import require_choice, require_float, require_same_device, require_shape
 from deltalab.ops._triton import require_triton, triton_available
 from deltalab.ops.norms.reference import rms_norm_naive, rms_norm_torch
-from deltalab.ops.swiglu.reference import swiglu_formula, swiglu_torch
+from deltalab.ops.swiglu.reference import swiglu_formula, swiglu_naive
 
 __all__ = [
     "BACKENDS",
@@ -176,11 +178,10 @@ def row_linear(
     if not isinstance(swiglu, bool):
         raise TypeError(f"swiglu must be a bool, got {swiglu!r}")
     rows, width = x.shape[0], x.shape[1] // 2 if swiglu else x.shape[1]
-    if swiglu and (x.shape[1] % 2 or norm_weight is not None):
-        raise ValueError(
-            "swiglu: x must be [M, 2K] (gate, then up) and norm_weight None, got "
-            f"x {tuple(x.shape)}, norm_weight {'given' if norm_weight is not None else None}"
-        )
+    if swiglu and x.shape[1] % 2:
+        raise ValueError(f"swiglu: x must be [M, 2K] (gate, then up), got {tuple(x.shape)}")
+    if swiglu and norm_weight is not None:
+        raise ValueError("swiglu: the product gates x or normalizes it, give norm_weight=None")
     expected = "(K = x.shape[1] / 2)" if swiglu else "(K = x.shape[1])"
     require_shape("weight", weight, (weight.shape[0], width), "[N, K]", expected)
     outputs = weight.shape[0]
@@ -211,7 +212,7 @@ def row_linear(
 
         return row_linear_triton(x, weight, bias, residual, norm_weight, norm_eps, out, swiglu)
     if swiglu:
-        x = swiglu_torch(x)
+        x = swiglu_naive(x)  # float32 for 16-bit x, rounded once, as the kernel gates
     if norm_weight is not None:
         x = rms_norm_torch(x, norm_weight, norm_eps).to(x.dtype)
     return _row_linear_torch(x, weight, bias, residual, out)

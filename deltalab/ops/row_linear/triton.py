@@ -43,7 +43,8 @@ def _row_linear_kernel(X, W, B, R, NORM_W, Y, N, K, stride_x, stride_r, stride_y
                        HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_NORM: tl.constexpr,
                        BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
                        SWIGLU: tl.constexpr = False, DEPENDENT: tl.constexpr = False):  # fmt: skip
-    if DEPENDENT:
+    tl.static_assert(not (HAS_NORM and SWIGLU), "the norm or SwiGLU's gating, not both")
+    if DEPENDENT:  # nothing read or written before the wait (`dependent_launch`)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(1).to(tl.int64)
@@ -107,12 +108,12 @@ def row_linear_triton(
         residual = residual.contiguous()
     y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device) if out is None else out
     grid = (triton.cdiv(outputs, BLOCK_N), rows)
-    dependent = dependent_launch(x.device, dependent)
+    dependent = dependent_launch(x.device, dependent, "dependent")
     _row_linear_kernel[grid](
         x, weight, bias, residual, norm_weight, y, outputs, width, x.stride(0),
         0 if residual is None else residual.stride(0), y.stride(0), float(norm_eps),
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        HAS_NORM=norm_weight is not None, SWIGLU=swiglu, BN=BLOCK_N, BK=block_k(width), STAGES=NUM_STAGES,
-        DEPENDENT=dependent, num_warps=NUM_WARPS, launch_pdl=dependent,
+        HAS_NORM=norm_weight is not None, SWIGLU=swiglu, BN=BLOCK_N, BK=block_k(width),
+        STAGES=NUM_STAGES, DEPENDENT=dependent, num_warps=NUM_WARPS, launch_pdl=dependent,
     )  # fmt: skip
     return y

@@ -289,7 +289,7 @@ def _exact_predict_kernel(
     """Exact KDN's first stage, program (head bh, rows block i): P_bar k on rows block i of the
     predicted covariance (`_predicted_rows`), and (block 0) k, into PREDICTED `[B*H, 2, K]`.
     It only reads (the k cache included): the step's kernel, launched after it, updates P."""
-    if DEPENDENT:
+    if DEPENDENT:  # nothing read or written before the wait (`dependent_launch`)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     bh = tl.program_id(0).to(tl.int64)
@@ -384,7 +384,7 @@ def _fused_step_kernel(
     GATE_ACT: tl.constexpr, ONE_BLOCK: tl.constexpr, BR: tl.constexpr,
     DEPENDENT: tl.constexpr = False,
 ):  # fmt: skip
-    if DEPENDENT:
+    if DEPENDENT:  # nothing read or written before the wait (`dependent_launch`)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     # 64-bit bases (a sequence's rows, a head's state) and 32-bit offsets within them: fewer
@@ -581,7 +581,8 @@ def fused_layer_step(
         heads, key_dim, value_dim, float(scale), float(l2_eps), float(norm_eps), float(r_min),
         float(info_scale), **constants, BV=block_v, RULE=RULES.index(form.rule),
         READ_FORM=READS.index(form.read), GATE_ACT=GATES[form.gate_activation],
-        ONE_BLOCK=block_v >= value_dim, DEPENDENT=dependent, num_warps=warps, launch_pdl=dependent,
+        ONE_BLOCK=block_v >= value_dim, DEPENDENT=dependent, num_warps=warps,
+        launch_pdl=dependent,
     )  # fmt: skip
     return out
 
