@@ -250,10 +250,10 @@ def test_dependent_launch_is_off_where_unsupported_and_refused_when_asked_for_th
         dependent_launch(cpu, 1, "launch")
 
 
-HOPPER = torch.cuda.is_available() and not INTERPRET and torch.cuda.get_device_capability()[0] >= 9
+DEPENDENT = torch.cuda.is_available() and dependent_launch(torch.device("cuda"))
 
 
-@pytest.mark.skipif(not HOPPER, reason="dependent launch: a CUDA GPU of compute capability 9+")
+@pytest.mark.skipif(not DEPENDENT, reason="dependent launch: an NVIDIA GPU of capability 9+")
 def test_products_launched_dependent_give_the_bits_of_products_launched_in_turn(generator):
     """16 products in one CUDA graph, each normalizing the last one's output and summing into
     it (as a decoder's blocks chain them), the graph replayed thrice: the same bits with
