@@ -128,18 +128,89 @@ def test_a_decoding_step_on_the_kernels_runs_no_norm_module_but_the_heads(genera
     assert norm_calls == [model.model.norm]
 
 
+def test_a_decoding_step_on_the_kernels_launches_no_swiglu_kernel(generator, monkeypatch):
+    """At a few rows on the kernels the down projection gates its input by SwiGLU itself: a step
+    launches no SwiGLU kernel (a spy on its launches, which the model's forward does make), and
+    its next token is the model's own forward's."""
+    from deltalab.ops.swiglu import triton as swiglu_kernels
+
+    launches = []
+    kernel = swiglu_kernels._swiglu_fwd
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(swiglu_kernels, "_swiglu_fwd", Counted())
+    torch.manual_seed(0)
+    model = CausalLM(build_config("tiny", mixer="gdn2", backend="triton",
+                                  **{**TINY, "num_layers": 2})).eval()  # fmt: skip
+    prompt = torch.randint(0, 67, (2, 7), generator=generator)
+    with torch.no_grad():
+        out = model(prompt, use_cache=True)
+        assert len(launches) == 2  # the forward's, one a layer: the spy sees them
+        decoder = StaticDecoder(model, out.past_key_values, 4, cuda_graph=False)
+        decoder.start(out.logits[:, -1])
+        launches.clear()
+        decoder.step()
+        assert launches == []
+        tokens = decoder.generated()
+        whole = model(torch.cat([prompt, tokens[:, :1]], 1)).logits[:, -1].argmax(-1)
+    assert torch.equal(tokens[:, 1], whole)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["kernel", "apart"])
+def test_add_projected_gates_swiglu_in_the_kernel_or_apart_with_the_same_result(generator, dtype):
+    """float32 rows at a few rows take the kernel, which gates them itself; float64 ones take
+    `swiglu` on the given backend, then torch's product: both the FFN's down branch."""
+    from deltalab.layers.decode_step import add_projected
+    from deltalab.ops.swiglu import swiglu
+
+    down = torch.nn.Linear(24, 16).to(dtype)
+    gate_up = torch.randn(3, 1, 48, generator=generator).to(dtype)
+    residual = torch.randn(3, 1, 16, generator=generator).to(dtype)
+    with torch.no_grad():
+        expected = residual + down(swiglu(gate_up, backend="naive"))
+        got = add_projected(residual, gate_up, down, "triton", swiglu_backend="triton")
+    assert got.shape == (3, 1, 16)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "match"),
+    [
+        ({"swiglu_backend": "cuda"}, ValueError, "swiglu_backend must be one of"),
+        ({"swiglu_backend": "triton", "norm": RMSNorm(48)}, ValueError, "norm or swiglu_backend"),
+    ],
+)
+def test_add_projected_refuses_bad_gating_naming_it(arguments, error, match):
+    from deltalab.layers.decode_step import add_projected
+
+    with pytest.raises(error, match=match):
+        add_projected(None, torch.zeros(2, 1, 48), torch.nn.Linear(24, 16), "triton", **arguments)
+
+
+def test_dependent_launch_asked_for_under_the_interpreter_is_refused_naming_it(generator):
+    from deltalab.ops.row_linear.triton import row_linear_triton
+
+    x, weight = torch.zeros(1, 8), torch.zeros(4, 8)
+    with pytest.raises(ValueError, match="dependent=True"):
+        row_linear_triton(x, weight, None, None, dependent=True)
+
+
 # What the interpreter does with a launch's arguments (copies to and from the host), which no
 # GPU launch does: left out of the counts below.
 INTERPRETER_OPS = {"aten::new_empty", "aten::set_", "aten::copy_"}
 # ATen operators of one layer's fused decoding step besides its Triton kernels (its products
 # by `row_linear`: x's projections after the block's first norm, the low-rank gates' second
 # factors, the output projection with the residual sum, the FFN's two, the first after the
-# second norm; the fused step; SwiGLU's gating): none but Exact KDN's buffer for P_bar k, an
-# allocation without a launch (`aten::new_empty`, among the interpreter's here). On a GPU 6
-# launches a layer, 7 with low-rank gates, 8 for Exact KDN (low-rank gates and the covariance's
-# first stage), where the unfused step makes 54 to 117 (tests/test_decode.py); past
-# `row_linear.MAX_TRITON_ROWS` sequences the products are cuBLAS's and the two norms their
-# own launches.
+# second norm, the second gating its input by SwiGLU; the fused step): none but Exact KDN's
+# buffer for P_bar k, an allocation without a launch (`aten::new_empty`, among the
+# interpreter's here). On a GPU 5 launches a layer, 6 with low-rank gates, 7 for Exact KDN
+# (low-rank gates and the covariance's first stage), where the unfused step makes 54 to 117
+# (tests/test_decode.py); past `row_linear.MAX_TRITON_ROWS` sequences the products are
+# cuBLAS's and the two norms and SwiGLU their own launches.
 FUSED_STEP_OPERATORS_PER_LAYER = 0
 FUSED_KINDS = ["deltanet", "gdn", "kda", "gdn2", "kdn_iso", "kdn_diag", "kdn_exact", "muir",
                "kdn_muir"]  # fmt: skip

@@ -8,7 +8,7 @@ import torch
 from conftest import needs_triton
 
 from deltalab.layers.norms import RMSNorm
-from deltalab.ops._triton import INTERPRET, triton_unavailable_reason
+from deltalab.ops._triton import INTERPRET, dependent_launch, triton_unavailable_reason
 from deltalab.ops.norms.reference import rms_norm_torch
 from deltalab.ops.row_linear import (
     MAX_TRITON_ROWS,
@@ -17,6 +17,7 @@ from deltalab.ops.row_linear import (
     row_linear,
     row_linear_naive,
 )
+from deltalab.ops.swiglu import swiglu
 from deltalab.testing import relative_error
 
 # (rows, outputs, K): one row as a decoding step makes, rows past one, a K of several blocks
@@ -114,6 +115,31 @@ def test_the_norm_in_the_product_matches_the_float64_definition(generator, backe
 
 
 @pytest.mark.parametrize("backend", [
+    "torch", pytest.param("triton", marks=[pytest.mark.interpreter, needs_triton])
+])  # fmt: skip
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_swiglu_in_the_product_matches_the_float64_definition(generator, backend, shape):
+    """x `[M, 2K]`: the product takes silu(gate) * up, gate the first K columns (a gate and
+    up of other scales, so that a swapped half or a missing gate cannot pass)."""
+    rows, outputs, width = shape
+    gate_up = torch.cat([2.0 * torch.randn(rows, width, generator=generator),
+                         0.5 + torch.randn(rows, width, generator=generator),
+                         torch.randn(rows, 5, generator=generator)], 1)  # fmt: skip
+    gate_up = gate_up.to(DEVICE)[:, : 2 * width]  # rows 2K + 5 apart: read by their stride
+    _, weight, b, r = inputs(shape, generator, bias=True, residual=True)
+    got = row_linear(gate_up, weight, b, r, swiglu=True, backend=backend)
+    expected = row_linear_naive(gate_up.double(), weight.double(), b.double(), r.double(),
+                                swiglu=True)  # fmt: skip
+    by_parts = row_linear(swiglu(gate_up, backend="naive"), weight, b, r, backend="torch")
+    assert got.shape == (rows, outputs)
+    assert relative_error(got, expected) < 1e-5
+    assert relative_error(got, by_parts) < 1e-5
+    swapped = torch.cat([gate_up[:, width:], gate_up[:, :width]], 1)
+    assert relative_error(row_linear_naive(swapped.double(), weight.double(), b.double(),
+                                           r.double(), swiglu=True), expected) > 1e-2  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", [
     "torch", "naive", pytest.param("triton", marks=[pytest.mark.interpreter, needs_triton])
 ])  # fmt: skip
 @pytest.mark.parametrize("bias", [False, True])
@@ -162,10 +188,36 @@ def test_the_norm_in_the_product_rounds_the_normalized_row_to_xs_dtype(generator
     assert (got != expected).float().mean() < 0.01
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="bfloat16: a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 4])
+def test_swiglu_in_the_product_rounds_the_gated_row_to_xs_dtype(generator, rows):
+    """As the norm's test below: each output adds two gated columns, so the sum of the rounded
+    columns (what `swiglu`'s output gives the product) differs from the unrounded sum in a share
+    of the outputs; the kernel gives the former, bit for bit with `swiglu`'s kernel."""
+    width = 512
+    gate_up = torch.randn(rows, 2 * width, generator=generator).to(DEVICE, torch.bfloat16)
+    weight = torch.zeros(width // 2, width, device=DEVICE, dtype=torch.bfloat16)
+    pairs = torch.arange(width // 2, device=DEVICE)
+    weight[pairs, 2 * pairs] = weight[pairs, 2 * pairs + 1] = 1.0
+    gated = swiglu(gate_up.float(), backend="torch")  # float32, before any rounding
+    rounded = gated.to(torch.bfloat16).float()
+    expected = (rounded[:, 0::2] + rounded[:, 1::2]).to(torch.bfloat16)
+    unrounded = (gated[:, 0::2] + gated[:, 1::2]).to(torch.bfloat16)
+    got = row_linear(gate_up, weight, swiglu=True, backend="triton")
+    assert (expected != unrounded).float().mean() > 0.05  # the two are told apart here
+    assert torch.equal(got, row_linear(swiglu(gate_up, backend="triton"), weight,
+                                       backend="triton"))  # fmt: skip
+    assert (got != expected).float().mean() < 0.01
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [
         ({"x": torch.zeros(2, 1, 8)}, "x must be"),
+        ({"swiglu": True, "x": torch.zeros(2, 7)}, "swiglu: x must be"),
+        ({"swiglu": True, "norm_weight": torch.zeros(4)}, "give norm_weight=None"),
+        ({"swiglu": True}, r"weight must have shape .*K = x.shape\[1\] / 2"),
+        ({"swiglu": 1}, "swiglu must be a bool"),
         ({"weight": torch.zeros(4, 7)}, "weight must have shape"),
         ({"bias": torch.zeros(5)}, "bias"),
         ({"residual": torch.zeros(2, 5)}, "residual"),
@@ -187,3 +239,55 @@ def test_row_linear_refuses_bad_arguments_naming_them(change, match):
     backend = arguments.pop("backend")
     with pytest.raises((ValueError, TypeError), match=match):
         row_linear(**arguments, backend=backend)
+
+
+def test_dependent_launch_is_off_where_unsupported_and_refused_when_asked_for_there():
+    cpu = torch.device("cpu")
+    assert dependent_launch(cpu) is False and dependent_launch(cpu, False) is False
+    with pytest.raises(ValueError, match=r"dependent=True \(dependent launch\) needs"):
+        dependent_launch(cpu, True)
+    with pytest.raises(TypeError, match="launch must be a bool or None"):
+        dependent_launch(cpu, 1, "launch")
+
+
+DEPENDENT = torch.cuda.is_available() and dependent_launch(torch.device("cuda"))
+
+
+@pytest.mark.skipif(not DEPENDENT, reason="dependent launch: an NVIDIA GPU of capability 9+")
+def test_products_launched_dependent_give_the_bits_of_products_launched_in_turn(generator):
+    """16 products in one CUDA graph, each normalizing the last one's output and summing into
+    it (as a decoder's blocks chain them), the graph replayed thrice: the same bits with
+    dependent launch as without. A kernel that read before its wait would read a stale row."""
+    from deltalab.ops.row_linear.triton import row_linear_triton
+
+    width = 1024
+    weights = [(torch.randn(width, width, generator=generator) / width**0.5).to(DEVICE).bfloat16()
+               for _ in range(16)]  # fmt: skip
+    scale = torch.rand(width, generator=generator).add(0.5).to(DEVICE).bfloat16()
+    start = torch.randn(1, width, generator=generator).to(DEVICE).bfloat16()
+
+    def replayed(dependent: bool) -> torch.Tensor:
+        h = start.clone()
+        outs = [torch.empty_like(start) for _ in weights]
+
+        def chain() -> None:
+            x = h
+            for w, out in zip(weights, outs, strict=True):
+                x = row_linear_triton(x, w, None, x, scale, 1e-5, out, dependent=dependent)
+            h.copy_(x / x.abs().amax())
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            chain()
+        torch.cuda.current_stream().wait_stream(side)
+        h.copy_(start)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain()
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        return h.clone()
+
+    assert torch.equal(replayed(True), replayed(False))

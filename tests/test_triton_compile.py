@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deltalab.ops import _triton
 from deltalab.ops._triton import HAS_TRITON, INTERPRET
 
 pytestmark = pytest.mark.skipif(
@@ -662,7 +663,7 @@ def test_fused_decode_step_compiles_for_hopper_within_its_spills(
         "W": 4, "BW": 4, "BK": block_k, "BV": block_v, "DECAY": fs.DECAYS.index(decay),
         "RULE": fs.RULES.index(rule), "READ_FORM": fs.READS.index(read), "TIED": tied,
         "GATE_ACT": GATES["sigmoid"], "ONE_BLOCK": block_v >= value_dim,
-        "BR": fs.COVARIANCE_ROWS,
+        "BR": fs.COVARIANCE_ROWS, "DEPENDENT": False,
     }  # fmt: skip
     signature = _fused_step_signature(kernel, constants)
     pointers = [a for a, kind in signature.items() if kind.startswith("*")]
@@ -687,7 +688,7 @@ def test_exact_kdn_predict_kernel_compiles_for_hopper_without_spills(decay, tied
 
     kernel = fs._exact_predict_kernel
     constants = {"W": 4, "BW": 4, "BK": 128, "BR": fs.COVARIANCE_ROWS,
-                 "DECAY": fs.DECAYS.index(decay), "TIED": tied}  # fmt: skip
+                 "DECAY": fs.DECAYS.index(decay), "TIED": tied, "DEPENDENT": False}  # fmt: skip
     signature = _fused_step_signature(kernel, constants)
     pointers = [a for a, kind in signature.items() if kind.startswith("*")]
     sized = ["K", *(a for a in kernel.arg_names if a.startswith("stride_"))]
@@ -697,20 +698,41 @@ def test_exact_kdn_predict_kernel_compiles_for_hopper_without_spills(decay, tied
     _assert_spills_within(compiled, 0, f"{decay}, {tied}, {warps} warps")
 
 
+def _assert_waits_before_any_access(compiled, what: str) -> None:
+    """A kernel compiled for dependent launch (`deltalab.ops._triton.dependent_launch`) waits
+    for the kernel ahead of it before its first global load or store, and lets the next start."""
+    ptx = compiled.asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    assert wait >= 0 and "griddepcontrol.launch_dependents" in ptx, what
+    memory = ("ld.global", "st.global", "atom.global", "red.global", "cp.async", "prefetch.global")
+    accesses = [i for op in memory if (i := ptx.find(op)) >= 0]
+    assert accesses and wait < min(accesses), f"{what}: a global access before the wait"
+
+
 @pytest.mark.parametrize(
     ("bias", "residual"), [(False, False), (True, False), (False, True), (True, True)]
 )
 @pytest.mark.parametrize("width", [1024, 2400])
-@pytest.mark.parametrize("norm", [False, True], ids=["no_norm", "norm"])
-def test_row_linear_compiles_for_hopper_without_spills(bias, residual, width, norm):
+@pytest.mark.parametrize("given", ["x", "norm", "swiglu"])
+def test_row_linear_compiles_for_hopper_without_spills(bias, residual, width, given):
     """`row_linear`'s kernel at its launch for a 340M layer's products (bf16; K = 1024: blocks of
-    512, K = 2400: of 1024), with and without a bias, a residual and the norm of x: no bytes
-    spilled, within shared memory."""
+    512, K = 2400: of 1024), with and without a bias, a residual, the norm of x or SwiGLU's
+    gating of it: no bytes spilled, within shared memory."""
     from deltalab.ops.row_linear import triton as rl
 
     kernel = rl._row_linear_kernel
-    constants = {"HAS_BIAS": bias, "HAS_RESIDUAL": residual, "HAS_NORM": norm, "BN": rl.BLOCK_N,
-                 "BK": rl.block_k(width), "STAGES": rl.NUM_STAGES}  # fmt: skip
+    constants = {"HAS_BIAS": bias, "HAS_RESIDUAL": residual, "HAS_NORM": given == "norm",
+                 "SWIGLU": given == "swiglu", "BN": rl.BLOCK_N, "BK": rl.block_k(width),
+                 "STAGES": rl.NUM_STAGES, "DEPENDENT": False}  # fmt: skip
+    compiled = _compile_row_linear(kernel, constants, {"num_warps": rl.NUM_WARPS})
+    assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
+    _assert_spills_within(compiled, 0, f"row_linear K={width} bias={bias} residual={residual} "
+                          f"{given}")  # fmt: skip
+
+
+def _compile_row_linear(kernel, constants: dict, options: dict):
+    """`row_linear`'s kernel for sm_90 in bf16, the pointers its flags leave unread None."""
+    constants = dict(constants)
     for flag, pointer in (("HAS_BIAS", "B"), ("HAS_RESIDUAL", "R"), ("HAS_NORM", "NORM_W")):
         if not constants[flag]:
             constants[pointer] = None
@@ -718,8 +740,35 @@ def test_row_linear_compiles_for_hopper_without_spills(bias, residual, width, no
     signature = {a: "constexpr" if a in constants else "*bf16" if a in tensors
                  else "fp32" if a == "norm_eps" else "i32" for a in kernel.arg_names}  # fmt: skip
     pointers = [a for a in tensors if a not in constants]
-    compiled = _compile_signature(kernel, signature, constants, {"num_warps": rl.NUM_WARPS},
-                                  [*pointers, "K", "stride_x", "stride_y"])  # fmt: skip
-    assert compiled.metadata.shared <= HOPPER_SHARED_BYTES
-    _assert_spills_within(compiled, 0, f"row_linear K={width} bias={bias} residual={residual} "
-                          f"norm={norm}")  # fmt: skip
+    return _compile_signature(kernel, signature, constants, options,
+                              [*pointers, "K", "stride_x", "stride_y"])  # fmt: skip
+
+
+@pytest.mark.skipif(
+    _triton.TRITON_VERSION is None
+    or _triton._release(_triton.TRITON_VERSION) < _triton.OLDEST_DEPENDENT_TRITON,
+    reason="dependent launch needs Triton 3.5 or later",
+)
+@pytest.mark.parametrize("given", ["x", "norm", "swiglu"])
+def test_the_decoding_kernels_launched_dependent_wait_before_any_access(given):
+    """With DEPENDENT (programmatic dependent launch), `row_linear`'s kernel and the fused
+    step's two read and write nothing before `gdc_wait`: the kernel ahead of them may still be
+    writing their inputs."""
+    from deltalab.ops.delta_rule.triton import fused_step as fs
+    from deltalab.ops.norms.triton import GATES
+    from deltalab.ops.row_linear import triton as rl
+
+    constants = {"HAS_BIAS": False, "HAS_RESIDUAL": True, "HAS_NORM": given == "norm",
+                 "SWIGLU": given == "swiglu", "BN": rl.BLOCK_N, "BK": 512,
+                 "STAGES": rl.NUM_STAGES, "DEPENDENT": True}  # fmt: skip
+    options = {"num_warps": rl.NUM_WARPS, "launch_pdl": True}
+    compiled = _compile_row_linear(rl._row_linear_kernel, constants, options)
+    _assert_waits_before_any_access(compiled, f"row_linear, {given}")
+    step = {"W": 4, "BW": 4, "BK": 128, "BV": 64, "DECAY": 2, "RULE": fs.RULES.index("kdn_exact"),
+            "READ_FORM": 0, "TIED": False, "GATE_ACT": GATES["sigmoid"], "ONE_BLOCK": False,
+            "BR": fs.COVARIANCE_ROWS, "DEPENDENT": True}  # fmt: skip
+    predict = {k: step[k] for k in ("W", "BW", "BK", "BR", "DECAY", "TIED", "DEPENDENT")}
+    for kernel, constants in ((fs._fused_step_kernel, step), (fs._exact_predict_kernel, predict)):
+        signature = _fused_step_signature(kernel, constants)
+        compiled = _compile_signature(kernel, signature, constants, options, [])
+        _assert_waits_before_any_access(compiled, kernel.fn.__name__)

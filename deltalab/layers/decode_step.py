@@ -39,10 +39,13 @@ from deltalab.layers.muir import FusedGateProjection, Muir
 from deltalab.layers.norms import RMSNorm
 from deltalab.layers.projections import _concatenated, _kept, fusable
 from deltalab.layers.states import RecurrentState
+from deltalab.ops._checks import require_choice
 from deltalab.ops._triton import triton_available, triton_unavailable_reason
 from deltalab.ops.delta_rule.triton.fused_step import FusedStepLaunch, StepForm
 from deltalab.ops.norms import L2_EPS
 from deltalab.ops.row_linear import products_backend, resolve_backend, row_linear
+from deltalab.ops.swiglu import BACKENDS as SWIGLU_BACKENDS
+from deltalab.ops.swiglu import swiglu
 
 __all__ = [
     "LowRank",
@@ -298,18 +301,31 @@ def add_projected(
     backend: str = "auto",
     *,
     norm: nn.Module | None = None,
+    swiglu_backend: str | None = None,
     in_place: bool = False,
 ) -> torch.Tensor:
     """residual + linear(norm(inputs)) `[B, 1, D]` (no residual: none; no norm: inputs as they
     are) by `row_linear` on its backend for a layer on `backend` (`products_backend`), the sum
     and the norm in the product where nothing casts between them (no autocast, one dtype);
-    else the modules' forwards and a sum. inputs `[B, n]` or `[B, 1, n]`. in_place: the sum may
-    be written into `residual` (which must not be needed after), so that no copy of it is made;
+    else the modules' forwards and a sum. inputs `[B, n]` or `[B, 1, n]`. swiglu_backend:
+    inputs `[B, 2n]` are SwiGLU's gate and up, gated inside the product where it runs
+    `row_linear`'s kernel (in float32, rounded once to their dtype: what `swiglu`'s kernel
+    writes), else first by `swiglu` on this backend (the FFN's). in_place: the sum may be
+    written into `residual` (which must not be needed after), so that no copy of it is made;
     the result is the returned tensor. The maps are plain `nn.Linear`s (`fusable`): their
     forward is the product."""
     weight, bias = linear.weight, linear.bias
     dtypes = {t.dtype for t in (inputs, weight, bias, residual) if t is not None}
-    if torch.is_autocast_enabled(inputs.device.type) or len(dtypes) > 1:
+    plain = not torch.is_autocast_enabled(inputs.device.type) and len(dtypes) == 1
+    gated = swiglu_backend is not None
+    if gated:
+        require_choice("swiglu_backend", swiglu_backend, SWIGLU_BACKENDS)
+        if norm is not None:
+            raise ValueError("add_projected: give norm or swiglu_backend, not both")
+        rows = inputs.flatten(0, -2)
+        if not plain or resolve_backend(products_backend(backend, rows), rows) != "triton":
+            inputs, gated = swiglu(inputs, backend=swiglu_backend), False
+    if not plain:
         y = linear(inputs if norm is None else norm(inputs)).view(inputs.shape[0], 1, -1)
         return y if residual is None else residual + y.view_as(residual)
     if norm is not None:
@@ -318,7 +334,8 @@ def add_projected(
         rows = inputs.flatten(0, -2)
     flat = None if residual is None else residual.flatten(0, -2)
     y = row_linear(rows, weight, bias, flat, out=flat if in_place else None,
-                   backend=products_backend(backend, rows), **_norm_arguments(norm))  # fmt: skip
+                   swiglu=gated, backend=products_backend(backend, rows),
+                   **_norm_arguments(norm))  # fmt: skip
     return y.view(inputs.shape[0], 1, -1)
 
 

@@ -40,7 +40,6 @@ from deltalab.layers.states import AttentionState, RecurrentState
 from deltalab.models.cache import RecurrentCache
 from deltalab.models.lm import CausalLM
 from deltalab.ops._checks import unchecked_values
-from deltalab.ops.swiglu import swiglu
 
 __all__ = ["StaticDecoder", "StaticKV", "static_generate"]
 
@@ -334,12 +333,13 @@ class StaticDecoder:
                     if tensor is not buffer:
                         buffer.copy_(tensor)
             # Block.forward's FFN branch, its norm in the first product where the kernel runs
-            # it, the residual summed into x in the down projection's product.
+            # it, SwiGLU's gating in the second where the kernel runs it, the residual summed into
+            # x in the down projection's product.
             ffn = block.ffn
             products = ffn.backend  # its products follow it (`products_backend`)
             gate_up = add_projected(None, x, ffn.gate_up, products, norm=block.ffn_norm)
-            hidden = swiglu(gate_up, backend=ffn.backend)
-            x = add_projected(x, hidden, ffn.down, products, in_place=True)
+            x = add_projected(x, gate_up, ffn.down, products, swiglu_backend=ffn.backend,
+                              in_place=True)  # fmt: skip
         logits = self.model.lm_head(core.norm(x))[:, -1]
         logits = logits.to(compute_dtype(logits))
         self.position += 1

@@ -8,6 +8,7 @@ is an error that says why.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -27,6 +28,59 @@ TRITON_VERSION = installed_version("triton") if HAS_TRITON else None
 OLDEST_COMPILING_TRITON = (3, 4)
 # Read once: triton.jit decides at decoration time whether a kernel is compiled or interpreted.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# The oldest release whose grid-dependency instructions (`tl.extra.cuda.gdc_wait`,
+# `gdc_launch_dependents`) compile: 3.4's take a keyword its own builtins no longer pass.
+OLDEST_DEPENDENT_TRITON = (3, 5)
+
+
+def _release(version: str | None) -> tuple[int, int] | None:
+    """(major, minor) of a Triton version string, None where it has none."""
+    parsed = re.match(r"(\d+)\.(\d+)", version or "")
+    return None if parsed is None else (int(parsed[1]), int(parsed[2]))
+
+
+@functools.cache
+def _hopper_class(index: int) -> bool:
+    """CUDA device `index` has compute capability 9.0 or later (read once a device)."""
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def dependent_launch(
+    device: torch.device, requested: bool | None = None, name: str = "dependent"
+) -> bool:
+    """Whether a kernel launched on `device` starts before the kernel ahead of it has finished
+    (CUDA's programmatic dependent launch: compiled kernels on an NVIDIA GPU of compute
+    capability 9.0 or later, Triton 3.5 or later). A kernel launched so first waits
+    (`gdc_wait`) for the kernel ahead to finish and its writes to show, and only then lets the
+    next one start (`gdc_launch_dependents`) and touches memory. So at most the one kernel
+    ahead is still running while a kernel starts, and every access comes after all of it:
+    the results are those of launches one after another, and what overlaps is one kernel's
+    tail with the next one's launch: about 0.07 ms of a 340M model's 0.87 ms token at one
+    sequence on an H100 (docs/PERFORMANCE.md, "Fewer launches, overlapped").
+
+    requested (the caller's argument `name`): None, wherever it is supported; True where it
+    is not is an error naming it (the interpreter has no such instructions); False, never."""
+    if requested is not None and not isinstance(requested, bool):
+        raise TypeError(f"{name} must be a bool or None, got {requested!r}")
+    release = _release(TRITON_VERSION)
+    supported = (
+        not INTERPRET
+        and device.type == "cuda"
+        and torch.version.hip is None
+        and release is not None
+        and release >= OLDEST_DEPENDENT_TRITON
+        and _hopper_class(torch.cuda.current_device() if device.index is None else device.index)
+    )
+    if requested and not supported:
+        oldest = ".".join(map(str, OLDEST_DEPENDENT_TRITON))
+        raise ValueError(
+            f"{name}=True (dependent launch) needs compiled kernels on an NVIDIA GPU of compute "
+            f"capability 9.0 or later and Triton {oldest} or later, got {device}, Triton "
+            f"{TRITON_VERSION}" + (" under TRITON_INTERPRET=1" if INTERPRET else "")
+        )
+    return supported if requested is None else requested
 
 
 def opaque_to_compiler(fn):
@@ -49,8 +103,8 @@ def opaque_to_compiler(fn):
 def compiler_too_old_reason(version: str | None) -> str | None:
     """None when Triton `version` (e.g. "3.4.0", "3.5.0+git1a2b") compiles every kernel, else a
     sentence naming it and the oldest release that does. None for an unreadable version."""
-    parsed = re.match(r"(\d+)\.(\d+)", version or "")
-    if parsed is None or (int(parsed[1]), int(parsed[2])) >= OLDEST_COMPILING_TRITON:
+    release = _release(version)
+    if release is None or release >= OLDEST_COMPILING_TRITON:
         return None
     oldest = ".".join(map(str, OLDEST_COMPILING_TRITON))
     return f"Triton {version} is installed; the compiled kernels need {oldest} or later"

@@ -1,11 +1,13 @@
 """A few rows through a linear map: the matrix products of a one-token decoding step.
 
     row_linear(x, weight, bias=None, residual=None, *, norm_weight=None, norm_eps=1e-5,
-               out=None, backend="auto")
+               swiglu=False, out=None, backend="auto")
         = residual + n(x) weight^T + bias       x `[M, K]`, weight `[N, K]` -> `[M, N]`
 
     n(x) = x / sqrt(mean(x^2) + norm_eps) * norm_weight, rounded to x's dtype (the `RMSNorm`
-    module's output: a pre-norm block's norm and the product after it), or x (no norm_weight).
+    module's output: a pre-norm block's norm and the product after it), or x (no norm_weight);
+    with swiglu, x `[M, 2K]` holds SwiGLU's gate and up halves and n(x) = silu(gate) * up,
+    rounded to x's dtype (`deltalab.ops.swiglu`'s output: the FFN's down projection).
 
 At one row a product reads its whole weight once and does two flops a weight: its time is the
 weight's bytes over the memory bandwidth the kernel reaches. cuBLAS's kernels for one row reach
@@ -28,6 +30,15 @@ few KB, read from cache by every program), then scales each block of x as it str
 weight. At one row a norm's own launch costs about 2 us on an H100 for a 1024-wide row, which
 is 40% of the product after it.
 
+SwiGLU in the kernel: each block of the product's input is silu of the gate's block times
+up's block, K columns on, rounded to x's dtype; one launch fewer a layer, as for the norm.
+The torch backend gates the same way (in float32, rounded once) before its product.
+
+On cards of compute capability 9.0 and later the kernel is launched dependent
+(`deltalab.ops._triton.dependent_launch`): it waits for the kernel ahead of it before touching
+memory and lets the next kernel start as soon as all its programs run, so that consecutive
+launches of a decoding step overlap their starts.
+
 `out` takes the result where the caller wants it; out = residual accumulates the product into
 the residual in place. torch's addmm would otherwise copy the residual into a new output first
 (one device-to-device copy a product: 48 a token of a 340M decoder at 64 sequences).
@@ -41,6 +52,7 @@ import torch.nn.functional as F
 from deltalab.ops._checks import require_choice, require_float, require_same_device, require_shape
 from deltalab.ops._triton import require_triton, triton_available
 from deltalab.ops.norms.reference import rms_norm_naive, rms_norm_torch
+from deltalab.ops.swiglu.reference import swiglu_formula, swiglu_naive
 
 __all__ = [
     "BACKENDS",
@@ -80,10 +92,12 @@ def products_backend(layer_backend: str, x: torch.Tensor) -> str:
 
 
 def row_linear_naive(
-    x, weight, bias=None, residual=None, norm_weight=None, norm_eps=1e-5
+    x, weight, bias=None, residual=None, norm_weight=None, norm_eps=1e-5, swiglu=False
 ) -> torch.Tensor:
     """The definition in float64, rounded to x's dtype once."""
     rows = x.double()
+    if swiglu:
+        rows = swiglu_formula(rows)
     if norm_weight is not None:
         rows = rms_norm_naive(rows, norm_weight.double(), norm_eps)
     y = rows @ weight.double().t()
@@ -146,20 +160,30 @@ def row_linear(
     *,
     norm_weight: torch.Tensor | None = None,
     norm_eps: float = 1e-5,
+    swiglu: bool = False,
     out: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """residual + n(x) weight^T + bias: x `[M, K]` (rows of unit column stride, any row stride:
     a column slice of a wider product), weight `[N, K]`, bias `[N]`, residual `[M, N]` (None:
     none), all of x's dtype -> `[M, N]` in x's dtype. n: x's RMS norm times norm_weight `[K]`
-    (any float dtype) with norm_eps, rounded to x's dtype (None: x). out: `[M, N]` to write
-    and return (None: a new tensor); out = residual sums into the residual in place."""
+    (any float dtype) with norm_eps, rounded to x's dtype (None: x); swiglu: x `[M, 2K]` is
+    SwiGLU's gate and up, n(x) = silu(gate) * up rounded to x's dtype (not with norm_weight).
+    out: `[M, N]` to write and return (None: a new tensor); out = residual sums into the
+    residual in place."""
     x = require_float("x", x)
     weight = require_float("weight", weight)
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K] rows, got shape {tuple(x.shape)}")
-    rows, width = x.shape
-    require_shape("weight", weight, (weight.shape[0], width), "[N, K]", "(K = x.shape[1])")
+    if not isinstance(swiglu, bool):
+        raise TypeError(f"swiglu must be a bool, got {swiglu!r}")
+    rows, width = x.shape[0], x.shape[1] // 2 if swiglu else x.shape[1]
+    if swiglu and x.shape[1] % 2:
+        raise ValueError(f"swiglu: x must be [M, 2K] (gate, then up), got {tuple(x.shape)}")
+    if swiglu and norm_weight is not None:
+        raise ValueError("swiglu: the product gates x or normalizes it, give norm_weight=None")
+    expected = "(K = x.shape[1] / 2)" if swiglu else "(K = x.shape[1])"
+    require_shape("weight", weight, (weight.shape[0], width), "[N, K]", expected)
     outputs = weight.shape[0]
     if bias is not None:
         require_shape("bias", bias, (outputs,), "[N]", "(N = weight.shape[0])")
@@ -181,12 +205,14 @@ def row_linear(
     if min(rows, width, outputs) == 0 and backend == "triton":
         backend = "torch"  # nothing to stream: torch's product makes the empty or zero result
     if backend == "naive":
-        y = row_linear_naive(x, weight, bias, residual, norm_weight, norm_eps)
+        y = row_linear_naive(x, weight, bias, residual, norm_weight, norm_eps, swiglu)
         return y if out is None else out.copy_(y)
     if backend == "triton":
         from deltalab.ops.row_linear.triton import row_linear_triton
 
-        return row_linear_triton(x, weight, bias, residual, norm_weight, norm_eps, out)
+        return row_linear_triton(x, weight, bias, residual, norm_weight, norm_eps, out, swiglu)
+    if swiglu:
+        x = swiglu_naive(x)  # float32 for 16-bit x, rounded once, as the kernel gates
     if norm_weight is not None:
         x = rms_norm_torch(x, norm_weight, norm_eps).to(x.dtype)
     return _row_linear_torch(x, weight, bias, residual, out)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltalab.ops._triton import opaque_to_compiler
+from deltalab.ops._triton import dependent_launch, opaque_to_compiler
 
 BLOCK_N = 8
 NUM_WARPS = 4
@@ -28,9 +28,25 @@ def block_k(width: int) -> int:
 
 
 @triton.jit
+def _input_block(X, row, stride_x, k, k_ok, K, SWIGLU: tl.constexpr):
+    """Columns k of the row's input, float32: x's, or with SWIGLU silu(gate) * up of x's
+    halves (gate at k, up at K + k) rounded to x's dtype, as `swiglu`'s kernel writes it."""
+    x = tl.load(X + row * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
+    if SWIGLU:
+        up = tl.load(X + row * stride_x + K + k, mask=k_ok, other=0.0).to(tl.float32)
+        x = (x * tl.sigmoid(x) * up).to(X.dtype.element_ty).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _row_linear_kernel(X, W, B, R, NORM_W, Y, N, K, stride_x, stride_r, stride_y, norm_eps,
                        HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_NORM: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+                       BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                       SWIGLU: tl.constexpr = False, DEPENDENT: tl.constexpr = False):  # fmt: skip
+    tl.static_assert(not (HAS_NORM and SWIGLU), "the norm or SwiGLU's gating, not both")
+    if DEPENDENT:  # nothing read or written before the wait (`dependent_launch`)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(1).to(tl.int64)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = n < N
@@ -48,7 +64,7 @@ def _row_linear_kernel(X, W, B, R, NORM_W, Y, N, K, stride_x, stride_r, stride_y
     for start in tl.range(0, K, BK, num_stages=STAGES):
         k = start + cols
         k_ok = k < K
-        x = tl.load(X + row * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
+        x = _input_block(X, row, stride_x, k, k_ok, K, SWIGLU)
         if HAS_NORM:
             scale = tl.load(NORM_W + k, mask=k_ok, other=0.0).to(tl.float32)
             x = (x * rstd * scale).to(X.dtype.element_ty).to(tl.float32)
@@ -72,10 +88,14 @@ def row_linear_triton(
     norm_weight: torch.Tensor | None = None,
     norm_eps: float = 1e-5,
     out: torch.Tensor | None = None,
+    swiglu: bool = False,
+    dependent: bool | None = None,
 ) -> torch.Tensor:
     """`row_linear` by the kernel, validated inputs (the module docstring of the op). out may
-    be residual itself: each output is read from it and written back by one program."""
-    rows, width = x.shape
+    be residual itself: each output is read from it and written back by one program.
+    dependent: launched to start before the kernel ahead of it ends (`dependent_launch`; None:
+    where the card supports it)."""
+    rows, width = x.shape[0], weight.shape[1]
     outputs = weight.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -88,11 +108,12 @@ def row_linear_triton(
         residual = residual.contiguous()
     y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device) if out is None else out
     grid = (triton.cdiv(outputs, BLOCK_N), rows)
+    dependent = dependent_launch(x.device, dependent, "dependent")
     _row_linear_kernel[grid](
         x, weight, bias, residual, norm_weight, y, outputs, width, x.stride(0),
         0 if residual is None else residual.stride(0), y.stride(0), float(norm_eps),
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        HAS_NORM=norm_weight is not None, BN=BLOCK_N, BK=block_k(width), STAGES=NUM_STAGES,
-        num_warps=NUM_WARPS,
+        HAS_NORM=norm_weight is not None, SWIGLU=swiglu, BN=BLOCK_N, BK=block_k(width),
+        STAGES=NUM_STAGES, DEPENDENT=dependent, num_warps=NUM_WARPS, launch_pdl=dependent,
     )  # fmt: skip
     return y

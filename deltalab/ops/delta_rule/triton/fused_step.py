@@ -48,6 +48,9 @@ forms do. With the whole covariance in it (up to `fae8b0e`) the step was one 16-
 head, the covariance's 64 KB read and written by that one program: 1.19 ms a token at one
 sequence and 3.31 at 64 for the 340M model on an H100, against 1.04 and 3.09 now.
 
+Both kernels are launched dependent where the card supports it (`dependent_launch`), as the
+decoder's products are: each waits for the kernel ahead before any access.
+
 Numerics: float32 throughout (16-bit inputs widened at load), the raw output rounded to the
 output's dtype before its norm, as the unfused step rounds the delta rule's output; the new
 cache entries are the projected inputs as they came.
@@ -62,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltalab.ops._triton import opaque_to_compiler
+from deltalab.ops._triton import dependent_launch, opaque_to_compiler
 from deltalab.ops.launch_tables import LaunchRegistry
 from deltalab.ops.log_decay.triton import _softplus_terms
 from deltalab.ops.norms.triton import GATES, _gate_terms
@@ -281,11 +284,14 @@ def _exact_predict_kernel(
     K_IN, stride_k, WK, CK, DECAY_RAW, stride_decay, A_LOG, DT_BIAS, NOISE, stride_noise, P_INF,
     COVARIANCE, PREDICTED, H, K, l2_eps,
     W: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, DECAY: tl.constexpr,
-    TIED: tl.constexpr,
+    TIED: tl.constexpr, DEPENDENT: tl.constexpr = False,
 ):  # fmt: skip
     """Exact KDN's first stage, program (head bh, rows block i): P_bar k on rows block i of the
     predicted covariance (`_predicted_rows`), and (block 0) k, into PREDICTED `[B*H, 2, K]`.
     It only reads (the k cache included): the step's kernel, launched after it, updates P."""
+    if DEPENDENT:  # nothing read or written before the wait (`dependent_launch`)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     bh = tl.program_id(0).to(tl.int64)
     b = bh // H
     h = (bh % H).to(tl.int32)
@@ -376,7 +382,11 @@ def _fused_step_kernel(
     W: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DECAY: tl.constexpr, RULE: tl.constexpr, READ_FORM: tl.constexpr, TIED: tl.constexpr,
     GATE_ACT: tl.constexpr, ONE_BLOCK: tl.constexpr, BR: tl.constexpr,
+    DEPENDENT: tl.constexpr = False,
 ):  # fmt: skip
+    if DEPENDENT:  # nothing read or written before the wait (`dependent_launch`)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # 64-bit bases (a sequence's rows, a head's state) and 32-bit offsets within them: fewer
     # registers for the address tensors.
     bh = tl.program_id(0).to(tl.int64)
@@ -508,6 +518,7 @@ def fused_layer_step(
     info_scale: float = 1.0,
     block_v: int | None = None,
     table: FusedStepLaunch | None = None,
+    dependent: bool | None = None,
 ) -> torch.Tensor:
     """One token of a delta-rule layer (module docstring), everything but its projections.
 
@@ -522,7 +533,9 @@ def fused_layer_step(
     filter's state: precision `[B, H]` or `[B, H, K]`, covariance `[B, H, K, K]`; float32,
     contiguous, updated in place). None where the form reads
     none. block_v: the value columns a block holds, at `launch`'s warps (None: by `table`, the
-    launch table, through `table_launch`; None: the card's, `LAUNCH_TABLES`).
+    launch table, through `table_launch`; None: the card's, `LAUNCH_TABLES`). dependent: the
+    kernels start before the kernel ahead of them ends (`dependent_launch`; None: where the card
+    supports it).
     """
     batch, heads, key_dim, value_dim = memory.shape
     width = conv_weights[0].shape[-1]
@@ -546,6 +559,7 @@ def fused_layer_step(
     constants = dict(W=width, BW=taps, BK=block_k, DECAY=DECAYS.index(form.decay), TIED=form.tied,
                      BR=COVARIANCE_ROWS)  # fmt: skip
     predicted, parts = memory, 1
+    dependent = dependent_launch(memory.device, dependent)
     if form.rule == "kdn_exact":
         # P_bar k of the whole head first, over the rows of P: the step's second axis then
         # updates P's rows blocks in place while the head's step writes the memory.
@@ -555,7 +569,7 @@ def fused_layer_step(
             k[0], k[1], conv_weights[1], caches[1], *rows["decay"], placeholder["A_log"],
             placeholder["dt_bias"], *rows["noise"], placeholder["p_inf_raw"],
             placeholder["precision"], predicted, heads, key_dim, float(l2_eps),
-            **constants, num_warps=warps,
+            **constants, DEPENDENT=dependent, num_warps=warps, launch_pdl=dependent,
         )  # fmt: skip
         parts += blocks
     _fused_step_kernel[(batch * heads, parts)](
@@ -567,7 +581,8 @@ def fused_layer_step(
         heads, key_dim, value_dim, float(scale), float(l2_eps), float(norm_eps), float(r_min),
         float(info_scale), **constants, BV=block_v, RULE=RULES.index(form.rule),
         READ_FORM=READS.index(form.read), GATE_ACT=GATES[form.gate_activation],
-        ONE_BLOCK=block_v >= value_dim, num_warps=warps,
+        ONE_BLOCK=block_v >= value_dim, DEPENDENT=dependent, num_warps=warps,
+        launch_pdl=dependent,
     )  # fmt: skip
     return out
 
