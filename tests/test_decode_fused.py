@@ -128,10 +128,9 @@ def test_a_decoding_step_on_the_kernels_runs_no_norm_module_but_the_heads(genera
     assert norm_calls == [model.model.norm]
 
 
-def test_a_decoding_step_on_the_kernels_launches_no_swiglu_kernel(generator, monkeypatch):
-    """At a few rows on the kernels the down projection gates its input by SwiGLU itself: a step
-    launches no SwiGLU kernel (a spy on its launches, which the model's forward does make), and
-    its next token is the model's own forward's."""
+@pytest.fixture
+def swiglu_launches(monkeypatch) -> list:
+    """The grids of SwiGLU's forward kernel launched from here on (a spy on its launches)."""
     from deltalab.ops.swiglu import triton as swiglu_kernels
 
     launches = []
@@ -143,6 +142,14 @@ def test_a_decoding_step_on_the_kernels_launches_no_swiglu_kernel(generator, mon
             return kernel[grid]
 
     monkeypatch.setattr(swiglu_kernels, "_swiglu_fwd", Counted())
+    return launches
+
+
+def test_a_decoding_step_on_the_kernels_launches_no_swiglu_kernel(generator, swiglu_launches):
+    """At a few rows on the kernels the down projection gates its input by SwiGLU itself: a step
+    launches no SwiGLU kernel (a spy on its launches, which the model's forward does make), and
+    its next token is the model's own forward's."""
+    launches = swiglu_launches
     torch.manual_seed(0)
     model = CausalLM(build_config("tiny", mixer="gdn2", backend="triton",
                                   **{**TINY, "num_layers": 2})).eval()  # fmt: skip
@@ -161,9 +168,12 @@ def test_a_decoding_step_on_the_kernels_launches_no_swiglu_kernel(generator, mon
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["kernel", "apart"])
-def test_add_projected_gates_swiglu_in_the_kernel_or_apart_with_the_same_result(generator, dtype):
-    """float32 rows at a few rows take the kernel, which gates them itself; float64 ones take
-    `swiglu` on the given backend, then torch's product: both the FFN's down branch."""
+def test_add_projected_gates_swiglu_in_the_kernel_or_apart_with_the_same_result(
+    generator, swiglu_launches, dtype
+):
+    """float32 rows at a few rows take the kernel, which gates them itself (no SwiGLU launch);
+    float64 ones take `swiglu` on the given backend (its kernel), then torch's product: both the
+    FFN's down branch."""
     from deltalab.layers.decode_step import add_projected
     from deltalab.ops.swiglu import swiglu
 
@@ -173,6 +183,7 @@ def test_add_projected_gates_swiglu_in_the_kernel_or_apart_with_the_same_result(
     with torch.no_grad():
         expected = residual + down(swiglu(gate_up, backend="naive"))
         got = add_projected(residual, gate_up, down, "triton", swiglu_backend="triton")
+    assert len(swiglu_launches) == (0 if dtype == torch.float32 else 1)
     assert got.shape == (3, 1, 16)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
@@ -189,14 +200,6 @@ def test_add_projected_refuses_bad_gating_naming_it(arguments, error, match):
 
     with pytest.raises(error, match=match):
         add_projected(None, torch.zeros(2, 1, 48), torch.nn.Linear(24, 16), "triton", **arguments)
-
-
-def test_dependent_launch_asked_for_under_the_interpreter_is_refused_naming_it(generator):
-    from deltalab.ops.row_linear.triton import row_linear_triton
-
-    x, weight = torch.zeros(1, 8), torch.zeros(4, 8)
-    with pytest.raises(ValueError, match="dependent=True"):
-        row_linear_triton(x, weight, None, None, dependent=True)
 
 
 # What the interpreter does with a launch's arguments (copies to and from the host), which no

@@ -3,12 +3,19 @@ fresh random inputs, and its argument checks."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import needs_triton
 
 from deltalab.layers.norms import RMSNorm
-from deltalab.ops._triton import INTERPRET, dependent_launch, triton_unavailable_reason
+from deltalab.ops._triton import (
+    INTERPRET,
+    dependent_launch,
+    dependent_launch_unsupported_reason,
+    triton_unavailable_reason,
+)
 from deltalab.ops.norms.reference import rms_norm_torch
 from deltalab.ops.row_linear import (
     MAX_TRITON_ROWS,
@@ -244,10 +251,26 @@ def test_row_linear_refuses_bad_arguments_naming_them(change, match):
 def test_dependent_launch_is_off_where_unsupported_and_refused_when_asked_for_there():
     cpu = torch.device("cpu")
     assert dependent_launch(cpu) is False and dependent_launch(cpu, False) is False
-    with pytest.raises(ValueError, match=r"dependent=True \(dependent launch\) needs"):
+    with pytest.raises(ValueError, match=r"dependent=True: (the interpreter|dependent launch is)"):
         dependent_launch(cpu, True)
     with pytest.raises(TypeError, match="launch must be a bool or None"):
         dependent_launch(cpu, 1, "launch")
+
+
+@pytest.mark.parametrize(
+    ("settings", "reason"),
+    [
+        ({"interpret": True}, "the interpreter"),
+        ({"hip": "6.4"}, r"NVIDIA GPUs; got cuda:0 \(ROCm 6.4\)"),
+        ({"triton_version": "3.4.0"}, "needs Triton 3.5 or later, got 3.4.0"),
+        ({"triton_version": None}, "needs Triton 3.5 or later, got None"),
+    ],
+)
+def test_dependent_launch_names_why_a_card_or_build_cannot_have_it(settings, reason):
+    """Checked before the card is asked for its capability: runs without a GPU."""
+    cuda = torch.device("cuda", 0)
+    given = {"interpret": False, "hip": None, "triton_version": "3.6.0"} | settings
+    assert re.search(reason, dependent_launch_unsupported_reason(cuda, **given))
 
 
 DEPENDENT = torch.cuda.is_available() and dependent_launch(torch.device("cuda"))

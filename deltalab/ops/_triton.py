@@ -47,6 +47,31 @@ def _hopper_class(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def dependent_launch_unsupported_reason(
+    device: torch.device,
+    *,
+    interpret: bool = INTERPRET,
+    hip: str | None = torch.version.hip,
+    triton_version: str | None = TRITON_VERSION,
+) -> str | None:
+    """None where kernels on `device` can be launched dependent (`dependent_launch`), else why
+    not; the keywords default to this process's interpreter switch, ROCm build and Triton."""
+    oldest = ".".join(map(str, OLDEST_DEPENDENT_TRITON))
+    release = _release(triton_version)
+    if interpret:
+        return "the interpreter (TRITON_INTERPRET=1) has no grid-dependency instructions"
+    if device.type != "cuda" or hip is not None:
+        return f"dependent launch is CUDA's, on NVIDIA GPUs; got {device}" + (
+            f" (ROCm {hip})" if hip is not None else ""
+        )
+    if release is None or release < OLDEST_DEPENDENT_TRITON:
+        return f"dependent launch needs Triton {oldest} or later, got {triton_version}"
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if not _hopper_class(index):
+        return f"dependent launch needs compute capability 9.0 or later, {device} has less"
+    return None
+
+
 def dependent_launch(
     device: torch.device, requested: bool | None = None, name: str = "dependent"
 ) -> bool:
@@ -57,30 +82,18 @@ def dependent_launch(
     next one start (`gdc_launch_dependents`) and touches memory. So at most the one kernel
     ahead is still running while a kernel starts, and every access comes after all of it:
     the results are those of launches one after another, and what overlaps is one kernel's
-    tail with the next one's launch: about 0.07 ms of a 340M model's 0.87 ms token at one
-    sequence on an H100 (docs/PERFORMANCE.md, "Fewer launches, overlapped").
+    tail with the next one's launch (docs/PERFORMANCE.md, "Fewer launches, overlapped").
 
     requested (the caller's argument `name`): None, wherever it is supported; True where it
-    is not is an error naming it (the interpreter has no such instructions); False, never."""
+    is not is an error naming it and why; False, never."""
     if requested is not None and not isinstance(requested, bool):
         raise TypeError(f"{name} must be a bool or None, got {requested!r}")
-    release = _release(TRITON_VERSION)
-    supported = (
-        not INTERPRET
-        and device.type == "cuda"
-        and torch.version.hip is None
-        and release is not None
-        and release >= OLDEST_DEPENDENT_TRITON
-        and _hopper_class(torch.cuda.current_device() if device.index is None else device.index)
-    )
-    if requested and not supported:
-        oldest = ".".join(map(str, OLDEST_DEPENDENT_TRITON))
-        raise ValueError(
-            f"{name}=True (dependent launch) needs compiled kernels on an NVIDIA GPU of compute "
-            f"capability 9.0 or later and Triton {oldest} or later, got {device}, Triton "
-            f"{TRITON_VERSION}" + (" under TRITON_INTERPRET=1" if INTERPRET else "")
-        )
-    return supported if requested is None else requested
+    if requested is False:
+        return False
+    reason = dependent_launch_unsupported_reason(device)
+    if requested and reason is not None:
+        raise ValueError(f"{name}=True: {reason}")
+    return reason is None
 
 
 def opaque_to_compiler(fn):

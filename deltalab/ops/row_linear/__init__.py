@@ -34,10 +34,10 @@ SwiGLU in the kernel: each block of the product's input is silu of the gate's bl
 up's block, K columns on, rounded to x's dtype; one launch fewer a layer, as for the norm.
 The torch backend gates the same way (in float32, rounded once) before its product.
 
-On cards of compute capability 9.0 and later the kernel is launched dependent
-(`deltalab.ops._triton.dependent_launch`): it waits for the kernel ahead of it before touching
-memory and lets the next kernel start as soon as all its programs run, so that consecutive
-launches of a decoding step overlap their starts.
+On NVIDIA cards of compute capability 9.0 and later, with Triton 3.5 or later, the kernel is
+launched dependent (`deltalab.ops._triton.dependent_launch`): it waits for the kernel ahead of
+it before touching memory and lets the next kernel start as soon as all its programs run, so
+that consecutive launches of a decoding step overlap their starts.
 
 `out` takes the result where the caller wants it; out = residual accumulates the product into
 the residual in place. torch's addmm would otherwise copy the residual into a new output first

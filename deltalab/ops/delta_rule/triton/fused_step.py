@@ -518,7 +518,6 @@ def fused_layer_step(
     info_scale: float = 1.0,
     block_v: int | None = None,
     table: FusedStepLaunch | None = None,
-    dependent: bool | None = None,
 ) -> torch.Tensor:
     """One token of a delta-rule layer (module docstring), everything but its projections.
 
@@ -533,9 +532,8 @@ def fused_layer_step(
     filter's state: precision `[B, H]` or `[B, H, K]`, covariance `[B, H, K, K]`; float32,
     contiguous, updated in place). None where the form reads
     none. block_v: the value columns a block holds, at `launch`'s warps (None: by `table`, the
-    launch table, through `table_launch`; None: the card's, `LAUNCH_TABLES`). dependent: the
-    kernels start before the kernel ahead of them ends (`dependent_launch`; None: where the card
-    supports it).
+    launch table, through `table_launch`; None: the card's, `LAUNCH_TABLES`). The kernels are
+    launched dependent where the card supports it (`dependent_launch`).
     """
     batch, heads, key_dim, value_dim = memory.shape
     width = conv_weights[0].shape[-1]
@@ -559,7 +557,7 @@ def fused_layer_step(
     constants = dict(W=width, BW=taps, BK=block_k, DECAY=DECAYS.index(form.decay), TIED=form.tied,
                      BR=COVARIANCE_ROWS)  # fmt: skip
     predicted, parts = memory, 1
-    dependent = dependent_launch(memory.device, dependent)
+    dependent = dependent_launch(memory.device)
     if form.rule == "kdn_exact":
         # P_bar k of the whole head first, over the rows of P: the step's second axis then
         # updates P's rows blocks in place while the head's step writes the memory.
