@@ -210,18 +210,21 @@ INTERPRETER_OPS = {"aten::new_empty", "aten::set_", "aten::copy_"}
 # factors, the output projection with the residual sum, the FFN's two, the first after the
 # second norm, the second gating its input by SwiGLU; the fused step): none but Exact KDN's
 # buffer for P_bar k, an allocation without a launch (`aten::new_empty`, among the
-# interpreter's here). On a GPU 5 launches a layer, 6 with low-rank gates, 7 for Exact KDN
-# (low-rank gates and the covariance's first stage), where the unfused step makes 54 to 117
-# (tests/test_decode.py); past `row_linear.MAX_TRITON_ROWS` sequences the products are
-# cuBLAS's and the two norms and SwiGLU their own launches.
+# interpreter's here), where the unfused step makes 54 to 117 (tests/test_decode.py).
 FUSED_STEP_OPERATORS_PER_LAYER = 0
-FUSED_KINDS = ["deltanet", "gdn", "kda", "gdn2", "kdn_iso", "kdn_diag", "kdn_exact", "muir",
-               "kdn_muir"]  # fmt: skip
+# Triton launches of one layer's fused step at a few rows: its five products (the low-rank
+# gates' second factors one more) and the fused step (Exact KDN's covariance one more: its
+# first stage). Past `row_linear.MAX_TRITON_ROWS` sequences the products are cuBLAS's and the
+# two norms and SwiGLU their own launches.
+FUSED_STEP_LAUNCHES_PER_LAYER = {"deltanet": 5, "gdn": 5, "kda": 6, "gdn2": 6, "kdn_iso": 6,
+                                 "kdn_diag": 6, "kdn_exact": 7, "muir": 6, "kdn_muir": 6}  # fmt: skip
+FUSED_KINDS = list(FUSED_STEP_LAUNCHES_PER_LAYER)
 
 
-def counted_fused_step(kind: str, layers: int, generator) -> dict[str, list[float]]:
+def counted_fused_step(kind: str, layers: int, generator, launches: list) -> dict[str, list]:
     """The ATen operators one static decoding step on the fused path dispatches, after a
-    prompt and two steps, the interpreter's own left out."""
+    prompt and two steps, the interpreter's own left out; its kernels' launches appended to
+    `launches` (a spy's list, `kernel_launches`)."""
     torch.manual_seed(0)
     config = build_config("tiny", mixer=kind, backend="triton", **{**TINY, "num_layers": layers})
     model = CausalLM(config).eval()
@@ -230,19 +233,45 @@ def counted_fused_step(kind: str, layers: int, generator) -> dict[str, list[floa
     decoder = StaticDecoder(model, out.past_key_values, 4, cuda_graph=False)
     decoder.start(out.logits[:, -1])
     decoder.step()
+    launches.clear()
     with OperatorCounter() as counter:
         decoder.step()
     return {name: v for name, v in counter.totals.items() if name not in INTERPRETER_OPS}
 
 
+@pytest.fixture
+def kernel_launches(monkeypatch) -> list:
+    """The names of the Triton kernels launched from here on, in order (a spy on the
+    interpreter's launches)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    names = []
+    run = InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        names.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", counted)
+    return names
+
+
 @pytest.mark.parametrize("kind", FUSED_KINDS)
-def test_a_fused_decoding_step_dispatches_at_most_its_operator_count_per_layer(generator, kind):
-    """A two-layer model's step less a one-layer model's: one layer's operators. None reads a
-    value back to the host."""
-    one, two = (counted_fused_step(kind, layers, generator) for layers in (1, 2))
-    assert not HOST_READS & set(two)
-    total = [sum(n for n, _ in counts.values()) for counts in (one, two)]
+def test_a_fused_decoding_step_dispatches_at_most_its_operator_count_per_layer(
+    generator, kernel_launches, kind
+):
+    """A two-layer model's step less a one-layer model's: one layer's operators, none but its
+    Triton kernels, and at most FUSED_STEP_LAUNCHES_PER_LAYER of those. None reads a value back
+    to the host."""
+    counts, launched = [], []
+    for layers in (1, 2):
+        counts.append(counted_fused_step(kind, layers, generator, kernel_launches))
+        launched.append(list(kernel_launches))
+    assert not HOST_READS & set(counts[1])
+    total = [sum(n for n, _ in each.values()) for each in counts]
     assert total[1] - total[0] <= FUSED_STEP_OPERATORS_PER_LAYER
+    assert len(launched[1]) - len(launched[0]) <= FUSED_STEP_LAUNCHES_PER_LAYER[kind], launched
+    assert "_swiglu_fwd" not in launched[1] and "_fused_step_kernel" in launched[1]
 
 
 def test_the_launch_table_picks_its_blocks_by_the_number_of_programs_and_the_shapes():
