@@ -264,12 +264,15 @@ def test_dependent_launch_is_off_where_unsupported_and_refused_when_asked_for_th
         ({"hip": "6.4"}, r"NVIDIA GPUs; got cuda:0 \(ROCm 6.4\)"),
         ({"triton_version": "3.4.0"}, "needs Triton 3.5 or later, got 3.4.0"),
         ({"triton_version": None}, "needs Triton 3.5 or later, got None"),
+        ({"driver": 12020}, "needs a CUDA 12.3 driver or later, got 12020"),
+        ({"driver": None}, "needs a CUDA 12.3 driver or later, got None"),
     ],
 )
 def test_dependent_launch_names_why_a_card_or_build_cannot_have_it(settings, reason):
     """Checked before the card is asked for its capability: runs without a GPU."""
     cuda = torch.device("cuda", 0)
-    given = {"interpret": False, "hip": None, "triton_version": "3.6.0"} | settings
+    given = {"interpret": False, "hip": None, "triton_version": "3.6.0", "driver": 12080}
+    given |= settings
     assert re.search(reason, dependent_launch_unsupported_reason(cuda, **given))
 
 

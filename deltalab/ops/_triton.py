@@ -41,6 +41,26 @@ def _release(version: str | None) -> tuple[int, int] | None:
     return None if parsed is None else (int(parsed[1]), int(parsed[2]))
 
 
+# The oldest CUDA driver that captures dependent launches into a CUDA graph (programmatic
+# dependency edges: CUDA 12.3), as cuDriverGetVersion reports it.
+OLDEST_DEPENDENT_DRIVER = 12030
+
+
+@functools.cache
+def cuda_driver_version() -> int | None:
+    """The CUDA driver's version (12030 for 12.3), None where no driver library loads."""
+    import ctypes
+
+    try:
+        library = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    version = ctypes.c_int(0)
+    if library.cuDriverGetVersion(ctypes.byref(version)) != 0:
+        return None
+    return version.value
+
+
 @functools.cache
 def _hopper_class(index: int) -> bool:
     """CUDA device `index` has compute capability 9.0 or later (read once a device)."""
@@ -53,9 +73,11 @@ def dependent_launch_unsupported_reason(
     interpret: bool = INTERPRET,
     hip: str | None = torch.version.hip,
     triton_version: str | None = TRITON_VERSION,
+    driver: int | None = -1,
 ) -> str | None:
     """None where kernels on `device` can be launched dependent (`dependent_launch`), else why
-    not; the keywords default to this process's interpreter switch, ROCm build and Triton."""
+    not; the keywords default to this process's interpreter switch, ROCm build, Triton and CUDA
+    driver (-1: `cuda_driver_version()`, read only for a CUDA device)."""
     oldest = ".".join(map(str, OLDEST_DEPENDENT_TRITON))
     release = _release(triton_version)
     if interpret:
@@ -66,6 +88,9 @@ def dependent_launch_unsupported_reason(
         )
     if release is None or release < OLDEST_DEPENDENT_TRITON:
         return f"dependent launch needs Triton {oldest} or later, got {triton_version}"
+    driver = cuda_driver_version() if driver == -1 else driver
+    if driver is None or driver < OLDEST_DEPENDENT_DRIVER:
+        return f"dependent launch in CUDA graphs needs a CUDA 12.3 driver or later, got {driver}"
     index = torch.cuda.current_device() if device.index is None else device.index
     if not _hopper_class(index):
         return f"dependent launch needs compute capability 9.0 or later, {device} has less"
@@ -77,7 +102,7 @@ def dependent_launch(
 ) -> bool:
     """Whether a kernel launched on `device` starts before the kernel ahead of it has finished
     (CUDA's programmatic dependent launch: compiled kernels on an NVIDIA GPU of compute
-    capability 9.0 or later, Triton 3.5 or later). A kernel launched so first waits
+    capability 9.0 or later, Triton 3.5 or later, a CUDA 12.3 driver or later). A kernel launched so first waits
     (`gdc_wait`) for the kernel ahead to finish and its writes to show, and only then lets the
     next one start (`gdc_launch_dependents`) and touches memory. So at most the one kernel
     ahead is still running while a kernel starts, and every access comes after all of it:
