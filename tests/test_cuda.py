@@ -381,6 +381,21 @@ def test_cuda_graphed_training_follows_the_eager_loss_curve(tmp_path, capsys, mi
     )
 
 
+def test_cuda_an_h100_or_h200_launches_the_decoding_kernels_dependent():
+    """On the cards the dependent launch was measured on, with a Triton that has it, it is on:
+    a driver or capability misread would turn it off silently (slower, not wrong)."""
+    from deltalab.ops import _triton
+    from deltalab.ops._triton import dependent_launch, dependent_launch_unsupported_reason
+
+    name = torch.cuda.get_device_name()
+    if not any(card in name for card in ("H100", "H200")):
+        pytest.skip(f"dependent launch was measured on H100 and H200, not {name}")
+    if (_triton._release(_triton.TRITON_VERSION) or (0, 0)) < _triton.OLDEST_DEPENDENT_TRITON:
+        pytest.skip(f"Triton {_triton.TRITON_VERSION} has no dependent launch")
+    cuda = torch.device("cuda")
+    assert dependent_launch(cuda), dependent_launch_unsupported_reason(cuda)
+
+
 def test_cuda_an_h100_or_h200_takes_the_launch_tables_shipped_for_its_own_name():
     """The shipped files are named by the keys these cards' CUDA names give (else they would
     take their family's table, silently)."""
