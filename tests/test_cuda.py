@@ -390,7 +390,7 @@ def test_cuda_an_h100_or_h200_launches_the_decoding_kernels_dependent():
     name = torch.cuda.get_device_name()
     if not any(card in name for card in ("H100", "H200")):
         pytest.skip(f"dependent launch was measured on H100 and H200, not {name}")
-    if (_triton._release(_triton.TRITON_VERSION) or (0, 0)) < _triton.OLDEST_DEPENDENT_TRITON:
+    if not _triton.TRITON_HAS_DEPENDENT_LAUNCH:
         pytest.skip(f"Triton {_triton.TRITON_VERSION} has no dependent launch")
     cuda = torch.device("cuda")
     assert dependent_launch(cuda), dependent_launch_unsupported_reason(cuda)

@@ -745,7 +745,7 @@ def _compile_row_linear(kernel, constants: dict, options: dict):
 
 
 @pytest.mark.skipif(
-    (_triton._release(_triton.TRITON_VERSION) or (0, 0)) < _triton.OLDEST_DEPENDENT_TRITON,
+    not _triton.TRITON_HAS_DEPENDENT_LAUNCH,
     reason="dependent launch needs Triton 3.5 or later",
 )
 @pytest.mark.parametrize("given", ["x", "norm", "swiglu"])

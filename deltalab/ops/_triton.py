@@ -41,6 +41,16 @@ def _release(version: str | None) -> tuple[int, int] | None:
     return None if parsed is None else (int(parsed[1]), int(parsed[2]))
 
 
+def _has_dependent_launch(version: str | None) -> bool:
+    """Whether Triton `version` compiles the grid-dependency instructions."""
+    release = _release(version)
+    return release is not None and release >= OLDEST_DEPENDENT_TRITON
+
+
+# Whether the installed Triton has dependent launch (tests skip what it needs by this).
+TRITON_HAS_DEPENDENT_LAUNCH = _has_dependent_launch(TRITON_VERSION)
+
+
 # The oldest CUDA driver that captures dependent launches into a CUDA graph (programmatic
 # dependency edges: CUDA 12.3), as cuDriverGetVersion reports it.
 OLDEST_DEPENDENT_DRIVER = 12030
@@ -79,14 +89,13 @@ def dependent_launch_unsupported_reason(
     not; the keywords default to this process's interpreter switch, ROCm build, Triton and CUDA
     driver (-1: `cuda_driver_version()`, read only for a CUDA device)."""
     oldest = ".".join(map(str, OLDEST_DEPENDENT_TRITON))
-    release = _release(triton_version)
     if interpret:
         return "the interpreter (TRITON_INTERPRET=1) has no grid-dependency instructions"
     if device.type != "cuda" or hip is not None:
         return f"dependent launch is CUDA's, on NVIDIA GPUs; got {device}" + (
             f" (ROCm {hip})" if hip is not None else ""
         )
-    if release is None or release < OLDEST_DEPENDENT_TRITON:
+    if not _has_dependent_launch(triton_version):
         return f"dependent launch needs Triton {oldest} or later, got {triton_version}"
     driver = cuda_driver_version() if driver == -1 else driver
     if driver is None or driver < OLDEST_DEPENDENT_DRIVER:
@@ -95,6 +104,13 @@ def dependent_launch_unsupported_reason(
     if not _hopper_class(index):
         return f"dependent launch needs compute capability 9.0 or later, {device} has less"
     return None
+
+
+@functools.cache
+def _unsupported_reason_here(device: torch.device) -> str | None:
+    """`dependent_launch_unsupported_reason` in this process, once a device (every decoding
+    launch asks)."""
+    return dependent_launch_unsupported_reason(device)
 
 
 def dependent_launch(
@@ -115,7 +131,9 @@ def dependent_launch(
         raise TypeError(f"{name} must be a bool or None, got {requested!r}")
     if requested is False:
         return False
-    reason = dependent_launch_unsupported_reason(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    reason = _unsupported_reason_here(device)
     if requested and reason is not None:
         raise ValueError(f"{name}=True: {reason}")
     return reason is None
