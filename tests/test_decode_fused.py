@@ -129,39 +129,42 @@ def test_a_decoding_step_on_the_kernels_runs_no_norm_module_but_the_heads(genera
 
 
 @pytest.fixture
-def swiglu_launches(monkeypatch) -> list:
-    """The grids of SwiGLU's forward kernel launched from here on (a spy on its launches)."""
-    from deltalab.ops.swiglu import triton as swiglu_kernels
+def kernel_launches(monkeypatch) -> list:
+    """The names of the Triton kernels launched from here on, in order (a spy on the
+    interpreter's launches)."""
+    from triton.runtime.interpreter import InterpretedFunction
 
-    launches = []
-    kernel = swiglu_kernels._swiglu_fwd
+    names = []
+    run = InterpretedFunction.run
 
-    class Counted:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return kernel[grid]
+    def counted(self, *args, **kwargs):
+        names.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
 
-    monkeypatch.setattr(swiglu_kernels, "_swiglu_fwd", Counted())
-    return launches
+    monkeypatch.setattr(InterpretedFunction, "run", counted)
+    return names
 
 
-def test_a_decoding_step_on_the_kernels_launches_no_swiglu_kernel(generator, swiglu_launches):
+def test_a_decoding_step_on_the_kernels_launches_no_swiglu_kernel(generator, kernel_launches):
     """At a few rows on the kernels the down projection gates its input by SwiGLU itself: a step
     launches no SwiGLU kernel (a spy on its launches, which the model's forward does make), and
     its next token is the model's own forward's."""
-    launches = swiglu_launches
+
+    def swiglu_launches() -> int:
+        return kernel_launches.count("_swiglu_fwd")
+
     torch.manual_seed(0)
     model = CausalLM(build_config("tiny", mixer="gdn2", backend="triton",
                                   **{**TINY, "num_layers": 2})).eval()  # fmt: skip
     prompt = torch.randint(0, 67, (2, 7), generator=generator)
     with torch.no_grad():
         out = model(prompt, use_cache=True)
-        assert len(launches) == 2  # the forward's, one a layer: the spy sees them
+        assert swiglu_launches() == 2  # the forward's, one a layer: the spy sees them
         decoder = StaticDecoder(model, out.past_key_values, 4, cuda_graph=False)
         decoder.start(out.logits[:, -1])
-        launches.clear()
+        kernel_launches.clear()
         decoder.step()
-        assert launches == []
+        assert swiglu_launches() == 0
         tokens = decoder.generated()
         whole = model(torch.cat([prompt, tokens[:, :1]], 1)).logits[:, -1].argmax(-1)
     assert torch.equal(tokens[:, 1], whole)
@@ -169,7 +172,7 @@ def test_a_decoding_step_on_the_kernels_launches_no_swiglu_kernel(generator, swi
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["kernel", "apart"])
 def test_add_projected_gates_swiglu_in_the_kernel_or_apart_with_the_same_result(
-    generator, swiglu_launches, dtype
+    generator, kernel_launches, dtype
 ):
     """float32 rows at a few rows take the kernel, which gates them itself (no SwiGLU launch);
     float64 ones take `swiglu` on the given backend (its kernel), then torch's product: both the
@@ -183,7 +186,7 @@ def test_add_projected_gates_swiglu_in_the_kernel_or_apart_with_the_same_result(
     with torch.no_grad():
         expected = residual + down(swiglu(gate_up, backend="naive"))
         got = add_projected(residual, gate_up, down, "triton", swiglu_backend="triton")
-    assert len(swiglu_launches) == (0 if dtype == torch.float32 else 1)
+    assert kernel_launches.count("_swiglu_fwd") == (0 if dtype == torch.float32 else 1)
     assert got.shape == (3, 1, 16)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
@@ -237,23 +240,6 @@ def counted_fused_step(kind: str, layers: int, generator, launches: list) -> dic
     with OperatorCounter() as counter:
         decoder.step()
     return {name: v for name, v in counter.totals.items() if name not in INTERPRETER_OPS}
-
-
-@pytest.fixture
-def kernel_launches(monkeypatch) -> list:
-    """The names of the Triton kernels launched from here on, in order (a spy on the
-    interpreter's launches)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    names = []
-    run = InterpretedFunction.run
-
-    def counted(self, *args, **kwargs):
-        names.append(self.fn.__name__)
-        return run(self, *args, **kwargs)
-
-    monkeypatch.setattr(InterpretedFunction, "run", counted)
-    return names
 
 
 @pytest.mark.parametrize("kind", FUSED_KINDS)
