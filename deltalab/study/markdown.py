@@ -1,6 +1,7 @@
 """study.md: the markdown text of a study report, rendered from `collect`'s data (what
 study.json holds): the opening lines (spec, machine, budget, status), the learning rates chosen,
-per size and per task the mean table and the paired tables, how the comparisons are read, the
+per size and per task the mean table and the paired tables (and per size the steps and time
+to the baseline's loss), how the comparisons are read, the
 gate sensitivities, the runs that did not complete and every run.
 """
 
@@ -362,6 +363,49 @@ def _run_lines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _factor(item: dict[str, Any]) -> str:
+    if not item["n"]:
+        return "–"
+    cell = _number(item["mean"]) + ("" if item["n"] < 2 else f" ± {_number(item['sd'])}")
+    return f"{cell} (n {item['n']})"
+
+
+def _to_loss_lines(plan: StudyPlan, group: dict[str, Any]) -> list[str]:
+    """`to_loss.to_loss`'s table for one size: per variant its factors and each seed's steps."""
+    found = group.get("to_loss") or {}
+    baseline = plan.spec.baseline
+    if not found or baseline not in found:
+        return []
+    lines = [
+        "",
+        f"### Steps and time to {baseline}'s loss",
+        "",
+        f"Per seed, the target is {baseline}'s held-out loss at its last evaluation during "
+        "training; each run's steps to it are read off its held-out curve (interpolated between "
+        "evaluations). A factor above 1: sooner than the baseline. Time is steps x seconds a "
+        "step at the run's median training tokens/s, given only where both runs trained alone "
+        "on their device. Descriptive: not among the corrected comparisons.",
+        "",
+    ]
+    rows = []
+    for variant, item in found.items():
+        seeds = item["seeds"]
+        steps = ", ".join(
+            f"s{seed}: " + ("not reached" if row["steps"] is None else _number(row["steps"]))
+            for seed, row in seeds.items()
+        )
+        time_cell = _factor(item["time_factor"])
+        if item["shared"]:
+            time_cell += f"; {item['shared']} of its pairs shared a device"
+        if item["unrecorded"]:
+            time_cell += f"; {item['unrecorded']} of its pairs did not record it"
+        rows.append(
+            [variant + (" (baseline)" if variant == baseline else ""), _factor(
+                item["steps_factor"]), time_cell, steps]
+        )  # fmt: skip
+    return lines + _table(["variant", "steps factor", "time factor", "steps to loss"], rows)
+
+
 def render_markdown(plan: StudyPlan, data: dict[str, Any], figures: list[str]) -> str:
     """The study's report: header, learning rates, each size's and task's tables, families,
     gate sensitivity, the runs, then the figures."""
@@ -384,6 +428,7 @@ def render_markdown(plan: StudyPlan, data: dict[str, Any], figures: list[str]) -
         ]
         lines += _mean_table(plan, group, sized)
         lines += _paired_tables(plan, group)
+        lines += _to_loss_lines(plan, group)
     for group in data["task_groups"]:
         lines += [
             "",

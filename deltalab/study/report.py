@@ -31,6 +31,7 @@ from deltalab.study.plan import PlannedRun, PlannedTask, StudyPlan
 from deltalab.study.records import recorded_devices, recorded_identities
 from deltalab.study.runner import RECORD_NAME, _read_json, _write_json, run_state, task_state
 from deltalab.study.stats import paired_difference, summarize
+from deltalab.study.to_loss import to_loss
 
 __all__ = ["INVOCATIONS_NAME", "collect", "write_report"]
 
@@ -82,6 +83,7 @@ def _run_entry(plan: StudyPlan, run: PlannedRun) -> dict[str, Any]:
         "ffn_width": run.ffn_width,
         "directory": os.path.relpath(run.directory, plan.spec.out_dir),
         "elapsed_s": record.get("elapsed_s"),
+        "device_shared_by": record.get("device_shared_by"),
         "device": ((metrics.get("config") or {}).get("train") or {}).get("device"),
         "steps_done": metrics.get("steps_done"),
         "skipped_steps": metrics.get("skipped_steps"),
@@ -251,12 +253,19 @@ def collect(plan: StudyPlan) -> dict[str, Any]:
         # Each variant's runs at its chosen rate, paired with the baseline's at its own.
         chosen = [e for e in members if e["lr"] == rates[e["variant"]]["lr"]]
         metrics = _metric_names(chosen)
+        first = plan.runs[0].config.train
         groups.append(
             {
                 "size": size,
                 "rates": rates,
                 "metrics": metrics,
                 "statistics": _statistics(plan, chosen, metrics),
+                "to_loss": to_loss(
+                    chosen,
+                    plan.spec.baseline,
+                    plan.spec.out_dir,
+                    first.batch_size * first.seq_len,
+                ),
             }
         )
     task_groups = []

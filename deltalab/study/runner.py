@@ -278,6 +278,13 @@ class StudyRunner:
 
         return [str(i) for i in range(torch.cuda.device_count())]
 
+    def device_shared_by(self) -> int:
+        """The most jobs one device runs at once: `parallel` over the CUDA devices, round-robin
+        (`_env`); on the CPU every job shares the one machine."""
+        devices = len(self._devices())
+        parallel = self.plan.spec.parallel
+        return -(-parallel // devices) if devices else parallel
+
     def _env(self, worker: int) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
         threads = str(self.plan.threads)
@@ -360,6 +367,13 @@ class StudyRunner:
         if state == "new":
             _drop_lost_model_results(directory)
         if state in ("new", "resume"):
+            # How many jobs its device ran at once at most: its tokens/s is a speed alone only
+            # at 1 (`to_loss`). A resumed run keeps the most of its invocations.
+            shared = self.device_shared_by()
+            if state == "resume":
+                shared = max(shared, (_read_json(directory / RECORD_NAME) or {}).get(
+                    "device_shared_by") or 0)  # fmt: skip
+            self._record(directory, device_shared_by=shared)
             config_path = save_run_config(run.config, directory / "run.yaml")
             args = ["train", "--config", str(config_path)] + (
                 ["--resume"] if state == "resume" else []

@@ -1,0 +1,158 @@
+"""Steps and time to the baseline's loss (`deltalab.study.to_loss`), and the record of how many
+jobs shared a run's device, from which a time is a time alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from test_study import FakeTrain, micro_spec, plan_of, quiet
+
+from deltalab.study.cli import execute
+from deltalab.study.markdown import render_markdown
+from deltalab.study.report import collect
+from deltalab.study.runner import RECORD_NAME, StudyRunner
+from deltalab.study.to_loss import held_out_curve, steps_to_loss
+from deltalab.train.checkpoint import CHECKPOINT_DIR
+
+
+def test_steps_to_loss_interpolates_between_the_evaluations_that_bracket_the_target():
+    curve = [(0, 5.0), (10, 3.0), (20, 2.0), (30, 1.0)]
+    # 2.5 lies halfway between the evaluations at 10 (3.0) and 20 (2.0).
+    assert steps_to_loss(curve, 2.5) == pytest.approx(15.0)
+    assert steps_to_loss(curve, 2.0) == pytest.approx(20.0)
+    assert steps_to_loss(curve, 1.2) == pytest.approx(28.0)
+    # The first point at or below: a curve that dips and climbs again is read where it first dips.
+    assert steps_to_loss([(0, 5.0), (10, 1.0), (20, 3.0), (30, 0.5)], 2.0) == pytest.approx(7.5)
+
+
+def test_a_curve_never_reaching_the_target_has_no_steps_and_one_below_at_once_its_first_step():
+    curve = [(0, 5.0), (10, 3.0)]
+    assert steps_to_loss(curve, 2.9) is None
+    assert steps_to_loss(curve, 6.0) == 0.0
+    assert steps_to_loss([], 1.0) is None
+
+
+def test_the_held_out_curve_joins_the_log_and_the_metrics_keeping_a_steps_last_evaluation(
+    tmp_path,
+):
+    lines = [
+        {"kind": "train", "step": 1, "loss": 9.0},
+        {"kind": "eval", "step": 10, "loss": 4.0},
+        {"kind": "eval", "step": 20, "loss": 3.5},
+        # A resumed run evaluates at its resume step again: the later record stands.
+        {"kind": "eval", "step": 20, "loss": 3.0},
+    ]
+    (tmp_path / "log.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\nnot json\n")
+    metrics = {"initial_eval_loss": 5.5, "final_eval_loss": 2.0, "steps_done": 30}
+    (tmp_path / "metrics.json").write_text(json.dumps(metrics))
+    assert held_out_curve(tmp_path) == [(0, 5.5), (10, 4.0), (20, 3.0), (30, 2.0)]
+    (tmp_path / "metrics.json").write_text(json.dumps({"final_eval_loss": 2.0}))
+    assert held_out_curve(tmp_path) == []
+    assert held_out_curve(tmp_path / "missing") == []
+
+
+class CurveTrain(FakeTrain):
+    """FakeTrain whose runs evaluate along the way: held-out loss falling linearly from 5 at
+    step 0 to the run's final loss at step 4, the evaluations at steps 0, 2 and 4; tokens/s
+    per run from `speeds`."""
+
+    def __init__(self, losses: dict[str, float], speeds: dict[str, float]) -> None:
+        super().__init__(losses)
+        self.speeds = speeds
+
+    def __call__(self, args, env, log):
+        code = super().__call__(args, env, log)
+        if "train" in args:
+            config = yaml.safe_load(Path(args[args.index("--config") + 1]).read_text())
+            out = Path(config["log"]["out_dir"])
+            final = self.losses[out.name]
+            metrics = json.loads((out / "metrics.json").read_text())
+            metrics.update(initial_eval_loss=5.0, median_tokens_per_s=self.speeds[out.name])
+            (out / "metrics.json").write_text(json.dumps(metrics))
+            middle = {"kind": "eval", "step": 2, "loss": (5.0 + final) / 2}
+            (out / "log.jsonl").write_text(json.dumps(middle) + "\n")
+        return code
+
+
+def _study(tmp_path, corpus, parallel: int):
+    spec = micro_spec(tmp_path, corpus, parallel=parallel)
+    plan = plan_of(spec)
+    names = {"gdn2": "gdn2.tiny.lr0.003", "transformer": "transformer.tiny.lr0.003"}
+    losses = {f"{names['gdn2']}.s0": 2.0, f"{names['gdn2']}.s1": 3.0}
+    # Seed 0: gdn2's 2.0 is reached by the transformer's line from 5 to 1 at step 3 (4 / 3
+    # sooner); seed 1: its line from 5 to 3.5 never reaches gdn2's 3.0.
+    losses |= {f"{names['transformer']}.s0": 1.0, f"{names['transformer']}.s1": 3.5}
+    # Seconds a step (batch 2 x 16 tokens): gdn2 32 / 64 = 0.5, the transformer 32 / 16 = 2.
+    speeds = {name: 64.0 if name.startswith("gdn2") else 16.0 for name in losses}
+    assert execute(plan, launcher=CurveTrain(losses, speeds), say=quiet) == 0
+    return plan, collect(plan)
+
+
+def test_the_factors_pair_each_seed_with_the_baseline_and_give_a_time_only_for_runs_alone(
+    tmp_path, corpus
+):
+    plan, report = _study(tmp_path, corpus, parallel=1)
+    (group,) = report["groups"]
+    found = group["to_loss"]
+    assert list(found) == ["gdn2", "transformer"]
+    base = found["gdn2"]["seeds"]
+    assert base["0"]["steps"] == pytest.approx(4.0) and base["1"]["steps"] == pytest.approx(4.0)
+    transformer = found["transformer"]
+    s0, s1 = transformer["seeds"]["0"], transformer["seeds"]["1"]
+    assert s0["target"] == 2.0 and s0["steps"] == pytest.approx(3.0)
+    assert s0["steps_factor"] == pytest.approx(4 / 3)
+    # Alone on its device: 3 steps x 2 s against gdn2's 4 steps x 0.5 s.
+    assert s0["alone"] is True
+    assert s0["seconds"] == pytest.approx(6.0)
+    assert s0["time_factor"] == pytest.approx(2.0 / 6.0)
+    assert s1["steps"] is None and s1["steps_factor"] is None and s1["time_factor"] is None
+    assert transformer["not_reached"] == 1
+    assert transformer["steps_factor"]["n"] == 1
+    assert transformer["steps_factor"]["mean"] == pytest.approx(4 / 3)
+    text = render_markdown(plan, report, [])
+    assert "### Steps and time to gdn2's loss" in text
+    section = text.split("### Steps and time to gdn2's loss")[1]
+    row = next(line for line in section.splitlines() if line.startswith("| transformer |"))
+    assert "1.333 (n 1)" in row and "0.3333 (n 1)" in row and "s1: not reached" in row
+
+
+def test_runs_that_shared_their_device_get_steps_but_no_time(tmp_path, corpus):
+    _, report = _study(tmp_path, corpus, parallel=2)
+    transformer = report["groups"][0]["to_loss"]["transformer"]
+    s0 = transformer["seeds"]["0"]
+    assert s0["steps_factor"] == pytest.approx(4 / 3)
+    assert s0["alone"] is False and s0["time_factor"] is None
+    assert transformer["shared"] == 2 and transformer["time_factor"]["n"] == 0
+
+
+def test_a_run_records_how_many_jobs_shared_its_device_and_a_resume_keeps_the_most(
+    tmp_path, corpus
+):
+    plan = plan_of(micro_spec(tmp_path, corpus, parallel=2))
+    # On the CPU every job shares the one machine; on CUDA, parallel over the devices.
+    assert StudyRunner(plan, say=quiet).device_shared_by() == 2
+    losses = {run.name: 2.0 for run in plan.runs}
+    speeds = dict.fromkeys(losses, 10.0)
+    assert execute(plan, launcher=CurveTrain(losses, speeds), say=quiet) == 0
+    for run in plan.runs:
+        assert json.loads((run.directory / RECORD_NAME).read_text())["device_shared_by"] == 2
+    # Resumed alone, a run that once shared its device still counts as shared; a run trained
+    # anew alone counts as alone.
+    alone = plan_of(micro_spec(tmp_path, corpus, parallel=1))
+    resumed, fresh = alone.runs[0], alone.runs[1]
+    for run in (resumed, fresh):
+        (run.directory / "metrics.json").unlink()
+    checkpoints = resumed.directory / CHECKPOINT_DIR
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    (checkpoints / "step_00000002.pt").write_bytes(b"")
+    launcher = CurveTrain(losses, speeds)
+    assert execute(alone, launcher=launcher, say=quiet) == 0
+    assert any("--resume" in call for call in launcher.calls)
+    shared = {
+        run.name: json.loads((run.directory / RECORD_NAME).read_text())["device_shared_by"]
+        for run in (resumed, fresh)
+    }
+    assert shared == {resumed.name: 2, fresh.name: 1}
