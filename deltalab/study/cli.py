@@ -72,7 +72,7 @@ def add_parser(commands: Any) -> None:
         "--only",
         action="append",
         metavar="GLOB",
-        help="run only the runs and task jobs whose names match (repeatable; e.g. 'gdn2.*.s0' "
+        help="run only the runs and jobs whose names match (repeatable; e.g. 'gdn2.*.s0' "
         "to time one run first); the report still lists every run",
     )
     parser.add_argument(
@@ -102,7 +102,7 @@ def add_parser(commands: Any) -> None:
 def format_plan(plan: Any) -> str:
     """The plan as text: budget, matched parameter counts, every run with its state."""
     from deltalab.benchmarking import format_table
-    from deltalab.study.runner import run_state, task_state
+    from deltalab.study.runner import run_state, task_state, throughput_state
 
     spec = plan.spec
     first = plan.runs[0].config.train
@@ -142,7 +142,8 @@ def format_plan(plan: Any) -> str:
             ["variant", "mixer", "options", "size", "ffn", "params", f"vs {spec.match}"], rows
         )
     )
-    states = [[run.name, run_state(run)] for run in plan.runs]
+    states = [[job.name, throughput_state(job)] for job in plan.throughput]
+    states += [[run.name, run_state(run)] for run in plan.runs]
     states += [[task.name, task_state(task)] for task in plan.tasks]
     lines.append(format_table(["run", "state"], states))
     if plan.runs[0].evals:
@@ -217,9 +218,10 @@ def select(plan: Any, patterns: list[str]) -> Any:
 
     runs = [r for r in plan.runs if chosen(r.name)]
     tasks = [t for t in plan.tasks if chosen(t.name)]
-    if not runs and not tasks:
-        raise ConfigError(f"--only {' '.join(patterns)} matches no run or task job of the plan")
-    return dataclasses.replace(plan, runs=runs, tasks=tasks)
+    speed = [j for j in plan.throughput if chosen(j.name)]
+    if not runs and not tasks and not speed:
+        raise ConfigError(f"--only {' '.join(patterns)} matches no run or job of the plan")
+    return dataclasses.replace(plan, runs=runs, tasks=tasks, throughput=speed)
 
 
 def execute(

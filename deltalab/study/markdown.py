@@ -370,8 +370,9 @@ def _factor(item: dict[str, Any]) -> str:
     return f"{cell} (n {item['n']})"
 
 
-def _to_loss_lines(plan: StudyPlan, group: dict[str, Any]) -> list[str]:
-    """`to_loss.to_loss`'s table for one size: per variant its factors and each seed's steps."""
+def _to_loss_lines(plan: StudyPlan, group: dict[str, Any], speeds: dict[str, Any]) -> list[str]:
+    """`to_loss.to_loss`'s table for one size: per variant its factors and each seed's steps,
+    and its speed alone where the study measured it (`speeds`: variant -> throughput entry)."""
     found = group.get("to_loss") or {}
     baseline = plan.spec.baseline
     if not found or baseline not in found:
@@ -383,8 +384,9 @@ def _to_loss_lines(plan: StudyPlan, group: dict[str, Any]) -> list[str]:
         f"Per seed, the target is {baseline}'s held-out loss at its last evaluation during "
         "training; each run's steps to it are read off its held-out curve (interpolated between "
         "evaluations). A factor above 1: sooner than the baseline. Time is steps x seconds a "
-        "step at the run's median training tokens/s, given only where both runs trained alone "
-        "on their device. Descriptive: not among the corrected comparisons.",
+        "step at the variant's training speed alone: its throughput run's median tokens/s, "
+        "else its own run's where that run trained alone on its device. Descriptive: not among "
+        "the corrected comparisons.",
         "",
     ]
     rows = []
@@ -399,11 +401,13 @@ def _to_loss_lines(plan: StudyPlan, group: dict[str, Any]) -> list[str]:
             time_cell += f"; {item['shared']} of its pairs shared a device"
         if item["unrecorded"]:
             time_cell += f"; {item['unrecorded']} of its pairs did not record it"
+        speed = (speeds.get(variant) or {}).get("tokens_per_s")
         rows.append(
             [variant + (" (baseline)" if variant == baseline else ""), _factor(
-                item["steps_factor"]), time_cell, steps]
+                item["steps_factor"]), time_cell, steps, _number(speed)]
         )  # fmt: skip
-    return lines + _table(["variant", "steps factor", "time factor", "steps to loss"], rows)
+    header = ["variant", "steps factor", "time factor", "steps to loss", "tokens/s alone"]
+    return lines + _table(header, rows)
 
 
 def render_markdown(plan: StudyPlan, data: dict[str, Any], figures: list[str]) -> str:
@@ -428,7 +432,7 @@ def render_markdown(plan: StudyPlan, data: dict[str, Any], figures: list[str]) -
         ]
         lines += _mean_table(plan, group, sized)
         lines += _paired_tables(plan, group)
-        lines += _to_loss_lines(plan, group)
+        lines += _to_loss_lines(plan, group, (data.get("throughput") or {}).get(group["size"], {}))
     for group in data["task_groups"]:
         lines += [
             "",

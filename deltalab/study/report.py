@@ -233,6 +233,20 @@ def _gate_sensitivity(plan: StudyPlan, chosen: set[str]) -> list[dict[str, Any]]
     return groups
 
 
+def _throughput(plan: StudyPlan) -> dict[str, dict[str, dict[str, Any]]]:
+    """size -> variant -> the speed run's median tokens/s and device, for those completed."""
+    found: dict[str, dict[str, dict[str, Any]]] = {}
+    for job in plan.throughput:
+        metrics = _read_json(job.directory / "metrics.json") or {}
+        if metrics.get("status") == "completed" and metrics.get("median_tokens_per_s"):
+            found.setdefault(job.size, {})[job.variant.name] = {
+                "tokens_per_s": metrics["median_tokens_per_s"],
+                "steps": metrics.get("steps_done"),
+                "device": metrics.get("provenance", {}).get("device"),
+            }
+    return found
+
+
 def _metric_names(entries: list[dict[str, Any]]) -> list[str]:
     names: list[str] = []
     for entry in entries:
@@ -246,6 +260,7 @@ def collect(plan: StudyPlan) -> dict[str, Any]:
     """Everything the report says, as JSON data (what study.json holds)."""
     runs = [_run_entry(plan, run) for run in plan.runs]
     tasks = [_task_entry(plan, task) for task in plan.tasks]
+    speeds = _throughput(plan)
     groups = []
     for size in plan.sizes:
         members = [e for e in runs if e["size"] == size]
@@ -265,6 +280,7 @@ def collect(plan: StudyPlan) -> dict[str, Any]:
                     plan.spec.baseline,
                     plan.spec.out_dir,
                     first.batch_size * first.seq_len,
+                    {v: e["tokens_per_s"] for v, e in speeds.get(size, {}).items()},
                 ),
             }
         )
@@ -331,6 +347,7 @@ def collect(plan: StudyPlan) -> dict[str, Any]:
         "groups": groups,
         "task_groups": task_groups,
         "gate_sensitivity": gates,
+        "throughput": speeds,
         "runs": runs,
         "tasks": tasks,
     }

@@ -36,7 +36,7 @@ from typing import Any
 
 from deltalab.errors import ConfigError
 from deltalab.provenance import read_json as _read_json
-from deltalab.study.plan import EvalStep, PlannedRun, PlannedTask, StudyPlan
+from deltalab.study.plan import EvalStep, PlannedRun, PlannedTask, PlannedThroughput, StudyPlan
 from deltalab.study.records import job_provenance
 
 __all__ = [
@@ -222,6 +222,12 @@ def _drop_lost_model_results(directory: Path) -> None:
 
 def task_state(task: PlannedTask) -> str:
     return "done" if eval_done(task.directory, task.step) else "new"
+
+
+def throughput_state(job: PlannedThroughput) -> str:
+    """ "done" (its speed measured) or "new" (an interrupted speed run starts over)."""
+    metrics = _read_json(job.directory / "metrics.json")
+    return "done" if metrics is not None and metrics.get("status") == "completed" else "new"
 
 
 @dataclass
@@ -426,6 +432,30 @@ class StudyRunner:
         self.say(f"{run.name}: completed in {elapsed:.0f} s")
         return Outcome(run.name, "completed")
 
+    def throughput_one(self, job: PlannedThroughput, worker: int = 0) -> Outcome:
+        """A variant's speed run, trained alone: `run` starts it before any other job."""
+        from deltalab.train.config_io import save_run_config
+
+        if throughput_state(job) == "done":
+            return Outcome(job.name, "skipped")
+        # An interrupted speed run starts over: its speed is a median over one process's steps.
+        shutil.rmtree(job.directory, ignore_errors=True)
+        job.directory.mkdir(parents=True)
+        log = job.directory / "study.log"
+        self._record(job.directory, name=job.name, variant=job.variant.name, size=job.size,
+                     status="running", stage="train", error="", device_shared_by=1)  # fmt: skip
+        config_path = save_run_config(job.config, job.directory / "run.yaml")
+        self.say(f"{job.name}: training alone")
+        code = self._launch(["train", "--config", str(config_path)], worker, log)
+        if code != 0:
+            status, error = self._ended(code, log)
+            self._record(job.directory, status=status, error=error, returncode=code)
+            self.say(f"{job.name}: {status}{': ' + error if error else ''}")
+            return Outcome(job.name, status, error)
+        self._record(job.directory, status="completed", stage="",
+                     provenance=job_provenance(job.directory, self.plan.device))  # fmt: skip
+        return Outcome(job.name, "completed")
+
     def _interrupted(self, directory: Path, name: str, error: str) -> Outcome:
         self._record(directory, status="interrupted", error=error)
         self.say(f"{name}: interrupted: {error}")
@@ -464,8 +494,13 @@ class StudyRunner:
     # --- the pool ---------------------------------------------------------------------------------
 
     def run(self) -> list[Outcome]:
-        """Every pending job, `parallel` at a time (longest first: training runs, then the
-        task jobs), until done or stopped by SIGINT/SIGTERM (see the module docstring)."""
+        """Every pending job until done or stopped by SIGINT/SIGTERM (see the module
+        docstring): first the speed runs (`plan.throughput`), one at a time, each alone on its
+        device; then the rest `parallel` at a time, longest first (training runs, then the
+        task jobs)."""
+        speed: queue.Queue = queue.Queue()
+        for job in self.plan.throughput:
+            speed.put((self.throughput_one, job))
         jobs: queue.Queue = queue.Queue()
         for run in self.plan.runs:
             jobs.put((self.run_one, run))
@@ -474,10 +509,10 @@ class StudyRunner:
         outcomes: list[Outcome] = []
         lock = threading.Lock()
 
-        def worker(index: int) -> None:
+        def worker(index: int, pending: queue.Queue) -> None:
             while not self.stopping.is_set():
                 try:
-                    job, item = jobs.get_nowait()
+                    job, item = pending.get_nowait()
                 except queue.Empty:
                     return
                 try:
@@ -493,25 +528,29 @@ class StudyRunner:
                 with lock:
                     outcomes.append(outcome)
 
-        threads = [
-            threading.Thread(target=worker, args=(i,), daemon=True)
-            for i in range(self.plan.spec.parallel)
+        phases = [
+            [threading.Thread(target=worker, args=(0, speed), daemon=True)],
+            [
+                threading.Thread(target=worker, args=(i, jobs), daemon=True)
+                for i in range(self.plan.spec.parallel)
+            ],
         ]
         previous = {}
         if threading.current_thread() is threading.main_thread():
             previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         try:
-            for thread in threads:
-                thread.start()
-            # The handler raises nothing, so no join is cut short (on Python 3.11 an exception
-            # in `join` marks the thread stopped): the study returns once every worker has
-            # recorded its job, after its child exited.
-            for thread in threads:
-                while thread.is_alive():
-                    thread.join(0.2)
-                    self._take_signals()
-                    if self._deadline is not None and time.monotonic() > self._deadline:
-                        self._kill(f"the {self.grace:g} s grace is over")
+            for threads in phases:
+                for thread in threads:
+                    thread.start()
+                # The handler raises nothing, so no join is cut short (on Python 3.11 an
+                # exception in `join` marks the thread stopped): a phase ends once every worker
+                # has recorded its job, after its child exited.
+                for thread in threads:
+                    while thread.is_alive():
+                        thread.join(0.2)
+                        self._take_signals()
+                        if self._deadline is not None and time.monotonic() > self._deadline:
+                            self._kill(f"the {self.grace:g} s grace is over")
             self._take_signals()
         finally:
             for signum, handler in previous.items():

@@ -9,10 +9,11 @@ at its last evaluation or before (a curve that dipped there earlier reaches it t
     steps factor = baseline's steps to loss / the variant's     (> 1: the variant is sooner)
     time factor  = baseline's seconds to loss / the variant's
 
-Seconds to loss = steps to loss x seconds a step, from the run's median tokens/s. That is a
-time only where the run trained alone on its device: a run that shared it with others
-(`device_shared_by` > 1 in its study_run.json, the study's `parallel` over the devices) has
-its time factor left out, and the report says why. A run that never reaches the target within
+Seconds to loss = steps to loss x seconds a step. A second a step is the variant's speed alone:
+its throughput run's median tokens/s (the spec's `throughput`, one short run alone on its
+device before the grid starts), else its own run's where that run trained alone. A run that
+shared its device (`device_shared_by` > 1 in its study_run.json: the study's `parallel` over
+the devices) and has no throughput run gets no time factor, and the report says why. A run that never reaches the target within
 its budget has no factor; it is listed as "not reached", which is slower than any factor.
 
 These numbers describe the runs (like tokens/s): they are not in the report's corrected family
@@ -77,11 +78,19 @@ def _seconds_per_step(entry: dict[str, Any], tokens_per_step: int) -> float | No
 
 
 def to_loss(
-    entries: list[dict[str, Any]], baseline: str, out_dir: Path, tokens_per_step: int
+    entries: list[dict[str, Any]],
+    baseline: str,
+    out_dir: Path,
+    tokens_per_step: int,
+    speeds: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Per variant (its completed `entries` at its chosen rate, as `report.collect` builds them),
     per seed paired with the baseline's run of that seed: the target, the steps and seconds to
-    it, both factors; and the mean and sd of each factor over the seeds that have one."""
+    it, both factors; and the mean and sd of each factor over the seeds that have one.
+
+    `speeds`: tokens/s per variant measured alone (the study's throughput runs); a variant
+    without one is timed at its own run's tokens/s where that run trained alone."""
+    speeds = speeds or {}
     runs = {(e["variant"], e["seed"]): e for e in entries if e["status"] == "completed"}
     curves = {key: held_out_curve(out_dir / e["directory"]) for key, e in runs.items()}
     out: dict[str, Any] = {}
@@ -98,10 +107,15 @@ def to_loss(
         steps = steps_to_loss(curves[(variant, seed)], target)
         row: dict[str, Any] = {"target": target, "steps": steps, "baseline_steps": base_steps}
         row["steps_factor"] = base_steps / steps if steps and base_steps else None
-        shared = [e.get("device_shared_by") for e in (entry, base)]
+        if variant in speeds and baseline in speeds:
+            shared = [1, 1]  # the throughput runs trained alone
+            per_step = tokens_per_step / speeds[variant]
+            base_per_step = tokens_per_step / speeds[baseline]
+        else:
+            shared = [e.get("device_shared_by") for e in (entry, base)]
+            per_step = _seconds_per_step(entry, tokens_per_step)
+            base_per_step = _seconds_per_step(base, tokens_per_step)
         alone = shared == [1, 1]
-        per_step = _seconds_per_step(entry, tokens_per_step)
-        base_per_step = _seconds_per_step(base, tokens_per_step)
         # Records from before the study kept `device_shared_by` say nothing: "unknown".
         row["alone"] = alone if None not in shared else None
         row["seconds"] = steps * per_step if steps is not None and per_step else None
