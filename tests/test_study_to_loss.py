@@ -4,6 +4,8 @@ jobs shared a run's device, from which a time is a time alone."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -156,3 +158,97 @@ def test_a_run_records_how_many_jobs_shared_its_device_and_a_resume_keeps_the_mo
         for run in (resumed, fresh)
     }
     assert shared == {resumed.name: 2, fresh.name: 1}
+
+
+# --- the throughput runs: each variant's speed, one run alone ------------------------------------
+
+
+def test_a_throughput_run_is_the_variants_grid_config_cut_short_and_evaluated_only_at_its_end(
+    tmp_path, corpus
+):
+    spec = micro_spec(tmp_path, corpus, **{"throughput.steps": 9, "run.schedule.warmup_steps": 2})
+    spec["grid"]["lrs"] = [1e-3, 3e-3]
+    spec["run"]["train"]["steps"] = 6
+    plan = plan_of(spec)
+    assert [job.name for job in plan.throughput] == [
+        "throughput.transformer.tiny",
+        "throughput.gdn2.tiny",
+    ]
+    for job in plan.throughput:
+        grid = next(r for r in plan.runs if r.variant == job.variant and r.seed == 0)
+        assert job.directory == plan.spec.out_dir / "throughput" / job.name
+        assert job.config.train.steps == 9 and job.config.train.seed == 0
+        assert job.config.optim.lr == 1e-3
+        assert job.config.eval.every == 0 and job.config.eval.sample_tokens == 0
+        # Warmup cut in proportion to the steps: 2 of 6 -> 3 of 9.
+        assert job.config.schedule.warmup_steps == 3
+        assert job.config.model == grid.config.model
+        assert job.config.train.batch_size == grid.config.train.batch_size
+        assert job.config.train.seq_len == grid.config.train.seq_len
+    assert plan_of(micro_spec(tmp_path, corpus)).throughput == []
+
+
+class Recording(CurveTrain):
+    """CurveTrain that keeps the order of its launches and how many ran at once at most."""
+
+    def __init__(self, losses, speeds) -> None:
+        super().__init__(losses, speeds)
+        self.running = 0
+        self.most = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, args, env, log):
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        time.sleep(0.05)  # long enough for a second worker to start beside it
+        try:
+            if "train" in args:
+                config = Path(args[args.index("--config") + 1])
+                name = Path(yaml.safe_load(config.read_text())["log"]["out_dir"]).name
+                if name.startswith("throughput."):
+                    return self._speed_run(config, name)
+            return super().__call__(args, env, log)
+        finally:
+            with self.lock:
+                self.running -= 1
+
+    def _speed_run(self, config: Path, name: str) -> int:
+        out = Path(yaml.safe_load(config.read_text())["log"]["out_dir"])
+        self.calls.append(["train", name, f"concurrent={self.running}"])
+        speed = {"throughput.gdn2.tiny": 50.0, "throughput.transformer.tiny": 10.0}[name]
+        metrics = {"status": "completed", "median_tokens_per_s": speed, "steps_done": 8}
+        (out / "metrics.json").write_text(json.dumps(metrics))
+        return 0
+
+
+def test_the_throughput_runs_train_first_one_at_a_time_and_time_the_steps_to_loss(tmp_path, corpus):
+    spec = micro_spec(tmp_path, corpus, parallel=2, **{"throughput.steps": 8})
+    plan = plan_of(spec)
+    names = [run.name for run in plan.runs]
+    losses = {n: (2.0 if n.startswith("gdn2") else 1.0) for n in names}
+    launcher = Recording(losses, dict.fromkeys(names, 100.0))
+    assert execute(plan, launcher=launcher, say=quiet) == 0
+    speed_calls = [c for c in launcher.calls if c[1:2] and c[1].startswith("throughput.")]
+    assert [c[1] for c in launcher.calls[:2]] == [
+        "throughput.transformer.tiny",
+        "throughput.gdn2.tiny",
+    ]
+    assert all(c[2] == "concurrent=1" for c in speed_calls)
+    assert launcher.most == 2  # the grid ran two at a time after them
+    record = json.loads((plan.throughput[0].directory / RECORD_NAME).read_text())
+    assert record["device_shared_by"] == 1 and record["status"] == "completed"
+    report = collect(plan)
+    assert report["throughput"]["tiny"]["gdn2"]["tokens_per_s"] == 50.0
+    s0 = report["groups"][0]["to_loss"]["transformer"]["seeds"]["0"]
+    # The grid shared its device, but the speeds alone time it: 3 steps at 32 / 10 s against
+    # gdn2's 4 at 32 / 50 s.
+    assert s0["alone"] is True
+    assert s0["time_factor"] == pytest.approx((4 * 32 / 50) / (3 * 32 / 10))
+    # A rerun skips the speed runs; an interrupted one (no completed metrics) starts over.
+    (plan.throughput[1].directory / "metrics.json").unlink()
+    (plan.throughput[1].directory / "stale").write_text("")
+    launcher = Recording(losses, dict.fromkeys(names, 100.0))
+    assert execute(plan, launcher=launcher, say=quiet) == 0
+    assert [c[1] for c in launcher.calls] == ["throughput.gdn2.tiny"]
+    assert not (plan.throughput[1].directory / "stale").exists()
