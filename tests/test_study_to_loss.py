@@ -15,7 +15,7 @@ from test_study import FakeTrain, micro_spec, plan_of, quiet
 from deltalab.study.cli import execute
 from deltalab.study.markdown import render_markdown
 from deltalab.study.report import collect
-from deltalab.study.runner import RECORD_NAME, StudyRunner
+from deltalab.study.runner import RECORD_NAME, StudyRunner, run_state
 from deltalab.study.to_loss import held_out_curve, steps_to_loss
 from deltalab.train.checkpoint import CHECKPOINT_DIR
 
@@ -252,3 +252,33 @@ def test_the_throughput_runs_train_first_one_at_a_time_and_time_the_steps_to_los
     assert execute(plan, launcher=launcher, say=quiet) == 0
     assert [c[1] for c in launcher.calls] == ["throughput.gdn2.tiny"]
     assert not (plan.throughput[1].directory / "stale").exists()
+
+
+def test_launch_for_starts_jobs_for_that_long_then_lets_the_running_ones_finish(tmp_path, corpus):
+    spec = micro_spec(tmp_path, corpus, parallel=2)
+    spec["grid"]["seeds"] = [0, 1, 2]
+    plan = plan_of(spec)
+    names = [run.name for run in plan.runs]
+    losses = dict.fromkeys(names, 2.0)
+
+    class Slow(CurveTrain):
+        def __call__(self, args, env, log):
+            time.sleep(0.4)
+            return super().__call__(args, env, log)
+
+    # The two workers start one job each at once; a job takes 0.4 s, past the 0.2 s window.
+    lines: list[str] = []
+    launcher = Slow(losses, dict.fromkeys(names, 100.0))
+    assert execute(plan, launcher=launcher, say=lines.append, launch_for=0.2) == 0
+    started = [c for c in launcher.calls if "train" in c]
+    assert len(started) == 2
+    done = [run for run in plan.runs if run_state(run) == "done"]
+    assert len(done) == 2
+    assert "4 not started (--launch-for)" in lines[-1]
+    # The next invocation takes up the rest; finished jobs do not count as not started.
+    lines.clear()
+    launcher = Slow(losses, dict.fromkeys(names, 100.0))
+    assert execute(plan, launcher=launcher, say=lines.append, launch_for=60) == 0
+    assert all(run_state(run) == "done" for run in plan.runs)
+    assert "not started" not in lines[-1]
+    assert len([c for c in launcher.calls if "train" in c]) == 4

@@ -84,6 +84,15 @@ def add_parser(commands: Any) -> None:
         "before killing them (default 120; a second Ctrl-C kills them at once)",
     )
     parser.add_argument(
+        "--launch-for",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="start jobs for this many seconds only, then let those running finish and write "
+        "the report: the rest wait for the next invocation (a study spread over time-limited "
+        "allocations ends each one with whole runs, no checkpoint to carry over)",
+    )
+    parser.add_argument(
         "--allow-mixed-commits",
         action="store_true",
         help="resume, extend or aggregate a study whose records were written by other code "
@@ -231,12 +240,14 @@ def execute(
     say: Any = _say,
     only: list[str] | None = None,
     grace: float | None = None,
+    launch_for: float | None = None,
     allow_mixed_commits: bool = False,
     allow_mixed_data: bool = False,
 ) -> int:
     """Runs the plan's pending jobs (those matching `only`, if given) and writes the report of
     the whole plan; the exit status of the module docstring. `grace`: seconds a stopped study
-    waits for its children before SIGKILL (default `runner.DEFAULT_GRACE`);
+    waits for its children before SIGKILL (default `runner.DEFAULT_GRACE`); `launch_for`:
+    seconds from now during which jobs are started (None: until none is left);
     `allow_mixed_commits`: run even where records of other code are (`records.check_commits`);
     `allow_mixed_data`: even where runs trained on other data are (`records.check_data`)."""
     from deltalab.study.records import check_commits, check_data
@@ -255,6 +266,7 @@ def execute(
             launcher=launcher,
             say=say,
             grace=DEFAULT_GRACE if grace is None else grace,
+            launch_for=launch_for,
         )
         outcomes = runner.run()
         _note_invocation(
@@ -263,10 +275,11 @@ def execute(
         written = write_report(plan)
     statuses = [o.status for o in outcomes]
     stopped = "" if runner.stopped_by is None else f"stopped by {signal_name(runner.stopped_by)}: "
+    left = f", {runner.not_started} not started (--launch-for)" if runner.not_started else ""
     say(
         f"{stopped}{statuses.count('completed')} completed, {statuses.count('skipped')} already "
         f"done, {statuses.count('diverged')} diverged, {statuses.count('failed')} failed, "
-        f"{statuses.count('interrupted')} interrupted; report: {written['markdown']}"
+        f"{statuses.count('interrupted')} interrupted{left}; report: {written['markdown']}"
     )
     if runner.stopped_by is not None:
         return 128 + runner.stopped_by
@@ -325,6 +338,7 @@ def run_study(args: argparse.Namespace) -> int:
         plan,
         only=args.only,
         grace=args.grace,
+        launch_for=args.launch_for,
         allow_mixed_commits=args.allow_mixed_commits,
         allow_mixed_data=args.allow_mixed_data,
     )

@@ -233,7 +233,7 @@ def throughput_state(job: PlannedThroughput) -> str:
 @dataclass
 class Outcome:
     name: str
-    status: str  # completed, diverged, failed, interrupted, skipped
+    status: str  # completed, diverged, failed, interrupted, skipped, not started (launch_for)
     error: str = ""
     launches: int = 0
 
@@ -241,16 +241,24 @@ class Outcome:
 @dataclass
 class StudyRunner:
     """Runs the plan's pending jobs, `spec.parallel` at a time; `grace`: seconds a stopped study
-    gives its children to exit before SIGKILL."""
+    gives its children to exit before SIGKILL; `launch_for`: seconds from its creation during
+    which jobs are started (None: no limit), after which the running ones finish and the rest
+    are left for the next invocation."""
 
     plan: StudyPlan
     launcher: Launcher | None = None
     say: Callable[[str], None] = print
     grace: float = DEFAULT_GRACE
+    launch_for: float | None = None
     stopping: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         self.launches = 0
+        # Jobs with work to do left pending because `launch_for` had run out.
+        self.not_started = 0
+        if self.launch_for is not None and self.launch_for < 0:
+            raise ValueError(f"launch_for must be >= 0 seconds, got {self.launch_for}")
+        self._launch_until = None if self.launch_for is None else time.monotonic() + self.launch_for
         # The signal that stopped the study (its exit status is 128 + it), and when the grace ends.
         self.stopped_by: int | None = None
         self._deadline: float | None = None
@@ -362,6 +370,8 @@ class StudyRunner:
         state = run_state(run)
         if state in ("done", "diverged"):
             return Outcome(run.name, "skipped")
+        if (late := self._window_over(run.name)) is not None:
+            return late
         directory = run.directory
         directory.mkdir(parents=True, exist_ok=True)
         log = directory / "study.log"
@@ -432,12 +442,22 @@ class StudyRunner:
         self.say(f"{run.name}: completed in {elapsed:.0f} s")
         return Outcome(run.name, "completed")
 
+    def _window_over(self, name: str) -> Outcome | None:
+        """Past `launch_for`: the job (which has work to do) waits for the next invocation."""
+        if self._launch_until is None or time.monotonic() < self._launch_until:
+            return None
+        with self._count_lock:
+            self.not_started += 1
+        return Outcome(name, "not started")
+
     def throughput_one(self, job: PlannedThroughput, worker: int = 0) -> Outcome:
         """A variant's speed run, trained alone: `run` starts it before any other job."""
         from deltalab.train.config_io import save_run_config
 
         if throughput_state(job) == "done":
             return Outcome(job.name, "skipped")
+        if (late := self._window_over(job.name)) is not None:
+            return late
         # An interrupted speed run starts over: its speed is a median over one process's steps.
         shutil.rmtree(job.directory, ignore_errors=True)
         job.directory.mkdir(parents=True)
@@ -464,6 +484,8 @@ class StudyRunner:
     def task_one(self, task: PlannedTask, worker: int) -> Outcome:
         if task_state(task) == "done":
             return Outcome(task.name, "skipped")
+        if (late := self._window_over(task.name)) is not None:
+            return late
         directory = task.directory
         directory.mkdir(parents=True, exist_ok=True)
         log = directory / "study.log"
