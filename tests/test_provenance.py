@@ -92,7 +92,9 @@ def test_a_tree_written_by_git_archive_records_the_commit_it_was_written_from(tm
         pytest.skip("the tests do not run from a git checkout")
     # The tree of HEAD as `git archive` writes it: no .git, the commit stamped in by git.
     archive = subprocess.run(
-        ["git", "archive", "--format=tar", "HEAD", "deltalab"], cwd=ROOT, capture_output=True,
+        ["git", "archive", "--format=tar", "HEAD", "deltalab"],
+        cwd=ROOT,
+        capture_output=True,
         check=True,
     ).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:

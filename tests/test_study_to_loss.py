@@ -4,6 +4,7 @@ jobs shared a run's device, from which a time is a time alone."""
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from pathlib import Path
@@ -12,11 +13,12 @@ import pytest
 import yaml
 from test_study import FakeTrain, micro_spec, plan_of, quiet
 
+from deltalab.cli import main
 from deltalab.study.cli import execute
 from deltalab.study.markdown import render_markdown
 from deltalab.study.report import collect
 from deltalab.study.runner import RECORD_NAME, StudyRunner, run_state
-from deltalab.study.to_loss import held_out_curve, steps_to_loss
+from deltalab.study.to_loss import held_out_curve, steps_to_loss, to_loss
 from deltalab.train.checkpoint import CHECKPOINT_DIR
 
 
@@ -37,20 +39,11 @@ def test_a_curve_never_reaching_the_target_has_no_steps_and_one_below_at_once_it
     assert steps_to_loss([], 1.0) is None
 
 
-def test_the_held_out_curve_joins_the_log_and_the_metrics_keeping_a_steps_last_evaluation(
-    tmp_path,
-):
-    lines = [
-        {"kind": "train", "step": 1, "loss": 9.0},
-        {"kind": "eval", "step": 10, "loss": 4.0},
-        {"kind": "eval", "step": 20, "loss": 3.5},
-        # A resumed run evaluates at its resume step again: the later record stands.
-        {"kind": "eval", "step": 20, "loss": 3.0},
-    ]
-    (tmp_path / "log.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\nnot json\n")
-    metrics = {"initial_eval_loss": 5.5, "final_eval_loss": 2.0, "steps_done": 30}
-    (tmp_path / "metrics.json").write_text(json.dumps(metrics))
-    assert held_out_curve(tmp_path) == [(0, 5.5), (10, 4.0), (20, 3.0), (30, 2.0)]
+def test_the_held_out_curve_is_the_trainers_evaluations_in_step_order(tmp_path):
+    history = {"train": [], "eval": [{"step": 30, "loss": 2.0}, {"step": 0, "loss": 5.5},
+                                     {"step": 10, "loss": 4.0}]}  # fmt: skip
+    (tmp_path / "metrics.json").write_text(json.dumps({"history": history}))
+    assert held_out_curve(tmp_path) == [(0, 5.5), (10, 4.0), (30, 2.0)]
     (tmp_path / "metrics.json").write_text(json.dumps({"final_eval_loss": 2.0}))
     assert held_out_curve(tmp_path) == []
     assert held_out_curve(tmp_path / "missing") == []
@@ -58,12 +51,13 @@ def test_the_held_out_curve_joins_the_log_and_the_metrics_keeping_a_steps_last_e
 
 class CurveTrain(FakeTrain):
     """FakeTrain whose runs evaluate along the way: held-out loss falling linearly from 5 at
-    step 0 to the run's final loss at step 4, the evaluations at steps 0, 2 and 4; tokens/s
-    per run from `speeds`."""
+    step 0 to the run's final loss at step 4, evaluated at steps 0, 2 and 4 (or at 0 and 4 only
+    where `sparse` names the run); tokens/s per run from `speeds`."""
 
-    def __init__(self, losses: dict[str, float], speeds: dict[str, float]) -> None:
+    def __init__(self, losses: dict[str, float], speeds: dict[str, float], sparse=()) -> None:
         super().__init__(losses)
         self.speeds = speeds
+        self.sparse = set(sparse)
 
     def __call__(self, args, env, log):
         code = super().__call__(args, env, log)
@@ -72,30 +66,41 @@ class CurveTrain(FakeTrain):
             out = Path(config["log"]["out_dir"])
             final = self.losses[out.name]
             metrics = json.loads((out / "metrics.json").read_text())
-            metrics.update(initial_eval_loss=5.0, median_tokens_per_s=self.speeds[out.name])
+            curve = [(0, 5.0), (2, (5.0 + final) / 2), (4, final)]
+            if out.name in self.sparse:
+                del curve[1]
+            metrics["history"]["eval"] = [{"step": s, "loss": v} for s, v in curve]
+            metrics["median_tokens_per_s"] = self.speeds[out.name]
             (out / "metrics.json").write_text(json.dumps(metrics))
-            middle = {"kind": "eval", "step": 2, "loss": (5.0 + final) / 2}
-            (out / "log.jsonl").write_text(json.dumps(middle) + "\n")
         return code
 
 
-def _study(tmp_path, corpus, parallel: int):
+GDN2 = "gdn2.tiny.lr0.003"
+TRANSFORMER = "transformer.tiny.lr0.003"
+
+
+def _study(tmp_path, corpus, parallel: int, seeds=(0, 1), sparse=(), losses=None):
     spec = micro_spec(tmp_path, corpus, parallel=parallel)
+    spec["grid"]["seeds"] = list(seeds)
     plan = plan_of(spec)
-    names = {"gdn2": "gdn2.tiny.lr0.003", "transformer": "transformer.tiny.lr0.003"}
-    losses = {f"{names['gdn2']}.s0": 2.0, f"{names['gdn2']}.s1": 3.0}
     # Seed 0: gdn2's 2.0 is reached by the transformer's line from 5 to 1 at step 3 (4 / 3
-    # sooner); seed 1: its line from 5 to 3.5 never reaches gdn2's 3.0.
-    losses |= {f"{names['transformer']}.s0": 1.0, f"{names['transformer']}.s1": 3.5}
+    # sooner); seed 1: its line from 5 to 3.5 never reaches gdn2's 3.0; seed 2: 1.6 and 1.0.
+    losses = losses or {
+        f"{GDN2}.s0": 2.0, f"{GDN2}.s1": 3.0, f"{GDN2}.s2": 1.6,
+        f"{TRANSFORMER}.s0": 1.0, f"{TRANSFORMER}.s1": 3.5, f"{TRANSFORMER}.s2": 1.0,
+    }  # fmt: skip
     # Seconds a step (batch 2 x 16 tokens): gdn2 32 / 64 = 0.5, the transformer 32 / 16 = 2.
     speeds = {name: 64.0 if name.startswith("gdn2") else 16.0 for name in losses}
-    assert execute(plan, launcher=CurveTrain(losses, speeds), say=quiet) == 0
+    assert execute(plan, launcher=CurveTrain(losses, speeds, sparse), say=quiet) == 0
     return plan, collect(plan)
 
 
-def test_the_factors_pair_each_seed_with_the_baseline_and_give_a_time_only_for_runs_alone(
-    tmp_path, corpus
-):
+def _row(text: str, variant: str) -> str:
+    section = text.split("### Steps and time to gdn2's loss")[1]
+    return next(line for line in section.splitlines() if line.startswith(f"| {variant} |"))
+
+
+def test_the_factors_pair_each_seed_with_the_baseline_and_time_only_runs_alone(tmp_path, corpus):
     plan, report = _study(tmp_path, corpus, parallel=1)
     (group,) = report["groups"]
     found = group["to_loss"]
@@ -105,29 +110,90 @@ def test_the_factors_pair_each_seed_with_the_baseline_and_give_a_time_only_for_r
     transformer = found["transformer"]
     s0, s1 = transformer["seeds"]["0"], transformer["seeds"]["1"]
     assert s0["target"] == 2.0 and s0["steps"] == pytest.approx(3.0)
-    assert s0["steps_factor"] == pytest.approx(4 / 3)
+    assert s0["status"] == "reached" and s0["steps_factor"] == pytest.approx(4 / 3)
     # Alone on its device: 3 steps x 2 s against gdn2's 4 steps x 0.5 s.
-    assert s0["alone"] is True
-    assert s0["seconds"] == pytest.approx(6.0)
-    assert s0["time_factor"] == pytest.approx(2.0 / 6.0)
+    assert s0["time_factor"] == pytest.approx((4 * 0.5) / (3 * 2.0))
+    assert s1["status"] == "not reached"
     assert s1["steps"] is None and s1["steps_factor"] is None and s1["time_factor"] is None
-    assert transformer["not_reached"] == 1
-    assert transformer["steps_factor"]["n"] == 1
-    assert transformer["steps_factor"]["mean"] == pytest.approx(4 / 3)
-    text = render_markdown(plan, report, [])
-    assert "### Steps and time to gdn2's loss" in text
-    section = text.split("### Steps and time to gdn2's loss")[1]
-    row = next(line for line in section.splitlines() if line.startswith("| transformer |"))
-    assert "1.333 (n 1)" in row and "0.3333 (n 1)" in row and "s1: not reached" in row
+    # A seed that never got there would raise a mean it is left out of: no summary.
+    assert transformer["reached"] == 1
+    assert transformer["steps_factor"] is None and transformer["time_factor"] is None
+    row = _row(render_markdown(plan, report, []), "transformer")
+    assert "– (1/2 reached)" in row and "s0: 3, s1: not reached" in row
+
+
+def test_every_seed_reaching_gives_the_geometric_mean_and_range(tmp_path, corpus):
+    # Seed 0: 4/3; seed 2: gdn2's 1.6 is reached at step 3.4 of the line from 5 to 1 (4/3.4).
+    plan, report = _study(tmp_path, corpus, parallel=1, seeds=(0, 2))
+    transformer = report["groups"][0]["to_loss"]["transformer"]
+    factors = [4 / 3, 4 / 3.4]
+    summary = transformer["steps_factor"]
+    assert summary["n"] == 2
+    assert summary["geometric_mean"] == pytest.approx(math.sqrt(factors[0] * factors[1]))
+    assert (summary["min"], summary["max"]) == pytest.approx((min(factors), max(factors)))
+    assert "1.25 [1.18, 1.33] (2/2 reached)" in _row(
+        render_markdown(plan, report, []), "transformer"
+    )
 
 
 def test_runs_that_shared_their_device_get_steps_but_no_time(tmp_path, corpus):
-    _, report = _study(tmp_path, corpus, parallel=2)
+    plan, report = _study(tmp_path, corpus, parallel=2)
     transformer = report["groups"][0]["to_loss"]["transformer"]
     s0 = transformer["seeds"]["0"]
     assert s0["steps_factor"] == pytest.approx(4 / 3)
-    assert s0["alone"] is False and s0["time_factor"] is None
-    assert transformer["shared"] == 2 and transformer["time_factor"]["n"] == 0
+    assert s0["time_factor"] is None and s0["no_time"] == "shared a device"
+    assert transformer["no_time"] == ["shared a device"]
+    assert "– (shared a device)" in _row(render_markdown(plan, report, []), "transformer")
+
+
+def test_a_curve_of_two_evaluations_or_a_seed_without_its_baseline_gives_no_factor(
+    tmp_path, corpus
+):
+    plan = plan_of(micro_spec(tmp_path, corpus))
+    _, report = _study(tmp_path, corpus, parallel=1, sparse=[f"{TRANSFORMER}.s0"])
+    transformer = report["groups"][0]["to_loss"]["transformer"]
+    assert transformer["seeds"]["0"]["status"] == "too few evaluations"
+    assert transformer["seeds"]["0"]["steps_factor"] is None
+    # gdn2's seed-1 run gone: the transformer's seed 1 has nothing to pair with.
+    run = next(r for r in plan.runs if r.name == f"{GDN2}.s1")
+    (run.directory / "metrics.json").unlink()
+    report = collect(plan)
+    transformer = report["groups"][0]["to_loss"]["transformer"]
+    assert list(transformer["seeds"]) == ["0"] and transformer["unpaired"] == [1]
+    assert "s1: no gdn2 run" in _row(render_markdown(plan, report, []), "transformer")
+
+
+def test_speeds_alone_time_a_pair_only_when_both_were_measured_on_one_device(tmp_path):
+    curves = {"gdn2": [(0, 5.0), (2, 3.0), (4, 2.0)], "transformer": [(0, 5.0), (2, 2.0), (4, 1.0)]}
+    entries = []
+    for variant, curve in curves.items():
+        (tmp_path / variant).mkdir()
+        history = {"eval": [{"step": step, "loss": loss} for step, loss in curve]}
+        (tmp_path / variant / "metrics.json").write_text(json.dumps({"history": history}))
+        entries.append({"variant": variant, "seed": 0, "status": "completed",
+                        "directory": variant, "metrics": {"tokens_per_s": 1.0},
+                        "device_shared_by": 4})  # fmt: skip
+
+    def seed0(speeds):
+        return to_loss(entries, "gdn2", tmp_path, 32, speeds)["transformer"]["seeds"]["0"]
+
+    one = {"gdn2": {"tokens_per_s": 64.0, "device": "cuda: A"},
+           "transformer": {"tokens_per_s": 16.0, "device": "cuda: A"}}  # fmt: skip
+    # 2 steps x 2 s against gdn2's 4 x 0.5 s, at the speeds alone (the grid runs shared).
+    assert seed0(one)["steps_factor"] == pytest.approx(2.0)
+    assert seed0(one)["time_factor"] == pytest.approx((4 * 0.5) / (2 * 2.0))
+    two = {**one, "transformer": {"tokens_per_s": 16.0, "device": "cuda: B"}}
+    assert seed0(two)["time_factor"] is None
+    assert seed0(two)["no_time"] == "speed runs on different devices"
+    # Without speed runs, the grid's runs shared their device.
+    assert seed0({})["no_time"] == "shared a device"
+    # A baseline whose last loss is no lower than its first: no factor, said so.
+    history = {
+        "eval": [{"step": 0, "loss": 2.0}, {"step": 2, "loss": 3.0}, {"step": 4, "loss": 2.5}]
+    }
+    (tmp_path / "gdn2" / "metrics.json").write_text(json.dumps({"history": history}))
+    assert seed0(one)["status"] == "baseline did not improve"
+    assert seed0(one)["steps_factor"] is None and seed0(one)["time_factor"] is None
 
 
 def test_a_run_records_how_many_jobs_shared_its_device_and_a_resume_keeps_the_most(
@@ -243,7 +309,6 @@ def test_the_throughput_runs_train_first_one_at_a_time_and_time_the_steps_to_los
     s0 = report["groups"][0]["to_loss"]["transformer"]["seeds"]["0"]
     # The grid shared its device, but the speeds alone time it: 3 steps at 32 / 10 s against
     # gdn2's 4 at 32 / 50 s.
-    assert s0["alone"] is True
     assert s0["time_factor"] == pytest.approx((4 * 32 / 50) / (3 * 32 / 10))
     # A rerun skips the speed runs; an interrupted one (no completed metrics) starts over.
     (plan.throughput[1].directory / "metrics.json").unlink()
@@ -254,7 +319,7 @@ def test_the_throughput_runs_train_first_one_at_a_time_and_time_the_steps_to_los
     assert not (plan.throughput[1].directory / "stale").exists()
 
 
-def test_launch_for_starts_jobs_for_that_long_then_lets_the_running_ones_finish(tmp_path, corpus):
+def test_launch_until_starts_no_job_after_it_and_lets_the_running_ones_finish(tmp_path, corpus):
     spec = micro_spec(tmp_path, corpus, parallel=2)
     spec["grid"]["seeds"] = [0, 1, 2]
     plan = plan_of(spec)
@@ -263,13 +328,14 @@ def test_launch_for_starts_jobs_for_that_long_then_lets_the_running_ones_finish(
 
     class Slow(CurveTrain):
         def __call__(self, args, env, log):
-            time.sleep(0.4)
+            time.sleep(1.0)
             return super().__call__(args, env, log)
 
-    # The two workers start one job each at once; a job takes 0.4 s, past the 0.2 s window.
+    # The two workers start one job each at once; a job takes 1 s, past the 0.3 s window.
     lines: list[str] = []
     launcher = Slow(losses, dict.fromkeys(names, 100.0))
-    assert execute(plan, launcher=launcher, say=lines.append, launch_for=0.2) == 0
+    until = time.monotonic() + 0.3
+    assert execute(plan, launcher=launcher, say=lines.append, launch_until=until) == 0
     started = [c for c in launcher.calls if "train" in c]
     assert len(started) == 2
     done = [run for run in plan.runs if run_state(run) == "done"]
@@ -278,7 +344,24 @@ def test_launch_for_starts_jobs_for_that_long_then_lets_the_running_ones_finish(
     # The next invocation takes up the rest; finished jobs do not count as not started.
     lines.clear()
     launcher = Slow(losses, dict.fromkeys(names, 100.0))
-    assert execute(plan, launcher=launcher, say=lines.append, launch_for=60) == 0
+    until = time.monotonic() + 60
+    assert execute(plan, launcher=launcher, say=lines.append, launch_until=until) == 0
     assert all(run_state(run) == "done" for run in plan.runs)
     assert "not started" not in lines[-1]
     assert len([c for c in launcher.calls if "train" in c]) == 4
+
+
+@pytest.mark.parametrize(
+    ("words", "message"),
+    [
+        (["--launch-for", "-1"], "--launch-for must be a number of seconds >= 0, got -1.0"),
+        (["--launch-for", "nan"], "--launch-for must be a number of seconds >= 0, got nan"),
+        (["--launch-for", "5", "--dry-run"], "--launch-for goes with a study that runs"),
+    ],
+)
+def test_launch_for_is_refused_naming_the_option(tmp_path, corpus, capsys, words, message):
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(micro_spec(tmp_path, corpus)))
+    assert main(["study", str(path), *words]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "study").exists()

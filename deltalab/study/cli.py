@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import fcntl
 import fnmatch
+import math
 import os
 import sys
 import time
@@ -240,14 +241,14 @@ def execute(
     say: Any = _say,
     only: list[str] | None = None,
     grace: float | None = None,
-    launch_for: float | None = None,
+    launch_until: float | None = None,
     allow_mixed_commits: bool = False,
     allow_mixed_data: bool = False,
 ) -> int:
     """Runs the plan's pending jobs (those matching `only`, if given) and writes the report of
     the whole plan; the exit status of the module docstring. `grace`: seconds a stopped study
-    waits for its children before SIGKILL (default `runner.DEFAULT_GRACE`); `launch_for`:
-    seconds from now during which jobs are started (None: until none is left);
+    waits for its children before SIGKILL (default `runner.DEFAULT_GRACE`); `launch_until`:
+    the `time.monotonic()` after which no job starts (None: until none is left);
     `allow_mixed_commits`: run even where records of other code are (`records.check_commits`);
     `allow_mixed_data`: even where runs trained on other data are (`records.check_data`)."""
     from deltalab.study.records import check_commits, check_data
@@ -266,7 +267,7 @@ def execute(
             launcher=launcher,
             say=say,
             grace=DEFAULT_GRACE if grace is None else grace,
-            launch_for=launch_for,
+            launch_until=launch_until,
         )
         outcomes = runner.run()
         _note_invocation(
@@ -299,6 +300,17 @@ def run_study(args: argparse.Namespace) -> int:
         raise ConfigError("--dry-run and --aggregate-only exclude each other")
     if args.grace is not None and not args.grace >= 0:
         raise ConfigError(f"--grace must be a number of seconds >= 0, got {args.grace}")
+    # The window counts from the command's start: data preparation and checks are within it.
+    launch_until = None
+    if args.launch_for is not None:
+        if args.dry_run or args.aggregate_only:
+            raise ConfigError("--launch-for goes with a study that runs (not --dry-run or "
+                              "--aggregate-only)")  # fmt: skip
+        if not 0 <= args.launch_for < math.inf:
+            raise ConfigError(
+                f"--launch-for must be a number of seconds >= 0, got {args.launch_for}"
+            )
+        launch_until = time.monotonic() + args.launch_for
     stem = "study"
     if args.baseline is not None:
         from deltalab.errors import closest
@@ -338,7 +350,7 @@ def run_study(args: argparse.Namespace) -> int:
         plan,
         only=args.only,
         grace=args.grace,
-        launch_for=args.launch_for,
+        launch_until=launch_until,
         allow_mixed_commits=args.allow_mixed_commits,
         allow_mixed_data=args.allow_mixed_data,
     )

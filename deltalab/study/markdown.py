@@ -363,11 +363,17 @@ def _run_lines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _factor(item: dict[str, Any]) -> str:
-    if not item["n"]:
-        return "–"
-    cell = _number(item["mean"]) + ("" if item["n"] < 2 else f" ± {_number(item['sd'])}")
-    return f"{cell} (n {item['n']})"
+def _factor(summary: dict[str, Any] | None, reached: int, paired: int) -> str:
+    if summary is None:
+        return f"– ({reached}/{paired} reached)"
+    spread = "" if summary["n"] < 2 else f" [{summary['min']:.2f}, {summary['max']:.2f}]"
+    return f"{summary['geometric_mean']:.2f}{spread} ({reached}/{paired} reached)"
+
+
+def _seed_cell(seed: str, row: dict[str, Any]) -> str:
+    if row["status"] == "reached":
+        return f"s{seed}: {row['steps']:.0f}"
+    return f"s{seed}: {row['status']}"
 
 
 def _to_loss_lines(plan: StudyPlan, group: dict[str, Any], speeds: dict[str, Any]) -> list[str]:
@@ -375,37 +381,40 @@ def _to_loss_lines(plan: StudyPlan, group: dict[str, Any], speeds: dict[str, Any
     and its speed alone where the study measured it (`speeds`: variant -> throughput entry)."""
     found = group.get("to_loss") or {}
     baseline = plan.spec.baseline
-    if not found or baseline not in found:
+    if not found:
         return []
+    every = plan.runs[0].config.eval.every
     lines = [
         "",
         f"### Steps and time to {baseline}'s loss",
         "",
-        f"Per seed, the target is {baseline}'s held-out loss at its last evaluation during "
-        "training; each run's steps to it are read off its held-out curve (interpolated between "
-        "evaluations). A factor above 1: sooner than the baseline. Time is steps x seconds a "
-        "step at the variant's training speed alone: its throughput run's median tokens/s, "
-        "else its own run's where that run trained alone on its device. Descriptive: not among "
-        "the corrected comparisons.",
+        f"Per seed, the target is {baseline}'s held-out loss at its last evaluation; each run's "
+        "steps to it are read off its held-out curve, interpolated between evaluations "
+        f"{f'{every} steps apart' if every else 'before and after training only'}, so a step "
+        "count is known to within that spacing. A factor above 1: sooner than the baseline; "
+        "geometric mean [range] over the seeds, given only when every seed reached the target. "
+        "Time is steps x seconds a step, both sides at their throughput runs' speeds (alone, one "
+        "device), else at their own runs' where both trained alone. Descriptive: not among the "
+        "corrected comparisons.",
         "",
     ]
     rows = []
     for variant, item in found.items():
         seeds = item["seeds"]
-        steps = ", ".join(
-            f"s{seed}: " + ("not reached" if row["steps"] is None else _number(row["steps"]))
-            for seed, row in seeds.items()
-        )
-        time_cell = _factor(item["time_factor"])
-        if item["shared"]:
-            time_cell += f"; {item['shared']} of its pairs shared a device"
-        if item["unrecorded"]:
-            time_cell += f"; {item['unrecorded']} of its pairs did not record it"
+        cells = [_seed_cell(seed, row) for seed, row in seeds.items()]
+        cells += [f"s{seed}: no {baseline} run" for seed in item["unpaired"]]
         speed = (speeds.get(variant) or {}).get("tokens_per_s")
-        rows.append(
-            [variant + (" (baseline)" if variant == baseline else ""), _factor(
-                item["steps_factor"]), time_cell, steps, _number(speed)]
-        )  # fmt: skip
+        if variant == baseline:
+            factors = ["1 (the baseline)", "1 (the baseline)"]
+        else:
+            time_cell = _factor(item["time_factor"], item["reached"], len(seeds))
+            if item["no_time"]:
+                time_cell = f"– ({'; '.join(item['no_time'])})"
+            factors = [_factor(item["steps_factor"], item["reached"], len(seeds)), time_cell]
+        rows.append([variant, *factors, ", ".join(cells), _number(speed)])
+    if baseline not in found:
+        lines.append(f"No completed {baseline} run at its chosen rate: no target.")
+        return lines
     header = ["variant", "steps factor", "time factor", "steps to loss", "tokens/s alone"]
     return lines + _table(header, rows)
 

@@ -280,7 +280,7 @@ def collect(plan: StudyPlan) -> dict[str, Any]:
                     plan.spec.baseline,
                     plan.spec.out_dir,
                     first.batch_size * first.seq_len,
-                    {v: e["tokens_per_s"] for v, e in speeds.get(size, {}).items()},
+                    speeds.get(size, {}),
                 ),
             }
         )

@@ -233,7 +233,7 @@ def throughput_state(job: PlannedThroughput) -> str:
 @dataclass
 class Outcome:
     name: str
-    status: str  # completed, diverged, failed, interrupted, skipped, not started (launch_for)
+    status: str  # completed, diverged, failed, interrupted, skipped, not started (launch_until)
     error: str = ""
     launches: int = 0
 
@@ -241,24 +241,21 @@ class Outcome:
 @dataclass
 class StudyRunner:
     """Runs the plan's pending jobs, `spec.parallel` at a time; `grace`: seconds a stopped study
-    gives its children to exit before SIGKILL; `launch_for`: seconds from its creation during
-    which jobs are started (None: no limit), after which the running ones finish and the rest
-    are left for the next invocation."""
+    gives its children to exit before SIGKILL; `launch_until`: the `time.monotonic()` after
+    which no job starts (None: no limit): the running ones finish, the rest are left for the
+    next invocation."""
 
     plan: StudyPlan
     launcher: Launcher | None = None
     say: Callable[[str], None] = print
     grace: float = DEFAULT_GRACE
-    launch_for: float | None = None
+    launch_until: float | None = None
     stopping: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         self.launches = 0
-        # Jobs with work to do left pending because `launch_for` had run out.
+        # Jobs with work to do left pending because `launch_until` had passed.
         self.not_started = 0
-        if self.launch_for is not None and self.launch_for < 0:
-            raise ValueError(f"launch_for must be >= 0 seconds, got {self.launch_for}")
-        self._launch_until = None if self.launch_for is None else time.monotonic() + self.launch_for
         # The signal that stopped the study (its exit status is 128 + it), and when the grace ends.
         self.stopped_by: int | None = None
         self._deadline: float | None = None
@@ -385,10 +382,11 @@ class StudyRunner:
         if state in ("new", "resume"):
             # How many jobs its device ran at once at most: its tokens/s is a speed alone only
             # at 1 (`to_loss`). A resumed run keeps the most of its invocations.
-            shared = self.device_shared_by()
+            shared: int | None = self.device_shared_by()
             if state == "resume":
-                shared = max(shared, (_read_json(directory / RECORD_NAME) or {}).get(
-                    "device_shared_by") or 0)  # fmt: skip
+                # A record from before this field says nothing of the earlier steps: unknown.
+                before = (_read_json(directory / RECORD_NAME) or {}).get("device_shared_by")
+                shared = None if before is None else max(shared, before)
             self._record(directory, device_shared_by=shared)
             config_path = save_run_config(run.config, directory / "run.yaml")
             args = ["train", "--config", str(config_path)] + (
@@ -443,8 +441,8 @@ class StudyRunner:
         return Outcome(run.name, "completed")
 
     def _window_over(self, name: str) -> Outcome | None:
-        """Past `launch_for`: the job (which has work to do) waits for the next invocation."""
-        if self._launch_until is None or time.monotonic() < self._launch_until:
+        """Past `launch_until`: the job (which has work to do) waits for the next invocation."""
+        if self.launch_until is None or time.monotonic() < self.launch_until:
             return None
         with self._count_lock:
             self.not_started += 1
@@ -472,6 +470,11 @@ class StudyRunner:
             self._record(job.directory, status=status, error=error, returncode=code)
             self.say(f"{job.name}: {status}{': ' + error if error else ''}")
             return Outcome(job.name, status, error)
+        if not (trained(job) or {}).get("median_tokens_per_s"):
+            error = "no completed metrics.json with a median tokens/s"
+            self._record(job.directory, status="failed", error=error, returncode=code)
+            self.say(f"{job.name}: failed: {error}")
+            return Outcome(job.name, "failed", error)
         self._record(job.directory, status="completed", stage="",
                      provenance=job_provenance(job.directory, self.plan.device))  # fmt: skip
         return Outcome(job.name, "completed")
@@ -622,7 +625,7 @@ def check_finished_runs(plan: StudyPlan) -> None:
     """Refuse, before anything trains, a study directory whose finished runs were trained with
     another config than the spec now gives them (their results would be mixed with new ones)."""
     changed = []
-    for run in plan.runs:
+    for run in [*plan.throughput, *plan.runs]:
         if trained(run) is not None:
             differences = config_changes(run)
             if differences:
