@@ -28,7 +28,8 @@ def machine() -> str:
 
 
 def commit() -> dict[str, object]:
-    """The checkout's commit and whether its tracked files differ from it (None outside git)."""
+    """The commit of the code (a checkout's, or one `git archive` stamped) and whether the
+    checkout's tracked files differ from it (None for an archive; both None for an install)."""
     code = code_version()
     return {"commit": code.get("commit"), "dirty": code.get("dirty")}
 

@@ -5,8 +5,12 @@
 
 The code is read with `git` when the imported `deltalab` package is the `deltalab/` folder of a
 git work tree (a checkout, editable installs included): its HEAD commit, and whether its tracked
-files differ from it ("dirty"; untracked files such as run directories do not count). Otherwise
-the installed distribution's version stands for it, stated as such (`"from": "installed"`).
+files differ from it ("dirty"; untracked files such as run directories do not count). A tree
+written by `git archive` (a release tarball, a copy sent to another machine) has no `.git`, but
+git wrote its commit into `deltalab/ARCHIVE_COMMIT` (`export-subst` in `.gitattributes`), and
+the record takes it from there (`"from": "archive"`; whether its files were edited after that is
+not known). Otherwise the installed distribution's version stands for the code, stated as such
+(`"from": "installed"`).
 
 `deltalab train` writes the record to its run directory as provenance.json (and into
 metrics.json); `deltalab study` keeps each run's record in its study_run.json and refuses to mix
@@ -18,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import platform
+import re
 import subprocess
 from collections.abc import Mapping
 from importlib import metadata
@@ -27,9 +32,11 @@ from typing import Any
 from deltalab._files import write_text_atomically
 
 __all__ = [
+    "ARCHIVE_COMMIT",
     "DISTRIBUTIONS",
     "PACKAGES",
     "PROVENANCE_NAME",
+    "archive_commit",
     "code_identity",
     "code_version",
     "device_name",
@@ -42,6 +49,8 @@ __all__ = [
 ]
 
 PROVENANCE_NAME = "provenance.json"
+# Holds `$Format:%H$` in the repository; `git archive` writes the commit in its place.
+ARCHIVE_COMMIT = "ARCHIVE_COMMIT"
 # The distributions a result depends on; absent ones are recorded as None.
 PACKAGES = ("deltalab", "torch", "triton", "transformers", "tokenizers", "numpy", "lm_eval")
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -63,8 +72,9 @@ def _git(root: Path, *args: str) -> str | None:
 @functools.cache
 def code_version(package_dir: Path = PACKAGE_DIR) -> dict[str, Any]:
     """The code of `package_dir` (this `deltalab` package by default): `{"from": "git",
-    "commit", "dirty"}` when it is the `deltalab/` folder of a git work tree, else `{"from":
-    "installed", "version"}`. Cached: the code of a running process does not change."""
+    "commit", "dirty"}` when it is the `deltalab/` folder of a git work tree, `{"from":
+    "archive", "commit"}` when `git archive` stamped its commit into it (`archive_commit`), else
+    `{"from": "installed", "version"}`. Cached: the code of a running process does not change."""
     top = _git(package_dir, "rev-parse", "--show-toplevel")
     # A package copied into site-packages inside some other repository is not that repository's.
     if top is not None and Path(top).resolve() / package_dir.name == package_dir.resolve():
@@ -72,7 +82,20 @@ def code_version(package_dir: Path = PACKAGE_DIR) -> dict[str, Any]:
         if head:
             status = _git(Path(top), "status", "--porcelain", "--untracked-files=no")
             return {"from": "git", "commit": head, "dirty": bool(status)}
+    stamped = archive_commit(package_dir)
+    if stamped is not None:
+        return {"from": "archive", "commit": stamped}
     return {"from": "installed", "version": installed_version("deltalab")}
+
+
+def archive_commit(package_dir: Path = PACKAGE_DIR) -> str | None:
+    """The commit `git archive` wrote into `package_dir / ARCHIVE_COMMIT` (40 hex digits); None
+    where the file is absent or still holds its placeholder (a checkout, a build from one)."""
+    try:
+        text = (package_dir / ARCHIVE_COMMIT).read_text().strip()
+    except OSError:
+        return None
+    return text if re.fullmatch(r"[0-9a-f]{40}", text) else None
 
 
 def code_identity(code: dict[str, Any] | None) -> str:
@@ -80,7 +103,7 @@ def code_identity(code: dict[str, Any] | None) -> str:
     version ("deltalab 0.1.0 (installed)"); "unknown" for a record without one."""
     if not code:
         return "unknown"
-    if code.get("from") == "git" and code.get("commit"):
+    if code.get("from") in ("git", "archive") and code.get("commit"):
         return str(code["commit"])
     return f"deltalab {code.get('version')} (installed)"
 

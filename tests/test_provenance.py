@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import io
 import json
 import subprocess
 import tarfile
@@ -30,7 +31,9 @@ from deltalab.data import (
 from deltalab.errors import ConfigError
 from deltalab.ops._triton import TRITON_VERSION
 from deltalab.provenance import (
+    ARCHIVE_COMMIT,
     DISTRIBUTIONS,
+    archive_commit,
     code_identity,
     code_version,
     installed_version,
@@ -81,6 +84,45 @@ def test_a_package_outside_a_git_checkout_is_recorded_by_its_installed_version(t
     # A repository around the folder is not the package's checkout unless deltalab/ is its own.
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     assert code_version(tmp_path / "site-packages" / "deltalab")["from"] == "installed"
+
+
+def test_a_tree_written_by_git_archive_records_the_commit_it_was_written_from(tmp_path):
+    head = git("rev-parse", "HEAD")
+    if not head:
+        pytest.skip("the tests do not run from a git checkout")
+    # The tree of HEAD as `git archive` writes it: no .git, the commit stamped in by git.
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", "HEAD", "deltalab"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(tmp_path, filter="data")
+    code = code_version(tmp_path / "deltalab")
+    assert code == {"from": "archive", "commit": head}
+    # The same commit from a checkout or from an archive of it is the same code to a study.
+    assert code_identity(code) == code_identity({"from": "git", "commit": head, "dirty": False})
+    assert archive_commit(tmp_path / "deltalab") == head
+
+
+def test_an_unstamped_or_foreign_archive_file_is_not_taken_for_a_commit(tmp_path):
+    package = tmp_path / "deltalab"
+    package.mkdir()
+    # The placeholder as the repository holds it (a wheel built from a checkout carries it).
+    (package / ARCHIVE_COMMIT).write_text((ROOT / "deltalab" / ARCHIVE_COMMIT).read_text())
+    assert archive_commit(package) is None
+    assert code_version(package)["from"] == "installed"
+    for text in ("0123abc\n", "g" * 40, "A" * 40, ""):
+        (package / ARCHIVE_COMMIT).write_text(text)
+        assert archive_commit(package) is None, text
+    (package / ARCHIVE_COMMIT).write_text("ab" * 20 + "\n")
+    assert archive_commit(package) == "ab" * 20
+    # code_version is cached per folder (a process's code does not change): a fresh one.
+    stamped = tmp_path / "stamped" / "deltalab"
+    stamped.mkdir(parents=True)
+    (stamped / ARCHIVE_COMMIT).write_text("ab" * 20 + "\n")
+    assert code_version(stamped) == {"from": "archive", "commit": "ab" * 20}
 
 
 def test_a_package_installed_under_another_distribution_name_is_recorded_by_that_version():

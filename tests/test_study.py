@@ -145,6 +145,11 @@ def quiet(line: str) -> None:
             {"grid.mixers": ["gdn2", {"name": "m", "mixer": "muir", "options": {"read_gat": "x"}}]},
             "mixer_options.read_gat is not an option of the muir mixer",
         ),
+        ({"throughput.steps": 4}, "throughput.steps must be an int >= 8"),
+        (
+            {"throughput.step": 30},
+            "unknown key 'throughput.step' (did you mean 'throughput.steps'?)",
+        ),
     ],
 )
 def test_the_plan_refuses_a_bad_spec_naming_the_key(tmp_path, corpus, change, message):

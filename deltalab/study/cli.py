@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import fcntl
 import fnmatch
+import math
 import os
 import sys
 import time
@@ -72,7 +73,7 @@ def add_parser(commands: Any) -> None:
         "--only",
         action="append",
         metavar="GLOB",
-        help="run only the runs and task jobs whose names match (repeatable; e.g. 'gdn2.*.s0' "
+        help="run only the runs and jobs whose names match (repeatable; e.g. 'gdn2.*.s0' "
         "to time one run first); the report still lists every run",
     )
     parser.add_argument(
@@ -82,6 +83,15 @@ def add_parser(commands: Any) -> None:
         metavar="SECONDS",
         help="on Ctrl-C or SIGTERM, how long to wait for the running jobs to checkpoint and exit "
         "before killing them (default 120; a second Ctrl-C kills them at once)",
+    )
+    parser.add_argument(
+        "--launch-for",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="start jobs for this many seconds only, then let those running finish and write "
+        "the report: the rest wait for the next invocation (a study spread over time-limited "
+        "allocations ends each one with whole runs, no checkpoint to carry over)",
     )
     parser.add_argument(
         "--allow-mixed-commits",
@@ -102,7 +112,7 @@ def add_parser(commands: Any) -> None:
 def format_plan(plan: Any) -> str:
     """The plan as text: budget, matched parameter counts, every run with its state."""
     from deltalab.benchmarking import format_table
-    from deltalab.study.runner import run_state, task_state
+    from deltalab.study.runner import run_state, task_state, throughput_state
 
     spec = plan.spec
     first = plan.runs[0].config.train
@@ -142,7 +152,8 @@ def format_plan(plan: Any) -> str:
             ["variant", "mixer", "options", "size", "ffn", "params", f"vs {spec.match}"], rows
         )
     )
-    states = [[run.name, run_state(run)] for run in plan.runs]
+    states = [[job.name, throughput_state(job)] for job in plan.throughput]
+    states += [[run.name, run_state(run)] for run in plan.runs]
     states += [[task.name, task_state(task)] for task in plan.tasks]
     lines.append(format_table(["run", "state"], states))
     if plan.runs[0].evals:
@@ -217,9 +228,10 @@ def select(plan: Any, patterns: list[str]) -> Any:
 
     runs = [r for r in plan.runs if chosen(r.name)]
     tasks = [t for t in plan.tasks if chosen(t.name)]
-    if not runs and not tasks:
-        raise ConfigError(f"--only {' '.join(patterns)} matches no run or task job of the plan")
-    return dataclasses.replace(plan, runs=runs, tasks=tasks)
+    speed = [j for j in plan.throughput if chosen(j.name)]
+    if not runs and not tasks and not speed:
+        raise ConfigError(f"--only {' '.join(patterns)} matches no run or job of the plan")
+    return dataclasses.replace(plan, runs=runs, tasks=tasks, throughput=speed)
 
 
 def execute(
@@ -229,12 +241,14 @@ def execute(
     say: Any = _say,
     only: list[str] | None = None,
     grace: float | None = None,
+    launch_until: float | None = None,
     allow_mixed_commits: bool = False,
     allow_mixed_data: bool = False,
 ) -> int:
     """Runs the plan's pending jobs (those matching `only`, if given) and writes the report of
     the whole plan; the exit status of the module docstring. `grace`: seconds a stopped study
-    waits for its children before SIGKILL (default `runner.DEFAULT_GRACE`);
+    waits for its children before SIGKILL (default `runner.DEFAULT_GRACE`); `launch_until`:
+    the `time.monotonic()` after which no job starts (None: until none is left);
     `allow_mixed_commits`: run even where records of other code are (`records.check_commits`);
     `allow_mixed_data`: even where runs trained on other data are (`records.check_data`)."""
     from deltalab.study.records import check_commits, check_data
@@ -253,6 +267,7 @@ def execute(
             launcher=launcher,
             say=say,
             grace=DEFAULT_GRACE if grace is None else grace,
+            launch_until=launch_until,
         )
         outcomes = runner.run()
         _note_invocation(
@@ -261,10 +276,11 @@ def execute(
         written = write_report(plan)
     statuses = [o.status for o in outcomes]
     stopped = "" if runner.stopped_by is None else f"stopped by {signal_name(runner.stopped_by)}: "
+    left = f", {runner.not_started} not started (--launch-for)" if runner.not_started else ""
     say(
         f"{stopped}{statuses.count('completed')} completed, {statuses.count('skipped')} already "
         f"done, {statuses.count('diverged')} diverged, {statuses.count('failed')} failed, "
-        f"{statuses.count('interrupted')} interrupted; report: {written['markdown']}"
+        f"{statuses.count('interrupted')} interrupted{left}; report: {written['markdown']}"
     )
     if runner.stopped_by is not None:
         return 128 + runner.stopped_by
@@ -284,6 +300,17 @@ def run_study(args: argparse.Namespace) -> int:
         raise ConfigError("--dry-run and --aggregate-only exclude each other")
     if args.grace is not None and not args.grace >= 0:
         raise ConfigError(f"--grace must be a number of seconds >= 0, got {args.grace}")
+    # The window counts from the command's start: data preparation and checks are within it.
+    launch_until = None
+    if args.launch_for is not None:
+        if args.dry_run or args.aggregate_only:
+            raise ConfigError("--launch-for goes with a study that runs (not --dry-run or "
+                              "--aggregate-only)")  # fmt: skip
+        if not 0 <= args.launch_for < math.inf:
+            raise ConfigError(
+                f"--launch-for must be a number of seconds >= 0, got {args.launch_for}"
+            )
+        launch_until = time.monotonic() + args.launch_for
     stem = "study"
     if args.baseline is not None:
         from deltalab.errors import closest
@@ -323,6 +350,7 @@ def run_study(args: argparse.Namespace) -> int:
         plan,
         only=args.only,
         grace=args.grace,
+        launch_until=launch_until,
         allow_mixed_commits=args.allow_mixed_commits,
         allow_mixed_data=args.allow_mixed_data,
     )

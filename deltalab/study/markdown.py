@@ -1,6 +1,7 @@
 """study.md: the markdown text of a study report, rendered from `collect`'s data (what
 study.json holds): the opening lines (spec, machine, budget, status), the learning rates chosen,
-per size and per task the mean table and the paired tables, how the comparisons are read, the
+per size and per task the mean table and the paired tables (and per size the steps and time
+to the baseline's loss), how the comparisons are read, the
 gate sensitivities, the runs that did not complete and every run.
 """
 
@@ -362,6 +363,62 @@ def _run_lines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _factor(summary: dict[str, Any] | None, reached: int, paired: int) -> str:
+    if summary is None:
+        return f"– ({reached}/{paired} reached)"
+    spread = "" if summary["n"] < 2 else f" [{summary['min']:.2f}, {summary['max']:.2f}]"
+    return f"{summary['geometric_mean']:.2f}{spread} ({reached}/{paired} reached)"
+
+
+def _seed_cell(seed: str, row: dict[str, Any]) -> str:
+    if row["status"] == "reached":
+        return f"s{seed}: {row['steps']:.0f}"
+    return f"s{seed}: {row['status']}"
+
+
+def _to_loss_lines(plan: StudyPlan, group: dict[str, Any], speeds: dict[str, Any]) -> list[str]:
+    """`to_loss.to_loss`'s table for one size: per variant its factors and each seed's steps,
+    and its speed alone where the study measured it (`speeds`: variant -> throughput entry)."""
+    found = group.get("to_loss") or {}
+    baseline = plan.spec.baseline
+    if not found:
+        return []
+    every = plan.runs[0].config.eval.every
+    lines = [
+        "",
+        f"### Steps and time to {baseline}'s loss",
+        "",
+        f"Per seed, the target is {baseline}'s held-out loss at its last evaluation; each run's "
+        "steps to it are read off its held-out curve, interpolated between evaluations "
+        f"{f'{every} steps apart' if every else 'before and after training only'}, so a step "
+        "count is known to within that spacing. A factor above 1: sooner than the baseline; "
+        "geometric mean [range] over the seeds, given only when every seed reached the target. "
+        "Time is steps x seconds a step, both sides at their throughput runs' speeds (alone, one "
+        "device), else at their own runs' where both trained alone. Descriptive: not among the "
+        "corrected comparisons.",
+        "",
+    ]
+    rows = []
+    for variant, item in found.items():
+        seeds = item["seeds"]
+        cells = [_seed_cell(seed, row) for seed, row in seeds.items()]
+        cells += [f"s{seed}: no {baseline} run" for seed in item["unpaired"]]
+        speed = (speeds.get(variant) or {}).get("tokens_per_s")
+        if variant == baseline:
+            factors = ["1 (the baseline)", "1 (the baseline)"]
+        else:
+            time_cell = _factor(item["time_factor"], item["reached"], len(seeds))
+            if item["no_time"]:
+                time_cell = f"– ({'; '.join(item['no_time'])})"
+            factors = [_factor(item["steps_factor"], item["reached"], len(seeds)), time_cell]
+        rows.append([variant, *factors, ", ".join(cells), _number(speed)])
+    if baseline not in found:
+        lines.append(f"No completed {baseline} run at its chosen rate: no target.")
+        return lines
+    header = ["variant", "steps factor", "time factor", "steps to loss", "tokens/s alone"]
+    return lines + _table(header, rows)
+
+
 def render_markdown(plan: StudyPlan, data: dict[str, Any], figures: list[str]) -> str:
     """The study's report: header, learning rates, each size's and task's tables, families,
     gate sensitivity, the runs, then the figures."""
@@ -384,6 +441,7 @@ def render_markdown(plan: StudyPlan, data: dict[str, Any], figures: list[str]) -
         ]
         lines += _mean_table(plan, group, sized)
         lines += _paired_tables(plan, group)
+        lines += _to_loss_lines(plan, group, (data.get("throughput") or {}).get(group["size"], {}))
     for group in data["task_groups"]:
         lines += [
             "",

@@ -22,7 +22,15 @@ from typing import Any
 from deltalab.errors import ConfigError, UserError
 from deltalab.study.spec import SELECTION_TASK, EvalSpec, StudySpec, Variant
 
-__all__ = ["EvalStep", "PlannedRun", "PlannedTask", "StudyPlan", "lr_text", "make_plan"]
+__all__ = [
+    "EvalStep",
+    "PlannedRun",
+    "PlannedTask",
+    "PlannedThroughput",
+    "StudyPlan",
+    "lr_text",
+    "make_plan",
+]
 
 # The perplexity-style tasks read text as training does; left unset in the spec, these settings
 # come from the run's data section, so the held-out text is the run's own held-out split (and
@@ -75,6 +83,18 @@ class PlannedTask:
     directory: Path
 
 
+@dataclass(frozen=True)
+class PlannedThroughput:
+    """A variant's speed measurement at a size: a short run of its config, trained alone
+    (`spec.throughput_steps` steps at the first seed and rate, no evaluation, no sample)."""
+
+    name: str
+    variant: Variant
+    size: str
+    config: Any  # RunConfig
+    directory: Path
+
+
 @dataclass
 class StudyPlan:
     spec: StudySpec
@@ -85,6 +105,7 @@ class StudyPlan:
     threads: int
     tokens_per_run: int
     notes: list[str] = field(default_factory=list)
+    throughput: list[PlannedThroughput] = field(default_factory=list)
 
     @property
     def sizes(self) -> list[str]:
@@ -476,6 +497,12 @@ def make_plan(spec: StudySpec) -> StudyPlan:
             for seed in spec.seeds:
                 name = f"{_slug(entry.task)}.{variant.name}.s{seed}"
                 tasks.append(PlannedTask(name, variant, seed, step, spec.out_dir / "tasks" / name))
+    throughput = [
+        _throughput(spec, counter, variant, size, shapes[(variant.name, size)][0], device)
+        for size in sizes
+        for variant in spec.variants
+        if spec.throughput_steps is not None
+    ]
     _refuse_shared_directories(spec, runs, tasks)
     first = runs[0].config.train
     threads = spec.threads or max(1, (os.cpu_count() or 1) // spec.parallel)
@@ -487,4 +514,31 @@ def make_plan(spec: StudySpec) -> StudyPlan:
         device=device,
         threads=threads,
         tokens_per_run=first.steps * first.batch_size * first.seq_len,
+        throughput=throughput,
     )
+
+
+def _throughput(
+    spec: StudySpec, counter: _Counter, variant: Variant, size: str, tree: dict, device: str
+) -> PlannedThroughput:
+    """The speed run of a variant at a size: its grid config at the first seed and rate, cut to
+    `throughput_steps` steps, warmup cut in proportion, evaluated only at its end."""
+    from deltalab.train.config import RunConfig
+
+    name = f"throughput.{variant.name}.{size}"
+    directory = spec.out_dir / "throughput" / name
+    tree = copy.deepcopy(tree)
+    steps = spec.throughput_steps
+    assert steps is not None
+    train = tree.setdefault("train", {})
+    grid_steps = RunConfig.from_dict(tree).train.steps
+    warmup = RunConfig.from_dict(tree).schedule.warmup_steps
+    train.update(seed=spec.seeds[0], steps=steps, device=device)
+    tree.setdefault("schedule", {})["warmup_steps"] = warmup * steps // max(grid_steps, 1)
+    if spec.lrs:
+        tree.setdefault("optim", {})["lr"] = spec.lrs[0]
+    tree.setdefault("eval", {}).update(every=0, sample_tokens=0)
+    tree.setdefault("checkpoint", {})["every"] = 0
+    tree["log"]["out_dir"] = str(directory)
+    config, _ = counter.model_config(f"run {name}", tree)
+    return PlannedThroughput(name, variant, size, config, directory)

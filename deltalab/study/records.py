@@ -40,7 +40,8 @@ RECORD_NAME = "study_run.json"
 
 
 def _directories(plan: StudyPlan) -> list[tuple[str, Path]]:
-    return [(r.name, r.directory) for r in plan.runs] + [(t.name, t.directory) for t in plan.tasks]
+    jobs = [*plan.throughput, *plan.runs, *plan.tasks]
+    return [(job.name, job.directory) for job in jobs]
 
 
 def _records(directory: Path) -> list[dict[str, Any]]:

@@ -31,6 +31,7 @@ from deltalab.study.plan import PlannedRun, PlannedTask, StudyPlan
 from deltalab.study.records import recorded_devices, recorded_identities
 from deltalab.study.runner import RECORD_NAME, _read_json, _write_json, run_state, task_state
 from deltalab.study.stats import paired_difference, summarize
+from deltalab.study.to_loss import to_loss
 
 __all__ = ["INVOCATIONS_NAME", "collect", "write_report"]
 
@@ -82,6 +83,7 @@ def _run_entry(plan: StudyPlan, run: PlannedRun) -> dict[str, Any]:
         "ffn_width": run.ffn_width,
         "directory": os.path.relpath(run.directory, plan.spec.out_dir),
         "elapsed_s": record.get("elapsed_s"),
+        "device_shared_by": record.get("device_shared_by"),
         "device": ((metrics.get("config") or {}).get("train") or {}).get("device"),
         "steps_done": metrics.get("steps_done"),
         "skipped_steps": metrics.get("skipped_steps"),
@@ -231,6 +233,20 @@ def _gate_sensitivity(plan: StudyPlan, chosen: set[str]) -> list[dict[str, Any]]
     return groups
 
 
+def _throughput(plan: StudyPlan) -> dict[str, dict[str, dict[str, Any]]]:
+    """size -> variant -> the speed run's median tokens/s and device, for those completed."""
+    found: dict[str, dict[str, dict[str, Any]]] = {}
+    for job in plan.throughput:
+        metrics = _read_json(job.directory / "metrics.json") or {}
+        if metrics.get("status") == "completed" and metrics.get("median_tokens_per_s"):
+            found.setdefault(job.size, {})[job.variant.name] = {
+                "tokens_per_s": metrics["median_tokens_per_s"],
+                "steps": metrics.get("steps_done"),
+                "device": metrics.get("provenance", {}).get("device"),
+            }
+    return found
+
+
 def _metric_names(entries: list[dict[str, Any]]) -> list[str]:
     names: list[str] = []
     for entry in entries:
@@ -244,6 +260,7 @@ def collect(plan: StudyPlan) -> dict[str, Any]:
     """Everything the report says, as JSON data (what study.json holds)."""
     runs = [_run_entry(plan, run) for run in plan.runs]
     tasks = [_task_entry(plan, task) for task in plan.tasks]
+    speeds = _throughput(plan)
     groups = []
     for size in plan.sizes:
         members = [e for e in runs if e["size"] == size]
@@ -251,12 +268,20 @@ def collect(plan: StudyPlan) -> dict[str, Any]:
         # Each variant's runs at its chosen rate, paired with the baseline's at its own.
         chosen = [e for e in members if e["lr"] == rates[e["variant"]]["lr"]]
         metrics = _metric_names(chosen)
+        first = plan.runs[0].config.train
         groups.append(
             {
                 "size": size,
                 "rates": rates,
                 "metrics": metrics,
                 "statistics": _statistics(plan, chosen, metrics),
+                "to_loss": to_loss(
+                    chosen,
+                    plan.spec.baseline,
+                    plan.spec.out_dir,
+                    first.batch_size * first.seq_len,
+                    speeds.get(size, {}),
+                ),
             }
         )
     task_groups = []
@@ -322,6 +347,7 @@ def collect(plan: StudyPlan) -> dict[str, Any]:
         "groups": groups,
         "task_groups": task_groups,
         "gate_sensitivity": gates,
+        "throughput": speeds,
         "runs": runs,
         "tasks": tasks,
     }

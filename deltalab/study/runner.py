@@ -36,7 +36,7 @@ from typing import Any
 
 from deltalab.errors import ConfigError
 from deltalab.provenance import read_json as _read_json
-from deltalab.study.plan import EvalStep, PlannedRun, PlannedTask, StudyPlan
+from deltalab.study.plan import EvalStep, PlannedRun, PlannedTask, PlannedThroughput, StudyPlan
 from deltalab.study.records import job_provenance
 
 __all__ = [
@@ -224,10 +224,16 @@ def task_state(task: PlannedTask) -> str:
     return "done" if eval_done(task.directory, task.step) else "new"
 
 
+def throughput_state(job: PlannedThroughput) -> str:
+    """ "done" (its speed measured) or "new" (an interrupted speed run starts over)."""
+    metrics = _read_json(job.directory / "metrics.json")
+    return "done" if metrics is not None and metrics.get("status") == "completed" else "new"
+
+
 @dataclass
 class Outcome:
     name: str
-    status: str  # completed, diverged, failed, interrupted, skipped
+    status: str  # completed, diverged, failed, interrupted, skipped, not started (launch_until)
     error: str = ""
     launches: int = 0
 
@@ -235,16 +241,21 @@ class Outcome:
 @dataclass
 class StudyRunner:
     """Runs the plan's pending jobs, `spec.parallel` at a time; `grace`: seconds a stopped study
-    gives its children to exit before SIGKILL."""
+    gives its children to exit before SIGKILL; `launch_until`: the `time.monotonic()` after
+    which no job starts (None: no limit): the running ones finish, the rest are left for the
+    next invocation."""
 
     plan: StudyPlan
     launcher: Launcher | None = None
     say: Callable[[str], None] = print
     grace: float = DEFAULT_GRACE
+    launch_until: float | None = None
     stopping: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         self.launches = 0
+        # Jobs with work to do left pending because `launch_until` had passed.
+        self.not_started = 0
         # The signal that stopped the study (its exit status is 128 + it), and when the grace ends.
         self.stopped_by: int | None = None
         self._deadline: float | None = None
@@ -277,6 +288,13 @@ class StudyRunner:
         import torch
 
         return [str(i) for i in range(torch.cuda.device_count())]
+
+    def device_shared_by(self) -> int:
+        """The most jobs one device runs at once: `parallel` over the CUDA devices, round-robin
+        (`_env`); on the CPU every job shares the one machine."""
+        devices = len(self._devices())
+        parallel = self.plan.spec.parallel
+        return -(-parallel // devices) if devices else parallel
 
     def _env(self, worker: int) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
@@ -349,6 +367,8 @@ class StudyRunner:
         state = run_state(run)
         if state in ("done", "diverged"):
             return Outcome(run.name, "skipped")
+        if (late := self._window_over(run.name)) is not None:
+            return late
         directory = run.directory
         directory.mkdir(parents=True, exist_ok=True)
         log = directory / "study.log"
@@ -360,6 +380,14 @@ class StudyRunner:
         if state == "new":
             _drop_lost_model_results(directory)
         if state in ("new", "resume"):
+            # How many jobs its device ran at once at most: its tokens/s is a speed alone only
+            # at 1 (`to_loss`). A resumed run keeps the most of its invocations.
+            shared: int | None = self.device_shared_by()
+            if state == "resume":
+                # A record from before this field says nothing of the earlier steps: unknown.
+                before = (_read_json(directory / RECORD_NAME) or {}).get("device_shared_by")
+                shared = None if before is None else max(shared, before)
+            self._record(directory, device_shared_by=shared)
             config_path = save_run_config(run.config, directory / "run.yaml")
             args = ["train", "--config", str(config_path)] + (
                 ["--resume"] if state == "resume" else []
@@ -412,6 +440,45 @@ class StudyRunner:
         self.say(f"{run.name}: completed in {elapsed:.0f} s")
         return Outcome(run.name, "completed")
 
+    def _window_over(self, name: str) -> Outcome | None:
+        """Past `launch_until`: the job (which has work to do) waits for the next invocation."""
+        if self.launch_until is None or time.monotonic() < self.launch_until:
+            return None
+        with self._count_lock:
+            self.not_started += 1
+        return Outcome(name, "not started")
+
+    def throughput_one(self, job: PlannedThroughput, worker: int = 0) -> Outcome:
+        """A variant's speed run, trained alone: `run` starts it before any other job."""
+        from deltalab.train.config_io import save_run_config
+
+        if throughput_state(job) == "done":
+            return Outcome(job.name, "skipped")
+        if (late := self._window_over(job.name)) is not None:
+            return late
+        # An interrupted speed run starts over: its speed is a median over one process's steps.
+        shutil.rmtree(job.directory, ignore_errors=True)
+        job.directory.mkdir(parents=True)
+        log = job.directory / "study.log"
+        self._record(job.directory, name=job.name, variant=job.variant.name, size=job.size,
+                     status="running", stage="train", error="", device_shared_by=1)  # fmt: skip
+        config_path = save_run_config(job.config, job.directory / "run.yaml")
+        self.say(f"{job.name}: training alone")
+        code = self._launch(["train", "--config", str(config_path)], worker, log)
+        if code != 0:
+            status, error = self._ended(code, log)
+            self._record(job.directory, status=status, error=error, returncode=code)
+            self.say(f"{job.name}: {status}{': ' + error if error else ''}")
+            return Outcome(job.name, status, error)
+        if not (trained(job) or {}).get("median_tokens_per_s"):
+            error = "no completed metrics.json with a median tokens/s"
+            self._record(job.directory, status="failed", error=error, returncode=code)
+            self.say(f"{job.name}: failed: {error}")
+            return Outcome(job.name, "failed", error)
+        self._record(job.directory, status="completed", stage="",
+                     provenance=job_provenance(job.directory, self.plan.device))  # fmt: skip
+        return Outcome(job.name, "completed")
+
     def _interrupted(self, directory: Path, name: str, error: str) -> Outcome:
         self._record(directory, status="interrupted", error=error)
         self.say(f"{name}: interrupted: {error}")
@@ -420,6 +487,8 @@ class StudyRunner:
     def task_one(self, task: PlannedTask, worker: int) -> Outcome:
         if task_state(task) == "done":
             return Outcome(task.name, "skipped")
+        if (late := self._window_over(task.name)) is not None:
+            return late
         directory = task.directory
         directory.mkdir(parents=True, exist_ok=True)
         log = directory / "study.log"
@@ -450,8 +519,13 @@ class StudyRunner:
     # --- the pool ---------------------------------------------------------------------------------
 
     def run(self) -> list[Outcome]:
-        """Every pending job, `parallel` at a time (longest first: training runs, then the
-        task jobs), until done or stopped by SIGINT/SIGTERM (see the module docstring)."""
+        """Every pending job until done or stopped by SIGINT/SIGTERM (see the module
+        docstring): first the speed runs (`plan.throughput`), one at a time, each alone on its
+        device; then the rest `parallel` at a time, longest first (training runs, then the
+        task jobs)."""
+        speed: queue.Queue = queue.Queue()
+        for job in self.plan.throughput:
+            speed.put((self.throughput_one, job))
         jobs: queue.Queue = queue.Queue()
         for run in self.plan.runs:
             jobs.put((self.run_one, run))
@@ -460,10 +534,10 @@ class StudyRunner:
         outcomes: list[Outcome] = []
         lock = threading.Lock()
 
-        def worker(index: int) -> None:
+        def worker(index: int, pending: queue.Queue) -> None:
             while not self.stopping.is_set():
                 try:
-                    job, item = jobs.get_nowait()
+                    job, item = pending.get_nowait()
                 except queue.Empty:
                     return
                 try:
@@ -479,25 +553,29 @@ class StudyRunner:
                 with lock:
                     outcomes.append(outcome)
 
-        threads = [
-            threading.Thread(target=worker, args=(i,), daemon=True)
-            for i in range(self.plan.spec.parallel)
+        phases = [
+            [threading.Thread(target=worker, args=(0, speed), daemon=True)],
+            [
+                threading.Thread(target=worker, args=(i, jobs), daemon=True)
+                for i in range(self.plan.spec.parallel)
+            ],
         ]
         previous = {}
         if threading.current_thread() is threading.main_thread():
             previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         try:
-            for thread in threads:
-                thread.start()
-            # The handler raises nothing, so no join is cut short (on Python 3.11 an exception
-            # in `join` marks the thread stopped): the study returns once every worker has
-            # recorded its job, after its child exited.
-            for thread in threads:
-                while thread.is_alive():
-                    thread.join(0.2)
-                    self._take_signals()
-                    if self._deadline is not None and time.monotonic() > self._deadline:
-                        self._kill(f"the {self.grace:g} s grace is over")
+            for threads in phases:
+                for thread in threads:
+                    thread.start()
+                # The handler raises nothing, so no join is cut short (on Python 3.11 an
+                # exception in `join` marks the thread stopped): a phase ends once every worker
+                # has recorded its job, after its child exited.
+                for thread in threads:
+                    while thread.is_alive():
+                        thread.join(0.2)
+                        self._take_signals()
+                        if self._deadline is not None and time.monotonic() > self._deadline:
+                            self._kill(f"the {self.grace:g} s grace is over")
             self._take_signals()
         finally:
             for signum, handler in previous.items():
@@ -547,7 +625,7 @@ def check_finished_runs(plan: StudyPlan) -> None:
     """Refuse, before anything trains, a study directory whose finished runs were trained with
     another config than the spec now gives them (their results would be mixed with new ones)."""
     changed = []
-    for run in plan.runs:
+    for run in [*plan.throughput, *plan.runs]:
         if trained(run) is not None:
             differences = config_changes(run)
             if differences:

@@ -18,6 +18,7 @@ that follow each.
       - {task: perplexity, settings: {max_tokens: 65536}}
       - {task: mqar-train, settings: {steps: 150}}
     selection: {metric: perplexity.validation_loss, goal: min, validation_fraction: 0.5}
+    throughput: {steps: 30}             # optional: each variant's speed, one run alone
 
 With several grid.lrs, every variant trains at each, and the report gives each variant's test
 results at the one rate whose mean `selection.metric` over seeds is best: a number the
@@ -26,6 +27,11 @@ windows it scores), never on the test windows.
 Every key is checked here, before anything is planned: an unknown one is named with the closest
 valid name. Variants may change the model only (mixer, its options, model overrides): training
 settings are shared by construction, so no mixer is tuned in a way the others are not.
+
+`throughput` measures each variant's training speed with one short run of its config (at the
+first seed and rate, `steps` steps, no evaluation along the way) trained alone on its device
+before any other job starts: the speed the report's time to loss uses, where the grid's runs,
+`parallel` at a time, share their devices.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ from deltalab.errors import ConfigError, UserError, closest
 __all__ = ["EvalSpec", "Selection", "StudySpec", "Variant", "load_spec", "parse_spec"]
 
 DEVICES = ("auto", "cpu", "cuda")
+THROUGHPUT_STEPS = 30
+MIN_THROUGHPUT_STEPS = 8
 LONG_CONTEXT = ("refuse", "window")
 TOP_KEYS = (
     "out_dir",
@@ -58,6 +66,7 @@ TOP_KEYS = (
     "grid",
     "evals",
     "selection",
+    "throughput",
 )
 SELECTION_KEYS = ("metric", "goal", "validation_fraction")
 GOALS = ("min", "max")
@@ -136,6 +145,7 @@ class StudySpec:
     sizes: dict[str, dict[str, Any]] | None
     evals: tuple[EvalSpec, ...]
     selection: Selection = Selection()
+    throughput_steps: int | None = None
 
     @property
     def sweeps(self) -> bool:
@@ -401,7 +411,18 @@ def _parse(data: Any, path: str | os.PathLike[str] | None, where: str) -> StudyS
         sizes=sizes,
         evals=evals,
         selection=selection,
+        throughput_steps=_throughput_steps(spec.get("throughput")),
     )
+
+
+def _throughput_steps(value: Any) -> int | None:
+    """throughput.steps (None without a throughput section): enough steps for a median past
+    the first ones, which compile and warm up."""
+    if value is None:
+        return None
+    data = _mapping(value, "throughput")
+    check_keys(data, ("steps",), "throughput.")
+    return _int(data.get("steps", THROUGHPUT_STEPS), "throughput.steps", MIN_THROUGHPUT_STEPS)
 
 
 def load_spec(path: str | os.PathLike[str]) -> StudySpec:
