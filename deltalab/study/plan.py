@@ -531,8 +531,8 @@ def _throughput(
     steps = spec.throughput_steps
     assert steps is not None
     train = tree.setdefault("train", {})
-    grid_steps = RunConfig.from_dict(tree).train.steps
-    warmup = RunConfig.from_dict(tree).schedule.warmup_steps
+    grid = RunConfig.from_dict(tree)
+    grid_steps, warmup = grid.train.steps, grid.schedule.warmup_steps
     train.update(seed=spec.seeds[0], steps=steps, device=device)
     tree.setdefault("schedule", {})["warmup_steps"] = warmup * steps // max(grid_steps, 1)
     if spec.lrs:
