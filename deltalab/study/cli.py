@@ -4,6 +4,7 @@
     deltalab study studies/cpu_tiny.yaml --dry-run    # the plan and its parameter counts only
     deltalab study studies/cpu_tiny.yaml --aggregate-only   # rebuild the report from the runs
     deltalab study studies/gpu.yaml --only 'kdn_diag.*.s0'  # a subset (time one run first)
+    deltalab study studies/gpu.yaml --pack-records records.tar.gz  # the records, to move or keep
 
 The spec (see `deltalab/study/spec.py` and docs/STUDY.md) names the mixers, seeds, learning
 rates and sizes, the shared train config, the evaluations, and how many runs go at once. The
@@ -83,6 +84,14 @@ def add_parser(commands: Any) -> None:
         metavar="SECONDS",
         help="on Ctrl-C or SIGTERM, how long to wait for the running jobs to checkpoint and exit "
         "before killing them (default 120; a second Ctrl-C kills them at once)",
+    )
+    parser.add_argument(
+        "--pack-records",
+        default=None,
+        metavar="FILE",
+        help="write the study's records (every job's files but checkpoints, exported models, "
+        "figures and TensorBoard logs) to the .tar.gz FILE and exit: unpacked into a study "
+        "directory they rebuild the report and count as done",
     )
     parser.add_argument(
         "--launch-for",
@@ -300,6 +309,11 @@ def run_study(args: argparse.Namespace) -> int:
         raise ConfigError("--dry-run and --aggregate-only exclude each other")
     if args.grace is not None and not args.grace >= 0:
         raise ConfigError(f"--grace must be a number of seconds >= 0, got {args.grace}")
+    if args.pack_records is not None and (
+        args.dry_run or args.aggregate_only or args.only or args.launch_for is not None
+    ):
+        raise ConfigError("--pack-records goes alone (not with --dry-run, --aggregate-only, "
+                          "--only or --launch-for)")  # fmt: skip
     # The window counts from the command's start: data preparation and checks are within it.
     launch_until = None
     if args.launch_for is not None:
@@ -329,6 +343,12 @@ def run_study(args: argparse.Namespace) -> int:
     plan = make_plan(spec)
     print(format_plan(plan), flush=True)
     if args.dry_run:
+        return 0
+    if args.pack_records is not None:
+        from deltalab.study.records import pack_records
+
+        count = pack_records(plan, Path(args.pack_records))
+        print(f"{count} files of {spec.out_dir} packed into {args.pack_records}")
         return 0
     if args.aggregate_only:
         from deltalab.study.runner import check_finished_runs
