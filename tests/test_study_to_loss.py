@@ -16,7 +16,7 @@ import yaml
 from test_study import FakeTrain, micro_spec, plan_of, quiet
 
 from deltalab.cli import main
-from deltalab.study.cli import execute
+from deltalab.study.cli import JOBS_LEFT, execute
 from deltalab.study.markdown import render_markdown
 from deltalab.study.records import pack_records, packed_files
 from deltalab.study.report import collect
@@ -146,7 +146,9 @@ def test_runs_that_shared_their_device_get_steps_but_no_time(tmp_path, corpus):
     assert s0["steps_factor"] == pytest.approx(4 / 3)
     assert s0["time_factor"] is None and s0["no_time"] == "shared a device"
     assert transformer["no_time"] == ["shared a device"]
-    assert "– (shared a device)" in _row(render_markdown(plan, report, []), "transformer")
+    assert "– (shared a device; 1/2 reached)" in _row(
+        render_markdown(plan, report, []), "transformer"
+    )
 
 
 def test_a_curve_of_two_evaluations_or_a_seed_without_its_baseline_gives_no_factor(
@@ -188,8 +190,21 @@ def test_speeds_alone_time_a_pair_only_when_both_were_measured_on_one_device(tmp
     two = {**one, "transformer": {"tokens_per_s": 16.0, "device": "cuda: B"}}
     assert seed0(two)["time_factor"] is None
     assert seed0(two)["no_time"] == "speed runs on different devices"
-    # Without speed runs, the grid's runs shared their device.
+    # Without speed runs, the grid's runs shared their device; alone, on two kinds of device.
     assert seed0({})["no_time"] == "shared a device"
+    for entry, device in zip(entries, ("cuda: A", "cuda: B"), strict=True):
+        entry.update(device_shared_by=1, recorded_device=device)
+    assert seed0({})["no_time"] == "trained on different devices"
+    entries[1]["recorded_device"] = "cuda: A"
+    # Alone on one kind of device: each at its own run's 1 token/s, 2 steps against 4.
+    assert seed0({})["time_factor"] == pytest.approx(2.0)
+    # A variant at the target before training has no number of steps to compare.
+    history = {
+        "eval": [{"step": 0, "loss": 1.5}, {"step": 2, "loss": 1.2}, {"step": 4, "loss": 1.0}]
+    }
+    (tmp_path / "transformer" / "metrics.json").write_text(json.dumps({"history": history}))
+    assert seed0(one)["status"] == "at the target from the start"
+    assert seed0(one)["steps_factor"] is None
     # A baseline whose last loss is no lower than its first: no factor, said so.
     history = {
         "eval": [{"step": 0, "loss": 2.0}, {"step": 2, "loss": 3.0}, {"step": 4, "loss": 2.5}]
@@ -338,7 +353,7 @@ def test_launch_until_starts_no_job_after_it_and_lets_the_running_ones_finish(tm
     lines: list[str] = []
     launcher = Slow(losses, dict.fromkeys(names, 100.0))
     until = time.monotonic() + 0.3
-    assert execute(plan, launcher=launcher, say=lines.append, launch_until=until) == 0
+    assert execute(plan, launcher=launcher, say=lines.append, launch_until=until) == JOBS_LEFT
     started = [c for c in launcher.calls if "train" in c]
     assert len(started) == 2
     done = [run for run in plan.runs if run_state(run) == "done"]

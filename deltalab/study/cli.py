@@ -26,7 +26,8 @@ recorded "interrupted" once they have exited. A run directory takes one trainer 
 Exit status: 0 every run completed or diverged (a divergence is a result, reported); 1 some
 runs failed (each with its error line in study.md; a run killed by a signal the study did not
 send, such as the out-of-memory killer's SIGKILL, failed); 2 a spec or plan error, one line;
-130 stopped by Ctrl-C (SIGINT), 143 by SIGTERM (rerun the same command to continue).
+3 none failed, but --launch-for left jobs for the next invocation; 130 stopped by Ctrl-C
+(SIGINT), 143 by SIGTERM (rerun the same command to continue).
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ from typing import Any
 
 from deltalab.cli import add_command
 
-__all__ = ["add_parser", "format_plan", "run_study"]
+__all__ = ["JOBS_LEFT", "add_parser", "format_plan", "run_study"]
+
+# The exit status of a study that left jobs for its next invocation (--launch-for).
+JOBS_LEFT = 3
 
 
 def add_parser(commands: Any) -> None:
@@ -128,7 +132,8 @@ def format_plan(plan: Any) -> str:
     lines = [
         f"study {spec.path or '(given as data)'} -> {spec.out_dir}",
         f"{len(plan.runs)} runs ({len(spec.variants)} variants x {len(plan.sizes)} size(s) x "
-        f"{len(plan.lrs)} lr(s) x {len(spec.seeds)} seed(s)), {len(plan.tasks)} task job(s); "
+        f"{len(plan.lrs)} lr(s) x {len(spec.seeds)} seed(s)), {len(plan.tasks)} task job(s), "
+        f"{len(plan.throughput)} throughput run(s); "
         f"{first.steps} steps x {first.batch_size} x {first.seq_len} = "
         f"{plan.tokens_per_run:,} tokens per run; device {plan.device}, {spec.parallel} at a "
         f"time, {plan.threads} thread(s) each; baseline {spec.baseline}",
@@ -229,7 +234,8 @@ def _say(line: str) -> None:
 
 
 def select(plan: Any, patterns: list[str]) -> Any:
-    """The plan restricted to the runs and task jobs whose names match a glob of `patterns`."""
+    """The plan restricted to the runs, task jobs and throughput runs whose names match a glob
+    of `patterns`."""
     from deltalab.errors import ConfigError
 
     def chosen(name: str) -> bool:
@@ -280,7 +286,10 @@ def execute(
         )
         outcomes = runner.run()
         _note_invocation(
-            out_dir, wall_s=round(time.perf_counter() - started, 1), launched=runner.launches
+            out_dir,
+            wall_s=round(time.perf_counter() - started, 1),
+            launched=runner.launches,
+            not_started=runner.not_started,
         )
         written = write_report(plan)
     statuses = [o.status for o in outcomes]
@@ -293,7 +302,9 @@ def execute(
     )
     if runner.stopped_by is not None:
         return 128 + runner.stopped_by
-    return 1 if "failed" in statuses else 0
+    if "failed" in statuses:
+        return 1
+    return JOBS_LEFT if runner.not_started else 0
 
 
 def run_study(args: argparse.Namespace) -> int:
