@@ -6,9 +6,9 @@
 The code is read with `git` when the imported `deltalab` package is the `deltalab/` folder of a
 git work tree (a checkout, editable installs included): its HEAD commit, and whether its tracked
 files differ from it ("dirty"; untracked files such as run directories do not count). A tree
-written by `git archive` (a release tarball, a copy sent to another machine) has no `.git`, but
-git wrote its commit into `deltalab/ARCHIVE_COMMIT` (`export-subst` in `.gitattributes`), and
-the record takes it from there (`"from": "archive"`; whether its files were edited after that is
+written by `git archive` (a release tarball, or any unpacked export of a commit) has no `.git`,
+but git wrote its commit into `deltalab/ARCHIVE_COMMIT` (`export-subst` in `.gitattributes`),
+and the record takes it from there (`"from": "archive"`; whether its files were edited after that is
 not known). Otherwise the installed distribution's version stands for the code, stated as such
 (`"from": "installed"`).
 
@@ -99,8 +99,9 @@ def archive_commit(package_dir: Path = PACKAGE_DIR) -> str | None:
 
 
 def code_identity(code: dict[str, Any] | None) -> str:
-    """What two records must share to count as the same code: the commit, or the installed
-    version ("deltalab 0.1.0 (installed)"); "unknown" for a record without one."""
+    """What two records must share to count as the same code: the commit (of a checkout or of
+    an archive of it, the same), or the installed version ("deltalab 0.1.0 (installed)");
+    "unknown" for a record without one."""
     if not code:
         return "unknown"
     if code.get("from") in ("git", "archive") and code.get("commit"):

@@ -41,3 +41,11 @@ def test_a_read_gate_ablation_without_its_read_gate_is_the_layer_it_ablates(name
             off = ablation(**size, ranks=variant.options["ranks"], read_gate="none")
             on = ablation(**size, ranks=variant.options["ranks"], read_gate="dynamic")
             assert count(off) == count(base(**size)) < count(on)
+
+
+def test_the_long_gpu_study_spec_parses_with_its_throughput_runs_and_validated_rates():
+    spec = load_spec(Path(__file__).resolve().parents[1] / "studies" / "gpu_long.yaml")
+    assert spec.throughput_steps == 30 and spec.sweeps and spec.baseline == "gdn2"
+    assert len(spec.variants) * len(spec.lrs) * len(spec.seeds) == 54
+    train = spec.run["train"]
+    assert train["steps"] * train["batch_size"] * train["seq_len"] == 19_660_800

@@ -3,8 +3,10 @@ jobs shared a run's device, from which a time is a time alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import tarfile
 import threading
 import time
 from pathlib import Path
@@ -14,8 +16,9 @@ import yaml
 from test_study import FakeTrain, micro_spec, plan_of, quiet
 
 from deltalab.cli import main
-from deltalab.study.cli import execute
+from deltalab.study.cli import JOBS_LEFT, execute
 from deltalab.study.markdown import render_markdown
+from deltalab.study.records import pack_records, packed_files
 from deltalab.study.report import collect
 from deltalab.study.runner import RECORD_NAME, StudyRunner, run_state
 from deltalab.study.to_loss import held_out_curve, steps_to_loss, to_loss
@@ -143,7 +146,9 @@ def test_runs_that_shared_their_device_get_steps_but_no_time(tmp_path, corpus):
     assert s0["steps_factor"] == pytest.approx(4 / 3)
     assert s0["time_factor"] is None and s0["no_time"] == "shared a device"
     assert transformer["no_time"] == ["shared a device"]
-    assert "– (shared a device)" in _row(render_markdown(plan, report, []), "transformer")
+    assert "– (shared a device; 1/2 reached)" in _row(
+        render_markdown(plan, report, []), "transformer"
+    )
 
 
 def test_a_curve_of_two_evaluations_or_a_seed_without_its_baseline_gives_no_factor(
@@ -185,8 +190,21 @@ def test_speeds_alone_time_a_pair_only_when_both_were_measured_on_one_device(tmp
     two = {**one, "transformer": {"tokens_per_s": 16.0, "device": "cuda: B"}}
     assert seed0(two)["time_factor"] is None
     assert seed0(two)["no_time"] == "speed runs on different devices"
-    # Without speed runs, the grid's runs shared their device.
+    # Without speed runs, the grid's runs shared their device; alone, on two kinds of device.
     assert seed0({})["no_time"] == "shared a device"
+    for entry, device in zip(entries, ("cuda: A", "cuda: B"), strict=True):
+        entry.update(device_shared_by=1, recorded_device=device)
+    assert seed0({})["no_time"] == "trained on different devices"
+    entries[1]["recorded_device"] = "cuda: A"
+    # Alone on one kind of device: each at its own run's 1 token/s, 2 steps against 4.
+    assert seed0({})["time_factor"] == pytest.approx(2.0)
+    # A variant at the target before training has no number of steps to compare.
+    history = {
+        "eval": [{"step": 0, "loss": 1.5}, {"step": 2, "loss": 1.2}, {"step": 4, "loss": 1.0}]
+    }
+    (tmp_path / "transformer" / "metrics.json").write_text(json.dumps({"history": history}))
+    assert seed0(one)["status"] == "at the target from the start"
+    assert seed0(one)["steps_factor"] is None
     # A baseline whose last loss is no lower than its first: no factor, said so.
     history = {
         "eval": [{"step": 0, "loss": 2.0}, {"step": 2, "loss": 3.0}, {"step": 4, "loss": 2.5}]
@@ -335,7 +353,7 @@ def test_launch_until_starts_no_job_after_it_and_lets_the_running_ones_finish(tm
     lines: list[str] = []
     launcher = Slow(losses, dict.fromkeys(names, 100.0))
     until = time.monotonic() + 0.3
-    assert execute(plan, launcher=launcher, say=lines.append, launch_until=until) == 0
+    assert execute(plan, launcher=launcher, say=lines.append, launch_until=until) == JOBS_LEFT
     started = [c for c in launcher.calls if "train" in c]
     assert len(started) == 2
     done = [run for run in plan.runs if run_state(run) == "done"]
@@ -357,11 +375,43 @@ def test_launch_until_starts_no_job_after_it_and_lets_the_running_ones_finish(tm
         (["--launch-for", "-1"], "--launch-for must be a number of seconds >= 0, got -1.0"),
         (["--launch-for", "nan"], "--launch-for must be a number of seconds >= 0, got nan"),
         (["--launch-for", "5", "--dry-run"], "--launch-for goes with a study that runs"),
+        (["--pack-records", "r.tar.gz", "--only", "x"], "--pack-records goes alone"),
     ],
 )
-def test_launch_for_is_refused_naming_the_option(tmp_path, corpus, capsys, words, message):
+def test_launch_for_and_pack_records_are_refused_naming_the_option(
+    tmp_path, corpus, capsys, words, message
+):
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(micro_spec(tmp_path, corpus)))
     assert main(["study", str(path), *words]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "study").exists()
+
+
+# --- packing a study's records -----------------------------------------------------------------
+
+
+def test_packed_records_leave_out_checkpoints_and_models_and_rebuild_the_report(tmp_path, corpus):
+    plan, _ = _study(tmp_path, corpus, parallel=1)
+    run = plan.runs[0].directory
+    for junk in ("checkpoints/step_00000004.pt", "model/model.safetensors", "tb/events.out"):
+        (run / junk).parent.mkdir(parents=True, exist_ok=True)
+        (run / junk).write_bytes(b"x")
+    (run / "loss_curve.png").write_bytes(b"png")
+    first, second = tmp_path / "a.tar.gz", tmp_path / "b.tar.gz"
+    assert pack_records(plan, first) == len(packed_files(plan))
+    pack_records(plan, second)
+    assert first.read_bytes() == second.read_bytes()  # the same records, the same bytes
+    with tarfile.open(first) as archive:
+        names = archive.getnames()
+        archive.extractall(tmp_path / "copy", filter="data")
+    assert f"runs/{run.name}/metrics.json" in names
+    assert not [n for n in names if "checkpoints/" in n or "/model/" in n or "/tb/" in n]
+    assert not [n for n in names if n.endswith(".png")]
+    copied = dataclasses.replace(plan.spec, out_dir=tmp_path / "copy")
+    replan = dataclasses.replace(plan, spec=copied, runs=[
+        dataclasses.replace(r, directory=tmp_path / "copy" / "runs" / r.name) for r in plan.runs])  # fmt: skip
+    assert all(run_state(r) == "done" for r in replan.runs)
+    original = render_markdown(plan, collect(plan), [])
+    rebuilt = render_markdown(replan, collect(replan), [])
+    assert rebuilt.split("### Steps and time")[1] == original.split("### Steps and time")[1]

@@ -4,6 +4,7 @@
     deltalab study studies/cpu_tiny.yaml --dry-run    # the plan and its parameter counts only
     deltalab study studies/cpu_tiny.yaml --aggregate-only   # rebuild the report from the runs
     deltalab study studies/gpu.yaml --only 'kdn_diag.*.s0'  # a subset (time one run first)
+    deltalab study studies/gpu.yaml --pack-records records.tar.gz  # the records, to move or keep
 
 The spec (see `deltalab/study/spec.py` and docs/STUDY.md) names the mixers, seeds, learning
 rates and sizes, the shared train config, the evaluations, and how many runs go at once. The
@@ -25,7 +26,8 @@ recorded "interrupted" once they have exited. A run directory takes one trainer 
 Exit status: 0 every run completed or diverged (a divergence is a result, reported); 1 some
 runs failed (each with its error line in study.md; a run killed by a signal the study did not
 send, such as the out-of-memory killer's SIGKILL, failed); 2 a spec or plan error, one line;
-130 stopped by Ctrl-C (SIGINT), 143 by SIGTERM (rerun the same command to continue).
+3 none failed, but --launch-for left jobs for the next invocation; 130 stopped by Ctrl-C
+(SIGINT), 143 by SIGTERM (rerun the same command to continue).
 """
 
 from __future__ import annotations
@@ -45,7 +47,10 @@ from typing import Any
 
 from deltalab.cli import add_command
 
-__all__ = ["add_parser", "format_plan", "run_study"]
+__all__ = ["JOBS_LEFT", "add_parser", "format_plan", "run_study"]
+
+# The exit status of a study that left jobs for its next invocation (--launch-for).
+JOBS_LEFT = 3
 
 
 def add_parser(commands: Any) -> None:
@@ -85,6 +90,14 @@ def add_parser(commands: Any) -> None:
         "before killing them (default 120; a second Ctrl-C kills them at once)",
     )
     parser.add_argument(
+        "--pack-records",
+        default=None,
+        metavar="FILE",
+        help="write the study's records (every job's files but checkpoints, exported models, "
+        "figures and TensorBoard logs) to the .tar.gz FILE and exit: unpacked into a study "
+        "directory they rebuild the report and count as done",
+    )
+    parser.add_argument(
         "--launch-for",
         type=float,
         default=None,
@@ -119,7 +132,8 @@ def format_plan(plan: Any) -> str:
     lines = [
         f"study {spec.path or '(given as data)'} -> {spec.out_dir}",
         f"{len(plan.runs)} runs ({len(spec.variants)} variants x {len(plan.sizes)} size(s) x "
-        f"{len(plan.lrs)} lr(s) x {len(spec.seeds)} seed(s)), {len(plan.tasks)} task job(s); "
+        f"{len(plan.lrs)} lr(s) x {len(spec.seeds)} seed(s)), {len(plan.tasks)} task job(s), "
+        f"{len(plan.throughput)} throughput run(s); "
         f"{first.steps} steps x {first.batch_size} x {first.seq_len} = "
         f"{plan.tokens_per_run:,} tokens per run; device {plan.device}, {spec.parallel} at a "
         f"time, {plan.threads} thread(s) each; baseline {spec.baseline}",
@@ -220,7 +234,8 @@ def _say(line: str) -> None:
 
 
 def select(plan: Any, patterns: list[str]) -> Any:
-    """The plan restricted to the runs and task jobs whose names match a glob of `patterns`."""
+    """The plan restricted to the runs, task jobs and throughput runs whose names match a glob
+    of `patterns`."""
     from deltalab.errors import ConfigError
 
     def chosen(name: str) -> bool:
@@ -271,7 +286,10 @@ def execute(
         )
         outcomes = runner.run()
         _note_invocation(
-            out_dir, wall_s=round(time.perf_counter() - started, 1), launched=runner.launches
+            out_dir,
+            wall_s=round(time.perf_counter() - started, 1),
+            launched=runner.launches,
+            not_started=runner.not_started,
         )
         written = write_report(plan)
     statuses = [o.status for o in outcomes]
@@ -284,7 +302,9 @@ def execute(
     )
     if runner.stopped_by is not None:
         return 128 + runner.stopped_by
-    return 1 if "failed" in statuses else 0
+    if "failed" in statuses:
+        return 1
+    return JOBS_LEFT if runner.not_started else 0
 
 
 def run_study(args: argparse.Namespace) -> int:
@@ -300,6 +320,11 @@ def run_study(args: argparse.Namespace) -> int:
         raise ConfigError("--dry-run and --aggregate-only exclude each other")
     if args.grace is not None and not args.grace >= 0:
         raise ConfigError(f"--grace must be a number of seconds >= 0, got {args.grace}")
+    if args.pack_records is not None and (
+        args.dry_run or args.aggregate_only or args.only or args.launch_for is not None
+    ):
+        raise ConfigError("--pack-records goes alone (not with --dry-run, --aggregate-only, "
+                          "--only or --launch-for)")  # fmt: skip
     # The window counts from the command's start: data preparation and checks are within it.
     launch_until = None
     if args.launch_for is not None:
@@ -329,6 +354,12 @@ def run_study(args: argparse.Namespace) -> int:
     plan = make_plan(spec)
     print(format_plan(plan), flush=True)
     if args.dry_run:
+        return 0
+    if args.pack_records is not None:
+        from deltalab.study.records import pack_records
+
+        count = pack_records(plan, Path(args.pack_records))
+        print(f"{count} files of {spec.out_dir} packed into {args.pack_records}")
         return 0
     if args.aggregate_only:
         from deltalab.study.runner import check_finished_runs

@@ -391,8 +391,10 @@ def _to_loss_lines(plan: StudyPlan, group: dict[str, Any], speeds: dict[str, Any
         f"Per seed, the target is {baseline}'s held-out loss at its last evaluation; each run's "
         "steps to it are read off its held-out curve, interpolated between evaluations "
         f"{f'{every} steps apart' if every else 'before and after training only'}, so a step "
-        "count is known to within that spacing. A factor above 1: sooner than the baseline; "
-        "geometric mean [range] over the seeds, given only when every seed reached the target. "
+        "count is known to within that spacing. A factor is the baseline's steps (or seconds) "
+        "over the variant's; it exists only where the variant reaches the target within the "
+        'budget, so a slower variant shows "not reached", not a factor below 1. Geometric '
+        "mean [range] over the seeds, given only when every seed has a factor. "
         "Time is steps x seconds a step, both sides at their throughput runs' speeds (alone, one "
         "device), else at their own runs' where both trained alone. Descriptive: not among the "
         "corrected comparisons.",
@@ -409,7 +411,8 @@ def _to_loss_lines(plan: StudyPlan, group: dict[str, Any], speeds: dict[str, Any
         else:
             time_cell = _factor(item["time_factor"], item["reached"], len(seeds))
             if item["no_time"]:
-                time_cell = f"– ({'; '.join(item['no_time'])})"
+                reasons = "; ".join(item["no_time"])
+                time_cell = f"– ({reasons}; {item['reached']}/{len(seeds)} reached)"
             factors = [_factor(item["steps_factor"], item["reached"], len(seeds)), time_cell]
         rows.append([variant, *factors, ", ".join(cells), _number(speed)])
     if baseline not in found:

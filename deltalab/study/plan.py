@@ -86,7 +86,8 @@ class PlannedTask:
 @dataclass(frozen=True)
 class PlannedThroughput:
     """A variant's speed measurement at a size: a short run of its config, trained alone
-    (`spec.throughput_steps` steps at the first seed and rate, no evaluation, no sample)."""
+    (`spec.throughput_steps` steps at the first seed and rate, evaluated only before training
+    and at its end, no sample)."""
 
     name: str
     variant: Variant
@@ -522,7 +523,8 @@ def _throughput(
     spec: StudySpec, counter: _Counter, variant: Variant, size: str, tree: dict, device: str
 ) -> PlannedThroughput:
     """The speed run of a variant at a size: its grid config at the first seed and rate, cut to
-    `throughput_steps` steps, warmup cut in proportion, evaluated only at its end."""
+    `throughput_steps` steps, warmup cut in proportion, evaluated only before training and at
+    its end."""
     from deltalab.train.config import RunConfig
 
     name = f"throughput.{variant.name}.{size}"

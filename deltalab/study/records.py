@@ -28,9 +28,13 @@ from deltalab.provenance import (
 from deltalab.study.plan import StudyPlan
 
 __all__ = [
+    "UNPACKED_DIRECTORIES",
+    "UNPACKED_SUFFIXES",
     "check_commits",
     "check_data",
     "job_provenance",
+    "pack_records",
+    "packed_files",
     "recorded_data",
     "recorded_devices",
     "recorded_identities",
@@ -150,3 +154,57 @@ def job_provenance(directory: Path, device: str) -> dict[str, Any]:
     else the study's own with the planned `device`."""
     trained = read_json(directory / PROVENANCE_NAME)
     return trained if trained is not None else provenance(device)
+
+
+# What a packed study leaves out: checkpoints and exported models (large, and not needed to
+# report or to skip a finished run), figures (rewritten from the records), TensorBoard's event
+# files and the trainer's lock.
+UNPACKED_DIRECTORIES = ("checkpoints", "model", "tb")
+UNPACKED_SUFFIXES = (".png", ".lock")
+
+
+def packed_files(plan: StudyPlan) -> list[Path]:
+    """The records of the plan's jobs, relative to the study directory, in sorted order: every
+    file under each job's directory but those `UNPACKED_DIRECTORIES` and `UNPACKED_SUFFIXES`
+    name."""
+    root = plan.spec.out_dir
+    found = []
+    for _, directory in _directories(plan):
+        if not directory.is_dir():
+            continue
+        for path in directory.rglob("*"):
+            relative = path.relative_to(directory)
+            if not path.is_file() or path.is_symlink():
+                continue
+            if any(part in UNPACKED_DIRECTORIES for part in relative.parts[:-1]):
+                continue
+            if path.name.endswith(UNPACKED_SUFFIXES):
+                continue
+            found.append(path.relative_to(root))
+    return sorted(found)
+
+
+def pack_records(plan: StudyPlan, archive: Path) -> int:
+    """Writes the plan's records (`packed_files`) to the gzipped tar `archive` and returns how
+    many files it holds. Members carry no owner and a zero time, so the same records pack to
+    the same bytes; unpacked into a study directory (`tar -xzf`), they rebuild the report with
+    --aggregate-only, and a rerun of the spec counts their finished jobs as done."""
+    import gzip
+    import tarfile
+
+    files = packed_files(plan)
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    partial = archive.with_name(f".{archive.name}.partial")
+    with (
+        open(partial, "wb") as raw,
+        gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as zipped,
+    ):
+        with tarfile.open(fileobj=zipped, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for relative in files:
+                info = tar.gettarinfo(plan.spec.out_dir / relative, arcname=relative.as_posix())
+                info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+                info.mode = 0o644
+                with open(plan.spec.out_dir / relative, "rb") as data:
+                    tar.addfile(info, data)
+    partial.replace(archive)
+    return len(files)

@@ -84,6 +84,8 @@ def _run_entry(plan: StudyPlan, run: PlannedRun) -> dict[str, Any]:
         "directory": os.path.relpath(run.directory, plan.spec.out_dir),
         "elapsed_s": record.get("elapsed_s"),
         "device_shared_by": record.get("device_shared_by"),
+        # The device its trainer recorded ("cuda: NVIDIA H100 80GB HBM3"), None before records.
+        "recorded_device": (record.get("provenance") or {}).get("device"),
         "device": ((metrics.get("config") or {}).get("train") or {}).get("device"),
         "steps_done": metrics.get("steps_done"),
         "skipped_steps": metrics.get("skipped_steps"),

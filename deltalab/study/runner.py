@@ -633,5 +633,6 @@ def check_finished_runs(plan: StudyPlan) -> None:
     if changed:
         raise ConfigError(
             f"{plan.spec.out_dir} holds runs trained with another config than the spec gives: "
-            f"{', '.join(changed)}; restore the spec or choose another out_dir"
+            f"{', '.join(changed)}; restore the spec or choose another out_dir (a throughput "
+            "run alone measures again once its directory under throughput/ is removed)"
         )

@@ -87,11 +87,12 @@ def _time_source(
         return None, "device sharing not recorded"
     if shared != [1, 1]:
         return None, "shared a device"
+    if len({e.get("recorded_device") for e in pair}) > 1:
+        return None, "trained on different devices"
     return {}, ""
 
 
 def _pair_row(
-    variant: str,
     curve: list[tuple[int, float]],
     base_curve: list[tuple[int, float]],
     time_source: tuple[dict[str, dict[str, Any]] | None, str],
@@ -109,9 +110,9 @@ def _pair_row(
         return row | {"status": "baseline did not improve"}
     if steps is None:
         return row | {"status": "not reached"}
+    if steps == 0:  # at the target before training: no number of steps to compare
+        return row | {"status": "at the target from the start"}
     row["status"] = "reached"
-    if steps == 0:  # already at the target before training
-        return row
     row["steps_factor"] = base_steps / steps
     speeds, why = time_source
     seconds, base_seconds = per_step
@@ -146,7 +147,8 @@ def to_loss(
 ) -> dict[str, Any]:
     """Per variant (its completed `entries` at its chosen rate, as `report.collect` builds them),
     per seed paired with the baseline's run of that seed: the target, the steps to it, the
-    status ("reached", "not reached", "too few evaluations", "baseline did not improve") and
+    status ("reached", "not reached", "at the target from the start", "too few evaluations",
+    "baseline did not improve") and
     both factors; over the seeds, each factor's geometric mean and range where every paired
     seed has one.
 
@@ -172,9 +174,7 @@ def to_loss(
             _seconds_per_step(variant, entry, use, tokens_per_step),
             _seconds_per_step(baseline, base, use, tokens_per_step),
         )
-        row = _pair_row(
-            variant, curves[(variant, seed)], curves[(baseline, seed)], source, per_step
-        )
+        row = _pair_row(curves[(variant, seed)], curves[(baseline, seed)], source, per_step)
         item["seeds"][str(seed)] = row
     for item in out.values():
         rows = item["seeds"]
