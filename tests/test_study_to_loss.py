@@ -303,6 +303,9 @@ class Recording(CurveTrain):
         speed = {"throughput.gdn2.tiny": 50.0, "throughput.transformer.tiny": 10.0}[name]
         metrics = {"status": "completed", "median_tokens_per_s": speed, "steps_done": 8}
         (out / "metrics.json").write_text(json.dumps(metrics))
+        for left in ("checkpoints/step_00000008.pt", "model/config.json"):
+            (out / left).parent.mkdir(parents=True, exist_ok=True)
+            (out / left).write_text("")
         return 0
 
 
@@ -322,6 +325,11 @@ def test_the_throughput_runs_train_first_one_at_a_time_and_time_the_steps_to_los
     assert launcher.most == 2  # the grid ran two at a time after them
     record = json.loads((plan.throughput[0].directory / RECORD_NAME).read_text())
     assert record["device_shared_by"] == 1 and record["status"] == "completed"
+    # A speed run keeps its records, not its checkpoint or model.
+    for job in plan.throughput:
+        assert not (job.directory / "checkpoints").exists()
+        assert not (job.directory / "model").exists()
+        assert (job.directory / "metrics.json").exists()
     report = collect(plan)
     assert report["throughput"]["tiny"]["gdn2"]["tokens_per_s"] == 50.0
     s0 = report["groups"][0]["to_loss"]["transformer"]["seeds"]["0"]

@@ -475,6 +475,12 @@ class StudyRunner:
             self._record(job.directory, status="failed", error=error, returncode=code)
             self.say(f"{job.name}: failed: {error}")
             return Outcome(job.name, "failed", error)
+        # Its speed is all a speed run is for: the final checkpoint and the exported model (as
+        # large as the model, per variant) go.
+        from deltalab.train.checkpoint import CHECKPOINT_DIR
+
+        for kept in (CHECKPOINT_DIR, MODEL_DIR):
+            shutil.rmtree(job.directory / kept, ignore_errors=True)
         self._record(job.directory, status="completed", stage="",
                      provenance=job_provenance(job.directory, self.plan.device))  # fmt: skip
         return Outcome(job.name, "completed")
