@@ -16,7 +16,7 @@ import yaml
 from test_study import FakeTrain, micro_spec, plan_of, quiet
 
 from deltalab.cli import main
-from deltalab.study.cli import JOBS_LEFT, execute
+from deltalab.study.cli import JOBS_LEFT, execute, select
 from deltalab.study.markdown import render_markdown
 from deltalab.study.records import pack_records, packed_files
 from deltalab.study.report import collect
@@ -220,6 +220,8 @@ def test_a_run_records_how_many_jobs_shared_its_device_and_a_resume_keeps_the_mo
     plan = plan_of(micro_spec(tmp_path, corpus, parallel=2))
     # On the CPU every job shares the one machine; on CUDA, parallel over the devices.
     assert StudyRunner(plan, say=quiet).device_shared_by() == 2
+    # One run picked with --only runs alone, whatever `parallel` says.
+    assert StudyRunner(select(plan, [plan.runs[0].name]), say=quiet).device_shared_by() == 1
     losses = {run.name: 2.0 for run in plan.runs}
     speeds = dict.fromkeys(losses, 10.0)
     assert execute(plan, launcher=CurveTrain(losses, speeds), say=quiet) == 0

@@ -256,6 +256,8 @@ class StudyRunner:
         self.launches = 0
         # Jobs with work to do left pending because `launch_until` had passed.
         self.not_started = 0
+        # `device_shared_by` as `run` counts it before the first job (None until then).
+        self._shared_by: int | None = None
         # The signal that stopped the study (its exit status is 128 + it), and when the grace ends.
         self.stopped_by: int | None = None
         self._deadline: float | None = None
@@ -290,11 +292,14 @@ class StudyRunner:
         return [str(i) for i in range(torch.cuda.device_count())]
 
     def device_shared_by(self) -> int:
-        """The most jobs one device runs at once: `parallel` over the CUDA devices, round-robin
-        (`_env`); on the CPU every job shares the one machine."""
+        """The most jobs one device runs at once: `parallel`, or fewer where fewer of the grid's
+        jobs have work to do, over the CUDA devices, round-robin (`_env`); on the CPU every job
+        shares the one machine. So a run picked alone with --only counts as alone."""
         devices = len(self._devices())
-        parallel = self.plan.spec.parallel
-        return -(-parallel // devices) if devices else parallel
+        pending = sum(run_state(r) not in ("done", "diverged") for r in self.plan.runs)
+        pending += sum(task_state(t) != "done" for t in self.plan.tasks)
+        at_once = max(1, min(self.plan.spec.parallel, pending))
+        return -(-at_once // devices) if devices else at_once
 
     def _env(self, worker: int) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
@@ -382,7 +387,7 @@ class StudyRunner:
         if state in ("new", "resume"):
             # How many jobs its device ran at once at most: its tokens/s is a speed alone only
             # at 1 (`to_loss`). A resumed run keeps the most of its invocations.
-            shared: int | None = self.device_shared_by()
+            shared: int | None = self._shared_by or self.device_shared_by()
             if state == "resume":
                 # A record from before this field says nothing of the earlier steps: unknown.
                 before = (_read_json(directory / RECORD_NAME) or {}).get("device_shared_by")
@@ -532,6 +537,8 @@ class StudyRunner:
         speed: queue.Queue = queue.Queue()
         for job in self.plan.throughput:
             speed.put((self.throughput_one, job))
+        # Counted before any job runs: jobs finishing later do not make the earlier ones alone.
+        self._shared_by = self.device_shared_by()
         jobs: queue.Queue = queue.Queue()
         for run in self.plan.runs:
             jobs.put((self.run_one, run))
