@@ -419,8 +419,10 @@ def test_packed_records_leave_out_checkpoints_and_models_and_rebuild_the_report(
     assert not [n for n in names if "checkpoints/" in n or "/model/" in n or "/tb/" in n]
     assert not [n for n in names if n.endswith(".png")]
     copied = dataclasses.replace(plan.spec, out_dir=tmp_path / "copy")
-    replan = dataclasses.replace(plan, spec=copied, runs=[
-        dataclasses.replace(r, directory=tmp_path / "copy" / "runs" / r.name) for r in plan.runs])  # fmt: skip
+    moved = [
+        dataclasses.replace(r, directory=tmp_path / "copy" / "runs" / r.name) for r in plan.runs
+    ]
+    replan = dataclasses.replace(plan, spec=copied, runs=moved)
     assert all(run_state(r) == "done" for r in replan.runs)
     original = render_markdown(plan, collect(plan), [])
     rebuilt = render_markdown(replan, collect(replan), [])

@@ -118,10 +118,11 @@ def dependent_launch(
 ) -> bool:
     """Whether a kernel launched on `device` starts before the kernel ahead of it has finished
     (CUDA's programmatic dependent launch: compiled kernels on an NVIDIA GPU of compute
-    capability 9.0 or later, Triton 3.5 or later, a CUDA 12.3 driver or later). A kernel launched so first waits
-    (`gdc_wait`) for the kernel ahead to finish and its writes to show, and only then lets the
-    next one start (`gdc_launch_dependents`) and touches memory. So at most the one kernel
-    ahead is still running while a kernel starts, and every access comes after all of it:
+    capability 9.0 or later, Triton 3.5 or later, a CUDA 12.3 driver or later). A kernel
+    launched so first waits (`gdc_wait`) for the kernel ahead to finish and its writes to
+    show, and only then lets the next one start (`gdc_launch_dependents`) and touches memory.
+    So at most the one kernel ahead is still running while a kernel starts, and every access
+    comes after all of it:
     the results are those of launches one after another, and what overlaps is one kernel's
     tail with the next one's launch (docs/PERFORMANCE.md, "Fewer launches, overlapped").
 

@@ -498,12 +498,13 @@ def make_plan(spec: StudySpec) -> StudyPlan:
             for seed in spec.seeds:
                 name = f"{_slug(entry.task)}.{variant.name}.s{seed}"
                 tasks.append(PlannedTask(name, variant, seed, step, spec.out_dir / "tasks" / name))
-    throughput = [
-        _throughput(spec, counter, variant, size, shapes[(variant.name, size)][0], device)
-        for size in sizes
-        for variant in spec.variants
-        if spec.throughput_steps is not None
-    ]
+    throughput = []
+    if spec.throughput_steps is not None:
+        throughput = [
+            _throughput(spec, counter, variant, size, shapes[(variant.name, size)][0], device)
+            for size in sizes
+            for variant in spec.variants
+        ]
     _refuse_shared_directories(spec, runs, tasks)
     first = runs[0].config.train
     threads = spec.threads or max(1, (os.cpu_count() or 1) // spec.parallel)

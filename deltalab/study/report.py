@@ -29,7 +29,14 @@ from deltalab.study.figures import loss_figure, scaling_figure, task_figure
 from deltalab.study.markdown import render_markdown
 from deltalab.study.plan import PlannedRun, PlannedTask, StudyPlan
 from deltalab.study.records import recorded_devices, recorded_identities
-from deltalab.study.runner import RECORD_NAME, _read_json, _write_json, run_state, task_state
+from deltalab.study.runner import (
+    RECORD_NAME,
+    _read_json,
+    _write_json,
+    run_state,
+    task_state,
+    trained,
+)
 from deltalab.study.stats import paired_difference, summarize
 from deltalab.study.to_loss import to_loss
 
@@ -239,8 +246,8 @@ def _throughput(plan: StudyPlan) -> dict[str, dict[str, dict[str, Any]]]:
     """size -> variant -> the speed run's median tokens/s and device, for those completed."""
     found: dict[str, dict[str, dict[str, Any]]] = {}
     for job in plan.throughput:
-        metrics = _read_json(job.directory / "metrics.json") or {}
-        if metrics.get("status") == "completed" and metrics.get("median_tokens_per_s"):
+        metrics = trained(job) or {}
+        if metrics.get("median_tokens_per_s"):
             found.setdefault(job.size, {})[job.variant.name] = {
                 "tokens_per_s": metrics["median_tokens_per_s"],
                 "steps": metrics.get("steps_done"),

@@ -226,8 +226,7 @@ def task_state(task: PlannedTask) -> str:
 
 def throughput_state(job: PlannedThroughput) -> str:
     """ "done" (its speed measured) or "new" (an interrupted speed run starts over)."""
-    metrics = _read_json(job.directory / "metrics.json")
-    return "done" if metrics is not None and metrics.get("status") == "completed" else "new"
+    return "done" if trained(job) is not None else "new"
 
 
 @dataclass

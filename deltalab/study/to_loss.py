@@ -64,41 +64,41 @@ def steps_to_loss(curve: list[tuple[int, float]], target: float) -> float | None
     return None
 
 
-def _seconds_per_step(
-    variant: str, entry: dict[str, Any], speeds: dict[str, dict[str, Any]], tokens_per_step: int
-) -> float | None:
-    speed = (speeds.get(variant) or {}).get("tokens_per_s") or entry["metrics"].get("tokens_per_s")
-    return tokens_per_step / speed if speed else None
-
-
-def _time_source(
-    variant: str, baseline: str, pair: tuple[dict, dict], speeds: dict[str, dict[str, Any]]
-) -> tuple[dict[str, dict[str, Any]] | None, str]:
-    """Where both sides' seconds a step come from: (the speed runs, "") when both variants have
-    one, on one device; ({}, "") for the pair's own runs when both trained alone; else (None,
-    why there is no time)."""
+def _seconds_a_step(
+    variant: str,
+    baseline: str,
+    pair: tuple[dict[str, Any], dict[str, Any]],
+    speeds: dict[str, dict[str, Any]],
+    tokens_per_step: int,
+) -> tuple[float, float] | str:
+    """Both sides' seconds a step (the variant's, the baseline's), or why there are none: at
+    the speed runs' tokens/s when both variants have one, on one device; else at the pair's own
+    runs' where both trained alone on the same kind of device."""
     if variant in speeds and baseline in speeds:
-        devices = {speeds[v].get("device") for v in (variant, baseline)}
-        if len(devices) > 1:
-            return None, "speed runs on different devices"
-        return speeds, ""
-    shared = [e.get("device_shared_by") for e in pair]
-    if None in shared:
-        return None, "device sharing not recorded"
-    if shared != [1, 1]:
-        return None, "shared a device"
-    if len({e.get("recorded_device") for e in pair}) > 1:
-        return None, "trained on different devices"
-    return {}, ""
+        if len({speeds[v].get("device") for v in (variant, baseline)}) > 1:
+            return "speed runs on different devices"
+        rates = [speeds[v].get("tokens_per_s") for v in (variant, baseline)]
+    else:
+        shared = [e.get("device_shared_by") for e in pair]
+        if None in shared:
+            return "device sharing not recorded"
+        if shared != [1, 1]:
+            return "shared a device"
+        if len({e.get("recorded_device") for e in pair}) > 1:
+            return "trained on different devices"
+        rates = [e["metrics"].get("tokens_per_s") for e in pair]
+    if not all(rates):
+        return "no speed recorded"
+    return tokens_per_step / rates[0], tokens_per_step / rates[1]
 
 
 def _pair_row(
     curve: list[tuple[int, float]],
     base_curve: list[tuple[int, float]],
-    time_source: tuple[dict[str, dict[str, Any]] | None, str],
-    per_step: tuple[float | None, float | None],
+    timing: tuple[float, float] | str,
 ) -> dict[str, Any]:
-    """One seed of a variant against the baseline's run of that seed."""
+    """One seed of a variant against the baseline's run of that seed; `timing` as
+    `_seconds_a_step` gives it."""
     row: dict[str, Any] = {"steps": None, "steps_factor": None, "time_factor": None}
     if min(len(curve), len(base_curve)) < MIN_EVALUATIONS:
         return row | {"status": "too few evaluations"}
@@ -114,10 +114,9 @@ def _pair_row(
         return row | {"status": "at the target from the start"}
     row["status"] = "reached"
     row["steps_factor"] = base_steps / steps
-    speeds, why = time_source
-    seconds, base_seconds = per_step
-    if speeds is None or not seconds or not base_seconds:
-        return row | {"no_time": why or "no speed recorded"}
+    if isinstance(timing, str):
+        return row | {"no_time": timing}
+    seconds, base_seconds = timing
     row["time_factor"] = base_steps * base_seconds / (steps * seconds)
     return row
 
@@ -148,9 +147,8 @@ def to_loss(
     """Per variant (its completed `entries` at its chosen rate, as `report.collect` builds them),
     per seed paired with the baseline's run of that seed: the target, the steps to it, the
     status ("reached", "not reached", "at the target from the start", "too few evaluations",
-    "baseline did not improve") and
-    both factors; over the seeds, each factor's geometric mean and range where every paired
-    seed has one.
+    "baseline did not improve") and both factors; over the seeds, each factor's geometric mean
+    and range where every paired seed has one.
 
     `speeds`: variant -> {"tokens_per_s", "device"} of its throughput run (trained alone). Both
     sides of a pair are timed at their throughput runs' speeds when both have one on one device,
@@ -167,15 +165,11 @@ def to_loss(
         if base is None:
             item["unpaired"].append(seed)
             continue
-        entry = runs[(variant, seed)]
-        source = _time_source(variant, baseline, (entry, base), speeds)
-        use = source[0] if source[0] is not None else {}
-        per_step = (
-            _seconds_per_step(variant, entry, use, tokens_per_step),
-            _seconds_per_step(baseline, base, use, tokens_per_step),
+        pair = (runs[(variant, seed)], base)
+        timing = _seconds_a_step(variant, baseline, pair, speeds, tokens_per_step)
+        item["seeds"][str(seed)] = _pair_row(
+            curves[(variant, seed)], curves[(baseline, seed)], timing
         )
-        row = _pair_row(curves[(variant, seed)], curves[(baseline, seed)], source, per_step)
-        item["seeds"][str(seed)] = row
     for item in out.values():
         rows = item["seeds"]
         item["reached"] = sum(r["status"] == "reached" for r in rows.values())
