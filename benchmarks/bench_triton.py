@@ -4,7 +4,7 @@
     python -m benchmarks ops --parts time --shapes 4x4096x16x128 \
         --only kda_c64 gdn2_c64 kdn_iso_c64 kdn_diag_c64 fla_kda fla_gdn2 sdpa   # against fla
     python -m benchmarks ops --parts time --shapes 4x4096x16x128 \
-        --only kda_qk kda_l2first gdn_qk gdn_l2first fla_kda_qk fla_gdn_qk   # q, k norms
+        --only kda_qk kda_l2first gdn_qk gdn2_l2first fla_kda_qk fla_gdn_qk fla_gdn2_qk  # norms
     TRITON_INTERPRET=1 python -m benchmarks ops --tiny          # CPU smoke run
 
 fla is a yardstick, not a dependency: its rows (fla_kda, fla_gdn2) appear where it imports
@@ -18,9 +18,9 @@ Four parts, all on fresh random inputs (never zeros), bf16 inputs unless said:
 3. time: median ms of forward and forward+backward and peak GiB of forward+backward, per form
    (KDA: a = beta per token, b = k, and `kda_product` with the direction beta k formed first; GDN-2: a = k, b = beta_e * k, u = w * v; GDN: one decay per head;
    Isotropic / Diagonal KDN; KDA and GDN with q and k made unit-norm inside the rule,
-   `_qk` (`qk_l2norm=True`), or by the norm op before it, `_l2first`, against fla's
-   `use_qk_l2norm_in_kernel=True`), with ratios to fla's `chunk_kda` / `chunk_gdn2` of the same
-   run;
+   `_qk` (`qk_l2norm=True`), or by the norm op before it, `_l2first` (GDN-2 too), against fla's
+   `use_qk_l2norm_in_kernel=True`), with forward and forward+backward ratios to fla's kernel of
+   the same form in the same run (`FLA_ANCHOR`);
 4. overhead (CUDA): wall time beyond the kernels' own, split into the value checks' read-backs
    and the host's launching, per form (`--parts overhead`, not in the default parts).
 """
@@ -108,6 +108,12 @@ def forms(backend: str, chunk_size: int, options: KernelOptions = DEFAULT_OPTION
             q, k, erase_gate * k, write_gate * v, g, chunk_size=chunk_size, backend=backend
         )[0]
 
+    # GDN-2 with q and k made unit-norm by the norm op first, as its layer does: the erase gate
+    # scales the normalized key, so the rule's own `qk_l2norm` (which normalizes b) does not fit.
+    def gdn2_l2first(q, k, v, g, erase_gate, write_gate, **_):
+        q, k = (l2_normalize(t, backend=layer_backend(backend)) for t in (q, k))
+        return gdn2(q, k, v, g, erase_gate, write_gate)
+
     def gdn(q, k, v, g_head, beta, **_):
         return delta_rule(q, beta, k, v, g_head, chunk_size=chunk_size, backend=backend)[0]
 
@@ -135,6 +141,7 @@ def forms(backend: str, chunk_size: int, options: KernelOptions = DEFAULT_OPTION
         "kda": (kda, ("q", "k", "v", "g", "beta")),
         "kda_product": (kda_product, ("q", "k", "v", "g", "beta")),
         "gdn2": (gdn2, ("q", "k", "v", "g", "erase_gate", "write_gate")),
+        "gdn2_l2first": (gdn2_l2first, ("q", "k", "v", "g", "erase_gate", "write_gate")),
         "gdn": (gdn, ("q", "k", "v", "g_head", "beta")),
         "kda_qk": unit_keys("g", first=False),
         "kda_l2first": unit_keys("g", first=True),
@@ -155,6 +162,10 @@ def fla_forms():
     def gdn2(q, k, v, g, erase_gate, write_gate, **_):
         return chunk_gdn2(q, k, v, g.float(), erase_gate, write_gate)[0]
 
+    def gdn2_qk(q, k, v, g, erase_gate, write_gate, **_):
+        g = g.float()
+        return chunk_gdn2(q, k, v, g, erase_gate, write_gate, use_qk_l2norm_in_kernel=True)[0]
+
     def kda_qk(q, k, v, g, beta, **_):
         return chunk_kda(q, k, v, g.float(), beta, use_qk_l2norm_in_kernel=True)[0]
 
@@ -165,6 +176,7 @@ def fla_forms():
     return {
         "fla_kda": (kda, ("q", "k", "v", "g", "beta")),
         "fla_gdn2": (gdn2, ("q", "k", "v", "g", "erase_gate", "write_gate")),
+        "fla_gdn2_qk": (gdn2_qk, ("q", "k", "v", "g", "erase_gate", "write_gate")),
         "fla_kda_qk": (kda_qk, ("q", "k", "v", "g", "beta")),
         "fla_gdn_qk": (gdn_qk, ("q", "k", "v", "g_head", "beta")),
     }
@@ -431,16 +443,25 @@ def overhead(device, shape, only, chunk_size=64, options=DEFAULT_OPTIONS):
     return rows
 
 
+# Each form's fla kernel: the one of the same recurrence, q and k normalized the same way (the
+# `_qk` / `_l2first` forms against fla normalizing in its call); the KDN forms against
+# `chunk_kda`, whose recurrence theirs generalizes.
+FLA_ANCHOR = {
+    "kda": "fla_kda", "gdn": "fla_kda", "kdn_iso": "fla_kda", "kdn_diag": "fla_kda",
+    "gdn2": "fla_gdn2", "kda_qk": "fla_kda_qk", "kda_l2first": "fla_kda_qk",
+    "gdn_qk": "fla_gdn_qk", "gdn_l2first": "fla_gdn_qk", "gdn2_l2first": "fla_gdn2_qk",
+}  # fmt: skip
+
+
 def add_ratios(rows):
-    """Each row's forward+backward time over fla's of the same form and shape."""
-    anchor = {"kda": "fla_kda", "gdn": "fla_kda", "kdn_iso": "fla_kda", "kdn_diag": "fla_kda",
-              "gdn2": "fla_gdn2"}  # fmt: skip
+    """Each row's forward and forward+backward times over fla's of the same form and shape."""
     by_case = {(r["shape"], r["case"]): r for r in rows}
     for r in rows:
         form = r["case"].rsplit("_", 1)[0]
-        ref = by_case.get((r["shape"], anchor.get(form, "")))
+        ref = by_case.get((r["shape"], FLA_ANCHOR.get(form, "")))
         sdpa = by_case.get((r["shape"], "sdpa"))
         r["vs_fla"] = r["train_ms"] / ref["train_ms"] if ref else math.nan
+        r["fwd_vs_fla"] = r["fwd_ms"] / ref["fwd_ms"] if ref else math.nan
         r["vs_sdpa"] = r["train_ms"] / sdpa["train_ms"] if sdpa else math.nan
         r["fwd_tb_s"] = floor_bytes(r["shape"]) / (r["fwd_ms"] * 1e-3) / 1e12
     return rows

@@ -319,3 +319,22 @@ def test_generate_bench_tiny_run_times_every_mixer_on_the_three_paths(tmp_path):
     assert cases == [(m, b) for m in ("gdn2", "kdn_diag", "kda", "transformer") for b in (1, 2)]
     for result in report["results"]:
         assert all(math.isfinite(result[k]) for k in ("generate_ms", "loop_ms", "step_ms"))
+
+
+def test_each_timed_form_is_set_against_fla_normalizing_as_it_does():
+    from benchmarks.bench_triton import add_ratios
+
+    shape = "4x4096x16x128"
+    times = {"kda_qk_c64": (1.0, 4.0), "gdn2_l2first_c64": (1.5, 6.0), "kdn_iso_c64": (2.0, 5.0),
+             "gdn2_c64": (1.2, 5.5), "fla_kda_qk": (2.0, 5.0), "fla_gdn2_qk": (3.0, 8.0),
+             "fla_kda": (4.0, 10.0), "sdpa": (0.5, 2.0)}  # fmt: skip
+    rows = add_ratios(
+        [{"shape": shape, "case": c, "fwd_ms": f, "train_ms": t} for c, (f, t) in times.items()]
+    )
+    ratios = {r["case"]: (r["fwd_vs_fla"], r["vs_fla"]) for r in rows}
+    assert ratios["kda_qk_c64"] == (0.5, 0.8)
+    assert ratios["gdn2_l2first_c64"] == (0.5, 0.75)
+    assert ratios["kdn_iso_c64"] == (0.5, 0.5)
+    # No fla_gdn2 row in this run: no ratio, never one against another form's kernel.
+    assert all(math.isnan(x) for x in ratios["gdn2_c64"])
+    assert {r["case"]: r["vs_sdpa"] for r in rows}["kda_qk_c64"] == 2.0
