@@ -23,10 +23,12 @@ SUITES: dict[str, tuple[str | dict[str, str], str]] = {
             "context": "bench_decode",
             "generate": "bench_generate",
             "tune": "tune_decode_step",
+            "products": "decode_products",
         },
         "decoding: per-token latency eager and CUDA-graphed, tokens/s against context length, "
         "model.generate per token against transformers' loop and the static step, the fused "
-        "step's launch settings (GPU)",
+        "step's launch settings, the products at many sequences by how the residual is summed "
+        "(GPU)",
     ),
     "tune": ("tune_triton", "launch settings of each Triton stage of the delta rule (GPU)"),
     "profile": (

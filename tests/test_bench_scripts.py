@@ -127,6 +127,7 @@ SMOKE = {
     "small_ops sweep": (["small_ops", "--tiny", "--ops", "short_conv", "--sweep"], True,
                         "short_conv_sweep"),
     "decode latency": (["decode", "latency", "--tiny", "--mixers", "gdn2"], False, "results"),
+    "decode products": (["decode", "products", "--tiny", "--rows", "3"], False, "results"),
     "decode context": (["decode", "context", "--mixers", "gdn2", "--contexts", "8", "16",
                         "--steps", "2", "--repeats", "1"], False, "rows"),
     "profile train": (["profile", "train", "--mixers", "gdn2", "--warmup", "1", "--steps", "1",
