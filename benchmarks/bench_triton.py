@@ -4,10 +4,11 @@
     python -m benchmarks ops --parts time --shapes 4x4096x16x128 \
         --only kda_c64 gdn2_c64 kdn_iso_c64 kdn_diag_c64 fla_kda fla_gdn2 sdpa   # against fla
     python -m benchmarks ops --parts time --shapes 4x4096x16x128 \
-        --only kda_qk kda_l2first gdn_qk gdn2_l2first fla_kda_qk fla_gdn_qk fla_gdn2_qk  # norms
+        --only kda_qk kda_l2first gdn_qk gdn_l2first gdn2_l2first fla_kda_qk fla_gdn_qk fla_gdn2_qk
     TRITON_INTERPRET=1 python -m benchmarks ops --tiny          # CPU smoke run
 
-fla is a yardstick, not a dependency: its rows (fla_kda, fla_gdn2) appear where it imports
+fla is a yardstick, not a dependency: its rows (fla_kda, fla_gdn2 and the three `_qk` ones, which
+normalize q and k in fla's call) appear where it imports
 (benchmarks/README.md). Its kernels autotune on their first call, which takes minutes.
 
 Four parts, all on fresh random inputs (never zeros), bf16 inputs unless said:
@@ -443,11 +444,13 @@ def overhead(device, shape, only, chunk_size=64, options=DEFAULT_OPTIONS):
     return rows
 
 
-# Each form's fla kernel: the one of the same recurrence, q and k normalized the same way (the
-# `_qk` / `_l2first` forms against fla normalizing in its call); the KDN forms against
-# `chunk_kda`, whose recurrence theirs generalizes.
+# Each form's fla kernel, q and k normalized the same way (the `_qk` / `_l2first` forms against
+# fla normalizing in its call): the one of the same recurrence, but that GDN with unit keys
+# given and the KDN forms go against `chunk_kda` (fla's GDN is timed here only normalizing,
+# and the KDN recurrences generalize KDA's).
 FLA_ANCHOR = {
-    "kda": "fla_kda", "gdn": "fla_kda", "kdn_iso": "fla_kda", "kdn_diag": "fla_kda",
+    "kda": "fla_kda", "kda_product": "fla_kda", "gdn": "fla_kda", "kdn_iso": "fla_kda",
+    "kdn_diag": "fla_kda",
     "gdn2": "fla_gdn2", "kda_qk": "fla_kda_qk", "kda_l2first": "fla_kda_qk",
     "gdn_qk": "fla_gdn_qk", "gdn_l2first": "fla_gdn_qk", "gdn2_l2first": "fla_gdn2_qk",
 }  # fmt: skip

@@ -14,17 +14,22 @@ kernels, which read their weights at well under half the rate of the plain produ
 - `mm`: the plain product alone, the cost left if the sum moves into the kernel that reads the
   residual next (the next block's norm);
 
-and the products without a residual (x's projections, the FFN's gate and up) as `mm`. Each
-variant runs over one distinct weight per layer (as many as the model has) inside one CUDA graph,
-replayed; the figure is the median replay over the layers, in us a product, with the rate the
-weight is read at. Random inputs (never zeros), bf16 on CUDA; float32 and eager on CPU.
+and the products without a residual (x's projections with the gates' first factors, their
+block-diagonal second factors, the FFN's gate and up) as `mm`, with their bias where the layer
+has one. Each variant runs over distinct weights (one a layer, more for a small weight: 150 MB
+in all, past the L2 cache) inside one CUDA graph, replayed 10 times between two events; the
+figure is the median over rounds, in us a product, with the rate the weight is read at.
+Recurrent mixers (those with a fused step). Random inputs (never zeros), bf16 on CUDA; float32
+and eager on CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -32,78 +37,98 @@ from deltalab.benchmarking import format_table
 from deltalab.models import CausalLM, build_config
 
 VARIANTS = ("addmm_", "mm, add_", "mm")
+# Distinct weights a product is timed over: at least one a layer, and enough bytes (three times
+# an H100's or H200's 50 MB L2) that no weight is still cached when its turn comes again, as in
+# the decoder, where the rest of a layer's weights pass between two reads of one.
+MIN_BYTES = 150e6
+# Replays timed between two events: the graph's own launch is paid once for all of them.
+REPLAYS = 10
 
 
-def layer_products(preset: str, mixer: str) -> tuple[dict[str, tuple[int, int, bool]], int]:
-    """The products of one block's decoding step, name -> (out, in, sums into the residual), and
-    the number of blocks: x's projections concatenated (every map of the mixer's input but the
-    output projection), the output projection, the FFN's gate and up, its down projection."""
+@dataclass(frozen=True)
+class Product:
+    """One product of a layer's decoding step: weight [n_out, n_in], with a bias, summed into
+    the residual stream."""
+
+    n_out: int
+    n_in: int
+    bias: bool = False
+    summed: bool = False
+
+
+def layer_products(preset: str, mixer: str) -> tuple[dict[str, Product], int]:
+    """The products of one block's fused decoding step (`deltalab.layers.decode_step`): x's
+    projections with the gates' first factors concatenated, the block-diagonal second factors,
+    the output projection, the FFN's gate and up and its down; and the number of blocks."""
+    from deltalab.layers.decode_step import _layout, step_plan
+
     config = build_config(preset, mixer=mixer)
     with torch.device("meta"):
         block = CausalLM(config).model.blocks[0]
-    width = config.hidden_size
-    inputs = sum(
-        m.out_features
-        for name, m in block.mixer.named_modules()
-        if isinstance(m, torch.nn.Linear) and m.in_features == width and name != "o_proj"
-    )
+    plan = None if mixer == "transformer" else step_plan(block.mixer)
+    if plan is None:
+        raise SystemExit(f"decode products: {mixer!r} has no fused decoding step")
+    layout = _layout(block.mixer, plan)
+    first = layout.first + layout.downs
+    o_proj, ffn = block.mixer.o_proj, block.ffn
     products = {
-        "x's projections": (inputs, width, False),
-        "output projection": (
-            block.mixer.o_proj.out_features,
-            block.mixer.o_proj.in_features,
-            True,
+        "x's projections": Product(
+            sum(m.out_features for m in first), config.hidden_size,
+            bias=any(m.bias is not None for m in first),
         ),
-        "FFN gate and up": (block.ffn.gate_up.out_features, width, False),
-        "FFN down": (width, block.ffn.down.in_features, True),
-    }
+        "output projection": Product(o_proj.out_features, o_proj.in_features, summed=True),
+        "FFN gate and up": Product(ffn.gate_up.out_features, ffn.gate_up.in_features),
+        "FFN down": Product(ffn.down.out_features, ffn.down.in_features, summed=True),
+    }  # fmt: skip
+    if layout.ups:
+        products["second factors"] = Product(
+            sum(u.out_features for u in layout.ups), sum(d.out_features for d in layout.downs),
+            bias=any(u.bias is not None for u in layout.ups),
+        )  # fmt: skip
     return products, config.num_layers
 
 
-def one_pass(variant: str, xs, weights, residual, buffer) -> None:
+def one_pass(variant: str, xs, weights, bias, residual, buffer) -> None:
     for x, w in zip(xs, weights, strict=True):
         if variant == "addmm_":
             residual.addmm_(x, w.t())
-        elif variant == "mm, add_":
-            torch.mm(x, w.t(), out=buffer)
-            residual.add_(buffer)
+        elif bias is not None:
+            torch.addmm(bias, x, w.t(), out=buffer)
         else:
             torch.mm(x, w.t(), out=buffer)
+        if variant == "mm, add_":
+            residual.add_(buffer)
 
 
-def time_variant(variant, xs, weights, residual, buffer, repeats: int) -> float:
-    """Median seconds of one pass over every layer's weight (a CUDA graph's replay on CUDA)."""
-    device = residual.device
-    if device.type == "cuda":
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # cuBLAS picks and warms its kernels outside the capture
-                one_pass(variant, xs, weights, residual, buffer)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            one_pass(variant, xs, weights, residual, buffer)
-        run = graph.replay
-    else:
-        one_pass(variant, xs, weights, residual, buffer)
-
-        def run() -> None:
-            one_pass(variant, xs, weights, residual, buffer)
-
+def time_variant(variant, xs, weights, bias, residual, buffer, repeats: int) -> float:
+    """Median seconds of one pass over every weight (a CUDA graph's replay on CUDA)."""
+    args = (variant, xs, weights, bias, residual, buffer)
+    if residual.device.type != "cuda":
+        one_pass(*args)
+        times = []
+        for _ in range(repeats + 1):
+            begin = time.perf_counter()
+            one_pass(*args)
+            times.append(time.perf_counter() - begin)
+        return statistics.median(times[1:])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # cuBLAS picks and warms its kernels outside the capture
+            one_pass(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        one_pass(*args)
     times = []
     for _ in range(repeats + 1):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3)
-        else:
-            begin = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - begin)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(REPLAYS):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3 / REPLAYS)
     return statistics.median(times[1:])
 
 
@@ -125,23 +150,27 @@ def run(args: argparse.Namespace) -> dict:
     gen = torch.Generator(device="cpu").manual_seed(0)
     results, table = [], []
     for rows in args.rows:
-        for name, (n_out, n_in, summed) in products.items():
+        for name, product in products.items():
+            n_out, n_in = product.n_out, product.n_in
+            size = n_out * n_in * torch.finfo(dtype).bits // 8
+            copies = max(layers, math.ceil(MIN_BYTES / size)) if device.type == "cuda" else layers
             weights = [
                 (torch.randn(n_out, n_in, generator=gen) * n_in**-0.5).to(device, dtype)
-                for _ in range(layers)
+                for _ in range(copies)
             ]
-            xs = [torch.randn(rows, n_in, generator=gen).to(device, dtype) for _ in range(layers)]
+            xs = [torch.randn(rows, n_in, generator=gen).to(device, dtype) for _ in range(copies)]
+            bias = torch.randn(n_out, generator=gen).to(device, dtype) if product.bias else None
             residual = torch.randn(rows, n_out, generator=gen).to(device, dtype)
             buffer = torch.empty_like(residual)
-            for variant in VARIANTS if summed else ("mm",):
-                seconds = time_variant(variant, xs, weights, residual, buffer, repeats) / layers
-                read = n_out * n_in * weights[0].element_size()
+            for variant in VARIANTS if product.summed else ("mm",):
+                seconds = time_variant(variant, xs, weights, bias, residual, buffer, repeats)
+                seconds /= copies
                 results.append(
-                    {"rows": rows, "product": name, "shape": [n_out, n_in], "variant": variant,
-                     "us": seconds * 1e6, "weight_tb_s": read / seconds / 1e12}
+                    {"rows": rows, "product": name, "shape": [n_out, n_in], "bias": product.bias,
+                     "variant": variant, "us": seconds * 1e6, "weight_tb_s": size / seconds / 1e12}
                 )  # fmt: skip
                 table.append([rows, name, f"{n_out} x {n_in}", variant, f"{seconds * 1e6:.2f}",
-                              f"{read / seconds / 1e12:.2f}"])  # fmt: skip
+                              f"{size / seconds / 1e12:.2f}"])  # fmt: skip
     print(format_table(["rows", "product", "weight", "variant", "us", "weight TB/s"], table))
     meta = {"preset": preset, "mixer": args.mixer, "layers": layers, "device": device.type,
             "dtype": str(dtype), "repeats": repeats}  # fmt: skip

@@ -339,3 +339,30 @@ def test_each_timed_form_is_set_against_fla_normalizing_as_it_does():
     # No fla_gdn2 row in this run: no ratio, never one against another form's kernel.
     assert all(math.isnan(x) for x in ratios["gdn2_c64"])
     assert {r["case"]: r["vs_sdpa"] for r in rows}["kda_qk_c64"] == 2.0
+
+
+# (preset, mixer) -> x's projections' width, the second factors' weight: GDN-2's q, k, v, erase
+# and write maps at the width and its decay's and output gate's first factors at their rank
+# (128 = min(128, width)); DeltaNet's q, k, v, its output norm's gate and one write strength a
+# head, no low-rank gate.
+DECODER_PRODUCTS = {
+    ("340M", "gdn2"): (5 * 1024 + 2 * 128, (2 * 1024, 2 * 128)),
+    ("tiny", "gdn2"): (5 * 128 + 2 * 128, (2 * 128, 2 * 128)),
+    ("340M", "deltanet"): (4 * 1024 + 8, None),
+}
+
+
+@pytest.mark.parametrize(("preset", "mixer"), list(DECODER_PRODUCTS))
+def test_decode_products_times_the_products_the_fused_step_makes(preset, mixer):
+    from benchmarks.decode_products import layer_products
+
+    products, layers = layer_products(preset, mixer)
+    width, second = DECODER_PRODUCTS[preset, mixer]
+    hidden = 1024 if preset == "340M" else 128
+    assert (products["x's projections"].n_out, products["x's projections"].n_in) == (width, hidden)
+    got = products.get("second factors")
+    assert (got and (got.n_out, got.n_in)) == second
+    assert [n for n, p in products.items() if p.summed] == ["output projection", "FFN down"]
+    assert layers == (24 if preset == "340M" else 6)
+    with pytest.raises(SystemExit, match="no fused decoding step"):
+        layer_products("tiny", "transformer")
