@@ -5,8 +5,8 @@
 
 At 64 sequences the decoder's products are cuBLAS's, and the two that sum into the residual
 stream (the output projection and the FFN's down projection, `addmm_` in place) run its beta = 1
-kernels, which read their weights at well under half the rate of the plain products beside them
-(docs/PERFORMANCE.md, "Where a decoded token's time goes"). Per product of a layer of `--preset`
+kernels, which read their weights at less than half the rate of the wide plain products
+(docs/PERFORMANCE.md, "Where a decoded token's time goes"), and are the narrowest. Per product of a layer of `--preset`
 / `--mixer` and per number of rows this times:
 
 - `addmm_`: `residual.addmm_(x, w.t())`, what the decoder runs;
@@ -16,7 +16,8 @@ kernels, which read their weights at well under half the rate of the plain produ
 
 and the products without a residual (x's projections with the gates' first factors, their
 block-diagonal second factors, the FFN's gate and up) as `mm`, with their bias where the layer
-has one. Each variant runs over distinct weights (one a layer, more for a small weight: 150 MB
+has one; each with the weight as `nn.Linear` stores it, [out, in], and stored transposed,
+[in, out] (cuBLAS chooses its kernel by the layout too). Each variant runs over distinct weights (one a layer, more for a small weight: 150 MB
 in all, past the L2 cache) inside one CUDA graph, replayed 10 times between two events; the
 figure is the median over rounds, in us a product, with the rate the weight is read at.
 Recurrent mixers (those with a fused step). Random inputs (never zeros), bf16 on CUDA; float32
@@ -37,6 +38,9 @@ from deltalab.benchmarking import format_table
 from deltalab.models import CausalLM, build_config
 
 VARIANTS = ("addmm_", "mm, add_", "mm")
+# A weight as `nn.Linear` stores it, [out, in] (multiplied as its transpose), or stored
+# transposed, [in, out]: cuBLAS picks its kernels by the layout too.
+LAYOUTS = ("[out, in]", "[in, out]")
 # Distinct weights a product is timed over: at least one a layer, and enough bytes (three times
 # an H100's or H200's 50 MB L2) that no weight is still cached when its turn comes again, as in
 # the decoder, where the rest of a layer's weights pass between two reads of one.
@@ -88,21 +92,23 @@ def layer_products(preset: str, mixer: str) -> tuple[dict[str, Product], int]:
     return products, config.num_layers
 
 
-def one_pass(variant: str, xs, weights, bias, residual, buffer) -> None:
-    for x, w in zip(xs, weights, strict=True):
+def one_pass(variant: str, xs, mats, bias, residual, buffer) -> None:
+    """One product a layer: mats are the right-hand factors, [in, out] (a weight's transpose or
+    a weight stored so)."""
+    for x, m in zip(xs, mats, strict=True):
         if variant == "addmm_":
-            residual.addmm_(x, w.t())
+            residual.addmm_(x, m)
         elif bias is not None:
-            torch.addmm(bias, x, w.t(), out=buffer)
+            torch.addmm(bias, x, m, out=buffer)
         else:
-            torch.mm(x, w.t(), out=buffer)
+            torch.mm(x, m, out=buffer)
         if variant == "mm, add_":
             residual.add_(buffer)
 
 
-def time_variant(variant, xs, weights, bias, residual, buffer, repeats: int) -> float:
+def time_variant(variant, xs, mats, bias, residual, buffer, repeats: int) -> float:
     """Median seconds of one pass over every weight (a CUDA graph's replay on CUDA)."""
-    args = (variant, xs, weights, bias, residual, buffer)
+    args = (variant, xs, mats, bias, residual, buffer)
     if residual.device.type != "cuda":
         one_pass(*args)
         times = []
@@ -162,16 +168,22 @@ def run(args: argparse.Namespace) -> dict:
             bias = torch.randn(n_out, generator=gen).to(device, dtype) if product.bias else None
             residual = torch.randn(rows, n_out, generator=gen).to(device, dtype)
             buffer = torch.empty_like(residual)
-            for variant in VARIANTS if product.summed else ("mm",):
-                seconds = time_variant(variant, xs, weights, bias, residual, buffer, repeats)
-                seconds /= copies
-                results.append(
-                    {"rows": rows, "product": name, "shape": [n_out, n_in], "bias": product.bias,
-                     "variant": variant, "us": seconds * 1e6, "weight_tb_s": size / seconds / 1e12}
-                )  # fmt: skip
-                table.append([rows, name, f"{n_out} x {n_in}", variant, f"{seconds * 1e6:.2f}",
-                              f"{size / seconds / 1e12:.2f}"])  # fmt: skip
-    print(format_table(["rows", "product", "weight", "variant", "us", "weight TB/s"], table))
+            for layout in LAYOUTS:
+                stored = [w.t().contiguous() for w in weights] if layout == "[in, out]" else None
+                mats = [w.t() for w in weights] if stored is None else stored
+                for variant in VARIANTS if product.summed else ("mm",):
+                    seconds = time_variant(variant, xs, mats, bias, residual, buffer, repeats)
+                    seconds /= copies
+                    results.append(
+                        {"rows": rows, "product": name, "shape": [n_out, n_in],
+                         "bias": product.bias, "layout": layout, "variant": variant,
+                         "us": seconds * 1e6, "weight_tb_s": size / seconds / 1e12}
+                    )  # fmt: skip
+                    table.append([rows, name, f"{n_out} x {n_in}", layout, variant,
+                                  f"{seconds * 1e6:.2f}", f"{size / seconds / 1e12:.2f}"])  # fmt: skip
+                del stored
+    print(format_table(["rows", "product", "weight", "stored", "variant", "us", "weight TB/s"],
+                       table))  # fmt: skip
     meta = {"preset": preset, "mixer": args.mixer, "layers": layers, "device": device.type,
             "dtype": str(dtype), "repeats": repeats}  # fmt: skip
     return {"meta": meta, "results": results}
