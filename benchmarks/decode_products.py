@@ -17,23 +17,22 @@ kernels, which read their weights at less than half the rate of the wide plain p
 and the products without a residual (x's projections with the gates' first factors, their
 block-diagonal second factors, the FFN's gate and up) as `mm`, with their bias where the layer
 has one; each with the weight as `nn.Linear` stores it, [out, in], and stored transposed,
-[in, out] (cuBLAS chooses its kernel by the layout too). Each variant runs over distinct weights (one a layer, more for a small weight: 150 MB
-in all, past the L2 cache) inside one CUDA graph, replayed 10 times between two events; the
-figure is the median over rounds, in us a product, with the rate the weight is read at.
-Recurrent mixers (those with a fused step). Random inputs (never zeros), bf16 on CUDA; float32
-and eager on CPU.
+[in, out] (cuBLAS chooses its kernel by the layout too). Each variant runs over distinct
+weights (one a layer, more for a small weight: 150 MB in all, past the L2 cache) as 10 passes
+in one CUDA graph, replayed (`bench_decode_gpu.kernel_seconds`); the figure is the median
+replay, in us a product, with the rate the weight is read at. Recurrent mixers (those with a
+fused step). Random inputs (never zeros), bf16 on CUDA; float32 and eager on CPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 
+from benchmarks.bench_decode_gpu import kernel_seconds
 from deltalab.benchmarking import format_table
 from deltalab.models import CausalLM, build_config
 
@@ -45,8 +44,9 @@ LAYOUTS = ("[out, in]", "[in, out]")
 # an H100's or H200's 50 MB L2) that no weight is still cached when its turn comes again, as in
 # the decoder, where the rest of a layer's weights pass between two reads of one.
 MIN_BYTES = 150e6
-# Replays timed between two events: the graph's own launch is paid once for all of them.
-REPLAYS = 10
+# Passes over every weight in one CUDA graph (`kernel_seconds`): the graph's own launch is
+# paid once for all of them.
+PASSES = 10
 
 
 @dataclass(frozen=True)
@@ -106,52 +106,18 @@ def one_pass(variant: str, xs, mats, bias, residual, buffer) -> None:
             residual.add_(buffer)
 
 
-def time_variant(variant, xs, mats, bias, residual, buffer, repeats: int) -> float:
-    """Median seconds of one pass over every weight (a CUDA graph's replay on CUDA)."""
-    args = (variant, xs, mats, bias, residual, buffer)
-    if residual.device.type != "cuda":
-        one_pass(*args)
-        times = []
-        for _ in range(repeats + 1):
-            begin = time.perf_counter()
-            one_pass(*args)
-            times.append(time.perf_counter() - begin)
-        return statistics.median(times[1:])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # cuBLAS picks and warms its kernels outside the capture
-            one_pass(*args)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        one_pass(*args)
-    times = []
-    for _ in range(repeats + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(REPLAYS):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3 / REPLAYS)
-    return statistics.median(times[1:])
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiny", action="store_true", help="the tiny preset on the CPU")
     parser.add_argument("--preset", default="340M", help="model preset (default 340M)")
     parser.add_argument("--mixer", default="gdn2", help="the mixer whose layer's products")
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 64, 128],
                         help="sequences decoded together")  # fmt: skip
-    parser.add_argument("--repeats", type=int, default=50, help="timed replays (median)")
 
 
 def run(args: argparse.Namespace) -> dict:
     preset = "tiny" if args.tiny else args.preset
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    repeats = 2 if args.tiny else args.repeats
     products, layers = layer_products(preset, args.mixer)
     gen = torch.Generator(device="cpu").manual_seed(0)
     results, table = [], []
@@ -172,8 +138,8 @@ def run(args: argparse.Namespace) -> dict:
                 stored = [w.t().contiguous() for w in weights] if layout == "[in, out]" else None
                 mats = [w.t() for w in weights] if stored is None else stored
                 for variant in VARIANTS if product.summed else ("mm",):
-                    seconds = time_variant(variant, xs, mats, bias, residual, buffer, repeats)
-                    seconds /= copies
+                    call = (variant, xs, mats, bias, residual, buffer)
+                    seconds = kernel_seconds(lambda c=call: one_pass(*c), device, PASSES) / copies
                     results.append(
                         {"rows": rows, "product": name, "shape": [n_out, n_in],
                          "bias": product.bias, "layout": layout, "variant": variant,
@@ -185,5 +151,5 @@ def run(args: argparse.Namespace) -> dict:
     print(format_table(["rows", "product", "weight", "stored", "variant", "us", "weight TB/s"],
                        table))  # fmt: skip
     meta = {"preset": preset, "mixer": args.mixer, "layers": layers, "device": device.type,
-            "dtype": str(dtype), "repeats": repeats}  # fmt: skip
+            "dtype": str(dtype), "passes_a_graph": PASSES}  # fmt: skip
     return {"meta": meta, "results": results}

@@ -27,7 +27,7 @@ validation windows, and they choose nothing.
 from __future__ import annotations
 
 import json
-import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -128,10 +128,9 @@ def _summary(rows: dict[str, dict[str, Any]], factor: str) -> dict[str, Any] | N
     values = [r[factor] for r in rows.values()]
     if not values or any(v is None for v in values):
         return None
-    logs = [math.log(v) for v in values]
     return {
         "n": len(values),
-        "geometric_mean": math.exp(sum(logs) / len(logs)),
+        "geometric_mean": statistics.geometric_mean(values),
         "min": min(values),
         "max": max(values),
     }
